@@ -1,0 +1,31 @@
+# kvwrite: `make test` builds everything from nothing (.venv, pinned deps, the package) and runs
+# the suite on CPU (Triton under the interpreter). `make demo` runs the demo.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+DEPS := torch==2.14.1 ninja numpy pytest hypothesis pytest-xdist rich matplotlib
+STAMP := $(VENV)/.kvwrite-deps
+JOBS ?= 2
+
+.PHONY: test demo install bench clean
+
+$(STAMP):
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(DEPS)
+	touch $(STAMP)
+
+install: $(STAMP)
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+
+test: install
+	cd tests && TRITON_INTERPRET=1 ../$(BIN)/python -m pytest -n $(JOBS) -q -p no:cacheprovider
+
+demo: install
+	$(BIN)/kvwrite demo
+
+bench: install
+	$(BIN)/kvwrite bench --quick
+
+clean:
+	rm -rf build $(VENV) *.egg-info python/*.egg-info

@@ -1,0 +1,108 @@
+"""Device functions every kvwrite Triton kernel shares: loc resolution and guard records.
+
+`resolve_locs` is the one place that implements padding, SWA translation, DCP sharding and the
+bounds check; `check_or_record` asserts or writes the packed-min record described in `kvwrite.errors`.
+"""
+import triton
+import triton.language as tl
+
+from kvwrite import errors as _e
+
+CHECK_OFF = tl.constexpr(0)
+CHECK_ASSERT = tl.constexpr(1)
+CHECK_GUARD = tl.constexpr(2)
+
+_COUNT = tl.constexpr(_e.COUNT)
+_LOC_LO = tl.constexpr(_e.LOC_LO)
+_LOC_HI = tl.constexpr(_e.LOC_HI)
+_TARGET_LO = tl.constexpr(_e.TARGET_LO)
+_TARGET_HI = tl.constexpr(_e.TARGET_HI)
+_LIMIT_LO = tl.constexpr(_e.LIMIT_LO)
+_LIMIT_HI = tl.constexpr(_e.LIMIT_HI)
+_PPS = tl.constexpr(_e.POOL_PAGE_SIZE)
+_META = tl.constexpr(_e.META)
+_KIND_POOL = tl.constexpr(_e.KIND_POOL)
+_KIND_LOC_MAP = tl.constexpr(_e.KIND_LOC_MAP)
+
+
+@triton.jit
+def resolve_locs(loc_ptr, tok, tmask, loc_map_ptr, map_len, dcp_rank, dcp_size, capacity,
+                 HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr, CHECK: tl.constexpr):
+    """Map each token's loc to the local row it writes.
+
+    Order: virtual loc -> loc_map (SWA) -> DCP shard (rank = loc % dcp_size, row = loc // dcp_size)
+    -> bounds check against [0, capacity). Returns (loc, row, write, bad, target, limit, kind):
+    `write` masks the tokens to store, `bad` the out-of-range ones (never written).
+    """
+    loc = tl.load(loc_ptr + tok, mask=tmask, other=-1).to(tl.int64)
+    bad = tl.zeros_like(loc) != 0
+    kind = tl.zeros_like(loc) + _KIND_POOL
+    live = tmask & (loc != -1)
+    row = loc
+    if HAS_MAP:
+        in_map = (loc >= 0) & (loc < map_len)
+        if CHECK != CHECK_OFF:
+            bad = live & (in_map == 0)
+            kind = tl.where(bad, _KIND_LOC_MAP, kind)
+            live = live & in_map
+        row = tl.load(loc_map_ptr + loc, mask=live & (loc >= 0), other=-1).to(tl.int64)
+        live = live & (row != -1)
+    if HAS_DCP:
+        owned = (row < 0) | (row % dcp_size == dcp_rank)
+        live = live & owned
+        row = tl.where(row >= 0, row // dcp_size, row)
+    if CHECK == CHECK_OFF:
+        write = live & (row >= 0)
+    else:
+        oob = live & ((row < 0) | (row >= capacity))
+        bad = bad | oob
+        write = live & (oob == 0)
+    target = tl.where(kind == _KIND_LOC_MAP, loc, row)
+    limit = tl.where(kind == _KIND_LOC_MAP, map_len, capacity)
+    return loc, row, write, bad, target, limit, kind
+
+
+@triton.jit
+def check_or_record(err_ptr, tok, loc, bad, target, limit, kind, pool_page_size,
+                    OP: tl.constexpr, CHECK: tl.constexpr, record):
+    """`assert` mode: fail if any token is bad. `guard` mode (when RECORD): fold the bad tokens
+    into the packed-min error record. Both run before any store of the calling program."""
+    if CHECK == CHECK_ASSERT:
+        assert tl.sum(bad.to(tl.int32), axis=0) == 0, "kvwrite: store loc outside the pool (check=assert)"
+    if CHECK == CHECK_GUARD:
+        if record:
+            n_bad = tl.sum(bad.to(tl.int64), axis=0)
+            if n_bad > 0:
+                base = tok.to(tl.int64) << 32
+                lo = 0xFFFFFFFF
+                zero = tl.zeros_like(base)
+                tl.atomic_min(err_ptr + _LOC_LO + zero, base | (loc & lo), mask=bad)
+                tl.atomic_min(err_ptr + _LOC_HI + zero, base | ((loc >> 32) & lo), mask=bad)
+                tl.atomic_min(err_ptr + _TARGET_LO + zero, base | (target & lo), mask=bad)
+                tl.atomic_min(err_ptr + _TARGET_HI + zero, base | ((target >> 32) & lo), mask=bad)
+                tl.atomic_min(err_ptr + _LIMIT_LO + zero, base | (limit & lo), mask=bad)
+                tl.atomic_min(err_ptr + _LIMIT_HI + zero, base | ((limit >> 32) & lo), mask=bad)
+                tl.atomic_min(err_ptr + _PPS + zero, base | (zero + pool_page_size), mask=bad)
+                tl.atomic_min(err_ptr + _META + zero, base | (OP | (kind << 8)), mask=bad)
+                tl.atomic_add(err_ptr + _COUNT, n_bad)
+
+
+@triton.jit
+def round_to_fp8(x, MANT: tl.constexpr, EMIN: tl.constexpr):
+    """Round fp32 `x` (already saturated to the format's finite range) to the nearest value of
+    an fp8 format with MANT mantissa bits and smallest normal exponent EMIN, ties to even.
+
+    Done in fp32 so the result is exact and identical on every backend (the Triton interpreter's
+    fp8 cast misrounds); the cast that follows then converts an exactly representable value.
+    """
+    xbits = x.to(tl.int32, bitcast=True)
+    sign = (xbits >> 31) << 31
+    ax = tl.abs(x)
+    bits = xbits & 0x7FFFFFFF
+    drop: tl.constexpr = 23 - MANT
+    half: tl.constexpr = (1 << (drop - 1)) - 1
+    normal = ((bits + half + ((bits >> drop) & 1)) & ~((1 << drop) - 1)).to(tl.float32, bitcast=True)
+    magic: tl.constexpr = 2.0 ** (EMIN - MANT + 23)
+    subnormal = (ax + magic) - magic
+    r = tl.where(ax < 2.0 ** EMIN, subnormal, normal).to(tl.int32, bitcast=True)
+    return (r | sign).to(tl.float32, bitcast=True)

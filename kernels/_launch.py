@@ -1,0 +1,81 @@
+"""Host side shared by the Triton launchers: tile sizes, loc/check arguments, assert handling."""
+from __future__ import annotations
+
+import torch
+import triton
+
+from kvwrite.backend import triton_interpreting
+from kvwrite.errors import OutOfBoundsWrite, op_code
+
+
+class KernelAssertion(OutOfBoundsWrite):
+    """The Triton kernel's `assert` fired (CPU interpreter); details from the reference check."""
+
+
+def tiles(n_tokens: int, n_cols: int) -> tuple[int, int]:
+    """(BLOCK_T, BLOCK_C): on a GPU about 4K elements a program, columns split for small batches;
+    under the interpreter (≈0.45 ms a program) as few programs as memory allows."""
+    cols = triton.next_power_of_2(max(n_cols, 1))
+    if triton_interpreting():
+        block_t = min(triton.next_power_of_2(max(n_tokens, 1)), max(1, 65536 // cols), 256)
+        return block_t, cols
+    block_c = min(cols, 1024)
+    block_t = min(triton.next_power_of_2(max(n_tokens, 1)), max(1, 4096 // block_c))
+    return block_t, block_c
+
+
+def loc_args(a) -> dict:
+    """Keyword arguments of `resolve_locs` / `check_or_record` for a validated call `a`."""
+    locs, chk = a.locs, a.check
+    dummy = locs.loc
+    return dict(
+        loc_ptr=locs.loc,
+        loc_map_ptr=locs.loc_map if locs.loc_map is not None else dummy,
+        err_ptr=chk.errors if chk.errors is not None else dummy,
+        n_tokens=locs.n,
+        capacity=a.geometry.capacity,
+        pool_page_size=a.geometry.pool_page_size,
+        map_len=locs.loc_map.shape[0] if locs.loc_map is not None else 0,
+        dcp_rank=locs.dcp_rank,
+        dcp_size=locs.dcp_size,
+        HAS_MAP=locs.loc_map is not None,
+        HAS_DCP=locs.dcp_size > 1,
+        CHECK=chk.code,
+        OP=op_code(chk.op),
+    )
+
+
+def launch(kernel, grid, a, **kwargs) -> None:
+    """Launch with the assert variant built in debug mode (a device assert on a GPU). Under the
+    interpreter a fired assert becomes a KernelAssertion carrying the first bad token."""
+    if a.check.mode != "assert":
+        kernel[grid](**kwargs)
+        return
+    if not triton_interpreting():
+        kernel[grid](**kwargs, debug=True)
+        return
+    try:
+        kernel[grid](**kwargs)
+    except Exception as exc:
+        if "kvwrite: store loc outside the pool" not in str(exc):
+            raise
+        from kvwrite.reference import _locs
+
+        r = _locs.resolve(a.locs, a.geometry.capacity, a.check)
+        try:
+            _locs.check(r, a.geometry, a.check)
+        except OutOfBoundsWrite as err:
+            raise KernelAssertion(err.op, err.token_index, err.loc, err.page, err.num_pages,
+                                  err.pool_page_size, err.count, err.kind, err.target,
+                                  err.limit) from exc
+        raise
+
+
+# (finite max, mantissa bits, smallest normal exponent) of each fp8 storage format.
+_FP8_FORMAT = {torch.float8_e4m3fn: (448.0, 3, -6), torch.float8_e5m2: (57344.0, 2, -14)}
+
+
+def fp8_constexprs(dtype: torch.dtype) -> dict:
+    """FMAX/MANT/EMIN constexprs for `round_to_fp8` (zeros for a non-fp8 cache)."""
+    fmax, mant, emin = _FP8_FORMAT.get(dtype, (0.0, 0, 0))
+    return dict(FMAX=fmax, MANT=mant, EMIN=emin)

@@ -1,0 +1,1 @@
+"""Public store ops: host validation, backend dispatch and torch custom-op registration."""

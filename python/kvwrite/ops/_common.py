@@ -1,0 +1,78 @@
+"""What every store op shares: loc resolution arguments, the check mode, backend dispatch."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kvwrite import backend as backends, validate
+from kvwrite.errors import MAX_TOKENS, ErrorBuffer, default_errors
+from kvwrite.geometry import PageGeometry
+
+
+@dataclass(frozen=True)
+class Locs:
+    """Where each token goes: `loc` (virtual), optional SWA `loc_map`, DCP shard of this rank."""
+
+    loc: torch.Tensor
+    loc_map: torch.Tensor | None = None
+    dcp_rank: int = 0
+    dcp_size: int = 1
+
+    @property
+    def n(self) -> int:
+        return self.loc.shape[0]
+
+
+@dataclass(frozen=True)
+class Check:
+    """The check mode of one call and where guard mode records (None unless guard)."""
+
+    op: str
+    mode: str
+    errors: torch.Tensor | None
+
+    @property
+    def code(self) -> int:
+        return validate.CHECK_MODES[self.mode]
+
+
+def prepare(op: str, device: torch.device, n: int, loc: object, loc_map: object,
+            dcp_rank: object, dcp_size: object, check: object,
+            errors: ErrorBuffer | torch.Tensor | None) -> tuple[Locs, Check]:
+    """Validate the arguments every op takes the same way."""
+    if n > MAX_TOKENS:
+        raise ValueError(f"{op}: at most {MAX_TOKENS} tokens per call, got {n}")
+    locs = Locs(validate.loc("loc", loc, n, device), validate.loc_map(loc_map, device),
+                *validate.dcp(dcp_rank, dcp_size))
+    mode = validate.check_mode(check)
+    record = None
+    if mode == "guard":
+        if errors is None:
+            errors = default_errors(device)
+        record = errors.tensor if isinstance(errors, ErrorBuffer) else errors
+        if not isinstance(record, torch.Tensor) or record.dtype != torch.int64 or record.dim() != 1:
+            raise TypeError("errors must be a kvwrite.ErrorBuffer")
+        if record.device != device:
+            raise ValueError(f"errors is on {record.device} but the inputs are on {device}")
+    elif errors is not None and not isinstance(errors, (ErrorBuffer, torch.Tensor)):
+        raise TypeError("errors must be a kvwrite.ErrorBuffer or None")
+    return locs, Check(op, mode, record)
+
+
+def cache_geometry(name: str, num_pages: int, pool_page_size: int) -> PageGeometry:
+    if num_pages < 1 or pool_page_size < 1:
+        raise ValueError(f"{name} must have at least one page of at least one row, got "
+                         f"{num_pages} pages of {pool_page_size}")
+    return PageGeometry.from_pool(num_pages, pool_page_size)
+
+
+def dispatch(op: str, table: tuple[tuple[str, str], ...], backend: str, device: torch.device,
+             args: object) -> None:
+    """Run `args` on the resolved backend's implementation of `op`."""
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+    name = backends.resolve(backend, device, op)
+    impl: Callable = backends.implementation(table, name)
+    impl(args)

@@ -1,0 +1,111 @@
+"""`store_kv`: the fused paged K+V store of MHA/GQA (bf16/fp16/fp32, fp8 with scales)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from kvwrite import validate
+from kvwrite.errors import ErrorBuffer
+from kvwrite.geometry import PageGeometry
+from kvwrite.ops._common import Check, Locs, cache_geometry, dispatch, prepare
+
+OP = "store_kv"
+LAYOUTS = ("NHD", "HND")
+IMPLS = (
+    ("torch", "kvwrite.reference.kv:store_kv"),
+    ("triton", "kvwrite.kernels.store_kv:launch"),
+    ("cpu", "kvwrite._ext:store_kv"),
+    ("cuda", "kvwrite._ext:store_kv"),
+)
+
+
+@dataclass(frozen=True)
+class StoreKV:
+    """A validated store_kv call. Caches are canonical [pages, pool_page_size, H, D] views
+    (HND caches are permuted views: one shape, other strides)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+    geometry: PageGeometry
+    locs: Locs
+    check: Check
+
+
+def canonical(cache: torch.Tensor, layout: str) -> torch.Tensor:
+    """[pages, rows, H, D] view of an NHD or HND paged cache."""
+    return cache if layout == "NHD" else cache.transpose(1, 2)
+
+
+def prepare_store_kv(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors,
+                     loc_map, dcp_rank, dcp_size) -> StoreKV:
+    k = validate.tensor("k", k, ndim=3, dtypes=validate.FLOAT_INPUTS)
+    n, h, dk = k.shape
+    device = k.device
+    v = validate.tensor("v", v, ndim=3, dtypes=(k.dtype,), device=device)
+    validate.shape("v", v, (n, h, None), "tokens, heads as k, head_dim_v")
+    layout = validate.choice("layout", layout, LAYOUTS)
+    cache_dtypes = (k.dtype, *validate.FP8_MAX)
+    k_cache = validate.tensor("k_cache", k_cache, ndim=4, dtypes=cache_dtypes, device=device)
+    v_cache = validate.tensor("v_cache", v_cache, ndim=4, dtypes=(k_cache.dtype,), device=device)
+    kc, vc = canonical(k_cache, layout), canonical(v_cache, layout)
+    dims = "num_pages, pool_page_size, H, D" if layout == "NHD" else "num_pages, H, pool_page_size, D"
+    num_pages, pps = kc.shape[0], kc.shape[1]
+    for name, c, d in (("k_cache", kc, dk), ("v_cache", vc, v.shape[2])):
+        expect = (num_pages, pps, h, d) if layout == "NHD" else (num_pages, h, pps, d)
+        validate.shape(name, c if layout == "NHD" else c.transpose(1, 2), expect, f"{layout}: {dims}")
+    geometry = cache_geometry("k_cache", num_pages, pps)
+    if k_cache.dtype in validate.FP8_MAX:
+        if k_scale is None or v_scale is None:
+            raise ValueError(f"k_scale and v_scale are required for a {k_cache.dtype} cache")
+        k_scale = validate.scale("k_scale", k_scale, h, device)
+        v_scale = validate.scale("v_scale", v_scale, h, device)
+    elif k_scale is not None or v_scale is not None:
+        raise ValueError(f"k_scale/v_scale apply only to fp8 caches; the caches are {k_cache.dtype}")
+    locs, chk = prepare(OP, device, n, loc, loc_map, dcp_rank, dcp_size, check, errors)
+    return StoreKV(k, v, kc, vc, k_scale, v_scale, geometry, locs, chk)
+
+
+@torch.library.custom_op("kvwrite::store_kv", mutates_args=("k_cache", "v_cache", "errors"))
+def _store_kv_op(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 loc: torch.Tensor, layout: str, k_scale: Optional[torch.Tensor],
+                 v_scale: Optional[torch.Tensor], check: str, errors: Optional[torch.Tensor],
+                 loc_map: Optional[torch.Tensor], dcp_rank: int, dcp_size: int,
+                 backend: str) -> None:
+    a = prepare_store_kv(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors,
+                         loc_map, dcp_rank, dcp_size)
+    if a.locs.n:
+        dispatch(OP, IMPLS, backend, k.device, a)
+
+
+@_store_kv_op.register_fake
+def _(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors, loc_map, dcp_rank,
+      dcp_size, backend) -> None:
+    return None
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             loc: torch.Tensor, *, layout: str = "NHD", k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None, check: str = "off",
+             errors: ErrorBuffer | None = None, loc_map: torch.Tensor | None = None,
+             dcp_rank: int = 0, dcp_size: int = 1, backend: str = "auto") -> None:
+    """Write token i's K/V rows to the paged caches at `loc[i]` (-1 = padding, skipped).
+
+    `layout`: "NHD" caches `[pages, pool_page_size, H, D]` or "HND" `[pages, H, pool_page_size, D]`.
+    fp8 caches take fp32 `k_scale`/`v_scale` (`[]`, `[1]` or `[H]`): stored = saturate(x / scale).
+    `check`: "off" | "assert" | "guard" (skip + record into `errors`, default per-device buffer).
+    `loc_map` (hybrid SWA): write at `loc_map[loc[i]]`. `dcp_rank`/`dcp_size`: store only this
+    rank's tokens (`loc % dcp_size == dcp_rank`) at local row `loc // dcp_size`, after `loc_map`.
+    """
+    a = prepare_store_kv(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors,
+                         loc_map, dcp_rank, dcp_size)
+    if torch.compiler.is_compiling():
+        torch.ops.kvwrite.store_kv(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check,
+                                   a.check.errors, loc_map, dcp_rank, dcp_size, backend)
+    elif a.locs.n:
+        dispatch(OP, IMPLS, backend, k.device, a)

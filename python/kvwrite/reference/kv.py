@@ -1,0 +1,29 @@
+"""Reference paged K+V store (MHA/GQA, fp8)."""
+from __future__ import annotations
+
+import torch
+
+from kvwrite.reference._locs import resolve_and_check
+from kvwrite.validate import FP8_MAX
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """saturate(x / scale) in `dtype`: divide (not multiply by a reciprocal), clamp, round."""
+    fmax = FP8_MAX[dtype]
+    return (x.float() / scale).clamp(-fmax, fmax).to(dtype)
+
+
+def _store(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None,
+           idx: torch.Tensor, page: torch.Tensor, offset: torch.Tensor) -> None:
+    rows = x[idx]
+    if cache.dtype in FP8_MAX:
+        s = scale.float().reshape(-1)[None, :, None] if scale.dim() else scale.float()
+        rows = quantize_fp8(rows, s, cache.dtype)
+    cache[page, offset] = rows.to(cache.dtype)
+
+
+def store_kv(a) -> None:
+    """`a`: kvwrite.ops.kv.StoreKV with the caches in canonical [pages, rows, H, D] view."""
+    idx, page, offset = resolve_and_check(a.locs, a.geometry, a.check)
+    _store(a.k, a.k_cache, a.k_scale, idx, page, offset)
+    _store(a.v, a.v_cache, a.v_scale, idx, page, offset)

@@ -1,0 +1,90 @@
+"""Host-side argument checks shared by every op: cheap (no device sync), each error names the
+argument and what was expected, and all of them run before any kernel."""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+LOC_DTYPES = (torch.int32, torch.int64)
+CHECK_MODES = {"off": 0, "assert": 1, "guard": 2}
+
+
+def _names(dtypes: Iterable[torch.dtype]) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def tensor(name: str, t: object, *, ndim: int | None = None,
+           dtypes: Sequence[torch.dtype] | None = None, device: torch.device | None = None,
+           last_contiguous: bool = True) -> torch.Tensor:
+    """Check one tensor argument's type, rank, dtype, device and innermost stride."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in ({_names(dtypes)}), got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the inputs are on {device}")
+    if last_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
+    return t
+
+
+def shape(name: str, t: torch.Tensor, expected: Sequence[int | None], what: str) -> None:
+    """Check `t.shape` against `expected` (None = any); `what` names the dims."""
+    if len(t.shape) != len(expected) or any(e is not None and s != e for s, e in zip(t.shape, expected)):
+        want = ", ".join("*" if e is None else str(e) for e in expected)
+        raise ValueError(f"{name} must have shape [{want}] ({what}), got {list(t.shape)}")
+
+
+def loc(name: str, t: object, n: int, device: torch.device) -> torch.Tensor:
+    t = tensor(name, t, ndim=1, dtypes=LOC_DTYPES, device=device)
+    if t.shape[0] != n:
+        raise ValueError(f"{name} must have one entry per token ({n}), got {t.shape[0]}")
+    if n > 1 and t.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous, got stride {t.stride(0)}")
+    return t
+
+
+def loc_map(t: object, device: torch.device) -> torch.Tensor | None:
+    if t is None:
+        return None
+    t = tensor("loc_map", t, ndim=1, dtypes=LOC_DTYPES, device=device)
+    if t.shape[0] > 1 and t.stride(0) != 1:
+        raise ValueError(f"loc_map must be contiguous, got stride {t.stride(0)}")
+    return t
+
+
+def dcp(dcp_rank: object, dcp_size: object) -> tuple[int, int]:
+    if isinstance(dcp_size, bool) or not isinstance(dcp_size, int) or dcp_size < 1:
+        raise ValueError(f"dcp_size must be an int >= 1, got {dcp_size!r}")
+    if isinstance(dcp_rank, bool) or not isinstance(dcp_rank, int) or not 0 <= dcp_rank < dcp_size:
+        raise ValueError(f"dcp_rank must be an int in [0, dcp_size={dcp_size}), got {dcp_rank!r}")
+    return dcp_rank, dcp_size
+
+
+def check_mode(check: object) -> str:
+    if check not in CHECK_MODES:
+        raise ValueError(f"check must be one of {tuple(CHECK_MODES)}, got {check!r}")
+    return check  # type: ignore[return-value]
+
+
+def choice(name: str, value: object, options: Sequence[str]) -> str:
+    if value not in options:
+        raise ValueError(f"{name} must be one of {tuple(options)}, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def scale(name: str, t: object, num_heads: int | None, device: torch.device) -> torch.Tensor:
+    """An fp32 dequant scale of shape [] or [1] (per tensor) or, if num_heads, [H]."""
+    t = tensor(name, t, dtypes=(torch.float32,), device=device)
+    ok = t.dim() == 0 or (t.dim() == 1 and (t.shape[0] == 1 or t.shape[0] == num_heads))
+    if not ok:
+        want = "[], [1]" + (f" or [{num_heads}] (one per head)" if num_heads else "")
+        raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
+    if t.dim() == 1 and t.shape[0] > 1 and t.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous")
+    return t
