@@ -88,21 +88,24 @@ def check_or_record(err_ptr, tok, loc, bad, target, limit, kind, pool_page_size,
 
 
 @triton.jit
-def round_to_fp8(x, MANT: tl.constexpr, EMIN: tl.constexpr):
-    """Round fp32 `x` (already saturated to the format's finite range) to the nearest value of
-    an fp8 format with MANT mantissa bits and smallest normal exponent EMIN, ties to even.
+def fp8_bits(x, FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
+    """The fp8 code (int32 in [0, 256)) of saturate(x) for a format with MANT mantissa bits,
+    smallest normal exponent EMIN and finite max FMAX: round to nearest, ties to even.
 
-    Done in fp32 so the result is exact and identical on every backend (the Triton interpreter's
-    fp8 cast misrounds); the cast that follows then converts an exactly representable value.
+    Built from fp32 bit arithmetic, not a cast: the result is identical on every backend (the
+    interpreter's fp8 cast misrounds), and sm_80, which has no e4m3 type, stores it as a byte.
     """
+    x = tl.minimum(tl.maximum(x.to(tl.float32), -FMAX), FMAX)
     xbits = x.to(tl.int32, bitcast=True)
-    sign = (xbits >> 31) << 31
     ax = tl.abs(x)
     bits = xbits & 0x7FFFFFFF
     drop: tl.constexpr = 23 - MANT
     half: tl.constexpr = (1 << (drop - 1)) - 1
-    normal = ((bits + half + ((bits >> drop) & 1)) & ~((1 << drop) - 1)).to(tl.float32, bitcast=True)
-    magic: tl.constexpr = 2.0 ** (EMIN - MANT + 23)
-    subnormal = (ax + magic) - magic
-    r = tl.where(ax < 2.0 ** EMIN, subnormal, normal).to(tl.int32, bitcast=True)
-    return (r | sign).to(tl.float32, bitcast=True)
+    normal = (bits + half + ((bits >> drop) & 1)) >> drop  # RNE; a carry bumps the exponent
+    bias: tl.constexpr = 1 - EMIN
+    normal = normal - ((127 - bias) << MANT)
+    magic: tl.constexpr = 2.0 ** (EMIN - MANT + 23)  # fp32 add rounds to the subnormal step
+    tiny = tl.minimum(ax, 2.0 ** EMIN)
+    subnormal = (((tiny + magic) - magic) * (2.0 ** (MANT - EMIN))).to(tl.int32)
+    code = tl.where(ax < 2.0 ** EMIN, subnormal, normal)
+    return code | ((xbits >> 24) & 0x80)

@@ -6,7 +6,7 @@ flattened [H * D] row; NHD and HND are the same kernel with different cache stri
 import triton
 import triton.language as tl
 
-from kvwrite.kernels._common import check_or_record, resolve_locs, round_to_fp8
+from kvwrite.kernels._common import check_or_record, resolve_locs, fp8_bits
 
 
 @triton.jit
@@ -21,8 +21,7 @@ def _store_rows(src_ptr, dst_ptr, scale_ptr, tok, write, row_base, cols, ncols,
     x = tl.load(src_ptr + tok.to(tl.int64)[:, None] * s_n + (h * s_h + d)[None, :], mask=mask)
     if QUANT:
         scale = tl.load(scale_ptr + h * scale_h, mask=cmask, other=1.0)
-        x = x.to(tl.float32) / scale[None, :]
-        x = round_to_fp8(tl.minimum(tl.maximum(x, -FMAX), FMAX), MANT, EMIN)
+        x = fp8_bits(x.to(tl.float32) / scale[None, :], FMAX, MANT, EMIN)
     tl.store(dst_ptr + row_base[:, None] + (h * d_h + d)[None, :],
              x.to(dst_ptr.dtype.element_ty), mask=mask)
 
@@ -57,6 +56,8 @@ def store_kv_kernel(
 
 def launch(a) -> None:
     """Launch store_kv_kernel for a validated `kvwrite.ops.kv.StoreKV`."""
+    import torch
+
     from kvwrite.validate import FP8_MAX
     from kvwrite.kernels._launch import fp8_constexprs, launch as run, loc_args, tiles
 
@@ -67,14 +68,15 @@ def launch(a) -> None:
     quant = a.k_cache.dtype in FP8_MAX
     ks = a.k_scale if quant else a.k
     vs = a.v_scale if quant else a.v
-    kc, vc = a.k_cache, a.v_cache
+    # fp8 caches are written as bytes (fp8_bits): also valid on sm_80, which has no e4m3 type
+    kc, vc = (a.k_cache.view(torch.uint8), a.v_cache.view(torch.uint8)) if quant else (a.k_cache, a.v_cache)
     run(store_kv_kernel, grid, a,
         k_ptr=a.k, v_ptr=a.v, kc_ptr=kc, vc_ptr=vc, ks_ptr=ks, vs_ptr=vs,
         num_heads=h, k_sn=a.k.stride(0), k_sh=a.k.stride(1), v_sn=a.v.stride(0),
         v_sh=a.v.stride(1), kc_sp=kc.stride(0), kc_so=kc.stride(1), kc_sh=kc.stride(2),
         vc_sp=vc.stride(0), vc_so=vc.stride(1), vc_sh=vc.stride(2),
         ks_sh=1 if quant and ks.numel() > 1 else 0, vs_sh=1 if quant and vs.numel() > 1 else 0,
-        DK=dk, DV=dv, QUANT=quant, **fp8_constexprs(kc.dtype),
+        DK=dk, DV=dv, QUANT=quant, **fp8_constexprs(a.k_cache.dtype),
         BLOCK_T=block_t, BLOCK_C=block_c, **loc_args(a))
 
 
@@ -90,7 +92,8 @@ def variants():
             for cache in (dtype, torch.float8_e4m3fn, torch.float8_e5m2):
                 for has_map, has_dcp in ((False, False),) + (((True, True),) if cache == dtype else ()):
                     quant = cache in FP8_MAX
-                    pointers = dict(k_ptr=dtype, v_ptr=dtype, kc_ptr=cache, vc_ptr=cache,
+                    store = torch.uint8 if quant else cache
+                    pointers = dict(k_ptr=dtype, v_ptr=dtype, kc_ptr=store, vc_ptr=store,
                                     loc_ptr=torch.int64, ks_ptr=torch.float32 if quant else dtype,
                                     vs_ptr=torch.float32 if quant else dtype,
                                     err_ptr=torch.int64, loc_map_ptr=torch.int32)

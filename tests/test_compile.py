@@ -1,0 +1,25 @@
+"""Every Triton kernel variant compiles for sm_80 and sm_90 (no GPU needed); the assert
+variants' PTX calls __assertfail and the others' does not."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvwrite.kernels.compile_check import CHECKS, FAMILIES
+
+
+@pytest.mark.parametrize("check", list(CHECKS))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_variant_compiles_for_sm80_and_sm90(family, check):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "kvwrite.kernels.compile_check", "--family", family,
+                          "--check", check, "--cc", "80", "90"], env=env, capture_output=True,
+                         text=True, timeout=900)
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    failed = [r for r in rows if not r["ok"]]
+    assert not failed, failed[:3]
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert rows and {r["cc"] for r in rows} == {80, 90}
+    assert all(r["assertfail"] == (check == "assert") for r in rows), rows
