@@ -3,7 +3,7 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-DEPS := torch==2.14.1 ninja numpy pytest hypothesis pytest-xdist rich matplotlib
+DEPS := setuptools wheel torch==2.14.1 ninja numpy pytest hypothesis pytest-xdist rich matplotlib
 STAMP := $(VENV)/.kvwrite-deps
 JOBS ?= 2
 
