@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# bench/gpu_check.sh [OUT_DIR] — on a machine with a CUDA GPU and nothing else prepared:
+# installs kvwrite (editable, no deps: torch/triton/pytest/hypothesis come with the machine),
+# runs the suite on CUDA with compiled Triton (assert cases in subprocesses, since a device
+# assert kills the CUDA context), and writes logs and results into OUT_DIR.
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+OUT=$(mkdir -p "${1:-$ROOT/bench/results/gpu}" && cd "${1:-$ROOT/bench/results/gpu}" && pwd)
+PY=${PYTHON:-python3}
+cd "$ROOT"
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$ROOT/build/triton-cache}
+export PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+status=0
+step() { echo "== $*" | tee -a "$OUT/summary.txt"; }
+
+step "environment"
+{ nvidia-smi; $PY -c "import torch, triton, sys; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name()); print('triton', triton.__version__)"; } > "$OUT/env.txt" 2>&1
+tail -4 "$OUT/env.txt" | tee -a "$OUT/summary.txt"
+
+step "install"
+$PY -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { echo "install failed" | tee -a "$OUT/summary.txt"; exit 1; }
+
+step "test suite on CUDA"
+( cd tests && KVWRITE_TEST_DEVICE=cuda timeout ${KVWRITE_GPU_TEST_TIMEOUT:-420} $PY -m pytest -q -n 4 -p no:cacheprovider \
+    --junitxml "$OUT/junit.xml" ) > "$OUT/tests.log" 2>&1 || status=1
+tail -3 "$OUT/tests.log" | tee -a "$OUT/summary.txt"
+
+# Later issues add their steps (sanitizer, benchmarks) above this line.
+step "done (status $status)"
+exit $status
