@@ -7,7 +7,7 @@ from typing import Callable
 import torch
 
 from kvwrite import backend as backends, validate
-from kvwrite.errors import MAX_TOKENS, ErrorBuffer, default_errors
+from kvwrite.errors import MAX_TOKENS, NUM_SLOTS, ErrorBuffer, default_errors
 from kvwrite.geometry import PageGeometry
 
 
@@ -47,17 +47,17 @@ def prepare(op: str, device: torch.device, n: int, loc: object, loc_map: object,
     locs = Locs(validate.loc("loc", loc, n, device), validate.loc_map(loc_map, device),
                 *validate.dcp(dcp_rank, dcp_size))
     mode = validate.check_mode(check)
-    record = None
-    if mode == "guard":
-        if errors is None:
-            errors = default_errors(device)
-        record = errors.tensor if isinstance(errors, ErrorBuffer) else errors
-        if not isinstance(record, torch.Tensor) or record.dtype != torch.int64 or record.dim() != 1:
-            raise TypeError("errors must be a kvwrite.ErrorBuffer")
+    if mode == "guard" and errors is None:
+        errors = default_errors(device)
+    record = errors.tensor if isinstance(errors, ErrorBuffer) else errors
+    if record is not None:
+        if not (isinstance(record, torch.Tensor) and record.dtype == torch.int64
+                and record.shape == (NUM_SLOTS,)):
+            raise TypeError(f"errors must be a kvwrite.ErrorBuffer or None, got {type(errors).__name__}")
         if record.device != device:
             raise ValueError(f"errors is on {record.device} but the inputs are on {device}")
-    elif errors is not None and not isinstance(errors, (ErrorBuffer, torch.Tensor)):
-        raise TypeError("errors must be a kvwrite.ErrorBuffer or None")
+    if mode != "guard":
+        record = None
     return locs, Check(op, mode, record)
 
 
