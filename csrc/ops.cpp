@@ -94,3 +94,13 @@ TORCH_LIBRARY(kvwrite_ext, m) {
 }
 
 TORCH_LIBRARY_IMPL(kvwrite_ext, CPU, m) { m.impl("store_kv", &kvwrite::store_kv_cpu); }
+
+#ifdef KVWRITE_PYTHON_MODULE
+// The ahead-of-time build (setup.py) is the importable module kvwrite._C: importing it runs the
+// registrations above. The JIT build is loaded with torch.ops.load_library instead.
+#include <Python.h>
+PyMODINIT_FUNC PyInit__C(void) {
+  static PyModuleDef def = {PyModuleDef_HEAD_INIT, "_C", "kvwrite C++/CUDA kernels (torch.ops.kvwrite_ext)", -1, nullptr};
+  return PyModule_Create(&def);
+}
+#endif

@@ -20,8 +20,6 @@ from pathlib import Path
 
 import torch
 
-from kvwrite.errors import ErrorBuffer, op_code
-
 DEFAULT_ARCHS = "8.0;9.0"
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -108,6 +106,23 @@ def _file_lock(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def aot_extension(root: Path):
+    """setup.py's ahead-of-time build (KVWRITE_BUILD_EXT=1): the module `kvwrite._C` from the same
+    sources and flags as the JIT build, and the BuildExtension command (ninja)."""
+    from torch.utils import cpp_extension
+
+    cfg = build_config()
+    if cfg["with_cuda"]:
+        os.environ["CUDA_HOME"] = cfg["cuda_home"]
+        cpp_extension.CUDA_HOME = cfg["cuda_home"]
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", cfg["archs"])
+    kind = cpp_extension.CUDAExtension if cfg["with_cuda"] else cpp_extension.CppExtension
+    srcs = [str(s.relative_to(root.parent)) for s in sources(root, cfg["with_cuda"])]
+    flags = {"cxx": cfg["cflags"] + ["-DKVWRITE_PYTHON_MODULE"], "nvcc": cfg["nvflags"]}
+    ext = kind("kvwrite._C", srcs, include_dirs=[str(root)] + cfg["includes"], extra_compile_args=flags)
+    return [ext], {"build_ext": cpp_extension.BuildExtension}
+
+
 def build(verbose: bool | None = None) -> tuple[Path, float]:
     """JIT-build (or reuse) the extension and load it into torch.ops; returns (dir, seconds)."""
     from torch.utils import cpp_extension
@@ -191,6 +206,8 @@ def _run(a, name: str, *args) -> None:
     """Call torch.ops.kvwrite_ext.<name>(*args, <the shared loc/check tail>) for a validated call
     `a`. CPU assert mode: the kernel throws before any write; we raise OutOfBoundsWrite with the
     record it filled."""
+    from kvwrite.errors import ErrorBuffer, op_code
+
     locs, chk = a.locs, a.check
     errors = chk.errors
     scratch = None
