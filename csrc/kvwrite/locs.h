@@ -1,5 +1,8 @@
 // Loc resolution, written once: virtual loc -> loc_map (SWA) -> DCP shard -> bounds check.
-// The twin of kernels/_common.resolve_locs and kvwrite/reference/_locs.resolve.
+// The twin of kernels/_common.resolve_locs and kvwrite/reference/_locs.resolve (the composition
+// order is documented there): padding -1 skipped; loc_map lookup checked against its length
+// (KIND_LOC_MAP; skipped in off mode), a mapped -1 skipped; DCP keeps this rank's rows at
+// row // dcp_size; the local row checked against [0, capacity) (KIND_POOL).
 #pragma once
 
 #include "record.h"
@@ -40,16 +43,14 @@ KVW_HD Resolved resolve(const LocArgs& a, i64 i) {
   bool live = r.loc != -1;  // -1 is padding; any other negative loc is out of range
   i64 row = r.loc;
   if (a.loc_map != nullptr) {
-    bool in_map = r.loc >= 0 && r.loc < a.map_len;
-    if (CHECK != CHECK_OFF) {
-      r.bad = live && !in_map;
-      if (r.bad) r.kind = KIND_LOC_MAP;
-      live = live && in_map;
+    const bool in_map = r.loc >= 0 && r.loc < a.map_len;
+    if (CHECK != CHECK_OFF && live && !in_map) {
+      r.bad = true;
+      r.kind = KIND_LOC_MAP;
     }
-    // `off` does not check the lookup: like the reference, clamp it into the map
-    i64 at = r.loc < a.map_len ? r.loc : a.map_len - 1;
-    row = (live && r.loc >= 0 && a.map_len > 0) ? load_index(a.loc_map, a.map64, at) : -1;
-    live = live && row != -1;
+    live = live && in_map;  // off mode too: never read loc_map out of bounds, skip the token
+    row = live ? load_index(a.loc_map, a.map64, r.loc) : -1;
+    live = live && row != -1;  // a mapped -1 is skipped
   }
   if (a.dcp_size > 1) {
     live = live && (row < 0 || row % a.dcp_size == a.dcp_rank);
