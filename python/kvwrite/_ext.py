@@ -254,3 +254,9 @@ def store_mla(a) -> None:
 def store_indexer_k(a) -> None:
     """`a`: kvwrite.ops.indexer_k.StoreIndexerK (uint8 `[pages, page bytes]` cache)."""
     _run(a, "store_indexer_k", a.k, a.cache, a.quant_block_size, a.ue8m0)
+
+
+def store_kv_nvfp4(a) -> None:
+    """`a`: kvwrite.ops.nvfp4.StoreKVNVFP4 (canonical [pages, pool_page_size, H, *] caches)."""
+    _run(a, "store_kv_nvfp4", a.k, a.v, a.k_cache, a.v_cache, a.k_scale_cache, a.v_scale_cache,
+         a.k_global_scale, a.v_global_scale)
