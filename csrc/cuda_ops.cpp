@@ -26,10 +26,11 @@ void store_kv_cuda(const Tensor& k, const Tensor& v, const Tensor& k_cache, cons
 }
 
 void store_mla_cuda(const Tensor& kv_c, const Tensor& k_pe, const Tensor& kv_cache, const OptTensor& scale,
+                   const OptTensor& scale_cache, const OptTensor& global_scale,
                     int64_t mode, const Tensor& loc, const OptTensor& loc_map, const OptTensor& errors,
                     int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op) {
   const c10::cuda::CUDAGuard guard(kv_c.device());
-  const StoreMLAParams p = store_mla_params(kv_c, k_pe, kv_cache, scale, mode, loc, loc_map, errors, dcp_rank,
+  const StoreMLAParams p = store_mla_params(kv_c, k_pe, kv_cache, scale, scale_cache, global_scale, mode, loc, loc_map, errors, dcp_rank,
                                             dcp_size, check, op);
   if (p.locs.n == 0) return;
   check_launch(launch_store_mla(p, int(check), c10::cuda::getCurrentCUDAStream()));

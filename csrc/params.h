@@ -141,7 +141,8 @@ inline StoreKVParams store_kv_params(const Tensor& k, const Tensor& v, const Ten
 }
 
 inline StoreMLAParams store_mla_params(const Tensor& kv_c, const Tensor& k_pe, const Tensor& kv_cache,
-                                       const OptTensor& scale, int64_t mode, const Tensor& loc,
+                                       const OptTensor& scale, const OptTensor& scale_cache,
+                                       const OptTensor& global_scale, int64_t mode, const Tensor& loc,
                                        const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank,
                                        int64_t dcp_size, int64_t check, int64_t op) {
   TORCH_CHECK(kv_c.dim() == 2 && k_pe.dim() == 2 && k_pe.size(0) == kv_c.size(0) &&
@@ -162,7 +163,8 @@ inline StoreMLAParams store_mla_params(const Tensor& kv_c, const Tensor& k_pe, c
   p.in_dtype = dtype_of(kv_c);
   p.cache_dtype = dtype_of(kv_cache);
   p.mode = int(mode);
-  const int64_t width = p.mode == MLA_DS_MLA ? p.L + (p.L / DS_MLA_TILE) * 4 + 2 * p.R : p.L + p.R;
+  const int64_t width = p.mode == MLA_DS_MLA ? p.L + (p.L / DS_MLA_TILE) * 4 + 2 * p.R
+                        : p.mode == MLA_NVFP4 ? (p.L + p.R) / 2 : p.L + p.R;
   TORCH_CHECK(kv_cache.size(2) == width, "kvwrite: kv_cache rows must be ", width, " wide for mode ", mode);
   if (p.mode == MLA_COPY) {
     TORCH_CHECK(p.cache_dtype == p.in_dtype, "kvwrite: kv_cache must have the input dtype");
@@ -172,6 +174,21 @@ inline StoreMLAParams store_mla_params(const Tensor& kv_c, const Tensor& k_pe, c
                 "kvwrite: fp8 store_mla needs a per-tensor fp32 scale");
     check_same_device(kv_c, *scale, "scale");
     p.scale = scale->data_ptr<float>();
+  } else if (p.mode == MLA_NVFP4) {
+    TORCH_CHECK(p.cache_dtype == DType::U8 && (p.L + p.R) % NVFP4_BLOCK == 0 && scale_cache.has_value() &&
+                    scale_cache->scalar_type() == at::kFloat8_e4m3fn && scale_cache->dim() == 3 &&
+                    scale_cache->size(0) == kv_cache.size(0) && scale_cache->size(1) == kv_cache.size(1) &&
+                    scale_cache->size(2) * NVFP4_BLOCK == p.L + p.R,
+                "kvwrite: nvfp4 store_mla needs a uint8 kv_cache [pages, rows, (L+R)/2] and an e4m3 "
+                "scale_cache [pages, rows, (L+R)/16]");
+    check_same_device(kv_c, *scale_cache, "scale_cache");
+    p.scale_cache = paged_rows(*scale_cache, "scale_cache");
+    if (global_scale.has_value()) {
+      TORCH_CHECK(global_scale->scalar_type() == at::kFloat && global_scale->numel() == 1,
+                  "kvwrite: global_scale must be fp32 [1]");
+      check_same_device(kv_c, *global_scale, "global_scale");
+      p.global = global_scale->data_ptr<float>();
+    }
   } else {
     TORCH_CHECK(p.mode == MLA_DS_MLA && p.cache_dtype == DType::U8 && p.L % DS_MLA_TILE == 0,
                 "kvwrite: fp8_ds_mla needs a uint8 kv_cache and L % 128 == 0");

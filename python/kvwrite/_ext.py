@@ -110,6 +110,7 @@ def aot_extension(root: Path):
     """setup.py's ahead-of-time build (KVWRITE_BUILD_EXT=1): the module `kvwrite._C` from the same
     sources and flags as the JIT build, and the BuildExtension command (ninja)."""
     cpp_extension = _import_cpp_extension()
+    root = Path(root)
     cfg = build_config()
     if cfg["with_cuda"]:
         os.environ["CUDA_HOME"] = cfg["cuda_home"]
@@ -247,8 +248,10 @@ def store_kv(a) -> None:
 
 
 def store_mla(a) -> None:
-    """`a`: kvwrite.ops.mla.StoreMLA (`kv_cache` `[pages, pool_page_size, row]`)."""
-    _run(a, "store_mla", a.kv_c, a.k_pe, a.kv_cache, a.scale, a.format.mode)
+    """`a`: kvwrite.ops.mla.StoreMLA (`kv_cache` `[pages, pool_page_size, row]`; nvfp4 also
+    `scale_cache` `[pages, pool_page_size, (L+R)/16]` and an optional `global_scale`)."""
+    _run(a, "store_mla", a.kv_c, a.k_pe, a.kv_cache, a.scale, getattr(a, "scale_cache", None),
+         getattr(a, "global_scale", None), a.format.mode)
 
 
 def store_indexer_k(a) -> None:
