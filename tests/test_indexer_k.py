@@ -288,3 +288,23 @@ def test_custom_op_is_registered():
     torch.ops.kvwrite.store_indexer_k(torch.full((1, 128), 448.0), cache, torch.tensor([5]), 128, None,
                                       "off", None, None, "torch")
     assert bool((cache[1, 128:256] == 0x7E).all()) and int((cache != 0).sum()) == 128 + 2  # scale 1.0
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="device asserts exist on a GPU only")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_device_assert_in_subprocess(backend):
+    """On a GPU the assert mode is a device-side assert: the process dies with it."""
+    import subprocess
+    import sys
+
+    code = f"""
+import torch, kvwrite
+cache = torch.zeros(4, 16 * 132, dtype=torch.uint8, device="cuda")
+k = torch.ones(3, 128, dtype=torch.bfloat16, device="cuda")
+kvwrite.store_indexer_k(k, cache, torch.tensor([1, 64, -1], device="cuda"), check="assert", backend="{backend}")
+torch.cuda.synchronize()
+print("NOT REACHED")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "NOT REACHED" not in out.stdout
+    assert "assert" in (out.stderr + out.stdout).lower(), out.stderr[-2000:]

@@ -344,3 +344,27 @@ def test_custom_op_is_registered():
     torch.ops.kvwrite.store_mla(x[:, :40], x[:, 40:], cache, torch.tensor([5]), "auto", None, "off",
                                 None, None, 0, 1, "torch")
     assert bool((cache[1, 1] == 1).all()) and int((cache != 0).sum()) == 48
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="device asserts exist on a GPU only")
+@pytest.mark.parametrize("fmt", ["auto", "fp8_ds_mla"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_device_assert_in_subprocess(backend, fmt):
+    """On a GPU the assert mode is a device-side assert: the process dies with it."""
+    import subprocess
+    import sys
+
+    code = f"""
+import torch, kvwrite
+from kvwrite.ops.mla import FORMATS
+f = FORMATS["{fmt}"]
+cache = torch.zeros(4, 16, f.row_width(128, 16), dtype=f.cache_dtype(torch.bfloat16), device="cuda")
+x = torch.ones(3, 144, dtype=torch.bfloat16, device="cuda")
+kvwrite.store_mla(x[:, :128], x[:, 128:], cache, torch.tensor([1, 64, -1], device="cuda"),
+                  kv_cache_dtype="{fmt}", check="assert", backend="{backend}")
+torch.cuda.synchronize()
+print("NOT REACHED")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "NOT REACHED" not in out.stdout
+    assert "assert" in (out.stderr + out.stdout).lower(), out.stderr[-2000:]

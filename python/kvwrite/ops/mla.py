@@ -31,9 +31,10 @@ MODE_FP8 = 1       # the same row, saturate(x / scale) in an fp8 dtype
 MODE_DS_MLA = 2    # DeepSeek's fp8 MLA row, see `ds_mla_row_bytes`
 MODE_NVFP4 = 3     # NVFP4 row + e4m3 block-scale row (`kernels/store_mla_nvfp4.py`)
 
-# NVFP4 rows have their own kernel and reference (and no C++/CUDA kernel yet: "auto" skips those).
+# NVFP4 rows have their own Triton kernel (the reference is store_mla's, writer in
+# reference/mla.WRITERS) and no C++/CUDA kernel yet: "auto" skips those backends.
 NVFP4_IMPLS = (
-    ("torch", "kvwrite.reference.nvfp4:store_mla_nvfp4"),
+    ("torch", "kvwrite.reference.mla:store_mla"),
     ("triton", "kvwrite.kernels.store_mla_nvfp4:launch"),
 )
 NVFP4_BLOCK = 16   # row elements per e4m3 block scale
@@ -186,7 +187,8 @@ def store_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, lo
         the row concat(kv_c, k_pe) quantised in blocks of 16 like `kvwrite.store_kv_nvfp4`
         (optional positive fp32 `global_scale` `[]`/`[1]`). Needs (L + R) % 16 == 0. Read rows
         back with `kvwrite.dequant_nvfp4(kv_cache[p, o], scale_cache[p, o], global_scale)`.
-    `check`, `errors`, `loc_map`, `dcp_rank`, `dcp_size`: as in `store_kv`.
+    `check`, `errors`, `loc_map`, `dcp_rank`, `dcp_size`: as in `store_kv`. A pool stored as
+    `[rows, 1, row]` (SGLang's MLA buffer) is the same cache with pool_page_size 1.
     """
     a = prepare_store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, errors,
                           loc_map, dcp_rank, dcp_size, scale_cache, global_scale)

@@ -109,9 +109,9 @@ def store_kv_nvfp4(a) -> None:
         scales[page, offset] = scale
 
 
-def store_mla_nvfp4(a) -> None:
-    """`a`: kvwrite.ops.mla.StoreMLA with kv_cache_dtype "nvfp4": the row concat(kv_c, k_pe)."""
-    idx, page, offset = resolve_and_check(a.locs, a.geometry, a.check)
+def write_mla_nvfp4(a, idx: torch.Tensor, page: torch.Tensor, offset: torch.Tensor) -> None:
+    """`kvwrite.reference.mla` writer of kv_cache_dtype "nvfp4": the row concat(kv_c, k_pe)
+    quantised into `a.kv_cache` and its block scales into `a.scale_cache`."""
     packed, scale = quantize_nvfp4(torch.cat([a.kv_c[idx], a.k_pe[idx]], dim=-1), a.global_scale)
     a.kv_cache[page, offset] = packed
     a.scale_cache[page, offset] = scale
