@@ -452,12 +452,16 @@ def test_mla_scale_cache_only_for_nvfp4_and_custom_op():
 
 
 def test_mla_nvfp4_auto_skips_backends_without_an_implementation():
-    """The C++/CUDA extension has no NVFP4 MLA kernel: "auto" picks torch/triton, an explicit
-    "cpu"/"cuda" is a clear BackendUnavailable."""
+    """A format whose IMPLS table lacks a backend: "auto" skips it, an explicit request is a
+    clear BackendUnavailable (the C++/CUDA extension now implements NVFP4 MLA itself: this
+    checks the mechanism with a table that lacks "cpu")."""
+    from kvwrite import backend as backends
+
+    table = tuple(b for b, _ in kvwrite.ops.mla.NVFP4_IMPLS if b != "cpu")
+    assert backends.resolve("auto", torch.device("cpu"), "store_mla", table) in ("triton", "torch")
+    with pytest.raises(kvwrite.BackendUnavailable, match="backend='cpu' is unavailable on cpu"):
+        backends.resolve("cpu", torch.device("cpu"), "store_mla", table)
     a = mla_args()
     kvwrite.store_mla(a["kv_c"], a["k_pe"], a["kv_cache"], torch.tensor([0, 1]), kv_cache_dtype="nvfp4",
                       scale_cache=a["scale_cache"])
     assert torch.equal(a["kv_cache"].flatten(0, 1)[1], quantize_nvfp4(torch.cat([a["kv_c"], a["k_pe"]], -1))[0][1])
-    with pytest.raises(kvwrite.BackendUnavailable, match="backend='cpu' is unavailable on cpu"):
-        kvwrite.store_mla(a["kv_c"], a["k_pe"], a["kv_cache"], torch.tensor([0, 1]), kv_cache_dtype="nvfp4",
-                          scale_cache=a["scale_cache"], backend="cpu")
