@@ -3,6 +3,7 @@ sub-pool(s) and kernel(s)."""
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Callable
 
 import torch
@@ -15,15 +16,22 @@ from kvwrite.errors import ErrorBuffer
 
 
 def resolve_op(op: str, needs: tuple[str, ...], what: str) -> Callable:
-    """The kvwrite store op `op`, checked to accept every keyword in `needs`."""
+    """The kvwrite store op `op`, checked to accept every keyword in `needs` ("name" or
+    "name=value"; a value of `kv_cache_dtype` must be one of the op module's FORMATS)."""
     fn = getattr(kvwrite, op, None)
     if fn is None:
         raise KernelUnavailable(f"{what} needs kvwrite.{op}, which this kvwrite does not provide")
     params = inspect.signature(fn).parameters
-    missing = [k for k in needs if k not in params]
+    missing = [k for k in needs if k.partition("=")[0] not in params]
     if missing:
-        raise KernelUnavailable(f"{what} needs kvwrite.{op}({', '.join(k + '=' for k in missing)}...), "
-                                f"which this kvwrite's {op} does not take")
+        raise KernelUnavailable(f"{what} needs kvwrite.{op}({', '.join(k.partition('=')[0] + '=' for k in missing)}"
+                                f"...), which this kvwrite's {op} does not take")
+    formats = getattr(sys.modules.get(fn.__module__), "FORMATS", None)
+    for k in needs:
+        key, _, value = k.partition("=")
+        if value and key == "kv_cache_dtype" and formats is not None and value not in formats:
+            raise KernelUnavailable(f"{what} needs kvwrite.{op}(kv_cache_dtype={value!r}), which this kvwrite's "
+                                    f"{op} does not support (it has {', '.join(formats)})")
     return fn
 
 

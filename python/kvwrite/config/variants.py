@@ -149,9 +149,9 @@ def indexer_buffer(dim: int) -> BufferSpec:
 def _needs(op: str, kv: str, sharded: bool, loc_map: bool = False) -> tuple[str, ...]:
     needs: list[str] = []
     if op == "store_mla" and kv != "auto":
-        needs.append("kv_cache_dtype")
+        needs.append(f"kv_cache_dtype={kv}")
     if op == "store_mla" and kv == "nvfp4":
-        needs += ["scale_cache", "global_scale"]
+        needs += ["scale_cache"]
     if loc_map:
         needs.append("loc_map")
     if sharded:
