@@ -30,6 +30,10 @@ step "store_mla / store_indexer_k at DeepSeek sizes: bit-exact vs reference, gua
 $PY bench/mla_check.py --device cuda --out "$OUT/mla.json" > "$OUT/mla.log" 2>&1 || status=1
 tail -1 "$OUT/mla.log" | tee -a "$OUT/summary.txt"
 
+step "nvfp4: every kernel backend bit-exact vs the reference on CUDA; round-trip error bound"
+timeout 300 $PY bench/nvfp4_check.py --device cuda > "$OUT/nvfp4.json" 2> "$OUT/nvfp4.log" || status=1
+tail -c 600 "$OUT/nvfp4.json" | tee -a "$OUT/summary.txt"
+
 # Later issues add their steps (sanitizer, benchmarks) above this line.
 step "done (status $status)"
 exit $status
