@@ -305,3 +305,33 @@ def test_missing_kernel_is_a_named_error(monkeypatch):
     with pytest.raises(KernelUnavailable, match="variant 'dsa' .*sub-pool 'indexer'.*kvwrite.store_indexer_k"):
         build("dsa")
     build("mla")   # unaffected
+
+
+@pytest.mark.parametrize("variant", ["mha", "swa_hybrid", "minimax_sparse"])
+def test_nvfp4_pools_store_with_global_scales(variant):
+    pool = build(variant, kv="nvfp4")
+    full = pool.allocator()
+    locs = full.alloc(8)
+    if variant == "swa_hybrid":
+        pool.map_swa(locs, pool.allocator("swa").alloc(8))
+    lid = pool.plan.model.kv_layer_ids[0]
+    sub = "swa" if variant == "swa_hybrid" else "kv"
+    tensors = pool.sample_inputs(lid, 8, torch.Generator().manual_seed(9))
+    gk, gv = torch.tensor(0.5), torch.tensor([2.0])
+    scales = dict(k_global_scale=gk, v_global_scale=gv)
+    if variant == "minimax_sparse":
+        scales["index_global_scale"] = torch.tensor(0.25)
+    pool.store(lid, locs, *tensors, **scales)
+    pool.errors.raise_if_any()
+    b = pool.layer(sub, lid)
+    rows_at = pool.shared[sub]["loc_map"][locs] if variant == "swa_hybrid" else locs
+    for name, x, g in (("k", tensors[0], gk), ("v", tensors[1], gv)):
+        back = kvwrite.dequant_nvfp4(rows(b[name])[rows_at], rows(b[f"{name}_scale"])[rows_at], g)
+        amax = x.float().abs().reshape(8, -1, 16).amax(-1, keepdim=True)
+        err = (back.reshape(8, -1, 16) - x.float().reshape(8, -1, 16)).abs()
+        assert bool((err <= amax / 4 + 1e-6).all())      # within a quarter of the block's amax
+        assert int(b[name].count_nonzero()) > 0
+    if variant == "minimax_sparse":
+        ib = pool.layer("index", lid)
+        back = kvwrite.dequant_nvfp4(rows(ib["k"])[locs], rows(ib["k_scale"])[locs], torch.tensor(0.25))
+        assert back.shape == (8, 1, 32) and torch.allclose(back[:, 0], tensors[2].float(), atol=0.5 * float(tensors[2].float().abs().max()))
