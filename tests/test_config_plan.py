@@ -78,7 +78,7 @@ def test_memory_budget_is_filled_with_whole_pages(name, dcp, draft):
     assert plan.total_bytes <= budget
     pages = plan.max_total_num_tokens // plan.pool_page_size
     assert plan.max_total_num_tokens == pages * plan.pool_page_size
-    assert c._bytes(pages + 1) > budget     # the largest whole number of pages
+    assert c.total_bytes_for(pages + 1) > budget     # the largest whole number of pages
     if plan.variant != "swa_hybrid":        # every pool: its pages plus one padding page
         assert plan.total_bytes == plan.cell_size_bytes * (plan.max_total_num_tokens + plan.pool_page_size)
 
@@ -192,7 +192,7 @@ def test_plan_invariants(c):
         assert err.minimum_bytes > c["budget"]
         return
     assert plan.total_bytes <= c["budget"]
-    assert conf._bytes(plan.max_total_num_tokens // plan.pool_page_size + 1) > c["budget"]
+    assert conf.total_bytes_for(plan.max_total_num_tokens // plan.pool_page_size + 1) > c["budget"]
     assert plan.pool_page_size == c["page"] * conf.loc_space_scale
     assert plan.loc_space_scale == (c["dcp"] if c["draft"] and c["dcp"] > 1 else 1)
     for p in plan.pools:

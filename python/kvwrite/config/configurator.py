@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from kvwrite.config.errors import BudgetTooSmall, ConfigError, WindowDoesNotFit
 from kvwrite.config.model import ModelSpec
 from kvwrite.config.parallel import ParallelSpec
-from kvwrite.config.plan import LocSpace, PoolPlan, PoolSpec, SubPoolPlan, _rebuffer
+from kvwrite.config.plan import LocSpace, PoolPlan, PoolSpec, SubPoolPlan, buffer_plans
 from kvwrite.config.variants import KV_CACHE_DTYPES, PlanContext, planner_for
 from kvwrite.geometry import PageGeometry, require_positive_int
 
@@ -123,7 +123,7 @@ class KVCacheConfigurator:
             addressing = "sharded" if dcp > 1 and scale == 1 else ("virtual" if dcp > 1 else "local")
             pools.append(SubPoolPlan(
                 name=spec.name, layer_ids=spec.layer_ids, geometry=geometry,
-                buffers=_rebuffer(spec, geometry, spaces["full"].num_locs), op=spec.op,
+                buffers=buffer_plans(spec, geometry, spaces["full"].num_locs), op=spec.op,
                 kernel=self._kernel(spec, addressing), space=space, addressing=addressing,
                 dcp_rank=self.parallel.dcp_rank, dcp_size=dcp, spec=spec))
         return PoolPlan(
@@ -158,7 +158,8 @@ class KVCacheConfigurator:
                 total += b.row_bytes * per * (len(spec.layer_ids) if b.per_layer else 1)
         return _number(round(total, 6))
 
-    def _bytes(self, pages: int) -> int:
+    def total_bytes_for(self, pages: int) -> int:
+        """Bytes of the plan whose full loc space has `pages` usable pool pages (plus padding)."""
         return self._assemble(self._sizing(pages)).total_bytes
 
     def plan(self) -> PoolPlan:
@@ -177,7 +178,7 @@ class KVCacheConfigurator:
                     f"bytes per rank but memory_bytes={self.memory_bytes}", plan.total_bytes)
             return plan
         budget = self.memory_bytes
-        minimum = self._bytes(n_min)
+        minimum = self.total_bytes_for(n_min)
         if minimum > budget:
             why = ("one page per pool plus the padding page" if n_min == 1 else
                    f"{n_min} pages: an SWA pool holding the {self.planned_model.sliding_window}-token "
@@ -185,11 +186,11 @@ class KVCacheConfigurator:
             raise BudgetTooSmall(f"memory_bytes={budget} is too small: the smallest plan ({why}) needs "
                                  f"{minimum} bytes per rank", minimum)
         lo, hi = n_min, n_min * 2
-        while self._bytes(hi) <= budget:
+        while self.total_bytes_for(hi) <= budget:
             lo, hi = hi, hi * 2
         while hi - lo > 1:  # invariant: bytes(lo) <= budget < bytes(hi)
             mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if self._bytes(mid) <= budget else (lo, mid)
+            lo, hi = (mid, hi) if self.total_bytes_for(mid) <= budget else (lo, mid)
         return self._assemble(self._sizing(lo))
 
     def _window_message(self, pages: int, n_min: int) -> str:

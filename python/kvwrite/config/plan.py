@@ -161,7 +161,8 @@ class SubPoolPlan:
         )
 
 
-def _rebuffer(spec: PoolSpec, geometry: PageGeometry, full_locs: int) -> tuple[BufferPlan, ...]:
+def buffer_plans(spec: PoolSpec, geometry: PageGeometry, full_locs: int) -> tuple[BufferPlan, ...]:
+    """The concrete buffers of sub-pool `spec` at `geometry` (`full_locs`: the full loc space)."""
     out = []
     for b in spec.buffers:
         shape = b.shape(geometry, full_locs)
@@ -222,7 +223,7 @@ class PoolPlan:
         such as replaying SGLang #33348. `build()` refuses a plan that fails its own allocator
         check unless told `verify=False`."""
         full_locs = self.spaces["full"].num_locs
-        pools = tuple(dataclasses.replace(p, geometry=geometry, buffers=_rebuffer(p.spec, geometry, full_locs))
+        pools = tuple(dataclasses.replace(p, geometry=geometry, buffers=buffer_plans(p.spec, geometry, full_locs))
                       if p.name == pool else p for p in self.pools)
         self.pool(pool)
         return dataclasses.replace(self, pools=pools)

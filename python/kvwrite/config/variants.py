@@ -13,12 +13,13 @@ import torch
 
 from kvwrite.config.errors import SpecError, UnknownVariant, UnsupportedCombination
 from kvwrite.config.plan import BufferSpec, PoolSpec
+from kvwrite.ops.indexer_k import row_bytes as indexer_row_bytes
+from kvwrite.ops.mla import DS_MLA_TILE, ds_mla_row_bytes
+from kvwrite.ops.nvfp4 import BLOCK as NVFP4_BLOCK
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "nvfp4", "fp8_ds_mla")
 FP8 = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
-NVFP4_BLOCK = 16           # elements per e4m3 block scale
-DS_MLA_TILE = 128          # fp8_ds_mla: elements per fp32 scale
-INDEXER_BLOCK = 128        # DSA indexer: quant_block_size
+INDEXER_BLOCK = 128        # the DSA indexer's quant_block_size (DeepSeek-V3.2), passed to the op
 
 
 @dataclass(frozen=True)
@@ -130,8 +131,7 @@ def mla_buffers(kv: str, model_dtype: str, lora: int, rope: int) -> tuple[tuple[
     if kv == "fp8_ds_mla":
         if lora % DS_MLA_TILE:
             raise UnsupportedCombination(f"fp8_ds_mla needs kv_lora_rank a multiple of {DS_MLA_TILE}, got {lora}")
-        row = lora + (lora // DS_MLA_TILE) * 4 + 2 * rope
-        return (BufferSpec("kv", (row,), "uint8"),), "store_mla", kv
+        return (BufferSpec("kv", (ds_mla_row_bytes(lora, rope),), "uint8"),), "store_mla", kv
     if kv == "nvfp4":
         if (lora + rope) % NVFP4_BLOCK:
             raise UnsupportedCombination(f"nvfp4 MLA needs kv_lora_rank + qk_rope_head_dim a multiple of "
@@ -143,7 +143,7 @@ def mla_buffers(kv: str, model_dtype: str, lora: int, rope: int) -> tuple[tuple[
 
 def indexer_buffer(dim: int) -> BufferSpec:
     """DSA indexer K: uint8 page-major `[pages, pps * (dim + dim/128 * 4)]` (e4m3 + fp32 scales)."""
-    return BufferSpec("index_k", (dim + (dim // INDEXER_BLOCK) * 4,), "uint8", layout="page_major")
+    return BufferSpec("index_k", (indexer_row_bytes(dim, INDEXER_BLOCK),), "uint8", layout="page_major")
 
 
 def _needs(op: str, kv: str, sharded: bool, loc_map: bool = False) -> tuple[str, ...]:
@@ -207,6 +207,7 @@ def _store_mla(pool, sub: str, layer_id: int, loc, kv_c, k_pe, scales: dict) -> 
 def _store_indexer(pool, sub: str, layer_id: int, loc, index_k, scales: dict) -> None:
     b = pool.layer(sub, layer_id)
     kw = pool.op_kwargs(sub)
+    kw["quant_block_size"] = INDEXER_BLOCK
     if scales.get("index_scale_fmt") is not None:
         kw["scale_fmt"] = scales["index_scale_fmt"]
     pool.ops[sub](index_k, b["index_k"], loc, **kw)
