@@ -144,7 +144,8 @@ def store_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, lo
         fp8(x / scale); then the L/128 fp32 scales; then R bf16 rope values (bf16 input: bit
         copies; fp16/fp32 input: rounded to bf16, nearest-even, like `tensor.to(torch.bfloat16)`).
         Needs L % 128 == 0. Read rows back with `kvwrite.dequant_ds_mla`.
-    `check`, `errors`, `loc_map`, `dcp_rank`, `dcp_size`: as in `store_kv`.
+    `check`, `errors`, `loc_map`, `dcp_rank`, `dcp_size`: as in `store_kv`. A pool stored as
+    `[rows, 1, row]` (SGLang's MLA buffer) is the same cache with pool_page_size 1.
     """
     a = prepare_store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, errors,
                           loc_map, dcp_rank, dcp_size)

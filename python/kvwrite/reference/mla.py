@@ -27,14 +27,23 @@ def ds_mla_rows(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
     return torch.cat([latent, scales, rope], dim=-1)
 
 
-_ROWS = {"auto": _concat, "fp8_e4m3": _fp8, "fp8_e5m2": _fp8,
-         "fp8_ds_mla": lambda a, kv_c, k_pe: ds_mla_rows(kv_c, k_pe)}
+def _rows(make):
+    """A writer storing `make(a, kv_c, k_pe)` as the tokens' kv_cache rows."""
+    def write(a, idx, page, offset) -> None:
+        a.kv_cache[page, offset] = make(a, a.kv_c[idx], a.k_pe[idx])
+    return write
+
+
+# kv_cache_dtype -> writer(a, token indices, pages, offsets); a format that also writes other
+# buffers (block scales) registers its own writer here.
+WRITERS = {"auto": _rows(_concat), "fp8_e4m3": _rows(_fp8), "fp8_e5m2": _rows(_fp8),
+           "fp8_ds_mla": _rows(lambda a, kv_c, k_pe: ds_mla_rows(kv_c, k_pe))}
 
 
 def store_mla(a) -> None:
     """`a`: kvwrite.ops.mla.StoreMLA."""
     idx, page, offset = resolve_and_check(a.locs, a.geometry, a.check)
-    a.kv_cache[page, offset] = _ROWS[a.format.name](a, a.kv_c[idx], a.k_pe[idx])
+    WRITERS[a.format.name](a, idx, page, offset)
 
 
 def dequant_ds_mla(rows: torch.Tensor, kv_lora_rank: int = 512) -> torch.Tensor:
