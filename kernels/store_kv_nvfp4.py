@@ -8,7 +8,27 @@ import triton
 import triton.language as tl
 
 from kvwrite.kernels._common import check_or_record, resolve_locs
-from kvwrite.kernels._nvfp4 import store_nvfp4_rows
+from kvwrite.kernels._nvfp4 import store_blocks
+
+
+@triton.jit
+def _store_heads(src_ptr, dst_ptr, sc_ptr, g, tok, write, dst_base, sc_base, blocks, n_blocks,
+                 s_n, s_h, d_h, sc_h, D: tl.constexpr, HAS_GLOBAL: tl.constexpr):
+    """Blocks `blocks` of the flattened [H, D/16] blocks of the rows of the tokens in `write`:
+    source element (t, h, 16j + e) at t*s_n + h*s_h + 16j + e; byte i of block (h, j) at
+    dst_base + h*d_h + 8j + i, its scale at sc_base + h*sc_h + j."""
+    NB: tl.constexpr = D // 16
+    h = (blocks // NB).to(tl.int64)
+    j = (blocks % NB).to(tl.int64)
+    i = tl.arange(0, 8).to(tl.int64)
+    mask = write[:, None] & (blocks < n_blocks)[None, :]
+    src = (src_ptr + tok.to(tl.int64)[:, None, None] * s_n + (h * s_h + j * 16)[None, :, None]
+           + 2 * i[None, None, :])
+    x_even = tl.load(src, mask=mask[:, :, None], other=0.0).to(tl.float32)
+    x_odd = tl.load(src + 1, mask=mask[:, :, None], other=0.0).to(tl.float32)
+    byte_off = dst_base[:, None, None] + (h * d_h + j * 8)[None, :, None] + i[None, None, :]
+    store_blocks(x_even, x_odd, g, dst_ptr, byte_off, sc_ptr, sc_base[:, None] + (h * sc_h + j)[None, :],
+                 mask, HAS_GLOBAL)
 
 
 @triton.jit
@@ -35,12 +55,12 @@ def store_kv_nvfp4_kernel(
     blocks = pid_c * BLOCK_B + tl.arange(0, BLOCK_B)
     kg = tl.load(kg_ptr).to(tl.float32) if K_GLOBAL else 1.0
     vg = tl.load(vg_ptr).to(tl.float32) if V_GLOBAL else 1.0
-    store_nvfp4_rows(k_ptr, kc_ptr, ksc_ptr, kg, tok, write, page * kc_sp + offset * kc_so,
-                     page * ksc_sp + offset * ksc_so, blocks, num_heads * (DK // 16),
-                     k_sn, k_sh, kc_sh, ksc_sh, DK, K_GLOBAL)
-    store_nvfp4_rows(v_ptr, vc_ptr, vsc_ptr, vg, tok, write, page * vc_sp + offset * vc_so,
-                     page * vsc_sp + offset * vsc_so, blocks, num_heads * (DV // 16),
-                     v_sn, v_sh, vc_sh, vsc_sh, DV, V_GLOBAL)
+    _store_heads(k_ptr, kc_ptr, ksc_ptr, kg, tok, write, page * kc_sp + offset * kc_so,
+                 page * ksc_sp + offset * ksc_so, blocks, num_heads * (DK // 16),
+                 k_sn, k_sh, kc_sh, ksc_sh, DK, K_GLOBAL)
+    _store_heads(v_ptr, vc_ptr, vsc_ptr, vg, tok, write, page * vc_sp + offset * vc_so,
+                 page * vsc_sp + offset * vsc_so, blocks, num_heads * (DV // 16),
+                 v_sn, v_sh, vc_sh, vsc_sh, DV, V_GLOBAL)
 
 
 def launch(a) -> None:

@@ -6,6 +6,7 @@ import torch
 from kvwrite.ops.mla import DS_MLA_SCALE_FLOOR, DS_MLA_TILE, ds_mla_row_bytes
 from kvwrite.reference._locs import resolve_and_check
 from kvwrite.reference.kv import quantize_fp8
+from kvwrite.reference.nvfp4 import write_mla_nvfp4
 
 
 def _concat(a, kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
@@ -37,7 +38,8 @@ def _rows(make):
 # kv_cache_dtype -> writer(a, token indices, pages, offsets); a format that also writes other
 # buffers (block scales) registers its own writer here.
 WRITERS = {"auto": _rows(_concat), "fp8_e4m3": _rows(_fp8), "fp8_e5m2": _rows(_fp8),
-           "fp8_ds_mla": _rows(lambda a, kv_c, k_pe: ds_mla_rows(kv_c, k_pe))}
+           "fp8_ds_mla": _rows(lambda a, kv_c, k_pe: ds_mla_rows(kv_c, k_pe)),
+           "nvfp4": write_mla_nvfp4}
 
 
 def store_mla(a) -> None:

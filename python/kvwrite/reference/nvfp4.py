@@ -1,4 +1,4 @@
-"""Reference NVFP4 quantiser, its inverse, and the paged NVFP4 K+V store.
+"""Reference NVFP4 quantiser, its inverse, and the paged NVFP4 stores (MHA K+V, MLA rows).
 
 NVFP4 (the format `kernels/_nvfp4.py` implements bit-exactly): a row is cut into blocks of
 BLOCK = 16 consecutive elements. Per block, with an optional fp32 global scale `g` (1 if None):
@@ -107,6 +107,14 @@ def store_kv_nvfp4(a) -> None:
         packed, scale = quantize_nvfp4(x[idx], g)
         cache[page, offset] = packed
         scales[page, offset] = scale
+
+
+def write_mla_nvfp4(a, idx: torch.Tensor, page: torch.Tensor, offset: torch.Tensor) -> None:
+    """`kvwrite.reference.mla` writer of kv_cache_dtype "nvfp4": the row concat(kv_c, k_pe)
+    quantised into `a.kv_cache` and its block scales into `a.scale_cache`."""
+    packed, scale = quantize_nvfp4(torch.cat([a.kv_c[idx], a.k_pe[idx]], dim=-1), a.global_scale)
+    a.kv_cache[page, offset] = packed
+    a.scale_cache[page, offset] = scale
 
 
 def _measure(n_blocks: int = 1 << 16, seed: int = 0) -> dict:
