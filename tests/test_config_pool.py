@@ -2,8 +2,6 @@
 SGLang #33348 regression, out-of-tree variants, missing kernels."""
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 from hypothesis import given, strategies as st
@@ -164,15 +162,6 @@ def test_store_argument_errors():
 
 # --- the invariant: stores fed the allocator's locs never trip guard mode ------------------------
 
-@functools.lru_cache(maxsize=None)
-def available(variant, kv):
-    try:
-        build(variant, kv=kv, tokens=64, page=4)
-    except KernelUnavailable:
-        return False
-    return True
-
-
 @st.composite
 def built_cases(draw):
     variant = draw(st.sampled_from(sorted(TINY)))
@@ -186,8 +175,6 @@ def built_cases(draw):
 
 @given(c=built_cases())
 def test_allocator_locs_never_trip_guard(c):
-    if not available(c["variant"], c["kv"]):
-        return
     pool = build(c["variant"], kv=c["kv"], page=c["page"], tokens=c["tokens"], dcp=c["dcp"], rank=c["rank"],
                  draft=c["draft"], backend=c["backend"])
     plan, g = pool.plan, torch.Generator().manual_seed(c["seed"])
@@ -305,6 +292,18 @@ def test_missing_kernel_is_a_named_error(monkeypatch):
     with pytest.raises(KernelUnavailable, match="variant 'dsa' .*sub-pool 'indexer'.*kvwrite.store_indexer_k"):
         build("dsa")
     build("mla")   # unaffected
+    import kvwrite.ops.mla as mla_op
+    monkeypatch.setattr(mla_op, "FORMATS", {k: v for k, v in mla_op.FORMATS.items() if k != "nvfp4"})
+    with pytest.raises(KernelUnavailable, match="kv_cache_dtype='nvfp4'.*does not support"):
+        build("mla", kv="nvfp4")
+
+    def old_store_kv(k, v, k_cache, v_cache, loc, *, check="off", errors=None, backend="auto"):
+        raise AssertionError("not called")
+    monkeypatch.setattr(kvwrite, "store_kv", old_store_kv)
+    with pytest.raises(KernelUnavailable, match=r"sub-pool 'swa'.*store_kv\(loc_map=\.\.\.\)"):
+        build("swa_hybrid")
+    with pytest.raises(KernelUnavailable, match=r"sharded.*store_kv\(dcp_rank=, dcp_size="):
+        build("mha", dcp=2)
 
 
 @pytest.mark.parametrize("variant", ["mha", "swa_hybrid", "minimax_sparse"])
@@ -335,3 +334,25 @@ def test_nvfp4_pools_store_with_global_scales(variant):
         ib = pool.layer("index", lid)
         back = kvwrite.dequant_nvfp4(rows(ib["k"])[locs], rows(ib["k_scale"])[locs], torch.tensor(0.25))
         assert back.shape == (8, 1, 32) and torch.allclose(back[:, 0], tensors[2].float(), atol=0.5 * float(tensors[2].float().abs().max()))
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("variant", ["mla", "dsa"])
+def test_mla_nvfp4_pools(variant, backend):
+    pool = build(variant, kv="nvfp4", backend=backend, dcp=2, rank=1)
+    locs = pool.allocator().alloc(8)
+    tensors = pool.sample_inputs(1, 8, torch.Generator().manual_seed(10))
+    g = torch.tensor(0.5)
+    pool.store(1, locs, *tensors, global_scale=g)
+    pool.errors.raise_if_any()
+    b = pool.layer("kv", 1)
+    assert set(b) == {"kv", "kv_scale"} and b["kv"].shape[-1] == 72 and b["kv_scale"].shape[-1] == 9
+    twin, twin_scale = torch.zeros_like(b["kv"]), torch.zeros_like(b["kv_scale"])
+    kvwrite.store_mla(tensors[0], tensors[1], twin, locs, kv_cache_dtype="nvfp4", scale_cache=twin_scale,
+                      global_scale=g, dcp_rank=1, dcp_size=2, backend="torch")
+    assert torch.equal(b["kv"], twin) and torch.equal(b["kv_scale"].view(torch.uint8), twin_scale.view(torch.uint8))
+    mine = locs[locs % 2 == 1] // 2
+    back = kvwrite.dequant_nvfp4(rows(b["kv"])[mine], rows(b["kv_scale"])[mine], g)
+    x = torch.cat(tensors[:2], 1)[locs % 2 == 1].float()
+    amax = x.reshape(x.shape[0], -1, 16).abs().amax(-1, keepdim=True)
+    assert bool(((back - x).reshape(x.shape[0], -1, 16).abs() <= amax / 4 + 1e-6).all())
