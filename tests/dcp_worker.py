@@ -10,7 +10,8 @@ from config_models import TINY
 from kvwrite import KVCacheConfigurator, ParallelSpec
 
 PAGE, PER_RANK = 4, 32
-CASES = (("mha", "auto"), ("mha", "fp8_e4m3"), ("mla", "auto"), ("dsa", "fp8_ds_mla"))
+CASES = (("mha", "auto"), ("mha", "fp8_e4m3"), ("mla", "auto"), ("mla", "nvfp4"), ("dsa", "fp8_ds_mla"),
+         ("minimax_sparse", "nvfp4"))
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@ one allocation; each rank stores its shard with the DCP-sharded kernels and the 
 pool; the all-gather of the shards equals the draft pool bit-exactly."""
 from __future__ import annotations
 
+import multiprocessing
 import time
 
 import pytest
@@ -19,6 +20,8 @@ import dcp_worker
 def test_dcp_shards_gather_to_the_draft_pool(tmp_path, world, method):
     backend = "triton" if "triton" in BACKENDS else "torch"
     init = f"file://{tmp_path / 'store'}"
+    if method == "forkserver":   # the server imports torch + kvwrite once; ranks fork from it
+        multiprocessing.set_forkserver_preload(["dcp_worker"])
     start = time.perf_counter()
     ctx = mp.start_processes(dcp_worker.run, args=(world, init, backend), nprocs=world, join=False, start_method=method)
     while not ctx.join(timeout=60):
