@@ -356,3 +356,19 @@ def test_mla_nvfp4_pools(variant, backend):
     x = torch.cat(tensors[:2], 1)[locs % 2 == 1].float()
     amax = x.reshape(x.shape[0], -1, 16).abs().amax(-1, keepdim=True)
     assert bool(((back - x).reshape(x.shape[0], -1, 16).abs() <= amax / 4 + 1e-6).all())
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("variant, kv", [(v, k) for v in sorted(TINY) for k in KV_DTYPES if supported(v, k)])
+def test_a_rank_without_tokens_in_the_batch(variant, kv, backend):
+    """A DCP rank that owns none of a batch's tokens (and an all-padding batch) writes nothing."""
+    pool = build(variant, kv=kv, dcp=2, rank=1, backend=backend)
+    loc = torch.tensor([8, 10, -1, 16], device=DEVICE)           # all even: rank 0's
+    lid = pool.plan.model.kv_layer_ids[-1]
+    if "swa" in pool.plan.spaces:
+        pool.map_swa(loc[loc >= 0], torch.tensor([8, 10, 12]))
+    pool.store(lid, loc, *pool.sample_inputs(lid, 4))
+    pool.store(lid, torch.tensor([-1, -1], device=DEVICE), *pool.sample_inputs(lid, 2))
+    assert pool.errors.error() is None
+    sharded = [p.name for p in pool.plan.pools if p.sharded]
+    untouched(pool, {(p.name, lid) for p in pool.plan.pools if p.name not in sharded})

@@ -175,10 +175,10 @@ def _store_kv_like(pool, sub: str, layer_id: int, loc, k, v, scales: dict, prefi
     k_only = "v" not in b
     if plan.op == "store_kv_nvfp4":
         ks, vs = b["k_scale"], (b["k_scale"] if k_only else b["v_scale"])
-        for mine, theirs in (("k_global_scale", "k_global_scale"), ("v_global_scale", "v_global_scale")):
-            s = scales.get(prefix + (mine if not k_only else "global_scale"))
-            if s is not None:
-                kw[theirs] = s
+        mine = ("global_scale",) * 2 if k_only else ("k_global_scale", "v_global_scale")
+        for theirs, name in zip(("k_global_scale", "v_global_scale"), mine):
+            if scales.get(prefix + name) is not None:
+                kw[theirs] = scales[prefix + name]
         pool.ops[sub](k, v, b["k"], b["k"] if k_only else b["v"], ks, vs, loc, **kw)
         return
     if b["k"].dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
