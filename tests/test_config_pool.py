@@ -169,7 +169,7 @@ def built_cases(draw):
     dcp = draw(st.sampled_from([1, 2, 3, 4, 8]))
     return dict(variant=variant, kv=kv, page=draw(st.sampled_from([1, 2, 4, 16])), dcp=dcp,
                 rank=draw(st.integers(0, dcp - 1)), draft=draw(st.booleans()),
-                tokens=draw(st.integers(16, 96)), n=draw(st.integers(1, 40)), seed=draw(st.integers(0, 99)),
+                tokens=draw(st.integers(32, 96)), n=draw(st.integers(1, 40)), seed=draw(st.integers(0, 99)),
                 backend=draw(st.sampled_from(ALL_BACKENDS)))
 
 
