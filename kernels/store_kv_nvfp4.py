@@ -92,21 +92,20 @@ def launch(a) -> None:
 
 
 def variants():
-    """(name, kernel, pointer dtypes, constexprs) of every variant, for compile_check: input
-    dtype x (global scales, SWA+DCP) x check mode, head dims 128 (K) and 64 (V)."""
+    """(name, kernel, pointer dtypes, constexprs) of every variant, for compile_check: bf16 and
+    fp16 plain, fp32 with global scales + SWA + DCP, each check mode; head dims 128 (K), 64 (V)."""
     import torch
 
     from kvwrite.errors import op_code
 
     for check in (0, 1, 2):
-        for dtype in (torch.float32, torch.float16, torch.bfloat16):
-            for extras in ((False, False), (True, True)) if dtype == torch.bfloat16 else ((False, False),):
-                glob, map_dcp = extras
-                pointers = dict(k_ptr=dtype, v_ptr=dtype, kc_ptr=torch.uint8, vc_ptr=torch.uint8,
-                                ksc_ptr=torch.uint8, vsc_ptr=torch.uint8, kg_ptr=torch.float32,
-                                vg_ptr=torch.float32, loc_ptr=torch.int64, err_ptr=torch.int64,
-                                loc_map_ptr=torch.int32)
-                constexprs = dict(DK=128, DV=64, K_GLOBAL=glob, V_GLOBAL=glob, HAS_MAP=map_dcp,
-                                  HAS_DCP=map_dcp, CHECK=check, OP=op_code("store_kv_nvfp4"), BLOCK_T=4, BLOCK_B=32)
-                name = f"{str(dtype)[6:]}->nvfp4{'+global+map+dcp' if glob else ''}"
-                yield name, store_kv_nvfp4_kernel, pointers, constexprs
+        for dtype, extras in ((torch.bfloat16, False), (torch.float16, False), (torch.float32, True)):
+            pointers = dict(k_ptr=dtype, v_ptr=dtype, kc_ptr=torch.uint8, vc_ptr=torch.uint8,
+                            ksc_ptr=torch.uint8, vsc_ptr=torch.uint8, kg_ptr=torch.float32,
+                            vg_ptr=torch.float32, loc_ptr=torch.int64, err_ptr=torch.int64,
+                            loc_map_ptr=torch.int32)
+            constexprs = dict(DK=128, DV=64, K_GLOBAL=extras, V_GLOBAL=extras, HAS_MAP=extras,
+                              HAS_DCP=extras, CHECK=check, OP=op_code("store_kv_nvfp4"),
+                              BLOCK_T=4, BLOCK_B=32)
+            name = f"{str(dtype)[6:]}->nvfp4{'+global+map+dcp' if extras else ''}"
+            yield name, store_kv_nvfp4_kernel, pointers, constexprs
