@@ -124,3 +124,42 @@ def test_store_kv_ptx_check_modes_are_template_specialisations(tmp_path):
         if re.search(r"EvLi16EEEE", name):  # the 16-byte copy variant
             assert ".v4." in body, name
     assert seen == {0, 1, 2}
+
+
+def test_cpu_only_torch_builds_only_the_cpu_kernels(monkeypatch):
+    """A torch without CUDA: no toolkit is looked for and only ops.cpp (schemas + CPU kernels)
+    is compiled (checked by hand with a CPU-only build: the CUDA key then has no kernel)."""
+    monkeypatch.setattr(torch.version, "cuda", None)
+    cfg = _ext.build_config()
+    assert not cfg["with_cuda"] and "-DKVWRITE_WITH_CUDA" not in cfg["cflags"]
+    assert [s.name for s in _ext.sources(CSRC, cfg["with_cuda"])] == ["ops.cpp"]
+
+
+def test_failed_build_is_reported_and_auto_falls_back_once():
+    """No compiler (simulated: the build raises like cpp_extension does): the cpu backend says
+    why, "auto" warns once and runs the torch reference."""
+    code = """
+import warnings, torch
+from kvwrite import _ext
+def no_compiler(*a, **k):
+    raise RuntimeError("Error building extension 'kvwrite_ext': c++: command not found")
+_ext.build = no_compiler
+_ext._import_aot = lambda: (_ for _ in ()).throw(ImportError("no kvwrite._C"))
+import kvwrite
+why = kvwrite.backends("cpu")["cpu"]
+assert why.startswith("the extension could not be built") and "command not found" in why, why
+kc = torch.zeros(1, 4, 1, 8)
+k = torch.ones(2, 1, 8)
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    for _ in range(2):
+        kvwrite.store_kv(k, k, kc, kc.clone(), torch.tensor([0, 1]))
+assert len([x for x in w if "backend 'cpu' unavailable" in str(x.message)]) == 1
+with __import__("pytest").raises(kvwrite.BackendUnavailable, match="could not be built"):
+    kvwrite.store_kv(k, k, kc, kc.clone(), torch.tensor([0, 1]), backend="cpu")
+print("OK")
+"""
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-2000:]
