@@ -23,7 +23,7 @@ def ds_mla_rows(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
     x = kv_c.float().reshape(n, lora // DS_MLA_TILE, DS_MLA_TILE)
     scale = torch.clamp(x.abs().amax(dim=-1, keepdim=True) / 448.0, min=DS_MLA_SCALE_FLOOR)
     latent = quantize_fp8(x, scale, torch.float8_e4m3fn).view(torch.uint8).reshape(n, lora)
-    scales = scale.reshape(n, lora // DS_MLA_TILE).contiguous().view(torch.uint8)
+    scales = scale.reshape(n, -1).contiguous().view(torch.uint8)
     rope = k_pe.to(torch.bfloat16).contiguous().view(torch.uint8)
     return torch.cat([latent, scales, rope], dim=-1)
 
