@@ -29,6 +29,7 @@ def _triton_import_error() -> str | None:
     return None
 
 
+@lru_cache(maxsize=None)
 def _extension_reason(device_type: str) -> str | None:
     try:
         ext = importlib.import_module("kvwrite._ext")

@@ -47,8 +47,9 @@ def prepare(op: str, device: torch.device, n: int, loc: object, loc_map: object,
     locs = Locs(validate.loc("loc", loc, n, device), validate.loc_map(loc_map, device),
                 *validate.dcp(dcp_rank, dcp_size))
     mode = validate.check_mode(check)
-    if mode == "guard" and errors is None:
-        errors = default_errors(device)
+    if errors is None:
+        # guard mode without a buffer: the device's own default buffer, valid by construction
+        return locs, Check(op, mode, default_errors(device).tensor if mode == "guard" else None)
     record = errors.tensor if isinstance(errors, ErrorBuffer) else errors
     if record is not None:
         if not (isinstance(record, torch.Tensor) and record.dtype == torch.int64
