@@ -26,6 +26,11 @@ step "test suite on CUDA"
     --junitxml "$OUT/junit.xml" ) > "$OUT/tests.log" 2>&1 || status=1
 tail -3 "$OUT/tests.log" | tee -a "$OUT/summary.txt"
 
+step "benchmark sweep (kvwrite bench, full)"
+timeout ${KVWRITE_GPU_BENCH_TIMEOUT:-300} $PY -m kvwrite.cli bench --min-time ${KVWRITE_GPU_BENCH_REP:-0.03} \
+    --out "$OUT/bench" > "$OUT/bench.log" 2>&1 || status=1
+grep -A12 "^## Targets" "$OUT/bench/report.md" 2>/dev/null | tee -a "$OUT/summary.txt" || tail -5 "$OUT/bench.log" | tee -a "$OUT/summary.txt"
+
 # Later issues add their steps (sanitizer, benchmarks) above this line.
 step "done (status $status)"
 exit $status

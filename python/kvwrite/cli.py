@@ -10,6 +10,7 @@ import sys
 
 COMMANDS = (
     "kvwrite.demo",
+    "kvwrite.bench.cli",
 )
 
 

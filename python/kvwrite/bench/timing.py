@@ -16,13 +16,16 @@ import torch
 Fn = Callable[[], None]
 
 
-def cpu_median_us(fn: Fn, min_time: float = 0.05, max_repeats: int = 9) -> float:
-    """Median µs per call of `fn` on the host (call after one warm-up call)."""
+def cpu_median_us(fn: Fn, min_time: float = 0.05, max_repeats: int = 15) -> float:
+    """Median µs per call of `fn` on the host: batches of `inner` calls (inner calibrated on the
+    fastest of three single calls), at least 5 batches, median of the batch means."""
     fn()
-    t0 = time.perf_counter_ns()
-    fn()
-    once = max(time.perf_counter_ns() - t0, 1) * 1e-9
-    repeats = int(min(max_repeats, max(3, min_time / once)))
+    once = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter_ns()
+        fn()
+        once = min(once, max(time.perf_counter_ns() - t0, 1) * 1e-9)
+    repeats = int(min(max_repeats, max(5, min_time / once)))
     inner = max(1, min(10_000, int(min_time / repeats / once)))
     samples = []
     for _ in range(repeats):

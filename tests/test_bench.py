@@ -1,0 +1,76 @@
+"""`kvwrite bench` in a tiny configuration: it runs, writes JSON / markdown / plot, and its
+rows are consistent; the case registry and the paged locs behave."""
+import json
+
+import pytest
+import torch
+
+import kvwrite
+from kvwrite.bench import cases, report
+from kvwrite.cli import main
+
+
+def test_paged_locs_are_unique_whole_shuffled_pages_inside_the_pool():
+    gen = torch.Generator().manual_seed(1)
+    loc, num_pages = cases.paged_locs(100, 16, torch.device("cpu"), gen)
+    assert loc.dtype == torch.int64 and loc.shape == (100,)
+    assert loc.unique().numel() == 100
+    assert int(loc.min()) >= 16 and int(loc.max()) < num_pages * 16  # page 0 kept for padding
+    pages = (loc // 16).tolist()
+    starts = [pages[i] for i in range(0, 100, 16)]
+    assert starts != sorted(starts)  # shuffled pages ...
+    assert all(int(loc[i + 1] - loc[i]) == 1 for i in range(99) if (i + 1) % 16)  # ... filled in order
+
+
+def test_registry_skips_ops_missing_from_this_kvwrite(monkeypatch):
+    monkeypatch.setitem(cases.REGISTRY, "store_nonexistent",
+                        [cases.Case("ghost", "store_nonexistent", "not an op", lambda *a: None)])
+    chosen, skipped = cases.available()
+    assert "store_nonexistent" in skipped and all(c.op != "store_nonexistent" for c in chosen)
+    assert {c.name for c in chosen} >= {"mha-bf16", "mha-fp8"}
+    with pytest.raises(ValueError, match="unknown case"):
+        cases.available(["no-such-case"])
+
+
+@pytest.mark.parametrize("name", ["mha-bf16", "mha-fp8"])
+def test_case_call_matches_its_baseline(name):
+    """The kvwrite call and the torch-index baseline of a case write the same bytes."""
+    case = next(c for g in cases.REGISTRY.values() for c in g if c.name == name)
+    setup = case.build(40, torch.device("cpu"), torch.Generator().manual_seed(2))
+    setup.call("torch", "off", None)
+    before = [t.clone() for t in _caches(setup)]
+    for t in _caches(setup):
+        t.view(torch.uint8).zero_()
+    setup.baselines["torch-index"]()
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(before, _caches(setup)))
+    assert setup.bytes_moved > 0 and setup.raw is not None
+
+
+def _caches(setup):
+    cells = [c.cell_contents for c in setup.call.__closure__]
+    return [c for c in cells if isinstance(c, torch.Tensor) and c.dim() == 4]
+
+
+def test_bench_tiny_run_writes_json_report_and_plot(tmp_path):
+    threads = torch.get_num_threads()
+    rc = main(["bench", "--device", "cpu", "--sizes", "1,8", "--cases", "mha-bf16",
+               "--backends", "torch", "--checks", "off,guard", "--min-time", "0.001",
+               "--out", str(tmp_path), "--quiet"])
+    assert rc == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["machine"]["kind"] == "cpu" and result["versions"]["torch"] == torch.__version__
+    rows = result["rows"]
+    assert {(r["impl"], r["check"], r["n"]) for r in rows if r["kind"] == "kvwrite"} == {
+        ("torch", c, n) for c in ("off", "guard") for n in (1, 8)}
+    assert {r["impl"] for r in rows if r["kind"] == "baseline"} >= {"torch-index", "index_copy_"}
+    for r in rows:
+        assert r["us"] > 0 and r["bytes"] > 0 and r["gbps"] > 0
+        copy = next(c for c in rows if c["kind"] == "copy" and c["n"] == r["n"])
+        assert r["pct_copy"] == pytest.approx(100 * copy["us"] / r["us"], rel=0.01, abs=0.1)
+    assert {h["what"] for h in result["host"]} == {"wrapper", "raw index_put_"}
+    assert [t["target"] for t in result["targets"]] == [t["target"] for t in report.targets(result)]
+    text = (tmp_path / "report.md").read_text()
+    assert "kvwrite bench — cpu" in text and result["machine"]["cpu"] in text and "## Targets" in text
+    assert "mha-bf16" in text and torch.get_num_threads() == threads  # restored
+    assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
+    assert kvwrite.default_errors("cpu").error() is None
