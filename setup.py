@@ -1,8 +1,21 @@
 """Installs kvwrite: the Python API from python/kvwrite, the Triton kernels from kernels/."""
+import os
+
 from setuptools import find_packages, setup
 
 # python/kvwrite is the `kvwrite` package; kernels/ is installed as `kvwrite.kernels`.
 PACKAGES = ["kvwrite", "kvwrite.kernels"] + [f"kvwrite.{p}" for p in find_packages("python/kvwrite")]
+
+# KVWRITE_BUILD_EXT=1: also build the C++/CUDA extension (csrc/) ahead of time as kvwrite._C,
+# with the sources and flags of the JIT build (python/kvwrite/_ext.py; ninja via BuildExtension).
+EXT = {}
+if os.environ.get("KVWRITE_BUILD_EXT", "0") == "1":
+    import importlib.util
+
+    _spec = importlib.util.spec_from_file_location("_kvwrite_ext_build", "python/kvwrite/_ext.py")
+    _ext = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_ext)
+    EXT["ext_modules"], EXT["cmdclass"] = _ext.aot_extension(os.path.abspath("csrc"))
 
 setup(
     name="kvwrite",
@@ -14,4 +27,5 @@ setup(
     install_requires=["torch>=2.4", "numpy"],
     extras_require={"triton": ["triton"], "cli": ["rich"]},
     entry_points={"console_scripts": ["kvwrite=kvwrite.cli:main"]},
+    **EXT,
 )

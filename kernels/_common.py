@@ -109,3 +109,10 @@ def fp8_bits(x, FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
     subnormal = (((tiny + magic) - magic) * (2.0 ** (MANT - EMIN))).to(tl.int32)
     code = tl.where(ax < 2.0 ** EMIN, subnormal, normal)
     return code | ((xbits >> 24) & 0x80)
+
+
+@triton.jit
+def store_le_bytes(dst_ptr, addr, bits, mask, NBYTES: tl.constexpr):
+    """Store the low NBYTES bytes of int32 `bits`, little-endian, at byte addresses `addr`."""
+    for i in tl.static_range(NBYTES):
+        tl.store(dst_ptr + addr + i, ((bits >> (8 * i)) & 0xFF).to(tl.uint8), mask=mask)

@@ -2,11 +2,16 @@
 from kvwrite.backend import BackendUnavailable, backends
 from kvwrite.errors import ErrorBuffer, OutOfBoundsWrite, default_errors
 from kvwrite.geometry import GeometryError, PageGeometry
+from kvwrite.ops.indexer_k import store_indexer_k
 from kvwrite.ops.kv import store_kv
+from kvwrite.ops.mla import store_mla
+from kvwrite.reference.indexer_k import read_indexer_k
+from kvwrite.reference.mla import dequant_ds_mla
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BackendUnavailable", "ErrorBuffer", "GeometryError", "OutOfBoundsWrite", "PageGeometry",
     "backends", "default_errors", "store_kv",
+    "dequant_ds_mla", "read_indexer_k", "store_indexer_k", "store_mla",
 ]

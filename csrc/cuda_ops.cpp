@@ -1,0 +1,31 @@
+// CUDA registrations of the kvwrite_ext ops: tensors -> params (params.h), then the launchers of
+// csrc/*.cu on the current stream. No host sync; CUDA-graph safe.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "launch.h"
+#include "params.h"
+
+namespace kvwrite {
+namespace {
+
+void check_launch(cudaError_t err) {
+  TORCH_CHECK(err == cudaSuccess, "kvwrite: CUDA kernel launch failed: ", cudaGetErrorString(err));
+}
+
+void store_kv_cuda(const Tensor& k, const Tensor& v, const Tensor& k_cache, const Tensor& v_cache,
+                   const OptTensor& k_scale, const OptTensor& v_scale, const Tensor& loc,
+                   const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size,
+                   int64_t check, int64_t op) {
+  const c10::cuda::CUDAGuard guard(k.device());
+  const StoreKVParams p = store_kv_params(k, v, k_cache, v_cache, k_scale, v_scale, loc, loc_map, errors,
+                                          dcp_rank, dcp_size, check, op);
+  if (p.locs.n == 0) return;
+  check_launch(launch_store_kv(p, int(check), c10::cuda::getCurrentCUDAStream()));
+}
+
+}  // namespace
+}  // namespace kvwrite
+
+TORCH_LIBRARY_IMPL(kvwrite_ext, CUDA, m) { m.impl("store_kv", &kvwrite::store_kv_cuda); }

@@ -1,0 +1,77 @@
+// Host-side helpers shared by the CUDA launchers and the CPU kernels: runtime arguments ->
+// template parameters, and the thread mapping of the CUDA kernels. No torch, no CUDA headers.
+#pragma once
+
+#include <stdexcept>
+#include <type_traits>
+
+#include "common.h"
+#include "fp8.h"
+
+namespace kvwrite {
+
+template <int V>
+using IntTag = std::integral_constant<int, V>;
+template <DType T>
+using DTypeTag = std::integral_constant<DType, T>;
+template <class T>
+struct TypeTag {
+  using type = T;
+};
+
+template <class F>
+void with_check(int check, F&& f) {
+  switch (check) {
+    case CHECK_OFF: return f(IntTag<CHECK_OFF>{});
+    case CHECK_ASSERT: return f(IntTag<CHECK_ASSERT>{});
+    case CHECK_GUARD: return f(IntTag<CHECK_GUARD>{});
+    default: throw std::invalid_argument("kvwrite: check must be 0 (off), 1 (assert) or 2 (guard)");
+  }
+}
+
+template <class F>
+void with_float_dtype(DType t, F&& f) {
+  switch (t) {
+    case DType::F32: return f(DTypeTag<DType::F32>{});
+    case DType::F16: return f(DTypeTag<DType::F16>{});
+    case DType::BF16: return f(DTypeTag<DType::BF16>{});
+    default: throw std::invalid_argument("kvwrite: inputs must be float32, float16 or bfloat16");
+  }
+}
+
+template <class F>
+void with_fp8(DType t, F&& f) {
+  switch (t) {
+    case DType::E4M3: return f(TypeTag<E4M3>{});
+    case DType::E5M2: return f(TypeTag<E5M2>{});
+    default: throw std::invalid_argument("kvwrite: fp8 cache must be float8_e4m3fn or float8_e5m2");
+  }
+}
+
+template <class F>
+void with_vec(int bytes, F&& f) {
+  switch (bytes) {
+    case 16: return f(IntTag<16>{});
+    case 8: return f(IntTag<8>{});
+    case 4: return f(IntTag<4>{});
+    case 2: return f(IntTag<2>{});
+    default: return f(IntTag<1>{});
+  }
+}
+
+// CUDA launch shape: `group` threads per token (a power of two covering one token's work, 32 to
+// 256), so decode-size batches spread a row over many threads and prefill-size batches pack
+// several tokens into a 256-thread block.
+struct LaunchShape {
+  i64 blocks;
+  int threads, group;
+};
+
+inline LaunchShape launch_shape(i64 n_tokens, i64 work_per_token, int threads = 256) {
+  int group = 32;
+  while (group < threads && group < work_per_token) group *= 2;
+  const int per_block = threads / group;
+  return LaunchShape{ceil_div(n_tokens, per_block), threads, group};
+}
+
+}  // namespace kvwrite

@@ -1,0 +1,57 @@
+// fp8 rounding by fp32 bit arithmetic (the twin of kernels/_common.fp8_bits): saturate, then
+// round to nearest even; bit-identical to torch's `.to(float8_*)` of a finite value on CPU, on
+// every backend, and valid on sm_80 (no e4m3 type: the code is stored as a byte).
+#pragma once
+
+#include "common.h"
+
+namespace kvwrite {
+
+KVW_HD float pow2f(int e) { return bits_to_float(uint32_t(e + 127) << 23); }  // normal range only
+
+// A storage format: MANT mantissa bits, smallest normal exponent EMIN, largest finite value.
+template <int MANT, int EMIN>
+struct Fp8Format {
+  static constexpr int mant = MANT, emin = EMIN;
+};
+using E4M3 = Fp8Format<3, -6>;   // float8_e4m3fn, max 448
+using E5M2 = Fp8Format<2, -14>;  // float8_e5m2, max 57344
+
+template <class F>
+KVW_HD float fp8_max() {
+  return F::mant == 3 ? 448.0f : 57344.0f;
+}
+
+template <class F>
+KVW_HD uint8_t fp8_bits(float x) {
+  constexpr int MANT = F::mant, EMIN = F::emin;
+  const float fmax = fp8_max<F>();
+  if (x != x) return uint8_t(0x7F | ((float_to_bits(x) >> 24) & 0x80));  // NaN
+  x = x < -fmax ? -fmax : (x > fmax ? fmax : x);
+  const uint32_t xbits = float_to_bits(x);
+  const float ax = x < 0 ? -x : x;
+  const uint32_t bits = xbits & 0x7FFFFFFFu;
+  constexpr int drop = 23 - MANT;
+  constexpr uint32_t half = (1u << (drop - 1)) - 1;
+  int32_t normal = int32_t((bits + half + ((bits >> drop) & 1u)) >> drop);  // RNE; carry bumps exp
+  constexpr int bias = 1 - EMIN;
+  normal -= (127 - bias) << MANT;
+  const float smallest_normal = pow2f(EMIN);
+  const float magic = pow2f(EMIN - MANT + 23);  // fp32 add rounds to the subnormal step
+  const float tiny = ax < smallest_normal ? ax : smallest_normal;
+  float rounded = (tiny + magic) - magic;
+  const int32_t subnormal = int32_t(rounded * pow2f(MANT - EMIN));
+  const int32_t code = ax < smallest_normal ? subnormal : normal;
+  return uint8_t(code | ((xbits >> 24) & 0x80));
+}
+
+// e4m3fn code -> float (exact).
+KVW_HD float e4m3_to_float(uint8_t c) {
+  const uint32_t sign = uint32_t(c & 0x80) << 24;
+  const int exp = (c >> 3) & 0xF, mant = c & 7;
+  if (exp == 0xF && mant == 7) return bits_to_float(sign | 0x7FC00000u);
+  float mag = exp == 0 ? float(mant) * pow2f(-9) : bits_to_float(uint32_t(exp - 7 + 127) << 23 | uint32_t(mant) << 20);
+  return bits_to_float(sign | float_to_bits(mag));
+}
+
+}  // namespace kvwrite

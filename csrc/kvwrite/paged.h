@@ -1,0 +1,51 @@
+// Paged cache addressing, written once (FlashInfer paged_kv_t style): a cache is a base pointer
+// and the strides of its canonical [pages, pool_page_size, heads, feat] shape; NHD and HND are
+// two sets of strides, not two code paths. `elem_offset` is the only address arithmetic (int64).
+#pragma once
+
+#include "common.h"
+
+namespace kvwrite {
+
+struct PagedCache {
+  char* base = nullptr;
+  i64 stride_page = 0, stride_entry = 0, stride_head = 0;  // in elements; feat stride is 1
+  i64 pool_page_size = 1;
+  int elem_size = 1;
+
+  KVW_HD i64 elem_offset(i64 page, i64 entry, i64 head, i64 feat) const {
+    return page * stride_page + entry * stride_entry + head * stride_head + feat;
+  }
+  // Byte address of element `feat` of `head` at local row `row` (page = row / pool_page_size).
+  KVW_HD char* at(i64 row, i64 head, i64 feat) const {
+    i64 page = row / pool_page_size;
+    return base + elem_offset(page, row - page * pool_page_size, head, feat) * elem_size;
+  }
+};
+
+// Copy one `B`-byte unit (B = 16: one vector load/store when the caller checked alignment).
+template <int B>
+KVW_HD void copy_unit(char* dst, const char* src) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (B == 16) {
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+  } else if constexpr (B == 8) {
+    *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(src);
+  } else if constexpr (B == 4) {
+    *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(src);
+  } else if constexpr (B == 2) {
+    *reinterpret_cast<uint16_t*>(dst) = *reinterpret_cast<const uint16_t*>(src);
+  } else {
+    *dst = *src;
+  }
+#else
+  memcpy(dst, src, B);
+#endif
+}
+
+// Largest unit in {16, 8, 4, 2, 1} bytes dividing every given byte offset/length.
+KVW_HD int vec_bytes(uint64_t any_of) {
+  return (any_of & 15) == 0 ? 16 : (any_of & 7) == 0 ? 8 : (any_of & 3) == 0 ? 4 : (any_of & 1) == 0 ? 2 : 1;
+}
+
+}  // namespace kvwrite

@@ -1,0 +1,102 @@
+// Guard-mode error record and assert-mode failure: the ErrorBuffer layout of kvwrite/errors.py.
+//
+// int64[16]: slot COUNT counts bad tokens (atomic add); every other slot holds a packed key
+// `token << 32 | uint32 chunk` updated with an atomic min, so the lowest bad token's fields win
+// and stay mutually consistent without a lock (the Triton kernels write the same keys).
+#pragma once
+
+#include <cstdio>
+
+#include "common.h"
+
+#if defined(__CUDACC__)
+// The device assert the CUDA runtime reports as "device-side assert triggered".
+extern "C" __host__ __device__ void __assertfail(const char* message, const char* file,
+                                                 unsigned int line, const char* function,
+                                                 size_t char_size);
+#endif
+
+namespace kvwrite {
+
+namespace slot {
+constexpr int COUNT = 0, LOC_LO = 1, LOC_HI = 2, TARGET_LO = 3, TARGET_HI = 4, LIMIT_LO = 5,
+              LIMIT_HI = 6, POOL_PAGE_SIZE = 7, META = 8, NUM_SLOTS = 16;
+}
+constexpr i64 EMPTY = INT64_MAX;
+enum Kind : int { KIND_POOL = 0, KIND_LOC_MAP = 1 };
+
+// Op codes of kvwrite.errors.OPS (append only).
+enum Op : int { OP_STORE_KV = 0, OP_STORE_MLA = 1, OP_STORE_INDEXER_K = 2, OP_STORE_KV_NVFP4 = 3 };
+
+KVW_HD void atomic_min_i64(i64* p, i64 v) {
+#if defined(__CUDA_ARCH__)
+  atomicMin(reinterpret_cast<long long*>(p), static_cast<long long>(v));
+#else
+  i64 cur = __atomic_load_n(p, __ATOMIC_RELAXED);
+  while (v < cur && !__atomic_compare_exchange_n(p, &cur, v, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+  }
+#endif
+}
+
+KVW_HD void atomic_add_i64(i64* p, i64 v) {
+#if defined(__CUDA_ARCH__)
+  atomicAdd(reinterpret_cast<unsigned long long*>(p), static_cast<unsigned long long>(v));
+#else
+  __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+#endif
+}
+
+// One out-of-range token, as resolve() describes it.
+struct Violation {
+  i64 token, loc, target, limit, pool_page_size;
+  int kind, op;
+};
+
+KVW_HD i64 packed(i64 token, i64 value) { return (token << 32) | (value & 0xFFFFFFFFll); }
+
+// Fold one bad token into the record (guard mode; the CPU assert pre-scan too).
+KVW_HD void record(i64* err, const Violation& v) {
+  atomic_min_i64(err + slot::LOC_LO, packed(v.token, v.loc));
+  atomic_min_i64(err + slot::LOC_HI, packed(v.token, v.loc >> 32));
+  atomic_min_i64(err + slot::TARGET_LO, packed(v.token, v.target));
+  atomic_min_i64(err + slot::TARGET_HI, packed(v.token, v.target >> 32));
+  atomic_min_i64(err + slot::LIMIT_LO, packed(v.token, v.limit));
+  atomic_min_i64(err + slot::LIMIT_HI, packed(v.token, v.limit >> 32));
+  atomic_min_i64(err + slot::POOL_PAGE_SIZE, packed(v.token, v.pool_page_size));
+  atomic_min_i64(err + slot::META, packed(v.token, v.op | (v.kind << 8)));
+  atomic_add_i64(err + slot::COUNT, 1);
+}
+
+// Assert mode on a GPU: print the token, loc, page and capacity, then a device-side assert
+// (fatal for the CUDA context, like torch's index asserts). The CPU kernels throw instead
+// (see csrc/ops.cpp), after a pre-scan, before any write.
+KVW_HD void device_assert(const Violation& v) {
+#if defined(__CUDA_ARCH__)
+  if (v.kind == KIND_LOC_MAP) {
+    printf("kvwrite: check=assert: op %d token %lld loc %lld is outside loc_map (length %lld)\n",
+           v.op, (long long)v.token, (long long)v.loc, (long long)v.limit);
+  } else {
+    printf("kvwrite: check=assert: op %d token %lld loc %lld (local %lld) page %lld, pool has %lld "
+           "pages of %lld rows (capacity %lld)\n",
+           v.op, (long long)v.token, (long long)v.loc, (long long)v.target,
+           (long long)(v.target >= 0 ? v.target / v.pool_page_size : -1),
+           (long long)(v.limit / v.pool_page_size), (long long)v.pool_page_size, (long long)v.limit);
+  }
+  __assertfail("kvwrite: store loc outside the pool (check=assert)", __FILE__, __LINE__,
+               "kvwrite::device_assert", 1);
+#else
+  (void)v;
+#endif
+}
+
+// What a kernel does with a bad token in mode CHECK (it never writes it).
+template <int CHECK>
+KVW_HD void on_bad(i64* err, const Violation& v) {
+  if constexpr (CHECK == CHECK_GUARD) {
+    record(err, v);
+  } else if constexpr (CHECK == CHECK_ASSERT) {
+    device_assert(v);
+  }
+}
+
+}  // namespace kvwrite

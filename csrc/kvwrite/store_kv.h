@@ -1,0 +1,80 @@
+// store_kv: the fused paged K+V store of MHA/GQA (copy, or fp8 saturate(x / scale)).
+// One token's work is `store_kv_token`, split over `nlanes` lanes (CUDA threads; 1 on the CPU).
+#pragma once
+
+#include <type_traits>
+
+#include "fp8.h"
+#include "locs.h"
+#include "paged.h"
+
+namespace kvwrite {
+
+// One of K or V: source rows [n, H, D] (strides in elements, feat stride 1) and its cache.
+struct KVSide {
+  const char* src = nullptr;
+  i64 s_tok = 0, s_head = 0;
+  PagedCache cache;
+  const float* scale = nullptr;  // fp8: [1] or [H]
+  i64 scale_stride = 0;          // 0 (per tensor) or 1 (per head)
+  int D = 0;
+};
+
+struct StoreKVParams {
+  KVSide k, v;
+  int H = 0;
+  DType in_dtype = DType::F32;
+  DType cache_dtype = DType::F32;  // = in_dtype (copy) or E4M3 / E5M2
+  LocArgs locs;
+};
+
+// Bytes per copy unit for a plain copy: 16 where every row start and row length allows.
+inline int store_kv_vec(const StoreKVParams& p) {
+  const i64 es = dtype_size(p.in_dtype);
+  uint64_t bits = 0;
+  for (const KVSide* s : {&p.k, &p.v}) {
+    bits |= uint64_t(s->D * es) | uint64_t(reinterpret_cast<uintptr_t>(s->src)) |
+            uint64_t(s->s_tok * es) | uint64_t(s->s_head * es) |
+            uint64_t(reinterpret_cast<uintptr_t>(s->cache.base)) | uint64_t(s->cache.stride_page * es) |
+            uint64_t(s->cache.stride_entry * es) | uint64_t(s->cache.stride_head * es);
+  }
+  return vec_bytes(bits);
+}
+
+// Copy side `s` of token i to `row`, VEC bytes at a time, lanes striding over H * D.
+template <int VEC>
+KVW_HD void copy_side(const KVSide& s, int H, int es, i64 i, i64 row, int lane, int nlanes) {
+  const int units = s.D * es / VEC;
+  for (int u = lane; u < H * units; u += nlanes) {
+    const int h = u / units, b = (u - h * units) * VEC;
+    copy_unit<VEC>(s.cache.at(row, h, 0) + b, s.src + (i * s.s_tok + h * s.s_head) * es + b);
+  }
+}
+
+// Quantise side `s` of token i to fp8 format F: code = fp8(x / scale[h]), x in input type IN.
+template <DType IN, class F>
+KVW_HD void quant_side(const KVSide& s, int H, i64 i, i64 row, int lane, int nlanes) {
+  for (int e = lane; e < H * s.D; e += nlanes) {
+    const int h = e / s.D, d = e - h * s.D;
+    const float x = load_float<IN>(s.src, i * s.s_tok + h * s.s_head + d);
+    *reinterpret_cast<uint8_t*>(s.cache.at(row, h, d)) = fp8_bits<F>(x / s.scale[h * s.scale_stride]);
+  }
+}
+
+// The whole store of token i. OUT: void = plain copy of VEC-byte units (IN unused); else the
+// fp8 format, elementwise (VEC unused).
+template <int CHECK, DType IN, class OUT, int VEC>
+KVW_HD void store_kv_token(const StoreKVParams& p, i64 i, int lane, int nlanes) {
+  const Resolved r = resolve_checked<CHECK>(p.locs, i, lane == 0);
+  if (!r.write) return;
+  if constexpr (std::is_void<OUT>::value) {
+    const int es = dtype_size(p.in_dtype);  // a copy needs only the element size
+    copy_side<VEC>(p.k, p.H, es, i, r.row, lane, nlanes);
+    copy_side<VEC>(p.v, p.H, es, i, r.row, lane, nlanes);
+  } else {
+    quant_side<IN, OUT>(p.k, p.H, i, r.row, lane, nlanes);
+    quant_side<IN, OUT>(p.v, p.H, i, r.row, lane, nlanes);
+  }
+}
+
+}  // namespace kvwrite

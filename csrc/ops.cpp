@@ -1,0 +1,106 @@
+// The kvwrite_ext op library: schemas (TORCH_LIBRARY) and the CPU kernels (TORCH_LIBRARY_IMPL,
+// CPU key). The CPU kernels run the same header functions as the CUDA kernels, one token per
+// iteration of at::parallel_for; kvwrite's backend="cpu".
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <sstream>
+
+#include "kvwrite/dispatch.h"
+#include "params.h"
+
+namespace kvwrite {
+namespace {
+
+constexpr int64_t GRAIN = 64;  // tokens per parallel_for chunk
+
+const char* const OP_NAMES[] = {"store_kv", "store_mla", "store_indexer_k", "store_kv_nvfp4"};
+
+i64 unpack(const i64* rec, int lo) {
+  return i64((uint64_t(rec[lo + 1]) & 0xFFFFFFFFull) << 32 | (uint64_t(rec[lo]) & 0xFFFFFFFFull));
+}
+
+// Assert mode on the CPU: before any write, scan every token; record the bad ones (into
+// `errors` when the caller passed one, so kvwrite raises its OutOfBoundsWrite from it) and throw.
+void assert_prescan(const LocArgs& a) {
+  i64 local[slot::NUM_SLOTS];
+  for (int s = 0; s < slot::NUM_SLOTS; ++s) local[s] = s == slot::COUNT ? 0 : EMPTY;
+  i64* rec = a.errors != nullptr ? a.errors : local;
+  const i64 before = rec[slot::COUNT];
+  at::parallel_for(0, a.n, GRAIN, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const Resolved r = resolve<CHECK_ASSERT>(a, i);
+      if (r.bad) record(rec, violation(a, i, r));
+    }
+  });
+  if (rec[slot::COUNT] == before) return;
+  const i64 token = rec[slot::META] >> 32, loc = unpack(rec, slot::LOC_LO);
+  const i64 target = unpack(rec, slot::TARGET_LO), limit = unpack(rec, slot::LIMIT_LO);
+  const int kind = int((rec[slot::META] & 0xFFFFFFFF) >> 8);
+  std::ostringstream msg;
+  msg << "kvwrite: store loc outside the pool (check=assert): " << OP_NAMES[a.op] << ": token " << token
+      << " loc " << loc;
+  if (kind == KIND_LOC_MAP) {
+    msg << " is outside loc_map (length " << limit << ")";
+  } else {
+    msg << " (local " << target << ") page " << (target >= 0 ? target / a.pool_page_size : -1) << ", pool has "
+        << limit / a.pool_page_size << " pages of " << a.pool_page_size << " rows (capacity " << limit << ")";
+  }
+  msg << "; " << rec[slot::COUNT] - before << " bad token(s)";
+  TORCH_CHECK(false, msg.str());
+}
+
+// Run `token(i)` for every token, in parallel, after the assert pre-scan.
+template <class Body>
+void for_tokens(const LocArgs& a, int64_t check, Body&& token) {
+  if (check == CHECK_ASSERT) assert_prescan(a);
+  at::parallel_for(0, a.n, GRAIN, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) token(i);
+  });
+}
+
+void store_kv_cpu(const Tensor& k, const Tensor& v, const Tensor& k_cache, const Tensor& v_cache,
+                  const OptTensor& k_scale, const OptTensor& v_scale, const Tensor& loc,
+                  const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size,
+                  int64_t check, int64_t op) {
+  const StoreKVParams p = store_kv_params(k, v, k_cache, v_cache, k_scale, v_scale, loc, loc_map, errors,
+                                          dcp_rank, dcp_size, check, op);
+  with_check(int(check), [&](auto c) {
+    if (p.cache_dtype == p.in_dtype) {
+      with_vec(store_kv_vec(p), [&](auto vec) {
+        for_tokens(p.locs, check, [&](i64 i) { store_kv_token<c.value, DType::F32, void, vec.value>(p, i, 0, 1); });
+      });
+    } else {
+      with_float_dtype(p.in_dtype, [&](auto in) {
+        with_fp8(p.cache_dtype, [&](auto fmt) {
+          for_tokens(p.locs, check, [&](i64 i) {
+            store_kv_token<c.value, in.value, typename decltype(fmt)::type, 1>(p, i, 0, 1);
+          });
+        });
+      });
+    }
+  });
+}
+
+}  // namespace
+}  // namespace kvwrite
+
+// Every op ends with the same tail: loc, loc_map, errors, dcp_rank, dcp_size, check, op.
+#define KVW_TAIL "Tensor loc, Tensor? loc_map, Tensor(z!)? errors, int dcp_rank, int dcp_size, int check, int op"
+
+TORCH_LIBRARY(kvwrite_ext, m) {
+  m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k_scale, "
+        "Tensor? v_scale, " KVW_TAIL ") -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvwrite_ext, CPU, m) { m.impl("store_kv", &kvwrite::store_kv_cpu); }
+
+#ifdef KVWRITE_PYTHON_MODULE
+// The ahead-of-time build (setup.py) is the importable module kvwrite._C: importing it runs the
+// registrations above. The JIT build is loaded with torch.ops.load_library instead.
+#include <Python.h>
+PyMODINIT_FUNC PyInit__C(void) {
+  static PyModuleDef def = {PyModuleDef_HEAD_INIT, "_C", "kvwrite C++/CUDA kernels (torch.ops.kvwrite_ext)", -1, nullptr};
+  return PyModule_Create(&def);
+}
+#endif

@@ -1,0 +1,134 @@
+// Tensors -> kernel parameter structs (host only, torch). Shared by the CPU kernels (ops.cpp)
+// and the CUDA registration (cuda_ops.cpp). The Python layer (kvwrite.ops.*) has already
+// validated every argument with named errors; the checks here only guard direct callers.
+#pragma once
+
+#include <optional>
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include "kvwrite/store_kv.h"
+
+namespace kvwrite {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+inline DType dtype_of(const Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::F32;
+    case at::kHalf: return DType::F16;
+    case at::kBFloat16: return DType::BF16;
+    case at::kByte: return DType::U8;
+    case at::kFloat8_e4m3fn: return DType::E4M3;
+    case at::kFloat8_e5m2: return DType::E5M2;
+    default: TORCH_CHECK(false, "kvwrite: unsupported dtype ", t.scalar_type());
+  }
+}
+
+inline void check_same_device(const Tensor& ref, const Tensor& t, const char* name) {
+  TORCH_CHECK(t.device() == ref.device(), "kvwrite: ", name, " is on ", t.device(), " but the inputs are on ",
+              ref.device());
+}
+
+// A canonical [pages, pool_page_size, heads, feat] cache view (feat contiguous).
+inline PagedCache paged(const Tensor& c, const char* name) {
+  TORCH_CHECK(c.dim() == 4, "kvwrite: ", name, " must be a 4-D [pages, rows, heads, feat] view");
+  TORCH_CHECK(c.size(3) <= 1 || c.stride(3) == 1, "kvwrite: ", name, " must be contiguous in its last dim");
+  PagedCache p;
+  p.base = static_cast<char*>(c.data_ptr());
+  p.stride_page = c.stride(0);
+  p.stride_entry = c.stride(1);
+  p.stride_head = c.stride(2);
+  p.pool_page_size = c.size(1);
+  p.elem_size = int(c.element_size());
+  return p;
+}
+
+inline LocArgs loc_args(const Tensor& loc, const OptTensor& loc_map, const OptTensor& errors,
+                        int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op,
+                        int64_t capacity, int64_t pool_page_size, const Tensor& ref) {
+  TORCH_CHECK(loc.dim() == 1 && (loc.scalar_type() == at::kInt || loc.scalar_type() == at::kLong),
+              "kvwrite: loc must be a 1-D int32/int64 tensor");
+  TORCH_CHECK(loc.numel() <= 1 || loc.stride(0) == 1, "kvwrite: loc must be contiguous");
+  TORCH_CHECK(dcp_size >= 1 && 0 <= dcp_rank && dcp_rank < dcp_size, "kvwrite: bad dcp_rank/dcp_size");
+  TORCH_CHECK(0 <= check && check <= 2, "kvwrite: check must be 0, 1 or 2");
+  check_same_device(ref, loc, "loc");
+  LocArgs a;
+  a.loc = loc.data_ptr();
+  a.loc64 = loc.scalar_type() == at::kLong;
+  a.n = loc.size(0);
+  if (loc_map.has_value()) {
+    const Tensor& m = *loc_map;
+    TORCH_CHECK(m.dim() == 1 && (m.scalar_type() == at::kInt || m.scalar_type() == at::kLong) &&
+                    (m.numel() <= 1 || m.stride(0) == 1),
+                "kvwrite: loc_map must be a contiguous 1-D int32/int64 tensor");
+    check_same_device(ref, m, "loc_map");
+    a.loc_map = m.data_ptr();
+    a.map64 = m.scalar_type() == at::kLong;
+    a.map_len = m.size(0);
+  }
+  if (errors.has_value()) {
+    const Tensor& e = *errors;
+    TORCH_CHECK(e.scalar_type() == at::kLong && e.dim() == 1 && e.size(0) == slot::NUM_SLOTS && e.is_contiguous(),
+                "kvwrite: errors must be a contiguous int64[16] ErrorBuffer tensor");
+    check_same_device(ref, e, "errors");
+    a.errors = e.data_ptr<int64_t>();
+  }
+  TORCH_CHECK(check != CHECK_GUARD || a.errors != nullptr, "kvwrite: check=guard needs an errors buffer");
+  a.dcp_rank = dcp_rank;
+  a.dcp_size = dcp_size;
+  a.capacity = capacity;
+  a.pool_page_size = pool_page_size;
+  a.op = int(op);
+  return a;
+}
+
+inline KVSide kv_side(const Tensor& x, const Tensor& cache, const OptTensor& scale, const char* name) {
+  TORCH_CHECK(x.dim() == 3 && (x.size(2) <= 1 || x.stride(2) == 1), "kvwrite: ", name,
+              " must be [tokens, heads, dim], contiguous in dim");
+  TORCH_CHECK(cache.size(2) == x.size(1) && cache.size(3) == x.size(2), "kvwrite: ", name,
+              " cache shape does not match its rows");
+  check_same_device(x, cache, "cache");
+  KVSide s;
+  s.src = static_cast<const char*>(x.data_ptr());
+  s.s_tok = x.stride(0);
+  s.s_head = x.stride(1);
+  s.cache = paged(cache, name);
+  s.D = int(x.size(2));
+  if (scale.has_value()) {
+    TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->numel() >= 1, "kvwrite: ", name, " scale must be fp32");
+    check_same_device(x, *scale, "scale");
+    s.scale = scale->data_ptr<float>();
+    s.scale_stride = scale->numel() > 1 ? 1 : 0;
+  }
+  return s;
+}
+
+inline StoreKVParams store_kv_params(const Tensor& k, const Tensor& v, const Tensor& k_cache,
+                                     const Tensor& v_cache, const OptTensor& k_scale,
+                                     const OptTensor& v_scale, const Tensor& loc,
+                                     const OptTensor& loc_map, const OptTensor& errors,
+                                     int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op) {
+  StoreKVParams p;
+  p.in_dtype = dtype_of(k);
+  p.cache_dtype = dtype_of(k_cache);
+  TORCH_CHECK(v.scalar_type() == k.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "kvwrite: k/v and k_cache/v_cache must share dtypes");
+  const bool quant = p.cache_dtype == DType::E4M3 || p.cache_dtype == DType::E5M2;
+  TORCH_CHECK(quant ? (k_scale.has_value() && v_scale.has_value()) : p.cache_dtype == p.in_dtype,
+              "kvwrite: the cache dtype must equal the input dtype, or be fp8 with k_scale/v_scale");
+  p.k = kv_side(k, k_cache, quant ? k_scale : std::nullopt, "k_cache");
+  p.v = kv_side(v, v_cache, quant ? v_scale : std::nullopt, "v_cache");
+  TORCH_CHECK(v.size(0) == k.size(0) && v.size(1) == k.size(1) && v_cache.size(0) == k_cache.size(0) &&
+                  v_cache.size(1) == k_cache.size(1),
+              "kvwrite: k/v and their caches must agree on tokens, heads, pages and rows");
+  p.H = int(k.size(1));
+  p.locs = loc_args(loc, loc_map, errors, dcp_rank, dcp_size, check, op,
+                    k_cache.size(0) * k_cache.size(1), k_cache.size(1), k);
+  TORCH_CHECK(p.locs.n == k.size(0), "kvwrite: loc must have one entry per token");
+  return p;
+}
+
+}  // namespace kvwrite

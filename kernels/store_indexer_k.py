@@ -1,0 +1,79 @@
+"""DSA indexer-K store: per-block e4m3 quantisation into the page-major indexer cache.
+
+Program (t, b) owns BLOCK_T tokens and quant block b: it writes the block's e4m3 bytes and its
+fp32 scale (layout in `kvwrite.ops.indexer_k`). The indexer cache is addressed by the virtual loc
+(optional SWA loc_map, no DCP sharding).
+"""
+import triton
+import triton.language as tl
+
+from kvwrite.kernels._common import check_or_record, fp8_bits, resolve_locs, store_le_bytes
+from kvwrite.ops import indexer_k as _ik
+
+_AMAX_FLOOR = tl.constexpr(_ik.AMAX_FLOOR)
+
+
+@triton.jit
+def store_indexer_k_kernel(
+    k_ptr, cache_ptr, loc_ptr, err_ptr, loc_map_ptr,
+    n_tokens, capacity, pool_page_size, map_len, dcp_rank, dcp_size,
+    k_sn, cache_sp, page_data_bytes,
+    D: tl.constexpr, QBS: tl.constexpr, BLOCK_Q: tl.constexpr, UE8M0: tl.constexpr,
+    HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr, CHECK: tl.constexpr, OP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    blk = tl.program_id(1)
+    tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    loc, row, write, bad, target, limit, kind = resolve_locs(
+        loc_ptr, tok, tok < n_tokens, loc_map_ptr, map_len, dcp_rank, dcp_size, capacity,
+        HAS_MAP, HAS_DCP, CHECK)
+    check_or_record(err_ptr, tok, loc, bad, target, limit, kind, pool_page_size, OP, CHECK,
+                    blk == 0)
+    page_base = (row // pool_page_size) * cache_sp
+    offset = row % pool_page_size
+    q = tl.arange(0, BLOCK_Q)
+    cols = blk * QBS + q
+    mask = write[:, None] & (q < QBS)[None, :]
+    x = tl.load(k_ptr + tok.to(tl.int64)[:, None] * k_sn + cols[None, :], mask=mask,
+                other=0.0).to(tl.float32)
+    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), _AMAX_FLOOR), 448.0)
+    if UE8M0:  # round up to a power of two: carry any mantissa bit into the exponent
+        bits = scale.to(tl.int32, bitcast=True)
+        scale = ((bits + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+    code = fp8_bits(tl.div_rn(x, scale[:, None]), 448.0, 3, -6)
+    tl.store(cache_ptr + (page_base + offset * D)[:, None] + cols[None, :], code.to(tl.uint8),
+             mask=mask)
+    scale_addr = page_base + page_data_bytes + (offset * (D // QBS) + blk) * 4
+    store_le_bytes(cache_ptr, scale_addr, scale.to(tl.int32, bitcast=True), write, 4)
+
+
+def launch(a) -> None:
+    """Launch store_indexer_k_kernel for a validated `kvwrite.ops.indexer_k.StoreIndexerK`."""
+    from kvwrite.kernels._launch import launch as run, loc_args, tiles
+
+    n, d = a.k.shape
+    qbs = a.quant_block_size
+    block_t, block_q = tiles(n, qbs)
+    run(store_indexer_k_kernel, (triton.cdiv(n, block_t), d // qbs), a,
+        k_ptr=a.k, cache_ptr=a.cache, k_sn=a.k.stride(0), cache_sp=a.cache.stride(0),
+        page_data_bytes=a.geometry.pool_page_size * d,
+        D=d, QBS=qbs, BLOCK_Q=triton.next_power_of_2(qbs), UE8M0=a.ue8m0,
+        BLOCK_T=block_t, **loc_args(a))
+
+
+def variants():
+    """(name, kernel, pointer dtypes, constexprs) of every variant, for compile_check."""
+    import torch
+
+    from kvwrite.errors import op_code
+
+    cases = ((torch.bfloat16, False, False), (torch.float32, True, True), (torch.float16, True, False))
+    for check in (0, 1, 2):
+        for dtype, ue8m0, has_map in cases:
+            pointers = dict(k_ptr=dtype, cache_ptr=torch.uint8, loc_ptr=torch.int64,
+                            err_ptr=torch.int64, loc_map_ptr=torch.int32)
+            constexprs = dict(D=128, QBS=128, BLOCK_Q=128, UE8M0=ue8m0, HAS_MAP=has_map,
+                              HAS_DCP=False, CHECK=check, OP=op_code(_ik.OP), BLOCK_T=32)
+            name = f"{str(dtype)[6:]}{'+ue8m0' if ue8m0 else ''}{'+map' if has_map else ''}"
+            yield name, store_indexer_k_kernel, pointers, constexprs

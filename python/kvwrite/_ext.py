@@ -1,0 +1,229 @@
+"""The C++/CUDA extension (csrc/): the "cpu" and "cuda" backends.
+
+The ops live in the torch op namespace `kvwrite_ext` (the Python custom ops are `kvwrite::*`).
+They come from an ahead-of-time build (`KVWRITE_BUILD_EXT=1 pip install .` -> `kvwrite._C`) or
+are built on first use with `torch.utils.cpp_extension.load` + ninja into
+`~/.cache/kvwrite/ext-<torch version>-<hash of the sources and flags>` (`KVWRITE_EXT_CACHE`
+overrides the root). `KVWRITE_EXT=0` disables the extension; `KVWRITE_EXT_VERBOSE=1` shows the
+build log. A torch without CUDA (or no CUDA toolkit) builds the CPU kernels alone.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+DEFAULT_ARCHS = "8.0;9.0"
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def csrc_dir() -> Path | None:
+    """csrc/ of a source checkout (an editable install), or None."""
+    here = Path(__file__).resolve().parent
+    for cand in (here.parents[1] / "csrc", here / "csrc"):
+        if (cand / "ops.cpp").is_file():
+            return cand
+    return None
+
+
+def sources(root: Path, with_cuda: bool) -> list[Path]:
+    """The translation units: ops.cpp (schemas + CPU kernels), and with CUDA cuda_ops.cpp + *.cu."""
+    srcs = [root / "ops.cpp"]
+    if with_cuda:
+        srcs += [root / "cuda_ops.cpp"] + sorted(root.glob("*.cu"))
+    return srcs
+
+
+def find_cuda_home() -> str | None:
+    """CUDA_HOME / CUDA_PATH, else /usr/local/cuda, else the root of the nvcc on PATH."""
+    for env in ("CUDA_HOME", "CUDA_PATH"):
+        home = os.environ.get(env)
+        if home and os.path.isfile(os.path.join(home, "bin", "nvcc")):
+            return home
+    if os.path.isfile("/usr/local/cuda/bin/nvcc"):
+        return "/usr/local/cuda"
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        return str(Path(os.path.realpath(nvcc)).parent.parent)
+    return None
+
+
+def default_arch_list() -> str:
+    """The visible GPUs' compute capabilities, else sm_80 and sm_90."""
+    if torch.cuda.is_available():
+        caps = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+        return ";".join(f"{a}.{b}" for a, b in caps)
+    return DEFAULT_ARCHS
+
+
+def build_config() -> dict:
+    """What a build needs: whether CUDA kernels are built, include dirs, flags, arch list."""
+    cuda_home = find_cuda_home() if torch.version.cuda else None
+    with_cuda = cuda_home is not None
+    includes = []
+    if with_cuda:
+        for site in {Path(p).parent for p in torch.__path__}:
+            inc = site / "nvidia" / "cu13" / "include"
+            if inc.is_dir():
+                includes.append(str(inc))
+    cflags = ["-O3"] + (["-DKVWRITE_WITH_CUDA"] if with_cuda else [])
+    nvflags = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST") or default_arch_list()
+    return dict(with_cuda=with_cuda, cuda_home=cuda_home, includes=includes, cflags=cflags,
+                nvflags=nvflags, archs=archs)
+
+
+def build_dir(root: Path, cfg: dict) -> Path:
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*")):
+        if f.is_file() and f.suffix in (".h", ".cu", ".cpp", ".cuh"):
+            h.update(str(f.relative_to(root)).encode())
+            h.update(f.read_bytes())
+    h.update(repr(sorted((k, str(v)) for k, v in cfg.items() if k != "cuda_home")).encode())
+    base = Path(os.environ.get("KVWRITE_EXT_CACHE") or Path.home() / ".cache" / "kvwrite")
+    return base / f"ext-{torch.__version__.replace('+', '_')}-{h.hexdigest()[:16]}"
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """Serialise builds across processes (pytest-xdist workers)."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def aot_extension(root: Path):
+    """setup.py's ahead-of-time build (KVWRITE_BUILD_EXT=1): the module `kvwrite._C` from the same
+    sources and flags as the JIT build, and the BuildExtension command (ninja)."""
+    from torch.utils import cpp_extension
+
+    cfg = build_config()
+    if cfg["with_cuda"]:
+        os.environ["CUDA_HOME"] = cfg["cuda_home"]
+        cpp_extension.CUDA_HOME = cfg["cuda_home"]
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", cfg["archs"])
+    kind = cpp_extension.CUDAExtension if cfg["with_cuda"] else cpp_extension.CppExtension
+    srcs = [str(s.relative_to(root.parent)) for s in sources(root, cfg["with_cuda"])]
+    flags = {"cxx": cfg["cflags"] + ["-DKVWRITE_PYTHON_MODULE"], "nvcc": cfg["nvflags"]}
+    ext = kind("kvwrite._C", srcs, include_dirs=[str(root)] + cfg["includes"], extra_compile_args=flags)
+    return [ext], {"build_ext": cpp_extension.BuildExtension}
+
+
+def build(verbose: bool | None = None) -> tuple[Path, float]:
+    """JIT-build (or reuse) the extension and load it into torch.ops; returns (dir, seconds)."""
+    from torch.utils import cpp_extension
+
+    root = csrc_dir()
+    if root is None:
+        raise RuntimeError("csrc/ sources not found (install with KVWRITE_BUILD_EXT=1 for a prebuilt kvwrite._C)")
+    cfg = build_config()
+    verbose = bool(int(os.environ.get("KVWRITE_EXT_VERBOSE", "0"))) if verbose is None else verbose
+    out = build_dir(root, cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg["with_cuda"]:
+        os.environ["CUDA_HOME"] = cfg["cuda_home"]
+        cpp_extension.CUDA_HOME = cfg["cuda_home"]
+    os.environ["TORCH_CUDA_ARCH_LIST"] = cfg["archs"]
+    t0 = time.perf_counter()
+    with _file_lock(out / "kvwrite.lock"):
+        cpp_extension.load(
+            name="kvwrite_ext", sources=[str(s) for s in sources(root, cfg["with_cuda"])],
+            extra_cflags=cfg["cflags"], extra_cuda_cflags=cfg["nvflags"],
+            extra_include_paths=[str(root)] + cfg["includes"], build_directory=str(out),
+            with_cuda=cfg["with_cuda"], is_python_module=False, verbose=verbose)
+    return out, time.perf_counter() - t0
+
+
+def _load() -> str | None:
+    """Load the ops once per process; None on success, else why not."""
+    with _lock:
+        if "reason" in _state:
+            return _state["reason"]  # type: ignore[return-value]
+        reason = None
+        if os.environ.get("KVWRITE_EXT", "1") == "0":
+            reason = "disabled by KVWRITE_EXT=0"
+        elif not _has_ops():
+            try:
+                importlib.import_module("kvwrite._C")  # ahead-of-time build
+            except ImportError:
+                try:
+                    build()
+                except Exception as exc:  # no compiler, a failed build, ...
+                    msg = str(exc).strip().splitlines()
+                    reason = f"the extension could not be built ({exc.__class__.__name__}: {msg[-1] if msg else ''})"
+        if reason is None and not _has_ops():
+            reason = "the extension loaded but registered no kvwrite_ext ops"
+        _state["reason"] = reason
+        return reason
+
+
+def _has_kernel(key: str) -> bool:
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key("kvwrite_ext::store_kv", key)
+    except RuntimeError:  # the op is not registered (yet)
+        return False
+
+
+def _has_ops() -> bool:
+    return _has_kernel("CPU")
+
+
+def has_cuda_kernels() -> bool:
+    return _has_kernel("CUDA")
+
+
+def unavailable_reason(device_type: str) -> str | None:
+    """None if the extension's kernels run on `device_type`, else why not."""
+    reason = _load()
+    if reason is not None:
+        return reason
+    if device_type == "cpu":
+        return None
+    if device_type == "cuda":
+        if not has_cuda_kernels():
+            return "the extension was built without CUDA kernels (CPU-only torch or no CUDA toolkit)"
+        if not torch.cuda.is_available():
+            return "no CUDA device is available"
+        return None
+    return f"device type {device_type} is not supported"
+
+
+def _run(a, name: str, *args) -> None:
+    """Call torch.ops.kvwrite_ext.<name>(*args, <the shared loc/check tail>) for a validated call
+    `a`. CPU assert mode: the kernel throws before any write; we raise OutOfBoundsWrite with the
+    record it filled."""
+    from kvwrite.errors import ErrorBuffer, op_code
+
+    locs, chk = a.locs, a.check
+    errors = chk.errors
+    scratch = None
+    if chk.mode == "assert" and locs.loc.device.type == "cpu":
+        scratch = ErrorBuffer("cpu")
+        errors = scratch.tensor
+    op = getattr(torch.ops.kvwrite_ext, name)
+    try:
+        op(*args, locs.loc, locs.loc_map, errors, locs.dcp_rank, locs.dcp_size, chk.code, op_code(chk.op))
+    except RuntimeError as exc:
+        err = scratch.error() if scratch is not None else None
+        if err is None:
+            raise
+        raise err from exc
+
+
+def store_kv(a) -> None:
+    """`a`: kvwrite.ops.kv.StoreKV (canonical [pages, pool_page_size, H, D] cache views)."""
+    _run(a, "store_kv", a.k, a.v, a.k_cache, a.v_cache, a.k_scale, a.v_scale)

@@ -1,0 +1,155 @@
+"""`store_mla`: the MLA latent+rope row store (bf16/fp16/fp32, per-tensor fp8, DeepSeek fp8_ds_mla).
+
+Each `kv_cache_dtype` is one `MLAFormat` in `FORMATS`: the cache dtype it needs, the width of its
+cache row, whether it takes a per-tensor `scale`, the kernel mode, and any extra rule on the
+dims. A new format is one more entry there (plus its row writer in each backend).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from kvwrite import validate
+from kvwrite.errors import ErrorBuffer
+from kvwrite.geometry import PageGeometry
+from kvwrite.ops._common import Check, Locs, cache_geometry, dispatch, prepare
+
+OP = "store_mla"
+IMPLS = (
+    ("torch", "kvwrite.reference.mla:store_mla"),
+    ("triton", "kvwrite.kernels.store_mla:launch"),
+    ("cpu", "kvwrite._ext:store_mla"),
+    ("cuda", "kvwrite._ext:store_mla"),
+)
+
+# Kernel modes (the Triton kernel's MODE constexpr).
+MODE_COPY = 0      # row = concat(kv_c, k_pe) in the input dtype
+MODE_FP8 = 1       # the same row, saturate(x / scale) in an fp8 dtype
+MODE_DS_MLA = 2    # DeepSeek's fp8 MLA row, see `ds_mla_row_bytes`
+
+DS_MLA_TILE = 128                       # kv_c elements per fp32 scale
+DS_MLA_SCALE_FLOOR = torch.finfo(torch.float32).tiny   # scale = max(amax / 448, FLT_MIN)
+
+
+def ds_mla_row_bytes(kv_lora_rank: int, rope_dim: int) -> int:
+    """Bytes of one fp8_ds_mla row: L e4m3 latent bytes, L/128 fp32 tile scales, R bf16 rope."""
+    return kv_lora_rank + (kv_lora_rank // DS_MLA_TILE) * 4 + 2 * rope_dim
+
+
+def _ds_mla_dims(kv_lora_rank: int, rope_dim: int) -> str | None:
+    if kv_lora_rank % DS_MLA_TILE:
+        return (f"kv_cache_dtype='fp8_ds_mla' needs kv_c's last dim (kv_lora_rank) to be a multiple "
+                f"of {DS_MLA_TILE}, got {kv_lora_rank}")
+    return None
+
+
+@dataclass(frozen=True)
+class MLAFormat:
+    """One `kv_cache_dtype`: how its cache looks and which kernel mode writes it."""
+
+    name: str
+    mode: int
+    cache_dtype: Callable[[torch.dtype], torch.dtype]   # input dtype -> cache dtype
+    row_width: Callable[[int, int], int]                 # (L, R) -> cache row, in cache elements
+    takes_scale: bool = False
+    dims: Callable[[int, int], Optional[str]] = lambda L, R: None   # error text or None
+
+
+_CONCAT = lambda L, R: L + R  # noqa: E731
+FORMATS: dict[str, MLAFormat] = {f.name: f for f in (
+    MLAFormat("auto", MODE_COPY, lambda dtype: dtype, _CONCAT),
+    MLAFormat("fp8_e4m3", MODE_FP8, lambda dtype: torch.float8_e4m3fn, _CONCAT, takes_scale=True),
+    MLAFormat("fp8_e5m2", MODE_FP8, lambda dtype: torch.float8_e5m2, _CONCAT, takes_scale=True),
+    MLAFormat("fp8_ds_mla", MODE_DS_MLA, lambda dtype: torch.uint8, ds_mla_row_bytes,
+              dims=_ds_mla_dims),
+)}
+
+
+@dataclass(frozen=True)
+class StoreMLA:
+    """A validated store_mla call. `kv_cache` is `[pages, pool_page_size, row]`."""
+
+    kv_c: torch.Tensor
+    k_pe: torch.Tensor
+    kv_cache: torch.Tensor
+    format: MLAFormat
+    scale: torch.Tensor | None
+    geometry: PageGeometry
+    locs: Locs
+    check: Check
+
+
+def prepare_store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, errors,
+                      loc_map, dcp_rank, dcp_size) -> StoreMLA:
+    kv_c = validate.tensor("kv_c", kv_c, ndim=2, dtypes=validate.FLOAT_INPUTS)
+    n, lora = kv_c.shape
+    device = kv_c.device
+    k_pe = validate.tensor("k_pe", k_pe, ndim=2, dtypes=(kv_c.dtype,), device=device)
+    validate.shape("k_pe", k_pe, (n, None), "tokens as kv_c, rope_dim")
+    rope = k_pe.shape[1]
+    fmt = FORMATS[validate.choice("kv_cache_dtype", kv_cache_dtype, tuple(FORMATS))]
+    problem = fmt.dims(lora, rope)
+    if problem:
+        raise ValueError(problem)
+    kv_cache = validate.tensor("kv_cache", kv_cache, ndim=3, dtypes=(fmt.cache_dtype(kv_c.dtype),),
+                               device=device)
+    width = fmt.row_width(lora, rope)
+    validate.shape("kv_cache", kv_cache, (None, None, width),
+                   f"num_pages, pool_page_size, row of {width} for kv_cache_dtype={fmt.name!r} "
+                   f"with kv_lora_rank={lora}, rope_dim={rope}")
+    geometry = cache_geometry("kv_cache", kv_cache.shape[0], kv_cache.shape[1])
+    if fmt.takes_scale:
+        if scale is None:
+            raise ValueError(f"scale is required for kv_cache_dtype={fmt.name!r}")
+        scale = validate.scale("scale", scale, None, device)
+    elif scale is not None:
+        raise ValueError(f"scale applies only to kv_cache_dtype 'fp8_e4m3'/'fp8_e5m2', not {fmt.name!r}")
+    locs, chk = prepare(OP, device, n, loc, loc_map, dcp_rank, dcp_size, check, errors)
+    return StoreMLA(kv_c, k_pe, kv_cache, fmt, scale, geometry, locs, chk)
+
+
+@torch.library.custom_op("kvwrite::store_mla", mutates_args=("kv_cache", "errors"))
+def _store_mla_op(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                  loc: torch.Tensor, kv_cache_dtype: str, scale: Optional[torch.Tensor],
+                  check: str, errors: Optional[torch.Tensor], loc_map: Optional[torch.Tensor],
+                  dcp_rank: int, dcp_size: int, backend: str) -> None:
+    a = prepare_store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, errors,
+                          loc_map, dcp_rank, dcp_size)
+    if a.locs.n:
+        dispatch(OP, IMPLS, backend, kv_c.device, a)
+
+
+@_store_mla_op.register_fake
+def _(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, errors, loc_map, dcp_rank,
+      dcp_size, backend) -> None:
+    return None
+
+
+def store_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, loc: torch.Tensor,
+              *, kv_cache_dtype: str = "auto", scale: torch.Tensor | None = None,
+              check: str = "off", errors: ErrorBuffer | None = None,
+              loc_map: torch.Tensor | None = None, dcp_rank: int = 0, dcp_size: int = 1,
+              backend: str = "auto") -> None:
+    """Write token i's MLA row (latent `kv_c[i]` `[L]`, rope `k_pe[i]` `[R]`) at `loc[i]`
+    (-1 = padding, skipped). `kv_c`/`k_pe` may be strided along tokens.
+
+    `kv_cache_dtype`:
+      - "auto": `kv_cache` `[pages, pool_page_size, L + R]` in the input dtype, row = concat.
+      - "fp8_e4m3" / "fp8_e5m2": the same row in that fp8 dtype, saturate(x / scale) with a
+        per-tensor fp32 `scale` (`[]` or `[1]`).
+      - "fp8_ds_mla": uint8 `[pages, pool_page_size, L + L/128*4 + 2R]` (656 for 512/64): L e4m3
+        bytes quantised per 128-element tile with scale max(amax/448, FLT_MIN), stored as
+        fp8(x / scale); then the L/128 fp32 scales; then R bf16 rope values (bf16 input: bit
+        copies; fp16/fp32 input: rounded to bf16, nearest-even, like `tensor.to(torch.bfloat16)`).
+        Needs L % 128 == 0. Read rows back with `kvwrite.dequant_ds_mla`.
+    `check`, `errors`, `loc_map`, `dcp_rank`, `dcp_size`: as in `store_kv`.
+    """
+    a = prepare_store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, errors,
+                          loc_map, dcp_rank, dcp_size)
+    if torch.compiler.is_compiling():
+        torch.ops.kvwrite.store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check,
+                                    a.check.errors, loc_map, dcp_rank, dcp_size, backend)
+    elif a.locs.n:
+        dispatch(OP, IMPLS, backend, kv_c.device, a)

@@ -1,0 +1,56 @@
+"""Reference MLA row store (concat, per-tensor fp8, DeepSeek fp8_ds_mla) and its reader."""
+from __future__ import annotations
+
+import torch
+
+from kvwrite.ops.mla import DS_MLA_SCALE_FLOOR, DS_MLA_TILE, ds_mla_row_bytes
+from kvwrite.reference._locs import resolve_and_check
+from kvwrite.reference.kv import quantize_fp8
+
+
+def _concat(a, kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    return torch.cat([kv_c, k_pe], dim=-1).to(a.kv_cache.dtype)
+
+
+def _fp8(a, kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    return quantize_fp8(torch.cat([kv_c, k_pe], dim=-1), a.scale.float().reshape(()), a.kv_cache.dtype)
+
+
+def ds_mla_rows(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    """uint8 fp8_ds_mla rows `[N, L + L/128*4 + 2R]` of `kv_c` `[N, L]` and `k_pe` `[N, R]`."""
+    n, lora = kv_c.shape
+    x = kv_c.float().reshape(n, lora // DS_MLA_TILE, DS_MLA_TILE)
+    scale = torch.clamp(x.abs().amax(dim=-1, keepdim=True) / 448.0, min=DS_MLA_SCALE_FLOOR)
+    latent = quantize_fp8(x, scale, torch.float8_e4m3fn).view(torch.uint8).reshape(n, lora)
+    scales = scale.reshape(n, -1).contiguous().view(torch.uint8)
+    rope = k_pe.to(torch.bfloat16).contiguous().view(torch.uint8)
+    return torch.cat([latent, scales, rope], dim=-1)
+
+
+_ROWS = {"auto": _concat, "fp8_e4m3": _fp8, "fp8_e5m2": _fp8,
+         "fp8_ds_mla": lambda a, kv_c, k_pe: ds_mla_rows(kv_c, k_pe)}
+
+
+def store_mla(a) -> None:
+    """`a`: kvwrite.ops.mla.StoreMLA."""
+    idx, page, offset = resolve_and_check(a.locs, a.geometry, a.check)
+    a.kv_cache[page, offset] = _ROWS[a.format.name](a, a.kv_c[idx], a.k_pe[idx])
+
+
+def dequant_ds_mla(rows: torch.Tensor, kv_lora_rank: int = 512) -> torch.Tensor:
+    """float32 `[..., L + R]` (latent dequantised as e4m3 * tile scale, then the bf16 rope) of
+    uint8 fp8_ds_mla rows `[..., L + L/128*4 + 2R]`."""
+    if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8:
+        raise TypeError(f"rows must be a uint8 tensor of fp8_ds_mla rows, got {getattr(rows, 'dtype', type(rows))}")
+    lora, tiles = kv_lora_rank, kv_lora_rank // DS_MLA_TILE
+    rope2 = rows.shape[-1] - lora - 4 * tiles
+    if lora % DS_MLA_TILE or rope2 < 0 or rope2 % 2 or ds_mla_row_bytes(lora, rope2 // 2) != rows.shape[-1]:
+        raise ValueError(f"rows of {rows.shape[-1]} bytes are not fp8_ds_mla rows with "
+                         f"kv_lora_rank={kv_lora_rank}")
+    lead = rows.shape[:-1]
+    rows = rows.reshape(-1, rows.shape[-1]).contiguous()
+    latent = rows[:, :lora].contiguous().view(torch.float8_e4m3fn).float()
+    scale = rows[:, lora:lora + 4 * tiles].contiguous().view(torch.float32)
+    latent = (latent.reshape(-1, tiles, DS_MLA_TILE) * scale[..., None]).reshape(-1, lora)
+    rope = rows[:, lora + 4 * tiles:].contiguous().view(torch.bfloat16).float()
+    return torch.cat([latent, rope], dim=-1).reshape(*lead, -1)

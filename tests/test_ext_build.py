@@ -1,0 +1,87 @@
+"""Building the C++/CUDA extension: CUDA kernels for sm_80 and sm_90 compile and the module
+imports and registers its ops without a GPU; the CPU build; the fallback without it."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvwrite import _ext
+
+CSRC = _ext.csrc_dir()
+needs_build = pytest.mark.skipif(_ext.unavailable_reason("cpu") is not None,
+                                 reason=f"extension unavailable: {_ext.unavailable_reason('cpu')}")
+
+
+@needs_build
+def test_ops_registered_for_cpu_and_cuda_keys():
+    assert _ext.unavailable_reason("cpu") is None
+    for op in ("store_kv",):
+        name = f"kvwrite_ext::{op}"
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU")
+        if torch.version.cuda and _ext.find_cuda_home():
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA")
+
+
+@needs_build
+@pytest.mark.skipif(not (torch.version.cuda and _ext.find_cuda_home()), reason="no CUDA toolkit")
+def test_cuda_kernels_built_for_sm80_and_sm90_and_import_without_gpu():
+    cfg = _ext.build_config()
+    out = _ext.build_dir(CSRC, cfg)
+    ninja = (out / "build.ninja").read_text()
+    if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        for arch in ("80", "90"):
+            assert f"arch=compute_{arch},code=sm_{arch}" in ninja
+    assert list(out.glob("*.so")), "no shared object built"
+    assert _ext.has_cuda_kernels()
+    if not torch.cuda.is_available():
+        assert _ext.unavailable_reason("cuda") == "no CUDA device is available"
+
+
+@needs_build
+def test_warm_build_is_a_cache_hit():
+    """A second process finds the build in the per-user cache (keyed by torch version and the
+    hash of the sources) and only loads it."""
+    code = "import time; from kvwrite import _ext; d, s = _ext.build(); print(d.name, s)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    name, seconds = out.stdout.split()[-2:]
+    assert name.startswith(f"ext-{torch.__version__.replace('+', '_')}-")
+    assert float(seconds) < 20, f"warm build took {seconds} s"
+
+
+def test_disabled_extension_falls_back_with_one_warning():
+    code = """
+import warnings, torch, kvwrite
+assert kvwrite.backends("cpu")["cpu"] == "disabled by KVWRITE_EXT=0", kvwrite.backends("cpu")
+kc = torch.zeros(1, 4, 1, 8)
+k = torch.ones(2, 1, 8)
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    for _ in range(3):
+        kvwrite.store_kv(k, k, kc, kc.clone(), torch.tensor([0, 1]))
+msgs = [str(x.message) for x in w if "backend 'cpu' unavailable" in str(x.message)]
+assert len(msgs) == 1, msgs
+assert bool((kc[0, :2] == 1).all())
+print("OK")
+"""
+    env = dict(os.environ, KVWRITE_EXT="0")
+    env.pop("TRITON_INTERPRET", None)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-2000:]
+
+
+def test_kernel_sources_keep_torch_out_of_cu_files_and_headers():
+    """The .cu files and csrc/kvwrite/*.h compile without torch (fast nvcc builds)."""
+    files = list(CSRC.glob("*.cu")) + list((CSRC / "kvwrite").glob("*.h"))
+    assert files
+    for f in files:
+        text = f.read_text()
+        assert not re.search(r"#include\s*[<\"](torch|ATen|c10)/", text), f"{f.name} includes torch"
+        if f.suffix == ".cu":
+            assert "__global__" in text
