@@ -30,6 +30,7 @@ class Setup:
     baselines: dict[str, Store] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)  # baseline -> why it is not measured
     raw: Store | None = None                   # one raw torch op on these tensors
+    outputs: tuple = ()                        # the tensors one store writes
 
 
 @dataclass(frozen=True)
@@ -38,15 +39,17 @@ class Case:
     op: str
     label: str
     build: Callable[[int, torch.device, torch.Generator], Setup]
+    missing: Callable[[], str | None] = lambda: None   # why this build cannot run it, or None
 
 
 REGISTRY: dict[str, list[Case]] = {}
 
 
-def case(op: str, name: str, label: str):
-    """Register `build` as case `name` of kvwrite op `op`."""
+def case(op: str, name: str, label: str, missing: Callable[[], str | None] = lambda: None):
+    """Register `build` as case `name` of kvwrite op `op` (`missing`: why an option of the op
+    the case needs is absent from this build, or None)."""
     def register(build):
-        REGISTRY.setdefault(op, []).append(Case(name, op, label, build))
+        REGISTRY.setdefault(op, []).append(Case(name, op, label, build, missing))
         return build
     return register
 
@@ -62,7 +65,12 @@ def available(select: list[str] | None = None) -> tuple[list[Case], dict[str, st
         if not hasattr(kvwrite, op):
             skipped[op] = f"kvwrite.{op} is not in this build ({', '.join(c.name for c in chosen)} skipped)"
             continue
-        cases += chosen
+        for c in chosen:
+            why = c.missing()
+            if why:
+                skipped[c.name] = why
+            else:
+                cases.append(c)
     if select:
         known = {c.name for g in REGISTRY.values() for c in g} | set(REGISTRY)
         for s in select:
@@ -189,13 +197,132 @@ def _mha(n: int, device: torch.device, gen: torch.Generator, cache_dtype: torch.
     _external_mha(k, v, kc, vc, loc, fp8, baselines, notes)
     kq = quantize_fp8(k, scales["k_scale"], cache_dtype) if fp8 else k
     raw = lambda: kf.index_put_((loc,), kq)  # noqa: E731
-    return Setup(call, moved, baselines, notes, raw)
+    return Setup(call, moved, baselines, notes, raw, (kc, vc))
 
 
 case("store_kv", "mha-bf16", "MHA Llama-3.1-8B layer: 8 KV heads x 128, bf16")(
     lambda n, device, gen: _mha(n, device, gen, torch.bfloat16))
 case("store_kv", "mha-fp8", "MHA Llama-3.1-8B layer: 8 x 128, bf16 -> fp8 e4m3 (per-tensor scale)")(
     lambda n, device, gen: _mha(n, device, gen, torch.float8_e4m3fn))
+
+
+
+def _vllm_mla(kv_c, k_pe, cache, loc, dtype_name: str, baselines: dict, notes: dict) -> None:
+    """vLLM's concat_and_cache_mla on the same rows (CUDA only, when importable)."""
+    name = "vllm.concat_and_cache_mla"
+    if cache.device.type != "cuda":
+        notes[name] = "skipped: CUDA only"
+        return
+    ops, why = _import("vllm._custom_ops")
+    if ops is None:
+        notes[name] = why
+        return
+    one = torch.ones((), dtype=torch.float32, device=cache.device)
+    _try(name, lambda: ops.concat_and_cache_mla(kv_c, k_pe, cache, loc, dtype_name, one), baselines, notes)
+
+
+def _mla(n: int, device: torch.device, gen: torch.Generator, fmt: str) -> Setup:
+    """DeepSeek-V3 MLA, one layer: latent 512 + rope 64 (slices of one projection output, so
+    strided along tokens), bf16, pages of 64 tokens."""
+    lora, rope, page = 512, 64, 64
+    loc, num_pages = paged_locs(n, page, device, gen)
+    proj = _randn((n, lora + rope + 64), torch.bfloat16, device, gen)  # + q-side columns
+    kv_c, k_pe = proj[:, :lora], proj[:, lora:lora + rope]
+    from kvwrite.ops.mla import FORMATS
+    f = FORMATS[fmt]
+    width = f.row_width(lora, rope)
+    cache = torch.zeros(num_pages, page, width, dtype=f.cache_dtype(kv_c.dtype), device=device)
+    extra = dict(scale=torch.full((), 0.05, device=device)) if f.takes_scale else {}
+
+    def call(backend: str, check: str, errors) -> None:
+        kvwrite.store_mla(kv_c, k_pe, cache, loc, kv_cache_dtype=fmt, check=check, errors=errors,
+                          backend=backend, **extra)
+
+    moved = n * (lora + rope) * kv_c.element_size() + _nbytes(loc) + n * width * cache.element_size()
+    baselines, notes = {}, {}
+    flat = cache.view(-1, width)
+    if fmt == "auto":
+        _try("torch-index", lambda: flat.__setitem__(loc, torch.cat([kv_c, k_pe], -1)), baselines, notes)
+        _try("index_copy_", lambda: flat.index_copy_(0, loc, torch.cat([kv_c, k_pe], -1)), baselines, notes)
+        raw_row = torch.cat([kv_c, k_pe], -1)
+        raw = lambda: flat.index_put_((loc,), raw_row)  # noqa: E731
+    else:
+        notes["torch-index"] = f"skipped: no plain torch store of {fmt!r} rows (the torch backend is the reference)"
+        raw_row = torch.zeros(n, width, dtype=cache.dtype, device=device)
+        raw = lambda: flat.index_put_((loc,), raw_row)  # noqa: E731
+    _vllm_mla(kv_c, k_pe, cache, loc, fmt, baselines, notes)
+    return Setup(call, moved, baselines, notes, raw, (cache,))
+
+
+case("store_mla", "mla-bf16", "MLA DeepSeek layer: latent 512 + rope 64, bf16 row")(
+    lambda n, device, gen: _mla(n, device, gen, "auto"))
+case("store_mla", "mla-fp8ds", "MLA DeepSeek layer: fp8_ds_mla 656-byte row (512 e4m3, 4 fp32 scales, 64 bf16)")(
+    lambda n, device, gen: _mla(n, device, gen, "fp8_ds_mla"))
+
+
+def _mla_format_missing(fmt: str):
+    def missing() -> str | None:
+        from kvwrite.ops.mla import FORMATS
+        return None if fmt in FORMATS else f"store_mla has no kv_cache_dtype={fmt!r} in this build"
+    return missing
+
+
+case("store_mla", "mla-nvfp4", "MLA DeepSeek layer: NVFP4 row (576 e2m1 + e4m3 scale per 16)",
+     missing=_mla_format_missing("nvfp4"))(lambda n, device, gen: _mla_nvfp4(n, device, gen))
+
+
+def _mla_nvfp4(n: int, device: torch.device, gen: torch.Generator) -> Setup:
+    lora, rope, page = 512, 64, 64
+    loc, num_pages = paged_locs(n, page, device, gen)
+    proj = _randn((n, lora + rope + 64), torch.bfloat16, device, gen)
+    kv_c, k_pe = proj[:, :lora], proj[:, lora:lora + rope]
+    row = lora + rope
+    cache = torch.zeros(num_pages, page, row // 2, dtype=torch.uint8, device=device)
+    scales = torch.zeros(num_pages, page, row // 16, dtype=torch.float8_e4m3fn, device=device)
+
+    def call(backend: str, check: str, errors) -> None:
+        kvwrite.store_mla(kv_c, k_pe, cache, loc, kv_cache_dtype="nvfp4", scale_cache=scales,
+                          check=check, errors=errors, backend=backend)
+
+    moved = n * row * 2 + _nbytes(loc) + n * (row // 2 + row // 16)
+    return Setup(call, moved, {}, {"torch-index": "skipped: no plain torch NVFP4 store"}, None,
+                 (cache, scales))
+
+
+@case("store_indexer_k", "indexer-k", "DSA indexer K (DeepSeek V3.2): 128 -> e4m3 + fp32 scale per 128, pages of 64")
+def _indexer(n: int, device: torch.device, gen: torch.Generator) -> Setup:
+    dim, block, page = 128, 128, 64
+    loc, num_pages = paged_locs(n, page, device, gen)
+    k = _randn((n, dim), torch.bfloat16, device, gen)
+    per_token = dim + (dim // block) * 4
+    cache = torch.zeros(num_pages, page * per_token, dtype=torch.uint8, device=device)
+
+    def call(backend: str, check: str, errors) -> None:
+        kvwrite.store_indexer_k(k, cache, loc, quant_block_size=block, check=check, errors=errors,
+                                backend=backend)
+
+    moved = _nbytes(k, loc) + n * per_token
+    notes = {"torch-index": "skipped: no plain torch store of the page-major indexer layout "
+                            "(the torch backend is the reference)"}
+    return Setup(call, moved, {}, notes, None, (cache,))
+
+
+@case("store_kv_nvfp4", "mha-nvfp4", "MHA Llama-3.1-8B layer: 8 x 128 bf16 -> NVFP4 (e2m1 + e4m3 scale per 16)")
+def _mha_nvfp4(n: int, device: torch.device, gen: torch.Generator) -> Setup:
+    heads, dim, page = 8, 128, 16
+    loc, num_pages = paged_locs(n, page, device, gen)
+    k, v = (_randn((n, heads, dim), torch.bfloat16, device, gen) for _ in range(2))
+    kc, vc = (torch.zeros(num_pages, page, heads, dim // 2, dtype=torch.uint8, device=device)
+              for _ in range(2))
+    ks, vs = (torch.zeros(num_pages, page, heads, dim // 16, dtype=torch.float8_e4m3fn, device=device)
+              for _ in range(2))
+
+    def call(backend: str, check: str, errors) -> None:
+        kvwrite.store_kv_nvfp4(k, v, kc, vc, ks, vs, loc, check=check, errors=errors, backend=backend)
+
+    moved = _nbytes(k, v, loc) + 2 * n * heads * (dim // 2 + dim // 16)
+    return Setup(call, moved, {}, {"torch-index": "skipped: no plain torch NVFP4 store"}, None,
+                 (kc, vc, ks, vs))
 
 
 __all__ = ["Case", "REGISTRY", "Setup", "available", "case", "paged_locs"]

@@ -147,6 +147,7 @@ def sweep(cfg: Config, progress=None) -> dict:
     backends, backend_notes = select_backends(device, cfg.backends, cfg.interpreter)
     graph = cfg.graph and device.type == "cuda"
     rows, host, notes = [], [], {}
+    broken: set[tuple[str, str]] = set()   # (case, backend) pairs that failed once: not retried
     gen = torch.Generator().manual_seed(cfg.seed)
     total = len(chosen) * len(cfg.sizes)
     task = progress.add_task("kvwrite bench", total=total) if progress else None
@@ -170,14 +171,18 @@ def sweep(cfg: Config, progress=None) -> dict:
             copy_us = timing.median_us(copy, device, cfg.min_time)
             rows.append(_row(case, n, "copy", "copy", None, "eager", copy_us, setup.bytes_moved, copy_us))
             for backend in backends:
+                if (case.name, backend) in broken:
+                    continue
                 for check in cfg.checks:
                     errors = ErrorBuffer(device) if check == "guard" else None
                     fn = (lambda b=backend, c=check, e=errors: setup.call(b, c, e))
                     try:
                         us = timing.median_us(fn, device, cfg.min_time)
                     except Exception as exc:
-                        notes[f"{case.name} N={n} {backend}/{check}"] = f"failed: {exc.__class__.__name__}: {exc}"
-                        continue
+                        notes[f"{case.name} {backend}"] = (f"failed at N={n}, check={check} (not "
+                                                           f"retried): {exc.__class__.__name__}: {exc}")
+                        broken.add((case.name, backend))
+                        break
                     if errors is not None and errors.error() is not None:
                         notes[f"{case.name} N={n} {backend}/guard"] = f"guard recorded an error: {errors.error()}"
                     rows.append(_row(case, n, backend, "kvwrite", check, "eager", us, setup.bytes_moved, copy_us))

@@ -38,6 +38,9 @@ class Check:
         return validate.CHECK_MODES[self.mode]
 
 
+_DEFAULT_CHECKS: dict[tuple[str, str, torch.device], Check] = {}
+
+
 def prepare(op: str, device: torch.device, n: int, loc: object, loc_map: object,
             dcp_rank: object, dcp_size: object, check: object,
             errors: ErrorBuffer | torch.Tensor | None) -> tuple[Locs, Check]:
@@ -48,8 +51,15 @@ def prepare(op: str, device: torch.device, n: int, loc: object, loc_map: object,
                 *validate.dcp(dcp_rank, dcp_size))
     mode = validate.check_mode(check)
     if errors is None:
-        # guard mode without a buffer: the device's own default buffer, valid by construction
-        return locs, Check(op, mode, default_errors(device).tensor if mode == "guard" else None)
+        # No buffer passed: guard records into the device's default buffer (valid by
+        # construction, and the same object for the life of the process), so the Check is
+        # the same every time.
+        key = (op, mode, device)
+        chk = _DEFAULT_CHECKS.get(key)
+        if chk is None:
+            chk = Check(op, mode, default_errors(device).tensor if mode == "guard" else None)
+            _DEFAULT_CHECKS[key] = chk
+        return locs, chk
     record = errors.tensor if isinstance(errors, ErrorBuffer) else errors
     if record is not None:
         if not (isinstance(record, torch.Tensor) and record.dtype == torch.int64
