@@ -26,6 +26,10 @@ step "test suite on CUDA"
     --junitxml "$OUT/junit.xml" ) > "$OUT/tests.log" 2>&1 || status=1
 tail -3 "$OUT/tests.log" | tee -a "$OUT/summary.txt"
 
+step "store_mla / store_indexer_k at DeepSeek sizes: bit-exact vs reference, guard, time per call"
+$PY bench/mla_check.py --device cuda --out "$OUT/mla.json" > "$OUT/mla.log" 2>&1 || status=1
+tail -1 "$OUT/mla.log" | tee -a "$OUT/summary.txt"
+
 step "benchmark sweep (kvwrite bench, full)"
 timeout ${KVWRITE_GPU_BENCH_TIMEOUT:-300} $PY -m kvwrite.cli bench --min-time ${KVWRITE_GPU_BENCH_REP:-0.03} \
     --out "$OUT/bench" > "$OUT/bench.log" 2>&1 || status=1
