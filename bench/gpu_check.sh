@@ -30,6 +30,10 @@ step "store_mla / store_indexer_k at DeepSeek sizes: bit-exact vs reference, gua
 $PY bench/mla_check.py --device cuda --out "$OUT/mla.json" > "$OUT/mla.log" 2>&1 || status=1
 tail -1 "$OUT/mla.log" | tee -a "$OUT/summary.txt"
 
+step "nvfp4: every kernel backend bit-exact vs the reference on CUDA; round-trip error bound"
+timeout 300 $PY bench/nvfp4_check.py --device cuda > "$OUT/nvfp4.json" 2> "$OUT/nvfp4.log" || status=1
+tail -c 600 "$OUT/nvfp4.json" | tee -a "$OUT/summary.txt"
+
 step "benchmark sweep (kvwrite bench, full)"
 timeout ${KVWRITE_GPU_BENCH_TIMEOUT:-300} $PY -m kvwrite.cli bench --min-time ${KVWRITE_GPU_BENCH_REP:-0.03} \
     --out "$OUT/bench" > "$OUT/bench.log" 2>&1 || status=1

@@ -30,9 +30,17 @@ def resolve_locs(loc_ptr, tok, tmask, loc_map_ptr, map_len, dcp_rank, dcp_size, 
                  HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr, CHECK: tl.constexpr):
     """Map each token's loc to the local row it writes.
 
-    Order: virtual loc -> loc_map (SWA) -> DCP shard (rank = loc % dcp_size, row = loc // dcp_size)
-    -> bounds check against [0, capacity). Returns (loc, row, write, bad, target, limit, kind):
-    `write` masks the tokens to store, `bad` the out-of-range ones (never written).
+    Composition order (the reference `kvwrite.reference._locs.resolve` mirrors it):
+      1. padding: loc == -1 is skipped;
+      2. SWA (HAS_MAP): loc must lie in [0, map_len) (else KIND_LOC_MAP; skipped in off mode
+         too, so loc_map is never read out of bounds), then row = loc_map[loc]; a mapped -1 is
+         skipped;
+      3. DCP (HAS_DCP): the (mapped) virtual row belongs to rank row % dcp_size and lives at
+         local row row // dcp_size; other ranks' tokens are skipped;
+      4. bounds: the local row must lie in [0, capacity) (else KIND_POOL; off mode skips only
+         negative rows and does not check the upper bound).
+    Returns (loc, row, write, bad, target, limit, kind): `write` masks the tokens to store,
+    `bad` the out-of-range ones (never written); the record keeps the caller's virtual `loc`.
     """
     loc = tl.load(loc_ptr + tok, mask=tmask, other=-1).to(tl.int64)
     bad = tl.zeros_like(loc) != 0
@@ -44,8 +52,8 @@ def resolve_locs(loc_ptr, tok, tmask, loc_map_ptr, map_len, dcp_rank, dcp_size, 
         if CHECK != CHECK_OFF:
             bad = live & (in_map == 0)
             kind = tl.where(bad, _KIND_LOC_MAP, kind)
-            live = live & in_map
-        row = tl.load(loc_map_ptr + loc, mask=live & (loc >= 0), other=-1).to(tl.int64)
+        live = live & in_map  # off mode too: never read loc_map out of bounds, skip the token
+        row = tl.load(loc_map_ptr + loc, mask=live, other=-1).to(tl.int64)
         live = live & (row != -1)
     if HAS_DCP:
         owned = (row < 0) | (row % dcp_size == dcp_rank)

@@ -7,6 +7,8 @@ from kvwrite.ops.kv import store_kv
 from kvwrite.ops.mla import store_mla
 from kvwrite.reference.indexer_k import read_indexer_k
 from kvwrite.reference.mla import dequant_ds_mla
+from kvwrite.ops.nvfp4 import store_kv_nvfp4
+from kvwrite.reference.nvfp4 import dequant_nvfp4
 
 __version__ = "0.1.0"
 
@@ -14,4 +16,5 @@ __all__ = [
     "BackendUnavailable", "ErrorBuffer", "GeometryError", "OutOfBoundsWrite", "PageGeometry",
     "backends", "default_errors", "store_kv",
     "dequant_ds_mla", "read_indexer_k", "store_indexer_k", "store_mla",
+    "dequant_nvfp4", "store_kv_nvfp4",
 ]

@@ -112,8 +112,13 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     `layout`: "NHD" caches `[pages, pool_page_size, H, D]` or "HND" `[pages, H, pool_page_size, D]`.
     fp8 caches take fp32 `k_scale`/`v_scale` (`[]`, `[1]` or `[H]`): stored = saturate(x / scale).
     `check`: "off" | "assert" | "guard" (skip + record into `errors`, default per-device buffer).
-    `loc_map` (hybrid SWA): write at `loc_map[loc[i]]`. `dcp_rank`/`dcp_size`: store only this
-    rank's tokens (`loc % dcp_size == dcp_rank`) at local row `loc // dcp_size`, after `loc_map`.
+    `loc_map` (hybrid SWA, int32/int64 full->SWA map): write at `loc_map[loc[i]]`; a mapped -1
+    is skipped. `dcp_rank`/`dcp_size`: store only this rank's tokens at their local rows.
+    Composition order, per token (`kvwrite.kernels._common.resolve_locs`):
+    `loc` (-1: skip) -> `loc_map[loc]` (loc outside [0, len(loc_map)): KIND_LOC_MAP error, skipped
+    in off mode; mapped -1: skip) -> DCP (`row % dcp_size == dcp_rank` else skip; local row
+    `row // dcp_size`) -> bounds of the local row against the pool (KIND_POOL). The error record
+    keeps the caller's virtual loc and names the index that was out of range.
     """
     a = prepare_store_kv(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors,
                          loc_map, dcp_rank, dcp_size)

@@ -22,7 +22,8 @@ class Resolved:
 
 
 def resolve(locs: Locs, capacity: int, check: Check) -> Resolved:
-    """Virtual loc -> loc_map -> DCP shard -> bounds check, exactly as the kernels do."""
+    """Virtual loc -> loc_map -> DCP shard -> bounds check, exactly as the kernels do (the order
+    is documented on `kvwrite.kernels._common.resolve_locs`)."""
     loc = locs.loc.to(torch.int64)
     checking = check.mode != "off"
     live = loc != -1
@@ -35,9 +36,9 @@ def resolve(locs: Locs, capacity: int, check: Check) -> Resolved:
         if checking:
             bad = live & ~in_map
             kind = torch.where(bad, KIND_LOC_MAP, kind)
-            live = live & in_map
+        live = live & in_map  # off mode too: a loc outside loc_map is skipped
         looked = locs.loc_map.to(torch.int64)[loc.clamp(0, max(n_map - 1, 0))] if n_map else loc
-        row = torch.where(live & (loc >= 0), looked, torch.full_like(loc, -1))
+        row = torch.where(live, looked, torch.full_like(loc, -1))
         live = live & (row != -1)
     if locs.dcp_size > 1:
         live = live & ((row < 0) | (row % locs.dcp_size == locs.dcp_rank))

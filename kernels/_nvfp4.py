@@ -1,0 +1,75 @@
+"""NVFP4 device functions shared by the NVFP4 stores (MHA `store_kv_nvfp4`, MLA `store_mla`).
+
+The format and its error bound are documented in `kvwrite.reference.nvfp4` (the torch twin of
+this file). Every step is bit-exact on every backend: amax is exact, the two divisions use
+`tl.div_rn` (GPU `/` is approximate), the e4m3 block scale is rounded by `fp8_bits` (saturating,
+round to nearest even), e2m1 rounding is a comparison ladder with ties to the even code.
+"""
+import triton
+import triton.language as tl
+
+from kvwrite.kernels._common import fp8_bits
+
+
+@triton.jit
+def e4m3_value(code):
+    """fp32 value of an e4m3fn code (int32 in [0, 256); 0x7F/0xFF, NaN, never produced)."""
+    e = (code >> 3) & 0xF
+    m = code & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)  # subnormal: m * 2**-9
+    return tl.where((code & 0x80) != 0, -mag, mag)
+
+
+@triton.jit
+def e2m1_code(y):
+    """4-bit e2m1 code (int32) of fp32 y: nearest of 0, .5, 1, 1.5, 2, 3, 4, 6, ties to the even
+    code (0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4), saturating; sign kept."""
+    a = tl.abs(y)
+    code = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+            + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+            + (a > 5.0).to(tl.int32))
+    return code | ((y.to(tl.int32, bitcast=True) >> 28) & 8)
+
+
+@triton.jit
+def quantize_blocks(x_even, x_odd, g, HAS_GLOBAL: tl.constexpr):
+    """NVFP4-quantise blocks of 16: `x_even`/`x_odd` [T, B, 8] fp32 hold elements 2i and 2i+1 of
+    each block, `g` the fp32 global scale (ignored unless HAS_GLOBAL). Returns (bytes [T, B, 8]
+    int32: code(2i) | code(2i+1) << 4, e4m3 scale codes [T, B] int32)."""
+    amax = tl.maximum(tl.max(tl.abs(x_even), axis=2), tl.max(tl.abs(x_odd), axis=2))
+    s = tl.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32))
+    if HAS_GLOBAL:
+        s = tl.div_rn(s, tl.full(amax.shape, 1.0, tl.float32) * g)
+    code = fp8_bits(s, 448.0, 3, -6)
+    d = e4m3_value(code)
+    if HAS_GLOBAL:
+        d = d * g
+    d = tl.broadcast_to(d[:, :, None], x_even.shape)
+    zero = d == 0  # an all-zero block (or a global scale that underflows it): all codes +0
+    d = tl.where(zero, 1.0, d)
+    lo = tl.where(zero, 0, e2m1_code(tl.div_rn(x_even, d)))
+    hi = tl.where(zero, 0, e2m1_code(tl.div_rn(x_odd, d)))
+    return lo | (hi << 4), code
+
+
+@triton.jit
+def store_nvfp4_rows(src_ptr, dst_ptr, sc_ptr, g, tok, write, dst_base, sc_base, blocks,
+                     n_blocks, s_n, s_h, d_h, sc_h, D: tl.constexpr, HAS_GLOBAL: tl.constexpr):
+    """Quantise blocks `blocks` (of the flattened [H, D/16] blocks of a row) of the tokens in
+    `write` and store bytes at dst_base + h*d_h + 8j + i and scale codes at sc_base + h*sc_h + j.
+    Source element (t, h, 16j + e) is at t*s_n + h*s_h + 16j + e."""
+    NB: tl.constexpr = D // 16
+    h = (blocks // NB).to(tl.int64)
+    j = (blocks % NB).to(tl.int64)
+    i = tl.arange(0, 8).to(tl.int64)
+    mask2 = write[:, None] & (blocks < n_blocks)[None, :]
+    mask3 = mask2[:, :, None]
+    src = (src_ptr + tok.to(tl.int64)[:, None, None] * s_n + (h * s_h + j * 16)[None, :, None]
+           + 2 * i[None, None, :])
+    x_even = tl.load(src, mask=mask3, other=0.0).to(tl.float32)
+    x_odd = tl.load(src + 1, mask=mask3, other=0.0).to(tl.float32)
+    packed, code = quantize_blocks(x_even, x_odd, g, HAS_GLOBAL)
+    dst = dst_ptr + dst_base[:, None, None] + (h * d_h + j * 8)[None, :, None] + i[None, None, :]
+    tl.store(dst, packed.to(tl.uint8), mask=mask3)
+    tl.store(sc_ptr + sc_base[:, None] + (h * sc_h + j)[None, :], code.to(tl.uint8), mask=mask2)

@@ -1,0 +1,92 @@
+"""Fused paged K+V NVFP4 store (MHA/GQA) with SWA/DCP loc resolution.
+
+One launch quantises and writes K and V: program (t, c) owns BLOCK_T tokens and BLOCK_B of the
+flattened [H, D/16] 16-element blocks of a row (K and V alike); NHD and HND are the same kernel
+with different cache strides. The NVFP4 arithmetic is `kernels/_nvfp4.py`.
+"""
+import triton
+import triton.language as tl
+
+from kvwrite.kernels._common import check_or_record, resolve_locs
+from kvwrite.kernels._nvfp4 import store_nvfp4_rows
+
+
+@triton.jit
+def store_kv_nvfp4_kernel(
+    k_ptr, v_ptr, kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, kg_ptr, vg_ptr, loc_ptr, err_ptr, loc_map_ptr,
+    n_tokens, num_heads, capacity, pool_page_size, map_len, dcp_rank, dcp_size,
+    k_sn, k_sh, v_sn, v_sh,
+    kc_sp, kc_so, kc_sh, vc_sp, vc_so, vc_sh,
+    ksc_sp, ksc_so, ksc_sh, vsc_sp, vsc_so, vsc_sh,
+    DK: tl.constexpr, DV: tl.constexpr, K_GLOBAL: tl.constexpr, V_GLOBAL: tl.constexpr,
+    HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr, CHECK: tl.constexpr, OP: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    loc, row, write, bad, target, limit, kind = resolve_locs(
+        loc_ptr, tok, tok < n_tokens, loc_map_ptr, map_len, dcp_rank, dcp_size, capacity,
+        HAS_MAP, HAS_DCP, CHECK)
+    check_or_record(err_ptr, tok, loc, bad, target, limit, kind, pool_page_size, OP, CHECK,
+                    pid_c == 0)
+    page = row // pool_page_size
+    offset = row % pool_page_size
+    blocks = pid_c * BLOCK_B + tl.arange(0, BLOCK_B)
+    kg = tl.load(kg_ptr).to(tl.float32) if K_GLOBAL else 1.0
+    vg = tl.load(vg_ptr).to(tl.float32) if V_GLOBAL else 1.0
+    store_nvfp4_rows(k_ptr, kc_ptr, ksc_ptr, kg, tok, write, page * kc_sp + offset * kc_so,
+                     page * ksc_sp + offset * ksc_so, blocks, num_heads * (DK // 16),
+                     k_sn, k_sh, kc_sh, ksc_sh, DK, K_GLOBAL)
+    store_nvfp4_rows(v_ptr, vc_ptr, vsc_ptr, vg, tok, write, page * vc_sp + offset * vc_so,
+                     page * vsc_sp + offset * vsc_so, blocks, num_heads * (DV // 16),
+                     v_sn, v_sh, vc_sh, vsc_sh, DV, V_GLOBAL)
+
+
+def launch(a) -> None:
+    """Launch store_kv_nvfp4_kernel for a validated `kvwrite.ops.nvfp4.StoreKVNVFP4`."""
+    import torch
+
+    from kvwrite.kernels._launch import launch as run, loc_args, tiles
+
+    n, h, dk = a.k.shape
+    dv = a.v.shape[2]
+    n_blocks = h * max(dk, dv) // 16
+    block_t, block_c = tiles(n, n_blocks * 16)
+    block_b = max(block_c // 16, 1)
+    grid = (triton.cdiv(n, block_t), triton.cdiv(n_blocks, block_b))
+    # e4m3 scales are written as bytes: also valid on sm_80, which has no e4m3 type
+    ksc, vsc = a.k_scale_cache.view(torch.uint8), a.v_scale_cache.view(torch.uint8)
+    kc, vc = a.k_cache, a.v_cache
+    kg, vg = a.k_global_scale, a.v_global_scale
+    run(store_kv_nvfp4_kernel, grid, a,
+        k_ptr=a.k, v_ptr=a.v, kc_ptr=kc, vc_ptr=vc, ksc_ptr=ksc, vsc_ptr=vsc,
+        kg_ptr=kg if kg is not None else a.k, vg_ptr=vg if vg is not None else a.v,
+        num_heads=h, k_sn=a.k.stride(0), k_sh=a.k.stride(1), v_sn=a.v.stride(0),
+        v_sh=a.v.stride(1), kc_sp=kc.stride(0), kc_so=kc.stride(1), kc_sh=kc.stride(2),
+        vc_sp=vc.stride(0), vc_so=vc.stride(1), vc_sh=vc.stride(2),
+        ksc_sp=ksc.stride(0), ksc_so=ksc.stride(1), ksc_sh=ksc.stride(2),
+        vsc_sp=vsc.stride(0), vsc_so=vsc.stride(1), vsc_sh=vsc.stride(2),
+        DK=dk, DV=dv, K_GLOBAL=kg is not None, V_GLOBAL=vg is not None,
+        BLOCK_T=block_t, BLOCK_B=block_b, **loc_args(a))
+
+
+def variants():
+    """(name, kernel, pointer dtypes, constexprs) of every variant, for compile_check: input
+    dtype x (global scales, SWA+DCP) x check mode, head dims 128 (K) and 64 (V)."""
+    import torch
+
+    from kvwrite.errors import op_code
+
+    for check in (0, 1, 2):
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            for extras in ((False, False), (True, True)) if dtype == torch.bfloat16 else ((False, False),):
+                glob, map_dcp = extras
+                pointers = dict(k_ptr=dtype, v_ptr=dtype, kc_ptr=torch.uint8, vc_ptr=torch.uint8,
+                                ksc_ptr=torch.uint8, vsc_ptr=torch.uint8, kg_ptr=torch.float32,
+                                vg_ptr=torch.float32, loc_ptr=torch.int64, err_ptr=torch.int64,
+                                loc_map_ptr=torch.int32)
+                constexprs = dict(DK=128, DV=64, K_GLOBAL=glob, V_GLOBAL=glob, HAS_MAP=map_dcp,
+                                  HAS_DCP=map_dcp, CHECK=check, OP=op_code("store_kv_nvfp4"), BLOCK_T=4, BLOCK_B=32)
+                name = f"{str(dtype)[6:]}->nvfp4{'+global+map+dcp' if glob else ''}"
+                yield name, store_kv_nvfp4_kernel, pointers, constexprs

@@ -1,0 +1,129 @@
+"""Reference NVFP4 quantiser, its inverse, and the paged NVFP4 K+V store.
+
+NVFP4 (the format `kernels/_nvfp4.py` implements bit-exactly): a row is cut into blocks of
+BLOCK = 16 consecutive elements. Per block, with an optional fp32 global scale `g` (1 if None):
+
+    s  = amax(|x|) / 6 / g                  block scale, fp32 divisions
+    sd = e4m3(saturate(s, 448))             stored byte (round to nearest even); its value
+    d  = sd * g                             the block's decoded step (fp32)
+    q  = e2m1(x / d)                        RNE to the nearest of 0, .5, 1, 1.5, 2, 3, 4, 6 (ties
+                                            to the even code), saturating at 6; sign kept
+                                            (a small negative value gives -0); d == 0: all +0
+    byte j of the row = code[2j] | code[2j + 1] << 4   (even element in the low nibble)
+
+Dequantised: x' = e2m1_value(q) * d.
+
+Error bound. Wherever `s` lies in e4m3's normal range [2**-6, 448] (so that sd is within a
+relative 2**-4 of s and amax <= 7 d), every element satisfies
+
+    |x - x'| <= d * h(|x'| / d),   h(m) = 1/4 for m < 2, 1/2 for m < 4, 1 otherwise
+
+(half the e2m1 spacing around the chosen value; 6 covers (5, 7] d), up to fp32 rounding of
+x / d and of the product. Relative to the block's amax this is at most 1/6 * 16/15 + ... ≈ 0.18
+(measured: `python -m kvwrite.reference.nvfp4`). Outside that range the block scale saturates
+(s > 448: values clip at 6 d) or underflows into e4m3 subnormals (coarser steps).
+"""
+from __future__ import annotations
+
+import torch
+
+from kvwrite.reference._locs import resolve_and_check
+
+BLOCK = 16
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# Rounding boundaries between consecutive e2m1 magnitudes, and whether a tie goes up (to the
+# even code): 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4.
+_BOUNDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True),
+           (5.0, False))
+
+
+def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
+    """4-bit e2m1 codes (int32) of fp32 `y`: RNE, ties to the even code, saturating at 6."""
+    a = y.abs()
+    code = torch.zeros_like(y, dtype=torch.int32)
+    for bound, tie_up in _BOUNDS:
+        code += (a >= bound if tie_up else a > bound).to(torch.int32)
+    return code | (torch.signbit(y).to(torch.int32) << 3)
+
+
+def e2m1_values(code: torch.Tensor) -> torch.Tensor:
+    """fp32 values of 4-bit e2m1 codes."""
+    mag = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=code.device)[(code & 7).long()]
+    return torch.where((code & 8) != 0, -mag, mag)
+
+
+def _global(global_scale: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    if global_scale is None:
+        return torch.ones((), dtype=torch.float32, device=device)
+    return global_scale.float().reshape(())
+
+
+def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] (D % 16 == 0) -> (packed uint8 [..., D/2], block scales e4m3 [..., D/16])."""
+    g = _global(global_scale, x.device)
+    blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    amax = blocks.abs().amax(-1)
+    s = amax / 6 / g
+    scale = s.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    d = (scale.float() * g)[..., None]
+    codes = torch.where(d == 0, torch.zeros((), dtype=torch.int32, device=x.device),
+                        e2m1_codes(blocks / d))
+    codes = codes.reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
+    packed = (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8)
+    return packed, scale
+
+
+def dequant_nvfp4(packed: torch.Tensor, scales: torch.Tensor,
+                  global_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows back from NVFP4: packed uint8 [..., D/2] and e4m3 scales [..., D/16] (e.g. cache
+    rows `k_cache[page, offset]` and `k_scale_cache[page, offset]`) -> fp32 [..., D]."""
+    if packed.dtype != torch.uint8 or scales.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"dequant_nvfp4 takes uint8 packed values and float8_e4m3fn scales, got "
+                        f"{packed.dtype} and {scales.dtype}")
+    if packed.shape[:-1] != scales.shape[:-1] or packed.shape[-1] * 2 != scales.shape[-1] * BLOCK:
+        raise ValueError(f"packed [..., D/2] and scales [..., D/16] disagree: {list(packed.shape)} "
+                         f"vs {list(scales.shape)}")
+    p = packed.to(torch.int32)
+    codes = torch.stack((p & 0xF, p >> 4), -1).reshape(*packed.shape[:-1], -1, BLOCK)
+    d = scales.float() * _global(global_scale, packed.device)
+    return (e2m1_values(codes) * d[..., None]).reshape(*packed.shape[:-1], -1)
+
+
+def error_bound(x: torch.Tensor, deq: torch.Tensor, scales: torch.Tensor,
+                global_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Per element bound d * h(|x'| / d) of the documented format error (see module doc)."""
+    d = (scales.float() * _global(global_scale, x.device)).repeat_interleave(BLOCK, -1)
+    m = torch.where(d > 0, deq.abs() / d, torch.zeros_like(d))
+    h = torch.where(m < 2, 0.25, torch.where(m < 4, 0.5, 1.0))
+    return d * h
+
+
+def store_kv_nvfp4(a) -> None:
+    """`a`: kvwrite.ops.nvfp4.StoreKVNVFP4 with canonical [pages, rows, H, ...] caches."""
+    idx, page, offset = resolve_and_check(a.locs, a.geometry, a.check)
+    for x, cache, scales, g in ((a.k, a.k_cache, a.k_scale_cache, a.k_global_scale),
+                                (a.v, a.v_cache, a.v_scale_cache, a.v_global_scale)):
+        packed, scale = quantize_nvfp4(x[idx], g)
+        cache[page, offset] = packed
+        scales[page, offset] = scale
+
+
+def _measure(n_blocks: int = 1 << 16, seed: int = 0) -> dict:
+    """Worst error / block amax over random blocks whose scale stays in e4m3's normal range."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_blocks, BLOCK, generator=gen) * torch.exp(torch.randn(n_blocks, 1, generator=gen) * 2)
+    g = torch.tensor(1.0)
+    amax = x.abs().amax(-1, keepdim=True)
+    keep = ((amax / 6 >= 2.0 ** -6) & (amax / 6 <= 448)).flatten()
+    x = x[keep]
+    packed, scale = quantize_nvfp4(x, g)
+    deq = dequant_nvfp4(packed, scale, g)
+    err = (x - deq).abs()
+    bound = error_bound(x, deq, scale, g)
+    return dict(blocks=int(keep.sum()), max_err_over_amax=float((err / x.abs().amax(-1, keepdim=True)).max()),
+                max_err_over_bound=float((err / bound).max()), within_bound=bool((err <= bound * (1 + 2**-20)).all()))
+
+
+if __name__ == "__main__":
+    print(_measure())
