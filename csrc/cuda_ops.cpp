@@ -25,7 +25,31 @@ void store_kv_cuda(const Tensor& k, const Tensor& v, const Tensor& k_cache, cons
   check_launch(launch_store_kv(p, int(check), c10::cuda::getCurrentCUDAStream()));
 }
 
+void store_mla_cuda(const Tensor& kv_c, const Tensor& k_pe, const Tensor& kv_cache, const OptTensor& scale,
+                    int64_t mode, const Tensor& loc, const OptTensor& loc_map, const OptTensor& errors,
+                    int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op) {
+  const c10::cuda::CUDAGuard guard(kv_c.device());
+  const StoreMLAParams p = store_mla_params(kv_c, k_pe, kv_cache, scale, mode, loc, loc_map, errors, dcp_rank,
+                                            dcp_size, check, op);
+  if (p.locs.n == 0) return;
+  check_launch(launch_store_mla(p, int(check), c10::cuda::getCurrentCUDAStream()));
+}
+
+void store_indexer_k_cuda(const Tensor& k, const Tensor& cache, int64_t qbs, bool ue8m0, const Tensor& loc,
+                          const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size,
+                          int64_t check, int64_t op) {
+  const c10::cuda::CUDAGuard guard(k.device());
+  const StoreIndexerKParams p = store_indexer_k_params(k, cache, qbs, ue8m0, loc, loc_map, errors, dcp_rank,
+                                                       dcp_size, check, op);
+  if (p.locs.n == 0) return;
+  check_launch(launch_store_indexer_k(p, int(check), c10::cuda::getCurrentCUDAStream()));
+}
+
 }  // namespace
 }  // namespace kvwrite
 
-TORCH_LIBRARY_IMPL(kvwrite_ext, CUDA, m) { m.impl("store_kv", &kvwrite::store_kv_cuda); }
+TORCH_LIBRARY_IMPL(kvwrite_ext, CUDA, m) {
+  m.impl("store_kv", &kvwrite::store_kv_cuda);
+  m.impl("store_mla", &kvwrite::store_mla_cuda);
+  m.impl("store_indexer_k", &kvwrite::store_indexer_k_cuda);
+}

@@ -3,11 +3,15 @@
 
 #include <cuda_runtime_api.h>
 
+#include "kvwrite/store_indexer_k.h"
 #include "kvwrite/store_kv.h"
+#include "kvwrite/store_mla.h"
 
 namespace kvwrite {
 
 // Each enqueues one kernel on `stream` (no host sync) and returns cudaGetLastError().
 cudaError_t launch_store_kv(const StoreKVParams& p, int check, cudaStream_t stream);
+cudaError_t launch_store_mla(const StoreMLAParams& p, int check, cudaStream_t stream);
+cudaError_t launch_store_indexer_k(const StoreIndexerKParams& p, int check, cudaStream_t stream);
 
 }  // namespace kvwrite

@@ -6,7 +6,6 @@
 
 #include <sstream>
 
-#include "kvwrite/dispatch.h"
 #include "params.h"
 
 namespace kvwrite {
@@ -59,27 +58,38 @@ void for_tokens(const LocArgs& a, int64_t check, Body&& token) {
   });
 }
 
+// Run the per-token functor `Token` over every token of `p`.
+template <class Token, class P>
+void run_tokens(const P& p, int64_t check) {
+  for_tokens(p.locs, check, [&](i64 i) { Token{}(p, i, 0, 1); });
+}
+
+#define KVW_RUN_CPU(op, p, check) \
+  op(p, int(check), [&](auto token, i64) { run_tokens<typename decltype(token)::type>(p, check); })
+
 void store_kv_cpu(const Tensor& k, const Tensor& v, const Tensor& k_cache, const Tensor& v_cache,
                   const OptTensor& k_scale, const OptTensor& v_scale, const Tensor& loc,
                   const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size,
                   int64_t check, int64_t op) {
   const StoreKVParams p = store_kv_params(k, v, k_cache, v_cache, k_scale, v_scale, loc, loc_map, errors,
                                           dcp_rank, dcp_size, check, op);
-  with_check(int(check), [&](auto c) {
-    if (p.cache_dtype == p.in_dtype) {
-      with_vec(store_kv_vec(p), [&](auto vec) {
-        for_tokens(p.locs, check, [&](i64 i) { store_kv_token<c.value, DType::F32, void, vec.value>(p, i, 0, 1); });
-      });
-    } else {
-      with_float_dtype(p.in_dtype, [&](auto in) {
-        with_fp8(p.cache_dtype, [&](auto fmt) {
-          for_tokens(p.locs, check, [&](i64 i) {
-            store_kv_token<c.value, in.value, typename decltype(fmt)::type, 1>(p, i, 0, 1);
-          });
-        });
-      });
-    }
-  });
+  KVW_RUN_CPU(dispatch_store_kv, p, check);
+}
+
+void store_mla_cpu(const Tensor& kv_c, const Tensor& k_pe, const Tensor& kv_cache, const OptTensor& scale,
+                   int64_t mode, const Tensor& loc, const OptTensor& loc_map, const OptTensor& errors,
+                   int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op) {
+  const StoreMLAParams p = store_mla_params(kv_c, k_pe, kv_cache, scale, mode, loc, loc_map, errors, dcp_rank,
+                                            dcp_size, check, op);
+  KVW_RUN_CPU(dispatch_store_mla, p, check);
+}
+
+void store_indexer_k_cpu(const Tensor& k, const Tensor& cache, int64_t qbs, bool ue8m0, const Tensor& loc,
+                         const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size,
+                         int64_t check, int64_t op) {
+  const StoreIndexerKParams p = store_indexer_k_params(k, cache, qbs, ue8m0, loc, loc_map, errors, dcp_rank,
+                                                       dcp_size, check, op);
+  KVW_RUN_CPU(dispatch_store_indexer_k, p, check);
 }
 
 }  // namespace
@@ -91,9 +101,15 @@ void store_kv_cpu(const Tensor& k, const Tensor& v, const Tensor& k_cache, const
 TORCH_LIBRARY(kvwrite_ext, m) {
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k_scale, "
         "Tensor? v_scale, " KVW_TAIL ") -> ()");
+  m.def("store_mla(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor? scale, int mode, " KVW_TAIL ") -> ()");
+  m.def("store_indexer_k(Tensor k, Tensor(a!) cache, int quant_block_size, bool ue8m0, " KVW_TAIL ") -> ()");
 }
 
-TORCH_LIBRARY_IMPL(kvwrite_ext, CPU, m) { m.impl("store_kv", &kvwrite::store_kv_cpu); }
+TORCH_LIBRARY_IMPL(kvwrite_ext, CPU, m) {
+  m.impl("store_kv", &kvwrite::store_kv_cpu);
+  m.impl("store_mla", &kvwrite::store_mla_cpu);
+  m.impl("store_indexer_k", &kvwrite::store_indexer_k_cpu);
+}
 
 #ifdef KVWRITE_PYTHON_MODULE
 // The ahead-of-time build (setup.py) is the importable module kvwrite._C: importing it runs the

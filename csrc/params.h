@@ -8,7 +8,9 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include "kvwrite/store_indexer_k.h"
 #include "kvwrite/store_kv.h"
+#include "kvwrite/store_mla.h"
 
 namespace kvwrite {
 
@@ -44,6 +46,12 @@ inline PagedCache paged(const Tensor& c, const char* name) {
   p.pool_page_size = c.size(1);
   p.elem_size = int(c.element_size());
   return p;
+}
+
+// A [pages, pool_page_size, row] cache (one head).
+inline PagedCache paged_rows(const Tensor& c, const char* name) {
+  TORCH_CHECK(c.dim() == 3, "kvwrite: ", name, " must be a 3-D [pages, rows, row] tensor");
+  return paged(c.unsqueeze(2), name);
 }
 
 inline LocArgs loc_args(const Tensor& loc, const OptTensor& loc_map, const OptTensor& errors,
@@ -127,6 +135,77 @@ inline StoreKVParams store_kv_params(const Tensor& k, const Tensor& v, const Ten
   p.H = int(k.size(1));
   p.locs = loc_args(loc, loc_map, errors, dcp_rank, dcp_size, check, op,
                     k_cache.size(0) * k_cache.size(1), k_cache.size(1), k);
+  TORCH_CHECK(p.locs.n == k.size(0), "kvwrite: loc must have one entry per token");
+  return p;
+}
+
+inline StoreMLAParams store_mla_params(const Tensor& kv_c, const Tensor& k_pe, const Tensor& kv_cache,
+                                       const OptTensor& scale, int64_t mode, const Tensor& loc,
+                                       const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank,
+                                       int64_t dcp_size, int64_t check, int64_t op) {
+  TORCH_CHECK(kv_c.dim() == 2 && k_pe.dim() == 2 && k_pe.size(0) == kv_c.size(0) &&
+                  k_pe.scalar_type() == kv_c.scalar_type(),
+              "kvwrite: kv_c [N, L] and k_pe [N, R] must share tokens and dtype");
+  TORCH_CHECK((kv_c.size(1) <= 1 || kv_c.stride(1) == 1) && (k_pe.size(1) <= 1 || k_pe.stride(1) == 1),
+              "kvwrite: kv_c and k_pe must be contiguous in their last dim");
+  check_same_device(kv_c, k_pe, "k_pe");
+  check_same_device(kv_c, kv_cache, "kv_cache");
+  StoreMLAParams p;
+  p.kv_c = static_cast<const char*>(kv_c.data_ptr());
+  p.k_pe = static_cast<const char*>(k_pe.data_ptr());
+  p.c_sn = kv_c.stride(0);
+  p.pe_sn = k_pe.stride(0);
+  p.L = int(kv_c.size(1));
+  p.R = int(k_pe.size(1));
+  p.cache = paged_rows(kv_cache, "kv_cache");
+  p.in_dtype = dtype_of(kv_c);
+  p.cache_dtype = dtype_of(kv_cache);
+  p.mode = int(mode);
+  const int64_t width = p.mode == MLA_DS_MLA ? p.L + (p.L / DS_MLA_TILE) * 4 + 2 * p.R : p.L + p.R;
+  TORCH_CHECK(kv_cache.size(2) == width, "kvwrite: kv_cache rows must be ", width, " wide for mode ", mode);
+  if (p.mode == MLA_COPY) {
+    TORCH_CHECK(p.cache_dtype == p.in_dtype, "kvwrite: kv_cache must have the input dtype");
+  } else if (p.mode == MLA_FP8) {
+    TORCH_CHECK(p.cache_dtype == DType::E4M3 || p.cache_dtype == DType::E5M2, "kvwrite: kv_cache must be fp8");
+    TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kFloat && scale->numel() == 1,
+                "kvwrite: fp8 store_mla needs a per-tensor fp32 scale");
+    check_same_device(kv_c, *scale, "scale");
+    p.scale = scale->data_ptr<float>();
+  } else {
+    TORCH_CHECK(p.mode == MLA_DS_MLA && p.cache_dtype == DType::U8 && p.L % DS_MLA_TILE == 0,
+                "kvwrite: fp8_ds_mla needs a uint8 kv_cache and L % 128 == 0");
+  }
+  p.locs = loc_args(loc, loc_map, errors, dcp_rank, dcp_size, check, op, kv_cache.size(0) * kv_cache.size(1),
+                    kv_cache.size(1), kv_c);
+  TORCH_CHECK(p.locs.n == kv_c.size(0), "kvwrite: loc must have one entry per token");
+  return p;
+}
+
+inline StoreIndexerKParams store_indexer_k_params(const Tensor& k, const Tensor& cache, int64_t qbs, bool ue8m0,
+                                                  const Tensor& loc, const OptTensor& loc_map,
+                                                  const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size,
+                                                  int64_t check, int64_t op) {
+  TORCH_CHECK(k.dim() == 2 && (k.size(1) <= 1 || k.stride(1) == 1), "kvwrite: k must be [N, D], contiguous in D");
+  TORCH_CHECK(qbs > 0 && k.size(1) % qbs == 0, "kvwrite: D must be a multiple of quant_block_size");
+  TORCH_CHECK(cache.dim() == 2 && cache.scalar_type() == at::kByte && (cache.size(1) <= 1 || cache.stride(1) == 1),
+              "kvwrite: the indexer cache must be a uint8 [pages, page bytes] tensor");
+  check_same_device(k, cache, "cache");
+  const int64_t d = k.size(1), per_token = d + (d / qbs) * 4;
+  TORCH_CHECK(cache.size(1) % per_token == 0 && cache.size(1) > 0,
+              "kvwrite: the indexer cache page is not a whole number of tokens");
+  StoreIndexerKParams p;
+  p.k = static_cast<const char*>(k.data_ptr());
+  p.k_sn = k.stride(0);
+  p.qbs = int(qbs);
+  p.ue8m0 = ue8m0;
+  p.in_dtype = dtype_of(k);
+  p.cache.base = static_cast<char*>(cache.data_ptr());
+  p.cache.stride_page = cache.stride(0);
+  p.cache.pool_page_size = cache.size(1) / per_token;
+  p.cache.D = int(d);
+  p.cache.blocks = int(d / qbs);
+  p.locs = loc_args(loc, loc_map, errors, dcp_rank, dcp_size, check, op, cache.size(0) * p.cache.pool_page_size,
+                    p.cache.pool_page_size, k);
   TORCH_CHECK(p.locs.n == k.size(0), "kvwrite: loc must have one entry per token");
   return p;
 }

@@ -150,3 +150,116 @@ def test_direct_op_call_assert_throws_with_the_details():
         torch.ops.kvwrite_ext.store_kv(k, k, kc, kc.clone(), None, None, torch.tensor([0, 8]), None, None,
                                        0, 1, 1, 0)
     assert not kc.any()
+
+
+# --- store_mla and store_indexer_k --------------------------------------------------------------
+
+def mixed_locs(gen, n, hi, check):
+    """Unique good locs in [0, hi) (a row has one writer), -1 padding, and in checked modes bad
+    locs (negative or past hi) of which several tokens may share one."""
+    good = torch.randperm(hi, generator=gen)[:n]
+    r = torch.randint(0, 8, (n,), generator=gen)
+    loc = torch.where(torch.rand(n, generator=gen) < 0.1, -1, torch.where(r < 2, r - 3, hi + r - 2))
+    if check == "off":
+        loc[:] = -1
+    keep = torch.rand(good.numel(), generator=gen) < (0.9 if check == "off" else 0.7)
+    loc[: good.numel()] = torch.where(keep, good, loc[: good.numel()])
+    return loc[torch.randperm(n, generator=gen)].to(DEVICE)
+
+
+def compare_with_reference(backend, store_fn, pool, check):
+    """Run `store_fn(backend, pool, errors)` and the reference on a twin pool: the same bytes,
+    untouched canaries, the same record, or the same OutOfBoundsWrite in assert mode."""
+    ref, original = pool.clone(), pool.raw.clone()
+    errs, ref_errs = kvwrite.ErrorBuffer(DEVICE), kvwrite.ErrorBuffer(DEVICE)
+    raised = []
+    for b, p, e in ((backend, pool, errs), ("torch", ref, ref_errs)):
+        try:
+            store_fn(b, p, e)
+        except kvwrite.OutOfBoundsWrite as exc:
+            raised.append((exc.op, exc.token_index, exc.loc, exc.target, exc.limit, exc.kind, exc.count))
+    if check == "assert" and raised:
+        assert len(raised) == 2 and raised[0] == raised[1]
+        assert torch.equal(pool.raw[pool.canary_mask()], original[pool.canary_mask()])
+        return
+    assert not raised
+    assert_same_bytes(pool, ref, original)
+    assert torch.equal(errs.tensor.cpu(), ref_errs.tensor.cpu())
+
+
+MLA_FORMATS = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "fp8_ds_mla": torch.uint8}
+
+
+@st.composite
+def mla_cases(draw):
+    fmt = draw(st.sampled_from(sorted(MLA_FORMATS)))
+    lora = draw(st.sampled_from([512, 128, 256] if fmt == "fp8_ds_mla" else [512, 16, 33]))
+    return dict(fmt=fmt, lora=lora, rope=draw(st.sampled_from([64, 8, 3])),
+                dtype=draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16])),
+                pps=draw(st.sampled_from([1, 16, 64])), pages=draw(st.integers(1, 4)), n=draw(st.integers(0, 70)),
+                strided=draw(st.booleans()), map_dcp=draw(st.booleans()),
+                check=draw(st.sampled_from(["off", "assert", "guard"])), seed=draw(st.integers(0, 2**16)))
+
+
+@pytest.mark.parametrize("backend", EXT)
+@given(c=mla_cases())
+def test_store_mla_matches_reference(backend, c):
+    gen = torch.Generator().manual_seed(c["seed"])
+    n, lora, rope, fmt = c["n"], c["lora"], c["rope"], c["fmt"]
+    proj = (torch.randn(n, lora + rope + (5 if c["strided"] else 0), generator=gen) * 4)
+    proj[:, : lora // 3] *= 1e-3  # small and subnormal fp8 codes, tiles of very different scales
+    proj = proj.to(c["dtype"]).to(DEVICE)
+    kv_c, k_pe = proj[:, :lora], proj[:, proj.shape[1] - rope:]
+    if not c["strided"]:
+        kv_c, k_pe = kv_c.contiguous(), k_pe.contiguous()
+    width = kvwrite.ops.mla.FORMATS[fmt].row_width(lora, rope)
+    cache_dtype = MLA_FORMATS[fmt] or c["dtype"]
+    pool = CanaryBuffer({"kv_cache": ((c["pages"], c["pps"], width), cache_dtype)}, seed=c["seed"])
+    scale = (torch.rand((), generator=gen) + 0.05).to(DEVICE) if fmt.startswith("fp8_e") else None
+    dcp = 2 if c["map_dcp"] else 1
+    virt = c["pages"] * c["pps"] * dcp
+    loc_map = (torch.randperm(virt + 4, generator=gen) - 1).to(DEVICE) if c["map_dcp"] else None
+    if loc_map is not None and c["check"] == "off":
+        loc_map[loc_map >= virt] = -1
+    loc = mixed_locs(gen, n, virt + 4 if c["map_dcp"] else virt, c["check"])
+
+    def store(b, p, e):
+        kvwrite.store_mla(kv_c, k_pe, p["kv_cache"], loc, kv_cache_dtype=fmt, scale=scale, check=c["check"],
+                          errors=e, loc_map=loc_map, dcp_rank=1 if dcp > 1 else 0, dcp_size=dcp, backend=b)
+
+    compare_with_reference(backend, store, pool, c["check"])
+
+
+@st.composite
+def indexer_cases(draw):
+    qbs = draw(st.sampled_from([128, 64, 32]))
+    return dict(qbs=qbs, d=qbs * draw(st.sampled_from([1, 2, 4])), ue8m0=draw(st.booleans()),
+                dtype=draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16])),
+                pps=draw(st.sampled_from([1, 16, 64])), pages=draw(st.integers(1, 4)), n=draw(st.integers(0, 70)),
+                strided=draw(st.booleans()), use_map=draw(st.booleans()),
+                check=draw(st.sampled_from(["off", "assert", "guard"])), seed=draw(st.integers(0, 2**16)))
+
+
+@pytest.mark.parametrize("backend", EXT)
+@given(c=indexer_cases())
+def test_store_indexer_k_matches_reference(backend, c):
+    gen = torch.Generator().manual_seed(c["seed"])
+    n, d, qbs = c["n"], c["d"], c["qbs"]
+    k = torch.randn(n, d + (3 if c["strided"] else 0), generator=gen) * 2
+    k[: n // 3] *= 1e-6  # amax below the 1e-4 floor
+    k = k.to(c["dtype"]).to(DEVICE)[:, :d]
+    if not c["strided"]:
+        k = k.contiguous()
+    row = d + (d // qbs) * 4
+    pool = CanaryBuffer({"cache": ((c["pages"], c["pps"] * row), torch.uint8)}, seed=c["seed"])
+    cap = c["pages"] * c["pps"]
+    loc_map = (torch.randperm(cap + 4, generator=gen) - 1).to(torch.int32).to(DEVICE) if c["use_map"] else None
+    if loc_map is not None and c["check"] == "off":
+        loc_map[loc_map >= cap] = -1
+    loc = mixed_locs(gen, n, cap + 4 if c["use_map"] else cap, c["check"])
+
+    def store(b, p, e):
+        kvwrite.store_indexer_k(k, p["cache"], loc, quant_block_size=qbs, scale_fmt="ue8m0" if c["ue8m0"] else None,
+                                check=c["check"], errors=e, loc_map=loc_map, backend=b)
+
+    compare_with_reference(backend, store, pool, c["check"])

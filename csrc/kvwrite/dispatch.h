@@ -59,16 +59,16 @@ void with_vec(int bytes, F&& f) {
   }
 }
 
-// CUDA launch shape: `group` threads per token (a power of two covering one token's work, 32 to
-// 256), so decode-size batches spread a row over many threads and prefill-size batches pack
-// several tokens into a 256-thread block.
+// CUDA launch shape: `group` threads per token (a power of two covering one token's work items,
+// at most 256), so a token's row is spread over many threads and small per-token work (one
+// indexer block) packs up to 256 tokens into a 256-thread block.
 struct LaunchShape {
   i64 blocks;
   int threads, group;
 };
 
 inline LaunchShape launch_shape(i64 n_tokens, i64 work_per_token, int threads = 256) {
-  int group = 32;
+  int group = 1;
   while (group < threads && group < work_per_token) group *= 2;
   const int per_block = threads / group;
   return LaunchShape{ceil_div(n_tokens, per_block), threads, group};

@@ -4,6 +4,7 @@
 
 #include <type_traits>
 
+#include "dispatch.h"
 #include "fp8.h"
 #include "locs.h"
 #include "paged.h"
@@ -75,6 +76,32 @@ KVW_HD void store_kv_token(const StoreKVParams& p, i64 i, int lane, int nlanes) 
     quant_side<IN, OUT>(p.k, p.H, i, r.row, lane, nlanes);
     quant_side<IN, OUT>(p.v, p.H, i, r.row, lane, nlanes);
   }
+}
+
+template <int CHECK, DType IN, class OUT, int VEC>
+struct StoreKVToken {
+  KVW_HD void operator()(const StoreKVParams& p, i64 i, int lane, int nlanes) const {
+    store_kv_token<CHECK, IN, OUT, VEC>(p, i, lane, nlanes);
+  }
+};
+
+// f(TypeTag<StoreKVToken<...>>, work items per token) for the runtime check mode and dtypes.
+template <class F>
+void dispatch_store_kv(const StoreKVParams& p, int check, F&& f) {
+  const i64 d = p.k.D > p.v.D ? p.k.D : p.v.D;
+  with_check(check, [&](auto c) {
+    if (p.cache_dtype == p.in_dtype) {
+      with_vec(store_kv_vec(p), [&](auto vec) {
+        f(TypeTag<StoreKVToken<c.value, DType::F32, void, vec.value>>{}, p.H * d * dtype_size(p.in_dtype) / vec.value);
+      });
+    } else {
+      with_float_dtype(p.in_dtype, [&](auto in) {
+        with_fp8(p.cache_dtype, [&](auto fmt) {
+          f(TypeTag<StoreKVToken<c.value, in.value, typename decltype(fmt)::type, 1>>{}, p.H * d);
+        });
+      });
+    }
+  });
 }
 
 }  // namespace kvwrite

@@ -109,8 +109,7 @@ def _file_lock(path: Path):
 def aot_extension(root: Path):
     """setup.py's ahead-of-time build (KVWRITE_BUILD_EXT=1): the module `kvwrite._C` from the same
     sources and flags as the JIT build, and the BuildExtension command (ninja)."""
-    from torch.utils import cpp_extension
-
+    cpp_extension = _import_cpp_extension()
     cfg = build_config()
     if cfg["with_cuda"]:
         os.environ["CUDA_HOME"] = cfg["cuda_home"]
@@ -123,9 +122,27 @@ def aot_extension(root: Path):
     return [ext], {"build_ext": cpp_extension.BuildExtension}
 
 
+def _import_cpp_extension():
+    """torch.utils.cpp_extension with our CUDA_HOME (it guesses its own at import time, from the
+    nvcc on PATH, and warns when there is no GPU)."""
+    import logging
+
+    home = find_cuda_home() if torch.version.cuda else None
+    if home:
+        os.environ.setdefault("CUDA_HOME", home)
+    log = logging.getLogger("torch.utils.cpp_extension")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        log.setLevel(level)
+    return cpp_extension
+
+
 def build(verbose: bool | None = None) -> tuple[Path, float]:
     """JIT-build (or reuse) the extension and load it into torch.ops; returns (dir, seconds)."""
-    from torch.utils import cpp_extension
+    cpp_extension = _import_cpp_extension()
 
     root = csrc_dir()
     if root is None:
@@ -227,3 +244,13 @@ def _run(a, name: str, *args) -> None:
 def store_kv(a) -> None:
     """`a`: kvwrite.ops.kv.StoreKV (canonical [pages, pool_page_size, H, D] cache views)."""
     _run(a, "store_kv", a.k, a.v, a.k_cache, a.v_cache, a.k_scale, a.v_scale)
+
+
+def store_mla(a) -> None:
+    """`a`: kvwrite.ops.mla.StoreMLA (`kv_cache` `[pages, pool_page_size, row]`)."""
+    _run(a, "store_mla", a.kv_c, a.k_pe, a.kv_cache, a.scale, a.format.mode)
+
+
+def store_indexer_k(a) -> None:
+    """`a`: kvwrite.ops.indexer_k.StoreIndexerK (uint8 `[pages, page bytes]` cache)."""
+    _run(a, "store_indexer_k", a.k, a.cache, a.quant_block_size, a.ue8m0)
