@@ -241,6 +241,9 @@ def plot(result: dict, path: Path) -> bool:
     if not cases:
         return False
     fig, axes = plt.subplots(len(cases), 2, figsize=(12, 3.4 * len(cases)), squeeze=False)
+    impls = sorted({r["impl"] for r in result["rows"]})
+    palette = plt.get_cmap("tab10" if len(impls) <= 10 else "tab20")
+    color = {impl: palette(i % palette.N) for i, impl in enumerate(impls)}
     for i, case in enumerate(cases):
         lines = defaultdict(list)
         for r in result["rows"]:
@@ -251,9 +254,9 @@ def plot(result: dict, path: Path) -> bool:
             ns, us, pct = zip(*pts)
             style = "--" if mode == "graph" else (":" if impl == "copy" else "-")
             label = impl + (" (graph)" if mode == "graph" else "")
-            axes[i][0].plot(ns, us, style, marker="o", ms=3, label=label)
+            axes[i][0].plot(ns, us, style, marker="o", ms=3, label=label, color=color[impl])
             if impl != "copy":
-                axes[i][1].plot(ns, pct, style, marker="o", ms=3, label=label)
+                axes[i][1].plot(ns, pct, style, marker="o", ms=3, label=label, color=color[impl])
         axes[i][0].set(xscale="log", yscale="log", xlabel="N tokens", ylabel="median µs",
                        title=f"{case}: latency")
         axes[i][1].set(xscale="log", xlabel="N tokens", ylabel="% of copy bandwidth",
@@ -264,7 +267,7 @@ def plot(result: dict, path: Path) -> bool:
         axes[i][1].grid(True, lw=0.3)
     m = result["machine"]
     fig.suptitle(f"kvwrite bench on {m['kind']} ({m.get('gpu') or m.get('cpu')})", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.98))
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return True
