@@ -68,7 +68,7 @@ def test_bench_tiny_run_writes_json_report_and_plot(tmp_path):
         assert r["us"] > 0 and r["bytes"] > 0 and r["gbps"] > 0
         copy = next(c for c in rows if c["kind"] == "copy" and c["n"] == r["n"])
         assert r["pct_copy"] == pytest.approx(100 * copy["us"] / r["us"], rel=0.01, abs=0.1)
-    assert {h["what"] for h in result["host"]} == {"wrapper", "raw index_put_"}
+    assert {h["what"] for h in result["host"]} == {"wrapper", "raw index_put_", "raw cache[loc] = k"}
     assert [t["target"] for t in result["targets"]] == [t["target"] for t in report.targets(result)]
     text = (tmp_path / "report.md").read_text()
     assert "kvwrite bench — cpu" in text and result["machine"]["cpu"] in text and "## Targets" in text

@@ -2,8 +2,8 @@
 
 A case's `build(n, device, gen)` allocates one layer's pool, N tokens of input and random
 unique locs from a paged allocation, and returns a `Setup`: the kvwrite call, the bytes one
-store moves, the baselines that do the same store another way, and one raw torch op on the same
-tensors (the yardstick of the wrapper's host overhead). Ops missing from this kvwrite are skipped
+store moves, the baselines that do the same store another way, and single raw torch ops on the same
+tensors (the yardsticks of the wrapper's host overhead). Ops missing from this kvwrite are skipped
 with a note (`hasattr(kvwrite, op)`), so the registry can name ops that land later.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ class Setup:
     bytes_moved: int                           # bytes read + written by one store
     baselines: dict[str, Store] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)  # baseline -> why it is not measured
-    raw: Store | None = None                   # one raw torch op on these tensors
+    raw: dict[str, Store] = field(default_factory=dict)  # single raw torch ops on these tensors
     outputs: tuple = ()                        # the tensors one store writes
 
 
@@ -196,7 +196,8 @@ def _mha(n: int, device: torch.device, gen: torch.Generator, cache_dtype: torch.
     _try("index_copy_", index_copy, baselines, notes)
     _external_mha(k, v, kc, vc, loc, fp8, baselines, notes)
     kq = quantize_fp8(k, scales["k_scale"], cache_dtype) if fp8 else k
-    raw = lambda: kf.index_put_((loc,), kq)  # noqa: E731
+    raw = {"index_put_": lambda: kf.index_put_((loc,), kq),
+           "cache[loc] = k": lambda: kf.__setitem__(loc, kq)}
     return Setup(call, moved, baselines, notes, raw, (kc, vc))
 
 
@@ -245,11 +246,11 @@ def _mla(n: int, device: torch.device, gen: torch.Generator, fmt: str) -> Setup:
         _try("torch-index", lambda: flat.__setitem__(loc, torch.cat([kv_c, k_pe], -1)), baselines, notes)
         _try("index_copy_", lambda: flat.index_copy_(0, loc, torch.cat([kv_c, k_pe], -1)), baselines, notes)
         raw_row = torch.cat([kv_c, k_pe], -1)
-        raw = lambda: flat.index_put_((loc,), raw_row)  # noqa: E731
     else:
         notes["torch-index"] = f"skipped: no plain torch store of {fmt!r} rows (the torch backend is the reference)"
         raw_row = torch.zeros(n, width, dtype=cache.dtype, device=device)
-        raw = lambda: flat.index_put_((loc,), raw_row)  # noqa: E731
+    raw = {"index_put_": lambda: flat.index_put_((loc,), raw_row),
+           "cache[loc] = k": lambda: flat.__setitem__(loc, raw_row)}
     _vllm_mla(kv_c, k_pe, cache, loc, fmt, baselines, notes)
     return Setup(call, moved, baselines, notes, raw, (cache,))
 
@@ -285,7 +286,7 @@ def _mla_nvfp4(n: int, device: torch.device, gen: torch.Generator) -> Setup:
                           check=check, errors=errors, backend=backend)
 
     moved = n * row * 2 + _nbytes(loc) + n * (row // 2 + row // 16)
-    return Setup(call, moved, {}, {"torch-index": "skipped: no plain torch NVFP4 store"}, None,
+    return Setup(call, moved, {}, {"torch-index": "skipped: no plain torch NVFP4 store"}, {},
                  (cache, scales))
 
 
@@ -304,7 +305,7 @@ def _indexer(n: int, device: torch.device, gen: torch.Generator) -> Setup:
     moved = _nbytes(k, loc) + n * per_token
     notes = {"torch-index": "skipped: no plain torch store of the page-major indexer layout "
                             "(the torch backend is the reference)"}
-    return Setup(call, moved, {}, notes, None, (cache,))
+    return Setup(call, moved, {}, notes, {}, (cache,))
 
 
 @case("store_kv_nvfp4", "mha-nvfp4", "MHA Llama-3.1-8B layer: 8 x 128 bf16 -> NVFP4 (e2m1 + e4m3 scale per 16)")
@@ -321,7 +322,7 @@ def _mha_nvfp4(n: int, device: torch.device, gen: torch.Generator) -> Setup:
         kvwrite.store_kv_nvfp4(k, v, kc, vc, ks, vs, loc, check=check, errors=errors, backend=backend)
 
     moved = _nbytes(k, v, loc) + 2 * n * heads * (dim // 2 + dim // 16)
-    return Setup(call, moved, {}, {"torch-index": "skipped: no plain torch NVFP4 store"}, None,
+    return Setup(call, moved, {}, {"torch-index": "skipped: no plain torch NVFP4 store"}, {},
                  (kc, vc, ks, vs))
 
 

@@ -134,9 +134,9 @@ def host_overhead(case, setup, backends: list[str], device: torch.device, min_ti
                 us = timing.cpu_median_us(lambda: setup.call(backend, check, errors), min_time)
             rows.append({"case": case.name, "what": "wrapper", "backend": backend, "check": check,
                          "us": round(us, 3)})
-    if setup.raw is not None:
-        rows.append({"case": case.name, "what": "raw index_put_", "backend": None, "check": None,
-                     "us": round(timing.cpu_median_us(setup.raw, min_time), 3)})
+    for name, fn in setup.raw.items():
+        rows.append({"case": case.name, "what": f"raw {name}", "backend": None, "check": None,
+                     "us": round(timing.cpu_median_us(fn, min_time), 3)})
     return rows
 
 
