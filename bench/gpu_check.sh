@@ -35,7 +35,7 @@ timeout 300 $PY bench/nvfp4_check.py --device cuda > "$OUT/nvfp4.json" 2> "$OUT/
 tail -c 600 "$OUT/nvfp4.json" | tee -a "$OUT/summary.txt"
 
 step "benchmark sweep (kvwrite bench, full)"
-timeout ${KVWRITE_GPU_BENCH_TIMEOUT:-300} $PY -m kvwrite.cli bench --min-time ${KVWRITE_GPU_BENCH_REP:-0.03} \
+timeout ${KVWRITE_GPU_BENCH_TIMEOUT:-420} $PY -m kvwrite.cli bench --min-time ${KVWRITE_GPU_BENCH_REP:-0.03} \
     --out "$OUT/bench" > "$OUT/bench.log" 2>&1 || status=1
 grep -A12 "^## Targets" "$OUT/bench/report.md" 2>/dev/null | tee -a "$OUT/summary.txt" || tail -5 "$OUT/bench.log" | tee -a "$OUT/summary.txt"
 

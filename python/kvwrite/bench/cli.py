@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import signal
+import threading
 from pathlib import Path
 
 import torch
@@ -77,12 +79,21 @@ def _command(args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     threads = torch.get_num_threads()
+    previous = signal.getsignal(signal.SIGTERM)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)  # `timeout` stops the sweep, the report is kept
     try:
         if args.threads > 0:
             torch.set_num_threads(args.threads)
         return _run(args, device)
     finally:
         torch.set_num_threads(threads)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def _run(args: argparse.Namespace, device: torch.device) -> int:
@@ -110,4 +121,4 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
     if not args.quiet:
         report.print_table(result, console)
         console.print(f"wall {result['wall_s']} s; wrote " + ", ".join(str(p) for p in paths.values()))
-    return 0
+    return 2 if result["interrupted"] else 0

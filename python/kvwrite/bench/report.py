@@ -173,6 +173,8 @@ def markdown(result: dict, plot_name: str | None) -> str:
     if m.get("gpu"):
         mach += f"; GPU {m['gpu']} (sm {m['gpu_capability']}, {m['gpu_memory_gib']} GiB, {m['gpu_sms']} SMs)"
     lines += [mach + ".", "", "Versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val) + ".", ""]
+    if result.get("interrupted"):
+        lines += [f"**Sweep {result['interrupted']}.**", ""]
     lines += ["Each figure is the median latency of one store call; `%` is the same-run contiguous "
               "copy of the same number of bytes (reads + writes) divided by it, i.e. the store's "
               "effective bandwidth as a share of copy bandwidth. Locs are random unique rows of whole, "

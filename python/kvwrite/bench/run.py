@@ -140,6 +140,44 @@ def host_overhead(case, setup, backends: list[str], device: torch.device, min_ti
     return rows
 
 
+def _measure(cfg: Config, case, n: int, setup, backends: list[str], device: torch.device,
+             graph: bool, broken: set, rows: list, notes: dict) -> None:
+    """Every row of one case at one N: copy, each backend x check (+ graph replay), baselines."""
+    copy = timing.copy_fn(setup.bytes_moved, device)
+    copy_us = timing.median_us(copy, device, cfg.min_time)
+    rows.append(_row(case, n, "copy", "copy", None, "eager", copy_us, setup.bytes_moved, copy_us))
+    for backend in backends:
+        if (case.name, backend) in broken:
+            continue
+        for check in cfg.checks:
+            errors = ErrorBuffer(device) if check == "guard" else None
+            fn = (lambda b=backend, c=check, e=errors: setup.call(b, c, e))
+            try:
+                us = timing.median_us(fn, device, cfg.min_time)
+            except Exception as exc:
+                notes[f"{case.name} {backend}"] = (f"failed at N={n}, check={check} (not "
+                                                   f"retried): {exc.__class__.__name__}: {exc}")
+                broken.add((case.name, backend))
+                break
+            if errors is not None and errors.error() is not None:
+                notes[f"{case.name} N={n} {backend}/guard"] = f"guard recorded an error: {errors.error()}"
+            rows.append(_row(case, n, backend, "kvwrite", check, "eager", us, setup.bytes_moved, copy_us))
+            if graph and n <= GRAPH_MAX_N and backend != "torch":
+                try:
+                    g_us = timing.graph_median_us(fn)
+                    rows.append(_row(case, n, backend, "kvwrite", check, "graph", g_us,
+                                     setup.bytes_moved, copy_us))
+                except Exception as exc:
+                    notes[f"{case.name} N={n} {backend}/{check} graph"] = f"failed: {exc.__class__.__name__}: {exc}"
+    for name, fn in setup.baselines.items():
+        rows.append(_row(case, n, name, "baseline", None, "eager",
+                         timing.median_us(fn, device, cfg.min_time), setup.bytes_moved, copy_us))
+        if graph and n <= GRAPH_MAX_N:
+            with contextlib.suppress(Exception):
+                rows.append(_row(case, n, name, "baseline", None, "graph",
+                                 timing.graph_median_us(fn), setup.bytes_moved, copy_us))
+
+
 def sweep(cfg: Config, progress=None) -> dict:
     device = torch.device(cfg.device)
     start = time.perf_counter()
@@ -155,61 +193,33 @@ def sweep(cfg: Config, progress=None) -> dict:
     if graph:
         with contextlib.suppress(Exception):
             empty_us = timing.graph_median_us(timing.empty_kernel())
-    for case in chosen:
-        for n in cfg.sizes:
-            if progress:
-                progress.update(task, description=f"{case.name} N={n}")
-            try:
-                setup = case.build(n, device, gen)
-            except Exception as exc:
-                notes[f"{case.name} N={n}"] = f"setup failed: {exc.__class__.__name__}: {exc}"
-                progress and progress.advance(task)
-                continue
-            for name, why in setup.notes.items():
-                notes.setdefault(f"{case.name}: {name}", why)
-            copy = timing.copy_fn(setup.bytes_moved, device)
-            copy_us = timing.median_us(copy, device, cfg.min_time)
-            rows.append(_row(case, n, "copy", "copy", None, "eager", copy_us, setup.bytes_moved, copy_us))
-            for backend in backends:
-                if (case.name, backend) in broken:
+    interrupted = None
+    try:
+        for case in chosen:
+            for n in cfg.sizes:
+                if progress:
+                    progress.update(task, description=f"{case.name} N={n}")
+                try:
+                    setup = case.build(n, device, gen)
+                except Exception as exc:
+                    notes[f"{case.name} N={n}"] = f"setup failed: {exc.__class__.__name__}: {exc}"
+                    progress and progress.advance(task)
                     continue
-                for check in cfg.checks:
-                    errors = ErrorBuffer(device) if check == "guard" else None
-                    fn = (lambda b=backend, c=check, e=errors: setup.call(b, c, e))
-                    try:
-                        us = timing.median_us(fn, device, cfg.min_time)
-                    except Exception as exc:
-                        notes[f"{case.name} {backend}"] = (f"failed at N={n}, check={check} (not "
-                                                           f"retried): {exc.__class__.__name__}: {exc}")
-                        broken.add((case.name, backend))
-                        break
-                    if errors is not None and errors.error() is not None:
-                        notes[f"{case.name} N={n} {backend}/guard"] = f"guard recorded an error: {errors.error()}"
-                    rows.append(_row(case, n, backend, "kvwrite", check, "eager", us, setup.bytes_moved, copy_us))
-                    if graph and n <= GRAPH_MAX_N and backend != "torch":
-                        try:
-                            g_us = timing.graph_median_us(fn)
-                            rows.append(_row(case, n, backend, "kvwrite", check, "graph", g_us,
-                                             setup.bytes_moved, copy_us))
-                        except Exception as exc:
-                            notes[f"{case.name} N={n} {backend}/{check} graph"] = f"failed: {exc.__class__.__name__}: {exc}"
-            for name, fn in setup.baselines.items():
-                rows.append(_row(case, n, name, "baseline", None, "eager",
-                                 timing.median_us(fn, device, cfg.min_time), setup.bytes_moved, copy_us))
-                if graph and n <= GRAPH_MAX_N:
-                    with contextlib.suppress(Exception):
-                        rows.append(_row(case, n, name, "baseline", None, "graph",
-                                         timing.graph_median_us(fn), setup.bytes_moved, copy_us))
-            if n == min(cfg.sizes):
-                host += host_overhead(case, setup, backends, device, min(cfg.min_time, 0.05))
-            del setup
-            progress and progress.advance(task)
+                for name, why in setup.notes.items():
+                    notes.setdefault(f"{case.name}: {name}", why)
+                _measure(cfg, case, n, setup, backends, device, graph, broken, rows, notes)
+                if n == min(cfg.sizes):
+                    host += host_overhead(case, setup, backends, device, min(cfg.min_time, 0.05))
+                del setup
+                progress and progress.advance(task)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM from a timeout (see cli.py): keep what was measured
+        interrupted = "interrupted: the rows measured so far are reported"
     return {
         "kvwrite_bench": 1, "quick": cfg.quick, "command": cfg.command,
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
         "machine": machine_info(device), "versions": versions(),
         "backends": backends, "backend_notes": backend_notes, "skipped": skipped,
-        "notes": notes, "empty_kernel_graph_us": empty_us,
+        "notes": notes, "empty_kernel_graph_us": empty_us, "interrupted": interrupted,
         "cases": {c.name: {"op": c.op, "label": c.label} for c in chosen},
         "rows": rows, "host": host, "wall_s": round(time.perf_counter() - start, 1),
     }
