@@ -21,6 +21,11 @@ tail -4 "$OUT/env.txt" | tee -a "$OUT/summary.txt"
 step "install"
 $PY -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { echo "install failed" | tee -a "$OUT/summary.txt"; exit 1; }
 
+step "C++/CUDA extension: JIT build (ninja, cached in ~/.cache/kvwrite) for the visible GPU"
+$PY -c "from kvwrite import _ext; d, s = _ext.build(); print(f'built/loaded {d} in {s:.1f} s'); print('cuda backend:', _ext.unavailable_reason('cuda') or 'available')" \
+    > "$OUT/ext_build.log" 2>&1 || status=1
+tail -2 "$OUT/ext_build.log" | tee -a "$OUT/summary.txt"
+
 step "test suite on CUDA"
 ( cd tests && KVWRITE_TEST_DEVICE=cuda timeout ${KVWRITE_GPU_TEST_TIMEOUT:-420} $PY -m pytest -q -n 4 -p no:cacheprovider \
     --junitxml "$OUT/junit.xml" ) > "$OUT/tests.log" 2>&1 || status=1
@@ -33,6 +38,15 @@ tail -1 "$OUT/mla.log" | tee -a "$OUT/summary.txt"
 step "nvfp4: every kernel backend bit-exact vs the reference on CUDA; round-trip error bound"
 timeout 300 $PY bench/nvfp4_check.py --device cuda > "$OUT/nvfp4.json" 2> "$OUT/nvfp4.log" || status=1
 tail -c 600 "$OUT/nvfp4.json" | tee -a "$OUT/summary.txt"
+
+step "C++/CUDA extension under compute-sanitizer memcheck (off and guard; CUDA matrix is in the suite above)"
+if command -v compute-sanitizer > /dev/null; then
+  timeout 600 compute-sanitizer --tool memcheck --error-exitcode 3 $PY bench/ext_sanitize.py --modes off,guard \
+      > "$OUT/sanitizer.log" 2>&1 || status=1
+  grep -E "ERROR SUMMARY|mismatches" "$OUT/sanitizer.log" | tail -2 | tee -a "$OUT/summary.txt"
+else
+  echo "compute-sanitizer not found" | tee -a "$OUT/summary.txt"; status=1
+fi
 
 step "benchmark sweep (kvwrite bench, full)"
 timeout ${KVWRITE_GPU_BENCH_TIMEOUT:-420} $PY -m kvwrite.cli bench --min-time ${KVWRITE_GPU_BENCH_REP:-0.03} \

@@ -1,5 +1,6 @@
-"""NVFP4 on a device: every kernel backend bit-exact against the torch reference on a large
-random batch, and the measured round-trip error against the documented bound.
+"""NVFP4 on a device: every kernel backend of store_kv_nvfp4 (and Triton's store_mla "nvfp4")
+bit-exact against the torch reference on a large random batch, and the measured round-trip error
+against the documented bound.
 
 `python bench/nvfp4_check.py [--device cuda] [--tokens 65536]` prints one JSON line.
 """
@@ -54,6 +55,24 @@ def main(argv=None) -> int:
         except Exception as exc:  # report, do not hide
             result["backends"][backend] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
             ok = False
+    # MLA rows (DeepSeek 512 + 64) in NVFP4 through store_mla, sliced from one projection
+    proj = (torch.randn(n, 8 + 512 + 64, generator=gen) * 3).to(torch.bfloat16).to(dev)
+    kv_c, k_pe = proj[:, 8:520], proj[:, 520:]
+
+    def mla_pool():
+        return (torch.zeros(n // pps, pps, 288, dtype=torch.uint8, device=dev),
+                torch.zeros(n // pps, pps, 36, dtype=torch.float8_e4m3fn, device=dev))
+
+    mla_ref = mla_pool()
+    kvwrite.store_mla(kv_c, k_pe, mla_ref[0], loc, kv_cache_dtype="nvfp4", scale_cache=mla_ref[1],
+                      global_scale=g, backend="torch")
+    got = mla_pool()
+    errs = kvwrite.ErrorBuffer(dev)
+    kvwrite.store_mla(kv_c, k_pe, got[0], loc, kv_cache_dtype="nvfp4", scale_cache=got[1],
+                      global_scale=g, check="guard", errors=errs, backend="triton")
+    same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, mla_ref))
+    result["mla_nvfp4_triton"] = {"bit_exact": same, "clean": errs.error() is None}
+    ok &= same and errs.error() is None
     rows = loc.long()
     kc, ksc = ref[0].flatten(0, 1)[rows], ref[2].flatten(0, 1)[rows]
     deq = kvwrite.dequant_nvfp4(kc, ksc, g)

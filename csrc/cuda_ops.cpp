@@ -26,10 +26,11 @@ void store_kv_cuda(const Tensor& k, const Tensor& v, const Tensor& k_cache, cons
 }
 
 void store_mla_cuda(const Tensor& kv_c, const Tensor& k_pe, const Tensor& kv_cache, const OptTensor& scale,
+                   const OptTensor& scale_cache, const OptTensor& global_scale,
                     int64_t mode, const Tensor& loc, const OptTensor& loc_map, const OptTensor& errors,
                     int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op) {
   const c10::cuda::CUDAGuard guard(kv_c.device());
-  const StoreMLAParams p = store_mla_params(kv_c, k_pe, kv_cache, scale, mode, loc, loc_map, errors, dcp_rank,
+  const StoreMLAParams p = store_mla_params(kv_c, k_pe, kv_cache, scale, scale_cache, global_scale, mode, loc, loc_map, errors, dcp_rank,
                                             dcp_size, check, op);
   if (p.locs.n == 0) return;
   check_launch(launch_store_mla(p, int(check), c10::cuda::getCurrentCUDAStream()));
@@ -45,6 +46,17 @@ void store_indexer_k_cuda(const Tensor& k, const Tensor& cache, int64_t qbs, boo
   check_launch(launch_store_indexer_k(p, int(check), c10::cuda::getCurrentCUDAStream()));
 }
 
+void store_kv_nvfp4_cuda(const Tensor& k, const Tensor& v, const Tensor& k_cache, const Tensor& v_cache,
+                         const Tensor& k_scale_cache, const Tensor& v_scale_cache, const OptTensor& k_global,
+                         const OptTensor& v_global, const Tensor& loc, const OptTensor& loc_map,
+                         const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op) {
+  const c10::cuda::CUDAGuard guard(k.device());
+  const StoreKVNVFP4Params p = store_kv_nvfp4_params(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, k_global,
+                                                     v_global, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  if (p.locs.n == 0) return;
+  check_launch(launch_store_kv_nvfp4(p, int(check), c10::cuda::getCurrentCUDAStream()));
+}
+
 }  // namespace
 }  // namespace kvwrite
 
@@ -52,4 +64,5 @@ TORCH_LIBRARY_IMPL(kvwrite_ext, CUDA, m) {
   m.impl("store_kv", &kvwrite::store_kv_cuda);
   m.impl("store_mla", &kvwrite::store_mla_cuda);
   m.impl("store_indexer_k", &kvwrite::store_indexer_k_cuda);
+  m.impl("store_kv_nvfp4", &kvwrite::store_kv_nvfp4_cuda);
 }

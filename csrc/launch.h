@@ -5,6 +5,7 @@
 
 #include "kvwrite/store_indexer_k.h"
 #include "kvwrite/store_kv.h"
+#include "kvwrite/store_kv_nvfp4.h"
 #include "kvwrite/store_mla.h"
 
 namespace kvwrite {
@@ -13,5 +14,6 @@ namespace kvwrite {
 cudaError_t launch_store_kv(const StoreKVParams& p, int check, cudaStream_t stream);
 cudaError_t launch_store_mla(const StoreMLAParams& p, int check, cudaStream_t stream);
 cudaError_t launch_store_indexer_k(const StoreIndexerKParams& p, int check, cudaStream_t stream);
+cudaError_t launch_store_kv_nvfp4(const StoreKVNVFP4Params& p, int check, cudaStream_t stream);
 
 }  // namespace kvwrite

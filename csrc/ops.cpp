@@ -77,9 +77,10 @@ void store_kv_cpu(const Tensor& k, const Tensor& v, const Tensor& k_cache, const
 }
 
 void store_mla_cpu(const Tensor& kv_c, const Tensor& k_pe, const Tensor& kv_cache, const OptTensor& scale,
+                   const OptTensor& scale_cache, const OptTensor& global_scale,
                    int64_t mode, const Tensor& loc, const OptTensor& loc_map, const OptTensor& errors,
                    int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op) {
-  const StoreMLAParams p = store_mla_params(kv_c, k_pe, kv_cache, scale, mode, loc, loc_map, errors, dcp_rank,
+  const StoreMLAParams p = store_mla_params(kv_c, k_pe, kv_cache, scale, scale_cache, global_scale, mode, loc, loc_map, errors, dcp_rank,
                                             dcp_size, check, op);
   KVW_RUN_CPU(dispatch_store_mla, p, check);
 }
@@ -92,6 +93,15 @@ void store_indexer_k_cpu(const Tensor& k, const Tensor& cache, int64_t qbs, bool
   KVW_RUN_CPU(dispatch_store_indexer_k, p, check);
 }
 
+void store_kv_nvfp4_cpu(const Tensor& k, const Tensor& v, const Tensor& k_cache, const Tensor& v_cache,
+                        const Tensor& k_scale_cache, const Tensor& v_scale_cache, const OptTensor& k_global,
+                        const OptTensor& v_global, const Tensor& loc, const OptTensor& loc_map,
+                        const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op) {
+  const StoreKVNVFP4Params p = store_kv_nvfp4_params(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, k_global,
+                                                     v_global, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  KVW_RUN_CPU(dispatch_store_kv_nvfp4, p, check);
+}
+
 }  // namespace
 }  // namespace kvwrite
 
@@ -101,14 +111,18 @@ void store_indexer_k_cpu(const Tensor& k, const Tensor& cache, int64_t qbs, bool
 TORCH_LIBRARY(kvwrite_ext, m) {
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k_scale, "
         "Tensor? v_scale, " KVW_TAIL ") -> ()");
-  m.def("store_mla(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor? scale, int mode, " KVW_TAIL ") -> ()");
+  m.def("store_mla(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor? scale, Tensor(b!)? scale_cache, "
+        "Tensor? global_scale, int mode, " KVW_TAIL ") -> ()");
   m.def("store_indexer_k(Tensor k, Tensor(a!) cache, int quant_block_size, bool ue8m0, " KVW_TAIL ") -> ()");
+  m.def("store_kv_nvfp4(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) k_scale_cache, "
+        "Tensor(d!) v_scale_cache, Tensor? k_global_scale, Tensor? v_global_scale, " KVW_TAIL ") -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvwrite_ext, CPU, m) {
   m.impl("store_kv", &kvwrite::store_kv_cpu);
   m.impl("store_mla", &kvwrite::store_mla_cpu);
   m.impl("store_indexer_k", &kvwrite::store_indexer_k_cpu);
+  m.impl("store_kv_nvfp4", &kvwrite::store_kv_nvfp4_cpu);
 }
 
 #ifdef KVWRITE_PYTHON_MODULE

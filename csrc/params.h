@@ -10,6 +10,7 @@
 
 #include "kvwrite/store_indexer_k.h"
 #include "kvwrite/store_kv.h"
+#include "kvwrite/store_kv_nvfp4.h"
 #include "kvwrite/store_mla.h"
 
 namespace kvwrite {
@@ -140,7 +141,8 @@ inline StoreKVParams store_kv_params(const Tensor& k, const Tensor& v, const Ten
 }
 
 inline StoreMLAParams store_mla_params(const Tensor& kv_c, const Tensor& k_pe, const Tensor& kv_cache,
-                                       const OptTensor& scale, int64_t mode, const Tensor& loc,
+                                       const OptTensor& scale, const OptTensor& scale_cache,
+                                       const OptTensor& global_scale, int64_t mode, const Tensor& loc,
                                        const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank,
                                        int64_t dcp_size, int64_t check, int64_t op) {
   TORCH_CHECK(kv_c.dim() == 2 && k_pe.dim() == 2 && k_pe.size(0) == kv_c.size(0) &&
@@ -161,7 +163,8 @@ inline StoreMLAParams store_mla_params(const Tensor& kv_c, const Tensor& k_pe, c
   p.in_dtype = dtype_of(kv_c);
   p.cache_dtype = dtype_of(kv_cache);
   p.mode = int(mode);
-  const int64_t width = p.mode == MLA_DS_MLA ? p.L + (p.L / DS_MLA_TILE) * 4 + 2 * p.R : p.L + p.R;
+  const int64_t width = p.mode == MLA_DS_MLA ? p.L + (p.L / DS_MLA_TILE) * 4 + 2 * p.R
+                        : p.mode == MLA_NVFP4 ? (p.L + p.R) / 2 : p.L + p.R;
   TORCH_CHECK(kv_cache.size(2) == width, "kvwrite: kv_cache rows must be ", width, " wide for mode ", mode);
   if (p.mode == MLA_COPY) {
     TORCH_CHECK(p.cache_dtype == p.in_dtype, "kvwrite: kv_cache must have the input dtype");
@@ -171,6 +174,21 @@ inline StoreMLAParams store_mla_params(const Tensor& kv_c, const Tensor& k_pe, c
                 "kvwrite: fp8 store_mla needs a per-tensor fp32 scale");
     check_same_device(kv_c, *scale, "scale");
     p.scale = scale->data_ptr<float>();
+  } else if (p.mode == MLA_NVFP4) {
+    TORCH_CHECK(p.cache_dtype == DType::U8 && (p.L + p.R) % NVFP4_BLOCK == 0 && scale_cache.has_value() &&
+                    scale_cache->scalar_type() == at::kFloat8_e4m3fn && scale_cache->dim() == 3 &&
+                    scale_cache->size(0) == kv_cache.size(0) && scale_cache->size(1) == kv_cache.size(1) &&
+                    scale_cache->size(2) * NVFP4_BLOCK == p.L + p.R,
+                "kvwrite: nvfp4 store_mla needs a uint8 kv_cache [pages, rows, (L+R)/2] and an e4m3 "
+                "scale_cache [pages, rows, (L+R)/16]");
+    check_same_device(kv_c, *scale_cache, "scale_cache");
+    p.scale_cache = paged_rows(*scale_cache, "scale_cache");
+    if (global_scale.has_value()) {
+      TORCH_CHECK(global_scale->scalar_type() == at::kFloat && global_scale->numel() == 1,
+                  "kvwrite: global_scale must be fp32 [1]");
+      check_same_device(kv_c, *global_scale, "global_scale");
+      p.global = global_scale->data_ptr<float>();
+    }
   } else {
     TORCH_CHECK(p.mode == MLA_DS_MLA && p.cache_dtype == DType::U8 && p.L % DS_MLA_TILE == 0,
                 "kvwrite: fp8_ds_mla needs a uint8 kv_cache and L % 128 == 0");
@@ -206,6 +224,54 @@ inline StoreIndexerKParams store_indexer_k_params(const Tensor& k, const Tensor&
   p.cache.blocks = int(d / qbs);
   p.locs = loc_args(loc, loc_map, errors, dcp_rank, dcp_size, check, op, cache.size(0) * p.cache.pool_page_size,
                     p.cache.pool_page_size, k);
+  TORCH_CHECK(p.locs.n == k.size(0), "kvwrite: loc must have one entry per token");
+  return p;
+}
+
+inline NVFP4Side nvfp4_side(const Tensor& x, const Tensor& values, const Tensor& scales, const OptTensor& global,
+                            const char* name) {
+  TORCH_CHECK(x.dim() == 3 && (x.size(2) <= 1 || x.stride(2) == 1) && x.size(2) % NVFP4_BLOCK == 0,
+              "kvwrite: ", name, " rows must be [tokens, heads, D], D a multiple of 16, contiguous in D");
+  TORCH_CHECK(values.scalar_type() == at::kByte && scales.scalar_type() == at::kFloat8_e4m3fn,
+              "kvwrite: NVFP4 caches are uint8 values and float8_e4m3fn scales");
+  TORCH_CHECK(values.size(2) == x.size(1) && values.size(3) * 2 == x.size(2) && scales.size(2) == x.size(1) &&
+                  scales.size(3) * NVFP4_BLOCK == x.size(2) && scales.size(0) == values.size(0) &&
+                  scales.size(1) == values.size(1),
+              "kvwrite: ", name, " NVFP4 cache shapes do not match its rows");
+  check_same_device(x, values, "cache");
+  check_same_device(x, scales, "scale cache");
+  NVFP4Side s;
+  s.src = static_cast<const char*>(x.data_ptr());
+  s.s_tok = x.stride(0);
+  s.s_head = x.stride(1);
+  s.values = paged(values, name);
+  s.scales = paged(scales, name);
+  s.D = int(x.size(2));
+  if (global.has_value()) {
+    TORCH_CHECK(global->scalar_type() == at::kFloat && global->numel() == 1, "kvwrite: global scales are fp32 [1]");
+    check_same_device(x, *global, "global scale");
+    s.global = global->data_ptr<float>();
+  }
+  return s;
+}
+
+inline StoreKVNVFP4Params store_kv_nvfp4_params(const Tensor& k, const Tensor& v, const Tensor& k_cache,
+                                               const Tensor& v_cache, const Tensor& k_scale_cache,
+                                               const Tensor& v_scale_cache, const OptTensor& k_global,
+                                               const OptTensor& v_global, const Tensor& loc,
+                                               const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank,
+                                               int64_t dcp_size, int64_t check, int64_t op) {
+  TORCH_CHECK(v.scalar_type() == k.scalar_type() && v.size(0) == k.size(0) && v.size(1) == k.size(1),
+              "kvwrite: k and v must share dtype, tokens and heads");
+  StoreKVNVFP4Params p;
+  p.in_dtype = dtype_of(k);
+  p.k = nvfp4_side(k, k_cache, k_scale_cache, k_global, "k_cache");
+  p.v = nvfp4_side(v, v_cache, v_scale_cache, v_global, "v_cache");
+  TORCH_CHECK(v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == k_cache.size(1),
+              "kvwrite: the K and V caches must have the same pages and rows");
+  p.H = int(k.size(1));
+  p.locs = loc_args(loc, loc_map, errors, dcp_rank, dcp_size, check, op, k_cache.size(0) * k_cache.size(1),
+                    k_cache.size(1), k);
   TORCH_CHECK(p.locs.n == k.size(0), "kvwrite: loc must have one entry per token");
   return p;
 }

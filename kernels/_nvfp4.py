@@ -1,4 +1,6 @@
-"""NVFP4 device functions shared by the NVFP4 stores (MHA `store_kv_nvfp4`, MLA `store_mla`).
+"""NVFP4 device functions shared by the NVFP4 stores (MHA `store_kv_nvfp4`, MLA `store_mla`'s
+"nvfp4" rows). A block is 16 consecutive elements of a row, handled as its 8 even and 8 odd
+elements ([T, B, 8] tensors), so that byte i of the block is code(2i) | code(2i + 1) << 4.
 
 The format and its error bound are documented in `kvwrite.reference.nvfp4` (the torch twin of
 this file). Every step is bit-exact on every backend: amax is exact, the two divisions use
@@ -54,22 +56,10 @@ def quantize_blocks(x_even, x_odd, g, HAS_GLOBAL: tl.constexpr):
 
 
 @triton.jit
-def store_nvfp4_rows(src_ptr, dst_ptr, sc_ptr, g, tok, write, dst_base, sc_base, blocks,
-                     n_blocks, s_n, s_h, d_h, sc_h, D: tl.constexpr, HAS_GLOBAL: tl.constexpr):
-    """Quantise blocks `blocks` (of the flattened [H, D/16] blocks of a row) of the tokens in
-    `write` and store bytes at dst_base + h*d_h + 8j + i and scale codes at sc_base + h*sc_h + j.
-    Source element (t, h, 16j + e) is at t*s_n + h*s_h + 16j + e."""
-    NB: tl.constexpr = D // 16
-    h = (blocks // NB).to(tl.int64)
-    j = (blocks % NB).to(tl.int64)
-    i = tl.arange(0, 8).to(tl.int64)
-    mask2 = write[:, None] & (blocks < n_blocks)[None, :]
-    mask3 = mask2[:, :, None]
-    src = (src_ptr + tok.to(tl.int64)[:, None, None] * s_n + (h * s_h + j * 16)[None, :, None]
-           + 2 * i[None, None, :])
-    x_even = tl.load(src, mask=mask3, other=0.0).to(tl.float32)
-    x_odd = tl.load(src + 1, mask=mask3, other=0.0).to(tl.float32)
+def store_blocks(x_even, x_odd, g, dst_ptr, byte_off, sc_ptr, scale_off, mask,
+                 HAS_GLOBAL: tl.constexpr):
+    """Quantise blocks (`quantize_blocks`) and store their bytes at `byte_off` [T, B, 8] and
+    their e4m3 scale codes at `scale_off` [T, B] (int64 offsets), where `mask` [T, B]."""
     packed, code = quantize_blocks(x_even, x_odd, g, HAS_GLOBAL)
-    dst = dst_ptr + dst_base[:, None, None] + (h * d_h + j * 8)[None, :, None] + i[None, None, :]
-    tl.store(dst, packed.to(tl.uint8), mask=mask3)
-    tl.store(sc_ptr + sc_base[:, None] + (h * sc_h + j)[None, :], code.to(tl.uint8), mask=mask2)
+    tl.store(dst_ptr + byte_off, packed.to(tl.uint8), mask=mask[:, :, None])
+    tl.store(sc_ptr + scale_off, code.to(tl.uint8), mask=mask)

@@ -21,7 +21,7 @@ def _store_rows(src_ptr, dst_ptr, scale_ptr, tok, write, row_base, cols, ncols,
     x = tl.load(src_ptr + tok.to(tl.int64)[:, None] * s_n + (h * s_h + d)[None, :], mask=mask)
     if QUANT:
         scale = tl.load(scale_ptr + h * scale_h, mask=cmask, other=1.0)
-        x = fp8_bits(x.to(tl.float32) / scale[None, :], FMAX, MANT, EMIN)
+        x = fp8_bits(tl.div_rn(x.to(tl.float32), scale[None, :]), FMAX, MANT, EMIN)  # exact, as torch
     tl.store(dst_ptr + row_base[:, None] + (h * d_h + d)[None, :],
              x.to(dst_ptr.dtype.element_ty), mask=mask)
 

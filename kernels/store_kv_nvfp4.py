@@ -8,7 +8,27 @@ import triton
 import triton.language as tl
 
 from kvwrite.kernels._common import check_or_record, resolve_locs
-from kvwrite.kernels._nvfp4 import store_nvfp4_rows
+from kvwrite.kernels._nvfp4 import store_blocks
+
+
+@triton.jit
+def _store_heads(src_ptr, dst_ptr, sc_ptr, g, tok, write, dst_base, sc_base, blocks, n_blocks,
+                 s_n, s_h, d_h, sc_h, D: tl.constexpr, HAS_GLOBAL: tl.constexpr):
+    """Blocks `blocks` of the flattened [H, D/16] blocks of the rows of the tokens in `write`:
+    source element (t, h, 16j + e) at t*s_n + h*s_h + 16j + e; byte i of block (h, j) at
+    dst_base + h*d_h + 8j + i, its scale at sc_base + h*sc_h + j."""
+    NB: tl.constexpr = D // 16
+    h = (blocks // NB).to(tl.int64)
+    j = (blocks % NB).to(tl.int64)
+    i = tl.arange(0, 8).to(tl.int64)
+    mask = write[:, None] & (blocks < n_blocks)[None, :]
+    src = (src_ptr + tok.to(tl.int64)[:, None, None] * s_n + (h * s_h + j * 16)[None, :, None]
+           + 2 * i[None, None, :])
+    x_even = tl.load(src, mask=mask[:, :, None], other=0.0).to(tl.float32)
+    x_odd = tl.load(src + 1, mask=mask[:, :, None], other=0.0).to(tl.float32)
+    byte_off = dst_base[:, None, None] + (h * d_h + j * 8)[None, :, None] + i[None, None, :]
+    store_blocks(x_even, x_odd, g, dst_ptr, byte_off, sc_ptr, sc_base[:, None] + (h * sc_h + j)[None, :],
+                 mask, HAS_GLOBAL)
 
 
 @triton.jit
@@ -35,12 +55,12 @@ def store_kv_nvfp4_kernel(
     blocks = pid_c * BLOCK_B + tl.arange(0, BLOCK_B)
     kg = tl.load(kg_ptr).to(tl.float32) if K_GLOBAL else 1.0
     vg = tl.load(vg_ptr).to(tl.float32) if V_GLOBAL else 1.0
-    store_nvfp4_rows(k_ptr, kc_ptr, ksc_ptr, kg, tok, write, page * kc_sp + offset * kc_so,
-                     page * ksc_sp + offset * ksc_so, blocks, num_heads * (DK // 16),
-                     k_sn, k_sh, kc_sh, ksc_sh, DK, K_GLOBAL)
-    store_nvfp4_rows(v_ptr, vc_ptr, vsc_ptr, vg, tok, write, page * vc_sp + offset * vc_so,
-                     page * vsc_sp + offset * vsc_so, blocks, num_heads * (DV // 16),
-                     v_sn, v_sh, vc_sh, vsc_sh, DV, V_GLOBAL)
+    _store_heads(k_ptr, kc_ptr, ksc_ptr, kg, tok, write, page * kc_sp + offset * kc_so,
+                 page * ksc_sp + offset * ksc_so, blocks, num_heads * (DK // 16),
+                 k_sn, k_sh, kc_sh, ksc_sh, DK, K_GLOBAL)
+    _store_heads(v_ptr, vc_ptr, vsc_ptr, vg, tok, write, page * vc_sp + offset * vc_so,
+                 page * vsc_sp + offset * vsc_so, blocks, num_heads * (DV // 16),
+                 v_sn, v_sh, vc_sh, vsc_sh, DV, V_GLOBAL)
 
 
 def launch(a) -> None:
@@ -72,21 +92,20 @@ def launch(a) -> None:
 
 
 def variants():
-    """(name, kernel, pointer dtypes, constexprs) of every variant, for compile_check: input
-    dtype x (global scales, SWA+DCP) x check mode, head dims 128 (K) and 64 (V)."""
+    """(name, kernel, pointer dtypes, constexprs) of every variant, for compile_check: bf16 and
+    fp16 plain, fp32 with global scales + SWA + DCP, each check mode; head dims 128 (K), 64 (V)."""
     import torch
 
     from kvwrite.errors import op_code
 
     for check in (0, 1, 2):
-        for dtype in (torch.float32, torch.float16, torch.bfloat16):
-            for extras in ((False, False), (True, True)) if dtype == torch.bfloat16 else ((False, False),):
-                glob, map_dcp = extras
-                pointers = dict(k_ptr=dtype, v_ptr=dtype, kc_ptr=torch.uint8, vc_ptr=torch.uint8,
-                                ksc_ptr=torch.uint8, vsc_ptr=torch.uint8, kg_ptr=torch.float32,
-                                vg_ptr=torch.float32, loc_ptr=torch.int64, err_ptr=torch.int64,
-                                loc_map_ptr=torch.int32)
-                constexprs = dict(DK=128, DV=64, K_GLOBAL=glob, V_GLOBAL=glob, HAS_MAP=map_dcp,
-                                  HAS_DCP=map_dcp, CHECK=check, OP=op_code("store_kv_nvfp4"), BLOCK_T=4, BLOCK_B=32)
-                name = f"{str(dtype)[6:]}->nvfp4{'+global+map+dcp' if glob else ''}"
-                yield name, store_kv_nvfp4_kernel, pointers, constexprs
+        for dtype, extras in ((torch.bfloat16, False), (torch.float16, False), (torch.float32, True)):
+            pointers = dict(k_ptr=dtype, v_ptr=dtype, kc_ptr=torch.uint8, vc_ptr=torch.uint8,
+                            ksc_ptr=torch.uint8, vsc_ptr=torch.uint8, kg_ptr=torch.float32,
+                            vg_ptr=torch.float32, loc_ptr=torch.int64, err_ptr=torch.int64,
+                            loc_map_ptr=torch.int32)
+            constexprs = dict(DK=128, DV=64, K_GLOBAL=extras, V_GLOBAL=extras, HAS_MAP=extras,
+                              HAS_DCP=extras, CHECK=check, OP=op_code("store_kv_nvfp4"),
+                              BLOCK_T=4, BLOCK_B=32)
+            name = f"{str(dtype)[6:]}->nvfp4{'+global+map+dcp' if extras else ''}"
+            yield name, store_kv_nvfp4_kernel, pointers, constexprs

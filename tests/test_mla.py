@@ -82,7 +82,7 @@ def inputs(c):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if not FORMATS[f].takes_scale_cache])  # nvfp4: test_nvfp4.py
 @given(data=st.data())
 def test_store_mla_matches_reference(backend, fmt, data):
     c = data.draw(store_cases(fmt))

@@ -12,6 +12,7 @@ from conftest import DEVICE
 from helpers import BACKENDS, CanaryBuffer, assert_same_bytes, paged_locs
 from kvwrite.errors import KIND_LOC_MAP
 from kvwrite.reference.nvfp4 import E2M1_VALUES, error_bound, quantize_nvfp4
+from test_mla import inputs as mla_inputs  # strided projections; plain / SWA map / DCP routes
 
 ALL = ["torch", *BACKENDS]
 E4M3 = torch.float8_e4m3fn
@@ -315,3 +316,152 @@ def test_custom_op_and_torch_compile():
                                      a["v_scale_cache"], torch.tensor([3, -1, 4]), None, None, "NHD",
                                      "off", None, None, 0, 1, "torch")
     assert torch.equal(a["v_cache"].flatten(0, 1)[4], quantize_nvfp4(a["v"])[0][2])
+
+
+# --- MLA rows in NVFP4 (store_mla kv_cache_dtype="nvfp4") --------------------------------------
+
+def mla_pool(num_pages, pps, lora, rope, seed):
+    return CanaryBuffer({"kv_cache": ((num_pages, pps, (lora + rope) // 2), torch.uint8),
+                         "scale_cache": ((num_pages, pps, (lora + rope) // 16), E4M3)}, seed)
+
+
+def run_mla(backend, pool, kv_c, k_pe, loc, g=None, check="off", errors=None, **kw):
+    kvwrite.store_mla(kv_c, k_pe, pool["kv_cache"], loc, kv_cache_dtype="nvfp4",
+                      scale_cache=pool["scale_cache"], global_scale=g, check=check, errors=errors,
+                      backend=backend, **kw)
+
+
+@st.composite
+def mla_cases(draw):
+    pps = draw(st.sampled_from([1, 16]))
+    num_pages = draw(st.integers(1, max(1, 64 // pps) + 1))
+    capacity = num_pages * pps
+    lora, rope = draw(st.sampled_from([(512, 64), (40, 24), (96, 16), (8, 8)]))  # 40+24: a straddling block
+    return dict(dtype=draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16])),
+                lora=lora, rope=rope, pps=pps, num_pages=num_pages,
+                n=min(draw(st.sampled_from([0, 1, 7, capacity]) | st.integers(0, capacity)), capacity),
+                strided=draw(st.booleans()), scale=None, pad=draw(st.sampled_from([0.0, 0.25])),
+                loc_dtype=draw(st.sampled_from([torch.int32, torch.int64])),
+                route=draw(st.sampled_from(["plain", "loc_map", "dcp"])),
+                g=draw(st.sampled_from([None, "scalar", "one"])),
+                check=draw(st.sampled_from(["off", "assert", "guard"])), seed=draw(st.integers(0, 2**16)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(c=mla_cases())
+def test_store_mla_nvfp4_matches_reference(backend, c):
+    kv_c, k_pe, loc, _, kw = mla_inputs(c)
+    g = global_scale(c["g"], torch.Generator().manual_seed(c["seed"]))
+    pool = mla_pool(c["num_pages"], c["pps"], c["lora"], c["rope"], c["seed"])
+    ref, original = pool.clone(), pool.raw.clone()
+    errs, ref_errs = kvwrite.ErrorBuffer(DEVICE), kvwrite.ErrorBuffer(DEVICE)
+    run_mla(backend, pool, kv_c, k_pe, loc, g, c["check"], errs, **kw)
+    run_mla("torch", ref, kv_c, k_pe, loc, g, c["check"], ref_errs, **kw)
+    assert_same_bytes(pool, ref, original)
+    assert errs.error() is None and ref_errs.error() is None
+
+
+@pytest.mark.parametrize("backend", ALL)
+def test_mla_nvfp4_rows_are_the_quantised_concatenation_within_bound(backend):
+    """Row = quantize_nvfp4(concat(kv_c, k_pe)); read back within the documented bound."""
+    n, lora, rope, pps = 32, 40, 24, 8  # block 2 straddles kv_c and k_pe
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(n, lora + rope, generator=gen) * torch.exp2(torch.randint(-4, 6, (n, 1), generator=gen).float())
+    x = x.to(torch.bfloat16).to(DEVICE)
+    kv_c, k_pe = x[:, :lora], x[:, lora:]
+    g = torch.tensor([0.5], device=DEVICE)
+    pool = mla_pool(n // pps, pps, lora, rope, 6)
+    original = pool.raw.clone()
+    loc = torch.randperm(n, generator=gen).to(DEVICE)
+    run_mla(backend, pool, kv_c, k_pe, loc, g, "guard", kvwrite.ErrorBuffer(DEVICE))
+    rows = pool["kv_cache"].flatten(0, 1)[loc.long()]
+    scales = pool["scale_cache"].flatten(0, 1)[loc.long()]
+    packed, scale = quantize_nvfp4(x, g)
+    assert torch.equal(rows, packed) and torch.equal(scales.view(torch.uint8), scale.view(torch.uint8))
+    deq = kvwrite.dequant_nvfp4(rows, scales, g)
+    assert bool(((x.float() - deq).abs() <= error_bound(x.float(), deq, scales, g) * (1 + 2 ** -20)).all())
+    assert torch.equal(pool.raw[pool.canary_mask()], original[pool.canary_mask()])
+
+
+@pytest.mark.parametrize("backend", ALL)
+def test_mla_nvfp4_out_of_range_guard_and_assert(backend):
+    pps, pages, lora, rope = 4, 2, 16, 16
+    loc_list = [1, 9, -1, 7, -3]
+    loc = torch.tensor(loc_list, device=DEVICE)
+    x = torch.randn(5, lora + rope, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    pool = mla_pool(pages, pps, lora, rope, 10)
+    original, good = pool.raw.clone(), pool.clone()
+    run_mla("torch", good, x[:, :lora], x[:, lora:], torch.tensor([1, -1, -1, 7, -1], device=DEVICE))
+    errs = kvwrite.ErrorBuffer(DEVICE)
+    run_mla(backend, pool, x[:, :lora], x[:, lora:], loc, check="guard", errors=errs)
+    assert_same_bytes(pool, good, original)
+    err = errs.error()
+    assert (err.op, err.token_index, err.loc, err.count) == ("store_mla", 1, 9, 2)
+    if DEVICE.type == "cuda" and backend != "torch":
+        return
+    pool = mla_pool(pages, pps, lora, rope, 10)
+    with pytest.raises(kvwrite.OutOfBoundsWrite, match="token 1 writes loc 9"):
+        run_mla(backend, pool, x[:, :lora], x[:, lora:], loc, check="assert")
+    assert torch.equal(pool.raw[pool.canary_mask()], original[pool.canary_mask()])
+
+
+def mla_args(**over):
+    base = dict(kv_c=torch.randn(2, 40), k_pe=torch.randn(2, 24), kv_cache=torch.zeros(3, 4, 32, dtype=torch.uint8),
+                scale_cache=torch.zeros(3, 4, 4, dtype=E4M3))
+    base.update(over)
+    return base
+
+
+MLA_BAD = [
+    (dict(k_pe=torch.randn(2, 20), kv_cache=torch.zeros(3, 4, 30, dtype=torch.uint8)), ValueError,
+     "kv_cache_dtype='nvfp4' needs kv_lora_rank \\+ rope_dim to be a multiple of 16, got 40 \\+ 20"),
+    (dict(scale_cache=None), ValueError, "scale_cache is required for kv_cache_dtype='nvfp4'"),
+    (dict(scale_cache=torch.zeros(3, 4, 4, dtype=torch.uint8)), TypeError, "scale_cache must have dtype"),
+    (dict(scale_cache=torch.zeros(3, 4, 8, dtype=E4M3)), ValueError, r"scale_cache must have shape \[3, 4, 4\]"),
+    (dict(scale_cache=torch.zeros(3, 2, 4, dtype=E4M3)), ValueError, r"scale_cache must have shape \[3, 4, 4\]"),
+    (dict(kv_cache=torch.zeros(3, 4, 64, dtype=torch.uint8)), ValueError, "kv_cache must have shape"),
+    (dict(kv_cache=torch.zeros(3, 4, 32, dtype=torch.bfloat16)), TypeError, "kv_cache must have dtype"),
+    (dict(global_scale=torch.ones(3)), ValueError, "global_scale must have shape"),
+]
+
+
+@pytest.mark.parametrize("over, exc, msg", MLA_BAD, ids=[m[:40] for _, _, m in MLA_BAD])
+def test_mla_nvfp4_bad_arguments(over, exc, msg):
+    a = mla_args(**over)
+    with pytest.raises(exc, match=msg):
+        kvwrite.store_mla(a["kv_c"], a["k_pe"], a["kv_cache"], torch.tensor([0, 1]), kv_cache_dtype="nvfp4",
+                          scale_cache=a["scale_cache"], global_scale=a.get("global_scale"), backend="torch")
+
+
+def test_mla_scale_cache_only_for_nvfp4_and_custom_op():
+    a = mla_args()
+    with pytest.raises(ValueError, match="scale_cache/global_scale apply only to kv_cache_dtype 'nvfp4'"):
+        kvwrite.store_mla(a["kv_c"], a["k_pe"], torch.zeros(3, 4, 64), torch.tensor([0, 1]),
+                          scale_cache=a["scale_cache"], backend="torch")
+    g = torch.tensor(2.0)
+
+    def layer(kv_c, k_pe, loc):
+        kvwrite.store_mla(kv_c, k_pe, a["kv_cache"], loc, kv_cache_dtype="nvfp4",
+                          scale_cache=a["scale_cache"], global_scale=g, backend="torch")
+        return kv_c.sum()
+
+    torch.compile(layer, fullgraph=True, backend="eager")(a["kv_c"], a["k_pe"], torch.tensor([5, -1]))
+    packed, scale = quantize_nvfp4(torch.cat([a["kv_c"], a["k_pe"]], -1), g)
+    assert torch.equal(a["kv_cache"].flatten(0, 1)[5], packed[0])
+    assert torch.equal(a["scale_cache"].flatten(0, 1)[5].view(torch.uint8), scale[0].view(torch.uint8))
+
+
+def test_mla_nvfp4_auto_skips_backends_without_an_implementation():
+    """A format whose IMPLS table lacks a backend: "auto" skips it, an explicit request is a
+    clear BackendUnavailable (the C++/CUDA extension now implements NVFP4 MLA itself: this
+    checks the mechanism with a table that lacks "cpu")."""
+    from kvwrite import backend as backends
+
+    table = tuple(b for b, _ in kvwrite.ops.mla.NVFP4_IMPLS if b != "cpu")
+    assert backends.resolve("auto", torch.device("cpu"), "store_mla", table) in ("triton", "torch")
+    with pytest.raises(kvwrite.BackendUnavailable, match="backend='cpu' is unavailable on cpu"):
+        backends.resolve("cpu", torch.device("cpu"), "store_mla", table)
+    a = mla_args()
+    kvwrite.store_mla(a["kv_c"], a["k_pe"], a["kv_cache"], torch.tensor([0, 1]), kv_cache_dtype="nvfp4",
+                      scale_cache=a["scale_cache"])
+    assert torch.equal(a["kv_cache"].flatten(0, 1)[1], quantize_nvfp4(torch.cat([a["kv_c"], a["k_pe"]], -1))[0][1])

@@ -1,6 +1,7 @@
 // store_mla: the MLA row store. Row = concat(kv_c [L], k_pe [R]) copied (MLA_COPY) or
 // saturate(x / scale) in fp8 (MLA_FP8), or DeepSeek's fp8_ds_mla row (MLA_DS_MLA: L e4m3 bytes
-// quantised per 128-element tile, the L/128 fp32 tile scales, then R bf16 rope values).
+// quantised per 128-element tile, the L/128 fp32 tile scales, then R bf16 rope values), or NVFP4
+// (MLA_NVFP4: (L+R)/2 packed e2m1 bytes + (L+R)/16 e4m3 block scales in `scale_cache`).
 // Formats: kvwrite/ops/mla.py. One token's work is `store_mla_token`, split over lanes.
 #pragma once
 
@@ -8,13 +9,14 @@
 
 #include "dispatch.h"
 #include "locs.h"
+#include "nvfp4.h"
 #include "paged.h"
 #include "quant.h"
 
 namespace kvwrite {
 
 // Kernel modes (kvwrite.ops.mla MODE_*).
-enum MLAMode : int { MLA_COPY = 0, MLA_FP8 = 1, MLA_DS_MLA = 2 };
+enum MLAMode : int { MLA_COPY = 0, MLA_FP8 = 1, MLA_DS_MLA = 2, MLA_NVFP4 = 3 };
 constexpr int DS_MLA_TILE = 128;
 
 struct StoreMLAParams {
@@ -23,7 +25,9 @@ struct StoreMLAParams {
   i64 c_sn = 0, pe_sn = 0;  // token strides in elements (features contiguous)
   int L = 0, R = 0;
   PagedCache cache;         // [pages, pool_page_size, 1, row]
-  const float* scale = nullptr;
+  const float* scale = nullptr;   // MLA_FP8: per-tensor scale
+  PagedCache scale_cache;         // MLA_NVFP4: e4m3 [pages, pool_page_size, 1, (L+R)/16]
+  const float* global = nullptr;  // MLA_NVFP4: optional global scale
   DType in_dtype = DType::F32, cache_dtype = DType::F32;
   int mode = MLA_COPY;
   LocArgs locs;
@@ -42,6 +46,7 @@ inline int store_mla_vec(const StoreMLAParams& p) {
 inline i64 store_mla_work(const StoreMLAParams& p, int vec) {
   if (p.mode == MLA_COPY) return i64(p.L + p.R) * dtype_size(p.in_dtype) / vec;
   if (p.mode == MLA_FP8) return p.L + p.R;
+  if (p.mode == MLA_NVFP4) return (p.L + p.R) / NVFP4_BLOCK;
   return p.L / DS_MLA_TILE + p.R;
 }
 
@@ -81,6 +86,17 @@ KVW_HD void mla_ds(const StoreMLAParams& p, i64 i, char* dst, int lane, int nlan
   }
 }
 
+template <DType IN>
+KVW_HD void mla_nvfp4(const StoreMLAParams& p, i64 i, i64 row, char* dst, int lane, int nlanes) {
+  for (int b = lane; b < (p.L + p.R) / NVFP4_BLOCK; b += nlanes) {
+    const auto load = [&](int e) {
+      const int c = b * NVFP4_BLOCK + e;
+      return c < p.L ? load_float<IN>(p.kv_c, i * p.c_sn + c) : load_float<IN>(p.k_pe, i * p.pe_sn + c - p.L);
+    };
+    nvfp4_block(load, p.global, dst + b * (NVFP4_BLOCK / 2), p.scale_cache.at(row, 0, b));
+  }
+}
+
 // MODE and the format: MLA_COPY (IN, OUT unused), MLA_FP8 (OUT = E4M3/E5M2), MLA_DS_MLA.
 template <int CHECK, int MODE, DType IN, class OUT, int VEC>
 KVW_HD void store_mla_token(const StoreMLAParams& p, i64 i, int lane, int nlanes) {
@@ -91,8 +107,10 @@ KVW_HD void store_mla_token(const StoreMLAParams& p, i64 i, int lane, int nlanes
     mla_copy<VEC>(p, i, dst, lane, nlanes);
   } else if constexpr (MODE == MLA_FP8) {
     mla_fp8<IN, OUT>(p, i, dst, lane, nlanes);
-  } else {
+  } else if constexpr (MODE == MLA_DS_MLA) {
     mla_ds<IN>(p, i, dst, lane, nlanes);
+  } else {
+    mla_nvfp4<IN>(p, i, r.row, dst, lane, nlanes);
   }
 }
 
@@ -119,6 +137,10 @@ void dispatch_store_mla(const StoreMLAParams& p, int check, F&& f) {
     } else if (p.mode == MLA_DS_MLA) {
       with_float_dtype(p.in_dtype, [&](auto in) {
         f(TypeTag<StoreMLAToken<c.value, MLA_DS_MLA, in.value, void, 1>>{}, store_mla_work(p, 1));
+      });
+    } else if (p.mode == MLA_NVFP4) {
+      with_float_dtype(p.in_dtype, [&](auto in) {
+        f(TypeTag<StoreMLAToken<c.value, MLA_NVFP4, in.value, void, 1>>{}, store_mla_work(p, 1));
       });
     } else {
       throw std::invalid_argument("kvwrite: unknown store_mla mode");

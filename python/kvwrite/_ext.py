@@ -110,6 +110,7 @@ def aot_extension(root: Path):
     """setup.py's ahead-of-time build (KVWRITE_BUILD_EXT=1): the module `kvwrite._C` from the same
     sources and flags as the JIT build, and the BuildExtension command (ninja)."""
     cpp_extension = _import_cpp_extension()
+    root = Path(root)
     cfg = build_config()
     if cfg["with_cuda"]:
         os.environ["CUDA_HOME"] = cfg["cuda_home"]
@@ -247,10 +248,18 @@ def store_kv(a) -> None:
 
 
 def store_mla(a) -> None:
-    """`a`: kvwrite.ops.mla.StoreMLA (`kv_cache` `[pages, pool_page_size, row]`)."""
-    _run(a, "store_mla", a.kv_c, a.k_pe, a.kv_cache, a.scale, a.format.mode)
+    """`a`: kvwrite.ops.mla.StoreMLA (`kv_cache` `[pages, pool_page_size, row]`; nvfp4 also
+    `scale_cache` `[pages, pool_page_size, (L+R)/16]` and an optional `global_scale`)."""
+    _run(a, "store_mla", a.kv_c, a.k_pe, a.kv_cache, a.scale, getattr(a, "scale_cache", None),
+         getattr(a, "global_scale", None), a.format.mode)
 
 
 def store_indexer_k(a) -> None:
     """`a`: kvwrite.ops.indexer_k.StoreIndexerK (uint8 `[pages, page bytes]` cache)."""
     _run(a, "store_indexer_k", a.k, a.cache, a.quant_block_size, a.ue8m0)
+
+
+def store_kv_nvfp4(a) -> None:
+    """`a`: kvwrite.ops.nvfp4.StoreKVNVFP4 (canonical [pages, pool_page_size, H, *] caches)."""
+    _run(a, "store_kv_nvfp4", a.k, a.v, a.k_cache, a.v_cache, a.k_scale_cache, a.v_scale_cache,
+         a.k_global_scale, a.v_global_scale)

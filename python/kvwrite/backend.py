@@ -71,11 +71,15 @@ def backends(device: torch.device | str = "cpu") -> dict[str, str | None]:
 _warned: set[tuple[str, str]] = set()
 
 
-def resolve(backend: str, device: torch.device, op: str) -> str:
+def resolve(backend: str, device: torch.device, op: str, implemented: tuple[str, ...] = BACKENDS) -> str:
     """The concrete backend for a call: `backend` itself if it can run, else a clear error;
-    "auto" walks AUTO_ORDER (and warns once when it falls back past a missing extension)."""
+    "auto" walks AUTO_ORDER (and warns once when it falls back past a missing extension).
+    `implemented`: the backends that have an implementation of this op (its IMPLS table); "auto"
+    skips the others silently."""
     if backend != "auto":
         reason = unavailable_reason(backend, device)
+        if reason is None and backend not in implemented:
+            reason = f"it has no implementation of this op (implemented: {', '.join(implemented)})"
         if reason is not None:
             raise BackendUnavailable(f"{op}: backend={backend!r} is unavailable on {device}: {reason}")
         return backend
@@ -83,6 +87,8 @@ def resolve(backend: str, device: torch.device, op: str) -> str:
     if order is None:
         raise BackendUnavailable(f"{op}: no backend runs on device type {device.type}")
     for name in order:
+        if name not in implemented:
+            continue
         reason = unavailable_reason(name, device)
         if reason is None:
             return name

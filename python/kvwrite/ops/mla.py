@@ -1,4 +1,5 @@
-"""`store_mla`: the MLA latent+rope row store (bf16/fp16/fp32, per-tensor fp8, DeepSeek fp8_ds_mla).
+"""`store_mla`: the MLA latent+rope row store (bf16/fp16/fp32, per-tensor fp8, DeepSeek fp8_ds_mla,
+NVFP4).
 
 Each `kv_cache_dtype` is one `MLAFormat` in `FORMATS`: the cache dtype it needs, the width of its
 cache row, whether it takes a per-tensor `scale`, the kernel mode, and any extra rule on the
@@ -28,6 +29,17 @@ IMPLS = (
 MODE_COPY = 0      # row = concat(kv_c, k_pe) in the input dtype
 MODE_FP8 = 1       # the same row, saturate(x / scale) in an fp8 dtype
 MODE_DS_MLA = 2    # DeepSeek's fp8 MLA row, see `ds_mla_row_bytes`
+MODE_NVFP4 = 3     # NVFP4 row + e4m3 block-scale row (`kernels/store_mla_nvfp4.py`)
+
+# NVFP4 rows have their own Triton kernel (the reference is store_mla's, writer in
+# reference/mla.WRITERS); the C++/CUDA store_mla covers them as its mode MODE_NVFP4.
+NVFP4_IMPLS = (
+    ("torch", "kvwrite.reference.mla:store_mla"),
+    ("triton", "kvwrite.kernels.store_mla_nvfp4:launch"),
+    ("cpu", "kvwrite._ext:store_mla"),
+    ("cuda", "kvwrite._ext:store_mla"),
+)
+NVFP4_BLOCK = 16   # row elements per e4m3 block scale
 
 DS_MLA_TILE = 128                       # kv_c elements per fp32 scale
 DS_MLA_SCALE_FLOOR = torch.finfo(torch.float32).tiny   # scale = max(amax / 448, FLT_MIN)
@@ -36,6 +48,13 @@ DS_MLA_SCALE_FLOOR = torch.finfo(torch.float32).tiny   # scale = max(amax / 448,
 def ds_mla_row_bytes(kv_lora_rank: int, rope_dim: int) -> int:
     """Bytes of one fp8_ds_mla row: L e4m3 latent bytes, L/128 fp32 tile scales, R bf16 rope."""
     return kv_lora_rank + (kv_lora_rank // DS_MLA_TILE) * 4 + 2 * rope_dim
+
+
+def _nvfp4_dims(kv_lora_rank: int, rope_dim: int) -> str | None:
+    if (kv_lora_rank + rope_dim) % NVFP4_BLOCK:
+        return (f"kv_cache_dtype='nvfp4' needs kv_lora_rank + rope_dim to be a multiple of "
+                f"{NVFP4_BLOCK}, got {kv_lora_rank} + {rope_dim}")
+    return None
 
 
 def _ds_mla_dims(kv_lora_rank: int, rope_dim: int) -> str | None:
@@ -55,6 +74,8 @@ class MLAFormat:
     row_width: Callable[[int, int], int]                 # (L, R) -> cache row, in cache elements
     takes_scale: bool = False
     dims: Callable[[int, int], Optional[str]] = lambda L, R: None   # error text or None
+    impls: tuple[tuple[str, str], ...] = IMPLS                       # backend -> implementation
+    takes_scale_cache: bool = False                                  # nvfp4: scale_cache, global_scale
 
 
 _CONCAT = lambda L, R: L + R  # noqa: E731
@@ -64,6 +85,8 @@ FORMATS: dict[str, MLAFormat] = {f.name: f for f in (
     MLAFormat("fp8_e5m2", MODE_FP8, lambda dtype: torch.float8_e5m2, _CONCAT, takes_scale=True),
     MLAFormat("fp8_ds_mla", MODE_DS_MLA, lambda dtype: torch.uint8, ds_mla_row_bytes,
               dims=_ds_mla_dims),
+    MLAFormat("nvfp4", MODE_NVFP4, lambda dtype: torch.uint8, lambda L, R: (L + R) // 2,
+              dims=_nvfp4_dims, impls=NVFP4_IMPLS, takes_scale_cache=True),
 )}
 
 
@@ -79,10 +102,12 @@ class StoreMLA:
     geometry: PageGeometry
     locs: Locs
     check: Check
+    scale_cache: torch.Tensor | None = None     # nvfp4: e4m3 [pages, pool_page_size, (L + R)/16]
+    global_scale: torch.Tensor | None = None    # nvfp4: optional fp32 [] / [1]
 
 
 def prepare_store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, errors,
-                      loc_map, dcp_rank, dcp_size) -> StoreMLA:
+                      loc_map, dcp_rank, dcp_size, scale_cache=None, global_scale=None) -> StoreMLA:
     kv_c = validate.tensor("kv_c", kv_c, ndim=2, dtypes=validate.FLOAT_INPUTS)
     n, lora = kv_c.shape
     device = kv_c.device
@@ -106,24 +131,38 @@ def prepare_store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, e
         scale = validate.scale("scale", scale, None, device)
     elif scale is not None:
         raise ValueError(f"scale applies only to kv_cache_dtype 'fp8_e4m3'/'fp8_e5m2', not {fmt.name!r}")
+    if fmt.takes_scale_cache:
+        if scale_cache is None:
+            raise ValueError(f"scale_cache is required for kv_cache_dtype={fmt.name!r}")
+        scale_cache = validate.tensor("scale_cache", scale_cache, ndim=3,
+                                      dtypes=(torch.float8_e4m3fn,), device=device)
+        blocks = (lora + rope) // NVFP4_BLOCK
+        validate.shape("scale_cache", scale_cache, (*kv_cache.shape[:2], blocks),
+                       f"num_pages, pool_page_size as kv_cache, (kv_lora_rank + rope_dim)/{NVFP4_BLOCK}")
+        if global_scale is not None:
+            global_scale = validate.scale("global_scale", global_scale, None, device)
+    elif scale_cache is not None or global_scale is not None:
+        raise ValueError(f"scale_cache/global_scale apply only to kv_cache_dtype 'nvfp4', not {fmt.name!r}")
     locs, chk = prepare(OP, device, n, loc, loc_map, dcp_rank, dcp_size, check, errors)
-    return StoreMLA(kv_c, k_pe, kv_cache, fmt, scale, geometry, locs, chk)
+    return StoreMLA(kv_c, k_pe, kv_cache, fmt, scale, geometry, locs, chk, scale_cache, global_scale)
 
 
-@torch.library.custom_op("kvwrite::store_mla", mutates_args=("kv_cache", "errors"))
+@torch.library.custom_op("kvwrite::store_mla", mutates_args=("kv_cache", "errors", "scale_cache"))
 def _store_mla_op(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                   loc: torch.Tensor, kv_cache_dtype: str, scale: Optional[torch.Tensor],
                   check: str, errors: Optional[torch.Tensor], loc_map: Optional[torch.Tensor],
-                  dcp_rank: int, dcp_size: int, backend: str) -> None:
+                  dcp_rank: int, dcp_size: int, backend: str,
+                  scale_cache: Optional[torch.Tensor] = None,
+                  global_scale: Optional[torch.Tensor] = None) -> None:
     a = prepare_store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, errors,
-                          loc_map, dcp_rank, dcp_size)
+                          loc_map, dcp_rank, dcp_size, scale_cache, global_scale)
     if a.locs.n:
-        dispatch(OP, IMPLS, backend, kv_c.device, a)
+        dispatch(OP, a.format.impls, backend, kv_c.device, a)
 
 
 @_store_mla_op.register_fake
 def _(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, errors, loc_map, dcp_rank,
-      dcp_size, backend) -> None:
+      dcp_size, backend, scale_cache=None, global_scale=None) -> None:
     return None
 
 
@@ -131,7 +170,8 @@ def store_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, lo
               *, kv_cache_dtype: str = "auto", scale: torch.Tensor | None = None,
               check: str = "off", errors: ErrorBuffer | None = None,
               loc_map: torch.Tensor | None = None, dcp_rank: int = 0, dcp_size: int = 1,
-              backend: str = "auto") -> None:
+              backend: str = "auto", scale_cache: torch.Tensor | None = None,
+              global_scale: torch.Tensor | None = None) -> None:
     """Write token i's MLA row (latent `kv_c[i]` `[L]`, rope `k_pe[i]` `[R]`) at `loc[i]`
     (-1 = padding, skipped). `kv_c`/`k_pe` may be strided along tokens.
 
@@ -144,12 +184,19 @@ def store_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, lo
         fp8(x / scale); then the L/128 fp32 scales; then R bf16 rope values (bf16 input: bit
         copies; fp16/fp32 input: rounded to bf16, nearest-even, like `tensor.to(torch.bfloat16)`).
         Needs L % 128 == 0. Read rows back with `kvwrite.dequant_ds_mla`.
-    `check`, `errors`, `loc_map`, `dcp_rank`, `dcp_size`: as in `store_kv`.
+      - "nvfp4": uint8 `[pages, pool_page_size, (L + R)/2]` (two e2m1 codes a byte, even element
+        in the low nibble) and `scale_cache` float8_e4m3fn `[pages, pool_page_size, (L + R)/16]`,
+        the row concat(kv_c, k_pe) quantised in blocks of 16 like `kvwrite.store_kv_nvfp4`
+        (optional positive fp32 `global_scale` `[]`/`[1]`). Needs (L + R) % 16 == 0. Read rows
+        back with `kvwrite.dequant_nvfp4(kv_cache[p, o], scale_cache[p, o], global_scale)`.
+    `check`, `errors`, `loc_map`, `dcp_rank`, `dcp_size`: as in `store_kv`. A pool stored as
+    `[rows, 1, row]` (SGLang's MLA buffer) is the same cache with pool_page_size 1.
     """
     a = prepare_store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, errors,
-                          loc_map, dcp_rank, dcp_size)
+                          loc_map, dcp_rank, dcp_size, scale_cache, global_scale)
     if torch.compiler.is_compiling():
         torch.ops.kvwrite.store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check,
-                                    a.check.errors, loc_map, dcp_rank, dcp_size, backend)
+                                    a.check.errors, loc_map, dcp_rank, dcp_size, backend,
+                                    scale_cache, global_scale)
     elif a.locs.n:
-        dispatch(OP, IMPLS, backend, kv_c.device, a)
+        dispatch(OP, a.format.impls, backend, kv_c.device, a)

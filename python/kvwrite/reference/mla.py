@@ -6,6 +6,7 @@ import torch
 from kvwrite.ops.mla import DS_MLA_SCALE_FLOOR, DS_MLA_TILE, ds_mla_row_bytes
 from kvwrite.reference._locs import resolve_and_check
 from kvwrite.reference.kv import quantize_fp8
+from kvwrite.reference.nvfp4 import write_mla_nvfp4
 
 
 def _concat(a, kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
@@ -22,19 +23,29 @@ def ds_mla_rows(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
     x = kv_c.float().reshape(n, lora // DS_MLA_TILE, DS_MLA_TILE)
     scale = torch.clamp(x.abs().amax(dim=-1, keepdim=True) / 448.0, min=DS_MLA_SCALE_FLOOR)
     latent = quantize_fp8(x, scale, torch.float8_e4m3fn).view(torch.uint8).reshape(n, lora)
-    scales = scale.reshape(n, -1).contiguous().view(torch.uint8)
+    scales = scale.reshape(n, lora // DS_MLA_TILE).contiguous().view(torch.uint8)
     rope = k_pe.to(torch.bfloat16).contiguous().view(torch.uint8)
     return torch.cat([latent, scales, rope], dim=-1)
 
 
-_ROWS = {"auto": _concat, "fp8_e4m3": _fp8, "fp8_e5m2": _fp8,
-         "fp8_ds_mla": lambda a, kv_c, k_pe: ds_mla_rows(kv_c, k_pe)}
+def _rows(make):
+    """A writer storing `make(a, kv_c, k_pe)` as the tokens' kv_cache rows."""
+    def write(a, idx, page, offset) -> None:
+        a.kv_cache[page, offset] = make(a, a.kv_c[idx], a.k_pe[idx])
+    return write
+
+
+# kv_cache_dtype -> writer(a, token indices, pages, offsets); a format that also writes other
+# buffers (block scales) registers its own writer here.
+WRITERS = {"auto": _rows(_concat), "fp8_e4m3": _rows(_fp8), "fp8_e5m2": _rows(_fp8),
+           "fp8_ds_mla": _rows(lambda a, kv_c, k_pe: ds_mla_rows(kv_c, k_pe)),
+           "nvfp4": write_mla_nvfp4}
 
 
 def store_mla(a) -> None:
     """`a`: kvwrite.ops.mla.StoreMLA."""
     idx, page, offset = resolve_and_check(a.locs, a.geometry, a.check)
-    a.kv_cache[page, offset] = _ROWS[a.format.name](a, a.kv_c[idx], a.k_pe[idx])
+    WRITERS[a.format.name](a, idx, page, offset)
 
 
 def dequant_ds_mla(rows: torch.Tensor, kv_lora_rank: int = 512) -> torch.Tensor:

@@ -1,0 +1,66 @@
+// store_kv_nvfp4: the fused paged K+V store of MHA/GQA in NVFP4 (kvwrite/ops/nvfp4.py).
+// Values uint8 [pages, pool_page_size, H, D/2], block scales e4m3 [pages, pool_page_size, H, D/16]
+// (canonical views: NHD and HND are strides). Lanes stride over the 16-element blocks of K then V.
+#pragma once
+
+#include "dispatch.h"
+#include "locs.h"
+#include "nvfp4.h"
+#include "paged.h"
+
+namespace kvwrite {
+
+struct NVFP4Side {
+  const char* src = nullptr;
+  i64 s_tok = 0, s_head = 0;  // elements
+  PagedCache values, scales;
+  const float* global = nullptr;
+  int D = 0;
+};
+
+struct StoreKVNVFP4Params {
+  NVFP4Side k, v;
+  int H = 0;
+  DType in_dtype = DType::F32;
+  LocArgs locs;
+};
+
+template <DType IN>
+KVW_HD void nvfp4_side_block(const NVFP4Side& s, i64 i, i64 row, int b) {
+  const int nb = s.D / NVFP4_BLOCK, h = b / nb, j = b - h * nb;
+  const i64 start = i * s.s_tok + h * s.s_head + i64(j) * NVFP4_BLOCK;
+  nvfp4_block([&](int e) { return load_float<IN>(s.src, start + e); }, s.global,
+              s.values.at(row, h, j * (NVFP4_BLOCK / 2)), s.scales.at(row, h, j));
+}
+
+template <int CHECK, DType IN>
+KVW_HD void store_kv_nvfp4_token(const StoreKVNVFP4Params& p, i64 i, int lane, int nlanes) {
+  const Resolved r = resolve_checked<CHECK>(p.locs, i, lane == 0);
+  if (!r.write) return;
+  const int nk = p.H * (p.k.D / NVFP4_BLOCK), nv = p.H * (p.v.D / NVFP4_BLOCK);
+  for (int w = lane; w < nk + nv; w += nlanes) {
+    if (w < nk) {
+      nvfp4_side_block<IN>(p.k, i, r.row, w);
+    } else {
+      nvfp4_side_block<IN>(p.v, i, r.row, w - nk);
+    }
+  }
+}
+
+template <int CHECK, DType IN>
+struct StoreKVNVFP4Token {
+  KVW_HD void operator()(const StoreKVNVFP4Params& p, i64 i, int lane, int nlanes) const {
+    store_kv_nvfp4_token<CHECK, IN>(p, i, lane, nlanes);
+  }
+};
+
+template <class F>
+void dispatch_store_kv_nvfp4(const StoreKVNVFP4Params& p, int check, F&& f) {
+  with_check(check, [&](auto c) {
+    with_float_dtype(p.in_dtype, [&](auto in) {
+      f(TypeTag<StoreKVNVFP4Token<c.value, in.value>>{}, p.H * (p.k.D + p.v.D) / NVFP4_BLOCK);
+    });
+  });
+}
+
+}  // namespace kvwrite
