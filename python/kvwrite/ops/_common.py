@@ -84,6 +84,6 @@ def dispatch(op: str, table: tuple[tuple[str, str], ...], backend: str, device: 
     """Run `args` on the resolved backend's implementation of `op`."""
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str, got {type(backend).__name__}")
-    name = backends.resolve(backend, device, op, tuple(b for b, _ in table))
+    name = backends.resolve(backend, device, op, backends.implemented(table))
     impl: Callable = backends.implementation(table, name)
     impl(args)
