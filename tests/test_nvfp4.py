@@ -195,6 +195,23 @@ def test_round_trip_within_documented_bound(backend, dtype, g):
     assert float((err / bound)[normal].max()) > 0.9  # the bound is tight, not vacuous
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_strided_k_v_slices_of_a_qkv_projection(backend, layout):
+    """k and v as head slices of one [N, 3H, D] projection (token stride 3*H*D, head stride D)."""
+    n, h, d, pps = 20, 2, 32, 4
+    qkv = torch.randn(n, 3 * h, d, generator=torch.Generator().manual_seed(12)).to(torch.float16).to(DEVICE)
+    k, v = qkv[:, h:2 * h], qkv[:, 2 * h:]
+    assert not k.is_contiguous()
+    loc = torch.randperm(6 * pps, generator=torch.Generator().manual_seed(13))[:n].to(DEVICE)
+    pool = make_pool(layout, 6, pps, h, d, d, 14)
+    ref, original = pool.clone(), pool.raw.clone()
+    g = torch.tensor(1.7, device=DEVICE)
+    run_store(backend, pool, k, v, loc, layout, g, None, "guard", kvwrite.ErrorBuffer(DEVICE))
+    run_store("torch", ref, k.contiguous(), v.contiguous(), loc, layout, g, None)
+    assert_same_bytes(pool, ref, original)
+
+
 # --- out-of-range locs, canaries, records -----------------------------------------------------
 
 @pytest.mark.parametrize("backend", ALL)
