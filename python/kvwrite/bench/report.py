@@ -137,6 +137,7 @@ def _cell(r: dict | None, copy: bool) -> str:
 def print_table(result: dict, console=None) -> None:
     """Per case: latency in us (and % of same-run copy bandwidth) for every impl and N."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = console or Console()
@@ -151,13 +152,13 @@ def print_table(result: dict, console=None) -> None:
         for n in ns:
             table.add_column(f"N={n}", justify="right")
         for k in keys:
-            table.add_row(k[1], k[2], k[3], *(_cell(cell.get((*k, n)), k[0] == "copy") for n in ns))
+            table.add_row(escape(k[1]), k[2], k[3], *(_cell(cell.get((*k, n)), k[0] == "copy") for n in ns))
         console.print(table)
     t = Table(title="targets", title_justify="left")
     for col in ("target", "figure", "met"):
         t.add_column(col)
     for tg in targets(result):
-        t.add_row(tg["target"], tg["figure"], {True: "yes", False: "NO", None: "n/a"}[tg["met"]])
+        t.add_row(escape(tg["target"]), escape(tg["figure"]), {True: "yes", False: "NO", None: "n/a"}[tg["met"]])
     console.print(t)
 
 
