@@ -60,12 +60,13 @@ def select_backends(device: torch.device, wanted: list[str] | None, interpreter:
     for name, why in kvwrite.backends(device).items():
         if wanted is not None and name not in wanted:
             continue
-        if why is not None:
+        if name == "triton" and device.type == "cpu" and (why is not None or not interpreter):
+            notes[name] = ("not timed on CPU: Triton runs CPU tensors only under its interpreter "
+                           "(TRITON_INTERPRET=1, ~0.45 ms a program), a correctness tool, not a "
+                           "performance backend (--interpreter under TRITON_INTERPRET=1 times it anyway)"
+                           + (f"; here: {why}" if why else ""))
+        elif why is not None:
             notes[name] = why
-        elif name == "triton" and device.type == "cpu" and not interpreter:
-            notes[name] = ("runs on CPU only under the Triton interpreter (~0.45 ms a program), "
-                           "which is a correctness tool, not a performance backend: not timed "
-                           "(--interpreter times it anyway)")
         else:
             chosen.append(name)
     return chosen, notes
