@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kvwrite
-from kvwrite.bench import cases, report
+from kvwrite.bench import cases, report, run
 from kvwrite.cli import main
 
 
@@ -64,6 +64,8 @@ def test_bench_tiny_run_writes_json_report_and_plot(tmp_path):
     assert {(r["impl"], r["check"], r["n"]) for r in rows if r["kind"] == "kvwrite"} == {
         ("torch", c, n) for c in ("off", "guard") for n in (1, 8)}
     assert {r["impl"] for r in rows if r["kind"] == "baseline"} >= {"torch-index", "index_copy_"}
+    assert all(r["exact"] for r in rows if r["kind"] != "copy")
+    assert "all bit-exact" in (tmp_path / "report.md").read_text()
     for r in rows:
         assert r["us"] > 0 and r["bytes"] > 0 and r["gbps"] > 0
         copy = next(c for c in rows if c["kind"] == "copy" and c["n"] == r["n"])
@@ -75,3 +77,25 @@ def test_bench_tiny_run_writes_json_report_and_plot(tmp_path):
     assert "mha-bf16" in text and torch.get_num_threads() == threads  # restored
     assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
     assert kvwrite.default_errors("cpu").error() is None
+
+
+def test_a_store_that_writes_wrong_bytes_is_flagged(monkeypatch, tmp_path):
+    mha = next(c for c in cases.REGISTRY["store_kv"] if c.name == "mha-bf16")
+
+    def build(n, device, gen):
+        setup = mha.build(n, device, gen)
+        good = setup.baselines["index_copy_"]
+
+        def bad():
+            good()
+            setup.outputs[0].view(torch.uint8).view(-1)[-1] ^= 1  # one flipped bit
+
+        setup.baselines = {"index_copy_": good, "off-by-a-bit": bad}
+        return setup
+
+    monkeypatch.setitem(cases.REGISTRY, "store_kv", [cases.Case("sabotaged", "store_kv", "test", build)])
+    result = run.sweep(run.Config(sizes=(16,), cases=["sabotaged"], backends=["torch"], checks=("off",),
+                                  min_time=0.001))
+    exact = {r["impl"]: r["exact"] for r in result["rows"] if r["kind"] != "copy"}
+    assert exact == {"torch": True, "index_copy_": True, "off-by-a-bit": False}
+    assert "**differ: sabotaged/off-by-a-bit**" in report.markdown(result, None)

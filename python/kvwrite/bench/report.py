@@ -176,6 +176,10 @@ def markdown(result: dict, plot_name: str | None) -> str:
     lines += [mach + ".", "", "Versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val) + ".", ""]
     if result.get("interrupted"):
         lines += [f"**Sweep {result['interrupted']}.**", ""]
+    inexact = sorted({f"{r['case']}/{r['impl']}" for r in result["rows"] if r.get("exact") is False})
+    lines += ["Before timing, every backend and baseline is run once and its output bytes compared "
+              "with the torch reference's: " + (f"**differ: {', '.join(inexact)}**." if inexact
+                                                else "all bit-exact."), ""]
     lines += ["Each figure is the median latency of one store call; `%` is the same-run contiguous "
               "copy of the same number of bytes (reads + writes) divided by it, i.e. the store's "
               "effective bandwidth as a share of copy bandwidth. Locs are random unique rows of whole, "

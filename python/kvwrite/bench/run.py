@@ -117,9 +117,27 @@ def versions() -> dict:
     return out
 
 
-def _row(case, n, impl, kind, check, mode, us, nbytes, copy_us) -> dict:
+class _Bytes:
+    """The bytes of a store's output tensors; `==` compares them all exactly."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def __eq__(self, other) -> bool:
+        return all(torch.equal(a, b) for a, b in zip(self.tensors, other.tensors))
+
+
+def _outputs_after(setup, store) -> _Bytes:
+    """Zero the case's outputs, run `store` once, snapshot the bytes it wrote."""
+    for t in setup.outputs:
+        t.view(torch.uint8).zero_()
+    store()
+    return _Bytes([t.view(torch.uint8).clone() for t in setup.outputs])
+
+
+def _row(case, n, impl, kind, check, mode, us, nbytes, copy_us, exact=None) -> dict:
     return {"case": case.name, "op": case.op, "n": n, "impl": impl, "kind": kind, "check": check,
-            "mode": mode, "us": round(us, 3), "bytes": nbytes,
+            "mode": mode, "us": round(us, 3), "bytes": nbytes, "exact": exact,
             "gbps": round(nbytes / (us * 1e-6) / 1e9, 3) if us > 0 else None,
             "pct_copy": round(100.0 * copy_us / us, 1) if us > 0 and copy_us else None}
 
@@ -143,13 +161,24 @@ def host_overhead(case, setup, backends: list[str], device: torch.device, min_ti
 
 def _measure(cfg: Config, case, n: int, setup, backends: list[str], device: torch.device,
              graph: bool, broken: set, rows: list, notes: dict) -> None:
-    """Every row of one case at one N: copy, each backend x check (+ graph replay), baselines."""
+    """Every row of one case at one N: copy, each backend x check (+ graph replay), baselines.
+    Each backend and baseline is first checked against the torch reference's bytes."""
+    reference = _outputs_after(setup, lambda: setup.call("torch", "off", None))
     copy = timing.copy_fn(setup.bytes_moved, device)
     copy_us = timing.median_us(copy, device, cfg.min_time)
     rows.append(_row(case, n, "copy", "copy", None, "eager", copy_us, setup.bytes_moved, copy_us))
     for backend in backends:
         if (case.name, backend) in broken:
             continue
+        try:
+            exact = _outputs_after(setup, lambda: setup.call(backend, "off", None)) == reference
+        except Exception as exc:
+            notes[f"{case.name} {backend}"] = (f"failed at N={n} (not retried): "
+                                               f"{exc.__class__.__name__}: {exc}")
+            broken.add((case.name, backend))
+            continue
+        if not exact:
+            notes[f"{case.name} N={n} {backend}"] = "output bytes differ from the torch reference"
         for check in cfg.checks:
             errors = ErrorBuffer(device) if check == "guard" else None
             fn = (lambda b=backend, c=check, e=errors: setup.call(b, c, e))
@@ -162,21 +191,23 @@ def _measure(cfg: Config, case, n: int, setup, backends: list[str], device: torc
                 break
             if errors is not None and errors.error() is not None:
                 notes[f"{case.name} N={n} {backend}/guard"] = f"guard recorded an error: {errors.error()}"
-            rows.append(_row(case, n, backend, "kvwrite", check, "eager", us, setup.bytes_moved, copy_us))
+            rows.append(_row(case, n, backend, "kvwrite", check, "eager", us, setup.bytes_moved, copy_us,
+                             exact))
             if graph and n <= GRAPH_MAX_N and backend != "torch":
                 try:
                     g_us = timing.graph_median_us(fn)
                     rows.append(_row(case, n, backend, "kvwrite", check, "graph", g_us,
-                                     setup.bytes_moved, copy_us))
+                                     setup.bytes_moved, copy_us, exact))
                 except Exception as exc:
                     notes[f"{case.name} N={n} {backend}/{check} graph"] = f"failed: {exc.__class__.__name__}: {exc}"
     for name, fn in setup.baselines.items():
+        exact = _outputs_after(setup, fn) == reference
         rows.append(_row(case, n, name, "baseline", None, "eager",
-                         timing.median_us(fn, device, cfg.min_time), setup.bytes_moved, copy_us))
+                         timing.median_us(fn, device, cfg.min_time), setup.bytes_moved, copy_us, exact))
         if graph and n <= GRAPH_MAX_N:
             with contextlib.suppress(Exception):
                 rows.append(_row(case, n, name, "baseline", None, "graph",
-                                 timing.graph_median_us(fn), setup.bytes_moved, copy_us))
+                                 timing.graph_median_us(fn), setup.bytes_moved, copy_us, exact))
 
 
 def sweep(cfg: Config, progress=None) -> dict:
