@@ -56,6 +56,12 @@ def cases(gen: torch.Generator):
                               check=check, errors=errors, backend=b)
         yield f"store_mla {fmt}", run, (lambda dt=dt, width=width: [torch.zeros(8, 16, width, device=DEV).to(dt)]), 128
 
+    def run_mla_fp4(b, c, loc, check, errors):
+        kvwrite.store_mla(lat, rope, c[0], loc, kv_cache_dtype="nvfp4", scale_cache=c[1], check=check, errors=errors,
+                          backend=b)
+    yield "store_mla nvfp4", run_mla_fp4, lambda: [torch.zeros(8, 16, 288, dtype=torch.uint8, device=DEV),
+                                                   torch.zeros(8, 16, 36, device=DEV).to(torch.float8_e4m3fn)], 128
+
     ik = torch.randn(n, 128, generator=gen).to(DEV)
     def run_ik(b, c, loc, check, errors):
         kvwrite.store_indexer_k(ik, c[0], loc, scale_fmt="ue8m0", check=check, errors=errors, backend=b)

@@ -85,3 +85,16 @@ def test_kernel_sources_keep_torch_out_of_cu_files_and_headers():
         assert not re.search(r"#include\s*[<\"](torch|ATen|c10)/", text), f"{f.name} includes torch"
         if f.suffix == ".cu":
             assert "__global__" in text
+
+
+def test_setup_py_aot_extension_uses_the_jit_sources_and_flags():
+    """`KVWRITE_BUILD_EXT=1 pip install .` builds kvwrite._C from the same sources and flags
+    (the build itself is exercised by hand / in CI images: it takes as long as the JIT build)."""
+    cfg = _ext.build_config()
+    exts, cmdclass = _ext.aot_extension(CSRC)
+    (ext,) = exts
+    assert ext.name == "kvwrite._C" and "build_ext" in cmdclass
+    want = {str(p.relative_to(CSRC.parent)) for p in _ext.sources(CSRC, cfg["with_cuda"])}
+    assert set(ext.sources) == want and "csrc/ops.cpp" in want
+    assert any(s.endswith(".cu") for s in want) == cfg["with_cuda"]
+    assert "-DKVWRITE_PYTHON_MODULE" in ext.extra_compile_args["cxx"]

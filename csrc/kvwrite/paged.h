@@ -16,11 +16,14 @@ struct PagedCache {
   KVW_HD i64 elem_offset(i64 page, i64 entry, i64 head, i64 feat) const {
     return page * stride_page + entry * stride_entry + head * stride_head + feat;
   }
-  // Byte address of element `feat` of `head` at local row `row` (page = row / pool_page_size).
-  KVW_HD char* at(i64 row, i64 head, i64 feat) const {
-    i64 page = row / pool_page_size;
-    return base + elem_offset(page, row - page * pool_page_size, head, feat) * elem_size;
+  // Byte address of local row `row` (page = row / pool_page_size): the one int64 division.
+  KVW_HD char* row_ptr(i64 row) const {
+    const i64 page = row / pool_page_size;
+    return base + elem_offset(page, row - page * pool_page_size, 0, 0) * elem_size;
   }
+  // Byte offset of (head, feat) within a row.
+  KVW_HD i64 in_row(i64 head, i64 feat) const { return elem_offset(0, 0, head, feat) * elem_size; }
+  KVW_HD char* at(i64 row, i64 head, i64 feat) const { return row_ptr(row) + in_row(head, feat); }
 };
 
 // Copy one `B`-byte unit (B = 16: one vector load/store when the caller checked alignment).

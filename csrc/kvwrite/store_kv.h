@@ -46,23 +46,23 @@ inline int store_kv_vec(const StoreKVParams& p) {
 template <int VEC>
 KVW_HD void copy_side(const KVSide& s, int H, int es, i64 i, i64 row, int lane, int nlanes) {
   const int units = s.D * es / VEC;
-  char* dst = s.cache.at(row, 0, 0);  // the row's page / offset division once, not per unit
+  char* dst = s.cache.row_ptr(row);
   const char* src = s.src + i * s.s_tok * es;
-  const i64 dst_head = s.cache.stride_head * s.cache.elem_size, src_head = s.s_head * es;
   for (int u = lane; u < H * units; u += nlanes) {
     const int h = u / units, b = (u - h * units) * VEC;
-    copy_unit<VEC>(dst + h * dst_head + b, src + h * src_head + b);
+    copy_unit<VEC>(dst + s.cache.in_row(h, 0) + b, src + h * s.s_head * es + b);
   }
 }
 
 // Quantise side `s` of token i to fp8 format F: code = fp8(x / scale[h]), x in input type IN.
 template <DType IN, class F>
 KVW_HD void quant_side(const KVSide& s, int H, i64 i, i64 row, int lane, int nlanes) {
-  uint8_t* dst = reinterpret_cast<uint8_t*>(s.cache.at(row, 0, 0));  // fp8: 1-byte elements
+  char* dst = s.cache.row_ptr(row);
+  const i64 src = i * s.s_tok;
   for (int e = lane; e < H * s.D; e += nlanes) {
     const int h = e / s.D, d = e - h * s.D;
-    const float x = load_float<IN>(s.src, i * s.s_tok + h * s.s_head + d);
-    dst[h * s.cache.stride_head + d] = fp8_bits<F>(x / s.scale[h * s.scale_stride]);
+    const float x = load_float<IN>(s.src, src + h * s.s_head + d);
+    dst[s.cache.in_row(h, d)] = char(fp8_bits<F>(x / s.scale[h * s.scale_stride]));
   }
 }
 

@@ -25,12 +25,13 @@ struct StoreKVNVFP4Params {
   LocArgs locs;
 };
 
+// Block b (of the flattened [H, D/16] blocks) of token i; `values`/`scales`: its row pointers.
 template <DType IN>
-KVW_HD void nvfp4_side_block(const NVFP4Side& s, i64 i, i64 row, int b) {
+KVW_HD void nvfp4_side_block(const NVFP4Side& s, i64 i, char* values, char* scales, int b) {
   const int nb = s.D / NVFP4_BLOCK, h = b / nb, j = b - h * nb;
   const i64 start = i * s.s_tok + h * s.s_head + i64(j) * NVFP4_BLOCK;
   nvfp4_block([&](int e) { return load_float<IN>(s.src, start + e); }, s.global,
-              s.values.at(row, h, j * (NVFP4_BLOCK / 2)), s.scales.at(row, h, j));
+              values + s.values.in_row(h, j * (NVFP4_BLOCK / 2)), scales + s.scales.in_row(h, j));
 }
 
 template <int CHECK, DType IN>
@@ -38,11 +39,13 @@ KVW_HD void store_kv_nvfp4_token(const StoreKVNVFP4Params& p, i64 i, int lane, i
   const Resolved r = resolve_checked<CHECK>(p.locs, i, lane == 0);
   if (!r.write) return;
   const int nk = p.H * (p.k.D / NVFP4_BLOCK), nv = p.H * (p.v.D / NVFP4_BLOCK);
+  char *kv = p.k.values.row_ptr(r.row), *ks = p.k.scales.row_ptr(r.row);
+  char *vv = p.v.values.row_ptr(r.row), *vs = p.v.scales.row_ptr(r.row);
   for (int w = lane; w < nk + nv; w += nlanes) {
     if (w < nk) {
-      nvfp4_side_block<IN>(p.k, i, r.row, w);
+      nvfp4_side_block<IN>(p.k, i, kv, ks, w);
     } else {
-      nvfp4_side_block<IN>(p.v, i, r.row, w - nk);
+      nvfp4_side_block<IN>(p.v, i, vv, vs, w - nk);
     }
   }
 }

@@ -88,12 +88,13 @@ KVW_HD void mla_ds(const StoreMLAParams& p, i64 i, char* dst, int lane, int nlan
 
 template <DType IN>
 KVW_HD void mla_nvfp4(const StoreMLAParams& p, i64 i, i64 row, char* dst, int lane, int nlanes) {
+  char* scales = p.scale_cache.row_ptr(row);
   for (int b = lane; b < (p.L + p.R) / NVFP4_BLOCK; b += nlanes) {
     const auto load = [&](int e) {
       const int c = b * NVFP4_BLOCK + e;
       return c < p.L ? load_float<IN>(p.kv_c, i * p.c_sn + c) : load_float<IN>(p.k_pe, i * p.pe_sn + c - p.L);
     };
-    nvfp4_block(load, p.global, dst + b * (NVFP4_BLOCK / 2), p.scale_cache.at(row, 0, b));
+    nvfp4_block(load, p.global, dst + b * (NVFP4_BLOCK / 2), scales + p.scale_cache.in_row(0, b));
   }
 }
 
@@ -102,7 +103,7 @@ template <int CHECK, int MODE, DType IN, class OUT, int VEC>
 KVW_HD void store_mla_token(const StoreMLAParams& p, i64 i, int lane, int nlanes) {
   const Resolved r = resolve_checked<CHECK>(p.locs, i, lane == 0);
   if (!r.write) return;
-  char* dst = p.cache.at(r.row, 0, 0);
+  char* dst = p.cache.row_ptr(r.row);
   if constexpr (MODE == MLA_COPY) {
     mla_copy<VEC>(p, i, dst, lane, nlanes);
   } else if constexpr (MODE == MLA_FP8) {

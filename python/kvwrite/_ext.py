@@ -166,6 +166,22 @@ def build(verbose: bool | None = None) -> tuple[Path, float]:
     return out, time.perf_counter() - t0
 
 
+def _import_aot() -> None:
+    """Import the ahead-of-time build `kvwrite._C` (ImportError if there is none, or if it is
+    older than the csrc/ sources of this checkout: then the JIT build is used instead)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("kvwrite._C")
+    if spec is None or spec.origin is None:
+        raise ImportError("no kvwrite._C")
+    root = csrc_dir()
+    if root is not None:
+        newest = max(f.stat().st_mtime for f in root.rglob("*") if f.suffix in (".h", ".cu", ".cpp"))
+        if newest > os.path.getmtime(spec.origin):
+            raise ImportError("kvwrite._C is older than csrc/")
+    importlib.import_module("kvwrite._C")
+
+
 def _load() -> str | None:
     """Load the ops once per process; None on success, else why not."""
     with _lock:
@@ -176,7 +192,7 @@ def _load() -> str | None:
             reason = "disabled by KVWRITE_EXT=0"
         elif not _has_ops():
             try:
-                importlib.import_module("kvwrite._C")  # ahead-of-time build
+                _import_aot()
             except ImportError:
                 try:
                     build()
