@@ -9,6 +9,9 @@ from kvwrite.reference.indexer_k import read_indexer_k
 from kvwrite.reference.mla import dequant_ds_mla
 from kvwrite.ops.nvfp4 import store_kv_nvfp4
 from kvwrite.reference.nvfp4 import dequant_nvfp4
+from kvwrite.allocator import AllocatorExhausted, PagedAllocator
+from kvwrite.config import (KVCacheConfigurator, KVPool, ModelSpec, ParallelSpec, PoolPlan, VariantPlanner,
+                            presets, register_variant)
 
 __version__ = "0.1.0"
 
@@ -16,5 +19,7 @@ __all__ = [
     "BackendUnavailable", "ErrorBuffer", "GeometryError", "OutOfBoundsWrite", "PageGeometry",
     "backends", "default_errors", "store_kv",
     "dequant_ds_mla", "read_indexer_k", "store_indexer_k", "store_mla",
+    "AllocatorExhausted", "KVCacheConfigurator", "KVPool", "ModelSpec", "PagedAllocator", "ParallelSpec",
+    "PoolPlan", "VariantPlanner", "presets", "register_variant",
     "dequant_nvfp4", "store_kv_nvfp4",
 ]

@@ -10,6 +10,8 @@ import sys
 
 COMMANDS = (
     "kvwrite.demo",
+    "kvwrite.plan_cli",
+    "kvwrite.presets_cli",
     "kvwrite.bench.cli",
 )
 

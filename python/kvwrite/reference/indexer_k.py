@@ -36,6 +36,8 @@ def _regions(cache: torch.Tensor, pps: int, d: int, qbs: int) -> tuple[torch.Ten
 def store_indexer_k(a) -> None:
     """`a`: kvwrite.ops.indexer_k.StoreIndexerK."""
     idx, page, offset = resolve_and_check(a.locs, a.geometry, a.check)
+    if not idx.numel():  # every token padding or out of range: nothing to write
+        return
     d = a.k.shape[1]
     q, scale = quantize_blocks(a.k[idx], a.quant_block_size, a.ue8m0)
     data, scales = _regions(a.cache, a.geometry.pool_page_size, d, a.quant_block_size)

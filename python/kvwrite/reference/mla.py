@@ -45,7 +45,8 @@ WRITERS = {"auto": _rows(_concat), "fp8_e4m3": _rows(_fp8), "fp8_e5m2": _rows(_f
 def store_mla(a) -> None:
     """`a`: kvwrite.ops.mla.StoreMLA."""
     idx, page, offset = resolve_and_check(a.locs, a.geometry, a.check)
-    WRITERS[a.format.name](a, idx, page, offset)
+    if idx.numel():  # every token padding, out of range or another DCP rank's: nothing to write
+        WRITERS[a.format.name](a, idx, page, offset)
 
 
 def dequant_ds_mla(rows: torch.Tensor, kv_lora_rank: int = 512) -> torch.Tensor:

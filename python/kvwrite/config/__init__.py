@@ -1,0 +1,20 @@
+"""The configurator: model + parallel setup + budget -> pool plan -> built pools."""
+from kvwrite.config.configurator import KVCacheConfigurator
+from kvwrite.config.errors import (BudgetTooSmall, ConfigError, KernelUnavailable, LayerHasNoKV, SpecError,
+                                   UnknownArchitecture, UnknownPreset, UnknownVariant,
+                                   UnsupportedCombination, WindowDoesNotFit)
+from kvwrite.config.model import ModelSpec
+from kvwrite.config.parallel import ParallelSpec
+from kvwrite.config.plan import BufferSpec, LocSpace, PoolPlan, PoolSpec, SubPoolPlan
+from kvwrite.config.pool import KVPool
+from kvwrite.config.presets import presets
+from kvwrite.config.variants import (KV_CACHE_DTYPES, PlanContext, VariantPlanner, register_variant,
+                                     unregister_variant, variants)
+
+__all__ = [
+    "BudgetTooSmall", "BufferSpec", "ConfigError", "KVCacheConfigurator", "KVPool", "KV_CACHE_DTYPES",
+    "KernelUnavailable", "LayerHasNoKV", "LocSpace", "ModelSpec", "ParallelSpec", "PlanContext", "PoolPlan",
+    "PoolSpec", "SpecError", "SubPoolPlan", "UnknownArchitecture", "UnknownPreset", "UnknownVariant",
+    "UnsupportedCombination", "VariantPlanner", "WindowDoesNotFit", "presets", "register_variant",
+    "unregister_variant", "variants",
+]

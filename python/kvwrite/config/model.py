@@ -1,0 +1,138 @@
+"""`ModelSpec`: the attention facts of a model that decide its KV-cache pools."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from kvwrite.config.errors import SpecError
+
+MODEL_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+                  "float": "float32"}
+
+# Fields that a variant may or may not use; a variant's planner lists the ones it reads and
+# a spec that sets any other is inconsistent (SpecError).
+OPTIONAL_FIELDS = ("num_kv_heads", "head_dim", "v_head_dim", "kv_lora_rank", "qk_rope_head_dim",
+                   "index_head_dim", "sliding_window", "swa_layer_ids", "full_attention_layer_ids")
+
+
+def _dtype_name(value: object) -> str:
+    if isinstance(value, torch.dtype):
+        name = str(value).replace("torch.", "")
+    elif isinstance(value, str):
+        name = _DTYPE_ALIASES.get(value, value)
+    else:
+        raise SpecError(f"dtype must be a torch.dtype or one of {tuple(MODEL_DTYPES)}, got {value!r}")
+    if name not in MODEL_DTYPES:
+        raise SpecError(f"dtype must be one of {tuple(MODEL_DTYPES)}, got {value!r}")
+    return name
+
+
+def _ids(name: str, value: object) -> tuple[int, ...]:
+    try:
+        ids = tuple(int(i) for i in value)  # type: ignore[union-attr]
+    except TypeError:
+        raise SpecError(f"{name} must be a sequence of layer ids, got {value!r}") from None
+    if len(set(ids)) != len(ids):
+        raise SpecError(f"{name} has duplicate layer ids: {list(ids)}")
+    return tuple(sorted(ids))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a model's KV cache looks like.
+
+    `variant`: "mha" (MHA/GQA), "mla", "dsa" (MLA + DeepSeek-V3.2 indexer K), "swa_hybrid"
+    (sliding-window layers beside full-attention layers), "hybrid_linear" (KV only for the
+    full-attention layers of a linear-attention hybrid), "minimax_sparse" (MHA + a 1-head index
+    K), or a variant added with `kvwrite.register_variant`. Each variant reads only its fields
+    (see `kvwrite.config.variants`); setting a field the variant does not use, or leaving out one
+    it needs, raises SpecError. `num_draft_layers`: layers of the draft (MTP/EAGLE) model a draft
+    worker holds KV for.
+    """
+
+    variant: str
+    num_layers: int
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    v_head_dim: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    index_head_dim: int = 0
+    sliding_window: int = 0
+    swa_layer_ids: tuple[int, ...] = ()
+    full_attention_layer_ids: tuple[int, ...] = ()
+    dtype: str = "bfloat16"
+    num_draft_layers: int = 1
+    name: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
+        for k in ("num_layers", "num_kv_heads", "head_dim", "v_head_dim", "kv_lora_rank",
+                  "qk_rope_head_dim", "index_head_dim", "sliding_window", "num_draft_layers"):
+            v = getattr(self, k)
+            if v is None:
+                v = 0
+            if isinstance(v, bool) or not hasattr(v, "__index__") or int(v) < 0:
+                raise SpecError(f"ModelSpec.{k} must be a non-negative int, got {v!r}")
+            set_(k, int(v))
+        if self.num_layers < 1:
+            raise SpecError(f"ModelSpec.num_layers must be >= 1, got {self.num_layers}")
+        set_("dtype", _dtype_name(self.dtype))
+        set_("swa_layer_ids", _ids("swa_layer_ids", self.swa_layer_ids))
+        set_("full_attention_layer_ids", _ids("full_attention_layer_ids", self.full_attention_layer_ids))
+        for k in ("swa_layer_ids", "full_attention_layer_ids"):
+            bad = [i for i in getattr(self, k) if not 0 <= i < self.num_layers]
+            if bad:
+                raise SpecError(f"ModelSpec.{k} has ids outside [0, num_layers={self.num_layers}): {bad}")
+        from kvwrite.config.variants import planner_for  # the variant validates its own fields
+
+        planner = planner_for(self.variant)
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        unused = [k for k in OPTIONAL_FIELDS if k not in planner.fields and getattr(self, k) != defaults[k]]
+        if unused:
+            raise SpecError(f"variant {self.variant!r} does not use {', '.join(unused)} (it reads "
+                            f"{', '.join(sorted(planner.fields)) or 'no optional field'}); leave them unset")
+        planner.check_model(self)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return MODEL_DTYPES[self.dtype]
+
+    @property
+    def kv_layer_ids(self) -> tuple[int, ...]:
+        """Layers that have a KV cache (all but a hybrid-linear model's linear layers)."""
+        from kvwrite.config.variants import planner_for
+
+        return planner_for(self.variant).kv_layer_ids(self)
+
+    def draft(self) -> "ModelSpec":
+        """The spec of this model's draft (MTP / EAGLE) model, whose pools a draft worker holds."""
+        from kvwrite.config.variants import planner_for
+
+        return planner_for(self.variant).draft_model(self)
+
+    def replace(self, **changes: Any) -> "ModelSpec":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["swa_layer_ids"], d["full_attention_layer_ids"] = list(self.swa_layer_ids), list(self.full_attention_layer_ids)
+        return d
+
+    @classmethod
+    def from_hf_config(cls, path_or_dict: "str | Mapping[str, Any]", *, name: str = "") -> "ModelSpec":
+        """Read a local Hugging Face `config.json` (a path, a model directory, or the parsed dict)."""
+        from kvwrite.config.hf import spec_from_hf_config
+
+        return spec_from_hf_config(path_or_dict, name=name)
+
+    @classmethod
+    def from_preset(cls, name: str) -> "ModelSpec":
+        """A built-in preset (`kvwrite.presets()` lists them), from the model's public config."""
+        from kvwrite.config.presets import preset
+
+        return preset(name)

@@ -1,0 +1,256 @@
+"""The plan: every sub-pool's geometry and buffers, the allocator loc space each serves, bytes.
+
+Planners (`kvwrite.config.variants`) describe buffers per row (`BufferSpec`) and group layers
+into sub-pools (`PoolSpec`); the configurator turns them into a `PoolPlan` of concrete shapes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvwrite.geometry import GeometryError, PageGeometry, require_positive_int
+
+LAYOUTS = ("rows", "page_major", "map")
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """One buffer of a sub-pool, per layer unless `per_layer` is False.
+
+    `layout`: "rows" -> `[num_pages, pool_page_size, *row_shape]`; "page_major" (uint8) ->
+    `[num_pages, pool_page_size * prod(row_shape)]` (a page's rows then its scales, like the DSA
+    indexer cache); "map" -> `[num_locs of the "full" loc space]` (the full->SWA loc map).
+    """
+
+    name: str
+    row_shape: tuple[int, ...]
+    dtype: str
+    layout: str = "rows"
+    per_layer: bool = True
+
+    def __post_init__(self) -> None:
+        assert self.layout in LAYOUTS, self.layout
+        object.__setattr__(self, "row_shape", tuple(int(d) for d in self.row_shape))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.row_shape) * torch.empty((), dtype=self.torch_dtype).element_size()
+
+    def shape(self, geometry: PageGeometry, full_locs: int) -> tuple[int, ...]:
+        if self.layout == "rows":
+            return (geometry.num_pages, geometry.pool_page_size, *self.row_shape)
+        if self.layout == "page_major":
+            return (geometry.num_pages, geometry.pool_page_size * math.prod(self.row_shape))
+        return (full_locs,)
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """A planner's description of one sub-pool before sizing.
+
+    `space`: the allocator loc space it serves ("full", or "swa" for a hybrid-SWA model's SWA
+    layers). `virtual`: addressed by the DCP virtual loc even on a target worker (the DSA indexer
+    cache), so its pages are `page_size * dcp_size` rows. `op`: the kvwrite store op;
+    `needs`: keywords that op must accept for this sub-pool (checked by `build()`).
+    """
+
+    name: str
+    layer_ids: tuple[int, ...]
+    buffers: tuple[BufferSpec, ...]
+    op: str
+    space: str = "full"
+    virtual: bool = False
+    needs: tuple[str, ...] = ()
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class LocSpace:
+    """An allocator's loc space: `[0, num_locs)` paged in `page_size`-loc units (page 0 is the
+    padding page). Under DCP this is the virtual space of all `dcp_size` ranks."""
+
+    name: str
+    page_size: int
+    num_locs: int
+    dcp_size: int = 1
+
+    def allocator(self):
+        from kvwrite.allocator import PagedAllocator
+
+        return PagedAllocator(self.num_locs, self.page_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class BufferPlan:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int            # one copy (one layer)
+    per_layer: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["shape"] = list(self.shape)
+        return d
+
+
+@dataclass(frozen=True)
+class SubPoolPlan:
+    """One sub-pool: its layers, geometry, buffers, the op that stores into it, the allocator
+    loc space it serves and how it is addressed ("local", "sharded" by DCP rank, "virtual")."""
+
+    name: str
+    layer_ids: tuple[int, ...]
+    geometry: PageGeometry
+    buffers: tuple[BufferPlan, ...]
+    op: str
+    kernel: str
+    space: LocSpace
+    addressing: str
+    dcp_rank: int
+    dcp_size: int
+    spec: PoolSpec = field(compare=False, repr=False)
+
+    @property
+    def bytes(self) -> int:
+        return sum(b.bytes * (len(self.layer_ids) if b.per_layer else 1) for b in self.buffers)
+
+    @property
+    def sharded(self) -> bool:
+        return self.addressing == "sharded"
+
+    def check_allocator(self, page_granularity: int, num_locs: int) -> None:
+        """Raise GeometryError unless an allocator paging `[0, num_locs)` in `page_granularity`
+        units only hands out locs this sub-pool backs (for a DCP-sharded pool: after the
+        virtual -> local translation `loc // dcp_size`)."""
+        g = require_positive_int("page_granularity", page_granularity)
+        n = require_positive_int("num_locs", num_locs)
+        if self.sharded:
+            d = self.dcp_size
+            if g % d or n % d:
+                raise GeometryError(
+                    f"sub-pool {self.name!r} is sharded over dcp_size={d} ranks: the allocator's "
+                    f"page granularity ({g}) and loc count ({n}) must be multiples of {d}")
+            g, n = g // d, n // d
+        try:
+            self.geometry.check_allocator(g, n)
+        except GeometryError as err:
+            raise GeometryError(f"sub-pool {self.name!r} ({self.addressing}"
+                                f"{f' by {self.dcp_size} ranks' if self.sharded else ''}): {err}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        g = self.geometry
+        return dict(
+            name=self.name, layer_ids=list(self.layer_ids), num_layers=len(self.layer_ids),
+            geometry=dict(page_size=g.page_size, loc_space_scale=g.loc_space_scale,
+                          pool_page_size=g.pool_page_size, num_pages=g.num_pages, capacity=g.capacity),
+            buffers=[b.to_dict() for b in self.buffers], bytes=self.bytes, op=self.op,
+            kernel=self.kernel, addressing=self.addressing, allocator=self.space.to_dict(),
+        )
+
+
+def buffer_plans(spec: PoolSpec, geometry: PageGeometry, full_locs: int) -> tuple[BufferPlan, ...]:
+    """The concrete buffers of sub-pool `spec` at `geometry` (`full_locs`: the full loc space)."""
+    out = []
+    for b in spec.buffers:
+        shape = b.shape(geometry, full_locs)
+        nbytes = math.prod(shape) * torch.empty((), dtype=b.torch_dtype).element_size()
+        out.append(BufferPlan(b.name, shape, b.dtype, nbytes, b.per_layer))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """What `KVCacheConfigurator.plan()` decided. `max_total_num_tokens`: the loc space the main
+    pools cover (per rank on a target worker; the virtual space on a DCP draft worker)."""
+
+    variant: str
+    model: Any                      # the ModelSpec planned (the draft model's on a draft worker)
+    parallel: Any
+    kv_cache_dtype: str
+    page_size: int
+    loc_space_scale: int
+    pool_page_size: int
+    max_total_num_tokens: int
+    cell_size_bytes: float
+    memory_bytes: int | None
+    pools: tuple[SubPoolPlan, ...]
+    spaces: dict[str, LocSpace] = field(compare=False)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(p.bytes for p in self.pools)
+
+    def pool(self, name: str) -> SubPoolPlan:
+        for p in self.pools:
+            if p.name == name:
+                return p
+        raise KeyError(f"no sub-pool {name!r}; sub-pools: {[p.name for p in self.pools]}")
+
+    def check_allocator(self, page_granularity: int, num_locs: int, space: str = "full") -> None:
+        """`SubPoolPlan.check_allocator` for every sub-pool serving `space`'s allocator."""
+        serving = [p for p in self.pools if p.space.name == space]
+        if not serving:
+            raise KeyError(f"no sub-pool serves loc space {space!r}; spaces: {sorted(self.spaces)}")
+        for p in serving:
+            p.check_allocator(page_granularity, num_locs)
+
+    def verify(self) -> None:
+        """Every sub-pool against the allocator of the loc space it serves."""
+        for p in self.pools:
+            p.check_allocator(p.space.page_size, p.space.num_locs)
+
+    def allocator(self, space: str = "full"):
+        """A `PagedAllocator` over `space` (the one this plan's pools are sized for)."""
+        if space not in self.spaces:
+            raise KeyError(f"no loc space {space!r}; spaces: {sorted(self.spaces)}")
+        return self.spaces[space].allocator()
+
+    def replace_geometry(self, pool: str, geometry: PageGeometry) -> "PoolPlan":
+        """This plan with one sub-pool's geometry replaced (buffers re-shaped); for experiments
+        such as replaying SGLang #33348. `build()` refuses a plan that fails its own allocator
+        check unless told `verify=False`."""
+        full_locs = self.spaces["full"].num_locs
+        pools = tuple(dataclasses.replace(p, geometry=geometry, buffers=buffer_plans(p.spec, geometry, full_locs))
+                      if p.name == pool else p for p in self.pools)
+        self.pool(pool)
+        return dataclasses.replace(self, pools=pools)
+
+    def build(self, device: "torch.device | str" = "cpu", check: str = "off", backend: str = "auto",
+              *, verify: bool = True):
+        """Allocate every buffer on `device` and return a `KVPool` whose `.store(layer_id, loc,
+        *tensors, **scales)` routes each layer to its sub-pool and kernel."""
+        from kvwrite.config.pool import KVPool
+
+        if verify:
+            self.verify()
+        return KVPool(self, device, check=check, backend=backend)
+
+    def to_dict(self) -> dict[str, Any]:
+        par = self.parallel
+        return dict(
+            variant=self.variant, model=self.model.to_dict(),
+            parallel=dict(tp_size=par.tp_size, dcp_size=par.dcp_size, dcp_rank=par.dcp_rank,
+                          is_draft_worker=par.is_draft_worker),
+            kv_cache_dtype=self.kv_cache_dtype, page_size=self.page_size,
+            loc_space_scale=self.loc_space_scale, pool_page_size=self.pool_page_size,
+            max_total_num_tokens=self.max_total_num_tokens, cell_size_bytes=self.cell_size_bytes,
+            total_bytes=self.total_bytes, memory_bytes=self.memory_bytes,
+            allocators={k: v.to_dict() for k, v in self.spaces.items()},
+            pools=[p.to_dict() for p in self.pools],
+        )
+
+    def to_json(self, **kw: Any) -> str:
+        return json.dumps(self.to_dict(), **{"indent": 2, **kw})

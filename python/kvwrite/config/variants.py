@@ -1,0 +1,443 @@
+"""One planner per attention variant, and the registry `register_variant` adds to.
+
+A planner says which ModelSpec fields its variant reads, checks them, lays out the sub-pools
+and buffers per kv_cache_dtype (the formats of design.md), and routes `KVPool.store` calls to
+the store ops. Sizing, geometry and allocator checks are the configurator's, never a planner's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from kvwrite.config.errors import SpecError, UnknownVariant, UnsupportedCombination
+from kvwrite.config.plan import BufferSpec, PoolSpec
+from kvwrite.ops.indexer_k import row_bytes as indexer_row_bytes
+from kvwrite.ops.mla import DS_MLA_TILE, ds_mla_row_bytes
+from kvwrite.ops.nvfp4 import BLOCK as NVFP4_BLOCK
+
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "nvfp4", "fp8_ds_mla")
+FP8 = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+INDEXER_BLOCK = 128        # the DSA indexer's quant_block_size (DeepSeek-V3.2), passed to the op
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    """What a planner may read: the model planned (the draft model's on a draft worker), the
+    parallel setup, the kv cache dtype and the base page size."""
+
+    model: Any
+    parallel: Any
+    kv_cache_dtype: str
+    page_size: int
+
+    @property
+    def heads(self) -> int:
+        return self.parallel.kv_heads_per_rank(self.model.num_kv_heads)
+
+    @property
+    def dtype(self) -> str:
+        return self.model.dtype
+
+
+class VariantPlanner:
+    """Base planner. Subclass and `register_variant(name, planner)` to plug in a variant."""
+
+    name = ""
+    fields: frozenset = frozenset()
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)
+
+    def check_model(self, spec) -> None:  # raise SpecError
+        pass
+
+    def kv_layer_ids(self, spec) -> tuple[int, ...]:
+        return tuple(range(spec.num_layers))
+
+    def draft_model(self, spec):
+        return spec.replace(num_layers=_draft_layers(spec), name=f"{spec.name or spec.variant} draft")
+
+    def check_dtype(self, ctx: PlanContext) -> None:
+        if ctx.kv_cache_dtype not in self.kv_cache_dtypes:
+            raise UnsupportedCombination(
+                f"variant {self.name!r} has no kv_cache_dtype={ctx.kv_cache_dtype!r}; it supports "
+                f"{', '.join(self.kv_cache_dtypes)}")
+
+    def pools(self, ctx: PlanContext) -> Sequence[PoolSpec]:
+        raise NotImplementedError
+
+    def inputs(self, plan, layer_id: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """Per-token (name, shape, dtype) of the tensors `store(layer_id, loc, *tensors)` takes."""
+        raise NotImplementedError
+
+    def store(self, pool, layer_id: int, loc: torch.Tensor, tensors: tuple, scales: dict) -> None:
+        raise NotImplementedError
+
+
+def _draft_layers(spec) -> int:
+    if spec.num_draft_layers < 1:
+        raise SpecError(f"a draft worker needs num_draft_layers >= 1 (model {spec.name or spec.variant})")
+    return spec.num_draft_layers
+
+
+def _require(spec, *names: str) -> None:
+    missing = [n for n in names if not getattr(spec, n)]
+    if missing:
+        raise SpecError(f"variant {spec.variant!r} needs {', '.join(missing)} > 0")
+
+
+def _scales(scales: dict, allowed: Sequence[str], variant: str) -> None:
+    bad = sorted(set(scales) - set(allowed))
+    if bad:
+        raise TypeError(f"store() for variant {variant!r} takes scales {tuple(allowed)}, got {bad}")
+
+
+def _arity(tensors: tuple, names: Sequence[str], variant: str) -> None:
+    if len(tensors) != len(names):
+        raise TypeError(f"store() for variant {variant!r} takes (layer_id, loc, {', '.join(names)}), "
+                        f"got {len(tensors)} tensor(s)")
+
+
+# --- formats (design.md) -------------------------------------------------------------------------
+
+def kv_buffers(kv: str, model_dtype: str, heads: int, dims: dict[str, int], variant: str
+               ) -> tuple[tuple[BufferSpec, ...], str, str]:
+    """MHA-style K/V buffers `[rows, heads, d]` per kv_cache_dtype -> (buffers, op, note)."""
+    if kv == "auto":
+        return tuple(BufferSpec(n, (heads, d), model_dtype) for n, d in dims.items()), "store_kv", ""
+    if kv in FP8:
+        return tuple(BufferSpec(n, (heads, d), FP8[kv]) for n, d in dims.items()), "store_kv", kv
+    if kv == "nvfp4":
+        bad = {n: d for n, d in dims.items() if d % NVFP4_BLOCK}
+        if bad:
+            raise UnsupportedCombination(f"variant {variant!r} with nvfp4 needs head dims that are "
+                                         f"multiples of {NVFP4_BLOCK}, got {bad}")
+        out = []
+        for n, d in dims.items():
+            out.append(BufferSpec(n, (heads, d // 2), "uint8"))
+        for n, d in dims.items():
+            out.append(BufferSpec(f"{n}_scale", (heads, d // NVFP4_BLOCK), "float8_e4m3fn"))
+        return tuple(out), "store_kv_nvfp4", ""
+    raise UnsupportedCombination(f"kv_cache_dtype={kv!r} applies only to MLA variants (mla, dsa), "
+                                 f"not {variant!r}")
+
+
+def mla_buffers(kv: str, model_dtype: str, lora: int, rope: int) -> tuple[tuple[BufferSpec, ...], str, str]:
+    """MLA row `[rows, lora + rope]` per kv_cache_dtype -> (buffers, op, note)."""
+    if kv == "auto":
+        return (BufferSpec("kv", (lora + rope,), model_dtype),), "store_mla", ""
+    if kv in FP8:
+        return (BufferSpec("kv", (lora + rope,), FP8[kv]),), "store_mla", kv
+    if kv == "fp8_ds_mla":
+        if lora % DS_MLA_TILE:
+            raise UnsupportedCombination(f"fp8_ds_mla needs kv_lora_rank a multiple of {DS_MLA_TILE}, got {lora}")
+        return (BufferSpec("kv", (ds_mla_row_bytes(lora, rope),), "uint8"),), "store_mla", kv
+    if kv == "nvfp4":
+        if (lora + rope) % NVFP4_BLOCK:
+            raise UnsupportedCombination(f"nvfp4 MLA needs kv_lora_rank + qk_rope_head_dim a multiple of "
+                                         f"{NVFP4_BLOCK}, got {lora + rope}")
+        return (BufferSpec("kv", ((lora + rope) // 2,), "uint8"),
+                BufferSpec("kv_scale", ((lora + rope) // NVFP4_BLOCK,), "float8_e4m3fn")), "store_mla", kv
+    raise UnsupportedCombination(f"kv_cache_dtype={kv!r} is not an MLA format")
+
+
+def indexer_buffer(dim: int) -> BufferSpec:
+    """DSA indexer K: uint8 page-major `[pages, pps * (dim + dim/128 * 4)]` (e4m3 + fp32 scales)."""
+    return BufferSpec("index_k", (indexer_row_bytes(dim, INDEXER_BLOCK),), "uint8", layout="page_major")
+
+
+def _needs(op: str, kv: str, sharded: bool, loc_map: bool = False) -> tuple[str, ...]:
+    needs: list[str] = []
+    if op == "store_mla" and kv != "auto":
+        needs.append(f"kv_cache_dtype={kv}")
+    if op == "store_mla" and kv == "nvfp4":
+        needs += ["scale_cache"]
+    if loc_map:
+        needs.append("loc_map")
+    if sharded:
+        needs += ["dcp_rank", "dcp_size"]
+    return tuple(needs)
+
+
+def _sharded(ctx: PlanContext) -> bool:
+    """Main pools of a target worker under DCP keep only this rank's tokens."""
+    return ctx.parallel.dcp_size > 1 and not ctx.parallel.is_draft_worker
+
+
+# --- store helpers (the pool passes itself) ------------------------------------------------------
+
+def _store_kv_like(pool, sub: str, layer_id: int, loc, k, v, scales: dict, prefix: str = "") -> None:
+    """store_kv / store_kv_nvfp4 of one sub-pool (k and v may be the same tensor and `v` buffers
+    absent: the K-only index pool stores its K as both, into the same cache)."""
+    b = pool.layer(sub, layer_id)
+    plan = pool.plan.pool(sub)
+    kw = pool.op_kwargs(sub)
+    k_only = "v" not in b
+    if plan.op == "store_kv_nvfp4":
+        ks, vs = b["k_scale"], (b["k_scale"] if k_only else b["v_scale"])
+        mine = ("global_scale",) * 2 if k_only else ("k_global_scale", "v_global_scale")
+        for theirs, name in zip(("k_global_scale", "v_global_scale"), mine):
+            if scales.get(prefix + name) is not None:
+                kw[theirs] = scales[prefix + name]
+        pool.ops[sub](k, v, b["k"], b["k"] if k_only else b["v"], ks, vs, loc, **kw)
+        return
+    if b["k"].dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        ks = scales.get(prefix + ("k_scale" if not k_only else "scale"))
+        vs = scales.get(prefix + ("v_scale" if not k_only else "scale"))
+        kw["k_scale"] = pool.unit_scale if ks is None else ks
+        kw["v_scale"] = (kw["k_scale"] if k_only else (pool.unit_scale if vs is None else vs))
+    pool.ops[sub](k, v, b["k"], b["k"] if k_only else b["v"], loc, **kw)
+
+
+def _store_mla(pool, sub: str, layer_id: int, loc, kv_c, k_pe, scales: dict) -> None:
+    b = pool.layer(sub, layer_id)
+    kw = pool.op_kwargs(sub)
+    kv = pool.plan.kv_cache_dtype
+    if kv != "auto":
+        kw["kv_cache_dtype"] = kv
+    if kv in FP8:
+        kw["scale"] = scales.get("scale", pool.unit_scale)
+    if kv == "nvfp4":
+        kw["scale_cache"] = b["kv_scale"]
+        if scales.get("global_scale") is not None:
+            kw["global_scale"] = scales["global_scale"]
+    pool.ops[sub](kv_c, k_pe, b["kv"], loc, **kw)
+
+
+def _store_indexer(pool, sub: str, layer_id: int, loc, index_k, scales: dict) -> None:
+    b = pool.layer(sub, layer_id)
+    kw = pool.op_kwargs(sub)
+    kw["quant_block_size"] = INDEXER_BLOCK
+    if scales.get("index_scale_fmt") is not None:
+        kw["scale_fmt"] = scales["index_scale_fmt"]
+    pool.ops[sub](index_k, b["index_k"], loc, **kw)
+
+
+# --- planners ------------------------------------------------------------------------------------
+
+MHA_FIELDS = frozenset({"num_kv_heads", "head_dim", "v_head_dim"})
+MHA_SCALES = ("k_scale", "v_scale", "k_global_scale", "v_global_scale")
+
+
+class MHAPlanner(VariantPlanner):
+    name = "mha"
+    fields = MHA_FIELDS
+    kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2", "nvfp4")
+
+    def check_model(self, spec) -> None:
+        _require(spec, "num_kv_heads", "head_dim")
+
+    def _dims(self, spec) -> dict[str, int]:
+        return {"k": spec.head_dim, "v": spec.v_head_dim or spec.head_dim}
+
+    def _kv_pool(self, ctx: PlanContext, name: str, layers, space: str = "full",
+                 loc_map: bool = False) -> PoolSpec:
+        bufs, op, note = kv_buffers(ctx.kv_cache_dtype, ctx.dtype, ctx.heads, self._dims(ctx.model), self.name)
+        return PoolSpec(name, tuple(layers), bufs, op, space=space,
+                        needs=_needs(op, ctx.kv_cache_dtype, _sharded(ctx), loc_map), note=note)
+
+    def pools(self, ctx: PlanContext) -> Sequence[PoolSpec]:
+        return [self._kv_pool(ctx, "kv", self.kv_layer_ids(ctx.model))]
+
+    def inputs(self, plan, layer_id):
+        m, heads = plan.model, plan.parallel.kv_heads_per_rank(plan.model.num_kv_heads)
+        d = self._dims(m)
+        return [("k", (heads, d["k"]), m.torch_dtype), ("v", (heads, d["v"]), m.torch_dtype)]
+
+    def route(self, pool, layer_id: int) -> str:
+        return "kv"
+
+    def store(self, pool, layer_id, loc, tensors, scales) -> None:
+        _arity(tensors, ("k", "v"), self.name)
+        _scales(scales, MHA_SCALES, self.name)
+        _store_kv_like(pool, self.route(pool, layer_id), layer_id, loc, tensors[0], tensors[1], scales)
+
+
+class SWAHybridPlanner(MHAPlanner):
+    """Full-attention layers in a full pool; sliding-window layers in a smaller SWA pool whose
+    stores translate the full loc through the `loc_map` (full -> SWA, -1 = not in the window)."""
+
+    name = "swa_hybrid"
+    fields = MHA_FIELDS | {"sliding_window", "swa_layer_ids", "full_attention_layer_ids"}
+
+    def check_model(self, spec) -> None:
+        _require(spec, "num_kv_heads", "head_dim", "sliding_window")
+        swa, full = set(spec.swa_layer_ids), set(spec.full_attention_layer_ids)
+        if not swa or not full:
+            raise SpecError("swa_hybrid needs both swa_layer_ids and full_attention_layer_ids (a model "
+                            "with only one kind is 'mha')")
+        if swa & full or len(swa | full) != spec.num_layers:
+            raise SpecError(f"swa_layer_ids and full_attention_layer_ids must partition the "
+                            f"{spec.num_layers} layers (overlap {sorted(swa & full)}, missing "
+                            f"{sorted(set(range(spec.num_layers)) - swa - full)})")
+
+    def draft_model(self, spec):
+        return _mha_draft(spec)
+
+    def pools(self, ctx):
+        m = ctx.model
+        full = self._kv_pool(ctx, "full", m.full_attention_layer_ids)
+        swa = self._kv_pool(ctx, "swa", m.swa_layer_ids, space="swa", loc_map=True)
+        swa = PoolSpec(swa.name, swa.layer_ids, swa.buffers + (
+            BufferSpec("loc_map", (), "int64", layout="map", per_layer=False),), swa.op, swa.space,
+            swa.virtual, swa.needs, swa.note)
+        return [full, swa]
+
+    def route(self, pool, layer_id):
+        return "swa" if layer_id in pool.plan.model.swa_layer_ids else "full"
+
+
+def _mha_draft(spec):
+    from kvwrite.config.model import ModelSpec
+
+    return ModelSpec("mha", _draft_layers(spec), num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                     v_head_dim=spec.v_head_dim, dtype=spec.dtype, num_draft_layers=spec.num_draft_layers,
+                     name=f"{spec.name or spec.variant} draft")
+
+
+class HybridLinearPlanner(MHAPlanner):
+    """KV only for the full-attention layers (the linear/recurrent layers keep a state pool of
+    their own, outside kvwrite); the layer map sends layer id -> index in the KV pool."""
+
+    name = "hybrid_linear"
+    fields = MHA_FIELDS | {"full_attention_layer_ids"}
+
+    def check_model(self, spec) -> None:
+        _require(spec, "num_kv_heads", "head_dim")
+        if not spec.full_attention_layer_ids:
+            raise SpecError("hybrid_linear needs full_attention_layer_ids (the layers with a KV cache)")
+
+    def kv_layer_ids(self, spec):
+        return spec.full_attention_layer_ids
+
+    def draft_model(self, spec):
+        return _mha_draft(spec)
+
+
+class MLAPlanner(VariantPlanner):
+    name = "mla"
+    fields = frozenset({"kv_lora_rank", "qk_rope_head_dim"})
+    kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla", "nvfp4")
+    SCALES = ("scale", "global_scale")
+
+    def check_model(self, spec) -> None:
+        _require(spec, "kv_lora_rank", "qk_rope_head_dim")
+
+    def _mla_pool(self, ctx) -> PoolSpec:
+        m = ctx.model
+        bufs, op, note = mla_buffers(ctx.kv_cache_dtype, ctx.dtype, m.kv_lora_rank, m.qk_rope_head_dim)
+        return PoolSpec("kv", self.kv_layer_ids(m), bufs, op, needs=_needs(op, ctx.kv_cache_dtype, _sharded(ctx)),
+                        note=note)
+
+    def pools(self, ctx):
+        return [self._mla_pool(ctx)]
+
+    def inputs(self, plan, layer_id):
+        m = plan.model
+        return [("kv_c", (m.kv_lora_rank,), m.torch_dtype), ("k_pe", (m.qk_rope_head_dim,), m.torch_dtype)]
+
+    def store(self, pool, layer_id, loc, tensors, scales) -> None:
+        _arity(tensors, ("kv_c", "k_pe"), self.name)
+        _scales(scales, self.SCALES, self.name)
+        _store_mla(pool, "kv", layer_id, loc, tensors[0], tensors[1], scales)
+
+
+class DSAPlanner(MLAPlanner):
+    """MLA pool + the DSA indexer K cache (fp8 + fp32 scales per 128, always), which every DCP
+    rank holds whole: it is indexed by the virtual loc, so its pages are page_size * dcp_size."""
+
+    name = "dsa"
+    fields = MLAPlanner.fields | {"index_head_dim"}
+    SCALES = MLAPlanner.SCALES + ("index_scale_fmt",)
+
+    def check_model(self, spec) -> None:
+        _require(spec, "kv_lora_rank", "qk_rope_head_dim", "index_head_dim")
+        if spec.index_head_dim % INDEXER_BLOCK:
+            raise SpecError(f"dsa index_head_dim must be a multiple of {INDEXER_BLOCK}, got {spec.index_head_dim}")
+
+    def pools(self, ctx):
+        layers = self.kv_layer_ids(ctx.model)
+        return [self._mla_pool(ctx), PoolSpec("indexer", layers, (indexer_buffer(ctx.model.index_head_dim),),
+                                              "store_indexer_k", virtual=True)]
+
+    def inputs(self, plan, layer_id):
+        m = plan.model
+        return super().inputs(plan, layer_id) + [("index_k", (m.index_head_dim,), m.torch_dtype)]
+
+    def store(self, pool, layer_id, loc, tensors, scales) -> None:
+        _arity(tensors, ("kv_c", "k_pe", "index_k"), self.name)
+        _scales(scales, self.SCALES, self.name)
+        _store_mla(pool, "kv", layer_id, loc, tensors[0], tensors[1], scales)
+        _store_indexer(pool, "indexer", layer_id, loc, tensors[2], scales)
+
+
+class MiniMaxSparsePlanner(MHAPlanner):
+    """Main MHA pool + a 1-head index-K pool (K only) in the same format; two stores a layer."""
+
+    name = "minimax_sparse"
+    fields = MHA_FIELDS | {"index_head_dim"}
+    SCALES = MHA_SCALES + ("index_scale", "index_global_scale")
+
+    def check_model(self, spec) -> None:
+        _require(spec, "num_kv_heads", "head_dim", "index_head_dim")
+
+    def pools(self, ctx):
+        main = self._kv_pool(ctx, "kv", self.kv_layer_ids(ctx.model))
+        bufs, op, note = kv_buffers(ctx.kv_cache_dtype, ctx.dtype, 1, {"k": ctx.model.index_head_dim}, self.name)
+        index = PoolSpec("index", main.layer_ids, bufs, op, needs=_needs(op, ctx.kv_cache_dtype, _sharded(ctx)),
+                         note=(note + ", " if note else "") + "K only")
+        return [main, index]
+
+    def inputs(self, plan, layer_id):
+        m = plan.model
+        return super().inputs(plan, layer_id) + [("index_k", (m.index_head_dim,), m.torch_dtype)]
+
+    def store(self, pool, layer_id, loc, tensors, scales) -> None:
+        _arity(tensors, ("k", "v", "index_k"), self.name)
+        _scales(scales, self.SCALES, self.name)
+        _store_kv_like(pool, "kv", layer_id, loc, tensors[0], tensors[1], scales)
+        ik = tensors[2]
+        ik = ik.unsqueeze(1) if ik.dim() == 2 else ik
+        _store_kv_like(pool, "index", layer_id, loc, ik, ik, scales, prefix="index_")
+
+
+# --- registry ------------------------------------------------------------------------------------
+
+_REGISTRY: dict[str, VariantPlanner] = {}
+
+
+def register_variant(name: str, planner: VariantPlanner, *, replace: bool = False) -> None:
+    """Plug in an attention variant: `planner` (a `VariantPlanner`) lays out its sub-pools and
+    routes its stores; `ModelSpec(variant=name, ...)` then plans and builds through it."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"variant name must be a non-empty str, got {name!r}")
+    if not isinstance(planner, VariantPlanner):
+        raise TypeError(f"planner must be a kvwrite.VariantPlanner instance, got {type(planner).__name__}")
+    if name in _REGISTRY and not replace:
+        raise ValueError(f"variant {name!r} is already registered (pass replace=True to override)")
+    if not planner.name:
+        planner.name = name
+    _REGISTRY[name] = planner
+
+
+def unregister_variant(name: str) -> None:
+    if name in BUILTIN:
+        raise ValueError(f"built-in variant {name!r} cannot be unregistered")
+    _REGISTRY.pop(name, None)
+
+
+def planner_for(variant: str) -> VariantPlanner:
+    try:
+        return _REGISTRY[variant]
+    except (KeyError, TypeError):
+        raise UnknownVariant(f"unknown variant {variant!r}; variants: {', '.join(_REGISTRY)}") from None
+
+
+def variants() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+BUILTIN = ("mha", "mla", "dsa", "swa_hybrid", "hybrid_linear", "minimax_sparse")
+for _p in (MHAPlanner(), MLAPlanner(), DSAPlanner(), SWAHybridPlanner(), HybridLinearPlanner(),
+           MiniMaxSparsePlanner()):
+    _REGISTRY[_p.name] = _p
