@@ -99,3 +99,20 @@ def test_a_store_that_writes_wrong_bytes_is_flagged(monkeypatch, tmp_path):
     exact = {r["impl"]: r["exact"] for r in result["rows"] if r["kind"] != "copy"}
     assert exact == {"torch": True, "index_copy_": True, "off-by-a-bit": False}
     assert "**differ: sabotaged/off-by-a-bit**" in report.markdown(result, None)
+
+
+@pytest.mark.parametrize("case", ALL_CASES, ids=[c.name for c in ALL_CASES])
+def test_host_overhead_calls_reach_no_backend(case):
+    """Under noop_backends a case's call validates and dispatches but writes nothing, whatever
+    dispatch table its op uses."""
+    if not hasattr(kvwrite, case.op) or case.missing():
+        pytest.skip(f"{case.op} / {case.name} not in this build")
+    setup = case.build(8, torch.device("cpu"), torch.Generator().manual_seed(3))
+    for t in setup.outputs:
+        t.view(torch.uint8).zero_()
+    with run.noop_backends():
+        for backend in ("auto", "torch"):
+            setup.call(backend, "guard", None)
+    assert not any(bool(t.view(torch.uint8).any()) for t in setup.outputs)
+    setup.call("torch", "off", None)  # and the real backends are back
+    assert any(bool(t.view(torch.uint8).any()) for t in setup.outputs)

@@ -3,6 +3,7 @@ copy bandwidth, plus the wrapper's host overhead; returns one JSON-able result d
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import platform
 import sys
@@ -12,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 import kvwrite
-from kvwrite import validate
+from kvwrite import backend as kvwrite_backend, validate
 from kvwrite.bench import cases as case_registry, timing
 from kvwrite.errors import ErrorBuffer
 
@@ -41,16 +42,22 @@ def _noop(args) -> None:
     """Stands in for every backend while the wrapper's own host time is measured."""
 
 
+@functools.lru_cache(maxsize=None)
+def _noop_implementation(table, backend):
+    """Stands in for `kvwrite.backend.implementation` (cached like it): every backend is `_noop`."""
+    return _noop
+
+
 @contextlib.contextmanager
-def noop_backends(op: str):
-    """Point op's IMPLS table at `_noop`: a call then costs validation + dispatch only."""
-    module = sys.modules[getattr(kvwrite, op).__module__]
-    saved = module.IMPLS
-    module.IMPLS = tuple((name, f"{__name__}:_noop") for name, _ in saved)
+def noop_backends():
+    """Every op's dispatch runs `_noop` instead of a backend: a call then costs validation +
+    backend resolution only."""
+    saved = kvwrite_backend.implementation
+    kvwrite_backend.implementation = _noop_implementation
     try:
         yield
     finally:
-        module.IMPLS = saved
+        kvwrite_backend.implementation = saved
 
 
 def select_backends(device: torch.device, wanted: list[str] | None, interpreter: bool
@@ -149,7 +156,7 @@ def host_overhead(case, setup, backends: list[str], device: torch.device, min_ti
     for check in ("off", "guard"):
         errors = ErrorBuffer(device) if check == "guard" else None
         for backend in backends[:1] + (["auto"] if backends else []):
-            with noop_backends(case.op):
+            with noop_backends():
                 us = timing.cpu_median_us(lambda: setup.call(backend, check, errors), min_time)
             rows.append({"case": case.name, "what": "wrapper", "backend": backend, "check": check,
                          "us": round(us, 3)})
