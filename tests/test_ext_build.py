@@ -98,3 +98,29 @@ def test_setup_py_aot_extension_uses_the_jit_sources_and_flags():
     assert set(ext.sources) == want and "csrc/ops.cpp" in want
     assert any(s.endswith(".cu") for s in want) == cfg["with_cuda"]
     assert "-DKVWRITE_PYTHON_MODULE" in ext.extra_compile_args["cxx"]
+
+
+@pytest.mark.skipif(_ext.find_cuda_home() is None, reason="no CUDA toolkit")
+def test_store_kv_ptx_check_modes_are_template_specialisations(tmp_path):
+    """PTX of store_kv.cu for sm_90 (≈2 s): `off` kernels carry no check code, `assert` kernels
+    a device assert, `guard` kernels the atomics of the record; 16-byte copies are v4 accesses."""
+    nvcc = os.path.join(_ext.find_cuda_home(), "bin", "nvcc")
+    ptx = tmp_path / "store_kv.ptx"
+    out = subprocess.run([nvcc, "-ptx", "-arch=sm_90", "-std=c++20", "--expt-relaxed-constexpr", "-O3",
+                          f"-I{CSRC}", str(CSRC / "store_kv.cu"), "-o", str(ptx)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = ptx.read_text()
+    starts = [m.start() for m in re.finditer(r"\.entry\s", text)]
+    assert len(starts) >= 30
+    seen = set()
+    for a, b in zip(starts, starts[1:] + [len(text)]):
+        body = text[a:b]
+        name = body.split()[1].split("(")[0]
+        check = int(re.search(r"TokenILi(\d)E", name).group(1))
+        seen.add(check)
+        assert ("__assertfail" in body) == (check == 1), name
+        assert ("atom.global" in body) == (check == 2), name
+        if re.search(r"EvLi16EEEE", name):  # the 16-byte copy variant
+            assert ".v4." in body, name
+    assert seen == {0, 1, 2}

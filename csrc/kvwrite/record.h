@@ -5,16 +5,10 @@
 // and stay mutually consistent without a lock (the Triton kernels write the same keys).
 #pragma once
 
+#include <assert.h>  // __assert_fail: nvcc's device-side assert (what assert() expands to)
 #include <cstdio>
 
 #include "common.h"
-
-#if defined(__CUDACC__)
-// The device assert the CUDA runtime reports as "device-side assert triggered".
-extern "C" __host__ __device__ void __assertfail(const char* message, const char* file,
-                                                 unsigned int line, const char* function,
-                                                 size_t char_size);
-#endif
 
 namespace kvwrite {
 
@@ -82,8 +76,8 @@ KVW_HD void device_assert(const Violation& v) {
            (long long)(v.target >= 0 ? v.target / v.pool_page_size : -1),
            (long long)(v.limit / v.pool_page_size), (long long)v.pool_page_size, (long long)v.limit);
   }
-  __assertfail("kvwrite: store loc outside the pool (check=assert)", __FILE__, __LINE__,
-               "kvwrite::device_assert", 1);
+  // Called directly, not through assert(): NDEBUG builds keep it.
+  __assert_fail("kvwrite: store loc outside the pool (check=assert)", __FILE__, __LINE__, __func__);
 #else
   (void)v;
 #endif
