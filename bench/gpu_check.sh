@@ -48,6 +48,11 @@ else
   echo "compute-sanitizer not found" | tee -a "$OUT/summary.txt"; status=1
 fi
 
+step "benchmark sweep (kvwrite bench, full)"
+timeout ${KVWRITE_GPU_BENCH_TIMEOUT:-420} $PY -m kvwrite.cli bench --min-time ${KVWRITE_GPU_BENCH_REP:-0.03} \
+    --out "$OUT/bench" > "$OUT/bench.log" 2>&1 || status=1
+grep -A12 "^## Targets" "$OUT/bench/report.md" 2>/dev/null | tee -a "$OUT/summary.txt" || tail -5 "$OUT/bench.log" | tee -a "$OUT/summary.txt"
+
 # Later issues add their steps (sanitizer, benchmarks) above this line.
 step "done (status $status)"
 exit $status

@@ -29,6 +29,7 @@ def _triton_import_error() -> str | None:
     return None
 
 
+@lru_cache(maxsize=None)
 def _extension_reason(device_type: str) -> str | None:
     try:
         ext = importlib.import_module("kvwrite._ext")
@@ -98,6 +99,12 @@ def resolve(backend: str, device: torch.device, op: str, implemented: tuple[str,
             warnings.warn(f"kvwrite: backend {name!r} unavailable ({reason}); falling back",
                           RuntimeWarning, stacklevel=3)
     raise BackendUnavailable(f"{op}: no backend available on {device}")
+
+
+@lru_cache(maxsize=None)
+def implemented(table: tuple[tuple[str, str], ...]) -> tuple[str, ...]:
+    """The backends an op's (backend, path) table names (cached: dispatch runs on every call)."""
+    return tuple(name for name, _ in table)
 
 
 @lru_cache(maxsize=None)

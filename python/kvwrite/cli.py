@@ -12,6 +12,7 @@ COMMANDS = (
     "kvwrite.demo",
     "kvwrite.plan_cli",
     "kvwrite.presets_cli",
+    "kvwrite.bench.cli",
 )
 
 

@@ -2,7 +2,7 @@
 argument and what was expected, and all of them run before any kernel."""
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence, TypeVar
 
 import torch
 
@@ -22,22 +22,63 @@ def tensor(name: str, t: object, *, ndim: int | None = None,
     """Check one tensor argument's type, rank, dtype, device and innermost stride."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if ndim is not None and t.dim() != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    dims = t.shape  # one attribute fetch: this runs on every call (host overhead)
+    if ndim is not None and len(dims) != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(dims)}")
     if dtypes is not None and t.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype in ({_names(dtypes)}), got {t.dtype}")
     if device is not None and t.device != device:
         raise ValueError(f"{name} is on {t.device} but the inputs are on {device}")
-    if last_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+    if last_contiguous and dims and dims[-1] > 1 and t.stride()[-1] != 1:
         raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
     return t
 
 
 def shape(name: str, t: torch.Tensor, expected: Sequence[int | None], what: str) -> None:
     """Check `t.shape` against `expected` (None = any); `what` names the dims."""
-    if len(t.shape) != len(expected) or any(e is not None and s != e for s, e in zip(t.shape, expected)):
-        want = ", ".join("*" if e is None else str(e) for e in expected)
-        raise ValueError(f"{name} must have shape [{want}] ({what}), got {list(t.shape)}")
+    dims = t.shape
+    if len(dims) == len(expected):
+        for s, e in zip(dims, expected):
+            if e is not None and s != e:
+                break
+        else:
+            return
+    want = ", ".join("*" if e is None else str(e) for e in expected)
+    raise ValueError(f"{name} must have shape [{want}] ({what}), got {list(dims)}")
+
+
+T = TypeVar("T")
+_MEMO: dict = {}
+_MEMO_MAX = 1024
+
+
+def facts(*tensors: object) -> tuple | None:
+    """Everything `tensor()` and `shape()` look at (type, shape, strides, dtype, device) of each
+    argument, as a hashable key for `memo`; None if any argument is not a tensor."""
+    key = []
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            return None
+        key.append((type(t), t.shape, t.stride(), t.dtype, t.device))
+    return tuple(key)
+
+
+def memo(key: tuple | None, check: Callable[[], T]) -> T:
+    """`check()`, run only the first time `key` (built from `facts` plus every other input of
+    the check) is seen: a check raises on bad arguments, so only passing calls are remembered,
+    and a call whose key matches one that passed would pass every check again. Not used while
+    torch.compile traces (the checks then run on fake tensors each time)."""
+    if key is None or torch.compiler.is_compiling():
+        return check()
+    try:
+        return _MEMO[key]
+    except KeyError:
+        pass
+    value = check()
+    if len(_MEMO) >= _MEMO_MAX:
+        _MEMO.clear()
+    _MEMO[key] = value
+    return value
 
 
 def loc(name: str, t: object, n: int, device: torch.device) -> torch.Tensor:

@@ -38,6 +38,9 @@ class Check:
         return validate.CHECK_MODES[self.mode]
 
 
+_DEFAULT_CHECKS: dict[tuple[str, str, torch.device], Check] = {}
+
+
 def prepare(op: str, device: torch.device, n: int, loc: object, loc_map: object,
             dcp_rank: object, dcp_size: object, check: object,
             errors: ErrorBuffer | torch.Tensor | None) -> tuple[Locs, Check]:
@@ -47,8 +50,16 @@ def prepare(op: str, device: torch.device, n: int, loc: object, loc_map: object,
     locs = Locs(validate.loc("loc", loc, n, device), validate.loc_map(loc_map, device),
                 *validate.dcp(dcp_rank, dcp_size))
     mode = validate.check_mode(check)
-    if mode == "guard" and errors is None:
-        errors = default_errors(device)
+    if errors is None:
+        # No buffer passed: guard records into the device's default buffer (valid by
+        # construction, and the same object for the life of the process), so the Check is
+        # the same every time.
+        key = (op, mode, device)
+        chk = _DEFAULT_CHECKS.get(key)
+        if chk is None:
+            chk = Check(op, mode, default_errors(device).tensor if mode == "guard" else None)
+            _DEFAULT_CHECKS[key] = chk
+        return locs, chk
     record = errors.tensor if isinstance(errors, ErrorBuffer) else errors
     if record is not None:
         if not (isinstance(record, torch.Tensor) and record.dtype == torch.int64
@@ -73,6 +84,6 @@ def dispatch(op: str, table: tuple[tuple[str, str], ...], backend: str, device: 
     """Run `args` on the resolved backend's implementation of `op`."""
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str, got {type(backend).__name__}")
-    name = backends.resolve(backend, device, op, tuple(b for b, _ in table))
+    name = backends.resolve(backend, device, op, backends.implemented(table))
     impl: Callable = backends.implementation(table, name)
     impl(args)

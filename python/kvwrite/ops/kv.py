@@ -42,8 +42,8 @@ def canonical(cache: torch.Tensor, layout: str) -> torch.Tensor:
     return cache if layout == "NHD" else cache.transpose(1, 2)
 
 
-def prepare_store_kv(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors,
-                     loc_map, dcp_rank, dcp_size) -> StoreKV:
+def _check_tensors(k, v, k_cache, v_cache, layout) -> tuple[int, int, PageGeometry]:
+    """(tokens, heads, geometry) after checking k, v, the caches and the layout."""
     k = validate.tensor("k", k, ndim=3, dtypes=validate.FLOAT_INPUTS)
     n, h, dk = k.shape
     device = k.device
@@ -53,13 +53,26 @@ def prepare_store_kv(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, chec
     cache_dtypes = (k.dtype, *validate.FP8_MAX)
     k_cache = validate.tensor("k_cache", k_cache, ndim=4, dtypes=cache_dtypes, device=device)
     v_cache = validate.tensor("v_cache", v_cache, ndim=4, dtypes=(k_cache.dtype,), device=device)
-    kc, vc = canonical(k_cache, layout), canonical(v_cache, layout)
+    kc = canonical(k_cache, layout)
     dims = "num_pages, pool_page_size, H, D" if layout == "NHD" else "num_pages, H, pool_page_size, D"
     num_pages, pps = kc.shape[0], kc.shape[1]
-    for name, c, d in (("k_cache", kc, dk), ("v_cache", vc, v.shape[2])):
+    for name, c, d in (("k_cache", k_cache, dk), ("v_cache", v_cache, v.shape[2])):
         expect = (num_pages, pps, h, d) if layout == "NHD" else (num_pages, h, pps, d)
-        validate.shape(name, c if layout == "NHD" else c.transpose(1, 2), expect, f"{layout}: {dims}")
-    geometry = cache_geometry("k_cache", num_pages, pps)
+        validate.shape(name, c, expect, f"{layout}: {dims}")
+    return n, h, cache_geometry("k_cache", num_pages, pps)
+
+
+def prepare_store_kv(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors,
+                     loc_map, dcp_rank, dcp_size) -> StoreKV:
+    # The tensor checks depend only on the facts in the key: run once per distinct key.
+    key = validate.facts(k, v, k_cache, v_cache)
+    if key is not None and layout in LAYOUTS:
+        key = (OP, layout, key)
+    else:
+        key = None
+    n, h, geometry = validate.memo(key, lambda: _check_tensors(k, v, k_cache, v_cache, layout))
+    device = k.device
+    kc, vc = canonical(k_cache, layout), canonical(v_cache, layout)
     if k_cache.dtype in validate.FP8_MAX:
         if k_scale is None or v_scale is None:
             raise ValueError(f"k_scale and v_scale are required for a {k_cache.dtype} cache")

@@ -1,0 +1,329 @@
+"""Benchmark cases: realistic per-layer shapes, one registry keyed by kvwrite op.
+
+A case's `build(n, device, gen)` allocates one layer's pool, N tokens of input and random
+unique locs from a paged allocation, and returns a `Setup`: the kvwrite call, the bytes one
+store moves, the baselines that do the same store another way, and single raw torch ops on the same
+tensors (the yardsticks of the wrapper's host overhead). Ops missing from this kvwrite are skipped
+with a note (`hasattr(kvwrite, op)`), so the registry can name ops that land later.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+import kvwrite
+from kvwrite.reference.kv import quantize_fp8
+
+Store = Callable[[], None]
+
+
+@dataclass
+class Setup:
+    """One case at one N on one device, inputs allocated."""
+
+    call: Callable[[str, str, object], None]   # call(backend, check, errors): one kvwrite store
+    bytes_moved: int                           # bytes read + written by one store
+    baselines: dict[str, Store] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)  # baseline -> why it is not measured
+    raw: dict[str, Store] = field(default_factory=dict)  # single raw torch ops on these tensors
+    outputs: tuple = ()                        # the tensors one store writes
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    op: str
+    label: str
+    build: Callable[[int, torch.device, torch.Generator], Setup]
+    missing: Callable[[], str | None] = lambda: None   # why this build cannot run it, or None
+
+
+REGISTRY: dict[str, list[Case]] = {}
+
+
+def case(op: str, name: str, label: str, missing: Callable[[], str | None] = lambda: None):
+    """Register `build` as case `name` of kvwrite op `op` (`missing`: why an option of the op
+    the case needs is absent from this build, or None)."""
+    def register(build):
+        REGISTRY.setdefault(op, []).append(Case(name, op, label, build, missing))
+        return build
+    return register
+
+
+def available(select: list[str] | None = None) -> tuple[list[Case], dict[str, str]]:
+    """(cases whose op this kvwrite has, {op or case: why skipped}); `select` keeps the cases
+    whose name or op is listed."""
+    cases, skipped = [], {}
+    for op, group in REGISTRY.items():
+        chosen = [c for c in group if select is None or c.name in select or op in select]
+        if not chosen:
+            continue
+        if not hasattr(kvwrite, op):
+            skipped[op] = f"kvwrite.{op} is not in this build ({', '.join(c.name for c in chosen)} skipped)"
+            continue
+        for c in chosen:
+            why = c.missing()
+            if why:
+                skipped[c.name] = why
+            else:
+                cases.append(c)
+    if select:
+        known = {c.name for g in REGISTRY.values() for c in g} | set(REGISTRY)
+        for s in select:
+            if s not in known:
+                raise ValueError(f"unknown case {s!r}; cases: {sorted(known)}")
+    return cases, skipped
+
+
+def paged_locs(n: int, page_size: int, device: torch.device, gen: torch.Generator,
+               slack: int = 2) -> tuple[torch.Tensor, int]:
+    """(int64 locs of n tokens, num_pages of the pool): whole pages picked at random from a pool
+    `slack` times larger than needed (page 0 reserved for padding, as SGLang does), in shuffled
+    order, tokens contiguous within a page like an allocator's pages of one request."""
+    used = max(1, -(-n // page_size))
+    num_pages = slack * used + 1
+    pages = torch.randperm(num_pages - 1, generator=gen)[:used] + 1
+    rows = (pages[:, None] * page_size + torch.arange(page_size)[None, :]).flatten()[:n]
+    return rows.to(device), num_pages
+
+
+def _randn(shape, dtype, device, gen) -> torch.Tensor:
+    return torch.randn(shape, generator=gen).to(dtype).to(device)
+
+
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _try(name: str, fn: Store, baselines: dict, notes: dict) -> None:
+    """Keep baseline `fn` if one call succeeds, else note why it was skipped."""
+    try:
+        fn()
+    except Exception as exc:  # not supported for this dtype/device, or a foreign API mismatch
+        notes[name] = f"skipped: {exc.__class__.__name__}: {str(exc).splitlines()[0][:160]}"
+        return
+    baselines[name] = fn
+
+
+def _import(module: str):
+    try:
+        return importlib.import_module(module), None
+    except Exception as exc:
+        return None, f"skipped: {module} not importable ({exc.__class__.__name__})"
+
+
+def _external_mha(k, v, kc, vc, loc, fp8: bool, baselines: dict, notes: dict) -> None:
+    """vLLM, sgl-kernel and FlashInfer stores of the same K/V (CUDA only, when importable)."""
+    if kc.device.type != "cuda":
+        for name in ("vllm.reshape_and_cache_flash", "sgl_kernel.store_kv_cache",
+                     "flashinfer.append_paged_kv_cache"):
+            notes[name] = "skipped: CUDA only"
+        return
+    vllm_ops, why = _import("vllm._custom_ops")
+    if vllm_ops is None:
+        notes["vllm.reshape_and_cache_flash"] = why
+    else:
+        one = torch.ones((), dtype=torch.float32, device=k.device)
+        _try("vllm.reshape_and_cache_flash", lambda: vllm_ops.reshape_and_cache_flash(
+            k, v, kc, vc, loc, "fp8" if fp8 else "auto", one, one), baselines, notes)
+    sgl, why = _import("sgl_kernel")
+    if sgl is None:
+        notes["sgl_kernel.store_kv_cache"] = why
+    elif fp8:
+        notes["sgl_kernel.store_kv_cache"] = "skipped: stores bf16/fp16 only"
+    else:
+        n = k.shape[0]
+        k2, v2 = kc.view(-1, kc.shape[2] * kc.shape[3]), vc.view(-1, vc.shape[2] * vc.shape[3])
+        _try("sgl_kernel.store_kv_cache", lambda: torch.ops.sgl_kernel.store_kv_cache(
+            k2, v2, loc, k.reshape(n, -1), v.reshape(n, -1)), baselines, notes)
+    fi, why = _import("flashinfer")
+    if fi is None:
+        notes["flashinfer.append_paged_kv_cache"] = why
+    elif fp8:
+        notes["flashinfer.append_paged_kv_cache"] = "skipped: takes pre-quantised input"
+    else:
+        # One single-page "request" per token: page = loc // ps, position = loc % ps.
+        ps = kc.shape[1]
+        n = k.shape[0]
+        page, pos = (loc // ps).to(torch.int32), (loc % ps).to(torch.int32)
+        indptr = torch.arange(n + 1, dtype=torch.int32, device=k.device)
+        batch = torch.arange(n, dtype=torch.int32, device=k.device)
+        _try("flashinfer.append_paged_kv_cache", lambda: fi.page.append_paged_kv_cache(
+            k, v, batch, pos, (kc, vc), page, indptr, pos + 1, kv_layout="NHD"), baselines, notes)
+
+
+def _mha(n: int, device: torch.device, gen: torch.Generator, cache_dtype: torch.dtype) -> Setup:
+    """Llama-3.1-8B, one layer: 8 KV heads x 128, bf16 input, pages of 16 tokens."""
+    heads, dim, page = 8, 128, 16
+    loc, num_pages = paged_locs(n, page, device, gen)
+    k, v = (_randn((n, heads, dim), torch.bfloat16, device, gen) for _ in range(2))
+    kc, vc = (torch.zeros(num_pages, page, heads, dim, dtype=cache_dtype, device=device)
+              for _ in range(2))
+    fp8 = cache_dtype != k.dtype
+    scales = {}
+    if fp8:
+        scales = dict(k_scale=torch.full((), 0.05, device=device), v_scale=torch.full((), 0.05, device=device))
+
+    def call(backend: str, check: str, errors) -> None:
+        kvwrite.store_kv(k, v, kc, vc, loc, check=check, errors=errors, backend=backend, **scales)
+
+    moved = _nbytes(k, v, loc) + 2 * n * heads * dim * kc.element_size()
+    kf, vf = kc.view(-1, heads, dim), vc.view(-1, heads, dim)
+    baselines, notes = {}, {}
+    if fp8:
+        ks, vs = scales["k_scale"], scales["v_scale"]
+
+        def index_put() -> None:
+            kf[loc] = quantize_fp8(k, ks, cache_dtype)
+            vf[loc] = quantize_fp8(v, vs, cache_dtype)
+
+        def index_copy() -> None:
+            kf.index_copy_(0, loc, quantize_fp8(k, ks, cache_dtype))
+            vf.index_copy_(0, loc, quantize_fp8(v, vs, cache_dtype))
+    else:
+        def index_put() -> None:
+            kf[loc] = k
+            vf[loc] = v
+
+        def index_copy() -> None:
+            kf.index_copy_(0, loc, k)
+            vf.index_copy_(0, loc, v)
+    _try("torch-index", index_put, baselines, notes)
+    _try("index_copy_", index_copy, baselines, notes)
+    _external_mha(k, v, kc, vc, loc, fp8, baselines, notes)
+    kq = quantize_fp8(k, scales["k_scale"], cache_dtype) if fp8 else k
+    raw = {"index_put_": lambda: kf.index_put_((loc,), kq),
+           "cache[loc] = k": lambda: kf.__setitem__(loc, kq)}
+    return Setup(call, moved, baselines, notes, raw, (kc, vc))
+
+
+case("store_kv", "mha-bf16", "MHA Llama-3.1-8B layer: 8 KV heads x 128, bf16")(
+    lambda n, device, gen: _mha(n, device, gen, torch.bfloat16))
+case("store_kv", "mha-fp8", "MHA Llama-3.1-8B layer: 8 x 128, bf16 -> fp8 e4m3 (per-tensor scale)")(
+    lambda n, device, gen: _mha(n, device, gen, torch.float8_e4m3fn))
+
+
+
+def _vllm_mla(kv_c, k_pe, cache, loc, dtype_name: str, baselines: dict, notes: dict) -> None:
+    """vLLM's concat_and_cache_mla on the same rows (CUDA only, when importable)."""
+    name = "vllm.concat_and_cache_mla"
+    if cache.device.type != "cuda":
+        notes[name] = "skipped: CUDA only"
+        return
+    ops, why = _import("vllm._custom_ops")
+    if ops is None:
+        notes[name] = why
+        return
+    one = torch.ones((), dtype=torch.float32, device=cache.device)
+    _try(name, lambda: ops.concat_and_cache_mla(kv_c, k_pe, cache, loc, dtype_name, one), baselines, notes)
+
+
+def _mla(n: int, device: torch.device, gen: torch.Generator, fmt: str) -> Setup:
+    """DeepSeek-V3 MLA, one layer: latent 512 + rope 64 (slices of one projection output, so
+    strided along tokens), bf16, pages of 64 tokens."""
+    lora, rope, page = 512, 64, 64
+    loc, num_pages = paged_locs(n, page, device, gen)
+    proj = _randn((n, lora + rope + 64), torch.bfloat16, device, gen)  # + q-side columns
+    kv_c, k_pe = proj[:, :lora], proj[:, lora:lora + rope]
+    from kvwrite.ops.mla import FORMATS
+    f = FORMATS[fmt]
+    width = f.row_width(lora, rope)
+    cache = torch.zeros(num_pages, page, width, dtype=f.cache_dtype(kv_c.dtype), device=device)
+    extra = dict(scale=torch.full((), 0.05, device=device)) if f.takes_scale else {}
+
+    def call(backend: str, check: str, errors) -> None:
+        kvwrite.store_mla(kv_c, k_pe, cache, loc, kv_cache_dtype=fmt, check=check, errors=errors,
+                          backend=backend, **extra)
+
+    moved = n * (lora + rope) * kv_c.element_size() + _nbytes(loc) + n * width * cache.element_size()
+    baselines, notes = {}, {}
+    flat = cache.view(-1, width)
+    if fmt == "auto":
+        _try("torch-index", lambda: flat.__setitem__(loc, torch.cat([kv_c, k_pe], -1)), baselines, notes)
+        _try("index_copy_", lambda: flat.index_copy_(0, loc, torch.cat([kv_c, k_pe], -1)), baselines, notes)
+        raw_row = torch.cat([kv_c, k_pe], -1)
+    else:
+        notes["torch-index"] = f"skipped: no plain torch store of {fmt!r} rows (the torch backend is the reference)"
+        raw_row = torch.zeros(n, width, dtype=cache.dtype, device=device)
+    raw = {"index_put_": lambda: flat.index_put_((loc,), raw_row),
+           "cache[loc] = k": lambda: flat.__setitem__(loc, raw_row)}
+    _vllm_mla(kv_c, k_pe, cache, loc, fmt, baselines, notes)
+    return Setup(call, moved, baselines, notes, raw, (cache,))
+
+
+case("store_mla", "mla-bf16", "MLA DeepSeek layer: latent 512 + rope 64, bf16 row")(
+    lambda n, device, gen: _mla(n, device, gen, "auto"))
+case("store_mla", "mla-fp8ds", "MLA DeepSeek layer: fp8_ds_mla 656-byte row (512 e4m3, 4 fp32 scales, 64 bf16)")(
+    lambda n, device, gen: _mla(n, device, gen, "fp8_ds_mla"))
+
+
+def _mla_format_missing(fmt: str):
+    def missing() -> str | None:
+        from kvwrite.ops.mla import FORMATS
+        return None if fmt in FORMATS else f"store_mla has no kv_cache_dtype={fmt!r} in this build"
+    return missing
+
+
+case("store_mla", "mla-nvfp4", "MLA DeepSeek layer: NVFP4 row (576 e2m1 + e4m3 scale per 16)",
+     missing=_mla_format_missing("nvfp4"))(lambda n, device, gen: _mla_nvfp4(n, device, gen))
+
+
+def _mla_nvfp4(n: int, device: torch.device, gen: torch.Generator) -> Setup:
+    lora, rope, page = 512, 64, 64
+    loc, num_pages = paged_locs(n, page, device, gen)
+    proj = _randn((n, lora + rope + 64), torch.bfloat16, device, gen)
+    kv_c, k_pe = proj[:, :lora], proj[:, lora:lora + rope]
+    row = lora + rope
+    cache = torch.zeros(num_pages, page, row // 2, dtype=torch.uint8, device=device)
+    scales = torch.zeros(num_pages, page, row // 16, dtype=torch.float8_e4m3fn, device=device)
+
+    def call(backend: str, check: str, errors) -> None:
+        kvwrite.store_mla(kv_c, k_pe, cache, loc, kv_cache_dtype="nvfp4", scale_cache=scales,
+                          check=check, errors=errors, backend=backend)
+
+    moved = n * row * 2 + _nbytes(loc) + n * (row // 2 + row // 16)
+    return Setup(call, moved, {}, {"torch-index": "skipped: no plain torch NVFP4 store"}, {},
+                 (cache, scales))
+
+
+@case("store_indexer_k", "indexer-k", "DSA indexer K (DeepSeek V3.2): 128 -> e4m3 + fp32 scale per 128, pages of 64")
+def _indexer(n: int, device: torch.device, gen: torch.Generator) -> Setup:
+    dim, block, page = 128, 128, 64
+    loc, num_pages = paged_locs(n, page, device, gen)
+    k = _randn((n, dim), torch.bfloat16, device, gen)
+    per_token = dim + (dim // block) * 4
+    cache = torch.zeros(num_pages, page * per_token, dtype=torch.uint8, device=device)
+
+    def call(backend: str, check: str, errors) -> None:
+        kvwrite.store_indexer_k(k, cache, loc, quant_block_size=block, check=check, errors=errors,
+                                backend=backend)
+
+    moved = _nbytes(k, loc) + n * per_token
+    notes = {"torch-index": "skipped: no plain torch store of the page-major indexer layout "
+                            "(the torch backend is the reference)"}
+    return Setup(call, moved, {}, notes, {}, (cache,))
+
+
+@case("store_kv_nvfp4", "mha-nvfp4", "MHA Llama-3.1-8B layer: 8 x 128 bf16 -> NVFP4 (e2m1 + e4m3 scale per 16)")
+def _mha_nvfp4(n: int, device: torch.device, gen: torch.Generator) -> Setup:
+    heads, dim, page = 8, 128, 16
+    loc, num_pages = paged_locs(n, page, device, gen)
+    k, v = (_randn((n, heads, dim), torch.bfloat16, device, gen) for _ in range(2))
+    kc, vc = (torch.zeros(num_pages, page, heads, dim // 2, dtype=torch.uint8, device=device)
+              for _ in range(2))
+    ks, vs = (torch.zeros(num_pages, page, heads, dim // 16, dtype=torch.float8_e4m3fn, device=device)
+              for _ in range(2))
+
+    def call(backend: str, check: str, errors) -> None:
+        kvwrite.store_kv_nvfp4(k, v, kc, vc, ks, vs, loc, check=check, errors=errors, backend=backend)
+
+    moved = _nbytes(k, v, loc) + 2 * n * heads * (dim // 2 + dim // 16)
+    return Setup(call, moved, {}, {"torch-index": "skipped: no plain torch NVFP4 store"}, {},
+                 (kc, vc, ks, vs))
+
+
+__all__ = ["Case", "REGISTRY", "Setup", "available", "case", "paged_locs"]

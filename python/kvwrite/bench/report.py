@@ -1,0 +1,298 @@
+"""A sweep's result as a terminal table, JSON, a markdown report and a PNG plot, plus where it
+stands against the issue's targets (figures, not pass/fail tests)."""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from collections import defaultdict
+from pathlib import Path
+
+GPU_BACKENDS = ("cuda", "triton")
+REFERENCE_CASE = "mha-bf16"
+
+
+def _series(rows, case, impl, check="off", mode="eager") -> dict[int, dict]:
+    return {r["n"]: r for r in rows
+            if r["case"] == case and r["impl"] == impl and r["check"] == check and r["mode"] == mode}
+
+
+def _fmt_us(us: float) -> str:
+    return f"{us:.3g}" if us < 100 else f"{us:.0f}"
+
+
+def targets(result: dict) -> list[dict]:
+    """Each target of the issue with this run's figure and whether it is met (None: not measured
+    here, with why)."""
+    rows, host = result["rows"], result["host"]
+    gpu = result["config"]["device"].startswith("cuda")
+    out = []
+
+    def add(target, figure, met, detail=""):
+        out.append({"target": target, "figure": figure, "met": met, "detail": detail})
+
+    # CPU: the C++ cpu backend vs index_copy_ at N >= 1024.
+    t = "CPU: C++ cpu backend >= index_copy_ at N >= 1024 (MHA bf16, check off)"
+    if gpu:
+        add(t, "not measured (CUDA run)", None)
+    else:
+        base = _series(rows, REFERENCE_CASE, "index_copy_", None)
+        cpu = _series(rows, REFERENCE_CASE, "cpu")
+        ns = sorted(n for n in base if n >= 1024)
+        if not cpu:
+            why = result["backend_notes"].get("cpu", "not selected")
+            torch_ = _series(rows, REFERENCE_CASE, "torch")
+            ctx = ", ".join(f"N={n}: torch backend {base[n]['us'] / torch_[n]['us']:.2f}x index_copy_ speed"
+                            for n in ns if n in torch_)
+            add(t, f"cpu backend not available ({why})" + (f"; for context {ctx}" if ctx else ""), None)
+        elif not ns:
+            add(t, "no N >= 1024 in this run", None)
+        else:
+            fig = ", ".join(f"N={n}: {base[n]['us'] / cpu[n]['us']:.2f}x ({_fmt_us(cpu[n]['us'])} vs "
+                            f"{_fmt_us(base[n]['us'])} us)" for n in ns if n in cpu)
+            add(t, fig + " (speed relative to index_copy_)",
+                all(cpu[n]["us"] <= base[n]["us"] for n in ns if n in cpu))
+
+    # Host overhead of the wrapper vs one raw torch op.
+    t = "wrapper host overhead <= 2x a raw torch op call (N=1, backend a no-op)"
+    raw = [h for h in host if h["case"] == REFERENCE_CASE and h["what"] == "raw index_put_"]
+    setitem = [h for h in host if h["case"] == REFERENCE_CASE and h["what"] == "raw cache[loc] = k"]
+    wrap = [h for h in host if h["case"] == REFERENCE_CASE and h["what"] == "wrapper"]
+    if raw and wrap:
+        r = raw[0]["us"]
+        parts = [f"{h['backend']}/{h['check']}: {h['us']:.1f} us = {h['us'] / r:.2f}x" for h in wrap]
+        first = wrap[0]
+        also = (f"; vs `cache[loc] = k` ({setitem[0]['us']:.1f} us): {first['us'] / setitem[0]['us']:.2f}x"
+                if setitem else "")
+        add(t, f"raw index_put_ {r:.1f} us; wrapper " + "; ".join(parts) + also, first["us"] <= 2 * r,
+            f"judged on {first['backend']}/{first['check']} vs index_put_")
+    else:
+        add(t, "not measured", None)
+
+    if not gpu:
+        for t in ("GPU: MHA bf16 >= 90% of same-run copy bandwidth at N >= 4096",
+                  "GPU: guard <= 5% slower than off at N >= 4096",
+                  "GPU: decode N <= 64 under CUDA-graph replay within 1.5x an empty kernel",
+                  "GPU: faster than torch indexing at every N"):
+            add(t, "not measured (no GPU in this run)", None)
+        return out
+
+    def best(n, check="off", mode="eager"):
+        cands = [_series(rows, REFERENCE_CASE, b, check, mode).get(n) for b in GPU_BACKENDS]
+        cands = [c for c in cands if c]
+        return min(cands, key=lambda r: r["us"]) if cands else None
+
+    ns = sorted({r["n"] for r in rows if r["case"] == REFERENCE_CASE})
+    big = [n for n in ns if n >= 4096]
+    b = {n: best(n) for n in big}
+    fig = ", ".join(f"N={n}: {b[n]['pct_copy']}% ({b[n]['impl']})" for n in big if b[n])
+    add("GPU: MHA bf16 >= 90% of same-run copy bandwidth at N >= 4096", fig or "no data",
+        all(b[n]["pct_copy"] >= 90 for n in big if b[n]) if fig else None)
+    parts, ok = [], True
+    for n in big:
+        if not b[n]:
+            continue
+        g = _series(rows, REFERENCE_CASE, b[n]["impl"], "guard").get(n)
+        if g:
+            slow = g["us"] / b[n]["us"] - 1
+            ok &= slow <= 0.05
+            parts.append(f"N={n}: {100 * slow:+.1f}% ({b[n]['impl']})")
+    add("GPU: guard <= 5% slower than off at N >= 4096", ", ".join(parts) or "no data", ok if parts else None)
+    empty = result.get("empty_kernel_graph_us")
+    parts, ok = [], True
+    for n in (n for n in ns if n <= 64):
+        g = best(n, mode="graph")
+        if g and empty:
+            ok &= g["us"] <= 1.5 * empty
+            parts.append(f"N={n}: {g['us'] / empty:.2f}x")
+    add("GPU: decode N <= 64 under CUDA-graph replay within 1.5x an empty kernel",
+        (f"empty kernel {empty:.2f} us; " if empty else "") + (", ".join(parts) or "no data"),
+        ok if parts else None)
+    ti = _series(rows, REFERENCE_CASE, "torch-index", None)
+    parts, ok = [], True
+    for n in ns:
+        if n in ti and best(n):
+            ok &= best(n)["us"] < ti[n]["us"]
+            parts.append(f"N={n}: {ti[n]['us'] / best(n)['us']:.1f}x")
+    add("GPU: faster than torch indexing at every N", "speedup " + ", ".join(parts) if parts else "no data",
+        ok if parts else None)
+    return out
+
+
+def _grid(result: dict, case: str) -> tuple[list[int], list[tuple], dict]:
+    rows = [r for r in result["rows"] if r["case"] == case]
+    ns = sorted({r["n"] for r in rows})
+    order = {"kvwrite": 0, "baseline": 1, "copy": 2}
+    keys = sorted({(r["kind"], r["impl"], r["check"] or "", r["mode"]) for r in rows},
+                  key=lambda k: (order[k[0]], k[1], k[3], k[2]))
+    cell = {(r["kind"], r["impl"], r["check"] or "", r["mode"], r["n"]): r for r in rows}
+    return ns, keys, cell
+
+
+def _cell(r: dict | None, copy: bool) -> str:
+    if r is None:
+        return "-"
+    return f"{_fmt_us(r['us'])}" if copy else f"{_fmt_us(r['us'])} ({r['pct_copy']:.0f}%)"
+
+
+def print_table(result: dict, console=None) -> None:
+    """Per case: latency in us (and % of same-run copy bandwidth) for every impl and N."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = console or Console()
+    for case, meta in result["cases"].items():
+        ns, keys, cell = _grid(result, case)
+        if not ns:
+            continue
+        table = Table(title=f"{case}: {meta['label']} — median us (% of copy bandwidth)",
+                      title_justify="left")
+        for col in ("impl", "check", "mode"):
+            table.add_column(col)
+        for n in ns:
+            table.add_column(f"N={n}", justify="right")
+        for k in keys:
+            table.add_row(escape(k[1]), k[2], k[3], *(_cell(cell.get((*k, n)), k[0] == "copy") for n in ns))
+        console.print(table)
+    t = Table(title="targets", title_justify="left")
+    for col in ("target", "figure", "met"):
+        t.add_column(col)
+    for tg in targets(result):
+        t.add_row(escape(tg["target"]), escape(tg["figure"]), {True: "yes", False: "NO", None: "n/a"}[tg["met"]])
+    console.print(t)
+
+
+def markdown(result: dict, plot_name: str | None) -> str:
+    m, v = result["machine"], result["versions"]
+    where = m.get("gpu") or m.get("cpu")
+    lines = [f"# kvwrite bench — {m['kind']}: {where}", ""]
+    lines.append(f"Command: `{result['command']}` ({'quick' if result['quick'] else 'full'} sweep, "
+                 f"{result['wall_s']} s, {result.get('date', '')}).")
+    lines.append("")
+    mach = (f"Machine: host `{m['hostname']}`, {m['cpu']}, {m.get('cpus_usable', m['cpu_count'])} usable "
+            f"of {m['cpu_count']} CPUs, {m.get('memory_gib', '?')} GiB RAM, torch threads {m['torch_threads']}")
+    if m.get("gpu"):
+        mach += f"; GPU {m['gpu']} (sm {m['gpu_capability']}, {m['gpu_memory_gib']} GiB, {m['gpu_sms']} SMs)"
+    lines += [mach + ".", "", "Versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val) + ".", ""]
+    if result.get("interrupted"):
+        lines += [f"**Sweep {result['interrupted']}.**", ""]
+    inexact = sorted({f"{r['case']}/{r['impl']}" for r in result["rows"] if r.get("exact") is False})
+    lines += ["Before timing, every backend and baseline is run once and its output bytes compared "
+              "with the torch reference's: " + (f"**differ: {', '.join(inexact)}**." if inexact
+                                                else "all bit-exact."), ""]
+    lines += ["Each figure is the median latency of one store call; `%` is the same-run contiguous "
+              "copy of the same number of bytes (reads + writes) divided by it, i.e. the store's "
+              "effective bandwidth as a share of copy bandwidth. Locs are random unique rows of whole, "
+              "shuffled pages. " + ("CUDA: triton.testing.do_bench (CUDA events, L2 flushed), "
+              "`graph` rows replay 20 calls captured in one CUDA graph." if m.get("gpu") else
+              "CPU: time.perf_counter_ns loops, median of batches."), ""]
+    lines += ["## Targets", "", "| target | this run | met |", "|---|---|---|"]
+    for t in targets(result):
+        met = {True: "yes", False: "**no**", None: "n/a"}[t["met"]]
+        lines.append(f"| {t['target']} | {t['figure']}{' — ' + t['detail'] if t['detail'] else ''} | {met} |")
+    lines.append("")
+    notes = [f"- backend `{b}`: {why}" for b, why in result["backend_notes"].items()]
+    notes += [f"- op `{op}`: {why}" for op, why in result["skipped"].items()]
+    notes += [f"- {k}: {why}" for k, why in result["notes"].items()]
+    if notes:
+        lines += ["## Not measured", ""] + notes + [""]
+    lines += ["## Latency per case", "", "Median µs per call (% of same-run copy bandwidth).", ""]
+    for case, meta in result["cases"].items():
+        ns, keys, cell = _grid(result, case)
+        if not ns:
+            continue
+        lines += [f"### {case} — {meta['label']}", "",
+                  "| impl | check | mode | " + " | ".join(f"N={n}" for n in ns) + " |",
+                  "|---|---|---|" + "---:|" * len(ns)]
+        for k in keys:
+            lines.append(f"| {k[1]} | {k[2]} | {k[3]} | "
+                         + " | ".join(_cell(cell.get((*k, n)), k[0] == "copy") for n in ns) + " |")
+        lines.append("")
+    lines += ["## Check-mode overhead", "", "Latency of `assert` / `guard` relative to `off` (same backend, eager).", "",
+              "| case | backend | " + " | ".join(f"N={n}" for n in result["config"]["sizes"]) + " |",
+              "|---|---|" + "---:|" * len(result["config"]["sizes"])]
+    for case in result["cases"]:
+        for b in result["backends"]:
+            off = _series(result["rows"], case, b)
+            if not off:
+                continue
+            a, g = _series(result["rows"], case, b, "assert"), _series(result["rows"], case, b, "guard")
+            cells = []
+            for n in result["config"]["sizes"]:
+                if n in off and (n in a or n in g):
+                    cells.append(" / ".join(f"{x[n]['us'] / off[n]['us']:.2f}" if n in x else "-" for x in (a, g)))
+                else:
+                    cells.append("-")
+            lines.append(f"| {case} | {b} | " + " | ".join(cells) + " |")
+    lines += ["", "## Host overhead of the Python wrapper", "",
+              "Host time of one call at the smallest N with every check done and the backend "
+              "replaced by a no-op, against one raw torch op on the same tensors (`x raw`: "
+              "relative to `index_put_`).", "",
+              "| case | what | backend | check | µs | x raw |", "|---|---|---|---|---:|---:|"]
+    raw = {h["case"]: h["us"] for h in result["host"] if h["what"] == "raw index_put_"}
+    for h in result["host"]:
+        ratio = f"{h['us'] / raw[h['case']]:.2f}" if h["case"] in raw else "-"
+        lines.append(f"| {h['case']} | {h['what']} | {h['backend'] or ''} | {h['check'] or ''} | {h['us']:.2f} | {ratio} |")
+    if plot_name:
+        lines += ["", f"![latency and % of copy vs N]({plot_name})"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> bool:
+    """Latency and % of copy vs N, one line per backend / baseline (check off); False if no
+    matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    cases = [c for c in result["cases"] if any(r["case"] == c for r in result["rows"])]
+    if not cases:
+        return False
+    fig, axes = plt.subplots(len(cases), 2, figsize=(12, 3.4 * len(cases)), squeeze=False)
+    impls = sorted({r["impl"] for r in result["rows"]})
+    palette = plt.get_cmap("tab10" if len(impls) <= 10 else "tab20")
+    color = {impl: palette(i % palette.N) for i, impl in enumerate(impls)}
+    for i, case in enumerate(cases):
+        lines = defaultdict(list)
+        for r in result["rows"]:
+            if r["case"] == case and (r["check"] in (None, "off")):
+                lines[(r["impl"], r["mode"])].append((r["n"], r["us"], r["pct_copy"]))
+        for (impl, mode), pts in sorted(lines.items()):
+            pts.sort()
+            ns, us, pct = zip(*pts)
+            style = "--" if mode == "graph" else (":" if impl == "copy" else "-")
+            label = impl + (" (graph)" if mode == "graph" else "")
+            axes[i][0].plot(ns, us, style, marker="o", ms=3, label=label, color=color[impl])
+            if impl != "copy":
+                axes[i][1].plot(ns, pct, style, marker="o", ms=3, label=label, color=color[impl])
+        axes[i][0].set(xscale="log", yscale="log", xlabel="N tokens", ylabel="median µs",
+                       title=f"{case}: latency")
+        axes[i][1].set(xscale="log", xlabel="N tokens", ylabel="% of copy bandwidth",
+                       title=f"{case}: % of same-run copy")
+        axes[i][1].axhline(100, color="grey", lw=0.5)
+        axes[i][0].legend(fontsize=7)
+        axes[i][0].grid(True, which="both", lw=0.3)
+        axes[i][1].grid(True, lw=0.3)
+    m = result["machine"]
+    fig.suptitle(f"kvwrite bench on {m['kind']} ({m.get('gpu') or m.get('cpu')})", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.98))
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
+
+
+def write(result: dict, out_dir: Path, with_plot: bool = True) -> dict[str, Path]:
+    """results.json, report.md and plot.png under `out_dir`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result.setdefault("date", _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    result["targets"] = targets(result)
+    paths = {"json": out_dir / "results.json", "report": out_dir / "report.md"}
+    png = out_dir / "plot.png"
+    if with_plot and plot(result, png):
+        paths["plot"] = png
+    paths["json"].write_text(json.dumps(result, indent=1, default=str) + "\n")
+    paths["report"].write_text(markdown(result, png.name if "plot" in paths else None))
+    return paths
