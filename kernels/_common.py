@@ -96,6 +96,20 @@ def check_or_record(err_ptr, tok, loc, bad, target, limit, kind, pool_page_size,
 
 
 @triton.jit
+def claim_rows(loc_ptr, tok, n_tokens, loc_map_ptr, map_len, dcp_rank, dcp_size, capacity,
+               pool_page_size, err_ptr, HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr,
+               CHECK: tl.constexpr, OP: tl.constexpr, record):
+    """Every store kernel's prologue: resolve the tokens' locs, assert or record the bad ones
+    (`record`: this program owns the record for its tokens), and return (page, offset, write)."""
+    loc, row, write, bad, target, limit, kind = resolve_locs(
+        loc_ptr, tok, tok < n_tokens, loc_map_ptr, map_len, dcp_rank, dcp_size, capacity,
+        HAS_MAP, HAS_DCP, CHECK)
+    check_or_record(err_ptr, tok, loc, bad, target, limit, kind, pool_page_size, OP, CHECK,
+                    record)
+    return row // pool_page_size, row % pool_page_size, write
+
+
+@triton.jit
 def fp8_bits(x, FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
     """The fp8 code (int32 in [0, 256)) of saturate(x) for a format with MANT mantissa bits,
     smallest normal exponent EMIN and finite max FMAX: round to nearest, ties to even.

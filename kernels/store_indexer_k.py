@@ -7,7 +7,7 @@ fp32 scale (layout in `kvwrite.ops.indexer_k`). The indexer cache is addressed b
 import triton
 import triton.language as tl
 
-from kvwrite.kernels._common import check_or_record, fp8_bits, resolve_locs, store_le_bytes
+from kvwrite.kernels._common import claim_rows, fp8_bits, store_le_bytes
 from kvwrite.ops import indexer_k as _ik
 
 _AMAX_FLOOR = tl.constexpr(_ik.AMAX_FLOOR)
@@ -25,13 +25,10 @@ def store_indexer_k_kernel(
     pid_t = tl.program_id(0)
     blk = tl.program_id(1)
     tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    loc, row, write, bad, target, limit, kind = resolve_locs(
-        loc_ptr, tok, tok < n_tokens, loc_map_ptr, map_len, dcp_rank, dcp_size, capacity,
-        HAS_MAP, HAS_DCP, CHECK)
-    check_or_record(err_ptr, tok, loc, bad, target, limit, kind, pool_page_size, OP, CHECK,
-                    blk == 0)
-    page_base = (row // pool_page_size) * cache_sp
-    offset = row % pool_page_size
+    page, offset, write = claim_rows(loc_ptr, tok, n_tokens, loc_map_ptr, map_len, dcp_rank,
+                                     dcp_size, capacity, pool_page_size, err_ptr, HAS_MAP,
+                                     HAS_DCP, CHECK, OP, blk == 0)
+    page_base = page * cache_sp
     q = tl.arange(0, BLOCK_Q)
     cols = blk * QBS + q
     mask = write[:, None] & (q < QBS)[None, :]

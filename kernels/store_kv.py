@@ -6,7 +6,7 @@ flattened [H * D] row; NHD and HND are the same kernel with different cache stri
 import triton
 import triton.language as tl
 
-from kvwrite.kernels._common import check_or_record, resolve_locs, fp8_bits
+from kvwrite.kernels._common import claim_rows, fp8_bits
 
 
 @triton.jit
@@ -40,13 +40,9 @@ def store_kv_kernel(
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
     tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    loc, row, write, bad, target, limit, kind = resolve_locs(
-        loc_ptr, tok, tok < n_tokens, loc_map_ptr, map_len, dcp_rank, dcp_size, capacity,
-        HAS_MAP, HAS_DCP, CHECK)
-    check_or_record(err_ptr, tok, loc, bad, target, limit, kind, pool_page_size, OP, CHECK,
-                    pid_c == 0)
-    page = row // pool_page_size
-    offset = row % pool_page_size
+    page, offset, write = claim_rows(loc_ptr, tok, n_tokens, loc_map_ptr, map_len, dcp_rank,
+                                     dcp_size, capacity, pool_page_size, err_ptr, HAS_MAP,
+                                     HAS_DCP, CHECK, OP, pid_c == 0)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     _store_rows(k_ptr, kc_ptr, ks_ptr, tok, write, page * kc_sp + offset * kc_so, cols,
                 num_heads * DK, k_sn, k_sh, kc_sh, ks_sh, DK, QUANT, FMAX, MANT, EMIN)

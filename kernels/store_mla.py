@@ -8,7 +8,7 @@ Every cache byte of fp8 formats is written as a byte (sm_80 has no e4m3 type).
 import triton
 import triton.language as tl
 
-from kvwrite.kernels._common import check_or_record, fp8_bits, resolve_locs, store_le_bytes
+from kvwrite.kernels._common import claim_rows, fp8_bits, store_le_bytes
 from kvwrite.ops import mla as _mla
 
 _COPY = tl.constexpr(_mla.MODE_COPY)
@@ -83,12 +83,10 @@ def store_mla_kernel(
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
     tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    loc, row, write, bad, target, limit, kind = resolve_locs(
-        loc_ptr, tok, tok < n_tokens, loc_map_ptr, map_len, dcp_rank, dcp_size, capacity,
-        HAS_MAP, HAS_DCP, CHECK)
-    check_or_record(err_ptr, tok, loc, bad, target, limit, kind, pool_page_size, OP, CHECK,
-                    pid_c == 0)
-    row_base = (row // pool_page_size) * cache_sp + (row % pool_page_size) * cache_so
+    page, offset, write = claim_rows(loc_ptr, tok, n_tokens, loc_map_ptr, map_len, dcp_rank,
+                                     dcp_size, capacity, pool_page_size, err_ptr, HAS_MAP,
+                                     HAS_DCP, CHECK, OP, pid_c == 0)
+    row_base = page * cache_sp + offset * cache_so
     if MODE == _DS_MLA:
         _ds_mla_tile(c_ptr, pe_ptr, cache_ptr, tok, write, row_base, pid_c, c_sn, pe_sn, L, R,
                      BLOCK_C)

@@ -7,7 +7,7 @@ arithmetic is `kernels/_nvfp4.py`.
 import triton
 import triton.language as tl
 
-from kvwrite.kernels._common import check_or_record, resolve_locs
+from kvwrite.kernels._common import claim_rows
 from kvwrite.kernels._nvfp4 import store_blocks
 
 
@@ -32,13 +32,9 @@ def store_mla_nvfp4_kernel(
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
     tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    loc, row, write, bad, target, limit, kind = resolve_locs(
-        loc_ptr, tok, tok < n_tokens, loc_map_ptr, map_len, dcp_rank, dcp_size, capacity,
-        HAS_MAP, HAS_DCP, CHECK)
-    check_or_record(err_ptr, tok, loc, bad, target, limit, kind, pool_page_size, OP, CHECK,
-                    pid_c == 0)
-    page = row // pool_page_size
-    offset = row % pool_page_size
+    page, offset, write = claim_rows(loc_ptr, tok, n_tokens, loc_map_ptr, map_len, dcp_rank,
+                                     dcp_size, capacity, pool_page_size, err_ptr, HAS_MAP,
+                                     HAS_DCP, CHECK, OP, pid_c == 0)
     blocks = (pid_c * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
     i = tl.arange(0, 8).to(tl.int64)
     mask = write[:, None] & (blocks < (L + R) // 16)[None, :]
