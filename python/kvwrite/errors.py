@@ -8,6 +8,8 @@ fields below are mutually consistent without a lock. Tokens are limited to 2**31
 """
 from __future__ import annotations
 
+import atexit
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -190,8 +192,32 @@ def default_errors(device: torch.device | str) -> ErrorBuffer:
         device = torch.device("cuda", torch.cuda.current_device())
     with _default_lock:
         if device not in _default:
+            if not _default:
+                atexit.register(report_default_errors)
             _default[device] = ErrorBuffer(device)
         return _default[device]
+
+
+def report_default_errors(stream=None) -> int:
+    """Write every per-device default record that holds a bad write to `stream` (stderr), with
+    the full message; return how many did. Registered with atexit when the first default buffer
+    is made, so a guard-mode run (e.g. `KVWRITE_CHECK=guard`) that never asked its default
+    record still reports what it skipped when the interpreter exits."""
+    stream = sys.stderr if stream is None else stream
+    found = 0
+    for device, buf in list(_default.items()):
+        try:
+            err = buf.error()
+        except Exception as exc:  # a device already torn down at exit: say so, do not hide it
+            print(f"kvwrite: could not read the guard record on {device} at exit: {exc}",
+                  file=stream)
+            continue
+        if err is not None:
+            found += 1
+            print(f"kvwrite: guard mode skipped bad writes on {device} that were never checked "
+                  f"(kvwrite.default_errors({str(device)!r}).raise_if_any()): {err}", file=stream)
+    stream.flush()
+    return found
 
 
 @dataclass(frozen=True)
