@@ -69,12 +69,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--family", action="append", choices=FAMILIES)
     p.add_argument("--cc", type=int, nargs="+", default=[80, 90])
     p.add_argument("--check", choices=tuple(CHECKS), action="append")
+    p.add_argument("--match", help="only variants whose name contains this text")
     args = p.parse_args(argv)
     failed = 0
     for family in args.family or FAMILIES:
         module = importlib.import_module(f"kvwrite.kernels.{family}")
         for name, kernel, pointers, constexprs in module.variants():
             if args.check and constexprs["CHECK"] not in [CHECKS[c] for c in args.check]:
+                continue
+            if args.match and args.match not in name:
                 continue
             for cc in args.cc:
                 try:

@@ -102,3 +102,14 @@ def variants():
                                       BLOCK_T=4, BLOCK_C=1024)
                     name = f"{str(dtype)[6:]}->{str(cache)[6:]}{'+map+dcp' if has_map else ''}"
                     yield name, store_kv_kernel, pointers, constexprs
+        # page-table addressing (kvwrite.PageTable): int32 tables, as FlashInfer's
+        for dtype, cache in ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float8_e4m3fn)):
+            quant = cache in FP8_MAX
+            store = torch.uint8 if quant else cache
+            pointers = dict(k_ptr=dtype, v_ptr=dtype, kc_ptr=store, vc_ptr=store, loc_ptr=torch.int32,
+                            ks_ptr=torch.float32 if quant else dtype, vs_ptr=torch.float32 if quant else dtype,
+                            err_ptr=torch.int64, loc_map_ptr=torch.int32, pt_batch_ptr=torch.int32,
+                            pt_indices_ptr=torch.int32, pt_indptr_ptr=torch.int32)
+            constexprs = dict(DK=128, DV=128, QUANT=quant, **fp8_constexprs(cache), HAS_MAP=False,
+                              HAS_DCP=False, CHECK=check, OP=0, BLOCK_T=4, BLOCK_C=1024, HAS_TABLE=True)
+            yield f"{str(dtype)[6:]}->{str(cache)[6:]}+table", store_kv_kernel, pointers, constexprs

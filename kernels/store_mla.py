@@ -164,3 +164,11 @@ def variants():
                               BLOCK_T=32 if ds else 4, BLOCK_C=64 if ds else 1024)
             yield (f"{str(dtype)[6:]}->{name}{'+map+dcp' if map_dcp else ''}", store_mla_kernel,
                    pointers, constexprs)
+        # page-table addressing (kvwrite.PageTable), int32 tables
+        pointers = dict(c_ptr=bf16, pe_ptr=bf16, cache_ptr=bf16, loc_ptr=torch.int32, scale_ptr=bf16,
+                        err_ptr=torch.int64, loc_map_ptr=torch.int32, pt_batch_ptr=torch.int32,
+                        pt_indices_ptr=torch.int32, pt_indptr_ptr=torch.int32)
+        constexprs = dict(L=512, R=64, MODE=_mla.MODE_COPY, **fp8_constexprs(bf16), HAS_MAP=False,
+                          HAS_DCP=False, CHECK=check, OP=op_code(_mla.OP), BLOCK_T=4, BLOCK_C=1024,
+                          HAS_TABLE=True)
+        yield "bfloat16->auto+table", store_mla_kernel, pointers, constexprs
