@@ -26,7 +26,7 @@ template <class F>
 KVW_HD uint8_t fp8_bits(float x) {
   constexpr int MANT = F::mant, EMIN = F::emin;
   const float fmax = fp8_max<F>();
-  if (x != x) return uint8_t(0x7F | ((float_to_bits(x) >> 24) & 0x80));  // NaN
+  const bool nan = x != x;  // selected at the end, no early return: the loop stays vectorisable
   x = x < -fmax ? -fmax : (x > fmax ? fmax : x);
   const uint32_t xbits = float_to_bits(x);
   const float ax = x < 0 ? -x : x;
@@ -42,7 +42,7 @@ KVW_HD uint8_t fp8_bits(float x) {
   float rounded = (tiny + magic) - magic;
   const int32_t subnormal = int32_t(rounded * pow2f(MANT - EMIN));
   const int32_t code = ax < smallest_normal ? subnormal : normal;
-  return uint8_t(code | ((xbits >> 24) & 0x80));
+  return uint8_t((nan ? 0x7F : code) | ((xbits >> 24) & 0x80));  // NaN: 0x7F with its sign
 }
 
 // e4m3fn code -> float (exact).
