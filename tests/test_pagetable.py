@@ -61,7 +61,7 @@ def test_store_kv_table_matches_reference(backend, layout, dtype, idx, cache):
 
 
 @pytest.mark.parametrize("backend", ALL)
-@pytest.mark.parametrize("fmt", ["auto", "fp8_ds_mla"])
+@pytest.mark.parametrize("fmt", ["auto", "fp8_ds_mla", "nvfp4"])
 def test_store_mla_table_matches_reference(backend, fmt):
     gen = torch.Generator().manual_seed(5)
     pps, num_pages, lora, rope = 2, 10, 128, 16
@@ -69,11 +69,17 @@ def test_store_mla_table_matches_reference(backend, fmt):
     n = table.positions.shape[0]
     kv_c = torch.randn(n, lora, generator=gen).to(torch.bfloat16).to(DEVICE)
     k_pe = torch.randn(n, rope, generator=gen).to(torch.bfloat16).to(DEVICE)
-    width, dtype = (lora + rope, torch.bfloat16) if fmt == "auto" else (lora + 4 + 2 * rope, torch.uint8)
-    pool = CanaryBuffer({"kv_cache": ((num_pages, pps, width), dtype)}, 3)
+    width, dtype = {"auto": (lora + rope, torch.bfloat16), "fp8_ds_mla": (lora + 4 + 2 * rope, torch.uint8),
+                    "nvfp4": ((lora + rope) // 2, torch.uint8)}[fmt]
+    specs = {"kv_cache": ((num_pages, pps, width), dtype)}
+    if fmt == "nvfp4":
+        specs["scale_cache"] = ((num_pages, pps, (lora + rope) // 16), E4M3)
+    pool = CanaryBuffer(specs, 3)
     ref, original = pool.clone(), pool.raw.clone()
     for be, buf in ((backend, pool), ("torch", ref)):
-        kvwrite.store_mla(kv_c, k_pe, buf["kv_cache"], table, kv_cache_dtype=fmt, check="assert", backend=be)
+        extra = dict(scale_cache=buf["scale_cache"]) if fmt == "nvfp4" else {}
+        kvwrite.store_mla(kv_c, k_pe, buf["kv_cache"], table, kv_cache_dtype=fmt, check="assert", backend=be,
+                          **extra)
     assert_same_bytes(pool, ref, original)
     if fmt == "auto":
         for i, page, row in placement(table, pps):
