@@ -56,15 +56,23 @@ def resolve(locs: Locs, capacity: int, check: Check) -> Resolved:
 
 
 def check(r: Resolved, geometry: PageGeometry, chk: Check) -> None:
-    """`assert`: raise on the first bad token (host sync). `guard`: fold into the record."""
-    if chk.mode == "assert" and bool(r.bad.any()):
-        i = int(torch.nonzero(r.bad)[0, 0])
+    """`assert`: raise on the first bad token (host sync). `guard`: fold into the record.
+    `off`: a row past the pool (which torch indexing would refuse half-way through the store)
+    raises the same error before anything is written; negative rows are skipped."""
+    bad = r.bad
+    if chk.mode == "off":
+        bad = r.write & (r.row >= geometry.capacity)
+        if bool(bad.any()):
+            r = Resolved(r.loc, r.row, r.write, bad, r.row, torch.full_like(r.row, geometry.capacity),
+                         torch.full_like(r.row, KIND_POOL))
+    if chk.mode in ("assert", "off") and bool(bad.any()):
+        i = int(torch.nonzero(bad)[0, 0])
         kind, target = int(r.kind[i]), int(r.target[i])
         raise OutOfBoundsWrite(op=chk.op, token_index=i, loc=int(r.loc[i]),
                                page=geometry.page_of(target) if kind == KIND_POOL else None,
                                num_pages=geometry.num_pages,
                                pool_page_size=geometry.pool_page_size,
-                               count=int(r.bad.sum()), kind=kind, target=target,
+                               count=int(bad.sum()), kind=kind, target=target,
                                limit=int(r.limit[i]))
     if chk.mode == "guard":
         record_torch(chk.errors, r.bad, r.loc, r.target, r.limit, geometry.pool_page_size,
