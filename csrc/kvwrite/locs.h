@@ -107,7 +107,7 @@ KVW_HD Resolved resolve_table(const LocArgs& a, i64 i) {
   r.target = page;
   r.limit = num_pages;
   if (CHECK == CHECK_OFF) {
-    r.write = page >= 0;
+    r.write = page >= 0 && (KVWRITE_OFF_BOUND == 0 || page < num_pages);  // host: bounded, see top
   } else {
     r.bad = page < 0 || page >= num_pages;
     r.write = !r.bad;

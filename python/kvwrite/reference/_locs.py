@@ -115,18 +115,15 @@ def check(r: Resolved, geometry: PageGeometry, chk: Check) -> None:
     `off`: a row past the pool (which torch indexing would refuse half-way through the store)
     raises the same error before anything is written; negative rows are skipped."""
     bad = r.bad
-    if chk.mode == "off":
+    if chk.mode == "off":  # a written token's kind/target/limit already name the pool (or page)
         bad = r.write & (r.row >= geometry.capacity)
-        if bool(bad.any()):
-            r = Resolved(r.loc, r.row, r.write, bad, r.row, torch.full_like(r.row, geometry.capacity),
-                         torch.full_like(r.row, KIND_POOL))
     if chk.mode in ("assert", "off") and bool(bad.any()):
         i = int(torch.nonzero(bad)[0, 0])
         kind, target = int(r.kind[i]), int(r.target[i])
         if r.table is not None:
             ctx = [int(r.table[s][i]) for s in (_e.BATCH, _e.POSITION, _e.TABLE_SLOT, _e.TABLE_PAGE)]
             raise _e.table_error(chk.op, i, kind, target, int(r.limit[i]), geometry.pool_page_size,
-                                 int(r.bad.sum()), *ctx)
+                                 int(bad.sum()), *ctx)
         raise OutOfBoundsWrite(op=chk.op, token_index=i, loc=int(r.loc[i]),
                                page=geometry.page_of(target) if kind == KIND_POOL else None,
                                num_pages=geometry.num_pages,
