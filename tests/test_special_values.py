@@ -278,13 +278,12 @@ def test_store_mla_nvfp4(backend):
 
 
 # ------------------------------------------------------------------------- the fp8 rounding
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("cache", FP8)
-def test_reference_rounding_matches_the_kernels_bit_arithmetic(cache):
+def test_rounding_of_every_code_and_midpoint(backend, cache):
     """Every fp8 code's value, the midpoints between neighbours (ties to even) and values just
-    beside them: the reference (torch's cast + the NaN rule) and the cpu backend's fp8_bits give
-    the same codes; the Triton fp8_bits is the same arithmetic (compared in the op tests)."""
-    if "cpu" not in BACKENDS:
-        pytest.skip("needs the cpu backend")
+    beside them: the reference (torch's own cast + the NaN rule) and each backend's bit
+    arithmetic (`fp8_bits`) give the same codes."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(cache).float()
     vals = codes[torch.isfinite(codes)].unique()
     mids = (vals[1:] + vals[:-1]) / 2
@@ -293,13 +292,12 @@ def test_reference_rounding_matches_the_kernels_bit_arithmetic(cache):
     x = x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(0))]
     x = x[: x.numel() // 16 * 16].reshape(-1, 1, 16).to(DEVICE)
     one = torch.tensor(1.0, device=DEVICE)
-    name = f"{cache}"
     pools = {}
-    for b in ("torch", "cpu"):
+    for b in ("torch", backend):
         kc = torch.zeros(1, x.shape[0], 1, 16, dtype=cache, device=DEVICE)
         vc = torch.zeros_like(kc)
         kvwrite.store_kv(x, x, kc, vc, torch.arange(x.shape[0], device=DEVICE), k_scale=one,
                          v_scale=one, backend=b)
         pools[b] = kc.view(torch.uint8)
-    assert torch.equal(pools["torch"], pools["cpu"]), name
+    assert torch.equal(pools["torch"], pools[backend])
     check_fp8_codes(pools["torch"].reshape(-1, 16), x.reshape(-1, 16), cache, 1.0)
