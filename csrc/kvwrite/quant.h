@@ -8,13 +8,18 @@ namespace kvwrite {
 
 constexpr float FLT_MIN_NORMAL = 1.17549435082228750797e-38f;  // torch.finfo(float32).tiny
 
-// max |x| over n elements of a float/half/bf16 array starting at element `start`.
+// Element i of a float/half/bf16 array as the quantisers read it: fp32, subnormals as +-0.
+template <DType IN>
+KVW_HD float load_quant(const void* src, i64 i) {
+  return daz(load_float<IN>(src, i));
+}
+
+// max |x| over the finite elements of n (NaN and +-inf do not count), from element `start`.
 template <DType IN>
 KVW_HD float block_amax(const void* src, i64 start, int n) {
   float m = 0.0f;
   for (int j = 0; j < n; ++j) {
-    const float a = load_float<IN>(src, start + j);
-    const float aa = a < 0 ? -a : a;
+    const float aa = finite_abs(load_quant<IN>(src, start + j));
     m = aa > m ? aa : m;
   }
   return m;
@@ -38,7 +43,7 @@ KVW_HD float indexer_scale(float amax, bool ue8m0) {
 // e4m3 codes of x / scale for n elements (saturating, RNE), written as bytes.
 template <DType IN>
 KVW_HD void quant_block_e4m3(const void* src, i64 start, int n, float scale, char* dst) {
-  for (int j = 0; j < n; ++j) dst[j] = char(fp8_bits<E4M3>(load_float<IN>(src, start + j) / scale));
+  for (int j = 0; j < n; ++j) dst[j] = char(fp8_bits<E4M3>(load_quant<IN>(src, start + j) / scale));
 }
 
 // bf16 bits of element i: bf16 input copied; other floats rounded to nearest even (NaN -> 0x7FC0).

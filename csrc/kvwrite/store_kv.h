@@ -25,7 +25,7 @@ struct StoreKVParams {
   KVSide k, v;
   int H = 0;
   DType in_dtype = DType::F32;
-  DType cache_dtype = DType::F32;  // = in_dtype (copy) or E4M3 / E5M2
+  DType cache_dtype = DType::F32;  // = in_dtype (copy) or E4M3 / E5M2 / E4M3FNUZ
   LocArgs locs;
 };
 
@@ -61,7 +61,7 @@ KVW_HD void quant_side(const KVSide& s, int H, i64 i, i64 row, int lane, int nla
   const i64 src = i * s.s_tok;
   for (int e = lane; e < H * s.D; e += nlanes) {
     const int h = e / s.D, d = e - h * s.D;
-    const float x = load_float<IN>(s.src, src + h * s.s_head + d);
+    const float x = daz(load_float<IN>(s.src, src + h * s.s_head + d));
     dst[s.cache.in_row(h, d)] = char(fp8_bits<F>(x / s.scale[h * s.scale_stride]));
   }
 }

@@ -66,7 +66,7 @@ KVW_HD void mla_fp8(const StoreMLAParams& p, i64 i, char* dst, int lane, int nla
   const float s = p.scale[0];
   for (int e = lane; e < p.L + p.R; e += nlanes) {
     const float x = e < p.L ? load_float<IN>(p.kv_c, i * p.c_sn + e) : load_float<IN>(p.k_pe, i * p.pe_sn + e - p.L);
-    dst[e] = char(fp8_bits<F>(x / s));
+    dst[e] = char(fp8_bits<F>(daz(x) / s));
   }
 }
 
