@@ -5,7 +5,8 @@ calls) before the C++ extension — built lazily on first use — is loaded:
 
 - `kvwrite::<op>`: CompositeExplicitAutograd kernel = the Python implementation (validation in
   kvwrite.ops.*, dispatch to the torch / triton / cpu / cuda backend); a fake kernel (Meta) so
-  torch.compile(fullgraph=True) traces it. Once the extension is loaded it adds the CPU and CUDA
+  torch.compile(fullgraph=True) traces it; it runs the Python validation, so a traced call and a
+  call on meta tensors fail with the same errors as an eager one. Once the extension is loaded it adds the CPU and CUDA
   kernels (csrc/api.h): the same validation, the same errors, in C++, then the kernel. Those
   kernels hand every call they do not run themselves (backend "torch"/"triton", guard mode
   without an errors tensor, assert mode on the CPU, errors that quote a Python repr) to
@@ -22,14 +23,19 @@ from typing import Callable
 import torch
 
 LIB = torch.library.Library("kvwrite", "FRAGMENT")
+FORWARDED: dict[str, int] = {}   # calls the C++ kernels handed to `<op>_py`, per op (tests)
 
 
 def define(name: str, schema: str, impl: Callable, fake: Callable) -> torch._ops.OpOverload:
     """Define `kvwrite::<name><schema>` and its twin `<name>_py` with `impl` as their Python
     kernel and `fake` as the public op's fake kernel; returns the public OpOverload."""
-    for op in (name, f"{name}_py"):
+    def forwarded(*args):
+        FORWARDED[name] = FORWARDED.get(name, 0) + 1
+        return impl(*args)
+
+    for op, fn in ((name, impl), (f"{name}_py", forwarded)):
         LIB.define(op + schema)
-        LIB.impl(op, impl, "CompositeExplicitAutograd")
+        LIB.impl(op, fn, "CompositeExplicitAutograd")
     torch.library.register_fake(f"kvwrite::{name}", fake, lib=LIB)
     return getattr(torch.ops.kvwrite, name).default
 
@@ -37,3 +43,9 @@ def define(name: str, schema: str, impl: Callable, fake: Callable) -> torch._ops
 def native(op: torch._ops.OpOverload) -> bool:
     """Whether the extension's C++ kernels of `op` are registered (CPU key)."""
     return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CPU")
+
+
+def fake_check(check: object, errors: object) -> object:
+    """The check mode a fake kernel validates with: guard without an errors tensor as "off"
+    (its default buffer is looked up when the op runs, never created on fake tensors)."""
+    return "off" if check == "guard" and errors is None else check

@@ -85,7 +85,9 @@ def _store_indexer_k_py(k, cache, loc, quant_block_size, scale_fmt, check, error
 
 
 def _fake(k, cache, loc, quant_block_size, scale_fmt, check, errors, loc_map, backend) -> None:
-    return None
+    """Validation only: the same errors while tracing and for meta tensors."""
+    prepare_store_indexer_k(k, cache, loc, quant_block_size, scale_fmt, _library.fake_check(check, errors),
+                            errors, loc_map)
 
 
 _OP = _library.define(

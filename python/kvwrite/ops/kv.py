@@ -94,7 +94,9 @@ def _store_kv_py(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, e
 
 def _fake(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors, loc_map, dcp_rank,
           dcp_size, backend) -> None:
-    return None
+    """Validation only: the same errors while tracing and for meta tensors."""
+    prepare_store_kv(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, _library.fake_check(check, errors),
+                     errors, loc_map, dcp_rank, dcp_size)
 
 
 _OP = _library.define(

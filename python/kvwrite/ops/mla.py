@@ -159,7 +159,9 @@ def _store_mla_py(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, error
 
 def _fake(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, errors, loc_map, dcp_rank,
           dcp_size, backend, scale_cache=None, global_scale=None) -> None:
-    return None
+    """Validation only: the same errors while tracing and for meta tensors."""
+    prepare_store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, _library.fake_check(check, errors),
+                      errors, loc_map, dcp_rank, dcp_size, scale_cache, global_scale)
 
 
 _OP = _library.define(

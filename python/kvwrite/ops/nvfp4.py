@@ -100,7 +100,10 @@ def _store_kv_nvfp4_py(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, loc
 
 def _fake(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, loc, k_global_scale,
           v_global_scale, layout, check, errors, loc_map, dcp_rank, dcp_size, backend) -> None:
-    return None
+    """Validation only: the same errors while tracing and for meta tensors."""
+    prepare_store_kv_nvfp4(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, loc, k_global_scale,
+                           v_global_scale, layout, _library.fake_check(check, errors), errors, loc_map,
+                           dcp_rank, dcp_size)
 
 
 _OP = _library.define(
