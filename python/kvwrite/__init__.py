@@ -2,6 +2,7 @@
 from kvwrite.backend import BackendUnavailable, backends
 from kvwrite.errors import ErrorBuffer, OutOfBoundsWrite, default_errors
 from kvwrite.geometry import GeometryError, PageGeometry
+from kvwrite.pagetable import PageTable
 from kvwrite.ops.indexer_k import store_indexer_k
 from kvwrite.ops.kv import store_kv
 from kvwrite.ops.mla import store_mla
@@ -22,4 +23,5 @@ __all__ = [
     "AllocatorExhausted", "KVCacheConfigurator", "KVPool", "ModelSpec", "PagedAllocator", "ParallelSpec",
     "PoolPlan", "VariantPlanner", "presets", "register_variant",
     "dequant_nvfp4", "store_kv_nvfp4",
+    "PageTable",
 ]

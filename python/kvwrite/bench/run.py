@@ -251,7 +251,7 @@ def sweep(cfg: Config, progress=None) -> dict:
                     host += host_overhead(case, setup, backends, device, min(cfg.min_time, 0.05))
                 del setup
                 progress and progress.advance(task)
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM from a timeout (see cli.py): keep what was measured
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM from a timeout (see kvwrite/cli/bench.py): keep what was measured
         interrupted = "interrupted: the rows measured so far are reported"
     return {
         "kvwrite_bench": 1, "quick": cfg.quick, "command": cfg.command,

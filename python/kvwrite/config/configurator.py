@@ -12,7 +12,8 @@ from kvwrite.config.errors import BudgetTooSmall, ConfigError, WindowDoesNotFit
 from kvwrite.config.model import ModelSpec
 from kvwrite.config.parallel import ParallelSpec
 from kvwrite.config.plan import LocSpace, PoolPlan, PoolSpec, SubPoolPlan, buffer_plans
-from kvwrite.config.variants import KV_CACHE_DTYPES, PlanContext, planner_for
+from kvwrite.config.registry import PlanContext, planner_for
+from kvwrite.config.variants import KV_CACHE_DTYPES
 from kvwrite.geometry import PageGeometry, require_positive_int
 
 

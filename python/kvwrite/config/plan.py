@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from kvwrite.config.pool import KVPool
 from kvwrite.geometry import GeometryError, PageGeometry, require_positive_int
 
 LAYOUTS = ("rows", "page_major", "map")
@@ -232,8 +233,6 @@ class PoolPlan:
               *, verify: bool = True):
         """Allocate every buffer on `device` and return a `KVPool` whose `.store(layer_id, loc,
         *tensors, **scales)` routes each layer to its sub-pool and kernel."""
-        from kvwrite.config.pool import KVPool
-
         if verify:
             self.verify()
         return KVPool(self, device, check=check, backend=backend)

@@ -11,7 +11,7 @@ import torch
 import kvwrite
 from kvwrite import validate
 from kvwrite.config.errors import KernelUnavailable, LayerHasNoKV
-from kvwrite.config.variants import planner_for
+from kvwrite.config.registry import planner_for
 from kvwrite.errors import ErrorBuffer
 
 

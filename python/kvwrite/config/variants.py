@@ -1,4 +1,4 @@
-"""One planner per attention variant, and the registry `register_variant` adds to.
+"""The built-in planners, one per attention variant (registered in `kvwrite.config.registry`).
 
 A planner says which ModelSpec fields its variant reads, checks them, lays out the sub-pools
 and buffers per kv_cache_dtype (the formats of design.md), and routes `KVPool.store` calls to
@@ -6,13 +6,15 @@ the store ops. Sizing, geometry and allocator checks are the configurator's, nev
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
-from kvwrite.config.errors import SpecError, UnknownVariant, UnsupportedCombination
+from kvwrite.config.errors import SpecError, UnsupportedCombination
+from kvwrite.config.model import ModelSpec
 from kvwrite.config.plan import BufferSpec, PoolSpec
+from kvwrite.config.registry import (PlanContext, VariantPlanner, draft_layers, planner_for,  # noqa: F401
+                                     register_builtin, register_variant, unregister_variant, variants)
 from kvwrite.ops.indexer_k import row_bytes as indexer_row_bytes
 from kvwrite.ops.mla import DS_MLA_TILE, ds_mla_row_bytes
 from kvwrite.ops.nvfp4 import BLOCK as NVFP4_BLOCK
@@ -20,64 +22,6 @@ from kvwrite.ops.nvfp4 import BLOCK as NVFP4_BLOCK
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "nvfp4", "fp8_ds_mla")
 FP8 = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 INDEXER_BLOCK = 128        # the DSA indexer's quant_block_size (DeepSeek-V3.2), passed to the op
-
-
-@dataclass(frozen=True)
-class PlanContext:
-    """What a planner may read: the model planned (the draft model's on a draft worker), the
-    parallel setup, the kv cache dtype and the base page size."""
-
-    model: Any
-    parallel: Any
-    kv_cache_dtype: str
-    page_size: int
-
-    @property
-    def heads(self) -> int:
-        return self.parallel.kv_heads_per_rank(self.model.num_kv_heads)
-
-    @property
-    def dtype(self) -> str:
-        return self.model.dtype
-
-
-class VariantPlanner:
-    """Base planner. Subclass and `register_variant(name, planner)` to plug in a variant."""
-
-    name = ""
-    fields: frozenset = frozenset()
-    kv_cache_dtypes: tuple[str, ...] = ("auto",)
-
-    def check_model(self, spec) -> None:  # raise SpecError
-        pass
-
-    def kv_layer_ids(self, spec) -> tuple[int, ...]:
-        return tuple(range(spec.num_layers))
-
-    def draft_model(self, spec):
-        return spec.replace(num_layers=_draft_layers(spec), name=f"{spec.name or spec.variant} draft")
-
-    def check_dtype(self, ctx: PlanContext) -> None:
-        if ctx.kv_cache_dtype not in self.kv_cache_dtypes:
-            raise UnsupportedCombination(
-                f"variant {self.name!r} has no kv_cache_dtype={ctx.kv_cache_dtype!r}; it supports "
-                f"{', '.join(self.kv_cache_dtypes)}")
-
-    def pools(self, ctx: PlanContext) -> Sequence[PoolSpec]:
-        raise NotImplementedError
-
-    def inputs(self, plan, layer_id: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-        """Per-token (name, shape, dtype) of the tensors `store(layer_id, loc, *tensors)` takes."""
-        raise NotImplementedError
-
-    def store(self, pool, layer_id: int, loc: torch.Tensor, tensors: tuple, scales: dict) -> None:
-        raise NotImplementedError
-
-
-def _draft_layers(spec) -> int:
-    if spec.num_draft_layers < 1:
-        raise SpecError(f"a draft worker needs num_draft_layers >= 1 (model {spec.name or spec.variant})")
-    return spec.num_draft_layers
 
 
 def _require(spec, *names: str) -> None:
@@ -288,9 +232,7 @@ class SWAHybridPlanner(MHAPlanner):
 
 
 def _mha_draft(spec):
-    from kvwrite.config.model import ModelSpec
-
-    return ModelSpec("mha", _draft_layers(spec), num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+    return ModelSpec("mha", draft_layers(spec), num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                      v_head_dim=spec.v_head_dim, dtype=spec.dtype, num_draft_layers=spec.num_draft_layers,
                      name=f"{spec.name or spec.variant} draft")
 
@@ -401,43 +343,8 @@ class MiniMaxSparsePlanner(MHAPlanner):
         _store_kv_like(pool, "index", layer_id, loc, ik, ik, scales, prefix="index_")
 
 
-# --- registry ------------------------------------------------------------------------------------
-
-_REGISTRY: dict[str, VariantPlanner] = {}
-
-
-def register_variant(name: str, planner: VariantPlanner, *, replace: bool = False) -> None:
-    """Plug in an attention variant: `planner` (a `VariantPlanner`) lays out its sub-pools and
-    routes its stores; `ModelSpec(variant=name, ...)` then plans and builds through it."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"variant name must be a non-empty str, got {name!r}")
-    if not isinstance(planner, VariantPlanner):
-        raise TypeError(f"planner must be a kvwrite.VariantPlanner instance, got {type(planner).__name__}")
-    if name in _REGISTRY and not replace:
-        raise ValueError(f"variant {name!r} is already registered (pass replace=True to override)")
-    if not planner.name:
-        planner.name = name
-    _REGISTRY[name] = planner
-
-
-def unregister_variant(name: str) -> None:
-    if name in BUILTIN:
-        raise ValueError(f"built-in variant {name!r} cannot be unregistered")
-    _REGISTRY.pop(name, None)
-
-
-def planner_for(variant: str) -> VariantPlanner:
-    try:
-        return _REGISTRY[variant]
-    except (KeyError, TypeError):
-        raise UnknownVariant(f"unknown variant {variant!r}; variants: {', '.join(_REGISTRY)}") from None
-
-
-def variants() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
-
+# --- the built-in variants ---------------------------------------------------------------------
 
 BUILTIN = ("mha", "mla", "dsa", "swa_hybrid", "hybrid_linear", "minimax_sparse")
-for _p in (MHAPlanner(), MLAPlanner(), DSAPlanner(), SWAHybridPlanner(), HybridLinearPlanner(),
-           MiniMaxSparsePlanner()):
-    _REGISTRY[_p.name] = _p
+register_builtin(MHAPlanner(), MLAPlanner(), DSAPlanner(), SWAHybridPlanner(), HybridLinearPlanner(),
+                 MiniMaxSparsePlanner())

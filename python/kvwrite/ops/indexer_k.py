@@ -99,7 +99,7 @@ _CALL = _OP._op
 
 def store_indexer_k(k: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, *,
                     quant_block_size: int = 128, scale_fmt: str | None = None,
-                    check: str = "off", errors: ErrorBuffer | None = None,
+                    check: str | None = None, errors: ErrorBuffer | None = None,
                     loc_map: torch.Tensor | None = None, backend: str = "auto") -> None:
     """Quantise token i's indexer key `k[i]` `[D]` per `quant_block_size` block to e4m3 and
     store it with its fp32 scales at `loc[i]` (-1 = padding, skipped); see the module doc for
@@ -118,7 +118,7 @@ def store_indexer_k(k: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, *,
             raise
     a = prepare_store_indexer_k(k, cache, loc, quant_block_size, scale_fmt, check, errors, loc_map)
     if torch.compiler.is_compiling():
-        torch.ops.kvwrite.store_indexer_k(k, cache, loc, a.quant_block_size, scale_fmt, check,
+        torch.ops.kvwrite.store_indexer_k(k, cache, loc, a.quant_block_size, scale_fmt, a.check.mode,
                                           a.check.errors, loc_map, backend)
     elif a.locs.n:
         dispatch(OP, IMPLS, backend, k.device, a)

@@ -108,7 +108,7 @@ _CALL = _OP._op  # the C++ builtin behind the OpOverload (one Python frame less 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              loc: torch.Tensor, *, layout: str = "NHD", k_scale: torch.Tensor | None = None,
-             v_scale: torch.Tensor | None = None, check: str = "off",
+             v_scale: torch.Tensor | None = None, check: str | None = None,
              errors: ErrorBuffer | None = None, loc_map: torch.Tensor | None = None,
              dcp_rank: int = 0, dcp_size: int = 1, backend: str = "auto") -> None:
     """Write token i's K/V rows to the paged caches at `loc[i]` (-1 = padding, skipped).
@@ -138,7 +138,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     a = prepare_store_kv(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors,
                          loc_map, dcp_rank, dcp_size)
     if torch.compiler.is_compiling():
-        torch.ops.kvwrite.store_kv(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check,
+        torch.ops.kvwrite.store_kv(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, a.check.mode,
                                    a.check.errors, loc_map, dcp_rank, dcp_size, backend)
     elif a.locs.n:
         dispatch(OP, IMPLS, backend, k.device, a)

@@ -174,7 +174,7 @@ _CALL = _OP._op
 
 def store_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, loc: torch.Tensor,
               *, kv_cache_dtype: str = "auto", scale: torch.Tensor | None = None,
-              check: str = "off", errors: ErrorBuffer | None = None,
+              check: str | None = None, errors: ErrorBuffer | None = None,
               loc_map: torch.Tensor | None = None, dcp_rank: int = 0, dcp_size: int = 1,
               backend: str = "auto", scale_cache: torch.Tensor | None = None,
               global_scale: torch.Tensor | None = None) -> None:
@@ -211,7 +211,7 @@ def store_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, lo
     a = prepare_store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, errors,
                           loc_map, dcp_rank, dcp_size, scale_cache, global_scale)
     if torch.compiler.is_compiling():
-        torch.ops.kvwrite.store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check,
+        torch.ops.kvwrite.store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, a.check.mode,
                                     a.check.errors, loc_map, dcp_rank, dcp_size, backend,
                                     scale_cache, global_scale)
     elif a.locs.n:

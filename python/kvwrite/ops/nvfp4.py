@@ -118,7 +118,7 @@ def store_kv_nvfp4(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
                    k_scale_cache: torch.Tensor, v_scale_cache: torch.Tensor, loc: torch.Tensor, *,
                    k_global_scale: torch.Tensor | None = None,
                    v_global_scale: torch.Tensor | None = None, layout: str = "NHD",
-                   check: str = "off", errors: ErrorBuffer | None = None,
+                   check: str | None = None, errors: ErrorBuffer | None = None,
                    loc_map: torch.Tensor | None = None, dcp_rank: int = 0, dcp_size: int = 1,
                    backend: str = "auto") -> None:
     """Quantise token i's K/V rows to NVFP4 and write them to the paged caches at `loc[i]`
@@ -150,7 +150,7 @@ def store_kv_nvfp4(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
                                dcp_rank, dcp_size)
     if torch.compiler.is_compiling():
         torch.ops.kvwrite.store_kv_nvfp4(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, loc,
-                                         k_global_scale, v_global_scale, layout, check,
+                                         k_global_scale, v_global_scale, layout, a.check.mode,
                                          a.check.errors, loc_map, dcp_rank, dcp_size, backend)
     elif a.locs.n:
         dispatch(OP, IMPLS, backend, k.device, a)
