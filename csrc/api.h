@@ -37,6 +37,8 @@ using OptStr = std::optional<c10::string_view>;
 // Thrown by a check that leaves the call to the Python implementation.
 struct Forward {};
 
+inline const std::optional<at::Tensor> NO_TABLE;  // page-table addressing stays on the Python path
+
 constexpr int64_t MAX_TOKENS = (int64_t(1) << 31) - 1;  // kvwrite.errors.MAX_TOKENS
 
 // ---- Python's formatting of the values the messages show -----------------------------------
@@ -260,7 +262,7 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
                                R::ASSERT_IN_PYTHON);
     if (n == 0) return;
     R::store_kv(k, v, hnd ? k_cache.transpose(1, 2) : k_cache, hnd ? v_cache.transpose(1, 2) : v_cache, k_scale,
-                v_scale, loc, loc_map, p.errors, dcp_rank, dcp_size, p.check, int64_t(OP_STORE_KV));
+                v_scale, loc, loc_map, p.errors, dcp_rank, dcp_size, p.check, int64_t(OP_STORE_KV), NO_TABLE, NO_TABLE, NO_TABLE);
   } catch (const Forward&) {
     static const c10::OperatorHandle op = python_op("kvwrite::store_kv_py");
     forward(op, k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors, loc_map, dcp_rank, dcp_size,
@@ -338,7 +340,7 @@ void store_mla(const at::Tensor& kv_c, const at::Tensor& k_pe, const at::Tensor&
                                R::ASSERT_IN_PYTHON);
     if (n == 0) return;
     R::store_mla(kv_c, k_pe, kv_cache, scale_, scale_cache, global_scale, int64_t(fmt.mode), loc, loc_map, p.errors,
-                 dcp_rank, dcp_size, p.check, int64_t(OP_STORE_MLA));
+                 dcp_rank, dcp_size, p.check, int64_t(OP_STORE_MLA), NO_TABLE, NO_TABLE, NO_TABLE);
   } catch (const Forward&) {
     static const c10::OperatorHandle op = python_op("kvwrite::store_mla_py");
     forward(op, kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale_, check, errors, loc_map, dcp_rank, dcp_size,
@@ -368,7 +370,7 @@ void store_indexer_k(const at::Tensor& k, const at::Tensor& cache, const at::Ten
                                R::ASSERT_IN_PYTHON);
     if (n == 0) return;
     R::store_indexer_k(k, cache, qbs, scale_fmt.has_value(), loc, loc_map, p.errors, 0, 1, p.check,
-                       int64_t(OP_STORE_INDEXER_K));
+                       int64_t(OP_STORE_INDEXER_K), NO_TABLE, NO_TABLE, NO_TABLE);
   } catch (const Forward&) {
     static const c10::OperatorHandle op = python_op("kvwrite::store_indexer_k_py");
     forward(op, k, cache, loc, qbs, scale_fmt, check, errors, loc_map, backend);
@@ -429,7 +431,7 @@ void store_kv_nvfp4(const at::Tensor& k, const at::Tensor& v, const at::Tensor& 
     if (n == 0) return;
     auto canon = [&](const at::Tensor& t) { return hnd ? t.transpose(1, 2) : t; };
     R::store_kv_nvfp4(k, v, canon(k_cache), canon(v_cache), canon(k_scale_cache), canon(v_scale_cache), k_global,
-                      v_global, loc, loc_map, p.errors, dcp_rank, dcp_size, p.check, int64_t(OP_STORE_KV_NVFP4));
+                      v_global, loc, loc_map, p.errors, dcp_rank, dcp_size, p.check, int64_t(OP_STORE_KV_NVFP4), NO_TABLE, NO_TABLE, NO_TABLE);
   } catch (const Forward&) {
     static const c10::OperatorHandle op = python_op("kvwrite::store_kv_nvfp4_py");
     forward(op, k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, loc, k_global, v_global, layout, check, errors,

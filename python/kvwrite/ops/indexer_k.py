@@ -108,10 +108,11 @@ def store_indexer_k(k: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, *,
     `store_kv`; there is no DCP sharding (the indexer cache is addressed by the virtual loc).
     """
     if (_ext.LOADED and backend in NATIVE and type(quant_block_size) is int
-            and not torch.compiler.is_compiling()):
+            and isinstance(loc, torch.Tensor) and not torch.compiler.is_compiling()):
+        mode = validate.DEFAULT_CHECK if check is None else check
         try:  # the C++ op: validation (same errors) + kernel
-            return _CALL(k, cache, loc, quant_block_size, scale_fmt, check,
-                         record(errors, check, k), loc_map, backend)
+            return _CALL(k, cache, loc, quant_block_size, scale_fmt, mode,
+                         record(errors, mode, k), loc_map, backend)
         except Exception:  # arguments the schema refused: Python's error names them
             prepare_store_indexer_k(k, cache, loc, quant_block_size, scale_fmt, check, errors,
                                     loc_map)

@@ -125,12 +125,13 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     keeps the caller's virtual loc and names the index that was out of range.
     """
     if (_ext.LOADED and backend in NATIVE and type(dcp_rank) is int and type(dcp_size) is int
-            and not torch.compiler.is_compiling()):
+            and isinstance(loc, torch.Tensor) and not torch.compiler.is_compiling()):
+        mode = validate.DEFAULT_CHECK if check is None else check
         # The C++ op validates (same errors) and runs the kernel; what it leaves to Python
         # comes back through kvwrite::store_kv_py.
         try:
-            return _CALL(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check,
-                         record(errors, check, k), loc_map, dcp_rank, dcp_size, backend)
+            return _CALL(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, mode,
+                         record(errors, mode, k), loc_map, dcp_rank, dcp_size, backend)
         except Exception:  # arguments the schema refused: Python's error names them
             prepare_store_kv(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors,
                              loc_map, dcp_rank, dcp_size)

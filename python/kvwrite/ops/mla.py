@@ -199,10 +199,11 @@ def store_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, lo
     `[rows, 1, row]` (SGLang's MLA buffer) is the same cache with pool_page_size 1.
     """
     if (_ext.LOADED and backend in NATIVE and type(dcp_rank) is int and type(dcp_size) is int
-            and not torch.compiler.is_compiling()):
+            and isinstance(loc, torch.Tensor) and not torch.compiler.is_compiling()):
+        mode = validate.DEFAULT_CHECK if check is None else check
         try:  # the C++ op: validation (same errors) + kernel
-            return _CALL(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check,
-                         record(errors, check, kv_c), loc_map, dcp_rank, dcp_size, backend,
+            return _CALL(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, mode,
+                         record(errors, mode, kv_c), loc_map, dcp_rank, dcp_size, backend,
                          scale_cache, global_scale)
         except Exception:  # arguments the schema refused: Python's error names them
             prepare_store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, errors,

@@ -135,10 +135,11 @@ def store_kv_nvfp4(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     `check`, `errors`, `loc_map`, `dcp_rank`, `dcp_size`: as `kvwrite.store_kv`.
     """
     if (_ext.LOADED and backend in NATIVE and type(dcp_rank) is int and type(dcp_size) is int
-            and not torch.compiler.is_compiling()):
+            and isinstance(loc, torch.Tensor) and not torch.compiler.is_compiling()):
+        mode = validate.DEFAULT_CHECK if check is None else check
         try:  # the C++ op: validation (same errors) + kernel
             return _CALL(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, loc,
-                         k_global_scale, v_global_scale, layout, check, record(errors, check, k),
+                         k_global_scale, v_global_scale, layout, mode, record(errors, mode, k),
                          loc_map, dcp_rank, dcp_size, backend)
         except Exception:  # arguments the schema refused: Python's error names them
             prepare_store_kv_nvfp4(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, loc,
