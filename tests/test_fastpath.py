@@ -278,3 +278,63 @@ def test_fake_kernel_validates():
     with pytest.raises(ValueError, match=r"k_cache must have shape \[4, 4, 2, 16\]"):
         torch.ops.kvwrite.store_kv(*_op_args(k, v, kc[..., :8], vc, torch.tensor([0, 1, 2], device="meta")))
     torch.ops.kvwrite.store_kv(*_op_args(k, v, kc, vc, torch.tensor([0, 1, 2], device="meta"), "guard"))
+
+
+# --- pool.store ----------------------------------------------------------------------------------
+
+def _twin_pools(variant, kv="auto", dcp=1, rank=0):
+    from config_models import TINY
+
+    conf = kvwrite.KVCacheConfigurator(TINY[variant], kvwrite.ParallelSpec(dcp_size=dcp, dcp_rank=rank),
+                                       page_size=4, kv_cache_dtype=kv, max_total_num_tokens=32)
+    plan = conf.plan()
+    return plan.build("cpu", check="guard", backend="cpu"), plan.build("cpu", check="guard", backend="torch")
+
+
+@pytest.mark.parametrize("variant, kv, dcp", [("mha", "auto", 1), ("mha", "fp8_e4m3", 1), ("mha", "auto", 2),
+                                              ("swa_hybrid", "auto", 1), ("hybrid_linear", "auto", 1)])
+def test_pool_store_fast_path_matches_the_full_path(variant, kv, dcp):
+    """pool.store's bound C++ store (built after the first call) writes the bytes and the record
+    the full path writes, SWA loc_map, DCP shard and fp8 unit scales included."""
+    fast, ref = _twin_pools(variant, kv, dcp, rank=dcp - 1)
+    if variant == "swa_hybrid":
+        for p in (fast, ref):
+            p.map_swa(torch.arange(8, 24), torch.arange(16))
+    gen = torch.Generator().manual_seed(0)
+    layers = sorted(fast._layers)
+    for step in range(3):
+        for lid in layers:
+            loc = torch.randperm(100, generator=gen)[:6] - 2  # -2..97: padding and bad locs too
+            k, v = fast.sample_inputs(lid, 6, gen)
+            forwarded = dict(_library.FORWARDED)
+            fast.store(lid, loc, k, v)
+            ref.store(lid, loc, k, v)
+            if step:
+                assert fast._fast.get(lid) is not None and _library.FORWARDED == forwarded
+    for name, per_layer in fast.buffers.items():
+        for a, b in zip(per_layer, ref.buffers[name]):
+            assert all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a)
+    assert torch.equal(fast.errors.tensor, ref.errors.tensor) and fast.errors.error() is not None
+
+
+def test_pool_store_errors_are_the_full_paths():
+    fast, ref = _twin_pools("mha")
+    k, v = fast.sample_inputs(0, 2)
+    fast.store(0, torch.tensor([0, 1]), k, v)
+    assert fast._fast
+    for args in ((torch.tensor([0, 1]), k), (torch.tensor([0.0, 1.0]), k, v), (torch.tensor([0, 1]), k, v[:, :1])):
+        got, want = (_outcome(p.store, 0, *args) for p in (fast, ref))
+        assert got is not None and got == want
+    assert _outcome(fast.store, 7, torch.tensor([0, 1]), k, v) == _outcome(ref.store, 7, torch.tensor([0, 1]), k, v)
+
+
+def test_host_cost_table_measures_every_entry_point():
+    from kvwrite.bench import host
+
+    rows = host.measure("cpu", min_time=0.002)
+    assert [r["what"] for r in rows][:3] == ["kvwrite.store_kv", "kvwrite.store_kv check=guard",
+                                            "torch.ops.kvwrite.store_kv"]
+    assert {"pool.store (KVPool, mha)", "kvwrite.store_mla", "kvwrite.store_indexer_k",
+            "kvwrite.store_kv_nvfp4"} <= {r["what"] for r in rows}
+    assert all(r["us"] > 0 and r["vs_us"] > 0 and r["met"] == (r["ratio"] <= r["target"]) for r in rows)
+    assert "| call | µs | nearest torch equivalent |" in "\n".join(host.markdown(rows))

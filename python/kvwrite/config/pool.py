@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 
 import kvwrite
-from kvwrite import validate
+from kvwrite import _ext, validate
 from kvwrite.config.errors import KernelUnavailable, LayerHasNoKV
 from kvwrite.config.registry import planner_for
 from kvwrite.errors import ErrorBuffer
@@ -69,6 +69,7 @@ class KVPool:
             self.shared[p.name] = {b.name: torch.full(b.shape, -1, dtype=getattr(torch, b.dtype), device=self.device)
                                    for b in p.buffers if not b.per_layer}
         self._layers = {lid for p in plan.pools for lid in p.layer_ids}
+        self._fast: dict = {}   # layer_id -> bound C++ store (see _fast_stores)
 
     # --- access ---------------------------------------------------------------------------------
     def layer(self, pool: str, layer_id: int) -> dict[str, torch.Tensor]:
@@ -142,8 +143,41 @@ class KVPool:
         `v_global_scale` or `global_scale`; `index_scale`, `index_global_scale` (MiniMax
         index K); `index_scale_fmt` (DSA indexer, e.g. "ue8m0").
         """
+        fast = self._fast.get(layer_id)
+        if fast is not None and not scales and not torch.compiler.is_compiling():
+            try:
+                return fast(loc, *tensors)
+            except Exception:  # nothing was written: the full path raises the error it deserves
+                pass
         self._check_layer(layer_id)
         self.planner.store(self, layer_id, loc, tensors, scales)
+        if not self._fast and _ext.LOADED:
+            self._fast = self._fast_stores()
+
+    def _fast_stores(self) -> dict:
+        """{layer_id: store(loc, k, v)} calling the C++ op torch.ops.kvwrite.store_kv with this
+        layer's arguments bound (what `store` would pass it, unit fp8 scales), for the layers of
+        plain MHA-style store_kv sub-pools; the other layers take the full path. Built once the
+        extension is loaded; `{"_": None}` when no layer qualifies (so it is not rebuilt)."""
+        from kvwrite.ops import kv
+        from kvwrite.config.variants import MHAPlanner
+
+        out: dict = {}
+        if type(self.planner).store is MHAPlanner.store and self.backend in ("auto", "cpu", "cuda"):
+            for lid in self._layers:
+                sub = self.planner.route(self, lid)
+                b, kw = self.layer(sub, lid), self.op_kwargs(sub)
+                if self.ops[sub] is not kvwrite.store_kv or "v" not in b:
+                    continue
+                unit = self.unit_scale if b["k"].dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else None
+
+                def store(loc, k, v, _call=kv._CALL, kc=b["k"], vc=b["v"], s=unit, check=self.check,
+                          errors=self.errors.tensor, loc_map=kw.get("loc_map"), r=kw.get("dcp_rank", 0),
+                          n=kw.get("dcp_size", 1), backend=self.backend):
+                    return _call(k, v, kc, vc, loc, "NHD", s, s, check, errors, loc_map, r, n, backend)
+
+                out[lid] = store
+        return out or {"_": None}
 
     def __repr__(self) -> str:
         return (f"KVPool({self.plan.variant}, {len(self._layers)} layers, {self.nbytes} bytes on {self.device}, "
