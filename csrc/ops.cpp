@@ -6,6 +6,7 @@
 
 #include <sstream>
 
+#include "api.h"
 #include "params.h"
 
 namespace kvwrite {
@@ -136,6 +137,22 @@ TORCH_LIBRARY_IMPL(kvwrite_ext, CPU, m) {
   m.impl("store_indexer_k", &kvwrite::store_indexer_k_cpu);
   m.impl("store_kv_nvfp4", &kvwrite::store_kv_nvfp4_cpu);
 }
+
+// The public ops torch.ops.kvwrite.* (schemas defined in Python): validation + dispatch in C++
+// (api.h), the kernels above for backend "cpu". Assert mode goes to Python, which raises
+// OutOfBoundsWrite from the pre-scan's record.
+namespace kvwrite {
+struct CpuRun {
+  static constexpr const char* NAME = "cpu";
+  static constexpr bool ASSERT_IN_PYTHON = true;
+  static constexpr auto store_kv = &store_kv_cpu;
+  static constexpr auto store_mla = &store_mla_cpu;
+  static constexpr auto store_indexer_k = &store_indexer_k_cpu;
+  static constexpr auto store_kv_nvfp4 = &store_kv_nvfp4_cpu;
+};
+}  // namespace kvwrite
+
+TORCH_LIBRARY_IMPL(kvwrite, CPU, m) { KVW_REGISTER_API(kvwrite::CpuRun); }
 
 #ifdef KVWRITE_PYTHON_MODULE
 // The ahead-of-time build (setup.py) is the importable module kvwrite._C: importing it runs the

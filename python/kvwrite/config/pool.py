@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 
 import kvwrite
-from kvwrite import validate
+from kvwrite import _ext, validate
 from kvwrite.config.errors import KernelUnavailable, LayerHasNoKV
 from kvwrite.config.registry import planner_for
 from kvwrite.config.scales import fp8_scale_names
@@ -74,6 +74,7 @@ class KVPool:
             self.shared[p.name] = {b.name: torch.full(b.shape, -1, dtype=getattr(torch, b.dtype), device=self.device)
                                    for b in p.buffers if not b.per_layer}
         self._layers = {lid for p in plan.pools for lid in p.layer_ids}
+        self._fast: dict = {}   # layer_id -> bound C++ store (see _fast_stores)
 
     def _build_scales(self, scales) -> dict[str, torch.Tensor]:
         """The build-time scales, checked: every fp8 scale given, nothing that does not apply."""
@@ -178,11 +179,48 @@ class KVPool:
         `global_scale` (default none: 1); `index_scale`, `index_global_scale` (MiniMax index K);
         `index_scale_fmt` (DSA indexer, e.g. "ue8m0").
         """
+        fast = self._fast.get(layer_id)
+        if fast is not None and not scales and not torch.compiler.is_compiling():
+            try:
+                return fast(loc, *tensors)
+            except Exception:  # nothing was written: the full path raises the error it deserves
+                pass
         self._check_layer(layer_id)
         if self.scales:
             self.planner.store(self, layer_id, loc, tensors, {**self.scales, **scales})
         else:
             self.planner.store(self, layer_id, loc, tensors, scales)
+        if not self._fast and _ext.LOADED:
+            self._fast = self._fast_stores()
+
+    def _fast_stores(self) -> dict:
+        """{layer_id: store(loc, k, v)} calling the C++ op torch.ops.kvwrite.store_kv with this
+        layer's arguments bound (what `store` would pass it, the build-time fp8 scales), for the layers of
+        plain MHA-style store_kv sub-pools; the other layers take the full path. Built once the
+        extension is loaded; `{"_": None}` when no layer qualifies (so it is not rebuilt)."""
+        from kvwrite.ops import kv
+        from kvwrite.config.variants import MHAPlanner
+
+        out: dict = {}
+        if type(self.planner).store is MHAPlanner.store and self.backend in ("auto", "cpu", "cuda"):
+            for lid in self._layers:
+                sub = self.planner.route(self, lid)
+                b, kw = self.layer(sub, lid), self.op_kwargs(sub)
+                if self.ops[sub] is not kvwrite.store_kv or "v" not in b:
+                    continue
+                fp8 = b["k"].dtype in validate.FP8_MAX
+                ks = self.scales.get("k_scale") if fp8 else None
+                vs = self.scales.get("v_scale") if fp8 else None
+                if fp8 and (ks is None or vs is None):
+                    continue
+
+                def store(loc, k, v, _call=kv._CALL, kc=b["k"], vc=b["v"], ks=ks, vs=vs, check=self.check,
+                          errors=self.errors.tensor, loc_map=kw.get("loc_map"), r=kw.get("dcp_rank", 0),
+                          n=kw.get("dcp_size", 1), backend=self.backend):
+                    return _call(k, v, kc, vc, loc, "NHD", ks, vs, check, errors, loc_map, r, n, backend)
+
+                out[lid] = store
+        return out or {"_": None}
 
     def __repr__(self) -> str:
         return (f"KVPool({self.plan.variant}, {len(self._layers)} layers, {self.nbytes} bytes on {self.device}, "

@@ -85,6 +85,26 @@ def prepare(op: str, device: torch.device, n: int, loc: object, loc_map: object,
     return locs, Check(op, mode, record)
 
 
+# Backends the C++ ops (csrc/api.h) run themselves once the extension is loaded.
+NATIVE = ("auto", "cpu", "cuda")
+_DEFAULT_RECORD: dict[torch.device, torch.Tensor] = {}
+
+
+def record(errors: object, check: object, ref: object) -> object:
+    """The `errors` argument of a C++ op call: an ErrorBuffer's tensor; in guard mode without
+    one, the default buffer of `ref`'s device (as `prepare` picks it); anything else unchanged
+    (the op validates it)."""
+    if errors is None:
+        if check != "guard":
+            return None
+        device = ref.device
+        t = _DEFAULT_RECORD.get(device)
+        if t is None:
+            t = _DEFAULT_RECORD[device] = default_errors(device).tensor
+        return t
+    return errors.tensor if isinstance(errors, ErrorBuffer) else errors
+
+
 def cache_geometry(name: str, num_pages: int, pool_page_size: int) -> PageGeometry:
     if num_pages < 1 or pool_page_size < 1:
         raise ValueError(f"{name} must have at least one page of at least one row, got "

@@ -12,10 +12,11 @@ from typing import Callable, Optional
 
 import torch
 
-from kvwrite import validate
+from kvwrite import _ext, validate
 from kvwrite.errors import ErrorBuffer
 from kvwrite.geometry import PageGeometry
-from kvwrite.ops._common import Check, Locs, cache_geometry, dispatch, prepare
+from kvwrite.ops import _library
+from kvwrite.ops._common import NATIVE, Check, Locs, cache_geometry, dispatch, prepare, record
 
 OP = "store_mla"
 IMPLS = (
@@ -150,23 +151,28 @@ def prepare_store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, e
     return StoreMLA(kv_c, k_pe, kv_cache, fmt, scale, geometry, locs, chk, scale_cache, global_scale)
 
 
-@torch.library.custom_op("kvwrite::store_mla", mutates_args=("kv_cache", "errors", "scale_cache"))
-def _store_mla_op(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
-                  loc: torch.Tensor, kv_cache_dtype: str, scale: Optional[torch.Tensor],
-                  check: str, errors: Optional[torch.Tensor], loc_map: Optional[torch.Tensor],
-                  dcp_rank: int, dcp_size: int, backend: str,
-                  scale_cache: Optional[torch.Tensor] = None,
-                  global_scale: Optional[torch.Tensor] = None) -> None:
+def _store_mla_py(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, errors, loc_map,
+                  dcp_rank, dcp_size, backend, scale_cache=None, global_scale=None) -> None:
+    """The Python implementation of torch.ops.kvwrite.store_mla (see ops._library)."""
     a = prepare_store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, errors,
                           loc_map, dcp_rank, dcp_size, scale_cache, global_scale)
     if a.locs.n:
         dispatch(OP, a.format.impls, backend, kv_c.device, a)
 
 
-@_store_mla_op.register_fake
-def _(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, errors, loc_map, dcp_rank,
-      dcp_size, backend, scale_cache=None, global_scale=None) -> None:
-    return None
+def _fake(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, errors, loc_map, dcp_rank,
+          dcp_size, backend, scale_cache=None, global_scale=None) -> None:
+    """Validation only: the same errors while tracing and for meta tensors."""
+    prepare_store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, _library.fake_check(check, errors),
+                      errors, loc_map, dcp_rank, dcp_size, scale_cache, global_scale)
+
+
+_OP = _library.define(
+    OP, "(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor loc, str kv_cache_dtype, "
+        "Tensor? scale, str check, Tensor(b!)? errors, Tensor? loc_map, int dcp_rank, "
+        "int dcp_size, str backend, Tensor(c!)? scale_cache=None, Tensor? global_scale=None) -> ()",
+    _store_mla_py, _fake)
+_CALL = _OP._op
 
 
 def store_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, loc: torch.Tensor,
@@ -196,6 +202,17 @@ def store_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, lo
     `check`, `errors`, `loc_map`, `dcp_rank`, `dcp_size`: as in `store_kv`. A pool stored as
     `[rows, 1, row]` (SGLang's MLA buffer) is the same cache with pool_page_size 1.
     """
+    if (_ext.LOADED and backend in NATIVE and type(dcp_rank) is int and type(dcp_size) is int
+            and isinstance(loc, torch.Tensor) and not torch.compiler.is_compiling()):
+        mode = validate.DEFAULT_CHECK if check is None else check
+        try:  # the C++ op: validation (same errors) + kernel
+            return _CALL(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, mode,
+                         record(errors, mode, kv_c), loc_map, dcp_rank, dcp_size, backend,
+                         scale_cache, global_scale)
+        except Exception:  # arguments the schema refused: Python's error names them
+            prepare_store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, errors,
+                              loc_map, dcp_rank, dcp_size, scale_cache, global_scale)
+            raise
     a = prepare_store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, errors,
                           loc_map, dcp_rank, dcp_size, scale_cache, global_scale)
     if torch.compiler.is_compiling():
