@@ -11,8 +11,10 @@
 
 #if defined(__CUDACC__)
 #define KVW_HD __host__ __device__ __forceinline__
+#define KVW_UNROLL _Pragma("unroll")
 #else
 #define KVW_HD inline
+#define KVW_UNROLL
 #endif
 
 namespace kvwrite {

@@ -45,7 +45,7 @@ template <class F>
 KVW_HD uint8_t fp8_bits(float x) {
   constexpr int MANT = F::mant, EMIN = F::emin;
   const float fmax = fp8_max<F>();
-  if (x != x) return F::fnuz ? uint8_t(0x80) : uint8_t(0x7F);  // NaN
+  const bool nan = x != x;  // selected at the end, no early return: the loop stays vectorisable
   x = x < -fmax ? -fmax : (x > fmax ? fmax : x);
   const uint32_t xbits = float_to_bits(x);
   const float ax = x < 0 ? -x : x;
@@ -61,8 +61,9 @@ KVW_HD uint8_t fp8_bits(float x) {
   float rounded = (tiny + magic) - magic;
   const int32_t subnormal = int32_t(rounded * pow2f(MANT - EMIN));
   const int32_t code = ax < smallest_normal ? subnormal : normal;
-  if (F::fnuz && code == 0) return 0;
-  return uint8_t(code | ((xbits >> 24) & 0x80));
+  // NaN and fnuz zero selected here, no early return: the loop stays vectorisable.
+  const uint8_t signed_code = F::fnuz && code == 0 ? uint8_t(0) : uint8_t(code | ((xbits >> 24) & 0x80));
+  return nan ? (F::fnuz ? uint8_t(0x80) : uint8_t(0x7F)) : signed_code;
 }
 
 // e4m3fn code -> float (exact).
