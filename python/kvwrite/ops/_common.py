@@ -19,6 +19,7 @@ class Locs:
     loc_map: torch.Tensor | None = None
     dcp_rank: int = 0
     dcp_size: int = 1
+    dcp_page: bool = False   # DCP shards whole pages (page p on rank p % dcp_size), not tokens
 
     @property
     def n(self) -> int:

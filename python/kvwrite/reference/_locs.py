@@ -21,7 +21,7 @@ class Resolved:
     kind: torch.Tensor     # int64: KIND_POOL or KIND_LOC_MAP
 
 
-def resolve(locs: Locs, capacity: int, check: Check) -> Resolved:
+def resolve(locs: Locs, capacity: int, check: Check, pool_page_size: int = 1) -> Resolved:
     """Virtual loc -> loc_map -> DCP shard -> bounds check, exactly as the kernels do (the order
     is documented on `kvwrite.kernels._common.resolve_locs`)."""
     loc = locs.loc.to(torch.int64)
@@ -40,7 +40,12 @@ def resolve(locs: Locs, capacity: int, check: Check) -> Resolved:
         looked = locs.loc_map.to(torch.int64)[loc.clamp(0, max(n_map - 1, 0))] if n_map else loc
         row = torch.where(live, looked, torch.full_like(loc, -1))
         live = live & (row != -1)
-    if locs.dcp_size > 1:
+    if locs.dcp_size > 1 and locs.dcp_page:   # whole pages: page p on rank p % dcp_size
+        vpage = torch.div(row, pool_page_size, rounding_mode="floor")
+        live = live & ((row < 0) | (vpage % locs.dcp_size == locs.dcp_rank))
+        local = torch.div(vpage, locs.dcp_size, rounding_mode="floor") * pool_page_size + row % pool_page_size
+        row = torch.where(row >= 0, local, row)
+    elif locs.dcp_size > 1:
         live = live & ((row < 0) | (row % locs.dcp_size == locs.dcp_rank))
         row = torch.where(row >= 0, torch.div(row, locs.dcp_size, rounding_mode="floor"), row)
     if checking:
@@ -73,7 +78,7 @@ def check(r: Resolved, geometry: PageGeometry, chk: Check) -> None:
 
 def resolve_and_check(locs: Locs, geometry: PageGeometry, chk: Check) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Resolve, check, and return (token indices, pages, offsets) of the tokens to store."""
-    r = resolve(locs, geometry.capacity, chk)
+    r = resolve(locs, geometry.capacity, chk, geometry.pool_page_size)
     check(r, geometry, chk)
     idx = torch.nonzero(r.write).flatten()
     page, offset = geometry.locate(r.row[idx])
