@@ -11,6 +11,7 @@ from kvwrite import errors as _e
 CHECK_OFF = tl.constexpr(0)
 CHECK_ASSERT = tl.constexpr(1)
 CHECK_GUARD = tl.constexpr(2)
+DCP_PAGE = tl.constexpr(2)  # HAS_DCP value of page-granular DCP sharding (0 none, 1 per token)
 
 _COUNT = tl.constexpr(_e.COUNT)
 _LOC_LO = tl.constexpr(_e.LOC_LO)
@@ -34,7 +35,8 @@ _TABLE_PAGE = tl.constexpr(_e.TABLE_PAGE)
 
 @triton.jit
 def resolve_locs(loc_ptr, tok, tmask, loc_map_ptr, map_len, dcp_rank, dcp_size, capacity,
-                 HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr, CHECK: tl.constexpr):
+                 HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr, CHECK: tl.constexpr,
+                 pool_page_size=1):
     """Map each token's loc to the local row it writes.
 
     Composition order (the reference `kvwrite.reference._locs.resolve` mirrors it):
@@ -43,7 +45,9 @@ def resolve_locs(loc_ptr, tok, tmask, loc_map_ptr, map_len, dcp_rank, dcp_size, 
          too, so loc_map is never read out of bounds), then row = loc_map[loc]; a mapped -1 is
          skipped;
       3. DCP (HAS_DCP): the (mapped) virtual row belongs to rank row % dcp_size and lives at
-         local row row // dcp_size; other ranks' tokens are skipped;
+         local row row // dcp_size; other ranks' tokens are skipped. HAS_DCP == DCP_PAGE
+         (DeepSeek V4 stores) shards by page instead: virtual page p = row // pool_page_size
+         belongs to rank p % dcp_size as its local page p // dcp_size;
       4. bounds: the local row must lie in [0, capacity) (else KIND_POOL; off mode skips only
          negative rows and does not check the upper bound).
     Returns (loc, row, write, bad, target, limit, kind): `write` masks the tokens to store,
@@ -62,7 +66,11 @@ def resolve_locs(loc_ptr, tok, tmask, loc_map_ptr, map_len, dcp_rank, dcp_size, 
         live = live & in_map  # off mode too: never read loc_map out of bounds, skip the token
         row = tl.load(loc_map_ptr + loc, mask=live, other=-1).to(tl.int64)
         live = live & (row != -1)
-    if HAS_DCP:
+    if HAS_DCP == DCP_PAGE:
+        vpage = row // pool_page_size
+        live = live & ((row < 0) | (vpage % dcp_size == dcp_rank))
+        row = tl.where(row >= 0, (vpage // dcp_size) * pool_page_size + row % pool_page_size, row)
+    elif HAS_DCP:
         owned = (row < 0) | (row % dcp_size == dcp_rank)
         live = live & owned
         row = tl.where(row >= 0, row // dcp_size, row)
@@ -198,7 +206,7 @@ def claim_rows(loc_ptr, tok, n_tokens, loc_map_ptr, map_len, dcp_rank, dcp_size,
     else:
         loc, row, write, bad, target, limit, kind = resolve_locs(
             loc_ptr, tok, tmask, loc_map_ptr, map_len, dcp_rank, dcp_size, capacity,
-            HAS_MAP, HAS_DCP, CHECK)
+            HAS_MAP, HAS_DCP, CHECK, pool_page_size)
         check_or_record(err_ptr, tok, loc, bad, target, limit, kind, pool_page_size, OP, CHECK,
                         record)
         page = row // pool_page_size

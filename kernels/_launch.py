@@ -39,7 +39,7 @@ def loc_args(a) -> dict:
         dcp_rank=locs.dcp_rank,
         dcp_size=locs.dcp_size,
         HAS_MAP=locs.loc_map is not None,
-        HAS_DCP=locs.dcp_size > 1,
+        HAS_DCP=(2 if locs.dcp_page else 1) if locs.dcp_size > 1 else 0,  # 2: _common.DCP_PAGE
         CHECK=chk.code,
         OP=op_code(chk.op),
         **table_args(locs),

@@ -30,6 +30,7 @@ struct LocArgs {
   bool map64 = true;
   i64 map_len = 0;
   i64 dcp_rank = 0, dcp_size = 1;
+  bool dcp_page = false;          // DCP shards whole pages (page p on rank p % dcp_size)
   i64 capacity = 0;               // rows of the target pool
   i64 pool_page_size = 1;
   i64 n = 0;                      // tokens
@@ -138,7 +139,11 @@ KVW_HD Resolved resolve(const LocArgs& a, i64 i) {
     row = live ? load_index(a.loc_map, a.map64, r.loc) : -1;
     live = live && row != -1;  // a mapped -1 is skipped
   }
-  if (a.dcp_size > 1) {
+  if (a.dcp_size > 1 && a.dcp_page) {  // page p -> rank p % dcp_size, local page p / dcp_size
+    const i64 vpage = row >= 0 ? row / a.pool_page_size : -1;
+    live = live && (row < 0 || vpage % a.dcp_size == a.dcp_rank);
+    if (row >= 0) row = (vpage / a.dcp_size) * a.pool_page_size + row % a.pool_page_size;
+  } else if (a.dcp_size > 1) {
     live = live && (row < 0 || row % a.dcp_size == a.dcp_rank);
     if (row >= 0) row /= a.dcp_size;
   }

@@ -95,7 +95,12 @@ def resolve(locs: Locs, capacity: int, check: Check, pool_page_size: int = 1) ->
         looked = locs.loc_map.to(torch.int64)[loc.clamp(0, max(n_map - 1, 0))] if n_map else loc
         row = torch.where(live, looked, torch.full_like(loc, -1))
         live = live & (row != -1)
-    if locs.dcp_size > 1:
+    if locs.dcp_size > 1 and locs.dcp_page:   # whole pages: page p on rank p % dcp_size
+        vpage = torch.div(row, pool_page_size, rounding_mode="floor")
+        live = live & ((row < 0) | (vpage % locs.dcp_size == locs.dcp_rank))
+        local = torch.div(vpage, locs.dcp_size, rounding_mode="floor") * pool_page_size + row % pool_page_size
+        row = torch.where(row >= 0, local, row)
+    elif locs.dcp_size > 1:
         live = live & ((row < 0) | (row % locs.dcp_size == locs.dcp_rank))
         row = torch.where(row >= 0, torch.div(row, locs.dcp_size, rounding_mode="floor"), row)
     if checking:
