@@ -9,14 +9,17 @@
 #include <sstream>
 #include <vector>
 
+#include "api.h"
 #include "params.h"
+#include "params_dsv4.h"
 
 namespace kvwrite {
 namespace {
 
 constexpr int64_t GRAIN = 64;  // tokens per parallel_for chunk
 
-const char* const OP_NAMES[] = {"store_kv", "store_mla", "store_indexer_k", "store_kv_nvfp4"};
+const char* const OP_NAMES[] = {"store_kv",      "store_mla",      "store_indexer_k",      "store_kv_nvfp4", "rope_store_kv",
+                                "rope_store_mla", "store_dsv4_kv", "store_dsv4_indexer_k", "store_rows"};
 
 i64 unpack(const i64* rec, int lo) {
   return i64((uint64_t(rec[lo + 1]) & 0xFFFFFFFFull) << 32 | (uint64_t(rec[lo]) & 0xFFFFFFFFull));
@@ -184,6 +187,36 @@ void store_kv_nvfp4_cpu(const Tensor& k, const Tensor& v, const Tensor& k_cache,
   KVW_RUN_CPU(dispatch_store_kv_nvfp4, p, check);
 }
 
+// DeepSeek V4 (kvwrite/store_dsv4.h). fmt 0: fp8 rows (store_indexer_k's body), 1: mxfp4.
+void store_dsv4_kv_cpu(const Tensor& kv, const Tensor& cache, int64_t pool_page_size, const Tensor& loc,
+                       const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size,
+                       int64_t check, int64_t op) {
+  const StoreDSV4KVParams p =
+      store_dsv4_kv_params(kv, cache, pool_page_size, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  KVW_RUN_CPU(dispatch_store_dsv4_kv, p, check);
+}
+
+void store_dsv4_indexer_k_cpu(const Tensor& k, const Tensor& cache, int64_t pool_page_size, int64_t fmt, bool ue8m0,
+                              const Tensor& loc, const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank,
+                              int64_t dcp_size, int64_t check, int64_t op) {
+  if (fmt == 0) {
+    StoreIndexerKParams p =
+        store_indexer_k_params(k, cache, 128, ue8m0, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+    p.locs.dcp_page = true;
+    KVW_RUN_CPU(dispatch_store_indexer_k, p, check);
+    return;
+  }
+  const StoreMXFP4Params p =
+      store_mxfp4_params(k, cache, pool_page_size, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  KVW_RUN_CPU(dispatch_store_mxfp4, p, check);
+}
+
+void store_rows_cpu(const Tensor& src, const Tensor& pool, const Tensor& loc, const OptTensor& loc_map,
+                    const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op) {
+  const StoreRowsParams p = store_rows_params(src, pool, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  KVW_RUN_CPU(dispatch_store_rows, p, check);
+}
+
 }  // namespace
 }  // namespace kvwrite
 
@@ -200,6 +233,10 @@ TORCH_LIBRARY(kvwrite_ext, m) {
   m.def("store_indexer_k(Tensor k, Tensor(a!) cache, int quant_block_size, bool ue8m0, " KVW_TAIL ") -> ()");
   m.def("store_kv_nvfp4(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) k_scale_cache, "
         "Tensor(d!) v_scale_cache, Tensor? k_global_scale, Tensor? v_global_scale, " KVW_TAIL ") -> ()");
+  m.def("store_dsv4_kv(Tensor kv, Tensor(a!) cache, int pool_page_size, " KVW_TAIL ") -> ()");
+  m.def("store_dsv4_indexer_k(Tensor k, Tensor(a!) cache, int pool_page_size, int fmt, bool ue8m0, " KVW_TAIL
+        ") -> ()");
+  m.def("store_rows(Tensor src, Tensor(a!) pool, " KVW_TAIL ") -> ()");
 }
 
 TORCH_LIBRARY_FRAGMENT(kvwrite_ext, m) {
@@ -212,7 +249,26 @@ TORCH_LIBRARY_IMPL(kvwrite_ext, CPU, m) {
   m.impl("store_mla", &kvwrite::store_mla_cpu);
   m.impl("store_indexer_k", &kvwrite::store_indexer_k_cpu);
   m.impl("store_kv_nvfp4", &kvwrite::store_kv_nvfp4_cpu);
+  m.impl("store_dsv4_kv", &kvwrite::store_dsv4_kv_cpu);
+  m.impl("store_dsv4_indexer_k", &kvwrite::store_dsv4_indexer_k_cpu);
+  m.impl("store_rows", &kvwrite::store_rows_cpu);
 }
+
+// The public ops torch.ops.kvwrite.* (schemas defined in Python): validation + dispatch in C++
+// (api.h), the kernels above for backend "cpu". Assert mode goes to Python, which raises
+// OutOfBoundsWrite from the pre-scan's record.
+namespace kvwrite {
+struct CpuRun {
+  static constexpr const char* NAME = "cpu";
+  static constexpr bool ASSERT_IN_PYTHON = true;
+  static constexpr auto store_kv = &store_kv_cpu;
+  static constexpr auto store_mla = &store_mla_cpu;
+  static constexpr auto store_indexer_k = &store_indexer_k_cpu;
+  static constexpr auto store_kv_nvfp4 = &store_kv_nvfp4_cpu;
+};
+}  // namespace kvwrite
+
+TORCH_LIBRARY_IMPL(kvwrite, CPU, m) { KVW_REGISTER_API(kvwrite::CpuRun); }
 
 #ifdef KVWRITE_PYTHON_MODULE
 // The ahead-of-time build (setup.py) is the importable module kvwrite._C: importing it runs the

@@ -8,8 +8,17 @@ namespace kvwrite {
 
 constexpr float FLT_MIN_NORMAL = 1.17549435082228750797e-38f;  // torch.finfo(float32).tiny
 
-// |x| of a float/half/bf16 element as ordered integer bits, NaN as 0 (amax ignores NaN): the max
-// of these bits is the bits of the float max, an integer max the compiler vectorises.
+// Element i of a float/half/bf16 array as the quantisers read it: fp32, subnormals as +-0.
+template <DType IN>
+KVW_HD float load_quant(const void* src, i64 i) {
+  return daz(load_float<IN>(src, i));
+}
+
+// |x| of a float/half/bf16 element as ordered integer bits, 0 for NaN, +-inf and subnormals (the
+// special-value policy: amax over the finite values, inputs read with DAZ): the max of these
+// bits is the bits of the float max, an integer max the compiler vectorises.
+KVW_HD uint32_t policy_abs_bits(uint32_t a) { return a >= 0x7F800000u || a < 0x00800000u ? 0u : a; }
+
 template <DType IN>
 KVW_HD uint32_t abs_bits(const void* src, i64 i) {
   uint32_t a;
@@ -18,10 +27,10 @@ KVW_HD uint32_t abs_bits(const void* src, i64 i) {
   } else {
     a = float_to_bits(load_float<IN>(src, i)) & 0x7FFFFFFFu;
   }
-  return a > 0x7F800000u ? 0u : a;
+  return policy_abs_bits(a);
 }
 
-// max |x| over n elements of a float/half/bf16 array starting at element `start` (NaN ignored).
+// max |x| over the finite elements of n (NaN and +-inf do not count), from element `start`.
 template <DType IN>
 KVW_HD float block_amax(const void* src, i64 start, int n) {
   uint32_t m = 0;
@@ -45,7 +54,8 @@ KVW_HD float group_max(float v, int width) {
   return v;
 }
 
-// A lane's chunk: CHUNK consecutive elements (16-byte loads where aligned on the device).
+// A lane's chunk: CHUNK consecutive elements (16-byte loads where aligned on the device), read as
+// the quantisers read them (load_quant: subnormals as +-0).
 constexpr int CHUNK = 16;
 
 KVW_HD bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
@@ -73,11 +83,13 @@ KVW_UNROLL
         }
       }
     }
+KVW_UNROLL
+    for (int j = 0; j < CHUNK; ++j) x[j] = daz(x[j]);
     return;
   }
 #endif
 KVW_UNROLL
-  for (int j = 0; j < CHUNK; ++j) x[j] = load_float<IN>(src, start + j);
+  for (int j = 0; j < CHUNK; ++j) x[j] = load_quant<IN>(src, start + j);
 }
 
 // Store CHUNK bytes (one 16-byte store where aligned on the device).
@@ -95,13 +107,12 @@ KVW_UNROLL
   memcpy(dst, c, CHUNK);
 }
 
-// max |x| of a loaded chunk (NaN ignored), as block_amax.
+// max |x| of a loaded chunk (finite values only), as block_amax.
 KVW_HD float chunk_amax(const float (&x)[CHUNK]) {
   uint32_t m = 0;
 KVW_UNROLL
   for (int j = 0; j < CHUNK; ++j) {
-    uint32_t a = float_to_bits(x[j]) & 0x7FFFFFFFu;
-    a = a > 0x7F800000u ? 0u : a;
+    const uint32_t a = policy_abs_bits(float_to_bits(x[j]) & 0x7FFFFFFFu);
     m = a > m ? a : m;
   }
   return bits_to_float(m);
@@ -134,7 +145,7 @@ KVW_HD float indexer_scale(float amax, bool ue8m0) {
 // e4m3 codes of x / scale for n elements (saturating, RNE), written as bytes.
 template <DType IN>
 KVW_HD void quant_block_e4m3(const void* src, i64 start, int n, float scale, char* dst) {
-  for (int j = 0; j < n; ++j) dst[j] = char(fp8_bits<E4M3>(load_float<IN>(src, start + j) / scale));
+  for (int j = 0; j < n; ++j) dst[j] = char(fp8_bits<E4M3>(load_quant<IN>(src, start + j) / scale));
 }
 
 // bf16 bits of element i: bf16 input copied; other floats rounded to nearest even (NaN -> 0x7FC0).

@@ -26,7 +26,7 @@ struct StoreKVParams {
   KVSide k, v;
   int H = 0;
   DType in_dtype = DType::F32;
-  DType cache_dtype = DType::F32;  // = in_dtype (copy) or E4M3 / E5M2
+  DType cache_dtype = DType::F32;  // = in_dtype (copy) or E4M3 / E5M2 / E4M3FNUZ
   LocArgs locs;
 };
 
@@ -74,7 +74,7 @@ KVW_HD void quant_side(const KVSide& s, int H, i64 i, i64 row, int lane, int nla
       const float sc = s.scale[h * s.scale_stride];
       const i64 base = src + h * s.s_head;
       char* out = dst + s.cache.in_row(h, 0);
-      for (int d = 0; d < s.D; ++d) out[d] = char(fp8_bits<F>(load_float<IN>(s.src, base + d) / sc));
+      for (int d = 0; d < s.D; ++d) out[d] = char(fp8_bits<F>(load_quant<IN>(s.src, base + d) / sc));
     }
     return;
   }
@@ -90,7 +90,7 @@ KVW_HD void quant_side(const KVSide& s, int H, i64 i, i64 row, int lane, int nla
   }
   for (int e = lane; e < H * s.D; e += nlanes) {
     const int h = e / s.D, d = e - h * s.D;
-    const float x = load_float<IN>(s.src, src + h * s.s_head + d);
+    const float x = daz(load_float<IN>(s.src, src + h * s.s_head + d));
     dst[s.cache.in_row(h, d)] = char(fp8_bits<F>(x / s.scale[h * s.scale_stride]));
   }
 }

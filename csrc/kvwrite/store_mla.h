@@ -82,13 +82,13 @@ template <DType IN, class F>
 KVW_HD void mla_fp8(const StoreMLAParams& p, i64 i, char* dst, int lane, int nlanes) {
   const float s = p.scale[0];
   if (nlanes == 1) {  // host: two vectorisable loops
-    for (int e = 0; e < p.L; ++e) dst[e] = char(fp8_bits<F>(load_float<IN>(p.kv_c, i * p.c_sn + e) / s));
-    for (int e = 0; e < p.R; ++e) dst[p.L + e] = char(fp8_bits<F>(load_float<IN>(p.k_pe, i * p.pe_sn + e) / s));
+    for (int e = 0; e < p.L; ++e) dst[e] = char(fp8_bits<F>(load_quant<IN>(p.kv_c, i * p.c_sn + e) / s));
+    for (int e = 0; e < p.R; ++e) dst[p.L + e] = char(fp8_bits<F>(load_quant<IN>(p.k_pe, i * p.pe_sn + e) / s));
     return;
   }
   for (int e = lane; e < p.L + p.R; e += nlanes) {
     const float x = e < p.L ? load_float<IN>(p.kv_c, i * p.c_sn + e) : load_float<IN>(p.k_pe, i * p.pe_sn + e - p.L);
-    dst[e] = char(fp8_bits<F>(x / s));
+    dst[e] = char(fp8_bits<F>(daz(x) / s));
   }
 }
 

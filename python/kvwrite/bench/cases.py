@@ -260,6 +260,50 @@ case("store_kv", "mha-fp8", "MHA Llama-3.1-8B layer: 8 x 128, bf16 -> fp8 e4m3 (
     lambda n, device, gen: _mha(n, device, gen, torch.float8_e4m3fn))
 
 
+@case("store_kv", "mha-bf16-pagetable",
+      "FlashInfer append_paged_kv_cache (page table, requests of 4 pages): the mha-bf16 layer")
+def _mha_pagetable(n: int, device: torch.device, gen: torch.Generator) -> Setup:
+    """The mha-bf16 store addressed by a page table (kvwrite.compat.flashinfer): the same pages
+    and bytes, so the row against mha-bf16 is the cost of resolving the table in the kernel."""
+    from kvwrite.compat import flashinfer as fi
+
+    heads, dim, page, per_req = 8, 128, 16, 4
+    loc, num_pages = paged_locs(n, page, device, gen)
+    k, v = (_randn((n, heads, dim), torch.bfloat16, device, gen) for _ in range(2))
+    kv = torch.zeros(num_pages, 2, page, heads, dim, dtype=torch.bfloat16, device=device)
+    pages = (loc[::page] // page).to(torch.int32)                   # the pages, in token order
+    tok = torch.arange(n, device=device)
+    batch = (tok // (per_req * page)).to(torch.int32)
+    pos = (tok % (per_req * page)).to(torch.int32)
+    n_req = -(-pages.shape[0] // per_req)
+    indptr = torch.clamp(torch.arange(n_req + 1, device=device) * per_req, max=pages.shape[0]).to(torch.int32)
+    last = torch.full((n_req,), page, dtype=torch.int32, device=device)
+
+    def call(backend: str, check: str, errors) -> None:
+        fi.append_paged_kv_cache(k, v, batch, pos, kv, pages, indptr, last, check=check, errors=errors,
+                                 backend=backend)
+
+    moved = _nbytes(k, v, batch, pos, pages, indptr) + 2 * n * heads * dim * kv.element_size()
+    lp, lo = loc // page, loc % page   # the rows the table resolves to, precomputed
+    baselines, notes = {}, {}
+
+    def index_put() -> None:
+        kv[lp, 0, lo] = k
+        kv[lp, 1, lo] = v
+
+    _try("torch-index", index_put, baselines, notes)
+    if device.type == "cuda":
+        fl, why = _import("flashinfer")
+        if fl is None:
+            notes["flashinfer.append_paged_kv_cache"] = why
+        else:
+            _try("flashinfer.append_paged_kv_cache", lambda: fl.page.append_paged_kv_cache(
+                k, v, batch, pos, kv, pages, indptr, last, kv_layout="NHD"), baselines, notes)
+    else:
+        notes["flashinfer.append_paged_kv_cache"] = "skipped: CUDA only"
+    return Setup(call, moved, baselines, notes, {"cache[page, 0, row] = k": lambda: kv.__setitem__((lp, 0, lo), k)}, (kv,))
+
+
 
 def _vllm_mla(kv_c, k_pe, cache, loc, dtype_name: str, baselines: dict, notes: dict) -> None:
     """vLLM's concat_and_cache_mla on the same rows (CUDA only, when importable)."""
