@@ -41,7 +41,9 @@ void assert_prescan(const LocArgs& a) {
   std::ostringstream msg;
   msg << "kvwrite: store loc outside the pool (check=assert): " << OP_NAMES[a.op] << ": token " << token
       << " loc " << loc;
-  if (kind == KIND_LOC_MAP) {
+  if (kind == KIND_BATCH || kind == KIND_TABLE_SLOT || kind == KIND_TABLE_PAGE) {
+    msg << " page table: kind " << kind << " index " << target << " outside its bound " << limit;
+  } else if (kind == KIND_LOC_MAP) {
     msg << " is outside loc_map (length " << limit << ")";
   } else {
     msg << " (local " << target << ") page " << (target >= 0 ? target / a.pool_page_size : -1) << ", pool has "
@@ -72,65 +74,80 @@ void run_tokens(const P& p, int64_t check) {
 void store_kv_cpu(const Tensor& k, const Tensor& v, const Tensor& k_cache, const Tensor& v_cache,
                   const OptTensor& k_scale, const OptTensor& v_scale, const Tensor& loc,
                   const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size,
-                  int64_t check, int64_t op) {
-  const StoreKVParams p = store_kv_params(k, v, k_cache, v_cache, k_scale, v_scale, loc, loc_map, errors,
+                  int64_t check, int64_t op,
+    const OptTensor& batch_indices, const OptTensor& kv_indices, const OptTensor& kv_indptr) {
+  StoreKVParams p = store_kv_params(k, v, k_cache, v_cache, k_scale, v_scale, loc, loc_map, errors,
                                           dcp_rank, dcp_size, check, op);
+  set_table(p.locs, batch_indices, kv_indices, kv_indptr, k);
   KVW_RUN_CPU(dispatch_store_kv, p, check);
 }
 
 void store_mla_cpu(const Tensor& kv_c, const Tensor& k_pe, const Tensor& kv_cache, const OptTensor& scale,
                    const OptTensor& scale_cache, const OptTensor& global_scale,
                    int64_t mode, const Tensor& loc, const OptTensor& loc_map, const OptTensor& errors,
-                   int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op) {
-  const StoreMLAParams p = store_mla_params(kv_c, k_pe, kv_cache, scale, scale_cache, global_scale, mode, loc, loc_map, errors, dcp_rank,
+                   int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op,
+    const OptTensor& batch_indices, const OptTensor& kv_indices, const OptTensor& kv_indptr) {
+  StoreMLAParams p = store_mla_params(kv_c, k_pe, kv_cache, scale, scale_cache, global_scale, mode, loc, loc_map, errors, dcp_rank,
                                             dcp_size, check, op);
+  set_table(p.locs, batch_indices, kv_indices, kv_indptr, kv_c);
   KVW_RUN_CPU(dispatch_store_mla, p, check);
 }
 
 void store_indexer_k_cpu(const Tensor& k, const Tensor& cache, int64_t qbs, bool ue8m0, const Tensor& loc,
                          const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size,
-                         int64_t check, int64_t op) {
-  const StoreIndexerKParams p = store_indexer_k_params(k, cache, qbs, ue8m0, loc, loc_map, errors, dcp_rank,
+                         int64_t check, int64_t op,
+    const OptTensor& batch_indices, const OptTensor& kv_indices, const OptTensor& kv_indptr) {
+  StoreIndexerKParams p = store_indexer_k_params(k, cache, qbs, ue8m0, loc, loc_map, errors, dcp_rank,
                                                        dcp_size, check, op);
+  set_table(p.locs, batch_indices, kv_indices, kv_indptr, k);
   KVW_RUN_CPU(dispatch_store_indexer_k, p, check);
 }
 
 void store_kv_nvfp4_cpu(const Tensor& k, const Tensor& v, const Tensor& k_cache, const Tensor& v_cache,
                         const Tensor& k_scale_cache, const Tensor& v_scale_cache, const OptTensor& k_global,
                         const OptTensor& v_global, const Tensor& loc, const OptTensor& loc_map,
-                        const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op) {
-  const StoreKVNVFP4Params p = store_kv_nvfp4_params(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, k_global,
+                        const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op,
+    const OptTensor& batch_indices, const OptTensor& kv_indices, const OptTensor& kv_indptr) {
+  StoreKVNVFP4Params p = store_kv_nvfp4_params(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, k_global,
                                                      v_global, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  set_table(p.locs, batch_indices, kv_indices, kv_indptr, k);
   KVW_RUN_CPU(dispatch_store_kv_nvfp4, p, check);
 }
 
 // DeepSeek V4 (kvwrite/store_dsv4.h). fmt 0: fp8 rows (store_indexer_k's body), 1: mxfp4.
 void store_dsv4_kv_cpu(const Tensor& kv, const Tensor& cache, int64_t pool_page_size, const Tensor& loc,
                        const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size,
-                       int64_t check, int64_t op) {
-  const StoreDSV4KVParams p =
+                       int64_t check, int64_t op, const OptTensor& batch_indices,
+    const OptTensor& kv_indices, const OptTensor& kv_indptr) {
+  StoreDSV4KVParams p =
       store_dsv4_kv_params(kv, cache, pool_page_size, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  kvw_dsv4_table(p.locs, batch_indices, kv_indices, kv_indptr);
   KVW_RUN_CPU(dispatch_store_dsv4_kv, p, check);
 }
 
 void store_dsv4_indexer_k_cpu(const Tensor& k, const Tensor& cache, int64_t pool_page_size, int64_t fmt, bool ue8m0,
                               const Tensor& loc, const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank,
-                              int64_t dcp_size, int64_t check, int64_t op) {
+                              int64_t dcp_size, int64_t check, int64_t op, const OptTensor& batch_indices,
+    const OptTensor& kv_indices, const OptTensor& kv_indptr) {
   if (fmt == 0) {
     StoreIndexerKParams p =
         store_indexer_k_params(k, cache, 128, ue8m0, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+    kvw_dsv4_table(p.locs, batch_indices, kv_indices, kv_indptr);
     p.locs.dcp_page = true;
     KVW_RUN_CPU(dispatch_store_indexer_k, p, check);
     return;
   }
-  const StoreMXFP4Params p =
+  StoreMXFP4Params p =
       store_mxfp4_params(k, cache, pool_page_size, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  kvw_dsv4_table(p.locs, batch_indices, kv_indices, kv_indptr);
   KVW_RUN_CPU(dispatch_store_mxfp4, p, check);
 }
 
 void store_rows_cpu(const Tensor& src, const Tensor& pool, const Tensor& loc, const OptTensor& loc_map,
-                    const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op) {
-  const StoreRowsParams p = store_rows_params(src, pool, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+                    const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op, const OptTensor& batch_indices,
+    const OptTensor& kv_indices, const OptTensor& kv_indptr) {
+  StoreRowsParams p = store_rows_params(src, pool, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  kvw_dsv4_table(p.locs, batch_indices, kv_indices, kv_indptr);
   KVW_RUN_CPU(dispatch_store_rows, p, check);
 }
 
@@ -138,7 +155,9 @@ void store_rows_cpu(const Tensor& src, const Tensor& pool, const Tensor& loc, co
 }  // namespace kvwrite
 
 // Every op ends with the same tail: loc, loc_map, errors, dcp_rank, dcp_size, check, op.
-#define KVW_TAIL "Tensor loc, Tensor? loc_map, Tensor(z!)? errors, int dcp_rank, int dcp_size, int check, int op"
+// Page-table addressing (kvwrite.PageTable: loc = positions) adds the three optional tables.
+#define KVW_TAIL "Tensor loc, Tensor? loc_map, Tensor(z!)? errors, int dcp_rank, int dcp_size, int check, int op, " \
+                 "Tensor? batch_indices=None, Tensor? kv_indices=None, Tensor? kv_indptr=None"
 
 TORCH_LIBRARY(kvwrite_ext, m) {
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k_scale, "

@@ -94,6 +94,38 @@ inline LocArgs loc_args(const Tensor& loc, const OptTensor& loc_map, const OptTe
   return a;
 }
 
+// Page-table addressing (kvwrite.PageTable): `a.loc` already holds the positions.
+inline void set_table(LocArgs& a, const OptTensor& batch_indices, const OptTensor& kv_indices,
+                      const OptTensor& kv_indptr, const Tensor& ref) {
+  if (!batch_indices.has_value()) {
+    TORCH_CHECK(!kv_indices.has_value() && !kv_indptr.has_value(),
+                "kvwrite: kv_indices/kv_indptr need batch_indices");
+    return;
+  }
+  TORCH_CHECK(kv_indices.has_value() && kv_indptr.has_value(),
+              "kvwrite: page-table addressing needs batch_indices, kv_indices and kv_indptr");
+  TORCH_CHECK(a.loc_map == nullptr && a.dcp_size == 1, "kvwrite: a page table does not combine with loc_map or DCP");
+  const Tensor* ts[] = {&*batch_indices, &*kv_indices, &*kv_indptr};
+  const char* names[] = {"batch_indices", "kv_indices", "kv_indptr"};
+  for (int j = 0; j < 3; ++j) {
+    const Tensor& t = *ts[j];
+    TORCH_CHECK(t.dim() == 1 && (t.scalar_type() == at::kInt || t.scalar_type() == at::kLong) &&
+                    (t.numel() <= 1 || t.stride(0) == 1),
+                "kvwrite: ", names[j], " must be a contiguous 1-D int32/int64 tensor");
+    check_same_device(ref, t, names[j]);
+  }
+  TORCH_CHECK(batch_indices->size(0) == a.n, "kvwrite: batch_indices must have one entry per token");
+  TORCH_CHECK(kv_indptr->size(0) >= 1, "kvwrite: kv_indptr must have batch_size + 1 >= 1 entries");
+  a.batch = batch_indices->data_ptr();
+  a.batch64 = batch_indices->scalar_type() == at::kLong;
+  a.table = kv_indices->data_ptr();
+  a.table64 = kv_indices->scalar_type() == at::kLong;
+  a.n_table = kv_indices->size(0);
+  a.indptr = kv_indptr->data_ptr();
+  a.indptr64 = kv_indptr->scalar_type() == at::kLong;
+  a.n_batch = kv_indptr->size(0) - 1;
+}
+
 inline KVSide kv_side(const Tensor& x, const Tensor& cache, const OptTensor& scale, const char* name) {
   TORCH_CHECK(x.dim() == 3 && (x.size(2) <= 1 || x.stride(2) == 1), "kvwrite: ", name,
               " must be [tokens, heads, dim], contiguous in dim");

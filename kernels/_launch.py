@@ -42,7 +42,19 @@ def loc_args(a) -> dict:
         HAS_DCP=(2 if locs.dcp_page else 1) if locs.dcp_size > 1 else 0,  # 2: _common.DCP_PAGE
         CHECK=chk.code,
         OP=op_code(chk.op),
+        **table_args(locs),
     )
+
+
+def table_args(locs) -> dict:
+    """The page-table kwargs of a kernel (`claim_rows`' pt_* and HAS_TABLE), only in page-table
+    mode: kernels default them to off."""
+    t = getattr(locs, "table", None)
+    if t is None:
+        return {}
+    return dict(pt_batch_ptr=t.batch_indices, pt_indices_ptr=t.kv_indices,
+                pt_indptr_ptr=t.kv_indptr, pt_num_batches=t.num_batches,
+                pt_num_indices=t.kv_indices.shape[0], HAS_TABLE=True)
 
 
 def launch(kernel, grid, a, **kwargs) -> None:
@@ -67,7 +79,8 @@ def launch(kernel, grid, a, **kwargs) -> None:
         except OutOfBoundsWrite as err:
             raise KernelAssertion(err.op, err.token_index, err.loc, err.page, err.num_pages,
                                   err.pool_page_size, err.count, err.kind, err.target,
-                                  err.limit) from exc
+                                  err.limit, batch=err.batch, position=err.position,
+                                  table_slot=err.table_slot, table_page=err.table_page) from exc
         raise
 
 

@@ -36,13 +36,17 @@ def store_kv_kernel(
     MANT: tl.constexpr, EMIN: tl.constexpr,
     HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr, CHECK: tl.constexpr, OP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    pt_batch_ptr=None, pt_indices_ptr=None, pt_indptr_ptr=None, pt_num_batches=0,
+    pt_num_indices=0, HAS_TABLE: tl.constexpr = False,
 ):
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
     tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     page, offset, write = claim_rows(loc_ptr, tok, n_tokens, loc_map_ptr, map_len, dcp_rank,
                                      dcp_size, capacity, pool_page_size, err_ptr, HAS_MAP,
-                                     HAS_DCP, CHECK, OP, pid_c == 0)
+                                     HAS_DCP, CHECK, OP, pid_c == 0, pt_batch_ptr,
+                                     pt_indices_ptr, pt_indptr_ptr, pt_num_batches,
+                                     pt_num_indices, HAS_TABLE)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     _store_rows(k_ptr, kc_ptr, ks_ptr, tok, write, page * kc_sp + offset * kc_so, cols,
                 num_heads * DK, k_sn, k_sh, kc_sh, ks_sh, DK, QUANT, FMAX, MANT, EMIN)
@@ -98,3 +102,14 @@ def variants():
                                       BLOCK_T=4, BLOCK_C=1024)
                     name = f"{str(dtype)[6:]}->{str(cache)[6:]}{'+map+dcp' if has_map else ''}"
                     yield name, store_kv_kernel, pointers, constexprs
+        # page-table addressing (kvwrite.PageTable): int32 tables, as FlashInfer's
+        for dtype, cache in ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float8_e4m3fn)):
+            quant = cache in FP8_MAX
+            store = torch.uint8 if quant else cache
+            pointers = dict(k_ptr=dtype, v_ptr=dtype, kc_ptr=store, vc_ptr=store, loc_ptr=torch.int32,
+                            ks_ptr=torch.float32 if quant else dtype, vs_ptr=torch.float32 if quant else dtype,
+                            err_ptr=torch.int64, loc_map_ptr=torch.int32, pt_batch_ptr=torch.int32,
+                            pt_indices_ptr=torch.int32, pt_indptr_ptr=torch.int32)
+            constexprs = dict(DK=128, DV=128, QUANT=quant, **fp8_constexprs(cache), HAS_MAP=False,
+                              HAS_DCP=False, CHECK=check, OP=0, BLOCK_T=4, BLOCK_C=1024, HAS_TABLE=True)
+            yield f"{str(dtype)[6:]}->{str(cache)[6:]}+table", store_kv_kernel, pointers, constexprs

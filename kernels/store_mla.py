@@ -79,13 +79,17 @@ def store_mla_kernel(
     MANT: tl.constexpr, EMIN: tl.constexpr,
     HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr, CHECK: tl.constexpr, OP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    pt_batch_ptr=None, pt_indices_ptr=None, pt_indptr_ptr=None, pt_num_batches=0,
+    pt_num_indices=0, HAS_TABLE: tl.constexpr = False,
 ):
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
     tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     page, offset, write = claim_rows(loc_ptr, tok, n_tokens, loc_map_ptr, map_len, dcp_rank,
                                      dcp_size, capacity, pool_page_size, err_ptr, HAS_MAP,
-                                     HAS_DCP, CHECK, OP, pid_c == 0)
+                                     HAS_DCP, CHECK, OP, pid_c == 0, pt_batch_ptr,
+                                     pt_indices_ptr, pt_indptr_ptr, pt_num_batches,
+                                     pt_num_indices, HAS_TABLE)
     row_base = page * cache_sp + offset * cache_so
     if MODE == _DS_MLA:
         _ds_mla_tile(c_ptr, pe_ptr, cache_ptr, tok, write, row_base, pid_c, c_sn, pe_sn, L, R,
@@ -160,3 +164,11 @@ def variants():
                               BLOCK_T=32 if ds else 4, BLOCK_C=64 if ds else 1024)
             yield (f"{str(dtype)[6:]}->{name}{'+map+dcp' if map_dcp else ''}", store_mla_kernel,
                    pointers, constexprs)
+        # page-table addressing (kvwrite.PageTable), int32 tables
+        pointers = dict(c_ptr=bf16, pe_ptr=bf16, cache_ptr=bf16, loc_ptr=torch.int32, scale_ptr=bf16,
+                        err_ptr=torch.int64, loc_map_ptr=torch.int32, pt_batch_ptr=torch.int32,
+                        pt_indices_ptr=torch.int32, pt_indptr_ptr=torch.int32)
+        constexprs = dict(L=512, R=64, MODE=_mla.MODE_COPY, **fp8_constexprs(bf16), HAS_MAP=False,
+                          HAS_DCP=False, CHECK=check, OP=op_code(_mla.OP), BLOCK_T=4, BLOCK_C=1024,
+                          HAS_TABLE=True)
+        yield "bfloat16->auto+table", store_mla_kernel, pointers, constexprs

@@ -2,6 +2,7 @@
 from kvwrite.backend import BackendUnavailable, backends
 from kvwrite.errors import ErrorBuffer, OutOfBoundsWrite, default_errors
 from kvwrite.geometry import GeometryError, PageGeometry
+from kvwrite.pagetable import PageTable
 from kvwrite.ops.indexer_k import store_indexer_k
 from kvwrite.ops.kv import store_kv
 from kvwrite.ops.mla import store_mla
@@ -27,4 +28,5 @@ __all__ = [
     "dequant_nvfp4", "store_kv_nvfp4",
     "compressed_loc", "dequant_dsv4_kv", "read_dsv4_indexer_k", "state_loc", "store_dsv4_indexer_k",
     "store_dsv4_kv", "store_rows",
+    "PageTable",
 ]

@@ -249,8 +249,11 @@ def _run(a, name: str, *args) -> None:
         scratch = ErrorBuffer("cpu")
         errors = scratch.tensor
     op = getattr(torch.ops.kvwrite_ext, name)
+    t = getattr(locs, "table", None)
+    table = () if t is None else (t.batch_indices, t.kv_indices, t.kv_indptr)
     try:
-        op(*args, locs.loc, locs.loc_map, errors, locs.dcp_rank, locs.dcp_size, chk.code, op_code(chk.op))
+        op(*args, locs.loc, locs.loc_map, errors, locs.dcp_rank, locs.dcp_size, chk.code, op_code(chk.op),
+           *table)
     except RuntimeError as exc:
         err = scratch.error() if scratch is not None else None
         if err is None:

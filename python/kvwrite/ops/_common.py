@@ -9,17 +9,20 @@ import torch
 from kvwrite import backend as backends, validate
 from kvwrite.errors import MAX_TOKENS, NUM_SLOTS, ErrorBuffer, default_errors
 from kvwrite.geometry import PageGeometry
+from kvwrite.pagetable import PageTable, table as _table
 
 
 @dataclass(frozen=True)
 class Locs:
-    """Where each token goes: `loc` (virtual), optional SWA `loc_map`, DCP shard of this rank."""
+    """Where each token goes: `loc` (virtual), optional SWA `loc_map`, DCP shard of this rank;
+    or a `table` (page-table addressing; `loc` is then its positions)."""
 
     loc: torch.Tensor
     loc_map: torch.Tensor | None = None
     dcp_rank: int = 0
     dcp_size: int = 1
     dcp_page: bool = False   # DCP shards whole pages (page p on rank p % dcp_size), not tokens
+    table: PageTable | None = None
 
     @property
     def n(self) -> int:
@@ -48,8 +51,18 @@ def prepare(op: str, device: torch.device, n: int, loc: object, loc_map: object,
     """Validate the arguments every op takes the same way."""
     if n > MAX_TOKENS:
         raise ValueError(f"{op}: at most {MAX_TOKENS} tokens per call, got {n}")
-    locs = Locs(validate.loc("loc", loc, n, device), validate.loc_map(loc_map, device),
-                *validate.dcp(dcp_rank, dcp_size))
+    if isinstance(loc, PageTable):
+        if loc_map is not None or dcp_size != 1:
+            raise ValueError(f"{op}: a PageTable loc does not combine with loc_map or DCP "
+                             f"(loc_map={'set' if loc_map is not None else None}, dcp_size={dcp_size!r})")
+        if torch.compiler.is_compiling():
+            raise ValueError(f"{op}: page-table addressing (a PageTable loc) is not traceable by "
+                             f"torch.compile yet; call it outside the compiled region")
+        t = _table(loc, n, device)
+        locs = Locs(t.positions, table=t)
+    else:
+        locs = Locs(validate.loc("loc", loc, n, device), validate.loc_map(loc_map, device),
+                    *validate.dcp(dcp_rank, dcp_size))
     mode = validate.check_mode(check)
     if errors is None:
         # No buffer passed: guard records into the device's default buffer (valid by

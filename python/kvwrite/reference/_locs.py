@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvwrite import errors as _e
 from kvwrite.errors import KIND_LOC_MAP, KIND_POOL, OutOfBoundsWrite, record_torch
 from kvwrite.geometry import PageGeometry
 from kvwrite.ops._common import Check, Locs
@@ -18,12 +19,66 @@ class Resolved:
     bad: torch.Tensor      # bool: out-of-range tokens (never stored)
     target: torch.Tensor   # int64: the index that was out of range
     limit: torch.Tensor    # int64: its bound
-    kind: torch.Tensor     # int64: KIND_POOL or KIND_LOC_MAP
+    kind: torch.Tensor     # int64: KIND_POOL or KIND_LOC_MAP (or a page-table kind)
+    table: dict[int, torch.Tensor] | None = None   # page-table context record slots -> [N]
+
+
+def _floordiv(x: torch.Tensor, d: int) -> torch.Tensor:
+    return torch.div(x, d, rounding_mode="floor")
+
+
+def resolve_table(locs: Locs, capacity: int, check: Check, pool_page_size: int) -> Resolved:
+    """Page-table addressing, exactly as `kvwrite.kernels._common.resolve_table` (the checks
+    and what off mode skips are documented there and in `kvwrite.pagetable`)."""
+    t = locs.table
+    checking = check.mode != "off"
+    pps = pool_page_size
+    b = t.batch_indices.to(torch.int64)
+    pos = t.positions.to(torch.int64)
+    indptr, indices = t.kv_indptr.to(torch.int64), t.kv_indices.to(torch.int64)
+    n_batch, n_table, num_pages = t.num_batches, indices.shape[0], capacity // pps
+    q, r = _floordiv(pos, pps), torch.remainder(pos, pps)
+    in_batch = (b >= 0) & (b < n_batch)
+    bad = ~in_batch if checking else torch.zeros_like(in_batch)
+    kind = torch.where(bad, _e.KIND_BATCH, _e.KIND_TABLE_PAGE)
+    live = in_batch
+    bc = b.clamp(0, indptr.shape[0] - 1)
+    start = torch.where(live, indptr[bc], 0)
+    slot = start + q
+    ok = (slot >= 0) & (slot < n_table)
+    hi = torch.full_like(slot, n_table)
+    if checking:
+        end = torch.where(live, indptr[(bc + 1).clamp(max=indptr.shape[0] - 1)], 0)
+        hi = torch.minimum(end, hi)
+        ok = ok & (slot >= start) & (slot < hi)
+        bad_slot = live & ~ok
+        bad = bad | bad_slot
+        kind = torch.where(bad_slot, _e.KIND_TABLE_SLOT, kind)
+    live = live & ok
+    page = indices[slot.clamp(0, max(n_table - 1, 0))] if n_table else torch.full_like(slot, -1)
+    page = torch.where(live, page, -1)
+    if checking:
+        oob = live & ((page < 0) | (page >= num_pages))
+        bad = bad | oob
+        write = live & ~oob
+    else:
+        write = live & (page >= 0)
+    is_batch, is_page = kind == _e.KIND_BATCH, kind == _e.KIND_TABLE_PAGE
+    target = torch.where(is_batch, b, torch.where(is_page, page, slot))
+    limit = torch.where(is_batch, n_batch, torch.where(is_page, num_pages, hi))
+    row = page * pps + r
+    loc = torch.where(is_page, row, -1)
+    context = {_e.BATCH: b, _e.POSITION: pos, _e.TABLE_SLOT: torch.where(is_batch, -1, slot),
+               _e.TABLE_PAGE: torch.where(is_page, page, -1)}
+    return Resolved(loc, row, write, bad, target, limit, kind, context)
 
 
 def resolve(locs: Locs, capacity: int, check: Check, pool_page_size: int = 1) -> Resolved:
     """Virtual loc -> loc_map -> DCP shard -> bounds check, exactly as the kernels do (the order
-    is documented on `kvwrite.kernels._common.resolve_locs`)."""
+    is documented on `kvwrite.kernels._common.resolve_locs`); or the page table (`locs.table`,
+    rows of `pool_page_size`)."""
+    if locs.table is not None:
+        return resolve_table(locs, capacity, check, pool_page_size)
     loc = locs.loc.to(torch.int64)
     checking = check.mode != "off"
     live = loc != -1
@@ -65,6 +120,10 @@ def check(r: Resolved, geometry: PageGeometry, chk: Check) -> None:
     if chk.mode == "assert" and bool(r.bad.any()):
         i = int(torch.nonzero(r.bad)[0, 0])
         kind, target = int(r.kind[i]), int(r.target[i])
+        if r.table is not None:
+            ctx = [int(r.table[s][i]) for s in (_e.BATCH, _e.POSITION, _e.TABLE_SLOT, _e.TABLE_PAGE)]
+            raise _e.table_error(chk.op, i, kind, target, int(r.limit[i]), geometry.pool_page_size,
+                                 int(r.bad.sum()), *ctx)
         raise OutOfBoundsWrite(op=chk.op, token_index=i, loc=int(r.loc[i]),
                                page=geometry.page_of(target) if kind == KIND_POOL else None,
                                num_pages=geometry.num_pages,
@@ -73,7 +132,7 @@ def check(r: Resolved, geometry: PageGeometry, chk: Check) -> None:
                                limit=int(r.limit[i]))
     if chk.mode == "guard":
         record_torch(chk.errors, r.bad, r.loc, r.target, r.limit, geometry.pool_page_size,
-                     chk.op, r.kind)
+                     chk.op, r.kind, r.table)
 
 
 def resolve_and_check(locs: Locs, geometry: PageGeometry, chk: Check) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
