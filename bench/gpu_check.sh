@@ -65,6 +65,13 @@ if command -v compute-sanitizer > /dev/null; then
       $PY -m pytest -q -n 0 -p no:cacheprovider test_dsv4.py -k "guard or dcp or offsets" ) > "$OUT/dsv4_sanitizer.log" 2>&1 || status=1
   grep -E "ERROR SUMMARY|passed|failed" "$OUT/dsv4_sanitizer.log" | tail -2 | tee -a "$OUT/summary.txt"
 fi
+step "page-table addressing (FlashInfer adapter): tests, example, end-to-end decoders on CUDA; Triton table variants"
+( cd tests && KVWRITE_TEST_DEVICE=cuda timeout 300 $PY -m pytest -q -n 0 -p no:cacheprovider \
+    test_pagetable.py test_compat_flashinfer.py test_e2e_decoder.py ) > "$OUT/pagetable.log" 2>&1 || status=1
+tail -1 "$OUT/pagetable.log" | tee -a "$OUT/summary.txt"
+timeout 300 $PY -m kvwrite.cli bench --cases mha-bf16,mha-bf16-pagetable --min-time ${KVWRITE_GPU_BENCH_REP:-0.03} \
+    --out "$OUT/bench-pagetable" > "$OUT/bench-pagetable.log" 2>&1 || status=1
+tail -3 "$OUT/bench-pagetable.log" | tee -a "$OUT/summary.txt"
 
 # Later issues add their steps (sanitizer, benchmarks) above this line.
 step "done (status $status)"

@@ -4,6 +4,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "api.h"
 #include "launch.h"
 #include "params.h"
 #include "params_dsv4.h"
@@ -121,3 +122,18 @@ TORCH_LIBRARY_IMPL(kvwrite_ext, CUDA, m) {
   m.impl("store_dsv4_indexer_k", &kvwrite::store_dsv4_indexer_k_cuda);
   m.impl("store_rows", &kvwrite::store_rows_cuda);
 }
+
+// The public ops torch.ops.kvwrite.* for CUDA tensors: validation + dispatch in C++ (api.h),
+// the launchers above for backend "cuda" (assert mode: the device assert, as before).
+namespace kvwrite {
+struct CudaRun {
+  static constexpr const char* NAME = "cuda";
+  static constexpr bool ASSERT_IN_PYTHON = false;
+  static constexpr auto store_kv = &store_kv_cuda;
+  static constexpr auto store_mla = &store_mla_cuda;
+  static constexpr auto store_indexer_k = &store_indexer_k_cuda;
+  static constexpr auto store_kv_nvfp4 = &store_kv_nvfp4_cuda;
+};
+}  // namespace kvwrite
+
+TORCH_LIBRARY_IMPL(kvwrite, CUDA, m) { KVW_REGISTER_API(kvwrite::CudaRun); }

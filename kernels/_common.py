@@ -214,15 +214,51 @@ def claim_rows(loc_ptr, tok, n_tokens, loc_map_ptr, map_len, dcp_rank, dcp_size,
     return page, offset, write
 
 
+# The special-value policy of every quantising op (README "Special values"; the torch twin is
+# kvwrite.reference.quant, the C++ one csrc/kvwrite/fp8.h + quant.h):
+#   inputs whose magnitude is an fp32 subnormal (< 2**-126) are read as a zero of the same sign
+#   (`daz`), so a GPU's flush-to-zero and a CPU give the same bytes; NaN -> the format's one NaN
+#   code (0x7F; e4m3fnuz 0x80), whatever its sign; +-inf and finite overflow -> +-max;
+#   -0 -> -0 (0x80; e4m3fnuz has none: 0x00); block scales come from the finite values only
+#   (`finite_abs`).
+FLT_TINY = tl.constexpr(1.1754943508222875e-38)   # 2**-126, torch.finfo(torch.float32).tiny
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
+
+
+@triton.jit
+def daz(x):
+    """fp32 `x` with fp32-subnormal magnitudes replaced by a zero of the same sign (bit ops:
+    the same on a GPU that flushes subnormals and on a CPU that does not)."""
+    x = x.to(tl.float32)
+    bits = x.to(tl.int32, bitcast=True)
+    zero = (bits & -2147483648).to(tl.float32, bitcast=True)
+    return tl.where((bits & 0x7F800000) == 0, zero, x)
+
+
+@triton.jit
+def finite_abs(x):
+    """|x| where x is finite, else 0: what a block's amax is taken over (NaN and +-inf are
+    excluded, so one special value never changes the scale of its neighbours)."""
+    ax = tl.abs(x.to(tl.float32))
+    return tl.where(ax <= FLT_MAX, ax, 0.0)
+
+
 @triton.jit
 def fp8_bits(x, FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
     """The fp8 code (int32 in [0, 256)) of saturate(x) for a format with MANT mantissa bits,
-    smallest normal exponent EMIN and finite max FMAX: round to nearest, ties to even.
+    smallest normal exponent EMIN and finite max FMAX: round to nearest, ties to even; NaN ->
+    the format's NaN code, +-inf -> +-FMAX, -0 -> 0x80. FMAX == 240 is e4m3fnuz (bias 8, NaN
+    0x80, no -0: a result that rounds to zero is 0x00).
 
     Built from fp32 bit arithmetic, not a cast: the result is identical on every backend (the
     interpreter's fp8 cast misrounds), and sm_80, which has no e4m3 type, stores it as a byte.
+    NaN is tested before the clamp (a GPU's min/max would turn it into -FMAX).
     """
-    x = tl.minimum(tl.maximum(x.to(tl.float32), -FMAX), FMAX)
+    FNUZ: tl.constexpr = FMAX == 240.0
+    x = x.to(tl.float32)
+    is_nan = x != x
+    x = tl.where(is_nan, 0.0, x)
+    x = tl.minimum(tl.maximum(x, -FMAX), FMAX)
     xbits = x.to(tl.int32, bitcast=True)
     ax = tl.abs(x)
     bits = xbits & 0x7FFFFFFF
@@ -235,7 +271,19 @@ def fp8_bits(x, FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
     tiny = tl.minimum(ax, 2.0 ** EMIN)
     subnormal = (((tiny + magic) - magic) * (2.0 ** (MANT - EMIN))).to(tl.int32)
     code = tl.where(ax < 2.0 ** EMIN, subnormal, normal)
-    return code | ((xbits >> 24) & 0x80)
+    if FNUZ:
+        code = tl.where(code == 0, 0, code | ((xbits >> 24) & 0x80))
+        return tl.where(is_nan, 0x80, code)
+    else:
+        code = code | ((xbits >> 24) & 0x80)
+        return tl.where(is_nan, 0x7F, code)
+
+
+@triton.jit
+def fp8_quant(x, scale, FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
+    """The fp8 code of saturate(daz(x) / scale) (division rounded to nearest, as torch's)."""
+    xs = daz(x)
+    return fp8_bits(tl.div_rn(xs, tl.zeros_like(xs) + scale), FMAX, MANT, EMIN)
 
 
 @triton.jit

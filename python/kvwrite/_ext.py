@@ -1,6 +1,8 @@
 """The C++/CUDA extension (csrc/): the "cpu" and "cuda" backends.
 
-The ops live in the torch op namespace `kvwrite_ext` (the Python custom ops are `kvwrite::*`).
+Two op namespaces: `kvwrite_ext::*`, the raw kernels (validated parameter structs, coded check
+and op; what the Python backends "cpu"/"cuda" call), and the CPU / CUDA kernels of the public
+ops `kvwrite::*` (schemas defined in kvwrite.ops._library; validation + dispatch in csrc/api.h).
 They come from an ahead-of-time build (`KVWRITE_BUILD_EXT=1 pip install .` -> `kvwrite._C`) or
 are built on first use with `torch.utils.cpp_extension.load` + ninja into
 `~/.cache/kvwrite/ext-<torch version>-<hash of the sources and flags>` (`KVWRITE_EXT_CACHE`
@@ -23,6 +25,9 @@ import torch
 DEFAULT_ARCHS = "8.0;9.0"
 _lock = threading.Lock()
 _state: dict[str, object] = {}
+# True once the extension is loaded and its kernels of the public ops torch.ops.kvwrite.* are
+# registered (csrc/api.h): kvwrite.store_* then call those ops directly.
+LOADED = False
 
 
 def csrc_dir() -> Path | None:
@@ -202,6 +207,8 @@ def _load() -> str | None:
         if reason is None and not _has_ops():
             reason = "the extension loaded but registered no kvwrite_ext ops"
         _state["reason"] = reason
+        global LOADED
+        LOADED = reason is None and torch._C._dispatch_has_kernel_for_dispatch_key("kvwrite::store_kv", "CPU")
         return reason
 
 

@@ -116,19 +116,24 @@ def resolve(locs: Locs, capacity: int, check: Check, pool_page_size: int = 1) ->
 
 
 def check(r: Resolved, geometry: PageGeometry, chk: Check) -> None:
-    """`assert`: raise on the first bad token (host sync). `guard`: fold into the record."""
-    if chk.mode == "assert" and bool(r.bad.any()):
-        i = int(torch.nonzero(r.bad)[0, 0])
+    """`assert`: raise on the first bad token (host sync). `guard`: fold into the record.
+    `off`: a row past the pool (which torch indexing would refuse half-way through the store)
+    raises the same error before anything is written; negative rows are skipped."""
+    bad = r.bad
+    if chk.mode == "off":  # a written token's kind/target/limit already name the pool (or page)
+        bad = r.write & (r.row >= geometry.capacity)
+    if chk.mode in ("assert", "off") and bool(bad.any()):
+        i = int(torch.nonzero(bad)[0, 0])
         kind, target = int(r.kind[i]), int(r.target[i])
         if r.table is not None:
             ctx = [int(r.table[s][i]) for s in (_e.BATCH, _e.POSITION, _e.TABLE_SLOT, _e.TABLE_PAGE)]
             raise _e.table_error(chk.op, i, kind, target, int(r.limit[i]), geometry.pool_page_size,
-                                 int(r.bad.sum()), *ctx)
+                                 int(bad.sum()), *ctx)
         raise OutOfBoundsWrite(op=chk.op, token_index=i, loc=int(r.loc[i]),
                                page=geometry.page_of(target) if kind == KIND_POOL else None,
                                num_pages=geometry.num_pages,
                                pool_page_size=geometry.pool_page_size,
-                               count=int(r.bad.sum()), kind=kind, target=target,
+                               count=int(bad.sum()), kind=kind, target=target,
                                limit=int(r.limit[i]))
     if chk.mode == "guard":
         record_torch(chk.errors, r.bad, r.loc, r.target, r.limit, geometry.pool_page_size,
