@@ -93,6 +93,11 @@ int64_t token_bytes(const StoreIndexerKParams& p) {
 int64_t token_bytes(const StoreKVNVFP4Params& p) {
   return int64_t(p.H) * (p.k.D + p.v.D) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT;
 }
+int64_t token_bytes(const StoreDSV4KVParams& p) {  // DeepSeek V4
+  return int64_t(DSV4_NOPE + DSV4_ROPE) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT;
+}
+int64_t token_bytes(const StoreMXFP4Params& p) { return int64_t(p.D) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT; }
+int64_t token_bytes(const StoreRowsParams& p) { return 2 * p.row_bytes; }
 
 // Run `token(i)` for every token (in parallel above the threshold), after the assert pre-scan.
 template <class Body>
