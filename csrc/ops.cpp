@@ -93,6 +93,11 @@ int64_t token_bytes(const StoreIndexerKParams& p) {
 int64_t token_bytes(const StoreKVNVFP4Params& p) {
   return int64_t(p.H) * (p.k.D + p.v.D) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT;
 }
+int64_t token_bytes(const StoreDSV4KVParams& p) {  // DeepSeek V4
+  return int64_t(DSV4_NOPE + DSV4_ROPE) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT;
+}
+int64_t token_bytes(const StoreMXFP4Params& p) { return int64_t(p.D) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT; }
+int64_t token_bytes(const StoreRowsParams& p) { return 2 * p.row_bytes; }
 
 // Run `token(i)` for every token (in parallel above the threshold), after the assert pre-scan.
 template <class Body>
@@ -190,30 +195,37 @@ void store_kv_nvfp4_cpu(const Tensor& k, const Tensor& v, const Tensor& k_cache,
 // DeepSeek V4 (kvwrite/store_dsv4.h). fmt 0: fp8 rows (store_indexer_k's body), 1: mxfp4.
 void store_dsv4_kv_cpu(const Tensor& kv, const Tensor& cache, int64_t pool_page_size, const Tensor& loc,
                        const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size,
-                       int64_t check, int64_t op) {
-  const StoreDSV4KVParams p =
+                       int64_t check, int64_t op, const OptTensor& batch_indices,
+    const OptTensor& kv_indices, const OptTensor& kv_indptr) {
+  StoreDSV4KVParams p =
       store_dsv4_kv_params(kv, cache, pool_page_size, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  kvw_dsv4_table(p.locs, batch_indices, kv_indices, kv_indptr);
   KVW_RUN_CPU(dispatch_store_dsv4_kv, p, check);
 }
 
 void store_dsv4_indexer_k_cpu(const Tensor& k, const Tensor& cache, int64_t pool_page_size, int64_t fmt, bool ue8m0,
                               const Tensor& loc, const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank,
-                              int64_t dcp_size, int64_t check, int64_t op) {
+                              int64_t dcp_size, int64_t check, int64_t op, const OptTensor& batch_indices,
+    const OptTensor& kv_indices, const OptTensor& kv_indptr) {
   if (fmt == 0) {
     StoreIndexerKParams p =
         store_indexer_k_params(k, cache, 128, ue8m0, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+    kvw_dsv4_table(p.locs, batch_indices, kv_indices, kv_indptr);
     p.locs.dcp_page = true;
     KVW_RUN_CPU(dispatch_store_indexer_k, p, check);
     return;
   }
-  const StoreMXFP4Params p =
+  StoreMXFP4Params p =
       store_mxfp4_params(k, cache, pool_page_size, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  kvw_dsv4_table(p.locs, batch_indices, kv_indices, kv_indptr);
   KVW_RUN_CPU(dispatch_store_mxfp4, p, check);
 }
 
 void store_rows_cpu(const Tensor& src, const Tensor& pool, const Tensor& loc, const OptTensor& loc_map,
-                    const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op) {
-  const StoreRowsParams p = store_rows_params(src, pool, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+                    const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op, const OptTensor& batch_indices,
+    const OptTensor& kv_indices, const OptTensor& kv_indptr) {
+  StoreRowsParams p = store_rows_params(src, pool, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  kvw_dsv4_table(p.locs, batch_indices, kv_indices, kv_indptr);
   KVW_RUN_CPU(dispatch_store_rows, p, check);
 }
 

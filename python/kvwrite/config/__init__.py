@@ -12,6 +12,7 @@ from kvwrite.config.presets import presets
 from kvwrite.config.registry import (PlanContext, VariantPlanner, register_variant, unregister_variant,
                                      variants)
 from kvwrite.config.variants import KV_CACHE_DTYPES
+from kvwrite.config import dsv4 as _dsv4  # noqa: F401,E402  (registers the "dsv4" variant)
 
 __all__ = [
     "BudgetTooSmall", "BufferSpec", "ConfigError", "KVCacheConfigurator", "KVPool", "KV_CACHE_DTYPES",

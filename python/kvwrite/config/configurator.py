@@ -122,6 +122,12 @@ class KVCacheConfigurator:
             scale = self._pool_scale(spec)
             geometry = PageGeometry(P, space.num_locs // (P * dcp), loc_space_scale=scale)
             addressing = "sharded" if dcp > 1 and scale == 1 else ("virtual" if dcp > 1 else "local")
+            own = self.planner.sub_pool(spec, self.context, space.num_locs // (P * dcp), scale)
+            if own is not None:  # rows that are not the allocator's pages (DeepSeek V4)
+                geometry = own["geometry"]
+                space = own.get("space") or space
+                addressing = own.get("addressing") or addressing
+                spaces.setdefault(space.name, space)
             pools.append(SubPoolPlan(
                 name=spec.name, layer_ids=spec.layer_ids, geometry=geometry,
                 buffers=buffer_plans(spec, geometry, spaces["full"].num_locs), op=spec.op,
@@ -148,6 +154,9 @@ class KVCacheConfigurator:
     def cell_size_bytes(self) -> float:
         """Bytes per token of `plan().max_total_num_tokens`, over all layers and all buffers
         (scales and the SWA loc map included; SWA buffers weighted by `swa_full_tokens_ratio`)."""
+        own = self.planner.cell_size(self.context, self.swa_full_tokens_ratio)
+        if own is not None:
+            return _number(round(own, 6))
         total = 0.0
         dcp, lss = self.parallel.dcp_size, self.loc_space_scale
         for spec in self.pool_specs:

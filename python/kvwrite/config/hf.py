@@ -106,6 +106,19 @@ def _qwen3_next(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _deepseek_v4(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    # compress_ratios has one entry per layer plus the MTP layer(s): the first num_hidden_layers.
+    n = int(_get(cfg, "num_hidden_layers"))
+    ratios = list(_get(cfg, "compress_ratios"))
+    if len(ratios) < n:
+        raise SpecError(f"config.json compress_ratios has {len(ratios)} entries for {n} layers")
+    return dict(variant="dsv4", num_layers=n, head_dim=int(_get(cfg, "head_dim")),
+                qk_rope_head_dim=int(_get(cfg, "qk_rope_head_dim")),
+                index_head_dim=int(_get(cfg, "index_head_dim")),
+                sliding_window=int(_get(cfg, "sliding_window")), compress_ratios=ratios[:n],
+                dtype=_dtype(cfg), num_draft_layers=_draft_layers(cfg))
+
+
 # model_type -> (architecture class names, parser)
 ARCHITECTURES: dict[str, tuple[tuple[str, ...], Callable[[Mapping[str, Any]], dict[str, Any]]]] = {
     "llama": (("LlamaForCausalLM",), _dense),
@@ -119,6 +132,7 @@ ARCHITECTURES: dict[str, tuple[tuple[str, ...], Callable[[Mapping[str, Any]], di
     "gemma3": (("Gemma3ForConditionalGeneration", "Gemma3ForCausalLM"), _gemma3),
     "gemma3_text": (("Gemma3ForCausalLM",), _gemma3),
     "qwen3_next": (("Qwen3NextForCausalLM",), _qwen3_next),
+    "deepseek_v4": (("DeepseekV4ForCausalLM",), _deepseek_v4),
 }
 
 

@@ -25,7 +25,8 @@ _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp3
 # Fields that a variant may or may not use; a variant's planner lists the ones it reads and
 # a spec that sets any other is inconsistent (SpecError).
 OPTIONAL_FIELDS = ("num_kv_heads", "head_dim", "v_head_dim", "kv_lora_rank", "qk_rope_head_dim",
-                   "index_head_dim", "sliding_window", "swa_layer_ids", "full_attention_layer_ids")
+                   "index_head_dim", "sliding_window", "swa_layer_ids", "full_attention_layer_ids",
+                   "compress_ratios")
 
 
 _READERS: dict[str, Callable[..., "ModelSpec"]] = {}
@@ -91,6 +92,7 @@ class ModelSpec:
     full_attention_layer_ids: tuple[int, ...] = ()
     dtype: str = "bfloat16"
     num_draft_layers: int = 1
+    compress_ratios: tuple[int, ...] = ()   # dsv4: per layer 0 (SWA only), 4 or 128
     name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -108,6 +110,10 @@ class ModelSpec:
         set_("dtype", _dtype_name(self.dtype))
         set_("swa_layer_ids", _ids("swa_layer_ids", self.swa_layer_ids))
         set_("full_attention_layer_ids", _ids("full_attention_layer_ids", self.full_attention_layer_ids))
+        try:
+            set_("compress_ratios", tuple(int(r) for r in self.compress_ratios))
+        except (TypeError, ValueError):
+            raise SpecError(f"compress_ratios must be a sequence of ints, got {self.compress_ratios!r}") from None
         for k in ("swa_layer_ids", "full_attention_layer_ids"):
             bad = [i for i in getattr(self, k) if not 0 <= i < self.num_layers]
             if bad:
@@ -139,6 +145,7 @@ class ModelSpec:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["swa_layer_ids"], d["full_attention_layer_ids"] = list(self.swa_layer_ids), list(self.full_attention_layer_ids)
+        d["compress_ratios"] = list(self.compress_ratios)
         return d
 
     @classmethod

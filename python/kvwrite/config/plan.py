@@ -16,7 +16,7 @@ import torch
 from kvwrite.config.pool import KVPool
 from kvwrite.geometry import GeometryError, PageGeometry, require_positive_int
 
-LAYOUTS = ("rows", "page_major", "map")
+LAYOUTS = ("rows", "page_major", "map", "dsv4_kv")
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,10 @@ class BufferSpec:
             return (geometry.num_pages, geometry.pool_page_size, *self.row_shape)
         if self.layout == "page_major":
             return (geometry.num_pages, geometry.pool_page_size * math.prod(self.row_shape))
+        if self.layout == "dsv4_kv":  # DeepSeek V4 KV pages: 584 B a token, padded to 576 B
+            from kvwrite.ops.dsv4 import kv_page_bytes
+
+            return (geometry.num_pages, kv_page_bytes(geometry.pool_page_size))
         return (full_locs,)
 
 

@@ -64,6 +64,19 @@ class VariantPlanner:
     def store(self, pool, layer_id: int, loc, tensors: tuple, scales: dict) -> None:
         raise NotImplementedError
 
+    # Defaults a variant brings (page_size, kv_cache_dtype, swa_full_tokens_ratio) for the CLI.
+    defaults: dict = {}
+
+    def sub_pool(self, spec, ctx: PlanContext, pages: int, scale: int):
+        """None (the configurator lays sub-pool `spec` out: `pages` pages of page_size * scale
+        rows over its loc space), or a dict with its own `geometry` and optionally `space` (a
+        LocSpace) and `addressing`: pools whose rows are not the allocator's pages."""
+        return None
+
+    def cell_size(self, ctx: PlanContext, swa_full_tokens_ratio: float):
+        """None (the configurator sums buffer rows), or the variant's bytes per full token."""
+        return None
+
 
 def draft_layers(spec) -> int:
     if spec.num_draft_layers < 1:
