@@ -15,12 +15,15 @@ from kvwrite.config.errors import SpecError, UnknownVariant, UnsupportedCombinat
 @dataclass(frozen=True)
 class PlanContext:
     """What a planner may read: the model planned (the draft model's on a draft worker), the
-    parallel setup, the kv cache dtype and the base page size."""
+    parallel setup, the kv cache dtype, the base page size, the paged-buffer layout ("NHD" or
+    "HND") and the target ("gpu", or "npu" for SGLang's Ascend pool layouts)."""
 
     model: Any
     parallel: Any
     kv_cache_dtype: str
     page_size: int
+    layout: str = "NHD"
+    target: str = "gpu"
 
     @property
     def heads(self) -> int:
@@ -56,6 +59,10 @@ class VariantPlanner:
     def pools(self, ctx: PlanContext) -> Sequence:
         """The sub-pools (`kvwrite.config.plan.PoolSpec`) of this variant."""
         raise NotImplementedError
+
+    def state_pools(self, ctx: PlanContext) -> Sequence:
+        """Recurrent-state pools (`kvwrite.config.plan.StatePoolSpec`), sized per request slot."""
+        return ()
 
     def inputs(self, plan, layer_id: int) -> list:
         """Per-token (name, shape, dtype) of the tensors `store(layer_id, loc, *tensors)` takes."""
