@@ -38,6 +38,7 @@ inline int store_kv_vec(const StoreKVParams& p) {
             uint64_t(s->s_tok * es) | uint64_t(s->s_head * es) |
             uint64_t(reinterpret_cast<uintptr_t>(s->cache.base)) | uint64_t(s->cache.stride_page * es) |
             uint64_t(s->cache.stride_entry * es) | uint64_t(s->cache.stride_head * es);
+    if (s->cache.split) bits |= uint64_t(s->cache.split * es) | uint64_t(s->cache.stride_split * es);
   }
   return vec_bytes(bits);
 }
@@ -50,7 +51,9 @@ KVW_HD void copy_side(const KVSide& s, int H, int es, i64 i, i64 row, int lane, 
   const char* src = s.src + i * s.s_tok * es;
   for (int u = lane; u < H * units; u += nlanes) {
     const int h = u / units, b = (u - h * units) * VEC;
-    copy_unit<VEC>(dst + s.cache.in_row(h, 0) + b, src + h * s.s_head * es + b);
+    // a unit never straddles a split chunk (store_kv_vec divides split * es)
+    const i64 at = s.cache.split ? s.cache.in_row(h, b / es) + b % es : s.cache.in_row(h, 0) + b;
+    copy_unit<VEC>(dst + at, src + h * s.s_head * es + b);
   }
 }
 
