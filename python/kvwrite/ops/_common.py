@@ -22,6 +22,7 @@ class Locs:
     dcp_rank: int = 0
     dcp_size: int = 1
     table: PageTable | None = None
+    dcp_page: bool = False   # DCP shards whole pages (page p on rank p % dcp_size), not tokens
 
     @property
     def n(self) -> int:
@@ -83,6 +84,26 @@ def prepare(op: str, device: torch.device, n: int, loc: object, loc_map: object,
     if mode != "guard":
         record = None
     return locs, Check(op, mode, record)
+
+
+# Backends the C++ ops (csrc/api.h) run themselves once the extension is loaded.
+NATIVE = ("auto", "cpu", "cuda")
+_DEFAULT_RECORD: dict[torch.device, torch.Tensor] = {}
+
+
+def record(errors: object, check: object, ref: object) -> object:
+    """The `errors` argument of a C++ op call: an ErrorBuffer's tensor; in guard mode without
+    one, the default buffer of `ref`'s device (as `prepare` picks it); anything else unchanged
+    (the op validates it)."""
+    if errors is None:
+        if check != "guard":
+            return None
+        device = ref.device
+        t = _DEFAULT_RECORD.get(device)
+        if t is None:
+            t = _DEFAULT_RECORD[device] = default_errors(device).tensor
+        return t
+    return errors.tensor if isinstance(errors, ErrorBuffer) else errors
 
 
 def cache_geometry(name: str, num_pages: int, pool_page_size: int) -> PageGeometry:
