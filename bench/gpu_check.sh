@@ -73,6 +73,11 @@ timeout 300 $PY -m kvwrite.cli bench --cases mha-bf16,mha-bf16-pagetable --min-t
     --out "$OUT/bench-pagetable" > "$OUT/bench-pagetable.log" 2>&1 || status=1
 tail -3 "$OUT/bench-pagetable.log" | tee -a "$OUT/summary.txt"
 
+step "engine adapters (kvwrite.compat) incl. vLLM's legacy head-major layout on every CUDA backend vs engine re-statements"
+( cd tests && KVWRITE_TEST_DEVICE=cuda timeout 300 $PY -m pytest -q -n 0 -p no:cacheprovider test_compat_vllm.py test_compat_sglang.py ) \
+    > "$OUT/compat.log" 2>&1 || status=1
+tail -1 "$OUT/compat.log" | tee -a "$OUT/summary.txt"
+
 # Later issues add their steps (sanitizer, benchmarks) above this line.
 step "done (status $status)"
 exit $status
