@@ -338,3 +338,26 @@ def test_host_cost_table_measures_every_entry_point():
             "kvwrite.store_kv_nvfp4"} <= {r["what"] for r in rows}
     assert all(r["us"] > 0 and r["vs_us"] > 0 and r["met"] == (r["ratio"] <= r["target"]) for r in rows)
     assert "| call | µs | nearest torch equivalent |" in "\n".join(host.markdown(rows))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or _ext.unavailable_reason("cuda") is not None,
+                    reason="needs a CUDA device and the extension's CUDA kernels")
+def test_cuda_fast_path_runs_in_cpp_and_is_graph_safe():
+    """On CUDA tensors the C++ op validates and launches with no host sync: it captures into a
+    CUDA graph, and the replay writes the reference's bytes and guard record."""
+    k, v, kc, vc = (t.cuda() for t in _kv())
+    ref_k, ref_v = kc.clone(), vc.clone()
+    errors, ref_errors = kvwrite.ErrorBuffer("cuda"), kvwrite.ErrorBuffer("cuda")
+    loc = torch.tensor([0, 5, 99], device="cuda")
+    forwarded = dict(_library.FORWARDED)
+    kvwrite.store_kv(k, v, kc, vc, loc, check="guard", errors=errors)  # warm-up, outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kvwrite.store_kv(k * 2, v, kc, vc, loc, check="guard", errors=errors)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _library.FORWARDED == forwarded
+    kvwrite.store_kv(k, v, ref_k, ref_v, loc, check="guard", errors=ref_errors, backend="torch")
+    kvwrite.store_kv(k * 2, v, ref_k, ref_v, loc, check="guard", errors=ref_errors, backend="torch")
+    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+    assert torch.equal(errors.tensor, ref_errors.tensor) and errors.error().count == 2

@@ -115,8 +115,15 @@ def cache_geometry(name: str, num_pages: int, pool_page_size: int) -> PageGeomet
 def dispatch(op: str, table: tuple[tuple[str, str], ...], backend: str, device: torch.device,
              args: object) -> None:
     """Run `args` on the resolved backend's implementation of `op`."""
-    if not isinstance(backend, str):
-        raise TypeError(f"backend must be a str, got {type(backend).__name__}")
-    name = backends.resolve(backend, device, op, backends.implemented(table))
+    key = (op, table, backend, device)
+    name = _RESOLVED.get(key) if type(backend) is str else None
+    if name is None:
+        if not isinstance(backend, str):
+            raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+        name = backends.resolve(backend, device, op, backends.implemented(table))
+        _RESOLVED[key] = name  # availability is settled once per process (backend.py caches it)
     impl: Callable = backends.implementation(table, name)
     impl(args)
+
+
+_RESOLVED: dict[tuple, str] = {}   # (op, table, backend, device) -> the backend it resolved to
