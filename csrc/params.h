@@ -26,9 +26,12 @@ inline DType dtype_of(const Tensor& t) {
     case at::kByte: return DType::U8;
     case at::kFloat8_e4m3fn: return DType::E4M3;
     case at::kFloat8_e5m2: return DType::E5M2;
+    case at::kFloat8_e4m3fnuz: return DType::E4M3FNUZ;
     default: TORCH_CHECK(false, "kvwrite: unsupported dtype ", t.scalar_type());
   }
 }
+
+inline bool is_fp8(DType t) { return t == DType::E4M3 || t == DType::E5M2 || t == DType::E4M3FNUZ; }
 
 inline void check_same_device(const Tensor& ref, const Tensor& t, const char* name) {
   TORCH_CHECK(t.device() == ref.device(), "kvwrite: ", name, " is on ", t.device(), " but the inputs are on ",
@@ -157,7 +160,7 @@ inline StoreKVParams store_kv_params(const Tensor& k, const Tensor& v, const Ten
   p.cache_dtype = dtype_of(k_cache);
   TORCH_CHECK(v.scalar_type() == k.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
               "kvwrite: k/v and k_cache/v_cache must share dtypes");
-  const bool quant = p.cache_dtype == DType::E4M3 || p.cache_dtype == DType::E5M2;
+  const bool quant = is_fp8(p.cache_dtype);
   TORCH_CHECK(quant ? (k_scale.has_value() && v_scale.has_value()) : p.cache_dtype == p.in_dtype,
               "kvwrite: the cache dtype must equal the input dtype, or be fp8 with k_scale/v_scale");
   p.k = kv_side(k, k_cache, quant ? k_scale : std::nullopt, "k_cache");
@@ -201,7 +204,7 @@ inline StoreMLAParams store_mla_params(const Tensor& kv_c, const Tensor& k_pe, c
   if (p.mode == MLA_COPY) {
     TORCH_CHECK(p.cache_dtype == p.in_dtype, "kvwrite: kv_cache must have the input dtype");
   } else if (p.mode == MLA_FP8) {
-    TORCH_CHECK(p.cache_dtype == DType::E4M3 || p.cache_dtype == DType::E5M2, "kvwrite: kv_cache must be fp8");
+    TORCH_CHECK(is_fp8(p.cache_dtype), "kvwrite: kv_cache must be fp8");
     TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kFloat && scale->numel() == 1,
                 "kvwrite: fp8 store_mla needs a per-tensor fp32 scale");
     check_same_device(kv_c, *scale, "scale");

@@ -11,6 +11,7 @@ from kvwrite import errors as _e
 CHECK_OFF = tl.constexpr(0)
 CHECK_ASSERT = tl.constexpr(1)
 CHECK_GUARD = tl.constexpr(2)
+DCP_PAGE = tl.constexpr(2)  # HAS_DCP value of page-granular DCP sharding (0 none, 1 per token)
 
 _COUNT = tl.constexpr(_e.COUNT)
 _LOC_LO = tl.constexpr(_e.LOC_LO)
@@ -34,7 +35,8 @@ _TABLE_PAGE = tl.constexpr(_e.TABLE_PAGE)
 
 @triton.jit
 def resolve_locs(loc_ptr, tok, tmask, loc_map_ptr, map_len, dcp_rank, dcp_size, capacity,
-                 HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr, CHECK: tl.constexpr):
+                 HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr, CHECK: tl.constexpr,
+                 pool_page_size=1):
     """Map each token's loc to the local row it writes.
 
     Composition order (the reference `kvwrite.reference._locs.resolve` mirrors it):
@@ -43,7 +45,9 @@ def resolve_locs(loc_ptr, tok, tmask, loc_map_ptr, map_len, dcp_rank, dcp_size, 
          too, so loc_map is never read out of bounds), then row = loc_map[loc]; a mapped -1 is
          skipped;
       3. DCP (HAS_DCP): the (mapped) virtual row belongs to rank row % dcp_size and lives at
-         local row row // dcp_size; other ranks' tokens are skipped;
+         local row row // dcp_size; other ranks' tokens are skipped. HAS_DCP == DCP_PAGE
+         (DeepSeek V4 stores) shards by page instead: virtual page p = row // pool_page_size
+         belongs to rank p % dcp_size as its local page p // dcp_size;
       4. bounds: the local row must lie in [0, capacity) (else KIND_POOL; off mode skips only
          negative rows and does not check the upper bound).
     Returns (loc, row, write, bad, target, limit, kind): `write` masks the tokens to store,
@@ -62,7 +66,11 @@ def resolve_locs(loc_ptr, tok, tmask, loc_map_ptr, map_len, dcp_rank, dcp_size, 
         live = live & in_map  # off mode too: never read loc_map out of bounds, skip the token
         row = tl.load(loc_map_ptr + loc, mask=live, other=-1).to(tl.int64)
         live = live & (row != -1)
-    if HAS_DCP:
+    if HAS_DCP == DCP_PAGE:
+        vpage = row // pool_page_size
+        live = live & ((row < 0) | (vpage % dcp_size == dcp_rank))
+        row = tl.where(row >= 0, (vpage // dcp_size) * pool_page_size + row % pool_page_size, row)
+    elif HAS_DCP:
         owned = (row < 0) | (row % dcp_size == dcp_rank)
         live = live & owned
         row = tl.where(row >= 0, row // dcp_size, row)
@@ -198,7 +206,7 @@ def claim_rows(loc_ptr, tok, n_tokens, loc_map_ptr, map_len, dcp_rank, dcp_size,
     else:
         loc, row, write, bad, target, limit, kind = resolve_locs(
             loc_ptr, tok, tmask, loc_map_ptr, map_len, dcp_rank, dcp_size, capacity,
-            HAS_MAP, HAS_DCP, CHECK)
+            HAS_MAP, HAS_DCP, CHECK, pool_page_size)
         check_or_record(err_ptr, tok, loc, bad, target, limit, kind, pool_page_size, OP, CHECK,
                         record)
         page = row // pool_page_size
@@ -206,15 +214,51 @@ def claim_rows(loc_ptr, tok, n_tokens, loc_map_ptr, map_len, dcp_rank, dcp_size,
     return page, offset, write
 
 
+# The special-value policy of every quantising op (README "Special values"; the torch twin is
+# kvwrite.reference.quant, the C++ one csrc/kvwrite/fp8.h + quant.h):
+#   inputs whose magnitude is an fp32 subnormal (< 2**-126) are read as a zero of the same sign
+#   (`daz`), so a GPU's flush-to-zero and a CPU give the same bytes; NaN -> the format's one NaN
+#   code (0x7F; e4m3fnuz 0x80), whatever its sign; +-inf and finite overflow -> +-max;
+#   -0 -> -0 (0x80; e4m3fnuz has none: 0x00); block scales come from the finite values only
+#   (`finite_abs`).
+FLT_TINY = tl.constexpr(1.1754943508222875e-38)   # 2**-126, torch.finfo(torch.float32).tiny
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
+
+
+@triton.jit
+def daz(x):
+    """fp32 `x` with fp32-subnormal magnitudes replaced by a zero of the same sign (bit ops:
+    the same on a GPU that flushes subnormals and on a CPU that does not)."""
+    x = x.to(tl.float32)
+    bits = x.to(tl.int32, bitcast=True)
+    zero = (bits & -2147483648).to(tl.float32, bitcast=True)
+    return tl.where((bits & 0x7F800000) == 0, zero, x)
+
+
+@triton.jit
+def finite_abs(x):
+    """|x| where x is finite, else 0: what a block's amax is taken over (NaN and +-inf are
+    excluded, so one special value never changes the scale of its neighbours)."""
+    ax = tl.abs(x.to(tl.float32))
+    return tl.where(ax <= FLT_MAX, ax, 0.0)
+
+
 @triton.jit
 def fp8_bits(x, FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
     """The fp8 code (int32 in [0, 256)) of saturate(x) for a format with MANT mantissa bits,
-    smallest normal exponent EMIN and finite max FMAX: round to nearest, ties to even.
+    smallest normal exponent EMIN and finite max FMAX: round to nearest, ties to even; NaN ->
+    the format's NaN code, +-inf -> +-FMAX, -0 -> 0x80. FMAX == 240 is e4m3fnuz (bias 8, NaN
+    0x80, no -0: a result that rounds to zero is 0x00).
 
     Built from fp32 bit arithmetic, not a cast: the result is identical on every backend (the
     interpreter's fp8 cast misrounds), and sm_80, which has no e4m3 type, stores it as a byte.
+    NaN is tested before the clamp (a GPU's min/max would turn it into -FMAX).
     """
-    x = tl.minimum(tl.maximum(x.to(tl.float32), -FMAX), FMAX)
+    FNUZ: tl.constexpr = FMAX == 240.0
+    x = x.to(tl.float32)
+    is_nan = x != x
+    x = tl.where(is_nan, 0.0, x)
+    x = tl.minimum(tl.maximum(x, -FMAX), FMAX)
     xbits = x.to(tl.int32, bitcast=True)
     ax = tl.abs(x)
     bits = xbits & 0x7FFFFFFF
@@ -227,7 +271,19 @@ def fp8_bits(x, FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
     tiny = tl.minimum(ax, 2.0 ** EMIN)
     subnormal = (((tiny + magic) - magic) * (2.0 ** (MANT - EMIN))).to(tl.int32)
     code = tl.where(ax < 2.0 ** EMIN, subnormal, normal)
-    return code | ((xbits >> 24) & 0x80)
+    if FNUZ:
+        code = tl.where(code == 0, 0, code | ((xbits >> 24) & 0x80))
+        return tl.where(is_nan, 0x80, code)
+    else:
+        code = code | ((xbits >> 24) & 0x80)
+        return tl.where(is_nan, 0x7F, code)
+
+
+@triton.jit
+def fp8_quant(x, scale, FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
+    """The fp8 code of saturate(daz(x) / scale) (division rounded to nearest, as torch's)."""
+    xs = daz(x)
+    return fp8_bits(tl.div_rn(xs, tl.zeros_like(xs) + scale), FMAX, MANT, EMIN)
 
 
 @triton.jit

@@ -39,7 +39,7 @@ def loc_args(a) -> dict:
         dcp_rank=locs.dcp_rank,
         dcp_size=locs.dcp_size,
         HAS_MAP=locs.loc_map is not None,
-        HAS_DCP=locs.dcp_size > 1,
+        HAS_DCP=(2 if locs.dcp_page else 1) if locs.dcp_size > 1 else 0,  # 2: _common.DCP_PAGE
         CHECK=chk.code,
         OP=op_code(chk.op),
         **table_args(locs),
@@ -85,7 +85,9 @@ def launch(kernel, grid, a, **kwargs) -> None:
 
 
 # (finite max, mantissa bits, smallest normal exponent) of each fp8 storage format.
-_FP8_FORMAT = {torch.float8_e4m3fn: (448.0, 3, -6), torch.float8_e5m2: (57344.0, 2, -14)}
+# e4m3fnuz (bias 8, max 240) is told apart by its max inside `fp8_bits`.
+_FP8_FORMAT = {torch.float8_e4m3fn: (448.0, 3, -6), torch.float8_e5m2: (57344.0, 2, -14),
+               torch.float8_e4m3fnuz: (240.0, 3, -7)}
 
 
 def fp8_constexprs(dtype: torch.dtype) -> dict:

@@ -7,7 +7,7 @@ fp32 scale (layout in `kvwrite.ops.indexer_k`). The indexer cache is addressed b
 import triton
 import triton.language as tl
 
-from kvwrite.kernels._common import claim_rows, fp8_bits, store_le_bytes
+from kvwrite.kernels._common import claim_rows, finite_abs, fp8_quant, store_le_bytes
 from kvwrite.ops import indexer_k as _ik
 
 _AMAX_FLOOR = tl.constexpr(_ik.AMAX_FLOOR)
@@ -38,11 +38,11 @@ def store_indexer_k_kernel(
     mask = write[:, None] & (q < QBS)[None, :]
     x = tl.load(k_ptr + tok.to(tl.int64)[:, None] * k_sn + cols[None, :], mask=mask,
                 other=0.0).to(tl.float32)
-    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), _AMAX_FLOOR), 448.0)
+    scale = tl.div_rn(tl.maximum(tl.max(finite_abs(x), axis=1), _AMAX_FLOOR), 448.0)
     if UE8M0:  # round up to a power of two: carry any mantissa bit into the exponent
         bits = scale.to(tl.int32, bitcast=True)
         scale = ((bits + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
-    code = fp8_bits(tl.div_rn(x, scale[:, None]), 448.0, 3, -6)
+    code = fp8_quant(x, scale[:, None], 448.0, 3, -6)
     tl.store(cache_ptr + (page_base + offset * D)[:, None] + cols[None, :], code.to(tl.uint8),
              mask=mask)
     scale_addr = page_base + page_data_bytes + (offset * (D // QBS) + blk) * 4

@@ -6,7 +6,7 @@ flattened [H * D] row; NHD and HND are the same kernel with different cache stri
 import triton
 import triton.language as tl
 
-from kvwrite.kernels._common import claim_rows, fp8_bits
+from kvwrite.kernels._common import claim_rows, fp8_quant
 
 
 @triton.jit
@@ -21,7 +21,7 @@ def _store_rows(src_ptr, dst_ptr, scale_ptr, tok, write, row_base, cols, ncols,
     x = tl.load(src_ptr + tok.to(tl.int64)[:, None] * s_n + (h * s_h + d)[None, :], mask=mask)
     if QUANT:
         scale = tl.load(scale_ptr + h * scale_h, mask=cmask, other=1.0)
-        x = fp8_bits(tl.div_rn(x.to(tl.float32), scale[None, :]), FMAX, MANT, EMIN)  # exact, as torch
+        x = fp8_quant(x, scale[None, :], FMAX, MANT, EMIN)  # exact division, as torch
     tl.store(dst_ptr + row_base[:, None] + (h * d_h + d)[None, :],
              x.to(dst_ptr.dtype.element_ty), mask=mask)
 
@@ -89,7 +89,7 @@ def variants():
 
     for check in (0, 1, 2):
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
-            for cache in (dtype, torch.float8_e4m3fn, torch.float8_e5m2):
+            for cache in (dtype, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz):
                 for has_map, has_dcp in ((False, False),) + (((True, True),) if cache == dtype else ()):
                     quant = cache in FP8_MAX
                     store = torch.uint8 if quant else cache

@@ -8,7 +8,7 @@ Every cache byte of fp8 formats is written as a byte (sm_80 has no e4m3 type).
 import triton
 import triton.language as tl
 
-from kvwrite.kernels._common import claim_rows, fp8_bits, store_le_bytes
+from kvwrite.kernels._common import claim_rows, finite_abs, fp8_quant, store_le_bytes
 from kvwrite.ops import mla as _mla
 
 _COPY = tl.constexpr(_mla.MODE_COPY)
@@ -31,7 +31,7 @@ def _concat_row(c_ptr, pe_ptr, dst_ptr, scale_ptr, tok, write, row_base, cols, c
     b = tl.load(pe_ptr + t64 * pe_sn + (cols - L)[None, :], mask=w & in_pe)
     x = tl.where(in_c, a, b)
     if QUANT:
-        x = fp8_bits(tl.div_rn(x.to(tl.float32), tl.load(scale_ptr)), FMAX, MANT, EMIN)
+        x = fp8_quant(x, tl.load(scale_ptr), FMAX, MANT, EMIN)
     tl.store(dst_ptr + row_base[:, None] + cols[None, :], x.to(dst_ptr.dtype.element_ty),
              mask=w & (in_c | in_pe))
 
@@ -58,8 +58,8 @@ def _ds_mla_tile(c_ptr, pe_ptr, dst_ptr, tok, write, row_base, tile, c_sn, pe_sn
     w = write[:, None]
     cols = tile * _TILE + tl.arange(0, _TILE)
     x = tl.load(c_ptr + t64[:, None] * c_sn + cols[None, :], mask=w, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=1), 448.0), _SCALE_FLOOR)
-    q = fp8_bits(tl.div_rn(x, scale[:, None]), 448.0, 3, -6)
+    scale = tl.maximum(tl.div_rn(tl.max(finite_abs(x), axis=1), 448.0), _SCALE_FLOOR)
+    q = fp8_quant(x, scale[:, None], 448.0, 3, -6)
     tl.store(dst_ptr + row_base[:, None] + cols[None, :], q.to(tl.uint8), mask=w)
     store_le_bytes(dst_ptr, row_base + L + tile * 4, scale.to(tl.int32, bitcast=True), write, 4)
     if tile == 0:
@@ -150,6 +150,7 @@ def variants():
     cases = (  # (input, kv_cache_dtype, with loc_map + DCP)
         (bf16, "auto", False), (f32, "auto", True), (f16, "fp8_e4m3", False),
         (bf16, "fp8_e5m2", False), (bf16, "fp8_ds_mla", False), (f32, "fp8_ds_mla", True),
+        (bf16, "fp8_e4m3fnuz", False),
     )
     for check in (0, 1, 2):
         for dtype, name, map_dcp in cases:

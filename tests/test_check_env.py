@@ -92,3 +92,13 @@ def test_report_default_errors_writes_the_full_message(capsys):
         assert "store_kv: token 0 writes loc -5 into page -3" in err and "padding must be -1" in err
     finally:
         buf.reset()
+
+
+def test_built_pools_take_the_environment_default():
+    script = ("import kvwrite\n"
+              "m = kvwrite.ModelSpec('mha', 2, num_kv_heads=1, head_dim=16)\n"
+              "c = kvwrite.KVCacheConfigurator(m, page_size=4, max_total_num_tokens=16)\n"
+              "print('POOL', c.build().check, c.build(check='off').check)\n")
+    r = run("assert", script=script)
+    assert r.returncode == 0, r.stderr
+    assert "POOL assert off" in r.stdout

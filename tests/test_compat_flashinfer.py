@@ -138,6 +138,8 @@ def test_get_batch_indices_positions():
 def test_bad_page_table_caught(backend, check):
     """A kv_indices entry past the pool (the #33348 class, via a page table): caught with the
     token, batch, position, slot and page; guard writes every other token."""
+    if check == "assert" and DEVICE.type == "cuda" and backend != "torch":
+        pytest.skip("a device assert kills the CUDA context (test_pagetable's subprocess test)")
     pps, pages, h, d = 4, 6, 1, 8
     key = torch.randn(4, h, d).to(DEVICE)
     batch = torch.tensor([0, 0, 1, 1], dtype=torch.int32, device=DEVICE)

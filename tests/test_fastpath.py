@@ -288,7 +288,9 @@ def _twin_pools(variant, kv="auto", dcp=1, rank=0):
     conf = kvwrite.KVCacheConfigurator(TINY[variant], kvwrite.ParallelSpec(dcp_size=dcp, dcp_rank=rank),
                                        page_size=4, kv_cache_dtype=kv, max_total_num_tokens=32)
     plan = conf.plan()
-    return plan.build("cpu", check="guard", backend="cpu"), plan.build("cpu", check="guard", backend="torch")
+    scales = 1.0 if kv.startswith("fp8") else None   # an fp8 pool is built with its scales
+    return (plan.build("cpu", check="guard", backend="cpu", scales=scales),
+            plan.build("cpu", check="guard", backend="torch", scales=scales))
 
 
 @pytest.mark.parametrize("variant, kv, dcp", [("mha", "auto", 1), ("mha", "fp8_e4m3", 1), ("mha", "auto", 2),

@@ -61,7 +61,7 @@ def test_store_kv_table_matches_reference(backend, layout, dtype, idx, cache):
 
 
 @pytest.mark.parametrize("backend", ALL)
-@pytest.mark.parametrize("fmt", ["auto", "fp8_ds_mla"])
+@pytest.mark.parametrize("fmt", ["auto", "fp8_ds_mla", "nvfp4"])
 def test_store_mla_table_matches_reference(backend, fmt):
     gen = torch.Generator().manual_seed(5)
     pps, num_pages, lora, rope = 2, 10, 128, 16
@@ -69,11 +69,17 @@ def test_store_mla_table_matches_reference(backend, fmt):
     n = table.positions.shape[0]
     kv_c = torch.randn(n, lora, generator=gen).to(torch.bfloat16).to(DEVICE)
     k_pe = torch.randn(n, rope, generator=gen).to(torch.bfloat16).to(DEVICE)
-    width, dtype = (lora + rope, torch.bfloat16) if fmt == "auto" else (lora + 4 + 2 * rope, torch.uint8)
-    pool = CanaryBuffer({"kv_cache": ((num_pages, pps, width), dtype)}, 3)
+    width, dtype = {"auto": (lora + rope, torch.bfloat16), "fp8_ds_mla": (lora + 4 + 2 * rope, torch.uint8),
+                    "nvfp4": ((lora + rope) // 2, torch.uint8)}[fmt]
+    specs = {"kv_cache": ((num_pages, pps, width), dtype)}
+    if fmt == "nvfp4":
+        specs["scale_cache"] = ((num_pages, pps, (lora + rope) // 16), E4M3)
+    pool = CanaryBuffer(specs, 3)
     ref, original = pool.clone(), pool.raw.clone()
     for be, buf in ((backend, pool), ("torch", ref)):
-        kvwrite.store_mla(kv_c, k_pe, buf["kv_cache"], table, kv_cache_dtype=fmt, check="assert", backend=be)
+        extra = dict(scale_cache=buf["scale_cache"]) if fmt == "nvfp4" else {}
+        kvwrite.store_mla(kv_c, k_pe, buf["kv_cache"], table, kv_cache_dtype=fmt, check="assert", backend=be,
+                          **extra)
     assert_same_bytes(pool, ref, original)
     if fmt == "auto":
         for i, page, row in placement(table, pps):
@@ -156,6 +162,8 @@ def kv_inputs(seed=0):
 @pytest.mark.parametrize("backend", ALL)
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_table_assert(backend, case):
+    if DEVICE.type == "cuda" and backend != "torch":
+        pytest.skip("a device assert kills the CUDA context: test_table_device_assert_in_subprocess")
     edits, want, _ = BAD[case]
     k, v = kv_inputs()
     pool = kv_pool("NHD", PAGES, PPS, H, D, torch.float32)
@@ -289,3 +297,22 @@ def test_table_compile_variants():
     assert {(r["family"], r["check"], r["cc"]) for r in rows} == {
         (f, c, cc) for f in ("store_kv", "store_mla") for c in (0, 1, 2) for cc in (80, 90)}
     assert all(r["assertfail"] == (r["check"] == 1) for r in rows)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="device asserts exist on a GPU only")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_table_device_assert_in_subprocess(backend):
+    """On a GPU, a page-table entry past the pool fires the device-side assert: the process dies."""
+    code = f"""
+import torch, kvwrite
+kc = torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16, device="cuda")
+k = torch.ones(2, 2, 64, dtype=torch.bfloat16, device="cuda")
+i32 = lambda *x: torch.tensor(x, dtype=torch.int32, device="cuda")
+t = kvwrite.PageTable(i32(0, 0), i32(0, 17), i32(1, 4), i32(0, 2))
+kvwrite.store_kv(k, k, kc, kc.clone(), t, check="assert", backend="{backend}")
+torch.cuda.synchronize()
+print("NOT REACHED")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "NOT REACHED" not in out.stdout
+    assert "assert" in (out.stderr + out.stdout).lower(), out.stderr[-2000:]

@@ -9,6 +9,18 @@
 
 #include "record.h"
 
+// Off mode on the host (the cpu backend) also skips a row past the pool, so a bad loc never
+// writes outside the cache tensor (its cost: bench/off_bound.py). Device code (the cuda backend)
+// keeps the check-free path. Building with -DKVWRITE_OFF_BOUND=0 drops the host bound (the
+// bench's baseline).
+#ifndef KVWRITE_OFF_BOUND
+#ifdef __CUDA_ARCH__
+#define KVWRITE_OFF_BOUND 0
+#else
+#define KVWRITE_OFF_BOUND 1
+#endif
+#endif
+
 namespace kvwrite {
 
 struct LocArgs {
@@ -18,6 +30,7 @@ struct LocArgs {
   bool map64 = true;
   i64 map_len = 0;
   i64 dcp_rank = 0, dcp_size = 1;
+  bool dcp_page = false;          // DCP shards whole pages (page p on rank p % dcp_size)
   i64 capacity = 0;               // rows of the target pool
   i64 pool_page_size = 1;
   i64 n = 0;                      // tokens
@@ -95,7 +108,7 @@ KVW_HD Resolved resolve_table(const LocArgs& a, i64 i) {
   r.target = page;
   r.limit = num_pages;
   if (CHECK == CHECK_OFF) {
-    r.write = page >= 0;
+    r.write = page >= 0 && (KVWRITE_OFF_BOUND == 0 || page < num_pages);  // host: bounded, see top
   } else {
     r.bad = page < 0 || page >= num_pages;
     r.write = !r.bad;
@@ -126,12 +139,17 @@ KVW_HD Resolved resolve(const LocArgs& a, i64 i) {
     row = live ? load_index(a.loc_map, a.map64, r.loc) : -1;
     live = live && row != -1;  // a mapped -1 is skipped
   }
-  if (a.dcp_size > 1) {
+  if (a.dcp_size > 1 && a.dcp_page) {  // page p -> rank p % dcp_size, local page p / dcp_size
+    const i64 vpage = row >= 0 ? row / a.pool_page_size : -1;
+    live = live && (row < 0 || vpage % a.dcp_size == a.dcp_rank);
+    if (row >= 0) row = (vpage / a.dcp_size) * a.pool_page_size + row % a.pool_page_size;
+  } else if (a.dcp_size > 1) {
     live = live && (row < 0 || row % a.dcp_size == a.dcp_rank);
     if (row >= 0) row /= a.dcp_size;
   }
   if (CHECK == CHECK_OFF) {
-    r.write = live && row >= 0;
+    // every negative row is skipped (vLLM's `slot < 0`); on the host also a row past the pool
+    r.write = live && row >= 0 && (KVWRITE_OFF_BOUND == 0 || row < a.capacity);
   } else {
     bool oob = live && (row < 0 || row >= a.capacity);
     r.bad = r.bad || oob;

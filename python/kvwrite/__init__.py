@@ -9,6 +9,9 @@ from kvwrite.ops.mla import store_mla
 from kvwrite.reference.indexer_k import read_indexer_k
 from kvwrite.reference.mla import dequant_ds_mla
 from kvwrite.ops.nvfp4 import store_kv_nvfp4
+from kvwrite.ops.dsv4 import (compressed_loc, state_loc, store_dsv4_indexer_k, store_dsv4_kv,
+                              store_rows)
+from kvwrite.reference.dsv4 import dequant_dsv4_kv, read_dsv4_indexer_k
 from kvwrite.reference.nvfp4 import dequant_nvfp4
 from kvwrite.allocator import AllocatorExhausted, PagedAllocator
 from kvwrite.config import (KVCacheConfigurator, KVPool, ModelSpec, ParallelSpec, PoolPlan, VariantPlanner,
@@ -24,4 +27,6 @@ __all__ = [
     "PoolPlan", "VariantPlanner", "presets", "register_variant",
     "dequant_nvfp4", "store_kv_nvfp4",
     "PageTable",
+    "compressed_loc", "dequant_dsv4_kv", "read_dsv4_indexer_k", "state_loc", "store_dsv4_indexer_k",
+    "store_dsv4_kv", "store_rows",
 ]

@@ -289,3 +289,18 @@ def store_kv_nvfp4(a) -> None:
     """`a`: kvwrite.ops.nvfp4.StoreKVNVFP4 (canonical [pages, pool_page_size, H, *] caches)."""
     _run(a, "store_kv_nvfp4", a.k, a.v, a.k_cache, a.v_cache, a.k_scale_cache, a.v_scale_cache,
          a.k_global_scale, a.v_global_scale)
+
+
+def store_dsv4_kv(a) -> None:
+    """`a`: kvwrite.ops.dsv4.StoreDSV4KV (uint8 `[pages, kv_page_bytes]` cache)."""
+    _run(a, "store_dsv4_kv", a.kv, a.cache, a.geometry.pool_page_size)
+
+
+def store_dsv4_indexer_k(a) -> None:
+    """`a`: kvwrite.ops.dsv4.StoreDSV4IndexerK (fp8 or mxfp4 rows)."""
+    _run(a, "store_dsv4_indexer_k", a.k, a.cache, a.geometry.pool_page_size, a.fmt_code, a.ue8m0)
+
+
+def store_rows(a) -> None:
+    """`a`: kvwrite.ops.dsv4.StoreRows."""
+    _run(a, "store_rows", a.src, a.pool)

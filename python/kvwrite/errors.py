@@ -48,6 +48,11 @@ OPS = (
     "store_mla",
     "store_indexer_k",
     "store_kv_nvfp4",
+    "rope_store_kv",
+    "rope_store_mla",
+    "store_dsv4_kv",
+    "store_dsv4_indexer_k",
+    "store_rows",
 )
 
 

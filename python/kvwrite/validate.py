@@ -8,7 +8,7 @@ from typing import Callable, Iterable, Sequence, TypeVar
 import torch
 
 FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
-FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0, torch.float8_e4m3fnuz: 240.0}
 LOC_DTYPES = (torch.int32, torch.int64)
 CHECK_MODES = {"off": 0, "assert": 1, "guard": 2}
 CHECK_ENV = "KVWRITE_CHECK"

@@ -13,14 +13,15 @@ import torch
 from kvwrite.config.errors import SpecError, UnsupportedCombination
 from kvwrite.config.model import ModelSpec
 from kvwrite.config.plan import BufferSpec, PoolSpec
+from kvwrite.config.scales import FP8, fp8_scale_names, scale_applies  # noqa: F401
 from kvwrite.config.registry import (PlanContext, VariantPlanner, draft_layers, planner_for,  # noqa: F401
                                      register_builtin, register_variant, unregister_variant, variants)
 from kvwrite.ops.indexer_k import row_bytes as indexer_row_bytes
 from kvwrite.ops.mla import DS_MLA_TILE, ds_mla_row_bytes
 from kvwrite.ops.nvfp4 import BLOCK as NVFP4_BLOCK
+from kvwrite.validate import FP8_MAX
 
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "nvfp4", "fp8_ds_mla")
-FP8 = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "nvfp4", "fp8_ds_mla")
 INDEXER_BLOCK = 128        # the DSA indexer's quant_block_size (DeepSeek-V3.2), passed to the op
 
 
@@ -30,10 +31,14 @@ def _require(spec, *names: str) -> None:
         raise SpecError(f"variant {spec.variant!r} needs {', '.join(missing)} > 0")
 
 
-def _scales(scales: dict, allowed: Sequence[str], variant: str) -> None:
-    bad = sorted(set(scales) - set(allowed))
+def _scales(scales: dict, allowed: Sequence[str], variant: str, kv_cache_dtype: str = "auto") -> None:
+    """No silent ignores: every scale keyword must be one this variant and format use."""
+    ok = tuple(n for n in allowed if scale_applies(n, kv_cache_dtype))
+    bad = sorted(set(scales) - set(ok))
     if bad:
-        raise TypeError(f"store() for variant {variant!r} takes scales {tuple(allowed)}, got {bad}")
+        takes = f"scales {ok}" if ok else "no scales"
+        raise TypeError(f"store() for variant {variant!r} with kv_cache_dtype={kv_cache_dtype!r} takes "
+                        f"{takes}, got {bad}")
 
 
 def _arity(tensors: tuple, names: Sequence[str], variant: str) -> None:
@@ -125,11 +130,9 @@ def _store_kv_like(pool, sub: str, layer_id: int, loc, k, v, scales: dict, prefi
                 kw[theirs] = scales[prefix + name]
         pool.ops[sub](k, v, b["k"], b["k"] if k_only else b["v"], ks, vs, loc, **kw)
         return
-    if b["k"].dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        ks = scales.get(prefix + ("k_scale" if not k_only else "scale"))
-        vs = scales.get(prefix + ("v_scale" if not k_only else "scale"))
-        kw["k_scale"] = pool.unit_scale if ks is None else ks
-        kw["v_scale"] = (kw["k_scale"] if k_only else (pool.unit_scale if vs is None else vs))
+    if b["k"].dtype in FP8_MAX:  # the pool's build-time scales, or this call's (KVPool.store)
+        kw["k_scale"] = scales[prefix + ("scale" if k_only else "k_scale")]
+        kw["v_scale"] = kw["k_scale"] if k_only else scales[prefix + "v_scale"]
     pool.ops[sub](k, v, b["k"], b["k"] if k_only else b["v"], loc, **kw)
 
 
@@ -140,7 +143,7 @@ def _store_mla(pool, sub: str, layer_id: int, loc, kv_c, k_pe, scales: dict) -> 
     if kv != "auto":
         kw["kv_cache_dtype"] = kv
     if kv in FP8:
-        kw["scale"] = scales.get("scale", pool.unit_scale)
+        kw["scale"] = scales["scale"]
     if kv == "nvfp4":
         kw["scale_cache"] = b["kv_scale"]
         if scales.get("global_scale") is not None:
@@ -166,7 +169,8 @@ MHA_SCALES = ("k_scale", "v_scale", "k_global_scale", "v_global_scale")
 class MHAPlanner(VariantPlanner):
     name = "mha"
     fields = MHA_FIELDS
-    kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2", "nvfp4")
+    kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "nvfp4")
+    SCALES = MHA_SCALES
 
     def check_model(self, spec) -> None:
         _require(spec, "num_kv_heads", "head_dim")
@@ -193,7 +197,7 @@ class MHAPlanner(VariantPlanner):
 
     def store(self, pool, layer_id, loc, tensors, scales) -> None:
         _arity(tensors, ("k", "v"), self.name)
-        _scales(scales, MHA_SCALES, self.name)
+        _scales(scales, MHA_SCALES, self.name, pool.plan.kv_cache_dtype)
         _store_kv_like(pool, self.route(pool, layer_id), layer_id, loc, tensors[0], tensors[1], scales)
 
 
@@ -259,7 +263,7 @@ class HybridLinearPlanner(MHAPlanner):
 class MLAPlanner(VariantPlanner):
     name = "mla"
     fields = frozenset({"kv_lora_rank", "qk_rope_head_dim"})
-    kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla", "nvfp4")
+    kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_ds_mla", "nvfp4")
     SCALES = ("scale", "global_scale")
 
     def check_model(self, spec) -> None:
@@ -280,7 +284,7 @@ class MLAPlanner(VariantPlanner):
 
     def store(self, pool, layer_id, loc, tensors, scales) -> None:
         _arity(tensors, ("kv_c", "k_pe"), self.name)
-        _scales(scales, self.SCALES, self.name)
+        _scales(scales, self.SCALES, self.name, pool.plan.kv_cache_dtype)
         _store_mla(pool, "kv", layer_id, loc, tensors[0], tensors[1], scales)
 
 
@@ -308,7 +312,7 @@ class DSAPlanner(MLAPlanner):
 
     def store(self, pool, layer_id, loc, tensors, scales) -> None:
         _arity(tensors, ("kv_c", "k_pe", "index_k"), self.name)
-        _scales(scales, self.SCALES, self.name)
+        _scales(scales, self.SCALES, self.name, pool.plan.kv_cache_dtype)
         _store_mla(pool, "kv", layer_id, loc, tensors[0], tensors[1], scales)
         _store_indexer(pool, "indexer", layer_id, loc, tensors[2], scales)
 
@@ -336,7 +340,7 @@ class MiniMaxSparsePlanner(MHAPlanner):
 
     def store(self, pool, layer_id, loc, tensors, scales) -> None:
         _arity(tensors, ("k", "v", "index_k"), self.name)
-        _scales(scales, self.SCALES, self.name)
+        _scales(scales, self.SCALES, self.name, pool.plan.kv_cache_dtype)
         _store_kv_like(pool, "kv", layer_id, loc, tensors[0], tensors[1], scales)
         ik = tensors[2]
         ik = ik.unsqueeze(1) if ik.dim() == 2 else ik

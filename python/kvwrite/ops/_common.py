@@ -22,6 +22,7 @@ class Locs:
     dcp_rank: int = 0
     dcp_size: int = 1
     table: PageTable | None = None
+    dcp_page: bool = False   # DCP shards whole pages (page p on rank p % dcp_size), not tokens
 
     @property
     def n(self) -> int:

@@ -84,6 +84,8 @@ FORMATS: dict[str, MLAFormat] = {f.name: f for f in (
     MLAFormat("auto", MODE_COPY, lambda dtype: dtype, _CONCAT),
     MLAFormat("fp8_e4m3", MODE_FP8, lambda dtype: torch.float8_e4m3fn, _CONCAT, takes_scale=True),
     MLAFormat("fp8_e5m2", MODE_FP8, lambda dtype: torch.float8_e5m2, _CONCAT, takes_scale=True),
+    MLAFormat("fp8_e4m3fnuz", MODE_FP8, lambda dtype: torch.float8_e4m3fnuz, _CONCAT,
+              takes_scale=True),
     MLAFormat("fp8_ds_mla", MODE_DS_MLA, lambda dtype: torch.uint8, ds_mla_row_bytes,
               dims=_ds_mla_dims),
     MLAFormat("nvfp4", MODE_NVFP4, lambda dtype: torch.uint8, lambda L, R: (L + R) // 2,
@@ -131,7 +133,8 @@ def prepare_store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, e
             raise ValueError(f"scale is required for kv_cache_dtype={fmt.name!r}")
         scale = validate.scale("scale", scale, None, device)
     elif scale is not None:
-        raise ValueError(f"scale applies only to kv_cache_dtype 'fp8_e4m3'/'fp8_e5m2', not {fmt.name!r}")
+        scaled = "/".join(repr(f.name) for f in FORMATS.values() if f.takes_scale)
+        raise ValueError(f"scale applies only to kv_cache_dtype {scaled}, not {fmt.name!r}")
     if fmt.takes_scale_cache:
         if scale_cache is None:
             raise ValueError(f"scale_cache is required for kv_cache_dtype={fmt.name!r}")
@@ -183,8 +186,9 @@ def store_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, lo
 
     `kv_cache_dtype`:
       - "auto": `kv_cache` `[pages, pool_page_size, L + R]` in the input dtype, row = concat.
-      - "fp8_e4m3" / "fp8_e5m2": the same row in that fp8 dtype, saturate(x / scale) with a
-        per-tensor fp32 `scale` (`[]` or `[1]`).
+      - "fp8_e4m3" / "fp8_e5m2" / "fp8_e4m3fnuz": the same row in that fp8 dtype
+        (float8_e4m3fn / float8_e5m2 / float8_e4m3fnuz), saturate(x / scale) with a per-tensor
+        fp32 `scale` (`[]` or `[1]`).
       - "fp8_ds_mla": uint8 `[pages, pool_page_size, L + L/128*4 + 2R]` (656 for 512/64): L e4m3
         bytes quantised per 128-element tile with scale max(amax/448, FLT_MIN), stored as
         fp8(x / scale); then the L/128 fp32 scales; then R bf16 rope values (bf16 input: bit

@@ -95,7 +95,12 @@ def resolve(locs: Locs, capacity: int, check: Check, pool_page_size: int = 1) ->
         looked = locs.loc_map.to(torch.int64)[loc.clamp(0, max(n_map - 1, 0))] if n_map else loc
         row = torch.where(live, looked, torch.full_like(loc, -1))
         live = live & (row != -1)
-    if locs.dcp_size > 1:
+    if locs.dcp_size > 1 and locs.dcp_page:   # whole pages: page p on rank p % dcp_size
+        vpage = torch.div(row, pool_page_size, rounding_mode="floor")
+        live = live & ((row < 0) | (vpage % locs.dcp_size == locs.dcp_rank))
+        local = torch.div(vpage, locs.dcp_size, rounding_mode="floor") * pool_page_size + row % pool_page_size
+        row = torch.where(row >= 0, local, row)
+    elif locs.dcp_size > 1:
         live = live & ((row < 0) | (row % locs.dcp_size == locs.dcp_rank))
         row = torch.where(row >= 0, torch.div(row, locs.dcp_size, rounding_mode="floor"), row)
     if checking:
@@ -111,19 +116,24 @@ def resolve(locs: Locs, capacity: int, check: Check, pool_page_size: int = 1) ->
 
 
 def check(r: Resolved, geometry: PageGeometry, chk: Check) -> None:
-    """`assert`: raise on the first bad token (host sync). `guard`: fold into the record."""
-    if chk.mode == "assert" and bool(r.bad.any()):
-        i = int(torch.nonzero(r.bad)[0, 0])
+    """`assert`: raise on the first bad token (host sync). `guard`: fold into the record.
+    `off`: a row past the pool (which torch indexing would refuse half-way through the store)
+    raises the same error before anything is written; negative rows are skipped."""
+    bad = r.bad
+    if chk.mode == "off":  # a written token's kind/target/limit already name the pool (or page)
+        bad = r.write & (r.row >= geometry.capacity)
+    if chk.mode in ("assert", "off") and bool(bad.any()):
+        i = int(torch.nonzero(bad)[0, 0])
         kind, target = int(r.kind[i]), int(r.target[i])
         if r.table is not None:
             ctx = [int(r.table[s][i]) for s in (_e.BATCH, _e.POSITION, _e.TABLE_SLOT, _e.TABLE_PAGE)]
             raise _e.table_error(chk.op, i, kind, target, int(r.limit[i]), geometry.pool_page_size,
-                                 int(r.bad.sum()), *ctx)
+                                 int(bad.sum()), *ctx)
         raise OutOfBoundsWrite(op=chk.op, token_index=i, loc=int(r.loc[i]),
                                page=geometry.page_of(target) if kind == KIND_POOL else None,
                                num_pages=geometry.num_pages,
                                pool_page_size=geometry.pool_page_size,
-                               count=int(r.bad.sum()), kind=kind, target=target,
+                               count=int(bad.sum()), kind=kind, target=target,
                                limit=int(r.limit[i]))
     if chk.mode == "guard":
         record_torch(chk.errors, r.bad, r.loc, r.target, r.limit, geometry.pool_page_size,
