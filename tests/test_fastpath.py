@@ -186,7 +186,11 @@ def test_cpu_assert_raises_out_of_bounds_write_with_the_record(direct):
 
 # --- memo and changed tensors ------------------------------------------------------------------
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+# The Python validation memo (torch; triton: its launch memo too, under the interpreter here) and
+# the C++ path (cpu).
+MEMO_BACKENDS = [b for b in ("torch", "triton", "cpu") if kvwrite.backends("cpu")[b] is None]
+
+@pytest.mark.parametrize("backend", MEMO_BACKENDS)
 def test_resized_cache_is_checked_again(backend):
     k, v, kc, vc = _kv()
     loc = torch.tensor([0, 1, 2])
@@ -202,7 +206,7 @@ def test_resized_cache_is_checked_again(backend):
     assert torch.equal(kc.view(-1, 2, 16)[:3], k)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", MEMO_BACKENDS)
 def test_restrided_input_is_checked_again(backend):
     k, v, kc, vc = _kv()
     loc = torch.tensor([0, 1, 2])
@@ -219,7 +223,7 @@ def test_restrided_input_is_checked_again(backend):
     assert torch.equal(kc.view(-1, 2, 16)[3:], before.view(-1, 2, 16)[3:])
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", MEMO_BACKENDS)
 def test_retyped_tensor_is_checked_again(backend):
     k, v, kc, vc = _kv()
     loc = torch.tensor([0, 1, 2])
@@ -236,7 +240,7 @@ def test_retyped_tensor_is_checked_again(backend):
     assert torch.equal(vc.view(-1, 2, 16)[:3], v)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", MEMO_BACKENDS)
 def test_tensor_on_another_device_is_checked_again(backend):
     """The memo is keyed by each tensor's facts, device included: a same-shaped tensor on another
     device (meta here; CUDA on a GPU machine) after a passing call is refused, before any write."""
