@@ -12,10 +12,12 @@ from kvwrite.geometry import PageGeometry
 from kvwrite.pagetable import PageTable, table as _table
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, eq=False)
 class Locs:
     """Where each token goes: `loc` (virtual), optional SWA `loc_map`, DCP shard of this rank;
-    or a `table` (page-table addressing; `loc` is then its positions)."""
+    or a `table` (page-table addressing; `loc` is then its positions). Built on every call of
+    the Python path: a plain slotted dataclass (a frozen one costs ~4x to construct); treat it as
+    read-only (`dataclasses.replace` for a variant)."""
 
     loc: torch.Tensor
     loc_map: torch.Tensor | None = None
