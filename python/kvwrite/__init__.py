@@ -8,6 +8,8 @@ from kvwrite.ops.mla import store_mla
 from kvwrite.reference.indexer_k import read_indexer_k
 from kvwrite.reference.mla import dequant_ds_mla
 from kvwrite.ops.nvfp4 import store_kv_nvfp4
+from kvwrite.ops.rope import rope_store_kv, rope_store_mla
+from kvwrite.reference.kv_quant import dequant_kv
 from kvwrite.reference.nvfp4 import dequant_nvfp4
 from kvwrite.allocator import AllocatorExhausted, PagedAllocator
 from kvwrite.config import (KVCacheConfigurator, KVPool, ModelSpec, ParallelSpec, PoolPlan, VariantPlanner,
@@ -22,4 +24,5 @@ __all__ = [
     "AllocatorExhausted", "KVCacheConfigurator", "KVPool", "ModelSpec", "PagedAllocator", "ParallelSpec",
     "PoolPlan", "VariantPlanner", "presets", "register_variant",
     "dequant_nvfp4", "store_kv_nvfp4",
+    "dequant_kv", "rope_store_kv", "rope_store_mla",
 ]

@@ -27,6 +27,7 @@ MAX_TOKENS = (1 << 31) - 1
 # What was out of range.
 KIND_POOL = 0        # the (local, translated) loc against the pool capacity
 KIND_LOC_MAP = 1     # the loc against the SWA loc_map length (lookup)
+KIND_POSITION = 5    # rope_store_*: the token's position against the cos/sin cache (max_position)
 
 # Op codes, recorded so a shared buffer tells which op failed. Append only.
 OPS = (
@@ -34,6 +35,8 @@ OPS = (
     "store_mla",
     "store_indexer_k",
     "store_kv_nvfp4",
+    "rope_store_kv",
+    "rope_store_mla",
 )
 
 
@@ -62,6 +65,12 @@ class OutOfBoundsWrite(RuntimeError):
                 f"{self.op}: {many}token {self.token_index} with loc {self.loc}, which is outside "
                 f"loc_map (length {self.limit}): the full->SWA map does not cover the full pool's "
                 f"loc space; size loc_map to the full allocator's locs"
+            )
+        if self.kind == KIND_POSITION:
+            return (
+                f"{self.op}: {many}token {self.token_index} (loc {self.loc}) has position "
+                f"{self.target}, outside the cos/sin cache [0, {self.limit}): the token was not "
+                f"written and its q not rotated; size cos_sin_cache to the model's max position"
             )
         where = (f"page {self.page}, but the pool has pages [0, {self.num_pages}) of "
                  f"{self.pool_page_size} rows (capacity {self.limit})")
