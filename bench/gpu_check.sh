@@ -53,6 +53,14 @@ timeout ${KVWRITE_GPU_BENCH_TIMEOUT:-420} $PY -m kvwrite.cli bench --min-time ${
     --out "$OUT/bench" > "$OUT/bench.log" 2>&1 || status=1
 grep -A12 "^## Targets" "$OUT/bench/report.md" 2>/dev/null | tee -a "$OUT/summary.txt" || tail -5 "$OUT/bench.log" | tee -a "$OUT/summary.txt"
 
+step "page-table addressing (FlashInfer adapter): tests, example, end-to-end decoders on CUDA; Triton table variants"
+( cd tests && KVWRITE_TEST_DEVICE=cuda timeout 300 $PY -m pytest -q -n 0 -p no:cacheprovider \
+    test_pagetable.py test_compat_flashinfer.py test_e2e_decoder.py ) > "$OUT/pagetable.log" 2>&1 || status=1
+tail -1 "$OUT/pagetable.log" | tee -a "$OUT/summary.txt"
+timeout 300 $PY -m kvwrite.cli bench --cases mha-bf16,mha-bf16-pagetable --min-time ${KVWRITE_GPU_BENCH_REP:-0.03} \
+    --out "$OUT/bench-pagetable" > "$OUT/bench-pagetable.log" 2>&1 || status=1
+tail -3 "$OUT/bench-pagetable.log" | tee -a "$OUT/summary.txt"
+
 # Later issues add their steps (sanitizer, benchmarks) above this line.
 step "done (status $status)"
 exit $status

@@ -4,8 +4,10 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "api.h"
 #include "launch.h"
 #include "params.h"
+#include "params_dsv4.h"
 
 namespace kvwrite {
 namespace {
@@ -17,10 +19,12 @@ void check_launch(cudaError_t err) {
 void store_kv_cuda(const Tensor& k, const Tensor& v, const Tensor& k_cache, const Tensor& v_cache,
                    const OptTensor& k_scale, const OptTensor& v_scale, const Tensor& loc,
                    const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size,
-                   int64_t check, int64_t op) {
+                   int64_t check, int64_t op,
+    const OptTensor& batch_indices, const OptTensor& kv_indices, const OptTensor& kv_indptr) {
   const c10::cuda::CUDAGuard guard(k.device());
-  const StoreKVParams p = store_kv_params(k, v, k_cache, v_cache, k_scale, v_scale, loc, loc_map, errors,
+  StoreKVParams p = store_kv_params(k, v, k_cache, v_cache, k_scale, v_scale, loc, loc_map, errors,
                                           dcp_rank, dcp_size, check, op);
+  set_table(p.locs, batch_indices, kv_indices, kv_indptr, k);
   if (p.locs.n == 0) return;
   check_launch(launch_store_kv(p, int(check), c10::cuda::getCurrentCUDAStream()));
 }
@@ -28,20 +32,24 @@ void store_kv_cuda(const Tensor& k, const Tensor& v, const Tensor& k_cache, cons
 void store_mla_cuda(const Tensor& kv_c, const Tensor& k_pe, const Tensor& kv_cache, const OptTensor& scale,
                    const OptTensor& scale_cache, const OptTensor& global_scale,
                     int64_t mode, const Tensor& loc, const OptTensor& loc_map, const OptTensor& errors,
-                    int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op) {
+                    int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op,
+    const OptTensor& batch_indices, const OptTensor& kv_indices, const OptTensor& kv_indptr) {
   const c10::cuda::CUDAGuard guard(kv_c.device());
-  const StoreMLAParams p = store_mla_params(kv_c, k_pe, kv_cache, scale, scale_cache, global_scale, mode, loc, loc_map, errors, dcp_rank,
+  StoreMLAParams p = store_mla_params(kv_c, k_pe, kv_cache, scale, scale_cache, global_scale, mode, loc, loc_map, errors, dcp_rank,
                                             dcp_size, check, op);
+  set_table(p.locs, batch_indices, kv_indices, kv_indptr, kv_c);
   if (p.locs.n == 0) return;
   check_launch(launch_store_mla(p, int(check), c10::cuda::getCurrentCUDAStream()));
 }
 
 void store_indexer_k_cuda(const Tensor& k, const Tensor& cache, int64_t qbs, bool ue8m0, const Tensor& loc,
                           const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size,
-                          int64_t check, int64_t op) {
+                          int64_t check, int64_t op,
+    const OptTensor& batch_indices, const OptTensor& kv_indices, const OptTensor& kv_indptr) {
   const c10::cuda::CUDAGuard guard(k.device());
-  const StoreIndexerKParams p = store_indexer_k_params(k, cache, qbs, ue8m0, loc, loc_map, errors, dcp_rank,
+  StoreIndexerKParams p = store_indexer_k_params(k, cache, qbs, ue8m0, loc, loc_map, errors, dcp_rank,
                                                        dcp_size, check, op);
+  set_table(p.locs, batch_indices, kv_indices, kv_indptr, k);
   if (p.locs.n == 0) return;
   check_launch(launch_store_indexer_k(p, int(check), c10::cuda::getCurrentCUDAStream()));
 }
@@ -49,12 +57,50 @@ void store_indexer_k_cuda(const Tensor& k, const Tensor& cache, int64_t qbs, boo
 void store_kv_nvfp4_cuda(const Tensor& k, const Tensor& v, const Tensor& k_cache, const Tensor& v_cache,
                          const Tensor& k_scale_cache, const Tensor& v_scale_cache, const OptTensor& k_global,
                          const OptTensor& v_global, const Tensor& loc, const OptTensor& loc_map,
-                         const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op) {
+                         const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op,
+    const OptTensor& batch_indices, const OptTensor& kv_indices, const OptTensor& kv_indptr) {
   const c10::cuda::CUDAGuard guard(k.device());
-  const StoreKVNVFP4Params p = store_kv_nvfp4_params(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, k_global,
+  StoreKVNVFP4Params p = store_kv_nvfp4_params(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, k_global,
                                                      v_global, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  set_table(p.locs, batch_indices, kv_indices, kv_indptr, k);
   if (p.locs.n == 0) return;
   check_launch(launch_store_kv_nvfp4(p, int(check), c10::cuda::getCurrentCUDAStream()));
+}
+
+void store_dsv4_kv_cuda(const Tensor& kv, const Tensor& cache, int64_t pool_page_size, const Tensor& loc,
+                        const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size,
+                        int64_t check, int64_t op) {
+  const c10::cuda::CUDAGuard guard(kv.device());
+  const StoreDSV4KVParams p =
+      store_dsv4_kv_params(kv, cache, pool_page_size, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  if (p.locs.n == 0) return;
+  check_launch(launch_store_dsv4_kv(p, int(check), c10::cuda::getCurrentCUDAStream()));
+}
+
+void store_dsv4_indexer_k_cuda(const Tensor& k, const Tensor& cache, int64_t pool_page_size, int64_t fmt, bool ue8m0,
+                               const Tensor& loc, const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank,
+                               int64_t dcp_size, int64_t check, int64_t op) {
+  const c10::cuda::CUDAGuard guard(k.device());
+  if (fmt == 0) {
+    StoreIndexerKParams p =
+        store_indexer_k_params(k, cache, 128, ue8m0, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+    p.locs.dcp_page = true;
+    if (p.locs.n == 0) return;
+    check_launch(launch_store_indexer_k(p, int(check), c10::cuda::getCurrentCUDAStream()));
+    return;
+  }
+  const StoreMXFP4Params p =
+      store_mxfp4_params(k, cache, pool_page_size, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  if (p.locs.n == 0) return;
+  check_launch(launch_store_mxfp4(p, int(check), c10::cuda::getCurrentCUDAStream()));
+}
+
+void store_rows_cuda(const Tensor& src, const Tensor& pool, const Tensor& loc, const OptTensor& loc_map,
+                     const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op) {
+  const c10::cuda::CUDAGuard guard(src.device());
+  const StoreRowsParams p = store_rows_params(src, pool, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  if (p.locs.n == 0) return;
+  check_launch(launch_store_rows(p, int(check), c10::cuda::getCurrentCUDAStream()));
 }
 
 }  // namespace
@@ -65,4 +111,22 @@ TORCH_LIBRARY_IMPL(kvwrite_ext, CUDA, m) {
   m.impl("store_mla", &kvwrite::store_mla_cuda);
   m.impl("store_indexer_k", &kvwrite::store_indexer_k_cuda);
   m.impl("store_kv_nvfp4", &kvwrite::store_kv_nvfp4_cuda);
+  m.impl("store_dsv4_kv", &kvwrite::store_dsv4_kv_cuda);
+  m.impl("store_dsv4_indexer_k", &kvwrite::store_dsv4_indexer_k_cuda);
+  m.impl("store_rows", &kvwrite::store_rows_cuda);
 }
+
+// The public ops torch.ops.kvwrite.* for CUDA tensors: validation + dispatch in C++ (api.h),
+// the launchers above for backend "cuda" (assert mode: the device assert, as before).
+namespace kvwrite {
+struct CudaRun {
+  static constexpr const char* NAME = "cuda";
+  static constexpr bool ASSERT_IN_PYTHON = false;
+  static constexpr auto store_kv = &store_kv_cuda;
+  static constexpr auto store_mla = &store_mla_cuda;
+  static constexpr auto store_indexer_k = &store_indexer_k_cuda;
+  static constexpr auto store_kv_nvfp4 = &store_kv_nvfp4_cuda;
+};
+}  // namespace kvwrite
+
+TORCH_LIBRARY_IMPL(kvwrite, CUDA, m) { KVW_REGISTER_API(kvwrite::CudaRun); }

@@ -4,16 +4,22 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <sstream>
+#include <vector>
 
+#include "api.h"
 #include "params.h"
+#include "params_dsv4.h"
 
 namespace kvwrite {
 namespace {
 
 constexpr int64_t GRAIN = 64;  // tokens per parallel_for chunk
 
-const char* const OP_NAMES[] = {"store_kv", "store_mla", "store_indexer_k", "store_kv_nvfp4"};
+const char* const OP_NAMES[] = {"store_kv",      "store_mla",      "store_indexer_k",      "store_kv_nvfp4", "rope_store_kv",
+                                "rope_store_mla", "store_dsv4_kv", "store_dsv4_indexer_k", "store_rows"};
 
 i64 unpack(const i64* rec, int lo) {
   return i64((uint64_t(rec[lo + 1]) & 0xFFFFFFFFull) << 32 | (uint64_t(rec[lo]) & 0xFFFFFFFFull));
@@ -39,7 +45,9 @@ void assert_prescan(const LocArgs& a) {
   std::ostringstream msg;
   msg << "kvwrite: store loc outside the pool (check=assert): " << OP_NAMES[a.op] << ": token " << token
       << " loc " << loc;
-  if (kind == KIND_LOC_MAP) {
+  if (kind == KIND_BATCH || kind == KIND_TABLE_SLOT || kind == KIND_TABLE_PAGE) {
+    msg << " page table: kind " << kind << " index " << target << " outside its bound " << limit;
+  } else if (kind == KIND_LOC_MAP) {
     msg << " is outside loc_map (length " << limit << ")";
   } else {
     msg << " (local " << target << ") page " << (target >= 0 ? target / a.pool_page_size : -1) << ", pool has "
@@ -49,11 +57,48 @@ void assert_prescan(const LocArgs& a) {
   TORCH_CHECK(false, msg.str());
 }
 
-// Run `token(i)` for every token, in parallel, after the assert pre-scan.
+// Threads pay only above a size: a parallel region costs a few microseconds to start and join,
+// so a call runs on one thread unless it moves at least PARALLEL_BYTES (weighted: a quantised
+// byte counts QUANT_WEIGHT times, it costs that much more compute). Measured on the 2-core dev
+// machine (bench at N = 16..4096, 1 vs 2 threads): 2 threads win from about 256 KiB of copy.
+// KVWRITE_CPU_PARALLEL_BYTES overrides the threshold (read once).
+constexpr int64_t QUANT_WEIGHT = 8;
+int64_t parallel_bytes() {
+  static const int64_t v = [] {
+    const char* e = std::getenv("KVWRITE_CPU_PARALLEL_BYTES");
+    return e != nullptr && *e ? std::max<int64_t>(1, std::atoll(e)) : int64_t(256) << 10;
+  }();
+  return v;
+}
+
+// Tokens per parallel_for chunk for a per-token cost of `token_bytes`: parallel_for runs the
+// whole range inline when it is not larger than one grain.
+int64_t grain_for(int64_t token_bytes) {
+  const int64_t cost = std::max<int64_t>(1, token_bytes);
+  return std::max<int64_t>(GRAIN, (parallel_bytes() + cost - 1) / cost);
+}
+
+// Weighted bytes one token moves (read + write).
+int64_t token_bytes(const StoreKVParams& p) {
+  const int64_t es = dtype_size(p.in_dtype), quant = p.cache_dtype != p.in_dtype;
+  return int64_t(p.H) * (p.k.D + p.v.D) * (quant ? (es + 1) * QUANT_WEIGHT : 2 * es);
+}
+int64_t token_bytes(const StoreMLAParams& p) {
+  const int64_t es = dtype_size(p.in_dtype);
+  return int64_t(p.L + p.R) * (p.mode == MLA_COPY ? 2 * es : (es + 1) * QUANT_WEIGHT);
+}
+int64_t token_bytes(const StoreIndexerKParams& p) {
+  return int64_t(p.cache.D) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT;
+}
+int64_t token_bytes(const StoreKVNVFP4Params& p) {
+  return int64_t(p.H) * (p.k.D + p.v.D) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT;
+}
+
+// Run `token(i)` for every token (in parallel above the threshold), after the assert pre-scan.
 template <class Body>
-void for_tokens(const LocArgs& a, int64_t check, Body&& token) {
+void for_tokens(const LocArgs& a, int64_t check, int64_t grain, Body&& token) {
   if (check == CHECK_ASSERT) assert_prescan(a);
-  at::parallel_for(0, a.n, GRAIN, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, a.n, grain, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) token(i);
   });
 }
@@ -61,7 +106,39 @@ void for_tokens(const LocArgs& a, int64_t check, Body&& token) {
 // Run the per-token functor `Token` over every token of `p`.
 template <class Token, class P>
 void run_tokens(const P& p, int64_t check) {
-  for_tokens(p.locs, check, [&](i64 i) { Token{}(p, i, 0, 1); });
+  for_tokens(p.locs, check, grain_for(token_bytes(p)), [&](i64 i) { Token{}(p, i, 0, 1); });
+}
+
+// The bench's floor: a plain per-row memcpy scatter, dst_j[loc[i]] = src_j[i] for each pair
+// (rows contiguous, int64 loc in range: no checks beyond shapes), same threading policy.
+void bench_memcpy_scatter(at::TensorList src, at::TensorList dst, const Tensor& loc) {
+  TORCH_CHECK(src.size() == dst.size() && loc.scalar_type() == at::kLong && loc.dim() == 1 && loc.is_contiguous(),
+              "bench_memcpy_scatter: src/dst lists of equal length and a contiguous int64 loc");
+  const int64_t n = loc.size(0);
+  struct Pair {
+    const char* s;
+    char* d;
+    int64_t row, d_stride, rows;
+  };
+  std::vector<Pair> pairs;
+  int64_t bytes = 0;
+  for (size_t j = 0; j < src.size(); ++j) {
+    const Tensor &s = src[j], &d = dst[j];
+    TORCH_CHECK(s.dim() >= 1 && s.size(0) == n && s.is_contiguous() && d.dim() >= 1,
+                "bench_memcpy_scatter: src[", j, "] must be a contiguous [n, ...] tensor");
+    const int64_t row = n > 0 ? s.numel() / n * s.element_size() : 0;
+    TORCH_CHECK(d.stride(-1) == 1 && d.numel() / std::max<int64_t>(1, d.size(0)) * d.element_size() == row &&
+                    (d.dim() == 1 || d[0].is_contiguous()),
+                "bench_memcpy_scatter: dst[", j, "] rows must be contiguous and as wide as src rows");
+    pairs.push_back({static_cast<const char*>(s.data_ptr()), static_cast<char*>(d.data_ptr()), row,
+                     d.stride(0) * d.element_size(), d.size(0)});
+    bytes += 2 * row;
+  }
+  const int64_t* l = loc.data_ptr<int64_t>();
+  at::parallel_for(0, n, grain_for(bytes), [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i)
+      for (const Pair& q : pairs) memcpy(q.d + l[i] * q.d_stride, q.s + i * q.row, size_t(q.row));
+  });
 }
 
 #define KVW_RUN_CPU(op, p, check) \
@@ -70,43 +147,83 @@ void run_tokens(const P& p, int64_t check) {
 void store_kv_cpu(const Tensor& k, const Tensor& v, const Tensor& k_cache, const Tensor& v_cache,
                   const OptTensor& k_scale, const OptTensor& v_scale, const Tensor& loc,
                   const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size,
-                  int64_t check, int64_t op) {
-  const StoreKVParams p = store_kv_params(k, v, k_cache, v_cache, k_scale, v_scale, loc, loc_map, errors,
+                  int64_t check, int64_t op,
+    const OptTensor& batch_indices, const OptTensor& kv_indices, const OptTensor& kv_indptr) {
+  StoreKVParams p = store_kv_params(k, v, k_cache, v_cache, k_scale, v_scale, loc, loc_map, errors,
                                           dcp_rank, dcp_size, check, op);
+  set_table(p.locs, batch_indices, kv_indices, kv_indptr, k);
   KVW_RUN_CPU(dispatch_store_kv, p, check);
 }
 
 void store_mla_cpu(const Tensor& kv_c, const Tensor& k_pe, const Tensor& kv_cache, const OptTensor& scale,
                    const OptTensor& scale_cache, const OptTensor& global_scale,
                    int64_t mode, const Tensor& loc, const OptTensor& loc_map, const OptTensor& errors,
-                   int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op) {
-  const StoreMLAParams p = store_mla_params(kv_c, k_pe, kv_cache, scale, scale_cache, global_scale, mode, loc, loc_map, errors, dcp_rank,
+                   int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op,
+    const OptTensor& batch_indices, const OptTensor& kv_indices, const OptTensor& kv_indptr) {
+  StoreMLAParams p = store_mla_params(kv_c, k_pe, kv_cache, scale, scale_cache, global_scale, mode, loc, loc_map, errors, dcp_rank,
                                             dcp_size, check, op);
+  set_table(p.locs, batch_indices, kv_indices, kv_indptr, kv_c);
   KVW_RUN_CPU(dispatch_store_mla, p, check);
 }
 
 void store_indexer_k_cpu(const Tensor& k, const Tensor& cache, int64_t qbs, bool ue8m0, const Tensor& loc,
                          const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size,
-                         int64_t check, int64_t op) {
-  const StoreIndexerKParams p = store_indexer_k_params(k, cache, qbs, ue8m0, loc, loc_map, errors, dcp_rank,
+                         int64_t check, int64_t op,
+    const OptTensor& batch_indices, const OptTensor& kv_indices, const OptTensor& kv_indptr) {
+  StoreIndexerKParams p = store_indexer_k_params(k, cache, qbs, ue8m0, loc, loc_map, errors, dcp_rank,
                                                        dcp_size, check, op);
+  set_table(p.locs, batch_indices, kv_indices, kv_indptr, k);
   KVW_RUN_CPU(dispatch_store_indexer_k, p, check);
 }
 
 void store_kv_nvfp4_cpu(const Tensor& k, const Tensor& v, const Tensor& k_cache, const Tensor& v_cache,
                         const Tensor& k_scale_cache, const Tensor& v_scale_cache, const OptTensor& k_global,
                         const OptTensor& v_global, const Tensor& loc, const OptTensor& loc_map,
-                        const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op) {
-  const StoreKVNVFP4Params p = store_kv_nvfp4_params(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, k_global,
+                        const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op,
+    const OptTensor& batch_indices, const OptTensor& kv_indices, const OptTensor& kv_indptr) {
+  StoreKVNVFP4Params p = store_kv_nvfp4_params(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, k_global,
                                                      v_global, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  set_table(p.locs, batch_indices, kv_indices, kv_indptr, k);
   KVW_RUN_CPU(dispatch_store_kv_nvfp4, p, check);
+}
+
+// DeepSeek V4 (kvwrite/store_dsv4.h). fmt 0: fp8 rows (store_indexer_k's body), 1: mxfp4.
+void store_dsv4_kv_cpu(const Tensor& kv, const Tensor& cache, int64_t pool_page_size, const Tensor& loc,
+                       const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size,
+                       int64_t check, int64_t op) {
+  const StoreDSV4KVParams p =
+      store_dsv4_kv_params(kv, cache, pool_page_size, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  KVW_RUN_CPU(dispatch_store_dsv4_kv, p, check);
+}
+
+void store_dsv4_indexer_k_cpu(const Tensor& k, const Tensor& cache, int64_t pool_page_size, int64_t fmt, bool ue8m0,
+                              const Tensor& loc, const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank,
+                              int64_t dcp_size, int64_t check, int64_t op) {
+  if (fmt == 0) {
+    StoreIndexerKParams p =
+        store_indexer_k_params(k, cache, 128, ue8m0, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+    p.locs.dcp_page = true;
+    KVW_RUN_CPU(dispatch_store_indexer_k, p, check);
+    return;
+  }
+  const StoreMXFP4Params p =
+      store_mxfp4_params(k, cache, pool_page_size, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  KVW_RUN_CPU(dispatch_store_mxfp4, p, check);
+}
+
+void store_rows_cpu(const Tensor& src, const Tensor& pool, const Tensor& loc, const OptTensor& loc_map,
+                    const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op) {
+  const StoreRowsParams p = store_rows_params(src, pool, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  KVW_RUN_CPU(dispatch_store_rows, p, check);
 }
 
 }  // namespace
 }  // namespace kvwrite
 
 // Every op ends with the same tail: loc, loc_map, errors, dcp_rank, dcp_size, check, op.
-#define KVW_TAIL "Tensor loc, Tensor? loc_map, Tensor(z!)? errors, int dcp_rank, int dcp_size, int check, int op"
+// Page-table addressing (kvwrite.PageTable: loc = positions) adds the three optional tables.
+#define KVW_TAIL "Tensor loc, Tensor? loc_map, Tensor(z!)? errors, int dcp_rank, int dcp_size, int check, int op, " \
+                 "Tensor? batch_indices=None, Tensor? kv_indices=None, Tensor? kv_indptr=None"
 
 TORCH_LIBRARY(kvwrite_ext, m) {
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k_scale, "
@@ -116,14 +233,42 @@ TORCH_LIBRARY(kvwrite_ext, m) {
   m.def("store_indexer_k(Tensor k, Tensor(a!) cache, int quant_block_size, bool ue8m0, " KVW_TAIL ") -> ()");
   m.def("store_kv_nvfp4(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) k_scale_cache, "
         "Tensor(d!) v_scale_cache, Tensor? k_global_scale, Tensor? v_global_scale, " KVW_TAIL ") -> ()");
+  m.def("store_dsv4_kv(Tensor kv, Tensor(a!) cache, int pool_page_size, " KVW_TAIL ") -> ()");
+  m.def("store_dsv4_indexer_k(Tensor k, Tensor(a!) cache, int pool_page_size, int fmt, bool ue8m0, " KVW_TAIL
+        ") -> ()");
+  m.def("store_rows(Tensor src, Tensor(a!) pool, " KVW_TAIL ") -> ()");
+}
+
+TORCH_LIBRARY_FRAGMENT(kvwrite_ext, m) {
+  m.def("bench_memcpy_scatter(Tensor[] src, Tensor(a!)[] dst, Tensor loc) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvwrite_ext, CPU, m) {
+  m.impl("bench_memcpy_scatter", &kvwrite::bench_memcpy_scatter);
   m.impl("store_kv", &kvwrite::store_kv_cpu);
   m.impl("store_mla", &kvwrite::store_mla_cpu);
   m.impl("store_indexer_k", &kvwrite::store_indexer_k_cpu);
   m.impl("store_kv_nvfp4", &kvwrite::store_kv_nvfp4_cpu);
+  m.impl("store_dsv4_kv", &kvwrite::store_dsv4_kv_cpu);
+  m.impl("store_dsv4_indexer_k", &kvwrite::store_dsv4_indexer_k_cpu);
+  m.impl("store_rows", &kvwrite::store_rows_cpu);
 }
+
+// The public ops torch.ops.kvwrite.* (schemas defined in Python): validation + dispatch in C++
+// (api.h), the kernels above for backend "cpu". Assert mode goes to Python, which raises
+// OutOfBoundsWrite from the pre-scan's record.
+namespace kvwrite {
+struct CpuRun {
+  static constexpr const char* NAME = "cpu";
+  static constexpr bool ASSERT_IN_PYTHON = true;
+  static constexpr auto store_kv = &store_kv_cpu;
+  static constexpr auto store_mla = &store_mla_cpu;
+  static constexpr auto store_indexer_k = &store_indexer_k_cpu;
+  static constexpr auto store_kv_nvfp4 = &store_kv_nvfp4_cpu;
+};
+}  // namespace kvwrite
+
+TORCH_LIBRARY_IMPL(kvwrite, CPU, m) { KVW_REGISTER_API(kvwrite::CpuRun); }
 
 #ifdef KVWRITE_PYTHON_MODULE
 // The ahead-of-time build (setup.py) is the importable module kvwrite._C: importing it runs the

@@ -26,9 +26,12 @@ inline DType dtype_of(const Tensor& t) {
     case at::kByte: return DType::U8;
     case at::kFloat8_e4m3fn: return DType::E4M3;
     case at::kFloat8_e5m2: return DType::E5M2;
+    case at::kFloat8_e4m3fnuz: return DType::E4M3FNUZ;
     default: TORCH_CHECK(false, "kvwrite: unsupported dtype ", t.scalar_type());
   }
 }
+
+inline bool is_fp8(DType t) { return t == DType::E4M3 || t == DType::E5M2 || t == DType::E4M3FNUZ; }
 
 inline void check_same_device(const Tensor& ref, const Tensor& t, const char* name) {
   TORCH_CHECK(t.device() == ref.device(), "kvwrite: ", name, " is on ", t.device(), " but the inputs are on ",
@@ -94,6 +97,38 @@ inline LocArgs loc_args(const Tensor& loc, const OptTensor& loc_map, const OptTe
   return a;
 }
 
+// Page-table addressing (kvwrite.PageTable): `a.loc` already holds the positions.
+inline void set_table(LocArgs& a, const OptTensor& batch_indices, const OptTensor& kv_indices,
+                      const OptTensor& kv_indptr, const Tensor& ref) {
+  if (!batch_indices.has_value()) {
+    TORCH_CHECK(!kv_indices.has_value() && !kv_indptr.has_value(),
+                "kvwrite: kv_indices/kv_indptr need batch_indices");
+    return;
+  }
+  TORCH_CHECK(kv_indices.has_value() && kv_indptr.has_value(),
+              "kvwrite: page-table addressing needs batch_indices, kv_indices and kv_indptr");
+  TORCH_CHECK(a.loc_map == nullptr && a.dcp_size == 1, "kvwrite: a page table does not combine with loc_map or DCP");
+  const Tensor* ts[] = {&*batch_indices, &*kv_indices, &*kv_indptr};
+  const char* names[] = {"batch_indices", "kv_indices", "kv_indptr"};
+  for (int j = 0; j < 3; ++j) {
+    const Tensor& t = *ts[j];
+    TORCH_CHECK(t.dim() == 1 && (t.scalar_type() == at::kInt || t.scalar_type() == at::kLong) &&
+                    (t.numel() <= 1 || t.stride(0) == 1),
+                "kvwrite: ", names[j], " must be a contiguous 1-D int32/int64 tensor");
+    check_same_device(ref, t, names[j]);
+  }
+  TORCH_CHECK(batch_indices->size(0) == a.n, "kvwrite: batch_indices must have one entry per token");
+  TORCH_CHECK(kv_indptr->size(0) >= 1, "kvwrite: kv_indptr must have batch_size + 1 >= 1 entries");
+  a.batch = batch_indices->data_ptr();
+  a.batch64 = batch_indices->scalar_type() == at::kLong;
+  a.table = kv_indices->data_ptr();
+  a.table64 = kv_indices->scalar_type() == at::kLong;
+  a.n_table = kv_indices->size(0);
+  a.indptr = kv_indptr->data_ptr();
+  a.indptr64 = kv_indptr->scalar_type() == at::kLong;
+  a.n_batch = kv_indptr->size(0) - 1;
+}
+
 inline KVSide kv_side(const Tensor& x, const Tensor& cache, const OptTensor& scale, const char* name) {
   TORCH_CHECK(x.dim() == 3 && (x.size(2) <= 1 || x.stride(2) == 1), "kvwrite: ", name,
               " must be [tokens, heads, dim], contiguous in dim");
@@ -125,7 +160,7 @@ inline StoreKVParams store_kv_params(const Tensor& k, const Tensor& v, const Ten
   p.cache_dtype = dtype_of(k_cache);
   TORCH_CHECK(v.scalar_type() == k.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
               "kvwrite: k/v and k_cache/v_cache must share dtypes");
-  const bool quant = p.cache_dtype == DType::E4M3 || p.cache_dtype == DType::E5M2;
+  const bool quant = is_fp8(p.cache_dtype);
   TORCH_CHECK(quant ? (k_scale.has_value() && v_scale.has_value()) : p.cache_dtype == p.in_dtype,
               "kvwrite: the cache dtype must equal the input dtype, or be fp8 with k_scale/v_scale");
   p.k = kv_side(k, k_cache, quant ? k_scale : std::nullopt, "k_cache");
@@ -169,7 +204,7 @@ inline StoreMLAParams store_mla_params(const Tensor& kv_c, const Tensor& k_pe, c
   if (p.mode == MLA_COPY) {
     TORCH_CHECK(p.cache_dtype == p.in_dtype, "kvwrite: kv_cache must have the input dtype");
   } else if (p.mode == MLA_FP8) {
-    TORCH_CHECK(p.cache_dtype == DType::E4M3 || p.cache_dtype == DType::E5M2, "kvwrite: kv_cache must be fp8");
+    TORCH_CHECK(is_fp8(p.cache_dtype), "kvwrite: kv_cache must be fp8");
     TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kFloat && scale->numel() == 1,
                 "kvwrite: fp8 store_mla needs a per-tensor fp32 scale");
     check_same_device(kv_c, *scale, "scale");

@@ -1,7 +1,7 @@
 """Device functions every kvwrite Triton kernel shares: loc resolution and guard records.
 
 `resolve_locs` is the one place that implements padding, SWA translation, DCP sharding and the
-bounds check; `check_or_record` asserts or writes the packed-min record described in `kvwrite.errors`.
+bounds check; `resolve_table` the page-table addressing (batch, position -> page, row); `check_or_record` asserts or writes the packed-min record described in `kvwrite.errors`.
 """
 import triton
 import triton.language as tl
@@ -11,6 +11,7 @@ from kvwrite import errors as _e
 CHECK_OFF = tl.constexpr(0)
 CHECK_ASSERT = tl.constexpr(1)
 CHECK_GUARD = tl.constexpr(2)
+DCP_PAGE = tl.constexpr(2)  # HAS_DCP value of page-granular DCP sharding (0 none, 1 per token)
 
 _COUNT = tl.constexpr(_e.COUNT)
 _LOC_LO = tl.constexpr(_e.LOC_LO)
@@ -23,11 +24,19 @@ _PPS = tl.constexpr(_e.POOL_PAGE_SIZE)
 _META = tl.constexpr(_e.META)
 _KIND_POOL = tl.constexpr(_e.KIND_POOL)
 _KIND_LOC_MAP = tl.constexpr(_e.KIND_LOC_MAP)
+_KIND_BATCH = tl.constexpr(_e.KIND_BATCH)
+_KIND_TABLE_SLOT = tl.constexpr(_e.KIND_TABLE_SLOT)
+_KIND_TABLE_PAGE = tl.constexpr(_e.KIND_TABLE_PAGE)
+_BATCH = tl.constexpr(_e.BATCH)
+_POSITION = tl.constexpr(_e.POSITION)
+_TABLE_SLOT = tl.constexpr(_e.TABLE_SLOT)
+_TABLE_PAGE = tl.constexpr(_e.TABLE_PAGE)
 
 
 @triton.jit
 def resolve_locs(loc_ptr, tok, tmask, loc_map_ptr, map_len, dcp_rank, dcp_size, capacity,
-                 HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr, CHECK: tl.constexpr):
+                 HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr, CHECK: tl.constexpr,
+                 pool_page_size=1):
     """Map each token's loc to the local row it writes.
 
     Composition order (the reference `kvwrite.reference._locs.resolve` mirrors it):
@@ -36,7 +45,9 @@ def resolve_locs(loc_ptr, tok, tmask, loc_map_ptr, map_len, dcp_rank, dcp_size, 
          too, so loc_map is never read out of bounds), then row = loc_map[loc]; a mapped -1 is
          skipped;
       3. DCP (HAS_DCP): the (mapped) virtual row belongs to rank row % dcp_size and lives at
-         local row row // dcp_size; other ranks' tokens are skipped;
+         local row row // dcp_size; other ranks' tokens are skipped. HAS_DCP == DCP_PAGE
+         (DeepSeek V4 stores) shards by page instead: virtual page p = row // pool_page_size
+         belongs to rank p % dcp_size as its local page p // dcp_size;
       4. bounds: the local row must lie in [0, capacity) (else KIND_POOL; off mode skips only
          negative rows and does not check the upper bound).
     Returns (loc, row, write, bad, target, limit, kind): `write` masks the tokens to store,
@@ -55,7 +66,11 @@ def resolve_locs(loc_ptr, tok, tmask, loc_map_ptr, map_len, dcp_rank, dcp_size, 
         live = live & in_map  # off mode too: never read loc_map out of bounds, skip the token
         row = tl.load(loc_map_ptr + loc, mask=live, other=-1).to(tl.int64)
         live = live & (row != -1)
-    if HAS_DCP:
+    if HAS_DCP == DCP_PAGE:
+        vpage = row // pool_page_size
+        live = live & ((row < 0) | (vpage % dcp_size == dcp_rank))
+        row = tl.where(row >= 0, (vpage // dcp_size) * pool_page_size + row % pool_page_size, row)
+    elif HAS_DCP:
         owned = (row < 0) | (row % dcp_size == dcp_rank)
         live = live & owned
         row = tl.where(row >= 0, row // dcp_size, row)
@@ -96,28 +111,154 @@ def check_or_record(err_ptr, tok, loc, bad, target, limit, kind, pool_page_size,
 
 
 @triton.jit
+def resolve_table(pos_ptr, bidx_ptr, table_ptr, indptr_ptr, tok, tmask, n_batch, n_table,
+                  capacity, pool_page_size, CHECK: tl.constexpr):
+    """Page-table addressing (FlashInfer's): token i writes row positions[i] % page_size of page
+    kv_indices[kv_indptr[b] + positions[i] // page_size], b = batch_indices[i] (floor division;
+    page_size = pool_page_size). The reference `kvwrite.reference._locs.resolve_table` mirrors it.
+
+      1. batch: b must lie in [0, n_batch) (else KIND_BATCH); off mode skips such a token too,
+         so kv_indptr is never read out of bounds;
+      2. slot: kv_indptr[b] + positions[i] // page_size must lie in [kv_indptr[b],
+         min(kv_indptr[b + 1], n_table)) (else KIND_TABLE_SLOT); off mode checks only
+         [0, n_table), so kv_indices is never read out of bounds, and skips the token;
+      3. page: kv_indices[slot] must lie in [0, num_pages) (else KIND_TABLE_PAGE); off mode
+         skips only a negative page, like a negative row.
+    Returns (position, loc, page, offset, write, bad, target, limit, kind, batch, slot,
+    table_page); `loc` is the row a KIND_TABLE_PAGE token would have written (else -1).
+    """
+    pos = tl.load(pos_ptr + tok, mask=tmask, other=0).to(tl.int64)
+    b = tl.load(bidx_ptr + tok, mask=tmask, other=0).to(tl.int64)
+    q = pos // pool_page_size
+    r = pos - q * pool_page_size
+    neg = r < 0  # floor division whatever the integer division rounds to
+    q = tl.where(neg, q - 1, q)
+    r = tl.where(neg, r + pool_page_size, r)
+    in_batch = (b >= 0) & (b < n_batch)
+    bad = tl.zeros_like(pos) != 0
+    kind = tl.zeros_like(pos) + _KIND_TABLE_PAGE
+    if CHECK != CHECK_OFF:
+        bad = tmask & (in_batch == 0)
+        kind = tl.where(bad, _KIND_BATCH, kind)
+    live = tmask & in_batch
+    start = tl.load(indptr_ptr + b, mask=live, other=0).to(tl.int64)
+    slot = start + q
+    ok = (slot >= 0) & (slot < n_table)
+    hi = tl.zeros_like(pos) + n_table
+    if CHECK != CHECK_OFF:
+        end = tl.load(indptr_ptr + b + 1, mask=live, other=0).to(tl.int64)
+        hi = tl.minimum(end, hi)
+        ok = ok & (slot >= start) & (slot < hi)
+        bad_slot = live & (ok == 0)
+        bad = bad | bad_slot
+        kind = tl.where(bad_slot, _KIND_TABLE_SLOT, kind)
+    live = live & ok
+    page = tl.load(table_ptr + slot, mask=live, other=-1).to(tl.int64)
+    num_pages = capacity // pool_page_size
+    if CHECK == CHECK_OFF:
+        write = live & (page >= 0)
+    else:
+        oob = live & ((page < 0) | (page >= num_pages))
+        bad = bad | oob
+        write = live & (oob == 0)
+    is_batch = kind == _KIND_BATCH
+    is_page = kind == _KIND_TABLE_PAGE
+    target = tl.where(is_batch, b, tl.where(is_page, page, slot))
+    limit = tl.where(is_batch, n_batch, tl.where(is_page, num_pages, hi))
+    loc = tl.where(is_page, page * pool_page_size + r, -1)
+    return (pos, loc, page, r, write, bad, target, limit, kind, b, tl.where(is_batch, -1, slot),
+            tl.where(is_page, page, -1))
+
+
+@triton.jit
+def record_table(err_ptr, tok, bad, batch, position, slot, page, CHECK: tl.constexpr, record):
+    """Guard mode: the page-table context slots of the packed-min record (see kvwrite.errors)."""
+    if CHECK == CHECK_GUARD:
+        if record:
+            if tl.sum(bad.to(tl.int32), axis=0) > 0:
+                base = tok.to(tl.int64) << 32
+                lo = 0xFFFFFFFF
+                zero = tl.zeros_like(base)
+                tl.atomic_min(err_ptr + _BATCH + zero, base | (batch & lo), mask=bad)
+                tl.atomic_min(err_ptr + _POSITION + zero, base | (position & lo), mask=bad)
+                tl.atomic_min(err_ptr + _TABLE_SLOT + zero, base | (slot & lo), mask=bad)
+                tl.atomic_min(err_ptr + _TABLE_PAGE + zero, base | (page & lo), mask=bad)
+
+
+@triton.jit
 def claim_rows(loc_ptr, tok, n_tokens, loc_map_ptr, map_len, dcp_rank, dcp_size, capacity,
                pool_page_size, err_ptr, HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr,
-               CHECK: tl.constexpr, OP: tl.constexpr, record):
+               CHECK: tl.constexpr, OP: tl.constexpr, record, pt_batch_ptr=None,
+               pt_indices_ptr=None, pt_indptr_ptr=None, pt_num_batches=0, pt_num_indices=0,
+               HAS_TABLE: tl.constexpr = False):
     """Every store kernel's prologue: resolve the tokens' locs, assert or record the bad ones
-    (`record`: this program owns the record for its tokens), and return (page, offset, write)."""
-    loc, row, write, bad, target, limit, kind = resolve_locs(
-        loc_ptr, tok, tok < n_tokens, loc_map_ptr, map_len, dcp_rank, dcp_size, capacity,
-        HAS_MAP, HAS_DCP, CHECK)
-    check_or_record(err_ptr, tok, loc, bad, target, limit, kind, pool_page_size, OP, CHECK,
-                    record)
-    return row // pool_page_size, row % pool_page_size, write
+    (`record`: this program owns the record for its tokens), and return (page, offset, write).
+    HAS_TABLE: page-table addressing (`resolve_table`; `loc_ptr` holds the positions) instead
+    of locs (`resolve_locs`)."""
+    tmask = tok < n_tokens
+    if HAS_TABLE:
+        pos, loc, page, offset, write, bad, target, limit, kind, batch, slot, tpage = resolve_table(
+            loc_ptr, pt_batch_ptr, pt_indices_ptr, pt_indptr_ptr, tok, tmask, pt_num_batches,
+            pt_num_indices, capacity, pool_page_size, CHECK)
+        check_or_record(err_ptr, tok, loc, bad, target, limit, kind, pool_page_size, OP, CHECK,
+                        record)
+        record_table(err_ptr, tok, bad, batch, pos, slot, tpage, CHECK, record)
+    else:
+        loc, row, write, bad, target, limit, kind = resolve_locs(
+            loc_ptr, tok, tmask, loc_map_ptr, map_len, dcp_rank, dcp_size, capacity,
+            HAS_MAP, HAS_DCP, CHECK, pool_page_size)
+        check_or_record(err_ptr, tok, loc, bad, target, limit, kind, pool_page_size, OP, CHECK,
+                        record)
+        page = row // pool_page_size
+        offset = row % pool_page_size
+    return page, offset, write
+
+
+# The special-value policy of every quantising op (README "Special values"; the torch twin is
+# kvwrite.reference.quant, the C++ one csrc/kvwrite/fp8.h + quant.h):
+#   inputs whose magnitude is an fp32 subnormal (< 2**-126) are read as a zero of the same sign
+#   (`daz`), so a GPU's flush-to-zero and a CPU give the same bytes; NaN -> the format's one NaN
+#   code (0x7F; e4m3fnuz 0x80), whatever its sign; +-inf and finite overflow -> +-max;
+#   -0 -> -0 (0x80; e4m3fnuz has none: 0x00); block scales come from the finite values only
+#   (`finite_abs`).
+FLT_TINY = tl.constexpr(1.1754943508222875e-38)   # 2**-126, torch.finfo(torch.float32).tiny
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
+
+
+@triton.jit
+def daz(x):
+    """fp32 `x` with fp32-subnormal magnitudes replaced by a zero of the same sign (bit ops:
+    the same on a GPU that flushes subnormals and on a CPU that does not)."""
+    x = x.to(tl.float32)
+    bits = x.to(tl.int32, bitcast=True)
+    zero = (bits & -2147483648).to(tl.float32, bitcast=True)
+    return tl.where((bits & 0x7F800000) == 0, zero, x)
+
+
+@triton.jit
+def finite_abs(x):
+    """|x| where x is finite, else 0: what a block's amax is taken over (NaN and +-inf are
+    excluded, so one special value never changes the scale of its neighbours)."""
+    ax = tl.abs(x.to(tl.float32))
+    return tl.where(ax <= FLT_MAX, ax, 0.0)
 
 
 @triton.jit
 def fp8_bits(x, FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
     """The fp8 code (int32 in [0, 256)) of saturate(x) for a format with MANT mantissa bits,
-    smallest normal exponent EMIN and finite max FMAX: round to nearest, ties to even.
+    smallest normal exponent EMIN and finite max FMAX: round to nearest, ties to even; NaN ->
+    the format's NaN code, +-inf -> +-FMAX, -0 -> 0x80. FMAX == 240 is e4m3fnuz (bias 8, NaN
+    0x80, no -0: a result that rounds to zero is 0x00).
 
     Built from fp32 bit arithmetic, not a cast: the result is identical on every backend (the
     interpreter's fp8 cast misrounds), and sm_80, which has no e4m3 type, stores it as a byte.
+    NaN is tested before the clamp (a GPU's min/max would turn it into -FMAX).
     """
-    x = tl.minimum(tl.maximum(x.to(tl.float32), -FMAX), FMAX)
+    FNUZ: tl.constexpr = FMAX == 240.0
+    x = x.to(tl.float32)
+    is_nan = x != x
+    x = tl.where(is_nan, 0.0, x)
+    x = tl.minimum(tl.maximum(x, -FMAX), FMAX)
     xbits = x.to(tl.int32, bitcast=True)
     ax = tl.abs(x)
     bits = xbits & 0x7FFFFFFF
@@ -130,7 +271,19 @@ def fp8_bits(x, FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
     tiny = tl.minimum(ax, 2.0 ** EMIN)
     subnormal = (((tiny + magic) - magic) * (2.0 ** (MANT - EMIN))).to(tl.int32)
     code = tl.where(ax < 2.0 ** EMIN, subnormal, normal)
-    return code | ((xbits >> 24) & 0x80)
+    if FNUZ:
+        code = tl.where(code == 0, 0, code | ((xbits >> 24) & 0x80))
+        return tl.where(is_nan, 0x80, code)
+    else:
+        code = code | ((xbits >> 24) & 0x80)
+        return tl.where(is_nan, 0x7F, code)
+
+
+@triton.jit
+def fp8_quant(x, scale, FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
+    """The fp8 code of saturate(daz(x) / scale) (division rounded to nearest, as torch's)."""
+    xs = daz(x)
+    return fp8_bits(tl.div_rn(xs, tl.zeros_like(xs) + scale), FMAX, MANT, EMIN)
 
 
 @triton.jit

@@ -39,10 +39,22 @@ def loc_args(a) -> dict:
         dcp_rank=locs.dcp_rank,
         dcp_size=locs.dcp_size,
         HAS_MAP=locs.loc_map is not None,
-        HAS_DCP=locs.dcp_size > 1,
+        HAS_DCP=(2 if locs.dcp_page else 1) if locs.dcp_size > 1 else 0,  # 2: _common.DCP_PAGE
         CHECK=chk.code,
         OP=op_code(chk.op),
+        **table_args(locs),
     )
+
+
+def table_args(locs) -> dict:
+    """The page-table kwargs of a kernel (`claim_rows`' pt_* and HAS_TABLE), only in page-table
+    mode: kernels default them to off."""
+    t = getattr(locs, "table", None)
+    if t is None:
+        return {}
+    return dict(pt_batch_ptr=t.batch_indices, pt_indices_ptr=t.kv_indices,
+                pt_indptr_ptr=t.kv_indptr, pt_num_batches=t.num_batches,
+                pt_num_indices=t.kv_indices.shape[0], HAS_TABLE=True)
 
 
 def launch(kernel, grid, a, **kwargs) -> None:
@@ -61,18 +73,21 @@ def launch(kernel, grid, a, **kwargs) -> None:
             raise
         from kvwrite.reference import _locs
 
-        r = _locs.resolve(a.locs, a.geometry.capacity, a.check)
+        r = _locs.resolve(a.locs, a.geometry.capacity, a.check, a.geometry.pool_page_size)
         try:
             _locs.check(r, a.geometry, a.check)
         except OutOfBoundsWrite as err:
             raise KernelAssertion(err.op, err.token_index, err.loc, err.page, err.num_pages,
                                   err.pool_page_size, err.count, err.kind, err.target,
-                                  err.limit) from exc
+                                  err.limit, batch=err.batch, position=err.position,
+                                  table_slot=err.table_slot, table_page=err.table_page) from exc
         raise
 
 
 # (finite max, mantissa bits, smallest normal exponent) of each fp8 storage format.
-_FP8_FORMAT = {torch.float8_e4m3fn: (448.0, 3, -6), torch.float8_e5m2: (57344.0, 2, -14)}
+# e4m3fnuz (bias 8, max 240) is told apart by its max inside `fp8_bits`.
+_FP8_FORMAT = {torch.float8_e4m3fn: (448.0, 3, -6), torch.float8_e5m2: (57344.0, 2, -14),
+               torch.float8_e4m3fnuz: (240.0, 3, -7)}
 
 
 def fp8_constexprs(dtype: torch.dtype) -> dict:

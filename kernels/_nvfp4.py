@@ -10,12 +10,13 @@ round to nearest even), e2m1 rounding is a comparison ladder with ties to the ev
 import triton
 import triton.language as tl
 
-from kvwrite.kernels._common import fp8_bits
+from kvwrite.kernels._common import daz, finite_abs, fp8_bits
 
 
 @triton.jit
 def e4m3_value(code):
-    """fp32 value of an e4m3fn code (int32 in [0, 256); 0x7F/0xFF, NaN, never produced)."""
+    """fp32 value of an e4m3fn code (int32 in [0, 256); never 0x7F/0xFF, NaN: `fp8_bits` of a
+    finite amax)."""
     e = (code >> 3) & 0xF
     m = code & 7
     normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
@@ -35,11 +36,24 @@ def e2m1_code(y):
 
 
 @triton.jit
+def _element_codes(x, d, zero):
+    """e2m1 codes of x / d (ties to even, +-inf -> +-6); where `zero` (d == 0) the sign alone;
+    NaN -> 0 (e2m1 has no NaN: the block's scale carries it)."""
+    sign = (x.to(tl.int32, bitcast=True) >> 28) & 8
+    code = tl.where(zero, sign, e2m1_code(tl.div_rn(x, d)))
+    return tl.where(x != x, 0, code)
+
+
+@triton.jit
 def quantize_blocks(x_even, x_odd, g, HAS_GLOBAL: tl.constexpr):
     """NVFP4-quantise blocks of 16: `x_even`/`x_odd` [T, B, 8] fp32 hold elements 2i and 2i+1 of
     each block, `g` the fp32 global scale (ignored unless HAS_GLOBAL). Returns (bytes [T, B, 8]
     int32: code(2i) | code(2i+1) << 4, e4m3 scale codes [T, B] int32)."""
-    amax = tl.maximum(tl.max(tl.abs(x_even), axis=2), tl.max(tl.abs(x_odd), axis=2))
+    x_even = daz(x_even)
+    x_odd = daz(x_odd)
+    amax = tl.maximum(tl.max(finite_abs(x_even), axis=2), tl.max(finite_abs(x_odd), axis=2))
+    has_nan = (tl.max((x_even != x_even).to(tl.int32), axis=2)
+               + tl.max((x_odd != x_odd).to(tl.int32), axis=2)) > 0
     s = tl.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32))
     if HAS_GLOBAL:
         s = tl.div_rn(s, tl.full(amax.shape, 1.0, tl.float32) * g)
@@ -48,11 +62,11 @@ def quantize_blocks(x_even, x_odd, g, HAS_GLOBAL: tl.constexpr):
     if HAS_GLOBAL:
         d = d * g
     d = tl.broadcast_to(d[:, :, None], x_even.shape)
-    zero = d == 0  # an all-zero block (or a global scale that underflows it): all codes +0
+    zero = d == 0  # an all-zero block (or a global scale that underflows it): codes +-0
     d = tl.where(zero, 1.0, d)
-    lo = tl.where(zero, 0, e2m1_code(tl.div_rn(x_even, d)))
-    hi = tl.where(zero, 0, e2m1_code(tl.div_rn(x_odd, d)))
-    return lo | (hi << 4), code
+    lo = _element_codes(x_even, d, zero)
+    hi = _element_codes(x_odd, d, zero)
+    return lo | (hi << 4), tl.where(has_nan, 0x7F, code)  # a NaN makes the block scale NaN
 
 
 @triton.jit

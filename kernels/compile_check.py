@@ -14,7 +14,8 @@ import time
 
 import torch
 
-FAMILIES = ("store_kv", "store_mla", "store_indexer_k", "store_kv_nvfp4", "store_mla_nvfp4")
+FAMILIES = ("store_kv", "store_mla", "store_indexer_k", "store_kv_nvfp4", "store_mla_nvfp4",
+            "store_dsv4")
 CHECKS = {"off": 0, "assert": 1, "guard": 2}
 _PTR = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
         torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5", torch.int32: "i32",
@@ -37,11 +38,24 @@ def signature(kernel, pointers: dict[str, torch.dtype], constexprs: dict) -> dic
     return sig
 
 
+# Page-table kwargs every store kernel takes (kernels/_common.claim_rows), off unless a variant
+# sets HAS_TABLE: variants() that predate them compile unchanged.
+TABLE_POINTERS = {"pt_batch_ptr": torch.int32, "pt_indices_ptr": torch.int32,
+                  "pt_indptr_ptr": torch.int32}
+
+
+def with_table_defaults(kernel, pointers: dict, constexprs: dict) -> tuple[dict, dict]:
+    if "HAS_TABLE" not in kernel.arg_names:
+        return pointers, constexprs
+    return {**TABLE_POINTERS, **pointers}, {"HAS_TABLE": False, **constexprs}
+
+
 def compile_variant(kernel, pointers, constexprs, cc: int) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     import triton
 
+    pointers, constexprs = with_table_defaults(kernel, pointers, constexprs)
     src = ASTSource(kernel, signature(kernel, pointers, constexprs), constexprs)
     debug = constexprs.get("CHECK") == CHECKS["assert"]
     start = time.perf_counter()
@@ -56,12 +70,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--family", action="append", choices=FAMILIES)
     p.add_argument("--cc", type=int, nargs="+", default=[80, 90])
     p.add_argument("--check", choices=tuple(CHECKS), action="append")
+    p.add_argument("--match", help="only variants whose name contains this text")
     args = p.parse_args(argv)
     failed = 0
     for family in args.family or FAMILIES:
         module = importlib.import_module(f"kvwrite.kernels.{family}")
         for name, kernel, pointers, constexprs in module.variants():
             if args.check and constexprs["CHECK"] not in [CHECKS[c] for c in args.check]:
+                continue
+            if args.match and args.match not in name:
                 continue
             for cc in args.cc:
                 try:

@@ -7,7 +7,7 @@ fp32 scale (layout in `kvwrite.ops.indexer_k`). The indexer cache is addressed b
 import triton
 import triton.language as tl
 
-from kvwrite.kernels._common import claim_rows, fp8_bits, store_le_bytes
+from kvwrite.kernels._common import claim_rows, finite_abs, fp8_quant, store_le_bytes
 from kvwrite.ops import indexer_k as _ik
 
 _AMAX_FLOOR = tl.constexpr(_ik.AMAX_FLOOR)
@@ -21,24 +21,28 @@ def store_indexer_k_kernel(
     D: tl.constexpr, QBS: tl.constexpr, BLOCK_Q: tl.constexpr, UE8M0: tl.constexpr,
     HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr, CHECK: tl.constexpr, OP: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    pt_batch_ptr=None, pt_indices_ptr=None, pt_indptr_ptr=None, pt_num_batches=0,
+    pt_num_indices=0, HAS_TABLE: tl.constexpr = False,
 ):
     pid_t = tl.program_id(0)
     blk = tl.program_id(1)
     tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     page, offset, write = claim_rows(loc_ptr, tok, n_tokens, loc_map_ptr, map_len, dcp_rank,
                                      dcp_size, capacity, pool_page_size, err_ptr, HAS_MAP,
-                                     HAS_DCP, CHECK, OP, blk == 0)
+                                     HAS_DCP, CHECK, OP, blk == 0, pt_batch_ptr,
+                                     pt_indices_ptr, pt_indptr_ptr, pt_num_batches,
+                                     pt_num_indices, HAS_TABLE)
     page_base = page * cache_sp
     q = tl.arange(0, BLOCK_Q)
     cols = blk * QBS + q
     mask = write[:, None] & (q < QBS)[None, :]
     x = tl.load(k_ptr + tok.to(tl.int64)[:, None] * k_sn + cols[None, :], mask=mask,
                 other=0.0).to(tl.float32)
-    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), _AMAX_FLOOR), 448.0)
+    scale = tl.div_rn(tl.maximum(tl.max(finite_abs(x), axis=1), _AMAX_FLOOR), 448.0)
     if UE8M0:  # round up to a power of two: carry any mantissa bit into the exponent
         bits = scale.to(tl.int32, bitcast=True)
         scale = ((bits + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
-    code = fp8_bits(tl.div_rn(x, scale[:, None]), 448.0, 3, -6)
+    code = fp8_quant(x, scale[:, None], 448.0, 3, -6)
     tl.store(cache_ptr + (page_base + offset * D)[:, None] + cols[None, :], code.to(tl.uint8),
              mask=mask)
     scale_addr = page_base + page_data_bytes + (offset * (D // QBS) + blk) * 4

@@ -6,7 +6,7 @@ flattened [H * D] row; NHD and HND are the same kernel with different cache stri
 import triton
 import triton.language as tl
 
-from kvwrite.kernels._common import claim_rows, fp8_bits
+from kvwrite.kernels._common import claim_rows, fp8_quant
 
 
 @triton.jit
@@ -21,7 +21,7 @@ def _store_rows(src_ptr, dst_ptr, scale_ptr, tok, write, row_base, cols, ncols,
     x = tl.load(src_ptr + tok.to(tl.int64)[:, None] * s_n + (h * s_h + d)[None, :], mask=mask)
     if QUANT:
         scale = tl.load(scale_ptr + h * scale_h, mask=cmask, other=1.0)
-        x = fp8_bits(tl.div_rn(x.to(tl.float32), scale[None, :]), FMAX, MANT, EMIN)  # exact, as torch
+        x = fp8_quant(x, scale[None, :], FMAX, MANT, EMIN)  # exact division, as torch
     tl.store(dst_ptr + row_base[:, None] + (h * d_h + d)[None, :],
              x.to(dst_ptr.dtype.element_ty), mask=mask)
 
@@ -36,13 +36,17 @@ def store_kv_kernel(
     MANT: tl.constexpr, EMIN: tl.constexpr,
     HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr, CHECK: tl.constexpr, OP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    pt_batch_ptr=None, pt_indices_ptr=None, pt_indptr_ptr=None, pt_num_batches=0,
+    pt_num_indices=0, HAS_TABLE: tl.constexpr = False,
 ):
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
     tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     page, offset, write = claim_rows(loc_ptr, tok, n_tokens, loc_map_ptr, map_len, dcp_rank,
                                      dcp_size, capacity, pool_page_size, err_ptr, HAS_MAP,
-                                     HAS_DCP, CHECK, OP, pid_c == 0)
+                                     HAS_DCP, CHECK, OP, pid_c == 0, pt_batch_ptr,
+                                     pt_indices_ptr, pt_indptr_ptr, pt_num_batches,
+                                     pt_num_indices, HAS_TABLE)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     _store_rows(k_ptr, kc_ptr, ks_ptr, tok, write, page * kc_sp + offset * kc_so, cols,
                 num_heads * DK, k_sn, k_sh, kc_sh, ks_sh, DK, QUANT, FMAX, MANT, EMIN)
@@ -85,7 +89,7 @@ def variants():
 
     for check in (0, 1, 2):
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
-            for cache in (dtype, torch.float8_e4m3fn, torch.float8_e5m2):
+            for cache in (dtype, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz):
                 for has_map, has_dcp in ((False, False),) + (((True, True),) if cache == dtype else ()):
                     quant = cache in FP8_MAX
                     store = torch.uint8 if quant else cache
@@ -98,3 +102,14 @@ def variants():
                                       BLOCK_T=4, BLOCK_C=1024)
                     name = f"{str(dtype)[6:]}->{str(cache)[6:]}{'+map+dcp' if has_map else ''}"
                     yield name, store_kv_kernel, pointers, constexprs
+        # page-table addressing (kvwrite.PageTable): int32 tables, as FlashInfer's
+        for dtype, cache in ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float8_e4m3fn)):
+            quant = cache in FP8_MAX
+            store = torch.uint8 if quant else cache
+            pointers = dict(k_ptr=dtype, v_ptr=dtype, kc_ptr=store, vc_ptr=store, loc_ptr=torch.int32,
+                            ks_ptr=torch.float32 if quant else dtype, vs_ptr=torch.float32 if quant else dtype,
+                            err_ptr=torch.int64, loc_map_ptr=torch.int32, pt_batch_ptr=torch.int32,
+                            pt_indices_ptr=torch.int32, pt_indptr_ptr=torch.int32)
+            constexprs = dict(DK=128, DV=128, QUANT=quant, **fp8_constexprs(cache), HAS_MAP=False,
+                              HAS_DCP=False, CHECK=check, OP=0, BLOCK_T=4, BLOCK_C=1024, HAS_TABLE=True)
+            yield f"{str(dtype)[6:]}->{str(cache)[6:]}+table", store_kv_kernel, pointers, constexprs

@@ -41,13 +41,17 @@ def store_kv_nvfp4_kernel(
     DK: tl.constexpr, DV: tl.constexpr, K_GLOBAL: tl.constexpr, V_GLOBAL: tl.constexpr,
     HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr, CHECK: tl.constexpr, OP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr,
+    pt_batch_ptr=None, pt_indices_ptr=None, pt_indptr_ptr=None, pt_num_batches=0,
+    pt_num_indices=0, HAS_TABLE: tl.constexpr = False,
 ):
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
     tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     page, offset, write = claim_rows(loc_ptr, tok, n_tokens, loc_map_ptr, map_len, dcp_rank,
                                      dcp_size, capacity, pool_page_size, err_ptr, HAS_MAP,
-                                     HAS_DCP, CHECK, OP, pid_c == 0)
+                                     HAS_DCP, CHECK, OP, pid_c == 0, pt_batch_ptr,
+                                     pt_indices_ptr, pt_indptr_ptr, pt_num_batches,
+                                     pt_num_indices, HAS_TABLE)
     blocks = pid_c * BLOCK_B + tl.arange(0, BLOCK_B)
     kg = tl.load(kg_ptr).to(tl.float32) if K_GLOBAL else 1.0
     vg = tl.load(vg_ptr).to(tl.float32) if V_GLOBAL else 1.0

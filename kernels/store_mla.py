@@ -8,7 +8,7 @@ Every cache byte of fp8 formats is written as a byte (sm_80 has no e4m3 type).
 import triton
 import triton.language as tl
 
-from kvwrite.kernels._common import claim_rows, fp8_bits, store_le_bytes
+from kvwrite.kernels._common import claim_rows, finite_abs, fp8_quant, store_le_bytes
 from kvwrite.ops import mla as _mla
 
 _COPY = tl.constexpr(_mla.MODE_COPY)
@@ -31,7 +31,7 @@ def _concat_row(c_ptr, pe_ptr, dst_ptr, scale_ptr, tok, write, row_base, cols, c
     b = tl.load(pe_ptr + t64 * pe_sn + (cols - L)[None, :], mask=w & in_pe)
     x = tl.where(in_c, a, b)
     if QUANT:
-        x = fp8_bits(tl.div_rn(x.to(tl.float32), tl.load(scale_ptr)), FMAX, MANT, EMIN)
+        x = fp8_quant(x, tl.load(scale_ptr), FMAX, MANT, EMIN)
     tl.store(dst_ptr + row_base[:, None] + cols[None, :], x.to(dst_ptr.dtype.element_ty),
              mask=w & (in_c | in_pe))
 
@@ -58,8 +58,8 @@ def _ds_mla_tile(c_ptr, pe_ptr, dst_ptr, tok, write, row_base, tile, c_sn, pe_sn
     w = write[:, None]
     cols = tile * _TILE + tl.arange(0, _TILE)
     x = tl.load(c_ptr + t64[:, None] * c_sn + cols[None, :], mask=w, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=1), 448.0), _SCALE_FLOOR)
-    q = fp8_bits(tl.div_rn(x, scale[:, None]), 448.0, 3, -6)
+    scale = tl.maximum(tl.div_rn(tl.max(finite_abs(x), axis=1), 448.0), _SCALE_FLOOR)
+    q = fp8_quant(x, scale[:, None], 448.0, 3, -6)
     tl.store(dst_ptr + row_base[:, None] + cols[None, :], q.to(tl.uint8), mask=w)
     store_le_bytes(dst_ptr, row_base + L + tile * 4, scale.to(tl.int32, bitcast=True), write, 4)
     if tile == 0:
@@ -79,13 +79,17 @@ def store_mla_kernel(
     MANT: tl.constexpr, EMIN: tl.constexpr,
     HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr, CHECK: tl.constexpr, OP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    pt_batch_ptr=None, pt_indices_ptr=None, pt_indptr_ptr=None, pt_num_batches=0,
+    pt_num_indices=0, HAS_TABLE: tl.constexpr = False,
 ):
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
     tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     page, offset, write = claim_rows(loc_ptr, tok, n_tokens, loc_map_ptr, map_len, dcp_rank,
                                      dcp_size, capacity, pool_page_size, err_ptr, HAS_MAP,
-                                     HAS_DCP, CHECK, OP, pid_c == 0)
+                                     HAS_DCP, CHECK, OP, pid_c == 0, pt_batch_ptr,
+                                     pt_indices_ptr, pt_indptr_ptr, pt_num_batches,
+                                     pt_num_indices, HAS_TABLE)
     row_base = page * cache_sp + offset * cache_so
     if MODE == _DS_MLA:
         _ds_mla_tile(c_ptr, pe_ptr, cache_ptr, tok, write, row_base, pid_c, c_sn, pe_sn, L, R,
@@ -146,6 +150,7 @@ def variants():
     cases = (  # (input, kv_cache_dtype, with loc_map + DCP)
         (bf16, "auto", False), (f32, "auto", True), (f16, "fp8_e4m3", False),
         (bf16, "fp8_e5m2", False), (bf16, "fp8_ds_mla", False), (f32, "fp8_ds_mla", True),
+        (bf16, "fp8_e4m3fnuz", False),
     )
     for check in (0, 1, 2):
         for dtype, name, map_dcp in cases:
@@ -160,3 +165,11 @@ def variants():
                               BLOCK_T=32 if ds else 4, BLOCK_C=64 if ds else 1024)
             yield (f"{str(dtype)[6:]}->{name}{'+map+dcp' if map_dcp else ''}", store_mla_kernel,
                    pointers, constexprs)
+        # page-table addressing (kvwrite.PageTable), int32 tables
+        pointers = dict(c_ptr=bf16, pe_ptr=bf16, cache_ptr=bf16, loc_ptr=torch.int32, scale_ptr=bf16,
+                        err_ptr=torch.int64, loc_map_ptr=torch.int32, pt_batch_ptr=torch.int32,
+                        pt_indices_ptr=torch.int32, pt_indptr_ptr=torch.int32)
+        constexprs = dict(L=512, R=64, MODE=_mla.MODE_COPY, **fp8_constexprs(bf16), HAS_MAP=False,
+                          HAS_DCP=False, CHECK=check, OP=op_code(_mla.OP), BLOCK_T=4, BLOCK_C=1024,
+                          HAS_TABLE=True)
+        yield "bfloat16->auto+table", store_mla_kernel, pointers, constexprs

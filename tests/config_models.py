@@ -11,7 +11,7 @@ TINY = {
     "minimax_sparse": ModelSpec("minimax_sparse", 2, num_kv_heads=2, head_dim=32, index_head_dim=32),
 }
 MLA_VARIANTS = ("mla", "dsa")
-KV_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "nvfp4", "fp8_ds_mla")
+KV_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "nvfp4", "fp8_ds_mla")
 
 
 def supported(variant: str, kv: str) -> bool:

@@ -3,6 +3,10 @@ import os
 
 import pytest
 
+# The suite sets every check mode explicitly or tests the "off" default: a KVWRITE_CHECK in the
+# caller's environment would change the defaults under test (tests/test_check_env.py sets it
+# in subprocesses).
+os.environ.pop("KVWRITE_CHECK", None)
 if os.environ.get("KVWRITE_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", "build", "triton-cache"))

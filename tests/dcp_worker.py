@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from config_models import TINY
+from kvwrite.config.scales import FP8
 from kvwrite import KVCacheConfigurator, ParallelSpec
 
 PAGE, PER_RANK = 4, 32
@@ -34,8 +35,9 @@ def run(rank: int, world: int, init: str, backend: str) -> None:
             conf = lambda draft: KVCacheConfigurator(  # noqa: E731
                 spec, ParallelSpec(dcp_size=world, dcp_rank=rank, is_draft_worker=draft), page_size=PAGE,
                 kv_cache_dtype=kv, max_total_num_tokens=PER_RANK)
-            target = conf(False).plan().build("cpu", check="guard", backend=backend)
-            draft = conf(True).plan().build("cpu", check="guard", backend=backend)
+            scales = 1.0 if kv in FP8 else None   # fp8 pools take their scales at build
+            target = conf(False).plan().build("cpu", check="guard", backend=backend, scales=scales)
+            draft = conf(True).plan().build("cpu", check="guard", backend=backend, scales=scales)
             assert target.plan.spaces["full"] == draft.plan.spaces["full"]
             # one shared allocation (rank 0's DCP allocator), the last page included
             n = 40

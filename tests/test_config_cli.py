@@ -7,7 +7,7 @@ import pytest
 
 from kvwrite import cli
 from kvwrite.config.presets import PRESETS
-from kvwrite.plan_cli import parse_bytes
+from kvwrite.cli.plan import parse_bytes
 
 
 def run(capsys, *argv):

@@ -12,6 +12,7 @@ from conftest import DEVICE
 from helpers import BACKENDS
 from kvwrite import KVCacheConfigurator, ModelSpec, ParallelSpec, VariantPlanner, register_variant
 from kvwrite.config import (BufferSpec, KernelUnavailable, LayerHasNoKV, PoolSpec, SpecError, UnknownVariant)
+from kvwrite.config.scales import FP8
 from kvwrite.config.variants import unregister_variant
 from kvwrite.geometry import GeometryError, PageGeometry
 
@@ -19,11 +20,14 @@ ALL_BACKENDS = ["torch", *BACKENDS]
 
 
 def build(variant, *, kv="auto", page=4, tokens=32, dcp=1, rank=0, draft=False, backend="torch", check="guard",
-          model=None, **kw):
+          model=None, scales="unit", **kw):
+    """A built pool; fp8 pools get explicit unit scales unless `scales` says otherwise."""
     model = model or TINY[variant]
     conf = KVCacheConfigurator(model, ParallelSpec(dcp_size=dcp, dcp_rank=rank, is_draft_worker=draft),
                                page_size=page, kv_cache_dtype=kv, max_total_num_tokens=tokens, **kw)
-    return conf.plan().build(DEVICE, check=check, backend=backend)
+    if scales == "unit":
+        scales = 1.0 if kv in FP8 else None
+    return conf.plan().build(DEVICE, check=check, backend=backend, scales=scales)
 
 
 def rows(t):
@@ -126,8 +130,13 @@ def test_fp8_formats_take_scales():
     b = pool.layer("kv", 0)
     assert torch.equal(rows(b["k"])[locs], (k.float() / 0.5).to(torch.float8_e4m3fn))
     assert torch.equal(rows(b["v"])[locs], (v.float() / 2.0).to(torch.float8_e4m3fn))
-    pool.store(1, locs, k, v)                            # default scale 1.0
+    pool.store(1, locs, k, v)                            # the build-time scales: 1.0, explicitly
     assert torch.equal(rows(pool.layer("kv", 1)["k"])[locs], k.float().to(torch.float8_e4m3fn))
+    scaled = build("mha", kv="fp8_e4m3", scales={"k_scale": 0.5, "v_scale": torch.tensor([2.0])})
+    scaled.store(0, locs, k, v)
+    b = scaled.layer("kv", 0)
+    assert torch.equal(rows(b["k"])[locs], (k.float() / 0.5).to(torch.float8_e4m3fn))
+    assert torch.equal(rows(b["v"])[locs], (v.float() / 2.0).to(torch.float8_e4m3fn))
     mla = build("mla", kv="fp8_ds_mla")
     locs = mla.allocator().alloc(4)
     kv_c, k_pe = mla.sample_inputs(0, 4, torch.Generator().manual_seed(6))
@@ -158,6 +167,56 @@ def test_store_argument_errors():
         pool.store(0, locs, kv_c, k_pe, idx, k_scale=torch.tensor(1.0))
     with pytest.raises(ValueError, match="check must be one of"):
         pool.plan.build(DEVICE, check="strict")
+
+
+@pytest.mark.parametrize("variant, kv, bad", [
+    ("mha", "auto", "k_scale"), ("mha", "auto", "k_global_scale"), ("mha", "fp8_e4m3", "k_global_scale"),
+    ("mha", "nvfp4", "v_scale"), ("mla", "auto", "scale"), ("mla", "fp8_ds_mla", "scale"),
+    ("mla", "fp8_e5m2", "global_scale"), ("dsa", "fp8_ds_mla", "scale"),
+    ("minimax_sparse", "auto", "index_scale"), ("minimax_sparse", "nvfp4", "index_scale")])
+def test_a_scale_that_does_not_apply_is_an_error(variant, kv, bad):
+    pool = build(variant, kv=kv)
+    locs = pool.allocator().alloc(2)
+    lid = pool.plan.model.kv_layer_ids[0]
+    tensors = pool.sample_inputs(lid, 2)
+    before = [t.clone() for layers in pool.buffers.values() for d in layers for t in d.values()]
+    with pytest.raises(TypeError, match=f"store\\(\\) for variant '{variant}' with kv_cache_dtype='{kv}' "
+                       f"takes .*got \\['{bad}'\\]"):
+        pool.store(lid, locs, *tensors, **{bad: torch.tensor(1.0)})
+    after = [t for layers in pool.buffers.values() for d in layers for t in d.values()]
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(after, before))
+
+
+def test_fp8_pools_take_their_scales_at_build():
+    for variant, kv, need in (("mha", "fp8_e4m3", "'k_scale': ..., 'v_scale': ..."),
+                              ("mla", "fp8_e4m3fnuz", "'scale': ..."),
+                              ("minimax_sparse", "fp8_e5m2", "'k_scale': ..., 'v_scale': ..., 'index_scale'")):
+        with pytest.raises(ValueError, match=f"needs its fp8 scales at build: build\\(..., scales=\\{{{need}"):
+            build(variant, kv=kv, scales=None)
+    with pytest.raises(ValueError, match="has no fp8 scales"):
+        build("mha", scales=1.0)
+    with pytest.raises(ValueError, match=r"scales \['scale'\] do not apply"):
+        build("mha", kv="fp8_e4m3", scales={"scale": 1.0, "k_scale": 1.0, "v_scale": 1.0})
+    with pytest.raises(ValueError, match=r"needs scales \['v_scale'\]"):
+        build("mha", kv="fp8_e4m3", scales={"k_scale": 1.0})
+    with pytest.raises(ValueError, match="v_scale must have shape"):
+        build("mha", kv="fp8_e4m3", scales={"k_scale": 1.0, "v_scale": torch.ones(2, 2)})
+
+
+def test_e4m3fnuz_pools_store_through_every_backend():
+    for backend in ALL_BACKENDS:
+        pool = build("mla", kv="fp8_e4m3fnuz", backend=backend, scales={"scale": 0.5})
+        locs = pool.allocator().alloc(4)
+        kv_c, k_pe = pool.sample_inputs(0, 4, torch.Generator().manual_seed(1))
+        pool.store(0, locs, kv_c, k_pe)
+        got = rows(pool.layer("kv", 0)["kv"])[locs]
+        assert got.dtype == torch.float8_e4m3fnuz
+        want = (torch.cat([kv_c, k_pe], -1).float() / 0.5).clamp(-240, 240).to(torch.float8_e4m3fnuz)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), backend
+
+
+def test_pool_check_defaults_to_the_process_default():
+    assert build("mha", check=None).check == kvwrite.validate.DEFAULT_CHECK == "off"
 
 
 # --- the invariant: stores fed the allocator's locs never trip guard mode ------------------------

@@ -121,8 +121,8 @@ def oracle_block(x: np.ndarray, g: float) -> tuple[list[int], int]:
     d = f32(f32(E4M3_TABLE[scode]) * f32(g))
     codes = []
     for xi in x:
-        if d == 0:
-            codes.append(0)
+        if d == 0:  # a block whose step is 0 keeps only each element's sign
+            codes.append(8 if np.signbit(xi) else 0)
             continue
         y = f32(xi) / d
         codes.append(nearest_even(np.array(E2M1_VALUES), abs(float(y))) | (8 if np.signbit(y) else 0))

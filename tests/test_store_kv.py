@@ -9,7 +9,7 @@ import kvwrite
 from conftest import DEVICE
 from helpers import BACKENDS, CanaryBuffer, assert_same_bytes, paged_locs
 
-FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz)
 
 
 def make_pool(layout, num_pages, pps, h, dk, dv, cache_dtype, seed):

@@ -11,8 +11,10 @@
 
 #if defined(__CUDACC__)
 #define KVW_HD __host__ __device__ __forceinline__
+#define KVW_UNROLL _Pragma("unroll")
 #else
 #define KVW_HD inline
+#define KVW_UNROLL
 #endif
 
 namespace kvwrite {
@@ -24,7 +26,7 @@ using i64 = int64_t;
 enum Check : int { CHECK_OFF = 0, CHECK_ASSERT = 1, CHECK_GUARD = 2 };
 
 // Input element types (raw bits are read, so no half/bfloat16 type is needed on the host).
-enum class DType : int { F32 = 0, F16 = 1, BF16 = 2, U8 = 3, E4M3 = 4, E5M2 = 5 };
+enum class DType : int { F32 = 0, F16 = 1, BF16 = 2, U8 = 3, E4M3 = 4, E5M2 = 5, E4M3FNUZ = 6 };
 
 KVW_HD int dtype_size(DType t) {
   return t == DType::F32 ? 4 : (t == DType::F16 || t == DType::BF16) ? 2 : 1;

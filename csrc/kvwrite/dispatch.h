@@ -44,7 +44,8 @@ void with_fp8(DType t, F&& f) {
   switch (t) {
     case DType::E4M3: return f(TypeTag<E4M3>{});
     case DType::E5M2: return f(TypeTag<E5M2>{});
-    default: throw std::invalid_argument("kvwrite: fp8 cache must be float8_e4m3fn or float8_e5m2");
+    case DType::E4M3FNUZ: return f(TypeTag<E4M3FNUZ>{});
+    default: throw std::invalid_argument("kvwrite: fp8 cache must be float8_e4m3fn, float8_e5m2 or float8_e4m3fnuz");
   }
 }
 

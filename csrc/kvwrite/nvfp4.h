@@ -1,7 +1,9 @@
 // NVFP4 block quantisation (the twin of kernels/_nvfp4.py; format and error bound in
 // kvwrite/reference/nvfp4.py). A block of 16 values with optional fp32 global scale g:
 //   s = amax / 6 / g;  code = e4m3(saturate(s));  d = value(code) * g;
-//   q = e2m1(x / d) (RNE, ties to the even code, sign kept; d == 0: all +0);
+//   q = e2m1(x / d) (RNE, ties to the even code, sign kept; d == 0: each element's sign alone);
+//   specials (README "Special values"): subnormal inputs read as +-0, amax over the finite
+//   values, +-inf -> +-6, NaN -> code 0 and the block's scale byte 0x7F (NaN);
 //   byte j = q[2j] | q[2j+1] << 4.
 #pragma once
 
@@ -11,11 +13,13 @@ namespace kvwrite {
 
 constexpr int NVFP4_BLOCK = 16;
 
-// 4-bit e2m1 code of y: nearest of 0, .5, 1, 1.5, 2, 3, 4, 6 (ties to even code), saturating.
+// 4-bit e2m1 code of y: nearest of 0, .5, 1, 1.5, 2, 3, 4, 6 (ties to even code), saturating
+// (+-inf -> +-6), sign kept; NaN -> 0 (the block's scale carries it, see nvfp4_block).
 KVW_HD uint32_t e2m1_code(float y) {
   const float a = y < 0 ? -y : y;
   const uint32_t code = uint32_t(a > 0.25f) + uint32_t(a >= 0.75f) + uint32_t(a > 1.25f) + uint32_t(a >= 1.75f) +
                         uint32_t(a > 2.5f) + uint32_t(a >= 3.5f) + uint32_t(a > 5.0f);
+  if (y != y) return 0u;
   return code | ((float_to_bits(y) >> 28) & 8u);
 }
 
@@ -25,22 +29,25 @@ template <class Load>
 KVW_HD void nvfp4_block(Load load, const float* global, char* bytes, char* scale) {
   float x[NVFP4_BLOCK];
   float amax = 0.0f;
+  bool has_nan = false;
   for (int e = 0; e < NVFP4_BLOCK; ++e) {
-    x[e] = load(e);
-    const float a = x[e] < 0 ? -x[e] : x[e];
+    x[e] = daz(load(e));
+    const float a = finite_abs(x[e]);
     amax = a > amax ? a : amax;
+    has_nan = has_nan || x[e] != x[e];
   }
   float s = amax / 6.0f;
   if (global != nullptr) s = s / global[0];
   const uint8_t code = fp8_bits<E4M3>(s);
   float d = e4m3_to_float(code);
   if (global != nullptr) d = d * global[0];
-  for (int j = 0; j < NVFP4_BLOCK / 2; ++j) {
-    const uint32_t lo = d == 0.0f ? 0u : e2m1_code(x[2 * j] / d);
-    const uint32_t hi = d == 0.0f ? 0u : e2m1_code(x[2 * j + 1] / d);
-    bytes[j] = char(lo | (hi << 4));
-  }
-  *scale = char(code);
+  // d == 0 (all-zero block, or a global scale that underflows it): every element its sign alone
+  const auto elem = [&](float v) -> uint32_t {
+    if (v != v) return 0u;
+    return d == 0.0f ? (float_to_bits(v) >> 28) & 8u : e2m1_code(v / d);
+  };
+  for (int j = 0; j < NVFP4_BLOCK / 2; ++j) bytes[j] = char(elem(x[2 * j]) | (elem(x[2 * j + 1]) << 4));
+  *scale = char(has_nan ? uint8_t(0x7F) : code);  // a NaN in the block makes its scale NaN
 }
 
 }  // namespace kvwrite

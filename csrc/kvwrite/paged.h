@@ -52,3 +52,17 @@ KVW_HD int vec_bytes(uint64_t any_of) {
 }
 
 }  // namespace kvwrite
+
+namespace kvwrite {
+
+// Host (CPU, nlanes == 1) row copy: `n` runs of `bytes` bytes at strides `d_stride` / `s_stride`;
+// one memcpy when both sides are contiguous runs (the usual whole row), else one per run.
+KVW_HD void copy_runs(char* dst, i64 d_stride, const char* src, i64 s_stride, int n, i64 bytes) {
+  if (d_stride == bytes && s_stride == bytes) {
+    memcpy(dst, src, size_t(n) * size_t(bytes));
+    return;
+  }
+  for (int h = 0; h < n; ++h) memcpy(dst + h * d_stride, src + h * s_stride, size_t(bytes));
+}
+
+}  // namespace kvwrite

@@ -8,16 +8,123 @@ namespace kvwrite {
 
 constexpr float FLT_MIN_NORMAL = 1.17549435082228750797e-38f;  // torch.finfo(float32).tiny
 
-// max |x| over n elements of a float/half/bf16 array starting at element `start`.
+// Element i of a float/half/bf16 array as the quantisers read it: fp32, subnormals as +-0.
+template <DType IN>
+KVW_HD float load_quant(const void* src, i64 i) {
+  return daz(load_float<IN>(src, i));
+}
+
+// |x| of a float/half/bf16 element as ordered integer bits, 0 for NaN, +-inf and subnormals (the
+// special-value policy: amax over the finite values, inputs read with DAZ): the max of these
+// bits is the bits of the float max, an integer max the compiler vectorises.
+KVW_HD uint32_t policy_abs_bits(uint32_t a) { return a >= 0x7F800000u || a < 0x00800000u ? 0u : a; }
+
+template <DType IN>
+KVW_HD uint32_t abs_bits(const void* src, i64 i) {
+  uint32_t a;
+  if constexpr (IN == DType::BF16) {
+    a = uint32_t(static_cast<const uint16_t*>(src)[i] & 0x7FFFu) << 16;
+  } else {
+    a = float_to_bits(load_float<IN>(src, i)) & 0x7FFFFFFFu;
+  }
+  return policy_abs_bits(a);
+}
+
+// max |x| over the finite elements of n (NaN and +-inf do not count), from element `start`.
 template <DType IN>
 KVW_HD float block_amax(const void* src, i64 start, int n) {
-  float m = 0.0f;
+  uint32_t m = 0;
   for (int j = 0; j < n; ++j) {
-    const float a = load_float<IN>(src, start + j);
-    const float aa = a < 0 ? -a : a;
-    m = aa > m ? aa : m;
+    const uint32_t a = abs_bits<IN>(src, start + j);
+    m = a > m ? a : m;
   }
-  return m;
+  return bits_to_float(m);
+}
+
+// Max of `v` over an aligned group of `width` lanes (a power of two <= 32) of one warp, by
+// xor shuffles; every lane of the group must call it. On the host (one lane) it is `v`.
+KVW_HD float group_max(float v, int width) {
+#if defined(__CUDA_ARCH__)
+  const unsigned lane = threadIdx.x & 31u;
+  const unsigned mask = width >= 32 ? 0xFFFFFFFFu : ((1u << width) - 1u) << (lane & ~unsigned(width - 1));
+  for (int o = width / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(mask, v, o, width));
+#else
+  (void)width;
+#endif
+  return v;
+}
+
+// A lane's chunk: CHUNK consecutive elements (16-byte loads where aligned on the device), read as
+// the quantisers read them (load_quant: subnormals as +-0).
+constexpr int CHUNK = 16;
+
+KVW_HD bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+template <DType IN>
+KVW_HD void load_chunk(const void* src, i64 start, float (&x)[CHUNK]) {
+#if defined(__CUDA_ARCH__)
+  const char* p = static_cast<const char*>(src) + start * dtype_size(IN);
+  if (aligned16(p)) {
+    if constexpr (IN == DType::F32) {
+KVW_UNROLL
+      for (int q = 0; q < CHUNK / 4; ++q) {
+        const float4 f = reinterpret_cast<const float4*>(p)[q];
+        x[4 * q] = f.x, x[4 * q + 1] = f.y, x[4 * q + 2] = f.z, x[4 * q + 3] = f.w;
+      }
+    } else {
+KVW_UNROLL
+      for (int q = 0; q < CHUNK / 8; ++q) {
+        const uint4 u = reinterpret_cast<const uint4*>(p)[q];
+        const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+KVW_UNROLL
+        for (int j = 0; j < 8; ++j) {
+          const uint16_t h = uint16_t(w[j / 2] >> (16 * (j & 1)));
+          x[8 * q + j] = IN == DType::BF16 ? bf16_to_float(h) : half_to_float(h);
+        }
+      }
+    }
+KVW_UNROLL
+    for (int j = 0; j < CHUNK; ++j) x[j] = daz(x[j]);
+    return;
+  }
+#endif
+KVW_UNROLL
+  for (int j = 0; j < CHUNK; ++j) x[j] = load_quant<IN>(src, start + j);
+}
+
+// Store CHUNK bytes (one 16-byte store where aligned on the device).
+KVW_HD void store_chunk(char* dst, const uint8_t (&c)[CHUNK]) {
+#if defined(__CUDA_ARCH__)
+  if (aligned16(dst)) {
+    uint32_t w[4];
+KVW_UNROLL
+    for (int q = 0; q < 4; ++q)
+      w[q] = uint32_t(c[4 * q]) | uint32_t(c[4 * q + 1]) << 8 | uint32_t(c[4 * q + 2]) << 16 | uint32_t(c[4 * q + 3]) << 24;
+    *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+    return;
+  }
+#endif
+  memcpy(dst, c, CHUNK);
+}
+
+// max |x| of a loaded chunk (finite values only), as block_amax.
+KVW_HD float chunk_amax(const float (&x)[CHUNK]) {
+  uint32_t m = 0;
+KVW_UNROLL
+  for (int j = 0; j < CHUNK; ++j) {
+    const uint32_t a = policy_abs_bits(float_to_bits(x[j]) & 0x7FFFFFFFu);
+    m = a > m ? a : m;
+  }
+  return bits_to_float(m);
+}
+
+// e4m3 codes of a chunk / scale, stored as CHUNK bytes.
+template <class F = E4M3>
+KVW_HD void quant_chunk(const float (&x)[CHUNK], float scale, char* dst) {
+  uint8_t c[CHUNK];
+KVW_UNROLL
+  for (int j = 0; j < CHUNK; ++j) c[j] = fp8_bits<F>(x[j] / scale);
+  store_chunk(dst, c);
 }
 
 // DeepSeek fp8_ds_mla tile scale: max(amax / 448, FLT_MIN).
@@ -38,7 +145,7 @@ KVW_HD float indexer_scale(float amax, bool ue8m0) {
 // e4m3 codes of x / scale for n elements (saturating, RNE), written as bytes.
 template <DType IN>
 KVW_HD void quant_block_e4m3(const void* src, i64 start, int n, float scale, char* dst) {
-  for (int j = 0; j < n; ++j) dst[j] = char(fp8_bits<E4M3>(load_float<IN>(src, start + j) / scale));
+  for (int j = 0; j < n; ++j) dst[j] = char(fp8_bits<E4M3>(load_quant<IN>(src, start + j) / scale));
 }
 
 // bf16 bits of element i: bf16 input copied; other floats rounded to nearest even (NaN -> 0x7FC0).

@@ -15,12 +15,16 @@ namespace kvwrite {
 namespace slot {
 constexpr int COUNT = 0, LOC_LO = 1, LOC_HI = 2, TARGET_LO = 3, TARGET_HI = 4, LIMIT_LO = 5,
               LIMIT_HI = 6, POOL_PAGE_SIZE = 7, META = 8, NUM_SLOTS = 16;
+// Page-table context (table kinds only), low 32 bits each: batch, position, slot, page.
+constexpr int BATCH = 9, POSITION = 10, TABLE_SLOT = 11, TABLE_PAGE = 12;
 }
 constexpr i64 EMPTY = INT64_MAX;
-enum Kind : int { KIND_POOL = 0, KIND_LOC_MAP = 1 };
+enum Kind : int { KIND_POOL = 0, KIND_LOC_MAP = 1, KIND_BATCH = 2, KIND_TABLE_SLOT = 3, KIND_TABLE_PAGE = 4 };
 
 // Op codes of kvwrite.errors.OPS (append only).
-enum Op : int { OP_STORE_KV = 0, OP_STORE_MLA = 1, OP_STORE_INDEXER_K = 2, OP_STORE_KV_NVFP4 = 3 };
+enum Op : int { OP_STORE_KV = 0, OP_STORE_MLA = 1, OP_STORE_INDEXER_K = 2, OP_STORE_KV_NVFP4 = 3,
+              OP_ROPE_STORE_KV = 4, OP_ROPE_STORE_MLA = 5, OP_STORE_DSV4_KV = 6, OP_STORE_DSV4_INDEXER_K = 7,
+              OP_STORE_ROWS = 8 };
 
 KVW_HD void atomic_min_i64(i64* p, i64 v) {
 #if defined(__CUDA_ARCH__)
@@ -44,6 +48,8 @@ KVW_HD void atomic_add_i64(i64* p, i64 v) {
 struct Violation {
   i64 token, loc, target, limit, pool_page_size;
   int kind, op;
+  bool table = false;  // page-table addressing: the context below is recorded too
+  i64 batch = -1, position = -1, table_slot = -1, table_page = -1;
 };
 
 KVW_HD i64 packed(i64 token, i64 value) { return (token << 32) | (value & 0xFFFFFFFFll); }
@@ -58,6 +64,12 @@ KVW_HD void record(i64* err, const Violation& v) {
   atomic_min_i64(err + slot::LIMIT_HI, packed(v.token, v.limit >> 32));
   atomic_min_i64(err + slot::POOL_PAGE_SIZE, packed(v.token, v.pool_page_size));
   atomic_min_i64(err + slot::META, packed(v.token, v.op | (v.kind << 8)));
+  if (v.table) {
+    atomic_min_i64(err + slot::BATCH, packed(v.token, v.batch));
+    atomic_min_i64(err + slot::POSITION, packed(v.token, v.position));
+    atomic_min_i64(err + slot::TABLE_SLOT, packed(v.token, v.table_slot));
+    atomic_min_i64(err + slot::TABLE_PAGE, packed(v.token, v.table_page));
+  }
   atomic_add_i64(err + slot::COUNT, 1);
 }
 
@@ -66,7 +78,12 @@ KVW_HD void record(i64* err, const Violation& v) {
 // (see csrc/ops.cpp), after a pre-scan, before any write.
 KVW_HD void device_assert(const Violation& v) {
 #if defined(__CUDA_ARCH__)
-  if (v.kind == KIND_LOC_MAP) {
+  if (v.table) {
+    printf("kvwrite: check=assert: op %d token %lld page table: batch %lld position %lld slot %lld page %lld: "
+           "kind %d index %lld outside its bound %lld\n",
+           v.op, (long long)v.token, (long long)v.batch, (long long)v.position, (long long)v.table_slot,
+           (long long)v.table_page, v.kind, (long long)v.target, (long long)v.limit);
+  } else if (v.kind == KIND_LOC_MAP) {
     printf("kvwrite: check=assert: op %d token %lld loc %lld is outside loc_map (length %lld)\n",
            v.op, (long long)v.token, (long long)v.loc, (long long)v.limit);
   } else {

@@ -36,11 +36,32 @@ struct StoreIndexerKParams {
   LocArgs locs;
 };
 
-// Token i: lanes stride over its quant blocks.
+// Lanes of one quant block in the warp-cooperative path (CHUNK elements each), or 0 when the
+// block size does not split into a power-of-two number of chunks (<= 32).
+KVW_HD int indexer_block_lanes(int qbs) {
+  const int l = qbs / CHUNK;
+  return qbs % CHUNK == 0 && l <= 32 && (l & (l - 1)) == 0 ? l : 0;
+}
+
+// Token i. Warp-cooperative where the launch gives enough lanes: a lane group per quant block,
+// CHUNK elements a lane, the block amax by xor shuffles, 16-byte loads and stores. Otherwise
+// (the host: one lane) a block is two vectorisable loops. Same codes and scales either way.
 template <int CHECK, DType IN>
 KVW_HD void store_indexer_k_token(const StoreIndexerKParams& p, i64 i, int lane, int nlanes) {
   const Resolved r = resolve_checked<CHECK>(p.locs, i, lane == 0);
   if (!r.write) return;
+  const int bl = indexer_block_lanes(p.qbs);
+  if (bl > 0 && nlanes >= bl) {
+    // nlanes and the chunk count are multiples of bl: a block's lanes share every iteration
+    for (int c = lane; c < p.cache.blocks * bl; c += nlanes) {
+      float x[CHUNK];
+      load_chunk<IN>(p.k, i * p.k_sn + i64(c) * CHUNK, x);
+      const float scale = indexer_scale(group_max(chunk_amax(x), bl), p.ue8m0);
+      quant_chunk(x, scale, p.cache.data_at(r.row, c * CHUNK));
+      if (c % bl == 0) store_le(p.cache.scale_at(r.row, c / bl), float_to_bits(scale), 4);
+    }
+    return;
+  }
   for (int b = lane; b < p.cache.blocks; b += nlanes) {
     const i64 start = i * p.k_sn + i64(b) * p.qbs;
     const float scale = indexer_scale(block_amax<IN>(p.k, start, p.qbs), p.ue8m0);
@@ -59,7 +80,10 @@ struct StoreIndexerKToken {
 template <class F>
 void dispatch_store_indexer_k(const StoreIndexerKParams& p, int check, F&& f) {
   with_check(check, [&](auto c) {
-    with_float_dtype(p.in_dtype, [&](auto in) { f(TypeTag<StoreIndexerKToken<c.value, in.value>>{}, p.cache.blocks); });
+    with_float_dtype(p.in_dtype, [&](auto in) { 
+      const int bl = indexer_block_lanes(p.qbs);
+      f(TypeTag<StoreIndexerKToken<c.value, in.value>>{}, bl > 0 ? i64(p.cache.blocks) * bl : p.cache.blocks);
+    });
   });
 }
 

@@ -8,6 +8,7 @@
 #include "fp8.h"
 #include "locs.h"
 #include "paged.h"
+#include "quant.h"
 
 namespace kvwrite {
 
@@ -25,7 +26,7 @@ struct StoreKVParams {
   KVSide k, v;
   int H = 0;
   DType in_dtype = DType::F32;
-  DType cache_dtype = DType::F32;  // = in_dtype (copy) or E4M3 / E5M2
+  DType cache_dtype = DType::F32;  // = in_dtype (copy) or E4M3 / E5M2 / E4M3FNUZ
   LocArgs locs;
 };
 
@@ -42,12 +43,19 @@ inline int store_kv_vec(const StoreKVParams& p) {
   return vec_bytes(bits);
 }
 
-// Copy side `s` of token i to `row`, VEC bytes at a time, lanes striding over H * D.
+// Copy side `s` of token i to `row`, VEC bytes at a time, lanes striding over H * D. On the
+// host (one lane) a row is one memcpy (one per head where heads are strided).
 template <int VEC>
 KVW_HD void copy_side(const KVSide& s, int H, int es, i64 i, i64 row, int lane, int nlanes) {
-  const int units = s.D * es / VEC;
   char* dst = s.cache.row_ptr(row);
   const char* src = s.src + i * s.s_tok * es;
+#if !defined(__CUDA_ARCH__)
+  if (nlanes == 1) {
+    copy_runs(dst, s.cache.stride_head * es, src, s.s_head * es, H, i64(s.D) * es);
+    return;
+  }
+#endif
+  const int units = s.D * es / VEC;
   for (int u = lane; u < H * units; u += nlanes) {
     const int h = u / units, b = (u - h * units) * VEC;
     copy_unit<VEC>(dst + s.cache.in_row(h, 0) + b, src + h * s.s_head * es + b);
@@ -55,13 +63,34 @@ KVW_HD void copy_side(const KVSide& s, int H, int es, i64 i, i64 row, int lane, 
 }
 
 // Quantise side `s` of token i to fp8 format F: code = fp8(x / scale[h]), x in input type IN.
+// Lanes take CHUNK-element chunks of a head (16-byte loads/stores on the device) when D allows;
+// the host (one lane) runs a head as one vectorisable loop. Same codes either way.
 template <DType IN, class F>
 KVW_HD void quant_side(const KVSide& s, int H, i64 i, i64 row, int lane, int nlanes) {
   char* dst = s.cache.row_ptr(row);
   const i64 src = i * s.s_tok;
+  if (nlanes == 1) {
+    for (int h = 0; h < H; ++h) {
+      const float sc = s.scale[h * s.scale_stride];
+      const i64 base = src + h * s.s_head;
+      char* out = dst + s.cache.in_row(h, 0);
+      for (int d = 0; d < s.D; ++d) out[d] = char(fp8_bits<F>(load_quant<IN>(s.src, base + d) / sc));
+    }
+    return;
+  }
+  if (s.D % CHUNK == 0) {
+    const int per_head = s.D / CHUNK;
+    for (int c = lane; c < H * per_head; c += nlanes) {
+      const int h = c / per_head, d = (c - h * per_head) * CHUNK;
+      float x[CHUNK];
+      load_chunk<IN>(s.src, src + h * s.s_head + d, x);
+      quant_chunk<F>(x, s.scale[h * s.scale_stride], dst + s.cache.in_row(h, d));
+    }
+    return;
+  }
   for (int e = lane; e < H * s.D; e += nlanes) {
     const int h = e / s.D, d = e - h * s.D;
-    const float x = load_float<IN>(s.src, src + h * s.s_head + d);
+    const float x = daz(load_float<IN>(s.src, src + h * s.s_head + d));
     dst[s.cache.in_row(h, d)] = char(fp8_bits<F>(x / s.scale[h * s.scale_stride]));
   }
 }
@@ -101,7 +130,8 @@ void dispatch_store_kv(const StoreKVParams& p, int check, F&& f) {
     } else {
       with_float_dtype(p.in_dtype, [&](auto in) {
         with_fp8(p.cache_dtype, [&](auto fmt) {
-          f(TypeTag<StoreKVToken<c.value, in.value, typename decltype(fmt)::type, 1>>{}, p.H * d);
+          f(TypeTag<StoreKVToken<c.value, in.value, typename decltype(fmt)::type, 1>>{},
+            d % CHUNK == 0 ? 2 * p.H * d / CHUNK : p.H * d);
         });
       });
     }

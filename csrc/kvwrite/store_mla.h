@@ -19,6 +19,16 @@ namespace kvwrite {
 enum MLAMode : int { MLA_COPY = 0, MLA_FP8 = 1, MLA_DS_MLA = 2, MLA_NVFP4 = 3 };
 constexpr int DS_MLA_TILE = 128;
 
+// Lanes of one 128-tile in the warp-cooperative fp8_ds_mla path (CHUNK elements each).
+constexpr int DS_MLA_TILE_LANES = DS_MLA_TILE / CHUNK;
+// bf16 rope values per rope work item of the cooperative path (one 16-byte store).
+constexpr int ROPE_UNIT = 8;
+
+// fp8_ds_mla work items of one token: lane-group path (nlanes >= 8) = latent chunks + rope
+// units; otherwise one item per tile (the host) plus the rope.
+KVW_HD int ds_mla_items(int L, int R) { return L / CHUNK + (R + ROPE_UNIT - 1) / ROPE_UNIT; }
+
+
 struct StoreMLAParams {
   const char* kv_c = nullptr;
   const char* k_pe = nullptr;
@@ -47,12 +57,19 @@ inline i64 store_mla_work(const StoreMLAParams& p, int vec) {
   if (p.mode == MLA_COPY) return i64(p.L + p.R) * dtype_size(p.in_dtype) / vec;
   if (p.mode == MLA_FP8) return p.L + p.R;
   if (p.mode == MLA_NVFP4) return (p.L + p.R) / NVFP4_BLOCK;
-  return p.L / DS_MLA_TILE + p.R;
+  return ds_mla_items(p.L, p.R);  // the cooperative path's items (a launch gives >= 8 lanes)
 }
 
 template <int VEC>
 KVW_HD void mla_copy(const StoreMLAParams& p, i64 i, char* dst, int lane, int nlanes) {
   const int es = dtype_size(p.in_dtype);
+#if !defined(__CUDA_ARCH__)
+  if (nlanes == 1) {  // host: the two segments, one memcpy each
+    memcpy(dst, p.kv_c + (i * p.c_sn) * es, size_t(p.L) * es);
+    memcpy(dst + i64(p.L) * es, p.k_pe + (i * p.pe_sn) * es, size_t(p.R) * es);
+    return;
+  }
+#endif
   const int uc = p.L * es / VEC, up = p.R * es / VEC;
   for (int u = lane; u < uc + up; u += nlanes) {
     const char* src = u < uc ? p.kv_c + (i * p.c_sn) * es + i64(u) * VEC
@@ -64,26 +81,71 @@ KVW_HD void mla_copy(const StoreMLAParams& p, i64 i, char* dst, int lane, int nl
 template <DType IN, class F>
 KVW_HD void mla_fp8(const StoreMLAParams& p, i64 i, char* dst, int lane, int nlanes) {
   const float s = p.scale[0];
+  if (nlanes == 1) {  // host: two vectorisable loops
+    for (int e = 0; e < p.L; ++e) dst[e] = char(fp8_bits<F>(load_quant<IN>(p.kv_c, i * p.c_sn + e) / s));
+    for (int e = 0; e < p.R; ++e) dst[p.L + e] = char(fp8_bits<F>(load_quant<IN>(p.k_pe, i * p.pe_sn + e) / s));
+    return;
+  }
   for (int e = lane; e < p.L + p.R; e += nlanes) {
     const float x = e < p.L ? load_float<IN>(p.kv_c, i * p.c_sn + e) : load_float<IN>(p.k_pe, i * p.pe_sn + e - p.L);
-    dst[e] = char(fp8_bits<F>(x / s));
+    dst[e] = char(fp8_bits<F>(daz(x) / s));
   }
+}
+
+template <DType IN>
+KVW_HD void ds_rope_unit(const StoreMLAParams& p, i64 i, char* rope, int u) {
+  const int r0 = u * ROPE_UNIT, n = p.R - r0 < ROPE_UNIT ? p.R - r0 : ROPE_UNIT;
+  uint16_t b[ROPE_UNIT];
+KVW_UNROLL
+  for (int r = 0; r < ROPE_UNIT; ++r) b[r] = r < n ? bf16_bits<IN>(p.k_pe, i * p.pe_sn + r0 + r) : 0;
+#if defined(__CUDA_ARCH__)
+  if (n == ROPE_UNIT && aligned16(rope + 2 * r0)) {
+    *reinterpret_cast<uint4*>(rope + 2 * r0) =
+        make_uint4(b[0] | uint32_t(b[1]) << 16, b[2] | uint32_t(b[3]) << 16, b[4] | uint32_t(b[5]) << 16,
+                   b[6] | uint32_t(b[7]) << 16);
+    return;
+  }
+#endif
+  for (int r = 0; r < n; ++r) store_le(rope + 2 * (r0 + r), b[r], 2);
 }
 
 template <DType IN>
 KVW_HD void mla_ds(const StoreMLAParams& p, i64 i, char* dst, int lane, int nlanes) {
   const int tiles = p.L / DS_MLA_TILE;
-  for (int w = lane; w < tiles + p.R; w += nlanes) {
-    if (w < tiles) {  // one latent tile: its scale, then its 128 e4m3 codes
-      const i64 start = i * p.c_sn + i64(w) * DS_MLA_TILE;
-      const float scale = ds_mla_scale(block_amax<IN>(p.kv_c, start, DS_MLA_TILE));
-      quant_block_e4m3<IN>(p.kv_c, start, DS_MLA_TILE, scale, dst + w * DS_MLA_TILE);
-      store_le(dst + p.L + 4 * w, float_to_bits(scale), 4);
-    } else {  // one bf16 rope value
-      const int r = w - tiles;
-      store_le(dst + p.L + 4 * tiles + 2 * r, bf16_bits<IN>(p.k_pe, i * p.pe_sn + r), 2);
+  char* scales = dst + p.L;
+  char* rope = dst + p.L + 4 * tiles;
+  if (nlanes >= DS_MLA_TILE_LANES) {
+    // Warp-cooperative: 8 lanes per tile, CHUNK elements each; the tile amax by xor shuffles
+    // within the 8-lane group (a whole group is always in the same loop iteration: nlanes and
+    // the number of latent chunks are multiples of 8), then 16 e4m3 codes per lane.
+    const int chunks = p.L / CHUNK;
+    for (int w = lane; w < ds_mla_items(p.L, p.R); w += nlanes) {
+      if (w < chunks) {
+        float x[CHUNK];
+        load_chunk<IN>(p.kv_c, i * p.c_sn + i64(w) * CHUNK, x);
+        const float scale = ds_mla_scale(group_max(chunk_amax(x), DS_MLA_TILE_LANES));
+        quant_chunk(x, scale, dst + i64(w) * CHUNK);
+        if (w % DS_MLA_TILE_LANES == 0) store_le(scales + 4 * (w / DS_MLA_TILE_LANES), float_to_bits(scale), 4);
+      } else {
+        ds_rope_unit<IN>(p, i, rope, w - chunks);
+      }
     }
+    return;
   }
+  // One lane per tile (the host: a tile is two vectorisable loops, amax then codes).
+  for (int w = lane; w < tiles; w += nlanes) {
+    const i64 start = i * p.c_sn + i64(w) * DS_MLA_TILE;
+    const float scale = ds_mla_scale(block_amax<IN>(p.kv_c, start, DS_MLA_TILE));
+    quant_block_e4m3<IN>(p.kv_c, start, DS_MLA_TILE, scale, dst + w * DS_MLA_TILE);
+    store_le(scales + 4 * w, float_to_bits(scale), 4);
+  }
+#if !defined(__CUDA_ARCH__)
+  if (IN == DType::BF16 && nlanes == 1) {
+    memcpy(rope, p.k_pe + i * p.pe_sn * 2, size_t(p.R) * 2);
+    return;
+  }
+#endif
+  for (int r = lane; r < p.R; r += nlanes) store_le(rope + 2 * r, bf16_bits<IN>(p.k_pe, i * p.pe_sn + r), 2);
 }
 
 template <DType IN>

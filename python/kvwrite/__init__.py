@@ -2,6 +2,7 @@
 from kvwrite.backend import BackendUnavailable, backends
 from kvwrite.errors import ErrorBuffer, OutOfBoundsWrite, default_errors
 from kvwrite.geometry import GeometryError, PageGeometry
+from kvwrite.pagetable import PageTable
 from kvwrite.ops.indexer_k import store_indexer_k
 from kvwrite.ops.kv import store_kv
 from kvwrite.ops.mla import store_mla
@@ -10,6 +11,9 @@ from kvwrite.reference.mla import dequant_ds_mla
 from kvwrite.ops.nvfp4 import store_kv_nvfp4
 from kvwrite.ops.rope import rope_store_kv, rope_store_mla
 from kvwrite.reference.kv_quant import dequant_kv
+from kvwrite.ops.dsv4 import (compressed_loc, state_loc, store_dsv4_indexer_k, store_dsv4_kv,
+                              store_rows)
+from kvwrite.reference.dsv4 import dequant_dsv4_kv, read_dsv4_indexer_k
 from kvwrite.reference.nvfp4 import dequant_nvfp4
 from kvwrite.allocator import AllocatorExhausted, PagedAllocator
 from kvwrite.config import (KVCacheConfigurator, KVPool, ModelSpec, ParallelSpec, PoolPlan, VariantPlanner,
@@ -24,5 +28,8 @@ __all__ = [
     "AllocatorExhausted", "KVCacheConfigurator", "KVPool", "ModelSpec", "PagedAllocator", "ParallelSpec",
     "PoolPlan", "VariantPlanner", "presets", "register_variant",
     "dequant_nvfp4", "store_kv_nvfp4",
+    "PageTable",
+    "compressed_loc", "dequant_dsv4_kv", "read_dsv4_indexer_k", "state_loc", "store_dsv4_indexer_k",
+    "store_dsv4_kv", "store_rows",
     "dequant_kv", "rope_store_kv", "rope_store_mla",
 ]

@@ -1,6 +1,8 @@
 """The C++/CUDA extension (csrc/): the "cpu" and "cuda" backends.
 
-The ops live in the torch op namespace `kvwrite_ext` (the Python custom ops are `kvwrite::*`).
+Two op namespaces: `kvwrite_ext::*`, the raw kernels (validated parameter structs, coded check
+and op; what the Python backends "cpu"/"cuda" call), and the CPU / CUDA kernels of the public
+ops `kvwrite::*` (schemas defined in kvwrite.ops._library; validation + dispatch in csrc/api.h).
 They come from an ahead-of-time build (`KVWRITE_BUILD_EXT=1 pip install .` -> `kvwrite._C`) or
 are built on first use with `torch.utils.cpp_extension.load` + ninja into
 `~/.cache/kvwrite/ext-<torch version>-<hash of the sources and flags>` (`KVWRITE_EXT_CACHE`
@@ -23,6 +25,9 @@ import torch
 DEFAULT_ARCHS = "8.0;9.0"
 _lock = threading.Lock()
 _state: dict[str, object] = {}
+# True once the extension is loaded and its kernels of the public ops torch.ops.kvwrite.* are
+# registered (csrc/api.h): kvwrite.store_* then call those ops directly.
+LOADED = False
 
 
 def csrc_dir() -> Path | None:
@@ -202,6 +207,8 @@ def _load() -> str | None:
         if reason is None and not _has_ops():
             reason = "the extension loaded but registered no kvwrite_ext ops"
         _state["reason"] = reason
+        global LOADED
+        LOADED = reason is None and torch._C._dispatch_has_kernel_for_dispatch_key("kvwrite::store_kv", "CPU")
         return reason
 
 
@@ -249,8 +256,11 @@ def _run(a, name: str, *args) -> None:
         scratch = ErrorBuffer("cpu")
         errors = scratch.tensor
     op = getattr(torch.ops.kvwrite_ext, name)
+    t = getattr(locs, "table", None)
+    table = () if t is None else (t.batch_indices, t.kv_indices, t.kv_indptr)
     try:
-        op(*args, locs.loc, locs.loc_map, errors, locs.dcp_rank, locs.dcp_size, chk.code, op_code(chk.op))
+        op(*args, locs.loc, locs.loc_map, errors, locs.dcp_rank, locs.dcp_size, chk.code, op_code(chk.op),
+           *table)
     except RuntimeError as exc:
         err = scratch.error() if scratch is not None else None
         if err is None:
@@ -279,3 +289,18 @@ def store_kv_nvfp4(a) -> None:
     """`a`: kvwrite.ops.nvfp4.StoreKVNVFP4 (canonical [pages, pool_page_size, H, *] caches)."""
     _run(a, "store_kv_nvfp4", a.k, a.v, a.k_cache, a.v_cache, a.k_scale_cache, a.v_scale_cache,
          a.k_global_scale, a.v_global_scale)
+
+
+def store_dsv4_kv(a) -> None:
+    """`a`: kvwrite.ops.dsv4.StoreDSV4KV (uint8 `[pages, kv_page_bytes]` cache)."""
+    _run(a, "store_dsv4_kv", a.kv, a.cache, a.geometry.pool_page_size)
+
+
+def store_dsv4_indexer_k(a) -> None:
+    """`a`: kvwrite.ops.dsv4.StoreDSV4IndexerK (fp8 or mxfp4 rows)."""
+    _run(a, "store_dsv4_indexer_k", a.k, a.cache, a.geometry.pool_page_size, a.fmt_code, a.ue8m0)
+
+
+def store_rows(a) -> None:
+    """`a`: kvwrite.ops.dsv4.StoreRows."""
+    _run(a, "store_rows", a.src, a.pool)

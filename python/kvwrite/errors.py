@@ -8,6 +8,8 @@ fields below are mutually consistent without a lock. Tokens are limited to 2**31
 """
 from __future__ import annotations
 
+import atexit
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -20,6 +22,13 @@ TARGET_LO, TARGET_HI = 3, 4      # the index that was out of range
 LIMIT_LO, LIMIT_HI = 5, 6        # ... and the bound it was checked against: [0, limit)
 POOL_PAGE_SIZE = 7               # rows per pool page of the target pool (1 for a map lookup)
 META = 8                         # op code | kind << 8
+# Page-table context (KIND_BATCH / KIND_TABLE_SLOT / KIND_TABLE_PAGE records only), one packed
+# slot each: the low 32 bits, read back sign-extended (FlashInfer's tables are int32; the exact
+# out-of-range index is also in TARGET, 64-bit).
+BATCH = 9                        # batch_indices[i]
+POSITION = 10                    # positions[i]
+TABLE_SLOT = 11                  # kv_indptr[b] + positions[i] // page_size (-1: not reached)
+TABLE_PAGE = 12                  # kv_indices[slot] (-1: not reached)
 NUM_SLOTS = 16
 EMPTY = (1 << 63) - 1            # initial value of every packed slot
 MAX_TOKENS = (1 << 31) - 1
@@ -27,6 +36,11 @@ MAX_TOKENS = (1 << 31) - 1
 # What was out of range.
 KIND_POOL = 0        # the (local, translated) loc against the pool capacity
 KIND_LOC_MAP = 1     # the loc against the SWA loc_map length (lookup)
+# Page-table addressing (`kvwrite.PageTable`): target/limit are
+KIND_BATCH = 2       # the batch index against [0, len(kv_indptr) - 1)
+KIND_TABLE_SLOT = 3  # the page-table slot against batch b's slots [kv_indptr[b], min(kv_indptr[b+1], len(kv_indices)))
+KIND_TABLE_PAGE = 4  # the page kv_indices[slot] against the pool's pages [0, num_pages)
+TABLE_KINDS = (KIND_BATCH, KIND_TABLE_SLOT, KIND_TABLE_PAGE)
 KIND_POSITION = 5    # rope_store_*: the token's position against the cos/sin cache (max_position)
 
 # Op codes, recorded so a shared buffer tells which op failed. Append only.
@@ -37,6 +51,9 @@ OPS = (
     "store_kv_nvfp4",
     "rope_store_kv",
     "rope_store_mla",
+    "store_dsv4_kv",
+    "store_dsv4_indexer_k",
+    "store_rows",
 )
 
 
@@ -48,18 +65,41 @@ class OutOfBoundsWrite(RuntimeError):
     """A store would have written outside its pool. Raised by `ErrorBuffer.raise_if_any`
     (guard mode) and by the `assert` mode on CPU backends."""
 
-    def __init__(self, op: str, token_index: int, loc: int, page: int | None, num_pages: int,
+    def __init__(self, op: str, token_index: int, loc: int, page: int | None, num_pages: int | None,
                  pool_page_size: int, count: int, kind: int = KIND_POOL,
-                 target: int | None = None, limit: int | None = None) -> None:
+                 target: int | None = None, limit: int | None = None, *,
+                 batch: int | None = None, position: int | None = None,
+                 table_slot: int | None = None, table_page: int | None = None) -> None:
         self.op, self.token_index, self.loc, self.page = op, token_index, loc, page
         self.num_pages, self.pool_page_size, self.count = num_pages, pool_page_size, count
         self.kind = kind
         self.target = loc if target is None else target
         self.limit = num_pages * pool_page_size if limit is None else limit
+        # page-table addressing: the token's batch, position, page-table slot and page (None
+        # where the resolver did not get that far)
+        self.batch, self.position = batch, position
+        self.table_slot, self.table_page = table_slot, table_page
         super().__init__(self._message())
+
+    def _table_message(self, many: str) -> str:
+        who = f"{self.op}: {many}token {self.token_index} (page table: batch {self.batch}, position {self.position}"
+        if self.kind == KIND_BATCH:
+            return (f"{who}) has batch index {self.batch}, outside [0, {self.limit}) = "
+                    f"[0, len(kv_indptr) - 1); batch_indices must name a request of kv_indptr")
+        if self.kind == KIND_TABLE_SLOT:
+            start = self.table_slot - self.position // self.pool_page_size
+            return (f"{who}) reads page-table slot {self.table_slot} = kv_indptr[{self.batch}] + "
+                    f"{self.position} // {self.pool_page_size}, outside [{start}, {self.limit}): batch "
+                    f"{self.batch}'s slots [kv_indptr[b], kv_indptr[b + 1]) within kv_indices; the "
+                    f"position is past the pages allocated to its request")
+        return (f"{who}, slot {self.table_slot}) maps to page {self.table_page} = "
+                f"kv_indices[{self.table_slot}], but the pool has pages [0, {self.limit}) of "
+                f"{self.pool_page_size} rows; kv_indices holds a page the pool does not have")
 
     def _message(self) -> str:
         many = f"{self.count} bad token(s); the first is " if self.count > 1 else ""
+        if self.kind in TABLE_KINDS:
+            return self._table_message(many)
         if self.kind == KIND_LOC_MAP:
             return (
                 f"{self.op}: {many}token {self.token_index} with loc {self.loc}, which is outside "
@@ -84,6 +124,26 @@ class OutOfBoundsWrite(RuntimeError):
 def _unpack(lo: int, hi: int) -> int:
     value = ((hi & 0xFFFFFFFF) << 32) | (lo & 0xFFFFFFFF)
     return value - (1 << 64) if value >= (1 << 63) else value
+
+
+def _signed32(packed_key: int) -> int:
+    v = packed_key & 0xFFFFFFFF
+    return v - (1 << 32) if v >= (1 << 31) else v
+
+
+def table_error(op: str, token: int, kind: int, target: int, limit: int, pool_page_size: int,
+                count: int, batch: int, position: int, slot: int, page: int) -> OutOfBoundsWrite:
+    """The OutOfBoundsWrite of a page-table record (every backend's record and the reference's
+    assert build it here, so the fields agree). `loc` is the row the token would have written
+    (KIND_TABLE_PAGE) or -1."""
+    return OutOfBoundsWrite(
+        op=op, token_index=token, loc=page * pool_page_size + position % pool_page_size
+        if kind == KIND_TABLE_PAGE else -1,
+        page=page if kind == KIND_TABLE_PAGE else None,
+        num_pages=limit if kind == KIND_TABLE_PAGE else None, pool_page_size=pool_page_size,
+        count=count, kind=kind, target=target, limit=limit, batch=batch, position=position,
+        table_slot=slot if kind != KIND_BATCH else None,
+        table_page=page if kind == KIND_TABLE_PAGE else None)
 
 
 class ErrorBuffer:
@@ -114,6 +174,9 @@ class ErrorBuffer:
         target = _unpack(s[TARGET_LO], s[TARGET_HI])
         limit = _unpack(s[LIMIT_LO], s[LIMIT_HI])
         pps = s[POOL_PAGE_SIZE] & 0xFFFFFFFF
+        if kind in TABLE_KINDS:
+            return table_error(op, token, kind, target, limit, pps, s[COUNT],
+                               *(_signed32(s[k]) for k in (BATCH, POSITION, TABLE_SLOT, TABLE_PAGE)))
         page = target // pps if kind == KIND_POOL else None
         return OutOfBoundsWrite(op=op, token_index=token, loc=loc, page=page,
                                 num_pages=limit // pps, pool_page_size=pps, count=s[COUNT],
@@ -141,8 +204,32 @@ def default_errors(device: torch.device | str) -> ErrorBuffer:
         device = torch.device("cuda", torch.cuda.current_device())
     with _default_lock:
         if device not in _default:
+            if not _default:
+                atexit.register(report_default_errors)
             _default[device] = ErrorBuffer(device)
         return _default[device]
+
+
+def report_default_errors(stream=None) -> int:
+    """Write every per-device default record that holds a bad write to `stream` (stderr), with
+    the full message; return how many did. Registered with atexit when the first default buffer
+    is made, so a guard-mode run (e.g. `KVWRITE_CHECK=guard`) that never asked its default
+    record still reports what it skipped when the interpreter exits."""
+    stream = sys.stderr if stream is None else stream
+    found = 0
+    for device, buf in list(_default.items()):
+        try:
+            err = buf.error()
+        except Exception as exc:  # a device already torn down at exit: say so, do not hide it
+            print(f"kvwrite: could not read the guard record on {device} at exit: {exc}",
+                  file=stream)
+            continue
+        if err is not None:
+            found += 1
+            print(f"kvwrite: guard mode skipped bad writes on {device} that were never checked "
+                  f"(kvwrite.default_errors({str(device)!r}).raise_if_any()): {err}", file=stream)
+    stream.flush()
+    return found
 
 
 @dataclass(frozen=True)
@@ -163,10 +250,11 @@ def pack(token: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 
 
 def record_torch(errors: torch.Tensor, bad: torch.Tensor, loc: torch.Tensor, target: torch.Tensor,
-                 limit: torch.Tensor | int, pool_page_size: int, op: str, kind: torch.Tensor | int
-                 ) -> None:
+                 limit: torch.Tensor | int, pool_page_size: int, op: str, kind: torch.Tensor | int,
+                 extra: dict[int, torch.Tensor] | None = None) -> None:
     """Reference guard record: fold every bad token into `errors` with the same packed-min rule
-    the kernels use (no host sync). All tensors are [N]; `bad` is bool."""
+    the kernels use (no host sync). All tensors are [N]; `bad` is bool. `extra`: more
+    slot -> [N] value fields (the page-table context slots)."""
     n = bad.shape[0]
     if n == 0:
         return
@@ -180,6 +268,8 @@ def record_torch(errors: torch.Tensor, bad: torch.Tensor, loc: torch.Tensor, tar
         POOL_PAGE_SIZE: torch.full_like(tok, pool_page_size),
         META: op_code(op) | (kind << 8),
     }
+    for slot, value in (extra or {}).items():
+        fields[slot] = value.to(torch.int64)
     empty = torch.full_like(tok, EMPTY)
     for slot, value in fields.items():
         key = torch.where(bad, pack(tok, value), empty).min()

@@ -2,14 +2,31 @@
 argument and what was expected, and all of them run before any kernel."""
 from __future__ import annotations
 
+import os
 from typing import Callable, Iterable, Sequence, TypeVar
 
 import torch
 
 FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
-FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0, torch.float8_e4m3fnuz: 240.0}
 LOC_DTYPES = (torch.int32, torch.int64)
 CHECK_MODES = {"off": 0, "assert": 1, "guard": 2}
+CHECK_ENV = "KVWRITE_CHECK"
+
+
+def _env_check_mode() -> str:
+    """The process default check mode: `KVWRITE_CHECK` (off|assert|guard), "off" if unset or
+    empty. Read once, when kvwrite is imported; a bad value fails the import."""
+    value = os.environ.get(CHECK_ENV, "").strip()
+    if value == "":
+        return "off"
+    if value.lower() not in CHECK_MODES:
+        raise ValueError(f"{CHECK_ENV}={value!r} is not a check mode: set it to one of "
+                         f"{'|'.join(CHECK_MODES)} (or unset it for 'off')")
+    return value.lower()
+
+
+DEFAULT_CHECK = _env_check_mode()
 
 
 def _names(dtypes: Iterable[torch.dtype]) -> str:
@@ -108,8 +125,12 @@ def dcp(dcp_rank: object, dcp_size: object) -> tuple[int, int]:
 
 
 def check_mode(check: object) -> str:
+    """`check` itself, or the process default (`KVWRITE_CHECK`, else "off") when it is None."""
+    if check is None:
+        return DEFAULT_CHECK
     if check not in CHECK_MODES:
-        raise ValueError(f"check must be one of {tuple(CHECK_MODES)}, got {check!r}")
+        raise ValueError(f"check must be one of {tuple(CHECK_MODES)} or None (the process "
+                         f"default, {CHECK_ENV}), got {check!r}")
     return check  # type: ignore[return-value]
 
 

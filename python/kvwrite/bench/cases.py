@@ -91,6 +91,54 @@ def paged_locs(n: int, page_size: int, device: torch.device, gen: torch.Generato
     return rows.to(device), num_pages
 
 
+POOL_SLACK = 4  # the pool holds POOL_SLACK times the tokens stored
+
+
+def random_locs(n: int, page_size: int, device: torch.device, gen: torch.Generator,
+                slack: int = POOL_SLACK) -> tuple[torch.Tensor, int]:
+    """(int64 locs of n tokens, num_pages of the pool): n random unique rows of a pool `slack`
+    times larger than n (whole pages; page 0 reserved for padding), in random order: every
+    row write lands somewhere unrelated to the previous one."""
+    used = max(1, -(-slack * n // page_size))
+    num_pages = used + 1
+    rows = torch.randperm(used * page_size, generator=gen)[:n] + page_size
+    return rows.to(device), num_pages
+
+
+def _scatter_baseline(srcs, dsts, loc, baselines: dict, notes: dict) -> None:
+    """`memcpy-scatter`: the extension's plain per-row memcpy loop, dst_j[loc[i]] = src_j[i]
+    (bench_memcpy_scatter, compiled with the CPU kernels, same threading policy): the floor of a
+    row scatter on this machine. For quantising formats the rows are the reference's output
+    rows (quantised beforehand), so it is the scatter of the bytes the store writes."""
+    name = "memcpy-scatter"
+    if loc.device.type != "cpu":
+        notes[name] = "skipped: CPU only (the extension's CPU baseline)"
+        return
+    from kvwrite import _ext
+
+    why = _ext.unavailable_reason("cpu")
+    if why is not None:
+        notes[name] = f"skipped: {why}"
+        return
+    op = torch.ops.kvwrite_ext.bench_memcpy_scatter
+    srcs = [s.contiguous() for s in srcs]
+    _try(name, lambda: op(srcs, dsts, loc), baselines, notes)
+
+
+def _reference_rows(call, outputs, loc) -> list[torch.Tensor]:
+    """The rows the torch reference writes at `loc` into each row-shaped output
+    ([pages, page, ...]): what a scatter of the finished bytes would copy."""
+    call("torch", "off", None)
+    rows = [t.view(torch.uint8).flatten(0, 1).flatten(1)[loc].clone() for t in outputs]
+    for t in outputs:
+        t.view(torch.uint8).zero_()
+    return rows
+
+
+def _rows_view(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8).flatten(0, 1).flatten(1)
+
+
 def _randn(shape, dtype, device, gen) -> torch.Tensor:
     return torch.randn(shape, generator=gen).to(dtype).to(device)
 
@@ -159,7 +207,7 @@ def _external_mha(k, v, kc, vc, loc, fp8: bool, baselines: dict, notes: dict) ->
 def _mha(n: int, device: torch.device, gen: torch.Generator, cache_dtype: torch.dtype) -> Setup:
     """Llama-3.1-8B, one layer: 8 KV heads x 128, bf16 input, pages of 16 tokens."""
     heads, dim, page = 8, 128, 16
-    loc, num_pages = paged_locs(n, page, device, gen)
+    loc, num_pages = random_locs(n, page, device, gen)
     k, v = (_randn((n, heads, dim), torch.bfloat16, device, gen) for _ in range(2))
     kc, vc = (torch.zeros(num_pages, page, heads, dim, dtype=cache_dtype, device=device)
               for _ in range(2))
@@ -194,6 +242,11 @@ def _mha(n: int, device: torch.device, gen: torch.Generator, cache_dtype: torch.
             vf.index_copy_(0, loc, v)
     _try("torch-index", index_put, baselines, notes)
     _try("index_copy_", index_copy, baselines, notes)
+    if fp8:
+        _scatter_baseline(_reference_rows(call, (kc, vc), loc), [_rows_view(kc), _rows_view(vc)], loc,
+                          baselines, notes)
+    else:
+        _scatter_baseline([k, v], [kf, vf], loc, baselines, notes)
     _external_mha(k, v, kc, vc, loc, fp8, baselines, notes)
     kq = quantize_fp8(k, scales["k_scale"], cache_dtype) if fp8 else k
     raw = {"index_put_": lambda: kf.index_put_((loc,), kq),
@@ -205,6 +258,50 @@ case("store_kv", "mha-bf16", "MHA Llama-3.1-8B layer: 8 KV heads x 128, bf16")(
     lambda n, device, gen: _mha(n, device, gen, torch.bfloat16))
 case("store_kv", "mha-fp8", "MHA Llama-3.1-8B layer: 8 x 128, bf16 -> fp8 e4m3 (per-tensor scale)")(
     lambda n, device, gen: _mha(n, device, gen, torch.float8_e4m3fn))
+
+
+@case("store_kv", "mha-bf16-pagetable",
+      "FlashInfer append_paged_kv_cache (page table, requests of 4 pages): the mha-bf16 layer")
+def _mha_pagetable(n: int, device: torch.device, gen: torch.Generator) -> Setup:
+    """The mha-bf16 store addressed by a page table (kvwrite.compat.flashinfer): the same pages
+    and bytes, so the row against mha-bf16 is the cost of resolving the table in the kernel."""
+    from kvwrite.compat import flashinfer as fi
+
+    heads, dim, page, per_req = 8, 128, 16, 4
+    loc, num_pages = paged_locs(n, page, device, gen)
+    k, v = (_randn((n, heads, dim), torch.bfloat16, device, gen) for _ in range(2))
+    kv = torch.zeros(num_pages, 2, page, heads, dim, dtype=torch.bfloat16, device=device)
+    pages = (loc[::page] // page).to(torch.int32)                   # the pages, in token order
+    tok = torch.arange(n, device=device)
+    batch = (tok // (per_req * page)).to(torch.int32)
+    pos = (tok % (per_req * page)).to(torch.int32)
+    n_req = -(-pages.shape[0] // per_req)
+    indptr = torch.clamp(torch.arange(n_req + 1, device=device) * per_req, max=pages.shape[0]).to(torch.int32)
+    last = torch.full((n_req,), page, dtype=torch.int32, device=device)
+
+    def call(backend: str, check: str, errors) -> None:
+        fi.append_paged_kv_cache(k, v, batch, pos, kv, pages, indptr, last, check=check, errors=errors,
+                                 backend=backend)
+
+    moved = _nbytes(k, v, batch, pos, pages, indptr) + 2 * n * heads * dim * kv.element_size()
+    lp, lo = loc // page, loc % page   # the rows the table resolves to, precomputed
+    baselines, notes = {}, {}
+
+    def index_put() -> None:
+        kv[lp, 0, lo] = k
+        kv[lp, 1, lo] = v
+
+    _try("torch-index", index_put, baselines, notes)
+    if device.type == "cuda":
+        fl, why = _import("flashinfer")
+        if fl is None:
+            notes["flashinfer.append_paged_kv_cache"] = why
+        else:
+            _try("flashinfer.append_paged_kv_cache", lambda: fl.page.append_paged_kv_cache(
+                k, v, batch, pos, kv, pages, indptr, last, kv_layout="NHD"), baselines, notes)
+    else:
+        notes["flashinfer.append_paged_kv_cache"] = "skipped: CUDA only"
+    return Setup(call, moved, baselines, notes, {"cache[page, 0, row] = k": lambda: kv.__setitem__((lp, 0, lo), k)}, (kv,))
 
 
 
@@ -226,7 +323,7 @@ def _mla(n: int, device: torch.device, gen: torch.Generator, fmt: str) -> Setup:
     """DeepSeek-V3 MLA, one layer: latent 512 + rope 64 (slices of one projection output, so
     strided along tokens), bf16, pages of 64 tokens."""
     lora, rope, page = 512, 64, 64
-    loc, num_pages = paged_locs(n, page, device, gen)
+    loc, num_pages = random_locs(n, page, device, gen)
     proj = _randn((n, lora + rope + 64), torch.bfloat16, device, gen)  # + q-side columns
     kv_c, k_pe = proj[:, :lora], proj[:, lora:lora + rope]
     from kvwrite.ops.mla import FORMATS
@@ -251,6 +348,10 @@ def _mla(n: int, device: torch.device, gen: torch.Generator, fmt: str) -> Setup:
         raw_row = torch.zeros(n, width, dtype=cache.dtype, device=device)
     raw = {"index_put_": lambda: flat.index_put_((loc,), raw_row),
            "cache[loc] = k": lambda: flat.__setitem__(loc, raw_row)}
+    if fmt == "auto":
+        _scatter_baseline([torch.cat([kv_c, k_pe], -1)], [flat], loc, baselines, notes)
+    else:
+        _scatter_baseline(_reference_rows(call, (cache,), loc), [_rows_view(cache)], loc, baselines, notes)
     _vllm_mla(kv_c, k_pe, cache, loc, fmt, baselines, notes)
     return Setup(call, moved, baselines, notes, raw, (cache,))
 
@@ -274,7 +375,7 @@ case("store_mla", "mla-nvfp4", "MLA DeepSeek layer: NVFP4 row (576 e2m1 + e4m3 s
 
 def _mla_nvfp4(n: int, device: torch.device, gen: torch.Generator) -> Setup:
     lora, rope, page = 512, 64, 64
-    loc, num_pages = paged_locs(n, page, device, gen)
+    loc, num_pages = random_locs(n, page, device, gen)
     proj = _randn((n, lora + rope + 64), torch.bfloat16, device, gen)
     kv_c, k_pe = proj[:, :lora], proj[:, lora:lora + rope]
     row = lora + rope
@@ -286,14 +387,16 @@ def _mla_nvfp4(n: int, device: torch.device, gen: torch.Generator) -> Setup:
                           check=check, errors=errors, backend=backend)
 
     moved = n * row * 2 + _nbytes(loc) + n * (row // 2 + row // 16)
-    return Setup(call, moved, {}, {"torch-index": "skipped: no plain torch NVFP4 store"}, {},
-                 (cache, scales))
+    baselines, notes = {}, {"torch-index": "skipped: no plain torch NVFP4 store"}
+    _scatter_baseline(_reference_rows(call, (cache, scales), loc), [_rows_view(cache), _rows_view(scales)],
+                      loc, baselines, notes)
+    return Setup(call, moved, baselines, notes, {}, (cache, scales))
 
 
 @case("store_indexer_k", "indexer-k", "DSA indexer K (DeepSeek V3.2): 128 -> e4m3 + fp32 scale per 128, pages of 64")
 def _indexer(n: int, device: torch.device, gen: torch.Generator) -> Setup:
     dim, block, page = 128, 128, 64
-    loc, num_pages = paged_locs(n, page, device, gen)
+    loc, num_pages = random_locs(n, page, device, gen)
     k = _randn((n, dim), torch.bfloat16, device, gen)
     per_token = dim + (dim // block) * 4
     cache = torch.zeros(num_pages, page * per_token, dtype=torch.uint8, device=device)
@@ -305,13 +408,15 @@ def _indexer(n: int, device: torch.device, gen: torch.Generator) -> Setup:
     moved = _nbytes(k, loc) + n * per_token
     notes = {"torch-index": "skipped: no plain torch store of the page-major indexer layout "
                             "(the torch backend is the reference)"}
+    notes["memcpy-scatter"] = ("skipped: the page-major indexer layout splits a token into two "
+                               "runs (codes, scale); no row scatter writes the same bytes")
     return Setup(call, moved, {}, notes, {}, (cache,))
 
 
 @case("store_kv_nvfp4", "mha-nvfp4", "MHA Llama-3.1-8B layer: 8 x 128 bf16 -> NVFP4 (e2m1 + e4m3 scale per 16)")
 def _mha_nvfp4(n: int, device: torch.device, gen: torch.Generator) -> Setup:
     heads, dim, page = 8, 128, 16
-    loc, num_pages = paged_locs(n, page, device, gen)
+    loc, num_pages = random_locs(n, page, device, gen)
     k, v = (_randn((n, heads, dim), torch.bfloat16, device, gen) for _ in range(2))
     kc, vc = (torch.zeros(num_pages, page, heads, dim // 2, dtype=torch.uint8, device=device)
               for _ in range(2))
@@ -322,8 +427,10 @@ def _mha_nvfp4(n: int, device: torch.device, gen: torch.Generator) -> Setup:
         kvwrite.store_kv_nvfp4(k, v, kc, vc, ks, vs, loc, check=check, errors=errors, backend=backend)
 
     moved = _nbytes(k, v, loc) + 2 * n * heads * (dim // 2 + dim // 16)
-    return Setup(call, moved, {}, {"torch-index": "skipped: no plain torch NVFP4 store"}, {},
-                 (kc, vc, ks, vs))
+    baselines, notes = {}, {"torch-index": "skipped: no plain torch NVFP4 store"}
+    outs = (kc, vc, ks, vs)
+    _scatter_baseline(_reference_rows(call, outs, loc), [_rows_view(t) for t in outs], loc, baselines, notes)
+    return Setup(call, moved, baselines, notes, {}, outs)
 
 
-__all__ = ["Case", "REGISTRY", "Setup", "available", "case", "paged_locs"]
+__all__ = ["Case", "REGISTRY", "Setup", "available", "case", "paged_locs", "random_locs"]

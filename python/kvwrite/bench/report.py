@@ -7,6 +7,8 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from kvwrite.bench import host as host_costs
+
 GPU_BACKENDS = ("cuda", "triton")
 REFERENCE_CASE = "mha-bf16"
 
@@ -67,6 +69,10 @@ def targets(result: dict) -> list[dict]:
             f"judged on {first['backend']}/{first['check']} vs index_put_")
     else:
         add(t, "not measured", None)
+
+    for h in result.get("host_cost", []):  # issue 12: host cost per call at N = 1 (kvwrite.bench.host)
+        add(f"host cost at N=1: `{h['what']}` <= {h['target']}x {h['vs']}",
+            f"{h['us']:.2f} vs {h['vs_us']:.2f} us = {h['ratio']:.2f}x", h["met"])
 
     if not gpu:
         for t in ("GPU: MHA bf16 >= 90% of same-run copy bandwidth at N >= 4096",
@@ -224,9 +230,10 @@ def markdown(result: dict, plot_name: str | None) -> str:
                 else:
                     cells.append("-")
             lines.append(f"| {case} | {b} | " + " | ".join(cells) + " |")
-    lines += ["", "## Host overhead of the Python wrapper", "",
-              "Host time of one call at the smallest N with every check done and the backend "
-              "replaced by a no-op, against one raw torch op on the same tensors (`x raw`: "
+    lines += [""] + host_costs.markdown(result.get("host_cost", []))
+    lines += ["## Host overhead of the Python wrapper", "",
+              "Host time of one call at the smallest N through the Python validation path (the C++ "
+              "fast path switched off) with every check done and the backend replaced by a no-op, against one raw torch op on the same tensors (`x raw`: "
               "relative to `index_put_`).", "",
               "| case | what | backend | check | µs | x raw |", "|---|---|---|---|---:|---:|"]
     raw = {h["case"]: h["us"] for h in result["host"] if h["what"] == "raw index_put_"}

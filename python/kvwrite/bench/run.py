@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 import kvwrite
-from kvwrite import backend as kvwrite_backend, validate
-from kvwrite.bench import cases as case_registry, timing
+from kvwrite import _ext, backend as kvwrite_backend, validate
+from kvwrite.bench import cases as case_registry, host as host_costs, timing
 from kvwrite.errors import ErrorBuffer
 
 QUICK_SIZES = (1, 16, 256, 1024, 4096)
@@ -50,14 +50,17 @@ def _noop_implementation(table, backend):
 
 @contextlib.contextmanager
 def noop_backends():
-    """Every op's dispatch runs `_noop` instead of a backend: a call then costs validation +
-    backend resolution only."""
-    saved = kvwrite_backend.implementation
+    """Every op's dispatch runs `_noop` instead of a backend: a call then costs the Python
+    validation + backend resolution only (the C++ fast path is switched off meanwhile; its host
+    cost, kernel included, is `kvwrite.bench.host`)."""
+    saved, loaded = kvwrite_backend.implementation, _ext.LOADED
     kvwrite_backend.implementation = _noop_implementation
+    _ext.LOADED = False  # the Python path (the C++ ops would run their kernels)
     try:
         yield
     finally:
         kvwrite_backend.implementation = saved
+        _ext.LOADED = loaded
 
 
 def select_backends(device: torch.device, wanted: list[str] | None, interpreter: bool
@@ -251,8 +254,16 @@ def sweep(cfg: Config, progress=None) -> dict:
                     host += host_overhead(case, setup, backends, device, min(cfg.min_time, 0.05))
                 del setup
                 progress and progress.advance(task)
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM from a timeout (see cli.py): keep what was measured
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM from a timeout (see kvwrite/cli/bench.py): keep what was measured
         interrupted = "interrupted: the rows measured so far are reported"
+    host_cost = []
+    if interrupted is None:
+        try:
+            host_cost = host_costs.measure(device, 0.2)
+        except KeyboardInterrupt:
+            interrupted = "interrupted: the rows measured so far are reported"
+        except Exception as exc:  # noqa: BLE001 - reported, not fatal
+            notes["host cost"] = f"failed: {exc.__class__.__name__}: {exc}"
     return {
         "kvwrite_bench": 1, "quick": cfg.quick, "command": cfg.command,
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
@@ -260,5 +271,5 @@ def sweep(cfg: Config, progress=None) -> dict:
         "backends": backends, "backend_notes": backend_notes, "skipped": skipped,
         "notes": notes, "empty_kernel_graph_us": empty_us, "interrupted": interrupted,
         "cases": {c.name: {"op": c.op, "label": c.label} for c in chosen},
-        "rows": rows, "host": host, "wall_s": round(time.perf_counter() - start, 1),
+        "rows": rows, "host": host, "host_cost": host_cost, "wall_s": round(time.perf_counter() - start, 1),
     }

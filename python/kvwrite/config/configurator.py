@@ -12,7 +12,8 @@ from kvwrite.config.errors import BudgetTooSmall, ConfigError, WindowDoesNotFit
 from kvwrite.config.model import ModelSpec
 from kvwrite.config.parallel import ParallelSpec
 from kvwrite.config.plan import LocSpace, PoolPlan, PoolSpec, SubPoolPlan, buffer_plans
-from kvwrite.config.variants import KV_CACHE_DTYPES, PlanContext, planner_for
+from kvwrite.config.registry import PlanContext, planner_for
+from kvwrite.config.variants import KV_CACHE_DTYPES
 from kvwrite.geometry import PageGeometry, require_positive_int
 
 
@@ -203,8 +204,9 @@ class KVCacheConfigurator:
     def check_allocator(self, page_granularity: int, num_locs: int, space: str = "full") -> None:
         self.plan().check_allocator(page_granularity, num_locs, space)
 
-    def build(self, device="cpu", check: str = "off", backend: str = "auto"):
-        return self.plan().build(device, check=check, backend=backend)
+    def build(self, device="cpu", check: str | None = None, backend: str = "auto", *,
+              scales: "dict | float | None" = None):
+        return self.plan().build(device, check=check, backend=backend, scales=scales)
 
     def __repr__(self) -> str:
         return (f"KVCacheConfigurator({self.model.name or self.model.variant}, {self.parallel}, "

@@ -6,7 +6,7 @@ import os
 from typing import Any, Callable, Mapping
 
 from kvwrite.config.errors import SpecError, UnknownArchitecture
-from kvwrite.config.model import ModelSpec
+from kvwrite.config.model import ModelSpec, register_reader
 
 
 def _load(path_or_dict: "str | os.PathLike | Mapping[str, Any]") -> dict[str, Any]:
@@ -139,3 +139,6 @@ def spec_from_hf_config(path_or_dict: "str | os.PathLike | Mapping[str, Any]", *
         model_type = by_arch[0]
     fields = ARCHITECTURES[model_type][1](cfg)
     return ModelSpec(name=name or str(cfg.get("_name_or_path") or model_type), **fields)
+
+
+register_reader("from_hf_config", spec_from_hf_config)

@@ -1,13 +1,22 @@
-"""`ModelSpec`: the attention facts of a model that decide its KV-cache pools."""
+"""`ModelSpec`: the attention facts of a model that decide its KV-cache pools.
+
+Plain data: the readers (`kvwrite.config.hf`, `kvwrite.config.presets`) and the planners
+(`kvwrite.config.variants`) import this module, never the other way round. A spec validates its
+fields through the planner registered for its variant (`kvwrite.config.registry`, which imports
+nothing of the configurator), and `ModelSpec.from_hf_config` / `from_preset` call the reader
+registered under that name (`register_reader`, done by the reader modules when `kvwrite.config`
+is imported, which importing any `kvwrite.config.*` module does first).
+"""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
-from kvwrite.config.errors import SpecError
+from kvwrite.config.errors import ConfigError, SpecError
+from kvwrite.config.registry import planner_for
 
 MODEL_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
@@ -17,6 +26,21 @@ _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp3
 # a spec that sets any other is inconsistent (SpecError).
 OPTIONAL_FIELDS = ("num_kv_heads", "head_dim", "v_head_dim", "kv_lora_rank", "qk_rope_head_dim",
                    "index_head_dim", "sliding_window", "swa_layer_ids", "full_attention_layer_ids")
+
+
+_READERS: dict[str, Callable[..., "ModelSpec"]] = {}
+
+
+def register_reader(name: str, reader: Callable[..., "ModelSpec"]) -> None:
+    """Back `ModelSpec.<name>` (`from_hf_config`, `from_preset`) with `reader`."""
+    _READERS[name] = reader
+
+
+def _reader(name: str) -> Callable[..., "ModelSpec"]:
+    try:
+        return _READERS[name]
+    except KeyError:
+        raise ConfigError(f"ModelSpec.{name} has no reader registered (import kvwrite.config)") from None
 
 
 def _dtype_name(value: object) -> str:
@@ -88,9 +112,7 @@ class ModelSpec:
             bad = [i for i in getattr(self, k) if not 0 <= i < self.num_layers]
             if bad:
                 raise SpecError(f"ModelSpec.{k} has ids outside [0, num_layers={self.num_layers}): {bad}")
-        from kvwrite.config.variants import planner_for  # the variant validates its own fields
-
-        planner = planner_for(self.variant)
+        planner = planner_for(self.variant)  # the variant validates its own fields
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         unused = [k for k in OPTIONAL_FIELDS if k not in planner.fields and getattr(self, k) != defaults[k]]
         if unused:
@@ -105,14 +127,10 @@ class ModelSpec:
     @property
     def kv_layer_ids(self) -> tuple[int, ...]:
         """Layers that have a KV cache (all but a hybrid-linear model's linear layers)."""
-        from kvwrite.config.variants import planner_for
-
         return planner_for(self.variant).kv_layer_ids(self)
 
     def draft(self) -> "ModelSpec":
         """The spec of this model's draft (MTP / EAGLE) model, whose pools a draft worker holds."""
-        from kvwrite.config.variants import planner_for
-
         return planner_for(self.variant).draft_model(self)
 
     def replace(self, **changes: Any) -> "ModelSpec":
@@ -126,13 +144,9 @@ class ModelSpec:
     @classmethod
     def from_hf_config(cls, path_or_dict: "str | Mapping[str, Any]", *, name: str = "") -> "ModelSpec":
         """Read a local Hugging Face `config.json` (a path, a model directory, or the parsed dict)."""
-        from kvwrite.config.hf import spec_from_hf_config
-
-        return spec_from_hf_config(path_or_dict, name=name)
+        return _reader("from_hf_config")(path_or_dict, name=name)
 
     @classmethod
     def from_preset(cls, name: str) -> "ModelSpec":
         """A built-in preset (`kvwrite.presets()` lists them), from the model's public config."""
-        from kvwrite.config.presets import preset
-
-        return preset(name)
+        return _reader("from_preset")(name)

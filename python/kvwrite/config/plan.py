@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from kvwrite.config.pool import KVPool
 from kvwrite.geometry import GeometryError, PageGeometry, require_positive_int
 
 LAYOUTS = ("rows", "page_major", "map")
@@ -228,15 +229,14 @@ class PoolPlan:
         self.pool(pool)
         return dataclasses.replace(self, pools=pools)
 
-    def build(self, device: "torch.device | str" = "cpu", check: str = "off", backend: str = "auto",
-              *, verify: bool = True):
+    def build(self, device: "torch.device | str" = "cpu", check: str | None = None, backend: str = "auto",
+              *, verify: bool = True, scales: "dict | float | None" = None):
         """Allocate every buffer on `device` and return a `KVPool` whose `.store(layer_id, loc,
-        *tensors, **scales)` routes each layer to its sub-pool and kernel."""
-        from kvwrite.config.pool import KVPool
-
+        *tensors, **scales)` routes each layer to its sub-pool and kernel. `check=None`: the
+        process default (`KVWRITE_CHECK`); `scales`: an fp8 pool's scales (see `KVPool`)."""
         if verify:
             self.verify()
-        return KVPool(self, device, check=check, backend=backend)
+        return KVPool(self, device, check=check, backend=backend, scales=scales)
 
     def to_dict(self) -> dict[str, Any]:
         par = self.parallel

@@ -9,9 +9,10 @@ from typing import Callable
 import torch
 
 import kvwrite
-from kvwrite import validate
+from kvwrite import _ext, validate
 from kvwrite.config.errors import KernelUnavailable, LayerHasNoKV
-from kvwrite.config.variants import planner_for
+from kvwrite.config.registry import planner_for
+from kvwrite.config.scales import fp8_scale_names
 from kvwrite.errors import ErrorBuffer
 
 
@@ -38,13 +39,17 @@ def resolve_op(op: str, needs: tuple[str, ...], what: str) -> Callable:
 class KVPool:
     """Every buffer of a `PoolPlan` on `device`, plus `store(layer_id, loc, *tensors, **scales)`.
 
-    `check` / `backend` apply to every store; guard mode records into `self.errors` (check it
-    with `pool.errors.raise_if_any()`). Hybrid SWA: `map_swa(full_locs, swa_locs)` fills the
+    `check` / `backend` apply to every store (`check=None`: the process default, `KVWRITE_CHECK`);
+    guard mode records into `self.errors` (check it with `pool.errors.raise_if_any()`).
+    `scales`: the fp8 dequant scales of an fp8 pool (required there, an error elsewhere): a dict
+    (e.g. `{"k_scale": ks, "v_scale": vs}` for MHA, `{"scale": s}` for MLA; floats or fp32
+    tensors) or one number for all of them (`scales=1.0`: explicitly unit scales). A `store()`
+    call may pass its own scales instead; a scale the pool's format does not use is an error. Hybrid SWA: `map_swa(full_locs, swa_locs)` fills the
     full->SWA loc map SWA layers translate through (-1 = not mapped, skipped).
     """
 
-    def __init__(self, plan, device: "torch.device | str" = "cpu", *, check: str = "off",
-                 backend: str = "auto") -> None:
+    def __init__(self, plan, device: "torch.device | str" = "cpu", *, check: str | None = None,
+                 backend: str = "auto", scales: "dict | float | None" = None) -> None:
         self.plan = plan
         self.device = torch.device(device)
         self.check = validate.check_mode(check)
@@ -52,11 +57,11 @@ class KVPool:
             raise TypeError(f"backend must be a str, got {type(backend).__name__}")
         self.backend = backend
         self.planner = planner_for(plan.variant)
+        self.scales = self._build_scales(scales)
         what = lambda p: (f"variant {plan.variant!r} with kv_cache_dtype={plan.kv_cache_dtype!r} "  # noqa: E731
                           f"(sub-pool {p.name!r}, {p.addressing})")
         self.ops = {p.name: resolve_op(p.op, p.spec.needs, what(p)) for p in plan.pools}
         self.errors = ErrorBuffer(self.device)
-        self.unit_scale = torch.ones((), dtype=torch.float32, device=self.device)
         self.buffers: dict[str, list[dict[str, torch.Tensor]]] = {}
         self.shared: dict[str, dict[str, torch.Tensor]] = {}
         self._index: dict[str, dict[int, int]] = {}
@@ -69,6 +74,37 @@ class KVPool:
             self.shared[p.name] = {b.name: torch.full(b.shape, -1, dtype=getattr(torch, b.dtype), device=self.device)
                                    for b in p.buffers if not b.per_layer}
         self._layers = {lid for p in plan.pools for lid in p.layer_ids}
+        self._fast: dict = {}   # layer_id -> bound C++ store (see _fast_stores)
+
+    def _build_scales(self, scales) -> dict[str, torch.Tensor]:
+        """The build-time scales, checked: every fp8 scale given, nothing that does not apply."""
+        kv = self.plan.kv_cache_dtype
+        allowed = tuple(getattr(self.planner, "SCALES", ()))
+        need = fp8_scale_names(allowed, kv)
+        what = f"variant {self.plan.variant!r} with kv_cache_dtype={kv!r}"
+        if scales is None:
+            if need:
+                raise ValueError(f"{what} needs its fp8 scales at build: build(..., scales={{"
+                                 + ", ".join(f"{n!r}: ..." for n in need) + "}) (fp32, [] or [1] / [H]), "
+                                 "or scales=1.0 for unit scales")
+            return {}
+        if isinstance(scales, (int, float)) and not isinstance(scales, bool):
+            if not need:
+                raise ValueError(f"scales={scales!r}: {what} has no fp8 scales")
+            scales = {n: float(scales) for n in need}
+        if not isinstance(scales, dict):
+            raise TypeError(f"scales must be a dict of name -> scale or a number, got {type(scales).__name__}")
+        bad = sorted(set(scales) - set(need))
+        if bad:
+            raise ValueError(f"scales {bad} do not apply to {what} (its build-time scales: {need or 'none'})")
+        missing = [n for n in need if n not in scales]
+        if missing:
+            raise ValueError(f"{what} needs scales {missing} at build too (or scales=1.0)")
+        out = {}
+        for n, s in scales.items():
+            t = torch.as_tensor(s, dtype=torch.float32).to(self.device) if not isinstance(s, torch.Tensor) else s
+            out[n] = validate.scale(n, t, t.numel() if t.dim() == 1 else None, self.device)
+        return out
 
     # --- access ---------------------------------------------------------------------------------
     def layer(self, pool: str, layer_id: int) -> dict[str, torch.Tensor]:
@@ -137,13 +173,54 @@ class KVPool:
         """Store layer `layer_id`'s tensors for tokens at `loc` (the allocator's locs; -1 = pad).
 
         Tensors per variant: mha / swa_hybrid / hybrid_linear `(k, v)`; mla `(kv_c, k_pe)`;
-        dsa `(kv_c, k_pe, index_k)`; minimax_sparse `(k, v, index_k)`. Scales (keywords): fp8
-        `k_scale`/`v_scale` (MHA) or `scale` (MLA), default 1.0; nvfp4 `k_global_scale`/
-        `v_global_scale` or `global_scale`; `index_scale`, `index_global_scale` (MiniMax
-        index K); `index_scale_fmt` (DSA indexer, e.g. "ue8m0").
+        dsa `(kv_c, k_pe, index_k)`; minimax_sparse `(k, v, index_k)`. Scales (keywords, only
+        those the pool's format uses, else TypeError): fp8 `k_scale`/`v_scale` (MHA) or `scale`
+        (MLA), default the build-time scales; nvfp4 `k_global_scale`/`v_global_scale` or
+        `global_scale` (default none: 1); `index_scale`, `index_global_scale` (MiniMax index K);
+        `index_scale_fmt` (DSA indexer, e.g. "ue8m0").
         """
+        fast = self._fast.get(layer_id)
+        if fast is not None and not scales and not torch.compiler.is_compiling():
+            try:
+                return fast(loc, *tensors)
+            except Exception:  # nothing was written: the full path raises the error it deserves
+                pass
         self._check_layer(layer_id)
-        self.planner.store(self, layer_id, loc, tensors, scales)
+        if self.scales:
+            self.planner.store(self, layer_id, loc, tensors, {**self.scales, **scales})
+        else:
+            self.planner.store(self, layer_id, loc, tensors, scales)
+        if not self._fast and _ext.LOADED:
+            self._fast = self._fast_stores()
+
+    def _fast_stores(self) -> dict:
+        """{layer_id: store(loc, k, v)} calling the C++ op torch.ops.kvwrite.store_kv with this
+        layer's arguments bound (what `store` would pass it, the build-time fp8 scales), for the layers of
+        plain MHA-style store_kv sub-pools; the other layers take the full path. Built once the
+        extension is loaded; `{"_": None}` when no layer qualifies (so it is not rebuilt)."""
+        from kvwrite.ops import kv
+        from kvwrite.config.variants import MHAPlanner
+
+        out: dict = {}
+        if type(self.planner).store is MHAPlanner.store and self.backend in ("auto", "cpu", "cuda"):
+            for lid in self._layers:
+                sub = self.planner.route(self, lid)
+                b, kw = self.layer(sub, lid), self.op_kwargs(sub)
+                if self.ops[sub] is not kvwrite.store_kv or "v" not in b:
+                    continue
+                fp8 = b["k"].dtype in validate.FP8_MAX
+                ks = self.scales.get("k_scale") if fp8 else None
+                vs = self.scales.get("v_scale") if fp8 else None
+                if fp8 and (ks is None or vs is None):
+                    continue
+
+                def store(loc, k, v, _call=kv._CALL, kc=b["k"], vc=b["v"], ks=ks, vs=vs, check=self.check,
+                          errors=self.errors.tensor, loc_map=kw.get("loc_map"), r=kw.get("dcp_rank", 0),
+                          n=kw.get("dcp_size", 1), backend=self.backend):
+                    return _call(k, v, kc, vc, loc, "NHD", ks, vs, check, errors, loc_map, r, n, backend)
+
+                out[lid] = store
+        return out or {"_": None}
 
     def __repr__(self) -> str:
         return (f"KVPool({self.plan.variant}, {len(self._layers)} layers, {self.nbytes} bytes on {self.device}, "

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from kvwrite.config.errors import UnknownPreset
-from kvwrite.config.model import ModelSpec
+from kvwrite.config.hf import spec_from_hf_config
+from kvwrite.config.model import ModelSpec, register_reader
 
 _ALT_SWA = ["sliding_attention", "full_attention"]
 
@@ -46,7 +47,7 @@ PRESETS: dict[str, tuple[str, dict]] = {
 def preset(name: str) -> ModelSpec:
     if name not in PRESETS:
         raise UnknownPreset(f"no preset {name!r}; presets: {', '.join(PRESETS)}")
-    return ModelSpec.from_hf_config(PRESETS[name][1], name=name)
+    return spec_from_hf_config(PRESETS[name][1], name=name)
 
 
 def presets() -> dict[str, ModelSpec]:
@@ -56,3 +57,6 @@ def presets() -> dict[str, ModelSpec]:
 
 def preset_source(name: str) -> str:
     return PRESETS[name][0]
+
+
+register_reader("from_preset", preset)

@@ -1,4 +1,4 @@
-"""One planner per attention variant, and the registry `register_variant` adds to.
+"""The built-in planners, one per attention variant (registered in `kvwrite.config.registry`).
 
 A planner says which ModelSpec fields its variant reads, checks them, lays out the sub-pools
 and buffers per kv_cache_dtype (the formats of design.md), and routes `KVPool.store` calls to
@@ -6,78 +6,23 @@ the store ops. Sizing, geometry and allocator checks are the configurator's, nev
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
-from kvwrite.config.errors import SpecError, UnknownVariant, UnsupportedCombination
+from kvwrite.config.errors import SpecError, UnsupportedCombination
+from kvwrite.config.model import ModelSpec
 from kvwrite.config.plan import BufferSpec, PoolSpec
+from kvwrite.config.scales import FP8, fp8_scale_names, scale_applies  # noqa: F401
+from kvwrite.config.registry import (PlanContext, VariantPlanner, draft_layers, planner_for,  # noqa: F401
+                                     register_builtin, register_variant, unregister_variant, variants)
 from kvwrite.ops.indexer_k import row_bytes as indexer_row_bytes
 from kvwrite.ops.mla import DS_MLA_TILE, ds_mla_row_bytes
 from kvwrite.ops.nvfp4 import BLOCK as NVFP4_BLOCK
+from kvwrite.validate import FP8_MAX
 
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "nvfp4", "fp8_ds_mla")
-FP8 = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "nvfp4", "fp8_ds_mla")
 INDEXER_BLOCK = 128        # the DSA indexer's quant_block_size (DeepSeek-V3.2), passed to the op
-
-
-@dataclass(frozen=True)
-class PlanContext:
-    """What a planner may read: the model planned (the draft model's on a draft worker), the
-    parallel setup, the kv cache dtype and the base page size."""
-
-    model: Any
-    parallel: Any
-    kv_cache_dtype: str
-    page_size: int
-
-    @property
-    def heads(self) -> int:
-        return self.parallel.kv_heads_per_rank(self.model.num_kv_heads)
-
-    @property
-    def dtype(self) -> str:
-        return self.model.dtype
-
-
-class VariantPlanner:
-    """Base planner. Subclass and `register_variant(name, planner)` to plug in a variant."""
-
-    name = ""
-    fields: frozenset = frozenset()
-    kv_cache_dtypes: tuple[str, ...] = ("auto",)
-
-    def check_model(self, spec) -> None:  # raise SpecError
-        pass
-
-    def kv_layer_ids(self, spec) -> tuple[int, ...]:
-        return tuple(range(spec.num_layers))
-
-    def draft_model(self, spec):
-        return spec.replace(num_layers=_draft_layers(spec), name=f"{spec.name or spec.variant} draft")
-
-    def check_dtype(self, ctx: PlanContext) -> None:
-        if ctx.kv_cache_dtype not in self.kv_cache_dtypes:
-            raise UnsupportedCombination(
-                f"variant {self.name!r} has no kv_cache_dtype={ctx.kv_cache_dtype!r}; it supports "
-                f"{', '.join(self.kv_cache_dtypes)}")
-
-    def pools(self, ctx: PlanContext) -> Sequence[PoolSpec]:
-        raise NotImplementedError
-
-    def inputs(self, plan, layer_id: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-        """Per-token (name, shape, dtype) of the tensors `store(layer_id, loc, *tensors)` takes."""
-        raise NotImplementedError
-
-    def store(self, pool, layer_id: int, loc: torch.Tensor, tensors: tuple, scales: dict) -> None:
-        raise NotImplementedError
-
-
-def _draft_layers(spec) -> int:
-    if spec.num_draft_layers < 1:
-        raise SpecError(f"a draft worker needs num_draft_layers >= 1 (model {spec.name or spec.variant})")
-    return spec.num_draft_layers
 
 
 def _require(spec, *names: str) -> None:
@@ -86,10 +31,14 @@ def _require(spec, *names: str) -> None:
         raise SpecError(f"variant {spec.variant!r} needs {', '.join(missing)} > 0")
 
 
-def _scales(scales: dict, allowed: Sequence[str], variant: str) -> None:
-    bad = sorted(set(scales) - set(allowed))
+def _scales(scales: dict, allowed: Sequence[str], variant: str, kv_cache_dtype: str = "auto") -> None:
+    """No silent ignores: every scale keyword must be one this variant and format use."""
+    ok = tuple(n for n in allowed if scale_applies(n, kv_cache_dtype))
+    bad = sorted(set(scales) - set(ok))
     if bad:
-        raise TypeError(f"store() for variant {variant!r} takes scales {tuple(allowed)}, got {bad}")
+        takes = f"scales {ok}" if ok else "no scales"
+        raise TypeError(f"store() for variant {variant!r} with kv_cache_dtype={kv_cache_dtype!r} takes "
+                        f"{takes}, got {bad}")
 
 
 def _arity(tensors: tuple, names: Sequence[str], variant: str) -> None:
@@ -181,11 +130,9 @@ def _store_kv_like(pool, sub: str, layer_id: int, loc, k, v, scales: dict, prefi
                 kw[theirs] = scales[prefix + name]
         pool.ops[sub](k, v, b["k"], b["k"] if k_only else b["v"], ks, vs, loc, **kw)
         return
-    if b["k"].dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        ks = scales.get(prefix + ("k_scale" if not k_only else "scale"))
-        vs = scales.get(prefix + ("v_scale" if not k_only else "scale"))
-        kw["k_scale"] = pool.unit_scale if ks is None else ks
-        kw["v_scale"] = (kw["k_scale"] if k_only else (pool.unit_scale if vs is None else vs))
+    if b["k"].dtype in FP8_MAX:  # the pool's build-time scales, or this call's (KVPool.store)
+        kw["k_scale"] = scales[prefix + ("scale" if k_only else "k_scale")]
+        kw["v_scale"] = kw["k_scale"] if k_only else scales[prefix + "v_scale"]
     pool.ops[sub](k, v, b["k"], b["k"] if k_only else b["v"], loc, **kw)
 
 
@@ -196,7 +143,7 @@ def _store_mla(pool, sub: str, layer_id: int, loc, kv_c, k_pe, scales: dict) -> 
     if kv != "auto":
         kw["kv_cache_dtype"] = kv
     if kv in FP8:
-        kw["scale"] = scales.get("scale", pool.unit_scale)
+        kw["scale"] = scales["scale"]
     if kv == "nvfp4":
         kw["scale_cache"] = b["kv_scale"]
         if scales.get("global_scale") is not None:
@@ -222,7 +169,8 @@ MHA_SCALES = ("k_scale", "v_scale", "k_global_scale", "v_global_scale")
 class MHAPlanner(VariantPlanner):
     name = "mha"
     fields = MHA_FIELDS
-    kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2", "nvfp4")
+    kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "nvfp4")
+    SCALES = MHA_SCALES
 
     def check_model(self, spec) -> None:
         _require(spec, "num_kv_heads", "head_dim")
@@ -249,7 +197,7 @@ class MHAPlanner(VariantPlanner):
 
     def store(self, pool, layer_id, loc, tensors, scales) -> None:
         _arity(tensors, ("k", "v"), self.name)
-        _scales(scales, MHA_SCALES, self.name)
+        _scales(scales, MHA_SCALES, self.name, pool.plan.kv_cache_dtype)
         _store_kv_like(pool, self.route(pool, layer_id), layer_id, loc, tensors[0], tensors[1], scales)
 
 
@@ -288,9 +236,7 @@ class SWAHybridPlanner(MHAPlanner):
 
 
 def _mha_draft(spec):
-    from kvwrite.config.model import ModelSpec
-
-    return ModelSpec("mha", _draft_layers(spec), num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+    return ModelSpec("mha", draft_layers(spec), num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                      v_head_dim=spec.v_head_dim, dtype=spec.dtype, num_draft_layers=spec.num_draft_layers,
                      name=f"{spec.name or spec.variant} draft")
 
@@ -317,7 +263,7 @@ class HybridLinearPlanner(MHAPlanner):
 class MLAPlanner(VariantPlanner):
     name = "mla"
     fields = frozenset({"kv_lora_rank", "qk_rope_head_dim"})
-    kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla", "nvfp4")
+    kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_ds_mla", "nvfp4")
     SCALES = ("scale", "global_scale")
 
     def check_model(self, spec) -> None:
@@ -338,7 +284,7 @@ class MLAPlanner(VariantPlanner):
 
     def store(self, pool, layer_id, loc, tensors, scales) -> None:
         _arity(tensors, ("kv_c", "k_pe"), self.name)
-        _scales(scales, self.SCALES, self.name)
+        _scales(scales, self.SCALES, self.name, pool.plan.kv_cache_dtype)
         _store_mla(pool, "kv", layer_id, loc, tensors[0], tensors[1], scales)
 
 
@@ -366,7 +312,7 @@ class DSAPlanner(MLAPlanner):
 
     def store(self, pool, layer_id, loc, tensors, scales) -> None:
         _arity(tensors, ("kv_c", "k_pe", "index_k"), self.name)
-        _scales(scales, self.SCALES, self.name)
+        _scales(scales, self.SCALES, self.name, pool.plan.kv_cache_dtype)
         _store_mla(pool, "kv", layer_id, loc, tensors[0], tensors[1], scales)
         _store_indexer(pool, "indexer", layer_id, loc, tensors[2], scales)
 
@@ -394,50 +340,15 @@ class MiniMaxSparsePlanner(MHAPlanner):
 
     def store(self, pool, layer_id, loc, tensors, scales) -> None:
         _arity(tensors, ("k", "v", "index_k"), self.name)
-        _scales(scales, self.SCALES, self.name)
+        _scales(scales, self.SCALES, self.name, pool.plan.kv_cache_dtype)
         _store_kv_like(pool, "kv", layer_id, loc, tensors[0], tensors[1], scales)
         ik = tensors[2]
         ik = ik.unsqueeze(1) if ik.dim() == 2 else ik
         _store_kv_like(pool, "index", layer_id, loc, ik, ik, scales, prefix="index_")
 
 
-# --- registry ------------------------------------------------------------------------------------
-
-_REGISTRY: dict[str, VariantPlanner] = {}
-
-
-def register_variant(name: str, planner: VariantPlanner, *, replace: bool = False) -> None:
-    """Plug in an attention variant: `planner` (a `VariantPlanner`) lays out its sub-pools and
-    routes its stores; `ModelSpec(variant=name, ...)` then plans and builds through it."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"variant name must be a non-empty str, got {name!r}")
-    if not isinstance(planner, VariantPlanner):
-        raise TypeError(f"planner must be a kvwrite.VariantPlanner instance, got {type(planner).__name__}")
-    if name in _REGISTRY and not replace:
-        raise ValueError(f"variant {name!r} is already registered (pass replace=True to override)")
-    if not planner.name:
-        planner.name = name
-    _REGISTRY[name] = planner
-
-
-def unregister_variant(name: str) -> None:
-    if name in BUILTIN:
-        raise ValueError(f"built-in variant {name!r} cannot be unregistered")
-    _REGISTRY.pop(name, None)
-
-
-def planner_for(variant: str) -> VariantPlanner:
-    try:
-        return _REGISTRY[variant]
-    except (KeyError, TypeError):
-        raise UnknownVariant(f"unknown variant {variant!r}; variants: {', '.join(_REGISTRY)}") from None
-
-
-def variants() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
-
+# --- the built-in variants ---------------------------------------------------------------------
 
 BUILTIN = ("mha", "mla", "dsa", "swa_hybrid", "hybrid_linear", "minimax_sparse")
-for _p in (MHAPlanner(), MLAPlanner(), DSAPlanner(), SWAHybridPlanner(), HybridLinearPlanner(),
-           MiniMaxSparsePlanner()):
-    _REGISTRY[_p.name] = _p
+register_builtin(MHAPlanner(), MLAPlanner(), DSAPlanner(), SWAHybridPlanner(), HybridLinearPlanner(),
+                 MiniMaxSparsePlanner())

@@ -9,16 +9,20 @@ import torch
 from kvwrite import backend as backends, validate
 from kvwrite.errors import MAX_TOKENS, NUM_SLOTS, ErrorBuffer, default_errors
 from kvwrite.geometry import PageGeometry
+from kvwrite.pagetable import PageTable, table as _table
 
 
 @dataclass(frozen=True)
 class Locs:
-    """Where each token goes: `loc` (virtual), optional SWA `loc_map`, DCP shard of this rank."""
+    """Where each token goes: `loc` (virtual), optional SWA `loc_map`, DCP shard of this rank;
+    or a `table` (page-table addressing; `loc` is then its positions)."""
 
     loc: torch.Tensor
     loc_map: torch.Tensor | None = None
     dcp_rank: int = 0
     dcp_size: int = 1
+    table: PageTable | None = None
+    dcp_page: bool = False   # DCP shards whole pages (page p on rank p % dcp_size), not tokens
 
     @property
     def n(self) -> int:
@@ -47,8 +51,18 @@ def prepare(op: str, device: torch.device, n: int, loc: object, loc_map: object,
     """Validate the arguments every op takes the same way."""
     if n > MAX_TOKENS:
         raise ValueError(f"{op}: at most {MAX_TOKENS} tokens per call, got {n}")
-    locs = Locs(validate.loc("loc", loc, n, device), validate.loc_map(loc_map, device),
-                *validate.dcp(dcp_rank, dcp_size))
+    if isinstance(loc, PageTable):
+        if loc_map is not None or dcp_size != 1:
+            raise ValueError(f"{op}: a PageTable loc does not combine with loc_map or DCP "
+                             f"(loc_map={'set' if loc_map is not None else None}, dcp_size={dcp_size!r})")
+        if torch.compiler.is_compiling():
+            raise ValueError(f"{op}: page-table addressing (a PageTable loc) is not traceable by "
+                             f"torch.compile yet; call it outside the compiled region")
+        t = _table(loc, n, device)
+        locs = Locs(t.positions, table=t)
+    else:
+        locs = Locs(validate.loc("loc", loc, n, device), validate.loc_map(loc_map, device),
+                    *validate.dcp(dcp_rank, dcp_size))
     mode = validate.check_mode(check)
     if errors is None:
         # No buffer passed: guard records into the device's default buffer (valid by
@@ -70,6 +84,26 @@ def prepare(op: str, device: torch.device, n: int, loc: object, loc_map: object,
     if mode != "guard":
         record = None
     return locs, Check(op, mode, record)
+
+
+# Backends the C++ ops (csrc/api.h) run themselves once the extension is loaded.
+NATIVE = ("auto", "cpu", "cuda")
+_DEFAULT_RECORD: dict[torch.device, torch.Tensor] = {}
+
+
+def record(errors: object, check: object, ref: object) -> object:
+    """The `errors` argument of a C++ op call: an ErrorBuffer's tensor; in guard mode without
+    one, the default buffer of `ref`'s device (as `prepare` picks it); anything else unchanged
+    (the op validates it)."""
+    if errors is None:
+        if check != "guard":
+            return None
+        device = ref.device
+        t = _DEFAULT_RECORD.get(device)
+        if t is None:
+            t = _DEFAULT_RECORD[device] = default_errors(device).tensor
+        return t
+    return errors.tensor if isinstance(errors, ErrorBuffer) else errors
 
 
 def cache_geometry(name: str, num_pages: int, pool_page_size: int) -> PageGeometry:

@@ -9,14 +9,14 @@ and is stored as fp8(x / scale).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
-from kvwrite import validate
+from kvwrite import _ext, validate
 from kvwrite.errors import ErrorBuffer
 from kvwrite.geometry import PageGeometry, require_positive_int
-from kvwrite.ops._common import Check, Locs, cache_geometry, dispatch, prepare
+from kvwrite.ops import _library
+from kvwrite.ops._common import NATIVE, Check, Locs, cache_geometry, dispatch, prepare, record
 
 OP = "store_indexer_k"
 IMPLS = (
@@ -76,24 +76,30 @@ def prepare_store_indexer_k(k, cache, loc, quant_block_size, scale_fmt, check, e
     return StoreIndexerK(k, cache, qbs, scale_fmt == "ue8m0", geometry, locs, chk)
 
 
-@torch.library.custom_op("kvwrite::store_indexer_k", mutates_args=("cache", "errors"))
-def _store_indexer_k_op(k: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor,
-                        quant_block_size: int, scale_fmt: Optional[str], check: str,
-                        errors: Optional[torch.Tensor], loc_map: Optional[torch.Tensor],
-                        backend: str) -> None:
+def _store_indexer_k_py(k, cache, loc, quant_block_size, scale_fmt, check, errors, loc_map,
+                        backend) -> None:
+    """The Python implementation of torch.ops.kvwrite.store_indexer_k (see ops._library)."""
     a = prepare_store_indexer_k(k, cache, loc, quant_block_size, scale_fmt, check, errors, loc_map)
     if a.locs.n:
         dispatch(OP, IMPLS, backend, k.device, a)
 
 
-@_store_indexer_k_op.register_fake
-def _(k, cache, loc, quant_block_size, scale_fmt, check, errors, loc_map, backend) -> None:
-    return None
+def _fake(k, cache, loc, quant_block_size, scale_fmt, check, errors, loc_map, backend) -> None:
+    """Validation only: the same errors while tracing and for meta tensors."""
+    prepare_store_indexer_k(k, cache, loc, quant_block_size, scale_fmt, _library.fake_check(check, errors),
+                            errors, loc_map)
+
+
+_OP = _library.define(
+    OP, "(Tensor k, Tensor(a!) cache, Tensor loc, int quant_block_size, str? scale_fmt, "
+        "str check, Tensor(b!)? errors, Tensor? loc_map, str backend) -> ()",
+    _store_indexer_k_py, _fake)
+_CALL = _OP._op
 
 
 def store_indexer_k(k: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, *,
                     quant_block_size: int = 128, scale_fmt: str | None = None,
-                    check: str = "off", errors: ErrorBuffer | None = None,
+                    check: str | None = None, errors: ErrorBuffer | None = None,
                     loc_map: torch.Tensor | None = None, backend: str = "auto") -> None:
     """Quantise token i's indexer key `k[i]` `[D]` per `quant_block_size` block to e4m3 and
     store it with its fp32 scales at `loc[i]` (-1 = padding, skipped); see the module doc for
@@ -101,9 +107,19 @@ def store_indexer_k(k: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, *,
     The pool page size is `cache.shape[1] // (D + D/qbs*4)`. `loc_map` translates as in
     `store_kv`; there is no DCP sharding (the indexer cache is addressed by the virtual loc).
     """
+    if (_ext.LOADED and backend in NATIVE and type(quant_block_size) is int
+            and isinstance(loc, torch.Tensor) and not torch.compiler.is_compiling()):
+        mode = validate.DEFAULT_CHECK if check is None else check
+        try:  # the C++ op: validation (same errors) + kernel
+            return _CALL(k, cache, loc, quant_block_size, scale_fmt, mode,
+                         record(errors, mode, k), loc_map, backend)
+        except Exception:  # arguments the schema refused: Python's error names them
+            prepare_store_indexer_k(k, cache, loc, quant_block_size, scale_fmt, check, errors,
+                                    loc_map)
+            raise
     a = prepare_store_indexer_k(k, cache, loc, quant_block_size, scale_fmt, check, errors, loc_map)
     if torch.compiler.is_compiling():
-        torch.ops.kvwrite.store_indexer_k(k, cache, loc, a.quant_block_size, scale_fmt, check,
+        torch.ops.kvwrite.store_indexer_k(k, cache, loc, a.quant_block_size, scale_fmt, a.check.mode,
                                           a.check.errors, loc_map, backend)
     elif a.locs.n:
         dispatch(OP, IMPLS, backend, k.device, a)

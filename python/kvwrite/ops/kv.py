@@ -2,15 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
-
 import torch
 
-from kvwrite import validate
+from kvwrite import _ext, validate
 from kvwrite.errors import ErrorBuffer
 from kvwrite.geometry import PageGeometry
-from kvwrite.ops import kv_quant
-from kvwrite.ops._common import Check, Locs, cache_geometry, dispatch, prepare
+from kvwrite.ops import _library, kv_quant
+from kvwrite.ops._common import NATIVE, Check, Locs, cache_geometry, dispatch, prepare, record
 
 OP = "store_kv"
 LAYOUTS = ("NHD", "HND")
@@ -85,27 +83,32 @@ def prepare_store_kv(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, chec
     return StoreKV(k, v, kc, vc, k_scale, v_scale, geometry, locs, chk)
 
 
-@torch.library.custom_op("kvwrite::store_kv", mutates_args=("k_cache", "v_cache", "errors"))
-def _store_kv_op(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 loc: torch.Tensor, layout: str, k_scale: Optional[torch.Tensor],
-                 v_scale: Optional[torch.Tensor], check: str, errors: Optional[torch.Tensor],
-                 loc_map: Optional[torch.Tensor], dcp_rank: int, dcp_size: int,
-                 backend: str) -> None:
+def _store_kv_py(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors, loc_map,
+                 dcp_rank, dcp_size, backend) -> None:
+    """The Python implementation of torch.ops.kvwrite.store_kv (see ops._library)."""
     a = prepare_store_kv(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors,
                          loc_map, dcp_rank, dcp_size)
     if a.locs.n:
         dispatch(OP, IMPLS, backend, k.device, a)
 
 
-@_store_kv_op.register_fake
-def _(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors, loc_map, dcp_rank,
-      dcp_size, backend) -> None:
-    return None
+def _fake(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors, loc_map, dcp_rank,
+          dcp_size, backend) -> None:
+    """Validation only: the same errors while tracing and for meta tensors."""
+    prepare_store_kv(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, _library.fake_check(check, errors),
+                     errors, loc_map, dcp_rank, dcp_size)
+
+
+_OP = _library.define(
+    OP, "(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor loc, str layout, "
+        "Tensor? k_scale, Tensor? v_scale, str check, Tensor(c!)? errors, Tensor? loc_map, "
+        "int dcp_rank, int dcp_size, str backend) -> ()", _store_kv_py, _fake)
+_CALL = _OP._op  # the C++ builtin behind the OpOverload (one Python frame less per call)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              loc: torch.Tensor, *, layout: str = "NHD", k_scale: torch.Tensor | None = None,
-             v_scale: torch.Tensor | None = None, check: str = "off",
+             v_scale: torch.Tensor | None = None, check: str | None = None,
              errors: ErrorBuffer | None = None, loc_map: torch.Tensor | None = None,
              dcp_rank: int = 0, dcp_size: int = 1, backend: str = "auto",
              k_scale_cache: torch.Tensor | None = None,
@@ -132,10 +135,22 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                                        v_scale_cache=v_scale_cache, check=check, errors=errors,
                                        loc_map=loc_map, dcp_rank=dcp_rank, dcp_size=dcp_size,
                                        backend=backend)
+    if (_ext.LOADED and backend in NATIVE and type(dcp_rank) is int and type(dcp_size) is int
+            and isinstance(loc, torch.Tensor) and not torch.compiler.is_compiling()):
+        mode = validate.DEFAULT_CHECK if check is None else check
+        # The C++ op validates (same errors) and runs the kernel; what it leaves to Python
+        # comes back through kvwrite::store_kv_py.
+        try:
+            return _CALL(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, mode,
+                         record(errors, mode, k), loc_map, dcp_rank, dcp_size, backend)
+        except Exception:  # arguments the schema refused: Python's error names them
+            prepare_store_kv(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors,
+                             loc_map, dcp_rank, dcp_size)
+            raise
     a = prepare_store_kv(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors,
                          loc_map, dcp_rank, dcp_size)
     if torch.compiler.is_compiling():
-        torch.ops.kvwrite.store_kv(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check,
+        torch.ops.kvwrite.store_kv(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, a.check.mode,
                                    a.check.errors, loc_map, dcp_rank, dcp_size, backend)
     elif a.locs.n:
         dispatch(OP, IMPLS, backend, k.device, a)

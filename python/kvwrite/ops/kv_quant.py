@@ -125,24 +125,9 @@ def prepare_kv_store(op: str, k, v, k_cache, v_cache, loc, layout, k_scale, v_sc
         quant, ksc, vsc = QUANT_COPY, None, None
     if quant not in allowed:
         raise ValueError(f"{op}: this store has no quant mode {quant}")
-    locs, chk = prepare(op, device, n, loc, loc_map, dcp_rank, dcp_size, check_arg(check), errors)
+    locs, chk = prepare(op, device, n, loc, loc_map, dcp_rank, dcp_size, check, errors)
     return KVStore(k, v, kc, vc, quant, FORMAT_OF.get(k_cache.dtype, FMT_SAME), k_scale, v_scale,
                    ksc, vsc, geometry, locs, chk)
-
-
-def check_arg(check: object) -> object:
-    """`check` for `prepare`: None (the process default) passes through once `prepare` takes it
-    (KVWRITE_CHECK); before that it means "off"."""
-    if check is None and not _NONE_OK[0]:
-        try:
-            validate.check_mode(None)
-            _NONE_OK[0] = True
-        except ValueError:
-            return "off"
-    return check
-
-
-_NONE_OK = [False]
 
 
 def routes_here(k_cache: object, k_scale_cache: object, v_scale_cache: object) -> bool:

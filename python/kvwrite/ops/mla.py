@@ -12,10 +12,11 @@ from typing import Callable, Optional
 
 import torch
 
-from kvwrite import validate
+from kvwrite import _ext, validate
 from kvwrite.errors import ErrorBuffer
 from kvwrite.geometry import PageGeometry
-from kvwrite.ops._common import Check, Locs, cache_geometry, dispatch, prepare
+from kvwrite.ops import _library
+from kvwrite.ops._common import NATIVE, Check, Locs, cache_geometry, dispatch, prepare, record
 
 OP = "store_mla"
 IMPLS = (
@@ -83,6 +84,8 @@ FORMATS: dict[str, MLAFormat] = {f.name: f for f in (
     MLAFormat("auto", MODE_COPY, lambda dtype: dtype, _CONCAT),
     MLAFormat("fp8_e4m3", MODE_FP8, lambda dtype: torch.float8_e4m3fn, _CONCAT, takes_scale=True),
     MLAFormat("fp8_e5m2", MODE_FP8, lambda dtype: torch.float8_e5m2, _CONCAT, takes_scale=True),
+    MLAFormat("fp8_e4m3fnuz", MODE_FP8, lambda dtype: torch.float8_e4m3fnuz, _CONCAT,
+              takes_scale=True),
     MLAFormat("fp8_ds_mla", MODE_DS_MLA, lambda dtype: torch.uint8, ds_mla_row_bytes,
               dims=_ds_mla_dims),
     MLAFormat("nvfp4", MODE_NVFP4, lambda dtype: torch.uint8, lambda L, R: (L + R) // 2,
@@ -130,7 +133,8 @@ def prepare_store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, e
             raise ValueError(f"scale is required for kv_cache_dtype={fmt.name!r}")
         scale = validate.scale("scale", scale, None, device)
     elif scale is not None:
-        raise ValueError(f"scale applies only to kv_cache_dtype 'fp8_e4m3'/'fp8_e5m2', not {fmt.name!r}")
+        scaled = "/".join(repr(f.name) for f in FORMATS.values() if f.takes_scale)
+        raise ValueError(f"scale applies only to kv_cache_dtype {scaled}, not {fmt.name!r}")
     if fmt.takes_scale_cache:
         if scale_cache is None:
             raise ValueError(f"scale_cache is required for kv_cache_dtype={fmt.name!r}")
@@ -147,28 +151,33 @@ def prepare_store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, e
     return StoreMLA(kv_c, k_pe, kv_cache, fmt, scale, geometry, locs, chk, scale_cache, global_scale)
 
 
-@torch.library.custom_op("kvwrite::store_mla", mutates_args=("kv_cache", "errors", "scale_cache"))
-def _store_mla_op(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
-                  loc: torch.Tensor, kv_cache_dtype: str, scale: Optional[torch.Tensor],
-                  check: str, errors: Optional[torch.Tensor], loc_map: Optional[torch.Tensor],
-                  dcp_rank: int, dcp_size: int, backend: str,
-                  scale_cache: Optional[torch.Tensor] = None,
-                  global_scale: Optional[torch.Tensor] = None) -> None:
+def _store_mla_py(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, errors, loc_map,
+                  dcp_rank, dcp_size, backend, scale_cache=None, global_scale=None) -> None:
+    """The Python implementation of torch.ops.kvwrite.store_mla (see ops._library)."""
     a = prepare_store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, errors,
                           loc_map, dcp_rank, dcp_size, scale_cache, global_scale)
     if a.locs.n:
         dispatch(OP, a.format.impls, backend, kv_c.device, a)
 
 
-@_store_mla_op.register_fake
-def _(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, errors, loc_map, dcp_rank,
-      dcp_size, backend, scale_cache=None, global_scale=None) -> None:
-    return None
+def _fake(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, errors, loc_map, dcp_rank,
+          dcp_size, backend, scale_cache=None, global_scale=None) -> None:
+    """Validation only: the same errors while tracing and for meta tensors."""
+    prepare_store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, _library.fake_check(check, errors),
+                      errors, loc_map, dcp_rank, dcp_size, scale_cache, global_scale)
+
+
+_OP = _library.define(
+    OP, "(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor loc, str kv_cache_dtype, "
+        "Tensor? scale, str check, Tensor(b!)? errors, Tensor? loc_map, int dcp_rank, "
+        "int dcp_size, str backend, Tensor(c!)? scale_cache=None, Tensor? global_scale=None) -> ()",
+    _store_mla_py, _fake)
+_CALL = _OP._op
 
 
 def store_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, loc: torch.Tensor,
               *, kv_cache_dtype: str = "auto", scale: torch.Tensor | None = None,
-              check: str = "off", errors: ErrorBuffer | None = None,
+              check: str | None = None, errors: ErrorBuffer | None = None,
               loc_map: torch.Tensor | None = None, dcp_rank: int = 0, dcp_size: int = 1,
               backend: str = "auto", scale_cache: torch.Tensor | None = None,
               global_scale: torch.Tensor | None = None) -> None:
@@ -177,8 +186,9 @@ def store_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, lo
 
     `kv_cache_dtype`:
       - "auto": `kv_cache` `[pages, pool_page_size, L + R]` in the input dtype, row = concat.
-      - "fp8_e4m3" / "fp8_e5m2": the same row in that fp8 dtype, saturate(x / scale) with a
-        per-tensor fp32 `scale` (`[]` or `[1]`).
+      - "fp8_e4m3" / "fp8_e5m2" / "fp8_e4m3fnuz": the same row in that fp8 dtype
+        (float8_e4m3fn / float8_e5m2 / float8_e4m3fnuz), saturate(x / scale) with a per-tensor
+        fp32 `scale` (`[]` or `[1]`).
       - "fp8_ds_mla": uint8 `[pages, pool_page_size, L + L/128*4 + 2R]` (656 for 512/64): L e4m3
         bytes quantised per 128-element tile with scale max(amax/448, FLT_MIN), stored as
         fp8(x / scale); then the L/128 fp32 scales; then R bf16 rope values (bf16 input: bit
@@ -192,10 +202,21 @@ def store_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, lo
     `check`, `errors`, `loc_map`, `dcp_rank`, `dcp_size`: as in `store_kv`. A pool stored as
     `[rows, 1, row]` (SGLang's MLA buffer) is the same cache with pool_page_size 1.
     """
+    if (_ext.LOADED and backend in NATIVE and type(dcp_rank) is int and type(dcp_size) is int
+            and isinstance(loc, torch.Tensor) and not torch.compiler.is_compiling()):
+        mode = validate.DEFAULT_CHECK if check is None else check
+        try:  # the C++ op: validation (same errors) + kernel
+            return _CALL(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, mode,
+                         record(errors, mode, kv_c), loc_map, dcp_rank, dcp_size, backend,
+                         scale_cache, global_scale)
+        except Exception:  # arguments the schema refused: Python's error names them
+            prepare_store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, errors,
+                              loc_map, dcp_rank, dcp_size, scale_cache, global_scale)
+            raise
     a = prepare_store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, errors,
                           loc_map, dcp_rank, dcp_size, scale_cache, global_scale)
     if torch.compiler.is_compiling():
-        torch.ops.kvwrite.store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check,
+        torch.ops.kvwrite.store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, a.check.mode,
                                     a.check.errors, loc_map, dcp_rank, dcp_size, backend,
                                     scale_cache, global_scale)
     elif a.locs.n:

@@ -3,14 +3,14 @@ scales per 16 elements, optional fp32 global scales). Format: `kvwrite.reference
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
-from kvwrite import validate
+from kvwrite import _ext, validate
 from kvwrite.errors import ErrorBuffer
 from kvwrite.geometry import PageGeometry
-from kvwrite.ops._common import Check, Locs, cache_geometry, dispatch, prepare
+from kvwrite.ops import _library
+from kvwrite.ops._common import NATIVE, Check, Locs, cache_geometry, dispatch, prepare, record
 from kvwrite.ops.kv import LAYOUTS, canonical
 
 OP = "store_kv_nvfp4"
@@ -87,15 +87,10 @@ def prepare_store_kv_nvfp4(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache,
                         caches["v_scale_cache"], kg, vg, geometry, locs, chk)
 
 
-@torch.library.custom_op("kvwrite::store_kv_nvfp4",
-                         mutates_args=("k_cache", "v_cache", "k_scale_cache", "v_scale_cache", "errors"))
-def _store_kv_nvfp4_op(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, k_scale_cache: torch.Tensor,
-                       v_scale_cache: torch.Tensor, loc: torch.Tensor,
-                       k_global_scale: Optional[torch.Tensor], v_global_scale: Optional[torch.Tensor],
-                       layout: str, check: str, errors: Optional[torch.Tensor],
-                       loc_map: Optional[torch.Tensor], dcp_rank: int, dcp_size: int,
-                       backend: str) -> None:
+def _store_kv_nvfp4_py(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, loc, k_global_scale,
+                       v_global_scale, layout, check, errors, loc_map, dcp_rank, dcp_size,
+                       backend) -> None:
+    """The Python implementation of torch.ops.kvwrite.store_kv_nvfp4 (see ops._library)."""
     a = prepare_store_kv_nvfp4(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, loc,
                                k_global_scale, v_global_scale, layout, check, errors, loc_map,
                                dcp_rank, dcp_size)
@@ -103,17 +98,27 @@ def _store_kv_nvfp4_op(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
         dispatch(OP, IMPLS, backend, k.device, a)
 
 
-@_store_kv_nvfp4_op.register_fake
-def _(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, loc, k_global_scale, v_global_scale,
-      layout, check, errors, loc_map, dcp_rank, dcp_size, backend) -> None:
-    return None
+def _fake(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, loc, k_global_scale,
+          v_global_scale, layout, check, errors, loc_map, dcp_rank, dcp_size, backend) -> None:
+    """Validation only: the same errors while tracing and for meta tensors."""
+    prepare_store_kv_nvfp4(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, loc, k_global_scale,
+                           v_global_scale, layout, _library.fake_check(check, errors), errors, loc_map,
+                           dcp_rank, dcp_size)
+
+
+_OP = _library.define(
+    OP, "(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) k_scale_cache, "
+        "Tensor(d!) v_scale_cache, Tensor loc, Tensor? k_global_scale, Tensor? v_global_scale, "
+        "str layout, str check, Tensor(e!)? errors, Tensor? loc_map, int dcp_rank, int dcp_size, "
+        "str backend) -> ()", _store_kv_nvfp4_py, _fake)
+_CALL = _OP._op
 
 
 def store_kv_nvfp4(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    k_scale_cache: torch.Tensor, v_scale_cache: torch.Tensor, loc: torch.Tensor, *,
                    k_global_scale: torch.Tensor | None = None,
                    v_global_scale: torch.Tensor | None = None, layout: str = "NHD",
-                   check: str = "off", errors: ErrorBuffer | None = None,
+                   check: str | None = None, errors: ErrorBuffer | None = None,
                    loc_map: torch.Tensor | None = None, dcp_rank: int = 0, dcp_size: int = 1,
                    backend: str = "auto") -> None:
     """Quantise token i's K/V rows to NVFP4 and write them to the paged caches at `loc[i]`
@@ -129,12 +134,24 @@ def store_kv_nvfp4(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     `kvwrite.dequant_nvfp4`; the error bound is documented in `kvwrite.reference.nvfp4`.
     `check`, `errors`, `loc_map`, `dcp_rank`, `dcp_size`: as `kvwrite.store_kv`.
     """
+    if (_ext.LOADED and backend in NATIVE and type(dcp_rank) is int and type(dcp_size) is int
+            and isinstance(loc, torch.Tensor) and not torch.compiler.is_compiling()):
+        mode = validate.DEFAULT_CHECK if check is None else check
+        try:  # the C++ op: validation (same errors) + kernel
+            return _CALL(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, loc,
+                         k_global_scale, v_global_scale, layout, mode, record(errors, mode, k),
+                         loc_map, dcp_rank, dcp_size, backend)
+        except Exception:  # arguments the schema refused: Python's error names them
+            prepare_store_kv_nvfp4(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, loc,
+                                   k_global_scale, v_global_scale, layout, check, errors, loc_map,
+                                   dcp_rank, dcp_size)
+            raise
     a = prepare_store_kv_nvfp4(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, loc,
                                k_global_scale, v_global_scale, layout, check, errors, loc_map,
                                dcp_rank, dcp_size)
     if torch.compiler.is_compiling():
         torch.ops.kvwrite.store_kv_nvfp4(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, loc,
-                                         k_global_scale, v_global_scale, layout, check,
+                                         k_global_scale, v_global_scale, layout, a.check.mode,
                                          a.check.errors, loc_map, dcp_rank, dcp_size, backend)
     elif a.locs.n:
         dispatch(OP, IMPLS, backend, k.device, a)

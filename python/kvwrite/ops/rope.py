@@ -16,7 +16,7 @@ import torch
 from kvwrite import validate
 from kvwrite.errors import ErrorBuffer
 from kvwrite.ops._common import dispatch
-from kvwrite.ops.kv_quant import KVStore, check_arg, prepare_kv_store
+from kvwrite.ops.kv_quant import KVStore, prepare_kv_store
 from kvwrite.ops.mla import StoreMLA, prepare_store_mla
 
 OP_KV = "rope_store_kv"
@@ -143,7 +143,7 @@ def prepare_rope_store_mla(positions, q_pe, kv_c, k_pe, cos_sin_cache, kv_cache,
                            kv_cache_dtype, scale, check, errors, loc_map, dcp_rank, dcp_size,
                            scale_cache=None, global_scale=None) -> RopeStoreMLA:
     fmt = validate.choice("kv_cache_dtype", kv_cache_dtype, tuple(MLA_FORMATS))
-    store = prepare_store_mla(kv_c, k_pe, kv_cache, loc, MLA_FORMATS[fmt], scale, check_arg(check),
+    store = prepare_store_mla(kv_c, k_pe, kv_cache, loc, MLA_FORMATS[fmt], scale, check,
                               errors, loc_map, dcp_rank, dcp_size, scale_cache, global_scale)
     store = StoreMLA(**{**store.__dict__, "check": _op_check(store.check, OP_MLA)})
     n, r = store.k_pe.shape

@@ -5,7 +5,7 @@ import torch
 
 from kvwrite.ops.indexer_k import AMAX_FLOOR, pool_page_size
 from kvwrite.reference._locs import resolve_and_check
-from kvwrite.reference.kv import quantize_fp8
+from kvwrite.reference.quant import finite_amax, quantize_fp8
 
 
 def ue8m0(scale: torch.Tensor) -> torch.Tensor:
@@ -18,7 +18,7 @@ def quantize_blocks(k: torch.Tensor, qbs: int, use_ue8m0: bool) -> tuple[torch.T
     """(e4m3 bytes `[N, D]`, fp32 scales `[N, D/qbs]`) of `k` `[N, D]`."""
     n, d = k.shape
     x = k.float().reshape(n, d // qbs, qbs)
-    scale = torch.clamp(x.abs().amax(dim=-1), min=AMAX_FLOOR) / 448.0
+    scale = torch.clamp(finite_amax(x), min=AMAX_FLOOR) / 448.0
     if use_ue8m0:
         scale = ue8m0(scale)
     q = quantize_fp8(x, scale[..., None], torch.float8_e4m3fn).view(torch.uint8).reshape(n, d)

@@ -4,13 +4,8 @@ from __future__ import annotations
 import torch
 
 from kvwrite.reference._locs import resolve_and_check
+from kvwrite.reference.quant import quantize_fp8  # noqa: F401  (re-exported: the shared quantiser)
 from kvwrite.validate import FP8_MAX
-
-
-def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """saturate(x / scale) in `dtype`: divide (not multiply by a reciprocal), clamp, round."""
-    fmax = FP8_MAX[dtype]
-    return (x.float() / scale).clamp(-fmax, fmax).to(dtype)
 
 
 def _store(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None,

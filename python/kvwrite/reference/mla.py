@@ -5,7 +5,7 @@ import torch
 
 from kvwrite.ops.mla import DS_MLA_SCALE_FLOOR, DS_MLA_TILE, ds_mla_row_bytes
 from kvwrite.reference._locs import resolve_and_check
-from kvwrite.reference.kv import quantize_fp8
+from kvwrite.reference.quant import bf16_bits, finite_amax, quantize_fp8
 from kvwrite.reference.nvfp4 import write_mla_nvfp4
 
 
@@ -21,10 +21,10 @@ def ds_mla_rows(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
     """uint8 fp8_ds_mla rows `[N, L + L/128*4 + 2R]` of `kv_c` `[N, L]` and `k_pe` `[N, R]`."""
     n, lora = kv_c.shape
     x = kv_c.float().reshape(n, lora // DS_MLA_TILE, DS_MLA_TILE)
-    scale = torch.clamp(x.abs().amax(dim=-1, keepdim=True) / 448.0, min=DS_MLA_SCALE_FLOOR)
+    scale = torch.clamp(finite_amax(x, keepdim=True) / 448.0, min=DS_MLA_SCALE_FLOOR)
     latent = quantize_fp8(x, scale, torch.float8_e4m3fn).view(torch.uint8).reshape(n, lora)
     scales = scale.reshape(n, -1).contiguous().view(torch.uint8)
-    rope = k_pe.to(torch.bfloat16).contiguous().view(torch.uint8)
+    rope = bf16_bits(k_pe).contiguous().view(torch.uint8)
     return torch.cat([latent, scales, rope], dim=-1)
 
 
@@ -38,6 +38,7 @@ def _rows(make):
 # kv_cache_dtype -> writer(a, token indices, pages, offsets); a format that also writes other
 # buffers (block scales) registers its own writer here.
 WRITERS = {"auto": _rows(_concat), "fp8_e4m3": _rows(_fp8), "fp8_e5m2": _rows(_fp8),
+           "fp8_e4m3fnuz": _rows(_fp8),
            "fp8_ds_mla": _rows(lambda a, kv_c, k_pe: ds_mla_rows(kv_c, k_pe)),
            "nvfp4": write_mla_nvfp4}
 

@@ -8,7 +8,11 @@ BLOCK = 16 consecutive elements. Per block, with an optional fp32 global scale `
     d  = sd * g                             the block's decoded step (fp32)
     q  = e2m1(x / d)                        RNE to the nearest of 0, .5, 1, 1.5, 2, 3, 4, 6 (ties
                                             to the even code), saturating at 6; sign kept
-                                            (a small negative value gives -0); d == 0: all +0
+                                            (a small negative value gives -0); d == 0: each
+                                            element's sign alone (+-0)
+    specials (README "Special values"): amax over the finite values; +-inf -> +-6; NaN -> code 0
+    and the block's scale byte 0x7F (NaN: the whole block reads back NaN); fp32-subnormal
+    inputs read as +-0
     byte j of the row = code[2j] | code[2j + 1] << 4   (even element in the low nibble)
 
 Dequantised: x' = e2m1_value(q) * d.
@@ -30,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from kvwrite.reference._locs import resolve_and_check
+from kvwrite.reference.quant import daz, finite_amax, fp8_codes
 
 BLOCK = 16
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -64,13 +69,18 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] (D % 16 == 0) -> (packed uint8 [..., D/2], block scales e4m3 [..., D/16])."""
     g = _global(global_scale, x.device)
-    blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
-    amax = blocks.abs().amax(-1)
-    s = amax / 6 / g
-    scale = s.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    blocks = daz(x).reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    s = finite_amax(blocks) / 6 / g
+    scale = fp8_codes(s, torch.float8_e4m3fn)
     d = (scale.float() * g)[..., None]
-    codes = torch.where(d == 0, torch.zeros((), dtype=torch.int32, device=x.device),
-                        e2m1_codes(blocks / d))
+    # d == 0 (all-zero block, or a global scale that underflows it): each element its sign alone;
+    # NaN -> 0 (e2m1 has no NaN) and the block's scale becomes NaN.
+    sign = torch.signbit(blocks).to(torch.int32) << 3
+    codes = torch.where(d == 0, sign, e2m1_codes(blocks / torch.where(d == 0, 1.0, d)))
+    nan = torch.isnan(blocks)
+    codes = torch.where(nan, torch.zeros_like(codes), codes)
+    scale = torch.where(nan.any(-1), torch.full_like(scale.view(torch.uint8), 0x7F),
+                        scale.view(torch.uint8)).view(torch.float8_e4m3fn)
     codes = codes.reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
     packed = (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8)
     return packed, scale

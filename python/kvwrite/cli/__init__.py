@@ -1,4 +1,4 @@
-"""`kvwrite` command line: each subcommand lives in its own module, listed in COMMANDS.
+"""`kvwrite` command line: each subcommand is one module of this package, listed in COMMANDS.
 
 A command module defines `NAME`, `HELP`, `add_arguments(parser)` and `run(args) -> int`.
 """
@@ -9,10 +9,10 @@ import importlib
 import sys
 
 COMMANDS = (
-    "kvwrite.demo",
-    "kvwrite.plan_cli",
-    "kvwrite.presets_cli",
-    "kvwrite.bench.cli",
+    "kvwrite.cli.demo",
+    "kvwrite.cli.plan",
+    "kvwrite.cli.presets",
+    "kvwrite.cli.bench",
 )
 
 

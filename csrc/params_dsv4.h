@@ -1,0 +1,91 @@
+// Tensors -> DeepSeek V4 kernel parameters (host only, torch); shared by ops.cpp (CPU) and
+// cuda_ops.cpp. kvwrite.ops.dsv4 validated every argument already; these checks guard direct
+// callers. Every V4 store shards whole pages under DCP (LocArgs::dcp_page).
+#pragma once
+
+#include "kvwrite/store_dsv4.h"
+#include "params.h"
+
+namespace kvwrite {
+
+inline SplitPage split_page(const Tensor& cache, int64_t pool_page_size, int data_row, int scale_row,
+                            const char* name) {
+  TORCH_CHECK(cache.dim() == 2 && cache.scalar_type() == at::kByte && (cache.size(1) <= 1 || cache.stride(1) == 1),
+              "kvwrite: ", name, " must be a uint8 [pages, page bytes] tensor");
+  TORCH_CHECK(pool_page_size >= 1 && pool_page_size * (data_row + scale_row) <= cache.size(1), "kvwrite: ", name,
+              " pages are too small for ", pool_page_size, " rows");
+  SplitPage s;
+  s.base = static_cast<char*>(cache.data_ptr());
+  s.stride_page = cache.stride(0);
+  s.pool_page_size = pool_page_size;
+  s.data_row = data_row;
+  s.scale_row = scale_row;
+  return s;
+}
+
+inline StoreDSV4KVParams store_dsv4_kv_params(const Tensor& kv, const Tensor& cache, int64_t pool_page_size,
+                                              const Tensor& loc, const OptTensor& loc_map, const OptTensor& errors,
+                                              int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op) {
+  TORCH_CHECK(kv.dim() == 2 && kv.size(1) == DSV4_NOPE + DSV4_ROPE && kv.stride(1) == 1,
+              "kvwrite: kv must be [N, 512], contiguous in its last dim");
+  TORCH_CHECK(pool_page_size >= 1 && cache.dim() == 2 &&
+                  cache.size(1) == ceil_div(pool_page_size * (DSV4_DATA_ROW + DSV4_SCALE_ROW), DSV4_DATA_ROW) * DSV4_DATA_ROW,
+              "kvwrite: the DeepSeek V4 cache page does not hold pool_page_size tokens");
+  check_same_device(kv, cache, "cache");
+  StoreDSV4KVParams p;
+  p.kv = static_cast<const char*>(kv.data_ptr());
+  p.kv_sn = kv.stride(0);
+  p.in_dtype = dtype_of(kv);
+  p.cache = split_page(cache, pool_page_size, DSV4_DATA_ROW, DSV4_SCALE_ROW, "cache");
+  p.locs = loc_args(loc, loc_map, errors, dcp_rank, dcp_size, check, op, cache.size(0) * pool_page_size,
+                    pool_page_size, kv);
+  p.locs.dcp_page = true;
+  TORCH_CHECK(p.locs.n == kv.size(0), "kvwrite: loc must have one entry per token");
+  return p;
+}
+
+inline StoreMXFP4Params store_mxfp4_params(const Tensor& k, const Tensor& cache, int64_t pool_page_size,
+                                           const Tensor& loc, const OptTensor& loc_map, const OptTensor& errors,
+                                           int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op) {
+  TORCH_CHECK(k.dim() == 2 && k.size(1) > 0 && k.size(1) % DSV4_MXFP4_BLOCK == 0 && k.stride(1) == 1,
+              "kvwrite: index_k must be [N, D], D a multiple of 32, contiguous in D");
+  const int d = int(k.size(1));
+  TORCH_CHECK(cache.dim() == 2 && cache.size(1) == pool_page_size * (d / 2 + d / DSV4_MXFP4_BLOCK),
+              "kvwrite: the mxfp4 indexer page does not hold pool_page_size rows");
+  check_same_device(k, cache, "cache");
+  StoreMXFP4Params p;
+  p.k = static_cast<const char*>(k.data_ptr());
+  p.k_sn = k.stride(0);
+  p.D = d;
+  p.in_dtype = dtype_of(k);
+  p.cache = split_page(cache, pool_page_size, d / 2, d / DSV4_MXFP4_BLOCK, "cache");
+  p.locs = loc_args(loc, loc_map, errors, dcp_rank, dcp_size, check, op, cache.size(0) * pool_page_size,
+                    pool_page_size, k);
+  p.locs.dcp_page = true;
+  TORCH_CHECK(p.locs.n == k.size(0), "kvwrite: loc must have one entry per token");
+  return p;
+}
+
+inline StoreRowsParams store_rows_params(const Tensor& src, const Tensor& pool, const Tensor& loc,
+                                         const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank,
+                                         int64_t dcp_size, int64_t check, int64_t op) {
+  TORCH_CHECK(src.dim() == 2 && pool.dim() == 2 && src.size(1) == pool.size(1) &&
+                  src.scalar_type() == pool.scalar_type() && (src.size(1) <= 1 || (src.stride(1) == 1 && pool.stride(1) == 1)),
+              "kvwrite: src [N, W] and pool [rows, W] must share W and dtype, contiguous in W");
+  check_same_device(src, pool, "pool");
+  StoreRowsParams p;
+  const int64_t elem = src.element_size();
+  p.src = static_cast<const char*>(src.data_ptr());
+  p.pool = static_cast<char*>(pool.data_ptr());
+  p.src_sn = src.stride(0) * elem;
+  p.pool_sr = pool.stride(0) * elem;
+  p.row_bytes = src.size(1) * elem;
+  p.vec = vec_bytes(uint64_t(reinterpret_cast<uintptr_t>(p.src)) | uint64_t(reinterpret_cast<uintptr_t>(p.pool)) |
+                    uint64_t(p.src_sn) | uint64_t(p.pool_sr) | uint64_t(p.row_bytes));
+  p.locs = loc_args(loc, loc_map, errors, dcp_rank, dcp_size, check, op, pool.size(0), 1, pool);
+  p.locs.dcp_page = true;
+  TORCH_CHECK(p.locs.n == src.size(0), "kvwrite: loc must have one entry per token");
+  return p;
+}
+
+}  // namespace kvwrite

@@ -1,0 +1,169 @@
+"""SGLang's KV pool stores (`sglang.srt.mem_cache.memory_pool`) on kvwrite's kernels.
+
+SGLang's pools hold one flat buffer per layer, `[size + page_size, ...]` rows: `loc` is the row,
+and page 0 (rows `[0, page_size)`) is the padding page that dummy writes land in, so a loc of 0
+is a valid write. Each function takes the layer's buffer(s), then SGLang's arguments in SGLang's
+order, plus keyword-only `dtype` (the torch fp8 dtype of a pool stored as uint8: SGLang's
+`dtype` beside its uint8 `store_dtype`), `check` ("off" | "assert" | "guard"; None = the process
+default), `errors` and `backend`. The buffer is viewed as `[(size + page_size) / page_size,
+page_size, ...]` pages, so errors name SGLang's pages; the bounds are the buffer's rows.
+
+Where kvwrite differs from SGLang (and why):
+- fp8 pools: kvwrite stores saturate(x / scale) computed in fp32 with one rounding. SGLang
+  divides in the input dtype (`cache_k.div_(k_scale)`, a bf16/fp16 rounding first) and casts
+  with `.to(fp8)` (torch 2.14: saturates to 448 for e4m3fn, but overflows to inf for e5m2,
+  where kvwrite stores 57344). The bytes are equal whenever x / scale is exact in the input
+  dtype (no scale, a power-of-two scale, or fp32 inputs) and, for e5m2, within its range.
+- SGLang divides the caller's `cache_k` / `cache_v` in place; kvwrite leaves the inputs as they
+  are.
+- the indexer (`set_index_k_buffer`) quantises with scale = max(amax, 1e-4) / 448, the division
+  vLLM's CUDA kernel does; SGLang's Triton quantiser multiplies by 1/448 (1 ulp apart in about
+  half the blocks; with "ue8m0" the power-of-two rounding almost always hides it).
+- assert/guard catch a loc outside `[0, size + page_size)` (SGLang #33348 / #33816: writes past
+  the pool or before it), where SGLang's index_put asserts on the device or its Triton stores
+  write out of bounds; off mode skips negative locs (SGLang writes loc -1 before the buffer).
+"""
+from __future__ import annotations
+
+import torch
+
+from kvwrite import validate
+from kvwrite.compat._common import FP8_DTYPES, as_fp8, byte_pairs, scale_tensor
+from kvwrite.errors import ErrorBuffer
+from kvwrite.geometry import require_positive_int
+from kvwrite.ops.indexer_k import row_bytes, store_indexer_k
+from kvwrite.ops.kv import store_kv
+from kvwrite.ops.mla import store_mla
+
+__all__ = ["set_index_k_buffer", "set_kv_buffer", "set_mla_kv_buffer"]
+
+INDEX_HEAD_DIM = 128     # SGLang's NSA indexer: head_dim 128, one fp32 scale per 128 values
+INDEX_BLOCK = 128
+
+
+def _pool_dtype(name: str, buffer: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The pool's element dtype (a uint8 buffer needs `dtype=`, its fp8 type)."""
+    if buffer.dtype == torch.uint8:
+        if dtype not in FP8_DTYPES:
+            raise TypeError(f"{name} is stored as uint8: pass dtype= the pool's fp8 dtype "
+                            f"(torch.float8_e4m3fn or torch.float8_e5m2), got {dtype}")
+        return dtype
+    if dtype is not None and dtype != buffer.dtype:
+        raise TypeError(f"dtype={dtype} does not match {name}'s dtype {buffer.dtype}")
+    return buffer.dtype
+
+
+def _pages(name: str, buffer: torch.Tensor, page_size: int) -> torch.Tensor:
+    """`[rows, ...]` -> `[rows / page_size, page_size, ...]` (a view)."""
+    rows = buffer.shape[0]
+    if rows % page_size or rows < page_size:
+        raise ValueError(f"{name} has {rows} rows, not a whole number of pages of page_size="
+                         f"{page_size} (SGLang allocates size + page_size rows, size a multiple of "
+                         f"page_size)")
+    return buffer.unflatten(0, (rows // page_size, page_size))
+
+
+def set_kv_buffer(k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor,
+                  cache_k: torch.Tensor, cache_v: torch.Tensor, page_size: int,
+                  k_scale: float | torch.Tensor | None = None,
+                  v_scale: float | torch.Tensor | None = None, *, dtype: torch.dtype | None = None,
+                  check: str | None = None, errors: ErrorBuffer | None = None,
+                  backend: str = "auto") -> None:
+    """`MHATokenToKVPool.set_kv_buffer` for one layer: `cache_k` / `cache_v` `[N, H, D]` written
+    at rows `loc` of `k_buffer` / `v_buffer` `[size + page_size, H, D]`.
+
+    Inputs in the pool's dtype are stored as they are (fp8 inputs into an fp8 pool too). Other
+    float inputs: an fp8 pool stores saturate(x / scale) (scale 1 when None; a float or an fp32
+    `[]`/`[1]`/`[H]` tensor); a bf16/fp16/fp32 pool stores (x / scale).to(pool dtype) (the
+    division in fp32). One fused `kvwrite.store_kv` launch (plus a cast for the rare float pool
+    of another dtype).
+    """
+    page_size = require_positive_int("page_size", page_size)
+    k_buffer = validate.tensor("k_buffer", k_buffer, ndim=3)
+    v_buffer = validate.tensor("v_buffer", v_buffer, ndim=3)
+    pool = _pool_dtype("k_buffer", k_buffer, dtype)
+    _pool_dtype("v_buffer", v_buffer, dtype)
+    kb = _pages("k_buffer", k_buffer.view(pool) if k_buffer.dtype == torch.uint8 else k_buffer, page_size)
+    vb = _pages("v_buffer", v_buffer.view(pool) if v_buffer.dtype == torch.uint8 else v_buffer, page_size)
+    k = validate.tensor("cache_k", cache_k, dtypes=(*validate.FLOAT_INPUTS, *FP8_DTYPES))
+    v = validate.tensor("cache_v", cache_v, dtypes=(*validate.FLOAT_INPUTS, *FP8_DTYPES))
+    ks, vs = scale_tensor("k_scale", k_scale, k.device), scale_tensor("v_scale", v_scale, k.device)
+    if k.dtype == pool:  # SGLang: no conversion, no scale
+        if pool in FP8_DTYPES:
+            k, kb = byte_pairs("cache_k", k, kb)
+            v, vb = byte_pairs("cache_v", v, vb)
+        store_kv(k, v, kb, vb, loc, check=check, errors=errors, backend=backend)
+        return
+    if k.dtype in FP8_DTYPES:
+        raise TypeError(f"cache_k is {k.dtype} but the pool is {pool}: fp8 inputs are stored only "
+                        f"into a pool of the same fp8 dtype")
+    if pool in FP8_DTYPES:
+        one = torch.ones((), dtype=torch.float32, device=k.device)
+        store_kv(k, v, kb, vb, loc, k_scale=one if ks is None else ks, v_scale=one if vs is None else vs,
+                 check=check, errors=errors, backend=backend)
+        return
+    k = (k.float() / ks if ks is not None else k).to(pool)
+    v = (v.float() / vs if vs is not None else v).to(pool)
+    store_kv(k, v, kb, vb, loc, check=check, errors=errors, backend=backend)
+
+
+def _rows2d(name: str, x: object) -> torch.Tensor:
+    x = validate.tensor(name, x)
+    if x.dim() == 3:
+        if x.shape[1] != 1:
+            raise ValueError(f"{name} must be [N, 1, dim] or [N, dim], got {list(x.shape)}")
+        return x[:, 0]
+    if x.dim() != 2:
+        raise ValueError(f"{name} must be [N, 1, dim] or [N, dim], got {list(x.shape)}")
+    return x
+
+
+def set_mla_kv_buffer(kv_buffer: torch.Tensor, loc: torch.Tensor, cache_k_nope: torch.Tensor,
+                      cache_k_rope: torch.Tensor, page_size: int, *, dtype: torch.dtype | None = None,
+                      check: str | None = None, errors: ErrorBuffer | None = None,
+                      backend: str = "auto") -> None:
+    """`MLATokenToKVPool.set_mla_kv_buffer` for one layer: row = concat(nope `[N, 1, R]`, rope
+    `[N, 1, rope]`; or 2-D) at rows `loc` of `kv_buffer` `[size + page_size, 1, R + rope]`. An fp8
+    pool (fp8-typed, or uint8 with `dtype=`) stores saturate(x) in that format (SGLang:
+    `.to(fp8)` without a scale; e5m2 overflows to inf there). One `kvwrite.store_mla` launch."""
+    page_size = require_positive_int("page_size", page_size)
+    buf = validate.tensor("kv_buffer", kv_buffer, ndim=3)
+    if buf.shape[1] != 1:
+        raise ValueError(f"kv_buffer must be [size + page_size, 1, kv_lora_rank + rope_dim], got "
+                         f"{list(buf.shape)}")
+    pool = _pool_dtype("kv_buffer", buf, dtype)
+    cache = _pages("kv_buffer", buf[:, 0].view(pool) if buf.dtype == torch.uint8 else buf[:, 0], page_size)
+    nope, rope = _rows2d("cache_k_nope", cache_k_nope), _rows2d("cache_k_rope", cache_k_rope)
+    if pool in FP8_DTYPES:
+        if nope.dtype == pool:  # already fp8: a byte copy of the row
+            n_pairs = byte_pairs("cache_k_nope", nope, cache)
+            r_pairs = byte_pairs("cache_k_rope", rope, cache)
+            store_mla(n_pairs[0], r_pairs[0], n_pairs[1], loc, check=check, errors=errors, backend=backend)
+            return
+        one = torch.ones((), dtype=torch.float32, device=nope.device)
+        store_mla(nope, rope, cache, loc, kv_cache_dtype="fp8_e4m3" if pool == torch.float8_e4m3fn else "fp8_e5m2",
+                  scale=one, check=check, errors=errors, backend=backend)
+        return
+    if nope.dtype != pool:
+        nope, rope = nope.to(pool), rope.to(pool)
+    store_mla(nope, rope, cache, loc, check=check, errors=errors, backend=backend)
+
+
+def set_index_k_buffer(index_buffer: torch.Tensor, loc: torch.Tensor, index_k: torch.Tensor,
+                       page_size: int, scale_fmt: str | None = None, *, check: str | None = None,
+                       errors: ErrorBuffer | None = None, backend: str = "auto") -> None:
+    """The NSA (DSA) indexer store of `NSATokenToKVPool` for one layer: index keys `[N, 128]`
+    quantised per 128 values to e4m3 (scale max(amax, 1e-4) / 448; "ue8m0": rounded up to a power
+    of two) into the uint8 buffer `[num_pages, page_size * (128 + 4)]` (a page: `page_size * 128`
+    fp8 bytes, then `page_size` fp32 scales; page 0 is the padding page). One
+    `kvwrite.store_indexer_k` launch."""
+    page_size = require_positive_int("page_size", page_size)
+    buf = validate.tensor("index_buffer", index_buffer, ndim=2, dtypes=(torch.uint8,))
+    k = validate.tensor("index_k", index_k, ndim=2)
+    want = page_size * row_bytes(k.shape[1], INDEX_BLOCK) if k.shape[1] % INDEX_BLOCK == 0 else None
+    if want is None or buf.shape[1] != want:
+        raise ValueError(f"index_buffer must be [num_pages, page_size * (head_dim + head_dim / 128 * 4)]"
+                         f" = [*, {want}] for page_size={page_size} and index_k {list(k.shape)}, got "
+                         f"{list(buf.shape)}")
+    store_indexer_k(k, buf, loc, quant_block_size=INDEX_BLOCK, scale_fmt=scale_fmt, check=check,
+                    errors=errors, backend=backend)

@@ -1,0 +1,140 @@
+"""vLLM's cache-write ops (`vllm._custom_ops`, csrc/cache_kernels.cu) on kvwrite's kernels.
+
+Each function takes vLLM's arguments in vLLM's order, plus keyword-only `check` ("off" |
+"assert" | "guard"; None = the process default), `errors` (an ErrorBuffer for guard mode) and
+`backend`. The page size is the cache's `block_size` dim; `slot_mapping[i]` is token i's slot
+`block * block_size + offset`.
+
+What matches vLLM (bytes in the cache):
+- `kv_cache_dtype` strings: "auto" (cache in the input dtype; scales are ignored), "fp8" /
+  "fp8_e4m3" (e4m3fn), "fp8_e5m2"; fp8 caches may be typed uint8, as vLLM allocates them;
+  stored = fp8(x / scale), saturated, with fp32 `k_scale` / `v_scale` (`[]`, `[1]`, or `[H]`).
+- key/value already in the cache's fp8 format are stored as they are (no scale).
+- the number of tokens is `slot_mapping.shape[0]` (key/value may carry padding rows past it).
+- any negative slot is skipped in off mode.
+
+Where kvwrite differs (and why):
+- check="assert"/"guard" report a slot < -1 (and any slot >= num_blocks * block_size) as an
+  out-of-range write: vLLM pads with -1 only, so another negative slot is a bug upstream (an
+  encoding with the wrong block size, vLLM #47056); off mode skips it, like vLLM.
+- an e5m2 cache ("fp8_e5m2") gets e5m2 codes on every backend (vLLM's Triton path writes e4m3
+  codes into it); caches are addressed through their strides everywhere (vLLM's Triton path
+  assumes contiguous heads).
+- `reshape_and_cache` (legacy head-major layout) honours the caches' strides; vLLM assumes them
+  contiguous (identical bytes for contiguous caches).
+- `indexer_k_quant_and_cache` takes any head_dim that is a multiple of `quant_block_size`
+  (vLLM's kernel: one warp of 4-element vectors per block, i.e. quant_block_size = 128).
+- ROCm's "fp8" (e4m3fnuz) is not supported.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvwrite import validate
+from kvwrite.compat._common import as_fp8, byte_pairs
+from kvwrite.errors import ErrorBuffer
+from kvwrite.ops.indexer_k import row_bytes, store_indexer_k
+from kvwrite.ops.kv import store_kv
+from kvwrite.ops.mla import store_mla
+
+__all__ = ["concat_and_cache_mla", "indexer_k_quant_and_cache", "reshape_and_cache_flash"]
+
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                   "fp8_e5m2": torch.float8_e5m2}
+MLA_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla")
+
+
+def _tokens(name: str, x: object, slot_mapping: object) -> torch.Tensor:
+    """`x[:len(slot_mapping)]`: vLLM stores slot_mapping.shape[0] tokens."""
+    x = validate.tensor(name, x)
+    if isinstance(slot_mapping, torch.Tensor) and slot_mapping.dim() == 1 and x.dim() >= 1:
+        n = slot_mapping.shape[0]
+        if n > x.shape[0]:
+            raise ValueError(f"slot_mapping has {n} entries but {name} only {x.shape[0]} tokens")
+        return x[:n]
+    return x
+
+
+def _kv_caches(key, value, key_cache, value_cache, kv_cache_dtype, k_scale, v_scale):
+    """(key, value, key_cache, value_cache, k_scale, v_scale) as kvwrite.store_kv takes them."""
+    fmt = KV_CACHE_DTYPES[validate.choice("kv_cache_dtype", kv_cache_dtype, tuple(KV_CACHE_DTYPES))]
+    if fmt is None:
+        return key, value, key_cache, value_cache, None, None
+    key_cache = as_fp8("key_cache", key_cache, fmt)
+    value_cache = as_fp8("value_cache", value_cache, fmt)
+    if key.dtype in validate.FP8_MAX:  # already quantised: stored as it is
+        key, key_cache = byte_pairs("key", key, key_cache)
+        value, value_cache = byte_pairs("value", value, value_cache)
+        return key, value, key_cache, value_cache, None, None
+    return key, value, key_cache, value_cache, k_scale, v_scale
+
+
+def reshape_and_cache_flash(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                            value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                            kv_cache_dtype: str, k_scale: torch.Tensor, v_scale: torch.Tensor, *,
+                            check: str | None = None, errors: ErrorBuffer | None = None,
+                            backend: str = "auto") -> None:
+    """`torch.ops._C_cache_ops.reshape_and_cache_flash`: key/value `[N, H, D]` into caches of
+    shape `[num_blocks, block_size, H, D]`, or any stride-permuted view of it (vLLM's HND
+    allocation; K and V may be two views of one packed `[num_blocks, 2, ...]` buffer). One fused
+    `kvwrite.store_kv` launch with the caches' own strides."""
+    key, value = _tokens("key", key, slot_mapping), _tokens("value", value, slot_mapping)
+    key, value, key_cache, value_cache, ks, vs = _kv_caches(key, value, key_cache, value_cache,
+                                                            kv_cache_dtype, k_scale, v_scale)
+    store_kv(key, value, key_cache, value_cache, slot_mapping, layout="NHD", k_scale=ks, v_scale=vs,
+             check=check, errors=errors, backend=backend)
+
+
+def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor, kv_cache_dtype: str, scale: torch.Tensor, *,
+                         check: str | None = None, errors: ErrorBuffer | None = None,
+                         backend: str = "auto") -> None:
+    """`torch.ops._C_cache_ops.concat_and_cache_mla`: row = concat(kv_c `[N, L]`, k_pe `[N, R]`)
+    into kv_cache `[num_blocks, block_size, L + R]` ("auto"; "fp8"/"fp8_e4m3": uint8 or e4m3
+    cache, fp8(x / scale) with the fp32 per-tensor `scale`), or DeepSeek's 656-byte rows
+    ("fp8_ds_mla": uint8 `[num_blocks, block_size, L + L/128*4 + 2R]`, per-128-tile scales
+    max(amax / 448, FLT_MIN), `scale` unused as in vLLM). One `kvwrite.store_mla` launch."""
+    kv_cache_dtype = validate.choice("kv_cache_dtype", kv_cache_dtype, MLA_CACHE_DTYPES)
+    kv_c, k_pe = _tokens("kv_c", kv_c, slot_mapping), _tokens("k_pe", k_pe, slot_mapping)
+    if kv_cache_dtype == "auto":
+        store_mla(kv_c, k_pe, kv_cache, slot_mapping, check=check, errors=errors, backend=backend)
+    elif kv_cache_dtype == "fp8_ds_mla":
+        store_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="fp8_ds_mla", check=check,
+                  errors=errors, backend=backend)
+    else:
+        store_mla(kv_c, k_pe, as_fp8("kv_cache", kv_cache, torch.float8_e4m3fn), slot_mapping,
+                  kv_cache_dtype="fp8_e4m3", scale=scale, check=check, errors=errors,
+                  backend=backend)
+
+
+def indexer_k_quant_and_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                              quant_block_size: int, scale_fmt: str | None, *,
+                              check: str | None = None, errors: ErrorBuffer | None = None,
+                              backend: str = "auto") -> None:
+    """`torch.ops._C_cache_ops.indexer_k_quant_and_cache`: DSA indexer keys `[N, head_dim]`
+    quantised per `quant_block_size` block to e4m3 (scale max(amax, 1e-4) / 448; "ue8m0": rounded
+    up to a power of two) into vLLM's uint8 cache `[num_blocks, block_size, head_dim +
+    head_dim * 4 // quant_block_size]`.
+
+    vLLM addresses block b at byte `b * block_size * cache_stride` (cache_stride = the last dim):
+    a block holds its `block_size * head_dim` fp8 values, then its `block_size * head_dim /
+    quant_block_size` fp32 scales, whatever the 3-D shape suggests. That is exactly kvwrite's
+    indexer page `[num_blocks, block_size * cache_stride]`, so the 3-D cache is passed to
+    `kvwrite.store_indexer_k` as that 2-D view (same storage: rows of a block must be contiguous,
+    stride(1) == cache_stride; the block stride is honoured)."""
+    k = validate.tensor("k", k, ndim=2)
+    cache = validate.tensor("kv_cache", kv_cache, ndim=3, dtypes=(torch.uint8,), device=k.device)
+    if scale_fmt not in (None, "", "ue8m0"):
+        raise ValueError(f"scale_fmt must be None, '' or 'ue8m0', got {scale_fmt!r}")
+    if isinstance(quant_block_size, int) and quant_block_size > 0 and k.shape[1] % quant_block_size == 0:
+        want = row_bytes(k.shape[1], quant_block_size)
+        if cache.shape[2] != want:
+            raise ValueError(f"kv_cache must have shape [num_blocks, block_size, {want}] (head_dim "
+                             f"{k.shape[1]} + head_dim * 4 // quant_block_size), got {list(cache.shape)}")
+    blocks, block_size, stride = cache.shape
+    if cache.stride(2) != 1 or (block_size > 1 and cache.stride(1) != stride):
+        raise ValueError(f"kv_cache's rows within a block must be contiguous (vLLM addresses a block "
+                         f"as block_size * {stride} bytes), got strides {cache.stride()}")
+    flat = cache.as_strided((blocks, block_size * stride), (cache.stride(0), 1))
+    store_indexer_k(k, flat, slot_mapping, quant_block_size=quant_block_size,
+                    scale_fmt=scale_fmt or None, check=check, errors=errors, backend=backend)

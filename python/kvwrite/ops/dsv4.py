@@ -1,0 +1,384 @@
+"""DeepSeek V4 caches: FlashMLA MODEL1 sparse-fp8 KV pages, the c4 indexer cache (fp8 / MXFP4),
+compressed- and state-loc rules, and the compress-state row store.
+
+KV pages (SWA, c4 and c128 caches alike), uint8 `[num_pages, kv_page_bytes(pool_page_size)]`.
+Page p holds its pool_page_size *data rows* of 576 bytes first (row o at byte o*576: 448 NoPE
+values in e4m3, then 64 RoPE values in bf16), then its pool_page_size *scale rows* of 8 bytes
+(row o at byte pool_page_size*576 + o*8: 7 ue8m0 bytes, one per 64 NoPE values, and 1 pad byte),
+then padding up to a multiple of 576 bytes. The pad scale byte and the page padding are never
+written. Per 64-value tile: scale = max(amax, 1e-4) / 448 rounded up to a power of two (ue8m0:
+the fp32 exponent, +1 when the mantissa is non-zero), value = saturate(x / scale) in e4m3, the
+stored byte is the scale's biased exponent. RoPE is cast to bf16 (nearest even).
+
+Indexer cache (c4 layers), uint8 `[num_pages, pool_page_size * indexer_row_bytes(D, fmt)]`,
+page-major like `kvwrite.store_indexer_k`:
+  - "fp8": D e4m3 bytes per row for the whole page, then one fp32 scale per 128 values and row;
+    scale = max(amax, 1e-4) / 448 stored as it is (SGLang), `scale_fmt="ue8m0"` rounds it up to
+    a power of two (vLLM). 132 bytes a row for D = 128.
+  - "mxfp4": D/2 bytes of packed e2m1 per row for the whole page (even element in the low
+    nibble), then D/32 ue8m0 bytes per row; per 32 values scale = max(amax, 1e-4) / 6 rounded up
+    to a power of two, value = e2m1(x / scale) (nearest, ties to the even code). 68 bytes a row
+    for D = 128.
+
+DCP: these stores shard by page (SGLang's sharded V4 pools): virtual page p = loc //
+pool_page_size lives on rank p % dcp_size as local page p // dcp_size (the resolver's page mode,
+`Locs.dcp_page`); other ranks' tokens are skipped.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from kvwrite import validate
+from kvwrite.errors import ErrorBuffer
+from kvwrite.geometry import PageGeometry, require_positive_int
+from kvwrite.ops._common import Check, Locs, cache_geometry, dispatch, prepare
+
+OP_KV = "store_dsv4_kv"
+OP_INDEXER = "store_dsv4_indexer_k"
+OP_ROWS = "store_rows"
+
+KV_IMPLS = (
+    ("torch", "kvwrite.reference.dsv4:store_dsv4_kv"),
+    ("triton", "kvwrite.kernels.store_dsv4:launch_kv"),
+    ("cpu", "kvwrite._ext:store_dsv4_kv"),
+    ("cuda", "kvwrite._ext:store_dsv4_kv"),
+)
+# fp8 indexer rows are `store_indexer_k`'s format: its reference and Triton kernel, our binding.
+INDEXER_FP8_IMPLS = (
+    ("torch", "kvwrite.reference.indexer_k:store_indexer_k"),
+    ("triton", "kvwrite.kernels.store_indexer_k:launch"),
+    ("cpu", "kvwrite._ext:store_dsv4_indexer_k"),
+    ("cuda", "kvwrite._ext:store_dsv4_indexer_k"),
+)
+INDEXER_MXFP4_IMPLS = (
+    ("torch", "kvwrite.reference.dsv4:store_dsv4_indexer_k"),
+    ("triton", "kvwrite.kernels.store_dsv4:launch_indexer_mxfp4"),
+    ("cpu", "kvwrite._ext:store_dsv4_indexer_k"),
+    ("cuda", "kvwrite._ext:store_dsv4_indexer_k"),
+)
+ROWS_IMPLS = (
+    ("torch", "kvwrite.reference.dsv4:store_rows"),
+    ("triton", "kvwrite.kernels.store_dsv4:launch_rows"),
+    ("cpu", "kvwrite._ext:store_rows"),
+    ("cuda", "kvwrite._ext:store_rows"),
+)
+
+NOPE = 448                  # e4m3 values a row
+ROPE = 64                   # bf16 values a row
+KV_DIM = NOPE + ROPE        # 512 input values a token
+TILE = 64                   # NoPE values per ue8m0 scale
+TILES = NOPE // TILE        # 7
+DATA_ROW = NOPE + 2 * ROPE  # 576 bytes
+SCALE_ROW = TILES + 1       # 8 bytes: 7 scales + 1 pad
+TOKEN_BYTES = DATA_ROW + SCALE_ROW   # 584
+PAGE_ALIGN = 576
+AMAX_FLOOR = 1e-4           # scale = max(amax, AMAX_FLOOR) / fmax (then ue8m0 for KV / mxfp4)
+INDEXER_FMTS = ("fp8", "mxfp4")
+FP8_BLOCK = 128             # indexer values per fp32 scale ("fp8")
+MXFP4_BLOCK = 32            # indexer values per ue8m0 scale ("mxfp4")
+INDEXER_FMT_CODE = {"fp8": 0, "mxfp4": 1}
+RATIOS = (4, 128)           # the compressed caches of V4
+
+
+def kv_page_bytes(pool_page_size: int) -> int:
+    """Bytes of one KV page: ceil(pool_page_size * 584 / 576) * 576 (256 -> 149760, 64 -> 37440,
+    2 -> 1728)."""
+    pps = require_positive_int("page_size", pool_page_size)
+    return -(-pps * TOKEN_BYTES // PAGE_ALIGN) * PAGE_ALIGN
+
+
+def _tokens_for_page_bytes(page_bytes: int) -> int | None:
+    """The pool page size whose KV page is `page_bytes`, or None (kv_page_bytes is increasing)."""
+    pps = max(1, (page_bytes - PAGE_ALIGN) // TOKEN_BYTES)
+    while kv_page_bytes(pps) < page_bytes:
+        pps += 1
+    return pps if kv_page_bytes(pps) == page_bytes else None
+
+
+def kv_pool_page_size(name: str, page_bytes: int, page_size: object = None) -> int:
+    """Tokens per page of a KV cache with `page_bytes` a page: `page_size` checked against it,
+    or derived from it when None (named error on a mismatch)."""
+    if page_size is None:
+        pps = _tokens_for_page_bytes(page_bytes)
+        if pps is None:
+            raise ValueError(f"{name}'s page of {page_bytes} bytes is not a DeepSeek V4 KV page "
+                             f"(ceil(page_size * {TOKEN_BYTES} / {PAGE_ALIGN}) * {PAGE_ALIGN} bytes)")
+        return pps
+    pps = require_positive_int("page_size", page_size)
+    if kv_page_bytes(pps) != page_bytes:
+        raise ValueError(f"{name} must have pages of kv_page_bytes({pps}) = {kv_page_bytes(pps)} "
+                         f"bytes for page_size={pps}, got {page_bytes}")
+    return pps
+
+
+def indexer_row_bytes(head_dim: int, fmt: str = "fp8") -> int:
+    """Indexer cache bytes a row: fp8 D + D/128*4 (132), mxfp4 D/2 + D/32 (68)."""
+    if fmt == "mxfp4":
+        return head_dim // 2 + head_dim // MXFP4_BLOCK
+    return head_dim + (head_dim // FP8_BLOCK) * 4
+
+
+def indexer_pool_page_size(name: str, page_bytes: int, head_dim: int, fmt: str,
+                           page_size: object = None) -> int:
+    per_row = indexer_row_bytes(head_dim, fmt)
+    if page_size is not None:
+        pps = require_positive_int("page_size", page_size)
+        if pps * per_row != page_bytes:
+            raise ValueError(f"{name} must have pages of page_size * {per_row} = {pps * per_row} "
+                             f"bytes (fmt={fmt!r}, D={head_dim}), got {page_bytes}")
+        return pps
+    if page_bytes == 0 or page_bytes % per_row:
+        raise ValueError(f"{name}'s page of {page_bytes} bytes is not a whole number of "
+                         f"{fmt} indexer rows of {per_row} bytes (D={head_dim})")
+    return page_bytes // per_row
+
+
+def _page_locs(locs: Locs) -> Locs:
+    """DeepSeek V4 stores shard whole pages under DCP (the resolver's page mode)."""
+    return dataclasses.replace(locs, dcp_page=True)
+
+
+# --- store_dsv4_kv -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StoreDSV4KV:
+    """A validated store_dsv4_kv call; `cache` is uint8 `[pages, kv_page_bytes(pps)]`."""
+
+    kv: torch.Tensor
+    cache: torch.Tensor
+    geometry: PageGeometry
+    locs: Locs
+    check: Check
+
+
+def prepare_store_dsv4_kv(kv, cache, loc, page_size, check, errors, loc_map, dcp_rank,
+                          dcp_size) -> StoreDSV4KV:
+    kv = validate.tensor("kv", kv, ndim=2, dtypes=validate.FLOAT_INPUTS)
+    n = kv.shape[0]
+    validate.shape("kv", kv, (n, KV_DIM), f"tokens, {NOPE} NoPE + {ROPE} RoPE values")
+    cache = validate.tensor("cache", cache, ndim=2, dtypes=(torch.uint8,), device=kv.device)
+    pps = kv_pool_page_size("cache", cache.shape[1], page_size)
+    geometry = cache_geometry("cache", cache.shape[0], pps)
+    locs, chk = prepare(OP_KV, kv.device, n, loc, loc_map, dcp_rank, dcp_size, check, errors)
+    return StoreDSV4KV(kv, cache, geometry, _page_locs(locs), chk)
+
+
+@torch.library.custom_op("kvwrite::store_dsv4_kv", mutates_args=("cache", "errors"))
+def _store_dsv4_kv_op(kv: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor,
+                      page_size: Optional[int], check: str, errors: Optional[torch.Tensor],
+                      loc_map: Optional[torch.Tensor], dcp_rank: int, dcp_size: int,
+                      backend: str) -> None:
+    a = prepare_store_dsv4_kv(kv, cache, loc, page_size, check, errors, loc_map, dcp_rank, dcp_size)
+    if a.locs.n:
+        dispatch(OP_KV, KV_IMPLS, backend, kv.device, a)
+
+
+@_store_dsv4_kv_op.register_fake
+def _(kv, cache, loc, page_size, check, errors, loc_map, dcp_rank, dcp_size, backend) -> None:
+    return None
+
+
+def store_dsv4_kv(kv: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, *,
+                  page_size: int | None = None, check: str | None = None,
+                  errors: ErrorBuffer | None = None, loc_map: torch.Tensor | None = None,
+                  dcp_rank: int = 0, dcp_size: int = 1, backend: str = "auto") -> None:
+    """Quantise token i's `kv[i]` `[512]` (448 NoPE then 64 RoPE; bf16/fp16/fp32, may be strided
+    along tokens) into the FlashMLA MODEL1 page format (module doc) at `loc[i]` (-1 = padding).
+    `page_size`: tokens per page of this cache (checked against its page bytes; None derives it).
+    `loc_map` (full -> SWA loc) as in `store_kv`; DCP shards whole pages (module doc)."""
+    a = prepare_store_dsv4_kv(kv, cache, loc, page_size, check, errors, loc_map, dcp_rank, dcp_size)
+    if torch.compiler.is_compiling():
+        torch.ops.kvwrite.store_dsv4_kv(kv, cache, loc, page_size, a.check.mode, a.check.errors,
+                                        loc_map, dcp_rank, dcp_size, backend)
+    elif a.locs.n:
+        dispatch(OP_KV, KV_IMPLS, backend, kv.device, a)
+
+
+# --- store_dsv4_indexer_k --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StoreDSV4IndexerK:
+    """A validated store_dsv4_indexer_k call (field names of `ops.indexer_k.StoreIndexerK`, so
+    the fp8 rows run its reference and Triton kernel unchanged)."""
+
+    k: torch.Tensor
+    cache: torch.Tensor
+    quant_block_size: int
+    ue8m0: bool
+    geometry: PageGeometry
+    locs: Locs
+    check: Check
+    fmt: str = "fp8"
+
+    @property
+    def fmt_code(self) -> int:
+        return INDEXER_FMT_CODE[self.fmt]
+
+
+def prepare_store_dsv4_indexer_k(k, cache, loc, page_size, fmt, scale_fmt, check, errors, loc_map,
+                                 dcp_rank, dcp_size) -> StoreDSV4IndexerK:
+    k = validate.tensor("index_k", k, ndim=2, dtypes=validate.FLOAT_INPUTS)
+    n, d = k.shape
+    fmt = validate.choice("fmt", fmt, INDEXER_FMTS)
+    block = FP8_BLOCK if fmt == "fp8" else MXFP4_BLOCK
+    if d == 0 or d % block:
+        raise ValueError(f"index_k's head dim ({d}) must be a positive multiple of {block} for fmt={fmt!r}")
+    if scale_fmt not in (None, "ue8m0"):
+        raise ValueError(f"scale_fmt must be None or 'ue8m0', got {scale_fmt!r}")
+    if fmt == "mxfp4" and scale_fmt is not None:
+        raise ValueError("scale_fmt applies to fmt='fp8' only (mxfp4 scales are always ue8m0)")
+    cache = validate.tensor("cache", cache, ndim=2, dtypes=(torch.uint8,), device=k.device)
+    pps = indexer_pool_page_size("cache", cache.shape[1], d, fmt, page_size)
+    geometry = cache_geometry("cache", cache.shape[0], pps)
+    locs, chk = prepare(OP_INDEXER, k.device, n, loc, loc_map, dcp_rank, dcp_size, check, errors)
+    return StoreDSV4IndexerK(k, cache, block, scale_fmt == "ue8m0", geometry, _page_locs(locs), chk, fmt)
+
+
+def _indexer_impls(fmt: str) -> tuple[tuple[str, str], ...]:
+    return INDEXER_FP8_IMPLS if fmt == "fp8" else INDEXER_MXFP4_IMPLS
+
+
+@torch.library.custom_op("kvwrite::store_dsv4_indexer_k", mutates_args=("cache", "errors"))
+def _store_dsv4_indexer_k_op(k: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor,
+                             page_size: Optional[int], fmt: str, scale_fmt: Optional[str],
+                             check: str, errors: Optional[torch.Tensor],
+                             loc_map: Optional[torch.Tensor], dcp_rank: int, dcp_size: int,
+                             backend: str) -> None:
+    a = prepare_store_dsv4_indexer_k(k, cache, loc, page_size, fmt, scale_fmt, check, errors, loc_map,
+                                     dcp_rank, dcp_size)
+    if a.locs.n:
+        dispatch(OP_INDEXER, _indexer_impls(a.fmt), backend, k.device, a)
+
+
+@_store_dsv4_indexer_k_op.register_fake
+def _(k, cache, loc, page_size, fmt, scale_fmt, check, errors, loc_map, dcp_rank, dcp_size,
+      backend) -> None:
+    return None
+
+
+def store_dsv4_indexer_k(index_k: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, *,
+                         page_size: int | None = None, fmt: str = "fp8",
+                         scale_fmt: str | None = None, check: str | None = None,
+                         errors: ErrorBuffer | None = None, loc_map: torch.Tensor | None = None,
+                         dcp_rank: int = 0, dcp_size: int = 1, backend: str = "auto") -> None:
+    """Quantise token i's indexer key `index_k[i]` `[D]` into the c4 indexer cache at `loc[i]`
+    (a c4 loc; -1 = padding). `fmt` "fp8" (D % 128 == 0; `scale_fmt="ue8m0"`: vLLM's
+    power-of-two scale) or "mxfp4" (D % 32 == 0); page layouts in the module doc. `page_size`
+    checked against the page bytes (None derives it); DCP shards whole pages."""
+    a = prepare_store_dsv4_indexer_k(index_k, cache, loc, page_size, fmt, scale_fmt, check, errors,
+                                     loc_map, dcp_rank, dcp_size)
+    if torch.compiler.is_compiling():
+        torch.ops.kvwrite.store_dsv4_indexer_k(index_k, cache, loc, page_size, fmt, scale_fmt,
+                                               a.check.mode, a.check.errors, loc_map, dcp_rank,
+                                               dcp_size, backend)
+    elif a.locs.n:
+        dispatch(OP_INDEXER, _indexer_impls(a.fmt), backend, index_k.device, a)
+
+
+# --- store_rows -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StoreRows:
+    """A validated store_rows call: `pool` `[rows, W]`, `src` `[N, W]` of the same dtype."""
+
+    src: torch.Tensor
+    pool: torch.Tensor
+    geometry: PageGeometry
+    locs: Locs
+    check: Check
+
+
+ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.int32, torch.int64)
+
+
+def prepare_store_rows(src, pool, loc, check, errors, loc_map, dcp_rank, dcp_size) -> StoreRows:
+    pool = validate.tensor("pool", pool, ndim=2, dtypes=ROW_DTYPES)
+    src = validate.tensor("src", src, ndim=2, dtypes=(pool.dtype,), device=pool.device)
+    n = src.shape[0]
+    validate.shape("src", src, (n, pool.shape[1]), "tokens, the pool's row width")
+    if pool.shape[0] > 1 and pool.shape[1] > 0 and pool.stride(0) < pool.shape[1]:
+        raise ValueError(f"pool rows must not overlap, got strides {pool.stride()}")
+    geometry = cache_geometry("pool", pool.shape[0], 1)
+    locs, chk = prepare(OP_ROWS, pool.device, n, loc, loc_map, dcp_rank, dcp_size, check, errors)
+    return StoreRows(src, pool, geometry, _page_locs(locs), chk)
+
+
+@torch.library.custom_op("kvwrite::store_rows", mutates_args=("pool", "errors"))
+def _store_rows_op(src: torch.Tensor, pool: torch.Tensor, loc: torch.Tensor, check: str,
+                   errors: Optional[torch.Tensor], loc_map: Optional[torch.Tensor], dcp_rank: int,
+                   dcp_size: int, backend: str) -> None:
+    a = prepare_store_rows(src, pool, loc, check, errors, loc_map, dcp_rank, dcp_size)
+    if a.locs.n:
+        dispatch(OP_ROWS, ROWS_IMPLS, backend, pool.device, a)
+
+
+@_store_rows_op.register_fake
+def _(src, pool, loc, check, errors, loc_map, dcp_rank, dcp_size, backend) -> None:
+    return None
+
+
+def store_rows(src: torch.Tensor, pool: torch.Tensor, loc: torch.Tensor, *,
+               check: str | None = None, errors: ErrorBuffer | None = None,
+               loc_map: torch.Tensor | None = None, dcp_rank: int = 0, dcp_size: int = 1,
+               backend: str = "auto") -> None:
+    """Copy row i of `src` `[N, W]` into row `loc[i]` of `pool` `[rows, W]` (same dtype; a
+    compress-state pool, loc from `state_loc`). -1 is padding and is skipped: SGLang writes a -1
+    state loc into the pool's last (sentinel) row and clears that row right after, so skipping
+    leaves the same pool. Every check mode; under DCP row r lives on rank r % dcp_size (pages of
+    one row)."""
+    a = prepare_store_rows(src, pool, loc, check, errors, loc_map, dcp_rank, dcp_size)
+    if torch.compiler.is_compiling():
+        torch.ops.kvwrite.store_rows(src, pool, loc, a.check.mode, a.check.errors, loc_map,
+                                     dcp_rank, dcp_size, backend)
+    elif a.locs.n:
+        dispatch(OP_ROWS, ROWS_IMPLS, backend, pool.device, a)
+
+
+# --- loc rules --------------------------------------------------------------------------------------
+
+def compressed_loc(loc: torch.Tensor, positions: torch.Tensor, ratio: int) -> torch.Tensor:
+    """The c4 / c128 loc of each token (int64): the token at `positions[i]` emits a compressed
+    row at `loc[i] // ratio` when `(positions[i] + 1) % ratio == 0`, else -1 (no row). loc -1
+    gives -1; any other negative loc is passed through unchanged so the store's check reports it.
+    With the c4 / c128 page of page_size // ratio rows, the compressed page equals loc's page.
+    Elementwise on the device, no host sync."""
+    ratio = require_positive_int("ratio", ratio)
+    loc = validate.tensor("loc", loc, ndim=1, dtypes=validate.LOC_DTYPES)
+    positions = validate.tensor("positions", positions, ndim=1, dtypes=validate.LOC_DTYPES,
+                                device=loc.device)
+    validate.shape("positions", positions, (loc.shape[0],), "one position per loc")
+    loc = loc.to(torch.int64)
+    emit = torch.remainder(positions.to(torch.int64) + 1, ratio) == 0
+    out = torch.where(loc >= 0, torch.div(loc, ratio, rounding_mode="floor"), loc)
+    return torch.where(emit & (loc != -1), out, torch.full_like(loc, -1))
+
+
+def state_loc(swa_loc: torch.Tensor, swa_page_size: int, ring: int) -> torch.Tensor:
+    """The compress-state row of each SWA loc (int64): `(swa_loc // swa_page_size) * ring +
+    swa_loc % ring` (ring 8 for c4 / 128 for c128, 16 / 256 with speculative decoding;
+    swa_page_size is SGLang's SWA page, the window of 128). -1 gives -1; any other negative loc
+    is passed through unchanged (SGLang maps it to -1) so the store's check reports it."""
+    swa_page_size = require_positive_int("swa_page_size", swa_page_size)
+    ring = require_positive_int("ring", ring)
+    swa_loc = validate.tensor("swa_loc", swa_loc, ndim=1, dtypes=validate.LOC_DTYPES).to(torch.int64)
+    rows = (torch.div(swa_loc, swa_page_size, rounding_mode="floor") * ring
+            + torch.remainder(swa_loc, ring))
+    return torch.where(swa_loc >= 0, rows, swa_loc)
+
+
+def state_ring(ratio: int, speculative: bool = False) -> int:
+    """SGLang's compress-state ring size: c4 8 (16 speculative), c128 128 (256 speculative)."""
+    if ratio not in RATIOS:
+        raise ValueError(f"ratio must be one of {RATIOS}, got {ratio!r}")
+    return (16 if speculative else 8) if ratio == 4 else (256 if speculative else 128)
+
+
+def state_row_width(ratio: int, head_dim: int) -> int:
+    """Elements of one compress-state row: 2 * (1 + overlap) * head_dim, overlap 1 for c4."""
+    if ratio not in RATIOS:
+        raise ValueError(f"ratio must be one of {RATIOS}, got {ratio!r}")
+    return 2 * (2 if ratio == 4 else 1) * head_dim

@@ -1,0 +1,54 @@
+"""Page-table addressing (FlashInfer's convention) as a `loc` for every store op.
+
+`PageTable(batch_indices, positions, kv_indices, kv_indptr)` passed where an op takes `loc`:
+token i writes row `positions[i] % page_size` of page `kv_indices[kv_indptr[b] + positions[i] //
+page_size]`, b = `batch_indices[i]` (floor division; page_size is the cache's pool_page_size).
+The kernels resolve it in their prologue (kernels/_common.resolve_table, csrc/kvwrite/locs.h,
+reference/_locs.resolve_table); nothing is precomputed in torch.
+
+check="assert"/"guard" catch, each with its own record kind (kvwrite.errors): a batch index
+outside [0, len(kv_indptr) - 1) (KIND_BATCH); a page-table slot outside batch b's slots
+[kv_indptr[b], kv_indptr[b + 1]) or outside kv_indices (KIND_TABLE_SLOT); a page outside the
+pool (KIND_TABLE_PAGE). check="off" never reads kv_indptr / kv_indices out of bounds: a token
+whose batch index or slot would do so is skipped, as is a negative page.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvwrite import validate
+
+
+@dataclass(frozen=True)
+class PageTable:
+    """Where each token goes, by request and position: int32/int64 1-D tensors.
+
+    batch_indices [N], positions [N]: each token's request and its position in that request;
+    kv_indices [total pages]: the pages of every request, request b's at
+    kv_indptr[b]..kv_indptr[b + 1]; kv_indptr [batch_size + 1].
+    """
+
+    batch_indices: torch.Tensor
+    positions: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_indptr: torch.Tensor
+
+    @property
+    def num_batches(self) -> int:
+        return self.kv_indptr.shape[0] - 1
+
+
+def table(t: PageTable, n: int, device: torch.device) -> PageTable:
+    """Check every tensor of a PageTable (named errors, no device sync)."""
+    for name in ("batch_indices", "positions", "kv_indices", "kv_indptr"):
+        x = validate.tensor(name, getattr(t, name), ndim=1, dtypes=validate.LOC_DTYPES, device=device)
+        if x.shape[0] > 1 and x.stride(0) != 1:
+            raise ValueError(f"{name} must be contiguous, got stride {x.stride(0)}")
+    for name in ("batch_indices", "positions"):
+        if getattr(t, name).shape[0] != n:
+            raise ValueError(f"{name} must have one entry per token ({n}), got {getattr(t, name).shape[0]}")
+    if t.kv_indptr.shape[0] < 1:
+        raise ValueError("kv_indptr must have batch_size + 1 >= 1 entries, got 0")
+    return t

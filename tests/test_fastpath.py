@@ -1,0 +1,340 @@
+"""The host fast path: torch.ops.kvwrite.* with the extension's C++ validation + dispatch.
+
+- Every bad-argument case of the op test files raises, through the C++ op (kvwrite.store_* with
+  backend "cpu"/"auto", and torch.ops.kvwrite.* called directly), exactly the exception type and
+  text of the Python validation, before any write; the cases whose text needs a Python repr are
+  handed to the Python implementation, every other one is raised by the C++ code itself.
+- The calls the C++ kernels hand to Python (other backends, guard without a buffer, CPU assert).
+- The Python validation memo (torch / triton backends) and the C++ path after a tensor is
+  resized, re-strided, re-typed or put on another device between calls.
+- torch.compile(fullgraph=True) traces the op; the fake kernel validates.
+"""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+import kvwrite
+import test_api
+import test_indexer_k
+import test_mla
+import test_nvfp4
+from kvwrite import _ext
+from kvwrite.ops import _library
+
+pytestmark = pytest.mark.skipif(_ext.unavailable_reason("cpu") is not None,
+                                reason=f"extension unavailable: {_ext.unavailable_reason('cpu')}")
+
+# Errors whose text quotes a Python repr or type name: the C++ kernel hands these calls to Python.
+FORWARDED = ("layout must be one of", "check must be one of", "kv_cache_dtype must be one of",
+             "scale_fmt must be one of", "errors must be", "backend must be one of")
+
+
+def _store_kv_case(over):
+    over = dict(over)
+    a = test_api.args(**{k: v for k, v in over.items() if k in ("k", "v", "k_cache", "v_cache", "loc")})
+    kw = {k: v for k, v in over.items() if k not in a}
+    return kvwrite.store_kv, [a["k"], a["v"], a["k_cache"], a["v_cache"], a["loc"]], kw, [a["k_cache"], a["v_cache"]]
+
+
+def _store_mla_case(over):
+    a = test_mla.args(**over)
+    kw = {k: v for k, v in a.items() if k not in ("kv_c", "k_pe", "kv_cache", "loc")}
+    return kvwrite.store_mla, [a["kv_c"], a["k_pe"], a["kv_cache"], a["loc"]], kw, [a["kv_cache"]]
+
+
+def _indexer_case(over):
+    a = test_indexer_k.args(**over)
+    kw = {k: v for k, v in a.items() if k not in ("k", "cache", "loc")}
+    return kvwrite.store_indexer_k, [a["k"], a["cache"], a["loc"]], kw, [a["cache"]]
+
+
+def _nvfp4_case(over):
+    names = ("k", "v", "k_cache", "v_cache", "k_scale_cache", "v_scale_cache", "loc")
+    a = test_nvfp4.api_args(**{k: v for k, v in over.items() if k in names})
+    kw = {k: v for k, v in over.items() if k not in a}
+    return kvwrite.store_kv_nvfp4, [a[n] for n in names], kw, [a[n] for n in names[2:6]]
+
+
+def _mla_nvfp4_case(over):
+    a = test_nvfp4.mla_args(**over)
+    kw = dict(kv_cache_dtype="nvfp4", scale_cache=a["scale_cache"], global_scale=a.get("global_scale"))
+    caches = [a["kv_cache"]] + ([a["scale_cache"]] if a["scale_cache"] is not None else [])
+    return kvwrite.store_mla, [a["kv_c"], a["k_pe"], a["kv_cache"], torch.tensor([0, 1])], kw, caches
+
+
+CASES = ([("store_kv", _store_kv_case, c) for c in test_api.BAD]
+         + [("store_mla", _store_mla_case, c) for c in test_mla.BAD]
+         + [("store_indexer_k", _indexer_case, c) for c in test_indexer_k.BAD]
+         + [("store_kv_nvfp4", _nvfp4_case, c) for c in test_nvfp4.BAD]
+         + [("store_mla", _mla_nvfp4_case, c) for c in test_nvfp4.MLA_BAD])
+
+
+def _outcome(fn, *args, **kw):
+    try:
+        fn(*args, **kw)
+    except Exception as exc:  # noqa: BLE001 - the exception is the result
+        return type(exc), str(exc)
+    return None
+
+
+def _schema_call(op: str, fn, args, kw):
+    """`fn`'s call as keyword arguments of torch.ops.kvwrite.<op> (same names), or None if some
+    argument does not fit the schema (the parser refuses it before any kvwrite code runs)."""
+    bound = inspect.signature(fn).bind(*args, **kw)
+    bound.apply_defaults()
+    call = dict(bound.arguments)
+    if isinstance(call.get("errors"), kvwrite.ErrorBuffer):
+        call["errors"] = call["errors"].tensor
+    schema = getattr(torch.ops.kvwrite, op).default._schema
+    for arg in schema.arguments:
+        value, t = call[arg.name], str(arg.type)
+        ok = {"Tensor": isinstance(value, torch.Tensor), "Optional[Tensor]": value is None or isinstance(value, torch.Tensor),
+              "int": type(value) is int, "str": type(value) is str,
+              "Optional[str]": value is None or type(value) is str}[t]
+        if not ok:
+            return None
+    return call
+
+
+@pytest.mark.parametrize("op, case, bad", CASES, ids=[f"{o}-{c[2][:40]}" for o, _, c in CASES])
+@pytest.mark.parametrize("backend", ["cpu", "auto"])
+def test_cpp_validation_raises_the_python_error_before_any_write(op, case, bad, backend):
+    over, exc, msg = bad
+    fn, args, kw, caches = case(over)
+    before = [c.clone() for c in caches]
+    python = _outcome(fn, *args, **dict(kw, backend=kw.get("backend", "torch")))
+    assert python is not None and python[0] is exc, python
+    run_kw = dict(kw, backend=kw.get("backend", backend))
+    forwarded = dict(_library.FORWARDED)
+    assert _outcome(fn, *args, **run_kw) == python
+    call = _schema_call(op, fn, args, run_kw)
+    if call is not None:
+        assert _outcome(getattr(torch.ops.kvwrite, op), **call) == python
+        by_python = _library.FORWARDED != forwarded
+        assert by_python == any(python[1].startswith(f) for f in FORWARDED), (
+            f"{'Python' if by_python else 'C++'} raised {python[1]!r}")
+    assert all(torch.equal(b.view(torch.uint8), c.view(torch.uint8)) for b, c in zip(before, caches))
+
+
+# --- what the C++ kernels run themselves, and what they hand to Python --------------------------
+
+def _kv(n=3, pages=4, pps=4, h=2, d=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(n, h, d, generator=gen), torch.randn(n, h, d, generator=gen)
+    return k, v, torch.zeros(pages, pps, h, d), torch.zeros(pages, pps, h, d)
+
+
+def _op_args(k, v, kc, vc, loc, check="off", errors=None, backend="cpu"):
+    return (k, v, kc, vc, loc, "NHD", None, None, check, errors, None, 0, 1, backend)
+
+
+def test_good_calls_run_in_cpp_and_match_the_reference():
+    k, v, kc, vc = _kv()
+    ref_k, ref_v = kc.clone(), vc.clone()
+    loc = torch.tensor([3, -1, 14])
+    errs, ref_errs = kvwrite.ErrorBuffer(), kvwrite.ErrorBuffer()
+    forwarded = dict(_library.FORWARDED)
+    kvwrite.store_kv(k, v, kc, vc, loc, check="guard", errors=errs)
+    torch.ops.kvwrite.store_kv(*_op_args(k, v, kc, vc, loc, "guard", errs.tensor))
+    torch.ops.kvwrite.store_kv(*_op_args(k, v, kc, vc, torch.tensor([1, 2, 99]), "guard", errs.tensor, "auto"))
+    assert _library.FORWARDED == forwarded
+    kvwrite.store_kv(k, v, ref_k, ref_v, loc, check="guard", errors=ref_errs, backend="torch")
+    kvwrite.store_kv(k, v, ref_k, ref_v, torch.tensor([1, 2, 99]), check="guard", errors=ref_errs, backend="torch")
+    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+    assert torch.equal(errs.tensor, ref_errs.tensor) and errs.error().loc == 99
+
+
+def test_other_backends_go_to_the_python_implementation():
+    k, v, kc, vc = _kv()
+    ref_k, ref_v = kc.clone(), vc.clone()
+    n0 = _library.FORWARDED.get("store_kv", 0)
+    torch.ops.kvwrite.store_kv(*_op_args(k, v, kc, vc, torch.tensor([0, 5, 9]), backend="torch"))
+    assert _library.FORWARDED["store_kv"] == n0 + 1
+    kvwrite.store_kv(k, v, ref_k, ref_v, torch.tensor([0, 5, 9]), backend="cpu")
+    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+    with pytest.raises(kvwrite.BackendUnavailable, match="store_kv: backend='cuda' is unavailable on cpu"):
+        torch.ops.kvwrite.store_kv(*_op_args(k, v, kc, vc, torch.tensor([0, 5, 9]), backend="cuda"))
+
+
+def test_guard_without_a_buffer_records_into_the_default_buffer():
+    k, v, kc, vc = _kv()
+    default = kvwrite.default_errors("cpu")
+    default.reset()
+    torch.ops.kvwrite.store_kv(*_op_args(k, v, kc, vc, torch.tensor([0, 77, 1]), "guard"))
+    assert default.error().token_index == 1 and default.error().loc == 77
+    kvwrite.store_kv(k, v, kc, vc, torch.tensor([0, 1, 88]), check="guard")
+    assert default.error().count == 2
+    default.reset()
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_cpu_assert_raises_out_of_bounds_write_with_the_record(direct):
+    k, v, kc, vc = _kv()
+    before = kc.clone()
+    with pytest.raises(kvwrite.OutOfBoundsWrite) as info:
+        if direct:
+            torch.ops.kvwrite.store_kv(*_op_args(k, v, kc, vc, torch.tensor([0, 16, 40]), "assert"))
+        else:
+            kvwrite.store_kv(k, v, kc, vc, torch.tensor([0, 16, 40]), check="assert", backend="cpu")
+    e = info.value
+    assert (e.op, e.token_index, e.loc, e.page, e.num_pages, e.count) == ("store_kv", 1, 16, 4, 4, 2)
+    assert torch.equal(kc, before)
+
+
+# --- memo and changed tensors ------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_resized_cache_is_checked_again(backend):
+    k, v, kc, vc = _kv()
+    loc = torch.tensor([0, 1, 2])
+    kvwrite.store_kv(k, v, kc, vc, loc, backend=backend)
+    kc.resize_(4, 4, 2, 8)
+    with pytest.raises(ValueError, match=r"k_cache must have shape \[4, 4, 2, 16\]"):
+        kvwrite.store_kv(k, v, kc, vc, loc, backend=backend)
+    kc.resize_(2, 4, 2, 16)  # fewer pages: the shapes disagree with v_cache
+    with pytest.raises(ValueError, match=r"v_cache must have shape \[2, 4, 2, 16\]"):
+        kvwrite.store_kv(k, v, kc, vc, loc, backend=backend)
+    vc.resize_(2, 4, 2, 16)
+    kvwrite.store_kv(k, v, kc, vc, loc, backend=backend)  # a valid smaller pool again
+    assert torch.equal(kc.view(-1, 2, 16)[:3], k)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_restrided_input_is_checked_again(backend):
+    k, v, kc, vc = _kv()
+    loc = torch.tensor([0, 1, 2])
+    kvwrite.store_kv(k, v, kc, vc, loc, backend=backend)
+    k.as_strided_((3, 2, 8), (32, 16, 2))  # same storage, last dim no longer contiguous
+    with pytest.raises(ValueError, match=r"k must be contiguous in its last dim, got strides \(32, 16, 2\)"):
+        kvwrite.store_kv(k, v, kc, vc, loc, backend=backend)
+    before = kc.clone()
+    loc = torch.arange(6)[:3]
+    kvwrite.store_kv(v, v, kc, vc, loc, backend=backend)
+    loc.as_strided_((3,), (2,))
+    with pytest.raises(ValueError, match=r"loc must be contiguous in its last dim, got strides \(2,\)"):
+        kvwrite.store_kv(v, v, kc, vc, loc, backend=backend)
+    assert torch.equal(kc.view(-1, 2, 16)[3:], before.view(-1, 2, 16)[3:])
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_retyped_tensor_is_checked_again(backend):
+    k, v, kc, vc = _kv()
+    loc = torch.tensor([0, 1, 2])
+    kvwrite.store_kv(k, v, kc, vc, loc, backend=backend)
+    vc.data = vc.data.to(torch.float16)
+    with pytest.raises(TypeError, match=r"v_cache must have dtype in \(float32\), got torch.float16"):
+        kvwrite.store_kv(k, v, kc, vc, loc, backend=backend)
+    loc.data = loc.data.to(torch.float32)
+    vc.data = vc.data.to(torch.float32)
+    with pytest.raises(TypeError, match=r"loc must have dtype in \(int32, int64\), got torch.float32"):
+        kvwrite.store_kv(k, v, kc, vc, loc, backend=backend)
+    loc.data = loc.data.to(torch.int32)
+    kvwrite.store_kv(k, v, kc, vc, loc, backend=backend)
+    assert torch.equal(vc.view(-1, 2, 16)[:3], v)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_tensor_on_another_device_is_checked_again(backend):
+    """The memo is keyed by each tensor's facts, device included: a same-shaped tensor on another
+    device (meta here; CUDA on a GPU machine) after a passing call is refused, before any write."""
+    k, v, kc, vc = _kv()
+    loc = torch.tensor([0, 1, 2])
+    kvwrite.store_kv(k, v, kc, vc, loc, backend=backend)
+    before = kc.clone()
+    other = "cuda" if torch.cuda.is_available() else "meta"
+    with pytest.raises(ValueError, match=f"v_cache is on {other}.* but the inputs are on cpu"):
+        kvwrite.store_kv(k, v, kc, vc.to(other), loc, backend=backend)
+    with pytest.raises(ValueError, match=f"loc is on {other}.* but the inputs are on cpu"):
+        kvwrite.store_kv(k, v, kc, vc, loc.to(other), backend=backend)
+    assert torch.equal(kc, before)
+
+
+# --- torch.compile -------------------------------------------------------------------------------
+
+def test_torch_compile_fullgraph_runs_the_cpp_op():
+    k, v, kc, vc = _kv()
+    ref_k, ref_v = kc.clone(), vc.clone()
+    errors = kvwrite.ErrorBuffer()
+
+    def layer(k, v, loc):
+        k = k * 2
+        kvwrite.store_kv(k, v, kc, vc, loc, check="guard", errors=errors, backend="cpu")
+        return k.sum()
+
+    forwarded = dict(_library.FORWARDED)
+    loc = torch.tensor([1, 20, 70])
+    torch.compile(layer, fullgraph=True, backend="eager")(k, v, loc)
+    assert _library.FORWARDED == forwarded
+    kvwrite.store_kv(k * 2, v, ref_k, ref_v, loc, check="guard", backend="torch", errors=kvwrite.ErrorBuffer())
+    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+    assert (errors.error().loc, errors.error().count) == (20, 2)
+
+
+def test_fake_kernel_validates():
+    k, v, kc, vc = (t.to("meta") for t in _kv())
+    with pytest.raises(ValueError, match=r"k_cache must have shape \[4, 4, 2, 16\]"):
+        torch.ops.kvwrite.store_kv(*_op_args(k, v, kc[..., :8], vc, torch.tensor([0, 1, 2], device="meta")))
+    torch.ops.kvwrite.store_kv(*_op_args(k, v, kc, vc, torch.tensor([0, 1, 2], device="meta"), "guard"))
+
+
+# --- pool.store ----------------------------------------------------------------------------------
+
+def _twin_pools(variant, kv="auto", dcp=1, rank=0):
+    from config_models import TINY
+
+    conf = kvwrite.KVCacheConfigurator(TINY[variant], kvwrite.ParallelSpec(dcp_size=dcp, dcp_rank=rank),
+                                       page_size=4, kv_cache_dtype=kv, max_total_num_tokens=32)
+    plan = conf.plan()
+    return plan.build("cpu", check="guard", backend="cpu"), plan.build("cpu", check="guard", backend="torch")
+
+
+@pytest.mark.parametrize("variant, kv, dcp", [("mha", "auto", 1), ("mha", "fp8_e4m3", 1), ("mha", "auto", 2),
+                                              ("swa_hybrid", "auto", 1), ("hybrid_linear", "auto", 1)])
+def test_pool_store_fast_path_matches_the_full_path(variant, kv, dcp):
+    """pool.store's bound C++ store (built after the first call) writes the bytes and the record
+    the full path writes, SWA loc_map, DCP shard and fp8 unit scales included."""
+    fast, ref = _twin_pools(variant, kv, dcp, rank=dcp - 1)
+    if variant == "swa_hybrid":
+        for p in (fast, ref):
+            p.map_swa(torch.arange(8, 24), torch.arange(16))
+    gen = torch.Generator().manual_seed(0)
+    layers = sorted(fast._layers)
+    for step in range(3):
+        for lid in layers:
+            loc = torch.randperm(100, generator=gen)[:6] - 2  # -2..97: padding and bad locs too
+            k, v = fast.sample_inputs(lid, 6, gen)
+            forwarded = dict(_library.FORWARDED)
+            fast.store(lid, loc, k, v)
+            ref.store(lid, loc, k, v)
+            if step:
+                assert fast._fast.get(lid) is not None and _library.FORWARDED == forwarded
+    for name, per_layer in fast.buffers.items():
+        for a, b in zip(per_layer, ref.buffers[name]):
+            assert all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a)
+    assert torch.equal(fast.errors.tensor, ref.errors.tensor) and fast.errors.error() is not None
+
+
+def test_pool_store_errors_are_the_full_paths():
+    fast, ref = _twin_pools("mha")
+    k, v = fast.sample_inputs(0, 2)
+    fast.store(0, torch.tensor([0, 1]), k, v)
+    assert fast._fast
+    for args in ((torch.tensor([0, 1]), k), (torch.tensor([0.0, 1.0]), k, v), (torch.tensor([0, 1]), k, v[:, :1])):
+        got, want = (_outcome(p.store, 0, *args) for p in (fast, ref))
+        assert got is not None and got == want
+    assert _outcome(fast.store, 7, torch.tensor([0, 1]), k, v) == _outcome(ref.store, 7, torch.tensor([0, 1]), k, v)
+
+
+def test_host_cost_table_measures_every_entry_point():
+    from kvwrite.bench import host
+
+    rows = host.measure("cpu", min_time=0.002)
+    assert [r["what"] for r in rows][:3] == ["kvwrite.store_kv", "kvwrite.store_kv check=guard",
+                                            "torch.ops.kvwrite.store_kv"]
+    assert {"pool.store (KVPool, mha)", "kvwrite.store_mla", "kvwrite.store_indexer_k",
+            "kvwrite.store_kv_nvfp4"} <= {r["what"] for r in rows}
+    assert all(r["us"] > 0 and r["vs_us"] > 0 and r["met"] == (r["ratio"] <= r["target"]) for r in rows)
+    assert "| call | µs | nearest torch equivalent |" in "\n".join(host.markdown(rows))
