@@ -125,3 +125,17 @@ def test_bad_arguments_name_the_argument():
     with pytest.raises(TypeError, match="int8 or fp8"):
         kvwrite.store_kv(k, k, torch.zeros(1, 4, 2, 16), torch.zeros(1, 4, 2, 16), loc,
                          k_scale_cache=torch.zeros(1, 4), v_scale_cache=torch.zeros(1, 4))
+
+
+def test_vllm_per_token_quant_adapter_matches_store_kv():
+    from kvwrite.compat.vllm import reshape_and_cache_flash_per_token_quant
+
+    gen = torch.Generator().manual_seed(2)
+    k, v = torch.randn(6, 2, 16, generator=gen).half(), torch.randn(6, 2, 16, generator=gen).half()
+    slots = torch.tensor([3, -1, 0, 7, 5, 2])
+    a, b = pool(2, 4, 2, 16, torch.int8, "head"), pool(2, 4, 2, 16, torch.int8, "head")
+    reshape_and_cache_flash_per_token_quant(k, v, a["k_cache"], a["v_cache"], a["k_scale_cache"],
+                                            a["v_scale_cache"], slots)
+    kvwrite.store_kv(k, v, b["k_cache"], b["v_cache"], slots, k_scale_cache=b["k_scale_cache"],
+                     v_scale_cache=b["v_scale_cache"], backend="torch")
+    assert torch.equal(a.raw, b.raw)
