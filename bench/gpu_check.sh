@@ -78,6 +78,13 @@ step "engine adapters (kvwrite.compat) incl. vLLM's legacy head-major layout on 
     > "$OUT/compat.log" 2>&1 || status=1
 tail -1 "$OUT/compat.log" | tee -a "$OUT/summary.txt"
 
+step "rope_store_kv / rope_store_mla / dynamic int8-fp8 caches (issue 13): tests on CUDA, fused vs unfused"
+( cd tests && KVWRITE_TEST_DEVICE=cuda timeout 300 $PY -m pytest -q -n 0 -p no:cacheprovider \
+    test_rope.py test_dynamic_quant.py ) > "$OUT/rope.log" 2>&1 || status=1
+tail -1 "$OUT/rope.log" | tee -a "$OUT/summary.txt"
+timeout 300 $PY -m kvwrite.bench.rope --device cuda --n 1 64 1024 > "$OUT/bench-rope.md" 2>&1 || status=1
+tee -a "$OUT/summary.txt" < "$OUT/bench-rope.md"
+
 # Later issues add their steps (sanitizer, benchmarks) above this line.
 step "done (status $status)"
 exit $status

@@ -9,6 +9,8 @@ from kvwrite.ops.mla import store_mla
 from kvwrite.reference.indexer_k import read_indexer_k
 from kvwrite.reference.mla import dequant_ds_mla
 from kvwrite.ops.nvfp4 import store_kv_nvfp4
+from kvwrite.ops.rope import rope_store_kv, rope_store_mla
+from kvwrite.reference.kv_quant import dequant_kv
 from kvwrite.ops.dsv4 import (compressed_loc, state_loc, store_dsv4_indexer_k, store_dsv4_kv,
                               store_rows)
 from kvwrite.reference.dsv4 import dequant_dsv4_kv, read_dsv4_indexer_k
@@ -29,4 +31,5 @@ __all__ = [
     "compressed_loc", "dequant_dsv4_kv", "read_dsv4_indexer_k", "state_loc", "store_dsv4_indexer_k",
     "store_dsv4_kv", "store_rows",
     "PageTable",
+    "dequant_kv", "rope_store_kv", "rope_store_mla",
 ]

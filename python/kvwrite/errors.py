@@ -41,6 +41,7 @@ KIND_BATCH = 2       # the batch index against [0, len(kv_indptr) - 1)
 KIND_TABLE_SLOT = 3  # the page-table slot against batch b's slots [kv_indptr[b], min(kv_indptr[b+1], len(kv_indices)))
 KIND_TABLE_PAGE = 4  # the page kv_indices[slot] against the pool's pages [0, num_pages)
 TABLE_KINDS = (KIND_BATCH, KIND_TABLE_SLOT, KIND_TABLE_PAGE)
+KIND_POSITION = 5    # rope_store_*: the token's position against the cos/sin cache (max_position)
 
 # Op codes, recorded so a shared buffer tells which op failed. Append only.
 OPS = (
@@ -104,6 +105,12 @@ class OutOfBoundsWrite(RuntimeError):
                 f"{self.op}: {many}token {self.token_index} with loc {self.loc}, which is outside "
                 f"loc_map (length {self.limit}): the full->SWA map does not cover the full pool's "
                 f"loc space; size loc_map to the full allocator's locs"
+            )
+        if self.kind == KIND_POSITION:
+            return (
+                f"{self.op}: {many}token {self.token_index} (loc {self.loc}) has position "
+                f"{self.target}, outside the cos/sin cache [0, {self.limit}): the token was not "
+                f"written and its q not rotated; size cos_sin_cache to the model's max position"
             )
         where = (f"page {self.page}, but the pool has pages [0, {self.num_pages}) of "
                  f"{self.pool_page_size} rows (capacity {self.limit})")

@@ -39,7 +39,7 @@ from kvwrite.ops.kv_head_major import store_kv_head_major
 from kvwrite.ops.mla import store_mla
 
 __all__ = ["concat_and_cache_mla", "indexer_k_quant_and_cache", "reshape_and_cache",
-           "reshape_and_cache_flash"]
+           "reshape_and_cache_flash", "reshape_and_cache_flash_per_token_quant"]
 
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
                    "fp8_e5m2": torch.float8_e5m2}
@@ -161,3 +161,24 @@ def indexer_k_quant_and_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     flat = cache.as_strided((blocks, block_size * stride), (cache.stride(0), 1))
     store_indexer_k(k, flat, slot_mapping, quant_block_size=quant_block_size,
                     scale_fmt=scale_fmt or None, check=check, errors=errors, backend=backend)
+
+
+def reshape_and_cache_flash_per_token_quant(key: torch.Tensor, value: torch.Tensor,
+                                            key_cache: torch.Tensor, value_cache: torch.Tensor,
+                                            k_scale_cache: torch.Tensor, v_scale_cache: torch.Tensor,
+                                            slot_mapping: torch.Tensor, *, check: str | None = None,
+                                            errors: ErrorBuffer | None = None,
+                                            backend: str = "auto") -> None:
+    """vLLM's per-token dynamic-quant flash cache write: key/value `[N, H, D]` into int8 / fp8
+    caches `[num_blocks, block_size, H, D]` with fp32 scale caches `[num_blocks, block_size]`
+    (per token) or `[num_blocks, block_size, H]` (per token-head). kvwrite's formula
+    (`kvwrite.ops.kv_quant`): scale = max(absmax / QMAX, 1e-6), stored = RNE(x / scale)
+    saturated. Difference from vLLM's Triton path (as described in kvwrite issue 13, not
+    re-checked against vLLM's source here): vLLM multiplies by the reciprocal 1/scale and lets
+    the store convert to int8, so its codes can differ by one where x * (1/scale) and x / scale
+    round differently, and its float->int8 conversion does not saturate or round the same way.
+    kvwrite divides and rounds to nearest even on every backend."""
+    key, value = _tokens("key", key, slot_mapping), _tokens("value", value, slot_mapping)
+    store_kv(key, value, key_cache, value_cache, slot_mapping, layout="NHD",
+             k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache, check=check, errors=errors,
+             backend=backend)

@@ -1,0 +1,169 @@
+"""Quantised K/V stores beyond `store_kv`'s copy/fp8 kernel: static per-tensor int8 and per-token /
+per-token-head *dynamic* int8 / fp8 caches with fp32 side scale caches (vLLM's
+`reshape_and_cache_flash` per-token-quant caches). `store_kv(..., k_scale_cache=, v_scale_cache=)`
+and int8 caches dispatch here; `rope_store_kv` uses the same validated description of its K/V store.
+
+Per token (or token-head) over the values x (fp32 of the input dtype):
+    scale  = max(amax(|x|) / QMAX, 1e-6)       fp32 division; QMAX 127 (int8), 448 (e4m3fn), 57344 (e5m2)
+    stored = saturate(RNE(x / scale))          fp32 division (not a multiply by 1/scale), then
+                                               round to nearest even: int8 clamped to [-128, 127],
+                                               fp8 by the shared fp8 rounding (saturating at its max)
+Static int8: the same with the given fp32 scale ([], [1] or [H]). dequant: code * scale.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvwrite import validate
+from kvwrite.geometry import PageGeometry
+from kvwrite.ops._common import Check, Locs, cache_geometry, dispatch, prepare
+
+OP = "store_kv"
+IMPLS = (
+    ("torch", "kvwrite.reference.kv_quant:store_kv_quant"),
+    # triton / cpu / cuda kernels: not written yet (issue 13), the reference runs everywhere
+)
+
+# How K/V reach the cache (the kernels' QUANT constexpr / template parameter).
+QUANT_COPY = 0     # cache in the input dtype
+QUANT_STATIC = 1   # fp8 / int8 with a given fp32 scale ([], [1] or [H])
+QUANT_TOKEN = 2    # dynamic: one scale per token over all heads, scale cache [pages, pps]
+QUANT_HEAD = 3     # dynamic: one scale per token-head, scale cache [pages, pps, H]
+
+# Cache element formats (the kernels' FMT).
+FMT_SAME, FMT_E4M3, FMT_E5M2, FMT_INT8 = 0, 1, 2, 3
+FORMAT_OF = {torch.float8_e4m3fn: FMT_E4M3, torch.float8_e5m2: FMT_E5M2, torch.int8: FMT_INT8}
+QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+SCALE_FLOOR = 1e-6   # as fp32: the smallest dynamic scale
+QUANT_DTYPES = tuple(QMAX)
+LAYOUTS = ("NHD", "HND")
+
+
+@dataclass(frozen=True)
+class KVStore:
+    """A validated K/V store: canonical [pages, pool_page_size, H, D] cache views, the quant mode
+    and its scales (`k_scale_cache`/`v_scale_cache`: [pages, pool_page_size, 1 or H] views)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    quant: int
+    fmt: int
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+    k_scale_cache: torch.Tensor | None
+    v_scale_cache: torch.Tensor | None
+    geometry: PageGeometry
+    locs: Locs
+    check: Check
+
+
+def canonical(cache: torch.Tensor, layout: str) -> torch.Tensor:
+    return cache if layout == "NHD" else cache.transpose(1, 2)
+
+
+def _scale_cache(name: str, t: object, num_pages: int, pps: int, h: int, device) -> torch.Tensor:
+    t = validate.tensor(name, t, dtypes=(torch.float32,), device=device)
+    if t.dim() == 2:
+        validate.shape(name, t, (num_pages, pps), "num_pages, pool_page_size: one scale per token")
+        return t.unsqueeze(-1)
+    validate.shape(name, t, (num_pages, pps, h),
+                   "num_pages, pool_page_size (one scale per token) or num_pages, pool_page_size, H "
+                   "(one per token-head)")
+    return t
+
+
+def prepare_kv_store(op: str, k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, k_scale_cache,
+                     v_scale_cache, check, errors, loc_map, dcp_rank, dcp_size,
+                     allowed=(QUANT_COPY, QUANT_STATIC, QUANT_TOKEN, QUANT_HEAD)) -> KVStore:
+    k = validate.tensor("k", k, ndim=3, dtypes=validate.FLOAT_INPUTS)
+    n, h, dk = k.shape
+    device = k.device
+    v = validate.tensor("v", v, ndim=3, dtypes=(k.dtype,), device=device)
+    validate.shape("v", v, (n, h, None), "tokens, heads as k, head_dim_v")
+    layout = validate.choice("layout", layout, LAYOUTS)
+    cache_dtypes = (k.dtype, *QUANT_DTYPES)
+    k_cache = validate.tensor("k_cache", k_cache, ndim=4, dtypes=cache_dtypes, device=device)
+    v_cache = validate.tensor("v_cache", v_cache, ndim=4, dtypes=(k_cache.dtype,), device=device)
+    kc, vc = canonical(k_cache, layout), canonical(v_cache, layout)
+    num_pages, pps = kc.shape[0], kc.shape[1]
+    dims = "num_pages, pool_page_size, H, D" if layout == "NHD" else "num_pages, H, pool_page_size, D"
+    for name, c, d in (("k_cache", k_cache, dk), ("v_cache", v_cache, v.shape[2])):
+        expect = (num_pages, pps, h, d) if layout == "NHD" else (num_pages, h, pps, d)
+        validate.shape(name, c, expect, f"{layout}: {dims}")
+    geometry = cache_geometry("k_cache", num_pages, pps)
+    dyn = k_scale_cache is not None or v_scale_cache is not None
+    if dyn:
+        if k_scale_cache is None or v_scale_cache is None:
+            raise ValueError("k_scale_cache and v_scale_cache go together (dynamic per-token quantisation)")
+        if k_scale is not None or v_scale is not None:
+            raise ValueError("k_scale/v_scale (static) and k_scale_cache/v_scale_cache (dynamic) exclude each other")
+        if k_cache.dtype not in QUANT_DTYPES:
+            raise TypeError(f"k_scale_cache/v_scale_cache need an int8 or fp8 cache, got {k_cache.dtype}")
+        ksc = _scale_cache("k_scale_cache", k_scale_cache, num_pages, pps, h, device)
+        vsc = _scale_cache("v_scale_cache", v_scale_cache, num_pages, pps, h, device)
+        if ksc.shape != vsc.shape:
+            raise ValueError(f"k_scale_cache and v_scale_cache must have the same shape, got "
+                             f"{list(k_scale_cache.shape)} and {list(v_scale_cache.shape)}")
+        quant = QUANT_HEAD if k_scale_cache.dim() == 3 else QUANT_TOKEN
+        k_scale = v_scale = None
+    elif k_cache.dtype in QUANT_DTYPES:
+        if k_scale is None or v_scale is None:
+            raise ValueError(f"a {k_cache.dtype} cache needs k_scale and v_scale (static) or "
+                             f"k_scale_cache and v_scale_cache (dynamic)")
+        k_scale = validate.scale("k_scale", k_scale, h, device)
+        v_scale = validate.scale("v_scale", v_scale, h, device)
+        quant, ksc, vsc = QUANT_STATIC, None, None
+    else:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"k_scale/v_scale apply only to int8/fp8 caches; the caches are {k_cache.dtype}")
+        quant, ksc, vsc = QUANT_COPY, None, None
+    if quant not in allowed:
+        raise ValueError(f"{op}: this store has no quant mode {quant}")
+    locs, chk = prepare(op, device, n, loc, loc_map, dcp_rank, dcp_size, check, errors)
+    return KVStore(k, v, kc, vc, quant, FORMAT_OF.get(k_cache.dtype, FMT_SAME), k_scale, v_scale,
+                   ksc, vsc, geometry, locs, chk)
+
+
+def routes_here(k_cache: object, k_scale_cache: object, v_scale_cache: object) -> bool:
+    """Whether a store_kv call belongs to this kernel family (int8 cache or dynamic scales)."""
+    return (k_scale_cache is not None or v_scale_cache is not None
+            or (isinstance(k_cache, torch.Tensor) and k_cache.dtype == torch.int8))
+
+
+@torch.library.custom_op("kvwrite::store_kv_quant",
+                         mutates_args=("k_cache", "v_cache", "k_scale_cache", "v_scale_cache", "errors"))
+def _store_kv_quant_op(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       loc: torch.Tensor, layout: str, k_scale: torch.Tensor | None,
+                       v_scale: torch.Tensor | None, k_scale_cache: torch.Tensor | None,
+                       v_scale_cache: torch.Tensor | None, check: str | None,
+                       errors: torch.Tensor | None, loc_map: torch.Tensor | None, dcp_rank: int,
+                       dcp_size: int, backend: str) -> None:
+    store_kv_quant(k, v, k_cache, v_cache, loc, layout=layout, k_scale=k_scale, v_scale=v_scale,
+                   k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache, check=check,
+                   errors=errors, loc_map=loc_map, dcp_rank=dcp_rank, dcp_size=dcp_size,
+                   backend=backend)
+
+
+@_store_kv_quant_op.register_fake
+def _(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, k_scale_cache, v_scale_cache, check,
+      errors, loc_map, dcp_rank, dcp_size, backend) -> None:
+    return None
+
+
+def store_kv_quant(k, v, k_cache, v_cache, loc, *, layout="NHD", k_scale=None, v_scale=None,
+                   k_scale_cache=None, v_scale_cache=None, check=None, errors=None, loc_map=None,
+                   dcp_rank=0, dcp_size=1, backend="auto") -> None:
+    """The int8 / dynamic-scale branch of `kvwrite.store_kv` (see the module doc)."""
+    a = prepare_kv_store(OP, k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, k_scale_cache,
+                         v_scale_cache, check, errors, loc_map, dcp_rank, dcp_size,
+                         allowed=(QUANT_STATIC, QUANT_TOKEN, QUANT_HEAD))
+    if torch.compiler.is_compiling():
+        torch.ops.kvwrite.store_kv_quant(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale,
+                                         k_scale_cache, v_scale_cache, check, a.check.errors,
+                                         loc_map, dcp_rank, dcp_size, backend)
+    elif a.locs.n:
+        dispatch(OP, IMPLS, backend, k.device, a)
