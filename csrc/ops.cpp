@@ -59,8 +59,9 @@ void assert_prescan(const LocArgs& a) {
 
 // Threads pay only above a size: a parallel region costs a few microseconds to start and join,
 // so a call runs on one thread unless it moves at least PARALLEL_BYTES (weighted: a quantised
-// byte counts QUANT_WEIGHT times, it costs that much more compute). Measured on the 2-core dev
-// machine (bench at N = 16..4096, 1 vs 2 threads): 2 threads win from about 256 KiB of copy.
+// byte counts QUANT_WEIGHT times, it costs that much more compute). 256 KiB is a chosen default,
+// not a measured crossover: on the shared 2-core dev VM the 2-thread runs are dominated by
+// OpenMP scheduling stalls (even torch's contiguous copy), so no threshold could be measured.
 // KVWRITE_CPU_PARALLEL_BYTES overrides the threshold (read once).
 constexpr int64_t QUANT_WEIGHT = 8;
 int64_t parallel_bytes() {
