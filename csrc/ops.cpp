@@ -59,8 +59,9 @@ void assert_prescan(const LocArgs& a) {
 
 // Threads pay only above a size: a parallel region costs a few microseconds to start and join,
 // so a call runs on one thread unless it moves at least PARALLEL_BYTES (weighted: a quantised
-// byte counts QUANT_WEIGHT times, it costs that much more compute). Measured on the 2-core dev
-// machine (bench at N = 16..4096, 1 vs 2 threads): 2 threads win from about 256 KiB of copy.
+// byte counts QUANT_WEIGHT times, it costs that much more compute). 256 KiB is a chosen default,
+// not a measured crossover: on the shared 2-core dev VM the 2-thread runs are dominated by
+// OpenMP scheduling stalls (even torch's contiguous copy), so no threshold could be measured.
 // KVWRITE_CPU_PARALLEL_BYTES overrides the threshold (read once).
 constexpr int64_t QUANT_WEIGHT = 8;
 int64_t parallel_bytes() {
@@ -236,7 +237,8 @@ void store_rows_cpu(const Tensor& src, const Tensor& pool, const Tensor& loc, co
 // Page-table addressing (kvwrite.PageTable: loc = positions) adds the three optional tables.
 #define KVW_TAIL "Tensor loc, Tensor? loc_map, Tensor(z!)? errors, int dcp_rank, int dcp_size, int check, int op, " \
                  "Tensor? batch_indices=None, Tensor? kv_indices=None, Tensor? kv_indptr=None"
-// The DeepSeek V4 stores and store_rows take no page table (their kernels have no table tail).
+// The DeepSeek V4 stores and store_rows take the same tail; their kernels have no page table, so
+// their impls reject one (kvw_dsv4_table, params_dsv4.h).
 #define KVW_TAIL_NO_TABLE "Tensor loc, Tensor? loc_map, Tensor(z!)? errors, int dcp_rank, int dcp_size, int check, int op"
 
 TORCH_LIBRARY(kvwrite_ext, m) {
@@ -247,10 +249,10 @@ TORCH_LIBRARY(kvwrite_ext, m) {
   m.def("store_indexer_k(Tensor k, Tensor(a!) cache, int quant_block_size, bool ue8m0, " KVW_TAIL ") -> ()");
   m.def("store_kv_nvfp4(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) k_scale_cache, "
         "Tensor(d!) v_scale_cache, Tensor? k_global_scale, Tensor? v_global_scale, " KVW_TAIL ") -> ()");
-  m.def("store_dsv4_kv(Tensor kv, Tensor(a!) cache, int pool_page_size, " KVW_TAIL_NO_TABLE ") -> ()");
-  m.def("store_dsv4_indexer_k(Tensor k, Tensor(a!) cache, int pool_page_size, int fmt, bool ue8m0, " KVW_TAIL_NO_TABLE
+  m.def("store_dsv4_kv(Tensor kv, Tensor(a!) cache, int pool_page_size, " KVW_TAIL ") -> ()");
+  m.def("store_dsv4_indexer_k(Tensor k, Tensor(a!) cache, int pool_page_size, int fmt, bool ue8m0, " KVW_TAIL
         ") -> ()");
-  m.def("store_rows(Tensor src, Tensor(a!) pool, " KVW_TAIL_NO_TABLE ") -> ()");
+  m.def("store_rows(Tensor src, Tensor(a!) pool, " KVW_TAIL ") -> ()");
 }
 
 TORCH_LIBRARY_FRAGMENT(kvwrite_ext, m) {

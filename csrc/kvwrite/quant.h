@@ -142,10 +142,18 @@ KVW_HD float indexer_scale(float amax, bool ue8m0) {
   return ue8m0 ? ue8m0_ceil(s) : s;
 }
 
+// fp8 (format F) codes of x / scale for n elements (saturating, RNE), written as bytes. Plain
+// restrict-qualified locals: the host compiler vectorises the loop (a char store may otherwise
+// alias any struct field the loop reads).
+template <DType IN, class F>
+KVW_HD void quant_run(const void* __restrict__ src, i64 start, int n, float scale, char* __restrict__ dst) {
+  for (int j = 0; j < n; ++j) dst[j] = char(fp8_bits<F>(load_quant<IN>(src, start + j) / scale));
+}
+
 // e4m3 codes of x / scale for n elements (saturating, RNE), written as bytes.
 template <DType IN>
 KVW_HD void quant_block_e4m3(const void* src, i64 start, int n, float scale, char* dst) {
-  for (int j = 0; j < n; ++j) dst[j] = char(fp8_bits<E4M3>(load_quant<IN>(src, start + j) / scale));
+  quant_run<IN, E4M3>(src, start, n, scale, dst);
 }
 
 // bf16 bits of element i: bf16 input copied; other floats rounded to nearest even (NaN -> 0x7FC0).

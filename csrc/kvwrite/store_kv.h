@@ -73,12 +73,8 @@ KVW_HD void quant_side(const KVSide& s, int H, i64 i, i64 row, int lane, int nla
   char* dst = s.cache.row_ptr(row);
   const i64 src = i * s.s_tok;
   if (nlanes == 1 && !s.cache.split) {  // a split head dim goes elementwise (below)
-    for (int h = 0; h < H; ++h) {
-      const float sc = s.scale[h * s.scale_stride];
-      const i64 base = src + h * s.s_head;
-      char* out = dst + s.cache.in_row(h, 0);
-      for (int d = 0; d < s.D; ++d) out[d] = char(fp8_bits<F>(load_quant<IN>(s.src, base + d) / sc));
-    }
+    for (int h = 0; h < H; ++h)
+      quant_run<IN, F>(s.src, src + h * s.s_head, s.D, s.scale[h * s.scale_stride], dst + s.cache.in_row(h, 0));
     return;
   }
   if (s.D % CHUNK == 0 && !s.cache.split) {

@@ -82,12 +82,12 @@ template <DType IN, class F>
 KVW_HD void mla_fp8(const StoreMLAParams& p, i64 i, char* dst, int lane, int nlanes) {
   const float s = p.scale[0];
   if (nlanes == 1) {  // host: two vectorisable loops
-    for (int e = 0; e < p.L; ++e) dst[e] = char(fp8_bits<F>(load_quant<IN>(p.kv_c, i * p.c_sn + e) / s));
-    for (int e = 0; e < p.R; ++e) dst[p.L + e] = char(fp8_bits<F>(load_quant<IN>(p.k_pe, i * p.pe_sn + e) / s));
+    quant_run<IN, F>(p.kv_c, i * p.c_sn, p.L, s, dst);
+    quant_run<IN, F>(p.k_pe, i * p.pe_sn, p.R, s, dst + p.L);
     return;
   }
   for (int e = lane; e < p.L + p.R; e += nlanes) {
-    const float x = e < p.L ? load_float<IN>(p.kv_c, i * p.c_sn + e) : load_float<IN>(p.k_pe, i * p.pe_sn + e - p.L);
+    const float x = e < p.L ? load_quant<IN>(p.kv_c, i * p.c_sn + e) : load_quant<IN>(p.k_pe, i * p.pe_sn + e - p.L);
     dst[e] = char(fp8_bits<F>(daz(x) / s));
   }
 }
