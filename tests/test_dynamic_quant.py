@@ -139,3 +139,35 @@ def test_vllm_per_token_quant_adapter_matches_store_kv():
     kvwrite.store_kv(k, v, b["k_cache"], b["v_cache"], slots, k_scale_cache=b["k_scale_cache"],
                      v_scale_cache=b["v_scale_cache"], backend="torch")
     assert torch.equal(a.raw, b.raw)
+
+
+@pytest.mark.parametrize("kv", ["int8", "int8_per_token", "fp8_per_token", "int8_per_token_head",
+                                "fp8_per_token_head"])
+def test_configurator_sizes_scale_buffers_and_stores(kv):
+    spec = kvwrite.ModelSpec.from_preset("llama-3.1-8b")
+    cfg = kvwrite.KVCacheConfigurator(spec, kvwrite.ParallelSpec(), page_size=16, memory_bytes=64 << 20,
+                                      kv_cache_dtype=kv)
+    sp = cfg.plan().pools[0]
+    shapes = {b.name: tuple(b.shape) for b in sp.buffers}
+    pages = sp.geometry.num_pages
+    per_head = kv.endswith("_head")
+    if kv == "int8":
+        assert set(shapes) == {"k", "v"}
+    else:
+        assert shapes["k_scale_cache"] == ((pages, 16, 8) if per_head else (pages, 16))
+    # bytes per token over 32 layers: codes (+ fp32 scales) fit the budget
+    cell = 32 * 2 * (8 * 128 + (4 * (8 if per_head else 1) if kv != "int8" else 0))
+    assert (pages - 1) * 16 <= (64 << 20) // cell and pages * 16 * cell <= (64 << 20) + 16 * cell
+    scales = {"k_scale": torch.tensor(0.05), "v_scale": torch.tensor(0.05)} if kv == "int8" else None
+    pool = cfg.build("cpu", scales=scales)
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(3, 8, 128, generator=gen).bfloat16(), torch.randn(3, 8, 128, generator=gen).bfloat16()
+    loc = torch.tensor([0, 5, 17])
+    pool.store(0, loc, k, v)
+    b = pool.layer(sp.name, 0)
+    twin = {n: torch.zeros_like(t) for n, t in b.items()}
+    extra = ({"k_scale": scales["k_scale"], "v_scale": scales["v_scale"]} if scales else
+             {"k_scale_cache": twin["k_scale_cache"], "v_scale_cache": twin["v_scale_cache"]})
+    kvwrite.store_kv(k, v, twin["k"], twin["v"], loc, backend="torch", **extra)
+    for n in b:
+        assert torch.equal(b[n].view(torch.uint8), twin[n].view(torch.uint8)), n

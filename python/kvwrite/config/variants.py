@@ -14,7 +14,7 @@ import torch
 from kvwrite.config.errors import SpecError, UnsupportedCombination
 from kvwrite.config.model import ModelSpec
 from kvwrite.config.plan import BufferSpec, PoolSpec, StatePoolSpec
-from kvwrite.config.scales import FP8, fp8_scale_names, scale_applies  # noqa: F401
+from kvwrite.config.scales import DYNAMIC, FP8, STATIC_SCALED, fp8_scale_names, scale_applies  # noqa: F401
 from kvwrite.config.registry import (PlanContext, VariantPlanner, draft_layers, planner_for,  # noqa: F401
                                      register_builtin, register_variant, unregister_variant, variants)
 from kvwrite.ops.indexer_k import row_bytes as indexer_row_bytes
@@ -22,7 +22,8 @@ from kvwrite.ops.mla import DS_MLA_TILE, ds_mla_row_bytes
 from kvwrite.ops.nvfp4 import BLOCK as NVFP4_BLOCK
 from kvwrite.validate import FP8_MAX
 
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "nvfp4", "fp8_ds_mla")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "nvfp4", "fp8_ds_mla", "int8",
+                   *DYNAMIC)
 INDEXER_BLOCK = 128        # the DSA indexer's quant_block_size (DeepSeek-V3.2), passed to the op
 
 
@@ -55,8 +56,13 @@ def kv_buffers(kv: str, model_dtype: str, heads: int, dims: dict[str, int], vari
     """MHA-style K/V buffers `[rows, heads, d]` per kv_cache_dtype -> (buffers, op, note)."""
     if kv == "auto":
         return tuple(BufferSpec(n, (heads, d), model_dtype) for n, d in dims.items()), "store_kv", ""
-    if kv in FP8:
-        return tuple(BufferSpec(n, (heads, d), FP8[kv]) for n, d in dims.items()), "store_kv", kv
+    if kv in STATIC_SCALED:
+        return tuple(BufferSpec(n, (heads, d), STATIC_SCALED[kv]) for n, d in dims.items()), "store_kv", kv
+    if kv in DYNAMIC:  # K/V codes + fp32 scale caches [pages, pps] or [pages, pps, H]
+        dtype, per_head = DYNAMIC[kv]
+        out = [BufferSpec(n, (heads, d), dtype) for n, d in dims.items()]
+        out += [BufferSpec(f"{n}_scale_cache", (heads,) if per_head else (), "float32") for n in dims]
+        return tuple(out), "store_kv", kv
     if kv == "nvfp4":
         bad = {n: d for n, d in dims.items() if d % NVFP4_BLOCK}
         if bad:
@@ -145,7 +151,10 @@ def _store_kv_like(pool, sub: str, layer_id: int, loc, k, v, scales: dict, prefi
                 kw[theirs] = scales[prefix + name]
         pool.ops[sub](k, v, b["k"], b["k"] if k_only else b["v"], ks, vs, loc, **kw)
         return
-    if b["k"].dtype in FP8_MAX:  # the pool's build-time scales, or this call's (KVPool.store)
+    if "k_scale_cache" in b:  # dynamic per-token / per-token-head scales (kvwrite.ops.kv_quant)
+        kw["k_scale_cache"] = b["k_scale_cache"]
+        kw["v_scale_cache"] = b["k_scale_cache"] if k_only else b["v_scale_cache"]
+    elif b["k"].dtype in FP8_MAX or b["k"].dtype == torch.int8:  # the pool's build-time scales, or this call's (KVPool.store)
         kw["k_scale"] = scales[prefix + ("scale" if k_only else "k_scale")]
         kw["v_scale"] = kw["k_scale"] if k_only else scales[prefix + "v_scale"]
     pool.ops[sub](k, v, b["k"], b["k"] if k_only else b["v"], loc, **kw)
@@ -184,7 +193,7 @@ MHA_SCALES = ("k_scale", "v_scale", "k_global_scale", "v_global_scale")
 class MHAPlanner(VariantPlanner):
     name = "mha"
     fields = MHA_FIELDS
-    kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "nvfp4")
+    kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "nvfp4", "int8", *DYNAMIC)
     SCALES = MHA_SCALES
 
     def check_model(self, spec) -> None:
