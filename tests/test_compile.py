@@ -12,6 +12,13 @@ import pytest
 from kvwrite.kernels.compile_check import CHECKS, FAMILIES
 
 
+# Variants allowed more than 64 registers, and why (issue 12 asks to name them). Spills stay 0.
+# store_kv: since vLLM's head-major layout (split head-dim strides, issue 11) joined the copy
+#   kernel, its variants compile to up to ~126 registers on sm_80/sm_90; not yet re-tuned.
+# store_dsv4: the fp16 page-granular DCP variant on sm_80 needs 72.
+REGISTER_LIMIT = {"store_kv": 128, "store_dsv4": 80}
+
+
 @pytest.mark.parametrize("check", list(CHECKS))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_variant_compiles_for_sm80_and_sm90(family, check):
@@ -25,7 +32,7 @@ def test_every_variant_compiles_for_sm80_and_sm90(family, check):
     assert out.returncode == 0, out.stderr[-3000:]
     assert rows and {r["cc"] for r in rows} == {80, 90}
     assert all(r["assertfail"] == (check == "assert") for r in rows), rows
-    over = [(r["variant"], r["cc"], r["regs"], r["spill"]) for r in rows if r["spill"] or r["regs"] > 64]
+    over = [(r["variant"], r["cc"], r["regs"], r["spill"]) for r in rows if r["spill"] or r["regs"] > REGISTER_LIMIT.get(family, 64)]
     assert not over, over
     scalar = [(r["variant"], r["cc"], r["v4_ld"], r["v4_st"]) for r in rows
               if r["copy"] and not (r["v4_ld"] and r["v4_st"])]

@@ -4,6 +4,7 @@ ConfigError."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from hypothesis import given, strategies as st
@@ -77,7 +78,16 @@ def _check(cfg) -> None:
 
 @given(JSON)
 def test_random_json_never_raises_anything_else(cfg):
-    _check(cfg)
+    # Any JSON document as a config.json file (a bare str argument would name a path).
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "config.json")
+        with open(path, "w") as f:
+            json.dump(cfg, f)
+        _check(path)
+    if not isinstance(cfg, str):
+        _check(cfg)
 
 
 @given(st.sampled_from(sorted(PRESETS)), st.sampled_from(FIELDS), JSON, st.booleans())
