@@ -53,6 +53,18 @@ timeout ${KVWRITE_GPU_BENCH_TIMEOUT:-420} $PY -m kvwrite.cli bench --min-time ${
     --out "$OUT/bench" > "$OUT/bench.log" 2>&1 || status=1
 grep -A12 "^## Targets" "$OUT/bench/report.md" 2>/dev/null | tee -a "$OUT/summary.txt" || tail -5 "$OUT/bench.log" | tee -a "$OUT/summary.txt"
 
+step "DeepSeek V4 stores (issue 14): tests on CUDA, bit-exact bench at V4 sizes, memcheck"
+( cd tests && KVWRITE_TEST_DEVICE=cuda timeout 300 $PY -m pytest -q -n 0 -p no:cacheprovider test_dsv4.py test_dsv4_plan.py ) \
+    > "$OUT/dsv4_tests.log" 2>&1 || status=1
+tail -1 "$OUT/dsv4_tests.log" | tee -a "$OUT/summary.txt"
+timeout 300 $PY -m kvwrite.cli bench --device cuda --cases dsv4-kv,dsv4-indexer-mxfp4,dsv4-state-rows \
+    --min-time ${KVWRITE_GPU_BENCH_REP:-0.03} --out "$OUT/bench_dsv4" > "$OUT/bench_dsv4.log" 2>&1 || status=1
+grep -m1 "bit-exact" "$OUT/bench_dsv4/report.md" 2>/dev/null | tee -a "$OUT/summary.txt" || tail -3 "$OUT/bench_dsv4.log"
+if command -v compute-sanitizer > /dev/null; then
+  ( cd tests && KVWRITE_TEST_DEVICE=cuda timeout 600 compute-sanitizer --tool memcheck --error-exitcode 3 \
+      $PY -m pytest -q -n 0 -p no:cacheprovider test_dsv4.py -k "guard or dcp or offsets" ) > "$OUT/dsv4_sanitizer.log" 2>&1 || status=1
+  grep -E "ERROR SUMMARY|passed|failed" "$OUT/dsv4_sanitizer.log" | tail -2 | tee -a "$OUT/summary.txt"
+fi
 step "page-table addressing (FlashInfer adapter): tests, example, end-to-end decoders on CUDA; Triton table variants"
 ( cd tests && KVWRITE_TEST_DEVICE=cuda timeout 300 $PY -m pytest -q -n 0 -p no:cacheprovider \
     test_pagetable.py test_compat_flashinfer.py test_e2e_decoder.py ) > "$OUT/pagetable.log" 2>&1 || status=1
@@ -60,6 +72,11 @@ tail -1 "$OUT/pagetable.log" | tee -a "$OUT/summary.txt"
 timeout 300 $PY -m kvwrite.cli bench --cases mha-bf16,mha-bf16-pagetable --min-time ${KVWRITE_GPU_BENCH_REP:-0.03} \
     --out "$OUT/bench-pagetable" > "$OUT/bench-pagetable.log" 2>&1 || status=1
 tail -3 "$OUT/bench-pagetable.log" | tee -a "$OUT/summary.txt"
+
+step "engine adapters (kvwrite.compat) incl. vLLM's legacy head-major layout on every CUDA backend vs engine re-statements"
+( cd tests && KVWRITE_TEST_DEVICE=cuda timeout 300 $PY -m pytest -q -n 0 -p no:cacheprovider test_compat_vllm.py test_compat_sglang.py ) \
+    > "$OUT/compat.log" 2>&1 || status=1
+tail -1 "$OUT/compat.log" | tee -a "$OUT/summary.txt"
 
 step "rope_store_kv / rope_store_mla / dynamic int8-fp8 caches (issue 13): tests on CUDA, fused vs unfused"
 ( cd tests && KVWRITE_TEST_DEVICE=cuda timeout 300 $PY -m pytest -q -n 0 -p no:cacheprovider \

@@ -57,6 +57,7 @@ inline const char* dtype_name(at::ScalarType t) {
     case at::kBool: return "bool";
     case at::kFloat8_e4m3fn: return "float8_e4m3fn";
     case at::kFloat8_e5m2: return "float8_e5m2";
+    case at::kFloat8_e4m3fnuz: return "float8_e4m3fnuz";
     default: throw Forward{};  // let Python spell it
   }
 }
@@ -234,7 +235,8 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
     tensor("v", v, 3, {k.scalar_type()}, &device);
     shape("v", v, {n, h, ANY}, "tokens, heads as k, head_dim_v");
     const bool hnd = is_hnd(layout);
-    tensor("k_cache", k_cache, 4, {k.scalar_type(), at::kFloat8_e4m3fn, at::kFloat8_e5m2}, &device);
+    tensor("k_cache", k_cache, 4, {k.scalar_type(), at::kFloat8_e4m3fn, at::kFloat8_e5m2, at::kFloat8_e4m3fnuz},
+           &device);
     tensor("v_cache", v_cache, 4, {k_cache.scalar_type()}, &device);
     const int64_t pages = k_cache.size(0), pps = k_cache.size(hnd ? 2 : 1);
     const char* dims = hnd ? "HND: num_pages, H, pool_page_size, D" : "NHD: num_pages, pool_page_size, H, D";
@@ -247,7 +249,8 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
     }
     cache_geometry("k_cache", pages, pps);
     // ops.kv.prepare_store_kv
-    const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn || k_cache.scalar_type() == at::kFloat8_e5m2;
+    const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn || k_cache.scalar_type() == at::kFloat8_e5m2 ||
+                     k_cache.scalar_type() == at::kFloat8_e4m3fnuz;  // validate.FP8_MAX
     if (fp8) {
       TORCH_CHECK_VALUE(k_scale.has_value() && v_scale.has_value(), "k_scale and v_scale are required for a torch.",
                         dtype_name(k_cache.scalar_type()), " cache");
@@ -281,6 +284,7 @@ inline MLAFormat mla_format(Str name) {
   if (name == "auto") return {MLA_COPY, at::kFloat, true, false, false};
   if (name == "fp8_e4m3") return {MLA_FP8, at::kFloat8_e4m3fn, false, true, false};
   if (name == "fp8_e5m2") return {MLA_FP8, at::kFloat8_e5m2, false, true, false};
+  if (name == "fp8_e4m3fnuz") return {MLA_FP8, at::kFloat8_e4m3fnuz, false, true, false};
   if (name == "fp8_ds_mla") return {MLA_DS_MLA, at::kByte, false, false, false};
   if (name == "nvfp4") return {MLA_NVFP4, at::kByte, false, false, true};
   throw Forward{};
@@ -323,7 +327,7 @@ void store_mla(const at::Tensor& kv_c, const at::Tensor& k_pe, const at::Tensor&
       TORCH_CHECK_VALUE(scale_.has_value(), "scale is required for kv_cache_dtype=", fname);
       scale("scale", *scale_, 0, device);
     } else {
-      TORCH_CHECK_VALUE(!scale_.has_value(), "scale applies only to kv_cache_dtype 'fp8_e4m3'/'fp8_e5m2', not ",
+      TORCH_CHECK_VALUE(!scale_.has_value(), "scale applies only to kv_cache_dtype 'fp8_e4m3'/'fp8_e5m2'/'fp8_e4m3fnuz', not ",
                         fname);
     }
     if (fmt.takes_scale_cache) {

@@ -69,36 +69,43 @@ void store_kv_nvfp4_cuda(const Tensor& k, const Tensor& v, const Tensor& k_cache
 
 void store_dsv4_kv_cuda(const Tensor& kv, const Tensor& cache, int64_t pool_page_size, const Tensor& loc,
                         const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size,
-                        int64_t check, int64_t op) {
+                        int64_t check, int64_t op, const OptTensor& batch_indices,
+    const OptTensor& kv_indices, const OptTensor& kv_indptr) {
   const c10::cuda::CUDAGuard guard(kv.device());
-  const StoreDSV4KVParams p =
+  StoreDSV4KVParams p =
       store_dsv4_kv_params(kv, cache, pool_page_size, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  kvw_dsv4_table(p.locs, batch_indices, kv_indices, kv_indptr);
   if (p.locs.n == 0) return;
   check_launch(launch_store_dsv4_kv(p, int(check), c10::cuda::getCurrentCUDAStream()));
 }
 
 void store_dsv4_indexer_k_cuda(const Tensor& k, const Tensor& cache, int64_t pool_page_size, int64_t fmt, bool ue8m0,
                                const Tensor& loc, const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank,
-                               int64_t dcp_size, int64_t check, int64_t op) {
+                               int64_t dcp_size, int64_t check, int64_t op, const OptTensor& batch_indices,
+    const OptTensor& kv_indices, const OptTensor& kv_indptr) {
   const c10::cuda::CUDAGuard guard(k.device());
   if (fmt == 0) {
     StoreIndexerKParams p =
         store_indexer_k_params(k, cache, 128, ue8m0, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+    kvw_dsv4_table(p.locs, batch_indices, kv_indices, kv_indptr);
     p.locs.dcp_page = true;
     if (p.locs.n == 0) return;
     check_launch(launch_store_indexer_k(p, int(check), c10::cuda::getCurrentCUDAStream()));
     return;
   }
-  const StoreMXFP4Params p =
+  StoreMXFP4Params p =
       store_mxfp4_params(k, cache, pool_page_size, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  kvw_dsv4_table(p.locs, batch_indices, kv_indices, kv_indptr);
   if (p.locs.n == 0) return;
   check_launch(launch_store_mxfp4(p, int(check), c10::cuda::getCurrentCUDAStream()));
 }
 
 void store_rows_cuda(const Tensor& src, const Tensor& pool, const Tensor& loc, const OptTensor& loc_map,
-                     const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op) {
+                     const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op, const OptTensor& batch_indices,
+    const OptTensor& kv_indices, const OptTensor& kv_indptr) {
   const c10::cuda::CUDAGuard guard(src.device());
-  const StoreRowsParams p = store_rows_params(src, pool, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  StoreRowsParams p = store_rows_params(src, pool, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  kvw_dsv4_table(p.locs, batch_indices, kv_indices, kv_indptr);
   if (p.locs.n == 0) return;
   check_launch(launch_store_rows(p, int(check), c10::cuda::getCurrentCUDAStream()));
 }

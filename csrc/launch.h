@@ -9,6 +9,12 @@
 #include "kvwrite/store_kv_nvfp4.h"
 #include "kvwrite/store_mla.h"
 
+// Every kernel runs 256-thread blocks (launch_shape); at least 4 resident blocks per SM caps a
+// thread at 64 registers (65536 / (256 * 4)): the assert variants' __assert_fail arguments
+// otherwise push a few kernels to 66-80. tests/test_static_gpu.py checks 0 spill and <= 64.
+#define KVW_BLOCK_THREADS 256
+#define KVW_MIN_BLOCKS 4
+
 namespace kvwrite {
 
 // Each enqueues one kernel on `stream` (no host sync) and returns cudaGetLastError().

@@ -93,6 +93,11 @@ int64_t token_bytes(const StoreIndexerKParams& p) {
 int64_t token_bytes(const StoreKVNVFP4Params& p) {
   return int64_t(p.H) * (p.k.D + p.v.D) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT;
 }
+int64_t token_bytes(const StoreDSV4KVParams& p) {  // DeepSeek V4
+  return int64_t(DSV4_NOPE + DSV4_ROPE) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT;
+}
+int64_t token_bytes(const StoreMXFP4Params& p) { return int64_t(p.D) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT; }
+int64_t token_bytes(const StoreRowsParams& p) { return 2 * p.row_bytes; }
 
 // Run `token(i)` for every token (in parallel above the threshold), after the assert pre-scan.
 template <class Body>
@@ -190,30 +195,37 @@ void store_kv_nvfp4_cpu(const Tensor& k, const Tensor& v, const Tensor& k_cache,
 // DeepSeek V4 (kvwrite/store_dsv4.h). fmt 0: fp8 rows (store_indexer_k's body), 1: mxfp4.
 void store_dsv4_kv_cpu(const Tensor& kv, const Tensor& cache, int64_t pool_page_size, const Tensor& loc,
                        const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size,
-                       int64_t check, int64_t op) {
-  const StoreDSV4KVParams p =
+                       int64_t check, int64_t op, const OptTensor& batch_indices,
+    const OptTensor& kv_indices, const OptTensor& kv_indptr) {
+  StoreDSV4KVParams p =
       store_dsv4_kv_params(kv, cache, pool_page_size, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  kvw_dsv4_table(p.locs, batch_indices, kv_indices, kv_indptr);
   KVW_RUN_CPU(dispatch_store_dsv4_kv, p, check);
 }
 
 void store_dsv4_indexer_k_cpu(const Tensor& k, const Tensor& cache, int64_t pool_page_size, int64_t fmt, bool ue8m0,
                               const Tensor& loc, const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank,
-                              int64_t dcp_size, int64_t check, int64_t op) {
+                              int64_t dcp_size, int64_t check, int64_t op, const OptTensor& batch_indices,
+    const OptTensor& kv_indices, const OptTensor& kv_indptr) {
   if (fmt == 0) {
     StoreIndexerKParams p =
         store_indexer_k_params(k, cache, 128, ue8m0, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+    kvw_dsv4_table(p.locs, batch_indices, kv_indices, kv_indptr);
     p.locs.dcp_page = true;
     KVW_RUN_CPU(dispatch_store_indexer_k, p, check);
     return;
   }
-  const StoreMXFP4Params p =
+  StoreMXFP4Params p =
       store_mxfp4_params(k, cache, pool_page_size, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  kvw_dsv4_table(p.locs, batch_indices, kv_indices, kv_indptr);
   KVW_RUN_CPU(dispatch_store_mxfp4, p, check);
 }
 
 void store_rows_cpu(const Tensor& src, const Tensor& pool, const Tensor& loc, const OptTensor& loc_map,
-                    const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op) {
-  const StoreRowsParams p = store_rows_params(src, pool, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+                    const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op, const OptTensor& batch_indices,
+    const OptTensor& kv_indices, const OptTensor& kv_indptr) {
+  StoreRowsParams p = store_rows_params(src, pool, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  kvw_dsv4_table(p.locs, batch_indices, kv_indices, kv_indptr);
   KVW_RUN_CPU(dispatch_store_rows, p, check);
 }
 
@@ -224,6 +236,8 @@ void store_rows_cpu(const Tensor& src, const Tensor& pool, const Tensor& loc, co
 // Page-table addressing (kvwrite.PageTable: loc = positions) adds the three optional tables.
 #define KVW_TAIL "Tensor loc, Tensor? loc_map, Tensor(z!)? errors, int dcp_rank, int dcp_size, int check, int op, " \
                  "Tensor? batch_indices=None, Tensor? kv_indices=None, Tensor? kv_indptr=None"
+// The DeepSeek V4 stores and store_rows take no page table (their kernels have no table tail).
+#define KVW_TAIL_NO_TABLE "Tensor loc, Tensor? loc_map, Tensor(z!)? errors, int dcp_rank, int dcp_size, int check, int op"
 
 TORCH_LIBRARY(kvwrite_ext, m) {
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k_scale, "
@@ -233,10 +247,10 @@ TORCH_LIBRARY(kvwrite_ext, m) {
   m.def("store_indexer_k(Tensor k, Tensor(a!) cache, int quant_block_size, bool ue8m0, " KVW_TAIL ") -> ()");
   m.def("store_kv_nvfp4(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) k_scale_cache, "
         "Tensor(d!) v_scale_cache, Tensor? k_global_scale, Tensor? v_global_scale, " KVW_TAIL ") -> ()");
-  m.def("store_dsv4_kv(Tensor kv, Tensor(a!) cache, int pool_page_size, " KVW_TAIL ") -> ()");
-  m.def("store_dsv4_indexer_k(Tensor k, Tensor(a!) cache, int pool_page_size, int fmt, bool ue8m0, " KVW_TAIL
+  m.def("store_dsv4_kv(Tensor kv, Tensor(a!) cache, int pool_page_size, " KVW_TAIL_NO_TABLE ") -> ()");
+  m.def("store_dsv4_indexer_k(Tensor k, Tensor(a!) cache, int pool_page_size, int fmt, bool ue8m0, " KVW_TAIL_NO_TABLE
         ") -> ()");
-  m.def("store_rows(Tensor src, Tensor(a!) pool, " KVW_TAIL ") -> ()");
+  m.def("store_rows(Tensor src, Tensor(a!) pool, " KVW_TAIL_NO_TABLE ") -> ()");
 }
 
 TORCH_LIBRARY_FRAGMENT(kvwrite_ext, m) {

@@ -38,11 +38,17 @@ inline void check_same_device(const Tensor& ref, const Tensor& t, const char* na
               ref.device());
 }
 
-// A canonical [pages, pool_page_size, heads, feat] cache view (feat contiguous).
+// A canonical [pages, pool_page_size, heads, feat] cache view (feat contiguous), or
+// [pages, pool_page_size, heads, feat / X, X] (a split head dim, X contiguous).
 inline PagedCache paged(const Tensor& c, const char* name) {
-  TORCH_CHECK(c.dim() == 4, "kvwrite: ", name, " must be a 4-D [pages, rows, heads, feat] view");
-  TORCH_CHECK(c.size(3) <= 1 || c.stride(3) == 1, "kvwrite: ", name, " must be contiguous in its last dim");
+  TORCH_CHECK(c.dim() == 4 || c.dim() == 5, "kvwrite: ", name, " must be a 4-D [pages, rows, heads, feat] view");
+  TORCH_CHECK(c.size(c.dim() - 1) <= 1 || c.stride(c.dim() - 1) == 1, "kvwrite: ", name,
+              " must be contiguous in its last dim");
   PagedCache p;
+  if (c.dim() == 5) {
+    p.split = int(c.size(4));
+    p.stride_split = c.stride(3);
+  }
   p.base = static_cast<char*>(c.data_ptr());
   p.stride_page = c.stride(0);
   p.stride_entry = c.stride(1);
@@ -132,7 +138,8 @@ inline void set_table(LocArgs& a, const OptTensor& batch_indices, const OptTenso
 inline KVSide kv_side(const Tensor& x, const Tensor& cache, const OptTensor& scale, const char* name) {
   TORCH_CHECK(x.dim() == 3 && (x.size(2) <= 1 || x.stride(2) == 1), "kvwrite: ", name,
               " must be [tokens, heads, dim], contiguous in dim");
-  TORCH_CHECK(cache.size(2) == x.size(1) && cache.size(3) == x.size(2), "kvwrite: ", name,
+  const int64_t feat = cache.dim() == 5 ? cache.size(3) * cache.size(4) : cache.size(3);
+  TORCH_CHECK(cache.size(2) == x.size(1) && feat == x.size(2), "kvwrite: ", name,
               " cache shape does not match its rows");
   check_same_device(x, cache, "cache");
   KVSide s;

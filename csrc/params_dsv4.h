@@ -88,4 +88,11 @@ inline StoreRowsParams store_rows_params(const Tensor& src, const Tensor& pool, 
   return p;
 }
 
+// The V4 stores take locs only: no page-table addressing.
+inline void kvw_dsv4_table(LocArgs&, const OptTensor& batch_indices, const OptTensor& kv_indices,
+                           const OptTensor& kv_indptr) {
+  TORCH_CHECK(!batch_indices.has_value() && !kv_indices.has_value() && !kv_indptr.has_value(),
+              "kvwrite: the DeepSeek V4 stores take no page table");
+}
+
 }  // namespace kvwrite

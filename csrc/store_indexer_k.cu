@@ -6,7 +6,7 @@ namespace kvwrite {
 
 // `group` threads per token, blockDim.x / group tokens per block.
 template <class Token>
-__global__ void store_indexer_k_kernel(const StoreIndexerKParams p, int group) {
+__global__ void __launch_bounds__(KVW_BLOCK_THREADS, KVW_MIN_BLOCKS) store_indexer_k_kernel(const StoreIndexerKParams p, int group) {
   const i64 i = i64(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
   if (i < p.locs.n) Token{}(p, i, int(threadIdx.x % group), group);
 }

@@ -57,9 +57,39 @@ def table_args(locs) -> dict:
                 pt_num_indices=t.kv_indices.shape[0], HAS_TABLE=True)
 
 
+def num_warps(constexprs: dict) -> int:
+    """Warps of a program, from its constexprs (the launch and kernels/compile_check.py use the
+    same count). Copy variants (store_kv QUANT off, store_mla MODE 0): one warp per 256 elements
+    of the BLOCK_T x BLOCK_C tile, so a thread moves >= 16 bytes (128-bit loads and stores),
+    at most 8 warps (4 for the MLA row copy: 8 spill on sm_80 with fp32 + loc_map + DCP).
+    Quantising variants: 16 warps for a 4K-element tile (8 elements a thread: the exact fp8 /
+    e2m1 rounding keeps more values live, 16 warps keep it under 64 registers with no spill),
+    scaled down with the store_kv tile. Limits checked by tests/test_compile.py."""
+    elems = constexprs.get("BLOCK_T", 1) * constexprs.get("BLOCK_C", 0)
+    mla_copy = constexprs.get("MODE", -1) == 0
+    if is_copy(constexprs):
+        w = max(1, min(4 if mla_copy else 8, elems // 256))
+    elif constexprs.get("QUANT") is True and elems:
+        w = max(1, min(16, elems // 256))
+    else:
+        w = 16
+    if constexprs.get("CHECK") == 1:
+        # assert variants are debug builds (the device assert keeps its arguments live): twice
+        # the warps (4x for the MLA row copy), so they too stay <= 64 registers with no spill
+        w = min(32, w * (4 if mla_copy else 2))
+    return w
+
+
+def is_copy(constexprs: dict) -> bool:
+    """A plain copy variant (store_kv without QUANT, store_mla MODE 0)."""
+    return constexprs.get("QUANT") is False or constexprs.get("MODE", -1) == 0
+
+
 def launch(kernel, grid, a, **kwargs) -> None:
     """Launch with the assert variant built in debug mode (a device assert on a GPU). Under the
     interpreter a fired assert becomes a KernelAssertion carrying the first bad token."""
+    if not triton_interpreting():
+        kwargs["num_warps"] = num_warps(kwargs)
     if a.check.mode != "assert":
         kernel[grid](**kwargs)
         return

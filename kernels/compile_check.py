@@ -1,15 +1,22 @@
 """Compile every Triton kernel variant for real GPU targets, no GPU needed.
 
 `python -m kvwrite.kernels.compile_check [--family store_kv] [--cc 80 90] [--check guard]`
-prints one JSON line per variant: name, cc, ok, whether its PTX calls `__assertfail`.
+prints one JSON line per variant: name, cc, ok, whether its PTX calls `__assertfail`, its
+ptxas registers / stack / spill bytes and its 16-byte (`.v4`) global loads and stores.
 Run it without TRITON_INTERPRET (the interpreter replaces `triton.jit`).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import io
 import json
+import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -50,18 +57,77 @@ def with_table_defaults(kernel, pointers: dict, constexprs: dict) -> tuple[dict,
     return {**TABLE_POINTERS, **pointers}, {"HAS_TABLE": False, **constexprs}
 
 
+# Integer arguments that are strides (k_sn, kc_sp, ks_sh, ...): a real launch passes multiples of
+# 16 elements there, and Triton's launcher then specialises them (and 16-byte aligned pointers)
+# as divisible by 16; the static compile gives the same hints, so its PTX is the launch's PTX.
+_STRIDE = re.compile(r"_s[a-z]{1,2}$")
+_V4_LD = re.compile(r"\bld\.global[\w.]*\.v4\b")
+_V4_ST = re.compile(r"\bst\.global[\w.]*\.v4\b")
+_REGS = re.compile(r"Used (\d+) registers")
+_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def aligned_attrs(kernel, pointers: dict, constexprs: dict) -> dict:
+    """tt.divisibility=16 on every pointer and stride argument (what a launch specialises)."""
+    return {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+            if name not in constexprs and (name in pointers or _STRIDE.search(name))}
+
+
+def ptxas_usage(log: str) -> dict:
+    """Registers, stack and spill bytes of the kernel(s) in a `ptxas -v` log (the maxima)."""
+    regs = [int(m) for m in _REGS.findall(log)]
+    spill = [tuple(map(int, m)) for m in _SPILL.findall(log)]
+    if not regs:
+        raise RuntimeError(f"no register count in the ptxas log: {log[-500:]!r}")
+    return {"regs": max(regs), "stack": max((s[0] for s in spill), default=0),
+            "spill": max((s[1] + s[2] for s in spill), default=0)}
+
+
+def run_ptxas(ptx: str, cc: int) -> str:
+    """`ptxas -v` (Triton's own ptxas, Triton's flags) on `ptx`; returns the log."""
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([get_ptxas(cc).path, "-lineinfo", "-v", "--regAllocOptLevel=2",
+                              f"--gpu-name={sm_arch_from_capability(cc)}", src, "-o", src + ".o"],
+                             capture_output=True, text=True, check=True)
+    return out.stdout + out.stderr
+
+
 def compile_variant(kernel, pointers, constexprs, cc: int) -> dict:
+    """Compile one variant for sm_`cc`: whether it asserts, its ptxas registers / stack / spill
+    bytes (Triton's own `ptxas -v` log; ptxas run again on a cache hit) and its 16-byte global
+    loads / stores in the PTX."""
+    from triton import knobs
     from triton.backends.compiler import GPUTarget
+
+    from kvwrite.kernels._launch import is_copy, num_warps
     from triton.compiler import ASTSource
     import triton
 
     pointers, constexprs = with_table_defaults(kernel, pointers, constexprs)
-    src = ASTSource(kernel, signature(kernel, pointers, constexprs), constexprs)
+    src = ASTSource(kernel, signature(kernel, pointers, constexprs), constexprs,
+                    aligned_attrs(kernel, pointers, constexprs))
     debug = constexprs.get("CHECK") == CHECKS["assert"]
     start = time.perf_counter()
-    compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"debug": debug})
+    log = io.StringIO()
+    saved = knobs.nvidia.dump_ptxas_log
+    knobs.nvidia.dump_ptxas_log = True
+    try:
+        with contextlib.redirect_stdout(log):
+            compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32),
+                                      options={"debug": debug, "num_warps": num_warps(constexprs)})
+    finally:
+        knobs.nvidia.dump_ptxas_log = saved
     ptx = compiled.asm["ptx"]
-    return {"cc": cc, "ok": True, "assertfail": "__assertfail" in ptx,
+    text = log.getvalue()
+    usage = ptxas_usage(text if _REGS.search(text) else run_ptxas(ptx, cc))
+    return {"cc": cc, "ok": True, "assertfail": "__assertfail" in ptx, **usage,
+            "num_warps": num_warps(constexprs), "copy": is_copy(constexprs),
+            "v4_ld": len(_V4_LD.findall(ptx)), "v4_st": len(_V4_ST.findall(ptx)),
             "seconds": round(time.perf_counter() - start, 3)}
 
 

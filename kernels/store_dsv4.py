@@ -9,7 +9,7 @@ divisions by `tl.div_rn`: bit-identical to the reference on every backend.
 import triton
 import triton.language as tl
 
-from kvwrite.kernels._common import claim_rows, fp8_bits, store_le_bytes
+from kvwrite.kernels._common import claim_rows, daz, finite_abs, fp8_quant, store_le_bytes
 from kvwrite.kernels._nvfp4 import e2m1_code
 from kvwrite.kernels.store_mla import _bf16_bits
 from kvwrite.ops import dsv4 as _d
@@ -52,8 +52,8 @@ def store_dsv4_kv_kernel(
     x = tl.load(kv_ptr + tok.to(tl.int64)[:, None] * kv_sn + cols[None, :], mask=mask, other=0.0)
     if w < _TILES:
         xf = x.to(tl.float32)
-        bits = _ue8m0_bits(tl.max(tl.abs(xf), axis=1), 448.0)
-        code = fp8_bits(tl.div_rn(xf, bits.to(tl.float32, bitcast=True)[:, None]), 448.0, 3, -6)
+        bits = _ue8m0_bits(tl.max(finite_abs(xf), axis=1), 448.0)   # special values: README
+        code = fp8_quant(xf, bits.to(tl.float32, bitcast=True)[:, None], 448.0, 3, -6)
         tl.store(cache_ptr + row_base[:, None] + cols[None, :], code.to(tl.uint8), mask=mask)
         scale_addr = page_base + pool_page_size * _DATA_ROW + offset * _SCALE_ROW + w
         tl.store(cache_ptr + scale_addr, ((bits >> 23) & 0xFF).to(tl.uint8), mask=write)
@@ -80,12 +80,16 @@ def store_dsv4_mxfp4_kernel(
     j = tl.arange(0, _MX // 2)
     mask = write[:, None]
     src = k_ptr + tok.to(tl.int64)[:, None] * k_sn + (b * _MX + 2 * j)[None, :]
-    xe = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    xo = tl.load(src + 1, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(xe), axis=1), tl.max(tl.abs(xo), axis=1))
+    xe = daz(tl.load(src, mask=mask, other=0.0))
+    xo = daz(tl.load(src + 1, mask=mask, other=0.0))
+    amax = tl.maximum(tl.max(finite_abs(xe), axis=1), tl.max(finite_abs(xo), axis=1))
     bits = _ue8m0_bits(amax, 6.0)
     s = bits.to(tl.float32, bitcast=True)[:, None]
-    packed = e2m1_code(tl.div_rn(xe, s)) | (e2m1_code(tl.div_rn(xo, s)) << 4)
+    lo = tl.where(xe != xe, 0, e2m1_code(tl.div_rn(xe, s)))   # NaN: code 0, the block's scale NaN
+    hi = tl.where(xo != xo, 0, e2m1_code(tl.div_rn(xo, s)))
+    packed = lo | (hi << 4)
+    nan = tl.max(((xe != xe) | (xo != xo)).to(tl.int32), axis=1) != 0
+    bits = tl.where(nan, 0x7F800000, bits)
     dst = page_base + offset * (D // 2) + b * (_MX // 2)
     tl.store(cache_ptr + dst[:, None] + j[None, :], packed.to(tl.uint8), mask=mask)
     scale_addr = page_base + pool_page_size * (D // 2) + offset * (D // _MX) + b

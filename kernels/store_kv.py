@@ -1,7 +1,9 @@
 """Fused paged K+V store (MHA/GQA), optionally fp8-quantised, with SWA/DCP loc resolution.
 
 One launch writes K and V. Program (t, c) owns BLOCK_T tokens and column tile c of the
-flattened [H * D] row; NHD and HND are the same kernel with different cache strides.
+flattened [H * D] row; NHD and HND are the same kernel with different cache strides. vLLM's
+legacy head-major layout is a split head-dim stride: feature d sits at (d // X) * x_stride +
+d % X (X = the KX / VX constexpr, 0 = an unsplit row; `kvwrite.ops.kv_head_major`).
 """
 import triton
 import triton.language as tl
@@ -11,8 +13,8 @@ from kvwrite.kernels._common import claim_rows, fp8_quant
 
 @triton.jit
 def _store_rows(src_ptr, dst_ptr, scale_ptr, tok, write, row_base, cols, ncols,
-                s_n, s_h, d_h, scale_h, D: tl.constexpr, QUANT: tl.constexpr,
-                FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
+                s_n, s_h, d_h, scale_h, d_x, D: tl.constexpr, QUANT: tl.constexpr,
+                FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, X: tl.constexpr):
     """Copy (or saturate-quantise) columns `cols` of the tokens in `write` to their rows."""
     cmask = cols < ncols
     h = (cols // D).to(tl.int64)
@@ -22,7 +24,11 @@ def _store_rows(src_ptr, dst_ptr, scale_ptr, tok, write, row_base, cols, ncols,
     if QUANT:
         scale = tl.load(scale_ptr + h * scale_h, mask=cmask, other=1.0)
         x = fp8_quant(x, scale[None, :], FMAX, MANT, EMIN)  # exact division, as torch
-    tl.store(dst_ptr + row_base[:, None] + (h * d_h + d)[None, :],
+    if X == 0:
+        feat = d.to(tl.int64)
+    else:  # split head dim (vLLM's legacy key [.., D/X, block, X], value [.., D, block])
+        feat = (d // X).to(tl.int64) * d_x + d % X
+    tl.store(dst_ptr + row_base[:, None] + (h * d_h + feat)[None, :],
              x.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
@@ -38,6 +44,7 @@ def store_kv_kernel(
     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
     pt_batch_ptr=None, pt_indices_ptr=None, pt_indptr_ptr=None, pt_num_batches=0,
     pt_num_indices=0, HAS_TABLE: tl.constexpr = False,
+    kc_sx=0, vc_sx=0, KX: tl.constexpr = 0, VX: tl.constexpr = 0,
 ):
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -49,9 +56,9 @@ def store_kv_kernel(
                                      pt_num_indices, HAS_TABLE)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     _store_rows(k_ptr, kc_ptr, ks_ptr, tok, write, page * kc_sp + offset * kc_so, cols,
-                num_heads * DK, k_sn, k_sh, kc_sh, ks_sh, DK, QUANT, FMAX, MANT, EMIN)
+                num_heads * DK, k_sn, k_sh, kc_sh, ks_sh, kc_sx, DK, QUANT, FMAX, MANT, EMIN, KX)
     _store_rows(v_ptr, vc_ptr, vs_ptr, tok, write, page * vc_sp + offset * vc_so, cols,
-                num_heads * DV, v_sn, v_sh, vc_sh, vs_sh, DV, QUANT, FMAX, MANT, EMIN)
+                num_heads * DV, v_sn, v_sh, vc_sh, vs_sh, vc_sx, DV, QUANT, FMAX, MANT, EMIN, VX)
 
 
 def launch(a) -> None:
@@ -76,8 +83,17 @@ def launch(a) -> None:
         v_sh=a.v.stride(1), kc_sp=kc.stride(0), kc_so=kc.stride(1), kc_sh=kc.stride(2),
         vc_sp=vc.stride(0), vc_so=vc.stride(1), vc_sh=vc.stride(2),
         ks_sh=1 if quant and ks.numel() > 1 else 0, vs_sh=1 if quant and vs.numel() > 1 else 0,
+        **_split_args(kc, vc),
         DK=dk, DV=dv, QUANT=quant, **fp8_constexprs(a.k_cache.dtype),
         BLOCK_T=block_t, BLOCK_C=block_c, **loc_args(a))
+
+
+def _split_args(kc, vc) -> dict:
+    """The split head-dim strides of canonical 5-D [pages, rows, H, D / X, X] caches (vLLM's
+    legacy head-major layout); nothing for the 4-D [pages, rows, H, D] caches."""
+    if kc.dim() == 4 and vc.dim() == 4:
+        return {}
+    return dict(kc_sx=kc.stride(3), vc_sx=vc.stride(3), KX=kc.shape[4], VX=vc.shape[4])
 
 
 def variants():
@@ -113,3 +129,14 @@ def variants():
             constexprs = dict(DK=128, DV=128, QUANT=quant, **fp8_constexprs(cache), HAS_MAP=False,
                               HAS_DCP=False, CHECK=check, OP=0, BLOCK_T=4, BLOCK_C=1024, HAS_TABLE=True)
             yield f"{str(dtype)[6:]}->{str(cache)[6:]}+table", store_kv_kernel, pointers, constexprs
+        # vLLM's legacy head-major layout: key split by x = 16 bytes / element, value by 1
+        for dtype, cache in ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float8_e4m3fn)):
+            quant = cache in FP8_MAX
+            store = torch.uint8 if quant else cache
+            pointers = dict(k_ptr=dtype, v_ptr=dtype, kc_ptr=store, vc_ptr=store, loc_ptr=torch.int64,
+                            ks_ptr=torch.float32 if quant else dtype, vs_ptr=torch.float32 if quant else dtype,
+                            err_ptr=torch.int64, loc_map_ptr=torch.int32)
+            constexprs = dict(DK=128, DV=128, QUANT=quant, **fp8_constexprs(cache), HAS_MAP=False,
+                              HAS_DCP=False, CHECK=check, OP=0, BLOCK_T=4, BLOCK_C=1024,
+                              KX=16 // torch.empty((), dtype=cache).element_size(), VX=1)
+            yield f"{str(dtype)[6:]}->{str(cache)[6:]}+head_major", store_kv_kernel, pointers, constexprs

@@ -24,6 +24,13 @@ ROOT = Path(__file__).resolve().parents[1]
 NB, BS, H, D = 5, 4, 2, 16   # blocks, block_size, heads, head_dim
 
 
+def skip_device_assert(backend, mode):
+    """A device assert kills the CUDA context: kernel backends' assert mode on a GPU is covered by
+    test_store_kv.py::test_device_assert_in_subprocess."""
+    if mode == "assert" and DEVICE.type == "cuda" and backend != "torch":
+        pytest.skip("device assert on a GPU: see test_store_kv.py::test_device_assert_in_subprocess")
+
+
 def vllm_fp8(x: torch.Tensor, scale: float, fmt: torch.dtype) -> torch.Tensor:
     """vLLM's scaled_convert: fp32 x / scale, saturated to the format's finite range, RNE."""
     return (x.float() / scale).clamp(-FMAX[fmt], FMAX[fmt]).to(fmt).view(torch.uint8)
@@ -113,6 +120,7 @@ def test_reshape_and_cache_flash_auto_ignores_scales(backend):
 @pytest.mark.parametrize("backend", ALL)
 @pytest.mark.parametrize("mode", ["assert", "guard"])
 def test_reshape_and_cache_flash_bad_slots(backend, mode):
+    skip_device_assert(backend, mode)
     gen = torch.Generator().manual_seed(2)
     key, value = values((5, H, D), torch.float16, gen), values((5, H, D), torch.float16, gen)
     sm = slots(gen, 5, NB * BS, pad=(0,))
@@ -219,6 +227,7 @@ def test_concat_and_cache_mla_matches_vllm(backend, kv_cache_dtype, dtype, typed
 @pytest.mark.parametrize("backend", ALL)
 @pytest.mark.parametrize("mode", ["assert", "guard"])
 def test_concat_and_cache_mla_bad_slot(backend, mode):
+    skip_device_assert(backend, mode)
     gen = torch.Generator().manual_seed(3)
     kv_c, k_pe = values((4, L), torch.bfloat16, gen), values((4, R), torch.bfloat16, gen)
     cache = torch.zeros(NB, BS, L + R, dtype=torch.bfloat16, device=DEVICE)
@@ -278,6 +287,7 @@ def test_indexer_k_quant_and_cache_matches_vllm(backend, scale_fmt, dtype):
 @pytest.mark.parametrize("backend", ALL)
 @pytest.mark.parametrize("mode", ["assert", "guard"])
 def test_indexer_k_quant_and_cache_bad_slot(backend, mode):
+    skip_device_assert(backend, mode)
     gen = torch.Generator().manual_seed(5)
     k = values((3, 64), torch.bfloat16, gen)
     cache = torch.zeros(NB, BS, 64 + 8, dtype=torch.uint8, device=DEVICE)
@@ -306,3 +316,80 @@ def test_example_runs():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "bytes match" in out.stdout and "OutOfBoundsWrite" in out.stdout
+
+
+# --- reshape_and_cache (legacy head-major layout) -------------------------------------------
+
+def legacy_reference(key, value, kc, vc, slot_mapping, kv_cache_dtype, ks, vs):
+    """reshape_and_cache restated from vLLM's index arithmetic on contiguous caches:
+    key  at ((block * H + h) * (D / x) + d / x) * block_size * x + offset * x + d % x,
+    value at ((block * H + h) * D + d) * block_size + offset."""
+    nb, h, dx, bs, x = kc.shape
+    d = dx * x
+    kflat, vflat = kc.reshape(-1), vc.reshape(-1)
+    for i, s in enumerate(slot_mapping.tolist()):
+        if s < 0:
+            continue
+        b, o = s // bs, s % bs
+        for hh in range(h):
+            for dd in range(d):
+                ka = ((b * h + hh) * dx + dd // x) * bs * x + o * x + dd % x
+                va = ((b * h + hh) * d + dd) * bs + o
+                for src, flat, at, sc in ((key, kflat, ka, ks), (value, vflat, va, vs)):
+                    xv = src[i, hh, dd:dd + 1]
+                    if kv_cache_dtype == "auto":
+                        _bytes(flat)[at] = _bytes(xv)[0]
+                    else:
+                        _bytes(flat)[at] = vllm_fp8(xv, float(sc.reshape(-1)[0]), FP8[kv_cache_dtype])[0]
+
+
+@pytest.mark.parametrize("backend", ALL)
+@pytest.mark.parametrize("kv_cache_dtype,dtype,typed_u8", [
+    ("auto", torch.float32, False), ("auto", torch.float16, False), ("auto", torch.bfloat16, False),
+    ("fp8", torch.bfloat16, True), ("fp8_e4m3", torch.float32, False), ("fp8_e5m2", torch.float16, True),
+])
+def test_reshape_and_cache_matches_vllm(backend, kv_cache_dtype, dtype, typed_u8):
+    gen = torch.Generator().manual_seed(19)
+    n = 5
+    cdt = dtype if kv_cache_dtype == "auto" else (torch.uint8 if typed_u8 else FP8[kv_cache_dtype])
+    x = 16 // torch.empty((), dtype=cdt).element_size()
+    d = 32 if x == 16 else D
+    buf = CanaryBuffer({"k": ((NB, H, d // x, BS, x), cdt), "v": ((NB, H, d, BS), cdt)}, seed=29)
+    key, value = values((n + 1, H, d), dtype, gen), values((n + 1, H, d), dtype, gen)
+    key[0, 1, :2] = torch.tensor([1e6, -1e6])  # saturates
+    ks, vs = torch.tensor([0.6], device=DEVICE), torch.tensor([1.7], device=DEVICE)
+    sm = slots(gen, n, NB * BS, pad=(2,))
+    original, ref = buf.raw.clone(), buf.clone()
+    vllm.reshape_and_cache(key, value, buf["k"], buf["v"], sm, kv_cache_dtype, ks, vs, backend=backend)
+    legacy_reference(key, value, ref["k"], ref["v"], sm, kv_cache_dtype, ks, vs)
+    assert_same_bytes(buf, ref, original)
+
+
+@pytest.mark.parametrize("backend", ALL)
+@pytest.mark.parametrize("mode", ["assert", "guard"])
+def test_reshape_and_cache_bad_slot(backend, mode):
+    skip_device_assert(backend, mode)
+    gen = torch.Generator().manual_seed(6)
+    key, value = values((4, H, D), torch.float16, gen), values((4, H, D), torch.float16, gen)
+    kc = torch.zeros(NB, H, D // 8, BS, 8, dtype=torch.float16, device=DEVICE)
+    vc = torch.zeros(NB, H, D, BS, dtype=torch.float16, device=DEVICE)
+    sm = torch.tensor([3, -1, NB * BS + 1, 0], device=DEVICE)
+    errors = kvwrite.ErrorBuffer(DEVICE)
+    if mode == "assert":
+        with pytest.raises(kvwrite.OutOfBoundsWrite) as exc:
+            vllm.reshape_and_cache(key, value, kc, vc, sm, "auto", None, None, check="assert", backend=backend)
+        assert exc.value.token_index == 2 and exc.value.page == NB
+        return
+    vllm.reshape_and_cache(key, value, kc, vc, sm, "auto", None, None, check="guard", errors=errors,
+                           backend=backend)
+    err = errors.error()
+    assert err.token_index == 2 and err.loc == NB * BS + 1 and err.count == 1
+    assert torch.equal(kc[0, :, :, 3].reshape(H, D), key[0]) and torch.equal(vc[0, :, :, 0], value[3])
+
+
+def test_reshape_and_cache_shape_error():
+    key = torch.zeros(2, H, D, dtype=torch.float16)
+    vc = torch.zeros(NB, H, D, BS, dtype=torch.float16)
+    with pytest.raises(ValueError, match="x = 8"):
+        vllm.reshape_and_cache(key, key, torch.zeros(NB, H, D // 4, BS, 4, dtype=torch.float16), vc,
+                               torch.zeros(2, dtype=torch.int64), "auto", None, None)

@@ -1,5 +1,7 @@
 """Every Triton kernel variant compiles for sm_80 and sm_90 (no GPU needed); the assert
-variants' PTX calls __assertfail and the others' does not."""
+variants' PTX calls __assertfail and the others' does not; from the same compile (ptxas -v and
+the PTX): 0 bytes of spill and at most 64 registers per thread, and the copy variants' global
+loads and stores are 16-byte (`.v4`). The CUDA kernels get the same checks in test_static_gpu.py."""
 import json
 import os
 import subprocess
@@ -23,3 +25,8 @@ def test_every_variant_compiles_for_sm80_and_sm90(family, check):
     assert out.returncode == 0, out.stderr[-3000:]
     assert rows and {r["cc"] for r in rows} == {80, 90}
     assert all(r["assertfail"] == (check == "assert") for r in rows), rows
+    over = [(r["variant"], r["cc"], r["regs"], r["spill"]) for r in rows if r["spill"] or r["regs"] > 64]
+    assert not over, over
+    scalar = [(r["variant"], r["cc"], r["v4_ld"], r["v4_st"]) for r in rows
+              if r["copy"] and not (r["v4_ld"] and r["v4_st"])]
+    assert not scalar, scalar

@@ -36,7 +36,8 @@ def test_plan_json_matches_the_api(capsys):
 
 def test_plan_from_config_and_max_tokens(capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(PRESETS["qwen3-next-80b-a3b"][1]))
-    rc, out, _ = run(capsys, "plan", "--config", str(tmp_path), "--max-tokens", "1000", "--tp", "2", "--json")
+    rc, out, _ = run(capsys, "plan", "--config", str(tmp_path), "--max-tokens", "1000", "--tp", "2",
+                     "--max-running-requests", "8", "--json")
     d = json.loads(out)
     assert rc == 0 and d["max_total_num_tokens"] == 960 and d["pools"][0]["num_layers"] == 12
 

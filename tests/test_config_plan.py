@@ -62,7 +62,7 @@ def test_cell_size_bytes_formulas():
     assert c("deepseek-v3.2") == 576 * 61 * 2 + 132 * 61
     assert c("deepseek-v3.2", "fp8_ds_mla", dcp=4) == 656 * 61 + 4 * 132 * 61   # indexer: virtual loc
     assert c("deepseek-v3.2", "fp8_ds_mla", dcp=4, draft=True) == 656 + 132       # per virtual token
-    assert c("qwen3-next-80b-a3b") == 2 * 512 * 12 * 2
+    assert c("qwen3-next-80b-a3b", max_running_requests=8) == 2 * 512 * 12 * 2   # the state is per request
     # hybrid SWA: F * n_full + r * S * n_swa, plus the int64 full->swa loc map
     assert c("gpt-oss-120b") == pytest.approx(8 * 128 * 2 * 18 * (1 + 0.8) + 8)
     assert c("gemma-3-27b", swa_full_tokens_ratio=0.5) == 16 * 256 * 2 * (10 + 0.5 * 52) + 8
@@ -73,14 +73,17 @@ def test_cell_size_bytes_formulas():
 @pytest.mark.parametrize("dcp, draft", [(1, False), (4, False), (4, True)])
 def test_memory_budget_is_filled_with_whole_pages(name, dcp, draft):
     budget = 20 * GiB
-    c = cfg(name, dcp=dcp, draft=draft, memory_bytes=budget)
+    state = dict(max_running_requests=64) if name == "qwen3-next-80b-a3b" and not draft else {}
+    c = cfg(name, dcp=dcp, draft=draft, memory_bytes=budget, **state)
     plan = c.plan()
     assert plan.total_bytes <= budget
     pages = plan.max_total_num_tokens // plan.pool_page_size
     assert plan.max_total_num_tokens == pages * plan.pool_page_size
     assert c.total_bytes_for(pages + 1) > budget     # the largest whole number of pages
     if plan.variant != "swa_hybrid":        # every pool: its pages plus one padding page
-        assert plan.total_bytes == plan.cell_size_bytes * (plan.max_total_num_tokens + plan.pool_page_size)
+        assert plan.kv_bytes == plan.cell_size_bytes * (plan.max_total_num_tokens + plan.pool_page_size)
+    assert plan.total_bytes == plan.kv_bytes + plan.state_bytes    # the recurrent state counts too
+    assert (plan.state_bytes > 0) == bool(state)
 
 
 def test_max_total_num_tokens_rounds_down_and_both_limits():
@@ -125,7 +128,7 @@ def test_swa_pool_by_ratio_and_window_refusal():
 
 
 def test_hybrid_linear_plans_only_full_attention_layers():
-    plan = cfg("qwen3-next-80b-a3b", tp=2, max_total_num_tokens=4096).plan()
+    plan = cfg("qwen3-next-80b-a3b", tp=2, max_total_num_tokens=4096, max_running_requests=4).plan()
     (kv,) = plan.pools
     assert kv.layer_ids == tuple(range(3, 48, 4))
     assert [b.shape for b in kv.buffers] == [(65, 64, 1, 256)] * 2

@@ -23,6 +23,10 @@ EXPECTED = {
     "gemma-3-27b": ("swa_hybrid", 62, 16, 128, 62, dict(sliding_window=1024,
                                                         full_attention_layer_ids=tuple(range(5, 62, 6)))),
     "qwen3-next-80b-a3b": ("hybrid_linear", 48, 2, 256, 12, dict(full_attention_layer_ids=tuple(range(3, 48, 4)))),
+    "deepseek-v4-flash": ("dsv4", 43, 0, 512, 43, dict(qk_rope_head_dim=64, index_head_dim=128, sliding_window=128,
+                                                       compress_ratios=(0, 0) + (4, 128) * 20 + (4,))),
+    "deepseek-v4-pro": ("dsv4", 61, 0, 512, 61, dict(qk_rope_head_dim=64, index_head_dim=128, sliding_window=128,
+                                                     compress_ratios=(128, 128) + (4, 128) * 29 + (4,))),
 }
 
 

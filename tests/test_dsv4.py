@@ -367,3 +367,24 @@ def test_torch_compile_fullgraph_calls_the_custom_ops():
     ref = torch.zeros_like(cache)
     kvwrite.store_dsv4_kv(kv * 2, ref, torch.tensor([1, 6]), backend="torch")
     assert torch.equal(cache, ref) and torch.equal(pool[[1, 6]], rows)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_special_values_follow_the_shared_policy(backend, dtype):
+    """NaN, +-inf, fp32 subnormals, -0 in NoPE, RoPE and mxfp4 blocks: every backend writes the
+    reference's bytes (README "Special values")."""
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(4, 512, generator=gen)
+    x[0, 3], x[0, 70], x[0, 500], x[1, 9] = float("nan"), float("inf"), float("-inf"), -0.0
+    x[2, :64] = 1e-40                                 # subnormal tile
+    x[3, 449] = float("nan")
+    x = x.to(dtype).to(DEVICE)
+    loc = torch.tensor([0, 1, 2, 3], device=DEVICE)
+    for op, specs, inp, kw in (("kv", {"cache": ((1, kv_page_bytes(4)), torch.uint8)}, x, {}),
+                               ("idx", {"cache": ((1, 4 * 68), torch.uint8)}, x[:, :128], {"fmt": "mxfp4"})):
+        pool = CanaryBuffer(specs, 3)
+        ref, original = pool.clone(), pool.raw.clone()
+        run(op, backend, pool, inp, loc, **kw)
+        run(op, "torch", ref, inp, loc, **kw)
+        assert_same_bytes(pool, ref, original)

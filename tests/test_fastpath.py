@@ -186,7 +186,11 @@ def test_cpu_assert_raises_out_of_bounds_write_with_the_record(direct):
 
 # --- memo and changed tensors ------------------------------------------------------------------
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+# The Python validation memo (torch; triton: its launch memo too, under the interpreter here) and
+# the C++ path (cpu).
+MEMO_BACKENDS = [b for b in ("torch", "triton", "cpu") if kvwrite.backends("cpu")[b] is None]
+
+@pytest.mark.parametrize("backend", MEMO_BACKENDS)
 def test_resized_cache_is_checked_again(backend):
     k, v, kc, vc = _kv()
     loc = torch.tensor([0, 1, 2])
@@ -202,7 +206,7 @@ def test_resized_cache_is_checked_again(backend):
     assert torch.equal(kc.view(-1, 2, 16)[:3], k)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", MEMO_BACKENDS)
 def test_restrided_input_is_checked_again(backend):
     k, v, kc, vc = _kv()
     loc = torch.tensor([0, 1, 2])
@@ -219,7 +223,7 @@ def test_restrided_input_is_checked_again(backend):
     assert torch.equal(kc.view(-1, 2, 16)[3:], before.view(-1, 2, 16)[3:])
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", MEMO_BACKENDS)
 def test_retyped_tensor_is_checked_again(backend):
     k, v, kc, vc = _kv()
     loc = torch.tensor([0, 1, 2])
@@ -236,7 +240,7 @@ def test_retyped_tensor_is_checked_again(backend):
     assert torch.equal(vc.view(-1, 2, 16)[:3], v)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", MEMO_BACKENDS)
 def test_tensor_on_another_device_is_checked_again(backend):
     """The memo is keyed by each tensor's facts, device included: a same-shaped tensor on another
     device (meta here; CUDA on a GPU machine) after a passing call is refused, before any write."""
@@ -288,7 +292,9 @@ def _twin_pools(variant, kv="auto", dcp=1, rank=0):
     conf = kvwrite.KVCacheConfigurator(TINY[variant], kvwrite.ParallelSpec(dcp_size=dcp, dcp_rank=rank),
                                        page_size=4, kv_cache_dtype=kv, max_total_num_tokens=32)
     plan = conf.plan()
-    return plan.build("cpu", check="guard", backend="cpu"), plan.build("cpu", check="guard", backend="torch")
+    scales = 1.0 if kv.startswith("fp8") else None   # an fp8 pool is built with its scales
+    return (plan.build("cpu", check="guard", backend="cpu", scales=scales),
+            plan.build("cpu", check="guard", backend="torch", scales=scales))
 
 
 @pytest.mark.parametrize("variant, kv, dcp", [("mha", "auto", 1), ("mha", "fp8_e4m3", 1), ("mha", "auto", 2),
@@ -338,3 +344,26 @@ def test_host_cost_table_measures_every_entry_point():
             "kvwrite.store_kv_nvfp4"} <= {r["what"] for r in rows}
     assert all(r["us"] > 0 and r["vs_us"] > 0 and r["met"] == (r["ratio"] <= r["target"]) for r in rows)
     assert "| call | µs | nearest torch equivalent |" in "\n".join(host.markdown(rows))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or _ext.unavailable_reason("cuda") is not None,
+                    reason="needs a CUDA device and the extension's CUDA kernels")
+def test_cuda_fast_path_runs_in_cpp_and_is_graph_safe():
+    """On CUDA tensors the C++ op validates and launches with no host sync: it captures into a
+    CUDA graph, and the replay writes the reference's bytes and guard record."""
+    k, v, kc, vc = (t.cuda() for t in _kv())
+    ref_k, ref_v = kc.clone(), vc.clone()
+    errors, ref_errors = kvwrite.ErrorBuffer("cuda"), kvwrite.ErrorBuffer("cuda")
+    loc = torch.tensor([0, 5, 99], device="cuda")
+    forwarded = dict(_library.FORWARDED)
+    kvwrite.store_kv(k, v, kc, vc, loc, check="guard", errors=errors)  # warm-up, outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kvwrite.store_kv(k * 2, v, kc, vc, loc, check="guard", errors=errors)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _library.FORWARDED == forwarded
+    kvwrite.store_kv(k, v, ref_k, ref_v, loc, check="guard", errors=ref_errors, backend="torch")
+    kvwrite.store_kv(k * 2, v, ref_k, ref_v, loc, check="guard", errors=ref_errors, backend="torch")
+    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+    assert torch.equal(errors.tensor, ref_errors.tensor) and errors.error().count == 2

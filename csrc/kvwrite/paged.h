@@ -12,9 +12,16 @@ struct PagedCache {
   i64 stride_page = 0, stride_entry = 0, stride_head = 0;  // in elements; feat stride is 1
   i64 pool_page_size = 1;
   int elem_size = 1;
+  // Split head dim (vLLM's legacy head-major layout): feat d at (d / split) * stride_split +
+  // d % split. split = 0: unsplit, feat stride 1.
+  int split = 0;
+  i64 stride_split = 0;
 
+  KVW_HD i64 feat_offset(i64 feat) const {
+    return split == 0 ? feat : (feat / split) * stride_split + feat % split;
+  }
   KVW_HD i64 elem_offset(i64 page, i64 entry, i64 head, i64 feat) const {
-    return page * stride_page + entry * stride_entry + head * stride_head + feat;
+    return page * stride_page + entry * stride_entry + head * stride_head + feat_offset(feat);
   }
   // Byte address of local row `row` (page = row / pool_page_size): the one int64 division.
   KVW_HD char* row_ptr(i64 row) const {

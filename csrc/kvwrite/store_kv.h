@@ -39,6 +39,7 @@ inline int store_kv_vec(const StoreKVParams& p) {
             uint64_t(s->s_tok * es) | uint64_t(s->s_head * es) |
             uint64_t(reinterpret_cast<uintptr_t>(s->cache.base)) | uint64_t(s->cache.stride_page * es) |
             uint64_t(s->cache.stride_entry * es) | uint64_t(s->cache.stride_head * es);
+    if (s->cache.split) bits |= uint64_t(s->cache.split * es) | uint64_t(s->cache.stride_split * es);
   }
   return vec_bytes(bits);
 }
@@ -50,7 +51,7 @@ KVW_HD void copy_side(const KVSide& s, int H, int es, i64 i, i64 row, int lane, 
   char* dst = s.cache.row_ptr(row);
   const char* src = s.src + i * s.s_tok * es;
 #if !defined(__CUDA_ARCH__)
-  if (nlanes == 1) {
+  if (nlanes == 1 && !s.cache.split) {  // a split head dim is not one run: the unit loop below
     copy_runs(dst, s.cache.stride_head * es, src, s.s_head * es, H, i64(s.D) * es);
     return;
   }
@@ -58,7 +59,9 @@ KVW_HD void copy_side(const KVSide& s, int H, int es, i64 i, i64 row, int lane, 
   const int units = s.D * es / VEC;
   for (int u = lane; u < H * units; u += nlanes) {
     const int h = u / units, b = (u - h * units) * VEC;
-    copy_unit<VEC>(dst + s.cache.in_row(h, 0) + b, src + h * s.s_head * es + b);
+    // a unit never straddles a split chunk (store_kv_vec divides split * es)
+    const i64 at = s.cache.split ? s.cache.in_row(h, b / es) + b % es : s.cache.in_row(h, 0) + b;
+    copy_unit<VEC>(dst + at, src + h * s.s_head * es + b);
   }
 }
 
@@ -69,7 +72,7 @@ template <DType IN, class F>
 KVW_HD void quant_side(const KVSide& s, int H, i64 i, i64 row, int lane, int nlanes) {
   char* dst = s.cache.row_ptr(row);
   const i64 src = i * s.s_tok;
-  if (nlanes == 1) {
+  if (nlanes == 1 && !s.cache.split) {  // a split head dim goes elementwise (below)
     for (int h = 0; h < H; ++h) {
       const float sc = s.scale[h * s.scale_stride];
       const i64 base = src + h * s.s_head;
@@ -78,7 +81,7 @@ KVW_HD void quant_side(const KVSide& s, int H, i64 i, i64 row, int lane, int nla
     }
     return;
   }
-  if (s.D % CHUNK == 0) {
+  if (s.D % CHUNK == 0 && !s.cache.split) {
     const int per_head = s.D / CHUNK;
     for (int c = lane; c < H * per_head; c += nlanes) {
       const int h = c / per_head, d = (c - h * per_head) * CHUNK;

@@ -28,8 +28,8 @@ __all__ = [
     "AllocatorExhausted", "KVCacheConfigurator", "KVPool", "ModelSpec", "PagedAllocator", "ParallelSpec",
     "PoolPlan", "VariantPlanner", "presets", "register_variant",
     "dequant_nvfp4", "store_kv_nvfp4",
-    "PageTable",
     "compressed_loc", "dequant_dsv4_kv", "read_dsv4_indexer_k", "state_loc", "store_dsv4_indexer_k",
     "store_dsv4_kv", "store_rows",
+    "PageTable",
     "dequant_kv", "rope_store_kv", "rope_store_mla",
 ]

@@ -1,4 +1,5 @@
-"""`PagedAllocator`: hands out whole pages of locs; page 0 is reserved for padding.
+"""`PagedAllocator`: hands out whole pages of locs; page 0 is reserved for padding (SGLang's
+convention) unless `reserve_padding_page=False` (vLLM's: padded tokens carry loc -1).
 
 Under DCP the allocator pages the *virtual* loc space of all ranks: `PagedAllocator.for_dcp`
 builds it over `num_locs * dcp_size` locs in pages of `page_size * dcp_size` (SGLang's
@@ -17,32 +18,39 @@ class AllocatorExhausted(RuntimeError):
 
 class PagedAllocator:
     """Pages `[0, num_locs)` in `page_size`-loc pages; page 0 (the padding page) is never handed
-    out. `alloc(n)` returns the locs of the `ceil(n / page_size)` whole pages it takes (int64,
-    page after page, rows in order); `free(locs)` returns whole pages."""
+    out unless `reserve_padding_page=False`. `alloc(n)` returns the locs of the
+    `ceil(n / page_size)` whole pages it takes (int64, page after page, rows in order);
+    `free(locs)` returns whole pages."""
 
-    def __init__(self, num_locs: int, page_size: int, device: "torch.device | str" = "cpu") -> None:
+    def __init__(self, num_locs: int, page_size: int, device: "torch.device | str" = "cpu", *,
+                 reserve_padding_page: bool = True) -> None:
         self.num_locs = require_positive_int("num_locs", num_locs)
         self.page_size = require_positive_int("page_size", page_size)
+        if not isinstance(reserve_padding_page, bool):
+            raise TypeError(f"reserve_padding_page must be a bool, got {reserve_padding_page!r}")
+        self.reserve_padding_page = reserve_padding_page
+        self.first_page = int(reserve_padding_page)
         if self.num_locs % self.page_size:
             raise ValueError(f"num_locs={self.num_locs} must be a whole number of pages of {self.page_size}")
         self.num_pages = self.num_locs // self.page_size
-        if self.num_pages < 2:
+        if self.num_pages < 1 + self.first_page:
             raise ValueError(f"num_locs={self.num_locs} holds {self.num_pages} page(s); page 0 is the "
                              "padding page, so at least 2 are needed")
         self.device = torch.device(device)
         self.dcp_size = 1
-        self._next = 1                 # pages [next, num_pages) were never handed out
+        self._next = self.first_page   # pages [next, num_pages) were never handed out
         self._freed: list[int] = []    # pages handed back
         self._used = torch.zeros(self.num_pages, dtype=torch.bool)
 
     @classmethod
-    def for_dcp(cls, num_locs: int, page_size: int, dcp_size: int, device: "torch.device | str" = "cpu"
-                ) -> "PagedAllocator":
+    def for_dcp(cls, num_locs: int, page_size: int, dcp_size: int, device: "torch.device | str" = "cpu",
+                *, reserve_padding_page: bool = True) -> "PagedAllocator":
         """The shared allocator of `dcp_size` ranks that each hold `num_locs` locs in pages of
         `page_size`: the virtual space `num_locs * dcp_size` in pages of `page_size * dcp_size`."""
         dcp_size = require_positive_int("dcp_size", dcp_size)
         a = cls(require_positive_int("num_locs", num_locs) * dcp_size,
-                require_positive_int("page_size", page_size) * dcp_size, device)
+                require_positive_int("page_size", page_size) * dcp_size, device,
+                reserve_padding_page=reserve_padding_page)
         a.dcp_size = dcp_size
         return a
 
@@ -52,8 +60,8 @@ class PagedAllocator:
 
     @property
     def usable_locs(self) -> int:
-        """Locs that can be handed out: every page but the padding page."""
-        return (self.num_pages - 1) * self.page_size
+        """Locs that can be handed out: every page but the padding page (if reserved)."""
+        return (self.num_pages - self.first_page) * self.page_size
 
     def alloc_pages(self, num_pages: int) -> torch.Tensor:
         """`num_pages` free page indices (int64)."""
@@ -61,7 +69,7 @@ class PagedAllocator:
             raise ValueError(f"num_pages must be an int >= 0, got {num_pages!r}")
         if num_pages > self.free_pages:
             raise AllocatorExhausted(f"asked for {num_pages} page(s) of {self.page_size} locs but only "
-                                     f"{self.free_pages} of {self.num_pages - 1} are free")
+                                     f"{self.free_pages} of {self.num_pages - self.first_page} are free")
         take = min(num_pages, len(self._freed))
         pages = self._freed[len(self._freed) - take:]
         del self._freed[len(self._freed) - take:]
@@ -85,8 +93,10 @@ class PagedAllocator:
         locs = torch.as_tensor(locs).to("cpu", torch.int64).flatten()
         if locs.numel() == 0:
             return
-        if int(locs.min()) < self.page_size or int(locs.max()) >= self.num_locs:
-            raise ValueError(f"locs must be in [{self.page_size}, {self.num_locs}) (page 0 is the padding page)")
+        low = self.first_page * self.page_size
+        if int(locs.min()) < low or int(locs.max()) >= self.num_locs:
+            raise ValueError(f"locs must be in [{low}, {self.num_locs})"
+                             + (" (page 0 is the padding page)" if self.first_page else ""))
         pages = torch.unique(torch.div(locs, self.page_size, rounding_mode="floor"))
         if locs.numel() != pages.numel() * self.page_size or torch.unique(locs).numel() != locs.numel():
             raise ValueError("free() takes the locs of whole pages, each loc once")
@@ -98,5 +108,6 @@ class PagedAllocator:
 
     def __repr__(self) -> str:
         dcp = f", dcp_size={self.dcp_size}" if self.dcp_size > 1 else ""
+        dcp += "" if self.reserve_padding_page else ", reserve_padding_page=False"
         return (f"PagedAllocator(num_locs={self.num_locs}, page_size={self.page_size}{dcp}, "
                 f"free_pages={self.free_pages})")

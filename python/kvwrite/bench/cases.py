@@ -433,4 +433,59 @@ def _mha_nvfp4(n: int, device: torch.device, gen: torch.Generator) -> Setup:
     return Setup(call, moved, baselines, notes, {}, outs)
 
 
+def _dsv4_missing() -> str | None:
+    return None if hasattr(kvwrite, "store_dsv4_kv") else "kvwrite has no store_dsv4_kv"
+
+
+@case("store_dsv4_kv", "dsv4-kv", "DeepSeek V4 SWA layer: 448 NoPE + 64 RoPE bf16 -> FlashMLA MODEL1 page (584 B), pages of 256",
+      _dsv4_missing)
+def _dsv4_kv(n: int, device: torch.device, gen: torch.Generator) -> Setup:
+    from kvwrite.ops.dsv4 import kv_page_bytes
+
+    page = 256
+    loc, num_pages = paged_locs(n, page, device, gen)
+    kv = _randn((n, 512), torch.bfloat16, device, gen)
+    cache = torch.zeros(num_pages, kv_page_bytes(page), dtype=torch.uint8, device=device)
+
+    def call(backend: str, check: str, errors) -> None:
+        kvwrite.store_dsv4_kv(kv, cache, loc, page_size=page, check=check, errors=errors, backend=backend)
+
+    notes = {"torch-index": "skipped: no plain torch store of the split data/scale page (the torch backend is the reference)"}
+    return Setup(call, _nbytes(kv, loc) + n * 583, {}, notes, {}, (cache,))
+
+
+@case("store_dsv4_indexer_k", "dsv4-indexer-mxfp4", "DeepSeek V4 c4 indexer K: 128 bf16 -> MXFP4 (e2m1 + ue8m0 per 32), pages of 64",
+      _dsv4_missing)
+def _dsv4_mxfp4(n: int, device: torch.device, gen: torch.Generator) -> Setup:
+    page = 64
+    loc, num_pages = paged_locs(n, page, device, gen)
+    k = _randn((n, 128), torch.bfloat16, device, gen)
+    cache = torch.zeros(num_pages, page * 68, dtype=torch.uint8, device=device)
+
+    def call(backend: str, check: str, errors) -> None:
+        kvwrite.store_dsv4_indexer_k(k, cache, loc, fmt="mxfp4", check=check, errors=errors, backend=backend)
+
+    return Setup(call, _nbytes(k, loc) + n * 68, {}, {"torch-index": "skipped: no plain torch MXFP4 store"}, {},
+                 (cache,))
+
+
+@case("store_rows", "dsv4-state-rows", "DeepSeek V4 c4 compress state: rows of 2*2*512 fp32", _dsv4_missing)
+def _dsv4_rows(n: int, device: torch.device, gen: torch.Generator) -> Setup:
+    width = 2048
+    rows = max(2 * n, 16)
+    loc = torch.randperm(rows, generator=gen)[:n].to(device)
+    src = _randn((n, width), torch.float32, device, gen)
+    pool = torch.zeros(rows, width, dtype=torch.float32, device=device)
+
+    def call(backend: str, check: str, errors) -> None:
+        kvwrite.store_rows(src, pool, loc, check=check, errors=errors, backend=backend)
+
+    def index_copy() -> None:
+        pool.index_copy_(0, loc, src)
+
+    return Setup(call, 2 * _nbytes(src) + _nbytes(loc), {"torch-index": index_copy}, {},
+                 {"index_copy_": index_copy}, (pool,))
+
+
+__all__ = ["Case", "REGISTRY", "Setup", "available", "case", "paged_locs"]
 __all__ = ["Case", "REGISTRY", "Setup", "available", "case", "paged_locs", "random_locs"]

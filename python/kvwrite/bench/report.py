@@ -11,6 +11,7 @@ from kvwrite.bench import host as host_costs
 
 GPU_BACKENDS = ("cuda", "triton")
 REFERENCE_CASE = "mha-bf16"
+SCATTER = "memcpy-scatter"  # the extension's plain per-row memcpy loop (bench_memcpy_scatter)
 
 
 def _series(rows, case, impl, check="off", mode="eager") -> dict[int, dict]:
@@ -53,6 +54,28 @@ def targets(result: dict) -> list[dict]:
                             f"{_fmt_us(base[n]['us'])} us)" for n in ns if n in cpu)
             add(t, fig + " (speed relative to index_copy_)",
                 all(cpu[n]["us"] <= base[n]["us"] for n in ns if n in cpu))
+
+    # CPU: the cpu backend against the same-run per-row memcpy scatter and contiguous copy.
+    def vs_scatter(case, need_scatter, need_copy, label):
+        if gpu:
+            add(label, "not measured (CUDA run)", None)
+            return
+        scat = _series(rows, case, SCATTER, None)
+        parts, ok = [], True
+        for check in ("off", "guard"):
+            cpu = _series(rows, case, "cpu", check)
+            for n in sorted(x for x in cpu if x >= 1024 and x in scat):
+                r = scat[n]["us"] / cpu[n]["us"]
+                ok &= r >= need_scatter and (need_copy is None or cpu[n]["pct_copy"] >= 100 * need_copy)
+                parts.append(f"{check} N={n}: {100 * r:.0f}% of scatter"
+                             + (f", {cpu[n]['pct_copy']:.0f}% of copy" if need_copy is not None else ""))
+        add(label, "; ".join(parts) or "no cpu / memcpy-scatter rows at N >= 1024", ok if parts else None)
+
+    threads = result["machine"].get("torch_threads")
+    vs_scatter(REFERENCE_CASE, 0.9, 0.5, f"CPU ({threads} thread(s)): MHA bf16 >= 90% of memcpy-scatter "
+               "and >= 50% of contiguous copy at N >= 1024 (off, guard)")
+    for case, what in (("mha-fp8", "fp8 store_kv"), ("mla-fp8ds", "fp8_ds_mla")):
+        vs_scatter(case, 0.4, None, f"CPU ({threads} thread(s)): {what} >= 40% of memcpy-scatter at N >= 1024")
 
     # Host overhead of the wrapper vs one raw torch op.
     t = "wrapper host overhead <= 2x a raw torch op call (N=1, backend a no-op)"
@@ -188,8 +211,8 @@ def markdown(result: dict, plot_name: str | None) -> str:
                                                 else "all bit-exact."), ""]
     lines += ["Each figure is the median latency of one store call; `%` is the same-run contiguous "
               "copy of the same number of bytes (reads + writes) divided by it, i.e. the store's "
-              "effective bandwidth as a share of copy bandwidth. Locs are random unique rows of whole, "
-              "shuffled pages. " + ("CUDA: triton.testing.do_bench (CUDA events, L2 flushed), "
+              "effective bandwidth as a share of copy bandwidth. Locs are random unique rows, in random order, "
+              "of a pool 4x the tokens stored. " + ("CUDA: triton.testing.do_bench (CUDA events, L2 flushed), "
               "`graph` rows replay 20 calls captured in one CUDA graph." if m.get("gpu") else
               "CPU: time.perf_counter_ns loops, median of batches."), ""]
     lines += ["## Targets", "", "| target | this run | met |", "|---|---|---|"]
@@ -214,7 +237,19 @@ def markdown(result: dict, plot_name: str | None) -> str:
             lines.append(f"| {k[1]} | {k[2]} | {k[3]} | "
                          + " | ".join(_cell(cell.get((*k, n)), k[0] == "copy") for n in ns) + " |")
         lines.append("")
-    lines += ["## Check-mode overhead", "", "Latency of `assert` / `guard` relative to `off` (same backend, eager).", "",
+    lines += ["## % of copy per op", "",
+              "Every kvwrite backend (check off) at every N: latency, % of the same-run contiguous copy "
+              "of the same bytes, and % of the same-run per-row memcpy scatter (`memcpy-scatter`, the "
+              "extension's plain loop; for quantising formats a scatter of the finished rows).", "",
+              "| case | op | impl | N | µs | % of copy | % of memcpy-scatter |", "|---|---|---|---:|---:|---:|---:|"]
+    for case, meta in result["cases"].items():
+        scat = _series(result["rows"], case, SCATTER, None)
+        for b in result["backends"]:
+            for n, r in sorted(_series(result["rows"], case, b).items()):
+                pct_s = f"{100 * scat[n]['us'] / r['us']:.0f}" if n in scat else "-"
+                lines.append(f"| {case} | {meta['op']} | {b} | {n} | {_fmt_us(r['us'])} | "
+                             f"{r['pct_copy'] if r['pct_copy'] is not None else '-'} | {pct_s} |")
+    lines += ["", "## Check-mode overhead", "", "Latency of `assert` / `guard` relative to `off` (same backend, eager).", "",
               "| case | backend | " + " | ".join(f"N={n}" for n in result["config"]["sizes"]) + " |",
               "|---|---|" + "---:|" * len(result["config"]["sizes"])]
     for case in result["cases"]:

@@ -33,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", help="a built-in preset (see `kvwrite presets`)")
     src.add_argument("--config", help="a local Hugging Face config.json (or its directory)")
-    p.add_argument("--page-size", type=int, default=64, help="base page size in tokens (default 64)")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="base page size in tokens (default: the variant's, else 64; dsv4: 256)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (divides KV heads)")
     p.add_argument("--dcp", type=int, default=1, help="decode-context-parallel size")
     p.add_argument("--dcp-rank", type=int, default=0)
@@ -41,8 +42,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     size = p.add_mutually_exclusive_group()
     size.add_argument("--memory", type=parse_bytes, help="KV budget per rank, e.g. 40GiB (default 40GiB)")
     size.add_argument("--max-tokens", type=int, help="tokens per rank instead of a memory budget")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
-    p.add_argument("--swa-ratio", type=float, default=0.8, help="swa_full_tokens_ratio (hybrid SWA)")
+    p.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES,
+                   help="default: the variant's, else auto (dsv4: fp8_e4m3)")
+    p.add_argument("--swa-ratio", type=float, default=None,
+                   help="swa_full_tokens_ratio (hybrid SWA; default: the variant's, else 0.8; dsv4: 0.1)")
+    p.add_argument("--max-running-requests", type=int, default=None,
+                   help="request slots of a hybrid-linear model's recurrent-state pools (required for one)")
+    p.add_argument("--layout", default="NHD", choices=("NHD", "HND"), help="paged K/V buffer layout")
+    p.add_argument("--no-padding-page", action="store_true",
+                   help="the -1 padding convention (vLLM): no page 0 reserved for padding")
+    p.add_argument("--target", default="gpu", choices=("gpu", "npu"),
+                   help="npu: SGLang's Ascend pool layouts (stored through the torch backend)")
     p.add_argument("--json", action="store_true", help="print plan.to_dict() as JSON")
 
 
@@ -67,6 +77,12 @@ def render(plan, console=None) -> None:
                   f"cell_size_bytes={plan.cell_size_bytes:,}")
     budget = "" if plan.memory_bytes is None else f" of {human(plan.memory_bytes)} ({plan.memory_bytes:,} B)"
     console.print(f"total_bytes={plan.total_bytes:,} ({human(plan.total_bytes)}){budget}")
+    if plan.state_pools:
+        console.print(f"  kv_bytes={plan.kv_bytes:,} ({human(plan.kv_bytes)}) + state_bytes={plan.state_bytes:,} "
+                      f"({human(plan.state_bytes)}: {plan.max_running_requests} + 1 request slots)")
+    if plan.layout != "NHD" or plan.target != "gpu" or not plan.spaces["full"].reserve_padding_page:
+        console.print(f"layout={plan.layout}  target={plan.target}  "
+                      f"reserve_padding_page={plan.spaces['full'].reserve_padding_page}")
     t = Table(show_lines=True)
     for col in ("sub-pool", "layers", "geometry", "allocator it serves", "buffers (per layer)", "bytes", "kernel"):
         t.add_column(col)
@@ -78,6 +94,11 @@ def render(plan, console=None) -> None:
         bufs = "\n".join(f"{b.name} {list(b.shape)} {b.dtype}" + ("" if b.per_layer else " (shared)")
                          for b in p.buffers)
         t.add_row(p.name, _layers(p.layer_ids, m.num_layers), geo, alloc, bufs, human(p.bytes), p.kernel)
+    for st in plan.state_pools:
+        bufs = "\n".join(f"{b.name} {list(b.shape)} {b.dtype}" for b in st.buffers)
+        t.add_row(st.name, _layers(st.layer_ids, m.num_layers), f"{st.slots} request slots\n"
+                  f"{human(st.bytes_per_slot)} per slot", "per request (not paged)", bufs, human(st.bytes),
+                  "(recurrent state: written by the model's kernels)")
     console.print(t)
 
 
@@ -89,10 +110,17 @@ def run(args: argparse.Namespace) -> int:
         parallel = ParallelSpec(tp_size=args.tp, dcp_size=args.dcp, dcp_rank=args.dcp_rank,
                                 is_draft_worker=args.draft)
         memory = args.memory if args.memory is not None or args.max_tokens is not None else 40 * 2**30
-        plan = KVCacheConfigurator(model, parallel, page_size=args.page_size, kv_cache_dtype=args.kv_cache_dtype,
+        from kvwrite.config.registry import planner_for
+
+        own = planner_for(model.variant).defaults   # a variant's own page size / dtype (dsv4)
+        pick = lambda v, k, d: v if v is not None else own.get(k, d)  # noqa: E731
+        plan = KVCacheConfigurator(model, parallel, page_size=pick(args.page_size, "page_size", 64),
+                                   kv_cache_dtype=pick(args.kv_cache_dtype, "kv_cache_dtype", "auto"),
                                    memory_bytes=memory, max_total_num_tokens=args.max_tokens,
-                                   swa_full_tokens_ratio=args.swa_ratio).plan()
-    except (ConfigError, FileNotFoundError, ValueError) as err:
+                                   swa_full_tokens_ratio=pick(args.swa_ratio, "swa_full_tokens_ratio", 0.8),
+                                   max_running_requests=args.max_running_requests, layout=args.layout,
+                                   reserve_padding_page=not args.no_padding_page, target=args.target).plan()
+    except (ConfigError, OSError, ValueError) as err:
         print(f"kvwrite plan: {type(err).__name__}: {err}", file=sys.stderr)
         return 2
     if args.json:

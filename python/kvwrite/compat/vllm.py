@@ -35,10 +35,11 @@ from kvwrite.compat._common import as_fp8, byte_pairs
 from kvwrite.errors import ErrorBuffer
 from kvwrite.ops.indexer_k import row_bytes, store_indexer_k
 from kvwrite.ops.kv import store_kv
+from kvwrite.ops.kv_head_major import store_kv_head_major
 from kvwrite.ops.mla import store_mla
 
-__all__ = ["concat_and_cache_mla", "indexer_k_quant_and_cache", "reshape_and_cache_flash",
-           "reshape_and_cache_flash_per_token_quant"]
+__all__ = ["concat_and_cache_mla", "indexer_k_quant_and_cache", "reshape_and_cache",
+           "reshape_and_cache_flash", "reshape_and_cache_flash_per_token_quant"]
 
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
                    "fp8_e5m2": torch.float8_e5m2}
@@ -84,6 +85,27 @@ def reshape_and_cache_flash(key: torch.Tensor, value: torch.Tensor, key_cache: t
                                                             kv_cache_dtype, k_scale, v_scale)
     store_kv(key, value, key_cache, value_cache, slot_mapping, layout="NHD", k_scale=ks, v_scale=vs,
              check=check, errors=errors, backend=backend)
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_cache_dtype: str,
+                      k_scale: torch.Tensor, v_scale: torch.Tensor, *, check: str | None = None,
+                      errors: ErrorBuffer | None = None, backend: str = "auto") -> None:
+    """`torch.ops._C_cache_ops.reshape_and_cache`: vLLM's legacy head-major layout, key_cache
+    `[num_blocks, H, D // x, block_size, x]` (x = 16 // cache element size), value_cache
+    `[num_blocks, H, D, block_size]`; `kv_cache_dtype` and scales as `reshape_and_cache_flash`.
+    One `store_kv` launch with a split head-dim stride (`kvwrite.ops.kv_head_major`). bf16 /
+    fp16 / fp32 inputs only, as vLLM's kernel (an fp8 value row is not contiguous in this
+    layout)."""
+    key, value = _tokens("key", key, slot_mapping), _tokens("value", value, slot_mapping)
+    fmt = KV_CACHE_DTYPES[validate.choice("kv_cache_dtype", kv_cache_dtype, tuple(KV_CACHE_DTYPES))]
+    if fmt is None:
+        k_scale = v_scale = None
+    else:
+        key_cache = as_fp8("key_cache", key_cache, fmt)
+        value_cache = as_fp8("value_cache", value_cache, fmt)
+    store_kv_head_major(key, value, key_cache, value_cache, slot_mapping, k_scale=k_scale,
+                        v_scale=v_scale, check=check, errors=errors, backend=backend)
 
 
 def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,

@@ -8,13 +8,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvwrite.config.errors import BudgetTooSmall, ConfigError, WindowDoesNotFit
+from kvwrite.config.errors import BudgetTooSmall, ConfigError, UnsupportedCombination, WindowDoesNotFit
 from kvwrite.config.model import ModelSpec
 from kvwrite.config.parallel import ParallelSpec
-from kvwrite.config.plan import LocSpace, PoolPlan, PoolSpec, SubPoolPlan, buffer_plans
+from kvwrite.config.plan import LocSpace, PoolPlan, PoolSpec, SubPoolPlan, buffer_plans, state_plan
 from kvwrite.config.registry import PlanContext, planner_for
 from kvwrite.config.variants import KV_CACHE_DTYPES
 from kvwrite.geometry import PageGeometry, require_positive_int
+
+
+LAYOUTS = ("NHD", "HND")
+TARGETS = ("gpu", "npu")
 
 
 def _number(x: float) -> float:
@@ -36,11 +40,20 @@ class KVCacheConfigurator:
     Give `max_total_num_tokens` (rounded down to whole pages), `memory_bytes` (the largest whole
     number of pool pages whose pools, one padding page each, fit), or both (the token count
     must then fit the budget).
+
+    `max_running_requests`: request slots of a hybrid-linear model's recurrent-state pools
+    (`+ 1` padding slot; required for such a model, refused for any other); their bytes count
+    in the budget beside the KV pools'. `layout="HND"`: paged K/V buffers `[pages, heads, page,
+    dim]`. `reserve_padding_page=False`: the -1 padding convention (vLLM), no page 0 held back.
+    `target="npu"`: SGLang's Ascend pool layouts (every layer's buffer in one tensor, MLA as
+    nope + rope buffers), stored through the torch backend.
     """
 
     def __init__(self, model: ModelSpec, parallel: ParallelSpec | None = None, *, page_size: int,
                  kv_cache_dtype: str = "auto", memory_bytes: int | None = None,
-                 max_total_num_tokens: int | None = None, swa_full_tokens_ratio: float = 0.8) -> None:
+                 max_total_num_tokens: int | None = None, swa_full_tokens_ratio: float = 0.8,
+                 max_running_requests: int | None = None, layout: str = "NHD",
+                 reserve_padding_page: bool = True, target: str = "gpu") -> None:
         if not isinstance(model, ModelSpec):
             raise TypeError(f"model must be a kvwrite.ModelSpec, got {type(model).__name__}")
         parallel = ParallelSpec() if parallel is None else parallel
@@ -60,14 +73,35 @@ class KVCacheConfigurator:
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
             raise ConfigError(f"swa_full_tokens_ratio must be in (0, 1], got {ratio!r}")
         self.swa_full_tokens_ratio = float(ratio)
+        if layout not in LAYOUTS:
+            raise ConfigError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        if target not in TARGETS:
+            raise ConfigError(f"target must be one of {TARGETS}, got {target!r}")
+        if not isinstance(reserve_padding_page, bool):
+            raise ConfigError(f"reserve_padding_page must be a bool, got {reserve_padding_page!r}")
+        if target == "npu" and (kv_cache_dtype != "auto" or layout != "NHD"):
+            raise UnsupportedCombination(f"target='npu' (SGLang's Ascend pool layouts) takes kv_cache_dtype='auto' "
+                                         f"and layout='NHD', got {kv_cache_dtype!r} and {layout!r}")
+        self.layout, self.target, self.reserve_padding_page = layout, target, reserve_padding_page
         self.planned_model = model.draft() if parallel.is_draft_worker else model
         self.planner = planner_for(self.planned_model.variant)
-        self.context = PlanContext(self.planned_model, parallel, kv_cache_dtype, self.page_size)
+        self.context = PlanContext(self.planned_model, parallel, kv_cache_dtype, self.page_size, layout, target)
         self.planner.check_dtype(self.context)
         self.pool_specs: tuple[PoolSpec, ...] = tuple(self.planner.pools(self.context))
         names = [p.name for p in self.pool_specs]
         if len(set(names)) != len(names) or not names:
             raise ConfigError(f"planner {self.planner.name!r} returned sub-pool names {names}")
+        self.state_specs = tuple(self.planner.state_pools(self.context))
+        if self.state_specs and max_running_requests is None:
+            raise ConfigError(f"{self.planned_model.name or self.planned_model.variant} has a recurrent state on "
+                              f"{len(self.state_specs[0].layer_ids)} linear layers, sized per request: give "
+                              f"max_running_requests")
+        if not self.state_specs and max_running_requests is not None:
+            raise ConfigError(f"max_running_requests sizes recurrent-state pools, and the planned model "
+                              f"({self.planned_model.name or self.planned_model.variant}, variant "
+                              f"{self.planned_model.variant!r}) has none; leave it unset")
+        self.max_running_requests = (None if max_running_requests is None else
+                                     require_positive_int("max_running_requests", max_running_requests))
 
     # --- the single source of the page-size namespace -----------------------------------------
     @property
@@ -112,19 +146,25 @@ class KVCacheConfigurator:
         return lo
 
     def _assemble(self, s: _Sizing) -> PoolPlan:
-        P, dcp = self.page_size, self.parallel.dcp_size
-        spaces = {"full": LocSpace("full", P * dcp, (s.pages + 1) * P * dcp, dcp)}
+        P, dcp, pad, npu = self.page_size, self.parallel.dcp_size, int(self.reserve_padding_page), self.target == "npu"
+        spaces = {"full": LocSpace("full", P * dcp, (s.pages + pad) * P * dcp, dcp, self.reserve_padding_page)}
         if self._has_swa:
-            spaces["swa"] = LocSpace("swa", P * dcp, (s.swa_pages + 1) * P * dcp, dcp)
+            spaces["swa"] = LocSpace("swa", P * dcp, (s.swa_pages + pad) * P * dcp, dcp, self.reserve_padding_page)
         pools = []
         for spec in self.pool_specs:
             space = spaces[spec.space]
             scale = self._pool_scale(spec)
             geometry = PageGeometry(P, space.num_locs // (P * dcp), loc_space_scale=scale)
             addressing = "sharded" if dcp > 1 and scale == 1 else ("virtual" if dcp > 1 else "local")
+            own = self.planner.sub_pool(spec, self.context, space.num_locs // (P * dcp), scale)
+            if own is not None:  # rows that are not the allocator's pages (DeepSeek V4)
+                geometry = own["geometry"]
+                space = own.get("space") or space
+                addressing = own.get("addressing") or addressing
+                spaces.setdefault(space.name, space)
             pools.append(SubPoolPlan(
                 name=spec.name, layer_ids=spec.layer_ids, geometry=geometry,
-                buffers=buffer_plans(spec, geometry, spaces["full"].num_locs), op=spec.op,
+                buffers=buffer_plans(spec, geometry, spaces["full"].num_locs, npu), op=spec.op,
                 kernel=self._kernel(spec, addressing), space=space, addressing=addressing,
                 dcp_rank=self.parallel.dcp_rank, dcp_size=dcp, spec=spec))
         return PoolPlan(
@@ -132,7 +172,8 @@ class KVCacheConfigurator:
             kv_cache_dtype=self.kv_cache_dtype, page_size=P, loc_space_scale=self.loc_space_scale,
             pool_page_size=self.pool_page_size, max_total_num_tokens=s.pages * self.pool_page_size,
             cell_size_bytes=self.cell_size_bytes, memory_bytes=self.memory_bytes, pools=tuple(pools),
-            spaces=spaces)
+            spaces=spaces, max_running_requests=self.max_running_requests, layout=self.layout, target=self.target,
+            state_pools=tuple(state_plan(st, self.max_running_requests + 1, npu) for st in self.state_specs))
 
     def _kernel(self, spec: PoolSpec, addressing: str) -> str:
         extra = [spec.note] if spec.note else []
@@ -148,6 +189,9 @@ class KVCacheConfigurator:
     def cell_size_bytes(self) -> float:
         """Bytes per token of `plan().max_total_num_tokens`, over all layers and all buffers
         (scales and the SWA loc map included; SWA buffers weighted by `swa_full_tokens_ratio`)."""
+        own = self.planner.cell_size(self.context, self.swa_full_tokens_ratio)
+        if own is not None:
+            return _number(round(own, 6))
         total = 0.0
         dcp, lss = self.parallel.dcp_size, self.loc_space_scale
         for spec in self.pool_specs:
@@ -181,7 +225,9 @@ class KVCacheConfigurator:
         budget = self.memory_bytes
         minimum = self.total_bytes_for(n_min)
         if minimum > budget:
-            why = ("one page per pool plus the padding page" if n_min == 1 else
+            why = (("one page per pool" + (" plus the padding page" if self.reserve_padding_page else "")
+                    + (f", and the recurrent state of {self.max_running_requests} + 1 request slots"
+                       if self.state_specs else "")) if n_min == 1 else
                    f"{n_min} pages: an SWA pool holding the {self.planned_model.sliding_window}-token "
                    f"window at swa_full_tokens_ratio={self.swa_full_tokens_ratio}")
             raise BudgetTooSmall(f"memory_bytes={budget} is too small: the smallest plan ({why}) needs "
@@ -209,5 +255,9 @@ class KVCacheConfigurator:
         return self.plan().build(device, check=check, backend=backend, scales=scales)
 
     def __repr__(self) -> str:
+        extra = "".join(f", {k}={v!r}" for k, v, d in (
+            ("layout", self.layout, "NHD"), ("target", self.target, "gpu"),
+            ("reserve_padding_page", self.reserve_padding_page, True),
+            ("max_running_requests", self.max_running_requests, None)) if v != d)
         return (f"KVCacheConfigurator({self.model.name or self.model.variant}, {self.parallel}, "
-                f"page_size={self.page_size}, kv_cache_dtype={self.kv_cache_dtype!r})")
+                f"page_size={self.page_size}, kv_cache_dtype={self.kv_cache_dtype!r}{extra})")

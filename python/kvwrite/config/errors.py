@@ -10,6 +10,11 @@ class SpecError(ConfigError):
     """A ModelSpec or ParallelSpec is inconsistent (missing or contradictory fields)."""
 
 
+class MalformedConfig(SpecError):
+    """A Hugging Face config.json that is not a JSON object, lacks a field its model type needs,
+    has one of the wrong type, or whose sizes do not divide; the message names the field."""
+
+
 class UnknownArchitecture(ConfigError):
     """`ModelSpec.from_hf_config` does not know the config's architecture."""
 

@@ -1,124 +1,360 @@
-"""`ModelSpec.from_hf_config`: a local Hugging Face `config.json` -> ModelSpec (no network)."""
+"""`ModelSpec.from_hf_config`: a local Hugging Face `config.json` -> ModelSpec (no network).
+
+Every field is read through a typed accessor (`_Config`): a config that is not a JSON object,
+lacks a field its model type needs, has one of the wrong type, or whose head dim does not divide
+is a one-line `MalformedConfig` naming the field, never a traceback or a silently floored value.
+"""
 from __future__ import annotations
 
 import json
 import os
 from typing import Any, Callable, Mapping
 
-from kvwrite.config.errors import SpecError, UnknownArchitecture
-from kvwrite.config.model import ModelSpec, register_reader
+from kvwrite.config.errors import MalformedConfig, UnknownArchitecture
+from kvwrite.config.model import ModelSpec, RecurrentState, register_reader
+
+_REQUIRED = object()
 
 
-def _load(path_or_dict: "str | os.PathLike | Mapping[str, Any]") -> dict[str, Any]:
+def _show(value: Any) -> str:
+    text = json.dumps(value) if isinstance(value, (str, int, float, bool, type(None), list, dict)) else repr(value)
+    text = text if len(text) <= 40 else text[:37] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+class _Config:
+    """One JSON object of a config.json (the top level, or a nested `text_config`)."""
+
+    def __init__(self, data: Any, where: str) -> None:
+        if not isinstance(data, Mapping):
+            raise MalformedConfig(f"{where} must be a JSON object, got {_show(data)}")
+        self.data, self.where = data, where
+        mt = data.get("model_type")
+        self.model_type = mt if isinstance(mt, str) else None
+
+    def fail(self, message: str) -> MalformedConfig:
+        kind = f" (model_type {self.model_type})" if self.model_type else ""
+        return MalformedConfig(f"{self.where}{kind}: {message}")
+
+    def has(self, key: str) -> bool:
+        return self.data.get(key) is not None
+
+    def raw(self, key: str) -> Any:
+        return self.data.get(key)
+
+    def int(self, key: str, default: Any = _REQUIRED, *, minimum: int = 1) -> int:
+        v = self.data.get(key)
+        if v is None:
+            if default is _REQUIRED:
+                raise self.fail(f"lacks {key!r}")
+            return default
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise self.fail(f"field {key!r} must be an integer, got {_show(v)}")
+        if v < minimum:
+            raise self.fail(f"field {key!r} must be >= {minimum}, got {v}")
+        return v
+
+    def first_int(self, keys: tuple[str, ...], default: Any = _REQUIRED, *, minimum: int = 1) -> int:
+        for k in keys:
+            if self.has(k):
+                return self.int(k, minimum=minimum)
+        if default is _REQUIRED:
+            raise self.fail(f"lacks {' / '.join(repr(k) for k in keys)}")
+        return default
+
+    def str(self, key: str, default: Any = _REQUIRED) -> str:
+        v = self.data.get(key)
+        if v is None:
+            if default is _REQUIRED:
+                raise self.fail(f"lacks {key!r}")
+            return default
+        if not isinstance(v, str):
+            raise self.fail(f"field {key!r} must be a string, got {_show(v)}")
+        return v
+
+    def list(self, key: str, item: type, n: int | None = None) -> list | None:
+        v = self.data.get(key)
+        if v is None:
+            return None
+        if not isinstance(v, list) or not all(isinstance(x, item) and not isinstance(x, bool) for x in v):
+            raise self.fail(f"field {key!r} must be a list of {item.__name__}, got {_show(v)}")
+        if n is not None and len(v) != n:
+            raise self.fail(f"field {key!r} has {len(v)} entries for {n} layers")
+        return list(v)
+
+    def sub(self, key: str) -> "_Config | None":
+        v = self.data.get(key)
+        if v is None:
+            return None
+        if not isinstance(v, Mapping):
+            raise self.fail(f"field {key!r} must be a JSON object, got {_show(v)}")
+        return _Config(v, f"{self.where} {key}")
+
+
+def _load(path_or_dict: Any) -> _Config:
     if isinstance(path_or_dict, Mapping):
-        return dict(path_or_dict)
+        return _Config(path_or_dict, "config.json")
+    if not isinstance(path_or_dict, (str, os.PathLike)):
+        raise MalformedConfig(f"a config must be a JSON object (dict) or the path of a config.json, got "
+                              f"{_show(path_or_dict)}")
     path = os.fspath(path_or_dict)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no Hugging Face config at {path!r} (give a config.json or its directory)")
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except UnicodeDecodeError as err:
+        raise MalformedConfig(f"{path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+    except json.JSONDecodeError as err:
+        raise MalformedConfig(f"{path} is not valid JSON: {err.msg} (line {err.lineno} column {err.colno})") from None
+    except RecursionError:
+        raise MalformedConfig(f"{path} nests too deeply to parse") from None
+    return _Config(data, path)
 
 
-def _get(cfg: Mapping[str, Any], key: str, default: Any = None, *, required: bool = True) -> Any:
-    if key in cfg and cfg[key] is not None:
-        return cfg[key]
-    if required and default is None:
-        raise SpecError(f"config.json ({cfg.get('model_type')}) lacks {key!r}")
-    return default
+# --- shared field readers ------------------------------------------------------------------------
+
+def _dtype(cfg: _Config, outer: _Config | None = None) -> str:
+    for c in (cfg, outer):
+        if c is not None:
+            for key in ("torch_dtype", "dtype"):
+                if c.has(key):
+                    return c.str(key)
+    return "bfloat16"
 
 
-def _dtype(cfg: Mapping[str, Any]) -> str:
-    return str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
-
-
-def _draft_layers(cfg: Mapping[str, Any]) -> int:
-    """MTP layers if the model has them (DeepSeek, Qwen3-Next), else one (an EAGLE draft)."""
+def _draft_layers(cfg: _Config) -> int:
+    """MTP layers if the model has them (DeepSeek, GLM-4.5, Qwen3-Next), else one (an EAGLE draft)."""
     for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers"):
-        if cfg.get(key):
-            return int(cfg[key])
+        if cfg.int(key, 0, minimum=0):
+            return cfg.int(key)
     return 1
 
 
-def _mha_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    heads = int(_get(cfg, "num_attention_heads"))
-    head_dim = cfg.get("head_dim") or int(_get(cfg, "hidden_size")) // heads
-    return dict(num_layers=int(_get(cfg, "num_hidden_layers")),
-                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(head_dim), dtype=_dtype(cfg), num_draft_layers=_draft_layers(cfg))
+def _heads(cfg: _Config) -> tuple[int, int, int]:
+    """(attention heads, KV heads, head dim); without `head_dim` it is hidden_size / heads, which
+    must divide."""
+    heads = cfg.int("num_attention_heads")
+    kv = cfg.int("num_key_value_heads", heads)
+    if kv > heads or heads % kv:
+        raise cfg.fail(f"num_key_value_heads={kv} must divide num_attention_heads={heads}")
+    head_dim = cfg.first_int(("head_dim", "attention_head_dim"), None)
+    if head_dim is None:
+        hidden = cfg.int("hidden_size")
+        if hidden % heads:
+            raise cfg.fail(f"hidden_size={hidden} is not divisible by num_attention_heads={heads} and there is "
+                           f"no head_dim")
+        head_dim = hidden // heads
+    return heads, kv, head_dim
 
 
-def _dense(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    # Llama, Mistral, Qwen2/3: every layer full attention. (Mistral-7B-v0.1's sliding window
-    # applies to every layer; one full pool serves it, as engines do.)
-    return dict(variant="mha", **_mha_fields(cfg))
+def _mha_fields(cfg: _Config, outer: _Config | None = None) -> dict[str, Any]:
+    _, kv, head_dim = _heads(cfg)
+    return dict(num_layers=cfg.int("num_hidden_layers"), num_kv_heads=kv, head_dim=head_dim,
+                dtype=_dtype(cfg, outer), num_draft_layers=_draft_layers(cfg))
 
 
-def _mla(cfg: Mapping[str, Any], variant: str = "mla") -> dict[str, Any]:
-    out = dict(variant=variant, num_layers=int(_get(cfg, "num_hidden_layers")),
-               kv_lora_rank=int(_get(cfg, "kv_lora_rank")),
-               qk_rope_head_dim=int(_get(cfg, "qk_rope_head_dim")), dtype=_dtype(cfg),
-               num_draft_layers=_draft_layers(cfg))
+def _kinds(cfg: _Config, n: int, default: Callable[[int], str], known: tuple[str, ...]) -> list[str]:
+    kinds = cfg.list("layer_types", str, n)
+    kinds = kinds if kinds is not None else [default(i) for i in range(n)]
+    bad = sorted(set(kinds) - set(known))
+    if bad:
+        raise cfg.fail(f"layer_types has kinds {bad}; this model type has {list(known)}")
+    return kinds
+
+
+# --- per model type ------------------------------------------------------------------------------
+
+def _dense(cfg: _Config) -> dict[str, Any]:
+    # Llama, Mistral, Mixtral, Qwen2/3 (+MoE), Phi-3, GLM-4.5: every layer full attention. A
+    # sliding window on every layer (Mistral-7B-v0.1, Phi-3-mini) is served by one full pool, as
+    # engines do; a layer_types list that mixes sliding and full layers makes it an SWA hybrid.
+    fields = _mha_fields(cfg)
+    kinds = _kinds(cfg, fields["num_layers"], lambda i: "full_attention", ("full_attention", "sliding_attention"))
+    if len(set(kinds)) == 2:
+        return _swa(cfg, lambda i: "full_attention")
+    return dict(variant="mha", **fields)
+
+
+def _mla(cfg: _Config, variant: str = "mla") -> dict[str, Any]:
+    out = dict(variant=variant, num_layers=cfg.int("num_hidden_layers"), kv_lora_rank=cfg.int("kv_lora_rank"),
+               qk_rope_head_dim=cfg.int("qk_rope_head_dim"), dtype=_dtype(cfg), num_draft_layers=_draft_layers(cfg))
     if variant == "dsa":
-        out["index_head_dim"] = int(_get(cfg, "index_head_dim"))
+        out["index_head_dim"] = cfg.int("index_head_dim")
     return out
 
 
-def _layer_kinds(cfg: Mapping[str, Any], n: int, default: Callable[[int], str]) -> list[str]:
-    types = cfg.get("layer_types")
-    if types:
-        if len(types) != n:
-            raise SpecError(f"config.json layer_types has {len(types)} entries for {n} layers")
-        return list(types)
-    return [default(i) for i in range(n)]
-
-
-def _swa(cfg: Mapping[str, Any], default: Callable[[int], str]) -> dict[str, Any]:
-    out = dict(variant="swa_hybrid", **_mha_fields(cfg))
-    kinds = _layer_kinds(cfg, out["num_layers"], default)
-    out["sliding_window"] = int(_get(cfg, "sliding_window"))
-    out["swa_layer_ids"] = [i for i, t in enumerate(kinds) if t == "sliding_attention"]
+def _swa(cfg: _Config, default: Callable[[int], str], outer: _Config | None = None, *,
+         window_key: str = "sliding_window", sliding: str = "sliding_attention") -> dict[str, Any]:
+    out = dict(variant="swa_hybrid", **_mha_fields(cfg, outer))
+    kinds = _kinds(cfg, out["num_layers"], default, (sliding, "full_attention"))
+    out["sliding_window"] = cfg.int(window_key)
+    out["swa_layer_ids"] = [i for i, t in enumerate(kinds) if t == sliding]
     out["full_attention_layer_ids"] = [i for i, t in enumerate(kinds) if t == "full_attention"]
-    if len(out["swa_layer_ids"]) + len(out["full_attention_layer_ids"]) != out["num_layers"]:
-        raise SpecError(f"config.json layer_types has kinds other than sliding/full attention: {sorted(set(kinds))}")
+    if not out["swa_layer_ids"] or not out["full_attention_layer_ids"]:
+        only = "sliding" if out["swa_layer_ids"] else "full"
+        raise cfg.fail(f"every layer is {only} attention; an SWA hybrid needs both kinds")
     return out
 
 
-def _gpt_oss(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    # gpt-oss alternates sliding (even layers) and full attention.
+def _alternating(cfg: _Config) -> dict[str, Any]:
+    # gpt-oss and Gemma 2: sliding (even layers) and full attention (odd layers) alternate.
     return _swa(cfg, lambda i: "sliding_attention" if i % 2 == 0 else "full_attention")
 
 
-def _gemma3(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    text = dict(cfg.get("text_config") or cfg)
-    text.setdefault("torch_dtype", cfg.get("torch_dtype"))
-    pattern = int(text.get("sliding_window_pattern") or 6)  # 5 local : 1 global
-    return _swa(text, lambda i: "full_attention" if (i + 1) % pattern == 0 else "sliding_attention")
+def _text(cfg: _Config) -> _Config:
+    """The language model's config: the nested `text_config` of a multimodal model, else cfg."""
+    return cfg.sub("text_config") or cfg
 
 
-def _qwen3_next(cfg: Mapping[str, Any]) -> dict[str, Any]:
+def _gemma3(cfg: _Config) -> dict[str, Any]:
+    text = _text(cfg)
+    pattern = text.int("sliding_window_pattern", 6)  # 5 local : 1 global
+    return _swa(text, lambda i: "full_attention" if (i + 1) % pattern == 0 else "sliding_attention", cfg)
+
+
+def _llama4(cfg: _Config) -> dict[str, Any]:
+    # Llama 4: chunked-local attention (RoPE) layers, and every 4th layer global (NoPE). The
+    # chunked layers go in the SWA pool with window attention_chunk_size, as SGLang sizes them.
+    text = _text(cfg)
+    n = text.int("num_hidden_layers")
+    no_rope = text.list("no_rope_layers", int)
+    if no_rope and len(no_rope) != n:
+        raise text.fail(f"field 'no_rope_layers' has {len(no_rope)} entries for {n} layers")
+    interval = text.int("no_rope_layer_interval", 4)
+    chunked = (lambda i: no_rope[i] != 0) if no_rope else (lambda i: (i + 1) % interval != 0)
+    return _swa(text, lambda i: "chunked_attention" if chunked(i) else "full_attention", cfg,
+                window_key="attention_chunk_size", sliding="chunked_attention")
+
+
+def _ssm_dtype(cfg: _Config) -> str:
+    """SGLang's Mamba SSM state dtype: the config's mamba_ssm_dtype, else float32."""
+    return cfg.str("mamba_ssm_dtype", "float32")
+
+
+def _hybrid(cfg: _Config, kinds: list[str], state: RecurrentState, attention: str = "full_attention",
+            linear: tuple[str, ...] = ("linear_attention",), both: str = "") -> dict[str, Any]:
     out = dict(variant="hybrid_linear", **_mha_fields(cfg))
-    interval = int(cfg.get("full_attention_interval") or 4)
-    kinds = _layer_kinds(cfg, out["num_layers"],
-                         lambda i: "full_attention" if (i + 1) % interval == 0 else "linear_attention")
-    out["full_attention_layer_ids"] = [i for i, t in enumerate(kinds) if t == "full_attention"]
+    out["full_attention_layer_ids"] = [i for i, t in enumerate(kinds) if t in (attention, both)]
+    out["linear_layer_ids"] = [i for i, t in enumerate(kinds) if t in linear or t == both]
+    if not out["full_attention_layer_ids"]:
+        raise cfg.fail("no layer has attention; a hybrid-linear model needs at least one")
+    out["linear_state"] = state if out["linear_layer_ids"] else None
     return out
 
 
+def _deepseek_v4(cfg: _Config) -> dict[str, Any]:
+    # compress_ratios has one entry per layer plus the MTP layer(s): the first num_hidden_layers.
+    n = cfg.int("num_hidden_layers")
+    ratios = cfg.list("compress_ratios", int)
+    if ratios is None:
+        raise cfg.fail("compress_ratios is missing (a DeepSeek V4 config lists one ratio per layer)")
+    if len(ratios) < n:
+        raise cfg.fail(f"compress_ratios has {len(ratios)} entries for {n} layers")
+    return dict(variant="dsv4", num_layers=n, head_dim=cfg.int("head_dim"),
+                qk_rope_head_dim=cfg.int("qk_rope_head_dim"), index_head_dim=cfg.int("index_head_dim"),
+                sliding_window=cfg.int("sliding_window"), compress_ratios=ratios[:n],
+                dtype=_dtype(cfg), num_draft_layers=_draft_layers(cfg))
+
+
+def _qwen3_next(cfg: _Config) -> dict[str, Any]:
+    n = cfg.int("num_hidden_layers")
+    interval = cfg.int("full_attention_interval", 4)
+    kinds = _kinds(cfg, n, lambda i: "full_attention" if (i + 1) % interval == 0 else "linear_attention",
+                   ("full_attention", "linear_attention"))
+    state = RecurrentState("gdn", num_heads=cfg.int("linear_num_value_heads"), head_dim=cfg.int("linear_value_head_dim"),
+                           state_size=cfg.int("linear_key_head_dim"), num_groups=cfg.int("linear_num_key_heads"),
+                           conv_kernel=cfg.int("linear_conv_kernel_dim"), ssm_dtype=_ssm_dtype(cfg),
+                           conv_dtype=_dtype(cfg))
+    return _hybrid(cfg, kinds, state)
+
+
+def _mamba2(cfg: _Config, heads: str, head_dim: str, groups: tuple[str, ...], state: str, kernel: tuple[str, ...],
+            intermediate: str | None = None) -> RecurrentState:
+    H, P = cfg.int(heads), cfg.int(head_dim)
+    if intermediate and cfg.has(intermediate) and cfg.int(intermediate) != H * P:
+        raise cfg.fail(f"{intermediate}={cfg.int(intermediate)} is not {heads} x {head_dim} = {H * P}")
+    return RecurrentState("mamba2", num_heads=H, head_dim=P, state_size=cfg.int(state),
+                          num_groups=cfg.first_int(groups), conv_kernel=cfg.first_int(kernel),
+                          ssm_dtype=_ssm_dtype(cfg), conv_dtype=_dtype(cfg))
+
+
+def _nemotron_h(cfg: _Config) -> dict[str, Any]:
+    # hybrid_override_pattern: one character a layer, "M" Mamba2, "*" attention, "-" MLP, "E" MoE.
+    pattern = cfg.str("hybrid_override_pattern")
+    n = cfg.int("num_hidden_layers")
+    if len(pattern) != n or set(pattern) - set("M*-E"):
+        raise cfg.fail(f"hybrid_override_pattern must have {n} characters of M * - E, got {_show(pattern)}")
+    state = _mamba2(cfg, "mamba_num_heads", "mamba_head_dim", ("n_groups", "mamba_n_groups"), "ssm_state_size",
+                    ("conv_kernel", "mamba_d_conv"))
+    return _hybrid(cfg, list(pattern), state, attention="*", linear=("M",))
+
+
+def _falcon_h1(cfg: _Config) -> dict[str, Any]:
+    # Falcon-H1: a parallel hybrid, every layer has attention and a Mamba2 mixer side by side.
+    n = cfg.int("num_hidden_layers")
+    state = _mamba2(cfg, "mamba_n_heads", "mamba_d_head", ("mamba_n_groups",), "mamba_d_state", ("mamba_d_conv",),
+                    intermediate="mamba_d_ssm")
+    return _hybrid(cfg, ["both"] * n, state, both="both")
+
+
+def _jamba(cfg: _Config) -> dict[str, Any]:
+    # Jamba: attention on layer i when i % attn_layer_period == attn_layer_offset, Mamba (v1) elsewhere.
+    n, period = cfg.int("num_hidden_layers"), cfg.int("attn_layer_period", 8)
+    offset = cfg.int("attn_layer_offset", 4, minimum=0)
+    if offset >= period:
+        raise cfg.fail(f"attn_layer_offset={offset} must be < attn_layer_period={period}")
+    d_inner = cfg.int("mamba_expand", 2) * cfg.int("hidden_size")
+    state = RecurrentState("mamba1", num_heads=d_inner, state_size=cfg.int("mamba_d_state", 16),
+                           conv_kernel=cfg.int("mamba_d_conv", 4), ssm_dtype=_ssm_dtype(cfg), conv_dtype=_dtype(cfg))
+    kinds = ["full_attention" if i % period == offset else "linear_attention" for i in range(n)]
+    return _hybrid(cfg, kinds, state)
+
+
+def _minimax(cfg: _Config) -> dict[str, Any]:
+    # MiniMax-Text-01 / M1 (transformers "minimax"): lightning (linear) attention, a softmax
+    # attention layer after every 7; the linear state is [heads, head_dim, head_dim] in the model
+    # dtype (vLLM: fp32 state is not supported for MiniMax).
+    n = cfg.int("num_hidden_layers")
+    types = cfg.list("attn_type_list", int, n)
+    default = ((lambda i: "full_attention" if types[i] == 1 else "linear_attention") if types else
+               (lambda i: "full_attention" if (i + 1) % 8 == 0 else "linear_attention"))
+    kinds = _kinds(cfg, n, default, ("full_attention", "linear_attention"))
+    heads, _, head_dim = _heads(cfg)
+    state = RecurrentState("lightning", num_heads=heads, head_dim=head_dim, ssm_dtype=_dtype(cfg),
+                           conv_dtype=_dtype(cfg))
+    return _hybrid(cfg, kinds, state)
+
+
 # model_type -> (architecture class names, parser)
-ARCHITECTURES: dict[str, tuple[tuple[str, ...], Callable[[Mapping[str, Any]], dict[str, Any]]]] = {
+ARCHITECTURES: dict[str, tuple[tuple[str, ...], Callable[[_Config], dict[str, Any]]]] = {
     "llama": (("LlamaForCausalLM",), _dense),
     "mistral": (("MistralForCausalLM",), _dense),
+    "mixtral": (("MixtralForCausalLM",), _dense),
     "qwen2": (("Qwen2ForCausalLM",), _dense),
+    "qwen2_moe": (("Qwen2MoeForCausalLM",), _dense),
     "qwen3": (("Qwen3ForCausalLM",), _dense),
+    "qwen3_moe": (("Qwen3MoeForCausalLM",), _dense),
+    "phi3": (("Phi3ForCausalLM",), _dense),
+    "glm4_moe": (("Glm4MoeForCausalLM",), _dense),
     "deepseek_v2": (("DeepseekV2ForCausalLM",), _mla),
     "deepseek_v3": (("DeepseekV3ForCausalLM",), _mla),
+    "kimi_k2": ((), _mla),   # Kimi K2 ships architectures ["DeepseekV3ForCausalLM"]
     "deepseek_v32": (("DeepseekV32ForCausalLM",), lambda c: _mla(c, "dsa")),
-    "gpt_oss": (("GptOssForCausalLM",), _gpt_oss),
+    "gpt_oss": (("GptOssForCausalLM",), _alternating),
+    "gemma2": (("Gemma2ForCausalLM",), _alternating),
     "gemma3": (("Gemma3ForConditionalGeneration", "Gemma3ForCausalLM"), _gemma3),
     "gemma3_text": (("Gemma3ForCausalLM",), _gemma3),
+    "llama4": (("Llama4ForConditionalGeneration", "Llama4ForCausalLM"), _llama4),
+    "llama4_text": (("Llama4ForCausalLM",), _llama4),
     "qwen3_next": (("Qwen3NextForCausalLM",), _qwen3_next),
+    "deepseek_v4": (("DeepseekV4ForCausalLM",), _deepseek_v4),
+    "nemotron_h": (("NemotronHForCausalLM",), _nemotron_h),
+    "falcon_h1": (("FalconH1ForCausalLM",), _falcon_h1),
+    "jamba": (("JambaForCausalLM",), _jamba),
+    "minimax": (("MiniMaxForCausalLM", "MiniMaxText01ForCausalLM", "MiniMaxM1ForCausalLM"), _minimax),
 }
 
 
@@ -126,19 +362,22 @@ def supported() -> list[str]:
     return sorted({a for archs, _ in ARCHITECTURES.values() for a in archs})
 
 
-def spec_from_hf_config(path_or_dict: "str | os.PathLike | Mapping[str, Any]", *, name: str = "") -> ModelSpec:
+def spec_from_hf_config(path_or_dict: Any, *, name: str = "") -> ModelSpec:
     cfg = _load(path_or_dict)
-    model_type = cfg.get("model_type")
-    archs = list(cfg.get("architectures") or [])
-    if model_type not in ARCHITECTURES:
+    model_type = cfg.raw("model_type")
+    archs = cfg.raw("architectures")
+    archs = [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
+    if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
         by_arch = [t for t, (names, _) in ARCHITECTURES.items() if any(a in names for a in archs)]
         if not by_arch:
             raise UnknownArchitecture(
-                f"config.json has model_type={model_type!r}, architectures={archs}; supported: "
+                f"config.json has model_type={_show(model_type)}, architectures={archs[:4]}; supported: "
                 f"{', '.join(supported())} (model_type {', '.join(sorted(ARCHITECTURES))})")
         model_type = by_arch[0]
+        cfg.model_type = model_type
     fields = ARCHITECTURES[model_type][1](cfg)
-    return ModelSpec(name=name or str(cfg.get("_name_or_path") or model_type), **fields)
+    label = cfg.raw("_name_or_path")
+    return ModelSpec(name=name or (label if isinstance(label, str) and label else model_type), **fields)
 
 
 register_reader("from_hf_config", spec_from_hf_config)

@@ -25,7 +25,8 @@ _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp3
 # Fields that a variant may or may not use; a variant's planner lists the ones it reads and
 # a spec that sets any other is inconsistent (SpecError).
 OPTIONAL_FIELDS = ("num_kv_heads", "head_dim", "v_head_dim", "kv_lora_rank", "qk_rope_head_dim",
-                   "index_head_dim", "sliding_window", "swa_layer_ids", "full_attention_layer_ids")
+                   "index_head_dim", "sliding_window", "swa_layer_ids", "full_attention_layer_ids",
+                   "compress_ratios", "linear_layer_ids", "linear_state")
 
 
 _READERS: dict[str, Callable[..., "ModelSpec"]] = {}
@@ -65,6 +66,76 @@ def _ids(name: str, value: object) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+STATE_KINDS = ("mamba2", "gdn", "mamba1", "lightning")
+
+
+def _split(name: str, n: int, tp: int, what: str) -> int:
+    if n % tp:
+        raise SpecError(f"{what}: {name}={n} is not divisible by tp_size={tp}")
+    return n // tp
+
+
+@dataclass(frozen=True)
+class RecurrentState:
+    """The per-layer, per-request recurrent state of a hybrid-linear model's linear layers
+    (SGLang's / vLLM's Mamba state shapes; `tp` divides the heads / channels):
+
+    - "mamba2" (Nemotron-H, Falcon-H1): `num_heads` H of `head_dim` P, `num_groups` G of
+      `state_size` N, kernel K: conv `[(H*P + 2*G'*N) / tp, K-1]`, ssm `[H/tp, P, N]` (G' = G, or
+      G replicated up to tp when tp > G).
+    - "gdn" (Qwen3-Next gated delta net): H value heads of P (head_v_dim), G key heads of N
+      (head_k_dim): conv `[(2*G*N + H*P) / tp, K-1]`, recurrent state `[H/tp, N, P]`.
+    - "mamba1" (Jamba): H = the mixer's d_inner channels (P = 1): conv `[H/tp, K-1]`, ssm `[H/tp, N]`.
+    - "lightning" (MiniMax linear attention): H heads of P: state `[H/tp, P, P]`, no conv.
+    """
+
+    kind: str
+    num_heads: int
+    head_dim: int = 1
+    state_size: int = 0
+    num_groups: int = 0
+    conv_kernel: int = 0
+    ssm_dtype: str = "float32"
+    conv_dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        if self.kind not in STATE_KINDS:
+            raise SpecError(f"RecurrentState.kind must be one of {STATE_KINDS}, got {self.kind!r}")
+        need = {"mamba2": ("num_heads", "head_dim", "state_size", "num_groups", "conv_kernel"),
+                "gdn": ("num_heads", "head_dim", "state_size", "num_groups", "conv_kernel"),
+                "mamba1": ("num_heads", "state_size", "conv_kernel"),
+                "lightning": ("num_heads", "head_dim")}[self.kind]
+        for k in ("num_heads", "head_dim", "state_size", "num_groups", "conv_kernel"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0 or (k in need and v < 1):
+                raise SpecError(f"RecurrentState({self.kind}).{k} must be an int >= {1 if k in need else 0}, "
+                                f"got {v!r}")
+        if self.kind == "lightning" and self.conv_kernel:
+            raise SpecError("a lightning-attention state has no conv state; leave conv_kernel 0")
+        object.__setattr__(self, "ssm_dtype", _dtype_name(self.ssm_dtype))
+        object.__setattr__(self, "conv_dtype", _dtype_name(self.conv_dtype))
+
+    def shapes(self, tp: int = 1) -> dict[str, tuple[int, ...]]:
+        """Per-layer, per-slot buffer shapes on one of `tp` ranks: {"conv": ..., "ssm": ...}."""
+        H, P, N, G, K = self.num_heads, self.head_dim, self.state_size, self.num_groups, self.conv_kernel
+        what = f"{self.kind} state"
+        if self.kind == "lightning":
+            return {"ssm": (_split("num_heads", H, tp, what), P, P)}
+        if self.kind == "mamba1":
+            ch = _split("num_heads (d_inner)", H, tp, what)
+            return {"conv": (ch, K - 1), "ssm": (ch, N)}
+        heads = _split("num_heads", H, tp, what)
+        if self.kind == "gdn":
+            return {"conv": (_split("conv channels", 2 * G * N + H * P, tp, what), K - 1), "ssm": (heads, N, P)}
+        if G % tp and tp % G:
+            raise SpecError(f"{what}: num_groups={G} can neither be split over nor replicated to tp_size={tp}")
+        groups = G if G % tp == 0 else tp
+        return {"conv": (_split("conv channels", H * P + 2 * groups * N, tp, what), K - 1), "ssm": (heads, P, N)}
+
+    def dtypes(self) -> dict[str, str]:
+        return {"conv": self.conv_dtype, "ssm": self.ssm_dtype}
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """What a model's KV cache looks like.
@@ -75,7 +146,8 @@ class ModelSpec:
     K), or a variant added with `kvwrite.register_variant`. Each variant reads only its fields
     (see `kvwrite.config.variants`); setting a field the variant does not use, or leaving out one
     it needs, raises SpecError. `num_draft_layers`: layers of the draft (MTP/EAGLE) model a draft
-    worker holds KV for.
+    worker holds KV for. `linear_layer_ids` / `linear_state` (hybrid_linear): the layers with a
+    recurrent state and its `RecurrentState` (sized per request slot, not per token).
     """
 
     variant: str
@@ -91,6 +163,9 @@ class ModelSpec:
     full_attention_layer_ids: tuple[int, ...] = ()
     dtype: str = "bfloat16"
     num_draft_layers: int = 1
+    compress_ratios: tuple[int, ...] = ()   # dsv4: per layer 0 (SWA only), 4 or 128
+    linear_layer_ids: tuple[int, ...] = ()
+    linear_state: RecurrentState | None = None
     name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -108,7 +183,15 @@ class ModelSpec:
         set_("dtype", _dtype_name(self.dtype))
         set_("swa_layer_ids", _ids("swa_layer_ids", self.swa_layer_ids))
         set_("full_attention_layer_ids", _ids("full_attention_layer_ids", self.full_attention_layer_ids))
-        for k in ("swa_layer_ids", "full_attention_layer_ids"):
+        try:
+            set_("compress_ratios", tuple(int(r) for r in self.compress_ratios))
+        except (TypeError, ValueError):
+            raise SpecError(f"compress_ratios must be a sequence of ints, got {self.compress_ratios!r}") from None
+        set_("linear_layer_ids", _ids("linear_layer_ids", self.linear_layer_ids))
+        if self.linear_state is not None and not isinstance(self.linear_state, RecurrentState):
+            raise SpecError(f"ModelSpec.linear_state must be a kvwrite.config.RecurrentState, got "
+                            f"{type(self.linear_state).__name__}")
+        for k in ("swa_layer_ids", "full_attention_layer_ids", "linear_layer_ids"):
             bad = [i for i in getattr(self, k) if not 0 <= i < self.num_layers]
             if bad:
                 raise SpecError(f"ModelSpec.{k} has ids outside [0, num_layers={self.num_layers}): {bad}")
@@ -138,7 +221,9 @@ class ModelSpec:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        d["swa_layer_ids"], d["full_attention_layer_ids"] = list(self.swa_layer_ids), list(self.full_attention_layer_ids)
+        for k in ("swa_layer_ids", "full_attention_layer_ids", "linear_layer_ids"):
+            d[k] = list(getattr(self, k))
+        d["compress_ratios"] = list(self.compress_ratios)
         return d
 
     @classmethod

@@ -16,16 +16,18 @@ import torch
 from kvwrite.config.pool import KVPool
 from kvwrite.geometry import GeometryError, PageGeometry, require_positive_int
 
-LAYOUTS = ("rows", "page_major", "map")
+LAYOUTS = ("rows", "hnd", "page_major", "map", "slots", "dsv4_kv")
 
 
 @dataclass(frozen=True)
 class BufferSpec:
     """One buffer of a sub-pool, per layer unless `per_layer` is False.
 
-    `layout`: "rows" -> `[num_pages, pool_page_size, *row_shape]`; "page_major" (uint8) ->
+    `layout`: "rows" -> `[num_pages, pool_page_size, *row_shape]` (NHD); "hnd" -> `[num_pages,
+    heads, pool_page_size, *rest]` for `row_shape = (heads, *rest)`; "page_major" (uint8) ->
     `[num_pages, pool_page_size * prod(row_shape)]` (a page's rows then its scales, like the DSA
-    indexer cache); "map" -> `[num_locs of the "full" loc space]` (the full->SWA loc map).
+    indexer cache); "map" -> `[num_locs of the "full" loc space]` (the full->SWA loc map);
+    "slots" -> `[request slots, *row_shape]` (a recurrent-state buffer, sized per request).
     """
 
     name: str
@@ -49,8 +51,16 @@ class BufferSpec:
     def shape(self, geometry: PageGeometry, full_locs: int) -> tuple[int, ...]:
         if self.layout == "rows":
             return (geometry.num_pages, geometry.pool_page_size, *self.row_shape)
+        if self.layout == "hnd":
+            return (geometry.num_pages, self.row_shape[0], geometry.pool_page_size, *self.row_shape[1:])
+        if self.layout == "slots":
+            raise ValueError(f"buffer {self.name!r} is per request slot, not paged")
         if self.layout == "page_major":
             return (geometry.num_pages, geometry.pool_page_size * math.prod(self.row_shape))
+        if self.layout == "dsv4_kv":  # DeepSeek V4 KV pages: 584 B a token, padded to 576 B
+            from kvwrite.ops.dsv4 import kv_page_bytes
+
+            return (geometry.num_pages, kv_page_bytes(geometry.pool_page_size))
         return (full_locs,)
 
 
@@ -75,19 +85,31 @@ class PoolSpec:
 
 
 @dataclass(frozen=True)
+class StatePoolSpec:
+    """A planner's recurrent-state pool (hybrid-linear models): per layer of `layer_ids`, one
+    row per request slot of each buffer (layout "slots")."""
+
+    name: str
+    layer_ids: tuple[int, ...]
+    buffers: tuple[BufferSpec, ...]
+
+
+@dataclass(frozen=True)
 class LocSpace:
     """An allocator's loc space: `[0, num_locs)` paged in `page_size`-loc units (page 0 is the
-    padding page). Under DCP this is the virtual space of all `dcp_size` ranks."""
+    padding page unless `reserve_padding_page` is False: the -1 padding convention). Under DCP
+    this is the virtual space of all `dcp_size` ranks."""
 
     name: str
     page_size: int
     num_locs: int
     dcp_size: int = 1
+    reserve_padding_page: bool = True
 
     def allocator(self):
         from kvwrite.allocator import PagedAllocator
 
-        return PagedAllocator(self.num_locs, self.page_size)
+        return PagedAllocator(self.num_locs, self.page_size, reserve_padding_page=self.reserve_padding_page)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -100,6 +122,7 @@ class BufferPlan:
     dtype: str
     bytes: int            # one copy (one layer)
     per_layer: bool = True
+    stacked: bool = False  # all layers in one tensor [num_layers, *shape] (the Ascend pools)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -162,14 +185,48 @@ class SubPoolPlan:
         )
 
 
-def buffer_plans(spec: PoolSpec, geometry: PageGeometry, full_locs: int) -> tuple[BufferPlan, ...]:
+def buffer_plans(spec: PoolSpec, geometry: PageGeometry, full_locs: int, stacked: bool = False
+                 ) -> tuple[BufferPlan, ...]:
     """The concrete buffers of sub-pool `spec` at `geometry` (`full_locs`: the full loc space)."""
     out = []
     for b in spec.buffers:
         shape = b.shape(geometry, full_locs)
         nbytes = math.prod(shape) * torch.empty((), dtype=b.torch_dtype).element_size()
-        out.append(BufferPlan(b.name, shape, b.dtype, nbytes, b.per_layer))
+        out.append(BufferPlan(b.name, shape, b.dtype, nbytes, b.per_layer, stacked and b.per_layer))
     return tuple(out)
+
+
+@dataclass(frozen=True)
+class StatePoolPlan:
+    """A recurrent-state pool: per layer of `layer_ids`, each buffer `[slots, ...]` with
+    `slots = max_running_requests + 1` (one padding slot, as SGLang's Mamba pool)."""
+
+    name: str
+    layer_ids: tuple[int, ...]
+    slots: int
+    buffers: tuple[BufferPlan, ...]
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return sum(b.bytes for b in self.buffers) * len(self.layer_ids) // self.slots
+
+    @property
+    def bytes(self) -> int:
+        return sum(b.bytes for b in self.buffers) * len(self.layer_ids)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(name=self.name, layer_ids=list(self.layer_ids), num_layers=len(self.layer_ids),
+                    slots=self.slots, buffers=[b.to_dict() for b in self.buffers],
+                    bytes_per_slot=self.bytes_per_slot, bytes=self.bytes)
+
+
+def state_plan(spec: StatePoolSpec, slots: int, stacked: bool = False) -> StatePoolPlan:
+    out = []
+    for b in spec.buffers:
+        shape = (slots, *b.row_shape)
+        out.append(BufferPlan(b.name, shape, b.dtype, math.prod(shape) * torch.empty((), dtype=b.torch_dtype)
+                              .element_size(), stacked=stacked))
+    return StatePoolPlan(spec.name, spec.layer_ids, slots, tuple(out))
 
 
 @dataclass(frozen=True)
@@ -189,10 +246,30 @@ class PoolPlan:
     memory_bytes: int | None
     pools: tuple[SubPoolPlan, ...]
     spaces: dict[str, LocSpace] = field(compare=False)
+    state_pools: tuple[StatePoolPlan, ...] = ()
+    max_running_requests: int | None = None
+    layout: str = "NHD"
+    target: str = "gpu"
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of the paged KV pools (scale with the token count)."""
+        return sum(p.bytes for p in self.pools)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the recurrent-state pools (scale with max_running_requests, not tokens)."""
+        return sum(s.bytes for s in self.state_pools)
 
     @property
     def total_bytes(self) -> int:
-        return sum(p.bytes for p in self.pools)
+        return self.kv_bytes + self.state_bytes
+
+    def state_pool(self, name: str = "state") -> StatePoolPlan:
+        for s in self.state_pools:
+            if s.name == name:
+                return s
+        raise KeyError(f"no state pool {name!r}; state pools: {[s.name for s in self.state_pools]}")
 
     def pool(self, name: str) -> SubPoolPlan:
         for p in self.pools:
@@ -224,7 +301,8 @@ class PoolPlan:
         such as replaying SGLang #33348. `build()` refuses a plan that fails its own allocator
         check unless told `verify=False`."""
         full_locs = self.spaces["full"].num_locs
-        pools = tuple(dataclasses.replace(p, geometry=geometry, buffers=buffer_plans(p.spec, geometry, full_locs))
+        pools = tuple(dataclasses.replace(p, geometry=geometry, buffers=buffer_plans(
+                          p.spec, geometry, full_locs, self.target == "npu"))
                       if p.name == pool else p for p in self.pools)
         self.pool(pool)
         return dataclasses.replace(self, pools=pools)
@@ -247,9 +325,11 @@ class PoolPlan:
             kv_cache_dtype=self.kv_cache_dtype, page_size=self.page_size,
             loc_space_scale=self.loc_space_scale, pool_page_size=self.pool_page_size,
             max_total_num_tokens=self.max_total_num_tokens, cell_size_bytes=self.cell_size_bytes,
-            total_bytes=self.total_bytes, memory_bytes=self.memory_bytes,
+            total_bytes=self.total_bytes, kv_bytes=self.kv_bytes, state_bytes=self.state_bytes,
+            memory_bytes=self.memory_bytes, layout=self.layout, target=self.target,
+            max_running_requests=self.max_running_requests,
             allocators={k: v.to_dict() for k, v in self.spaces.items()},
-            pools=[p.to_dict() for p in self.pools],
+            pools=[p.to_dict() for p in self.pools], state_pools=[s.to_dict() for s in self.state_pools],
         )
 
     def to_json(self, **kw: Any) -> str:

@@ -55,7 +55,10 @@ class KVPool:
         self.check = validate.check_mode(check)
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a str, got {type(backend).__name__}")
-        self.backend = backend
+        if getattr(plan, "target", "gpu") == "npu" and backend not in ("auto", "torch"):
+            raise KernelUnavailable(f"a target='npu' plan (SGLang's Ascend layouts) stores through the torch "
+                                    f"backend only, got backend={backend!r}")
+        self.backend = "torch" if getattr(plan, "target", "gpu") == "npu" else backend
         self.planner = planner_for(plan.variant)
         self.scales = self._build_scales(scales)
         what = lambda p: (f"variant {plan.variant!r} with kv_cache_dtype={plan.kv_cache_dtype!r} "  # noqa: E731
@@ -67,14 +70,31 @@ class KVPool:
         self._index: dict[str, dict[int, int]] = {}
         for p in plan.pools:
             self._index[p.name] = {lid: i for i, lid in enumerate(p.layer_ids)}
-            per_layer = [b for b in p.buffers if b.per_layer]
-            self.buffers[p.name] = [
-                {b.name: torch.zeros(b.shape, dtype=getattr(torch, b.dtype), device=self.device)
-                 for b in per_layer} for _ in p.layer_ids]
+            self.buffers[p.name] = self._allocate([b for b in p.buffers if b.per_layer], len(p.layer_ids))
             self.shared[p.name] = {b.name: torch.full(b.shape, -1, dtype=getattr(torch, b.dtype), device=self.device)
                                    for b in p.buffers if not b.per_layer}
         self._layers = {lid for p in plan.pools for lid in p.layer_ids}
+        self.states: dict[str, list[dict[str, torch.Tensor]]] = {}
+        self._state_index: dict[str, dict[int, int]] = {}
+        for st in getattr(plan, "state_pools", ()):
+            self.states[st.name] = self._allocate(st.buffers, len(st.layer_ids))
+            self._state_index[st.name] = {lid: i for i, lid in enumerate(st.layer_ids)}
         self._fast: dict = {}   # layer_id -> bound C++ store (see _fast_stores)
+
+    def _allocate(self, buffers, num_layers: int) -> list[dict[str, torch.Tensor]]:
+        """Zeroed per-layer buffers; a `stacked` buffer is one `[num_layers, *shape]` tensor whose
+        layer views the dicts hold (the Ascend pools' contiguous all-layer allocation)."""
+        layers: list[dict[str, torch.Tensor]] = [{} for _ in range(num_layers)]
+        for b in buffers:
+            dtype = getattr(torch, b.dtype)
+            if b.stacked:
+                whole = torch.zeros((num_layers, *b.shape), dtype=dtype, device=self.device)
+                for i in range(num_layers):
+                    layers[i][b.name] = whole[i]
+            else:
+                for i in range(num_layers):
+                    layers[i][b.name] = torch.zeros(b.shape, dtype=dtype, device=self.device)
+        return layers
 
     def _build_scales(self, scales) -> dict[str, torch.Tensor]:
         """The build-time scales, checked: every fp8 scale given, nothing that does not apply."""
@@ -115,10 +135,20 @@ class KVPool:
             raise LayerHasNoKV(f"sub-pool {pool!r} holds layers {list(self._index.get(pool, {}))}, "
                                f"not {layer_id}") from None
 
+    def state(self, layer_id: int, pool: str = "state") -> dict[str, torch.Tensor]:
+        """The recurrent-state buffers (`conv`, `ssm`: `[slots, ...]`) of linear layer `layer_id`."""
+        try:
+            return self.states[pool][self._state_index[pool][layer_id]]
+        except KeyError:
+            raise LayerHasNoKV(f"state pool {pool!r} holds layers {list(self._state_index.get(pool, {}))}, "
+                               f"not {layer_id}") from None
+
     def op_kwargs(self, pool: str) -> dict:
-        """Keywords every store into sub-pool `pool` takes (check, errors, backend, DCP, loc_map)."""
+        """Keywords every store into sub-pool `pool` takes (check, errors, backend, layout, DCP, loc_map)."""
         p = self.plan.pool(pool)
         kw = dict(check=self.check, errors=self.errors, backend=self.backend)
+        if any(b.layout == "hnd" for b in p.spec.buffers):
+            kw["layout"] = "HND"
         if p.sharded:
             kw.update(dcp_rank=p.dcp_rank, dcp_size=p.dcp_size)
         if "loc_map" in self.shared[pool]:
@@ -127,7 +157,8 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        per = sum(t.numel() * t.element_size() for layers in self.buffers.values() for d in layers for t in d.values())
+        per = sum(t.numel() * t.element_size() for group in (self.buffers, self.states)
+                  for layers in group.values() for d in layers for t in d.values())
         return per + sum(t.numel() * t.element_size() for d in self.shared.values() for t in d.values())
 
     def allocator(self, space: str = "full"):
@@ -199,10 +230,9 @@ class KVPool:
         plain MHA-style store_kv sub-pools; the other layers take the full path. Built once the
         extension is loaded; `{"_": None}` when no layer qualifies (so it is not rebuilt)."""
         from kvwrite.ops import kv
-        from kvwrite.config.variants import MHAPlanner
-
         out: dict = {}
-        if type(self.planner).store is MHAPlanner.store and self.backend in ("auto", "cpu", "cuda"):
+        cls = type(self.planner)   # a planner whose store is the plain MHA one (variants.MHAPlanner.FAST_STORE)
+        if cls.store is getattr(cls, "FAST_STORE", None) and self.backend in ("auto", "cpu", "cuda"):
             for lid in self._layers:
                 sub = self.planner.route(self, lid)
                 b, kw = self.layer(sub, lid), self.op_kwargs(sub)
@@ -216,8 +246,8 @@ class KVPool:
 
                 def store(loc, k, v, _call=kv._CALL, kc=b["k"], vc=b["v"], ks=ks, vs=vs, check=self.check,
                           errors=self.errors.tensor, loc_map=kw.get("loc_map"), r=kw.get("dcp_rank", 0),
-                          n=kw.get("dcp_size", 1), backend=self.backend):
-                    return _call(k, v, kc, vc, loc, "NHD", ks, vs, check, errors, loc_map, r, n, backend)
+                          n=kw.get("dcp_size", 1), backend=self.backend, layout=kw.get("layout", "NHD")):
+                    return _call(k, v, kc, vc, loc, layout, ks, vs, check, errors, loc_map, r, n, backend)
 
                 out[lid] = store
         return out or {"_": None}

@@ -15,12 +15,15 @@ from kvwrite.config.errors import SpecError, UnknownVariant, UnsupportedCombinat
 @dataclass(frozen=True)
 class PlanContext:
     """What a planner may read: the model planned (the draft model's on a draft worker), the
-    parallel setup, the kv cache dtype and the base page size."""
+    parallel setup, the kv cache dtype, the base page size, the paged-buffer layout ("NHD" or
+    "HND") and the target ("gpu", or "npu" for SGLang's Ascend pool layouts)."""
 
     model: Any
     parallel: Any
     kv_cache_dtype: str
     page_size: int
+    layout: str = "NHD"
+    target: str = "gpu"
 
     @property
     def heads(self) -> int:
@@ -57,12 +60,29 @@ class VariantPlanner:
         """The sub-pools (`kvwrite.config.plan.PoolSpec`) of this variant."""
         raise NotImplementedError
 
+    def state_pools(self, ctx: PlanContext) -> Sequence:
+        """Recurrent-state pools (`kvwrite.config.plan.StatePoolSpec`), sized per request slot."""
+        return ()
+
     def inputs(self, plan, layer_id: int) -> list:
         """Per-token (name, shape, dtype) of the tensors `store(layer_id, loc, *tensors)` takes."""
         raise NotImplementedError
 
     def store(self, pool, layer_id: int, loc, tensors: tuple, scales: dict) -> None:
         raise NotImplementedError
+
+    # Defaults a variant brings (page_size, kv_cache_dtype, swa_full_tokens_ratio) for the CLI.
+    defaults: dict = {}
+
+    def sub_pool(self, spec, ctx: PlanContext, pages: int, scale: int):
+        """None (the configurator lays sub-pool `spec` out: `pages` pages of page_size * scale
+        rows over its loc space), or a dict with its own `geometry` and optionally `space` (a
+        LocSpace) and `addressing`: pools whose rows are not the allocator's pages."""
+        return None
+
+    def cell_size(self, ctx: PlanContext, swa_full_tokens_ratio: float):
+        """None (the configurator sums buffer rows), or the variant's bytes per full token."""
+        return None
 
 
 def draft_layers(spec) -> int:

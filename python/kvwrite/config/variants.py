@@ -6,13 +6,14 @@ the store ops. Sizing, geometry and allocator checks are the configurator's, nev
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import torch
 
 from kvwrite.config.errors import SpecError, UnsupportedCombination
 from kvwrite.config.model import ModelSpec
-from kvwrite.config.plan import BufferSpec, PoolSpec
+from kvwrite.config.plan import BufferSpec, PoolSpec, StatePoolSpec
 from kvwrite.config.scales import DYNAMIC, FP8, STATIC_SCALED, fp8_scale_names, scale_applies  # noqa: F401
 from kvwrite.config.registry import (PlanContext, VariantPlanner, draft_layers, planner_for,  # noqa: F401
                                      register_builtin, register_variant, unregister_variant, variants)
@@ -114,6 +115,20 @@ def _needs(op: str, kv: str, sharded: bool, loc_map: bool = False) -> tuple[str,
     return tuple(needs)
 
 
+def _with_layout(ctx: PlanContext, bufs: tuple[BufferSpec, ...], needs: tuple[str, ...]
+                 ) -> tuple[tuple[BufferSpec, ...], tuple[str, ...]]:
+    """`layout="HND"`: the paged K/V buffers head-major, and the op must take `layout=`."""
+    if ctx.layout == "NHD":
+        return bufs, needs
+    return tuple(dataclasses.replace(b, layout="hnd") if b.layout == "rows" else b for b in bufs), needs + ("layout",)
+
+
+def _only_nhd(ctx: PlanContext, variant: str) -> None:
+    if ctx.layout != "NHD":
+        raise UnsupportedCombination(f"layout={ctx.layout!r} applies to MHA-style K/V pools (mha, swa_hybrid, "
+                                     f"hybrid_linear, minimax_sparse), not {variant!r}: its rows have no head axis")
+
+
 def _sharded(ctx: PlanContext) -> bool:
     """Main pools of a target worker under DCP keep only this rank's tokens."""
     return ctx.parallel.dcp_size > 1 and not ctx.parallel.is_draft_worker
@@ -190,8 +205,8 @@ class MHAPlanner(VariantPlanner):
     def _kv_pool(self, ctx: PlanContext, name: str, layers, space: str = "full",
                  loc_map: bool = False) -> PoolSpec:
         bufs, op, note = kv_buffers(ctx.kv_cache_dtype, ctx.dtype, ctx.heads, self._dims(ctx.model), self.name)
-        return PoolSpec(name, tuple(layers), bufs, op, space=space,
-                        needs=_needs(op, ctx.kv_cache_dtype, _sharded(ctx), loc_map), note=note)
+        bufs, needs = _with_layout(ctx, bufs, _needs(op, ctx.kv_cache_dtype, _sharded(ctx), loc_map))
+        return PoolSpec(name, tuple(layers), bufs, op, space=space, needs=needs, note=note)
 
     def pools(self, ctx: PlanContext) -> Sequence[PoolSpec]:
         return [self._kv_pool(ctx, "kv", self.kv_layer_ids(ctx.model))]
@@ -208,6 +223,9 @@ class MHAPlanner(VariantPlanner):
         _arity(tensors, ("k", "v"), self.name)
         _scales(scales, MHA_SCALES, self.name, pool.plan.kv_cache_dtype)
         _store_kv_like(pool, self.route(pool, layer_id), layer_id, loc, tensors[0], tensors[1], scales)
+
+
+MHAPlanner.FAST_STORE = MHAPlanner.store   # KVPool's bound C++ fast path serves exactly this store
 
 
 class SWAHybridPlanner(MHAPlanner):
@@ -255,15 +273,31 @@ class HybridLinearPlanner(MHAPlanner):
     their own, outside kvwrite); the layer map sends layer id -> index in the KV pool."""
 
     name = "hybrid_linear"
-    fields = MHA_FIELDS | {"full_attention_layer_ids"}
+    fields = MHA_FIELDS | {"full_attention_layer_ids", "linear_layer_ids", "linear_state"}
 
     def check_model(self, spec) -> None:
         _require(spec, "num_kv_heads", "head_dim")
         if not spec.full_attention_layer_ids:
             raise SpecError("hybrid_linear needs full_attention_layer_ids (the layers with a KV cache)")
+        if (spec.linear_state is None) != (not spec.linear_layer_ids):
+            raise SpecError("hybrid_linear takes linear_layer_ids and linear_state together (the layers "
+                            "with a recurrent state and its shape), or neither")
 
     def kv_layer_ids(self, spec):
         return spec.full_attention_layer_ids
+
+    def state_pools(self, ctx):
+        """Conv and SSM / recurrent state per linear layer, one row per request slot. On the
+        Ascend layout the conv state is stored window-major (`[K-1, channels]`), as SGLang's NPU
+        Mamba pool does."""
+        st = ctx.model.linear_state
+        if st is None:
+            return ()
+        shapes, dtypes = st.shapes(ctx.parallel.tp_size), st.dtypes()
+        if ctx.target == "npu" and "conv" in shapes:
+            shapes["conv"] = shapes["conv"][::-1]
+        bufs = tuple(BufferSpec(n, shape, dtypes[n], layout="slots") for n, shape in shapes.items())
+        return (StatePoolSpec("state", ctx.model.linear_layer_ids, bufs),)
 
     def draft_model(self, spec):
         return _mha_draft(spec)
@@ -279,7 +313,14 @@ class MLAPlanner(VariantPlanner):
         _require(spec, "kv_lora_rank", "qk_rope_head_dim")
 
     def _mla_pool(self, ctx) -> PoolSpec:
+        _only_nhd(ctx, self.name)
         m = ctx.model
+        if ctx.target == "npu":
+            # SGLang's NPU MLA pool: the latent (nope) and rope parts in two buffers
+            # [pages, page, 1, kv_lora_rank] and [pages, page, 1, qk_rope_head_dim], one store_kv.
+            bufs = (BufferSpec("k", (1, m.kv_lora_rank), ctx.dtype), BufferSpec("v", (1, m.qk_rope_head_dim), ctx.dtype))
+            return PoolSpec("kv", self.kv_layer_ids(m), bufs, "store_kv", needs=_needs("store_kv", "auto", _sharded(ctx)),
+                            note="ascend: nope | rope buffers")
         bufs, op, note = mla_buffers(ctx.kv_cache_dtype, ctx.dtype, m.kv_lora_rank, m.qk_rope_head_dim)
         return PoolSpec("kv", self.kv_layer_ids(m), bufs, op, needs=_needs(op, ctx.kv_cache_dtype, _sharded(ctx)),
                         note=note)
@@ -293,6 +334,10 @@ class MLAPlanner(VariantPlanner):
 
     def store(self, pool, layer_id, loc, tensors, scales) -> None:
         _arity(tensors, ("kv_c", "k_pe"), self.name)
+        if pool.plan.target == "npu":
+            _scales(scales, (), f"{self.name} (ascend layout)", "auto")
+            _store_kv_like(pool, "kv", layer_id, loc, tensors[0].unsqueeze(-2), tensors[1].unsqueeze(-2), {})
+            return
         _scales(scales, self.SCALES, self.name, pool.plan.kv_cache_dtype)
         _store_mla(pool, "kv", layer_id, loc, tensors[0], tensors[1], scales)
 
@@ -311,6 +356,9 @@ class DSAPlanner(MLAPlanner):
             raise SpecError(f"dsa index_head_dim must be a multiple of {INDEXER_BLOCK}, got {spec.index_head_dim}")
 
     def pools(self, ctx):
+        if ctx.target == "npu":
+            raise UnsupportedCombination("variant 'dsa' has no Ascend layout here: SGLang's NPU DSA pool keeps a "
+                                         "bf16 index K per layer, which this kvwrite does not plan")
         layers = self.kv_layer_ids(ctx.model)
         return [self._mla_pool(ctx), PoolSpec("indexer", layers, (indexer_buffer(ctx.model.index_head_dim),),
                                               "store_indexer_k", virtual=True)]
@@ -339,8 +387,8 @@ class MiniMaxSparsePlanner(MHAPlanner):
     def pools(self, ctx):
         main = self._kv_pool(ctx, "kv", self.kv_layer_ids(ctx.model))
         bufs, op, note = kv_buffers(ctx.kv_cache_dtype, ctx.dtype, 1, {"k": ctx.model.index_head_dim}, self.name)
-        index = PoolSpec("index", main.layer_ids, bufs, op, needs=_needs(op, ctx.kv_cache_dtype, _sharded(ctx)),
-                         note=(note + ", " if note else "") + "K only")
+        bufs, needs = _with_layout(ctx, bufs, _needs(op, ctx.kv_cache_dtype, _sharded(ctx)))
+        index = PoolSpec("index", main.layer_ids, bufs, op, needs=needs, note=(note + ", " if note else "") + "K only")
         return [main, index]
 
     def inputs(self, plan, layer_id):

@@ -12,10 +12,12 @@ from kvwrite.geometry import PageGeometry
 from kvwrite.pagetable import PageTable, table as _table
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, eq=False)
 class Locs:
     """Where each token goes: `loc` (virtual), optional SWA `loc_map`, DCP shard of this rank;
-    or a `table` (page-table addressing; `loc` is then its positions)."""
+    or a `table` (page-table addressing; `loc` is then its positions). Built on every call of
+    the Python path: a plain slotted dataclass (a frozen one costs ~4x to construct); treat it as
+    read-only (`dataclasses.replace` for a variant)."""
 
     loc: torch.Tensor
     loc_map: torch.Tensor | None = None
@@ -116,8 +118,15 @@ def cache_geometry(name: str, num_pages: int, pool_page_size: int) -> PageGeomet
 def dispatch(op: str, table: tuple[tuple[str, str], ...], backend: str, device: torch.device,
              args: object) -> None:
     """Run `args` on the resolved backend's implementation of `op`."""
-    if not isinstance(backend, str):
-        raise TypeError(f"backend must be a str, got {type(backend).__name__}")
-    name = backends.resolve(backend, device, op, backends.implemented(table))
+    key = (op, table, backend, device)
+    name = _RESOLVED.get(key) if type(backend) is str else None
+    if name is None:
+        if not isinstance(backend, str):
+            raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+        name = backends.resolve(backend, device, op, backends.implemented(table))
+        _RESOLVED[key] = name  # availability is settled once per process (backend.py caches it)
     impl: Callable = backends.implementation(table, name)
     impl(args)
+
+
+_RESOLVED: dict[tuple, str] = {}   # (op, table, backend, device) -> the backend it resolved to

@@ -20,10 +20,11 @@ IMPLS = (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, eq=False)
 class StoreKV:
-    """A validated store_kv call. Caches are canonical [pages, pool_page_size, H, D] views
-    (HND caches are permuted views: one shape, other strides)."""
+    """A validated store_kv call (read-only by convention; slotted, not frozen: built on every
+    call). Caches are canonical [pages, pool_page_size, H, D] views (HND caches are permuted
+    views: one shape, other strides)."""
 
     k: torch.Tensor
     v: torch.Tensor

@@ -16,7 +16,7 @@ from kvwrite.ops.dsv4 import (AMAX_FLOOR, DATA_ROW, KV_DIM, MXFP4_BLOCK, NOPE, S
                               TILES, indexer_pool_page_size, kv_pool_page_size)
 from kvwrite.reference._locs import resolve_and_check
 from kvwrite.reference.indexer_k import read_indexer_k, ue8m0
-from kvwrite.reference.kv import quantize_fp8
+from kvwrite.reference.quant import bf16_bits, daz, finite_amax, quantize_fp8
 from kvwrite.reference.nvfp4 import e2m1_codes, e2m1_values
 
 
@@ -34,9 +34,9 @@ def quantize_kv(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(data rows uint8 `[N, 576]`, scale bytes uint8 `[N, 7]`) of `kv` `[N, 512]`."""
     n = kv.shape[0]
     x = kv[:, :NOPE].float().reshape(n, TILES, TILE)
-    scale = ue8m0(torch.clamp(x.abs().amax(dim=-1), min=AMAX_FLOOR) / 448.0)
+    scale = ue8m0(torch.clamp(finite_amax(x), min=AMAX_FLOOR) / 448.0)   # special values: README
     nope = quantize_fp8(x, scale[..., None], torch.float8_e4m3fn).view(torch.uint8).reshape(n, NOPE)
-    rope = kv[:, NOPE:].to(torch.bfloat16).contiguous().view(torch.uint8)
+    rope = bf16_bits(kv[:, NOPE:]).contiguous().view(torch.uint8)
     return torch.cat([nope, rope], dim=-1), _exponent_byte(scale)
 
 
@@ -90,11 +90,13 @@ def dequant_dsv4_kv(cache: torch.Tensor, loc: torch.Tensor, *, page_size: int | 
 def quantize_mxfp4(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed e2m1 uint8 `[N, D/2]`, ue8m0 bytes `[N, D/32]`) of `k` `[N, D]`."""
     n, d = k.shape
-    x = k.float().reshape(n, d // MXFP4_BLOCK, MXFP4_BLOCK)
-    scale = ue8m0(torch.clamp(x.abs().amax(dim=-1), min=AMAX_FLOOR) / 6.0)
-    codes = e2m1_codes(x / scale[..., None]).reshape(n, d // 2, 2)
+    x = daz(k).reshape(n, d // MXFP4_BLOCK, MXFP4_BLOCK)
+    scale = ue8m0(torch.clamp(finite_amax(x), min=AMAX_FLOOR) / 6.0)
+    nan = torch.isnan(x)   # special values (README): NaN -> code 0, the block's scale byte 0xFF
+    codes = torch.where(nan, 0, e2m1_codes(x / scale[..., None])).reshape(n, d // 2, 2)
     packed = (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8)
-    return packed, _exponent_byte(scale)
+    byte = torch.where(nan.any(-1), torch.full_like(scale, 0xFF, dtype=torch.uint8), _exponent_byte(scale))
+    return packed, byte
 
 
 def mxfp4_regions(cache: torch.Tensor, pps: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:

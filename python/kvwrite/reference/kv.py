@@ -14,11 +14,15 @@ def _store(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None,
     if cache.dtype in FP8_MAX:
         s = scale.float().reshape(-1)[None, :, None] if scale.dim() else scale.float()
         rows = quantize_fp8(rows, s, cache.dtype)
-    cache[page, offset] = rows.to(cache.dtype)
+    rows = rows.to(cache.dtype)
+    if cache.dim() == 5:  # split head dim [pages, rows, H, D / X, X] (vLLM's legacy layout)
+        rows = rows.unflatten(-1, cache.shape[3:])
+    cache[page, offset] = rows
 
 
 def store_kv(a) -> None:
-    """`a`: kvwrite.ops.kv.StoreKV with the caches in canonical [pages, rows, H, D] view."""
+    """`a`: kvwrite.ops.kv.StoreKV with the caches in canonical [pages, rows, H, D] view (or
+    [pages, rows, H, D / X, X]: a split head dim, `kvwrite.ops.kv_head_major`)."""
     idx, page, offset = resolve_and_check(a.locs, a.geometry, a.check)
     _store(a.k, a.k_cache, a.k_scale, idx, page, offset)
     _store(a.v, a.v_cache, a.v_scale, idx, page, offset)

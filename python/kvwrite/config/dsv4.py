@@ -1,0 +1,140 @@
+"""The DeepSeek V4 planner (variant "dsv4"): SWA + compressed (c4, c128) KV caches in FlashMLA
+MODEL1 pages, the c4 indexer cache and the compress-state pools (SGLang's DeepSeekV4TokenToKVPool).
+
+Sub-pools, from `compress_ratios` (0: SWA only, 4: SWA + c4 + indexer + states, 128: SWA + c128
++ state): "swa" (every layer; the SWA loc space, full -> SWA loc map), "c4" / "c128" (pages of
+page_size // 4 and page_size // 128 rows: a compressed page index is the full page index),
+"c4_indexer" (fp8 rows of index_head_dim + 4 bytes, pages of page_size // 4), "c4_state",
+"c4_indexer_state" (rows of 2*2*head_dim / 2*2*index_head_dim fp32, ring 8 per 128-token SWA page)
+and "c128_state" (rows of 2*head_dim fp32, ring 128 per request slot: a fixed cost). A draft
+worker holds the SWA pool of its MTP layer(s) only; under DCP every paged sub-pool pages in
+pool_page_size and a target worker's pools are sharded by page.
+
+Bytes per full token (SGLang's DSV4PoolConfigurator, fp32 state), with r = swa_full_tokens_ratio,
+L layers, L4 / L128 layers of ratio 4 / 128:
+    r*584*L + 584*L4/4 + 584*L128/128 + 132*L4/4 + r*(8/128)*(2*2*512*4 + 2*2*128*4)*L4
+and the c128 state, ((max_running_requests + 1) * 128 + 128 + 1 rounded up to 128) rows of
+2*512*4 bytes per c128 layer, taken first. kvwrite sizes by the pools' real bytes (pages padded to
+576 B, one padding page per pool), so its token count is a little under SGLang's.
+"""
+from __future__ import annotations
+
+from kvwrite.config.errors import SpecError, UnsupportedCombination
+from kvwrite.config.model import ModelSpec
+from kvwrite.config.plan import BufferSpec, LocSpace, PoolSpec
+from kvwrite.config.registry import PlanContext, VariantPlanner, draft_layers, register_builtin
+from kvwrite.geometry import PageGeometry
+from kvwrite.ops import dsv4 as _d
+
+MAX_RUNNING_REQUESTS = 256   # SGLang's DeepSeek V4 default (the c128 state's request slots)
+SWA_PAGE = 128               # SGLang's swa_page_size (= the window): state rows per SWA page
+STATE_DTYPE = "float32"      # SGLANG_DSV4_COMPRESS_STATE_DTYPE default
+
+
+def _ceil_to(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+class DSV4Planner(VariantPlanner):
+    name = "dsv4"
+    fields = frozenset({"head_dim", "qk_rope_head_dim", "index_head_dim", "sliding_window", "compress_ratios"})
+    kv_cache_dtypes = ("fp8_e4m3",)
+    defaults = dict(page_size=256, kv_cache_dtype="fp8_e4m3", swa_full_tokens_ratio=0.1)
+
+    def check_model(self, spec) -> None:
+        if spec.head_dim != _d.KV_DIM or spec.qk_rope_head_dim != _d.ROPE:
+            raise SpecError(f"dsv4 needs head_dim={_d.KV_DIM} and qk_rope_head_dim={_d.ROPE} (448 NoPE + 64 "
+                            f"RoPE, the FlashMLA MODEL1 row), got {spec.head_dim} and {spec.qk_rope_head_dim}")
+        if len(spec.compress_ratios) != spec.num_layers:
+            raise SpecError(f"dsv4 needs one compress ratio per layer ({spec.num_layers}), got "
+                            f"{len(spec.compress_ratios)}")
+        bad = sorted(set(spec.compress_ratios) - {0, 4, 128})
+        if bad:
+            raise SpecError(f"dsv4 compress_ratios must be 0, 4 or 128, got {bad}")
+        if 4 in spec.compress_ratios and (not spec.index_head_dim or spec.index_head_dim % _d.FP8_BLOCK):
+            raise SpecError(f"dsv4 c4 layers need index_head_dim a multiple of {_d.FP8_BLOCK}, got {spec.index_head_dim}")
+        if not spec.sliding_window:
+            raise SpecError("dsv4 needs sliding_window > 0")
+
+    def draft_model(self, spec):
+        n = draft_layers(spec)
+        return ModelSpec("dsv4", n, head_dim=spec.head_dim, qk_rope_head_dim=spec.qk_rope_head_dim,
+                         sliding_window=spec.sliding_window, compress_ratios=(0,) * n, dtype=spec.dtype,
+                         num_draft_layers=spec.num_draft_layers, name=f"{spec.name or spec.variant} draft")
+
+    @staticmethod
+    def _layers(m, ratio: int) -> tuple[int, ...]:
+        return tuple(i for i, r in enumerate(m.compress_ratios) if r == ratio)
+
+    def pools(self, ctx: PlanContext):
+        m, P = ctx.model, ctx.page_size
+        if P % 128:
+            raise UnsupportedCombination(f"dsv4 needs page_size a multiple of 128 (c128 pages of "
+                                         f"page_size // 128 rows), got {P}")
+        sharded = ctx.parallel.dcp_size > 1 and not ctx.parallel.is_draft_worker
+        dcp = ("dcp_rank", "dcp_size") if sharded else ()
+        kv = BufferSpec("kv", (_d.TOKEN_BYTES,), "uint8", layout="dsv4_kv")
+        note = "fp8 NoPE + ue8m0, bf16 RoPE"
+        swa_map = BufferSpec("loc_map", (), "int64", layout="map", per_layer=False)
+        out = [PoolSpec("swa", tuple(range(m.num_layers)), (kv, swa_map), "store_dsv4_kv", space="swa",
+                        needs=("loc_map",) + dcp, note=note)]
+        c4, c128 = self._layers(m, 4), self._layers(m, 128)
+        state = lambda w: BufferSpec("state", (w,), STATE_DTYPE, layout="page_major")  # noqa: E731
+        if c4:
+            out += [PoolSpec("c4", c4, (kv,), "store_dsv4_kv", needs=dcp, note=note + ", c4 loc"),
+                    PoolSpec("c4_indexer", c4, (BufferSpec("index_k", (_d.indexer_row_bytes(m.index_head_dim),),
+                                                           "uint8", layout="page_major"),),
+                             "store_dsv4_indexer_k", needs=dcp, note="fp8 + fp32 scale per 128, c4 loc"),
+                    PoolSpec("c4_state", c4, (state(_d.state_row_width(4, _d.KV_DIM)),), "store_rows",
+                             space="swa", note="state_loc ring 8"),
+                    PoolSpec("c4_indexer_state", c4, (state(_d.state_row_width(4, m.index_head_dim)),),
+                             "store_rows", space="swa", note="state_loc ring 8")]
+        if c128:
+            out += [PoolSpec("c128", c128, (kv,), "store_dsv4_kv", needs=dcp, note=note + ", c128 loc"),
+                    PoolSpec("c128_state", c128, (state(_d.state_row_width(128, _d.KV_DIM)),), "store_rows",
+                             note=f"ring 128 x {MAX_RUNNING_REQUESTS + 1} request slots")]
+        return out
+
+    def sub_pool(self, spec, ctx, pages: int, scale: int):
+        P = ctx.page_size
+        div = {"c4": 4, "c4_indexer": 4, "c128": 128}.get(spec.name)
+        if div:  # the compressed loc space: full loc // ratio, pages of page_size // ratio locs
+            dcp = ctx.parallel.dcp_size
+            space = LocSpace(f"c{div}", P // div * dcp, pages * P * dcp // div, dcp)
+            return dict(geometry=PageGeometry(P // div, pages, loc_space_scale=scale), space=space)
+        if spec.name in ("c4_state", "c4_indexer_state"):
+            ring = _d.state_ring(4)
+            rows = _ceil_to(pages * P * scale // SWA_PAGE * ring + ring + 1, 4)
+        elif spec.name == "c128_state":
+            ring = _d.state_ring(128)
+            rows = _ceil_to((MAX_RUNNING_REQUESTS + 1) * ring + ring + 1, 128)
+        else:
+            return None
+        # state rows are addressed by state_loc (rows of the pool, the last one the sentinel)
+        return dict(geometry=PageGeometry(1, rows), space=LocSpace(spec.name, 1, rows),
+                    addressing="local")
+
+    def cell_size(self, ctx, swa_full_tokens_ratio: float):
+        m, r = ctx.model, swa_full_tokens_ratio
+        L, L4, L128 = m.num_layers, len(self._layers(m, 4)), len(self._layers(m, 128))
+        ring4 = _d.state_ring(4)
+        states = (_d.state_row_width(4, _d.KV_DIM) + _d.state_row_width(4, m.index_head_dim)) * 4
+        index = _d.indexer_row_bytes(m.index_head_dim) if L4 else 0
+        return (r * _d.TOKEN_BYTES * L + _d.TOKEN_BYTES * L4 / 4 + _d.TOKEN_BYTES * L128 / 128
+                + index * L4 / 4 + r * ring4 / SWA_PAGE * states * L4)
+
+    def inputs(self, plan, layer_id):
+        m = plan.model
+        return [("kv", (_d.KV_DIM,), m.torch_dtype)]
+
+    def store(self, pool, layer_id, loc, tensors, scales) -> None:
+        """`(kv,)`: the token's SWA row (full loc, translated by the SWA loc map). Compressed
+        rows, indexer keys and states are stored with their own ops on `pool.layer(sub, layer)`
+        buffers (`kvwrite.compressed_loc`, `kvwrite.state_loc` give their locs)."""
+        if len(tensors) != 1 or scales:
+            raise TypeError("store() for variant 'dsv4' takes (layer_id, loc, kv) and no scales")
+        b = pool.layer("swa", layer_id)
+        pool.ops["swa"](tensors[0], b["kv"], loc, **pool.op_kwargs("swa"))
+
+
+register_builtin(DSV4Planner())

@@ -1,0 +1,113 @@
+"""The "dsv4" variant: ModelSpec from a DeepSeek V4 config.json, the sub-pools and their
+geometry, the sizing (hand-checked), draft and DCP handling, `kvwrite plan`, stores through a
+built pool."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import kvwrite
+from kvwrite import cli
+from kvwrite.config import KVCacheConfigurator, ModelSpec, ParallelSpec, SpecError, UnsupportedCombination
+from kvwrite.config.presets import PRESETS
+from kvwrite.ops.dsv4 import kv_page_bytes
+
+GiB = 2**30
+SUBPOOLS = ["swa", "c4", "c4_indexer", "c4_state", "c4_indexer_state", "c128", "c128_state"]
+
+
+def flash():
+    return ModelSpec.from_preset("deepseek-v4-flash")
+
+
+def plan(model=None, parallel=None, **kw):
+    kw.setdefault("memory_bytes", 40 * GiB)
+    return KVCacheConfigurator(model or flash(), parallel, page_size=kw.pop("page_size", 256),
+                               kv_cache_dtype="fp8_e4m3", swa_full_tokens_ratio=kw.pop("ratio", 0.1), **kw).plan()
+
+
+def test_from_hf_config_reads_the_published_fields(tmp_path):
+    cfg = dict(PRESETS["deepseek-v4-flash"][1])
+    assert len(cfg["compress_ratios"]) == cfg["num_hidden_layers"] + 1     # + the MTP layer
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    m = ModelSpec.from_hf_config(tmp_path)
+    assert (m.variant, m.num_layers, m.head_dim, m.qk_rope_head_dim, m.index_head_dim, m.sliding_window) == \
+        ("dsv4", 43, 512, 64, 128, 128)
+    assert m.compress_ratios == tuple(cfg["compress_ratios"][:43]) and m.num_draft_layers == 1
+    assert (m.compress_ratios.count(0), m.compress_ratios.count(4), m.compress_ratios.count(128)) == (2, 21, 20)
+    pro = ModelSpec.from_preset("deepseek-v4-pro")
+    assert (pro.num_layers, pro.compress_ratios.count(4), pro.compress_ratios.count(128)) == (61, 30, 31)
+    with pytest.raises(SpecError, match="one compress ratio per layer"):
+        ModelSpec("dsv4", 3, head_dim=512, qk_rope_head_dim=64, index_head_dim=128, sliding_window=128,
+                  compress_ratios=(0, 4))
+    with pytest.raises(SpecError, match="head_dim=512"):
+        ModelSpec("dsv4", 1, head_dim=576, qk_rope_head_dim=64, sliding_window=128, compress_ratios=(0,))
+
+
+def test_plan_sub_pools_geometry_and_sizing_by_hand():
+    p = plan()
+    assert [s.name for s in p.pools] == SUBPOOLS
+    g = {s.name: s.geometry for s in p.pools}
+    pages = p.max_total_num_tokens // 256 + 1                # + the padding page
+    assert (g["c4"].pool_page_size, g["c4_indexer"].pool_page_size, g["c128"].pool_page_size) == (64, 64, 2)
+    assert g["c4"].num_pages == g["c128"].num_pages == g["c4_indexer"].num_pages == pages
+    swa_pages = math.floor(0.1 * (pages - 1)) + 1
+    assert g["swa"].num_pages == swa_pages and g["swa"].pool_page_size == 256
+    assert g["c4_state"].capacity == -(-(swa_pages * 256 // 128 * 8 + 8 + 1) // 4) * 4
+    assert g["c128_state"].capacity == -(-(257 * 128 + 128 + 1) // 128) * 128
+    shape = {s.name: s.buffers[0].shape for s in p.pools}
+    assert shape["swa"] == (swa_pages, 149760) and shape["c4"] == (pages, 37440)
+    assert shape["c128"] == (pages, 1728) and shape["c4_indexer"] == (pages, 64 * 132)
+    assert shape["c4_state"][1] == 2 * 2 * 512 and shape["c4_indexer_state"][1] == 2 * 2 * 128
+    assert shape["c128_state"][1] == 2 * 512
+    # total bytes written out: 43 SWA layers, 21 c4 layers, 20 c128 layers, fp32 states, loc map
+    full_locs = pages * 256
+    total = (43 * swa_pages * kv_page_bytes(256) + full_locs * 8
+             + 21 * pages * (kv_page_bytes(64) + 64 * 132)
+             + 21 * g["c4_state"].capacity * (2048 + 512) * 4
+             + 20 * pages * kv_page_bytes(2) + 20 * g["c128_state"].capacity * 1024 * 4)
+    assert p.total_bytes == total <= 40 * GiB
+    assert plan(max_total_num_tokens=p.max_total_num_tokens + 256, memory_bytes=None).total_bytes > 40 * GiB
+    # SGLang's bytes per full token: r*584*L + 584*L4/4 + 584*L128/128 + 132*L4/4 + states
+    assert p.cell_size_bytes == pytest.approx(0.1 * 584 * 43 + 584 * 21 / 4 + 584 * 20 / 128 + 132 * 21 / 4
+                                              + 0.1 * 8 / 128 * (2048 + 512) * 4 * 21)
+
+
+def test_draft_worker_under_dcp_has_the_swa_pool_only_paged_in_pool_page_size():
+    p = plan(parallel=ParallelSpec(dcp_size=4, is_draft_worker=True))
+    assert [s.name for s in p.pools] == ["swa"] and p.model.compress_ratios == (0,)
+    swa = p.pool("swa")
+    assert p.pool_page_size == 1024 and swa.geometry.pool_page_size == 1024 and swa.addressing == "virtual"
+    assert swa.buffers[0].shape[1] == kv_page_bytes(1024) == 598464
+    p.verify()
+
+
+def test_dcp_target_pools_are_sharded_and_store_by_page():
+    m = ModelSpec("dsv4", 2, head_dim=512, qk_rope_head_dim=64, index_head_dim=128, sliding_window=128,
+                  compress_ratios=(0, 4), name="tiny")
+    p = plan(m, ParallelSpec(dcp_size=2, dcp_rank=1), memory_bytes=None, max_total_num_tokens=1024, ratio=1.0)
+    assert {s.name: s.addressing for s in p.pools} == {
+        "swa": "sharded", "c4": "sharded", "c4_indexer": "sharded", "c4_state": "local", "c4_indexer_state": "local"}
+    pool = p.build("cpu", check="guard", backend="torch")
+    pages = p.pool("swa").geometry.num_pages
+    full = torch.arange(0, 2 * pages * 256, 97)
+    pool.map_swa(full, full)                              # identity full -> swa
+    kv = torch.randn(full.shape[0], 512)
+    pool.store(1, full, kv)
+    pool.errors.raise_if_any()
+    ref = torch.zeros(2 * pages, kv_page_bytes(256), dtype=torch.uint8)
+    kvwrite.store_dsv4_kv(kv, ref, full, backend="torch")   # one cache of every virtual page
+    assert torch.equal(pool.layer("swa", 1)["kv"], ref[1::2])   # rank 1 holds pages 1, 3, ...
+    with pytest.raises(UnsupportedCombination, match="multiple of 128"):
+        plan(m, page_size=64)
+
+
+def test_cli_plan_shows_every_sub_pool(capsys):
+    rc = cli.main(["plan", "--preset", "deepseek-v4-flash", "--memory", "40GiB", "--json"])
+    d = json.loads(capsys.readouterr().out)
+    assert rc == 0 and d["page_size"] == 256 and d["kv_cache_dtype"] == "fp8_e4m3"
+    assert [s["name"] for s in d["pools"]] == SUBPOOLS and d["total_bytes"] <= 40 * GiB
+    assert d["max_total_num_tokens"] == plan().max_total_num_tokens

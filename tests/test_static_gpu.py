@@ -1,0 +1,147 @@
+"""Static GPU checks of the CUDA kernels (csrc/*.cu), no GPU needed: every kernel instantiation
+compiled for sm_80 and sm_90 has 0 bytes of spill and at most 64 registers per thread (ptxas -v),
+and the copy / chunked-quantisation paths use 16-byte (`.v4`) global loads and stores.
+
+The Triton variants get the same checks in test_compile.py (compile_check reports registers,
+spill and .v4 counts from the same compile). nvcc runs once per source file (both archs in one
+call, two files at a time) and the parsed result is cached under build/static_gpu/ keyed by the
+hash of csrc/ and the nvcc version, so a rerun on unchanged sources costs nothing.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CSRC = ROOT / "csrc"
+ARCHS = (80, 90)
+MAX_REGS = 64
+NVCC = shutil.which("nvcc")
+
+pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
+
+_ENTRY = re.compile(r"Compiling entry function '(\w+)' for 'sm_(\d+)'")
+_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_REGS = re.compile(r"Used (\d+) registers")
+_V4_LD = re.compile(r"\bld\.global[\w.]*\.v4\b")
+_V4_ST = re.compile(r"\bst\.global[\w.]*\.v4\b")
+
+
+def _parse_ptxas(log: str) -> dict[tuple[str, int], dict]:
+    """{(mangled kernel, arch): {regs, spill, stack}} from a `ptxas -v` log."""
+    out, key = {}, None
+    for line in log.splitlines():
+        m = _ENTRY.search(line)
+        if m:
+            key = (m.group(1), int(m.group(2)))
+            out[key] = {"regs": 0, "spill": 0, "stack": 0}
+            continue
+        if key is None:
+            continue
+        m = _SPILL.search(line)
+        if m:
+            out[key]["stack"] = int(m.group(1))
+            out[key]["spill"] = int(m.group(2)) + int(m.group(3))
+        m = _REGS.search(line)
+        if m:
+            out[key]["regs"] = int(m.group(1))
+    return out
+
+
+def _ptx_entries(ptx: str) -> dict[str, str]:
+    """{mangled kernel: its PTX body}."""
+    parts = re.split(r"\.visible \.entry (\w+)\(", ptx)
+    return {parts[i]: parts[i + 1] for i in range(1, len(parts) - 1, 2)}
+
+
+def _demangle(names: list[str]) -> dict[str, str]:
+    filt = shutil.which("c++filt")
+    if filt is None or not names:
+        return {n: n for n in names}
+    out = subprocess.run([filt], input="\n".join(names), capture_output=True, text=True).stdout.splitlines()
+    return dict(zip(names, out)) if len(out) == len(names) else {n: n for n in names}
+
+
+def _compile(cu: Path) -> list[dict]:
+    """One nvcc call (device code only) for both archs; one row per (kernel, arch)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        gencode = []
+        for a in ARCHS:
+            gencode += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+        cmd = [NVCC, "-fatbin", *gencode, "-O3", "--expt-relaxed-constexpr", "-std=c++17",
+               "-Xptxas", "-v", "--keep", "--keep-dir", tmp, "-I", str(CSRC), str(cu),
+               "-o", os.path.join(tmp, cu.stem + ".fatbin")]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        usage = _parse_ptxas(res.stdout + res.stderr)
+        ptx = {}
+        for f in Path(tmp).glob("*.ptx"):
+            m = re.search(r"\.target sm_(\d+)", f.read_text())
+            for name, body in _ptx_entries(f.read_text()).items():
+                ptx[(name, int(m.group(1)) if m else 0)] = body
+    names = _demangle(sorted({k[0] for k in usage}))
+    rows = []
+    for (name, arch), u in sorted(usage.items()):
+        body = ptx.get((name, arch), "")
+        rows.append({"file": cu.name, "kernel": names[name], "arch": arch, **u,
+                     "v4_ld": len(_V4_LD.findall(body)), "v4_st": len(_V4_ST.findall(body))})
+    return rows
+
+
+def _key() -> str:
+    h = hashlib.sha256()
+    for f in sorted(CSRC.rglob("*")):
+        if f.is_file() and f.suffix in (".h", ".cu", ".cuh"):
+            h.update(f.relative_to(CSRC).as_posix().encode())
+            h.update(f.read_bytes())
+    h.update(subprocess.run([NVCC, "--version"], capture_output=True, text=True).stdout.encode())
+    h.update(b"v1")
+    return h.hexdigest()[:16]
+
+
+@pytest.fixture(scope="module")
+def kernels() -> list[dict]:
+    cache = ROOT / "build" / "static_gpu" / f"{_key()}.json"
+    if cache.is_file():
+        return json.loads(cache.read_text())
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        rows = [r for part in pool.map(_compile, sorted(CSRC.glob("*.cu"))) for r in part]
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def test_every_cuda_kernel_has_no_spill_and_at_most_64_registers(kernels):
+    assert {r["arch"] for r in kernels} == set(ARCHS)
+    assert {r["file"] for r in kernels} == {p.name for p in CSRC.glob("*.cu")}
+    over = [(r["file"], r["arch"], r["regs"], r["spill"], r["kernel"]) for r in kernels
+            if r["spill"] or r["regs"] > MAX_REGS]
+    assert not over, over
+
+
+def test_cuda_copy_and_chunked_quant_paths_use_16_byte_global_accesses(kernels):
+    # copy paths with 16-byte units (VEC = 16), and the warp-cooperative fp8_ds_mla, indexer and
+    # chunked fp8 store_kv kernels (16-byte chunk loads and stores where aligned)
+    def pick(pattern: str) -> list[dict]:
+        return [r for r in kernels if re.search(pattern, r["kernel"])]
+
+    groups = {
+        "store_kv copy VEC=16": pick(r"StoreKVToken<\d, \(kvwrite::DType\)0, void, 16>"),
+        "store_mla copy VEC=16": pick(r"StoreMLAToken<\d, 0, \(kvwrite::DType\)0, void, 16>"),
+        "store_mla fp8_ds_mla": pick(r"StoreMLAToken<\d, 2, "),
+        "store_indexer_k": pick(r"StoreIndexerKToken<"),
+        "store_kv fp8": pick(r"StoreKVToken<\d, \(kvwrite::DType\)\d, kvwrite::Fp8Format"),
+    }
+    for what, rows in groups.items():
+        assert rows, f"no kernel matched {what}"
+        missing = [(r["arch"], r["kernel"]) for r in rows if not (r["v4_ld"] and r["v4_st"])]
+        assert not missing, (what, missing)
