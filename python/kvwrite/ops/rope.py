@@ -34,8 +34,25 @@ MLA_FORMATS = {"auto": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e
                "fp8_ds_mla": "fp8_ds_mla", "nvfp4": "nvfp4"}
 
 
+class _Fused:
+    """A fused call's loc resolution, check and geometry are those of the store it wraps (the
+    resolvers and the assert path read them from the call)."""
+
+    @property
+    def locs(self):
+        return self.store.locs
+
+    @property
+    def check(self):
+        return self.store.check
+
+    @property
+    def geometry(self):
+        return self.store.geometry
+
+
 @dataclass(frozen=True)
-class RopeStoreKV:
+class RopeStoreKV(_Fused):
     q: torch.Tensor
     positions: torch.Tensor
     cos_sin: torch.Tensor
@@ -46,39 +63,15 @@ class RopeStoreKV:
     eps: float
     store: KVStore
 
-    @property
-    def locs(self):
-        return self.store.locs
-
-    @property
-    def check(self):
-        return self.store.check
-
-    @property
-    def geometry(self):
-        return self.store.geometry
-
 
 @dataclass(frozen=True)
-class RopeStoreMLA:
+class RopeStoreMLA(_Fused):
     q: torch.Tensor          # q_pe [N, Hq, R]
     positions: torch.Tensor
     cos_sin: torch.Tensor
     rotary_dim: int
     is_neox: bool
     store: StoreMLA
-
-    @property
-    def locs(self):
-        return self.store.locs
-
-    @property
-    def check(self):
-        return self.store.check
-
-    @property
-    def geometry(self):
-        return self.store.geometry
 
 
 def _rope_args(positions, q, head_dim, n, cos_sin_cache, rotary_dim, device, q_name):
