@@ -24,12 +24,13 @@ def test_ops_registered_for_cpu_and_cuda_keys():
     for op in ("store_kv",):
         name = f"kvwrite_ext::{op}"
         assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU")
-        if torch.version.cuda and _ext.find_cuda_home():
+        if _ext.build_config()["with_cuda"]:
             assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA")
 
 
 @needs_build
-@pytest.mark.skipif(not (torch.version.cuda and _ext.find_cuda_home()), reason="no CUDA toolkit")
+@pytest.mark.skipif(not _ext.build_config()["with_cuda"],
+                    reason="CUDA kernels not built here (no GPU; KVWRITE_EXT_CUDA=1 builds them)")
 def test_cuda_kernels_built_for_sm80_and_sm90_and_import_without_gpu():
     cfg = _ext.build_config()
     out = _ext.build_dir(CSRC, cfg)
@@ -124,6 +125,16 @@ def test_store_kv_ptx_check_modes_are_template_specialisations(tmp_path):
         if re.search(r"EvLi16EEEE", name):  # the 16-byte copy variant
             assert ".v4." in body, name
     assert seen == {0, 1, 2}
+
+
+def test_gpu_less_machine_builds_only_the_cpu_kernels(monkeypatch):
+    """No visible GPU and no KVWRITE_EXT_CUDA: the JIT build compiles ops.cpp alone (minutes
+    saved); KVWRITE_EXT_CUDA=1 asks for the CUDA kernels anyway when a toolkit is there."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("KVWRITE_EXT_CUDA", raising=False)
+    assert not _ext.build_config()["with_cuda"]
+    monkeypatch.setenv("KVWRITE_EXT_CUDA", "1")
+    assert _ext.build_config()["with_cuda"] == bool(torch.version.cuda and _ext.find_cuda_home())
 
 
 def test_cpu_only_torch_builds_only_the_cpu_kernels(monkeypatch):

@@ -61,6 +61,15 @@ def find_cuda_home() -> str | None:
     return None
 
 
+def wants_cuda_kernels() -> bool:
+    """Build the CUDA kernels only where they can run (a visible GPU) or when asked for with
+    KVWRITE_EXT_CUDA=1 (prebuilding on a GPU-less build machine); KVWRITE_EXT_CUDA=0 never."""
+    env = os.environ.get("KVWRITE_EXT_CUDA")
+    if env is not None:
+        return env == "1"
+    return torch.cuda.is_available()
+
+
 def default_arch_list() -> str:
     """The visible GPUs' compute capabilities, else sm_80 and sm_90."""
     if torch.cuda.is_available():
@@ -72,7 +81,7 @@ def default_arch_list() -> str:
 def build_config() -> dict:
     """What a build needs: whether CUDA kernels are built, include dirs, flags, arch list."""
     cuda_home = find_cuda_home() if torch.version.cuda else None
-    with_cuda = cuda_home is not None
+    with_cuda = cuda_home is not None and wants_cuda_kernels()
     includes = []
     if with_cuda:
         for site in {Path(p).parent for p in torch.__path__}:
