@@ -30,6 +30,7 @@ NO_DEFAULT = object()
 FP8 = tuple(validate.FP8_MAX)
 _MEMO: dict = {}
 _MEMO_MAX = 1024
+OPS: dict[str, "Op"] = {}   # every declared op, by name (tests, docs)
 
 
 @dataclass(frozen=True)
@@ -183,6 +184,7 @@ class Op:
                                 and a.role not in ("addressing", "check"))
         self.overload = _library.define(self.name, self.schema(), self.impl, self.fake)
         self.entry = self._entry()
+        OPS[self.name] = self
 
     # --- derived: schema --------------------------------------------------------------------
     def schema(self) -> str:
