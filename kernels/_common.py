@@ -31,6 +31,10 @@ _BATCH = tl.constexpr(_e.BATCH)
 _POSITION = tl.constexpr(_e.POSITION)
 _TABLE_SLOT = tl.constexpr(_e.TABLE_SLOT)
 _TABLE_PAGE = tl.constexpr(_e.TABLE_PAGE)
+_OWNER = tl.constexpr(_e.OWNER)
+_EPOCH = tl.constexpr(_e.EPOCH)
+_DONE = tl.constexpr(_e.DONE)
+_EMPTY = tl.constexpr(_e.EMPTY)
 
 
 @triton.jit
@@ -86,16 +90,41 @@ def resolve_locs(loc_ptr, tok, tmask, loc_map_ptr, map_len, dcp_rank, dcp_size, 
 
 
 @triton.jit
+def owns_record(err_ptr):
+    """Whether this call may write the record's fields: OWNER is claimed (compare-and-swap from
+    EMPTY) with this call's EPOCH, or already holds it (see kvwrite.errors). Idempotent."""
+    epoch = tl.load(err_ptr + _EPOCH, volatile=True)
+    empty = tl.zeros_like(epoch) + _EMPTY
+    owner = tl.atomic_cas(err_ptr + _OWNER, empty, epoch)
+    return (owner == empty) | (owner == epoch)
+
+
+@triton.jit
+def end_call(err_ptr, CHECK: tl.constexpr):
+    """Guard mode, once per program after its record: count the program in DONE; the call's last
+    program resets DONE and advances EPOCH, so the next call on the buffer has its own epoch."""
+    if CHECK == CHECK_GUARD:
+        tl.debug_barrier()  # every lane of this program has recorded (and read EPOCH)
+        total = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+        done = tl.atomic_add(err_ptr + _DONE, 1)
+        if done == total - 1:
+            tl.atomic_xchg(err_ptr + _DONE, 0)
+            tl.atomic_add(err_ptr + _EPOCH, 1)
+
+
+@triton.jit
 def check_or_record(err_ptr, tok, loc, bad, target, limit, kind, pool_page_size,
                     OP: tl.constexpr, CHECK: tl.constexpr, record):
     """`assert` mode: fail if any token is bad. `guard` mode (when RECORD): fold the bad tokens
-    into the packed-min error record. Both run before any store of the calling program."""
+    into the packed-min error record (their fields only if this call owns the record; COUNT
+    always). Both run before any store of the calling program."""
     if CHECK == CHECK_ASSERT:
         assert tl.sum(bad.to(tl.int32), axis=0) == 0, "kvwrite: store loc outside the pool (check=assert)"
     if CHECK == CHECK_GUARD:
         if record:
             n_bad = tl.sum(bad.to(tl.int64), axis=0)
             if n_bad > 0:
+                bad = bad & owns_record(err_ptr)
                 base = tok.to(tl.int64) << 32
                 lo = 0xFFFFFFFF
                 zero = tl.zeros_like(base)
@@ -176,6 +205,7 @@ def record_table(err_ptr, tok, bad, batch, position, slot, page, CHECK: tl.const
     if CHECK == CHECK_GUARD:
         if record:
             if tl.sum(bad.to(tl.int32), axis=0) > 0:
+                bad = bad & owns_record(err_ptr)
                 base = tok.to(tl.int64) << 32
                 lo = 0xFFFFFFFF
                 zero = tl.zeros_like(base)
@@ -191,8 +221,10 @@ def claim_rows(loc_ptr, tok, n_tokens, loc_map_ptr, map_len, dcp_rank, dcp_size,
                CHECK: tl.constexpr, OP: tl.constexpr, record, pt_batch_ptr=None,
                pt_indices_ptr=None, pt_indptr_ptr=None, pt_num_batches=0, pt_num_indices=0,
                HAS_TABLE: tl.constexpr = False):
-    """Every store kernel's prologue: resolve the tokens' locs, assert or record the bad ones
-    (`record`: this program owns the record for its tokens), and return (page, offset, write).
+    """Every store kernel's prologue, called once per program: resolve the tokens' locs, assert
+    or record the bad ones (`record`: this program owns the record for its tokens; every
+    program counts itself in the record's DONE, see `end_call`), and return (page, offset,
+    write).
     HAS_TABLE: page-table addressing (`resolve_table`; `loc_ptr` holds the positions) instead
     of locs (`resolve_locs`)."""
     tmask = tok < n_tokens
@@ -211,6 +243,7 @@ def claim_rows(loc_ptr, tok, n_tokens, loc_map_ptr, map_len, dcp_rank, dcp_size,
                         record)
         page = row // pool_page_size
         offset = row % pool_page_size
+    end_call(err_ptr, CHECK)
     return page, offset, write
 
 
