@@ -7,11 +7,15 @@ import triton
 import triton.language as tl
 
 from kvwrite import errors as _e
+from kvwrite.backend import triton_interpreting
 
 CHECK_OFF = tl.constexpr(0)
 CHECK_ASSERT = tl.constexpr(1)
 CHECK_GUARD = tl.constexpr(2)
 DCP_PAGE = tl.constexpr(2)  # HAS_DCP value of page-granular DCP sharding (0 none, 1 per token)
+# Off mode under the interpreter also skips a row past the pool (like the cpu backend): there a
+# store past the cache tensor writes host memory. Compiled for a GPU it is False: no cost.
+OFF_BOUND = tl.constexpr(triton_interpreting())
 
 _COUNT = tl.constexpr(_e.COUNT)
 _LOC_LO = tl.constexpr(_e.LOC_LO)
@@ -53,7 +57,8 @@ def resolve_locs(loc_ptr, tok, tmask, loc_map_ptr, map_len, dcp_rank, dcp_size, 
          (DeepSeek V4 stores) shards by page instead: virtual page p = row // pool_page_size
          belongs to rank p % dcp_size as its local page p // dcp_size;
       4. bounds: the local row must lie in [0, capacity) (else KIND_POOL; off mode skips only
-         negative rows and does not check the upper bound).
+         negative rows and does not check the upper bound, except under the interpreter:
+         OFF_BOUND).
     Returns (loc, row, write, bad, target, limit, kind): `write` masks the tokens to store,
     `bad` the out-of-range ones (never written); the record keeps the caller's virtual `loc`.
     """
@@ -80,6 +85,8 @@ def resolve_locs(loc_ptr, tok, tmask, loc_map_ptr, map_len, dcp_rank, dcp_size, 
         row = tl.where(row >= 0, row // dcp_size, row)
     if CHECK == CHECK_OFF:
         write = live & (row >= 0)
+        if OFF_BOUND:
+            write = write & (row < capacity)
     else:
         oob = live & ((row < 0) | (row >= capacity))
         bad = bad | oob
@@ -152,7 +159,8 @@ def resolve_table(pos_ptr, bidx_ptr, table_ptr, indptr_ptr, tok, tmask, n_batch,
          min(kv_indptr[b + 1], n_table)) (else KIND_TABLE_SLOT); off mode checks only
          [0, n_table), so kv_indices is never read out of bounds, and skips the token;
       3. page: kv_indices[slot] must lie in [0, num_pages) (else KIND_TABLE_PAGE); off mode
-         skips only a negative page, like a negative row.
+         skips only a negative page, like a negative row (and, under the interpreter, a page
+         past the pool: OFF_BOUND).
     Returns (position, loc, page, offset, write, bad, target, limit, kind, batch, slot,
     table_page); `loc` is the row a KIND_TABLE_PAGE token would have written (else -1).
     """
@@ -186,6 +194,8 @@ def resolve_table(pos_ptr, bidx_ptr, table_ptr, indptr_ptr, tok, tmask, n_batch,
     num_pages = capacity // pool_page_size
     if CHECK == CHECK_OFF:
         write = live & (page >= 0)
+        if OFF_BOUND:
+            write = write & (page < num_pages)
     else:
         oob = live & ((page < 0) | (page >= num_pages))
         bad = bad | oob

@@ -117,3 +117,12 @@ def test_raise_if_any_takes_the_stream_it_is_ordered_after():
     buf, stream = ErrorBuffer("cpu"), Stream()
     buf.raise_if_any(stream=stream)
     assert stream.synced == 1
+
+
+def test_default_record_first_needed_inside_graph_capture_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match=r"before the capture.*default_errors\('cuda:7'\)"):
+        kvwrite.default_errors("cuda:7")
+    assert torch.device("cuda", 7) not in E._default
+    kvwrite.default_errors("cpu")   # CPU records are never captured

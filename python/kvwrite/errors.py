@@ -183,7 +183,11 @@ def table_error(op: str, token: int, kind: int, target: int, limit: int, pool_pa
 
 
 class ErrorBuffer:
-    """The guard-mode record on one device: lowest bad token index, its loc, page, count."""
+    """The guard-mode record on one device: lowest bad token index, its loc, page, count.
+
+    Made inside a CUDA graph capture, its zero-fill (like any `reset()` there) is part of the
+    graph: every replay clears it first (a per-replay record). Made before the capture, it
+    accumulates over replays until `reset()`."""
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.tensor = torch.empty(NUM_SLOTS, dtype=torch.int64, device=device)
@@ -264,10 +268,23 @@ def default_errors(device: torch.device | str) -> ErrorBuffer:
         device = torch.device("cuda", torch.cuda.current_device())
     with _default_lock:
         if device not in _default:
+            if device.type == "cuda" and _capturing():
+                raise RuntimeError(
+                    f"kvwrite: guard mode's default record on {device} is first needed inside a "
+                    f"CUDA graph capture, where its zero-fill would be recorded and rerun by "
+                    f"every replay (clearing the record) instead of run once: create it before "
+                    f"the capture (call kvwrite.default_errors({str(device)!r}) or run one "
+                    f"guarded store eagerly), or pass errors=kvwrite.ErrorBuffer(...) made "
+                    f"before the capture")
             if not _default:
                 atexit.register(report_default_errors)
             _default[device] = ErrorBuffer(device)
         return _default[device]
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False where CUDA never started)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def report_default_errors(stream=None) -> int:
