@@ -10,6 +10,7 @@
 
 #include <assert.h>  // __assert_fail: nvcc's device-side assert (what assert() expands to)
 #include <cstdio>
+#include <type_traits>
 
 #include "common.h"
 
@@ -122,6 +123,21 @@ __device__ inline void end_call(i64* err) {
       atomicExch(done, 0ull);
       atomicAdd(reinterpret_cast<unsigned long long*>(err + slot::EPOCH), 1ull);
     }
+  }
+}
+
+// A per-token functor's check mode (its `check` member), -1 if it does not say.
+template <class T, class = void>
+struct token_check : std::integral_constant<int, -1> {};
+template <class T>
+struct token_check<T, std::void_t<decltype(T::check)>> : std::integral_constant<int, T::check> {};
+
+// The end of a kernel's block: end_call in guard mode (compiled out of off / assert kernels).
+template <class Token>
+__device__ inline void end_block(i64* err) {
+  constexpr int c = token_check<Token>::value;
+  if constexpr (c == CHECK_GUARD || c == -1) {
+    if (err != nullptr) end_call(err);
   }
 }
 #endif
