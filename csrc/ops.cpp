@@ -32,12 +32,14 @@ void assert_prescan(const LocArgs& a) {
   for (int s = 0; s < slot::NUM_SLOTS; ++s) local[s] = s == slot::COUNT ? 0 : EMPTY;
   i64* rec = a.errors != nullptr ? a.errors : local;
   const i64 before = rec[slot::COUNT];
+  const i64 epoch = rec[slot::EPOCH];
   at::parallel_for(0, a.n, GRAIN, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const Resolved r = resolve<CHECK_ASSERT>(a, i);
       if (r.bad) record(rec, violation(a, i, r));
     }
   });
+  rec[slot::EPOCH] = epoch + 1;
   if (rec[slot::COUNT] == before) return;
   const i64 token = rec[slot::META] >> 32, loc = unpack(rec, slot::LOC_LO);
   const i64 target = unpack(rec, slot::TARGET_LO), limit = unpack(rec, slot::LIMIT_LO);
@@ -107,6 +109,7 @@ void for_tokens(const LocArgs& a, int64_t check, int64_t grain, Body&& token) {
   at::parallel_for(0, a.n, grain, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) token(i);
   });
+  if (check == CHECK_GUARD && a.errors != nullptr) a.errors[slot::EPOCH] += 1;  // the next call's epoch
 }
 
 // Run the per-token functor `Token` over every token of `p`.

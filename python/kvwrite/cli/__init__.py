@@ -13,6 +13,7 @@ COMMANDS = (
     "kvwrite.cli.plan",
     "kvwrite.cli.presets",
     "kvwrite.cli.bench",
+    "kvwrite.cli.build",
 )
 
 
