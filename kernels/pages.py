@@ -138,7 +138,9 @@ def _words(t, word: int):
 
 
 def _run(kernel, grid, a, reference, **kwargs) -> None:
-    """Launch; in assert mode on the interpreter, a fired assert becomes the reference's error."""
+    """Launch (the assert variant in debug mode: a device assert on a GPU). Under the
+    interpreter, assert mode first runs the reference check, so a bad id raises (as a
+    KernelAssertion) before any program has copied its pair; the kernel's own assert backs it."""
     from kvwrite.backend import triton_interpreting
     from kvwrite.kernels._launch import KernelAssertion
     from kvwrite.errors import OutOfBoundsWrite
@@ -150,18 +152,13 @@ def _run(kernel, grid, a, reference, **kwargs) -> None:
         kernel[grid](**kwargs, debug=True)
         return
     try:
-        kernel[grid](**kwargs)
-    except Exception as exc:
-        if "kvwrite: store loc outside the pool" not in str(exc):
-            raise
-        try:
-            reference()
-        except OutOfBoundsWrite as err:
-            raise KernelAssertion(err.op, err.token_index, err.loc, err.page, err.num_pages,
-                                  err.pool_page_size, err.count, err.kind, err.target, err.limit,
-                                  batch=err.batch, position=err.position, table_slot=err.table_slot,
-                                  table_page=err.table_page) from exc
-        raise
+        reference()
+    except OutOfBoundsWrite as err:
+        raise KernelAssertion(err.op, err.token_index, err.loc, err.page, err.num_pages,
+                              err.pool_page_size, err.count, err.kind, err.target, err.limit,
+                              batch=err.batch, position=err.position, table_slot=err.table_slot,
+                              table_page=err.table_page) from None
+    kernel[grid](**kwargs)
 
 
 def copy_pages(a) -> None:
