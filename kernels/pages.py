@@ -12,11 +12,12 @@ from kvwrite.kernels._common import CHECK_OFF, check_or_record, claim_rows, reco
 
 @triton.jit
 def copy_pages_kernel(src_ptr, dst_ptr, sid_ptr, did_ptr, err_ptr, n_pairs, src_count, dst_count,
-                      src_factor, dst_factor, unit_rows, heads, feat,
+                      src_factor, dst_factor, unit_rows, n_runs, heads, feat,
                       s_sp, s_sr, s_sh, d_sp, d_sr, d_sh,
-                      CHECK: tl.constexpr, OP: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (i, c): pair i, elements [c * BLOCK, (c + 1) * BLOCK) of its unit (rows x heads x
-    feat). Unit u of a pool is rows (u % factor) * unit_rows ... of page u // factor."""
+                      CHECK: tl.constexpr, OP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program (i, q, c): pair i, runs [q * BLOCK_T, ...) of its unit (a run is one head of one
+    row: `feat` contiguous words; run = row * heads + head), words [c * BLOCK_C, ...) of each.
+    Unit u of a pool is rows (u % factor) * unit_rows ... of page u // factor."""
     pair = tl.program_id(0) + tl.arange(0, 1)
     s = tl.load(sid_ptr + pair).to(tl.int64)
     d = tl.load(did_ptr + pair).to(tl.int64)
@@ -33,20 +34,19 @@ def copy_pages_kernel(src_ptr, dst_ptr, sid_ptr, did_ptr, err_ptr, n_pairs, src_
     target = tl.where(bad_s, s, d)
     limit = tl.where(bad_s, src_count, dst_count)
     check_or_record(err_ptr, pair, target, bad, target, limit, kind, unit_rows, OP, CHECK,
-                    tl.program_id(1) == 0)
-    e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    per_row = heads * feat
-    go = tl.sum(write.to(tl.int32), axis=0) > 0
-    mask = (e < unit_rows * per_row) & go
-    r = e // per_row
-    h = (e // feat) % heads
-    f = e % feat
-    s0 = tl.sum(tl.where(write, s, 0), axis=0)
-    d0 = tl.sum(tl.where(write, d, 0), axis=0)
-    src = (s0 // src_factor) * s_sp + ((s0 % src_factor) * unit_rows + r) * s_sr + h * s_sh + f
-    dst = (d0 // dst_factor) * d_sp + ((d0 % dst_factor) * unit_rows + r) * d_sr + h * d_sh + f
-    x = tl.load(src_ptr + src, mask=mask)
-    tl.store(dst_ptr + dst, x, mask=mask)
+                    (tl.program_id(1) == 0) & (tl.program_id(2) == 0))
+    if tl.sum(write.to(tl.int32), axis=0) > 0:
+        s0 = tl.sum(tl.where(write, s, 0), axis=0)
+        d0 = tl.sum(tl.where(write, d, 0), axis=0)
+        src = (s0 // src_factor) * s_sp + (s0 % src_factor) * unit_rows * s_sr
+        dst = (d0 // dst_factor) * d_sp + (d0 % dst_factor) * unit_rows * d_sr
+        q = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+        r = (q // heads).to(tl.int64)
+        h = (q % heads).to(tl.int64)
+        c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask = (q < n_runs)[:, None] & (c < feat)[None, :]
+        x = tl.load(src_ptr + (src + r * s_sr + h * s_sh)[:, None] + c[None, :], mask=mask)
+        tl.store(dst_ptr + (dst + r * d_sr + h * d_sh)[:, None] + c[None, :], x, mask=mask)
 
 
 @triton.jit
@@ -144,7 +144,10 @@ def _run(kernel, grid, a, reference, **kwargs) -> None:
     from kvwrite.backend import triton_interpreting
     from kvwrite.kernels._launch import KernelAssertion
     from kvwrite.errors import OutOfBoundsWrite
+    from kvwrite.kernels._launch import num_warps
 
+    if not triton_interpreting():
+        kwargs["num_warps"] = num_warps(kwargs)   # as kernels/compile_check.py compiles it
     if a.check.mode != "assert":
         kernel[grid](**kwargs)
         return
@@ -163,7 +166,6 @@ def _run(kernel, grid, a, reference, **kwargs) -> None:
 
 def copy_pages(a) -> None:
     """Launch copy_pages_kernel for a validated `kvwrite.ops.pages.CopyPages`."""
-    from kvwrite.backend import triton_interpreting
     from kvwrite.errors import op_code
     from kvwrite.reference.pages import check_pairs
 
@@ -173,18 +175,22 @@ def copy_pages(a) -> None:
                  s.data_ptr(), d.data_ptr())
     sv, ss = _words(s, word)
     dv, ds = _words(d, word)
-    feat = s.shape[3] * es // word
-    elems = a.src_units.rows * s.shape[2] * feat
-    block = min(triton.next_power_of_2(max(elems, 1)), 65536 if triton_interpreting() else 4096)
-    grid = (a.n, triton.cdiv(elems, block))
+    heads, feat, rows = s.shape[2], s.shape[3] * es // word, a.src_units.rows
+    runs = rows * heads
+    if all(st[2] == feat or heads == 1 for st in (ss, ds)) and all(
+            st[1] == heads * feat or rows == 1 for st in (ss, ds)):
+        heads, feat, runs = 1, runs * feat, 1      # a unit is one run on both sides
+    block_c = min(triton.next_power_of_2(max(feat, 1)), 4096)
+    block_t = max(1, min(4096 // block_c, triton.next_power_of_2(runs)))
+    grid = (a.n, triton.cdiv(runs, block_t), triton.cdiv(feat, block_c))
     err = a.check.errors if a.check.errors is not None else a.src_pages
+    kwargs = dict(src_ptr=sv, dst_ptr=dv, sid_ptr=a.src_pages, did_ptr=a.dst_pages, err_ptr=err,
+                  n_pairs=a.n, src_count=a.src_units.count, dst_count=a.dst_units.count,
+                  src_factor=a.src_units.factor, dst_factor=a.dst_units.factor, unit_rows=rows,
+                  n_runs=runs, heads=heads, feat=feat, s_sp=ss[0], s_sr=ss[1], s_sh=ss[2], d_sp=ds[0], d_sr=ds[1],
+                  d_sh=ds[2], CHECK=a.check.code, OP=op_code(a.check.op), BLOCK_T=block_t, BLOCK_C=block_c)
     _run(copy_pages_kernel, grid, a,
-         lambda: check_pairs(a.src_pages, a.dst_pages, a.src_units, a.dst_units, a.check),
-         src_ptr=sv, dst_ptr=dv, sid_ptr=a.src_pages, did_ptr=a.dst_pages, err_ptr=err,
-         n_pairs=a.n, src_count=a.src_units.count, dst_count=a.dst_units.count,
-         src_factor=a.src_units.factor, dst_factor=a.dst_units.factor, unit_rows=a.src_units.rows,
-         heads=s.shape[2], feat=feat, s_sp=ss[0], s_sr=ss[1], s_sh=ss[2], d_sp=ds[0], d_sr=ds[1],
-         d_sh=ds[2], CHECK=a.check.code, OP=op_code(a.check.op), BLOCK=block)
+         lambda: check_pairs(a.src_pages, a.dst_pages, a.src_units, a.dst_units, a.check), **kwargs)
 
 
 def gather(a) -> None:
@@ -235,7 +241,8 @@ def variants():
     for check in (0, 1, 2):
         for word in (torch.int32, torch.uint8):
             ptrs = dict(src_ptr=word, dst_ptr=word, sid_ptr=torch.int64, did_ptr=torch.int64, err_ptr=torch.int64)
-            yield f"copy_pages-{str(word)[6:]}", copy_pages_kernel, ptrs, dict(CHECK=check, OP=9, BLOCK=4096)
+            yield f"copy_pages-{str(word)[6:]}", copy_pages_kernel, ptrs, dict(CHECK=check, OP=9, BLOCK_T=1,
+                                                                               BLOCK_C=4096)
         ptrs = dict(cache_ptr=torch.int32, out_ptr=torch.int32, loc_ptr=torch.int64, err_ptr=torch.int64,
                     loc_map_ptr=torch.int64)
         yield "gather-int32", gather_kernel, ptrs, dict(HAS_MAP=False, HAS_DCP=0, CHECK=check, OP=10,
@@ -243,3 +250,4 @@ def variants():
         ptrs = dict(table_ptr=torch.int32, batch_ptr=torch.int32, pos_ptr=torch.int32, out_ptr=torch.int64,
                     err_ptr=torch.int64)
         yield "slot_mapping-int32", slot_mapping_kernel, ptrs, dict(CHECK=check, OP=11, BLOCK=1024)
+
