@@ -235,3 +235,64 @@ def test_move_rows_bad_locs(backend):
     assert torch.equal(cache.view(8, 8), want)
     err = errors.error()
     assert err.op == "move_rows" and err.count == 2 and err.token_index == 1
+
+
+# --- engine adapters -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ALL)
+def test_vllm_swap_blocks_in_kernel_blocks(backend):
+    """block_size_in_bytes smaller than the logical block (vLLM #30692): ids count kernel blocks."""
+    from kvwrite.compat import vllm
+
+    buf = CanaryBuffer({"src": ((4, 16, 2, 8), torch.bfloat16), "dst": ((3, 16, 2, 8), torch.bfloat16)})
+    original = buf.raw.clone()
+    bsb = 8 * 2 * 8 * 2                                    # a kernel block: 8 of the 16 rows
+    mapping = _ids([[1, 0], [6, 5], [7, -1], [0, 3]])
+    want = buf["dst"].clone().view(torch.uint8).view(-1, bsb)
+    src_bytes = buf["src"].view(torch.uint8).view(-1, bsb)
+    for s, d in mapping.tolist():
+        if s >= 0 and d >= 0:
+            want[d] = src_bytes[s]
+    vllm.swap_blocks(buf["src"], buf["dst"], bsb, mapping, backend=backend)
+    assert torch.equal(buf["dst"].view(torch.uint8).view(-1, bsb), want)
+    assert torch.equal(buf.raw[buf.canary_mask()], original[buf.canary_mask()])
+    errors = ErrorBuffer(DEVICE)
+    vllm.swap_blocks(buf["src"], buf["dst"], bsb, _ids([[8, 0], [0, 6]]), check="guard", errors=errors,
+                     backend=backend)
+    assert errors.error().count == 2 and errors.error().target == 8
+
+
+@pytest.mark.parametrize("backend", ALL)
+@pytest.mark.parametrize("starts", [False, True])
+def test_vllm_cp_gather_cache(backend, starts):
+    from kvwrite.compat import vllm
+
+    cache = torch.randn(8, 4, 6, device=DEVICE).to(torch.float8_e4m3fn)
+    bt = _ids([[3, 1, 7], [2, 0, 5]], torch.int32)
+    cu = _ids([0, 5, 9], torch.int32)
+    seq_starts = _ids([2, 1], torch.int32) if starts else None
+    dst = torch.full((11, 6), 7, dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn)
+    want = dst.clone()
+    for b in range(2):
+        for t in range(int(cu[b + 1] - cu[b])):
+            p = t + (int(seq_starts[b]) if starts else 0)
+            want[int(cu[b]) + t] = cache[int(bt[b, p // 4]), p % 4]
+    vllm.cp_gather_cache(cache, dst, bt, cu, 2, seq_starts, backend=backend)
+    assert torch.equal(dst.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("backend", ALL)
+def test_sglang_move_kv_cache_every_layer(backend):
+    from kvwrite.compat import sglang
+
+    k = [torch.randn(12, 2, 4, device=DEVICE) for _ in range(2)]
+    v = [torch.randn(12, 2, 4, device=DEVICE).to(torch.bfloat16) for _ in range(2)]
+    tgt, src = _ids([5, 6, 7, -1]), _ids([6, 7, 1, 3])
+    want = [b.clone() for b in k + v]
+    for w in want:
+        w[tgt[:3]] = w[src[:3]].clone()
+    sglang.move_kv_cache(k, v, tgt, src, backend=backend)
+    for got, w in zip(k + v, want):
+        assert torch.equal(got, w)
+    with pytest.raises(OutOfBoundsWrite, match="move_rows"):
+        sglang.move_kv_cache(k[0], v[0], _ids([12]), _ids([0]), check="assert", backend=backend)
