@@ -296,3 +296,39 @@ def test_sglang_move_kv_cache_every_layer(backend):
         assert torch.equal(got, w)
     with pytest.raises(OutOfBoundsWrite, match="move_rows"):
         sglang.move_kv_cache(k[0], v[0], _ids([12]), _ids([0]), check="assert", backend=backend)
+
+
+# --- the configurator's pools ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant, kv", [("mha", "auto"), ("mla", "fp8_e4m3"), ("dsa", "fp8_ds_mla")])
+def test_kvpool_page_moves_cover_every_layer(variant, kv):
+    from config_models import TINY
+    from kvwrite import KVCacheConfigurator, ParallelSpec
+
+    conf = KVCacheConfigurator(TINY[variant], ParallelSpec(), page_size=4, kv_cache_dtype=kv, max_total_num_tokens=32)
+    plan = conf.plan()
+    scales = 1.0 if kv.startswith("fp8_e") else None
+    a = plan.build(DEVICE, check="guard", scales=scales)
+    b = plan.build(DEVICE, check="guard", scales=scales)
+    names = [p.name for p in plan.pools]
+    for layer in a.buffers[names[0]]:
+        for t in layer.values():
+            t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8))
+    pool = names[0] if len(names) > 1 else None
+    src, dst = _ids([1, 3]), _ids([2, 0])
+    a.copy_pages(b, src, dst, pool=pool)
+    views_a, views_b = a.page_buffers(pool), b.page_buffers(pool)
+    assert len(views_a) >= len(a.buffers[names[0]])
+    for x, y in zip(views_a, views_b):
+        assert torch.equal(y[2].view(torch.uint8), x[1].view(torch.uint8))
+        assert torch.equal(y[0].view(torch.uint8), x[3].view(torch.uint8))
+        assert not y[1].view(torch.uint8).any()
+    lid = next(iter(a._index[names[0]]))
+    rows = a.gather(lid, _ids([4, -1]), pool=pool)
+    for name, r in rows.items():
+        assert torch.equal(r[0].view(torch.uint8), a._views(names[0], a.layer(names[0], lid))[name][1, 0].view(torch.uint8))
+    a.move_rows(_ids([4]), _ids([8]), pool=pool)
+    for x in a.page_buffers(pool):
+        assert torch.equal(x[2, 0].view(torch.uint8), x[1, 0].view(torch.uint8))
+    a.copy_pages(b, _ids([99]), _ids([0]), pool=pool)
+    assert a.errors.error() is not None and a.errors.error().kind == KIND_SRC_PAGE

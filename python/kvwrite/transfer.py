@@ -29,7 +29,7 @@ LAYOUTS = ("NHD", "HND")
 class PageSpec:
     """What both ends of a transfer must agree on."""
 
-    dtype: str
+    dtypes: tuple[str, ...]                   # one per buffer
     row_shapes: tuple[tuple[int, ...], ...]   # one per buffer
     page_size: int
     loc_space_scale: int
@@ -59,10 +59,7 @@ def spec_of(bufs: list[torch.Tensor], n: int, geometry: PageGeometry | None, lay
     if geometry.pool_page_size != rows or geometry.num_pages != pages:
         raise GeometryError(f"geometry pages {geometry.num_pages} x pool_page_size "
                             f"{geometry.pool_page_size} does not describe the cache ({pages} pages of {rows} rows)")
-    dtypes = {b.dtype for b in bufs}
-    if len(dtypes) != 1:
-        raise ValueError(f"every buffer of one transfer must share a dtype, got {sorted(map(str, dtypes))}")
-    return PageSpec(str(bufs[0].dtype).replace("torch.", ""), tuple(tuple(b.shape[2:]) for b in bufs),
+    return PageSpec(tuple(str(b.dtype).replace("torch.", "") for b in bufs), tuple(tuple(b.shape[2:]) for b in bufs),
                     geometry.page_size, geometry.loc_space_scale, layout, n)
 
 
