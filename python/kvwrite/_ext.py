@@ -356,3 +356,39 @@ def store_dsv4_indexer_k(a) -> None:
 def store_rows(a) -> None:
     """`a`: kvwrite.ops.dsv4.StoreRows."""
     _run(a, "store_rows", a.src, a.pool)
+
+
+def _run_checked(a, name: str, *args) -> None:
+    """Call torch.ops.kvwrite_ext.<name>(*args, errors, check, op) for a validated page move `a`
+    (CPU assert mode: the kernel records into a scratch buffer and throws before any write; we
+    raise its OutOfBoundsWrite)."""
+    from kvwrite.errors import ErrorBuffer, op_code
+
+    chk = a.check
+    errors, scratch = chk.errors, None
+    if chk.mode == "assert" and args[0].device.type == "cpu":
+        scratch = ErrorBuffer("cpu")
+        errors = scratch.tensor
+    try:
+        getattr(torch.ops.kvwrite_ext, name)(*args, errors, chk.code, op_code(chk.op))
+    except RuntimeError as exc:
+        err = scratch.error() if scratch is not None else None
+        if err is None:
+            raise
+        raise err from exc
+
+
+def copy_pages(a) -> None:
+    """`a`: kvwrite.ops.pages.CopyPages (canonical [pages, rows, heads, feat] pools)."""
+    _run_checked(a, "copy_pages", a.src, a.dst, a.src_pages, a.dst_pages)
+
+
+def gather(a) -> None:
+    """`a`: kvwrite.ops.pages.Gather (canonical cache, [n, heads, feat] out)."""
+    _run(a, "gather", a.cache, a.out)
+
+
+def slot_mapping(a) -> None:
+    """`a`: kvwrite.ops.pages.SlotMapping."""
+    _run_checked(a, "slot_mapping", a.block_table, a.batch_indices, a.positions, a.out,
+                 a.geometry.pool_page_size, a.geometry.num_pages)

@@ -33,13 +33,15 @@ import torch
 from kvwrite import validate
 from kvwrite.compat._common import as_fp8, byte_pairs
 from kvwrite.errors import ErrorBuffer
+from kvwrite.geometry import PageGeometry
 from kvwrite.ops.indexer_k import row_bytes, store_indexer_k
 from kvwrite.ops.kv import store_kv
 from kvwrite.ops.kv_head_major import store_kv_head_major
 from kvwrite.ops.mla import store_mla
 
 __all__ = ["concat_and_cache_mla", "indexer_k_quant_and_cache", "reshape_and_cache",
-           "reshape_and_cache_flash", "reshape_and_cache_flash_per_token_quant"]
+           "reshape_and_cache_flash", "reshape_and_cache_flash_per_token_quant",
+           "swap_blocks", "cp_gather_cache"]
 
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
                    "fp8_e5m2": torch.float8_e5m2}
@@ -182,3 +184,76 @@ def reshape_and_cache_flash_per_token_quant(key: torch.Tensor, value: torch.Tens
     store_kv(key, value, key_cache, value_cache, slot_mapping, layout="NHD",
              k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache, check=check, errors=errors,
              backend=backend)
+
+
+# --- page moves (kvwrite.ops.pages) ----------------------------------------------------------------
+
+def _byte_blocks(name: str, t: object, block_size_in_bytes: int) -> torch.Tensor:
+    """A contiguous tensor as a pool of `block_size_in_bytes`-byte blocks `[blocks, 1, bytes]`
+    (vLLM addresses block b at data_ptr + b * block_size_in_bytes)."""
+    t = validate.tensor(name, t)
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (swap_blocks addresses its bytes from data_ptr), "
+                         f"got strides {t.stride()}")
+    nbytes = t.numel() * t.element_size()
+    if nbytes < block_size_in_bytes:
+        raise ValueError(f"{name} holds {nbytes} bytes, less than one block of {block_size_in_bytes}")
+    flat = t.view(-1).view(torch.uint8)
+    blocks = nbytes // block_size_in_bytes
+    return flat[:blocks * block_size_in_bytes].view(blocks, 1, block_size_in_bytes)
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_size_in_bytes: int, block_mapping: torch.Tensor,
+                *, check: str | None = None, errors: ErrorBuffer | None = None, backend: str = "auto") -> None:
+    """`torch.ops._C_cache_ops.swap_blocks` (vLLM >= #30692): for each row (s, d) of the int64
+    `block_mapping` `[n, 2]`, copy `block_size_in_bytes` bytes from `src` at byte offset
+    `s * block_size_in_bytes` to `dst` at `d * block_size_in_bytes` (the kernel block may be smaller
+    than the logical block: the offloading connector's factor). GPU <-> host (pinned) or on one
+    device. Differs from vLLM: block ids are checked against each tensor's whole blocks in
+    check="assert"/"guard" (vLLM copies past the tensor); a -1 skips the pair."""
+    from kvwrite.geometry import require_positive_int
+    from kvwrite.ops.pages import copy_pages
+
+    bsb = require_positive_int("block_size_in_bytes", block_size_in_bytes)
+    m = validate.tensor("block_mapping", block_mapping, ndim=2, dtypes=validate.LOC_DTYPES)
+    if m.shape[1] != 2:
+        raise ValueError(f"block_mapping must be [num_pairs, 2] (src block, dst block), got {list(m.shape)}")
+    copy_pages(_byte_blocks("src", src, bsb), _byte_blocks("dst", dst, bsb), m[:, 0].contiguous(),
+               m[:, 1].contiguous(), check=check, errors=errors, backend=backend)
+
+
+def cp_gather_cache(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
+                    cu_seq_lens: torch.Tensor, batch_size: int, seq_starts: torch.Tensor | None = None, *,
+                    check: str | None = None, errors: ErrorBuffer | None = None,
+                    backend: str = "auto") -> None:
+    """`torch.ops._C_cache_ops.cp_gather_cache`: the rows of each request, contiguous in `dst`
+    `[tokens, ...]`: `dst[cu_seq_lens[b] + t] = src_cache[block_table[b, p // bs], p % bs]` with
+    `p = t + seq_starts[b]` (0 without seq_starts), bs = `src_cache.shape[1]`, in the cache's dtype;
+    rows past `cu_seq_lens[batch_size]` are left as they are. A slot_mapping then a gather, both
+    checked: a block past the table row or a page past the pool is reported (check="assert" /
+    "guard"; that row reads as zeros) where vLLM reads out of bounds."""
+    from kvwrite.geometry import require_positive_int
+    from kvwrite.ops.pages import canonical_pool, gather, slot_mapping
+
+    cache = canonical_pool("src_cache", src_cache)
+    dst = validate.tensor("dst", dst, dtypes=(src_cache.dtype,), device=src_cache.device)
+    validate.shape("dst", dst, (None, *src_cache.shape[2:]), "tokens, the cache's row shape")
+    bs = require_positive_int("batch_size", batch_size)
+    cu = validate.tensor("cu_seq_lens", cu_seq_lens, ndim=1, dtypes=validate.LOC_DTYPES, device=dst.device)
+    if cu.shape[0] < bs + 1:
+        raise ValueError(f"cu_seq_lens must have batch_size + 1 = {bs + 1} entries, got {cu.shape[0]}")
+    cu = cu[:bs + 1].to(torch.int64)
+    tok = torch.arange(dst.shape[0], device=dst.device)
+    b = torch.searchsorted(cu[1:].contiguous(), tok, right=True)
+    valid = (tok >= cu[0]) & (tok < cu[bs])
+    bc = b.clamp(max=bs - 1)
+    pos = tok - cu[bc]
+    if seq_starts is not None:
+        starts = validate.tensor("seq_starts", seq_starts, ndim=1, dtypes=validate.LOC_DTYPES, device=dst.device)
+        pos = pos + starts.to(torch.int64)[bc]
+    b = torch.where(valid, bc, -1)
+    geometry = PageGeometry.from_pool(cache.shape[0], cache.shape[1])
+    slots = slot_mapping(block_table, b, pos, geometry, check=check, errors=errors, backend=backend)
+    rows = gather(src_cache, slots, check=check, errors=errors, backend=backend)
+    shape = (-1,) + (1,) * (dst.dim() - 1)
+    dst.copy_(torch.where(valid.view(shape), rows, dst))
