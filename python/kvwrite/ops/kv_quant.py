@@ -33,6 +33,8 @@ OP = "store_kv"
 IMPLS = (
     ("torch", "kvwrite.reference.kv_quant:store_kv_quant"),
     ("triton", "kvwrite.kernels.store_kv_quant:launch"),
+    ("cpu", "kvwrite._ext:store_kv_quant"),
+    ("cuda", "kvwrite._ext:store_kv_quant"),
 )
 
 # How K/V reach the cache (the kernels' QUANT constexpr / template parameter).
