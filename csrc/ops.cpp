@@ -104,6 +104,9 @@ int64_t token_bytes(const StoreDSV4KVParams& p) {  // DeepSeek V4
 int64_t token_bytes(const StoreMXFP4Params& p) { return int64_t(p.D) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT; }
 int64_t token_bytes(const StoreRowsParams& p) { return 2 * p.row_bytes; }
 int64_t token_bytes(const GatherParams& p) { return 2 * p.heads * p.head_bytes; }  // page moves
+int64_t token_bytes(const StoreKVQuantParams& p) {  // store_kv_quant
+  return int64_t(p.H) * (p.k.D + p.v.D) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT;
+}
 
 // Run `token(i)` for every token (in parallel above the threshold), after the assert pre-scan.
 template <class Body>
@@ -299,6 +302,17 @@ void slot_mapping_cpu(const Tensor& block_table, const Tensor& batch_indices, co
     });
   });
   if (asserting && p.errors[slot::COUNT] != before) throw_assert(OP_NAMES[p.op], p.errors, p.errors[slot::COUNT] - before);
+// store_kv with static int8 or dynamic per-token / per-token-head scales (kvwrite/store_kv_quant.h).
+void store_kv_quant_cpu(const Tensor& k, const Tensor& v, const Tensor& k_cache, const Tensor& v_cache,
+                        const OptTensor& k_scale, const OptTensor& v_scale, const OptTensor& k_scale_cache,
+                        const OptTensor& v_scale_cache, int64_t quant, int64_t rule, const Tensor& loc,
+                        const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size,
+                        int64_t check, int64_t op, const OptTensor& batch_indices, const OptTensor& kv_indices,
+                        const OptTensor& kv_indptr) {
+  StoreKVQuantParams p = store_kv_quant_params(k, v, k_cache, v_cache, k_scale, v_scale, k_scale_cache, v_scale_cache,
+                                               quant, rule, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  set_table(p.locs, batch_indices, kv_indices, kv_indptr, k);
+  KVW_RUN_CPU(dispatch_store_kv_quant, p, check);
 }
 
 }  // namespace
@@ -344,7 +358,12 @@ TORCH_LIBRARY(kvwrite_ext, m) {
 
 TORCH_LIBRARY_FRAGMENT(kvwrite_ext, m) {
   m.def("bench_memcpy_scatter(Tensor[] src, Tensor(a!)[] dst, Tensor loc) -> ()");
+  m.def("store_kv_quant(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k_scale, "
+        "Tensor? v_scale, Tensor(c!)? k_scale_cache, Tensor(d!)? v_scale_cache, int quant, int rule, " KVW_TAIL
+        ") -> ()");
 }
+
+TORCH_LIBRARY_IMPL(kvwrite_ext, CPU, m) { m.impl("store_kv_quant", &kvwrite::store_kv_quant_cpu); }
 
 TORCH_LIBRARY_IMPL(kvwrite_ext, CPU, m) {
   m.impl("bench_memcpy_scatter", &kvwrite::bench_memcpy_scatter);

@@ -325,6 +325,16 @@ def store_kv(a) -> None:
     _run(a, "store_kv", a.k, a.v, a.k_cache, a.v_cache, a.k_scale, a.v_scale)
 
 
+def store_kv_quant(a) -> None:
+    """`a`: kvwrite.ops.kv_quant.KVStore (static int8 or dynamic scales; canonical caches)."""
+    from kvwrite.ops import kv_quant as q
+
+    static = a.quant == q.QUANT_STATIC
+    _run(a, "store_kv_quant", a.k, a.v, a.k_cache, a.v_cache, a.k_scale if static else None,
+         a.v_scale if static else None, None if static else a.k_scale_cache,
+         None if static else a.v_scale_cache, a.quant, a.rule)
+
+
 def store_mla(a) -> None:
     """`a`: kvwrite.ops.mla.StoreMLA (`kv_cache` `[pages, pool_page_size, row]`; nvfp4 also
     `scale_cache` `[pages, pool_page_size, (L+R)/16]` and an optional `global_scale`)."""

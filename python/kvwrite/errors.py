@@ -241,7 +241,7 @@ class ErrorBuffer:
     def reset(self) -> None:
         """Clear the record (asynchronous on the device, no host sync)."""
         self.tensor.fill_(EMPTY)
-        self.tensor[COUNT] = 0
+        self.tensor[COUNT].fill_(0)   # a fill kernel (`[COUNT] = 0` would copy a CPU scalar in)
         self.tensor[EPOCH:].zero_()  # EPOCH, DONE
 
     def error(self, stream: torch.cuda.Stream | None = None) -> OutOfBoundsWrite | None:
