@@ -298,6 +298,7 @@ struct MLAFormat {
   int mode;
   at::ScalarType cache_dtype;
   bool input_dtype, takes_scale, takes_scale_cache;
+  int flags = 0;  // fp8_ds_mla option bits (DS_MLA_POW2, DS_MLA_RAW_ROPE)
 };
 
 inline MLAFormat mla_format(Str name) {
@@ -306,6 +307,10 @@ inline MLAFormat mla_format(Str name) {
   if (name == "fp8_e5m2") return {MLA_FP8, at::kFloat8_e5m2, false, true, false};
   if (name == "fp8_e4m3fnuz") return {MLA_FP8, at::kFloat8_e4m3fnuz, false, true, false};
   if (name == "fp8_ds_mla") return {MLA_DS_MLA, at::kByte, false, false, false};
+  if (name == "fp8_ds_mla+pow2") return {MLA_DS_MLA, at::kByte, false, false, false, DS_MLA_POW2};
+  if (name == "fp8_ds_mla+input") return {MLA_DS_MLA, at::kByte, false, false, false, DS_MLA_RAW_ROPE};
+  if (name == "fp8_ds_mla+pow2+input")
+    return {MLA_DS_MLA, at::kByte, false, false, false, DS_MLA_POW2 | DS_MLA_RAW_ROPE};
   if (name == "nvfp4") return {MLA_NVFP4, at::kByte, false, false, true};
   throw Forward{};
 }
@@ -335,6 +340,10 @@ void store_mla(const at::Tensor& kv_c, const at::Tensor& k_pe, const at::Tensor&
       TORCH_CHECK_VALUE(lora % DS_MLA_TILE == 0,
                         "kv_cache_dtype='fp8_ds_mla' needs kv_c's last dim (kv_lora_rank) to be a multiple of ",
                         DS_MLA_TILE, ", got ", lora);
+      TORCH_CHECK_VALUE(!(fmt.flags & DS_MLA_RAW_ROPE) || kv_c.scalar_type() == at::kBFloat16 ||
+                            kv_c.scalar_type() == at::kHalf,
+                        "kv_cache_dtype=", fname, " stores the rope's own 16-bit pattern: kv_c and k_pe must be "
+                        "bfloat16 or float16, got torch.", dtype_name(kv_c.scalar_type()));
     }
     tensor("kv_cache", kv_cache, 3, {fmt.input_dtype ? kv_c.scalar_type() : fmt.cache_dtype}, &device);
     const int64_t width = fmt.mode == MLA_DS_MLA ? lora + (lora / DS_MLA_TILE) * 4 + 2 * rope
@@ -363,7 +372,7 @@ void store_mla(const at::Tensor& kv_c, const at::Tensor& k_pe, const at::Tensor&
     }
     const Prepared p = prepare("store_mla", device, n, loc, loc_map, dcp_rank, dcp_size, check, errors);
     if (n == 0) return;
-    run<R>(p, [&] { R::store_mla(kv_c, k_pe, kv_cache, scale_, scale_cache, global_scale, int64_t(fmt.mode), loc, loc_map, p.errors,
+    run<R>(p, [&] { R::store_mla(kv_c, k_pe, kv_cache, scale_, scale_cache, global_scale, int64_t(fmt.mode | fmt.flags), loc, loc_map, p.errors,
                  dcp_rank, dcp_size, p.check, int64_t(OP_STORE_MLA), std::nullopt, std::nullopt, std::nullopt); });
   } catch (const Forward&) {
     static const c10::OperatorHandle op = python_op("kvwrite::store_mla_py");

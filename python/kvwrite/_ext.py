@@ -339,7 +339,7 @@ def store_mla(a) -> None:
     """`a`: kvwrite.ops.mla.StoreMLA (`kv_cache` `[pages, pool_page_size, row]`; nvfp4 also
     `scale_cache` `[pages, pool_page_size, (L+R)/16]` and an optional `global_scale`)."""
     _run(a, "store_mla", a.kv_c, a.k_pe, a.kv_cache, a.scale, getattr(a, "scale_cache", None),
-         getattr(a, "global_scale", None), a.format.mode)
+         getattr(a, "global_scale", None), a.format.kernel_mode)
 
 
 def store_indexer_k(a) -> None:

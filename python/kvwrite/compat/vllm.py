@@ -25,8 +25,16 @@ Where kvwrite differs (and why):
 - `indexer_k_quant_and_cache` takes any head_dim that is a multiple of `quant_block_size`
   (vLLM's kernel: one warp of 4-element vectors per block, i.e. quant_block_size = 128).
 - ROCm's "fp8" (e4m3fnuz) is not supported.
+
+Where vLLM changed behaviour between releases, the adapter follows `vllm_version` (keyword, or
+the module's `VLLM_VERSION`: the `KVWRITE_VLLM_VERSION` environment variable, else the newest
+release checked, `NEWEST_VLLM`): `fp8_ds_mla` tile scales are max(amax/448, FLT_MIN) before
+`DS_MLA_POW2_SINCE` and 2^ceil(log2(max(amax/448, 1e-4))) from it on.
 """
 from __future__ import annotations
+
+import os
+import re
 
 import torch
 
@@ -37,11 +45,29 @@ from kvwrite.geometry import PageGeometry
 from kvwrite.ops.indexer_k import row_bytes, store_indexer_k
 from kvwrite.ops.kv import store_kv
 from kvwrite.ops.kv_head_major import store_kv_head_major
-from kvwrite.ops.mla import store_mla
+from kvwrite.ops.mla import ds_mla_row_bytes, store_mla
 
-__all__ = ["concat_and_cache_mla", "indexer_k_quant_and_cache", "reshape_and_cache",
+__all__ = ["concat_and_cache_mla", "ds_mla_scale", "indexer_k_quant_and_cache", "reshape_and_cache",
            "reshape_and_cache_flash", "reshape_and_cache_flash_per_token_quant",
            "swap_blocks", "cp_gather_cache", "triton_reshape_and_cache_flash_per_token_head_quant"]
+
+NEWEST_VLLM = "0.34.0"          # the newest vLLM release whose cache writers this adapter follows
+DS_MLA_POW2_SINCE = (0, 31)     # first vLLM release with power-of-two fp8_ds_mla tile scales (0.30: exact)
+VLLM_VERSION = os.environ.get("KVWRITE_VLLM_VERSION") or NEWEST_VLLM
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """(major, minor, patch) of a vLLM version string ("0.32.0", "0.11.1rc2+cpu", "v0.9")."""
+    if not isinstance(version, str) or not re.match(r"v?\d+(\.\d+)*", version):
+        raise ValueError(f"vllm_version must be a version string like '0.32.0', got {version!r}")
+    return tuple(int(x) for x in re.match(r"v?(\d+(?:\.\d+)*)", version).group(1).split("."))
+
+
+def ds_mla_scale(vllm_version: str | None = None) -> str:
+    """store_mla's `ds_mla_scale` of vLLM `vllm_version` (None: VLLM_VERSION)."""
+    version = version_tuple(vllm_version or VLLM_VERSION)
+    return "pow2" if version >= DS_MLA_POW2_SINCE else "exact"
+
 
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
                    "fp8_e5m2": torch.float8_e5m2}
@@ -113,23 +139,44 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
 def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                          slot_mapping: torch.Tensor, kv_cache_dtype: str, scale: torch.Tensor, *,
                          check: str | None = None, errors: ErrorBuffer | None = None,
-                         backend: str = "auto") -> None:
+                         backend: str = "auto", vllm_version: str | None = None) -> None:
     """`torch.ops._C_cache_ops.concat_and_cache_mla`: row = concat(kv_c `[N, L]`, k_pe `[N, R]`)
     into kv_cache `[num_blocks, block_size, L + R]` ("auto"; "fp8"/"fp8_e4m3": uint8 or e4m3
     cache, fp8(x / scale) with the fp32 per-tensor `scale`), or DeepSeek's 656-byte rows
-    ("fp8_ds_mla": uint8 `[num_blocks, block_size, L + L/128*4 + 2R]`, per-128-tile scales
-    max(amax / 448, FLT_MIN), `scale` unused as in vLLM). One `kvwrite.store_mla` launch."""
+    ("fp8_ds_mla": uint8 `[num_blocks, block_size, L + L/128*4 + 2R]`, `scale` unused as in
+    vLLM). One `kvwrite.store_mla` launch.
+
+    fp8_ds_mla as vLLM writes it: per-128-tile scales by `vllm_version` (`ds_mla_scale`); a bf16
+    or fp16 k_pe stored as its own 16-bit pattern (vLLM copies k_pe's bits; fp32 input, which
+    vLLM refuses, is rounded to bf16); NoPE rows (k_pe `[N, 0]` into rows that reserve rope
+    bytes, vLLM 0.32's 656-byte rows with pe_dim 0): the rope bytes are zeroed."""
     kv_cache_dtype = validate.choice("kv_cache_dtype", kv_cache_dtype, MLA_CACHE_DTYPES)
     kv_c, k_pe = _tokens("kv_c", kv_c, slot_mapping), _tokens("k_pe", k_pe, slot_mapping)
     if kv_cache_dtype == "auto":
         store_mla(kv_c, k_pe, kv_cache, slot_mapping, check=check, errors=errors, backend=backend)
     elif kv_cache_dtype == "fp8_ds_mla":
-        store_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="fp8_ds_mla", check=check,
+        k_pe = _nope_rope(kv_c, k_pe, kv_cache)
+        rope = "input" if kv_c.dtype in (torch.bfloat16, torch.float16) else "bf16"
+        store_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="fp8_ds_mla",
+                  ds_mla_scale=ds_mla_scale(vllm_version), ds_mla_rope=rope, check=check,
                   errors=errors, backend=backend)
     else:
         store_mla(kv_c, k_pe, as_fp8("kv_cache", kv_cache, torch.float8_e4m3fn), slot_mapping,
                   kv_cache_dtype="fp8_e4m3", scale=scale, check=check, errors=errors,
                   backend=backend)
+
+
+def _nope_rope(kv_c: object, k_pe: object, kv_cache: object) -> object:
+    """k_pe, or for a NoPE call (k_pe `[N, 0]`, cache rows wider than the latent part) zero rope
+    values filling the reserved rope bytes: vLLM zeroes them."""
+    if not (isinstance(k_pe, torch.Tensor) and k_pe.dim() == 2 and k_pe.shape[1] == 0
+            and isinstance(kv_c, torch.Tensor) and kv_c.dim() == 2
+            and isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 3):
+        return k_pe
+    spare = kv_cache.shape[2] - ds_mla_row_bytes(kv_c.shape[1], 0)
+    if spare <= 0 or spare % 2:
+        return k_pe
+    return torch.zeros(k_pe.shape[0], spare // 2, dtype=k_pe.dtype, device=k_pe.device)
 
 
 def indexer_k_quant_and_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
