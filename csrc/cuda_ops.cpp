@@ -136,6 +136,8 @@ void slot_mapping_cuda(const Tensor& block_table, const Tensor& batch_indices, c
   const SlotMappingParams p =
       slot_mapping_params(block_table, batch_indices, positions, out, page_size, num_pages, errors, check, op);
   check_launch(launch_slot_mapping(p, int(check), c10::cuda::getCurrentCUDAStream()));
+}
+
 void store_kv_quant_cuda(const Tensor& k, const Tensor& v, const Tensor& k_cache, const Tensor& v_cache,
                          const OptTensor& k_scale, const OptTensor& v_scale, const OptTensor& k_scale_cache,
                          const OptTensor& v_scale_cache, int64_t quant, int64_t rule, const Tensor& loc,

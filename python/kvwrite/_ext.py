@@ -402,3 +402,17 @@ def slot_mapping(a) -> None:
     """`a`: kvwrite.ops.pages.SlotMapping."""
     _run_checked(a, "slot_mapping", a.block_table, a.batch_indices, a.positions, a.out,
                  a.geometry.pool_page_size, a.geometry.num_pages)
+
+
+def rope_store_kv(a) -> None:
+    """`a`: kvwrite.ops.rope.RopeStoreKV (copy or static fp8 K/V store)."""
+    s = a.store
+    _run(a, "rope_store_kv", a.positions, a.q, s.k, s.v, a.cos_sin, s.k_cache, s.v_cache, s.k_scale,
+         s.v_scale, a.q_norm_weight, a.k_norm_weight, a.eps, a.is_neox)
+
+
+def rope_store_mla(a) -> None:
+    """`a`: kvwrite.ops.rope.RopeStoreMLA (every store_mla format)."""
+    s = a.store
+    _run(a, "rope_store_mla", a.positions, a.q, s.kv_c, s.k_pe, a.cos_sin, s.kv_cache, s.scale,
+         s.scale_cache, s.global_scale, s.format.kernel_mode, a.is_neox)
