@@ -97,7 +97,7 @@ FIXTURES = {
 }
 
 # model_type -> (variant, KV layers, bytes per token by hand). SWA: full layers + 0.5 x SWA layers
-# (swa_full_tokens_ratio=0.5) + 8 bytes of the int64 full->SWA loc map.
+# (swa_full_tokens_ratio=0.5); the int64 full->SWA loc map is overhead, not cell (as in SGLang).
 BYTES = {
     "llama": ("mha", 32, 8 * (128 + 128) * 32 * 2),
     "mistral": ("mha", 40, 8 * 256 * 40 * 2),                     # head_dim 128, not 5120 / 32
@@ -112,10 +112,10 @@ BYTES = {
     "deepseek_v3": ("mla", 61, 576 * 61 * 2),
     "kimi_k2": ("mla", 61, 576 * 61 * 2),
     "deepseek_v32": ("dsa", 61, 576 * 61 * 2 + (128 + 4) * 61),  # + fp8 indexer K and its fp32 scale
-    "gpt_oss": ("swa_hybrid", 24, 8 * 128 * 2 * (12 + 0.5 * 12) + 8),
-    "gemma2": ("swa_hybrid", 46, 16 * 256 * 2 * (23 + 0.5 * 23) + 8),
-    "gemma3": ("swa_hybrid", 48, 8 * 512 * 2 * (8 + 0.5 * 40) + 8),   # layers 5, 11, ..., 47 global
-    "llama4": ("swa_hybrid", 48, 8 * 256 * 2 * (12 + 0.5 * 36) + 8),  # every 4th layer global
+    "gpt_oss": ("swa_hybrid", 24, 8 * 128 * 2 * (12 + 0.5 * 12)),
+    "gemma2": ("swa_hybrid", 46, 16 * 256 * 2 * (23 + 0.5 * 23)),
+    "gemma3": ("swa_hybrid", 48, 8 * 512 * 2 * (8 + 0.5 * 40)),   # layers 5, 11, ..., 47 global
+    "llama4": ("swa_hybrid", 48, 8 * 256 * 2 * (12 + 0.5 * 36)),  # every 4th layer global
     "qwen3_next": ("hybrid_linear", 12, 2 * 512 * 12 * 2),
     "nemotron_h": ("hybrid_linear", 4, 8 * 256 * 4 * 2),
     "falcon_h1": ("hybrid_linear", 36, 2 * 128 * 36 * 2),

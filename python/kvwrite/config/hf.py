@@ -117,11 +117,14 @@ def _load(path_or_dict: Any) -> _Config:
 # --- shared field readers ------------------------------------------------------------------------
 
 def _dtype(cfg: _Config, outer: _Config | None = None) -> str:
+    """The dtype the engines serve the model in (SGLang's and vLLM's `--dtype auto`): the
+    config's, but float16 for a float32 model."""
     for c in (cfg, outer):
         if c is not None:
             for key in ("torch_dtype", "dtype"):
                 if c.has(key):
-                    return c.str(key)
+                    name = c.str(key)
+                    return "float16" if name in ("float32", "float", "fp32") else name
     return "bfloat16"
 
 
@@ -376,6 +379,10 @@ def spec_from_hf_config(path_or_dict: Any, *, name: str = "") -> ModelSpec:
         model_type = by_arch[0]
         cfg.model_type = model_type
     fields = ARCHITECTURES[model_type][1](cfg)
+    text = _text(cfg)
+    for c in (text, cfg):
+        if "context_len" not in fields and c.has("max_position_embeddings"):
+            fields["context_len"] = c.int("max_position_embeddings")
     label = cfg.raw("_name_or_path")
     return ModelSpec(name=name or (label if isinstance(label, str) and label else model_type), **fields)
 

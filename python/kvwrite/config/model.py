@@ -166,12 +166,13 @@ class ModelSpec:
     compress_ratios: tuple[int, ...] = ()   # dsv4: per layer 0 (SWA only), 4 or 128
     linear_layer_ids: tuple[int, ...] = ()
     linear_state: RecurrentState | None = None
+    context_len: int = 0                    # max_position_embeddings (0: unknown); DeepSeek V4's request estimate
     name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
         for k in ("num_layers", "num_kv_heads", "head_dim", "v_head_dim", "kv_lora_rank",
-                  "qk_rope_head_dim", "index_head_dim", "sliding_window", "num_draft_layers"):
+                  "qk_rope_head_dim", "index_head_dim", "sliding_window", "num_draft_layers", "context_len"):
             v = getattr(self, k)
             if v is None:
                 v = 0
