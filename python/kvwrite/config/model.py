@@ -166,7 +166,7 @@ class ModelSpec:
     compress_ratios: tuple[int, ...] = ()   # dsv4: per layer 0 (SWA only), 4 or 128
     linear_layer_ids: tuple[int, ...] = ()
     linear_state: RecurrentState | None = None
-    context_len: int = 0                    # max_position_embeddings (0: unknown); DeepSeek V4's request estimate
+    context_len: int = field(default=0, compare=False)   # max_position_embeddings (0: unknown); V4's request estimate
     name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -228,9 +228,11 @@ class ModelSpec:
         return d
 
     @classmethod
-    def from_hf_config(cls, path_or_dict: "str | Mapping[str, Any]", *, name: str = "") -> "ModelSpec":
-        """Read a local Hugging Face `config.json` (a path, a model directory, or the parsed dict)."""
-        return _reader("from_hf_config")(path_or_dict, name=name)
+    def from_hf_config(cls, path_or_dict: "str | Mapping[str, Any]", *, name: str = "",
+                       reader: str = "auto") -> "ModelSpec":
+        """Read a local Hugging Face `config.json` (a path, a model directory, or the parsed dict);
+        through transformers' config classes when installed (`reader="auto"`), else the own reader."""
+        return _reader("from_hf_config")(path_or_dict, name=name, reader=reader)
 
     @classmethod
     def from_preset(cls, name: str) -> "ModelSpec":

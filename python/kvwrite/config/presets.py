@@ -61,7 +61,7 @@ PRESETS: dict[str, tuple[str, dict]] = {
 def preset(name: str) -> ModelSpec:
     if name not in PRESETS:
         raise UnknownPreset(f"no preset {name!r}; presets: {', '.join(PRESETS)}")
-    return spec_from_hf_config(PRESETS[name][1], name=name)
+    return spec_from_hf_config(PRESETS[name][1], name=name, reader="own")
 
 
 def presets() -> dict[str, ModelSpec]:
