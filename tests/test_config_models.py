@@ -271,8 +271,32 @@ STATE.update({
 })
 
 
+_LFM2_ATTN = (2, 5, 8, 10, 12, 14)
+FIXTURES.update({
+    "lfm2": ("LiquidAI/LFM2-1.2B", dict(
+        architectures=["Lfm2ForCausalLM"], model_type="lfm2", hidden_size=2048, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, conv_L_cache=3,
+        layer_types=["full_attention" if i in _LFM2_ATTN else "conv" for i in range(16)], torch_dtype="bfloat16")),
+    "kimi_linear": ("moonshotai/Kimi-Linear-48B-A3B-Instruct", dict(
+        architectures=["KimiLinearForCausalLM"], model_type="kimi_linear", hidden_size=2304, num_hidden_layers=27,
+        num_attention_heads=32, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+        linear_attn_config=dict(full_attn_layers=[4, 8, 12, 16, 20, 24, 27],
+                                kda_layers=[i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)],
+                                num_heads=32, head_dim=128, short_conv_kernel_size=4),
+        torch_dtype="bfloat16")),
+})
+BYTES.update({
+    "lfm2": ("hybrid_linear", 6, 8 * 128 * 6 * 2),                     # 2048 / 32 = 64
+    "kimi_linear": ("mla_linear", 7, 576 * 7 * 2),                      # MLA on 7 of 27 layers
+})
+STATE.update({
+    "lfm2": (2048 * 2 * 2, 10),                                          # conv [hidden, 3 - 1] bf16
+    "kimi_linear": (3 * 32 * 128 * 3 * 2 + 32 * 128 * 128 * 4, 20),      # q/k/v convs bf16 + fp32 state
+})
+
+
 def test_every_issue_model_type_has_a_fixture():
-    assert set(FIXTURES) == set(BYTES) and len(FIXTURES) == 22 + 26
+    assert set(FIXTURES) == set(BYTES) and len(FIXTURES) == 22 + 28
 
 
 @pytest.mark.parametrize("model_type", list(FIXTURES))
@@ -391,3 +415,21 @@ def test_transformers_fills_what_the_config_leaves_out():
     for cfg in (g12, g4):
         assert ModelSpec.from_hf_config(cfg, reader="transformers") == ModelSpec.from_hf_config(cfg, reader="own")
     assert ModelSpec.from_hf_config(g12, reader="transformers").head_dim == 256
+
+
+@pytest.mark.parametrize("model_type, layer, kw", [
+    ("kimi_linear", 3, dict(max_total_num_tokens=256, max_running_requests=2)),   # 43 MB of state a slot
+    ("lfm2", 2, dict(memory_bytes=64 << 20))])                                    # SGLang's state share
+def test_new_hybrids_build_and_store(model_type, layer, kw):
+    """Kimi Linear (MLA + KDA state) and LFM2 (GQA + short-conv state) plan, build and store
+    into an attention layer."""
+    import torch
+    spec = ModelSpec.from_hf_config(FIXTURES[model_type][1], reader="own")
+    plan = KVCacheConfigurator(spec, page_size=16, **kw).plan()
+    assert plan.max_running_requests >= 1 and plan.state_bytes == plan.fixed_bytes > 0
+    pool = plan.build("cpu", check="guard", backend="torch")
+    loc = torch.tensor([17, 40])
+    args = [torch.randn(2, *shape).to(dtype) for _, shape, dtype in pool.planner.inputs(plan, layer)]
+    pool.store(layer, loc, *args)
+    pool.errors.raise_if_any()
+    assert pool.layer(plan.pools[0].name, layer)[plan.pools[0].buffers[0].name].abs().sum() > 0

@@ -363,6 +363,46 @@ def _granite_hybrid(cfg: _Config) -> dict[str, Any]:
     return _hybrid(cfg, kinds, state, linear=("mamba", "linear_attention"))
 
 
+def _lfm2(cfg: _Config) -> dict[str, Any]:
+    # LFM2: gated short-conv blocks ("conv") beside GQA layers ("full_attention"); the conv state
+    # [hidden, conv_L_cache - 1] per request in the model dtype
+    n = cfg.int("num_hidden_layers")
+    kinds = cfg.list("layer_types", str, n)
+    if kinds is None:
+        idx = cfg.list("full_attn_idxs", int)
+        if idx is None:
+            raise cfg.fail("lacks 'layer_types' / 'full_attn_idxs' (which layers have attention)")
+        kinds = ["full_attention" if i in idx else "conv" for i in range(n)]
+    state = RecurrentState("shortconv", num_heads=cfg.int("hidden_size"), conv_kernel=cfg.int("conv_L_cache"),
+                           ssm_dtype=_dtype(cfg), conv_dtype=_dtype(cfg))
+    return _hybrid(cfg, kinds, state, linear=("conv",))
+
+
+def _kimi_linear(cfg: _Config) -> dict[str, Any]:
+    # Kimi Linear: MLA layers beside Kimi Delta Attention layers. The published config lists them
+    # in linear_attn_config (1-based full_attn_layers); transformers 5 re-saves layer_types.
+    n = cfg.int("num_hidden_layers")
+    lin = cfg.sub("linear_attn_config")
+    kinds = cfg.list("layer_types", str, n)
+    if kinds is None:
+        if lin is None:
+            raise cfg.fail("lacks 'linear_attn_config' / 'layer_types' (which layers are MLA)")
+        full = lin.list("full_attn_layers", int) or []
+        kinds = ["full_attention" if i + 1 in full else "linear_attention" for i in range(n)]
+    src = lin or cfg
+    heads = src.first_int(("num_heads", "linear_num_heads"))
+    head_dim = src.first_int(("head_dim", "linear_head_dim"))
+    kernel = src.first_int(("short_conv_kernel_size", "linear_conv_kernel_dim"))
+    state = RecurrentState("kda", num_heads=heads, head_dim=head_dim, conv_kernel=kernel, ssm_dtype="float32",
+                           conv_dtype=_dtype(cfg))
+    out = dict(variant="mla_linear", num_layers=n, kv_lora_rank=cfg.int("kv_lora_rank"),
+               qk_rope_head_dim=cfg.int("qk_rope_head_dim"), dtype=_dtype(cfg), num_draft_layers=_draft_layers(cfg))
+    out["full_attention_layer_ids"] = [i for i, t in enumerate(kinds) if t == "full_attention"]
+    out["linear_layer_ids"] = [i for i, t in enumerate(kinds) if t == "linear_attention"]
+    out["linear_state"] = state if out["linear_layer_ids"] else None
+    return out
+
+
 def _falcon_h1(cfg: _Config) -> dict[str, Any]:
     # Falcon-H1: a parallel hybrid, every layer has attention and a Mamba2 mixer side by side.
     n = cfg.int("num_hidden_layers")
@@ -459,6 +499,8 @@ ARCHITECTURES: dict[str, tuple[tuple[str, ...], Callable[[_Config], dict[str, An
     "qwen3_5": (("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"), _qwen3_next),
     "qwen3_5_moe": (("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"), _qwen3_next),
     "granitemoehybrid": (("GraniteMoeHybridForCausalLM",), _granite_hybrid),
+    "lfm2": (("Lfm2ForCausalLM",), _lfm2),
+    "kimi_linear": (("KimiLinearForCausalLM",), _kimi_linear),
 }
 
 
