@@ -25,7 +25,7 @@ setup(
     packages=PACKAGES,
     package_dir={"kvwrite": "python/kvwrite", "kvwrite.kernels": "kernels"},
     install_requires=["torch>=2.4", "numpy"],
-    extras_require={"triton": ["triton"], "cli": ["rich"]},
+    extras_require={"triton": ["triton"], "cli": ["rich"], "hf": ["transformers"]},
     entry_points={"console_scripts": ["kvwrite=kvwrite.cli:main"]},
     **EXT,
 )

@@ -21,8 +21,9 @@ def test_plan_table_deepseek_dcp_draft(capsys):
                      "--memory", "20GiB")
     assert rc == 0
     assert "loc_space_scale=4" in out and "pool_page_size=256" in out
-    assert "max_total_num_tokens=18,640,896" in out and "store_mla (virtual loc)" in out
-    assert "[72817, 256, 576] bfloat16" in out
+    # SGLang's sizing: 20 GiB // 1152 B per virtual token, in whole 256-token pages; + the padding page
+    assert "max_total_num_tokens=18,641,152" in out and "store_mla (virtual loc)" in out
+    assert "[72818, 256, 576] bfloat16" in out and "engine sizing" in out
 
 
 def test_plan_json_matches_the_api(capsys):
@@ -30,7 +31,10 @@ def test_plan_json_matches_the_api(capsys):
                      "40GiB", "--json")
     d = json.loads(out)
     assert rc == 0 and d["variant"] == "swa_hybrid" and d["kv_cache_dtype"] == "fp8_e4m3"
-    assert [p["name"] for p in d["pools"]] == ["full", "swa"] and d["total_bytes"] <= 40 * 2**30
+    assert [p["name"] for p in d["pools"]] == ["full", "swa"]
+    assert d["max_total_num_tokens"] * d["cell_size_bytes"] <= 40 * 2**30 and d["sizing"] == "engine"
+    assert d["total_bytes"] == pytest.approx(d["max_total_num_tokens"] * d["cell_size_bytes"] + d["overhead_bytes"],
+                                             abs=1)
     assert d["pools"][1]["buffers"][0]["dtype"] == "float8_e4m3fn"
 
 

@@ -46,12 +46,31 @@ def test_state_counts_in_the_memory_budget():
     kv_only = plan(HYBRID, max_running_requests=1, max_total_num_tokens=None, memory_bytes=200_000)
     busy = plan(HYBRID, max_running_requests=8, max_total_num_tokens=None, memory_bytes=200_000)
     assert busy.max_total_num_tokens < kv_only.max_total_num_tokens
-    assert busy.total_bytes <= 200_000 and kv_only.total_bytes <= 200_000
+    for p in (busy, kv_only):   # engine sizing: the state first, then tokens * cell; padding page beside
+        assert p.fixed_bytes == p.state_bytes
+        assert p.state_bytes + p.max_total_num_tokens * p.cell_size_bytes <= 200_000
+        assert p.total_bytes == p.state_bytes + (p.max_total_num_tokens + 16) * p.cell_size_bytes
+    strict = plan(HYBRID, max_running_requests=8, max_total_num_tokens=None, memory_bytes=200_000, sizing="strict")
+    assert strict.total_bytes <= 200_000
 
 
-def test_max_running_requests_is_required_exactly_when_it_applies():
-    with pytest.raises(ConfigError, match="give max_running_requests"):
-        plan(HYBRID)
+def test_state_pool_defaults_to_sglangs_memory_share():
+    """No max_running_requests: SGLang's mamba_full_memory_ratio 0.9 gives the state 0.9 / 1.9
+    of the budget, K = (share - per_slot) // per_slot request slots, K + 1 allocated."""
+    per_slot = (96 * 3 * 2 + 4 * 16 * 8 * 4) * 3
+    p = plan(HYBRID, max_total_num_tokens=None, memory_bytes=10**6)
+    k = int((10**6 * 0.9 / 1.9 - per_slot) // per_slot)
+    assert p.max_running_requests == k == 59 and p.state_pool().slots == 60
+    assert p.state_bytes == 60 * per_slot
+    assert p.max_total_num_tokens == (10**6 - 60 * per_slot) // 256 // 16 * 16       # 256 B a token
+    # a token count only: state memory = 0.9 x the KV memory of those tokens
+    t = plan(HYBRID, max_total_num_tokens=16 * 1024)
+    assert t.max_running_requests == int(16 * 1024 * 256 * 0.9 // per_slot) - 1
+    with pytest.raises(ConfigError, match="no request slot"):
+        plan(HYBRID, max_total_num_tokens=64)
+
+
+def test_max_running_requests_applies_only_to_slot_pools():
     with pytest.raises(ConfigError, match="has none; leave it unset"):
         plan(TINY["mha"], max_running_requests=4)
     with pytest.raises(ConfigError, match="has none"):     # the MTP draft of a hybrid is plain attention

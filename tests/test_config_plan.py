@@ -63,27 +63,53 @@ def test_cell_size_bytes_formulas():
     assert c("deepseek-v3.2", "fp8_ds_mla", dcp=4) == 656 * 61 + 4 * 132 * 61   # indexer: virtual loc
     assert c("deepseek-v3.2", "fp8_ds_mla", dcp=4, draft=True) == 656 + 132       # per virtual token
     assert c("qwen3-next-80b-a3b", max_running_requests=8) == 2 * 512 * 12 * 2   # the state is per request
-    # hybrid SWA: F * n_full + r * S * n_swa, plus the int64 full->swa loc map
-    assert c("gpt-oss-120b") == pytest.approx(8 * 128 * 2 * 18 * (1 + 0.8) + 8)
-    assert c("gemma-3-27b", swa_full_tokens_ratio=0.5) == 16 * 256 * 2 * (10 + 0.5 * 52) + 8
+    # hybrid SWA: F * n_full + r * S * n_swa (SGLang's cell: the int64 full->swa loc map is overhead)
+    assert c("gpt-oss-120b") == pytest.approx(8 * 128 * 2 * 18 * (1 + 0.8))
+    assert c("gemma-3-27b", swa_full_tokens_ratio=0.5) == 16 * 256 * 2 * (10 + 0.5 * 52)
+
+
+def test_dcp_kv_heads_follow_sglang_and_vllm():
+    """SGLang: max(1, H // (tp // dcp)) heads per rank; vLLM: H // tp with dcp <= tp // H."""
+    llama = ModelSpec.from_preset("llama-3.1-8b")                      # 8 KV heads
+    p = cfg(llama, tp=8, dcp=4, memory_bytes=20 * GiB).plan()
+    assert p.pool("kv").buffers[0].shape[2] == 4                      # 8 // (8 // 4)
+    assert p.cell_size_bytes == 4 * 256 * 32 * 2 and p.max_total_num_tokens == 327_680   # SGLang's figures
+    assert p.total_bytes == 20 * GiB + p.overhead_bytes and p.overhead_bytes == 64 * 4 * 256 * 32 * 2
+    draft = cfg(llama, tp=8, dcp=4, draft=True, max_total_num_tokens=4096).plan()
+    assert draft.pool("kv").buffers[0].shape[2] == 1                  # drafts never join the DCP group
+    assert ParallelSpec(tp_size=8, dcp_size=2).kv_heads_per_rank(2) == 1
+    assert ParallelSpec(tp_size=16, dcp_size=2).kv_heads_per_rank(8) == 1
+    vllm = ParallelSpec(tp_size=8, dcp_size=2, engine="vllm")
+    assert vllm.kv_heads_per_rank(4) == 1 and vllm.kv_heads_per_rank(1, mla=True) == 1
+    with pytest.raises(ConfigError, match="dcp_size <= tp_size // num_kv_heads"):
+        ParallelSpec(tp_size=8, dcp_size=4, engine="vllm").kv_heads_per_rank(8)
+    with pytest.raises(ConfigError, match="multiple of dcp_size"):
+        ParallelSpec(tp_size=6, dcp_size=4)
 
 
 @pytest.mark.parametrize("name", ["llama-3.1-8b", "deepseek-v3", "deepseek-v3.2", "gpt-oss-120b",
                                   "gemma-3-27b", "qwen3-next-80b-a3b"])
 @pytest.mark.parametrize("dcp, draft", [(1, False), (4, False), (4, True)])
-def test_memory_budget_is_filled_with_whole_pages(name, dcp, draft):
+@pytest.mark.parametrize("sizing", ["engine", "strict"])
+def test_memory_budget_is_filled_with_whole_pages(name, dcp, draft, sizing):
     budget = 20 * GiB
     state = dict(max_running_requests=64) if name == "qwen3-next-80b-a3b" and not draft else {}
-    c = cfg(name, dcp=dcp, draft=draft, memory_bytes=budget, **state)
+    c = cfg(name, dcp=dcp, draft=draft, memory_bytes=budget, sizing=sizing, **state)
     plan = c.plan()
-    assert plan.total_bytes <= budget
     pages = plan.max_total_num_tokens // plan.pool_page_size
     assert plan.max_total_num_tokens == pages * plan.pool_page_size
-    assert c.total_bytes_for(pages + 1) > budget     # the largest whole number of pages
+    if sizing == "strict":
+        assert plan.total_bytes <= budget
+        assert c.total_bytes_for(pages + 1) > budget     # the largest whole number of pages
+    else:   # SGLang: tokens = (budget - fixed) // cell in whole pages; padding page, loc map beside
+        page_bytes = plan.cell_size_bytes * plan.pool_page_size
+        assert pages * page_bytes + plan.fixed_bytes <= budget < (pages + 1) * page_bytes + plan.fixed_bytes
+        assert plan.total_bytes == pytest.approx(pages * page_bytes + plan.fixed_bytes + plan.overhead_bytes, abs=1)
     if plan.variant != "swa_hybrid":        # every pool: its pages plus one padding page
         assert plan.kv_bytes == plan.cell_size_bytes * (plan.max_total_num_tokens + plan.pool_page_size)
+        assert plan.overhead_bytes == plan.cell_size_bytes * plan.pool_page_size
     assert plan.total_bytes == plan.kv_bytes + plan.state_bytes    # the recurrent state counts too
-    assert (plan.state_bytes > 0) == bool(state)
+    assert plan.fixed_bytes == plan.state_bytes and (plan.state_bytes > 0) == (plan.variant == "hybrid_linear")
 
 
 def test_max_total_num_tokens_rounds_down_and_both_limits():
@@ -99,15 +125,16 @@ def test_max_total_num_tokens_rounds_down_and_both_limits():
         cfg("llama-3.1-8b")
 
 
-def test_too_small_a_budget_names_the_minimum():
-    c = cfg("deepseek-v3", memory_bytes=1000)
+@pytest.mark.parametrize("sizing, pages", [("engine", 1), ("strict", 2)])
+def test_too_small_a_budget_names_the_minimum(sizing, pages):
+    c = cfg("deepseek-v3", memory_bytes=1000, sizing=sizing)
     with pytest.raises(BudgetTooSmall, match="needs") as info:
         c.plan()
     minimum = info.value.minimum_bytes
-    assert minimum == 2 * 64 * 576 * 2 * 61    # one page + the padding page
-    assert cfg("deepseek-v3", memory_bytes=minimum).plan().max_total_num_tokens == 64
+    assert minimum == pages * 64 * 576 * 2 * 61    # one page (+ the padding page when strict)
+    assert cfg("deepseek-v3", memory_bytes=minimum, sizing=sizing).plan().max_total_num_tokens == 64
     with pytest.raises(BudgetTooSmall):
-        cfg("deepseek-v3", memory_bytes=minimum - 1).plan()
+        cfg("deepseek-v3", memory_bytes=minimum - 1, sizing=sizing).plan()
 
 
 def test_swa_pool_by_ratio_and_window_refusal():
@@ -122,7 +149,7 @@ def test_swa_pool_by_ratio_and_window_refusal():
     with pytest.raises(BudgetTooSmall, match="window") as info:
         cfg("gemma-3-27b", page_size=16, memory_bytes=10**6).plan()
     ok = cfg("gemma-3-27b", page_size=16, memory_bytes=info.value.minimum_bytes).plan()
-    assert (ok.pool("swa").geometry.num_pages - 1) * 16 >= 1024
+    assert (ok.pool("swa").geometry.num_pages - 1) * 16 > 1024 + 16    # SGLang's floor: window + page
     with pytest.raises(ConfigError, match="swa_full_tokens_ratio"):
         cfg("gemma-3-27b", max_total_num_tokens=4096, swa_full_tokens_ratio=0)
 
@@ -153,7 +180,9 @@ def test_plan_to_dict_is_json():
     assert [p["name"] for p in d["pools"]] == ["kv", "indexer"]
     kv, idx = d["pools"]
     assert kv["addressing"] == "sharded" and idx["addressing"] == "virtual"
-    assert kv["buffers"][0]["shape"][2] == 656 and idx["geometry"]["pool_page_size"] == 128
+    # SGLang's index pages: 64 rows on every worker, over the whole virtual space
+    assert kv["buffers"][0]["shape"][2] == 656 and idx["geometry"]["pool_page_size"] == 64
+    assert idx["geometry"]["num_pages"] == 2 * kv["geometry"]["num_pages"]
     assert kv["allocator"] == idx["allocator"] == d["allocators"]["full"]
     assert kv["op"] == "store_mla" and idx["op"] == "store_indexer_k"
 
@@ -176,8 +205,8 @@ def test_check_allocator_refuses_mismatches():
 def plan_cases(draw):
     variant = draw(st.sampled_from(sorted(TINY)))
     return dict(variant=variant, kv=draw(st.sampled_from([k for k in KV_DTYPES if supported(variant, k)])),
-                page=draw(st.sampled_from([1, 4, 16, 64, 128])), dcp=draw(st.integers(1, 8)),
-                draft=draw(st.booleans()), tp=draw(st.sampled_from([1, 2, 4])),
+                page=draw(st.sampled_from([1, 4, 16, 64, 128])), dcp=draw(st.sampled_from([1, 2, 4, 8])),
+                draft=draw(st.booleans()), tp=draw(st.sampled_from([1, 8])),
                 budget=draw(st.integers(2**16, 2**34)), ratio=draw(st.sampled_from([0.25, 0.5, 0.8, 1.0])),
                 rank=draw(st.integers(0, 7)))
 
@@ -188,7 +217,7 @@ def test_plan_invariants(c):
                                                                 dcp_rank=c["rank"] % c["dcp"],
                                                                 is_draft_worker=c["draft"]),
                                page_size=c["page"], kv_cache_dtype=c["kv"], memory_bytes=c["budget"],
-                               swa_full_tokens_ratio=c["ratio"])
+                               swa_full_tokens_ratio=c["ratio"], sizing="strict")
     try:
         plan = conf.plan()
     except BudgetTooSmall as err:
@@ -203,10 +232,35 @@ def test_plan_invariants(c):
         assert g.capacity % g.pool_page_size == 0
         # pool page size == the allocator's page granularity (in local rows for a sharded pool)
         local = c["dcp"] if p.sharded else 1
-        assert g.pool_page_size * local == space.page_size
+        index_pages = p.spec.virtual and c["dcp"] > 1    # SGLang's page_size-row index pages
+        assert g.pool_page_size * (c["dcp"] if index_pages and not c["draft"] else local) == space.page_size \
+            or (index_pages and g.pool_page_size == c["page"])
         assert g.capacity * local >= space.num_locs        # covers the allocator's loc space
         p.check_allocator(space.page_size, space.num_locs)
         if c["draft"]:
             assert p.addressing in ("local", "virtual")
         assert p.bytes == sum(b.bytes * (len(p.layer_ids) if b.per_layer else 1) for b in p.buffers)
     assert plan.total_bytes == sum(p.bytes for p in plan.pools)
+
+
+@pytest.mark.parametrize("draft", [False, True])
+def test_dsa_indexer_uses_sglangs_index_pages_under_dcp(draft):
+    """SGLang's DSA indexer cache keeps 64-token index pages on target and draft workers alike
+    (DSATokenToKVPool.index_page_size; its readers view the buffer in rows of 64 tokens), over
+    the virtual loc space: loc 300's fp32 scale sits at byte 4 * 64 * 132 + 64 * 128 + 44 * 4."""
+    import torch
+    plan = cfg("deepseek-v3.2", dcp=4, draft=draft, max_total_num_tokens=4096).plan()
+    idx = plan.pool("indexer")
+    assert idx.geometry.pool_page_size == 64 and idx.addressing == "virtual"
+    assert idx.geometry.capacity >= plan.spaces["full"].num_locs
+    plan.verify()
+    pool = plan.build("cpu", check="guard", backend="torch")
+    loc = torch.tensor([300])
+    bf = torch.bfloat16
+    index_k = torch.full((1, 128), 448.0, dtype=bf)             # amax 448 -> scale 1.0
+    pool.store(0, loc, torch.zeros(1, 512, dtype=bf), torch.zeros(1, 64, dtype=bf), index_k)
+    pool.errors.raise_if_any()
+    flat = pool.layer("indexer", 0)["index_k"].reshape(-1)
+    assert flat[42160:42164].view(torch.float32).item() == 1.0
+    codes = set(range(4 * 8448 + 44 * 128, 4 * 8448 + 45 * 128))     # the e4m3 codes of page 4, row 44
+    assert set(flat.nonzero().reshape(-1).tolist()) <= codes | set(range(42160, 42164))

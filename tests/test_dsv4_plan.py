@@ -48,15 +48,15 @@ def test_from_hf_config_reads_the_published_fields(tmp_path):
 
 
 def test_plan_sub_pools_geometry_and_sizing_by_hand():
-    p = plan()
+    p = plan(max_running_requests=256)
     assert [s.name for s in p.pools] == SUBPOOLS
     g = {s.name: s.geometry for s in p.pools}
     pages = p.max_total_num_tokens // 256 + 1                # + the padding page
     assert (g["c4"].pool_page_size, g["c4_indexer"].pool_page_size, g["c128"].pool_page_size) == (64, 64, 2)
     assert g["c4"].num_pages == g["c128"].num_pages == g["c4_indexer"].num_pages == pages
-    swa_pages = math.floor(0.1 * (pages - 1)) + 1
+    swa_pages = int((pages - 1) * 256 * 0.1) // 256 + 1      # SGLang: int(full * ratio) in whole pages
     assert g["swa"].num_pages == swa_pages and g["swa"].pool_page_size == 256
-    assert g["c4_state"].capacity == -(-(swa_pages * 256 // 128 * 8 + 8 + 1) // 4) * 4
+    assert g["c4_state"].capacity == -(-(swa_pages * 8 + 8 + 1) // 4) * 4     # ring 8 per 256-token SWA page
     assert g["c128_state"].capacity == -(-(257 * 128 + 128 + 1) // 128) * 128
     shape = {s.name: s.buffers[0].shape for s in p.pools}
     assert shape["swa"] == (swa_pages, 149760) and shape["c4"] == (pages, 37440)
@@ -65,15 +65,33 @@ def test_plan_sub_pools_geometry_and_sizing_by_hand():
     assert shape["c128_state"][1] == 2 * 512
     # total bytes written out: 43 SWA layers, 21 c4 layers, 20 c128 layers, fp32 states, loc map
     full_locs = pages * 256
+    c128_state = 20 * g["c128_state"].capacity * 1024 * 4
     total = (43 * swa_pages * kv_page_bytes(256) + full_locs * 8
              + 21 * pages * (kv_page_bytes(64) + 64 * 132)
              + 21 * g["c4_state"].capacity * (2048 + 512) * 4
-             + 20 * pages * kv_page_bytes(2) + 20 * g["c128_state"].capacity * 1024 * 4)
-    assert p.total_bytes == total <= 40 * GiB
-    assert plan(max_total_num_tokens=p.max_total_num_tokens + 256, memory_bytes=None).total_bytes > 40 * GiB
-    # SGLang's bytes per full token: r*584*L + 584*L4/4 + 584*L128/128 + 132*L4/4 + states
-    assert p.cell_size_bytes == pytest.approx(0.1 * 584 * 43 + 584 * 21 / 4 + 584 * 20 / 128 + 132 * 21 / 4
-                                              + 0.1 * 8 / 128 * (2048 + 512) * 4 * 21)
+             + 20 * pages * kv_page_bytes(2) + c128_state)
+    assert p.total_bytes == total and p.fixed_bytes == c128_state
+    # SGLang's bytes per full token, page-padded KV rows (585 B at 256 and 64 rows, 864 B at 2), the
+    # c4 states priced per SWA slot (ring 8 per 256-token page)
+    cell = (0.1 * 585 * 43 + 585 * 21 / 4 + 864 * 20 / 128 + 132 * 21 / 4 + 0.1 * 8 / 256 * (2048 + 512) * 4 * 21)
+    assert p.cell_size_bytes == pytest.approx(cell)
+    tokens = int((40 * GiB - c128_state) / cell) // 256 * 256     # SGLang: int(avail / cell), whole pages
+    assert p.max_total_num_tokens == tokens
+
+
+def test_engine_defaults_auto_ratio_and_request_estimate():
+    """kv_cache_dtype "auto" is V4's native fp8; swa_full_tokens_ratio defaults to SGLang's V4 0.1
+    (Python and CLI alike); c128 request slots: SGLang's estimate tokens / context * 512 in [2048, 4096]."""
+    c = KVCacheConfigurator(flash(), memory_bytes=40 * GiB)
+    p = c.plan()
+    assert (c.page_size, c.kv_cache_dtype, c.swa_full_tokens_ratio) == (256, "fp8_e4m3", 0.1)
+    full = int(40 * GiB / p.cell_size_bytes)
+    assert p.max_running_requests == max(min(int(full / 1048576 * 512), 4096), 2048) == 2959
+    assert p.pool("c128_state").geometry.capacity == -(-(2960 * 128 + 129) // 128) * 128
+    small = KVCacheConfigurator(flash(), max_total_num_tokens=8192, max_running_requests=3).plan()
+    assert small.max_running_requests == 3 and small.pool("c128_state").geometry.capacity == 768   # (4 * 128 + 129) up to 128
+    with pytest.raises(UnsupportedCombination, match="no kv_cache_dtype='auto'|fp8_e4m3"):
+        KVCacheConfigurator(flash(), memory_bytes=GiB, kv_cache_dtype="nvfp4")
 
 
 def test_draft_worker_under_dcp_has_the_swa_pool_only_paged_in_pool_page_size():
@@ -109,5 +127,5 @@ def test_cli_plan_shows_every_sub_pool(capsys):
     rc = cli.main(["plan", "--preset", "deepseek-v4-flash", "--memory", "40GiB", "--json"])
     d = json.loads(capsys.readouterr().out)
     assert rc == 0 and d["page_size"] == 256 and d["kv_cache_dtype"] == "fp8_e4m3"
-    assert [s["name"] for s in d["pools"]] == SUBPOOLS and d["total_bytes"] <= 40 * GiB
-    assert d["max_total_num_tokens"] == plan().max_total_num_tokens
+    assert [s["name"] for s in d["pools"]] == SUBPOOLS and d["sizing"] == "engine"
+    assert d["max_total_num_tokens"] == KVCacheConfigurator(flash(), memory_bytes=40 * GiB).plan().max_total_num_tokens

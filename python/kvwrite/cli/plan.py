@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--preset", help="a built-in preset (see `kvwrite presets`)")
     src.add_argument("--config", help="a local Hugging Face config.json (or its directory)")
     p.add_argument("--page-size", type=positive_int, default=None,
-                   help="base page size in tokens (default: the variant's, else 64; dsv4: 256)")
+                   help="base page size in tokens (default: the variant's, else 64; dsv4: 256 as SGLang)")
     p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (divides KV heads)")
     p.add_argument("--dcp", type=positive_int, default=1, help="decode-context-parallel size")
     p.add_argument("--dcp-rank", type=non_negative_int, default=0,
@@ -44,12 +44,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     size = p.add_mutually_exclusive_group()
     size.add_argument("--memory", type=parse_bytes, help="KV budget per rank, e.g. 40GiB (default 40GiB)")
     size.add_argument("--max-tokens", type=positive_int, help="tokens per rank instead of a memory budget")
-    p.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES,
-                   help="default: the variant's, else auto (dsv4: fp8_e4m3)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="default auto: the model's native format (its dtype; dsv4: fp8_e4m3)")
     p.add_argument("--swa-ratio", type=float, default=None,
-                   help="swa_full_tokens_ratio (hybrid SWA; default: the variant's, else 0.8; dsv4: 0.1)")
+                   help="swa_full_tokens_ratio (hybrid SWA; default SGLang's: 0.8, dsv4 0.1)")
     p.add_argument("--max-running-requests", type=positive_int, default=None,
-                   help="request slots of a hybrid-linear model's recurrent-state pools (required for one)")
+                   help="request slots of recurrent-state / dsv4 c128-state pools (default: the engines' "
+                        "memory share / estimate)")
+    p.add_argument("--engine", default="sglang", choices=("sglang", "vllm"),
+                   help="whose DCP KV-head rule applies (sglang: H // (tp // dcp); vllm: H // tp)")
+    p.add_argument("--sizing", default="engine", choices=("engine", "strict"),
+                   help="engine: tokens = (memory - fixed) // cell as SGLang (padding page and SWA loc map "
+                        "beside the budget); strict: everything inside the budget")
     p.add_argument("--layout", default="NHD", choices=("NHD", "HND"), help="paged K/V buffer layout")
     p.add_argument("--no-padding-page", action="store_true",
                    help="the -1 padding convention (vLLM): no page 0 reserved for padding")
@@ -72,13 +78,16 @@ def render(plan, console=None) -> None:
     console = console or Console(width=160)
     m, par = plan.model, plan.parallel
     role = "draft worker" if par.is_draft_worker else "target worker"
-    console.print(f"[bold]{m.name or m.variant}[/bold]: variant={plan.variant}, {role}, tp={par.tp_size}, "
+    heads = f", {par.kv_heads_per_rank(m.num_kv_heads)} KV heads/rank ({par.engine})" if m.num_kv_heads else ""
+    console.print(f"[bold]{m.name or m.variant}[/bold]: variant={plan.variant}, {role}, tp={par.tp_size}{heads}, "
                   f"dcp={par.dcp_size} (rank {par.dcp_rank}), kv_cache_dtype={plan.kv_cache_dtype}")
     console.print(f"page_size={plan.page_size}  loc_space_scale={plan.loc_space_scale}  "
                   f"pool_page_size={plan.pool_page_size}  max_total_num_tokens={plan.max_total_num_tokens:,}  "
                   f"cell_size_bytes={plan.cell_size_bytes:,}")
     budget = "" if plan.memory_bytes is None else f" of {human(plan.memory_bytes)} ({plan.memory_bytes:,} B)"
-    console.print(f"total_bytes={plan.total_bytes:,} ({human(plan.total_bytes)}){budget}")
+    console.print(f"total_bytes={plan.total_bytes:,} ({human(plan.total_bytes)}){budget}  "
+                  f"({plan.sizing} sizing: fixed {plan.fixed_bytes:,} B, padding pages / loc map "
+                  f"{plan.overhead_bytes:,} B)")
     if plan.state_pools:
         console.print(f"  kv_bytes={plan.kv_bytes:,} ({human(plan.kv_bytes)}) + state_bytes={plan.state_bytes:,} "
                       f"({human(plan.state_bytes)}: {plan.max_running_requests} + 1 request slots)")
@@ -110,18 +119,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         model = ModelSpec.from_preset(args.preset) if args.preset else ModelSpec.from_hf_config(args.config)
         parallel = ParallelSpec(tp_size=args.tp, dcp_size=args.dcp, dcp_rank=args.dcp_rank,
-                                is_draft_worker=args.draft)
+                                is_draft_worker=args.draft, engine=args.engine)
         memory = args.memory if args.memory is not None or args.max_tokens is not None else 40 * 2**30
-        from kvwrite.config.registry import planner_for
-
-        own = planner_for(model.variant).defaults   # a variant's own page size / dtype (dsv4)
-        pick = lambda v, k, d: v if v is not None else own.get(k, d)  # noqa: E731
-        plan = KVCacheConfigurator(model, parallel, page_size=pick(args.page_size, "page_size", 64),
-                                   kv_cache_dtype=pick(args.kv_cache_dtype, "kv_cache_dtype", "auto"),
+        # unset options take the configurator's defaults (kvwrite.config.registry.plan_defaults)
+        plan = KVCacheConfigurator(model, parallel, page_size=args.page_size, kv_cache_dtype=args.kv_cache_dtype,
                                    memory_bytes=memory, max_total_num_tokens=args.max_tokens,
-                                   swa_full_tokens_ratio=pick(args.swa_ratio, "swa_full_tokens_ratio", 0.8),
+                                   swa_full_tokens_ratio=args.swa_ratio,
                                    max_running_requests=args.max_running_requests, layout=args.layout,
-                                   reserve_padding_page=not args.no_padding_page, target=args.target).plan()
+                                   reserve_padding_page=not args.no_padding_page, target=args.target,
+                                   sizing=args.sizing).plan()
     except (ConfigError, OSError, ValueError) as err:
         print(f"kvwrite plan: {type(err).__name__}: {err}", file=sys.stderr)
         return 2

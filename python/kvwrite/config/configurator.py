@@ -5,6 +5,7 @@ The one place that derives `loc_space_scale` and `pool_page_size` (SGLang's
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -12,13 +13,15 @@ from kvwrite.config.errors import BudgetTooSmall, ConfigError, UnsupportedCombin
 from kvwrite.config.model import ModelSpec
 from kvwrite.config.parallel import ParallelSpec
 from kvwrite.config.plan import LocSpace, PoolPlan, PoolSpec, SubPoolPlan, buffer_plans, state_plan
-from kvwrite.config.registry import PlanContext, planner_for
+from kvwrite.config.registry import PlanContext, plan_defaults, planner_for
 from kvwrite.config.variants import KV_CACHE_DTYPES
 from kvwrite.geometry import PageGeometry, require_positive_int
 
 
 LAYOUTS = ("NHD", "HND")
 TARGETS = ("gpu", "npu")
+SIZINGS = ("engine", "strict")
+MAMBA_FULL_MEMORY_RATIO = 0.9   # SGLang's --mamba-full-memory-ratio fallback (arg_groups/fields/schedule.py)
 
 
 def _number(x: float) -> float:
@@ -37,71 +40,119 @@ class KVCacheConfigurator:
     `max_total_num_tokens` / `memory_bytes` are per rank (what the target worker's pools hold on
     one rank). A draft worker under DCP covers the virtual loc space: its token count is scaled
     by `loc_space_scale` and its pools page in `pool_page_size = page_size * loc_space_scale`.
-    Give `max_total_num_tokens` (rounded down to whole pages), `memory_bytes` (the largest whole
-    number of pool pages whose pools, one padding page each, fit), or both (the token count
-    must then fit the budget).
+    Give `max_total_num_tokens` (rounded down to whole pages), `memory_bytes`, or both (the
+    token count must then fit the budget).
 
-    `max_running_requests`: request slots of a hybrid-linear model's recurrent-state pools
-    (`+ 1` padding slot; required for such a model, refused for any other); their bytes count
-    in the budget beside the KV pools'. `layout="HND"`: paged K/V buffers `[pages, heads, page,
-    dim]`. `reserve_padding_page=False`: the -1 padding convention (vLLM), no page 0 held back.
-    `target="npu"`: SGLang's Ascend pool layouts (every layer's buffer in one tensor, MLA as
-    nope + rope buffers), stored through the torch backend.
+    `sizing="engine"` (default) sizes as SGLang's pool configurator does: tokens =
+    `(memory_bytes - fixed) // cell_size_bytes`, rounded down to whole pages, where `fixed` is
+    what does not scale with tokens (recurrent-state pools, DeepSeek V4's c128 state); the
+    padding page of every pool and the SWA loc map are allocated beside that budget, as the
+    engine does (so `total_bytes` exceeds `memory_bytes` by `overhead_bytes` at most).
+    `sizing="strict"`: the largest whole number of pages whose pools, padding page and loc map
+    included, fit `memory_bytes`.
+
+    Defaults shared with `kvwrite plan` (`plan_defaults`): `page_size` (the variant's, else
+    64), `kv_cache_dtype="auto"` (the model's native format: its dtype, fp8 for DeepSeek V4;
+    a float32 model gets float16 as SGLang's `--dtype auto` does), `swa_full_tokens_ratio`
+    (SGLang's: 0.8, DeepSeek V4 0.1).
+
+    `max_running_requests`: request slots of the recurrent-state pools (hybrid-linear models,
+    `+ 1` padding slot) and of DeepSeek V4's c128 state; left unset, the engines' default:
+    state memory = `mamba_full_memory_ratio` (0.9) x KV memory (SGLang's
+    `mamba_full_memory_ratio`), DeepSeek V4's estimate from the token count and context length.
+    `layout="HND"`: paged K/V buffers `[pages, heads, page, dim]`. `reserve_padding_page=False`:
+    the -1 padding convention (vLLM), no page 0 held back. `target="npu"`: SGLang's Ascend pool
+    layouts (every layer's buffer in one tensor, MLA as nope + rope buffers), stored through
+    the torch backend.
     """
 
-    def __init__(self, model: ModelSpec, parallel: ParallelSpec | None = None, *, page_size: int,
+    def __init__(self, model: ModelSpec, parallel: ParallelSpec | None = None, *, page_size: int | None = None,
                  kv_cache_dtype: str = "auto", memory_bytes: int | None = None,
-                 max_total_num_tokens: int | None = None, swa_full_tokens_ratio: float = 0.8,
+                 max_total_num_tokens: int | None = None, swa_full_tokens_ratio: float | None = None,
                  max_running_requests: int | None = None, layout: str = "NHD",
-                 reserve_padding_page: bool = True, target: str = "gpu") -> None:
+                 reserve_padding_page: bool = True, target: str = "gpu", sizing: str = "engine",
+                 mamba_full_memory_ratio: float = MAMBA_FULL_MEMORY_RATIO) -> None:
         if not isinstance(model, ModelSpec):
             raise TypeError(f"model must be a kvwrite.ModelSpec, got {type(model).__name__}")
         parallel = ParallelSpec() if parallel is None else parallel
         if not isinstance(parallel, ParallelSpec):
             raise TypeError(f"parallel must be a kvwrite.ParallelSpec, got {type(parallel).__name__}")
         self.model, self.parallel = model, parallel
-        self.page_size = require_positive_int("page_size", page_size)
+        self.planned_model = model.draft() if parallel.is_draft_worker else model
+        self.planner = planner_for(self.planned_model.variant)
+        defaults = plan_defaults(self.planned_model.variant)
+        self.page_size = require_positive_int("page_size", defaults["page_size"] if page_size is None else page_size)
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
-        self.kv_cache_dtype = kv_cache_dtype
+        self.requested_kv_cache_dtype = kv_cache_dtype
+        self.kv_cache_dtype = self.planner.native_kv_cache_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
         if memory_bytes is None and max_total_num_tokens is None:
             raise ConfigError("give memory_bytes (per rank) or max_total_num_tokens (per rank)")
         self.memory_bytes = None if memory_bytes is None else require_positive_int("memory_bytes", memory_bytes)
         self.max_total_num_tokens_per_rank = (None if max_total_num_tokens is None else
                                               require_positive_int("max_total_num_tokens", max_total_num_tokens))
-        ratio = swa_full_tokens_ratio
+        ratio = defaults["swa_full_tokens_ratio"] if swa_full_tokens_ratio is None else swa_full_tokens_ratio
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
             raise ConfigError(f"swa_full_tokens_ratio must be in (0, 1], got {ratio!r}")
         self.swa_full_tokens_ratio = float(ratio)
+        r = mamba_full_memory_ratio
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not r > 0:
+            raise ConfigError(f"mamba_full_memory_ratio must be a number > 0, got {r!r}")
+        self.mamba_full_memory_ratio = float(r)
         if layout not in LAYOUTS:
             raise ConfigError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         if target not in TARGETS:
             raise ConfigError(f"target must be one of {TARGETS}, got {target!r}")
+        if sizing not in SIZINGS:
+            raise ConfigError(f"sizing must be one of {SIZINGS}, got {sizing!r}")
         if not isinstance(reserve_padding_page, bool):
             raise ConfigError(f"reserve_padding_page must be a bool, got {reserve_padding_page!r}")
-        if target == "npu" and (kv_cache_dtype != "auto" or layout != "NHD"):
+        if target == "npu" and (self.kv_cache_dtype != self.planner.native_kv_cache_dtype or layout != "NHD"):
             raise UnsupportedCombination(f"target='npu' (SGLang's Ascend pool layouts) takes kv_cache_dtype='auto' "
                                          f"and layout='NHD', got {kv_cache_dtype!r} and {layout!r}")
-        self.layout, self.target, self.reserve_padding_page = layout, target, reserve_padding_page
-        self.planned_model = model.draft() if parallel.is_draft_worker else model
-        self.planner = planner_for(self.planned_model.variant)
-        self.context = PlanContext(self.planned_model, parallel, kv_cache_dtype, self.page_size, layout, target)
-        self.planner.check_dtype(self.context)
+        self.layout, self.target, self.reserve_padding_page, self.sizing = layout, target, reserve_padding_page, sizing
+        context = PlanContext(self.planned_model, parallel, self.kv_cache_dtype, self.page_size, layout, target)
+        self.planner.check_dtype(context)
+        self.state_specs = tuple(self.planner.state_pools(context))
+        takes_requests = bool(self.state_specs) or self.planner.request_slots
+        if max_running_requests is not None:
+            if not takes_requests:
+                raise ConfigError(f"max_running_requests sizes request-slot pools (recurrent state), and the "
+                                  f"planned model ({self.planned_model.name or self.planned_model.variant}, "
+                                  f"variant {self.planned_model.variant!r}) has none; leave it unset")
+            max_running_requests = require_positive_int("max_running_requests", max_running_requests)
+        self.max_running_requests_given = max_running_requests
+        self.context = context
+        if takes_requests and max_running_requests is None:
+            max_running_requests = self._default_requests(context)
+        self.max_running_requests = max_running_requests
+        self.context = dataclasses.replace(context, max_running_requests=max_running_requests)
         self.pool_specs: tuple[PoolSpec, ...] = tuple(self.planner.pools(self.context))
         names = [p.name for p in self.pool_specs]
         if len(set(names)) != len(names) or not names:
             raise ConfigError(f"planner {self.planner.name!r} returned sub-pool names {names}")
-        self.state_specs = tuple(self.planner.state_pools(self.context))
-        if self.state_specs and max_running_requests is None:
-            raise ConfigError(f"{self.planned_model.name or self.planned_model.variant} has a recurrent state on "
-                              f"{len(self.state_specs[0].layer_ids)} linear layers, sized per request: give "
-                              f"max_running_requests")
-        if not self.state_specs and max_running_requests is not None:
-            raise ConfigError(f"max_running_requests sizes recurrent-state pools, and the planned model "
-                              f"({self.planned_model.name or self.planned_model.variant}, variant "
-                              f"{self.planned_model.variant!r}) has none; leave it unset")
-        self.max_running_requests = (None if max_running_requests is None else
-                                     require_positive_int("max_running_requests", max_running_requests))
+
+    def _default_requests(self, context: PlanContext) -> int:
+        """The engines' request-slot count when max_running_requests is unset."""
+        own = self.planner.default_requests(context, self.swa_full_tokens_ratio, self.memory_bytes,
+                                            self.max_total_num_tokens_per_rank)
+        if own is not None:
+            return own
+        # SGLang (kv_cache_configurator, mamba pool): state share = total * r / (1 + r) of the memory
+        # (r = mamba_full_memory_ratio), slots K = (share - per_slot) // per_slot, K + 1 allocated.
+        per_slot = sum(state_plan(st, 1).bytes for st in self.state_specs)
+        r = self.mamba_full_memory_ratio
+        if self.memory_bytes is not None:
+            share = self.memory_bytes * r / (1 + r)
+            k = int((share - per_slot) // per_slot)
+        else:  # a token count only: state memory = r x the KV memory of those tokens
+            tokens = self.max_total_num_tokens_per_rank // self.page_size * self.page_size
+            k = int(tokens * self._cell(context) * r // per_slot) - 1
+        if k < 1:
+            raise BudgetTooSmall(f"the recurrent state ({per_slot} bytes per request slot, "
+                                 f"mamba_full_memory_ratio={r}) leaves no request slot in this budget; give "
+                                 f"max_running_requests or more memory", 2 * per_slot)
+        return k
 
     # --- the single source of the page-size namespace -----------------------------------------
     @property
@@ -117,7 +168,8 @@ class KVCacheConfigurator:
         return self.page_size * self.loc_space_scale
 
     def _pool_scale(self, spec: PoolSpec) -> int:
-        """A sub-pool indexed by the virtual loc (the DSA indexer cache) pages like a draft pool."""
+        """Virtual loc rows per local token: a sub-pool indexed by the virtual loc (the DSA
+        indexer cache) holds all `dcp_size` ranks' tokens."""
         return self.parallel.dcp_size if spec.virtual else self.loc_space_scale
 
     # --- sizing ---------------------------------------------------------------------------------
@@ -126,14 +178,19 @@ class KVCacheConfigurator:
         return any(p.space == "swa" for p in self.pool_specs)
 
     def _sizing(self, pages: int) -> _Sizing:
-        swa = math.floor(self.swa_full_tokens_ratio * pages + 1e-9) if self._has_swa else 0
+        # SGLang: swa_tokens = int(full_tokens * ratio) rounded down to whole pages
+        P = self.page_size
+        swa = int(pages * P * self.swa_full_tokens_ratio) // P if self._has_swa else 0
         return _Sizing(pages, swa)
 
     def _window_ok(self, s: _Sizing) -> bool:
         if not self._has_swa:
             return True
-        window = self.planned_model.sliding_window
-        return s.swa_pages >= 1 and s.swa_pages * self.page_size * self.parallel.dcp_size >= window
+        window, P = self.planned_model.sliding_window, self.page_size
+        swa_tokens = s.swa_pages * P * self.parallel.dcp_size
+        if self.sizing == "engine":   # SGLang's admission floor: more than one window plus a page
+            return swa_tokens > window + P
+        return s.swa_pages >= 1 and swa_tokens >= window
 
     def _min_pages(self) -> int:
         n = 1
@@ -154,9 +211,13 @@ class KVCacheConfigurator:
         for spec in self.pool_specs:
             space = spaces[spec.space]
             scale = self._pool_scale(spec)
-            geometry = PageGeometry(P, space.num_locs // (P * dcp), loc_space_scale=scale)
+            pages = space.num_locs // (P * dcp)
+            if spec.virtual:   # SGLang's index pages: page_size rows over the whole virtual space
+                geometry = PageGeometry(P, pages * dcp)
+            else:
+                geometry = PageGeometry(P, pages, loc_space_scale=scale)
             addressing = "sharded" if dcp > 1 and scale == 1 else ("virtual" if dcp > 1 else "local")
-            own = self.planner.sub_pool(spec, self.context, space.num_locs // (P * dcp), scale)
+            own = self.planner.sub_pool(spec, self.context, pages, scale)
             if own is not None:  # rows that are not the allocator's pages (DeepSeek V4)
                 geometry = own["geometry"]
                 space = own.get("space") or space
@@ -167,13 +228,15 @@ class KVCacheConfigurator:
                 buffers=buffer_plans(spec, geometry, spaces["full"].num_locs, npu), op=spec.op,
                 kernel=self._kernel(spec, addressing), space=space, addressing=addressing,
                 dcp_rank=self.parallel.dcp_rank, dcp_size=dcp, spec=spec))
+        slots = None if self.max_running_requests is None else self.max_running_requests + 1
         return PoolPlan(
             variant=self.planned_model.variant, model=self.planned_model, parallel=self.parallel,
             kv_cache_dtype=self.kv_cache_dtype, page_size=P, loc_space_scale=self.loc_space_scale,
             pool_page_size=self.pool_page_size, max_total_num_tokens=s.pages * self.pool_page_size,
             cell_size_bytes=self.cell_size_bytes, memory_bytes=self.memory_bytes, pools=tuple(pools),
             spaces=spaces, max_running_requests=self.max_running_requests, layout=self.layout, target=self.target,
-            state_pools=tuple(state_plan(st, self.max_running_requests + 1, npu) for st in self.state_specs))
+            state_pools=tuple(state_plan(st, slots, npu) for st in self.state_specs), sizing=self.sizing,
+            fixed_bytes=self.fixed_bytes)
 
     def _kernel(self, spec: PoolSpec, addressing: str) -> str:
         extra = [spec.note] if spec.note else []
@@ -182,30 +245,52 @@ class KVCacheConfigurator:
         if addressing == "sharded":
             extra.append(f"dcp_rank={self.parallel.dcp_rank}/{self.parallel.dcp_size}")
         elif addressing == "virtual":
-            extra.append("virtual loc")
+            extra.append("virtual loc" + (f", {self.page_size}-row index pages" if spec.virtual else ""))
         return spec.op + (f" ({', '.join(extra)})" if extra else "")
 
-    @property
-    def cell_size_bytes(self) -> float:
-        """Bytes per token of `plan().max_total_num_tokens`, over all layers and all buffers
-        (scales and the SWA loc map included; SWA buffers weighted by `swa_full_tokens_ratio`)."""
-        own = self.planner.cell_size(self.context, self.swa_full_tokens_ratio)
+    def _cell(self, context: PlanContext) -> float:
+        own = self.planner.cell_size(context, self.swa_full_tokens_ratio)
         if own is not None:
-            return _number(round(own, 6))
+            return own
         total = 0.0
-        dcp, lss = self.parallel.dcp_size, self.loc_space_scale
-        for spec in self.pool_specs:
+        lss = self.loc_space_scale
+        specs = self.pool_specs if hasattr(self, "pool_specs") else self.planner.pools(context)
+        for spec in specs:
             rows_per_token = self._pool_scale(spec) / lss
             if spec.space == "swa":
                 rows_per_token *= self.swa_full_tokens_ratio
             for b in spec.buffers:
-                per = dcp / lss if b.layout == "map" else rows_per_token
-                total += b.row_bytes * per * (len(spec.layer_ids) if b.per_layer else 1)
-        return _number(round(total, 6))
+                if b.layout != "map":
+                    total += b.row_bytes * rows_per_token * (len(spec.layer_ids) if b.per_layer else 1)
+        return total
+
+    @property
+    def cell_size_bytes(self) -> float:
+        """Bytes per token of `plan().max_total_num_tokens` (SGLang's `cell_size`): every layer's
+        K/V rows and their scales, the DSA indexer rows (x dcp_size on a DCP target: it holds all
+        ranks' tokens), SWA rows weighted by `swa_full_tokens_ratio`. Not in it, as in SGLang:
+        the SWA loc map and the padding page (`overhead_bytes`), request-slot pools (`fixed_bytes`)."""
+        return _number(round(self._cell(self.context), 6))
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Bytes that do not scale with tokens: recurrent-state pools and a variant's own fixed
+        pools (DeepSeek V4's c128 state), taken from the budget first."""
+        slots = None if self.max_running_requests is None else self.max_running_requests + 1
+        state = sum(state_plan(st, slots).bytes for st in self.state_specs) if self.state_specs else 0
+        return state + self.planner.fixed_bytes(self.context)
 
     def total_bytes_for(self, pages: int) -> int:
         """Bytes of the plan whose full loc space has `pages` usable pool pages (plus padding)."""
         return self._assemble(self._sizing(pages)).total_bytes
+
+    def _engine_bytes(self, pages: int) -> float:
+        return pages * self.pool_page_size * self._cell(self.context) + self.fixed_bytes
+
+    def _fits(self, pages: int) -> bool:
+        if self.sizing == "engine":
+            return self._engine_bytes(pages) <= self.memory_bytes
+        return self.total_bytes_for(pages) <= self.memory_bytes
 
     def plan(self) -> PoolPlan:
         n_min = self._min_pages()
@@ -217,27 +302,35 @@ class KVCacheConfigurator:
             if pages < n_min:
                 raise WindowDoesNotFit(self._window_message(pages, n_min))
             plan = self._assemble(self._sizing(pages))
-            if self.memory_bytes is not None and plan.total_bytes > self.memory_bytes:
+            if self.memory_bytes is not None and not self._fits(pages):
+                need = math.ceil(self._engine_bytes(pages)) if self.sizing == "engine" else plan.total_bytes
                 raise BudgetTooSmall(
-                    f"max_total_num_tokens={self.max_total_num_tokens_per_rank} needs {plan.total_bytes} "
-                    f"bytes per rank but memory_bytes={self.memory_bytes}", plan.total_bytes)
+                    f"max_total_num_tokens={self.max_total_num_tokens_per_rank} needs {need} "
+                    f"bytes per rank ({self.sizing} sizing) but memory_bytes={self.memory_bytes}", need)
             return plan
         budget = self.memory_bytes
-        minimum = self.total_bytes_for(n_min)
-        if minimum > budget:
-            why = (("one page per pool" + (" plus the padding page" if self.reserve_padding_page else "")
-                    + (f", and the recurrent state of {self.max_running_requests} + 1 request slots"
-                       if self.state_specs else "")) if n_min == 1 else
+        if not self._fits(n_min):
+            minimum = math.ceil(self._engine_bytes(n_min)) if self.sizing == "engine" else self.total_bytes_for(n_min)
+            extra = (" plus the padding page" if self.reserve_padding_page and self.sizing == "strict" else "")
+            why = (("one page per pool" + extra
+                    + (f", and the request-slot pools of {self.max_running_requests} + 1 slots"
+                       if self.max_running_requests is not None else "")) if n_min == 1 else
                    f"{n_min} pages: an SWA pool holding the {self.planned_model.sliding_window}-token "
                    f"window at swa_full_tokens_ratio={self.swa_full_tokens_ratio}")
             raise BudgetTooSmall(f"memory_bytes={budget} is too small: the smallest plan ({why}) needs "
                                  f"{minimum} bytes per rank", minimum)
+        if self.sizing == "engine":   # SGLang: int(available // cell) // page_size * page_size
+            tokens = int((budget - self.fixed_bytes) // self._cell(self.context))
+            pages = tokens // self.pool_page_size
+            while pages > n_min and not self._fits(pages):   # float rounding at the edge
+                pages -= 1
+            return self._assemble(self._sizing(max(pages, n_min)))
         lo, hi = n_min, n_min * 2
-        while self.total_bytes_for(hi) <= budget:
+        while self._fits(hi):
             lo, hi = hi, hi * 2
-        while hi - lo > 1:  # invariant: bytes(lo) <= budget < bytes(hi)
+        while hi - lo > 1:  # invariant: fits(lo) and not fits(hi)
             mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if self.total_bytes_for(mid) <= budget else (lo, mid)
+            lo, hi = (mid, hi) if self._fits(mid) else (lo, mid)
         return self._assemble(self._sizing(lo))
 
     def _window_message(self, pages: int, n_min: int) -> str:
@@ -258,6 +351,7 @@ class KVCacheConfigurator:
         extra = "".join(f", {k}={v!r}" for k, v, d in (
             ("layout", self.layout, "NHD"), ("target", self.target, "gpu"),
             ("reserve_padding_page", self.reserve_padding_page, True),
-            ("max_running_requests", self.max_running_requests, None)) if v != d)
+            ("max_running_requests", self.max_running_requests_given, None), ("sizing", self.sizing, "engine"))
+            if v != d)
         return (f"KVCacheConfigurator({self.model.name or self.model.variant}, {self.parallel}, "
                 f"page_size={self.page_size}, kv_cache_dtype={self.kv_cache_dtype!r}{extra})")

@@ -5,17 +5,20 @@ Sub-pools, from `compress_ratios` (0: SWA only, 4: SWA + c4 + indexer + states, 
 + state): "swa" (every layer; the SWA loc space, full -> SWA loc map), "c4" / "c128" (pages of
 page_size // 4 and page_size // 128 rows: a compressed page index is the full page index),
 "c4_indexer" (fp8 rows of index_head_dim + 4 bytes, pages of page_size // 4), "c4_state",
-"c4_indexer_state" (rows of 2*2*head_dim / 2*2*index_head_dim fp32, ring 8 per 128-token SWA page)
-and "c128_state" (rows of 2*head_dim fp32, ring 128 per request slot: a fixed cost). A draft
-worker holds the SWA pool of its MTP layer(s) only; under DCP every paged sub-pool pages in
-pool_page_size and a target worker's pools are sharded by page.
+"c4_indexer_state" (rows of 2*2*head_dim / 2*2*index_head_dim fp32, ring 8 per SWA page of
+page_size tokens: SGLang 0.5.23's swa_page_size is the page size, 256) and "c128_state" (rows of
+2*head_dim fp32, ring 128 per request slot: a fixed cost). A draft worker holds the SWA pool of
+its MTP layer(s) only; under DCP every paged sub-pool pages in pool_page_size and a target
+worker's pools are sharded by page.
 
 Bytes per full token (SGLang's DSV4PoolConfigurator, fp32 state), with r = swa_full_tokens_ratio,
-L layers, L4 / L128 layers of ratio 4 / 128:
-    r*584*L + 584*L4/4 + 584*L128/128 + 132*L4/4 + r*(8/128)*(2*2*512*4 + 2*2*128*4)*L4
+L layers, L4 / L128 layers of ratio 4 / 128, kv(p) = kv_page_bytes(p) / p (584 B padded to 576 B
+pages: 585 B at p = 256 and 64, 864 B at p = 2), P = page_size:
+    r*kv(P)*L + kv(P/4)*L4/4 + 132*L4/4 + kv(P/128)*L128/128 + r*(8/P)*(2*2*512*4 + 2*2*128*4)*L4
 and the c128 state, ((max_running_requests + 1) * 128 + 128 + 1 rounded up to 128) rows of
-2*512*4 bytes per c128 layer, taken first. kvwrite sizes by the pools' real bytes (pages padded to
-576 B, one padding page per pool), so its token count is a little under SGLang's.
+2*512*4 bytes per c128 layer, taken first (`fixed_bytes`). max_running_requests unset: SGLang's
+estimate, tokens / context_len * 512 clamped to [2048, 4096] and at most tokens / 2, with tokens =
+memory / cell (`_resolve_max_running_requests_per_worker`).
 """
 from __future__ import annotations
 
@@ -26,9 +29,8 @@ from kvwrite.config.registry import PlanContext, VariantPlanner, draft_layers, r
 from kvwrite.geometry import PageGeometry
 from kvwrite.ops import dsv4 as _d
 
-MAX_RUNNING_REQUESTS = 256   # SGLang's DeepSeek V4 default (the c128 state's request slots)
-SWA_PAGE = 128               # SGLang's swa_page_size (= the window): state rows per SWA page
 STATE_DTYPE = "float32"      # SGLANG_DSV4_COMPRESS_STATE_DTYPE default
+REQUESTS_MIN, REQUESTS_MAX, REQUESTS_PER_CONTEXT = 2048, 4096, 512   # SGLang's request estimate
 
 
 def _ceil_to(x: int, m: int) -> int:
@@ -39,7 +41,11 @@ class DSV4Planner(VariantPlanner):
     name = "dsv4"
     fields = frozenset({"head_dim", "qk_rope_head_dim", "index_head_dim", "sliding_window", "compress_ratios"})
     kv_cache_dtypes = ("fp8_e4m3",)
-    defaults = dict(page_size=256, kv_cache_dtype="fp8_e4m3", swa_full_tokens_ratio=0.1)
+    native_kv_cache_dtype = "fp8_e4m3"   # SGLang resolves "auto" to fp8_e4m3 for V4
+    request_slots = True                 # the c128 state ring per request slot
+    # SGLang's V4 overrides (arg_groups/model_overrides/deepseek_v4.py): page_size 256,
+    # swa_full_tokens_ratio 0.1 (DSV4_DEFAULT_SWA_FULL_TOKENS_RATIO)
+    defaults = dict(page_size=256, swa_full_tokens_ratio=0.1)
 
     def check_model(self, spec) -> None:
         if spec.head_dim != _d.KV_DIM or spec.qk_rope_head_dim != _d.ROPE:
@@ -66,11 +72,18 @@ class DSV4Planner(VariantPlanner):
     def _layers(m, ratio: int) -> tuple[int, ...]:
         return tuple(i for i, r in enumerate(m.compress_ratios) if r == ratio)
 
-    def pools(self, ctx: PlanContext):
-        m, P = ctx.model, ctx.page_size
+    @staticmethod
+    def _check_page(P: int) -> None:
         if P % 128:
             raise UnsupportedCombination(f"dsv4 needs page_size a multiple of 128 (c128 pages of "
                                          f"page_size // 128 rows), got {P}")
+
+    def check_dtype(self, ctx: PlanContext) -> None:
+        super().check_dtype(ctx)
+        self._check_page(ctx.page_size)
+
+    def pools(self, ctx: PlanContext):
+        m, P = ctx.model, ctx.page_size
         sharded = ctx.parallel.dcp_size > 1 and not ctx.parallel.is_draft_worker
         dcp = ("dcp_rank", "dcp_size") if sharded else ()
         kv = BufferSpec("kv", (_d.TOKEN_BYTES,), "uint8", layout="dsv4_kv")
@@ -92,7 +105,7 @@ class DSV4Planner(VariantPlanner):
         if c128:
             out += [PoolSpec("c128", c128, (kv,), "store_dsv4_kv", needs=dcp, note=note + ", c128 loc"),
                     PoolSpec("c128_state", c128, (state(_d.state_row_width(128, _d.KV_DIM)),), "store_rows",
-                             note=f"ring 128 x {MAX_RUNNING_REQUESTS + 1} request slots")]
+                             note=f"ring 128 x {(ctx.max_running_requests or 0) + 1} request slots")]
         return out
 
     def sub_pool(self, spec, ctx, pages: int, scale: int):
@@ -104,24 +117,50 @@ class DSV4Planner(VariantPlanner):
             return dict(geometry=PageGeometry(P // div, pages, loc_space_scale=scale), space=space)
         if spec.name in ("c4_state", "c4_indexer_state"):
             ring = _d.state_ring(4)
-            rows = _ceil_to(pages * P * scale // SWA_PAGE * ring + ring + 1, 4)
+            rows = _ceil_to(pages * scale * ring + ring + 1, 4)   # one ring per SWA page of page_size
         elif spec.name == "c128_state":
-            ring = _d.state_ring(128)
-            rows = _ceil_to((MAX_RUNNING_REQUESTS + 1) * ring + ring + 1, 128)
+            rows = self._c128_rows(ctx)
         else:
             return None
         # state rows are addressed by state_loc (rows of the pool, the last one the sentinel)
         return dict(geometry=PageGeometry(1, rows), space=LocSpace(spec.name, 1, rows),
                     addressing="local")
 
+    @staticmethod
+    def _c128_rows(ctx) -> int:
+        ring = _d.state_ring(128)
+        return _ceil_to(((ctx.max_running_requests or 0) + 1) * ring + ring + 1, 128)
+
+    def fixed_bytes(self, ctx) -> int:
+        L128 = len(self._layers(ctx.model, 128))
+        if not L128:
+            return 0
+        return self._c128_rows(ctx) * _d.state_row_width(128, _d.KV_DIM) * 4 * L128
+
+    def default_requests(self, ctx, swa_full_tokens_ratio, memory_bytes, tokens):
+        """SGLang's `_resolve_max_running_requests_per_worker`: full tokens / context_len * 512,
+        clamped to [2048, 4096], at most half the tokens (context_len unknown: 2048)."""
+        if memory_bytes is not None:
+            full = int(memory_bytes / self.cell_size(ctx, swa_full_tokens_ratio))
+        else:
+            full = tokens
+        ctx_len = ctx.model.context_len
+        est = int(full / ctx_len * REQUESTS_PER_CONTEXT) if ctx_len else REQUESTS_MIN
+        return max(1, min(max(min(est, REQUESTS_MAX), REQUESTS_MIN), full // 2))
+
     def cell_size(self, ctx, swa_full_tokens_ratio: float):
-        m, r = ctx.model, swa_full_tokens_ratio
+        m, r, P = ctx.model, swa_full_tokens_ratio, ctx.page_size
         L, L4, L128 = m.num_layers, len(self._layers(m, 4)), len(self._layers(m, 128))
+        kv = lambda p: _d.kv_page_bytes(p) / p  # noqa: E731  (page-padded bytes a token)
         ring4 = _d.state_ring(4)
         states = (_d.state_row_width(4, _d.KV_DIM) + _d.state_row_width(4, m.index_head_dim)) * 4
         index = _d.indexer_row_bytes(m.index_head_dim) if L4 else 0
-        return (r * _d.TOKEN_BYTES * L + _d.TOKEN_BYTES * L4 / 4 + _d.TOKEN_BYTES * L128 / 128
-                + index * L4 / 4 + r * ring4 / SWA_PAGE * states * L4)
+        out = r * kv(P) * L + r * ring4 / P * states * L4
+        if L4:
+            out += kv(P // 4) * L4 / 4 + index * L4 / 4
+        if L128:
+            out += kv(P // 128) * L128 / 128
+        return out
 
     def inputs(self, plan, layer_id):
         m = plan.model

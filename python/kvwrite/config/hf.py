@@ -117,11 +117,14 @@ def _load(path_or_dict: Any) -> _Config:
 # --- shared field readers ------------------------------------------------------------------------
 
 def _dtype(cfg: _Config, outer: _Config | None = None) -> str:
+    """The dtype the engines serve the model in (SGLang's and vLLM's `--dtype auto`): the
+    config's, but float16 for a float32 model."""
     for c in (cfg, outer):
         if c is not None:
             for key in ("torch_dtype", "dtype"):
                 if c.has(key):
-                    return c.str(key)
+                    name = c.str(key)
+                    return "float16" if name in ("float32", "float", "fp32") else name
     return "bfloat16"
 
 
@@ -167,20 +170,43 @@ def _kinds(cfg: _Config, n: int, default: Callable[[int], str], known: tuple[str
 
 # --- per model type ------------------------------------------------------------------------------
 
-def _dense(cfg: _Config) -> dict[str, Any]:
+def _dense(cfg: _Config, outer: _Config | None = None) -> dict[str, Any]:
     # Llama, Mistral, Mixtral, Qwen2/3 (+MoE), Phi-3, GLM-4.5: every layer full attention. A
-    # sliding window on every layer (Mistral-7B-v0.1, Phi-3-mini) is served by one full pool, as
-    # engines do; a layer_types list that mixes sliding and full layers makes it an SWA hybrid.
-    fields = _mha_fields(cfg)
-    kinds = _kinds(cfg, fields["num_layers"], lambda i: "full_attention", ("full_attention", "sliding_attention"))
+    # sliding window on every layer (Mistral-7B-v0.1, Phi-3-mini, StarCoder2) is served by one
+    # full pool, as engines do; a layer_types list that mixes sliding and full layers (or a
+    # sliding_window_pattern: Cohere2, EXAONE 4) makes it an SWA hybrid.
+    fields = _mha_fields(cfg, outer)
+    pattern = _pattern(cfg) if cfg.has("sliding_window") else None
+    default = pattern or (lambda i: "full_attention")
+    kinds = _kinds(cfg, fields["num_layers"], default, ("full_attention", "sliding_attention"))
     if len(set(kinds)) == 2:
-        return _swa(cfg, lambda i: "full_attention")
+        return _swa(cfg, default, outer)
     return dict(variant="mha", **fields)
 
 
+def _pattern(cfg: _Config) -> Callable[[int], str] | None:
+    """sliding_window_pattern: an int p (layer i full when (i + 1) % p == 0: Cohere2, Gemma 3) or
+    a string of L (local) / G (global) repeated over the layers (EXAONE 4)."""
+    p = cfg.raw("sliding_window_pattern")
+    if isinstance(p, str) and p and set(p) <= set("LG"):
+        return lambda i: "full_attention" if p[i % len(p)] == "G" else "sliding_attention"
+    if p is not None:
+        n = cfg.int("sliding_window_pattern")
+        return lambda i: "full_attention" if (i + 1) % n == 0 else "sliding_attention"
+    return None
+
+
+def _text_dense(cfg: _Config) -> dict[str, Any]:
+    """A multimodal wrapper (Mistral 3, Qwen2/2.5/3-VL, GLM-4.1V / 4.5V): the language model's
+    text_config (older Qwen2-VL configs keep it at the top level)."""
+    return _dense(_text(cfg), cfg)
+
+
 def _mla(cfg: _Config, variant: str = "mla") -> dict[str, Any]:
+    outer, cfg = cfg, _text(cfg)   # Kimi K2.5 nests its DeepSeek-V3 text_config
     out = dict(variant=variant, num_layers=cfg.int("num_hidden_layers"), kv_lora_rank=cfg.int("kv_lora_rank"),
-               qk_rope_head_dim=cfg.int("qk_rope_head_dim"), dtype=_dtype(cfg), num_draft_layers=_draft_layers(cfg))
+               qk_rope_head_dim=cfg.int("qk_rope_head_dim"), dtype=_dtype(cfg, outer),
+               num_draft_layers=_draft_layers(cfg))
     if variant == "dsa":
         out["index_head_dim"] = cfg.int("index_head_dim")
     return out
@@ -211,6 +237,9 @@ def _text(cfg: _Config) -> _Config:
 
 def _gemma3(cfg: _Config) -> dict[str, Any]:
     text = _text(cfg)
+    # transformers' Gemma3TextConfig defaults (what the engines load): head_dim 256, 8 / 4 heads
+    defaults = {"head_dim": 256, "num_attention_heads": 8, "num_key_value_heads": 4, "sliding_window": 4096}
+    text = _Config({**text.data, **{k: v for k, v in defaults.items() if text.raw(k) is None}}, text.where)
     pattern = text.int("sliding_window_pattern", 6)  # 5 local : 1 global
     return _swa(text, lambda i: "full_attention" if (i + 1) % pattern == 0 else "sliding_attention", cfg)
 
@@ -230,8 +259,12 @@ def _llama4(cfg: _Config) -> dict[str, Any]:
 
 
 def _ssm_dtype(cfg: _Config) -> str:
-    """SGLang's Mamba SSM state dtype: the config's mamba_ssm_dtype, else float32."""
-    return cfg.str("mamba_ssm_dtype", "float32")
+    """SGLang's Mamba SSM state dtype: the config's mamba_ssm_dtype (or transformers'
+    mamba_ssm_cache_dtype), else float32."""
+    for key in ("mamba_ssm_dtype", "mamba_ssm_cache_dtype"):
+        if cfg.has(key):
+            return cfg.str(key)
+    return "float32"
 
 
 def _hybrid(cfg: _Config, kinds: list[str], state: RecurrentState, attention: str = "full_attention",
@@ -249,6 +282,16 @@ def _deepseek_v4(cfg: _Config) -> dict[str, Any]:
     # compress_ratios has one entry per layer plus the MTP layer(s): the first num_hidden_layers.
     n = cfg.int("num_hidden_layers")
     ratios = cfg.list("compress_ratios", int)
+    if ratios is None and cfg.has("layer_types"):
+        # transformers 5 re-saves them as layer_types + compress_rates {kind: ratio}
+        rates = cfg.raw("compress_rates")
+        if not isinstance(rates, dict) or not all(isinstance(v, int) for v in rates.values()):
+            raise cfg.fail(f"field 'compress_rates' must map layer kinds to ratios, got {_show(rates)}")
+        kinds = cfg.list("layer_types", str, n)
+        bad = sorted(set(kinds) - set(rates) - {"sliding_attention"})
+        if bad:
+            raise cfg.fail(f"layer_types has kinds {bad} that compress_rates does not give a ratio")
+        ratios = [rates.get(k, 0) for k in kinds]
     if ratios is None:
         raise cfg.fail("compress_ratios is missing (a DeepSeek V4 config lists one ratio per layer)")
     if len(ratios) < n:
@@ -260,6 +303,10 @@ def _deepseek_v4(cfg: _Config) -> dict[str, Any]:
 
 
 def _qwen3_next(cfg: _Config) -> dict[str, Any]:
+    # Qwen3-Next; Qwen3.5 (+MoE) nest the same fields in text_config
+    outer, cfg = cfg, _text(cfg)
+    if not cfg.has("torch_dtype") and not cfg.has("dtype") and outer is not cfg:
+        cfg = _Config({**cfg.data, "dtype": _dtype(cfg, outer)}, cfg.where)
     n = cfg.int("num_hidden_layers")
     interval = cfg.int("full_attention_interval", 4)
     kinds = _kinds(cfg, n, lambda i: "full_attention" if (i + 1) % interval == 0 else "linear_attention",
@@ -281,15 +328,79 @@ def _mamba2(cfg: _Config, heads: str, head_dim: str, groups: tuple[str, ...], st
                           ssm_dtype=_ssm_dtype(cfg), conv_dtype=_dtype(cfg))
 
 
+_BLOCKS = {"mamba": "M", "linear_attention": "M", "attention": "*", "full_attention": "*", "mlp": "-", "moe": "E"}
+
+
 def _nemotron_h(cfg: _Config) -> dict[str, Any]:
-    # hybrid_override_pattern: one character a layer, "M" Mamba2, "*" attention, "-" MLP, "E" MoE.
-    pattern = cfg.str("hybrid_override_pattern")
-    n = cfg.int("num_hidden_layers")
+    # hybrid_override_pattern: one character a layer, "M" Mamba2, "*" attention, "-" MLP, "E" MoE;
+    # transformers 5 re-saves it as layers_block_type, one kind a layer.
+    blocks = cfg.list("layers_block_type", str)
+    if blocks is not None and not cfg.has("hybrid_override_pattern"):
+        bad = sorted(set(blocks) - set(_BLOCKS))
+        if bad:
+            raise cfg.fail(f"layers_block_type has kinds {bad}; expected {sorted(_BLOCKS)}")
+        pattern = "".join(_BLOCKS[b] for b in blocks)
+        n = cfg.int("num_hidden_layers", len(pattern))
+        cfg = _Config({**cfg.data, "num_hidden_layers": n}, cfg.where)
+    else:
+        pattern = cfg.str("hybrid_override_pattern")
+        n = cfg.int("num_hidden_layers")
     if len(pattern) != n or set(pattern) - set("M*-E"):
         raise cfg.fail(f"hybrid_override_pattern must have {n} characters of M * - E, got {_show(pattern)}")
     state = _mamba2(cfg, "mamba_num_heads", "mamba_head_dim", ("n_groups", "mamba_n_groups"), "ssm_state_size",
                     ("conv_kernel", "mamba_d_conv"))
     return _hybrid(cfg, list(pattern), state, attention="*", linear=("M",))
+
+
+def _granite_hybrid(cfg: _Config) -> dict[str, Any]:
+    # Granite 4.0-H: layer_types of "mamba" (Mamba2) and "attention" layers
+    n = cfg.int("num_hidden_layers")
+    kinds = cfg.list("layer_types", str, n)
+    if kinds is None:
+        raise cfg.fail("layer_types is missing (a granitemoehybrid config lists mamba / attention per layer)")
+    kinds = ["full_attention" if k in ("attention", "full_attention") else k for k in kinds]
+    state = _mamba2(cfg, "mamba_n_heads", "mamba_d_head", ("mamba_n_groups",), "mamba_d_state", ("mamba_d_conv",))
+    return _hybrid(cfg, kinds, state, linear=("mamba", "linear_attention"))
+
+
+def _lfm2(cfg: _Config) -> dict[str, Any]:
+    # LFM2: gated short-conv blocks ("conv") beside GQA layers ("full_attention"); the conv state
+    # [hidden, conv_L_cache - 1] per request in the model dtype
+    n = cfg.int("num_hidden_layers")
+    kinds = cfg.list("layer_types", str, n)
+    if kinds is None:
+        idx = cfg.list("full_attn_idxs", int)
+        if idx is None:
+            raise cfg.fail("lacks 'layer_types' / 'full_attn_idxs' (which layers have attention)")
+        kinds = ["full_attention" if i in idx else "conv" for i in range(n)]
+    state = RecurrentState("shortconv", num_heads=cfg.int("hidden_size"), conv_kernel=cfg.int("conv_L_cache"),
+                           ssm_dtype=_dtype(cfg), conv_dtype=_dtype(cfg))
+    return _hybrid(cfg, kinds, state, linear=("conv",))
+
+
+def _kimi_linear(cfg: _Config) -> dict[str, Any]:
+    # Kimi Linear: MLA layers beside Kimi Delta Attention layers. The published config lists them
+    # in linear_attn_config (1-based full_attn_layers); transformers 5 re-saves layer_types.
+    n = cfg.int("num_hidden_layers")
+    lin = cfg.sub("linear_attn_config")
+    kinds = cfg.list("layer_types", str, n)
+    if kinds is None:
+        if lin is None:
+            raise cfg.fail("lacks 'linear_attn_config' / 'layer_types' (which layers are MLA)")
+        full = lin.list("full_attn_layers", int) or []
+        kinds = ["full_attention" if i + 1 in full else "linear_attention" for i in range(n)]
+    src = lin or cfg
+    heads = src.first_int(("num_heads", "linear_num_heads"))
+    head_dim = src.first_int(("head_dim", "linear_head_dim"))
+    kernel = src.first_int(("short_conv_kernel_size", "linear_conv_kernel_dim"))
+    state = RecurrentState("kda", num_heads=heads, head_dim=head_dim, conv_kernel=kernel, ssm_dtype="float32",
+                           conv_dtype=_dtype(cfg))
+    out = dict(variant="mla_linear", num_layers=n, kv_lora_rank=cfg.int("kv_lora_rank"),
+               qk_rope_head_dim=cfg.int("qk_rope_head_dim"), dtype=_dtype(cfg), num_draft_layers=_draft_layers(cfg))
+    out["full_attention_layer_ids"] = [i for i, t in enumerate(kinds) if t == "full_attention"]
+    out["linear_layer_ids"] = [i for i, t in enumerate(kinds) if t == "linear_attention"]
+    out["linear_state"] = state if out["linear_layer_ids"] else None
+    return out
 
 
 def _falcon_h1(cfg: _Config) -> dict[str, Any]:
@@ -355,6 +466,41 @@ ARCHITECTURES: dict[str, tuple[tuple[str, ...], Callable[[_Config], dict[str, An
     "falcon_h1": (("FalconH1ForCausalLM",), _falcon_h1),
     "jamba": (("JambaForCausalLM",), _jamba),
     "minimax": (("MiniMaxForCausalLM", "MiniMaxText01ForCausalLM", "MiniMaxM1ForCausalLM"), _minimax),
+    # dense / GQA, possibly with sliding layers
+    "minimax_m2": (("MiniMaxM2ForCausalLM",), _dense),
+    "glm4": (("Glm4ForCausalLM",), _dense),
+    "hunyuan_v1_dense": (("HunYuanDenseV1ForCausalLM",), _dense),
+    "hunyuan_v1_moe": (("HunYuanMoEV1ForCausalLM",), _dense),
+    "ernie4_5": (("Ernie4_5ForCausalLM",), _dense),
+    "ernie4_5_moe": (("Ernie4_5_MoeForCausalLM",), _dense),
+    "seed_oss": (("SeedOssForCausalLM",), _dense),
+    "exaone4": (("Exaone4ForCausalLM",), _dense),
+    "cohere2": (("Cohere2ForCausalLM",), _dense),
+    "mimo": (("MiMoForCausalLM",), _dense),
+    "olmo2": (("Olmo2ForCausalLM",), _dense),
+    "olmo3": (("Olmo3ForCausalLM",), _dense),
+    "gemma": (("GemmaForCausalLM",), _dense),
+    "starcoder2": (("Starcoder2ForCausalLM",), _dense),
+    "granite": (("GraniteForCausalLM",), _dense),
+    "olmoe": (("OlmoeForCausalLM",), _dense),
+    # multimodal wrappers of a dense language model
+    "mistral3": (("Mistral3ForConditionalGeneration",), _text_dense),
+    "qwen2_vl": (("Qwen2VLForConditionalGeneration",), _text_dense),
+    "qwen2_5_vl": (("Qwen2_5_VLForConditionalGeneration",), _text_dense),
+    "qwen3_vl": (("Qwen3VLForConditionalGeneration",), _text_dense),
+    "qwen3_vl_moe": (("Qwen3VLMoeForConditionalGeneration",), _text_dense),
+    "glm4v": (("Glm4vForConditionalGeneration",), _text_dense),
+    "glm4v_moe": (("Glm4vMoeForConditionalGeneration",), _text_dense),
+    # MLA / DSA
+    "kimi_k25": (("KimiK25ForConditionalGeneration",), _mla),
+    "glm4_moe_lite": (("Glm4MoeLiteForCausalLM",), _mla),
+    "glm_moe_dsa": (("GlmMoeDsaForCausalLM",), lambda c: _mla(c, "dsa")),
+    # linear-attention hybrids
+    "qwen3_5": (("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"), _qwen3_next),
+    "qwen3_5_moe": (("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"), _qwen3_next),
+    "granitemoehybrid": (("GraniteMoeHybridForCausalLM",), _granite_hybrid),
+    "lfm2": (("Lfm2ForCausalLM",), _lfm2),
+    "kimi_linear": (("KimiLinearForCausalLM",), _kimi_linear),
 }
 
 
@@ -362,8 +508,44 @@ def supported() -> list[str]:
     return sorted({a for archs, _ in ARCHITECTURES.values() for a in archs})
 
 
-def spec_from_hf_config(path_or_dict: Any, *, name: str = "") -> ModelSpec:
+READERS = ("auto", "transformers", "own")
+
+
+def _through_transformers(cfg: _Config, required: bool) -> _Config:
+    """The config as transformers' config class for its model_type holds it (its defaults filled
+    in, nested configs as dicts, transformers-5 field names), or cfg itself when transformers is
+    not installed or does not know the model type (unless `required`)."""
+    try:
+        from transformers import AutoConfig
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    except Exception:   # not installed, or an import-time failure of an optional extra
+        if required:
+            raise MalformedConfig("reader='transformers' needs transformers (pip install kvwrite[hf])") from None
+        return cfg
+    mt = cfg.raw("model_type")
+    if not isinstance(mt, str) or mt not in CONFIG_MAPPING:
+        if required:
+            raise UnknownArchitecture(f"transformers has no config class for model_type={_show(mt)}")
+        return cfg
+    try:
+        conf = AutoConfig.for_model(mt, **{k: v for k, v in cfg.data.items() if k != "model_type"})
+        data = conf.to_dict()
+    except Exception as err:   # transformers refused the config: the own reader names the field
+        if required:
+            raise MalformedConfig(f"{cfg.where}: transformers could not read it: {err}") from None
+        return cfg
+    return _Config(data, cfg.where)
+
+
+def spec_from_hf_config(path_or_dict: Any, *, name: str = "", reader: str = "auto") -> ModelSpec:
+    """`reader="auto"`: through transformers' config class when transformers is installed and
+    knows the model type (its defaults, e.g. gemma-3's head_dim 256), else the own reader;
+    "transformers" / "own" force one (the presets use the own reader)."""
+    if reader not in READERS:
+        raise ValueError(f"reader must be one of {READERS}, got {reader!r}")
     cfg = _load(path_or_dict)
+    if reader != "own":
+        cfg = _through_transformers(cfg, reader == "transformers")
     model_type = cfg.raw("model_type")
     archs = cfg.raw("architectures")
     archs = [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
@@ -376,6 +558,10 @@ def spec_from_hf_config(path_or_dict: Any, *, name: str = "") -> ModelSpec:
         model_type = by_arch[0]
         cfg.model_type = model_type
     fields = ARCHITECTURES[model_type][1](cfg)
+    text = _text(cfg)
+    for c in (text, cfg):
+        if "context_len" not in fields and c.has("max_position_embeddings"):
+            fields["context_len"] = c.int("max_position_embeddings")
     label = cfg.raw("_name_or_path")
     return ModelSpec(name=name or (label if isinstance(label, str) and label else model_type), **fields)
 

@@ -66,7 +66,7 @@ def _ids(name: str, value: object) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-STATE_KINDS = ("mamba2", "gdn", "mamba1", "lightning")
+STATE_KINDS = ("mamba2", "gdn", "mamba1", "lightning", "shortconv", "kda")
 
 
 def _split(name: str, n: int, tp: int, what: str) -> int:
@@ -87,6 +87,9 @@ class RecurrentState:
       (head_k_dim): conv `[(2*G*N + H*P) / tp, K-1]`, recurrent state `[H/tp, N, P]`.
     - "mamba1" (Jamba): H = the mixer's d_inner channels (P = 1): conv `[H/tp, K-1]`, ssm `[H/tp, N]`.
     - "lightning" (MiniMax linear attention): H heads of P: state `[H/tp, P, P]`, no conv.
+    - "shortconv" (LFM2 conv blocks): H = hidden channels, kernel K: conv `[H/tp, K-1]`, no SSM.
+    - "kda" (Kimi Delta Attention): H heads of P: q, k, v short convs `[3*H*P/tp, K-1]`, state
+      `[H/tp, P, P]`.
     """
 
     kind: str
@@ -104,7 +107,9 @@ class RecurrentState:
         need = {"mamba2": ("num_heads", "head_dim", "state_size", "num_groups", "conv_kernel"),
                 "gdn": ("num_heads", "head_dim", "state_size", "num_groups", "conv_kernel"),
                 "mamba1": ("num_heads", "state_size", "conv_kernel"),
-                "lightning": ("num_heads", "head_dim")}[self.kind]
+                "lightning": ("num_heads", "head_dim"),
+                "shortconv": ("num_heads", "conv_kernel"),
+                "kda": ("num_heads", "head_dim", "conv_kernel")}[self.kind]
         for k in ("num_heads", "head_dim", "state_size", "num_groups", "conv_kernel"):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0 or (k in need and v < 1):
@@ -121,6 +126,11 @@ class RecurrentState:
         what = f"{self.kind} state"
         if self.kind == "lightning":
             return {"ssm": (_split("num_heads", H, tp, what), P, P)}
+        if self.kind == "shortconv":
+            return {"conv": (_split("num_heads (hidden channels)", H, tp, what), K - 1)}
+        if self.kind == "kda":
+            return {"conv": (_split("conv channels", 3 * H * P, tp, what), K - 1),
+                    "ssm": (_split("num_heads", H, tp, what), P, P)}
         if self.kind == "mamba1":
             ch = _split("num_heads (d_inner)", H, tp, what)
             return {"conv": (ch, K - 1), "ssm": (ch, N)}
@@ -166,12 +176,13 @@ class ModelSpec:
     compress_ratios: tuple[int, ...] = ()   # dsv4: per layer 0 (SWA only), 4 or 128
     linear_layer_ids: tuple[int, ...] = ()
     linear_state: RecurrentState | None = None
+    context_len: int = field(default=0, compare=False)   # max_position_embeddings (0: unknown); V4's request estimate
     name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
         for k in ("num_layers", "num_kv_heads", "head_dim", "v_head_dim", "kv_lora_rank",
-                  "qk_rope_head_dim", "index_head_dim", "sliding_window", "num_draft_layers"):
+                  "qk_rope_head_dim", "index_head_dim", "sliding_window", "num_draft_layers", "context_len"):
             v = getattr(self, k)
             if v is None:
                 v = 0
@@ -227,9 +238,11 @@ class ModelSpec:
         return d
 
     @classmethod
-    def from_hf_config(cls, path_or_dict: "str | Mapping[str, Any]", *, name: str = "") -> "ModelSpec":
-        """Read a local Hugging Face `config.json` (a path, a model directory, or the parsed dict)."""
-        return _reader("from_hf_config")(path_or_dict, name=name)
+    def from_hf_config(cls, path_or_dict: "str | Mapping[str, Any]", *, name: str = "",
+                       reader: str = "auto") -> "ModelSpec":
+        """Read a local Hugging Face `config.json` (a path, a model directory, or the parsed dict);
+        through transformers' config classes when installed (`reader="auto"`), else the own reader."""
+        return _reader("from_hf_config")(path_or_dict, name=name, reader=reader)
 
     @classmethod
     def from_preset(cls, name: str) -> "ModelSpec":

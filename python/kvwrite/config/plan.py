@@ -161,6 +161,8 @@ class SubPoolPlan:
         virtual -> local translation `loc // dcp_size`)."""
         g = require_positive_int("page_granularity", page_granularity)
         n = require_positive_int("num_locs", num_locs)
+        if self.spec.virtual and self.addressing != "local" and g % self.geometry.pool_page_size == 0:
+            g = self.geometry.pool_page_size   # index pages: whole allocator pages are whole index pages
         if self.sharded:
             d = self.dcp_size
             if g % d or n % d:
@@ -250,6 +252,16 @@ class PoolPlan:
     max_running_requests: int | None = None
     layout: str = "NHD"
     target: str = "gpu"
+    sizing: str = "engine"
+    fixed_bytes: int = 0
+
+    @property
+    def overhead_bytes(self) -> int:
+        """Bytes beside `max_total_num_tokens * cell_size_bytes + fixed_bytes`: the padding page of
+        every pool, the SWA loc map, page rounding of compressed pools. Engine sizing allocates
+        them beside `memory_bytes`, as SGLang does (its pools take `size + page_size` rows and its
+        full->SWA map `size + page_size` int64 entries, neither in `cell_size`)."""
+        return self.total_bytes - self.fixed_bytes - round(self.max_total_num_tokens * self.cell_size_bytes)
 
     @property
     def kv_bytes(self) -> int:
@@ -321,13 +333,16 @@ class PoolPlan:
         return dict(
             variant=self.variant, model=self.model.to_dict(),
             parallel=dict(tp_size=par.tp_size, dcp_size=par.dcp_size, dcp_rank=par.dcp_rank,
-                          is_draft_worker=par.is_draft_worker),
+                          is_draft_worker=par.is_draft_worker, engine=par.engine,
+                          kv_heads_per_rank=(par.kv_heads_per_rank(self.model.num_kv_heads)
+                                             if self.model.num_kv_heads else None)),
             kv_cache_dtype=self.kv_cache_dtype, page_size=self.page_size,
             loc_space_scale=self.loc_space_scale, pool_page_size=self.pool_page_size,
             max_total_num_tokens=self.max_total_num_tokens, cell_size_bytes=self.cell_size_bytes,
             total_bytes=self.total_bytes, kv_bytes=self.kv_bytes, state_bytes=self.state_bytes,
             memory_bytes=self.memory_bytes, layout=self.layout, target=self.target,
-            max_running_requests=self.max_running_requests,
+            max_running_requests=self.max_running_requests, sizing=self.sizing, fixed_bytes=self.fixed_bytes,
+            overhead_bytes=self.overhead_bytes,
             allocators={k: v.to_dict() for k, v in self.spaces.items()},
             pools=[p.to_dict() for p in self.pools], state_pools=[s.to_dict() for s in self.state_pools],
         )

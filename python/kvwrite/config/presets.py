@@ -44,13 +44,13 @@ PRESETS: dict[str, tuple[str, dict]] = {
         linear_value_head_dim=128, linear_conv_kernel_dim=4, torch_dtype="bfloat16")),
     # DeepSeek V4 (variant "dsv4"; the planner's defaults: page_size 256, fp8_e4m3, swa ratio 0.1).
     "deepseek-v4-flash": ("deepseek-ai/DeepSeek-V4-Flash", dict(
-        architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", hidden_size=4096,
+        architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", max_position_embeddings=1048576, hidden_size=4096,
         num_hidden_layers=43, num_attention_heads=64, num_key_value_heads=1, head_dim=512,
         qk_rope_head_dim=64, index_head_dim=128, index_n_heads=64, index_topk=512, sliding_window=128,
         compress_ratios=[0, 0] + [4, 128] * 20 + [4, 0], num_nextn_predict_layers=1,
         torch_dtype="bfloat16")),
     "deepseek-v4-pro": ("deepseek-ai/DeepSeek-V4-Pro", dict(
-        architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", hidden_size=7168,
+        architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", max_position_embeddings=1048576, hidden_size=7168,
         num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=1, head_dim=512,
         qk_rope_head_dim=64, index_head_dim=128, index_n_heads=64, index_topk=1024, sliding_window=128,
         compress_ratios=[128, 128] + [4, 128] * 29 + [4, 0], num_nextn_predict_layers=1,
@@ -61,7 +61,7 @@ PRESETS: dict[str, tuple[str, dict]] = {
 def preset(name: str) -> ModelSpec:
     if name not in PRESETS:
         raise UnknownPreset(f"no preset {name!r}; presets: {', '.join(PRESETS)}")
-    return spec_from_hf_config(PRESETS[name][1], name=name)
+    return spec_from_hf_config(PRESETS[name][1], name=name, reader="own")
 
 
 def presets() -> dict[str, ModelSpec]:

@@ -24,6 +24,7 @@ class PlanContext:
     page_size: int
     layout: str = "NHD"
     target: str = "gpu"
+    max_running_requests: int | None = None   # request slots (+ 1 padding slot) of slot pools
 
     @property
     def heads(self) -> int:
@@ -40,6 +41,8 @@ class VariantPlanner:
     name = ""
     fields: frozenset = frozenset()
     kv_cache_dtypes: tuple[str, ...] = ("auto",)
+    native_kv_cache_dtype = "auto"   # what kv_cache_dtype="auto" means for this variant
+    request_slots = False            # has a pool sized per request slot besides state_pools()
 
     def check_model(self, spec) -> None:  # raise SpecError
         pass
@@ -71,8 +74,16 @@ class VariantPlanner:
     def store(self, pool, layer_id: int, loc, tensors: tuple, scales: dict) -> None:
         raise NotImplementedError
 
-    # Defaults a variant brings (page_size, kv_cache_dtype, swa_full_tokens_ratio) for the CLI.
+    # Defaults a variant brings (page_size, swa_full_tokens_ratio) over DEFAULTS.
     defaults: dict = {}
+
+    def fixed_bytes(self, ctx: PlanContext) -> int:
+        """Bytes of this variant's pools that do not scale with tokens (taken from the budget first)."""
+        return 0
+
+    def default_requests(self, ctx: PlanContext, swa_full_tokens_ratio: float, memory_bytes, tokens):
+        """None, or the request slots the engine picks when max_running_requests is unset."""
+        return None
 
     def sub_pool(self, spec, ctx: PlanContext, pages: int, scale: int):
         """None (the configurator lays sub-pool `spec` out: `pages` pages of page_size * scale
@@ -83,6 +94,17 @@ class VariantPlanner:
     def cell_size(self, ctx: PlanContext, swa_full_tokens_ratio: float):
         """None (the configurator sums buffer rows), or the variant's bytes per full token."""
         return None
+
+
+# The defaults `KVCacheConfigurator` and `kvwrite plan` share. swa_full_tokens_ratio: SGLang's
+# --swa-full-tokens-ratio fallback (arg_groups/fields/schedule.py); page_size: kvwrite's choice
+# (SGLang picks it per attention backend); a variant may override both (`VariantPlanner.defaults`).
+DEFAULTS = dict(page_size=64, kv_cache_dtype="auto", swa_full_tokens_ratio=0.8)
+
+
+def plan_defaults(variant: str) -> dict:
+    """page_size, kv_cache_dtype and swa_full_tokens_ratio defaults of `variant`."""
+    return {**DEFAULTS, **planner_for(variant).defaults}
 
 
 def draft_layers(spec) -> int:

@@ -374,6 +374,31 @@ class DSAPlanner(MLAPlanner):
         _store_indexer(pool, "indexer", layer_id, loc, tensors[2], scales)
 
 
+class MLALinearPlanner(MLAPlanner):
+    """MLA KV only for the full-attention layers of a linear-attention hybrid (Kimi Linear: MLA
+    layers beside Kimi Delta Attention layers), the recurrent state per request slot beside."""
+
+    name = "mla_linear"
+    fields = MLAPlanner.fields | {"full_attention_layer_ids", "linear_layer_ids", "linear_state"}
+
+    def check_model(self, spec) -> None:
+        _require(spec, "kv_lora_rank", "qk_rope_head_dim")
+        if not spec.full_attention_layer_ids:
+            raise SpecError("mla_linear needs full_attention_layer_ids (the MLA layers)")
+        if (spec.linear_state is None) != (not spec.linear_layer_ids):
+            raise SpecError("mla_linear takes linear_layer_ids and linear_state together, or neither")
+
+    def kv_layer_ids(self, spec):
+        return spec.full_attention_layer_ids
+
+    state_pools = HybridLinearPlanner.state_pools
+
+    def draft_model(self, spec):
+        return ModelSpec("mla", draft_layers(spec), kv_lora_rank=spec.kv_lora_rank,
+                         qk_rope_head_dim=spec.qk_rope_head_dim, dtype=spec.dtype,
+                         num_draft_layers=spec.num_draft_layers, name=f"{spec.name or spec.variant} draft")
+
+
 class MiniMaxSparsePlanner(MHAPlanner):
     """Main MHA pool + a 1-head index-K pool (K only) in the same format; two stores a layer."""
 
@@ -406,6 +431,6 @@ class MiniMaxSparsePlanner(MHAPlanner):
 
 # --- the built-in variants ---------------------------------------------------------------------
 
-BUILTIN = ("mha", "mla", "dsa", "swa_hybrid", "hybrid_linear", "minimax_sparse")
+BUILTIN = ("mha", "mla", "dsa", "swa_hybrid", "hybrid_linear", "minimax_sparse", "mla_linear")
 register_builtin(MHAPlanner(), MLAPlanner(), DSAPlanner(), SWAHybridPlanner(), HybridLinearPlanner(),
-                 MiniMaxSparsePlanner())
+                 MiniMaxSparsePlanner(), MLALinearPlanner())
