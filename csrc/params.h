@@ -205,7 +205,10 @@ inline StoreMLAParams store_mla_params(const Tensor& kv_c, const Tensor& k_pe, c
   p.cache = paged_rows(kv_cache, "kv_cache");
   p.in_dtype = dtype_of(kv_c);
   p.cache_dtype = dtype_of(kv_cache);
-  p.mode = int(mode);
+  p.mode = int(mode) & MLA_MODE_MASK;
+  p.ds_flags = p.mode == MLA_DS_MLA ? int(mode) & ~MLA_MODE_MASK : 0;
+  TORCH_CHECK(!(p.ds_flags & DS_MLA_RAW_ROPE) || p.in_dtype == DType::BF16 || p.in_dtype == DType::F16,
+              "kvwrite: fp8_ds_mla with the rope's own bits needs bf16/fp16 inputs");
   const int64_t width = p.mode == MLA_DS_MLA ? p.L + (p.L / DS_MLA_TILE) * 4 + 2 * p.R
                         : p.mode == MLA_NVFP4 ? (p.L + p.R) / 2 : p.L + p.R;
   TORCH_CHECK(kv_cache.size(2) == width, "kvwrite: kv_cache rows must be ", width, " wide for mode ", mode);
