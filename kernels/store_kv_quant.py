@@ -123,19 +123,18 @@ def variants():
 
     from kvwrite.kernels import _quant
 
+    # (cache, QUANT, RULE): int8 every mode and rule, fp8 a dynamic mode of each rule / format
+    modes = [(torch.int8, 1, 0), (torch.int8, 2, 0), (torch.int8, 2, 1), (torch.int8, 3, 0), (torch.int8, 3, 1),
+             (torch.float8_e4m3fn, 2, 0), (torch.float8_e4m3fn, 3, 1), (torch.float8_e5m2, 3, 0)]
     for check in (0, 1, 2):
-        for dtype in (torch.float16, torch.bfloat16, torch.float32):
-            for cache in (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2):
-                for quant in (1, 2, 3):
-                    if quant == 1 and cache != torch.int8:
-                        continue   # static fp8 is store_kv's kernel
-                    for rule in ((0, 1) if quant != 1 else (0,)):
-                        pointers = dict(k_ptr=dtype, v_ptr=dtype, kc_ptr=torch.uint8, vc_ptr=torch.uint8,
-                                        loc_ptr=torch.int64, ks_ptr=torch.float32, vs_ptr=torch.float32,
-                                        ksc_ptr=torch.float32, vsc_ptr=torch.float32,
-                                        err_ptr=torch.int64, loc_map_ptr=torch.int32)
-                        constexprs = dict(DK=128, DV=128, H_PAD=8, DK_PAD=128, DV_PAD=128, QUANT=quant,
-                                          **_quant.constexprs(cache, rule), HAS_MAP=False, HAS_DCP=False,
-                                          CHECK=check, OP=0, BLOCK_T=4)
-                        name = f"{str(dtype)[6:]}->{str(cache)[6:]} q{quant} r{rule}"
-                        yield name, store_kv_quant_kernel, pointers, constexprs
+        for dtype in (torch.float16, torch.bfloat16):
+            for cache, quant, rule in modes:
+                pointers = dict(k_ptr=dtype, v_ptr=dtype, kc_ptr=torch.uint8, vc_ptr=torch.uint8,
+                                loc_ptr=torch.int64, ks_ptr=torch.float32, vs_ptr=torch.float32,
+                                ksc_ptr=torch.float32, vsc_ptr=torch.float32,
+                                err_ptr=torch.int64, loc_map_ptr=torch.int32)
+                constexprs = dict(DK=128, DV=128, H_PAD=8, DK_PAD=128, DV_PAD=128, QUANT=quant,
+                                  **_quant.constexprs(cache, rule), HAS_MAP=False, HAS_DCP=False,
+                                  CHECK=check, OP=0, BLOCK_T=4)
+                name = f"{str(dtype)[6:]}->{str(cache)[6:]} q{quant} r{rule}"
+                yield name, store_kv_quant_kernel, pointers, constexprs

@@ -260,6 +260,47 @@ case("store_kv", "mha-fp8", "MHA Llama-3.1-8B layer: 8 x 128, bf16 -> fp8 e4m3 (
     lambda n, device, gen: _mha(n, device, gen, torch.float8_e4m3fn))
 
 
+def _mha_dynamic(n: int, device: torch.device, gen: torch.Generator, cache_dtype: torch.dtype,
+                 per_head: bool) -> Setup:
+    """The mha-bf16 layer into an int8 / fp8 cache with dynamic per-token (or per-token-head)
+    fp32 scales (`k_scale_cache`/`v_scale_cache`, store_kv's kv_quant kernels)."""
+    heads, dim, page = 8, 128, 16
+    loc, num_pages = random_locs(n, page, device, gen)
+    k, v = (_randn((n, heads, dim), torch.bfloat16, device, gen) for _ in range(2))
+    kc, vc = (torch.zeros(num_pages, page, heads, dim, dtype=cache_dtype, device=device) for _ in range(2))
+    sshape = (num_pages, page, heads) if per_head else (num_pages, page)
+    ksc, vsc = (torch.zeros(sshape, device=device) for _ in range(2))
+
+    def call(backend: str, check: str, errors) -> None:
+        kvwrite.store_kv(k, v, kc, vc, loc, check=check, errors=errors, backend=backend,
+                         k_scale_cache=ksc, v_scale_cache=vsc)
+
+    moved = _nbytes(k, v, loc) + 2 * n * heads * dim * kc.element_size() + 2 * n * (heads if per_head else 1) * 4
+    outs = (kc, vc, ksc if per_head else ksc.unsqueeze(-1), vsc if per_head else vsc.unsqueeze(-1))
+    baselines, notes = {}, {}
+    from kvwrite.reference.kv_quant import dynamic_scale, quantize
+
+    kf, vf = kc.view(-1, heads, dim), vc.view(-1, heads, dim)
+    kscf, vscf = ksc.view(-1, *sshape[2:]), vsc.view(-1, *sshape[2:])
+
+    def index_put() -> None:   # the reference's arithmetic in torch, then index_put_
+        for x, cf, sf in ((k, kf, kscf), (v, vf, vscf)):
+            sc = dynamic_scale(x, cache_dtype, per_head)
+            cf[loc] = quantize(x, sc[..., None], cache_dtype)
+            sf[loc] = sc if per_head else sc[:, 0]
+    _try("torch-index", index_put, baselines, notes)
+    _scatter_baseline(_reference_rows(call, outs, loc), [_rows_view(t) for t in outs], loc, baselines, notes)
+    return Setup(call, moved, baselines, notes, {}, outs)
+
+
+case("store_kv", "mha-int8-token",
+     "MHA Llama-3.1-8B layer: 8 x 128, bf16 -> int8, dynamic per-token fp32 scales")(
+    lambda n, device, gen: _mha_dynamic(n, device, gen, torch.int8, False))
+case("store_kv", "mha-int8-head",
+     "MHA Llama-3.1-8B layer: 8 x 128, bf16 -> int8, dynamic per-token-head fp32 scales")(
+    lambda n, device, gen: _mha_dynamic(n, device, gen, torch.int8, True))
+
+
 @case("store_kv", "mha-bf16-pagetable",
       "FlashInfer append_paged_kv_cache (page table, requests of 4 pages): the mha-bf16 layer")
 def _mha_pagetable(n: int, device: torch.device, gen: torch.Generator) -> Setup:
