@@ -8,6 +8,7 @@
 #include "kvwrite/store_kv.h"
 #include "kvwrite/store_kv_nvfp4.h"
 #include "kvwrite/store_mla.h"
+#include "kvwrite/rope_store.h"
 
 // Every kernel runs 256-thread blocks (launch_shape); at least 4 resident blocks per SM caps a
 // thread at 64 registers (65536 / (256 * 4)): the assert variants' __assert_fail arguments
@@ -26,5 +27,8 @@ cudaError_t launch_store_kv_nvfp4(const StoreKVNVFP4Params& p, int check, cudaSt
 cudaError_t launch_store_dsv4_kv(const StoreDSV4KVParams& p, int check, cudaStream_t stream);
 cudaError_t launch_store_mxfp4(const StoreMXFP4Params& p, int check, cudaStream_t stream);
 cudaError_t launch_store_rows(const StoreRowsParams& p, int check, cudaStream_t stream);
+// fused RoPE + store (csrc/rope_store.cu); p.scratch: [n, row] device rows of the rotated k / k_pe
+cudaError_t launch_rope_store_kv(const RopeStoreKVParams& p, int check, cudaStream_t stream);
+cudaError_t launch_rope_store_mla(const RopeStoreMLAParams& p, int check, cudaStream_t stream);
 
 }  // namespace kvwrite

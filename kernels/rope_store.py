@@ -191,6 +191,11 @@ def rope_store_kv_kernel(
     tmask = tok < n_tokens
     pos, pos_ok = _positions(pos_ptr, tok, tmask, max_pos)
     if j < HQ:
+        if CHECK == 1:  # assert: every program checks before it writes (q is written too)
+            _claim(loc_ptr, pos, pos_ok, tok, n_tokens, loc_map_ptr, map_len, dcp_rank, dcp_size,
+                   capacity, pool_page_size, max_pos, err_ptr, HAS_MAP, HAS_DCP, CHECK, OP, False,
+                   pt_batch_ptr, pt_indices_ptr, pt_indptr_ptr, pt_num_batches, pt_num_indices,
+                   HAS_TABLE)
         _rotate_q(q_ptr, j, tok, pos_ok, pos, cs_ptr, cs_sn, qw_ptr, eps, q_sn, q_sh, D, R, NEOX,
                   Q_NORM, IN, CS_IN, BLOCK_D, LOG2P)
     else:
@@ -247,6 +252,11 @@ def rope_store_mla_kernel(
     tmask = tok < n_tokens
     pos, pos_ok = _positions(pos_ptr, tok, tmask, max_pos)
     if c >= n_row_programs:
+        if CHECK == 1:  # assert: every program checks before it writes (q is written too)
+            _claim(loc_ptr, pos, pos_ok, tok, n_tokens, loc_map_ptr, map_len, dcp_rank, dcp_size,
+                   capacity, pool_page_size, max_pos, err_ptr, HAS_MAP, HAS_DCP, CHECK, OP, False,
+                   pt_batch_ptr, pt_indices_ptr, pt_indptr_ptr, pt_num_batches, pt_num_indices,
+                   HAS_TABLE)
         _rotate_q(q_ptr, c - n_row_programs, tok, pos_ok, pos, cs_ptr, cs_sn, q_ptr, 0.0, q_sn,
                   q_sh, R, R, NEOX, False, IN, CS_IN, BLOCK_R, 0)
     else:
@@ -328,9 +338,22 @@ def _block_t(n: int, cols: int) -> int:
     return min(triton.next_power_of_2(max(n, 1)), max(1, cap // cols), 256)
 
 
-def _num_warps(block_t: int, cols: int, check: int) -> int:
-    w = max(1, min(8, block_t * cols // 256))
-    return min(32, w * 2) if check == 1 else w
+def _tile_cols(c: dict) -> int:
+    """Columns of a program's widest tile (power of two), from its constexprs."""
+    if "BLOCK_D" in c:
+        return max(c["BLOCK_D"], c["BLOCK_DV"])
+    width = {_mla.MODE_DS_MLA: _mla.DS_MLA_TILE, _mla.MODE_NVFP4: c["BLOCK_C"] * 16}.get(c["MODE"], c["BLOCK_C"])
+    return max(width, c["BLOCK_R"])
+
+
+def compile_options(constexprs: dict) -> dict:
+    """Launch options of a variant (the launchers and kernels/compile_check.py use the same):
+    one warp per 256 tile elements, at most 8 (assert variants: twice, debug builds); fp fusion
+    off (bit-exact rounding); never a plain copy kernel (the rotation gathers pair partners)."""
+    w = max(1, min(8, constexprs["BLOCK_T"] * _tile_cols(constexprs) // 256))
+    if constexprs.get("CHECK") == 1:
+        w = min(32, w * 2)
+    return {"num_warps": w, "enable_fp_fusion": False, "copy": False}
 
 
 def _run(kernel, grid, a, **kwargs) -> None:
@@ -340,7 +363,8 @@ def _run(kernel, grid, a, **kwargs) -> None:
     from kvwrite.errors import OutOfBoundsWrite
     from kvwrite.kernels._launch import KernelAssertion
 
-    kwargs["enable_fp_fusion"] = False
+    opts = compile_options(kwargs)
+    kwargs.update(num_warps=opts["num_warps"], enable_fp_fusion=False)
     if a.check.mode != "assert":
         kernel[grid](**kwargs)
         return
@@ -402,7 +426,6 @@ def launch_kv(a) -> None:
         QUANT=quant, **fp8_constexprs(s.k_cache.dtype),
         BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_DV=block_dv, LOG2P=_log2(block_d),
         **loc_args(a))
-    kwargs["num_warps"] = _num_warps(block_t, max(block_d, block_dv), kwargs["CHECK"])
     _run(rope_store_kv_kernel, (triton.cdiv(n, block_t), hq + h), a, **kwargs)
 
 
@@ -420,7 +443,7 @@ def launch_mla(a) -> None:
     mode = s.format.mode
     block_r = triton.next_power_of_2(rope)
     if mode == _mla.MODE_DS_MLA:
-        block_c, row_programs, width = _mla.DS_MLA_TILE, lora // _mla.DS_MLA_TILE, _mla.DS_MLA_TILE
+        block_c, row_programs, width = 1, lora // _mla.DS_MLA_TILE, _mla.DS_MLA_TILE
     elif mode == _mla.MODE_NVFP4:
         block_c = max(1, min(triton.next_power_of_2((lora + rope) // 16), 64))
         row_programs, width = triton.cdiv((lora + rope) // 16, block_c), block_c * 16
@@ -447,5 +470,59 @@ def launch_mla(a) -> None:
         CS_IN=_in_code(a.cos_sin.dtype), MODE=mode, **fp8_constexprs(s.kv_cache.dtype),
         HAS_GLOBAL=s.global_scale is not None,
         BLOCK_T=block_t, BLOCK_C=block_c, BLOCK_R=block_r, **loc_args(a))
-    kwargs["num_warps"] = _num_warps(block_t, max(width, block_r), kwargs["CHECK"])
     _run(rope_store_mla_kernel, (triton.cdiv(n, block_t), row_programs + hq), a, **kwargs)
+
+
+def variants():
+    """(name, kernel, pointer dtypes, constexprs) of every variant, for compile_check: Qwen3-like
+    heads (32 q / 8 kv x 128, neox, q/k norm) copy and fp8, GPT-J partial rotary with SWA + DCP,
+    a page table; DeepSeek MLA (512 + 64, 16 q heads) in every format."""
+    import torch
+
+    from kvwrite.errors import op_code
+    from kvwrite.kernels._launch import fp8_constexprs
+
+    f32, f16, bf16, u8, i32, i64 = (torch.float32, torch.float16, torch.bfloat16, torch.uint8,
+                                    torch.int32, torch.int64)
+    as_bits = lambda d: torch.int16 if d == bf16 else d  # noqa: E731
+    kv_cases = (  # (input, cache, neox, rotary, norm, map + dcp, table)
+        (bf16, bf16, True, 128, True, False, False), (f16, torch.float8_e4m3fn, True, 128, True, False, False),
+        (bf16, torch.float8_e5m2, False, 64, False, True, False), (f32, f32, False, 64, True, True, False),
+        (bf16, bf16, True, 128, False, False, True),
+    )
+    for check in (0, 1, 2):
+        for dtype, cache, neox, rot, norm, extras, table in kv_cases:
+            quant = cache != dtype
+            pointers = dict(pos_ptr=i64, q_ptr=as_bits(dtype), k_ptr=as_bits(dtype), v_ptr=as_bits(dtype),
+                            cs_ptr=f32, qw_ptr=f32, kw_ptr=f32, kc_ptr=u8 if quant else as_bits(cache),
+                            vc_ptr=u8 if quant else as_bits(cache), ks_ptr=f32, vs_ptr=f32,
+                            loc_ptr=i32 if table else i64, err_ptr=i64, loc_map_ptr=i32)
+            constexprs = dict(HQ=32, D=128, DV=128, R=rot, NEOX=neox, Q_NORM=norm, K_NORM=norm,
+                              IN=_in_code(dtype), CS_IN=IN_F32, QUANT=quant, **fp8_constexprs(cache),
+                              HAS_MAP=extras, HAS_DCP=extras, CHECK=check, OP=op_code("rope_store_kv"),
+                              BLOCK_T=4, BLOCK_D=128, BLOCK_DV=128, LOG2P=7)
+            if table:
+                pointers.update(pt_batch_ptr=i32, pt_indices_ptr=i32, pt_indptr_ptr=i32)
+                constexprs["HAS_TABLE"] = True
+            name = (f"kv:{str(dtype)[6:]}->{str(cache)[6:]}{'+neox' if neox else '+gptj'}{rot}"
+                    f"{'+norm' if norm else ''}{'+map+dcp' if extras else ''}{'+table' if table else ''}")
+            yield name, rope_store_kv_kernel, pointers, constexprs
+        for dtype, fmt, extras in ((bf16, "auto", False), (f16, "fp8_e4m3", False), (bf16, "fp8_e5m2", True),
+                                   (bf16, "fp8_ds_mla", False), (f32, "fp8_ds_mla", True), (bf16, "nvfp4", False),
+                                   (f32, "nvfp4", True)):
+            f = _mla.FORMATS[fmt]
+            cache = f.cache_dtype(dtype)
+            mode = f.mode
+            block_c = {_mla.MODE_DS_MLA: 1, _mla.MODE_NVFP4: 36}.get(mode, 1024)
+            block_c = triton.next_power_of_2(block_c)
+            pointers = dict(pos_ptr=i64, q_ptr=as_bits(dtype), c_ptr=dtype, c16_ptr=as_bits(dtype),
+                            pe_ptr=as_bits(dtype), cs_ptr=f32,
+                            cache_ptr=as_bits(cache) if mode == _mla.MODE_COPY else u8,
+                            scale_ptr=f32, sc_ptr=u8, g_ptr=f32, loc_ptr=i64, err_ptr=i64,
+                            loc_map_ptr=i32)
+            constexprs = dict(HQ=16, L=512, R=64, NEOX=False, IN=_in_code(dtype), CS_IN=IN_F32, MODE=mode,
+                              **fp8_constexprs(cache), HAS_GLOBAL=extras, HAS_MAP=extras, HAS_DCP=extras,
+                              CHECK=check, OP=op_code("rope_store_mla"), BLOCK_T=4 if mode != _mla.MODE_DS_MLA else 8,
+                              BLOCK_C=block_c, BLOCK_R=64)
+            yield (f"mla:{str(dtype)[6:]}->{fmt}{'+map+dcp' if extras else ''}", rope_store_mla_kernel,
+                   pointers, constexprs)

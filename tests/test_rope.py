@@ -244,3 +244,153 @@ def test_bad_arguments_name_the_argument():
         kvwrite.rope_store_kv(pos, q, k, k, torch.randn(4, 16), kc, kc.clone(), loc, q_norm_weight=torch.ones(5))
     with pytest.raises(ValueError, match="cos_sin_cache"):
         kvwrite.rope_store_kv(pos, q, k, k, torch.randn(4, 16), kc, kc.clone(), loc, rotary_dim=8)
+
+
+# ---- every kernel backend against the reference: addressing variants, bad locs, errors --------
+
+def _addressing(variant, n, num_pages, pps, gen, bad):
+    """(loc kwargs for the store, capacity of the virtual loc space) of one addressing variant;
+    `bad`: mix in out-of-range locs (guard / assert tests)."""
+    cap = num_pages * pps
+    if variant == "table":
+        nb = 2
+        kv_indices = torch.randperm(num_pages, generator=gen)[:4].to(torch.int32)
+        if bad:
+            kv_indices[1] = num_pages + 3
+        kv_indptr = torch.tensor([0, 2, 4], dtype=torch.int32)
+        batch = torch.randint(0, nb, (n,), generator=gen).to(torch.int32)
+        tpos = torch.randint(0, 2 * pps, (n,), generator=gen).to(torch.int32)
+        return dict(loc=kvwrite.PageTable(batch, tpos, kv_indices, kv_indptr))
+    if variant == "loc_map":
+        m = torch.randperm(cap, generator=gen)[: cap - 2]
+        m = torch.cat([m, torch.tensor([-1, cap + 5 if bad else 0])])
+        loc = torch.randint(-1, m.shape[0] + (3 if bad else 0), (n,), generator=gen)
+        return dict(loc=loc, loc_map=m)
+    if variant == "dcp":
+        loc = torch.randperm(2 * cap, generator=gen)[:n]
+        if bad:
+            loc[2] = 2 * cap + 1
+        return dict(loc=loc, dcp_rank=1, dcp_size=2)
+    loc = paged_locs(n, cap, pps, gen, 0.25)
+    if bad:
+        loc[1] = cap + 7
+    return dict(loc=loc)
+
+
+KV_VARIANTS = ["plain", "loc_map", "dcp", "table", "hnd", "qkv_view", "fp8_head_scale"]
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("variant", KV_VARIANTS)
+@pytest.mark.parametrize("check", ["off", "guard"])
+def test_rope_store_kv_kernels_match_reference(backend, variant, check):
+    n, hq, h, d, pps, num_pages, max_pos = 7, 2, 2, 48, 4, 3, 30
+    gen = torch.Generator().manual_seed(hash(variant) % 1000)
+    dtype = torch.float16 if variant == "dcp" else torch.bfloat16
+    fp8 = variant == "fp8_head_scale"
+    if variant == "qkv_view":  # q, k, v: column views of one fused qkv buffer
+        qkv = (torch.randn(n, (hq + 2 * h) * d, generator=gen) * 3).to(dtype)
+        q0 = qkv[:, :hq * d].view(n, hq, d)
+        k = qkv[:, hq * d:(hq + h) * d].view(n, h, d)
+        v = qkv[:, (hq + h) * d:].view(n, h, d)
+    else:
+        q0 = (torch.randn(n, hq, d, generator=gen) * 3).to(dtype)
+        k = (torch.randn(n, h, d, generator=gen) * 3).to(dtype)
+        v = (torch.randn(n, h, 32, generator=gen) * 3).to(dtype)
+    rd = 32 if variant in ("loc_map", "table") else d
+    ang = torch.rand(max_pos, rd // 2, generator=gen) * 6
+    cs = torch.cat([ang.cos(), ang.sin()], -1)
+    if variant == "dcp":
+        cs = cs.to(dtype)
+    pos = torch.randint(0, max_pos, (n,), generator=gen)
+    if check == "guard":
+        pos[3] = max_pos + 2
+    qw = torch.rand(d, generator=gen) + 0.5
+    kw = (torch.rand(d, generator=gen) + 0.5).to(dtype)
+    layout = "HND" if variant == "hnd" else "NHD"
+    cdt = torch.float8_e4m3fn if fp8 else dtype
+    shp = (num_pages, pps, h) if layout == "NHD" else (num_pages, h, pps)
+    p = CanaryBuffer({"k_cache": ((*shp, d), cdt), "v_cache": ((*shp, v.shape[2]), cdt),
+                      "q": ((n, hq, d), dtype)}, 5)
+    p["q"].copy_(q0)
+    ref, original = p.clone(), p.raw.clone()
+    addr = _addressing("plain" if variant in KV_VARIANTS[4:] else variant, n, num_pages, pps, gen,
+                       check == "guard")
+    extra = dict(k_scale=torch.rand(h, generator=gen) * 0.05 + 0.01, v_scale=torch.tensor([0.03])) if fp8 else {}
+    errs = {}
+    for b, buf in ((backend, p), ("torch", ref)):
+        errs[b] = kvwrite.ErrorBuffer()
+        kvwrite.rope_store_kv(pos, buf["q"], k, v, cs, buf["k_cache"], buf["v_cache"], is_neox=variant != "table",
+                              rotary_dim=rd, q_norm_weight=qw, k_norm_weight=kw if variant != "loc_map" else None,
+                              norm_eps=1e-5, layout=layout, check=check, errors=errs[b], backend=b,
+                              **addr, **extra)
+    assert_same_bytes(p, ref, original)
+    assert torch.equal(errs[backend].tensor, errs["torch"].tensor)
+    if check == "guard":  # a bad position (token 3) and bad locs were recorded
+        assert errs["torch"].error().count >= 2
+
+
+MLA_VARIANTS = [("auto", "table"), ("fp8", "loc_map"), ("fp8_ds_mla", "dcp"), ("nvfp4", "plain"),
+                ("fp8_e5m2", "plain")]
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("fmt,variant", MLA_VARIANTS)
+@pytest.mark.parametrize("check", ["off", "guard"])
+def test_rope_store_mla_kernels_match_reference(backend, fmt, variant, check):
+    n, hq, L, R, pps, num_pages, max_pos = 6, 2, 128, 16, 4, 3, 20
+    gen = torch.Generator().manual_seed(7)
+    dtype = torch.float16 if variant == "dcp" else torch.bfloat16
+    kv_c = (torch.randn(n, L, generator=gen) * 2).to(dtype)
+    k_pe = (torch.randn(n, R, generator=gen) * 2).to(dtype)
+    q_pe = (torch.randn(n, hq, R, generator=gen) * 2).to(dtype)
+    ang = torch.rand(max_pos, R // 2, generator=gen) * 6
+    cs = torch.cat([ang.cos(), ang.sin()], -1)
+    pos = torch.randint(0, max_pos, (n,), generator=gen)
+    if check == "guard":
+        pos[4] = -1
+    name = {"fp8": "fp8_e4m3"}.get(fmt, fmt)
+    fm = kvwrite.ops.mla.FORMATS[name]
+    specs = {"kv_cache": ((num_pages, pps, fm.row_width(L, R)), fm.cache_dtype(dtype)), "q": ((n, hq, R), dtype)}
+    if fm.takes_scale_cache:
+        specs["scale_cache"] = ((num_pages, pps, (L + R) // 16), torch.float8_e4m3fn)
+    p = CanaryBuffer(specs, 9)
+    p["q"].copy_(q_pe)
+    ref, original = p.clone(), p.raw.clone()
+    addr = _addressing(variant, n, num_pages, pps, gen, check == "guard")
+    errs = {}
+    for b, buf in ((backend, p), ("torch", ref)):
+        extra = ({"scale": torch.tensor(0.02)} if fm.takes_scale else {}) | (
+            {"scale_cache": buf["scale_cache"], "global_scale": torch.tensor([0.5])} if fm.takes_scale_cache else {})
+        errs[b] = kvwrite.ErrorBuffer()
+        kvwrite.rope_store_mla(pos, buf["q"], kv_c, k_pe, cs, buf["kv_cache"], is_neox=variant == "plain",
+                               kv_cache_dtype=fmt, check=check, errors=errs[b], backend=b, **addr, **extra)
+    assert_same_bytes(p, ref, original)
+    assert torch.equal(errs[backend].tensor, errs["torch"].tensor)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("op", ["kv", "mla"])
+def test_rope_store_assert_raises_before_any_write(backend, op):
+    """assert mode: a bad loc (and a bad position) raise OutOfBoundsWrite naming the first bad
+    token; nothing around or inside the pool changes."""
+    n, pps, num_pages = 5, 4, 2
+    gen = torch.Generator().manual_seed(3)
+    loc = torch.tensor([0, 3, 100, 5, -1])
+    pos = torch.tensor([1, 2, 3, 40, 4])   # token 3: position outside a 10-row cos/sin cache
+    cs = torch.randn(10, 16, generator=gen)
+    if op == "kv":
+        p = CanaryBuffer({"k_cache": ((num_pages, pps, 2, 16), torch.float32),
+                          "v_cache": ((num_pages, pps, 2, 16), torch.float32), "q": ((n, 2, 16), torch.float32)}, 1)
+        original = p.raw.clone()
+        with pytest.raises(kvwrite.OutOfBoundsWrite, match="token 2") as info:
+            kvwrite.rope_store_kv(pos, p["q"], torch.randn(n, 2, 16), torch.randn(n, 2, 16), cs, p["k_cache"],
+                                  p["v_cache"], loc, check="assert", backend=backend)
+    else:
+        p = CanaryBuffer({"kv_cache": ((num_pages, pps, 48), torch.float32), "q": ((n, 2, 16), torch.float32)}, 1)
+        original = p.raw.clone()
+        with pytest.raises(kvwrite.OutOfBoundsWrite, match="token 2") as info:
+            kvwrite.rope_store_mla(pos, p["q"], torch.randn(n, 32), torch.randn(n, 16), cs, p["kv_cache"], loc,
+                                   check="assert", backend=backend)
+    assert info.value.count == 2 and info.value.kind == kvwrite.errors.KIND_POOL
+    assert torch.equal(p.raw, original)
