@@ -53,11 +53,11 @@ KVW_HD uint16_t float_to_half_rn(float f) {
   return uint16_t(sign | (float_to_bits(rn::add(bits_to_float(ax), 0.5f)) - 0x3F000000u));
 }
 
-// fp32 -> bf16 bits, round to nearest even (NaN -> 0x7FC0, as c10).
+// fp32 -> bf16 bits, round to nearest even (NaN -> 0x7FC0, as c10); branch-free (vectorises).
 KVW_HD uint16_t float_to_bf16_rn(float f) {
-  if (f != f) return 0x7FC0;
   const uint32_t u = float_to_bits(f);
-  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  const uint16_t r = uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  return f != f ? uint16_t(0x7FC0) : r;
 }
 
 // Store fp32 `y` rounded once to IN at element `i` of `dst`.
@@ -118,11 +118,61 @@ KVW_HD float rms_inv(const void* src, i64 off, int D, float eps) {
   return rn::div(1.0f, rn::sqrt(rn::add(rn::div(stk[top], float(D)), eps)));
 }
 
+#if !defined(__CUDA_ARCH__)
+// The host's rope_head: the same operations in the same order, as whole-head loops over local
+// fp32 rows that the compiler vectorises (the tree level by level, then the pairs).
+template <DType IN>
+inline void rope_head_host(const RopeArgs& r, i64 pos, const void* src, i64 off, void* dst, i64 doff, int D,
+                           const float* w) {
+  float x[ROPE_MAX_DIM], o[ROPE_MAX_DIM], cs[ROPE_MAX_DIM];
+  for (int c = 0; c < D; ++c) x[c] = load_float<IN>(src, off + c);
+  const int half = r.R / 2;
+  const i64 row = pos * r.cs_stride;
+  for (int c = 0; c < r.R; ++c) cs[c] = load_cs<IN>(r, row + c);
+  if (w != nullptr) {
+    float a[ROPE_MAX_DIM], b[ROPE_MAX_DIM / 2];
+    int P = 1;
+    while (P < D) P *= 2;
+    for (int c = 0; c < D; ++c) a[c] = x[c] * x[c];
+    for (int c = D; c < P; ++c) a[c] = 0.0f;
+    for (int n = P / 2; n >= 1; n /= 2) {  // adjacent pairs, level by level
+      for (int i = 0; i < n; ++i) b[i] = a[2 * i] + a[2 * i + 1];
+      for (int i = 0; i < n; ++i) a[i] = b[i];
+    }
+    const float inv = 1.0f / __builtin_sqrtf(a[0] / float(D) + r.eps);
+    for (int c = 0; c < D; ++c) x[c] = (x[c] * inv) * w[c];
+  }
+  const float* cos = cs;
+  const float* sin = cs + half;
+  if (r.neox) {
+    for (int i = 0; i < half; ++i) {
+      o[i] = x[i] * cos[i] - x[i + half] * sin[i];
+      o[i + half] = x[i + half] * cos[i] + x[i] * sin[i];
+    }
+  } else {
+    for (int i = 0; i < half; ++i) {
+      o[2 * i] = x[2 * i] * cos[i] - x[2 * i + 1] * sin[i];
+      o[2 * i + 1] = x[2 * i + 1] * cos[i] + x[2 * i] * sin[i];
+    }
+  }
+  for (int c = r.R; c < D; ++c) o[c] = x[c];
+  if constexpr (IN == DType::F32) {
+    memcpy(static_cast<float*>(dst) + doff, o, size_t(D) * 4);
+  } else {
+    uint16_t* d = static_cast<uint16_t*>(dst) + doff;
+    for (int c = 0; c < D; ++c) d[c] = IN == DType::F16 ? float_to_half_rn(o[c]) : float_to_bf16_rn(o[c]);
+  }
+}
+#endif
+
 // Rotate one head of D elements at `src` + `off` (norm weight `w` or null) and store each
 // result, rounded to IN, at `dst` + `doff` (dst may be src: each pair is read before written).
 template <DType IN>
 KVW_HD void rope_head(const RopeArgs& r, i64 pos, const void* src, i64 off, void* dst, i64 doff, int D,
                       const float* w) {
+#if !defined(__CUDA_ARCH__)
+  return rope_head_host<IN>(r, pos, src, off, dst, doff, D, w);
+#endif
   const float inv = w != nullptr ? rms_inv<IN>(src, off, D, r.eps) : 1.0f;
   const auto y = [&](int c) {
     const float x = load_float<IN>(src, off + c);
