@@ -6,9 +6,11 @@
 #include "kvwrite/store_dsv4.h"
 #include "kvwrite/store_indexer_k.h"
 #include "kvwrite/store_kv.h"
+#include "kvwrite/store_kv_quant.h"
 #include "kvwrite/store_kv_nvfp4.h"
 #include "kvwrite/store_mla.h"
 #include "kvwrite/rope_store.h"
+#include "kvwrite/pages.h"
 
 // Every kernel runs 256-thread blocks (launch_shape); at least 4 resident blocks per SM caps a
 // thread at 64 registers (65536 / (256 * 4)): the assert variants' __assert_fail arguments
@@ -20,6 +22,7 @@ namespace kvwrite {
 
 // Each enqueues one kernel on `stream` (no host sync) and returns cudaGetLastError().
 cudaError_t launch_store_kv(const StoreKVParams& p, int check, cudaStream_t stream);
+cudaError_t launch_store_kv_quant(const StoreKVQuantParams& p, int check, cudaStream_t stream);
 cudaError_t launch_store_mla(const StoreMLAParams& p, int check, cudaStream_t stream);
 cudaError_t launch_store_indexer_k(const StoreIndexerKParams& p, int check, cudaStream_t stream);
 cudaError_t launch_store_kv_nvfp4(const StoreKVNVFP4Params& p, int check, cudaStream_t stream);
@@ -30,5 +33,9 @@ cudaError_t launch_store_rows(const StoreRowsParams& p, int check, cudaStream_t 
 // fused RoPE + store (csrc/rope_store.cu); p.scratch: [n, row] device rows of the rotated k / k_pe
 cudaError_t launch_rope_store_kv(const RopeStoreKVParams& p, int check, cudaStream_t stream);
 cudaError_t launch_rope_store_mla(const RopeStoreMLAParams& p, int check, cudaStream_t stream);
+// Page moves (csrc/pages.cu)
+cudaError_t launch_copy_pages(const CopyPagesParams& p, int check, cudaStream_t stream);
+cudaError_t launch_gather(const GatherParams& p, int check, cudaStream_t stream);
+cudaError_t launch_slot_mapping(const SlotMappingParams& p, int check, cudaStream_t stream);
 
 }  // namespace kvwrite

@@ -7,16 +7,17 @@
 namespace kvwrite {
 
 template <class Token, class P>
-__global__ void __launch_bounds__(KVW_BLOCK_THREADS, KVW_MIN_BLOCKS) rope_store_kernel(const P p, i64 n, int group) {
+__global__ void __launch_bounds__(KVW_BLOCK_THREADS, KVW_MIN_BLOCKS) rope_store_kernel(const P p, i64 n, i64* errors, int group) {
   const i64 i = i64(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
   Token{}(p, i, i < n, int(threadIdx.x % group), group);
+  end_block<Token>(errors);  // guard mode: the record's call epoch
 }
 
 cudaError_t launch_rope_store_kv(const RopeStoreKVParams& p, int check, cudaStream_t stream) {
   dispatch_rope_store_kv(p, check, [&](auto token, i64 work) {
     const LaunchShape g = launch_shape(p.kv.locs.n, work);
     rope_store_kernel<typename decltype(token)::type, RopeStoreKVParams>
-        <<<g.blocks, g.threads, 0, stream>>>(p, p.kv.locs.n, g.group);
+        <<<g.blocks, g.threads, 0, stream>>>(p, p.kv.locs.n, p.kv.locs.errors, g.group);
   });
   return cudaGetLastError();
 }
@@ -25,7 +26,7 @@ cudaError_t launch_rope_store_mla(const RopeStoreMLAParams& p, int check, cudaSt
   dispatch_rope_store_mla(p, check, [&](auto token, i64 work) {
     const LaunchShape g = launch_shape(p.mla.locs.n, work);
     rope_store_kernel<typename decltype(token)::type, RopeStoreMLAParams>
-        <<<g.blocks, g.threads, 0, stream>>>(p, p.mla.locs.n, g.group);
+        <<<g.blocks, g.threads, 0, stream>>>(p, p.mla.locs.n, p.mla.locs.errors, g.group);
   });
   return cudaGetLastError();
 }

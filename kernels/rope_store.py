@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from kvwrite import errors as _e
-from kvwrite.kernels._common import (CHECK_OFF, check_or_record, fp8_quant, record_table,
-                                     resolve_locs, resolve_table, store_le_bytes)
+from kvwrite.kernels._common import (CHECK_OFF, check_or_record, end_call, fp8_quant,
+                                     record_table, resolve_locs, resolve_table, store_le_bytes)
 from kvwrite.kernels._nvfp4 import store_blocks
 from kvwrite.kernels.store_mla import _bf16_bits, _ds_mla_tile
 from kvwrite.ops import mla as _mla
@@ -230,6 +230,7 @@ def rope_store_kv_kernel(
         else:
             tl.store(kdst, kbits, mask=mask)
             tl.store(vdst, tl.load(v_ptr + vsrc, mask=vmask), mask=vmask)
+    end_call(err_ptr, CHECK)  # guard: every program counts itself in the record's call
 
 
 @triton.jit
@@ -309,6 +310,7 @@ def rope_store_mla_kernel(
             scale_off = (page * sc_sp + offset * sc_so)[:, None] + blocks[None, :]
             store_blocks(x_even, x_odd, g, cache_ptr, byte_off, sc_ptr, scale_off, mask,
                          HAS_GLOBAL)
+    end_call(err_ptr, CHECK)  # guard: every program counts itself in the record's call
 
 
 # ---- host side -------------------------------------------------------------------------------

@@ -10,27 +10,21 @@
 // with v (kv_c) exactly as store_kv (store_mla) stores a row, through their own row writers.
 #pragma once
 
+#include "kv_quant.h"
 #include "store_kv.h"
 #include "store_mla.h"
 
 namespace kvwrite {
 
-// fp32 operations rounded once each, never fused (rn::mul etc.).
-namespace rn {
+// fp32 operations rounded once each, never fused: mul_rn / add_rn / div_rn (kv_quant.h) and
+// the correctly rounded square root.
+KVW_HD float sqrt_rn(float a) {
 #if defined(__CUDA_ARCH__)
-KVW_HD float mul(float a, float b) { return __fmul_rn(a, b); }
-KVW_HD float add(float a, float b) { return __fadd_rn(a, b); }
-KVW_HD float sub(float a, float b) { return __fsub_rn(a, b); }
-KVW_HD float div(float a, float b) { return __fdiv_rn(a, b); }
-KVW_HD float sqrt(float a) { return __fsqrt_rn(a); }
+  return __fsqrt_rn(a);
 #else
-KVW_HD float mul(float a, float b) { return a * b; }  // the host build has -ffp-contract=off
-KVW_HD float add(float a, float b) { return a + b; }
-KVW_HD float sub(float a, float b) { return a - b; }
-KVW_HD float div(float a, float b) { return a / b; }
-KVW_HD float sqrt(float a) { return __builtin_sqrtf(a); }
+  return __builtin_sqrtf(a);
 #endif
-}  // namespace rn
+}
 
 #if defined(__CUDA_ARCH__)
 #define KVW_BARRIER() __syncthreads()
@@ -50,7 +44,7 @@ KVW_HD uint16_t float_to_half_rn(float f) {
     return uint16_t(sign | ((r - 0x38000000u) >> 13));
   }
   // subnormal half: + 0.5 rounds (RNE) to a multiple of 2^-24, read off the low bits
-  return uint16_t(sign | (float_to_bits(rn::add(bits_to_float(ax), 0.5f)) - 0x3F000000u));
+  return uint16_t(sign | (float_to_bits(add_rn(bits_to_float(ax), 0.5f)) - 0x3F000000u));
 }
 
 // fp32 -> bf16 bits, round to nearest even (NaN -> 0x7FC0, as c10); branch-free (vectorises).
@@ -107,15 +101,15 @@ KVW_HD float rms_inv(const void* src, i64 off, int D, float eps) {
     float v = 0.0f;
     if (j < D) {
       const float x = load_float<IN>(src, off + j);
-      v = rn::mul(x, x);
+      v = mul_rn(x, x);
     }
     int k = j, l = 0;
-    for (; k & 1; k >>= 1, ++l) v = rn::add(stk[l], v);
+    for (; k & 1; k >>= 1, ++l) v = add_rn(stk[l], v);
     stk[l] = v;
   }
   int top = 0;
   while ((1 << top) < P) ++top;
-  return rn::div(1.0f, rn::sqrt(rn::add(rn::div(stk[top], float(D)), eps)));
+  return div_rn(1.0f, sqrt_rn(add_rn(div_rn(stk[top], float(D)), eps)));
 }
 
 #if !defined(__CUDA_ARCH__)
@@ -176,7 +170,7 @@ KVW_HD void rope_head(const RopeArgs& r, i64 pos, const void* src, i64 off, void
   const float inv = w != nullptr ? rms_inv<IN>(src, off, D, r.eps) : 1.0f;
   const auto y = [&](int c) {
     const float x = load_float<IN>(src, off + c);
-    return w != nullptr ? rn::mul(rn::mul(x, inv), w[c]) : x;
+    return w != nullptr ? mul_rn(mul_rn(x, inv), w[c]) : x;
   };
   const int half = r.R / 2;
   const i64 cs = pos * r.cs_stride;
@@ -184,8 +178,8 @@ KVW_HD void rope_head(const RopeArgs& r, i64 pos, const void* src, i64 off, void
     const int a = r.neox ? i : 2 * i, b = r.neox ? i + half : 2 * i + 1;
     const float ya = y(a), yb = y(b);
     const float c = load_cs<IN>(r, cs + i), s = load_cs<IN>(r, cs + half + i);
-    store_rounded<IN>(dst, doff + a, rn::sub(rn::mul(ya, c), rn::mul(yb, s)));
-    store_rounded<IN>(dst, doff + b, rn::add(rn::mul(yb, c), rn::mul(ya, s)));
+    store_rounded<IN>(dst, doff + a, add_rn(mul_rn(ya, c), -mul_rn(yb, s)));
+    store_rounded<IN>(dst, doff + b, add_rn(mul_rn(yb, c), mul_rn(ya, s)));
   }
   for (int c = r.R; c < D; ++c) store_rounded<IN>(dst, doff + c, y(c));
 }
@@ -282,6 +276,7 @@ KVW_HD void rope_store_kv_token(const RopeStoreKVParams& p, i64 i, bool live, in
 
 template <int CHECK, DType IN, class OUT, int VEC>
 struct RopeStoreKVToken {
+  static constexpr int check = CHECK;
   KVW_HD void operator()(const RopeStoreKVParams& p, i64 i, bool live, int lane, int nlanes) const {
     rope_store_kv_token<CHECK, IN, OUT, VEC>(p, i, live, lane, nlanes);
   }
@@ -355,6 +350,7 @@ KVW_HD void rope_store_mla_token(const RopeStoreMLAParams& p, i64 i, bool live, 
 
 template <int CHECK, int MODE, DType IN, class OUT, int VEC>
 struct RopeStoreMLAToken {
+  static constexpr int check = CHECK;
   KVW_HD void operator()(const RopeStoreMLAParams& p, i64 i, bool live, int lane, int nlanes) const {
     rope_store_mla_token<CHECK, MODE, IN, OUT, VEC>(p, i, live, lane, nlanes);
   }

@@ -8,7 +8,7 @@ import torch
 from kvwrite import errors as _e
 from kvwrite.errors import KIND_LOC_MAP, KIND_POOL, OutOfBoundsWrite, record_torch
 from kvwrite.geometry import PageGeometry
-from kvwrite.ops._common import Check, Locs
+from kvwrite.addressing import Check, Locs
 
 
 @dataclass(frozen=True)
