@@ -32,6 +32,7 @@ cudaError_t launch_store_mxfp4(const StoreMXFP4Params& p, int check, cudaStream_
 cudaError_t launch_store_rows(const StoreRowsParams& p, int check, cudaStream_t stream);
 // fused RoPE + store (csrc/rope_store.cu); p.scratch: [n, row] device rows of the rotated k / k_pe
 cudaError_t launch_rope_store_kv(const RopeStoreKVParams& p, int check, cudaStream_t stream);
+cudaError_t launch_rope_store_kv_quant(const RopeStoreKVQuantParams& p, int check, cudaStream_t stream);
 cudaError_t launch_rope_store_mla(const RopeStoreMLAParams& p, int check, cudaStream_t stream);
 // Page moves (csrc/pages.cu)
 cudaError_t launch_copy_pages(const CopyPagesParams& p, int check, cudaStream_t stream);

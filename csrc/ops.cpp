@@ -363,6 +363,25 @@ void rope_store_kv_cpu(const Tensor& positions, const Tensor& q, const Tensor& k
   });
 }
 
+void rope_store_kv_quant_cpu(const Tensor& positions, const Tensor& q, const Tensor& k, const Tensor& v,
+                             const Tensor& cos_sin, const Tensor& k_cache, const Tensor& v_cache,
+                             const OptTensor& k_scale, const OptTensor& v_scale, const OptTensor& k_scale_cache,
+                             const OptTensor& v_scale_cache, int64_t quant, int64_t rule, const OptTensor& q_w,
+                             const OptTensor& k_w, double eps, bool is_neox, const Tensor& loc,
+                             const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size,
+                             int64_t check, int64_t op, const OptTensor& batch_indices, const OptTensor& kv_indices,
+                             const OptTensor& kv_indptr) {
+  RopeStoreKVQuantParams p = rope_store_kv_quant_params(positions, q, k, v, cos_sin, k_cache, v_cache, k_scale, v_scale,
+                                                        k_scale_cache, v_scale_cache, quant, rule, q_w, k_w, eps,
+                                                        is_neox, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  set_table(p.kv.locs, batch_indices, kv_indices, kv_indptr, k);
+  const int64_t es = dtype_size(p.kv.in_dtype), row = int64_t(p.kv.H) * p.kv.k.D * es;
+  const int64_t bytes = token_bytes(p.kv) + int64_t(p.rope.Hq + p.kv.H) * p.kv.k.D * es * QUANT_WEIGHT;
+  dispatch_rope_store_kv_quant(p, int(check), [&](auto token, i64) {
+    run_rope_tokens<typename decltype(token)::type>(p, p.kv.locs, check, row, bytes);
+  });
+}
+
 void rope_store_mla_cpu(const Tensor& positions, const Tensor& q_pe, const Tensor& kv_c, const Tensor& k_pe,
                         const Tensor& cos_sin, const Tensor& kv_cache, const OptTensor& scale,
                         const OptTensor& scale_cache, const OptTensor& global_scale, int64_t mode, bool is_neox,
@@ -423,6 +442,10 @@ TORCH_LIBRARY(kvwrite_ext, m) {
   m.def("rope_store_kv(Tensor positions, Tensor(c!) q, Tensor k, Tensor v, Tensor cos_sin, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor? k_scale, Tensor? v_scale, Tensor? q_norm_weight, Tensor? k_norm_weight, "
         "float eps, bool is_neox, " KVW_TAIL ") -> ()");
+  m.def("rope_store_kv_quant(Tensor positions, Tensor(c!) q, Tensor k, Tensor v, Tensor cos_sin, "
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k_scale, Tensor? v_scale, Tensor(d!)? k_scale_cache, "
+        "Tensor(e!)? v_scale_cache, int quant, int rule, Tensor? q_norm_weight, Tensor? k_norm_weight, float eps, "
+        "bool is_neox, " KVW_TAIL ") -> ()");
   m.def("rope_store_mla(Tensor positions, Tensor(c!) q_pe, Tensor kv_c, Tensor k_pe, Tensor cos_sin, "
         "Tensor(a!) kv_cache, Tensor? scale, Tensor(b!)? scale_cache, Tensor? global_scale, int mode, bool is_neox, "
         KVW_TAIL ") -> ()");
@@ -447,6 +470,7 @@ TORCH_LIBRARY_IMPL(kvwrite_ext, CPU, m) {
   m.impl("store_dsv4_indexer_k", &kvwrite::store_dsv4_indexer_k_cpu);
   m.impl("store_rows", &kvwrite::store_rows_cpu);
   m.impl("rope_store_kv", &kvwrite::rope_store_kv_cpu);
+  m.impl("rope_store_kv_quant", &kvwrite::rope_store_kv_quant_cpu);
   m.impl("rope_store_mla", &kvwrite::rope_store_mla_cpu);
 }
 

@@ -79,6 +79,20 @@ inline RopeStoreKVParams rope_store_kv_params(const Tensor& positions, const Ten
   return p;
 }
 
+inline RopeStoreKVQuantParams rope_store_kv_quant_params(
+    const Tensor& positions, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cos_sin,
+    const Tensor& k_cache, const Tensor& v_cache, const OptTensor& k_scale, const OptTensor& v_scale,
+    const OptTensor& k_scale_cache, const OptTensor& v_scale_cache, int64_t quant, int64_t rule, const OptTensor& q_w,
+    const OptTensor& k_w, double eps, bool is_neox, const Tensor& loc, const OptTensor& loc_map,
+    const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op) {
+  RopeStoreKVQuantParams p;
+  p.kv = store_kv_quant_params(k, v, k_cache, v_cache, k_scale, v_scale, k_scale_cache, v_scale_cache, quant, rule,
+                               loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  TORCH_CHECK(k_cache.size(0) >= 1 && k_cache.size(1) >= 1, "kvwrite: rope_store_kv caches need pages and rows");
+  p.rope = rope_args(positions, q, cos_sin, q_w, k_w, eps, is_neox, k, k.size(2));
+  return p;
+}
+
 inline RopeStoreMLAParams rope_store_mla_params(const Tensor& positions, const Tensor& q_pe, const Tensor& kv_c,
                                                 const Tensor& k_pe, const Tensor& cos_sin, const Tensor& kv_cache,
                                                 const OptTensor& scale, const OptTensor& scale_cache,

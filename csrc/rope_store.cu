@@ -22,6 +22,15 @@ cudaError_t launch_rope_store_kv(const RopeStoreKVParams& p, int check, cudaStre
   return cudaGetLastError();
 }
 
+cudaError_t launch_rope_store_kv_quant(const RopeStoreKVQuantParams& p, int check, cudaStream_t stream) {
+  dispatch_rope_store_kv_quant(p, check, [&](auto token, i64 work) {
+    const LaunchShape g = launch_shape(p.kv.locs.n, work);
+    rope_store_kernel<typename decltype(token)::type, RopeStoreKVQuantParams>
+        <<<g.blocks, g.threads, 0, stream>>>(p, p.kv.locs.n, p.kv.locs.errors, g.group);
+  });
+  return cudaGetLastError();
+}
+
 cudaError_t launch_rope_store_mla(const RopeStoreMLAParams& p, int check, cudaStream_t stream) {
   dispatch_rope_store_mla(p, check, [&](auto token, i64 work) {
     const LaunchShape g = launch_shape(p.mla.locs.n, work);

@@ -26,7 +26,7 @@ FAMILIES = ("store_kv", "store_mla", "store_indexer_k", "store_kv_nvfp4", "store
 CHECKS = {"off": 0, "assert": 1, "guard": 2}
 _PTR = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
         torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5", torch.int32: "i32",
-        torch.int64: "i64", torch.uint8: "u8"}
+        torch.int64: "i64", torch.uint8: "u8", torch.int16: "i16", torch.int8: "i8"}
 
 
 def signature(kernel, pointers: dict[str, torch.dtype], constexprs: dict) -> dict[str, str]:

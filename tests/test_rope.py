@@ -102,14 +102,7 @@ def store_kwargs(p, kind, h):
 def test_rope_store_kv_matches_unfused(backend, case, check):
     c = KV_CASES[case]
     dtype, hq, h, d, rd, neox, norm, cos32, kind = c
-    if backend != "torch" and kind not in KERNEL_KINDS:
-        with pytest.raises(kvwrite.BackendUnavailable):
-            run_kv_case(c, case, check, backend)
-        return
     run_kv_case(c, case, check, backend)
-
-
-KERNEL_KINDS = ("same", "fp8_static")  # K/V formats the kernel backends store so far
 
 
 def run_kv_case(c, case, check, backend):
@@ -277,7 +270,12 @@ def _addressing(variant, n, num_pages, pps, gen, bad):
     return dict(loc=loc)
 
 
-KV_VARIANTS = ["plain", "loc_map", "dcp", "table", "hnd", "qkv_view", "fp8_head_scale"]
+KV_VARIANTS = ["plain", "loc_map", "dcp", "table", "hnd", "qkv_view", "fp8_head_scale",
+               "int8_static", "int8_token", "e4m3_head", "e5m2_token_hnd"]
+QUANT_VARIANTS = {  # variant -> (cache dtype, scale caches: None / "token" / "head", static scales)
+    "fp8_head_scale": (torch.float8_e4m3fn, None, True), "int8_static": (torch.int8, None, True),
+    "int8_token": (torch.int8, "token", False), "e4m3_head": (torch.float8_e4m3fn, "head", False),
+    "e5m2_token_hnd": (torch.float8_e5m2, "token", False)}
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
@@ -287,7 +285,7 @@ def test_rope_store_kv_kernels_match_reference(backend, variant, check):
     n, hq, h, d, pps, num_pages, max_pos = 7, 2, 2, 48, 4, 3, 30
     gen = torch.Generator().manual_seed(hash(variant) % 1000)
     dtype = torch.float16 if variant == "dcp" else torch.bfloat16
-    fp8 = variant == "fp8_head_scale"
+    cdt, scales, static = QUANT_VARIANTS.get(variant, (None, None, False))
     if variant == "qkv_view":  # q, k, v: column views of one fused qkv buffer
         qkv = (torch.randn(n, (hq + 2 * h) * d, generator=gen) * 3).to(dtype)
         q0 = qkv[:, :hq * d].view(n, hq, d)
@@ -307,18 +305,25 @@ def test_rope_store_kv_kernels_match_reference(backend, variant, check):
         pos[3] = max_pos + 2
     qw = torch.rand(d, generator=gen) + 0.5
     kw = (torch.rand(d, generator=gen) + 0.5).to(dtype)
-    layout = "HND" if variant == "hnd" else "NHD"
-    cdt = torch.float8_e4m3fn if fp8 else dtype
+    layout = "HND" if variant.endswith("hnd") else "NHD"
+    cdt = cdt or dtype
     shp = (num_pages, pps, h) if layout == "NHD" else (num_pages, h, pps)
-    p = CanaryBuffer({"k_cache": ((*shp, d), cdt), "v_cache": ((*shp, v.shape[2]), cdt),
-                      "q": ((n, hq, d), dtype)}, 5)
+    specs = {"k_cache": ((*shp, d), cdt), "v_cache": ((*shp, v.shape[2]), cdt), "q": ((n, hq, d), dtype)}
+    if scales:
+        sshape = (num_pages, pps) if scales == "token" else (num_pages, pps, h)
+        specs.update(k_scale_cache=(sshape, torch.float32), v_scale_cache=(sshape, torch.float32))
+    p = CanaryBuffer(specs, 5)
     p["q"].copy_(q0)
     ref, original = p.clone(), p.raw.clone()
-    addr = _addressing("plain" if variant in KV_VARIANTS[4:] else variant, n, num_pages, pps, gen,
-                       check == "guard")
-    extra = dict(k_scale=torch.rand(h, generator=gen) * 0.05 + 0.01, v_scale=torch.tensor([0.03])) if fp8 else {}
+    addr_kind = {"int8_token": "loc_map", "e4m3_head": "dcp", "int8_static": "table"}.get(variant, variant)
+    addr = _addressing(addr_kind if addr_kind in ("loc_map", "dcp", "table") else "plain", n, num_pages,
+                       pps, gen, check == "guard")
+    static_scales = dict(k_scale=torch.rand(h, generator=gen) * 0.05 + 0.01, v_scale=torch.tensor([0.03]))
     errs = {}
     for b, buf in ((backend, p), ("torch", ref)):
+        extra = static_scales if static else {}
+        if scales:
+            extra = dict(k_scale_cache=buf["k_scale_cache"], v_scale_cache=buf["v_scale_cache"])
         errs[b] = kvwrite.ErrorBuffer()
         kvwrite.rope_store_kv(pos, buf["q"], k, v, cs, buf["k_cache"], buf["v_cache"], is_neox=variant != "table",
                               rotary_dim=rd, q_norm_weight=qw, k_norm_weight=kw if variant != "loc_map" else None,
@@ -331,7 +336,7 @@ def test_rope_store_kv_kernels_match_reference(backend, variant, check):
 
 
 MLA_VARIANTS = [("auto", "table"), ("fp8", "loc_map"), ("fp8_ds_mla", "dcp"), ("nvfp4", "plain"),
-                ("fp8_e5m2", "plain")]
+                ("fp8_e5m2", "plain"), ("fp8_ds_mla+pow2+input", "plain"), ("fp8_ds_mla+input", "dcp")]
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)

@@ -12,6 +12,7 @@
 
 #include "kv_quant.h"
 #include "store_kv.h"
+#include "store_kv_quant.h"
 #include "store_mla.h"
 
 namespace kvwrite {
@@ -304,6 +305,96 @@ void dispatch_rope_store_kv(const RopeStoreKVParams& p, int check, F&& f) {
           f(TypeTag<RopeStoreKVToken<c.value, in.value, typename decltype(fmt)::type, 1>>{}, w > heads ? w : heads);
         });
       }
+    });
+  });
+}
+
+// ---- rope_store_kv into int8 / dynamic-scale caches (store_kv_quant's formats) ---------------
+
+struct RopeStoreKVQuantParams {
+  StoreKVQuantParams kv;  // k.src: the caller's k (rotated from); the store reads the scratch rows
+  RopeArgs rope;
+  char* scratch = nullptr;
+  i64 scratch_sn = 0;
+};
+
+// Phase 2 is store_kv_quant's row writer, on at most one warp's lanes (its dynamic amax is a
+// warp-shuffle max): lanes past 32 only rotate.
+template <int CHECK, DType IN, class F, int QUANT, int RULE>
+KVW_HD void rope_store_kv_quant_token(const RopeStoreKVQuantParams& p, i64 i, bool live, int lane, int nlanes) {
+  const StoreKVQuantParams& kv = p.kv;
+  const int D = kv.k.D;
+  bool pos_ok = false, store = false;
+  i64 pos = 0;
+  Resolved res{};
+  if (live) {
+    pos = rope_position(p.rope, i, pos_ok);
+    res = resolve_rope_checked<CHECK>(kv.locs, p.rope, i, pos_ok, pos, lane == 0);
+    store = res.write;
+    char* row = p.scratch + i * p.scratch_sn * dtype_size(IN);
+    rope_q_and<IN>(p.rope, i, pos, pos_ok, D, store, kv.H, lane, nlanes, [&](int h) {
+      rope_head<IN>(p.rope, pos, kv.k.src, i * kv.k.s_tok + h * kv.k.s_head, row, i64(h) * D, D, p.rope.k_w);
+    });
+  }
+  KVW_BARRIER();
+  const int lanes = nlanes < 32 ? nlanes : 32;
+  if (!store || lane >= lanes) return;
+  KVQuantSide k = kv.k;  // the rotated k: this token's scratch row
+  k.src = p.scratch;
+  k.s_tok = p.scratch_sn;
+  k.s_head = D;
+  quant_kv_side<IN, F, QUANT, RULE>(k, kv.H, i, res.row, lane, lanes);
+  quant_kv_side<IN, F, QUANT, RULE>(kv.v, kv.H, i, res.row, lane, lanes);
+}
+
+template <int CHECK, DType IN, class F, int QUANT, int RULE>
+struct RopeStoreKVQuantToken {
+  static constexpr int check = CHECK;
+  KVW_HD void operator()(const RopeStoreKVQuantParams& p, i64 i, bool live, int lane, int nlanes) const {
+    rope_store_kv_quant_token<CHECK, IN, F, QUANT, RULE>(p, i, live, lane, nlanes);
+  }
+};
+
+// f(TypeTag<RopeStoreKVQuantToken<...>>, work items per token): static int8 (rne), or dynamic
+// per-token / per-token-head int8 / e4m3 / e5m2 under either rule.
+template <class Fn>
+void dispatch_rope_store_kv_quant(const RopeStoreKVQuantParams& p, int check, Fn&& f) {
+  const StoreKVQuantParams& kv = p.kv;
+  const i64 d = kv.k.D > kv.v.D ? kv.k.D : kv.v.D;
+  const i64 quant_work = kv.quant == QUANT_HEAD ? d : kv.H * d;
+  const i64 heads = p.rope.Hq + kv.H;
+  const i64 work = heads > (quant_work < 32 ? quant_work : 32) ? heads : (quant_work < 32 ? quant_work : 32);
+  auto with_fmt = [&](auto&& g) {
+    switch (kv.fmt) {
+      case FMT_INT8: return g(TypeTag<Int8Fmt>{});
+      case FMT_E4M3: return g(TypeTag<E4M3>{});
+      case FMT_E5M2: return g(TypeTag<E5M2>{});
+      default: throw std::invalid_argument("kvwrite: rope_store_kv quant caches must be int8, float8_e4m3fn or float8_e5m2");
+    }
+  };
+  with_check(check, [&](auto c) {
+    with_float_dtype(kv.in_dtype, [&](auto in) {
+      with_fmt([&](auto fmt) {
+        using F = typename decltype(fmt)::type;
+        constexpr int C = decltype(c)::value;
+        constexpr DType IN = decltype(in)::value;
+        if (kv.quant == QUANT_STATIC) {
+          if constexpr (std::is_same<F, Int8Fmt>::value) {
+            if (kv.rule != RULE_RNE) throw std::invalid_argument("kvwrite: a static scale takes the rne rule only");
+            return f(TypeTag<RopeStoreKVQuantToken<C, IN, F, QUANT_STATIC, RULE_RNE>>{}, work);
+          } else {
+            throw std::invalid_argument("kvwrite: static fp8 rope stores are rope_store_kv's");
+          }
+        }
+        if (kv.quant != QUANT_TOKEN && kv.quant != QUANT_HEAD) throw std::invalid_argument("kvwrite: bad quant mode");
+        const bool token = kv.quant == QUANT_TOKEN;
+        if (kv.rule == RULE_VLLM) {
+          if (token) return f(TypeTag<RopeStoreKVQuantToken<C, IN, F, QUANT_TOKEN, RULE_VLLM>>{}, work);
+          return f(TypeTag<RopeStoreKVQuantToken<C, IN, F, QUANT_HEAD, RULE_VLLM>>{}, work);
+        }
+        if (token) return f(TypeTag<RopeStoreKVQuantToken<C, IN, F, QUANT_TOKEN, RULE_RNE>>{}, work);
+        return f(TypeTag<RopeStoreKVQuantToken<C, IN, F, QUANT_HEAD, RULE_RNE>>{}, work);
+      });
     });
   });
 }

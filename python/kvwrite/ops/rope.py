@@ -16,8 +16,8 @@ import torch
 from kvwrite import _ext, validate
 from kvwrite.errors import ErrorBuffer, op_code
 from kvwrite.ops._common import dispatch, record
-from kvwrite.ops.kv_quant import FMT_INT8, QUANT_COPY, QUANT_STATIC, KVStore, prepare_kv_store
-from kvwrite.ops.mla import StoreMLA, prepare_store_mla
+from kvwrite.ops.kv_quant import KVStore, prepare_kv_store
+from kvwrite.ops.mla import FORMATS, StoreMLA, prepare_store_mla
 
 OP_KV = "rope_store_kv"
 OP_MLA = "rope_store_mla"
@@ -28,18 +28,14 @@ KV_IMPLS = (
     ("cpu", "kvwrite._ext:rope_store_kv"),
     ("cuda", "kvwrite._ext:rope_store_kv"),
 )
-# K/V quant modes the kernels store (kvwrite.ops.kv_quant QUANT_*); the others run on the
-# reference only (a kernel backend asked for by name raises BackendUnavailable)
-KERNEL_QUANTS = (QUANT_COPY, QUANT_STATIC)
-KV_REFERENCE_ONLY = KV_IMPLS[:1]
 MLA_IMPLS = (
     ("torch", "kvwrite.reference.rope:rope_store_mla"),
     ("triton", "kvwrite.kernels.rope_store:launch_mla"),
     ("cpu", "kvwrite._ext:rope_store_mla"),
     ("cuda", "kvwrite._ext:rope_store_mla"),
 )
-MLA_FORMATS = {"auto": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2",
-               "fp8_ds_mla": "fp8_ds_mla", "nvfp4": "nvfp4"}
+# every store_mla kv_cache_dtype (fp8_ds_mla options included), and "fp8" for "fp8_e4m3"
+MLA_FORMATS = {"fp8": "fp8_e4m3", **{name: name for name in FORMATS}}
 
 
 class _Fused:
@@ -101,10 +97,8 @@ _FAST_KV = _fast_kv
 
 
 def kv_impls(store: KVStore) -> tuple[tuple[str, str], ...]:
-    """The implementations of a rope_store_kv call's K/V store format."""
-    if store.quant in KERNEL_QUANTS and store.fmt != FMT_INT8:
-        return KV_IMPLS
-    return KV_REFERENCE_ONLY
+    """The implementations of a rope_store_kv call (every K/V store format has its kernels)."""
+    return KV_IMPLS
 
 
 def _rope_args(positions, q, head_dim, n, cos_sin_cache, rotary_dim, device, q_name):
