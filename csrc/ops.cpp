@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <sstream>
 #include <vector>
@@ -329,7 +330,9 @@ void store_kv_quant_cpu(const Tensor& k, const Tensor& v, const Tensor& k_cache,
 // Fused RoPE + store (kvwrite/rope_store.h): each parallel chunk rotates its tokens' k (k_pe)
 // into one reused, cache-hot scratch row, then stores that row.
 template <class Token, class P>
-void run_rope_tokens(const P& p, const LocArgs& a, int64_t check, int64_t row_bytes, int64_t token_bytes) {
+void run_rope_tokens(P p, const LocArgs& a, int64_t check, int64_t row_bytes, int64_t token_bytes) {
+  static std::atomic<uint64_t> calls{0};
+  p.rope.call = ++calls;  // keys the per-thread cos/sin row of rope_head_host to this call
   if (check == CHECK_ASSERT)
     assert_prescan_with(a, [&](i64 i) {
       bool ok = false;

@@ -1,5 +1,5 @@
 """GPU-only checks of the fused rope stores (bench/gpu_check.sh runs this on a CUDA machine):
-for rope_store_kv (bf16 copy with q/k norm, e4m3 static) and rope_store_mla (auto, fp8_ds_mla,
+for rope_store_kv (bf16 copy with q/k norm, e4m3 static, int8 dynamic per token) and rope_store_mla (auto, fp8_ds_mla,
 nvfp4), on the "cuda" and "triton" backends, guard mode:
 
   1. eager call == the torch reference, byte for byte (caches, q, error record);
@@ -25,7 +25,8 @@ def kv_case(kind: str, n: int = 37, gen: torch.Generator | None = None) -> dict:
     dev = "cuda"
     g = gen or torch.Generator().manual_seed(0)
     fp8 = kind == "e4m3"
-    cdt = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    dyn = kind == "int8_token"
+    cdt = torch.float8_e4m3fn if fp8 else torch.int8 if dyn else torch.bfloat16
     ang = torch.rand(max_pos, d // 2, generator=g) * 6
     loc = torch.randperm(pages * pps, generator=g)[:n]
     loc[::7] = -1
@@ -41,7 +42,9 @@ def kv_case(kind: str, n: int = 37, gen: torch.Generator | None = None) -> dict:
         extra=dict(q_norm_weight=(torch.rand(d, generator=g) + 0.5).to(dev),
                    k_norm_weight=(torch.rand(d, generator=g) + 0.5).to(dev),
                    **(dict(k_scale=torch.tensor([0.02], device=dev),
-                           v_scale=torch.tensor([0.03], device=dev)) if fp8 else {})))
+                           v_scale=torch.tensor([0.03], device=dev)) if fp8 else {}),
+                   **(dict(k_scale_cache=torch.zeros(pages, pps, device=dev),
+                           v_scale_cache=torch.zeros(pages, pps, device=dev)) if dyn else {})))
 
 
 def mla_case(fmt: str, n: int = 29, gen: torch.Generator | None = None) -> dict:
@@ -65,7 +68,8 @@ def mla_case(fmt: str, n: int = 29, gen: torch.Generator | None = None) -> dict:
         loc=loc.to(dev), extra=dict(kv_cache_dtype=fmt, **extra))
 
 
-MUTATED = {"kv": ("q", "k_cache", "v_cache"), "mla": ("q_pe", "kv_cache", "scale_cache")}
+MUTATED = {"kv": ("q", "k_cache", "v_cache", "k_scale_cache", "v_scale_cache"),
+           "mla": ("q_pe", "kv_cache", "scale_cache")}
 
 
 def call(op: str, t: dict, backend: str, errors: kvwrite.ErrorBuffer) -> None:
@@ -145,7 +149,7 @@ def check(op: str, case: str, backend: str, make) -> list[dict]:
 def main() -> int:
     failed = 0
     for backend in ("cuda", "triton"):
-        for op, cases in (("kv", ("bf16", "e4m3")), ("mla", ("auto", "fp8_ds_mla", "nvfp4"))):
+        for op, cases in (("kv", ("bf16", "e4m3", "int8_token")), ("mla", ("auto", "fp8_ds_mla", "nvfp4"))):
             for case in cases:
                 make = (lambda g=None, c=case: kv_case(c, gen=g)) if op == "kv" else (lambda g=None, c=case: mla_case(c, gen=g))
                 try:

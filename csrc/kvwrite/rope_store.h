@@ -83,6 +83,7 @@ struct RopeArgs {
   const float* q_w = nullptr;     // RMS-norm weights (fp32 [D]) or null
   const float* k_w = nullptr;
   float eps = 0.0f;
+  uint64_t call = 0;              // host: this op call's unique id (0: none), keys per-thread caches
 };
 
 template <DType IN>
@@ -114,27 +115,41 @@ KVW_HD float rms_inv(const void* src, i64 off, int D, float eps) {
 }
 
 #if !defined(__CUDA_ARCH__)
+// The adjacent-pair tree over a[0, n) (n a power of two): the sum of the two halves' trees.
+inline float pair_tree(const float* a, int n) {
+  if (n == 8) return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+  if (n < 8) {
+    if (n == 1) return a[0];
+    return n == 2 ? a[0] + a[1] : (a[0] + a[1]) + (a[2] + a[3]);
+  }
+  return pair_tree(a, n / 2) + pair_tree(a + n / 2, n / 2);
+}
+
 // The host's rope_head: the same operations in the same order, as whole-head loops over local
 // fp32 rows that the compiler vectorises (the tree level by level, then the pairs).
 template <DType IN>
 inline void rope_head_host(const RopeArgs& r, i64 pos, const void* src, i64 off, void* dst, i64 doff, int D,
                            const float* w) {
-  float x[ROPE_MAX_DIM], o[ROPE_MAX_DIM], cs[ROPE_MAX_DIM];
+  float x[ROPE_MAX_DIM], o[ROPE_MAX_DIM];
   for (int c = 0; c < D; ++c) x[c] = load_float<IN>(src, off + c);
   const int half = r.R / 2;
-  const i64 row = pos * r.cs_stride;
-  for (int c = 0; c < r.R; ++c) cs[c] = load_cs<IN>(r, row + c);
+  // the token's cos/sin row as fp32, converted once for all its heads (this thread's last row)
+  // (keyed by the op call's unique id and the position: never reused across calls)
+  thread_local struct { uint64_t call = 0; i64 pos = -1; float v[ROPE_MAX_DIM]; } row;
+  if (r.call == 0 || row.call != r.call || row.pos != pos) {
+    const i64 at = pos * r.cs_stride;
+    for (int c = 0; c < r.R; ++c) row.v[c] = load_cs<IN>(r, at + c);
+    row.call = r.call;
+    row.pos = pos;
+  }
+  const float* cs = row.v;
   if (w != nullptr) {
-    float a[ROPE_MAX_DIM], b[ROPE_MAX_DIM / 2];
+    float a[ROPE_MAX_DIM];
     int P = 1;
     while (P < D) P *= 2;
     for (int c = 0; c < D; ++c) a[c] = x[c] * x[c];
     for (int c = D; c < P; ++c) a[c] = 0.0f;
-    for (int n = P / 2; n >= 1; n /= 2) {  // adjacent pairs, level by level
-      for (int i = 0; i < n; ++i) b[i] = a[2 * i] + a[2 * i + 1];
-      for (int i = 0; i < n; ++i) a[i] = b[i];
-    }
-    const float inv = 1.0f / __builtin_sqrtf(a[0] / float(D) + r.eps);
+    const float inv = 1.0f / __builtin_sqrtf(pair_tree(a, P) / float(D) + r.eps);
     for (int c = 0; c < D; ++c) x[c] = (x[c] * inv) * w[c];
   }
   const float* cos = cs;
