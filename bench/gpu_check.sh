@@ -85,6 +85,7 @@ tail -1 "$OUT/rope.log" | tee -a "$OUT/summary.txt"
 timeout 300 $PY -m kvwrite.bench.rope --device cuda --n 1 64 1024 > "$OUT/bench-rope.md" 2>&1 || status=1
 tee -a "$OUT/summary.txt" < "$OUT/bench-rope.md"
 
+step "rope stores: eager / CUDA graph replay / torch.compile vs reference (cuda, triton)"; timeout 600 $PY bench/gpu/rope.py > "$OUT/rope_gpu.jsonl" 2>&1 || status=1; tail -1 "$OUT/rope_gpu.jsonl" | tee -a "$OUT/summary.txt"
 step "GPU readiness: CUDA-graph capture+replay of every op, records, NaN under assert builds, 2 GPUs, PTX"; timeout 420 $PY bench/gpu/readiness.py --out "$OUT/readiness.json" > "$OUT/readiness.log" 2>&1 || status=1; tail -1 "$OUT/readiness.log" | tee -a "$OUT/summary.txt"
 step "page moves: tests on CUDA, pinned host <-> GPU copy_pages, CUDA-graph capture, bandwidth"; ( cd tests && KVWRITE_TEST_DEVICE=cuda timeout 300 $PY -m pytest -q -n 0 -p no:cacheprovider test_pages.py && cd .. && timeout 300 $PY bench/gpu/pages.py ) > "$OUT/pages.log" 2>&1 || status=1; grep -E "passed|failed|\"ok\": false|pct_of_copy" "$OUT/pages.log" | tee -a "$OUT/summary.txt"
 step "store_kv int8 / dynamic-scale modes: every CUDA backend vs reference, CUDA-graph capture + replay (guard)"; timeout 300 $PY bench/gpu/quant.py --out "$OUT/quant.json" > "$OUT/quant.log" 2>&1 || status=1; tail -1 "$OUT/quant.log" | tee -a "$OUT/summary.txt"

@@ -1,6 +1,7 @@
 // CUDA registrations of the kvwrite_ext ops: tensors -> params (params.h), then the launchers of
 // csrc/*.cu on the current stream. No host sync; CUDA-graph safe.
 #include <c10/cuda/CUDAGuard.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
@@ -8,6 +9,9 @@
 #include "launch.h"
 #include "params.h"
 #include "params_dsv4.h"
+#include "params_rope.h"
+}
+
 #include "params_pages.h"
 
 namespace kvwrite {
@@ -111,6 +115,63 @@ void store_rows_cuda(const Tensor& src, const Tensor& pool, const Tensor& loc, c
   check_launch(launch_store_rows(p, int(check), c10::cuda::getCurrentCUDAStream()));
 }
 
+// Fused RoPE + store: the rotated k (k_pe) goes through a [n, row] scratch tensor of the
+// input dtype (stream-ordered allocation: no host sync, capturable).
+void rope_store_kv_cuda(const Tensor& positions, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& cos_sin, const Tensor& k_cache, const Tensor& v_cache, const OptTensor& k_scale,
+                        const OptTensor& v_scale, const OptTensor& q_w, const OptTensor& k_w, double eps,
+                        bool is_neox, const Tensor& loc, const OptTensor& loc_map, const OptTensor& errors,
+                        int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op, const OptTensor& batch_indices,
+                        const OptTensor& kv_indices, const OptTensor& kv_indptr) {
+  const c10::cuda::CUDAGuard guard(k.device());
+  RopeStoreKVParams p = rope_store_kv_params(positions, q, k, v, cos_sin, k_cache, v_cache, k_scale, v_scale, q_w,
+                                             k_w, eps, is_neox, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  set_table(p.kv.locs, batch_indices, kv_indices, kv_indptr, k);
+  if (p.kv.locs.n == 0) return;
+  const Tensor scratch = at::empty({k.size(0), k.size(1) * k.size(2)}, k.options());
+  p.scratch = static_cast<char*>(scratch.data_ptr());
+  p.scratch_sn = scratch.stride(0);
+  check_launch(launch_rope_store_kv(p, int(check), c10::cuda::getCurrentCUDAStream()));
+}
+
+void rope_store_kv_quant_cuda(const Tensor& positions, const Tensor& q, const Tensor& k, const Tensor& v,
+                              const Tensor& cos_sin, const Tensor& k_cache, const Tensor& v_cache,
+                              const OptTensor& k_scale, const OptTensor& v_scale, const OptTensor& k_scale_cache,
+                              const OptTensor& v_scale_cache, int64_t quant, int64_t rule, const OptTensor& q_w,
+                              const OptTensor& k_w, double eps, bool is_neox, const Tensor& loc,
+                              const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size,
+                              int64_t check, int64_t op, const OptTensor& batch_indices, const OptTensor& kv_indices,
+                              const OptTensor& kv_indptr) {
+  const c10::cuda::CUDAGuard guard(k.device());
+  RopeStoreKVQuantParams p = rope_store_kv_quant_params(positions, q, k, v, cos_sin, k_cache, v_cache, k_scale, v_scale,
+                                                        k_scale_cache, v_scale_cache, quant, rule, q_w, k_w, eps,
+                                                        is_neox, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  set_table(p.kv.locs, batch_indices, kv_indices, kv_indptr, k);
+  if (p.kv.locs.n == 0) return;
+  const Tensor scratch = at::empty({k.size(0), k.size(1) * k.size(2)}, k.options());
+  p.scratch = static_cast<char*>(scratch.data_ptr());
+  p.scratch_sn = scratch.stride(0);
+  check_launch(launch_rope_store_kv_quant(p, int(check), c10::cuda::getCurrentCUDAStream()));
+}
+
+void rope_store_mla_cuda(const Tensor& positions, const Tensor& q_pe, const Tensor& kv_c, const Tensor& k_pe,
+                         const Tensor& cos_sin, const Tensor& kv_cache, const OptTensor& scale,
+                         const OptTensor& scale_cache, const OptTensor& global_scale, int64_t mode, bool is_neox,
+                         const Tensor& loc, const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank,
+                         int64_t dcp_size, int64_t check, int64_t op, const OptTensor& batch_indices,
+                         const OptTensor& kv_indices, const OptTensor& kv_indptr) {
+  const c10::cuda::CUDAGuard guard(kv_c.device());
+  RopeStoreMLAParams p = rope_store_mla_params(positions, q_pe, kv_c, k_pe, cos_sin, kv_cache, scale, scale_cache,
+                                               global_scale, mode, is_neox, loc, loc_map, errors, dcp_rank,
+                                               dcp_size, check, op);
+  set_table(p.mla.locs, batch_indices, kv_indices, kv_indptr, kv_c);
+  if (p.mla.locs.n == 0) return;
+  const Tensor scratch = at::empty({k_pe.size(0), k_pe.size(1)}, k_pe.options());
+  p.scratch = static_cast<char*>(scratch.data_ptr());
+  p.scratch_sn = scratch.stride(0);
+  check_launch(launch_rope_store_mla(p, int(check), c10::cuda::getCurrentCUDAStream()));
+}
+
 // Page moves (kvwrite/pages.h).
 void copy_pages_cuda(const Tensor& src, const Tensor& dst, const Tensor& src_pages, const Tensor& dst_pages,
                      const OptTensor& errors, int64_t check, int64_t op) {
@@ -167,6 +228,9 @@ TORCH_LIBRARY_IMPL(kvwrite_ext, CUDA, m) {
   m.impl("store_dsv4_kv", &kvwrite::store_dsv4_kv_cuda);
   m.impl("store_dsv4_indexer_k", &kvwrite::store_dsv4_indexer_k_cuda);
   m.impl("store_rows", &kvwrite::store_rows_cuda);
+  m.impl("rope_store_kv", &kvwrite::rope_store_kv_cuda);
+  m.impl("rope_store_kv_quant", &kvwrite::rope_store_kv_quant_cuda);
+  m.impl("rope_store_mla", &kvwrite::rope_store_mla_cuda);
 }
 
 // The public ops torch.ops.kvwrite.* for CUDA tensors: validation + dispatch in C++ (api.h),

@@ -9,6 +9,7 @@
 #include "kvwrite/store_kv_quant.h"
 #include "kvwrite/store_kv_nvfp4.h"
 #include "kvwrite/store_mla.h"
+#include "kvwrite/rope_store.h"
 #include "kvwrite/pages.h"
 
 // Every kernel runs 256-thread blocks (launch_shape); at least 4 resident blocks per SM caps a
@@ -29,6 +30,10 @@ cudaError_t launch_store_kv_nvfp4(const StoreKVNVFP4Params& p, int check, cudaSt
 cudaError_t launch_store_dsv4_kv(const StoreDSV4KVParams& p, int check, cudaStream_t stream);
 cudaError_t launch_store_mxfp4(const StoreMXFP4Params& p, int check, cudaStream_t stream);
 cudaError_t launch_store_rows(const StoreRowsParams& p, int check, cudaStream_t stream);
+// fused RoPE + store (csrc/rope_store.cu); p.scratch: [n, row] device rows of the rotated k / k_pe
+cudaError_t launch_rope_store_kv(const RopeStoreKVParams& p, int check, cudaStream_t stream);
+cudaError_t launch_rope_store_kv_quant(const RopeStoreKVQuantParams& p, int check, cudaStream_t stream);
+cudaError_t launch_rope_store_mla(const RopeStoreMLAParams& p, int check, cudaStream_t stream);
 // Page moves (csrc/pages.cu)
 cudaError_t launch_copy_pages(const CopyPagesParams& p, int check, cudaStream_t stream);
 cudaError_t launch_gather(const GatherParams& p, int check, cudaStream_t stream);

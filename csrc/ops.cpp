@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <sstream>
 #include <vector>
@@ -329,7 +330,9 @@ void store_kv_quant_cpu(const Tensor& k, const Tensor& v, const Tensor& k_cache,
 // Fused RoPE + store (kvwrite/rope_store.h): each parallel chunk rotates its tokens' k (k_pe)
 // into one reused, cache-hot scratch row, then stores that row.
 template <class Token, class P>
-void run_rope_tokens(const P& p, const LocArgs& a, int64_t check, int64_t row_bytes, int64_t token_bytes) {
+void run_rope_tokens(P p, const LocArgs& a, int64_t check, int64_t row_bytes, int64_t token_bytes) {
+  static std::atomic<uint64_t> calls{0};
+  p.rope.call = ++calls;  // keys the per-thread cos/sin row of rope_head_host to this call
   if (check == CHECK_ASSERT)
     assert_prescan_with(a, [&](i64 i) {
       bool ok = false;
@@ -343,6 +346,7 @@ void run_rope_tokens(const P& p, const LocArgs& a, int64_t check, int64_t row_by
     q.scratch_sn = 0;
     for (int64_t i = b; i < e; ++i) Token{}(q, i, true, 0, 1);
   });
+  if (check == CHECK_GUARD && a.errors != nullptr) a.errors[slot::EPOCH] += 1;  // the next call's epoch
 }
 
 void rope_store_kv_cpu(const Tensor& positions, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -358,6 +362,25 @@ void rope_store_kv_cpu(const Tensor& positions, const Tensor& q, const Tensor& k
   const int64_t es = dtype_size(p.kv.in_dtype), row = int64_t(p.kv.H) * p.kv.k.D * es;
   const int64_t bytes = token_bytes(p.kv) + int64_t(p.rope.Hq + p.kv.H) * p.kv.k.D * es * QUANT_WEIGHT;
   dispatch_rope_store_kv(p, int(check), [&](auto token, i64) {
+    run_rope_tokens<typename decltype(token)::type>(p, p.kv.locs, check, row, bytes);
+  });
+}
+
+void rope_store_kv_quant_cpu(const Tensor& positions, const Tensor& q, const Tensor& k, const Tensor& v,
+                             const Tensor& cos_sin, const Tensor& k_cache, const Tensor& v_cache,
+                             const OptTensor& k_scale, const OptTensor& v_scale, const OptTensor& k_scale_cache,
+                             const OptTensor& v_scale_cache, int64_t quant, int64_t rule, const OptTensor& q_w,
+                             const OptTensor& k_w, double eps, bool is_neox, const Tensor& loc,
+                             const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size,
+                             int64_t check, int64_t op, const OptTensor& batch_indices, const OptTensor& kv_indices,
+                             const OptTensor& kv_indptr) {
+  RopeStoreKVQuantParams p = rope_store_kv_quant_params(positions, q, k, v, cos_sin, k_cache, v_cache, k_scale, v_scale,
+                                                        k_scale_cache, v_scale_cache, quant, rule, q_w, k_w, eps,
+                                                        is_neox, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  set_table(p.kv.locs, batch_indices, kv_indices, kv_indptr, k);
+  const int64_t es = dtype_size(p.kv.in_dtype), row = int64_t(p.kv.H) * p.kv.k.D * es;
+  const int64_t bytes = token_bytes(p.kv) + int64_t(p.rope.Hq + p.kv.H) * p.kv.k.D * es * QUANT_WEIGHT;
+  dispatch_rope_store_kv_quant(p, int(check), [&](auto token, i64) {
     run_rope_tokens<typename decltype(token)::type>(p, p.kv.locs, check, row, bytes);
   });
 }
@@ -422,6 +445,10 @@ TORCH_LIBRARY(kvwrite_ext, m) {
   m.def("rope_store_kv(Tensor positions, Tensor(c!) q, Tensor k, Tensor v, Tensor cos_sin, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor? k_scale, Tensor? v_scale, Tensor? q_norm_weight, Tensor? k_norm_weight, "
         "float eps, bool is_neox, " KVW_TAIL ") -> ()");
+  m.def("rope_store_kv_quant(Tensor positions, Tensor(c!) q, Tensor k, Tensor v, Tensor cos_sin, "
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k_scale, Tensor? v_scale, Tensor(d!)? k_scale_cache, "
+        "Tensor(e!)? v_scale_cache, int quant, int rule, Tensor? q_norm_weight, Tensor? k_norm_weight, float eps, "
+        "bool is_neox, " KVW_TAIL ") -> ()");
   m.def("rope_store_mla(Tensor positions, Tensor(c!) q_pe, Tensor kv_c, Tensor k_pe, Tensor cos_sin, "
         "Tensor(a!) kv_cache, Tensor? scale, Tensor(b!)? scale_cache, Tensor? global_scale, int mode, bool is_neox, "
         KVW_TAIL ") -> ()");
@@ -446,6 +473,7 @@ TORCH_LIBRARY_IMPL(kvwrite_ext, CPU, m) {
   m.impl("store_dsv4_indexer_k", &kvwrite::store_dsv4_indexer_k_cpu);
   m.impl("store_rows", &kvwrite::store_rows_cpu);
   m.impl("rope_store_kv", &kvwrite::rope_store_kv_cpu);
+  m.impl("rope_store_kv_quant", &kvwrite::rope_store_kv_quant_cpu);
   m.impl("rope_store_mla", &kvwrite::rope_store_mla_cpu);
 }
 

@@ -49,6 +49,7 @@ inline RopeArgs rope_args(const Tensor& positions, const Tensor& q, const Tensor
     check_same_device(ref, w, "norm weight");
     *dst[j] = w.data_ptr<float>();
   }
+  TORCH_CHECK(eps >= 0, "kvwrite: norm_eps must be >= 0");
   r.eps = float(eps);
   return r;
 }
@@ -63,7 +64,31 @@ inline RopeStoreKVParams rope_store_kv_params(const Tensor& positions, const Ten
   RopeStoreKVParams p;
   p.kv = store_kv_params(k, v, k_cache, v_cache, k_scale, v_scale, loc, loc_map, errors, dcp_rank, dcp_size, check,
                          op);
-  TORCH_CHECK(k_cache.dim() == 4, "kvwrite: rope_store_kv caches are [pages, rows, heads, D] views");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) >= 1 && k_cache.size(1) >= 1,
+              "kvwrite: rope_store_kv caches are [pages >= 1, rows >= 1, heads, D] views");
+  // scales: fp32 [] / [1] / [H] (contiguous), for fp8 caches only (kvwrite.validate.scale)
+  const bool fp8 = is_fp8(p.kv.cache_dtype);
+  for (const OptTensor* s : {&k_scale, &v_scale}) {
+    TORCH_CHECK(s->has_value() == fp8, "kvwrite: k_scale/v_scale are required for (only for) fp8 caches");
+    if (!fp8) continue;
+    const Tensor& t = **s;
+    TORCH_CHECK(t.dim() <= 1 && (t.numel() == 1 || (t.numel() == k.size(1) && t.stride(0) == 1)),
+                "kvwrite: k_scale/v_scale must be fp32 [], [1] or [H]");
+  }
+  p.rope = rope_args(positions, q, cos_sin, q_w, k_w, eps, is_neox, k, k.size(2));
+  return p;
+}
+
+inline RopeStoreKVQuantParams rope_store_kv_quant_params(
+    const Tensor& positions, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cos_sin,
+    const Tensor& k_cache, const Tensor& v_cache, const OptTensor& k_scale, const OptTensor& v_scale,
+    const OptTensor& k_scale_cache, const OptTensor& v_scale_cache, int64_t quant, int64_t rule, const OptTensor& q_w,
+    const OptTensor& k_w, double eps, bool is_neox, const Tensor& loc, const OptTensor& loc_map,
+    const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op) {
+  RopeStoreKVQuantParams p;
+  p.kv = store_kv_quant_params(k, v, k_cache, v_cache, k_scale, v_scale, k_scale_cache, v_scale_cache, quant, rule,
+                               loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  TORCH_CHECK(k_cache.size(0) >= 1 && k_cache.size(1) >= 1, "kvwrite: rope_store_kv caches need pages and rows");
   p.rope = rope_args(positions, q, cos_sin, q_w, k_w, eps, is_neox, k, k.size(2));
   return p;
 }

@@ -22,11 +22,11 @@ import time
 import torch
 
 FAMILIES = ("store_kv", "store_mla", "store_indexer_k", "store_kv_nvfp4", "store_mla_nvfp4",
-            "store_dsv4", "pages", "store_kv_quant")
+            "store_dsv4", "pages", "store_kv_quant", "rope_store")
 CHECKS = {"off": 0, "assert": 1, "guard": 2}
 _PTR = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
         torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5", torch.int32: "i32",
-        torch.int64: "i64", torch.uint8: "u8"}
+        torch.int64: "i64", torch.uint8: "u8", torch.int16: "i16", torch.int8: "i8"}
 
 
 def signature(kernel, pointers: dict[str, torch.dtype], constexprs: dict) -> dict[str, str]:
@@ -109,6 +109,11 @@ def compile_variant(kernel, pointers, constexprs, cc: int) -> dict:
     import triton
 
     pointers, constexprs = with_table_defaults(kernel, pointers, constexprs)
+    # a family's own launch options (kernels/rope_store.py: warps, fp fusion off), else the shared ones
+    module = sys.modules.get(getattr(getattr(kernel, "fn", None), "__module__", ""), None)
+    own = getattr(module, "compile_options", None)
+    options = dict(own(constexprs)) if own else {"num_warps": num_warps(constexprs), "copy": is_copy(constexprs)}
+    copy = options.pop("copy")
     src = ASTSource(kernel, signature(kernel, pointers, constexprs), constexprs,
                     aligned_attrs(kernel, pointers, constexprs))
     debug = constexprs.get("CHECK") == CHECKS["assert"]
@@ -119,14 +124,14 @@ def compile_variant(kernel, pointers, constexprs, cc: int) -> dict:
     try:
         with contextlib.redirect_stdout(log):
             compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32),
-                                      options={"debug": debug, "num_warps": num_warps(constexprs)})
+                                      options={"debug": debug, **options})
     finally:
         knobs.nvidia.dump_ptxas_log = saved
     ptx = compiled.asm["ptx"]
     text = log.getvalue()
     usage = ptxas_usage(text if _REGS.search(text) else run_ptxas(ptx, cc))
     return {"cc": cc, "ok": True, "assertfail": "__assertfail" in ptx, **usage,
-            "num_warps": num_warps(constexprs), "copy": is_copy(constexprs),
+            "num_warps": options["num_warps"], "copy": copy,
             "v4_ld": len(_V4_LD.findall(ptx)), "v4_st": len(_V4_ST.findall(ptx)),
             "seconds": round(time.perf_counter() - start, 3)}
 

@@ -20,10 +20,11 @@ import triton
 import triton.language as tl
 
 from kvwrite import errors as _e
-from kvwrite.kernels._common import (CHECK_OFF, check_or_record, fp8_quant, record_table,
-                                     resolve_locs, resolve_table, store_le_bytes)
+from kvwrite.kernels._common import (CHECK_OFF, check_or_record, end_call, fp8_quant,
+                                     record_table, resolve_locs, resolve_table, store_le_bytes)
 from kvwrite.kernels._nvfp4 import store_blocks
-from kvwrite.kernels.store_mla import _bf16_bits, _ds_mla_tile
+from kvwrite.kernels._quant import abs_for_scale, dynamic_scale, quant_code
+from kvwrite.kernels.store_mla import _RAW_ROPE, _bf16_bits, _ds_mla_tile
 from kvwrite.ops import mla as _mla
 
 _KIND_POSITION = tl.constexpr(_e.KIND_POSITION)
@@ -171,60 +172,119 @@ def _concat_rotated(c16_ptr, pe_ptr, t64, cols, mask, c_sn, pe_sn, cs_ptr, cs_ba
 
 
 @triton.jit
+def _k_head(k_ptr, kw_ptr, cs_ptr, h, t64, pos, w, eps, k_sn, k_sh, cs_sn, D: tl.constexpr,
+            R: tl.constexpr, NEOX: tl.constexpr, K_NORM: tl.constexpr, IN: tl.constexpr,
+            CS_IN: tl.constexpr, BLOCK_D: tl.constexpr, LOG2P: tl.constexpr):
+    """Rotated k head h of the tokens in `w` [BT, 1]: (fp32 rounded values, input-dtype values)."""
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    mask = w & (cols < D)
+    base = (t64 * k_sn + h * k_sh)[:, None]
+    inv = 1.0
+    if K_NORM:
+        inv = _rms_inv(_load_f32(k_ptr, base + cols, mask, IN), D, LOG2P, eps)[:, None]
+    return _rope_vals(k_ptr, base, cols, mask, cs_ptr, (pos * cs_sn)[:, None], inv, kw_ptr, R, NEOX,
+                      K_NORM, IN, CS_IN)
+
+
+@triton.jit
+def _quant_store(x, mask, dst, scale, FMT: tl.constexpr, RULE: tl.constexpr, FMAX: tl.constexpr,
+                 MANT: tl.constexpr, EMIN: tl.constexpr):
+    tl.store(dst, quant_code(x, scale, FMT, RULE, FMAX, MANT, EMIN).to(tl.uint8), mask=mask)
+
+
+@triton.jit
 def rope_store_kv_kernel(
     pos_ptr, q_ptr, k_ptr, v_ptr, cs_ptr, qw_ptr, kw_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
-    loc_ptr, err_ptr, loc_map_ptr,
+    ksc_ptr, vsc_ptr, loc_ptr, err_ptr, loc_map_ptr,
     n_tokens, max_pos, eps, capacity, pool_page_size, map_len, dcp_rank, dcp_size,
     q_sn, q_sh, k_sn, k_sh, v_sn, v_sh, cs_sn,
     kc_sp, kc_so, kc_sh, vc_sp, vc_so, vc_sh, ks_sh, vs_sh,
-    HQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, NEOX: tl.constexpr,
-    Q_NORM: tl.constexpr, K_NORM: tl.constexpr, IN: tl.constexpr, CS_IN: tl.constexpr,
-    QUANT: tl.constexpr, FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr,
+    ksc_sp, ksc_so, ksc_sh, vsc_sp, vsc_so, vsc_sh,
+    HQ: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, R: tl.constexpr,
+    NEOX: tl.constexpr, Q_NORM: tl.constexpr, K_NORM: tl.constexpr, IN: tl.constexpr,
+    CS_IN: tl.constexpr, QUANT: tl.constexpr, FMT: tl.constexpr, QMAX: tl.constexpr,
+    RULE: tl.constexpr, FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr,
     HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr, CHECK: tl.constexpr, OP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, LOG2P: tl.constexpr,
     pt_batch_ptr=None, pt_indices_ptr=None, pt_indptr_ptr=None, pt_num_batches=0,
     pt_num_indices=0, HAS_TABLE: tl.constexpr = False,
 ):
+    """QUANT (kvwrite.ops.kv_quant): 0 copy, 1 static scale (fp8 / int8), 2 dynamic per token
+    (program HQ owns every kv head: two passes, amax then codes), 3 dynamic per token-head."""
     pid_t = tl.program_id(0)
     j = tl.program_id(1)
     tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = tok < n_tokens
     pos, pos_ok = _positions(pos_ptr, tok, tmask, max_pos)
     if j < HQ:
+        if CHECK == 1:  # assert: every program checks before it writes (q is written too)
+            _claim(loc_ptr, pos, pos_ok, tok, n_tokens, loc_map_ptr, map_len, dcp_rank, dcp_size,
+                   capacity, pool_page_size, max_pos, err_ptr, HAS_MAP, HAS_DCP, CHECK, OP, False,
+                   pt_batch_ptr, pt_indices_ptr, pt_indptr_ptr, pt_num_batches, pt_num_indices,
+                   HAS_TABLE)
         _rotate_q(q_ptr, j, tok, pos_ok, pos, cs_ptr, cs_sn, qw_ptr, eps, q_sn, q_sh, D, R, NEOX,
                   Q_NORM, IN, CS_IN, BLOCK_D, LOG2P)
     else:
-        h = j - HQ
         page, offset, write = _claim(loc_ptr, pos, pos_ok, tok, n_tokens, loc_map_ptr, map_len,
                                      dcp_rank, dcp_size, capacity, pool_page_size, max_pos,
-                                     err_ptr, HAS_MAP, HAS_DCP, CHECK, OP, h == 0, pt_batch_ptr,
+                                     err_ptr, HAS_MAP, HAS_DCP, CHECK, OP, j == HQ, pt_batch_ptr,
                                      pt_indices_ptr, pt_indptr_ptr, pt_num_batches,
                                      pt_num_indices, HAS_TABLE)
         t64 = tok.to(tl.int64)
         w = write[:, None]
-        # k head h: rotated, rounded, stored as store_kv stores it
         cols = tl.arange(0, BLOCK_D)[None, :]
         mask = w & (cols < D)
-        base = (t64 * k_sn + h * k_sh)[:, None]
-        inv = 1.0
-        if K_NORM:
-            inv = _rms_inv(_load_f32(k_ptr, base + cols, mask, IN), D, LOG2P, eps)[:, None]
-        kr, kbits = _rope_vals(k_ptr, base, cols, mask, cs_ptr, (pos * cs_sn)[:, None], inv,
-                               kw_ptr, R, NEOX, K_NORM, IN, CS_IN)
-        kdst = kc_ptr + (page * kc_sp + offset * kc_so + h * kc_sh)[:, None] + cols
         vcols = tl.arange(0, BLOCK_DV)[None, :]
         vmask = w & (vcols < DV)
-        vsrc = (t64 * v_sn + h * v_sh)[:, None] + vcols
-        vdst = vc_ptr + (page * vc_sp + offset * vc_so + h * vc_sh)[:, None] + vcols
-        if QUANT:
-            kq = fp8_quant(kr, tl.load(ks_ptr + h * ks_sh), FMAX, MANT, EMIN)
-            tl.store(kdst, kq.to(tl.uint8), mask=mask)
-            vq = fp8_quant(_load_f32(v_ptr, vsrc, vmask, IN), tl.load(vs_ptr + h * vs_sh), FMAX,
-                           MANT, EMIN)
-            tl.store(vdst, vq.to(tl.uint8), mask=vmask)
+        kbase = (page * kc_sp + offset * kc_so)[:, None] + cols
+        vbase = (page * vc_sp + offset * vc_so)[:, None] + vcols
+        if QUANT == 2:
+            # one scale per token over every head: amax of the rotated k (and of v), then codes
+            ka = tl.zeros([BLOCK_T], tl.float32)
+            va = tl.zeros([BLOCK_T], tl.float32)
+            for h in range(H):
+                kr, _ = _k_head(k_ptr, kw_ptr, cs_ptr, h, t64, pos, w, eps, k_sn, k_sh, cs_sn, D, R,
+                                NEOX, K_NORM, IN, CS_IN, BLOCK_D, LOG2P)
+                ka = tl.maximum(ka, tl.max(tl.where(mask, abs_for_scale(kr), 0.0), axis=1))
+                vx = _load_f32(v_ptr, (t64 * v_sn + h * v_sh)[:, None] + vcols, vmask, IN)
+                va = tl.maximum(va, tl.max(tl.where(vmask, abs_for_scale(vx), 0.0), axis=1))
+            ks = dynamic_scale(ka, QMAX)
+            vs = dynamic_scale(va, QMAX)
+            tl.store(ksc_ptr + page * ksc_sp + offset * ksc_so, ks, mask=write)
+            tl.store(vsc_ptr + page * vsc_sp + offset * vsc_so, vs, mask=write)
+            for h in range(H):
+                kr, _ = _k_head(k_ptr, kw_ptr, cs_ptr, h, t64, pos, w, eps, k_sn, k_sh, cs_sn, D, R,
+                                NEOX, K_NORM, IN, CS_IN, BLOCK_D, LOG2P)
+                _quant_store(kr, mask, kc_ptr + kbase + h * kc_sh, ks[:, None], FMT, RULE, FMAX,
+                             MANT, EMIN)
+                vx = _load_f32(v_ptr, (t64 * v_sn + h * v_sh)[:, None] + vcols, vmask, IN)
+                _quant_store(vx, vmask, vc_ptr + vbase + h * vc_sh, vs[:, None], FMT, RULE, FMAX,
+                             MANT, EMIN)
         else:
-            tl.store(kdst, kbits, mask=mask)
-            tl.store(vdst, tl.load(v_ptr + vsrc, mask=vmask), mask=vmask)
+            h = j - HQ
+            kr, kbits = _k_head(k_ptr, kw_ptr, cs_ptr, h, t64, pos, w, eps, k_sn, k_sh, cs_sn, D,
+                                R, NEOX, K_NORM, IN, CS_IN, BLOCK_D, LOG2P)
+            kdst = kc_ptr + kbase + h * kc_sh
+            vdst = vc_ptr + vbase + h * vc_sh
+            vsrc = (t64 * v_sn + h * v_sh)[:, None] + vcols
+            if QUANT == 0:
+                tl.store(kdst, kbits, mask=mask)
+                tl.store(vdst, tl.load(v_ptr + vsrc, mask=vmask), mask=vmask)
+            else:
+                vx = _load_f32(v_ptr, vsrc, vmask, IN)
+                if QUANT == 1:
+                    ks = tl.load(ks_ptr + h * ks_sh)
+                    vs = tl.load(vs_ptr + h * vs_sh)
+                else:  # one scale per token-head
+                    ks = dynamic_scale(tl.max(tl.where(mask, abs_for_scale(kr), 0.0), axis=1), QMAX)
+                    vs = dynamic_scale(tl.max(tl.where(vmask, abs_for_scale(vx), 0.0), axis=1), QMAX)
+                    tl.store(ksc_ptr + page * ksc_sp + offset * ksc_so + h * ksc_sh, ks, mask=write)
+                    tl.store(vsc_ptr + page * vsc_sp + offset * vsc_so + h * vsc_sh, vs, mask=write)
+                    ks = ks[:, None]
+                    vs = vs[:, None]
+                _quant_store(kr, mask, kdst, ks, FMT, RULE, FMAX, MANT, EMIN)
+                _quant_store(vx, vmask, vdst, vs, FMT, RULE, FMAX, MANT, EMIN)
+    end_call(err_ptr, CHECK)  # guard: every program counts itself in the record's call
 
 
 @triton.jit
@@ -235,7 +295,7 @@ def rope_store_mla_kernel(
     q_sn, q_sh, c_sn, pe_sn, cs_sn, cache_sp, cache_so, sc_sp, sc_so, n_row_programs,
     HQ: tl.constexpr, L: tl.constexpr, R: tl.constexpr, NEOX: tl.constexpr, IN: tl.constexpr,
     CS_IN: tl.constexpr, MODE: tl.constexpr, FMAX: tl.constexpr, MANT: tl.constexpr,
-    EMIN: tl.constexpr, HAS_GLOBAL: tl.constexpr,
+    EMIN: tl.constexpr, HAS_GLOBAL: tl.constexpr, FLAGS: tl.constexpr,
     HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr, CHECK: tl.constexpr, OP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
     pt_batch_ptr=None, pt_indices_ptr=None, pt_indptr_ptr=None, pt_num_batches=0,
@@ -247,6 +307,11 @@ def rope_store_mla_kernel(
     tmask = tok < n_tokens
     pos, pos_ok = _positions(pos_ptr, tok, tmask, max_pos)
     if c >= n_row_programs:
+        if CHECK == 1:  # assert: every program checks before it writes (q is written too)
+            _claim(loc_ptr, pos, pos_ok, tok, n_tokens, loc_map_ptr, map_len, dcp_rank, dcp_size,
+                   capacity, pool_page_size, max_pos, err_ptr, HAS_MAP, HAS_DCP, CHECK, OP, False,
+                   pt_batch_ptr, pt_indices_ptr, pt_indptr_ptr, pt_num_batches, pt_num_indices,
+                   HAS_TABLE)
         _rotate_q(q_ptr, c - n_row_programs, tok, pos_ok, pos, cs_ptr, cs_sn, q_ptr, 0.0, q_sn,
                   q_sh, R, R, NEOX, False, IN, CS_IN, BLOCK_R, 0)
     else:
@@ -260,14 +325,19 @@ def rope_store_mla_kernel(
         cs_base = pos * cs_sn
         if MODE == _DS_MLA:
             # latent tile c as store_mla writes it (no rope there: R = 0), then the rotated rope
-            _ds_mla_tile(c_ptr, pe_ptr, cache_ptr, tok, write, row_base, c, c_sn, pe_sn, L, 0, 1)
+            _ds_mla_tile(c_ptr, pe_ptr, cache_ptr, tok, write, row_base, c, c_sn, pe_sn, L, 0, 1,
+                         FLAGS)
             if c == 0:
                 rc = tl.arange(0, BLOCK_R)[None, :]
                 rmask = write[:, None] & (rc < R)
-                val, _ = _rope_vals(pe_ptr, (t64 * pe_sn)[:, None], rc, rmask, cs_ptr,
-                                    cs_base[:, None], 1.0, pe_ptr, R, NEOX, False, IN, CS_IN)
+                val, own = _rope_vals(pe_ptr, (t64 * pe_sn)[:, None], rc, rmask, cs_ptr,
+                                      cs_base[:, None], 1.0, pe_ptr, R, NEOX, False, IN, CS_IN)
                 addr = row_base[:, None] + (L + (L // _TILE) * 4) + 2 * rc
-                store_le_bytes(cache_ptr, addr, _bf16_bits(val), rmask, 2)
+                if _RAW_ROPE & FLAGS:  # the rounded input dtype's own 16 bits (bf16 / fp16)
+                    rb = own.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+                else:
+                    rb = _bf16_bits(val)
+                store_le_bytes(cache_ptr, addr, rb, rmask, 2)
         elif MODE == _COPY or MODE == _FP8:
             cols = (c * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
             w = write[:, None]
@@ -299,6 +369,7 @@ def rope_store_mla_kernel(
             scale_off = (page * sc_sp + offset * sc_so)[:, None] + blocks[None, :]
             store_blocks(x_even, x_odd, g, cache_ptr, byte_off, sc_ptr, scale_off, mask,
                          HAS_GLOBAL)
+    end_call(err_ptr, CHECK)  # guard: every program counts itself in the record's call
 
 
 # ---- host side -------------------------------------------------------------------------------
@@ -328,9 +399,22 @@ def _block_t(n: int, cols: int) -> int:
     return min(triton.next_power_of_2(max(n, 1)), max(1, cap // cols), 256)
 
 
-def _num_warps(block_t: int, cols: int, check: int) -> int:
-    w = max(1, min(8, block_t * cols // 256))
-    return min(32, w * 2) if check == 1 else w
+def _tile_cols(c: dict) -> int:
+    """Columns of a program's widest tile (power of two), from its constexprs."""
+    if "BLOCK_D" in c:
+        return max(c["BLOCK_D"], c["BLOCK_DV"])
+    width = {_mla.MODE_DS_MLA: _mla.DS_MLA_TILE, _mla.MODE_NVFP4: c["BLOCK_C"] * 16}.get(c["MODE"], c["BLOCK_C"])
+    return max(width, c["BLOCK_R"])
+
+
+def compile_options(constexprs: dict) -> dict:
+    """Launch options of a variant (the launchers and kernels/compile_check.py use the same):
+    one warp per 256 tile elements, at most 8 (assert variants: twice, debug builds); fp fusion
+    off (bit-exact rounding); never a plain copy kernel (the rotation gathers pair partners)."""
+    w = max(1, min(8, constexprs["BLOCK_T"] * _tile_cols(constexprs) // 256))
+    if constexprs.get("CHECK") == 1:
+        w = min(32, w * 2)
+    return {"num_warps": w, "enable_fp_fusion": False, "copy": False}
 
 
 def _run(kernel, grid, a, **kwargs) -> None:
@@ -340,7 +424,8 @@ def _run(kernel, grid, a, **kwargs) -> None:
     from kvwrite.errors import OutOfBoundsWrite
     from kvwrite.kernels._launch import KernelAssertion
 
-    kwargs["enable_fp_fusion"] = False
+    opts = compile_options(kwargs)
+    kwargs.update(num_warps=opts["num_warps"], enable_fp_fusion=False)
     if a.check.mode != "assert":
         kernel[grid](**kwargs)
         return
@@ -367,10 +452,11 @@ def _run(kernel, grid, a, **kwargs) -> None:
 
 
 def launch_kv(a) -> None:
-    """Launch rope_store_kv_kernel for a validated `kvwrite.ops.rope.RopeStoreKV` (copy or static
-    fp8 K/V store)."""
+    """Launch rope_store_kv_kernel for a validated `kvwrite.ops.rope.RopeStoreKV` (every K/V
+    store format: copy, static fp8 / int8, dynamic per-token / per-token-head int8 / fp8)."""
     import torch
 
+    from kvwrite.kernels import _quant
     from kvwrite.kernels._launch import fp8_constexprs, loc_args
     from kvwrite.ops import kv_quant
 
@@ -378,32 +464,39 @@ def launch_kv(a) -> None:
     n, h, d = s.k.shape
     dv = s.v.shape[2]
     hq = a.q.shape[1]
-    quant = s.quant == kv_quant.QUANT_STATIC
+    quant = s.quant
     block_d, block_dv = triton.next_power_of_2(d), triton.next_power_of_2(dv)
     block_t = _block_t(n, max(block_d, block_dv))
     kc, vc = ((s.k_cache.view(torch.uint8), s.v_cache.view(torch.uint8)) if quant
               else (_bits(s.k_cache), _bits(s.v_cache)))
-    ks = s.k_scale if quant else a.cos_sin
-    vs = s.v_scale if quant else a.cos_sin
+    static = quant == kv_quant.QUANT_STATIC
+    ks = s.k_scale if static else a.cos_sin
+    vs = s.v_scale if static else a.cos_sin
+    ksc = s.k_scale_cache if s.k_scale_cache is not None else a.cos_sin.new_empty((1, 1, 1))
+    vsc = s.v_scale_cache if s.v_scale_cache is not None else ksc
     w = a.q_norm_weight if a.q_norm_weight is not None else a.cos_sin
     kw = a.k_norm_weight if a.k_norm_weight is not None else a.cos_sin
+    fmt = (_quant.constexprs(s.k_cache.dtype, s.rule) if quant
+           else dict(FMT=0, QMAX=0.0, RULE=0, **fp8_constexprs(s.k_cache.dtype)))
     kwargs = dict(
         pos_ptr=a.positions, q_ptr=_bits(a.q), k_ptr=_bits(s.k), v_ptr=_bits(s.v),
         cs_ptr=_bits(a.cos_sin), qw_ptr=w, kw_ptr=kw, kc_ptr=kc, vc_ptr=vc, ks_ptr=ks, vs_ptr=vs,
-        max_pos=a.cos_sin.shape[0], eps=a.eps,
+        ksc_ptr=ksc, vsc_ptr=vsc, max_pos=a.cos_sin.shape[0], eps=a.eps,
         q_sn=a.q.stride(0), q_sh=a.q.stride(1), k_sn=s.k.stride(0), k_sh=s.k.stride(1),
         v_sn=s.v.stride(0), v_sh=s.v.stride(1), cs_sn=a.cos_sin.stride(0),
         kc_sp=kc.stride(0), kc_so=kc.stride(1), kc_sh=kc.stride(2),
         vc_sp=vc.stride(0), vc_so=vc.stride(1), vc_sh=vc.stride(2),
-        ks_sh=(1 if s.k_scale.numel() > 1 else 0) if quant else 0,
-        vs_sh=(1 if s.v_scale.numel() > 1 else 0) if quant else 0,
-        HQ=hq, D=d, DV=dv, R=a.rotary_dim, NEOX=a.is_neox, Q_NORM=a.q_norm_weight is not None,
+        ks_sh=(1 if s.k_scale.numel() > 1 else 0) if static else 0,
+        vs_sh=(1 if s.v_scale.numel() > 1 else 0) if static else 0,
+        ksc_sp=ksc.stride(0), ksc_so=ksc.stride(1), ksc_sh=ksc.stride(2),
+        vsc_sp=vsc.stride(0), vsc_so=vsc.stride(1), vsc_sh=vsc.stride(2),
+        HQ=hq, H=h, D=d, DV=dv, R=a.rotary_dim, NEOX=a.is_neox, Q_NORM=a.q_norm_weight is not None,
         K_NORM=a.k_norm_weight is not None, IN=_in_code(s.k.dtype), CS_IN=_in_code(a.cos_sin.dtype),
-        QUANT=quant, **fp8_constexprs(s.k_cache.dtype),
+        QUANT=quant, **fmt,
         BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_DV=block_dv, LOG2P=_log2(block_d),
         **loc_args(a))
-    kwargs["num_warps"] = _num_warps(block_t, max(block_d, block_dv), kwargs["CHECK"])
-    _run(rope_store_kv_kernel, (triton.cdiv(n, block_t), hq + h), a, **kwargs)
+    kv_programs = 1 if quant == kv_quant.QUANT_TOKEN else h
+    _run(rope_store_kv_kernel, (triton.cdiv(n, block_t), hq + kv_programs), a, **kwargs)
 
 
 def launch_mla(a) -> None:
@@ -420,7 +513,7 @@ def launch_mla(a) -> None:
     mode = s.format.mode
     block_r = triton.next_power_of_2(rope)
     if mode == _mla.MODE_DS_MLA:
-        block_c, row_programs, width = _mla.DS_MLA_TILE, lora // _mla.DS_MLA_TILE, _mla.DS_MLA_TILE
+        block_c, row_programs, width = 1, lora // _mla.DS_MLA_TILE, _mla.DS_MLA_TILE
     elif mode == _mla.MODE_NVFP4:
         block_c = max(1, min(triton.next_power_of_2((lora + rope) // 16), 64))
         row_programs, width = triton.cdiv((lora + rope) // 16, block_c), block_c * 16
@@ -445,7 +538,69 @@ def launch_mla(a) -> None:
         n_row_programs=row_programs,
         HQ=hq, L=lora, R=rope, NEOX=a.is_neox, IN=_in_code(s.kv_c.dtype),
         CS_IN=_in_code(a.cos_sin.dtype), MODE=mode, **fp8_constexprs(s.kv_cache.dtype),
-        HAS_GLOBAL=s.global_scale is not None,
+        HAS_GLOBAL=s.global_scale is not None, FLAGS=s.format.flags,
         BLOCK_T=block_t, BLOCK_C=block_c, BLOCK_R=block_r, **loc_args(a))
-    kwargs["num_warps"] = _num_warps(block_t, max(width, block_r), kwargs["CHECK"])
     _run(rope_store_mla_kernel, (triton.cdiv(n, block_t), row_programs + hq), a, **kwargs)
+
+
+def variants():
+    """(name, kernel, pointer dtypes, constexprs) of every variant, for compile_check: Qwen3-like
+    heads (32 q / 8 kv x 128, neox, q/k norm) copy and fp8, GPT-J partial rotary with SWA + DCP,
+    a page table; DeepSeek MLA (512 + 64, 16 q heads) in every format."""
+    import torch
+
+    from kvwrite.errors import op_code
+    from kvwrite.kernels import _quant
+    from kvwrite.kernels._launch import fp8_constexprs
+
+    f32, f16, bf16, u8, i32, i64 = (torch.float32, torch.float16, torch.bfloat16, torch.uint8,
+                                    torch.int32, torch.int64)
+    as_bits = lambda d: torch.int16 if d == bf16 else d  # noqa: E731
+    i8 = torch.int8
+    kv_cases = (  # (input, cache, quant mode, rule, neox, rotary, norm, map + dcp, table)
+        (bf16, bf16, 0, 0, True, 128, True, False, False), (f16, torch.float8_e4m3fn, 1, 0, True, 128, True, False, False),
+        (bf16, torch.float8_e5m2, 1, 0, False, 64, False, True, False), (f32, f32, 0, 0, False, 64, True, True, False),
+        (bf16, bf16, 0, 0, True, 128, False, False, True), (bf16, i8, 1, 0, True, 128, True, False, False),
+        (bf16, i8, 2, 0, True, 128, True, False, False), (f16, torch.float8_e4m3fn, 3, 1, True, 128, True, True, False),
+        (bf16, i8, 3, 1, False, 64, True, False, False),
+    )
+    for check in (0, 1, 2):
+        for dtype, cache, quant, rule, neox, rot, norm, extras, table in kv_cases:
+            pointers = dict(pos_ptr=i64, q_ptr=as_bits(dtype), k_ptr=as_bits(dtype), v_ptr=as_bits(dtype),
+                            cs_ptr=f32, qw_ptr=f32, kw_ptr=f32, kc_ptr=u8 if quant else as_bits(cache),
+                            vc_ptr=u8 if quant else as_bits(cache), ks_ptr=f32, vs_ptr=f32,
+                            ksc_ptr=f32, vsc_ptr=f32,
+                            loc_ptr=i32 if table else i64, err_ptr=i64, loc_map_ptr=i32)
+            fmt = (_quant.constexprs(cache, rule) if quant else
+                   dict(FMT=0, QMAX=0.0, RULE=0, **fp8_constexprs(cache)))
+            constexprs = dict(HQ=32, H=8, D=128, DV=128, R=rot, NEOX=neox, Q_NORM=norm, K_NORM=norm,
+                              IN=_in_code(dtype), CS_IN=IN_F32, QUANT=quant, **fmt,
+                              HAS_MAP=extras, HAS_DCP=extras, CHECK=check, OP=op_code("rope_store_kv"),
+                              BLOCK_T=4, BLOCK_D=128, BLOCK_DV=128, LOG2P=7)
+            if table:
+                pointers.update(pt_batch_ptr=i32, pt_indices_ptr=i32, pt_indptr_ptr=i32)
+                constexprs["HAS_TABLE"] = True
+            name = (f"kv:{str(dtype)[6:]}->{str(cache)[6:]}/q{quant}r{rule}{'+neox' if neox else '+gptj'}{rot}"
+                    f"{'+norm' if norm else ''}{'+map+dcp' if extras else ''}{'+table' if table else ''}")
+            yield name, rope_store_kv_kernel, pointers, constexprs
+        for dtype, fmt, extras in ((bf16, "auto", False), (f16, "fp8_e4m3", False), (bf16, "fp8_e5m2", True),
+                                   (bf16, "fp8_ds_mla", False), (f32, "fp8_ds_mla", True),
+                                   (f16, "fp8_ds_mla+pow2+input", False), (bf16, "nvfp4", False),
+                                   (f32, "nvfp4", True)):
+            f = _mla.FORMATS[fmt]
+            cache = f.cache_dtype(dtype)
+            mode = f.mode
+            block_c = {_mla.MODE_DS_MLA: 1, _mla.MODE_NVFP4: 36}.get(mode, 1024)
+            block_c = triton.next_power_of_2(block_c)
+            pointers = dict(pos_ptr=i64, q_ptr=as_bits(dtype), c_ptr=dtype, c16_ptr=as_bits(dtype),
+                            pe_ptr=as_bits(dtype), cs_ptr=f32,
+                            cache_ptr=as_bits(cache) if mode == _mla.MODE_COPY else u8,
+                            scale_ptr=f32, sc_ptr=u8, g_ptr=f32, loc_ptr=i64, err_ptr=i64,
+                            loc_map_ptr=i32)
+            constexprs = dict(HQ=16, L=512, R=64, NEOX=False, IN=_in_code(dtype), CS_IN=IN_F32, MODE=mode,
+                              **fp8_constexprs(cache), HAS_GLOBAL=extras, FLAGS=f.flags, HAS_MAP=extras,
+                              HAS_DCP=extras,
+                              CHECK=check, OP=op_code("rope_store_mla"), BLOCK_T=4 if mode != _mla.MODE_DS_MLA else 8,
+                              BLOCK_C=block_c, BLOCK_R=64)
+            yield (f"mla:{str(dtype)[6:]}->{fmt}{'+map+dcp' if extras else ''}", rope_store_mla_kernel,
+                   pointers, constexprs)

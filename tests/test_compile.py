@@ -16,7 +16,9 @@ from kvwrite.kernels.compile_check import CHECKS, FAMILIES
 # store_kv: since vLLM's head-major layout (split head-dim strides, issue 11) joined the copy
 #   kernel, its variants compile to up to ~126 registers on sm_80/sm_90; not yet re-tuned.
 # store_dsv4: the fp16 page-granular DCP variant on sm_80 needs 72.
-REGISTER_LIMIT = {"store_kv": 128, "store_dsv4": 80}
+# rope_store: a rotated element keeps its pair partner, cos, sin and norm weight live (up to ~111
+#   on sm_90 for the two-pass per-token int8 and the MLA row programs); not yet tuned.
+REGISTER_LIMIT = {"store_kv": 128, "store_dsv4": 80, "rope_store": 128}
 # Families whose copy variants do not yet compile to 16-byte stores (loads are .v4): store_kv,
 # since the head-major split's int64 feature offset joined the copy path (issue 12 not met there).
 V4_STORE_EXEMPT = {"store_kv"}

@@ -102,14 +102,7 @@ def store_kwargs(p, kind, h):
 def test_rope_store_kv_matches_unfused(backend, case, check):
     c = KV_CASES[case]
     dtype, hq, h, d, rd, neox, norm, cos32, kind = c
-    if backend != "torch" and kind not in KERNEL_KINDS:
-        with pytest.raises(kvwrite.BackendUnavailable):
-            run_kv_case(c, case, check, backend)
-        return
     run_kv_case(c, case, check, backend)
-
-
-KERNEL_KINDS = ("same", "fp8_static")  # K/V formats the kernel backends store so far
 
 
 def run_kv_case(c, case, check, backend):
@@ -244,3 +237,198 @@ def test_bad_arguments_name_the_argument():
         kvwrite.rope_store_kv(pos, q, k, k, torch.randn(4, 16), kc, kc.clone(), loc, q_norm_weight=torch.ones(5))
     with pytest.raises(ValueError, match="cos_sin_cache"):
         kvwrite.rope_store_kv(pos, q, k, k, torch.randn(4, 16), kc, kc.clone(), loc, rotary_dim=8)
+
+
+# ---- every kernel backend against the reference: addressing variants, bad locs, errors --------
+
+def _addressing(variant, n, num_pages, pps, gen, bad):
+    """(loc kwargs for the store, capacity of the virtual loc space) of one addressing variant;
+    `bad`: mix in out-of-range locs (guard / assert tests)."""
+    cap = num_pages * pps
+    if variant == "table":
+        nb = 2
+        kv_indices = torch.randperm(num_pages, generator=gen)[:4].to(torch.int32)
+        if bad:
+            kv_indices[1] = num_pages + 3
+        kv_indptr = torch.tensor([0, 2, 4], dtype=torch.int32)
+        batch = torch.randint(0, nb, (n,), generator=gen).to(torch.int32)
+        tpos = torch.randint(0, 2 * pps, (n,), generator=gen).to(torch.int32)
+        return dict(loc=kvwrite.PageTable(batch, tpos, kv_indices, kv_indptr))
+    if variant == "loc_map":
+        m = torch.randperm(cap, generator=gen)[: cap - 2]
+        m = torch.cat([m, torch.tensor([-1, cap + 5 if bad else 0])])
+        loc = torch.randint(-1, m.shape[0] + (3 if bad else 0), (n,), generator=gen)
+        return dict(loc=loc, loc_map=m)
+    if variant == "dcp":
+        loc = torch.randperm(2 * cap, generator=gen)[:n]
+        if bad:
+            loc[2] = 2 * cap + 1
+        return dict(loc=loc, dcp_rank=1, dcp_size=2)
+    loc = paged_locs(n, cap, pps, gen, 0.25)
+    if bad:
+        loc[1] = cap + 7
+    return dict(loc=loc)
+
+
+KV_VARIANTS = ["plain", "loc_map", "dcp", "table", "hnd", "qkv_view", "fp8_head_scale",
+               "int8_static", "int8_token", "e4m3_head", "e5m2_token_hnd"]
+QUANT_VARIANTS = {  # variant -> (cache dtype, scale caches: None / "token" / "head", static scales)
+    "fp8_head_scale": (torch.float8_e4m3fn, None, True), "int8_static": (torch.int8, None, True),
+    "int8_token": (torch.int8, "token", False), "e4m3_head": (torch.float8_e4m3fn, "head", False),
+    "e5m2_token_hnd": (torch.float8_e5m2, "token", False)}
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("variant", KV_VARIANTS)
+@pytest.mark.parametrize("check", ["off", "guard"])
+def test_rope_store_kv_kernels_match_reference(backend, variant, check):
+    n, hq, h, d, pps, num_pages, max_pos = 7, 2, 2, 48, 4, 3, 30
+    gen = torch.Generator().manual_seed(hash(variant) % 1000)
+    dtype = torch.float16 if variant == "dcp" else torch.bfloat16
+    cdt, scales, static = QUANT_VARIANTS.get(variant, (None, None, False))
+    if variant == "qkv_view":  # q, k, v: column views of one fused qkv buffer
+        qkv = (torch.randn(n, (hq + 2 * h) * d, generator=gen) * 3).to(dtype)
+        q0 = qkv[:, :hq * d].view(n, hq, d)
+        k = qkv[:, hq * d:(hq + h) * d].view(n, h, d)
+        v = qkv[:, (hq + h) * d:].view(n, h, d)
+    else:
+        q0 = (torch.randn(n, hq, d, generator=gen) * 3).to(dtype)
+        k = (torch.randn(n, h, d, generator=gen) * 3).to(dtype)
+        v = (torch.randn(n, h, 32, generator=gen) * 3).to(dtype)
+    rd = 32 if variant in ("loc_map", "table") else d
+    ang = torch.rand(max_pos, rd // 2, generator=gen) * 6
+    cs = torch.cat([ang.cos(), ang.sin()], -1)
+    if variant == "dcp":
+        cs = cs.to(dtype)
+    pos = torch.randint(0, max_pos, (n,), generator=gen)
+    if check == "guard":
+        pos[3] = max_pos + 2
+    qw = torch.rand(d, generator=gen) + 0.5
+    kw = (torch.rand(d, generator=gen) + 0.5).to(dtype)
+    layout = "HND" if variant.endswith("hnd") else "NHD"
+    cdt = cdt or dtype
+    shp = (num_pages, pps, h) if layout == "NHD" else (num_pages, h, pps)
+    specs = {"k_cache": ((*shp, d), cdt), "v_cache": ((*shp, v.shape[2]), cdt), "q": ((n, hq, d), dtype)}
+    if scales:
+        sshape = (num_pages, pps) if scales == "token" else (num_pages, pps, h)
+        specs.update(k_scale_cache=(sshape, torch.float32), v_scale_cache=(sshape, torch.float32))
+    p = CanaryBuffer(specs, 5)
+    p["q"].copy_(q0)
+    ref, original = p.clone(), p.raw.clone()
+    addr_kind = {"int8_token": "loc_map", "e4m3_head": "dcp", "int8_static": "table"}.get(variant, variant)
+    addr = _addressing(addr_kind if addr_kind in ("loc_map", "dcp", "table") else "plain", n, num_pages,
+                       pps, gen, check == "guard")
+    static_scales = dict(k_scale=torch.rand(h, generator=gen) * 0.05 + 0.01, v_scale=torch.tensor([0.03]))
+    errs = {}
+    for b, buf in ((backend, p), ("torch", ref)):
+        extra = static_scales if static else {}
+        if scales:
+            extra = dict(k_scale_cache=buf["k_scale_cache"], v_scale_cache=buf["v_scale_cache"])
+        errs[b] = kvwrite.ErrorBuffer()
+        kvwrite.rope_store_kv(pos, buf["q"], k, v, cs, buf["k_cache"], buf["v_cache"], is_neox=variant != "table",
+                              rotary_dim=rd, q_norm_weight=qw, k_norm_weight=kw if variant != "loc_map" else None,
+                              norm_eps=1e-5, layout=layout, check=check, errors=errs[b], backend=b,
+                              **addr, **extra)
+    assert_same_bytes(p, ref, original)
+    assert torch.equal(errs[backend].tensor, errs["torch"].tensor)
+    if check == "guard":  # a bad position (token 3) and bad locs were recorded
+        assert errs["torch"].error().count >= 1
+
+
+MLA_VARIANTS = [("auto", "table"), ("fp8", "loc_map"), ("fp8_ds_mla", "dcp"), ("nvfp4", "plain"),
+                ("fp8_e5m2", "plain"), ("fp8_ds_mla+pow2+input", "plain"), ("fp8_ds_mla+input", "dcp")]
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("fmt,variant", MLA_VARIANTS)
+@pytest.mark.parametrize("check", ["off", "guard"])
+def test_rope_store_mla_kernels_match_reference(backend, fmt, variant, check):
+    n, hq, L, R, pps, num_pages, max_pos = 6, 2, 128, 16, 4, 3, 20
+    gen = torch.Generator().manual_seed(7)
+    dtype = torch.float16 if variant == "dcp" else torch.bfloat16
+    kv_c = (torch.randn(n, L, generator=gen) * 2).to(dtype)
+    k_pe = (torch.randn(n, R, generator=gen) * 2).to(dtype)
+    q_pe = (torch.randn(n, hq, R, generator=gen) * 2).to(dtype)
+    ang = torch.rand(max_pos, R // 2, generator=gen) * 6
+    cs = torch.cat([ang.cos(), ang.sin()], -1)
+    pos = torch.randint(0, max_pos, (n,), generator=gen)
+    if check == "guard":
+        pos[4] = -1
+    name = {"fp8": "fp8_e4m3"}.get(fmt, fmt)
+    fm = kvwrite.ops.mla.FORMATS[name]
+    specs = {"kv_cache": ((num_pages, pps, fm.row_width(L, R)), fm.cache_dtype(dtype)), "q": ((n, hq, R), dtype)}
+    if fm.takes_scale_cache:
+        specs["scale_cache"] = ((num_pages, pps, (L + R) // 16), torch.float8_e4m3fn)
+    p = CanaryBuffer(specs, 9)
+    p["q"].copy_(q_pe)
+    ref, original = p.clone(), p.raw.clone()
+    addr = _addressing(variant, n, num_pages, pps, gen, check == "guard")
+    errs = {}
+    for b, buf in ((backend, p), ("torch", ref)):
+        extra = ({"scale": torch.tensor(0.02)} if fm.takes_scale else {}) | (
+            {"scale_cache": buf["scale_cache"], "global_scale": torch.tensor([0.5])} if fm.takes_scale_cache else {})
+        errs[b] = kvwrite.ErrorBuffer()
+        kvwrite.rope_store_mla(pos, buf["q"], kv_c, k_pe, cs, buf["kv_cache"], is_neox=variant == "plain",
+                               kv_cache_dtype=fmt, check=check, errors=errs[b], backend=b, **addr, **extra)
+    assert_same_bytes(p, ref, original)
+    assert torch.equal(errs[backend].tensor, errs["torch"].tensor)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("op", ["kv", "mla"])
+def test_rope_store_assert_raises_before_any_write(backend, op):
+    """assert mode: a bad loc (and a bad position) raise OutOfBoundsWrite naming the first bad
+    token; nothing around or inside the pool changes."""
+    n, pps, num_pages = 5, 4, 2
+    gen = torch.Generator().manual_seed(3)
+    loc = torch.tensor([0, 3, 100, 5, -1])
+    pos = torch.tensor([1, 2, 3, 40, 4])   # token 3: position outside a 10-row cos/sin cache
+    cs = torch.randn(10, 16, generator=gen)
+    if op == "kv":
+        p = CanaryBuffer({"k_cache": ((num_pages, pps, 2, 16), torch.float32),
+                          "v_cache": ((num_pages, pps, 2, 16), torch.float32), "q": ((n, 2, 16), torch.float32)}, 1)
+        original = p.raw.clone()
+        with pytest.raises(kvwrite.OutOfBoundsWrite, match="token 2") as info:
+            kvwrite.rope_store_kv(pos, p["q"], torch.randn(n, 2, 16), torch.randn(n, 2, 16), cs, p["k_cache"],
+                                  p["v_cache"], loc, check="assert", backend=backend)
+    else:
+        p = CanaryBuffer({"kv_cache": ((num_pages, pps, 48), torch.float32), "q": ((n, 2, 16), torch.float32)}, 1)
+        original = p.raw.clone()
+        with pytest.raises(kvwrite.OutOfBoundsWrite, match="token 2") as info:
+            kvwrite.rope_store_mla(pos, p["q"], torch.randn(n, 32), torch.randn(n, 16), cs, p["kv_cache"], loc,
+                                   check="assert", backend=backend)
+    assert info.value.count == 2 and info.value.kind == kvwrite.errors.KIND_POOL
+    assert torch.equal(p.raw, original)
+
+
+@pytest.mark.skipif("cpu" not in KERNEL_BACKENDS, reason="the cpu backend (C++ extension) is unavailable")
+def test_rope_store_kv_cpu_direct_call(monkeypatch):
+    """Once the extension is loaded, a CPU call the C++ checks accept runs the kernel directly
+    (no Python validation: the same bytes); one they refuse gets Python's named error."""
+    import kvwrite.ops.rope as rope_ops
+
+    n, hq, h, d = 3, 2, 2, 32
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(n, hq, d, generator=gen).bfloat16()
+    k, v = torch.randn(n, h, d, generator=gen).bfloat16(), torch.randn(n, h, d, generator=gen).bfloat16()
+    cs = torch.randn(8, d, generator=gen)
+    pos, loc = torch.tensor([1, 7, 3]), torch.tensor([2, -1, 5])
+    w = torch.rand(d, generator=gen) + 0.5
+    caches = [torch.zeros(2, 4, h, d, dtype=torch.bfloat16) for _ in range(4)]
+    qs = [q.clone(), q.clone()]
+    kvwrite.rope_store_kv(pos, qs[0], k, v, cs, caches[0], caches[1], loc, q_norm_weight=w, k_norm_weight=w,
+                          backend="torch")
+
+    def no_python(*args, **kwargs):
+        raise AssertionError("the Python validation ran")
+
+    kvwrite.rope_store_kv(pos, q.clone(), k, v, cs, caches[2].clone(), caches[3].clone(), loc, backend="cpu")
+    monkeypatch.setattr(rope_ops, "prepare_rope_store_kv", no_python)
+    kvwrite.rope_store_kv(pos, qs[1], k, v, cs, caches[2], caches[3], loc, q_norm_weight=w, k_norm_weight=w,
+                          backend="cpu")
+    assert torch.equal(qs[0], qs[1]) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    monkeypatch.undo()
+    with pytest.raises(TypeError, match="q must have dtype"):
+        kvwrite.rope_store_kv(pos, q.float(), k, v, cs, caches[2], caches[3], loc, backend="cpu")
+    with pytest.raises(ValueError, match="norm_eps"):
+        kvwrite.rope_store_kv(pos, q, k, v, cs, caches[2], caches[3], loc, norm_eps=-1.0, backend="cpu")

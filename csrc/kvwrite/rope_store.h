@@ -10,11 +10,23 @@
 // with v (kv_c) exactly as store_kv (store_mla) stores a row, through their own row writers.
 #pragma once
 
+#include "kv_quant.h"
 #include "rn.h"
 #include "store_kv.h"
+#include "store_kv_quant.h"
 #include "store_mla.h"
 
 namespace kvwrite {
+
+// fp32 operations rounded once each, never fused: mul_rn / add_rn / div_rn (kv_quant.h) and
+// the correctly rounded square root.
+KVW_HD float sqrt_rn(float a) {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(a);
+#else
+  return __builtin_sqrtf(a);
+#endif
+}
 
 #if defined(__CUDA_ARCH__)
 #define KVW_BARRIER() __syncthreads()
@@ -37,11 +49,11 @@ KVW_HD uint16_t float_to_half_rn(float f) {
   return uint16_t(sign | (float_to_bits(add_rn(bits_to_float(ax), 0.5f)) - 0x3F000000u));
 }
 
-// fp32 -> bf16 bits, round to nearest even (NaN -> 0x7FC0, as c10).
+// fp32 -> bf16 bits, round to nearest even (NaN -> 0x7FC0, as c10); branch-free (vectorises).
 KVW_HD uint16_t float_to_bf16_rn(float f) {
-  if (f != f) return 0x7FC0;
   const uint32_t u = float_to_bits(f);
-  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  const uint16_t r = uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  return f != f ? uint16_t(0x7FC0) : r;
 }
 
 // Store fp32 `y` rounded once to IN at element `i` of `dst`.
@@ -72,6 +84,7 @@ struct RopeArgs {
   const float* q_w = nullptr;     // RMS-norm weights (fp32 [D]) or null
   const float* k_w = nullptr;
   float eps = 0.0f;
+  uint64_t call = 0;              // host: this op call's unique id (0: none), keys per-thread caches
 };
 
 template <DType IN>
@@ -102,11 +115,75 @@ KVW_HD float rms_inv(const void* src, i64 off, int D, float eps) {
   return div_rn(1.0f, sqrt_rn(add_rn(div_rn(stk[top], float(D)), eps)));
 }
 
+#if !defined(__CUDA_ARCH__)
+// The adjacent-pair tree over a[0, n) (n a power of two): the sum of the two halves' trees.
+inline float pair_tree(const float* a, int n) {
+  if (n == 8) return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+  if (n < 8) {
+    if (n == 1) return a[0];
+    return n == 2 ? a[0] + a[1] : (a[0] + a[1]) + (a[2] + a[3]);
+  }
+  return pair_tree(a, n / 2) + pair_tree(a + n / 2, n / 2);
+}
+
+// The host's rope_head: the same operations in the same order, as whole-head loops over local
+// fp32 rows that the compiler vectorises (the tree level by level, then the pairs).
+template <DType IN>
+inline void rope_head_host(const RopeArgs& r, i64 pos, const void* src, i64 off, void* dst, i64 doff, int D,
+                           const float* w) {
+  float x[ROPE_MAX_DIM], o[ROPE_MAX_DIM];
+  for (int c = 0; c < D; ++c) x[c] = load_float<IN>(src, off + c);
+  const int half = r.R / 2;
+  // the token's cos/sin row as fp32, converted once for all its heads (this thread's last row)
+  // (keyed by the op call's unique id and the position: never reused across calls)
+  thread_local struct { uint64_t call = 0; i64 pos = -1; float v[ROPE_MAX_DIM]; } row;
+  if (r.call == 0 || row.call != r.call || row.pos != pos) {
+    const i64 at = pos * r.cs_stride;
+    for (int c = 0; c < r.R; ++c) row.v[c] = load_cs<IN>(r, at + c);
+    row.call = r.call;
+    row.pos = pos;
+  }
+  const float* cs = row.v;
+  if (w != nullptr) {
+    float a[ROPE_MAX_DIM];
+    int P = 1;
+    while (P < D) P *= 2;
+    for (int c = 0; c < D; ++c) a[c] = x[c] * x[c];
+    for (int c = D; c < P; ++c) a[c] = 0.0f;
+    const float inv = 1.0f / __builtin_sqrtf(pair_tree(a, P) / float(D) + r.eps);
+    for (int c = 0; c < D; ++c) x[c] = (x[c] * inv) * w[c];
+  }
+  const float* cos = cs;
+  const float* sin = cs + half;
+  if (r.neox) {
+    for (int i = 0; i < half; ++i) {
+      o[i] = x[i] * cos[i] - x[i + half] * sin[i];
+      o[i + half] = x[i + half] * cos[i] + x[i] * sin[i];
+    }
+  } else {
+    for (int i = 0; i < half; ++i) {
+      o[2 * i] = x[2 * i] * cos[i] - x[2 * i + 1] * sin[i];
+      o[2 * i + 1] = x[2 * i + 1] * cos[i] + x[2 * i] * sin[i];
+    }
+  }
+  for (int c = r.R; c < D; ++c) o[c] = x[c];
+  if constexpr (IN == DType::F32) {
+    memcpy(static_cast<float*>(dst) + doff, o, size_t(D) * 4);
+  } else {
+    uint16_t* d = static_cast<uint16_t*>(dst) + doff;
+    for (int c = 0; c < D; ++c) d[c] = IN == DType::F16 ? float_to_half_rn(o[c]) : float_to_bf16_rn(o[c]);
+  }
+}
+#endif
+
 // Rotate one head of D elements at `src` + `off` (norm weight `w` or null) and store each
 // result, rounded to IN, at `dst` + `doff` (dst may be src: each pair is read before written).
 template <DType IN>
 KVW_HD void rope_head(const RopeArgs& r, i64 pos, const void* src, i64 off, void* dst, i64 doff, int D,
                       const float* w) {
+#if !defined(__CUDA_ARCH__)
+  return rope_head_host<IN>(r, pos, src, off, dst, doff, D, w);
+#endif
   const float inv = w != nullptr ? rms_inv<IN>(src, off, D, r.eps) : 1.0f;
   const auto y = [&](int c) {
     const float x = load_float<IN>(src, off + c);
@@ -118,7 +195,7 @@ KVW_HD void rope_head(const RopeArgs& r, i64 pos, const void* src, i64 off, void
     const int a = r.neox ? i : 2 * i, b = r.neox ? i + half : 2 * i + 1;
     const float ya = y(a), yb = y(b);
     const float c = load_cs<IN>(r, cs + i), s = load_cs<IN>(r, cs + half + i);
-    store_rounded<IN>(dst, doff + a, sub_rn(mul_rn(ya, c), mul_rn(yb, s)));
+    store_rounded<IN>(dst, doff + a, add_rn(mul_rn(ya, c), -mul_rn(yb, s)));
     store_rounded<IN>(dst, doff + b, add_rn(mul_rn(yb, c), mul_rn(ya, s)));
   }
   for (int c = r.R; c < D; ++c) store_rounded<IN>(dst, doff + c, y(c));
@@ -216,6 +293,7 @@ KVW_HD void rope_store_kv_token(const RopeStoreKVParams& p, i64 i, bool live, in
 
 template <int CHECK, DType IN, class OUT, int VEC>
 struct RopeStoreKVToken {
+  static constexpr int check = CHECK;
   KVW_HD void operator()(const RopeStoreKVParams& p, i64 i, bool live, int lane, int nlanes) const {
     rope_store_kv_token<CHECK, IN, OUT, VEC>(p, i, live, lane, nlanes);
   }
@@ -243,6 +321,96 @@ void dispatch_rope_store_kv(const RopeStoreKVParams& p, int check, F&& f) {
           f(TypeTag<RopeStoreKVToken<c.value, in.value, typename decltype(fmt)::type, 1>>{}, w > heads ? w : heads);
         });
       }
+    });
+  });
+}
+
+// ---- rope_store_kv into int8 / dynamic-scale caches (store_kv_quant's formats) ---------------
+
+struct RopeStoreKVQuantParams {
+  StoreKVQuantParams kv;  // k.src: the caller's k (rotated from); the store reads the scratch rows
+  RopeArgs rope;
+  char* scratch = nullptr;
+  i64 scratch_sn = 0;
+};
+
+// Phase 2 is store_kv_quant's row writer, on at most one warp's lanes (its dynamic amax is a
+// warp-shuffle max): lanes past 32 only rotate.
+template <int CHECK, DType IN, class F, int QUANT, int RULE>
+KVW_HD void rope_store_kv_quant_token(const RopeStoreKVQuantParams& p, i64 i, bool live, int lane, int nlanes) {
+  const StoreKVQuantParams& kv = p.kv;
+  const int D = kv.k.D;
+  bool pos_ok = false, store = false;
+  i64 pos = 0;
+  Resolved res{};
+  if (live) {
+    pos = rope_position(p.rope, i, pos_ok);
+    res = resolve_rope_checked<CHECK>(kv.locs, p.rope, i, pos_ok, pos, lane == 0);
+    store = res.write;
+    char* row = p.scratch + i * p.scratch_sn * dtype_size(IN);
+    rope_q_and<IN>(p.rope, i, pos, pos_ok, D, store, kv.H, lane, nlanes, [&](int h) {
+      rope_head<IN>(p.rope, pos, kv.k.src, i * kv.k.s_tok + h * kv.k.s_head, row, i64(h) * D, D, p.rope.k_w);
+    });
+  }
+  KVW_BARRIER();
+  const int lanes = nlanes < 32 ? nlanes : 32;
+  if (!store || lane >= lanes) return;
+  KVQuantSide k = kv.k;  // the rotated k: this token's scratch row
+  k.src = p.scratch;
+  k.s_tok = p.scratch_sn;
+  k.s_head = D;
+  quant_kv_side<IN, F, QUANT, RULE>(k, kv.H, i, res.row, lane, lanes);
+  quant_kv_side<IN, F, QUANT, RULE>(kv.v, kv.H, i, res.row, lane, lanes);
+}
+
+template <int CHECK, DType IN, class F, int QUANT, int RULE>
+struct RopeStoreKVQuantToken {
+  static constexpr int check = CHECK;
+  KVW_HD void operator()(const RopeStoreKVQuantParams& p, i64 i, bool live, int lane, int nlanes) const {
+    rope_store_kv_quant_token<CHECK, IN, F, QUANT, RULE>(p, i, live, lane, nlanes);
+  }
+};
+
+// f(TypeTag<RopeStoreKVQuantToken<...>>, work items per token): static int8 (rne), or dynamic
+// per-token / per-token-head int8 / e4m3 / e5m2 under either rule.
+template <class Fn>
+void dispatch_rope_store_kv_quant(const RopeStoreKVQuantParams& p, int check, Fn&& f) {
+  const StoreKVQuantParams& kv = p.kv;
+  const i64 d = kv.k.D > kv.v.D ? kv.k.D : kv.v.D;
+  const i64 quant_work = kv.quant == QUANT_HEAD ? d : kv.H * d;
+  const i64 heads = p.rope.Hq + kv.H;
+  const i64 work = heads > (quant_work < 32 ? quant_work : 32) ? heads : (quant_work < 32 ? quant_work : 32);
+  auto with_fmt = [&](auto&& g) {
+    switch (kv.fmt) {
+      case FMT_INT8: return g(TypeTag<Int8Fmt>{});
+      case FMT_E4M3: return g(TypeTag<E4M3>{});
+      case FMT_E5M2: return g(TypeTag<E5M2>{});
+      default: throw std::invalid_argument("kvwrite: rope_store_kv quant caches must be int8, float8_e4m3fn or float8_e5m2");
+    }
+  };
+  with_check(check, [&](auto c) {
+    with_float_dtype(kv.in_dtype, [&](auto in) {
+      with_fmt([&](auto fmt) {
+        using F = typename decltype(fmt)::type;
+        constexpr int C = decltype(c)::value;
+        constexpr DType IN = decltype(in)::value;
+        if (kv.quant == QUANT_STATIC) {
+          if constexpr (std::is_same<F, Int8Fmt>::value) {
+            if (kv.rule != RULE_RNE) throw std::invalid_argument("kvwrite: a static scale takes the rne rule only");
+            return f(TypeTag<RopeStoreKVQuantToken<C, IN, F, QUANT_STATIC, RULE_RNE>>{}, work);
+          } else {
+            throw std::invalid_argument("kvwrite: static fp8 rope stores are rope_store_kv's");
+          }
+        }
+        if (kv.quant != QUANT_TOKEN && kv.quant != QUANT_HEAD) throw std::invalid_argument("kvwrite: bad quant mode");
+        const bool token = kv.quant == QUANT_TOKEN;
+        if (kv.rule == RULE_VLLM) {
+          if (token) return f(TypeTag<RopeStoreKVQuantToken<C, IN, F, QUANT_TOKEN, RULE_VLLM>>{}, work);
+          return f(TypeTag<RopeStoreKVQuantToken<C, IN, F, QUANT_HEAD, RULE_VLLM>>{}, work);
+        }
+        if (token) return f(TypeTag<RopeStoreKVQuantToken<C, IN, F, QUANT_TOKEN, RULE_RNE>>{}, work);
+        return f(TypeTag<RopeStoreKVQuantToken<C, IN, F, QUANT_HEAD, RULE_RNE>>{}, work);
+      });
     });
   });
 }
@@ -289,6 +457,7 @@ KVW_HD void rope_store_mla_token(const RopeStoreMLAParams& p, i64 i, bool live, 
 
 template <int CHECK, int MODE, DType IN, class OUT, int VEC>
 struct RopeStoreMLAToken {
+  static constexpr int check = CHECK;
   KVW_HD void operator()(const RopeStoreMLAParams& p, i64 i, bool live, int lane, int nlanes) const {
     rope_store_mla_token<CHECK, MODE, IN, OUT, VEC>(p, i, live, lane, nlanes);
   }

@@ -407,10 +407,18 @@ def slot_mapping(a) -> None:
 
 
 def rope_store_kv(a) -> None:
-    """`a`: kvwrite.ops.rope.RopeStoreKV (copy or static fp8 K/V store)."""
+    """`a`: kvwrite.ops.rope.RopeStoreKV: copy / static fp8 K/V stores (`rope_store_kv`), int8
+    and dynamic-scale ones (`rope_store_kv_quant`, store_kv_quant's row writers)."""
+    from kvwrite.ops import kv_quant
+
     s = a.store
-    _run(a, "rope_store_kv", a.positions, a.q, s.k, s.v, a.cos_sin, s.k_cache, s.v_cache, s.k_scale,
-         s.v_scale, a.q_norm_weight, a.k_norm_weight, a.eps, a.is_neox)
+    if s.quant == kv_quant.QUANT_COPY or (s.quant == kv_quant.QUANT_STATIC and s.fmt != kv_quant.FMT_INT8):
+        _run(a, "rope_store_kv", a.positions, a.q, s.k, s.v, a.cos_sin, s.k_cache, s.v_cache,
+             s.k_scale, s.v_scale, a.q_norm_weight, a.k_norm_weight, a.eps, a.is_neox)
+        return
+    _run(a, "rope_store_kv_quant", a.positions, a.q, s.k, s.v, a.cos_sin, s.k_cache, s.v_cache,
+         s.k_scale, s.v_scale, s.k_scale_cache, s.v_scale_cache, s.quant, s.rule,
+         a.q_norm_weight, a.k_norm_weight, a.eps, a.is_neox)
 
 
 def rope_store_mla(a) -> None:

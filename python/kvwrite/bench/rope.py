@@ -1,10 +1,15 @@
-"""Fused rope + store vs the unfused pair (rope in torch, then store), one run.
+"""Fused rope + store vs the unfused pair and vs a raw index_copy_ pair, one run, one thread.
 
-`python -m kvwrite.bench.rope [--device cpu] [--n 1 64 1024] [--backend auto]` prints median µs
-per call. Until the triton/cpu/cuda kernels of `rope_store_kv` exist, "fused" runs the torch
-reference (the only backend of the op), so the row measures the reference composition, not a
-fused kernel. Shapes: Qwen3-8B-like layer, 32 q heads / 8 KV heads x 128, bf16, q/k RMS norm,
-neox, pages of 16; caches bf16 and int8 per-token dynamic.
+`python -m kvwrite.bench.rope [--device cpu] [--n 1 256 4096] [--backend auto] [--threads 1]
+[--clock thread|wall]` prints median µs per call (on the CPU the calling thread's CPU time: the
+shared dev machine's wall time mostly measures waiting for a core) and the target ratios:
+  - fused: `kvwrite.rope_store_kv` (q/k RMS norm, neox RoPE, q in place, K/V stored);
+  - unfused: a plain torch RoPE + RMS norm (the usual `forward_native` formulation: rsqrt of the
+    mean square, chunk / cat halves) for q and k, then `kvwrite.store_kv` on the same backend;
+  - index_copy_: `k_cache.index_copy_(0, loc, k)` and the same for v (the store alone, no RoPE).
+Shapes: a Qwen3-8B-like layer, 32 q heads / 8 KV heads x 128, bf16, pages of 16, locs unique
+in a 4x pool, positions < 4096. The unfused RoPE rounds differently (not kvwrite's order): it
+is a speed baseline only.
 """
 from __future__ import annotations
 
@@ -14,22 +19,34 @@ import time
 import torch
 
 import kvwrite
-from kvwrite.reference.rope import rope
 
 
-def _median_us(fn, min_time: float = 0.3) -> float:
+CLOCKS = {"thread": time.thread_time, "wall": time.perf_counter}
+
+
+def _median_us(fn, min_time: float = 0.3, clock=time.thread_time) -> float:
     fn()
     times, start = [], time.perf_counter()
     while time.perf_counter() - start < min_time or len(times) < 5:
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     times.sort()
     return times[len(times) // 2] * 1e6
 
 
-def rows(device: torch.device, ns, backend: str, cache: str):
-    hq, h, d, page, max_pos = 32, 8, 128, 16, 4096
+def torch_rope(x: torch.Tensor, pos: torch.Tensor, cos_sin: torch.Tensor, w: torch.Tensor,
+               eps: float) -> torch.Tensor:
+    """RMS norm + neox RoPE of x [N, H, D] in plain torch ops (fp32 math, rounded to x.dtype)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()
+    cos, sin = cos_sin[pos].float().unsqueeze(1).chunk(2, dim=-1)
+    x1, x2 = xf.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def rows(device: torch.device, ns, backend: str, clock=time.thread_time):
+    hq, h, d, page, max_pos, eps = 32, 8, 128, 16, 4096, 1e-6
     gen = torch.Generator().manual_seed(0)
     for n in ns:
         q = torch.randn(n, hq, d, generator=gen).bfloat16().to(device)
@@ -38,40 +55,54 @@ def rows(device: torch.device, ns, backend: str, cache: str):
         ang = torch.rand(max_pos, d // 2, generator=gen) * 6
         cs = torch.cat([ang.cos(), ang.sin()], -1).to(device)
         pos = torch.randint(0, max_pos, (n,), generator=gen).to(device)
-        w = (torch.rand(d, generator=gen) + 0.5).bfloat16().to(device)
+        w = (torch.rand(d, generator=gen) + 0.5).to(device)
+        # q is rotated in place on every timed call: a unit q norm weight keeps its values
+        # stable (a weight < 1 applied again and again would drive them into fp32 subnormals)
+        qw = torch.ones(d, device=device)
         pages = -(-4 * n // page)
         loc = torch.randperm(pages * page, generator=gen)[:n].to(device)
-        dt = torch.int8 if cache == "int8_per_token" else torch.bfloat16
-        kc = torch.zeros(pages, page, h, d, dtype=dt, device=device)
+        kc = torch.zeros(pages, page, h, d, dtype=torch.bfloat16, device=device)
         vc = torch.zeros_like(kc)
-        sc = {}
-        if dt == torch.int8:
-            sc = dict(k_scale_cache=torch.zeros(pages, page, device=device),
-                      v_scale_cache=torch.zeros(pages, page, device=device))
+        kflat, vflat = kc.view(-1, h, d), vc.view(-1, h, d)
 
         def fused():
-            kvwrite.rope_store_kv(pos, q, k, v, cs, kc, vc, loc, q_norm_weight=w, k_norm_weight=w,
-                                  backend=backend, **sc)
+            kvwrite.rope_store_kv(pos, q, k, v, cs, kc, vc, loc, q_norm_weight=qw, k_norm_weight=w,
+                                  norm_eps=eps, backend=backend)
 
         def unfused():
-            q.copy_(rope(q, pos, cs, d, True, w))
-            kvwrite.store_kv(rope(k, pos, cs, d, True, w), v, kc, vc, loc, backend=backend, **sc)
+            q.copy_(torch_rope(q, pos, cs, qw, eps))
+            kvwrite.store_kv(torch_rope(k, pos, cs, w, eps), v, kc, vc, loc, backend=backend)
 
-        yield n, cache, _median_us(fused), _median_us(unfused)
+        def index_copy():
+            kflat.index_copy_(0, loc, k)
+            vflat.index_copy_(0, loc, v)
+
+        q0 = q.clone()
+        yield (n, _median_us(fused, clock=clock), _median_us(unfused, clock=clock),
+               _median_us(index_copy, clock=clock))
+        q.copy_(q0)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--n", type=int, nargs="+", default=[1, 64, 1024])
+    p.add_argument("--n", type=int, nargs="+", default=[1, 256, 4096])
     p.add_argument("--backend", default="auto")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--clock", choices=tuple(CLOCKS), default=None,
+                   help="thread: CPU time of the calling thread (default on cpu: a shared machine's "
+                        "wall time includes waiting for a core); wall: elapsed time (default on cuda)")
     args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
-    print(f"| N | cache | fused rope_store_kv µs | unfused (torch rope + store_kv) µs |")
-    print("|---:|---|---:|---:|")
-    for cache in ("bf16", "int8_per_token"):
-        for n, c, f, u in rows(dev, args.n, args.backend, cache):
-            print(f"| {n} | {c} | {f:.1f} | {u:.1f} |", flush=True)
+    clock = args.clock or ("thread" if dev.type == "cpu" else "wall")
+    print(f"rope_store_kv, backend={args.backend}, {torch.get_num_threads()} thread(s), {clock} clock, "
+          f"bf16, 32 q / 8 kv heads x 128, q/k RMS norm, neox")
+    print("| N | fused µs | unfused (torch RoPE + store_kv) µs | index_copy_ pair µs | "
+          "unfused / fused | fused / index_copy_ |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for n, f, u, ic in rows(dev, args.n, args.backend, CLOCKS[clock]):
+        print(f"| {n} | {f:.1f} | {u:.1f} | {ic:.1f} | {u / f:.2f}x | {f / ic:.2f}x |", flush=True)
     return 0
 
 

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvwrite import validate
-from kvwrite.errors import ErrorBuffer
-from kvwrite.ops._common import dispatch
-from kvwrite.ops.kv_quant import FMT_INT8, QUANT_COPY, QUANT_STATIC, KVStore, prepare_kv_store
-from kvwrite.ops.mla import StoreMLA, prepare_store_mla
+from kvwrite import _ext, validate
+from kvwrite.errors import ErrorBuffer, op_code
+from kvwrite.ops._common import dispatch, record
+from kvwrite.ops.kv_quant import KVStore, prepare_kv_store
+from kvwrite.ops.mla import FORMATS, StoreMLA, prepare_store_mla
 
 OP_KV = "rope_store_kv"
 OP_MLA = "rope_store_mla"
@@ -28,18 +28,14 @@ KV_IMPLS = (
     ("cpu", "kvwrite._ext:rope_store_kv"),
     ("cuda", "kvwrite._ext:rope_store_kv"),
 )
-# K/V quant modes the kernels store (kvwrite.ops.kv_quant QUANT_*); the others run on the
-# reference only (a kernel backend asked for by name raises BackendUnavailable)
-KERNEL_QUANTS = (QUANT_COPY, QUANT_STATIC)
-KV_REFERENCE_ONLY = KV_IMPLS[:1]
 MLA_IMPLS = (
     ("torch", "kvwrite.reference.rope:rope_store_mla"),
     ("triton", "kvwrite.kernels.rope_store:launch_mla"),
     ("cpu", "kvwrite._ext:rope_store_mla"),
     ("cuda", "kvwrite._ext:rope_store_mla"),
 )
-MLA_FORMATS = {"auto": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2",
-               "fp8_ds_mla": "fp8_ds_mla", "nvfp4": "nvfp4"}
+# every store_mla kv_cache_dtype (fp8_ds_mla options included), and "fp8" for "fp8_e4m3"
+MLA_FORMATS = {"fp8": "fp8_e4m3", **{name: name for name in FORMATS}}
 
 
 class _Fused:
@@ -82,11 +78,27 @@ class RopeStoreMLA(_Fused):
     store: StoreMLA
 
 
+# The direct call of the cpu kernel (a call whose tensors the C++ checks accept, CPU tensors,
+# backend "auto"/"cpu", check off/guard): no Python validation, the same kernel and bytes as
+# the dispatched path. Anything the C++ checks refuse goes the Python way (named errors).
+_FAST_BACKENDS = ("auto", "cpu")
+_FAST_CHECKS = {"off": 0, "guard": 2}
+_CANONICAL = {"NHD": lambda c: c, "HND": lambda c: c.transpose(1, 2)}
+_OP_KV_CODE = op_code(OP_KV)
+
+
+def _fast_kv(*args) -> None:
+    global _FAST_KV
+    _FAST_KV = torch.ops.kvwrite_ext.rope_store_kv.default._op
+    _FAST_KV(*args)
+
+
+_FAST_KV = _fast_kv
+
+
 def kv_impls(store: KVStore) -> tuple[tuple[str, str], ...]:
-    """The implementations of a rope_store_kv call's K/V store format."""
-    if store.quant in KERNEL_QUANTS and store.fmt != FMT_INT8:
-        return KV_IMPLS
-    return KV_REFERENCE_ONLY
+    """The implementations of a rope_store_kv call (every K/V store format has its kernels)."""
+    return KV_IMPLS
 
 
 def _rope_args(positions, q, head_dim, n, cos_sin_cache, rotary_dim, device, q_name):
@@ -215,6 +227,22 @@ def rope_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     [0, max_position) is a KIND_POSITION error (assert/guard); that token is never written and
     its q is left as it was (every mode). k and v are not modified.
     """
+    if (_ext.LOADED and backend in _FAST_BACKENDS and k_scale_cache is None and v_scale_cache is None
+            and type(dcp_rank) is int and type(dcp_size) is int and isinstance(loc, torch.Tensor)
+            and isinstance(cos_sin_cache, torch.Tensor) and loc.device.type == "cpu"
+            and (rotary_dim is None or rotary_dim == cos_sin_cache.shape[-1])
+            and layout in _CANONICAL and not torch.compiler.is_compiling()):
+        mode = validate.DEFAULT_CHECK if check is None else check
+        code = _FAST_CHECKS.get(mode) if type(mode) is str else None
+        if code is not None:
+            canon = _CANONICAL[layout]
+            try:  # the C++ kernel's own checks run before any write
+                return _FAST_KV(positions, q, k, v, cos_sin_cache, canon(k_cache), canon(v_cache),
+                                k_scale, v_scale, q_norm_weight, k_norm_weight, norm_eps, is_neox,
+                                loc, loc_map, record(errors, mode, k), dcp_rank, dcp_size, code,
+                                _OP_KV_CODE)
+            except Exception:  # what they refuse, the Python path names (or runs: bf16 weights)
+                pass
     a = prepare_rope_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, loc, is_neox,
                               rotary_dim, q_norm_weight, k_norm_weight, norm_eps, layout, k_scale,
                               v_scale, k_scale_cache, v_scale_cache, check, errors, loc_map,

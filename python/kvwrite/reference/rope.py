@@ -121,8 +121,8 @@ def rope_store_kv(a) -> None:
     _rotate_q_in_place(a, ok, a.q_norm_weight)
     if idx.numel():
         page, offset = s.geometry.locate(r.row[idx])
-        write_rows(k, s.k_cache, s.quant, s.k_scale, s.k_scale_cache, page, offset)
-        write_rows(s.v[idx], s.v_cache, s.quant, s.v_scale, s.v_scale_cache, page, offset)
+        write_rows(k, s.k_cache, s.quant, s.k_scale, s.k_scale_cache, page, offset, s.rule)
+        write_rows(s.v[idx], s.v_cache, s.quant, s.v_scale, s.v_scale_cache, page, offset, s.rule)
 
 
 def rope_store_mla(a) -> None:
