@@ -18,15 +18,7 @@
 
 namespace kvwrite {
 
-// fp32 operations rounded once each, never fused: mul_rn / add_rn / div_rn (kv_quant.h) and
-// the correctly rounded square root.
-KVW_HD float sqrt_rn(float a) {
-#if defined(__CUDA_ARCH__)
-  return __fsqrt_rn(a);
-#else
-  return __builtin_sqrtf(a);
-#endif
-}
+// fp32 operations rounded once each, never fused: rn.h.
 
 #if defined(__CUDA_ARCH__)
 #define KVW_BARRIER() __syncthreads()
