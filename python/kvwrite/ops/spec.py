@@ -95,8 +95,19 @@ BACKEND = Arg("backend", "str", role="option")
 TABLE = tuple(Arg(n, "Tensor?", role="addressing", default=None) for n in TABLE_ARGS)
 
 
+def rule(cpp: str) -> Callable:
+    """Name an op's check for the C++ matcher (csrc/api.h `rule`: the same check as a predicate;
+    a refused call is then explained by the Python check). A check without one keeps the op on
+    the Python path."""
+    def wrap(fn: Callable) -> Callable:
+        fn.cpp = cpp
+        return fn
+    return wrap
+
+
 def choice(name: str, options: tuple) -> Callable:
     """A check: argument `name` is one of `options` (stored in the env under its name)."""
+    @rule(f"choice {name} {','.join(options)}")
     def check(env: dict, v: dict) -> None:
         env[name] = validate.choice(name, v[name], options)
     return check
@@ -104,9 +115,18 @@ def choice(name: str, options: tuple) -> Callable:
 
 def geometry(name: str, pages: str = "P", rows: str = "S") -> Callable:
     """A check: the pool geometry from the letters the cache `name` bound."""
+    @rule(f"geometry {pages} {rows}")
     def check(env: dict, v: dict) -> None:
         env["geometry"] = cache_geometry(name, env[pages], env[rows])
     return check
+
+
+# Env names the C++ rules read or write beside the letters and the arguments' dtypes.
+RULE_SLOTS = ("N", "P", "S", "B", "W", "D", "Dv", "L", "R", "layout", "fmt", "cache_dtype")
+
+
+def _dtype_name(d: object) -> str:
+    return d if isinstance(d, str) else str(d).replace("torch.", "")
 
 
 def _match(a: Arg, t: object, env: dict, name: str) -> None:
@@ -170,6 +190,7 @@ class Op:
     impls: object
     checks: tuple = ()
     dcp_page: bool = False      # DCP shards whole pages (DeepSeek V4 pools)
+    page_table: bool = True     # its kernels take page-table addressing
     aliases: dict = field(default_factory=dict)   # schema name -> the name errors use
     doc: str = ""
     overload: object = field(default=None, init=False)
@@ -185,6 +206,43 @@ class Op:
         self.overload = _library.define(self.name, self.schema(), self.impl, self.fake)
         self.entry = self._entry()
         OPS[self.name] = self
+        if _ext.LOADED:
+            send_programs()
+
+    # --- derived: the spec for the C++ matcher ------------------------------------------------
+    def program(self) -> str | None:
+        """This op's checks as the C++ matcher's program (csrc/api.h `parse`), or None when a
+        check has no C++ twin."""
+        by_name = {a.name: a for a in self.all_args}
+        slots = list(self.names) + [s for s in RULE_SLOTS if s not in self.names]
+        lines = []
+        for c in self.checks:
+            if callable(c):
+                if getattr(c, "cpp", None) is None:
+                    return None
+                lines.append(f"R {c.cpp}")
+                continue
+            a = by_name[c]
+            dtypes = ",".join(_dtype_name(d) for d in a.dtypes) or "-"
+            if a.dims is not None and a.dims.startswith("scale"):
+                heads = a.dims[5:].strip() or "-"
+                lines.append(f"S {a.name} {int(a.type.endswith('?'))} 0 1 -1 {heads} float32 -")
+                continue
+            dims = []
+            for letter, div, lit in a.tokens:
+                if lit is not None:
+                    dims.append(f"#{lit}")
+                elif letter is None:
+                    dims.append("*")
+                else:
+                    slots += [letter] if letter not in slots else []
+                    dims.append(letter if div == 1 else f"{letter}/{div}")
+            ndim = len(dims) if a.dims is not None else -1
+            lines.append(f"T {a.name} {int(a.type.endswith('?'))} {int(a.layout)} {int(a.last_contiguous)} "
+                         f"{ndim} {','.join(dims) or '-'} {dtypes} {','.join(a.binds.split()) or '-'}")
+        head = [f"args {' '.join(self.names)}", f"slots {' '.join(slots)}",
+                f"op {self.code} {int(self.dcp_page)} {int(self.page_table)}"]
+        return "\n".join(head + lines)
 
     # --- derived: schema --------------------------------------------------------------------
     def schema(self) -> str:
@@ -308,6 +366,17 @@ class Op:
             return impl(*args, *(None,) * (len(names) - len(args)))
 
         return entry
+
+
+def send_programs() -> None:
+    """Hand every op's program to the loaded extension (its C++ kernels run nothing without)."""
+    for op in OPS.values():
+        text = op.program()
+        if text is not None and hasattr(torch.ops.kvwrite_ext, "set_program"):
+            torch.ops.kvwrite_ext.set_program(op.name, text)
+
+
+_ext.ON_LOAD.append(send_programs)
 
 
 def args_doc(op: Op) -> list[str]:
