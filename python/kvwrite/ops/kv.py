@@ -89,7 +89,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              errors: ErrorBuffer | None = None, loc_map: torch.Tensor | None = None,
              dcp_rank: int = 0, dcp_size: int = 1, backend: str = "auto",
              k_scale_cache: torch.Tensor | None = None,
-             v_scale_cache: torch.Tensor | None = None) -> None:
+             v_scale_cache: torch.Tensor | None = None, quant_rule: str = "rne") -> None:
     """Write token i's K/V rows to the paged caches at `loc[i]` (-1 = padding, skipped).
 
     `layout`: "NHD" caches `[pages, pool_page_size, H, D]` or "HND" `[pages, H, pool_page_size, D]`.
@@ -104,13 +104,14 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     keeps the caller's virtual loc and names the index that was out of range.
     int8 caches (static `k_scale`/`v_scale`) and dynamic per-token / per-token-head int8 / fp8
     caches (`k_scale_cache`/`v_scale_cache` fp32 `[pages, pool_page_size]` or
-    `[pages, pool_page_size, H]`) are stored by their own kernel family, `kvwrite.ops.kv_quant`.
+    `[pages, pool_page_size, H]`) are stored by their own kernel family, `kvwrite.ops.kv_quant`;
+    `quant_rule` ("rne" | "vllm") picks how their dynamic codes round (see there).
     """
-    if kv_quant.routes_here(k_cache, k_scale_cache, v_scale_cache):
+    if quant_rule != "rne" or kv_quant.routes_here(k_cache, k_scale_cache, v_scale_cache):
         return kv_quant.store_kv_quant(k, v, k_cache, v_cache, loc, layout=layout, k_scale=k_scale,
                                        v_scale=v_scale, k_scale_cache=k_scale_cache,
                                        v_scale_cache=v_scale_cache, check=check, errors=errors,
                                        loc_map=loc_map, dcp_rank=dcp_rank, dcp_size=dcp_size,
-                                       backend=backend)
+                                       backend=backend, quant_rule=quant_rule)
     return SPEC.entry(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors, loc_map,
                       dcp_rank, dcp_size, backend)

@@ -43,7 +43,15 @@ NVFP4_IMPLS = (
 NVFP4_BLOCK = 16   # row elements per e4m3 block scale
 
 DS_MLA_TILE = 128                       # kv_c elements per fp32 scale
-DS_MLA_SCALE_FLOOR = torch.finfo(torch.float32).tiny   # scale = max(amax / 448, FLT_MIN)
+DS_MLA_SCALE_FLOOR = torch.finfo(torch.float32).tiny   # "exact": scale = max(amax / 448, FLT_MIN)
+DS_MLA_POW2_FLOOR = 1e-4                # "pow2": scale = 2^ceil(log2(max(amax / 448, 1e-4)))
+
+# fp8_ds_mla options, as flag bits beside the kernel mode (kernels and the C++ op read them from
+# the format's `flags`): how the tile scale is formed and how the rope is stored.
+DS_MLA_POW2 = 1 << 4       # tile scale rounded up to a power of two (floor 1e-4)
+DS_MLA_RAW_ROPE = 1 << 5   # rope stored as the input's own 16-bit pattern (bf16 or fp16 bits)
+DS_MLA_SCALES = {"exact": 0, "pow2": DS_MLA_POW2}
+DS_MLA_ROPES = {"bf16": 0, "input": DS_MLA_RAW_ROPE}
 
 
 def ds_mla_row_bytes(kv_lora_rank: int, rope_dim: int) -> int:
@@ -77,6 +85,21 @@ class MLAFormat:
     dims: Callable[[int, int], Optional[str]] = lambda L, R: None   # error text or None
     impls: tuple[tuple[str, str], ...] = IMPLS                       # backend -> implementation
     takes_scale_cache: bool = False                                  # nvfp4: scale_cache, global_scale
+    flags: int = 0                                                   # fp8_ds_mla: DS_MLA_* bits
+
+    @property
+    def kernel_mode(self) -> int:
+        """The mode the kernels take: MODE_* with the format's option bits."""
+        return self.mode | self.flags
+
+
+def ds_mla_format(scale: str = "exact", rope: str = "bf16") -> str:
+    """The kv_cache_dtype name of fp8_ds_mla with tile scale `scale` ("exact": max(amax/448,
+    FLT_MIN); "pow2": 2^ceil(log2(max(amax/448, 1e-4)))) and rope `rope` ("bf16": rounded to bf16;
+    "input": the 16-bit input's own bits), e.g. "fp8_ds_mla+pow2+input"."""
+    validate.choice("ds_mla_scale", scale, tuple(DS_MLA_SCALES))
+    validate.choice("ds_mla_rope", rope, tuple(DS_MLA_ROPES))
+    return "fp8_ds_mla" + ("+pow2" if scale == "pow2" else "") + ("+input" if rope == "input" else "")
 
 
 _CONCAT = lambda L, R: L + R  # noqa: E731
@@ -86,8 +109,9 @@ FORMATS: dict[str, MLAFormat] = {f.name: f for f in (
     MLAFormat("fp8_e5m2", MODE_FP8, lambda dtype: torch.float8_e5m2, _CONCAT, takes_scale=True),
     MLAFormat("fp8_e4m3fnuz", MODE_FP8, lambda dtype: torch.float8_e4m3fnuz, _CONCAT,
               takes_scale=True),
-    MLAFormat("fp8_ds_mla", MODE_DS_MLA, lambda dtype: torch.uint8, ds_mla_row_bytes,
-              dims=_ds_mla_dims),
+    *(MLAFormat(ds_mla_format(sc, rp), MODE_DS_MLA, lambda dtype: torch.uint8, ds_mla_row_bytes,
+                dims=_ds_mla_dims, flags=DS_MLA_SCALES[sc] | DS_MLA_ROPES[rp])
+      for sc in DS_MLA_SCALES for rp in DS_MLA_ROPES),
     MLAFormat("nvfp4", MODE_NVFP4, lambda dtype: torch.uint8, lambda L, R: (L + R) // 2,
               dims=_nvfp4_dims, impls=NVFP4_IMPLS, takes_scale_cache=True),
 )}
@@ -117,6 +141,9 @@ def _format(env: dict, v: dict) -> None:
     problem = fmt.dims(env["L"], env["R"])
     if problem:
         raise ValueError(problem)
+    if fmt.flags & DS_MLA_RAW_ROPE and env["kv_c"] not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"kv_cache_dtype={fmt.name!r} stores the rope's own 16-bit pattern: kv_c "
+                         f"and k_pe must be bfloat16 or float16, got {env['kv_c']}")
     env.update(fmt=name, cache_dtype=fmt.cache_dtype(env["kv_c"]), W=fmt.row_width(env["L"], env["R"]))
 
 
@@ -175,7 +202,8 @@ def store_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, lo
               check: str | None = None, errors: ErrorBuffer | None = None,
               loc_map: torch.Tensor | None = None, dcp_rank: int = 0, dcp_size: int = 1,
               backend: str = "auto", scale_cache: torch.Tensor | None = None,
-              global_scale: torch.Tensor | None = None) -> None:
+              global_scale: torch.Tensor | None = None, ds_mla_scale: str | None = None,
+              ds_mla_rope: str | None = None) -> None:
     """Write token i's MLA row (latent `kv_c[i]` `[L]`, rope `k_pe[i]` `[R]`) at `loc[i]`
     (-1 = padding, skipped). `kv_c`/`k_pe` may be strided along tokens.
 
@@ -189,6 +217,12 @@ def store_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, lo
         fp8(x / scale); then the L/128 fp32 scales; then R bf16 rope values (bf16 input: bit
         copies; fp16/fp32 input: rounded to bf16, nearest-even, like `tensor.to(torch.bfloat16)`).
         Needs L % 128 == 0. Read rows back with `kvwrite.dequant_ds_mla`.
+        Options (fp8_ds_mla only): `ds_mla_scale="pow2"` rounds each tile scale up to a power of
+        two, 2^ceil(log2(max(amax/448, 1e-4))) (what vLLM's writers store since its FlashMLA
+        readers convert scales to bf16 / ue8m0); `ds_mla_rope="input"` stores a bf16 or fp16
+        rope as its own 16-bit pattern (vLLM copies k_pe's bits; fp16 rope is then read as
+        fp16: `dequant_ds_mla(..., rope_dtype=torch.float16)`). The same choices are the
+        kv_cache_dtype names `ds_mla_format(scale, rope)` builds ("fp8_ds_mla+pow2+input").
       - "nvfp4": uint8 `[pages, pool_page_size, (L + R)/2]` (two e2m1 codes a byte, even element
         in the low nibble) and `scale_cache` float8_e4m3fn `[pages, pool_page_size, (L + R)/16]`,
         the row concat(kv_c, k_pe) quantised in blocks of 16 like `kvwrite.store_kv_nvfp4`
@@ -197,5 +231,10 @@ def store_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, lo
     `check`, `errors`, `loc_map`, `dcp_rank`, `dcp_size`: as in `store_kv`. A pool stored as
     `[rows, 1, row]` (SGLang's MLA buffer) is the same cache with pool_page_size 1.
     """
+    if ds_mla_scale is not None or ds_mla_rope is not None:
+        if kv_cache_dtype != "fp8_ds_mla":
+            raise ValueError(f"ds_mla_scale/ds_mla_rope apply only to kv_cache_dtype='fp8_ds_mla', "
+                             f"not {kv_cache_dtype!r}")
+        kv_cache_dtype = ds_mla_format(ds_mla_scale or "exact", ds_mla_rope or "bf16")
     return SPEC.entry(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, errors, loc_map,
                       dcp_rank, dcp_size, backend, scale_cache, global_scale)
