@@ -145,7 +145,8 @@ def test_good_calls_run_in_cpp_and_match_the_reference():
     torch.ops.kvwrite.store_kv(*_op_args(k, v, kc, vc, loc, "guard", errs.tensor))
     torch.ops.kvwrite.store_kv(*_op_args(k, v, kc, vc, torch.tensor([1, 2, 99]), "guard", errs.tensor, "auto"))
     assert _library.FORWARDED == forwarded
-    kvwrite.store_kv(k, v, ref_k, ref_v, loc, check="guard", errors=ref_errs, backend="torch")
+    for _ in range(2):  # as many calls as above: the record counts calls (its epoch)
+        kvwrite.store_kv(k, v, ref_k, ref_v, loc, check="guard", errors=ref_errs, backend="torch")
     kvwrite.store_kv(k, v, ref_k, ref_v, torch.tensor([1, 2, 99]), check="guard", errors=ref_errs, backend="torch")
     assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
     assert torch.equal(errs.tensor, ref_errs.tensor) and errs.error().loc == 99

@@ -258,47 +258,55 @@ class Op:
         return f"({', '.join(parts)}) -> ()"
 
     # --- derived: validation ----------------------------------------------------------------
-    def _check(self, v: dict) -> dict:
+    def _check(self, v: dict, aliases: dict) -> dict:
         env: dict = {}
         by_name = {a.name: a for a in self.all_args}
         for c in self.checks:
             if callable(c):
                 c(env, v)
             elif v[c] is not None or not by_name[c].type.endswith("?"):
-                _match(by_name[c], v[c], env, self.aliases.get(c, c))
+                _match(by_name[c], v[c], env, aliases.get(c, c))
         return env
 
-    def match(self, v: dict) -> dict:
+    def match(self, v: dict, aliases: dict | None = None) -> dict:
         """The env of derived facts (letters, device, dtypes, geometry, the rules' values) of a
         call, from its argument values: checked once per distinct argument facts (a check
         raises on bad arguments, so only passing calls are remembered); never memoised while
         tracing."""
+        aliases = self.aliases if aliases is None else aliases
         if torch.compiler.is_compiling():
-            return self._check(v)
+            return self._check(v, aliases)
         try:
-            key = (self.name, *map(_facts, v.values()))
+            key = (self.name, id(aliases), *map(_facts, v.values()))
             env = _MEMO.get(key)
         except TypeError:   # an unhashable argument: no memo (the checks name it)
-            return self._check(v)
+            return self._check(v, aliases)
         if env is None:
-            env = self._check(v)
+            env = self._check(v, aliases)
             if len(_MEMO) >= _MEMO_MAX:
                 _MEMO.clear()
             _MEMO[key] = env
         return env
 
-    def prepare(self, args: tuple, check: object = NO_DEFAULT) -> object:
-        """Validate a call (schema-order arguments) and build the call object."""
+    def prepare(self, args: tuple, check: object = NO_DEFAULT, aliases: dict | None = None,
+                call: str | None = None) -> object:
+        """Validate a call (schema-order arguments) and build the call object. An adapter's
+        `aliases` (schema name -> the engine's) and `call` (its function) name its errors."""
         if len(args) < len(self.names):   # the dispatcher leaves trailing defaults out
             args = (*args, *(a.default for a in self.all_args[len(args):]))
         v = dict(zip(self.names, args))
         if check is not NO_DEFAULT:
             v["check"] = check
-        env = self.match(v)
-        loc = page_table(self.name, v["loc"], v["batch_indices"], v["kv_indices"], v["kv_indptr"])
-        locs, chk = prepare_addressing(self.name, env["device"], env["N"], loc, v.get("loc_map"),
-                                       v.get("dcp_rank", 0), v.get("dcp_size", 1), v["check"],
-                                       v["errors"])
+        try:
+            env = self.match(v, aliases)
+            loc = page_table(self.name, v["loc"], v["batch_indices"], v["kv_indices"], v["kv_indptr"])
+            locs, chk = prepare_addressing(self.name, env["device"], env["N"], loc, v.get("loc_map"),
+                                           v.get("dcp_rank", 0), v.get("dcp_size", 1), v["check"],
+                                           v["errors"], (aliases or self.aliases).get("loc", "loc"))
+        except (TypeError, ValueError) as exc:
+            if call is None:
+                raise
+            raise type(exc)(f"{call}: {exc}") from None
         if self.dcp_page:
             locs.dcp_page = True
         return self.build(v, env, locs, chk)
@@ -327,7 +335,12 @@ class Op:
         return self._native
 
     # --- derived: the public call -------------------------------------------------------------
-    def _entry(self) -> Callable:
+    def adapter(self, call: str, aliases: dict) -> Callable:
+        """The entry of an engine adapter: the same fast path as the op; its errors name the
+        engine's arguments (`aliases`: schema name -> the engine's) and its function `call`."""
+        return self._entry({**self.aliases, **aliases}, call)
+
+    def _entry(self, aliases: dict | None = None, call_name: str | None = None) -> Callable:
         """The call behind the public function: arguments in schema order without the table
         tail, as the public function takes them (loc may be a PageTable, errors an ErrorBuffer,
         check None = the process default)."""
@@ -361,9 +374,13 @@ class Op:
                 try:
                     return call(*args)
                 except Exception:  # arguments the schema refused: Python's error names them
-                    prepare(tuple(args) + (None,) * (len(names) - len(args)))
+                    prepare(tuple(args) + (None,) * (len(names) - len(args)), NO_DEFAULT, aliases, call_name)
                     raise
-            return impl(*args, *(None,) * (len(names) - len(args)))
+            if aliases is None:
+                return impl(*args, *(None,) * (len(names) - len(args)))
+            a = prepare(tuple(args) + (None,) * (len(names) - len(args)), NO_DEFAULT, aliases, call_name)
+            if a.locs.n:
+                dispatch(self.name, self.table(a), args[i_backend], a.locs.loc.device, a)
 
         return entry
 
