@@ -328,9 +328,9 @@ class Op:
 
     def native(self) -> bool:
         """Whether the extension's C++ kernel of this op is registered (settled once loaded)."""
+        if not _ext.LOADED:   # not loaded yet, or switched off (the bench's Python-path timings)
+            return False
         if self._native is None:
-            if not _ext.LOADED:
-                return False
             self._native = _library.native(self.overload)
         return self._native
 
