@@ -170,6 +170,12 @@ def _match(a: Arg, t: object, env: dict, name: str) -> None:
             env[letter] = s
 
 
+@torch._dynamo.assume_constant_result
+def _default_check() -> str:
+    """`KVWRITE_CHECK` (read on first use): a process constant, also while tracing."""
+    return validate.default_check()
+
+
 def _facts(v: object) -> object:
     if isinstance(v, torch.Tensor):
         return (type(v), v.shape, v.stride(), v.dtype, v.device)
@@ -349,13 +355,13 @@ class Op:
         ints = tuple(i for i, a in enumerate(self.args) if a.type == "int")
         overload, impl, prepare = self.overload, self.impl, self.prepare
         call = overload._op   # the C++ builtin behind the OpOverload (one frame less)
-        default_check = validate.DEFAULT_CHECK
+        default_check = _default_check
 
         def entry(*args):
             args = list(args)
             check = args[i_check]
             if check is None:
-                args[i_check] = check = default_check
+                args[i_check] = check = default_check()
             errors = args[i_errors]
             if type(errors) is ErrorBuffer:
                 args[i_errors] = errors = errors.tensor
