@@ -238,12 +238,14 @@ TORCH_LIBRARY_IMPL(kvwrite_ext, CUDA, m) {
 namespace kvwrite {
 struct CudaRun {
   static constexpr const char* NAME = "cuda";
-  static constexpr bool ASSERT_IN_PYTHON = false;
   static constexpr auto store_kv = &store_kv_cuda;
   static constexpr auto store_mla = &store_mla_cuda;
   static constexpr auto store_indexer_k = &store_indexer_k_cuda;
   static constexpr auto store_kv_nvfp4 = &store_kv_nvfp4_cuda;
+  static constexpr auto store_dsv4_kv = &store_dsv4_kv_cuda;
+  static constexpr auto store_dsv4_indexer_k = &store_dsv4_indexer_k_cuda;
+  static constexpr auto store_rows = &store_rows_cuda;
 };
 }  // namespace kvwrite
 
-TORCH_LIBRARY_IMPL(kvwrite, CUDA, m) { KVW_REGISTER_API(kvwrite::CudaRun); }
+TORCH_LIBRARY_IMPL(kvwrite, CUDA, m) { kvwrite::api::register_ops<kvwrite::CudaRun>(m); }

@@ -477,21 +477,26 @@ TORCH_LIBRARY_IMPL(kvwrite_ext, CPU, m) {
   m.impl("rope_store_mla", &kvwrite::rope_store_mla_cpu);
 }
 
-// The public ops torch.ops.kvwrite.* (schemas defined in Python): validation + dispatch in C++
-// (api.h), the kernels above for backend "cpu". Assert mode goes to Python, which raises
-// OutOfBoundsWrite from the pre-scan's record.
+TORCH_LIBRARY_FRAGMENT(kvwrite_ext, m) {
+  m.def("set_program(str name, str program) -> ()", &kvwrite::api::set_program);
+}
+
+// The public ops torch.ops.kvwrite.* (schemas defined in Python): the spec-fed kernel of api.h,
+// the kernels above for backend "cpu".
 namespace kvwrite {
 struct CpuRun {
   static constexpr const char* NAME = "cpu";
-  static constexpr bool ASSERT_IN_PYTHON = true;
   static constexpr auto store_kv = &store_kv_cpu;
   static constexpr auto store_mla = &store_mla_cpu;
   static constexpr auto store_indexer_k = &store_indexer_k_cpu;
   static constexpr auto store_kv_nvfp4 = &store_kv_nvfp4_cpu;
+  static constexpr auto store_dsv4_kv = &store_dsv4_kv_cpu;
+  static constexpr auto store_dsv4_indexer_k = &store_dsv4_indexer_k_cpu;
+  static constexpr auto store_rows = &store_rows_cpu;
 };
 }  // namespace kvwrite
 
-TORCH_LIBRARY_IMPL(kvwrite, CPU, m) { KVW_REGISTER_API(kvwrite::CpuRun); }
+TORCH_LIBRARY_IMPL(kvwrite, CPU, m) { kvwrite::api::register_ops<kvwrite::CpuRun>(m); }
 
 #ifdef KVWRITE_PYTHON_MODULE
 // The ahead-of-time build (setup.py) is the importable module kvwrite._C: importing it runs the

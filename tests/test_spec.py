@@ -204,3 +204,24 @@ def test_torch_compile_first_call_of_every_op_and_adapter(env_check):
     assert out.returncode == 0 and lines, out.stderr[-3000:]
     assert all(line.endswith(" ok") for line in lines), (lines, out.stderr[-3000:])
     assert len(lines) == len(OPS) + 5
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_adapter_errors_name_the_engines_arguments_and_call(backend):
+    """An adapter runs the op's own entry (same fast path); its errors say the engine's words."""
+    from kvwrite.compat import flashinfer, vllm
+
+    k, kc = torch.randn(3, 2, 16), torch.zeros(4, 4, 2, 16)
+    with pytest.raises(TypeError, match=r"^reshape_and_cache_flash: slot_mapping must have dtype in \(int32, int64\)"):
+        vllm.reshape_and_cache_flash(k, k, kc, kc.clone(), torch.tensor([0.0, 1.0, 2.0]), "auto", None, None,
+                                     backend=backend)
+    with pytest.raises(ValueError, match=r"^reshape_and_cache_flash: value_cache must have shape \[4, 4, 2, 16\]"):
+        vllm.reshape_and_cache_flash(k, k, kc, kc[..., :8], torch.tensor([0, 1, 2]), "auto", None, None,
+                                     backend=backend)
+    pt = (torch.tensor([0, 0, 1]), torch.tensor([0, 5, 2]), torch.tensor([1, 3, 0]), torch.tensor([0, 2, 3]))
+    with pytest.raises(ValueError, match=r"^append_paged_kv_cache: paged_kv_cache\[1\] must have shape"):
+        flashinfer.append_paged_kv_cache(k, k, pt[0], pt[1], (kc, kc[..., :8]), pt[2], pt[3], torch.tensor([1, 1]),
+                                         backend=backend)
+    with pytest.raises(ValueError, match=r"^append_paged_kv_cache: kv_indices must be 1-D"):
+        flashinfer.append_paged_kv_cache(k, k, pt[0], pt[1], (kc, kc.clone()), pt[2][None], pt[3],
+                                         torch.tensor([1, 1]), backend=backend)

@@ -34,6 +34,7 @@ _state: dict[str, object] = {}
 # True once the extension is loaded and its kernels of the public ops torch.ops.kvwrite.* are
 # registered (csrc/api.h): kvwrite.store_* then call those ops directly.
 LOADED = False
+ON_LOAD: list = []   # callables run once the extension is loaded (kvwrite.ops.spec sends the ops' specs)
 
 
 def csrc_dir() -> Path | None:
@@ -263,6 +264,9 @@ def _load() -> str | None:
         _state["reason"] = reason
         global LOADED
         LOADED = reason is None and torch._C._dispatch_has_kernel_for_dispatch_key("kvwrite::store_kv", "CPU")
+        if LOADED:
+            for hook in ON_LOAD:
+                hook()
         return reason
 
 

@@ -64,8 +64,8 @@ def page_table(op: str, loc: object, batch_indices: object, kv_indices: object,
 
 def prepare(op: str, device: torch.device, n: int, loc: object, loc_map: object,
             dcp_rank: object, dcp_size: object, check: object,
-            errors: ErrorBuffer | torch.Tensor | None) -> tuple[Locs, Check]:
-    """Validate the arguments every op takes the same way."""
+            errors: ErrorBuffer | torch.Tensor | None, loc_name: str = "loc") -> tuple[Locs, Check]:
+    """Validate the arguments every op takes the same way (`loc_name`: what errors call loc)."""
     if n > MAX_TOKENS:
         raise ValueError(f"{op}: at most {MAX_TOKENS} tokens per call, got {n}")
     if isinstance(loc, PageTable):
@@ -75,7 +75,7 @@ def prepare(op: str, device: torch.device, n: int, loc: object, loc_map: object,
         t = _table(loc, n, device)
         locs = Locs(t.positions, table=t)
     else:
-        locs = Locs(validate.loc("loc", loc, n, device), validate.loc_map(loc_map, device),
+        locs = Locs(validate.loc(loc_name, loc, n, device), validate.loc_map(loc_map, device),
                     *validate.dcp(dcp_rank, dcp_size))
     mode = validate.check_mode(check)
     if errors is None:

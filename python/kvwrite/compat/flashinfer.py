@@ -30,6 +30,7 @@ import torch
 
 from kvwrite import validate
 from kvwrite.errors import ErrorBuffer
+from kvwrite.ops import kv as kv_op
 from kvwrite.ops.kv import store_kv
 from kvwrite.pagetable import PageTable
 
@@ -79,6 +80,11 @@ def _bit_views(x: torch.Tensor, cache: torch.Tensor, name: str) -> tuple[torch.T
     return x.view(torch.float16), cache.view(torch.float16)
 
 
+# store_kv as FlashInfer calls it: errors name FlashInfer's arguments and the call
+_APPEND = kv_op.SPEC.adapter("append_paged_kv_cache", {"k": "append_key", "v": "append_value",
+                                                       "k_cache": "paged_kv_cache[0]", "v_cache": "paged_kv_cache[1]"})
+
+
 def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor,
                           batch_indices: torch.Tensor, positions: torch.Tensor,
                           paged_kv_cache: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
@@ -100,8 +106,8 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor,
     _check_last_page_len(kv_last_page_len, kv_indptr, k.device)
     k, k_cache = _bit_views(k, k_cache, "append_key")
     v, v_cache = _bit_views(validate.tensor("append_value", append_value), v_cache, "append_value")
-    store_kv(k, v, k_cache, v_cache, PageTable(batch_indices, positions, kv_indices, kv_indptr),
-             layout=kv_layout, check=check, errors=errors, backend=backend)
+    _APPEND(k, v, k_cache, v_cache, positions, kv_layout, None, None, check, errors, None, 0, 1, backend,
+            batch_indices, kv_indices, kv_indptr)  # the page table as the schema's tail: no PageTable object
 
 
 def append_paged_mla_kv_cache(append_ckv: torch.Tensor, append_kpe: torch.Tensor,

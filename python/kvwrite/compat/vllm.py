@@ -43,6 +43,7 @@ from kvwrite.compat._common import as_fp8, byte_pairs
 from kvwrite.errors import ErrorBuffer
 from kvwrite.geometry import PageGeometry
 from kvwrite.ops.indexer_k import row_bytes, store_indexer_k
+from kvwrite.ops import kv as kv_op
 from kvwrite.ops.kv import store_kv
 from kvwrite.ops.kv_head_major import store_kv_head_major
 from kvwrite.ops.mla import ds_mla_row_bytes, store_mla
@@ -81,7 +82,7 @@ def _tokens(name: str, x: object, slot_mapping: object) -> torch.Tensor:
         n = slot_mapping.shape[0]
         if n > x.shape[0]:
             raise ValueError(f"slot_mapping has {n} entries but {name} only {x.shape[0]} tokens")
-        return x[:n]
+        return x if n == x.shape[0] else x[:n]
     return x
 
 
@@ -99,6 +100,11 @@ def _kv_caches(key, value, key_cache, value_cache, kv_cache_dtype, k_scale, v_sc
     return key, value, key_cache, value_cache, k_scale, v_scale
 
 
+# store_kv as vLLM calls it: errors name vLLM's arguments and the call
+_FLASH = kv_op.SPEC.adapter("reshape_and_cache_flash", {"k": "key", "v": "value", "k_cache": "key_cache",
+                                                      "v_cache": "value_cache", "loc": "slot_mapping"})
+
+
 def reshape_and_cache_flash(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                             value_cache: torch.Tensor, slot_mapping: torch.Tensor,
                             kv_cache_dtype: str, k_scale: torch.Tensor, v_scale: torch.Tensor, *,
@@ -111,8 +117,7 @@ def reshape_and_cache_flash(key: torch.Tensor, value: torch.Tensor, key_cache: t
     key, value = _tokens("key", key, slot_mapping), _tokens("value", value, slot_mapping)
     key, value, key_cache, value_cache, ks, vs = _kv_caches(key, value, key_cache, value_cache,
                                                             kv_cache_dtype, k_scale, v_scale)
-    store_kv(key, value, key_cache, value_cache, slot_mapping, layout="NHD", k_scale=ks, v_scale=vs,
-             check=check, errors=errors, backend=backend)
+    _FLASH(key, value, key_cache, value_cache, slot_mapping, "NHD", ks, vs, check, errors, None, 0, 1, backend)
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

@@ -149,6 +149,7 @@ class StoreDSV4KV:
     check: Check
 
 
+@spec.rule("dsv4_kv_pages")
 def _kv_pages(env: dict, v: dict) -> None:
     env["S"] = kv_pool_page_size("cache", env["B"], v["page_size"])
 
@@ -164,7 +165,7 @@ KV_SPEC = spec.Op(
                  what=f"tokens, {NOPE} NoPE + {ROPE} RoPE values"),
           spec.cache("cache", "P B", (torch.uint8,)), spec.LOC, spec.option("page_size", "int?"), *TAIL),
     checks=("kv", "cache", _kv_pages, spec.geometry("cache")),
-    build=_build_kv, impls=KV_IMPLS, dcp_page=True)
+    build=_build_kv, impls=KV_IMPLS, dcp_page=True, page_table=False)
 
 
 def prepare_store_dsv4_kv(kv, cache, loc, page_size, check, errors, loc_map, dcp_rank,
@@ -205,6 +206,7 @@ class StoreDSV4IndexerK:
         return INDEXER_FMT_CODE[self.fmt]
 
 
+@spec.rule("dsv4_indexer_fmt")
 def _indexer_fmt(env: dict, v: dict) -> None:
     fmt = env["fmt"] = validate.choice("fmt", v["fmt"], INDEXER_FMTS)
     block = FP8_BLOCK if fmt == "fp8" else MXFP4_BLOCK
@@ -218,6 +220,7 @@ def _indexer_fmt(env: dict, v: dict) -> None:
         raise ValueError("scale_fmt applies to fmt='fp8' only (mxfp4 scales are always ue8m0)")
 
 
+@spec.rule("dsv4_indexer_pages")
 def _indexer_pages(env: dict, v: dict) -> None:
     env["S"] = indexer_pool_page_size("cache", env["B"], env["D"], env["fmt"], v["page_size"])
 
@@ -238,7 +241,7 @@ INDEXER_SPEC = spec.Op(
     args=(spec.T("k", "N D", validate.FLOAT_INPUTS), spec.cache("cache", "P B", (torch.uint8,)), spec.LOC,
           spec.option("page_size", "int?"), spec.option("fmt"), spec.option("scale_fmt", "str?"), *TAIL),
     checks=("k", _indexer_fmt, "cache", _indexer_pages, spec.geometry("cache")), aliases={"k": "index_k"},
-    build=_build_indexer, impls=_indexer_impls, dcp_page=True)
+    build=_build_indexer, impls=_indexer_impls, dcp_page=True, page_table=False)
 
 
 def prepare_store_dsv4_indexer_k(k, cache, loc, page_size, fmt, scale_fmt, check, errors, loc_map,
@@ -277,6 +280,7 @@ class StoreRows:
 ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.int32, torch.int64)
 
 
+@spec.rule("rows_overlap")
 def _no_overlap(env: dict, v: dict) -> None:
     pool = v["pool"]
     if pool.shape[0] > 1 and pool.shape[1] > 0 and pool.stride(0) < pool.shape[1]:
@@ -293,7 +297,7 @@ ROWS_SPEC = spec.Op(
     args=(spec.T("src", "N W", ("=pool",), binds="N", what="tokens, the pool's row width"),
           spec.cache("pool", "R W", ROW_DTYPES), spec.LOC, *TAIL),
     checks=("pool", "src", _no_overlap, spec.geometry("pool")),
-    build=_build_rows, impls=ROWS_IMPLS, dcp_page=True)
+    build=_build_rows, impls=ROWS_IMPLS, dcp_page=True, page_table=False)
 
 
 def prepare_store_rows(src, pool, loc, check, errors, loc_map, dcp_rank, dcp_size) -> StoreRows:

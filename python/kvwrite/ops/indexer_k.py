@@ -59,6 +59,7 @@ class StoreIndexerK:
     check: Check
 
 
+@spec.rule("indexer_block")
 def _block(env: dict, v: dict) -> None:
     """quant_block_size divides D; scale_fmt; the page holds whole tokens (letters P, S)."""
     qbs = require_positive_int("quant_block_size", v["quant_block_size"])
@@ -68,6 +69,7 @@ def _block(env: dict, v: dict) -> None:
         raise ValueError(f"scale_fmt must be one of {SCALE_FMTS}, got {v['scale_fmt']!r}")
 
 
+@spec.rule("indexer_pages")
 def _pages(env: dict, v: dict) -> None:
     env["S"] = pool_page_size("cache", env["B"], env["D"], v["quant_block_size"])
 

@@ -42,6 +42,7 @@ def canonical(cache: torch.Tensor, layout: str) -> torch.Tensor:
     return cache if layout == "NHD" else cache.transpose(1, 2)
 
 
+@spec.rule("kv_scales")
 def _scales(env: dict, v: dict) -> None:
     """fp8 caches take both scales; other caches none."""
     dtype = env["k_cache"]

@@ -133,6 +133,7 @@ class StoreMLA:
     global_scale: torch.Tensor | None = None    # nvfp4: optional fp32 [] / [1]
 
 
+@spec.rule("mla_format")
 def _format(env: dict, v: dict) -> None:
     """kv_cache_dtype: its dims rule, cache dtype and row width (letter W)."""
     name = validate.choice("kv_cache_dtype", v["kv_cache_dtype"], tuple(FORMATS))
@@ -146,6 +147,7 @@ def _format(env: dict, v: dict) -> None:
     env.update(fmt=name, cache_dtype=fmt.cache_dtype(env["kv_c"]), W=fmt.row_width(env["L"], env["R"]))
 
 
+@spec.rule("mla_scales")
 def _scales(env: dict, v: dict) -> None:
     """The per-tensor scale (fp8 formats) and nvfp4's scale_cache / global_scale."""
     fmt = FORMATS[env["fmt"]]

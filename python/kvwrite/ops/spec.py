@@ -95,8 +95,19 @@ BACKEND = Arg("backend", "str", role="option")
 TABLE = tuple(Arg(n, "Tensor?", role="addressing", default=None) for n in TABLE_ARGS)
 
 
+def rule(cpp: str) -> Callable:
+    """Name an op's check for the C++ matcher (csrc/api.h `rule`: the same check as a predicate;
+    a refused call is then explained by the Python check). A check without one keeps the op on
+    the Python path."""
+    def wrap(fn: Callable) -> Callable:
+        fn.cpp = cpp
+        return fn
+    return wrap
+
+
 def choice(name: str, options: tuple) -> Callable:
     """A check: argument `name` is one of `options` (stored in the env under its name)."""
+    @rule(f"choice {name} {','.join(options)}")
     def check(env: dict, v: dict) -> None:
         env[name] = validate.choice(name, v[name], options)
     return check
@@ -104,9 +115,18 @@ def choice(name: str, options: tuple) -> Callable:
 
 def geometry(name: str, pages: str = "P", rows: str = "S") -> Callable:
     """A check: the pool geometry from the letters the cache `name` bound."""
+    @rule(f"geometry {pages} {rows}")
     def check(env: dict, v: dict) -> None:
         env["geometry"] = cache_geometry(name, env[pages], env[rows])
     return check
+
+
+# Env names the C++ rules read or write beside the letters and the arguments' dtypes.
+RULE_SLOTS = ("N", "P", "S", "B", "W", "D", "Dv", "L", "R", "layout", "fmt", "cache_dtype")
+
+
+def _dtype_name(d: object) -> str:
+    return d if isinstance(d, str) else str(d).replace("torch.", "")
 
 
 def _match(a: Arg, t: object, env: dict, name: str) -> None:
@@ -150,6 +170,12 @@ def _match(a: Arg, t: object, env: dict, name: str) -> None:
             env[letter] = s
 
 
+@torch._dynamo.assume_constant_result
+def _default_check() -> str:
+    """`KVWRITE_CHECK` (read on first use): a process constant, also while tracing."""
+    return validate.default_check()
+
+
 def _facts(v: object) -> object:
     if isinstance(v, torch.Tensor):
         return (type(v), v.shape, v.stride(), v.dtype, v.device)
@@ -170,6 +196,7 @@ class Op:
     impls: object
     checks: tuple = ()
     dcp_page: bool = False      # DCP shards whole pages (DeepSeek V4 pools)
+    page_table: bool = True     # its kernels take page-table addressing
     aliases: dict = field(default_factory=dict)   # schema name -> the name errors use
     doc: str = ""
     overload: object = field(default=None, init=False)
@@ -185,6 +212,43 @@ class Op:
         self.overload = _library.define(self.name, self.schema(), self.impl, self.fake)
         self.entry = self._entry()
         OPS[self.name] = self
+        if _ext.LOADED:
+            send_programs()
+
+    # --- derived: the spec for the C++ matcher ------------------------------------------------
+    def program(self) -> str | None:
+        """This op's checks as the C++ matcher's program (csrc/api.h `parse`), or None when a
+        check has no C++ twin."""
+        by_name = {a.name: a for a in self.all_args}
+        slots = list(self.names) + [s for s in RULE_SLOTS if s not in self.names]
+        lines = []
+        for c in self.checks:
+            if callable(c):
+                if getattr(c, "cpp", None) is None:
+                    return None
+                lines.append(f"R {c.cpp}")
+                continue
+            a = by_name[c]
+            dtypes = ",".join(_dtype_name(d) for d in a.dtypes) or "-"
+            if a.dims is not None and a.dims.startswith("scale"):
+                heads = a.dims[5:].strip() or "-"
+                lines.append(f"S {a.name} {int(a.type.endswith('?'))} 0 1 -1 {heads} float32 -")
+                continue
+            dims = []
+            for letter, div, lit in a.tokens:
+                if lit is not None:
+                    dims.append(f"#{lit}")
+                elif letter is None:
+                    dims.append("*")
+                else:
+                    slots += [letter] if letter not in slots else []
+                    dims.append(letter if div == 1 else f"{letter}/{div}")
+            ndim = len(dims) if a.dims is not None else -1
+            lines.append(f"T {a.name} {int(a.type.endswith('?'))} {int(a.layout)} {int(a.last_contiguous)} "
+                         f"{ndim} {','.join(dims) or '-'} {dtypes} {','.join(a.binds.split()) or '-'}")
+        head = [f"args {' '.join(self.names)}", f"slots {' '.join(slots)}",
+                f"op {self.code} {int(self.dcp_page)} {int(self.page_table)}"]
+        return "\n".join(head + lines)
 
     # --- derived: schema --------------------------------------------------------------------
     def schema(self) -> str:
@@ -200,47 +264,55 @@ class Op:
         return f"({', '.join(parts)}) -> ()"
 
     # --- derived: validation ----------------------------------------------------------------
-    def _check(self, v: dict) -> dict:
+    def _check(self, v: dict, aliases: dict) -> dict:
         env: dict = {}
         by_name = {a.name: a for a in self.all_args}
         for c in self.checks:
             if callable(c):
                 c(env, v)
             elif v[c] is not None or not by_name[c].type.endswith("?"):
-                _match(by_name[c], v[c], env, self.aliases.get(c, c))
+                _match(by_name[c], v[c], env, aliases.get(c, c))
         return env
 
-    def match(self, v: dict) -> dict:
+    def match(self, v: dict, aliases: dict | None = None) -> dict:
         """The env of derived facts (letters, device, dtypes, geometry, the rules' values) of a
         call, from its argument values: checked once per distinct argument facts (a check
         raises on bad arguments, so only passing calls are remembered); never memoised while
         tracing."""
+        aliases = self.aliases if aliases is None else aliases
         if torch.compiler.is_compiling():
-            return self._check(v)
+            return self._check(v, aliases)
         try:
-            key = (self.name, *map(_facts, v.values()))
+            key = (self.name, id(aliases), *map(_facts, v.values()))
             env = _MEMO.get(key)
         except TypeError:   # an unhashable argument: no memo (the checks name it)
-            return self._check(v)
+            return self._check(v, aliases)
         if env is None:
-            env = self._check(v)
+            env = self._check(v, aliases)
             if len(_MEMO) >= _MEMO_MAX:
                 _MEMO.clear()
             _MEMO[key] = env
         return env
 
-    def prepare(self, args: tuple, check: object = NO_DEFAULT) -> object:
-        """Validate a call (schema-order arguments) and build the call object."""
+    def prepare(self, args: tuple, check: object = NO_DEFAULT, aliases: dict | None = None,
+                call: str | None = None) -> object:
+        """Validate a call (schema-order arguments) and build the call object. An adapter's
+        `aliases` (schema name -> the engine's) and `call` (its function) name its errors."""
         if len(args) < len(self.names):   # the dispatcher leaves trailing defaults out
             args = (*args, *(a.default for a in self.all_args[len(args):]))
         v = dict(zip(self.names, args))
         if check is not NO_DEFAULT:
             v["check"] = check
-        env = self.match(v)
-        loc = page_table(self.name, v["loc"], v["batch_indices"], v["kv_indices"], v["kv_indptr"])
-        locs, chk = prepare_addressing(self.name, env["device"], env["N"], loc, v.get("loc_map"),
-                                       v.get("dcp_rank", 0), v.get("dcp_size", 1), v["check"],
-                                       v["errors"])
+        try:
+            env = self.match(v, aliases)
+            loc = page_table(self.name, v["loc"], v["batch_indices"], v["kv_indices"], v["kv_indptr"])
+            locs, chk = prepare_addressing(self.name, env["device"], env["N"], loc, v.get("loc_map"),
+                                           v.get("dcp_rank", 0), v.get("dcp_size", 1), v["check"],
+                                           v["errors"], (aliases or self.aliases).get("loc", "loc"))
+        except (TypeError, ValueError) as exc:
+            if call is None:
+                raise
+            raise type(exc)(f"{call}: {exc}") from None
         if self.dcp_page:
             locs.dcp_page = True
         return self.build(v, env, locs, chk)
@@ -262,14 +334,19 @@ class Op:
 
     def native(self) -> bool:
         """Whether the extension's C++ kernel of this op is registered (settled once loaded)."""
+        if not _ext.LOADED:   # not loaded yet, or switched off (the bench's Python-path timings)
+            return False
         if self._native is None:
-            if not _ext.LOADED:
-                return False
             self._native = _library.native(self.overload)
         return self._native
 
     # --- derived: the public call -------------------------------------------------------------
-    def _entry(self) -> Callable:
+    def adapter(self, call: str, aliases: dict) -> Callable:
+        """The entry of an engine adapter: the same fast path as the op; its errors name the
+        engine's arguments (`aliases`: schema name -> the engine's) and its function `call`."""
+        return self._entry({**self.aliases, **aliases}, call)
+
+    def _entry(self, aliases: dict | None = None, call_name: str | None = None) -> Callable:
         """The call behind the public function: arguments in schema order without the table
         tail, as the public function takes them (loc may be a PageTable, errors an ErrorBuffer,
         check None = the process default)."""
@@ -278,13 +355,13 @@ class Op:
         ints = tuple(i for i, a in enumerate(self.args) if a.type == "int")
         overload, impl, prepare = self.overload, self.impl, self.prepare
         call = overload._op   # the C++ builtin behind the OpOverload (one frame less)
-        default_check = validate.DEFAULT_CHECK
+        default_check = _default_check
 
         def entry(*args):
             args = list(args)
             check = args[i_check]
             if check is None:
-                args[i_check] = check = default_check
+                args[i_check] = check = default_check()
             errors = args[i_errors]
             if type(errors) is ErrorBuffer:
                 args[i_errors] = errors = errors.tensor
@@ -303,11 +380,26 @@ class Op:
                 try:
                     return call(*args)
                 except Exception:  # arguments the schema refused: Python's error names them
-                    prepare(tuple(args) + (None,) * (len(names) - len(args)))
+                    prepare(tuple(args) + (None,) * (len(names) - len(args)), NO_DEFAULT, aliases, call_name)
                     raise
-            return impl(*args, *(None,) * (len(names) - len(args)))
+            if aliases is None:
+                return impl(*args, *(None,) * (len(names) - len(args)))
+            a = prepare(tuple(args) + (None,) * (len(names) - len(args)), NO_DEFAULT, aliases, call_name)
+            if a.locs.n:
+                dispatch(self.name, self.table(a), args[i_backend], a.locs.loc.device, a)
 
         return entry
+
+
+def send_programs() -> None:
+    """Hand every op's program to the loaded extension (its C++ kernels run nothing without)."""
+    for op in OPS.values():
+        text = op.program()
+        if text is not None and hasattr(torch.ops.kvwrite_ext, "set_program"):
+            torch.ops.kvwrite_ext.set_program(op.name, text)
+
+
+_ext.ON_LOAD.append(send_programs)
 
 
 def args_doc(op: Op) -> list[str]:

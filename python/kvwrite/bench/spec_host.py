@@ -1,0 +1,60 @@
+"""Host cost per call at N = 1 against the issue's targets (CPU, one thread; ratios from
+interleaved runs): every op vs store_kv, each adapter vs the op it wraps, assert vs off, a
+PageTable loc vs a plain loc. `python -m kvwrite.bench.spec_host [min_time]` prints a table."""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import kvwrite
+from kvwrite.bench.host import interleaved_us
+from kvwrite.compat import flashinfer, vllm
+from kvwrite.ops.dsv4 import kv_page_bytes
+
+
+def cases() -> list[tuple[str, object, str, object, float]]:
+    """(call, fn, baseline, fn, target ratio)."""
+    g = torch.Generator().manual_seed(0)
+    bf = torch.bfloat16
+    rnd = lambda *s: torch.randn(*s, generator=g).to(bf)  # noqa: E731
+    loc = torch.tensor([5])
+    k, v = rnd(1, 8, 128), rnd(1, 8, 128)
+    kc, vc = torch.zeros(16, 16, 8, 128, dtype=bf), torch.zeros(16, 16, 8, 128, dtype=bf)
+    base = lambda: kvwrite.store_kv(k, v, kc, vc, loc)  # noqa: E731
+    kv_c, k_pe, mla = rnd(1, 512), rnd(1, 64), torch.zeros(16, 16, 576, dtype=bf)
+    ik, icache = rnd(1, 128), torch.zeros(16, 16 * 132, dtype=torch.uint8)
+    nv = [torch.zeros(16, 16, 8, w, dtype=dt) for w, dt in ((64, torch.uint8),) * 2 + ((8, torch.float8_e4m3fn),) * 2]
+    dkv, dcache = rnd(1, 512), torch.zeros(16, kv_page_bytes(16), dtype=torch.uint8)
+    src, pool = rnd(1, 64), torch.zeros(64, 64, dtype=bf)
+    pt = kvwrite.PageTable(torch.tensor([0]), torch.tensor([5]), torch.tensor([3, 1]), torch.tensor([0, 2]))
+    last = torch.tensor([5])
+    return [
+        ("store_mla", lambda: kvwrite.store_mla(kv_c, k_pe, mla, loc), "store_kv", base, 2.0),
+        ("store_indexer_k", lambda: kvwrite.store_indexer_k(ik, icache, loc), "store_kv", base, 2.0),
+        ("store_kv_nvfp4", lambda: kvwrite.store_kv_nvfp4(k, v, *nv, loc), "store_kv", base, 2.0),
+        ("store_dsv4_kv", lambda: kvwrite.store_dsv4_kv(dkv, dcache, loc), "store_kv", base, 2.0),
+        ("store_dsv4_indexer_k", lambda: kvwrite.store_dsv4_indexer_k(ik, icache, loc), "store_kv", base, 2.0),
+        ("store_rows", lambda: kvwrite.store_rows(src, pool, loc), "store_kv", base, 2.0),
+        ("store_kv PageTable", lambda: kvwrite.store_kv(k, v, kc, vc, pt), "store_kv", base, 2.0),
+        ("store_kv check=assert", lambda: kvwrite.store_kv(k, v, kc, vc, loc, check="assert"), "store_kv", base, 1.3),
+        ("vllm.reshape_and_cache_flash",
+         lambda: vllm.reshape_and_cache_flash(k, v, kc, vc, loc, "auto", None, None), "store_kv", base, 1.2),
+        ("flashinfer.append_paged_kv_cache",
+         lambda: flashinfer.append_paged_kv_cache(k, v, pt.batch_indices, pt.positions, (kc, vc), pt.kv_indices,
+                                                  pt.kv_indptr, last),
+         "store_kv PageTable", lambda: kvwrite.store_kv(k, v, kc, vc, pt), 1.2),
+    ]
+
+
+def main(min_time: float = 0.2) -> None:
+    torch.set_num_threads(1)
+    print("| call | µs | vs | µs | ratio | target |\n|---|---:|---|---:|---:|---:|")
+    for what, fn, vs, base, target in cases():
+        fn(), base()
+        a, b = interleaved_us(fn, base, min_time)
+        print(f"| {what} | {a:.2f} | {vs} | {b:.2f} | {a / b:.2f}x | <= {target}x {'met' if a / b <= target else 'NOT met'} |")
+
+
+if __name__ == "__main__":
+    main(float(sys.argv[1]) if len(sys.argv) > 1 else 0.2)
