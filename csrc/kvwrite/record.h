@@ -26,7 +26,8 @@ constexpr int BATCH = 9, POSITION = 10, TABLE_SLOT = 11, TABLE_PAGE = 12;
 constexpr int OWNER = 13, EPOCH = 14, DONE = 15;
 }
 constexpr i64 EMPTY = INT64_MAX;
-enum Kind : int { KIND_POOL = 0, KIND_LOC_MAP = 1, KIND_BATCH = 2, KIND_TABLE_SLOT = 3, KIND_TABLE_PAGE = 4 };
+enum Kind : int { KIND_POOL = 0, KIND_LOC_MAP = 1, KIND_BATCH = 2, KIND_TABLE_SLOT = 3, KIND_TABLE_PAGE = 4,
+                  KIND_POSITION = 5 };  // rope_store_*: position outside the cos/sin cache
 
 // Op codes of kvwrite.errors.OPS (append only).
 enum Op : int { OP_STORE_KV = 0, OP_STORE_MLA = 1, OP_STORE_INDEXER_K = 2, OP_STORE_KV_NVFP4 = 3,

@@ -325,11 +325,21 @@ def store_kv(a) -> None:
     _run(a, "store_kv", a.k, a.v, a.k_cache, a.v_cache, a.k_scale, a.v_scale)
 
 
+def store_kv_quant(a) -> None:
+    """`a`: kvwrite.ops.kv_quant.KVStore (static int8 or dynamic scales; canonical caches)."""
+    from kvwrite.ops import kv_quant as q
+
+    static = a.quant == q.QUANT_STATIC
+    _run(a, "store_kv_quant", a.k, a.v, a.k_cache, a.v_cache, a.k_scale if static else None,
+         a.v_scale if static else None, None if static else a.k_scale_cache,
+         None if static else a.v_scale_cache, a.quant, a.rule)
+
+
 def store_mla(a) -> None:
     """`a`: kvwrite.ops.mla.StoreMLA (`kv_cache` `[pages, pool_page_size, row]`; nvfp4 also
     `scale_cache` `[pages, pool_page_size, (L+R)/16]` and an optional `global_scale`)."""
     _run(a, "store_mla", a.kv_c, a.k_pe, a.kv_cache, a.scale, getattr(a, "scale_cache", None),
-         getattr(a, "global_scale", None), a.format.mode)
+         getattr(a, "global_scale", None), a.format.kernel_mode)
 
 
 def store_indexer_k(a) -> None:
@@ -356,3 +366,53 @@ def store_dsv4_indexer_k(a) -> None:
 def store_rows(a) -> None:
     """`a`: kvwrite.ops.dsv4.StoreRows."""
     _run(a, "store_rows", a.src, a.pool)
+
+
+def _run_checked(a, name: str, *args) -> None:
+    """Call torch.ops.kvwrite_ext.<name>(*args, errors, check, op) for a validated page move `a`
+    (CPU assert mode: the kernel records into a scratch buffer and throws before any write; we
+    raise its OutOfBoundsWrite)."""
+    from kvwrite.errors import ErrorBuffer, op_code
+
+    chk = a.check
+    errors, scratch = chk.errors, None
+    if chk.mode == "assert" and args[0].device.type == "cpu":
+        scratch = ErrorBuffer("cpu")
+        errors = scratch.tensor
+    try:
+        getattr(torch.ops.kvwrite_ext, name)(*args, errors, chk.code, op_code(chk.op))
+    except RuntimeError as exc:
+        err = scratch.error() if scratch is not None else None
+        if err is None:
+            raise
+        raise err from exc
+
+
+def copy_pages(a) -> None:
+    """`a`: kvwrite.ops.pages.CopyPages (canonical [pages, rows, heads, feat] pools)."""
+    _run_checked(a, "copy_pages", a.src, a.dst, a.src_pages, a.dst_pages)
+
+
+def gather(a) -> None:
+    """`a`: kvwrite.ops.pages.Gather (canonical cache, [n, heads, feat] out)."""
+    _run(a, "gather", a.cache, a.out)
+
+
+def slot_mapping(a) -> None:
+    """`a`: kvwrite.ops.pages.SlotMapping."""
+    _run_checked(a, "slot_mapping", a.block_table, a.batch_indices, a.positions, a.out,
+                 a.geometry.pool_page_size, a.geometry.num_pages)
+
+
+def rope_store_kv(a) -> None:
+    """`a`: kvwrite.ops.rope.RopeStoreKV (copy or static fp8 K/V store)."""
+    s = a.store
+    _run(a, "rope_store_kv", a.positions, a.q, s.k, s.v, a.cos_sin, s.k_cache, s.v_cache, s.k_scale,
+         s.v_scale, a.q_norm_weight, a.k_norm_weight, a.eps, a.is_neox)
+
+
+def rope_store_mla(a) -> None:
+    """`a`: kvwrite.ops.rope.RopeStoreMLA (every store_mla format)."""
+    s = a.store
+    _run(a, "rope_store_mla", a.positions, a.q, s.kv_c, s.k_pe, a.cos_sin, s.kv_cache, s.scale,
+         s.scale_cache, s.global_scale, s.format.kernel_mode, a.is_neox)

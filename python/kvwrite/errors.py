@@ -66,6 +66,17 @@ KIND_TABLE_SLOT = 3  # the page-table slot against batch b's slots [kv_indptr[b]
 KIND_TABLE_PAGE = 4  # the page kv_indices[slot] against the pool's pages [0, num_pages)
 TABLE_KINDS = (KIND_BATCH, KIND_TABLE_SLOT, KIND_TABLE_PAGE)
 KIND_POSITION = 5    # rope_store_*: the token's position against the cos/sin cache (max_position)
+# Page moves (kvwrite.ops.pages); numbered apart from the store kinds. copy_pages: a pair's page
+# (in units of the smaller pool's page) against the pool's units [0, limit).
+KIND_SRC_PAGE = 16
+KIND_DST_PAGE = 17
+# slot_mapping (a block table [batch, blocks]): the batch index against the table's rows, the
+# block index position // page_size against the row's width, the page against the pool's pages.
+KIND_BLOCK_ROW = 18
+KIND_BLOCK_INDEX = 19
+KIND_BLOCK_PAGE = 20
+PAGE_KINDS = (KIND_SRC_PAGE, KIND_DST_PAGE)
+BLOCK_KINDS = (KIND_BLOCK_ROW, KIND_BLOCK_INDEX, KIND_BLOCK_PAGE)
 
 # Op codes, recorded so a shared buffer tells which op failed. Append only.
 OPS = (
@@ -78,7 +89,12 @@ OPS = (
     "store_dsv4_kv",
     "store_dsv4_indexer_k",
     "store_rows",
+    "copy_pages",
+    "gather",
+    "slot_mapping",
+    "move_rows",
 )
+READ_OPS = ("gather",)   # ops whose bad loc is a read (the message says "reads")
 
 
 def op_code(name: str) -> int:
@@ -120,8 +136,32 @@ class OutOfBoundsWrite(RuntimeError):
                 f"kv_indices[{self.table_slot}], but the pool has pages [0, {self.limit}) of "
                 f"{self.pool_page_size} rows; kv_indices holds a page the pool does not have")
 
+    def _page_message(self) -> str:
+        """copy_pages / slot_mapping records (KIND_SRC_PAGE ... KIND_BLOCK_PAGE)."""
+        if self.kind in PAGE_KINDS:
+            many = f"{self.count} bad page id(s); the first is " if self.count > 1 else ""
+            side = "src" if self.kind == KIND_SRC_PAGE else "dst"
+            what = "row" if self.op == "move_rows" else "page"
+            unit = (f" (counted in units of {self.pool_page_size} rows, the smaller pool's page)"
+                    if what == "page" else "")
+            return (f"{self.op}: {many}pair {self.token_index} names {side} {what} {self.target}, but "
+                    f"{side} has {what}s [0, {self.limit}){unit}; nothing was copied for that pair"
+                    + ("; padding must be -1" if self.target < 0 else ""))
+        many = f"{self.count} bad token(s); the first is " if self.count > 1 else ""
+        who = f"{self.op}: {many}token {self.token_index} (batch {self.batch}, position {self.position})"
+        if self.kind == KIND_BLOCK_ROW:
+            return (f"{who} has batch index {self.batch}, outside the block table's rows [0, "
+                    f"{self.limit}); its slot is -1")
+        if self.kind == KIND_BLOCK_INDEX:
+            return (f"{who} needs block {self.target} = {self.position} // {self.pool_page_size}, "
+                    f"past the block table's row of {self.limit} blocks; its slot is -1")
+        return (f"{who} maps to page {self.target} = block_table[{self.batch}, {self.table_slot}], "
+                f"but the pool has pages [0, {self.limit}) of {self.pool_page_size} rows; its slot is -1")
+
     def _message(self) -> str:
         many = f"{self.count} bad token(s); the first is " if self.count > 1 else ""
+        if self.kind in PAGE_KINDS or self.kind in BLOCK_KINDS:
+            return self._page_message()
         if self.kind in TABLE_KINDS:
             return self._table_message(many)
         if self.kind == KIND_LOC_MAP:
@@ -142,7 +182,8 @@ class OutOfBoundsWrite(RuntimeError):
         hint = ("; padding must be -1" if self.target < 0 else
                 "; check that the allocator pages in pool_page_size units and that the pool "
                 "covers its whole loc space (PageGeometry.check_allocator)")
-        return f"{self.op}: {many}token {self.token_index} writes loc {self.loc}{via} into {where}{hint}"
+        verb = "reads loc {} from" if self.op in READ_OPS else "writes loc {} into"
+        return f"{self.op}: {many}token {self.token_index} {verb.format(self.loc)}{via} {where}{hint}"
 
 
 class IncompleteRecord(OutOfBoundsWrite):
@@ -206,7 +247,7 @@ class ErrorBuffer:
     def reset(self) -> None:
         """Clear the record (asynchronous on the device, no host sync)."""
         self.tensor.fill_(EMPTY)
-        self.tensor[COUNT] = 0
+        self.tensor[COUNT].fill_(0)   # a fill kernel (`[COUNT] = 0` would copy a CPU scalar in)
         self.tensor[EPOCH:].zero_()  # EPOCH, DONE
 
     def error(self, stream: torch.cuda.Stream | None = None) -> OutOfBoundsWrite | None:
@@ -240,7 +281,7 @@ def decode(s: list[int]) -> OutOfBoundsWrite | None:
         return IncompleteRecord(s[COUNT], "fields not written yet")
     tokens = {s[k] >> 32 for k in FIELDS}
     meta = s[META] & 0xFFFFFFFF
-    if (meta >> 8) in TABLE_KINDS:
+    if (meta >> 8) in TABLE_KINDS or (meta >> 8) in BLOCK_KINDS:
         if any(s[k] == EMPTY for k in TABLE_FIELDS):
             return IncompleteRecord(s[COUNT], "page-table fields not written yet")
         tokens |= {s[k] >> 32 for k in TABLE_FIELDS}
@@ -257,6 +298,15 @@ def decode(s: list[int]) -> OutOfBoundsWrite | None:
     if kind in TABLE_KINDS:
         return table_error(op, token, kind, target, limit, pps, s[COUNT],
                            *(_signed32(s[k]) for k in (BATCH, POSITION, TABLE_SLOT, TABLE_PAGE)))
+    if kind in PAGE_KINDS:
+        return OutOfBoundsWrite(op=op, token_index=token, loc=loc, page=target, num_pages=limit,
+                                pool_page_size=pps, count=s[COUNT], kind=kind, target=target,
+                                limit=limit)
+    if kind in BLOCK_KINDS:
+        b, pos, blk, page = (_signed32(s[k]) for k in (BATCH, POSITION, TABLE_SLOT, TABLE_PAGE))
+        return OutOfBoundsWrite(op=op, token_index=token, loc=loc, page=None, num_pages=None,
+                                pool_page_size=pps, count=s[COUNT], kind=kind, target=target,
+                                limit=limit, batch=b, position=pos, table_slot=blk, table_page=page)
     page = target // pps if kind == KIND_POOL else None
     return OutOfBoundsWrite(op=op, token_index=token, loc=loc, page=page,
                             num_pages=limit // pps, pool_page_size=pps, count=s[COUNT],
