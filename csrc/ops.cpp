@@ -281,6 +281,7 @@ void copy_pages_cpu(const Tensor& src, const Tensor& dst, const Tensor& src_page
       }
     });
   });
+  if (check == CHECK_GUARD && p.errors != nullptr) p.errors[slot::EPOCH] += 1;  // the next call's epoch
 }
 
 void gather_cpu(const Tensor& cache, const Tensor& out, const Tensor& loc, const OptTensor& loc_map,
@@ -310,6 +311,7 @@ void slot_mapping_cpu(const Tensor& block_table, const Tensor& batch_indices, co
       for (int64_t i = b; i < e; ++i) slot_token<c.value>(p, i);
     });
   });
+  if (check == CHECK_GUARD && p.errors != nullptr) p.errors[slot::EPOCH] += 1;  // the next call's epoch
   if (asserting && p.errors[slot::COUNT] != before) throw_assert(OP_NAMES[p.op], p.errors, p.errors[slot::COUNT] - before);
 }
 
@@ -343,6 +345,7 @@ void run_rope_tokens(const P& p, const LocArgs& a, int64_t check, int64_t row_by
     q.scratch_sn = 0;
     for (int64_t i = b; i < e; ++i) Token{}(q, i, true, 0, 1);
   });
+  if (check == CHECK_GUARD && a.errors != nullptr) a.errors[slot::EPOCH] += 1;  // the next call's epoch
 }
 
 void rope_store_kv_cpu(const Tensor& positions, const Tensor& q, const Tensor& k, const Tensor& v,

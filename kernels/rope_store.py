@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from kvwrite import errors as _e
-from kvwrite.kernels._common import (CHECK_OFF, check_or_record, fp8_quant, record_table,
+from kvwrite.kernels._common import (CHECK_OFF, check_or_record, end_call, fp8_quant, record_table,
                                      resolve_locs, resolve_table, store_le_bytes)
 from kvwrite.kernels._nvfp4 import store_blocks
 from kvwrite.kernels.store_mla import _bf16_bits, _ds_mla_tile
@@ -50,9 +50,7 @@ def _rounded(y, IN: tl.constexpr):
     """(fp32 value of y rounded to the input dtype, what an input-dtype buffer stores: the value,
     or bf16 bits as int16). Round to nearest even; bf16 NaN -> 0x7FC0 (as torch)."""
     if IN == 2:
-        u = y.to(tl.int32, bitcast=True)
-        b = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
-        b = tl.where(y != y, 0x7FC0, b)
+        b = _bf16_bits(y)  # no int32 overflow for NaN payloads (a GPU's NaN is 0x7FFFFFFF)
         return (b << 16).to(tl.float32, bitcast=True), b.to(tl.int16)
     elif IN == 1:
         h = y.to(tl.float16)
@@ -137,6 +135,7 @@ def _claim(loc_ptr, pos, pos_ok, tok, n_tokens, loc_map_ptr, map_len, dcp_rank, 
     check_or_record(err_ptr, tok, loc, bad, target, limit, kind, pool_page_size, OP, CHECK, record)
     if HAS_TABLE:
         record_table(err_ptr, tok, bad, batch, tpos, slot, tpage, CHECK, record)
+    end_call(err_ptr, CHECK)  # the q programs call it themselves: once per program
     return page, offset, write
 
 
@@ -193,6 +192,7 @@ def rope_store_kv_kernel(
     if j < HQ:
         _rotate_q(q_ptr, j, tok, pos_ok, pos, cs_ptr, cs_sn, qw_ptr, eps, q_sn, q_sh, D, R, NEOX,
                   Q_NORM, IN, CS_IN, BLOCK_D, LOG2P)
+        end_call(err_ptr, CHECK)
     else:
         h = j - HQ
         page, offset, write = _claim(loc_ptr, pos, pos_ok, tok, n_tokens, loc_map_ptr, map_len,
@@ -249,6 +249,7 @@ def rope_store_mla_kernel(
     if c >= n_row_programs:
         _rotate_q(q_ptr, c - n_row_programs, tok, pos_ok, pos, cs_ptr, cs_sn, q_ptr, 0.0, q_sn,
                   q_sh, R, R, NEOX, False, IN, CS_IN, BLOCK_R, 0)
+        end_call(err_ptr, CHECK)
     else:
         page, offset, write = _claim(loc_ptr, pos, pos_ok, tok, n_tokens, loc_map_ptr, map_len,
                                      dcp_rank, dcp_size, capacity, pool_page_size, max_pos,
