@@ -182,8 +182,8 @@ class OutOfBoundsWrite(RuntimeError):
         hint = ("; padding must be -1" if self.target < 0 else
                 "; check that the allocator pages in pool_page_size units and that the pool "
                 "covers its whole loc space (PageGeometry.check_allocator)")
-        verb = "reads loc {} from" if self.op in READ_OPS else "writes loc {} into"
-        return f"{self.op}: {many}token {self.token_index} {verb.format(self.loc)}{via} {where}{hint}"
+        verb, prep = ("reads", "from") if self.op in READ_OPS else ("writes", "into")
+        return f"{self.op}: {many}token {self.token_index} {verb} loc {self.loc}{via} {prep} {where}{hint}"
 
 
 class IncompleteRecord(OutOfBoundsWrite):
