@@ -282,6 +282,7 @@ void copy_pages_cpu(const Tensor& src, const Tensor& dst, const Tensor& src_page
       }
     });
   });
+  if (check == CHECK_GUARD && p.errors != nullptr) p.errors[slot::EPOCH] += 1;  // the next call's epoch
 }
 
 void gather_cpu(const Tensor& cache, const Tensor& out, const Tensor& loc, const OptTensor& loc_map,
@@ -311,6 +312,7 @@ void slot_mapping_cpu(const Tensor& block_table, const Tensor& batch_indices, co
       for (int64_t i = b; i < e; ++i) slot_token<c.value>(p, i);
     });
   });
+  if (check == CHECK_GUARD && p.errors != nullptr) p.errors[slot::EPOCH] += 1;  // the next call's epoch
   if (asserting && p.errors[slot::COUNT] != before) throw_assert(OP_NAMES[p.op], p.errors, p.errors[slot::COUNT] - before);
 }
 

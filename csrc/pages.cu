@@ -10,6 +10,9 @@ __global__ void __launch_bounds__(KVW_BLOCK_THREADS, KVW_MIN_BLOCKS) copy_pages_
                                                                                        i64 chunk) {
   const i64 i = blockIdx.x;
   const PairResolved r = resolve_pair_checked<CHECK>(p, i, blockIdx.y == 0 && threadIdx.x == 0);
+  if constexpr (CHECK == CHECK_GUARD) {  // every thread, before the early return
+    if (p.errors != nullptr) end_call(p.errors);
+  }
   if (!r.write) return;
   const i64 items = p.unit_bytes() / VEC, begin = i64(blockIdx.y) * chunk;
   const i64 end = begin + chunk < items ? begin + chunk : items;
@@ -36,6 +39,7 @@ template <class Token>
 __global__ void __launch_bounds__(KVW_BLOCK_THREADS, KVW_MIN_BLOCKS) gather_kernel(const GatherParams p, int group) {
   const i64 i = i64(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
   if (i < p.locs.n) Token{}(p, i, int(threadIdx.x % group), group);
+  end_block<Token>(p.locs.errors);  // guard mode: the record's call epoch
 }
 
 cudaError_t launch_gather(const GatherParams& p, int check, cudaStream_t stream) {
@@ -50,6 +54,9 @@ template <int CHECK>
 __global__ void __launch_bounds__(KVW_BLOCK_THREADS, KVW_MIN_BLOCKS) slot_mapping_kernel(const SlotMappingParams p) {
   const i64 i = i64(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < p.n) slot_token<CHECK>(p, i);
+  if constexpr (CHECK == CHECK_GUARD) {
+    if (p.errors != nullptr) end_call(p.errors);  // the record's call epoch
+  }
 }
 
 cudaError_t launch_slot_mapping(const SlotMappingParams& p, int check, cudaStream_t stream) {

@@ -64,7 +64,8 @@ def num_warps(constexprs: dict) -> int:
     at most 8 warps (4 for the MLA row copy: 8 spill on sm_80 with fp32 + loc_map + DCP).
     Quantising variants: 16 warps for a 4K-element tile (8 elements a thread: the exact fp8 /
     e2m1 rounding keeps more values live, 16 warps keep it under 64 registers with no spill),
-    scaled down with the store_kv tile. Limits checked by tests/test_compile.py."""
+    scaled down with the store_kv tile; vLLM's head-major layout twice that. Limits checked by
+    tests/test_compile.py."""
     elems = constexprs.get("BLOCK_T", 1) * constexprs.get("BLOCK_C", 0)
     mla_copy = constexprs.get("MODE", -1) == 0
     if is_copy(constexprs):
@@ -73,6 +74,10 @@ def num_warps(constexprs: dict) -> int:
         w = max(1, min(16, elems // 256))
     else:
         w = 16
+    if constexprs.get("VX", 0) and constexprs.get("CHECK") != 1:
+        # vLLM's head-major layout: its V stores are strided (one address per element), twice
+        # the warps keep those addresses under 64 registers (assert variants double below)
+        w = min(32, w * 2)
     if constexprs.get("CHECK") == 1:
         # assert variants are debug builds (the device assert keeps its arguments live): twice
         # the warps (4x for the MLA row copy), so they too stay <= 64 registers with no spill

@@ -30,19 +30,40 @@ _PTR = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
 
 
 def signature(kernel, pointers: dict[str, torch.dtype], constexprs: dict) -> dict[str, str]:
-    """Triton signature: pointers by dtype, constexprs marked, every other scalar int64."""
+    """Triton signature as a launch specialises it: pointers by dtype; constexprs (the variant's,
+    then the kernel's own defaults: `KX: tl.constexpr = 0`); an argument a launch leaves at its
+    default None is a constexpr None; every other scalar int32 (a launch passes Python ints that
+    fit in 32 bits: tokens, capacities, strides)."""
     sig = {}
-    for name in kernel.arg_names:
-        if name in constexprs:
+    for p in kernel.params:
+        name = p.name
+        if name in constexprs or p.is_constexpr or (name not in pointers and p.has_default
+                                                    and p.default is None):
             sig[name] = "constexpr"
         elif name in pointers:
             sig[name] = "*" + _PTR[pointers[name]]
         else:
-            sig[name] = "i64"
+            sig[name] = "i32"
     missing = set(pointers) - set(kernel.arg_names)
     if missing:
         raise KeyError(f"{kernel.__name__} has no arguments {missing}")
     return sig
+
+
+def launch_constexprs(kernel, pointers: dict, constexprs: dict) -> dict:
+    """The variant's constexprs plus what a launch that omits an argument fixes: a constexpr's
+    default, and None for a None-defaulted pointer (e.g. the page-table pointers)."""
+    out = dict(constexprs)
+    for p in kernel.params:
+        if p.name in out or p.name in pointers:
+            continue
+        if p.is_constexpr:
+            if not p.has_default:
+                raise KeyError(f"{kernel.__name__}: the variant sets no constexpr {p.name}")
+            out[p.name] = p.default
+        elif p.has_default and p.default is None:
+            out[p.name] = None
+    return out
 
 
 # Page-table kwargs every store kernel takes (kernels/_common.claim_rows), off unless a variant
@@ -52,14 +73,17 @@ TABLE_POINTERS = {"pt_batch_ptr": torch.int32, "pt_indices_ptr": torch.int32,
 
 
 def with_table_defaults(kernel, pointers: dict, constexprs: dict) -> tuple[dict, dict]:
-    if "HAS_TABLE" not in kernel.arg_names:
+    """The table pointers' dtypes where a variant addresses by page table (HAS_TABLE); without
+    one a launch omits them (None constexprs, `launch_constexprs`)."""
+    if "HAS_TABLE" not in kernel.arg_names or not constexprs.get("HAS_TABLE"):
         return pointers, constexprs
-    return {**TABLE_POINTERS, **pointers}, {"HAS_TABLE": False, **constexprs}
+    return {**TABLE_POINTERS, **pointers}, constexprs
 
 
 # Integer arguments that are strides (k_sn, kc_sp, ks_sh, ...): a real launch passes multiples of
 # 16 elements there, and Triton's launcher then specialises them (and 16-byte aligned pointers)
 # as divisible by 16; the static compile gives the same hints, so its PTX is the launch's PTX.
+# So does an integer a launch leaves at its default 0 (kc_sx=0: 0 is divisible by 16).
 _STRIDE = re.compile(r"_s[a-z]{1,2}$")
 _V4_LD = re.compile(r"\bld\.global[\w.]*\.v4\b")
 _V4_ST = re.compile(r"\bst\.global[\w.]*\.v4\b")
@@ -68,9 +92,11 @@ _SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) b
 
 
 def aligned_attrs(kernel, pointers: dict, constexprs: dict) -> dict:
-    """tt.divisibility=16 on every pointer and stride argument (what a launch specialises)."""
-    return {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
-            if name not in constexprs and (name in pointers or _STRIDE.search(name))}
+    """tt.divisibility=16 on every pointer, stride and zero-defaulted integer argument (what a
+    launch specialises)."""
+    return {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)
+            if p.name not in constexprs and (p.name in pointers or _STRIDE.search(p.name)
+                                             or (p.has_default and p.default == 0))}
 
 
 def ptxas_usage(log: str) -> dict:
@@ -109,6 +135,7 @@ def compile_variant(kernel, pointers, constexprs, cc: int) -> dict:
     import triton
 
     pointers, constexprs = with_table_defaults(kernel, pointers, constexprs)
+    constexprs = launch_constexprs(kernel, pointers, constexprs)
     # a family's own launch options (kernels/rope_store.py: warps, fp fusion off), else the shared ones
     module = sys.modules.get(getattr(getattr(kernel, "fn", None), "__module__", ""), None)
     own = getattr(module, "compile_options", None)

@@ -7,7 +7,7 @@ widest of 4 / 2 / 1 bytes dividing the row's layout), so fp8 and quantised pools
 import triton
 import triton.language as tl
 
-from kvwrite.kernels._common import CHECK_OFF, check_or_record, claim_rows, record_table
+from kvwrite.kernels._common import CHECK_OFF, check_or_record, claim_rows, end_call, record_table
 
 
 @triton.jit
@@ -35,6 +35,7 @@ def copy_pages_kernel(src_ptr, dst_ptr, sid_ptr, did_ptr, err_ptr, n_pairs, src_
     limit = tl.where(bad_s, src_count, dst_count)
     check_or_record(err_ptr, pair, target, bad, target, limit, kind, unit_rows, OP, CHECK,
                     (tl.program_id(1) == 0) & (tl.program_id(2) == 0))
+    end_call(err_ptr, CHECK)
     if tl.sum(write.to(tl.int32), axis=0) > 0:
         s0 = tl.sum(tl.where(write, s, 0), axis=0)
         d0 = tl.sum(tl.where(write, d, 0), axis=0)
@@ -116,6 +117,7 @@ def slot_mapping_kernel(table_ptr, batch_ptr, pos_ptr, out_ptr, err_ptr, n_token
         check_or_record(err_ptr, tok, loc, bad, target, limit, kind, page_size, OP, CHECK, True)
         record_table(err_ptr, tok, bad, b, pos, tl.where(bad_row, -1, blk), tl.where(bad_page, page, -1),
                      CHECK, True)
+    end_call(err_ptr, CHECK)
 
 
 def _word(*tensors_and_ints) -> int:

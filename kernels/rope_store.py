@@ -51,9 +51,7 @@ def _rounded(y, IN: tl.constexpr):
     """(fp32 value of y rounded to the input dtype, what an input-dtype buffer stores: the value,
     or bf16 bits as int16). Round to nearest even; bf16 NaN -> 0x7FC0 (as torch)."""
     if IN == 2:
-        u = y.to(tl.int32, bitcast=True)
-        b = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
-        b = tl.where(y != y, 0x7FC0, b)
+        b = _bf16_bits(y)  # no int32 overflow for NaN payloads (a GPU's NaN is 0x7FFFFFFF)
         return (b << 16).to(tl.float32, bitcast=True), b.to(tl.int16)
     elif IN == 1:
         h = y.to(tl.float16)

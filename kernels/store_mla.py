@@ -69,7 +69,8 @@ def _ds_mla_tile(c_ptr, pe_ptr, dst_ptr, tok, write, row_base, tile, c_sn, pe_sn
     x = tl.load(c_ptr + t64[:, None] * c_sn + cols[None, :], mask=w, other=0.0).to(tl.float32)
     if _POW2 & FLAGS:  # carry any mantissa bit into the exponent
         scale = tl.maximum(tl.div_rn(tl.max(finite_abs(x), axis=1), 448.0), _POW2_FLOOR)
-        scale = ((scale.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+        sbits = tl.minimum(scale.to(tl.int32, bitcast=True), 0x7F800000)  # scale > 0: no overflow
+        scale = ((sbits + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
     else:
         scale = tl.maximum(tl.div_rn(tl.max(finite_abs(x), axis=1), 448.0), _SCALE_FLOOR)
     q = fp8_quant(x, scale[:, None], 448.0, 3, -6)

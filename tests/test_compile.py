@@ -12,16 +12,19 @@ import pytest
 from kvwrite.kernels.compile_check import CHECKS, FAMILIES
 
 
-# Variants allowed more than 64 registers, and why (issue 12 asks to name them). Spills stay 0.
-# store_kv: since vLLM's head-major layout (split head-dim strides, issue 11) joined the copy
-#   kernel, its variants compile to up to ~126 registers on sm_80/sm_90; not yet re-tuned.
-# store_dsv4: the fp16 page-granular DCP variant on sm_80 needs 72.
+# Variants allowed more than 64 registers, and why. Spills stay 0. (compile_check compiles each
+# variant with a launch's own specialisation: defaulted constexprs, int32 scalars, divisibility.)
+# store_dsv4: the fp16 page-granular DCP variant on sm_80 needs 72 (82 in guard mode, which
+#   also counts the program for the record's call epoch).
+# store_mla: fp32 input with loc_map + DCP: the row copy 66 on sm_80 (its 4 warps: 8 spill),
+#   70-72 in guard mode; fp8_ds_mla with loc_map + DCP in guard mode up to 84. Seen once the
+#   static compile used a launch's int32 scalars; not yet re-tuned.
 # rope_store: a rotated element keeps its pair partner, cos, sin and norm weight live (up to ~111
 #   on sm_90 for the two-pass per-token int8 and the MLA row programs); not yet tuned.
-REGISTER_LIMIT = {"store_kv": 128, "store_dsv4": 80, "rope_store": 128}
-# Families whose copy variants do not yet compile to 16-byte stores (loads are .v4): store_kv,
-# since the head-major split's int64 feature offset joined the copy path (issue 12 not met there).
-V4_STORE_EXEMPT = {"store_kv"}
+REGISTER_LIMIT = {"store_dsv4": 88, "store_mla": 88, "rope_store": 128}
+# Copy variants whose stores are strided, not 16-byte: vLLM's legacy head-major layout (its V
+# cache is [.., D, block]: consecutive features of a token are a block apart). Loads stay .v4.
+STRIDED_STORE = ("+head_major",)
 
 
 @pytest.mark.parametrize("check", list(CHECKS))
@@ -40,5 +43,5 @@ def test_every_variant_compiles_for_sm80_and_sm90(family, check):
     over = [(r["variant"], r["cc"], r["regs"], r["spill"]) for r in rows if r["spill"] or r["regs"] > REGISTER_LIMIT.get(family, 64)]
     assert not over, over
     scalar = [(r["variant"], r["cc"], r["v4_ld"], r["v4_st"]) for r in rows
-              if r["copy"] and not (r["v4_ld"] and (r["v4_st"] or family in V4_STORE_EXEMPT))]
+              if r["copy"] and not (r["v4_ld"] and (r["v4_st"] or r["variant"].endswith(STRIDED_STORE)))]
     assert not scalar, scalar

@@ -149,7 +149,9 @@ def test_good_calls_run_in_cpp_and_match_the_reference():
         kvwrite.store_kv(k, v, ref_k, ref_v, loc, check="guard", errors=ref_errs, backend="torch")
     kvwrite.store_kv(k, v, ref_k, ref_v, torch.tensor([1, 2, 99]), check="guard", errors=ref_errs, backend="torch")
     assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
-    assert torch.equal(errs.tensor, ref_errs.tensor) and errs.error().loc == 99
+    # the record's fields and count agree; OWNER/EPOCH count calls (three here, two for the reference)
+    owner = kvwrite.errors.OWNER
+    assert torch.equal(errs.tensor[:owner], ref_errs.tensor[:owner]) and errs.error().loc == 99
 
 
 def test_other_backends_go_to_the_python_implementation():

@@ -126,3 +126,34 @@ def test_default_record_first_needed_inside_graph_capture_is_a_clear_error(monke
         kvwrite.default_errors("cuda:7")
     assert torch.device("cuda", 7) not in E._default
     kvwrite.default_errors("cpu")   # CPU records are never captured
+
+
+def test_triton_launch_runs_under_a_guard_of_the_tensors_device(monkeypatch):
+    """Triton launches on the current device: `launch` switches to the tensors' device first
+    when it differs (checked with two GPUs by bench/gpu/readiness.py; here the logic alone)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from kvwrite.kernels import _launch
+
+    entered, launched = [], []
+
+    @contextlib.contextmanager
+    def device(d):
+        entered.append(d)
+        yield
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda **kw: launched.append((tuple(entered), grid))
+
+    monkeypatch.setattr(_launch, "triton_interpreting", lambda: False)
+    monkeypatch.setattr(_launch, "num_warps", lambda kw: 4)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", device)
+    for index, want in ((1, (torch.device("cuda", 1),)), (0, ())):
+        entered.clear()
+        loc = SimpleNamespace(device=torch.device("cuda", index))
+        a = SimpleNamespace(locs=SimpleNamespace(loc=loc), check=SimpleNamespace(mode="off"))
+        _launch.launch(Kernel(), (1,), a)
+        assert launched[-1] == (want, (1,))

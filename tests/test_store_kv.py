@@ -168,8 +168,8 @@ def test_guard_record_accumulates_across_calls_and_default_buffer(backend):
     buf.reset()
     kvwrite.store_kv(k, k, kc, vc, torch.tensor([0, 1, 9], device=DEVICE), check="guard", backend=backend)
     kvwrite.store_kv(k, k, kc, vc, torch.tensor([8, 2, 3], device=DEVICE), check="guard", backend=backend)
-    err = buf.error()
-    assert err.count == 2 and err.token_index == 0 and err.loc == 8 and err.page == 2
+    err = buf.error()  # the first call's record (token 2, loc 9); the second call is counted
+    assert err.count == 2 and err.token_index == 2 and err.loc == 9 and err.page == 2
     buf.reset()
 
 

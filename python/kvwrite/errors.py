@@ -15,6 +15,12 @@ call's bad tokens. DONE counts a running call's finished programs (the last one 
 advances EPOCH). Calls on different streams that share one buffer must be ordered (one buffer
 per stream otherwise): their programs would share an epoch.
 
+Duplicate locs (two tokens of one call resolving to the same row) are not checked in any mode:
+every backend writes both. The CPU backends (torch, cpu, the Triton interpreter) write tokens in
+order, so the last one wins; on a GPU the order is unspecified, and for a quantised row whose
+tiles are written by different programs (fp8_ds_mla, nvfp4, DSA indexer, DeepSeek V4) the row
+can end with one token's codes and another's scale. Allocators hand out each loc once per step.
+
 Reading: the fields are complete once every store that wrote them has finished; a reader that
 is not ordered after the store's stream (`raise_if_any(stream=...)`) can see COUNT > 0 before
 the fields (reported as `IncompleteRecord`) or a token that is not yet the lowest.
@@ -176,8 +182,8 @@ class OutOfBoundsWrite(RuntimeError):
         hint = ("; padding must be -1" if self.target < 0 else
                 "; check that the allocator pages in pool_page_size units and that the pool "
                 "covers its whole loc space (PageGeometry.check_allocator)")
-        verb = "reads loc {} from" if self.op in READ_OPS else "writes loc {} into"
-        return f"{self.op}: {many}token {self.token_index} {verb.format(self.loc)}{via} {where}{hint}"
+        verb, prep = ("reads", "from") if self.op in READ_OPS else ("writes", "into")
+        return f"{self.op}: {many}token {self.token_index} {verb} loc {self.loc}{via} {prep} {where}{hint}"
 
 
 class IncompleteRecord(OutOfBoundsWrite):
