@@ -138,6 +138,20 @@ void slot_mapping_cuda(const Tensor& block_table, const Tensor& batch_indices, c
   check_launch(launch_slot_mapping(p, int(check), c10::cuda::getCurrentCUDAStream()));
 }
 
+void store_kv_quant_cuda(const Tensor& k, const Tensor& v, const Tensor& k_cache, const Tensor& v_cache,
+                         const OptTensor& k_scale, const OptTensor& v_scale, const OptTensor& k_scale_cache,
+                         const OptTensor& v_scale_cache, int64_t quant, int64_t rule, const Tensor& loc,
+                         const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size,
+                         int64_t check, int64_t op, const OptTensor& batch_indices, const OptTensor& kv_indices,
+                         const OptTensor& kv_indptr) {
+  const c10::cuda::CUDAGuard guard(k.device());
+  StoreKVQuantParams p = store_kv_quant_params(k, v, k_cache, v_cache, k_scale, v_scale, k_scale_cache, v_scale_cache,
+                                               quant, rule, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  set_table(p.locs, batch_indices, kv_indices, kv_indptr, k);
+  if (p.locs.n == 0) return;
+  check_launch(launch_store_kv_quant(p, int(check), c10::cuda::getCurrentCUDAStream()));
+}
+
 }  // namespace
 }  // namespace kvwrite
 
@@ -146,6 +160,7 @@ TORCH_LIBRARY_IMPL(kvwrite_ext, CUDA, m) {
   m.impl("gather", &kvwrite::gather_cuda);
   m.impl("slot_mapping", &kvwrite::slot_mapping_cuda);
   m.impl("store_kv", &kvwrite::store_kv_cuda);
+  m.impl("store_kv_quant", &kvwrite::store_kv_quant_cuda);
   m.impl("store_mla", &kvwrite::store_mla_cuda);
   m.impl("store_indexer_k", &kvwrite::store_indexer_k_cuda);
   m.impl("store_kv_nvfp4", &kvwrite::store_kv_nvfp4_cuda);

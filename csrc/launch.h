@@ -6,6 +6,7 @@
 #include "kvwrite/store_dsv4.h"
 #include "kvwrite/store_indexer_k.h"
 #include "kvwrite/store_kv.h"
+#include "kvwrite/store_kv_quant.h"
 #include "kvwrite/store_kv_nvfp4.h"
 #include "kvwrite/store_mla.h"
 #include "kvwrite/pages.h"
@@ -20,6 +21,7 @@ namespace kvwrite {
 
 // Each enqueues one kernel on `stream` (no host sync) and returns cudaGetLastError().
 cudaError_t launch_store_kv(const StoreKVParams& p, int check, cudaStream_t stream);
+cudaError_t launch_store_kv_quant(const StoreKVQuantParams& p, int check, cudaStream_t stream);
 cudaError_t launch_store_mla(const StoreMLAParams& p, int check, cudaStream_t stream);
 cudaError_t launch_store_indexer_k(const StoreIndexerKParams& p, int check, cudaStream_t stream);
 cudaError_t launch_store_kv_nvfp4(const StoreKVNVFP4Params& p, int check, cudaStream_t stream);

@@ -241,6 +241,8 @@ class KVPool(PageMoves):
                 b, kw = self.layer(sub, lid), self.op_kwargs(sub)
                 if self.ops[sub] is not kvwrite.store_kv or "v" not in b:
                     continue
+                if b["k"].dtype == torch.int8 or "k_scale_cache" in b:
+                    continue   # int8 / dynamic scales: store_kv's kv_quant kernels (full path)
                 fp8 = b["k"].dtype in validate.FP8_MAX
                 ks = self.scales.get("k_scale") if fp8 else None
                 vs = self.scales.get("v_scale") if fp8 else None
