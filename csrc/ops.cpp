@@ -267,10 +267,12 @@ void copy_pages_cpu(const Tensor& src, const Tensor& dst, const Tensor& src_page
     for (int s = 0; s < slot::NUM_SLOTS; ++s) local[s] = s == slot::COUNT ? 0 : EMPTY;
     i64* rec = p.errors != nullptr ? p.errors : local;
     const i64 before = rec[slot::COUNT];
+    const i64 epoch = rec[slot::EPOCH];
     for (i64 i = 0; i < p.n; ++i) {
       const PairResolved r = resolve_pair<CHECK_ASSERT>(p, i);
       if (r.bad) record(rec, pair_violation(p, i, r));
     }
+    rec[slot::EPOCH] = epoch + 1;
     if (rec[slot::COUNT] != before) throw_assert(OP_NAMES[p.op], rec, rec[slot::COUNT] - before);
   }
   with_check(int(check), [&](auto c) {
@@ -281,6 +283,7 @@ void copy_pages_cpu(const Tensor& src, const Tensor& dst, const Tensor& src_page
       }
     });
   });
+  if (check == CHECK_GUARD && p.errors != nullptr) p.errors[slot::EPOCH] += 1;  // the next call's epoch
 }
 
 void gather_cpu(const Tensor& cache, const Tensor& out, const Tensor& loc, const OptTensor& loc_map,
@@ -310,6 +313,7 @@ void slot_mapping_cpu(const Tensor& block_table, const Tensor& batch_indices, co
       for (int64_t i = b; i < e; ++i) slot_token<c.value>(p, i);
     });
   });
+  if (check == CHECK_GUARD) p.errors[slot::EPOCH] += 1;  // the next call's epoch
   if (asserting && p.errors[slot::COUNT] != before) throw_assert(OP_NAMES[p.op], p.errors, p.errors[slot::COUNT] - before);
 }
 

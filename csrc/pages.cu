@@ -10,11 +10,13 @@ __global__ void __launch_bounds__(KVW_BLOCK_THREADS, KVW_MIN_BLOCKS) copy_pages_
                                                                                        i64 chunk) {
   const i64 i = blockIdx.x;
   const PairResolved r = resolve_pair_checked<CHECK>(p, i, blockIdx.y == 0 && threadIdx.x == 0);
-  if (!r.write) return;
-  const i64 items = p.unit_bytes() / VEC, begin = i64(blockIdx.y) * chunk;
-  const i64 end = begin + chunk < items ? begin + chunk : items;
-  copy_unit_items<VEC>(p, p.src.unit_ptr(r.s, p.unit_rows), p.dst.unit_ptr(r.d, p.unit_rows), begin, end,
-                       int(threadIdx.x), int(blockDim.x));
+  if (r.write) {
+    const i64 items = p.unit_bytes() / VEC, begin = i64(blockIdx.y) * chunk;
+    const i64 end = begin + chunk < items ? begin + chunk : items;
+    copy_unit_items<VEC>(p, p.src.unit_ptr(r.s, p.unit_rows), p.dst.unit_ptr(r.d, p.unit_rows), begin, end,
+                         int(threadIdx.x), int(blockDim.x));
+  }
+  if constexpr (CHECK == CHECK_GUARD) end_call(p.errors);  // the record's call epoch
 }
 
 cudaError_t launch_copy_pages(const CopyPagesParams& p, int check, cudaStream_t stream) {
@@ -36,6 +38,7 @@ template <class Token>
 __global__ void __launch_bounds__(KVW_BLOCK_THREADS, KVW_MIN_BLOCKS) gather_kernel(const GatherParams p, int group) {
   const i64 i = i64(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
   if (i < p.locs.n) Token{}(p, i, int(threadIdx.x % group), group);
+  end_block<Token>(p.locs.errors);  // guard mode: the record's call epoch
 }
 
 cudaError_t launch_gather(const GatherParams& p, int check, cudaStream_t stream) {
@@ -50,6 +53,7 @@ template <int CHECK>
 __global__ void __launch_bounds__(KVW_BLOCK_THREADS, KVW_MIN_BLOCKS) slot_mapping_kernel(const SlotMappingParams p) {
   const i64 i = i64(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < p.n) slot_token<CHECK>(p, i);
+  if constexpr (CHECK == CHECK_GUARD) end_call(p.errors);  // the record's call epoch
 }
 
 cudaError_t launch_slot_mapping(const SlotMappingParams& p, int check, cudaStream_t stream) {

@@ -157,6 +157,7 @@ KVW_HD void gather_token(const GatherParams& p, i64 i, int lane, int nlanes) {
 
 template <int CHECK, int VEC>
 struct GatherToken {
+  static constexpr int check = CHECK;
   KVW_HD void operator()(const GatherParams& p, i64 i, int lane, int nlanes) const {
     gather_token<CHECK, VEC>(p, i, lane, nlanes);
   }

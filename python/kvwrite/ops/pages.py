@@ -81,10 +81,20 @@ def _index(name: str, t: object, device: torch.device | None = None) -> torch.Te
 _DEFAULT_CHECKS: dict[tuple[str, str, torch.device], Check] = {}
 
 
+@torch.compiler.assume_constant_result
+def _default_mode() -> str:
+    """The process default check mode, a constant to torch.compile (it reads module globals)."""
+    return validate.default_check()
+
+
+def _mode(check: object) -> str:
+    return validate.check_mode(_default_mode() if check is None else check)
+
+
 def check_for(op: str, device: torch.device, check: object, errors: object) -> Check:
     """The Check of one call: the mode, and in guard mode the record (the device's default
     buffer when `errors` is None), validated like the stores' `errors`."""
-    mode = validate.check_mode(check)
+    mode = _mode(check)
     if errors is None and torch.compiler.is_compiling():   # no cache mutation inside a trace
         return Check(op, mode, default_errors(device).tensor if mode == "guard" else None)
     if errors is None:
@@ -313,7 +323,7 @@ def gather(cache: torch.Tensor, loc: torch.Tensor | PageTable, *, check: str | N
     """
     if torch.compiler.is_compiling() and out is None:
         t = loc if isinstance(loc, PageTable) else None
-        chk = validate.check_mode(check)
+        chk = _mode(check)
         rec = errors.tensor if isinstance(errors, ErrorBuffer) else errors
         return torch.ops.kvwrite.gather(cache, t.positions if t else loc, chk, rec, backend,
                                         t.batch_indices if t else None, t.kv_indices if t else None,
@@ -403,7 +413,7 @@ def slot_mapping(block_table: torch.Tensor, batch_indices: torch.Tensor, positio
     if torch.compiler.is_compiling() and out is None:
         rec = errors.tensor if isinstance(errors, ErrorBuffer) else errors
         return torch.ops.kvwrite.slot_mapping(block_table, batch_indices, positions, geometry.pool_page_size,
-                                              geometry.num_pages, validate.check_mode(check), rec, backend)
+                                              geometry.num_pages, _mode(check), rec, backend)
     a = prepare_slot_mapping(block_table, batch_indices, positions, geometry, check, errors, out)
     if a.n:
         dispatch(OP_SLOTS, SLOTS_IMPLS, backend, a.block_table.device, a)
