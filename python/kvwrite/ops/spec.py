@@ -261,10 +261,11 @@ class Op:
         self.prepare(args, _library.fake_check(args[i], args[j]))
 
     def native(self) -> bool:
-        """Whether the extension's C++ kernel of this op is registered (settled once loaded)."""
+        """Whether the extension's C++ kernel of this op is registered (settled once loaded) and
+        the extension is in use (`_ext.LOADED`; the bench's no-op backends switch it off)."""
+        if not _ext.LOADED:
+            return False
         if self._native is None:
-            if not _ext.LOADED:
-                return False
             self._native = _library.native(self.overload)
         return self._native
 
