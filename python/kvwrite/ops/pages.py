@@ -203,7 +203,9 @@ def copy_pages(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, ds
     p * factor ... p * factor + factor - 1. Different row shapes or dtypes, or page sizes that do
     not divide, raise GeometryError before anything moves. check="assert"/"guard" check every id
     against its pool's units (KIND_SRC_PAGE / KIND_DST_PAGE records; a bad pair is not copied);
-    "off" skips only negative ids. Pairs that write one dst page twice leave either copy.
+    "off" skips only negative ids. Pairs that write one dst page twice leave either copy; src
+    and dst may be one pool when no page is both read and written by the call (`move_rows`
+    reads every source first).
     """
     if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor) and src.device != dst.device:
         return _copy_across(src, dst, src_pages, dst_pages, check, errors, backend)
