@@ -268,10 +268,12 @@ void copy_pages_cpu(const Tensor& src, const Tensor& dst, const Tensor& src_page
     for (int s = 0; s < slot::NUM_SLOTS; ++s) local[s] = s == slot::COUNT ? 0 : EMPTY;
     i64* rec = p.errors != nullptr ? p.errors : local;
     const i64 before = rec[slot::COUNT];
+    const i64 epoch = rec[slot::EPOCH];
     for (i64 i = 0; i < p.n; ++i) {
       const PairResolved r = resolve_pair<CHECK_ASSERT>(p, i);
       if (r.bad) record(rec, pair_violation(p, i, r));
     }
+    rec[slot::EPOCH] = epoch + 1;
     if (rec[slot::COUNT] != before) throw_assert(OP_NAMES[p.op], rec, rec[slot::COUNT] - before);
   }
   with_check(int(check), [&](auto c) {

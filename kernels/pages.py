@@ -7,7 +7,8 @@ widest of 4 / 2 / 1 bytes dividing the row's layout), so fp8 and quantised pools
 import triton
 import triton.language as tl
 
-from kvwrite.kernels._common import CHECK_OFF, check_or_record, claim_rows, end_call, record_table
+from kvwrite.kernels._common import (CHECK_OFF, OFF_BOUND, check_or_record, claim_rows, end_call,
+                                     record_table)
 
 
 @triton.jit
@@ -26,6 +27,8 @@ def copy_pages_kernel(src_ptr, dst_ptr, sid_ptr, did_ptr, err_ptr, n_pairs, src_
     bad_d = live & (bad_s == 0) & ((d < 0) | (d >= dst_count))
     if CHECK == CHECK_OFF:
         write = live & (s >= 0) & (d >= 0)
+        if OFF_BOUND:   # the interpreter: never copy past a pool (host memory)
+            write = write & (s < src_count) & (d < dst_count)
         bad = tl.zeros_like(s) != 0
     else:
         bad = bad_s | bad_d
@@ -139,10 +142,12 @@ def _words(t, word: int):
     return v, [s * es // word for s in t.stride()[:3]]
 
 
-def _run(kernel, grid, a, reference, **kwargs) -> None:
+def _run(kernel, grid, a, reference, device=None, **kwargs) -> None:
     """Launch (the assert variant in debug mode: a device assert on a GPU). Under the
     interpreter, assert mode first runs the reference check, so a bad id raises (as a
     KernelAssertion) before any program has copied its pair; the kernel's own assert backs it."""
+    import torch
+
     from kvwrite.backend import triton_interpreting
     from kvwrite.kernels._launch import KernelAssertion
     from kvwrite.errors import OutOfBoundsWrite
@@ -150,6 +155,9 @@ def _run(kernel, grid, a, reference, **kwargs) -> None:
 
     if not triton_interpreting():
         kwargs["num_warps"] = num_warps(kwargs)   # as kernels/compile_check.py compiles it
+        if device is not None and device.type == "cuda" and device.index != torch.cuda.current_device():
+            with torch.cuda.device(device):       # Triton launches on the current device
+                return _run(kernel, grid, a, reference, None, **kwargs)
     if a.check.mode != "assert":
         kernel[grid](**kwargs)
         return
@@ -192,7 +200,7 @@ def copy_pages(a) -> None:
                   n_runs=runs, heads=heads, feat=feat, s_sp=ss[0], s_sr=ss[1], s_sh=ss[2], d_sp=ds[0], d_sr=ds[1],
                   d_sh=ds[2], CHECK=a.check.code, OP=op_code(a.check.op), BLOCK_T=block_t, BLOCK_C=block_c)
     _run(copy_pages_kernel, grid, a,
-         lambda: check_pairs(a.src_pages, a.dst_pages, a.src_units, a.dst_units, a.check), **kwargs)
+         lambda: check_pairs(a.src_pages, a.dst_pages, a.src_units, a.dst_units, a.check), d.device, **kwargs)
 
 
 def gather(a) -> None:
@@ -216,7 +224,7 @@ def gather(a) -> None:
         r = _locs.resolve(a.locs, a.geometry.capacity, a.check, a.geometry.pool_page_size)
         _locs.check(r, a.geometry, a.check)
 
-    _run(gather_kernel, grid, a, reference, cache_ptr=cv, out_ptr=ov, heads=h, feat=feat,
+    _run(gather_kernel, grid, a, reference, c.device, cache_ptr=cv, out_ptr=ov, heads=h, feat=feat,
          c_sp=cs[0], c_sr=cs[1], c_sh=cs[2], o_sn=os_[0], BLOCK_T=block_t, BLOCK_C=block_c, **args)
 
 
@@ -229,7 +237,7 @@ def slot_mapping(a) -> None:
     block = min(triton.next_power_of_2(max(n, 1)), 1024)
     bt = a.block_table
     err = a.check.errors if a.check.errors is not None else a.out
-    _run(slot_mapping_kernel, (triton.cdiv(n, block),), a, lambda: ref.slot_mapping(a),
+    _run(slot_mapping_kernel, (triton.cdiv(n, block),), a, lambda: ref.slot_mapping(a), bt.device,
          table_ptr=bt, batch_ptr=a.batch_indices, pos_ptr=a.positions, out_ptr=a.out, err_ptr=err,
          n_tokens=n, rows=bt.shape[0], width=bt.shape[1], t_sr=bt.stride(0) if bt.shape[0] > 1 else 0,
          page_size=a.geometry.pool_page_size, num_pages=a.geometry.num_pages, CHECK=a.check.code,

@@ -332,3 +332,25 @@ def test_kvpool_page_moves_cover_every_layer(variant, kv):
         assert torch.equal(x[2, 0].view(torch.uint8), x[1, 0].view(torch.uint8))
     a.copy_pages(b, _ids([99]), _ids([0]), pool=pool)
     assert a.errors.error() is not None and a.errors.error().kind == KIND_SRC_PAGE
+
+
+def test_page_ops_trace_and_pass_opcheck():
+    """torch.compile(fullgraph=True) traces all three ops (same results as eager) and
+    torch.library.opcheck passes their schemas, fake kernels and mutation annotations."""
+    from torch.library import opcheck
+
+    src, sp, dp = torch.randn(8, 4, 2, 8), _ids([1, 2, 5]).cpu(), _ids([0, 3, 7]).cpu()
+    cache, loc = torch.randn(4, 4, 2, 8), torch.tensor([1, 5, -1])
+    bt, b, pos, geo = torch.tensor([[1, 2], [3, 0]]), torch.tensor([0, 1]), torch.tensor([5, 2]), PageGeometry(4, 4)
+
+    def f(dst):
+        kvwrite.copy_pages(src, dst, sp, dp, backend="torch")
+        return kvwrite.gather(cache, loc, backend="torch") * 2, kvwrite.slot_mapping(bt, b, pos, geo, backend="torch") + 1
+
+    d1, d2 = torch.zeros(4, 8, 2, 8), torch.zeros(4, 8, 2, 8)
+    got, want = torch.compile(f, fullgraph=True, backend="aot_eager")(d1), f(d2)
+    assert all(torch.equal(x, y) for x, y in zip(got, want)) and torch.equal(d1, d2)
+    for op, args in ((torch.ops.kvwrite.copy_pages.default, (src, torch.zeros(4, 8, 2, 8), sp, dp, "off", None, "torch")),
+                     (torch.ops.kvwrite.gather.default, (cache, loc, "off", None, "torch", None, None, None)),
+                     (torch.ops.kvwrite.slot_mapping.default, (bt, b, pos, 4, 4, "off", None, "torch"))):
+        opcheck(op, args)

@@ -69,6 +69,25 @@ def run(rank: int, init: str, backend: str, out: str) -> None:
             recv_pages(mine, torch.tensor([1]), 0)
             assert torch.equal(mine[1], _pool(8, 4, seed=3)[0][2])
             lines.append("moved again")
+        # a configurator pool: every layer's K and V in one call (KVPool.send_pages / recv_pages)
+        from config_models import TINY
+        from kvwrite import KVCacheConfigurator, ParallelSpec
+
+        plan = KVCacheConfigurator(TINY["mha"], ParallelSpec(), page_size=4, kv_cache_dtype="auto",
+                                   max_total_num_tokens=32).plan()
+        kv = plan.build("cpu", backend=backend)
+        g = torch.Generator().manual_seed(7)
+        for t in kv.page_buffers():
+            t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+        if rank == 0:
+            kv.send_pages(torch.tensor([1, 2]), 1)
+        else:
+            sent = [t.clone() for t in kv.page_buffers()]
+            kv.recv_pages(torch.tensor([3, 0]), 0)
+            got = kv.page_buffers()
+            assert len(got) >= 2 and all(torch.equal(x[3], y[1]) and torch.equal(x[0], y[2])
+                                         for x, y in zip(got, sent)), "KVPool pages differ"
+            lines.append("pool moved")
     finally:
         dist.destroy_process_group()
     with open(f"{out}.{rank}", "w") as f:

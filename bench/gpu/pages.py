@@ -74,7 +74,7 @@ def graphs(backend: str) -> None:
     def step():
         kvwrite.copy_pages(src, dst, sp, dp, check="guard", errors=err, backend=backend)
         kvwrite.gather(cache, loc, check="guard", errors=err, backend=backend, out=out)
-        slots.copy_(kvwrite.slot_mapping(bt, b, pos, geo, check="guard", errors=err, backend=backend))
+        kvwrite.slot_mapping(bt, b, pos, geo, check="guard", errors=err, backend=backend, out=slots)
 
     try:
         s = torch.cuda.Stream()

@@ -157,6 +157,7 @@ KVW_HD void gather_token(const GatherParams& p, i64 i, int lane, int nlanes) {
 
 template <int CHECK, int VEC>
 struct GatherToken {
+  static constexpr int check = CHECK;
   KVW_HD void operator()(const GatherParams& p, i64 i, int lane, int nlanes) const {
     gather_token<CHECK, VEC>(p, i, lane, nlanes);
   }
@@ -200,37 +201,35 @@ KVW_HD void slot_token(const SlotMappingParams& p, i64 i) {
     q -= 1;
     e += p.page_size;
   }
-  Violation v{i, -1, 0, 0, p.page_size, KIND_BLOCK_PAGE, p.op};
+  int kind = KIND_BLOCK_PAGE;
+  i64 target = 0, limit = 0, page = -1;
+  if (!(b >= 0 && b < p.rows)) {
+    kind = KIND_BLOCK_ROW;
+    target = b;
+    limit = p.rows;
+  } else if (!(q >= 0 && q < p.width)) {
+    kind = KIND_BLOCK_INDEX;
+    target = q;
+    limit = p.width;
+  } else {
+    page = load_index(p.table, p.table64, b * p.row_stride + q);
+    if (CHECK == CHECK_OFF ? page >= 0 : (page >= 0 && page < p.num_pages)) {
+      p.out[i] = page * p.page_size + e;
+      return;
+    }
+    target = page;
+    limit = p.num_pages;
+  }
+  p.out[i] = slot;
+  if (CHECK == CHECK_OFF) return;
+  // a bad token (the rare path): its record
+  Violation v{i, kind == KIND_BLOCK_PAGE ? page * p.page_size + e : -1, target, limit, p.page_size, kind, p.op};
   v.table = true;
   v.batch = b;
   v.position = pos;
-  v.table_slot = q;
-  bool bad = false;
-  if (!(b >= 0 && b < p.rows)) {
-    bad = true;
-    v.kind = KIND_BLOCK_ROW;
-    v.target = b;
-    v.limit = p.rows;
-    v.table_slot = -1;
-  } else if (!(q >= 0 && q < p.width)) {
-    bad = true;
-    v.kind = KIND_BLOCK_INDEX;
-    v.target = q;
-    v.limit = p.width;
-  } else {
-    const i64 page = load_index(p.table, p.table64, b * p.row_stride + q);
-    if (CHECK == CHECK_OFF ? page >= 0 : (page >= 0 && page < p.num_pages)) {
-      slot = page * p.page_size + e;
-    } else if (CHECK != CHECK_OFF) {
-      bad = true;
-      v.target = page;
-      v.limit = p.num_pages;
-      v.loc = page * p.page_size + e;
-      v.table_page = page;
-    }
-  }
-  p.out[i] = slot;
-  if (CHECK != CHECK_OFF && bad) on_bad<CHECK>(p.errors, v);
+  v.table_slot = kind == KIND_BLOCK_ROW ? -1 : q;
+  v.table_page = kind == KIND_BLOCK_PAGE ? page : -1;
+  on_bad<CHECK>(p.errors, v);
 }
 
 }  // namespace kvwrite

@@ -143,7 +143,7 @@ class OutOfBoundsWrite(RuntimeError):
             side = "src" if self.kind == KIND_SRC_PAGE else "dst"
             what = "row" if self.op == "move_rows" else "page"
             unit = (f" (counted in units of {self.pool_page_size} rows, the smaller pool's page)"
-                    if what == "page" else "")
+                    if self.op == "copy_pages" else "")
             return (f"{self.op}: {many}pair {self.token_index} names {side} {what} {self.target}, but "
                     f"{side} has {what}s [0, {self.limit}){unit}; nothing was copied for that pair"
                     + ("; padding must be -1" if self.target < 0 else ""))

@@ -590,7 +590,7 @@ def _slot_mapping(n: int, device: torch.device, gen: torch.Generator) -> Setup:
     out = torch.zeros(n, dtype=torch.int64, device=device)
 
     def call(backend: str, check: str, errors) -> None:
-        out.copy_(kvwrite.slot_mapping(bt, b, pos, geometry, check=check, errors=errors, backend=backend))
+        kvwrite.slot_mapping(bt, b, pos, geometry, check=check, errors=errors, backend=backend, out=out)
 
     bl, pl = b.long(), pos.long()
 

@@ -60,7 +60,8 @@ class PageMoves:
             raise ValueError(f"dst holds {len(theirs)} paged buffers, this pool {len(mine)}: build both "
                              f"from one plan")
         for a, b in zip(mine, theirs):
-            copy_pages(a, b, src_pages, dst_pages, **self._kw(b.device))
+            side = b.device if b.device.type != "cpu" else a.device   # where copy_pages records
+            copy_pages(a, b, src_pages, dst_pages, **self._kw(side))
 
     def move_rows(self, src_loc: torch.Tensor, dst_loc: torch.Tensor, *, pool: str | None = None) -> None:
         """kvwrite.move_rows in every layer's buffers of sub-pool `pool` (token-granular moves)."""

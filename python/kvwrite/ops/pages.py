@@ -81,10 +81,22 @@ def _index(name: str, t: object, device: torch.device | None = None) -> torch.Te
 _DEFAULT_CHECKS: dict[tuple[str, str, torch.device], Check] = {}
 
 
+@torch.compiler.assume_constant_result
+def _default_mode() -> str:
+    """The process default check mode, a constant to torch.compile (it reads module globals)."""
+    return validate.default_check()
+
+
+def _mode(check: object) -> str:
+    return validate.check_mode(_default_mode() if check is None else check)
+
+
 def check_for(op: str, device: torch.device, check: object, errors: object) -> Check:
     """The Check of one call: the mode, and in guard mode the record (the device's default
     buffer when `errors` is None), validated like the stores' `errors`."""
-    mode = validate.check_mode(check)
+    mode = _mode(check)
+    if errors is None and torch.compiler.is_compiling():   # no cache mutation inside a trace
+        return Check(op, mode, default_errors(device).tensor if mode == "guard" else None)
     if errors is None:
         key = (op, mode, device)
         chk = _DEFAULT_CHECKS.get(key)
@@ -191,7 +203,9 @@ def copy_pages(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, ds
     p * factor ... p * factor + factor - 1. Different row shapes or dtypes, or page sizes that do
     not divide, raise GeometryError before anything moves. check="assert"/"guard" check every id
     against its pool's units (KIND_SRC_PAGE / KIND_DST_PAGE records; a bad pair is not copied);
-    "off" skips only negative ids. Pairs that write one dst page twice leave either copy.
+    "off" skips only negative ids. Pairs that write one dst page twice leave either copy; src
+    and dst may be one pool when no page is both read and written by the call (`move_rows`
+    reads every source first).
     """
     if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor) and src.device != dst.device:
         return _copy_across(src, dst, src_pages, dst_pages, check, errors, backend)
@@ -311,7 +325,7 @@ def gather(cache: torch.Tensor, loc: torch.Tensor | PageTable, *, check: str | N
     """
     if torch.compiler.is_compiling() and out is None:
         t = loc if isinstance(loc, PageTable) else None
-        chk = validate.check_mode(check)
+        chk = _mode(check)
         rec = errors.tensor if isinstance(errors, ErrorBuffer) else errors
         return torch.ops.kvwrite.gather(cache, t.positions if t else loc, chk, rec, backend,
                                         t.batch_indices if t else None, t.kv_indices if t else None,
@@ -340,7 +354,7 @@ class SlotMapping:
         return self.positions.shape[0]
 
 
-def prepare_slot_mapping(block_table, batch_indices, positions, geometry, check, errors) -> SlotMapping:
+def prepare_slot_mapping(block_table, batch_indices, positions, geometry, check, errors, out=None) -> SlotMapping:
     if not isinstance(geometry, PageGeometry):
         raise TypeError(f"geometry must be a kvwrite.PageGeometry (the pool's page size and pages), "
                         f"got {type(geometry).__name__}")
@@ -354,7 +368,13 @@ def prepare_slot_mapping(block_table, batch_indices, positions, geometry, check,
     if b.shape[0] != p.shape[0]:
         raise ValueError(f"batch_indices and positions must have one entry per token, got "
                          f"{b.shape[0]} and {p.shape[0]}")
-    out = torch.empty(p.shape[0], dtype=torch.int64, device=device)
+    if out is None:
+        out = torch.empty(p.shape[0], dtype=torch.int64, device=device)
+    else:
+        validate.tensor("out", out, ndim=1, dtypes=(torch.int64,), device=device)
+        validate.shape("out", out, (p.shape[0],), "one int64 slot per token")
+        if out.shape[0] > 1 and out.stride(0) != 1:
+            raise ValueError(f"out must be contiguous, got stride {out.stride(0)}")
     return SlotMapping(bt, b, p, out, geometry, check_for(OP_SLOTS, device, check, errors))
 
 
@@ -380,7 +400,7 @@ _library.define(OP_SLOTS, "(Tensor block_table, Tensor batch_indices, Tensor pos
 
 def slot_mapping(block_table: torch.Tensor, batch_indices: torch.Tensor, positions: torch.Tensor,
                  geometry: PageGeometry, *, check: str | None = None, errors: ErrorBuffer | None = None,
-                 backend: str = "auto") -> torch.Tensor:
+                 backend: str = "auto", out: torch.Tensor | None = None) -> torch.Tensor:
     """Each token's slot (int64 `[N]`): `block_table[b, pos // ps] * ps + pos % ps`, b =
     `batch_indices[i]`, pos = `positions[i]`, ps = `geometry.pool_page_size` (vLLM's slot
     mapping; the slots a store's `loc` takes).
@@ -389,13 +409,14 @@ def slot_mapping(block_table: torch.Tensor, batch_indices: torch.Tensor, positio
     where b is outside the table's rows or pos // ps past a row's width (the table is never read
     out of bounds). check="assert"/"guard" also report those (KIND_BLOCK_ROW / KIND_BLOCK_INDEX)
     and a page outside the pool's `geometry.num_pages` (KIND_BLOCK_PAGE; its slot is -1 too);
-    "off" lets such a page through (the store that takes the slot checks it).
+    "off" lets such a page through (the store that takes the slot checks it). `out`: write the
+    slots into this int64 `[N]` tensor.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and out is None:
         rec = errors.tensor if isinstance(errors, ErrorBuffer) else errors
         return torch.ops.kvwrite.slot_mapping(block_table, batch_indices, positions, geometry.pool_page_size,
-                                              geometry.num_pages, validate.check_mode(check), rec, backend)
-    a = prepare_slot_mapping(block_table, batch_indices, positions, geometry, check, errors)
+                                              geometry.num_pages, _mode(check), rec, backend)
+    a = prepare_slot_mapping(block_table, batch_indices, positions, geometry, check, errors, out)
     if a.n:
         dispatch(OP_SLOTS, SLOTS_IMPLS, backend, a.block_table.device, a)
     return a.out
