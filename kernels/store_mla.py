@@ -16,6 +16,9 @@ _FP8 = tl.constexpr(_mla.MODE_FP8)
 _DS_MLA = tl.constexpr(_mla.MODE_DS_MLA)
 _TILE = tl.constexpr(_mla.DS_MLA_TILE)
 _SCALE_FLOOR = tl.constexpr(_mla.DS_MLA_SCALE_FLOOR)
+_POW2_FLOOR = tl.constexpr(_mla.DS_MLA_POW2_FLOOR)
+_POW2 = tl.constexpr(_mla.DS_MLA_POW2)
+_RAW_ROPE = tl.constexpr(_mla.DS_MLA_RAW_ROPE)
 
 
 @triton.jit
@@ -43,22 +46,32 @@ def _bf16_bits(x):
     if x.dtype == tl.bfloat16:
         bits = x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     else:
+        # rounded on the magnitude with NaN cleared (< 2**31 - 0x8000), the sign put back: no
+        # int32 add can overflow (a debug build checks every one; the full bit pattern + 0x7FFF
+        # overflows for the positive NaNs >= 0x7FFF8000)
         f = x.to(tl.float32)
+        is_nan = f != f
         u = f.to(tl.int32, bitcast=True)
-        rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
-        bits = tl.where(f != f, 0x7FC0, rounded)
+        a = tl.where(is_nan, 0, u & 0x7FFFFFFF)
+        rounded = ((a + 0x7FFF + ((a >> 16) & 1)) >> 16) | ((u >> 16) & 0x8000)
+        bits = tl.where(is_nan, 0x7FC0, rounded)
     return bits
 
 
 @triton.jit
 def _ds_mla_tile(c_ptr, pe_ptr, dst_ptr, tok, write, row_base, tile, c_sn, pe_sn,
-                 L: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Latent tile `tile` of fp8_ds_mla rows (e4m3 bytes + fp32 scale); tile 0 adds the rope."""
+                 L: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, FLAGS: tl.constexpr):
+    """Latent tile `tile` of fp8_ds_mla rows (e4m3 bytes + fp32 scale); tile 0 adds the rope.
+    FLAGS: DS_MLA_POW2 (scale rounded up to a power of two), DS_MLA_RAW_ROPE (rope bits kept)."""
     t64 = tok.to(tl.int64)
     w = write[:, None]
     cols = tile * _TILE + tl.arange(0, _TILE)
     x = tl.load(c_ptr + t64[:, None] * c_sn + cols[None, :], mask=w, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.div_rn(tl.max(finite_abs(x), axis=1), 448.0), _SCALE_FLOOR)
+    if _POW2 & FLAGS:  # carry any mantissa bit into the exponent
+        scale = tl.maximum(tl.div_rn(tl.max(finite_abs(x), axis=1), 448.0), _POW2_FLOOR)
+        scale = ((scale.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+    else:
+        scale = tl.maximum(tl.div_rn(tl.max(finite_abs(x), axis=1), 448.0), _SCALE_FLOOR)
     q = fp8_quant(x, scale[:, None], 448.0, 3, -6)
     tl.store(dst_ptr + row_base[:, None] + cols[None, :], q.to(tl.uint8), mask=w)
     store_le_bytes(dst_ptr, row_base + L + tile * 4, scale.to(tl.int32, bitcast=True), write, 4)
@@ -67,7 +80,11 @@ def _ds_mla_tile(c_ptr, pe_ptr, dst_ptr, tok, write, row_base, tile, c_sn, pe_sn
         rmask = w & (rc < R)[None, :]
         pe = tl.load(pe_ptr + t64[:, None] * pe_sn + rc[None, :], mask=rmask)
         addr = row_base[:, None] + (L + (L // _TILE) * 4) + 2 * rc[None, :]
-        store_le_bytes(dst_ptr, addr, _bf16_bits(pe), rmask, 2)
+        if _RAW_ROPE & FLAGS:
+            bits = pe.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        else:
+            bits = _bf16_bits(pe)
+        store_le_bytes(dst_ptr, addr, bits, rmask, 2)
 
 
 @triton.jit
@@ -91,9 +108,9 @@ def store_mla_kernel(
                                      pt_indices_ptr, pt_indptr_ptr, pt_num_batches,
                                      pt_num_indices, HAS_TABLE)
     row_base = page * cache_sp + offset * cache_so
-    if MODE == _DS_MLA:
+    if (MODE & 15) == _DS_MLA:
         _ds_mla_tile(c_ptr, pe_ptr, cache_ptr, tok, write, row_base, pid_c, c_sn, pe_sn, L, R,
-                     BLOCK_C)
+                     BLOCK_C, MODE & 48)
     else:
         cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
         _concat_row(c_ptr, pe_ptr, cache_ptr, scale_ptr, tok, write, row_base, cols, c_sn, pe_sn,
@@ -126,8 +143,8 @@ def launch(a) -> None:
 
     n, lora = a.kv_c.shape
     rope = a.k_pe.shape[1]
-    mode = a.format.mode
-    grid, block_t, block_c = _grid_and_blocks(n, lora, rope, mode)
+    mode = a.format.kernel_mode
+    grid, block_t, block_c = _grid_and_blocks(n, lora, rope, a.format.mode)
     cache = _store_view(a.kv_cache)
     run(store_mla_kernel, grid, a,
         c_ptr=a.kv_c, pe_ptr=a.k_pe, cache_ptr=cache,
@@ -150,7 +167,8 @@ def variants():
     cases = (  # (input, kv_cache_dtype, with loc_map + DCP)
         (bf16, "auto", False), (f32, "auto", True), (f16, "fp8_e4m3", False),
         (bf16, "fp8_e5m2", False), (bf16, "fp8_ds_mla", False), (f32, "fp8_ds_mla", True),
-        (bf16, "fp8_e4m3fnuz", False),
+        (bf16, "fp8_e4m3fnuz", False), (f16, "fp8_ds_mla+pow2+input", False),
+        (bf16, "fp8_ds_mla+pow2", True),
     )
     for check in (0, 1, 2):
         for dtype, name, map_dcp in cases:
@@ -160,7 +178,7 @@ def variants():
             pointers = dict(c_ptr=dtype, pe_ptr=dtype, cache_ptr=torch.uint8 if cache in FP8_MAX else cache,
                             loc_ptr=torch.int64, scale_ptr=f32 if fmt.takes_scale else dtype,
                             err_ptr=torch.int64, loc_map_ptr=torch.int32)
-            constexprs = dict(L=512, R=64, MODE=fmt.mode, **fp8_constexprs(cache),
+            constexprs = dict(L=512, R=64, MODE=fmt.kernel_mode, **fp8_constexprs(cache),
                               HAS_MAP=map_dcp, HAS_DCP=map_dcp, CHECK=check, OP=op_code(_mla.OP),
                               BLOCK_T=32 if ds else 4, BLOCK_C=64 if ds else 1024)
             yield (f"{str(dtype)[6:]}->{name}{'+map+dcp' if map_dcp else ''}", store_mla_kernel,

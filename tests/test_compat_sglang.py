@@ -157,7 +157,10 @@ R, ROPE = 32, 16
 
 
 def sglang_set_mla(kv_buffer, loc, nope, rope, pool_dtype, store_dtype):
-    """MLATokenToKVPool.set_mla_kv_buffer restated (buffer [rows, 1, R + rope])."""
+    """MLATokenToKVPool.set_mla_kv_buffer restated (buffer [rows, 1, R + rope]); its kernels skip
+    loc 0 (`reserved_skip_index=0`)."""
+    keep = loc != 0
+    loc, nope, rope = loc[keep], nope[keep], rope[keep]
     if nope.dtype != pool_dtype:
         nope, rope = nope.to(pool_dtype), rope.to(pool_dtype)
     if store_dtype != pool_dtype:
@@ -190,6 +193,8 @@ def test_set_mla_kv_buffer_matches_sglang(backend, three_d, pool_dtype, store_dt
     sglang.set_mla_kv_buffer(buf["kv"], loc, nope, rope, PS, dtype=dtype, backend=backend)
     sglang_set_mla(ref["kv"], loc, nope, rope, pool_dtype, store_dtype)
     assert_same_bytes(buf, ref, original)
+    assert int(loc[1]) == 0 and bool((buf["kv"][0].view(torch.uint8) == original[
+        buf.offsets["kv"]:buf.offsets["kv"] + buf["kv"][0].numel() * buf["kv"].element_size()]).all())
 
 
 @pytest.mark.parametrize("backend", ALL)

@@ -180,8 +180,9 @@ def test_reshape_and_cache_flash_argument_errors():
 L, R = 128, 16
 
 
-def mla_reference(kv_c, k_pe, cache, slot_mapping, kv_cache_dtype, scale):
-    """concat_and_cache_mla / concat_and_cache_ds_mla restated per token."""
+def mla_reference(kv_c, k_pe, cache, slot_mapping, kv_cache_dtype, scale, pow2=True):
+    """concat_and_cache_mla / concat_and_cache_ds_mla restated per token (ds_mla: vLLM >= 0.31's
+    power-of-two tile scales, or `pow2=False`: older releases' amax / 448 floored at FLT_MIN)."""
     bs = cache.shape[1]
     for i, s in enumerate(slot_mapping.tolist()):
         if s < 0:
@@ -192,22 +193,28 @@ def mla_reference(kv_c, k_pe, cache, slot_mapping, kv_cache_dtype, scale):
         elif kv_cache_dtype in ("fp8", "fp8_e4m3"):
             row = torch.cat([kv_c[i], k_pe[i]])
             cache.view(torch.uint8)[b, o] = vllm_fp8(row, float(scale.reshape(-1)[0]), torch.float8_e4m3fn)
-        else:  # fp8_ds_mla: per 128-tile fp8 + fp32 scales (amax / 448, floored), then bf16 rope
+        else:  # fp8_ds_mla: per 128-tile fp8 + fp32 scales, then k_pe's own 16-bit values
             out = cache.view(torch.uint8)[b, o]
             x = kv_c[i].float()
             tiles = x.shape[0] // 128
             for t in range(tiles):
                 tile = x[t * 128:(t + 1) * 128]
-                sc = torch.clamp(tile.abs().max() / 448.0, min=torch.finfo(torch.float32).tiny)
+                if pow2:   # exp2f(ceilf(log2f(fmaxf(amax / 448, 1e-4f))))
+                    sc = torch.exp2(torch.ceil(torch.log2(torch.clamp(tile.abs().max() / 448.0, min=1e-4))))
+                else:
+                    sc = torch.clamp(tile.abs().max() / 448.0, min=torch.finfo(torch.float32).tiny)
                 out[t * 128:(t + 1) * 128] = vllm_fp8(tile, float(sc), torch.float8_e4m3fn)
                 out[L + 4 * t:L + 4 * t + 4] = sc.reshape(1).view(torch.uint8)
-            out[L + 4 * tiles:] = k_pe[i].to(torch.bfloat16).view(torch.uint8)
+            rope = out[L + 4 * tiles:]
+            rope[:] = 0    # NoPE (k_pe [N, 0]): the reserved rope bytes are zeroed
+            rope[:2 * k_pe.shape[1]] = k_pe[i].contiguous().view(torch.uint8)
 
 
 @pytest.mark.parametrize("backend", ALL)
 @pytest.mark.parametrize("kv_cache_dtype,dtype,typed_u8", [
     ("auto", torch.float32, False), ("auto", torch.float16, False), ("auto", torch.bfloat16, False),
     ("fp8", torch.bfloat16, True), ("fp8_e4m3", torch.float16, False), ("fp8_ds_mla", torch.bfloat16, True),
+    ("fp8_ds_mla", torch.float16, True),
 ])
 def test_concat_and_cache_mla_matches_vllm(backend, kv_cache_dtype, dtype, typed_u8):
     gen = torch.Generator().manual_seed(13)
@@ -222,6 +229,30 @@ def test_concat_and_cache_mla_matches_vllm(backend, kv_cache_dtype, dtype, typed
     vllm.concat_and_cache_mla(kv_c, k_pe, buf["c"], sm, kv_cache_dtype, scale, backend=backend)
     mla_reference(kv_c, k_pe, ref["c"], sm, kv_cache_dtype, scale)
     assert_same_bytes(buf, ref, original)
+
+
+@pytest.mark.parametrize("backend", ALL)
+@pytest.mark.parametrize("version,pow2,nope", [("0.11.0", False, False), ("0.30.0", False, False),
+                                               ("0.31.0", True, False), ("0.32.0", True, True)])
+def test_concat_and_cache_ds_mla_follows_the_vllm_version(backend, version, pow2, nope):
+    """fp8_ds_mla tile scales switch to powers of two at vLLM 0.31; fp16 k_pe keeps its bits;
+    vLLM 0.32's NoPE call (k_pe [N, 0] into rows that reserve the rope bytes) zeroes them."""
+    gen = torch.Generator().manual_seed(21)
+    n = 6
+    width = L + L // 128 * 4 + 2 * R
+    buf = CanaryBuffer({"c": ((NB, BS, width), torch.uint8)}, seed=23)
+    kv_c = values((n, L), torch.float16, gen) * torch.tensor([1e-6, 1e-3, 1, 3, 50, 1e3], device=DEVICE)[:, None].half()
+    k_pe = values((n, 0 if nope else R), torch.float16, gen)
+    sm = slots(gen, n, NB * BS, pad=(4,))
+    original, ref = buf.raw.clone(), buf.clone()
+    vllm.concat_and_cache_mla(kv_c, k_pe, buf["c"], sm, "fp8_ds_mla", None, backend=backend,
+                              vllm_version=version)
+    mla_reference(kv_c, k_pe, ref["c"], sm, "fp8_ds_mla", None, pow2=pow2)
+    assert_same_bytes(buf, ref, original)
+    assert vllm.ds_mla_scale(version) == ("pow2" if pow2 else "exact")
+    assert vllm.ds_mla_scale() == "pow2"     # default: the newest release
+    with pytest.raises(ValueError, match="vllm_version must be a version string"):
+        vllm.ds_mla_scale("newest")
 
 
 @pytest.mark.parametrize("backend", ALL)

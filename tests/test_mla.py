@@ -2,6 +2,7 @@
 canaries around every cache, out-of-range locs, the DeepSeek row format, bad arguments."""
 from __future__ import annotations
 
+import math
 import struct
 
 import pytest
@@ -11,7 +12,7 @@ from hypothesis import given, strategies as st
 import kvwrite
 from conftest import DEVICE
 from helpers import BACKENDS, CanaryBuffer, assert_same_bytes, paged_locs
-from kvwrite.ops.mla import FORMATS, ds_mla_row_bytes
+from kvwrite.ops.mla import FORMATS, MODE_DS_MLA, ds_mla_row_bytes
 from test_store_kv import bad_loc_cases
 
 TINY = torch.finfo(torch.float32).tiny
@@ -41,8 +42,9 @@ def projection(n, lora, rope, dtype, gen, strided, spread=4.0):
 
 @st.composite
 def store_cases(draw, fmt):
-    dtype = draw(st.sampled_from(FLOATS))
-    dims = [(512, 64), (128, 16), (256, 7)] if fmt == "fp8_ds_mla" else [(512, 64), (33, 5), (96, 16)]
+    ds = FORMATS[fmt].mode == MODE_DS_MLA
+    dtype = draw(st.sampled_from(FLOATS[1:] if fmt.endswith("+input") else FLOATS))
+    dims = [(512, 64), (128, 16), (256, 7)] if ds else [(512, 64), (33, 5), (96, 16)]
     lora, rope = draw(st.sampled_from(dims))
     pps = draw(st.sampled_from([1, 16, 64]))
     num_pages = draw(st.integers(1, max(1, 320 // pps) + 1))
@@ -120,21 +122,79 @@ def test_concat_rows_equal_store_kv_of_the_concatenation(backend, fmt):
     assert kw["errors"].error() is None
 
 
-def ds_row_by_hand(kv_c_row: torch.Tensor, k_pe_row: torch.Tensor) -> bytes:
-    """One fp8_ds_mla row from the format's words, token by token (the reference's oracle)."""
+def ds_row_by_hand(kv_c_row: torch.Tensor, k_pe_row: torch.Tensor, pow2: bool = False,
+                   raw_rope: bool = False) -> bytes:
+    """One fp8_ds_mla row from the format's words, token by token (the reference's oracle);
+    `pow2`: scale 2^ceil(log2(max(amax/448, 1e-4))); `raw_rope`: the rope's own 16 bits."""
     out = b""
     scales = []
     for t in range(kv_c_row.numel() // 128):
         x = kv_c_row[t * 128:(t + 1) * 128].float()
-        s = max(float(x.abs().max()) / 448.0, TINY)
-        s = struct.unpack("<f", struct.pack("<f", s))[0]          # fp32
+        s = struct.unpack("<f", struct.pack("<f", float(x.abs().max()) / 448.0))[0]   # fp32 division
+        if pow2:
+            s = 2.0 ** math.ceil(math.log2(max(s, struct.unpack("<f", struct.pack("<f", 1e-4))[0])))
+        else:
+            s = max(s, TINY)
         sv = torch.tensor(s, dtype=torch.float32)
         q = (x / sv).clamp(-448, 448).to(torch.float8_e4m3fn)
         out += bytes(q.view(torch.uint8).tolist())
         scales.append(s)
     out += struct.pack(f"<{len(scales)}f", *scales)
-    out += bytes(k_pe_row.to(torch.bfloat16).contiguous().view(torch.uint8).tolist())
+    rope = k_pe_row if raw_rope else k_pe_row.to(torch.bfloat16)
+    out += bytes(rope.contiguous().view(torch.uint8).tolist())
     return out
+
+
+@pytest.mark.parametrize("backend", ["torch", *BACKENDS])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_ds_mla_pow2_scales_and_input_rope(backend, dtype):
+    """ds_mla_scale="pow2" / ds_mla_rope="input" (vLLM's newer writer): tile scales are powers of
+    two, floor 2^-13, and the rope keeps its fp16/bf16 bits; canaries around the cache."""
+    lora, rope = 256, 8
+    gen = torch.Generator().manual_seed(3)
+    kv_c = (torch.randn(4, lora, generator=gen) * 3).to(dtype)
+    kv_c[1, :128] = 0                       # all-zero tile: 1e-4 rounds up to 2^-13
+    kv_c[2, 128:] = 448 * 2.0 ** -3         # amax / 448 exactly a power of two: kept
+    kv_c[3, 7] = 450.0                      # just above 448: scale 2
+    k_pe = (torch.randn(4, rope, generator=gen) * 100).to(dtype)
+    k_pe[0, :3] = torch.tensor([1 + 2**-10, -0.0, 65504.0]).to(dtype)   # fp16 bits bf16 would round
+    pool = CanaryBuffer({"kv_cache": ((2, 4, ds_mla_row_bytes(lora, rope)), torch.uint8)}, 9)
+    original = pool.raw.clone()
+    loc = torch.tensor([5, 0, -1, 7], device=DEVICE)
+    kvwrite.store_mla(kv_c.to(DEVICE), k_pe.to(DEVICE), pool["kv_cache"], loc, kv_cache_dtype="fp8_ds_mla",
+                      ds_mla_scale="pow2", ds_mla_rope="input", backend=backend)
+    rows = pool["kv_cache"].reshape(8, -1).cpu()
+    for i, l in enumerate(loc.tolist()):
+        if l >= 0:
+            assert bytes(rows[l].tolist()) == ds_row_by_hand(kv_c[i], k_pe[i], True, True), (i, l)
+    scales = rows[[5, 0, 7], lora:lora + 8].contiguous().view(torch.float32)
+    assert bool((torch.frexp(scales).mantissa == 0.5).all())             # powers of two
+    assert rows[0, lora:lora + 4].view(torch.float32).item() == 2.0 ** -13
+    assert rows[7, lora:lora + 4].view(torch.float32).item() == 2.0
+    assert torch.equal(rows[5, -2 * rope:].view(dtype), k_pe[0])
+    untouched = torch.ones(8, dtype=torch.bool)
+    untouched[[5, 0, 7]] = False
+    moved = pool.raw != original
+    moved_rows = moved[pool.offsets["kv_cache"]:pool.offsets["kv_cache"] + pool.sizes["kv_cache"]]
+    assert not bool(moved_rows.view(8, -1)[untouched].any())
+    assert not bool((moved & pool.canary_mask()).any())
+    ref = pool.clone()
+    ref.raw.copy_(original)
+    kvwrite.store_mla(kv_c.to(DEVICE), k_pe.to(DEVICE), ref["kv_cache"], loc,
+                      kv_cache_dtype="fp8_ds_mla+pow2+input", backend="torch")
+    assert_same_bytes(pool, ref, original)
+
+
+def test_ds_mla_options_refused_where_they_do_not_apply():
+    kv_c, k_pe = torch.ones(2, 128, device=DEVICE), torch.ones(2, 4, device=DEVICE)
+    cache = torch.zeros(1, 2, ds_mla_row_bytes(128, 4), dtype=torch.uint8, device=DEVICE)
+    loc = torch.tensor([0, 1], device=DEVICE)
+    with pytest.raises(ValueError, match="kv_c and k_pe must be bfloat16 or float16"):
+        kvwrite.store_mla(kv_c, k_pe, cache, loc, kv_cache_dtype="fp8_ds_mla", ds_mla_rope="input")
+    with pytest.raises(ValueError, match="ds_mla_scale must be one of"):
+        kvwrite.store_mla(kv_c, k_pe, cache, loc, kv_cache_dtype="fp8_ds_mla", ds_mla_scale="log")
+    with pytest.raises(ValueError, match="apply only to kv_cache_dtype='fp8_ds_mla'"):
+        kvwrite.store_mla(kv_c, k_pe, torch.zeros(1, 2, 132, device=DEVICE), loc, ds_mla_scale="pow2")
 
 
 @pytest.mark.parametrize("backend", ["torch", *BACKENDS])

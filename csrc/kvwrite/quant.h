@@ -136,6 +136,12 @@ KVW_HD float ds_mla_scale(float amax) {
 // Round a positive normal fp32 up to a power of two (ue8m0), on the exponent bits.
 KVW_HD float ue8m0_ceil(float s) { return bits_to_float((float_to_bits(s) + 0x7FFFFFu) & 0x7F800000u); }
 
+// fp8_ds_mla power-of-two tile scale: 2^ceil(log2(max(amax / 448, 1e-4))).
+KVW_HD float ds_mla_scale_pow2(float amax) {
+  const float s = amax / 448.0f;
+  return ue8m0_ceil(s < 1e-4f ? 1e-4f : s);
+}
+
 // DSA indexer block scale: max(amax, 1e-4) / 448, optionally rounded up to a power of two.
 KVW_HD float indexer_scale(float amax, bool ue8m0) {
   const float s = (amax < 1e-4f ? 1e-4f : amax) / 448.0f;

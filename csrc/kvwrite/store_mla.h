@@ -18,6 +18,9 @@ namespace kvwrite {
 // Kernel modes (kvwrite.ops.mla MODE_*).
 enum MLAMode : int { MLA_COPY = 0, MLA_FP8 = 1, MLA_DS_MLA = 2, MLA_NVFP4 = 3 };
 constexpr int DS_MLA_TILE = 128;
+// fp8_ds_mla option bits carried above the mode (kvwrite.ops.mla DS_MLA_*): power-of-two tile
+// scales; rope stored as the input's own 16-bit pattern.
+constexpr int MLA_MODE_MASK = 15, DS_MLA_POW2 = 1 << 4, DS_MLA_RAW_ROPE = 1 << 5;
 
 // Lanes of one 128-tile in the warp-cooperative fp8_ds_mla path (CHUNK elements each).
 constexpr int DS_MLA_TILE_LANES = DS_MLA_TILE / CHUNK;
@@ -40,6 +43,7 @@ struct StoreMLAParams {
   const float* global = nullptr;  // MLA_NVFP4: optional global scale
   DType in_dtype = DType::F32, cache_dtype = DType::F32;
   int mode = MLA_COPY;
+  int ds_flags = 0;               // MLA_DS_MLA: DS_MLA_POW2 | DS_MLA_RAW_ROPE
   LocArgs locs;
 };
 
@@ -92,12 +96,26 @@ KVW_HD void mla_fp8(const StoreMLAParams& p, i64 i, char* dst, int lane, int nla
   }
 }
 
+// The 16 bits stored for rope element e: the input's own bits (DS_MLA_RAW_ROPE, 16-bit inputs)
+// or its bf16 rounding.
+template <DType IN>
+KVW_HD uint16_t ds_rope_bits(const StoreMLAParams& p, i64 e) {
+  if constexpr (IN == DType::BF16 || IN == DType::F16) {
+    if (p.ds_flags & DS_MLA_RAW_ROPE) return reinterpret_cast<const uint16_t*>(p.k_pe)[e];
+  }
+  return bf16_bits<IN>(p.k_pe, e);
+}
+
+KVW_HD float ds_tile_scale(const StoreMLAParams& p, float amax) {
+  return (p.ds_flags & DS_MLA_POW2) ? ds_mla_scale_pow2(amax) : ds_mla_scale(amax);
+}
+
 template <DType IN>
 KVW_HD void ds_rope_unit(const StoreMLAParams& p, i64 i, char* rope, int u) {
   const int r0 = u * ROPE_UNIT, n = p.R - r0 < ROPE_UNIT ? p.R - r0 : ROPE_UNIT;
   uint16_t b[ROPE_UNIT];
 KVW_UNROLL
-  for (int r = 0; r < ROPE_UNIT; ++r) b[r] = r < n ? bf16_bits<IN>(p.k_pe, i * p.pe_sn + r0 + r) : 0;
+  for (int r = 0; r < ROPE_UNIT; ++r) b[r] = r < n ? ds_rope_bits<IN>(p, i * p.pe_sn + r0 + r) : 0;
 #if defined(__CUDA_ARCH__)
   if (n == ROPE_UNIT && aligned16(rope + 2 * r0)) {
     *reinterpret_cast<uint4*>(rope + 2 * r0) =
@@ -123,7 +141,7 @@ KVW_HD void mla_ds(const StoreMLAParams& p, i64 i, char* dst, int lane, int nlan
       if (w < chunks) {
         float x[CHUNK];
         load_chunk<IN>(p.kv_c, i * p.c_sn + i64(w) * CHUNK, x);
-        const float scale = ds_mla_scale(group_max(chunk_amax(x), DS_MLA_TILE_LANES));
+        const float scale = ds_tile_scale(p, group_max(chunk_amax(x), DS_MLA_TILE_LANES));
         quant_chunk(x, scale, dst + i64(w) * CHUNK);
         if (w % DS_MLA_TILE_LANES == 0) store_le(scales + 4 * (w / DS_MLA_TILE_LANES), float_to_bits(scale), 4);
       } else {
@@ -135,17 +153,17 @@ KVW_HD void mla_ds(const StoreMLAParams& p, i64 i, char* dst, int lane, int nlan
   // One lane per tile (the host: a tile is two vectorisable loops, amax then codes).
   for (int w = lane; w < tiles; w += nlanes) {
     const i64 start = i * p.c_sn + i64(w) * DS_MLA_TILE;
-    const float scale = ds_mla_scale(block_amax<IN>(p.kv_c, start, DS_MLA_TILE));
+    const float scale = ds_tile_scale(p, block_amax<IN>(p.kv_c, start, DS_MLA_TILE));
     quant_block_e4m3<IN>(p.kv_c, start, DS_MLA_TILE, scale, dst + w * DS_MLA_TILE);
     store_le(scales + 4 * w, float_to_bits(scale), 4);
   }
 #if !defined(__CUDA_ARCH__)
-  if (IN == DType::BF16 && nlanes == 1) {
+  if ((IN == DType::BF16 || (IN == DType::F16 && (p.ds_flags & DS_MLA_RAW_ROPE))) && nlanes == 1) {
     memcpy(rope, p.k_pe + i * p.pe_sn * 2, size_t(p.R) * 2);
     return;
   }
 #endif
-  for (int r = lane; r < p.R; r += nlanes) store_le(rope + 2 * r, bf16_bits<IN>(p.k_pe, i * p.pe_sn + r), 2);
+  for (int r = lane; r < p.R; r += nlanes) store_le(rope + 2 * r, ds_rope_bits<IN>(p, i * p.pe_sn + r), 2);
 }
 
 template <DType IN>
@@ -179,6 +197,7 @@ KVW_HD void store_mla_token(const StoreMLAParams& p, i64 i, int lane, int nlanes
 
 template <int CHECK, int MODE, DType IN, class OUT, int VEC>
 struct StoreMLAToken {
+  static constexpr int check = CHECK;
   KVW_HD void operator()(const StoreMLAParams& p, i64 i, int lane, int nlanes) const {
     store_mla_token<CHECK, MODE, IN, OUT, VEC>(p, i, lane, nlanes);
   }

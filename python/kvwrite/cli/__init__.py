@@ -17,6 +17,7 @@ COMMANDS = (
     "kvwrite.cli.plan",
     "kvwrite.cli.presets",
     "kvwrite.cli.bench",
+    "kvwrite.cli.build",
 )
 
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a command killed by a closed pipe

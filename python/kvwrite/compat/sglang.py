@@ -2,7 +2,8 @@
 
 SGLang's pools hold one flat buffer per layer, `[size + page_size, ...]` rows: `loc` is the row,
 and page 0 (rows `[0, page_size)`) is the padding page that dummy writes land in, so a loc of 0
-is a valid write. Each function takes the layer's buffer(s), then SGLang's arguments in SGLang's
+is a valid write for the MHA and indexer stores. The MLA store (`set_mla_kv_buffer`) skips loc 0
+instead, as SGLang's MLA kernels do (`reserved_skip_index=0`: slot 0 is reserved padding). Each function takes the layer's buffer(s), then SGLang's arguments in SGLang's
 order, plus keyword-only `dtype` (the torch fp8 dtype of a pool stored as uint8: SGLang's
 `dtype` beside its uint8 `store_dtype`), `check` ("off" | "assert" | "guard"; None = the process
 default), `errors` and `backend`. The buffer is viewed as `[(size + page_size) / page_size,
@@ -21,7 +22,12 @@ Where kvwrite differs from SGLang (and why):
   half the blocks; with "ue8m0" the power-of-two rounding almost always hides it).
 - assert/guard catch a loc outside `[0, size + page_size)` (SGLang #33348 / #33816: writes past
   the pool or before it), where SGLang's index_put asserts on the device or its Triton stores
-  write out of bounds; off mode skips negative locs (SGLang writes loc -1 before the buffer).
+  write out of bounds. Off mode skips negative locs. SGLang's Triton/CUDA stores turn loc -1
+  into a write one row before the buffer; its torch paths (`buffer[loc] = x`, the CPU engine)
+  write loc -1 into the buffer's last row, as Python indexing wraps it.
+- NaN into an fp8 pool: kvwrite stores the format's positive NaN code (0x7F for e4m3fn and
+  e5m2); SGLang's `.to(fp8)` keeps the NaN's sign bit, so a negative NaN (what 0/0 gives on
+  x86, and any NaN coming from bf16) is stored as 0xFF.
 """
 from __future__ import annotations
 
@@ -35,7 +41,7 @@ from kvwrite.ops.indexer_k import row_bytes, store_indexer_k
 from kvwrite.ops.kv import store_kv
 from kvwrite.ops.mla import store_mla
 
-__all__ = ["set_index_k_buffer", "set_kv_buffer", "set_mla_kv_buffer"]
+__all__ = ["move_kv_cache", "set_index_k_buffer", "set_kv_buffer", "set_mla_kv_buffer"]
 
 INDEX_HEAD_DIM = 128     # SGLang's NSA indexer: head_dim 128, one fp32 scale per 128 values
 INDEX_BLOCK = 128
@@ -118,15 +124,24 @@ def _rows2d(name: str, x: object) -> torch.Tensor:
     return x
 
 
+def _skip_reserved(loc: object) -> object:
+    """`loc` with SGLang's reserved MLA slot 0 turned into kvwrite's padding loc -1."""
+    if isinstance(loc, torch.Tensor) and not loc.is_floating_point() and loc.dtype != torch.bool:
+        return loc.masked_fill(loc == 0, -1)
+    return loc
+
+
 def set_mla_kv_buffer(kv_buffer: torch.Tensor, loc: torch.Tensor, cache_k_nope: torch.Tensor,
                       cache_k_rope: torch.Tensor, page_size: int, *, dtype: torch.dtype | None = None,
                       check: str | None = None, errors: ErrorBuffer | None = None,
                       backend: str = "auto") -> None:
     """`MLATokenToKVPool.set_mla_kv_buffer` for one layer: row = concat(nope `[N, 1, R]`, rope
-    `[N, 1, rope]`; or 2-D) at rows `loc` of `kv_buffer` `[size + page_size, 1, R + rope]`. An fp8
-    pool (fp8-typed, or uint8 with `dtype=`) stores saturate(x) in that format (SGLang:
-    `.to(fp8)` without a scale; e5m2 overflows to inf there). One `kvwrite.store_mla` launch."""
+    `[N, 1, rope]`; or 2-D) at rows `loc` of `kv_buffer` `[size + page_size, 1, R + rope]`; loc 0
+    (SGLang's reserved padding slot) is skipped, like loc -1. An fp8 pool (fp8-typed, or uint8
+    with `dtype=`) stores saturate(x) in that format (SGLang: `.to(fp8)` without a scale; e5m2
+    overflows to inf there). One `kvwrite.store_mla` launch."""
     page_size = require_positive_int("page_size", page_size)
+    loc = _skip_reserved(loc)
     buf = validate.tensor("kv_buffer", kv_buffer, ndim=3)
     if buf.shape[1] != 1:
         raise ValueError(f"kv_buffer must be [size + page_size, 1, kv_lora_rank + rope_dim], got "
@@ -167,3 +182,25 @@ def set_index_k_buffer(index_buffer: torch.Tensor, loc: torch.Tensor, index_k: t
                          f"{list(buf.shape)}")
     store_indexer_k(k, buf, loc, quant_block_size=INDEX_BLOCK, scale_fmt=scale_fmt, check=check,
                     errors=errors, backend=backend)
+
+
+def move_kv_cache(k_buffer, v_buffer, tgt_loc: torch.Tensor, src_loc: torch.Tensor, *,
+                  check: str | None = None, errors: ErrorBuffer | None = None, backend: str = "auto") -> None:
+    """`MHATokenToKVPool.move_kv_cache(tgt_loc, src_loc)`: in every layer's K and V buffer
+    (`k_buffer` / `v_buffer`: one `[rows, ...]` tensor or a list of them, one per layer), row
+    `tgt_loc[i]` takes the row that was at `src_loc[i]` (all sources read first, as
+    `buf[tgt_loc] = buf[src_loc]`). kvwrite.move_rows per buffer: locs checked against the
+    buffer's rows in check="assert"/"guard" (op "move_rows"), where SGLang's copy indexes
+    unchecked; a -1 skips the pair."""
+    from kvwrite.ops.pages import move_rows
+
+    bufs = []
+    for name, group in (("k_buffer", k_buffer), ("v_buffer", v_buffer)):
+        layers = list(group) if isinstance(group, (list, tuple)) else [group]
+        for i, b in enumerate(layers):
+            b = validate.tensor(f"{name}[{i}]", b)
+            if b.dim() < 2:
+                raise ValueError(f"{name}[{i}] must be [rows, ...], got shape {list(b.shape)}")
+            bufs.append(b)
+    for b in bufs:
+        move_rows(b.unsqueeze(1), src_loc, tgt_loc, check=check, errors=errors, backend=backend)
