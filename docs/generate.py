@@ -43,13 +43,16 @@ def _torch_ops() -> dict[str, object]:
     return out
 
 
+NOT_OPS = {"backends", "default_errors", "presets", "register_variant"}
+
+
 def _public_ops() -> dict[str, object]:
-    """kvwrite's public functions that write or read a cache: every `store_*`, `rope_store_*`,
-    `dequant_*`, `read_*`, and the loc helpers beside them."""
+    """kvwrite's public functions that write, move or read cache rows (every lower-case function
+    of `kvwrite.__all__` but the few that are not about a cache)."""
     import kvwrite
 
-    prefixes = ("store_", "rope_store_", "dequant_", "read_", "compressed_loc", "state_loc")
-    return {n: getattr(kvwrite, n) for n in sorted(kvwrite.__all__) if n.startswith(prefixes)}
+    return {n: getattr(kvwrite, n) for n in sorted(kvwrite.__all__)
+            if n[0].islower() and n not in NOT_OPS and callable(getattr(kvwrite, n))}
 
 
 def _impl_tables() -> list[tuple[str, tuple[str, ...]]]:
@@ -66,17 +69,47 @@ def _impl_tables() -> list[tuple[str, tuple[str, ...]]]:
     return tables
 
 
+def _spec_ops() -> dict[str, object]:
+    """The ops declared in `kvwrite.ops.spec` (one `Op` each), by name."""
+    import kvwrite  # noqa: F401  (declares them)
+    from kvwrite.ops.spec import OPS
+
+    return dict(sorted(OPS.items()))
+
+
+def _spec_section(op) -> list[str]:
+    from kvwrite.ops.spec import args_doc
+
+    lines = [f"#### `{op.name}`", ""]
+    if op.doc:
+        lines += [" ".join(op.doc.split()), ""]
+    if isinstance(op.impls, tuple):
+        lines += ["Backends: " + ", ".join(f"`{b}`" for b, _ in op.impls) + ".", ""]
+    else:
+        lines += ["Backends: chosen per call by `" + getattr(op.impls, "__name__", "impls") +
+                  "` (per format; see the backend table below).", ""]
+    lines += ["| argument | type | role | dims | dtypes | written |", "|---|---|---|---|---|---|"]
+    return lines + args_doc(op) + [""]
+
+
 def ops_tables() -> str:
     """docs/ops.md's tables."""
     from kvwrite.backend import BACKENDS
 
-    torch_ops, public = _torch_ops(), _public_ops()
+    torch_ops, public, spec = _torch_ops(), _public_ops(), _spec_ops()
     lines = ["### Public functions", "",
              "| function | torch op | what it does |", "|---|---|---|"]
     for name, fn in public.items():
         op = f"`torch.ops.kvwrite.{name}`" if name in torch_ops else "-"
         lines.append(f"| `kvwrite.{name}` | {op} | {_first_line(fn)} |")
-    lines += ["", "### Signatures", ""]
+    lines += ["", "### Declared ops", "",
+              "Each of these is one `Op` declaration in `kvwrite.ops.spec`: its schema, validation, "
+              "fake kernel and dispatch are derived from the argument table below. Shape letters "
+              "bind across tensors (`N` tokens, `P` pages, `S` rows per page, `H` heads, ...); "
+              "`=x` is the dtype of `x`; `scale H` is a scale `[]`, `[1]` or `[H]`.", ""]
+    for op in spec.values():
+        lines += _spec_section(op)
+    lines += ["### Signatures", ""]
     for name, fn in public.items():
         sig = str(inspect.signature(fn)).replace("|", "\\|")
         lines.append(f"- `{name}{sig}`")

@@ -12,13 +12,13 @@ import pytest
 from kvwrite.kernels.compile_check import CHECKS, FAMILIES
 
 
-# Variants allowed more than 64 registers, and why (issue 12 asks to name them). Spills stay 0.
-# store_kv: since vLLM's head-major layout (split head-dim strides, issue 11) joined the copy
+# Variants allowed more than 64 registers, each with the reason. Spills stay 0.
+# store_kv: since vLLM's head-major layout (split head-dim strides) joined the copy
 #   kernel, its variants compile to up to ~126 registers on sm_80/sm_90; not yet re-tuned.
 # store_dsv4: the fp16 page-granular DCP variant on sm_80 needs 72.
 REGISTER_LIMIT = {"store_kv": 128, "store_dsv4": 80}
 # Families whose copy variants do not yet compile to 16-byte stores (loads are .v4): store_kv,
-# since the head-major split's int64 feature offset joined the copy path (issue 12 not met there).
+# since the head-major split's int64 feature offset joined the copy path (16-byte stores not reached there yet).
 V4_STORE_EXEMPT = {"store_kv"}
 
 

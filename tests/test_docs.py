@@ -142,9 +142,9 @@ def test_no_issue_numbers_in_headings():
 
 def _comments(path: Path):
     text = path.read_text(errors="replace")
-    if path.suffix == ".py":
+    if path.suffix in (".py", ".sh", ".md"):
         for i, line in enumerate(text.splitlines(), 1):
-            yield i, line  # comments and docstrings: the whole line is judged
+            yield i, line  # comments, docstrings, step labels: the whole line is judged
     else:
         for i, line in enumerate(text.splitlines(), 1):
             if "//" in line or "/*" in line or line.lstrip().startswith(("*", "#")):

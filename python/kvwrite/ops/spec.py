@@ -278,13 +278,12 @@ class Op:
         ints = tuple(i for i, a in enumerate(self.args) if a.type == "int")
         overload, impl, prepare = self.overload, self.impl, self.prepare
         call = overload._op   # the C++ builtin behind the OpOverload (one frame less)
-        default_check = validate.DEFAULT_CHECK
 
         def entry(*args):
             args = list(args)
             check = args[i_check]
-            if check is None:
-                args[i_check] = check = default_check
+            if check is None:  # the process default, read from KVWRITE_CHECK on first use
+                args[i_check] = check = validate.DEFAULT_CHECK
             errors = args[i_errors]
             if type(errors) is ErrorBuffer:
                 args[i_errors] = errors = errors.tensor
