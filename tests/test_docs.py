@@ -163,3 +163,18 @@ def test_no_issue_numbers_in_code():
                 if ISSUE_REF.search(line) or BARE_NUMBER.search(UPSTREAM.sub("", line)):
                     bad.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
     assert not bad, "\n".join(bad)
+
+
+def test_local_links_resolve():
+    """Every relative link of the manual points at a file of the repository (anchors: a heading)."""
+    for page in PAGES + [ROOT / "CHANGELOG.md"]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if "://" in target:
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            assert dest.exists(), f"{page.name}: link to missing {target}"
+            if anchor and dest.suffix == ".md":
+                slugs = {re.sub(r"[^\w\- ]", "", h.strip("# ").lower()).replace(" ", "-")
+                         for h in dest.read_text().splitlines() if h.startswith("#")}
+                assert anchor in slugs, f"{page.name}: no heading for #{anchor} in {dest.name}"
