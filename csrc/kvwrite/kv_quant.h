@@ -12,6 +12,7 @@
 
 #include "fp8.h"
 #include "quant.h"
+#include "rn.h"
 
 namespace kvwrite {
 
@@ -34,27 +35,6 @@ KVW_HD float quant_max() {
   }
 }
 
-KVW_HD float div_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fdiv_rn(a, b);
-#else
-  return a / b;
-#endif
-}
-KVW_HD float mul_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-KVW_HD float add_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
 
 // max(amax / QMAX, 1e-6) in fp32.
 template <class F>

@@ -10,6 +10,7 @@
 // with v (kv_c) exactly as store_kv (store_mla) stores a row, through their own row writers.
 #pragma once
 
+#include "rn.h"
 #include "store_kv.h"
 #include "store_mla.h"
 
@@ -17,18 +18,8 @@ namespace kvwrite {
 
 #if defined(__CUDA_ARCH__)
 #define KVW_BARRIER() __syncthreads()
-KVW_HD float mul_rn(float a, float b) { return __fmul_rn(a, b); }
-KVW_HD float add_rn(float a, float b) { return __fadd_rn(a, b); }
-KVW_HD float sub_rn(float a, float b) { return __fsub_rn(a, b); }
-KVW_HD float div_rn(float a, float b) { return __fdiv_rn(a, b); }
-KVW_HD float sqrt_rn(float a) { return __fsqrt_rn(a); }
 #else
 #define KVW_BARRIER() ((void)0)
-KVW_HD float mul_rn(float a, float b) { return a * b; }  // the host build has -ffp-contract=off
-KVW_HD float add_rn(float a, float b) { return a + b; }
-KVW_HD float sub_rn(float a, float b) { return a - b; }
-KVW_HD float div_rn(float a, float b) { return a / b; }
-KVW_HD float sqrt_rn(float a) { return __builtin_sqrtf(a); }
 #endif
 
 constexpr int ROPE_MAX_DIM = 1024;  // kvwrite.ops.rope.MAX_HEAD_DIM
