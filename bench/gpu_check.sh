@@ -53,7 +53,7 @@ timeout ${KVWRITE_GPU_BENCH_TIMEOUT:-420} $PY -m kvwrite.cli bench --min-time ${
     --out "$OUT/bench" > "$OUT/bench.log" 2>&1 || status=1
 grep -A12 "^## Targets" "$OUT/bench/report.md" 2>/dev/null | tee -a "$OUT/summary.txt" || tail -5 "$OUT/bench.log" | tee -a "$OUT/summary.txt"
 
-step "DeepSeek V4 stores (issue 14): tests on CUDA, bit-exact bench at V4 sizes, memcheck"
+step "DeepSeek V4 stores: tests on CUDA, bit-exact bench at V4 sizes, memcheck"
 ( cd tests && KVWRITE_TEST_DEVICE=cuda timeout 300 $PY -m pytest -q -n 0 -p no:cacheprovider test_dsv4.py test_dsv4_plan.py ) \
     > "$OUT/dsv4_tests.log" 2>&1 || status=1
 tail -1 "$OUT/dsv4_tests.log" | tee -a "$OUT/summary.txt"
@@ -78,7 +78,7 @@ step "engine adapters (kvwrite.compat) incl. vLLM's legacy head-major layout on 
     > "$OUT/compat.log" 2>&1 || status=1
 tail -1 "$OUT/compat.log" | tee -a "$OUT/summary.txt"
 
-step "rope_store_kv / rope_store_mla / dynamic int8-fp8 caches (issue 13): tests on CUDA, fused vs unfused"
+step "rope_store_kv / rope_store_mla / dynamic int8-fp8 caches: tests on CUDA, fused vs unfused"
 ( cd tests && KVWRITE_TEST_DEVICE=cuda timeout 300 $PY -m pytest -q -n 0 -p no:cacheprovider \
     test_rope.py test_dynamic_quant.py ) > "$OUT/rope.log" 2>&1 || status=1
 tail -1 "$OUT/rope.log" | tee -a "$OUT/summary.txt"
@@ -89,6 +89,6 @@ step "rope stores: eager / CUDA graph replay / torch.compile vs reference (cuda,
 step "GPU readiness: CUDA-graph capture+replay of every op, records, NaN under assert builds, 2 GPUs, PTX"; timeout 420 $PY bench/gpu/readiness.py --out "$OUT/readiness.json" > "$OUT/readiness.log" 2>&1 || status=1; tail -1 "$OUT/readiness.log" | tee -a "$OUT/summary.txt"
 step "page moves: tests on CUDA, pinned host <-> GPU copy_pages, CUDA-graph capture, bandwidth"; ( cd tests && KVWRITE_TEST_DEVICE=cuda timeout 300 $PY -m pytest -q -n 0 -p no:cacheprovider test_pages.py && cd .. && timeout 300 $PY bench/gpu/pages.py ) > "$OUT/pages.log" 2>&1 || status=1; grep -E "passed|failed|\"ok\": false|pct_of_copy" "$OUT/pages.log" | tee -a "$OUT/summary.txt"
 step "store_kv int8 / dynamic-scale modes: every CUDA backend vs reference, CUDA-graph capture + replay (guard)"; timeout 300 $PY bench/gpu/quant.py --out "$OUT/quant.json" > "$OUT/quant.log" 2>&1 || status=1; tail -1 "$OUT/quant.log" | tee -a "$OUT/summary.txt"
-# Later issues add their steps (sanitizer, benchmarks) above this line.
+# New steps (sanitizer, benchmarks) go above this line.
 step "done (status $status)"
 exit $status

@@ -26,7 +26,7 @@ expect = cache_k[0].float().clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.
 assert torch.equal(k_buffer[page_size], expect)
 print(f"bytes match: token 0 is row {page_size} (page 1, the first after the padding page)")
 
-# The #33348 scenario: a draft pool sized per rank while its allocator pages page_size * dcp_size
+# The SGLang #33348 scenario: a draft pool sized per rank while its allocator pages page_size * dcp_size
 # locs hands out a loc past the buffer. Guard mode skips it and names token, loc and page.
 bad = loc.clone()
 bad[4] = size + page_size + 9

@@ -143,3 +143,13 @@ def test_presets_show_the_v4_heads(capsys):
     assert "0 KV heads" not in out
     v4 = [line for line in out.splitlines() if "deepseek-v4" in line]
     assert len(v4) == 2 and all("1 KV head x 512 (448 NoPE + 64 RoPE)" in line for line in v4), v4
+
+
+def test_demo_names_the_pool_it_stores_into(capsys):
+    """The MHA part stores with store_kv into the MHA pool; the replay stores with store_mla, and
+    its line names the MLA pool and that store."""
+    assert cli.main(["demo", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "kernel store_kv" in out.splitlines()[1]
+    assert "configured mla pool 'kv' (stored by store_mla" in out
+    assert "guard mode skipped" in out and "the same store is clean: True" in out

@@ -136,7 +136,7 @@ def test_get_batch_indices_positions():
 @pytest.mark.parametrize("backend", ALL)
 @pytest.mark.parametrize("check", ["assert", "guard"])
 def test_bad_page_table_caught(backend, check):
-    """A kv_indices entry past the pool (the #33348 class, via a page table): caught with the
+    """A kv_indices entry past the pool (the DCP draft-pool bug class, via a page table): caught with the
     token, batch, position, slot and page; guard writes every other token."""
     if check == "assert" and DEVICE.type == "cuda" and backend != "torch":
         pytest.skip("a device assert kills the CUDA context (test_pagetable's subprocess test)")

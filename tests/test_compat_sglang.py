@@ -128,7 +128,7 @@ def test_set_kv_buffer_bad_loc(backend, mode):
     k, v = values((4, H, D), torch.bfloat16, gen), values((4, H, D), torch.bfloat16, gen)
     kb = torch.zeros(SIZE + PS, H, D, dtype=torch.bfloat16, device=DEVICE)
     vb = kb.clone()
-    loc = torch.tensor([3, SIZE + PS, 0, -1], device=DEVICE)  # #33348: one page past the pool
+    loc = torch.tensor([3, SIZE + PS, 0, -1], device=DEVICE)  # SGLang #33348: one page past the pool
     errors = kvwrite.ErrorBuffer(DEVICE)
     if mode == "assert":
         with pytest.raises(kvwrite.OutOfBoundsWrite) as exc:

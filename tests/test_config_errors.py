@@ -1,4 +1,4 @@
-"""Issue 15 item 5: a malformed config.json is a one-line named error (exit status 2 from the
+"""A malformed config.json is a one-line named error (exit status 2 from the
 CLI), never a traceback; random JSON fed to from_hf_config only ever gives a ModelSpec or a
 ConfigError."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 15 items 7-9: hybrid-linear recurrent-state pools (sized, budgeted, built), the Ascend
+"""Hybrid-linear recurrent-state pools (sized, budgeted, built), the Ascend
 (npu) pool layouts stored through the torch backend, layout="HND" and reserve_padding_page=False."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 15 item 6: from_hf_config for the model types people serve. Each fixture holds the
+"""from_hf_config for the model types people serve. Each fixture holds the
 published config.json fields (that matter for the KV cache) of one real model, named; each test
 states the bytes per token worked out by hand (bf16 = 2 bytes; K and V; kv_heads x head_dim)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Item 10 of issue 15: `kvwrite.config` has no import cycle (module-level or function-level
+"""`kvwrite.config` has no import cycle (module-level or function-level
 imports alike), ModelSpec imports no reader or planner, and the command line is one package."""
 from __future__ import annotations
 

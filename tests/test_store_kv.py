@@ -110,7 +110,7 @@ def test_fp8_saturates_and_matches_formula():
 
 def bad_loc_cases(capacity, pps):
     """Each class of bad loc: beyond capacity, the tail of an allocator page 4x the pool page
-    (the #33348 bug), negative other than -1."""
+    (the DCP draft-pool bug, SGLang #33348), negative other than -1."""
     return {
         "beyond": [0, capacity + 5, 3, -1, capacity],
         "allocator_tail": [1, -1, capacity - 1, capacity + 2 * pps + 1, capacity + 3 * pps],

@@ -1,4 +1,4 @@
-"""Host cost per call at N = 1 (issue 12 targets): each kvwrite entry point, kernel included,
+"""Host cost per call at N = 1 (against the host-cost targets): each kvwrite entry point, kernel included,
 against its nearest torch equivalent on the same tensors, each pair timed interleaved in one run
 (batches of A then B, repeated; median of each), so the ratio shares the machine's state.
 

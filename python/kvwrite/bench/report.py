@@ -1,5 +1,5 @@
 """A sweep's result as a terminal table, JSON, a markdown report and a PNG plot, plus where it
-stands against the issue's targets (figures, not pass/fail tests)."""
+stands against the performance targets (figures, not pass/fail tests)."""
 from __future__ import annotations
 
 import datetime as _dt
@@ -24,7 +24,7 @@ def _fmt_us(us: float) -> str:
 
 
 def targets(result: dict) -> list[dict]:
-    """Each target of the issue with this run's figure and whether it is met (None: not measured
+    """Each performance target with this run's figure and whether it is met (None: not measured
     here, with why)."""
     rows, host = result["rows"], result["host"]
     gpu = result["config"]["device"].startswith("cuda")
@@ -93,7 +93,7 @@ def targets(result: dict) -> list[dict]:
     else:
         add(t, "not measured", None)
 
-    for h in result.get("host_cost", []):  # issue 12: host cost per call at N = 1 (kvwrite.bench.host)
+    for h in result.get("host_cost", []):  # host cost per call at N = 1 (kvwrite.bench.host)
         add(f"host cost at N=1: `{h['what']}` <= {h['target']}x {h['vs']}",
             f"{h['us']:.2f} vs {h['vs_us']:.2f} us = {h['ratio']:.2f}x", h["met"])
 

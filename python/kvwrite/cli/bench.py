@@ -32,11 +32,10 @@ def case_names() -> tuple[str, ...]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvwrite.backend import BACKENDS
     from kvwrite.bench.run import CHECKS, FULL_SIZES, QUICK_SIZES
-    from kvwrite.cli._args import (default_device, device, names, non_negative_int, positive_float,
-                                   positive_ints)
+    from kvwrite.cli._args import device, names, non_negative_int, positive_float, positive_ints
 
     p.add_argument("--device", type=device, default=None,
-                   help=f"cpu or cuda[:N] (default here: {default_device()})")
+                   help="cpu or cuda[:N] (default: cuda when torch sees a GPU, else cpu)")
     p.add_argument("--quick", action="store_true",
                    help=f"N in {','.join(map(str, QUICK_SIZES))} and short measurements (< 2 min on 2 CPU cores)")
     p.add_argument("--sizes", type=positive_ints, default=None,

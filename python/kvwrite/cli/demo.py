@@ -20,10 +20,10 @@ HELP = ("store K/V into a small configured pool, verify it, and catch a DCP draf
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvwrite.backend import BACKENDS
-    from kvwrite.cli._args import default_device, device
+    from kvwrite.cli._args import device
 
     p.add_argument("--device", type=device, default=None,
-                   help=f"cpu or cuda[:N] (default here: {default_device()})")
+                   help="cpu or cuda[:N] (default: cuda when torch sees a GPU, else cpu)")
     p.add_argument("--backend", default="auto", choices=("auto",) + BACKENDS,
                    help="kernel backend of every store (default auto: the fastest that runs on the device)")
 

@@ -20,7 +20,7 @@ Where kvwrite differs from SGLang (and why):
 - the indexer (`set_index_k_buffer`) quantises with scale = max(amax, 1e-4) / 448, the division
   vLLM's CUDA kernel does; SGLang's Triton quantiser multiplies by 1/448 (1 ulp apart in about
   half the blocks; with "ue8m0" the power-of-two rounding almost always hides it).
-- assert/guard catch a loc outside `[0, size + page_size)` (SGLang #33348 / #33816: writes past
+- assert/guard catch a loc outside `[0, size + page_size)` (SGLang #33348, SGLang #33816: writes past
   the pool or before it), where SGLang's index_put asserts on the device or its Triton stores
   write out of bounds. Off mode skips negative locs. SGLang's Triton/CUDA stores turn loc -1
   into a write one row before the buffer; its torch paths (`buffer[loc] = x`, the CPU engine)

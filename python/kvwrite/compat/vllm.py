@@ -320,7 +320,7 @@ def _byte_blocks(name: str, t: object, block_size_in_bytes: int) -> torch.Tensor
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_size_in_bytes: int, block_mapping: torch.Tensor,
                 *, check: str | None = None, errors: ErrorBuffer | None = None, backend: str = "auto") -> None:
-    """`torch.ops._C_cache_ops.swap_blocks` (vLLM >= #30692): for each row (s, d) of the int64
+    """`torch.ops._C_cache_ops.swap_blocks` (vLLM PR 30692 and later): for each row (s, d) of the int64
     `block_mapping` `[n, 2]`, copy `block_size_in_bytes` bytes from `src` at byte offset
     `s * block_size_in_bytes` to `dst` at `d * block_size_in_bytes` (the kernel block may be smaller
     than the logical block: the offloading connector's factor). GPU <-> host (pinned) or on one
