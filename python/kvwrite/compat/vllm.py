@@ -39,14 +39,14 @@ import re
 import torch
 
 from kvwrite import validate
-from kvwrite.compat._common import as_fp8, byte_pairs
+from kvwrite.compat._common import as_fp8, byte_pairs, scale_tensor
 from kvwrite.errors import ErrorBuffer
 from kvwrite.ops.indexer_k import row_bytes, store_indexer_k
 from kvwrite.ops.kv import store_kv
 from kvwrite.ops.kv_head_major import store_kv_head_major
 from kvwrite.ops.mla import ds_mla_row_bytes, store_mla
 
-__all__ = ["concat_and_cache_mla", "ds_mla_scale", "indexer_k_quant_and_cache", "reshape_and_cache",
+__all__ = ["concat_and_cache_mla", "cpu_attn_reshape_and_cache", "ds_mla_scale", "indexer_k_quant_and_cache", "reshape_and_cache",
            "reshape_and_cache_flash", "reshape_and_cache_flash_per_token_quant"]
 
 NEWEST_VLLM = "0.34.0"          # the newest vLLM release whose cache writers this adapter follows
@@ -111,6 +111,41 @@ def reshape_and_cache_flash(key: torch.Tensor, value: torch.Tensor, key_cache: t
                                                             kv_cache_dtype, k_scale, v_scale)
     store_kv(key, value, key_cache, value_cache, slot_mapping, layout="NHD", k_scale=ks, v_scale=vs,
              check=check, errors=errors, backend=backend)
+
+
+CPU_ATTN_ISAS = ("vec", "vec16", "neon")   # ISAs whose caches use the column-major key layout
+
+
+def cpu_attn_reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                               value_cache: torch.Tensor, slot_mapping: torch.Tensor, isa: str,
+                               k_scale: float = 1.0, v_scale: float = 1.0,
+                               kv_cache_dtype: str = "auto", *, check: str | None = None,
+                               errors: ErrorBuffer | None = None, backend: str = "auto") -> None:
+    """`torch.ops._C.cpu_attn_reshape_and_cache` (vLLM's CPU attention backend): key/value
+    `[N, H, D]` into `key_cache, value_cache = kv.view(blocks, H, 2 * bs, D).chunk(2, dim=2)`,
+    each `[num_blocks, H, block_size, D]`: the value tile of a (block, head) row-major, the key
+    tile column-major (element (t, d) at d * block_size + t). One `kvwrite.store_kv` launch with
+    layout "cpu_attn". `isa` names the CPU kernel vLLM picked: "vec", "vec16" and "neon" share
+    this layout; "amx" / "amx_fp8" pack their tiles differently and are refused.
+
+    fp8 ("fp8" / "fp8_e4m3" / "fp8_e5m2", uint8 caches): kvwrite stores saturate(x / scale)
+    rounded to nearest even; vLLM's CPU kernel multiplies by 1/scale and truncates the mantissa
+    (codes one step toward zero in about half the cases), stores -0 as +0 and NaN as the
+    format's max. The bytes agree for "auto" caches."""
+    isa = validate.choice("isa", isa, CPU_ATTN_ISAS + ("amx", "amx_fp8", "vxe", "rvv", "vsx"))
+    if isa not in CPU_ATTN_ISAS:
+        raise NotImplementedError(f"isa={isa!r}: vLLM packs this ISA's cache tiles in its own "
+                                  f"layout; kvwrite writes the {CPU_ATTN_ISAS} layout")
+    key, value = _tokens("key", key, slot_mapping), _tokens("value", value, slot_mapping)
+    fmt = KV_CACHE_DTYPES[validate.choice("kv_cache_dtype", kv_cache_dtype, tuple(KV_CACHE_DTYPES))]
+    ks = vs = None
+    if fmt is not None:
+        key_cache = as_fp8("key_cache", key_cache, fmt)
+        value_cache = as_fp8("value_cache", value_cache, fmt)
+        ks = scale_tensor("k_scale", k_scale, key.device)
+        vs = scale_tensor("v_scale", v_scale, key.device)
+    store_kv(key, value, key_cache, value_cache, slot_mapping, layout="cpu_attn", k_scale=ks,
+             v_scale=vs, check=check, errors=errors, backend=backend)
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

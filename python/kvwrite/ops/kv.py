@@ -11,7 +11,7 @@ from kvwrite.ops import _library, kv_quant
 from kvwrite.ops._common import NATIVE, Check, Locs, cache_geometry, dispatch, prepare, record
 
 OP = "store_kv"
-LAYOUTS = ("NHD", "HND")
+LAYOUTS = ("NHD", "HND", "cpu_attn")
 IMPLS = (
     ("torch", "kvwrite.reference.kv:store_kv"),
     ("triton", "kvwrite.kernels.store_kv:launch"),
@@ -38,8 +38,18 @@ class StoreKV:
 
 
 def canonical(cache: torch.Tensor, layout: str) -> torch.Tensor:
-    """[pages, rows, H, D] view of an NHD or HND paged cache."""
+    """[pages, rows, H, D] view of an NHD or HND paged cache (and of a "cpu_attn" value cache)."""
     return cache if layout == "NHD" else cache.transpose(1, 2)
+
+
+def canonical_key(cache: torch.Tensor, layout: str) -> torch.Tensor:
+    """The key cache's canonical view: as `canonical`, except for "cpu_attn" (vLLM's CPU attention
+    key cache: each (page, head) tile of `[rows, D]` elements stored column-major, element (t, d)
+    at d * rows + t), a split head dim `[pages, rows, H, D, 1]` with feature stride `rows`."""
+    if layout != "cpu_attn":
+        return canonical(cache, layout)
+    pages, h, rows, d = cache.shape
+    return cache.as_strided((pages, rows, h, d, 1), (cache.stride(0), 1, cache.stride(1), rows, 1))
 
 
 def _check_tensors(k, v, k_cache, v_cache, layout) -> tuple[int, int, PageGeometry]:
@@ -59,6 +69,10 @@ def _check_tensors(k, v, k_cache, v_cache, layout) -> tuple[int, int, PageGeomet
     for name, c, d in (("k_cache", k_cache, dk), ("v_cache", v_cache, v.shape[2])):
         expect = (num_pages, pps, h, d) if layout == "NHD" else (num_pages, h, pps, d)
         validate.shape(name, c, expect, f"{layout}: {dims}")
+    if layout == "cpu_attn" and pps > 1 and dk > 1 and k_cache.stride(2) != dk:
+        raise ValueError(f"k_cache (layout 'cpu_attn') must hold each (page, head) tile of "
+                         f"pool_page_size * D = {pps} * {dk} elements contiguously (stored column-"
+                         f"major), got strides {k_cache.stride()}")
     return n, h, cache_geometry("k_cache", num_pages, pps)
 
 
@@ -72,7 +86,7 @@ def prepare_store_kv(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, chec
         key = None
     n, h, geometry = validate.memo(key, lambda: _check_tensors(k, v, k_cache, v_cache, layout))
     device = k.device
-    kc, vc = canonical(k_cache, layout), canonical(v_cache, layout)
+    kc, vc = canonical_key(k_cache, layout), canonical(v_cache, layout)
     if k_cache.dtype in validate.FP8_MAX:
         if k_scale is None or v_scale is None:
             raise ValueError(f"k_scale and v_scale are required for a {k_cache.dtype} cache")
@@ -116,7 +130,11 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              v_scale_cache: torch.Tensor | None = None) -> None:
     """Write token i's K/V rows to the paged caches at `loc[i]` (-1 = padding, skipped).
 
-    `layout`: "NHD" caches `[pages, pool_page_size, H, D]` or "HND" `[pages, H, pool_page_size, D]`.
+    `layout`: "NHD" caches `[pages, pool_page_size, H, D]` or "HND" `[pages, H, pool_page_size, D]`;
+    "cpu_attn" (vLLM's CPU attention backend): both `[pages, H, pool_page_size, D]` as HND, the
+    value tile of each (page, head) row-major, the key tile column-major (element (t, d) at
+    d * pool_page_size + t of the tile; vLLM's `kv.chunk(2, dim=2)` halves of a
+    `[pages, H, 2 * pool_page_size, D]` buffer).
     fp8 caches take fp32 `k_scale`/`v_scale` (`[]`, `[1]` or `[H]`): stored = saturate(x / scale).
     `check`: "off" | "assert" | "guard" (skip + record into `errors`, default per-device buffer).
     `loc_map` (hybrid SWA, int32/int64 full->SWA map): write at `loc_map[loc[i]]`; a mapped -1

@@ -63,7 +63,7 @@ def prepare_store_kv_nvfp4(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache,
     dv = v.shape[2]
     head_dim("k", dk)
     head_dim("v", dv)
-    layout = validate.choice("layout", layout, LAYOUTS)
+    layout = validate.choice("layout", layout, LAYOUTS[:2])  # NHD, HND (no cpu_attn)
     dims = "num_pages, pool_page_size, H, " if layout == "NHD" else "num_pages, H, pool_page_size, "
     caches = {}
     first = None
