@@ -69,7 +69,7 @@ def ds_mla_scale(vllm_version: str | None = None) -> str:
 
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
                    "fp8_e5m2": torch.float8_e5m2}
-MLA_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla")
+MLA_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla")
 
 
 def _tokens(name: str, x: object, slot_mapping: object) -> torch.Tensor:
@@ -174,8 +174,8 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
                          check: str | None = None, errors: ErrorBuffer | None = None,
                          backend: str = "auto", vllm_version: str | None = None) -> None:
     """`torch.ops._C_cache_ops.concat_and_cache_mla`: row = concat(kv_c `[N, L]`, k_pe `[N, R]`)
-    into kv_cache `[num_blocks, block_size, L + R]` ("auto"; "fp8"/"fp8_e4m3": uint8 or e4m3
-    cache, fp8(x / scale) with the fp32 per-tensor `scale`), or DeepSeek's 656-byte rows
+    into kv_cache `[num_blocks, block_size, L + R]` ("auto"; "fp8"/"fp8_e4m3"/"fp8_e5m2": uint8
+    or fp8 cache, fp8(x / scale) with the fp32 per-tensor `scale`), or DeepSeek's 656-byte rows
     ("fp8_ds_mla": uint8 `[num_blocks, block_size, L + L/128*4 + 2R]`, `scale` unused as in
     vLLM). One `kvwrite.store_mla` launch.
 
@@ -194,9 +194,10 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
                   ds_mla_scale=ds_mla_scale(vllm_version), ds_mla_rope=rope, check=check,
                   errors=errors, backend=backend)
     else:
-        store_mla(kv_c, k_pe, as_fp8("kv_cache", kv_cache, torch.float8_e4m3fn), slot_mapping,
-                  kv_cache_dtype="fp8_e4m3", scale=scale, check=check, errors=errors,
-                  backend=backend)
+        fmt = KV_CACHE_DTYPES[kv_cache_dtype]
+        store_mla(kv_c, k_pe, as_fp8("kv_cache", kv_cache, fmt), slot_mapping,
+                  kv_cache_dtype="fp8_e5m2" if fmt == torch.float8_e5m2 else "fp8_e4m3", scale=scale,
+                  check=check, errors=errors, backend=backend)
 
 
 def _nope_rope(kv_c: object, k_pe: object, kv_cache: object) -> object:
