@@ -85,6 +85,8 @@ tail -1 "$OUT/rope.log" | tee -a "$OUT/summary.txt"
 timeout 300 $PY -m kvwrite.bench.rope --device cuda --n 1 64 1024 > "$OUT/bench-rope.md" 2>&1 || status=1
 tee -a "$OUT/summary.txt" < "$OUT/bench-rope.md"
 
+step "GPU readiness: CUDA-graph capture+replay of every op, records, NaN under assert builds, 2 GPUs, PTX"; timeout 420 $PY bench/gpu/readiness.py --out "$OUT/readiness.json" > "$OUT/readiness.log" 2>&1 || status=1; tail -1 "$OUT/readiness.log" | tee -a "$OUT/summary.txt"
+step "page moves: tests on CUDA, pinned host <-> GPU copy_pages, CUDA-graph capture, bandwidth"; ( cd tests && KVWRITE_TEST_DEVICE=cuda timeout 300 $PY -m pytest -q -n 0 -p no:cacheprovider test_pages.py && cd .. && timeout 300 $PY bench/gpu/pages.py ) > "$OUT/pages.log" 2>&1 || status=1; grep -E "passed|failed|\"ok\": false|pct_of_copy" "$OUT/pages.log" | tee -a "$OUT/summary.txt"
 # Later issues add their steps (sanitizer, benchmarks) above this line.
 step "done (status $status)"
 exit $status

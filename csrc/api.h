@@ -37,7 +37,12 @@ using OptStr = std::optional<c10::string_view>;
 // Thrown by a check that leaves the call to the Python implementation.
 struct Forward {};
 
-inline const std::optional<at::Tensor> NO_TABLE;  // page-table addressing stays on the Python path
+// Every public op's schema ends with the page-table tensors (kvwrite.PageTable: loc holds the
+// positions). A call that passes them is validated and run by the Python path (for now).
+#define KVW_TABLE_PARAMS                                                                       \
+  const std::optional<at::Tensor>&batch_indices, const std::optional<at::Tensor>&kv_indices, \
+      const std::optional<at::Tensor>&kv_indptr
+#define KVW_TABLE batch_indices, kv_indices, kv_indptr
 
 constexpr int64_t MAX_TOKENS = (int64_t(1) << 31) - 1;  // kvwrite.errors.MAX_TOKENS
 
@@ -165,7 +170,7 @@ struct Prepared {
 // ops._common.prepare (+ validate.loc, loc_map, dcp, check_mode).
 inline Prepared prepare(const char* op, const c10::Device& device, int64_t n, const at::Tensor& loc,
                         const std::optional<at::Tensor>& loc_map, int64_t dcp_rank, int64_t dcp_size,
-                        Str check, const std::optional<at::Tensor>& errors, bool assert_in_python) {
+                        Str check, const std::optional<at::Tensor>& errors) {
   TORCH_CHECK_VALUE(n <= MAX_TOKENS, op, ": at most ", MAX_TOKENS, " tokens per call, got ", n);
   tensor("loc", loc, 1, {at::kInt, at::kLong}, &device);
   TORCH_CHECK_VALUE(loc.size(0) == n, "loc must have one entry per token (", n, "), got ", loc.size(0));
@@ -179,7 +184,6 @@ inline Prepared prepare(const char* op, const c10::Device& device, int64_t n, co
   TORCH_CHECK_VALUE(0 <= dcp_rank && dcp_rank < dcp_size, "dcp_rank must be an int in [0, dcp_size=", dcp_size,
                     "), got ", dcp_rank);
   Prepared p{check_code(check), std::nullopt};
-  if (p.check == CHECK_ASSERT && assert_in_python) throw Forward{};
   if (!errors.has_value()) {
     if (p.check == CHECK_GUARD) throw Forward{};  // the default ErrorBuffer of the device
     return p;
@@ -191,6 +195,22 @@ inline Prepared prepare(const char* op, const c10::Device& device, int64_t n, co
                     device.str());
   if (p.check == CHECK_GUARD) p.errors = e;
   return p;
+}
+
+// Run the kernel. CPU assert mode (R::ASSERT_IN_PYTHON): the kernel's pre-scan (a compare per
+// token, before any write) throws on a bad loc; that call goes to Python, which raises
+// kvwrite.OutOfBoundsWrite with the record. No bad loc: the kernel ran here, at full speed.
+template <class R, class F>
+void run(const Prepared& p, F&& kernel) {
+  if (R::ASSERT_IN_PYTHON && p.check == CHECK_ASSERT) {
+    try {
+      kernel();
+    } catch (const c10::Error&) {
+      throw Forward{};
+    }
+    return;
+  }
+  kernel();
 }
 
 // ---- forwarding to the Python implementation -----------------------------------------------
@@ -225,9 +245,10 @@ template <class R>
 void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
               const at::Tensor& loc, Str layout, const std::optional<at::Tensor>& k_scale,
               const std::optional<at::Tensor>& v_scale, Str check, const std::optional<at::Tensor>& errors,
-              const std::optional<at::Tensor>& loc_map, int64_t dcp_rank, int64_t dcp_size, Str backend) {
+              const std::optional<at::Tensor>& loc_map, int64_t dcp_rank, int64_t dcp_size, Str backend, KVW_TABLE_PARAMS) {
   try {
     native(backend, R::NAME);
+    if (batch_indices || kv_indices || kv_indptr) throw Forward{};  // page-table addressing: Python
     // ops.kv._check_tensors
     tensor("k", k, 3, {at::kFloat, at::kHalf, at::kBFloat16}, nullptr);
     const int64_t n = k.size(0), h = k.size(1), dk = k.size(2);
@@ -261,15 +282,14 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
                         "k_scale/v_scale apply only to fp8 caches; the caches are torch.",
                         dtype_name(k_cache.scalar_type()));
     }
-    const Prepared p = prepare("store_kv", device, n, loc, loc_map, dcp_rank, dcp_size, check, errors,
-                               R::ASSERT_IN_PYTHON);
+    const Prepared p = prepare("store_kv", device, n, loc, loc_map, dcp_rank, dcp_size, check, errors);
     if (n == 0) return;
-    R::store_kv(k, v, hnd ? k_cache.transpose(1, 2) : k_cache, hnd ? v_cache.transpose(1, 2) : v_cache, k_scale,
-                v_scale, loc, loc_map, p.errors, dcp_rank, dcp_size, p.check, int64_t(OP_STORE_KV), NO_TABLE, NO_TABLE, NO_TABLE);
+    run<R>(p, [&] { R::store_kv(k, v, hnd ? k_cache.transpose(1, 2) : k_cache, hnd ? v_cache.transpose(1, 2) : v_cache, k_scale,
+                v_scale, loc, loc_map, p.errors, dcp_rank, dcp_size, p.check, int64_t(OP_STORE_KV), std::nullopt, std::nullopt, std::nullopt); });
   } catch (const Forward&) {
     static const c10::OperatorHandle op = python_op("kvwrite::store_kv_py");
     forward(op, k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors, loc_map, dcp_rank, dcp_size,
-            backend);
+            backend, KVW_TABLE);
   }
 }
 
@@ -300,9 +320,10 @@ void store_mla(const at::Tensor& kv_c, const at::Tensor& k_pe, const at::Tensor&
                Str kv_cache_dtype, const std::optional<at::Tensor>& scale_, Str check,
                const std::optional<at::Tensor>& errors, const std::optional<at::Tensor>& loc_map, int64_t dcp_rank,
                int64_t dcp_size, Str backend, const std::optional<at::Tensor>& scale_cache,
-               const std::optional<at::Tensor>& global_scale) {
+               const std::optional<at::Tensor>& global_scale, KVW_TABLE_PARAMS) {
   try {
     native(backend, R::NAME);
+    if (batch_indices || kv_indices || kv_indptr) throw Forward{};  // page-table addressing: Python
     tensor("kv_c", kv_c, 2, {at::kFloat, at::kHalf, at::kBFloat16}, nullptr);
     const int64_t n = kv_c.size(0), lora = kv_c.size(1);
     const c10::Device device = kv_c.device();
@@ -349,24 +370,24 @@ void store_mla(const at::Tensor& kv_c, const at::Tensor& k_pe, const at::Tensor&
       TORCH_CHECK_VALUE(!scale_cache.has_value() && !global_scale.has_value(),
                         "scale_cache/global_scale apply only to kv_cache_dtype 'nvfp4', not ", fname);
     }
-    const Prepared p = prepare("store_mla", device, n, loc, loc_map, dcp_rank, dcp_size, check, errors,
-                               R::ASSERT_IN_PYTHON);
+    const Prepared p = prepare("store_mla", device, n, loc, loc_map, dcp_rank, dcp_size, check, errors);
     if (n == 0) return;
-    R::store_mla(kv_c, k_pe, kv_cache, scale_, scale_cache, global_scale, int64_t(fmt.mode | fmt.flags), loc, loc_map, p.errors,
-                 dcp_rank, dcp_size, p.check, int64_t(OP_STORE_MLA), NO_TABLE, NO_TABLE, NO_TABLE);
+    run<R>(p, [&] { R::store_mla(kv_c, k_pe, kv_cache, scale_, scale_cache, global_scale, int64_t(fmt.mode | fmt.flags), loc, loc_map, p.errors,
+                 dcp_rank, dcp_size, p.check, int64_t(OP_STORE_MLA), std::nullopt, std::nullopt, std::nullopt); });
   } catch (const Forward&) {
     static const c10::OperatorHandle op = python_op("kvwrite::store_mla_py");
     forward(op, kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale_, check, errors, loc_map, dcp_rank, dcp_size,
-            backend, scale_cache, global_scale);
+            backend, scale_cache, global_scale, KVW_TABLE);
   }
 }
 
 template <class R>
 void store_indexer_k(const at::Tensor& k, const at::Tensor& cache, const at::Tensor& loc, int64_t qbs,
                      OptStr scale_fmt, Str check, const std::optional<at::Tensor>& errors,
-                     const std::optional<at::Tensor>& loc_map, Str backend) {
+                     const std::optional<at::Tensor>& loc_map, Str backend, KVW_TABLE_PARAMS) {
   try {
     native(backend, R::NAME);
+    if (batch_indices || kv_indices || kv_indptr) throw Forward{};  // page-table addressing: Python
     tensor("k", k, 2, {at::kFloat, at::kHalf, at::kBFloat16}, nullptr);
     const int64_t n = k.size(0), d = k.size(1);
     const c10::Device device = k.device();
@@ -379,14 +400,13 @@ void store_indexer_k(const at::Tensor& k, const at::Tensor& cache, const at::Ten
                       " bytes is not a whole number of tokens of ", per_token, " bytes (D=", d, " e4m3 + ", d / qbs,
                       " fp32 scales): expected [num_pages, pool_page_size * ", per_token, "]");
     cache_geometry("cache", cache.size(0), row / per_token);
-    const Prepared p = prepare("store_indexer_k", device, n, loc, loc_map, 0, 1, check, errors,
-                               R::ASSERT_IN_PYTHON);
+    const Prepared p = prepare("store_indexer_k", device, n, loc, loc_map, 0, 1, check, errors);
     if (n == 0) return;
-    R::store_indexer_k(k, cache, qbs, scale_fmt.has_value(), loc, loc_map, p.errors, 0, 1, p.check,
-                       int64_t(OP_STORE_INDEXER_K), NO_TABLE, NO_TABLE, NO_TABLE);
+    run<R>(p, [&] { R::store_indexer_k(k, cache, qbs, scale_fmt.has_value(), loc, loc_map, p.errors, 0, 1, p.check,
+                       int64_t(OP_STORE_INDEXER_K), std::nullopt, std::nullopt, std::nullopt); });
   } catch (const Forward&) {
     static const c10::OperatorHandle op = python_op("kvwrite::store_indexer_k_py");
-    forward(op, k, cache, loc, qbs, scale_fmt, check, errors, loc_map, backend);
+    forward(op, k, cache, loc, qbs, scale_fmt, check, errors, loc_map, backend, KVW_TABLE);
   }
 }
 
@@ -395,9 +415,10 @@ void store_kv_nvfp4(const at::Tensor& k, const at::Tensor& v, const at::Tensor& 
                     const at::Tensor& k_scale_cache, const at::Tensor& v_scale_cache, const at::Tensor& loc,
                     const std::optional<at::Tensor>& k_global, const std::optional<at::Tensor>& v_global, Str layout,
                     Str check, const std::optional<at::Tensor>& errors, const std::optional<at::Tensor>& loc_map,
-                    int64_t dcp_rank, int64_t dcp_size, Str backend) {
+                    int64_t dcp_rank, int64_t dcp_size, Str backend, KVW_TABLE_PARAMS) {
   try {
     native(backend, R::NAME);
+    if (batch_indices || kv_indices || kv_indptr) throw Forward{};  // page-table addressing: Python
     tensor("k", k, 3, {at::kFloat, at::kHalf, at::kBFloat16}, nullptr);
     const int64_t n = k.size(0), h = k.size(1), dk = k.size(2);
     const c10::Device device = k.device();
@@ -439,16 +460,15 @@ void store_kv_nvfp4(const at::Tensor& k, const at::Tensor& v, const at::Tensor& 
     cache_geometry("k_cache", pages, pps);
     if (k_global.has_value()) scale("k_global_scale", *k_global, 0, device);
     if (v_global.has_value()) scale("v_global_scale", *v_global, 0, device);
-    const Prepared p = prepare("store_kv_nvfp4", device, n, loc, loc_map, dcp_rank, dcp_size, check, errors,
-                               R::ASSERT_IN_PYTHON);
+    const Prepared p = prepare("store_kv_nvfp4", device, n, loc, loc_map, dcp_rank, dcp_size, check, errors);
     if (n == 0) return;
     auto canon = [&](const at::Tensor& t) { return hnd ? t.transpose(1, 2) : t; };
-    R::store_kv_nvfp4(k, v, canon(k_cache), canon(v_cache), canon(k_scale_cache), canon(v_scale_cache), k_global,
-                      v_global, loc, loc_map, p.errors, dcp_rank, dcp_size, p.check, int64_t(OP_STORE_KV_NVFP4), NO_TABLE, NO_TABLE, NO_TABLE);
+    run<R>(p, [&] { R::store_kv_nvfp4(k, v, canon(k_cache), canon(v_cache), canon(k_scale_cache), canon(v_scale_cache), k_global,
+                      v_global, loc, loc_map, p.errors, dcp_rank, dcp_size, p.check, int64_t(OP_STORE_KV_NVFP4), std::nullopt, std::nullopt, std::nullopt); });
   } catch (const Forward&) {
     static const c10::OperatorHandle op = python_op("kvwrite::store_kv_nvfp4_py");
     forward(op, k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, loc, k_global, v_global, layout, check, errors,
-            loc_map, dcp_rank, dcp_size, backend);
+            loc_map, dcp_rank, dcp_size, backend, KVW_TABLE);
   }
 }
 

@@ -8,6 +8,7 @@
 #include "launch.h"
 #include "params.h"
 #include "params_dsv4.h"
+#include "params_pages.h"
 
 namespace kvwrite {
 namespace {
@@ -110,11 +111,56 @@ void store_rows_cuda(const Tensor& src, const Tensor& pool, const Tensor& loc, c
   check_launch(launch_store_rows(p, int(check), c10::cuda::getCurrentCUDAStream()));
 }
 
+// Page moves (kvwrite/pages.h).
+void copy_pages_cuda(const Tensor& src, const Tensor& dst, const Tensor& src_pages, const Tensor& dst_pages,
+                     const OptTensor& errors, int64_t check, int64_t op) {
+  const c10::cuda::CUDAGuard guard(dst.device());
+  const CopyPagesParams p = copy_pages_params(src, dst, src_pages, dst_pages, errors, check, op);
+  check_launch(launch_copy_pages(p, int(check), c10::cuda::getCurrentCUDAStream()));
+}
+
+void gather_cuda(const Tensor& cache, const Tensor& out, const Tensor& loc, const OptTensor& loc_map,
+                 const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op,
+                 const OptTensor& batch_indices, const OptTensor& kv_indices, const OptTensor& kv_indptr) {
+  const c10::cuda::CUDAGuard guard(cache.device());
+  GatherParams p = gather_params(cache, out, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  set_table(p.locs, batch_indices, kv_indices, kv_indptr, cache);
+  if (p.locs.n == 0) return;
+  check_launch(launch_gather(p, int(check), c10::cuda::getCurrentCUDAStream()));
+}
+
+void slot_mapping_cuda(const Tensor& block_table, const Tensor& batch_indices, const Tensor& positions,
+                       const Tensor& out, int64_t page_size, int64_t num_pages, const OptTensor& errors,
+                       int64_t check, int64_t op) {
+  const c10::cuda::CUDAGuard guard(block_table.device());
+  const SlotMappingParams p =
+      slot_mapping_params(block_table, batch_indices, positions, out, page_size, num_pages, errors, check, op);
+  check_launch(launch_slot_mapping(p, int(check), c10::cuda::getCurrentCUDAStream()));
+}
+
+void store_kv_quant_cuda(const Tensor& k, const Tensor& v, const Tensor& k_cache, const Tensor& v_cache,
+                         const OptTensor& k_scale, const OptTensor& v_scale, const OptTensor& k_scale_cache,
+                         const OptTensor& v_scale_cache, int64_t quant, int64_t rule, const Tensor& loc,
+                         const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size,
+                         int64_t check, int64_t op, const OptTensor& batch_indices, const OptTensor& kv_indices,
+                         const OptTensor& kv_indptr) {
+  const c10::cuda::CUDAGuard guard(k.device());
+  StoreKVQuantParams p = store_kv_quant_params(k, v, k_cache, v_cache, k_scale, v_scale, k_scale_cache, v_scale_cache,
+                                               quant, rule, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  set_table(p.locs, batch_indices, kv_indices, kv_indptr, k);
+  if (p.locs.n == 0) return;
+  check_launch(launch_store_kv_quant(p, int(check), c10::cuda::getCurrentCUDAStream()));
+}
+
 }  // namespace
 }  // namespace kvwrite
 
 TORCH_LIBRARY_IMPL(kvwrite_ext, CUDA, m) {
+  m.impl("copy_pages", &kvwrite::copy_pages_cuda);
+  m.impl("gather", &kvwrite::gather_cuda);
+  m.impl("slot_mapping", &kvwrite::slot_mapping_cuda);
   m.impl("store_kv", &kvwrite::store_kv_cuda);
+  m.impl("store_kv_quant", &kvwrite::store_kv_quant_cuda);
   m.impl("store_mla", &kvwrite::store_mla_cuda);
   m.impl("store_indexer_k", &kvwrite::store_indexer_k_cuda);
   m.impl("store_kv_nvfp4", &kvwrite::store_kv_nvfp4_cuda);

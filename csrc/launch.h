@@ -6,8 +6,10 @@
 #include "kvwrite/store_dsv4.h"
 #include "kvwrite/store_indexer_k.h"
 #include "kvwrite/store_kv.h"
+#include "kvwrite/store_kv_quant.h"
 #include "kvwrite/store_kv_nvfp4.h"
 #include "kvwrite/store_mla.h"
+#include "kvwrite/pages.h"
 
 // Every kernel runs 256-thread blocks (launch_shape); at least 4 resident blocks per SM caps a
 // thread at 64 registers (65536 / (256 * 4)): the assert variants' __assert_fail arguments
@@ -19,6 +21,7 @@ namespace kvwrite {
 
 // Each enqueues one kernel on `stream` (no host sync) and returns cudaGetLastError().
 cudaError_t launch_store_kv(const StoreKVParams& p, int check, cudaStream_t stream);
+cudaError_t launch_store_kv_quant(const StoreKVQuantParams& p, int check, cudaStream_t stream);
 cudaError_t launch_store_mla(const StoreMLAParams& p, int check, cudaStream_t stream);
 cudaError_t launch_store_indexer_k(const StoreIndexerKParams& p, int check, cudaStream_t stream);
 cudaError_t launch_store_kv_nvfp4(const StoreKVNVFP4Params& p, int check, cudaStream_t stream);
@@ -26,5 +29,9 @@ cudaError_t launch_store_kv_nvfp4(const StoreKVNVFP4Params& p, int check, cudaSt
 cudaError_t launch_store_dsv4_kv(const StoreDSV4KVParams& p, int check, cudaStream_t stream);
 cudaError_t launch_store_mxfp4(const StoreMXFP4Params& p, int check, cudaStream_t stream);
 cudaError_t launch_store_rows(const StoreRowsParams& p, int check, cudaStream_t stream);
+// Page moves (csrc/pages.cu)
+cudaError_t launch_copy_pages(const CopyPagesParams& p, int check, cudaStream_t stream);
+cudaError_t launch_gather(const GatherParams& p, int check, cudaStream_t stream);
+cudaError_t launch_slot_mapping(const SlotMappingParams& p, int check, cudaStream_t stream);
 
 }  // namespace kvwrite

@@ -12,6 +12,8 @@
 #include "api.h"
 #include "params.h"
 #include "params_dsv4.h"
+#include "params_pages.h"
+#include "params_rope.h"
 
 namespace kvwrite {
 namespace {
@@ -19,7 +21,8 @@ namespace {
 constexpr int64_t GRAIN = 64;  // tokens per parallel_for chunk
 
 const char* const OP_NAMES[] = {"store_kv",      "store_mla",      "store_indexer_k",      "store_kv_nvfp4", "rope_store_kv",
-                                "rope_store_mla", "store_dsv4_kv", "store_dsv4_indexer_k", "store_rows"};
+                                "rope_store_mla", "store_dsv4_kv", "store_dsv4_indexer_k", "store_rows",
+                                "copy_pages",    "gather",         "slot_mapping",         "move_rows"};
 
 i64 unpack(const i64* rec, int lo) {
   return i64((uint64_t(rec[lo + 1]) & 0xFFFFFFFFull) << 32 | (uint64_t(rec[lo]) & 0xFFFFFFFFull));
@@ -27,17 +30,21 @@ i64 unpack(const i64* rec, int lo) {
 
 // Assert mode on the CPU: before any write, scan every token; record the bad ones (into
 // `errors` when the caller passed one, so kvwrite raises its OutOfBoundsWrite from it) and throw.
-void assert_prescan(const LocArgs& a) {
+// `resolve_i(i)`: token i's Resolved (rope ops fold their position check in).
+template <class Resolve>
+void assert_prescan_with(const LocArgs& a, Resolve&& resolve_i) {
   i64 local[slot::NUM_SLOTS];
   for (int s = 0; s < slot::NUM_SLOTS; ++s) local[s] = s == slot::COUNT ? 0 : EMPTY;
   i64* rec = a.errors != nullptr ? a.errors : local;
   const i64 before = rec[slot::COUNT];
+  const i64 epoch = rec[slot::EPOCH];
   at::parallel_for(0, a.n, GRAIN, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
-      const Resolved r = resolve<CHECK_ASSERT>(a, i);
+      const Resolved r = resolve_i(i);
       if (r.bad) record(rec, violation(a, i, r));
     }
   });
+  rec[slot::EPOCH] = epoch + 1;
   if (rec[slot::COUNT] == before) return;
   const i64 token = rec[slot::META] >> 32, loc = unpack(rec, slot::LOC_LO);
   const i64 target = unpack(rec, slot::TARGET_LO), limit = unpack(rec, slot::LIMIT_LO);
@@ -49,12 +56,18 @@ void assert_prescan(const LocArgs& a) {
     msg << " page table: kind " << kind << " index " << target << " outside its bound " << limit;
   } else if (kind == KIND_LOC_MAP) {
     msg << " is outside loc_map (length " << limit << ")";
+  } else if (kind == KIND_POSITION) {
+    msg << " has position " << target << ", outside the cos/sin cache [0, " << limit << ")";
   } else {
     msg << " (local " << target << ") page " << (target >= 0 ? target / a.pool_page_size : -1) << ", pool has "
         << limit / a.pool_page_size << " pages of " << a.pool_page_size << " rows (capacity " << limit << ")";
   }
   msg << "; " << rec[slot::COUNT] - before << " bad token(s)";
   TORCH_CHECK(false, msg.str());
+}
+
+void assert_prescan(const LocArgs& a) {
+  assert_prescan_with(a, [&](i64 i) { return resolve<CHECK_ASSERT>(a, i); });
 }
 
 // Threads pay only above a size: a parallel region costs a few microseconds to start and join,
@@ -99,6 +112,10 @@ int64_t token_bytes(const StoreDSV4KVParams& p) {  // DeepSeek V4
 }
 int64_t token_bytes(const StoreMXFP4Params& p) { return int64_t(p.D) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT; }
 int64_t token_bytes(const StoreRowsParams& p) { return 2 * p.row_bytes; }
+int64_t token_bytes(const GatherParams& p) { return 2 * p.heads * p.head_bytes; }  // page moves
+int64_t token_bytes(const StoreKVQuantParams& p) {  // store_kv_quant
+  return int64_t(p.H) * (p.k.D + p.v.D) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT;
+}
 
 // Run `token(i)` for every token (in parallel above the threshold), after the assert pre-scan.
 template <class Body>
@@ -107,6 +124,7 @@ void for_tokens(const LocArgs& a, int64_t check, int64_t grain, Body&& token) {
   at::parallel_for(0, a.n, grain, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) token(i);
   });
+  if (check == CHECK_GUARD && a.errors != nullptr) a.errors[slot::EPOCH] += 1;  // the next call's epoch
 }
 
 // Run the per-token functor `Token` over every token of `p`.
@@ -230,8 +248,156 @@ void store_rows_cpu(const Tensor& src, const Tensor& pool, const Tensor& loc, co
   KVW_RUN_CPU(dispatch_store_rows, p, check);
 }
 
+// Page moves (kvwrite/pages.h). Assert mode: every bad id or loc is recorded (into the scratch
+// buffer kvwrite._ext passes) and the call throws before anything is written.
+
+[[noreturn]] void throw_assert(const char* op, const i64* rec, i64 count) {
+  std::ostringstream msg;
+  msg << "kvwrite: store loc outside the pool (check=assert): " << op << ": item " << (rec[slot::META] >> 32)
+      << " index " << unpack(rec, slot::TARGET_LO) << " outside [0, " << unpack(rec, slot::LIMIT_LO) << "); " << count
+      << " bad item(s)";
+  TORCH_CHECK(false, msg.str());
+}
+
+void copy_pages_cpu(const Tensor& src, const Tensor& dst, const Tensor& src_pages, const Tensor& dst_pages,
+                    const OptTensor& errors, int64_t check, int64_t op) {
+  const CopyPagesParams p = copy_pages_params(src, dst, src_pages, dst_pages, errors, check, op);
+  if (check == CHECK_ASSERT) {
+    i64 local[slot::NUM_SLOTS];
+    for (int s = 0; s < slot::NUM_SLOTS; ++s) local[s] = s == slot::COUNT ? 0 : EMPTY;
+    i64* rec = p.errors != nullptr ? p.errors : local;
+    const i64 before = rec[slot::COUNT];
+    for (i64 i = 0; i < p.n; ++i) {
+      const PairResolved r = resolve_pair<CHECK_ASSERT>(p, i);
+      if (r.bad) record(rec, pair_violation(p, i, r));
+    }
+    if (rec[slot::COUNT] != before) throw_assert(OP_NAMES[p.op], rec, rec[slot::COUNT] - before);
+  }
+  with_check(int(check), [&](auto c) {
+    at::parallel_for(0, p.n, grain_for(2 * p.unit_bytes()), [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        const PairResolved r = resolve_pair_checked<c.value>(p, i, true);
+        if (r.write) copy_unit_host(p, p.src.unit_ptr(r.s, p.unit_rows), p.dst.unit_ptr(r.d, p.unit_rows));
+      }
+    });
+  });
+}
+
+void gather_cpu(const Tensor& cache, const Tensor& out, const Tensor& loc, const OptTensor& loc_map,
+                const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op,
+                const OptTensor& batch_indices, const OptTensor& kv_indices, const OptTensor& kv_indptr) {
+  GatherParams p = gather_params(cache, out, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  set_table(p.locs, batch_indices, kv_indices, kv_indptr, cache);
+  KVW_RUN_CPU(dispatch_gather, p, check);
+}
+
+void slot_mapping_cpu(const Tensor& block_table, const Tensor& batch_indices, const Tensor& positions,
+                      const Tensor& out, int64_t page_size, int64_t num_pages, const OptTensor& errors,
+                      int64_t check, int64_t op) {
+  SlotMappingParams p =
+      slot_mapping_params(block_table, batch_indices, positions, out, page_size, num_pages, errors, check, op);
+  i64 local[slot::NUM_SLOTS];
+  i64 before = 0;
+  const bool asserting = check == CHECK_ASSERT;
+  if (asserting) {  // run as guard into a record, then throw (out is a fresh tensor)
+    for (int s = 0; s < slot::NUM_SLOTS; ++s) local[s] = s == slot::COUNT ? 0 : EMPTY;
+    if (p.errors == nullptr) p.errors = local;
+    before = p.errors[slot::COUNT];
+    check = CHECK_GUARD;
+  }
+  with_check(int(check), [&](auto c) {
+    at::parallel_for(0, p.n, grain_for(64), [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) slot_token<c.value>(p, i);
+    });
+  });
+  if (asserting && p.errors[slot::COUNT] != before) throw_assert(OP_NAMES[p.op], p.errors, p.errors[slot::COUNT] - before);
+}
+
+// store_kv with static int8 or dynamic per-token / per-token-head scales (kvwrite/store_kv_quant.h).
+void store_kv_quant_cpu(const Tensor& k, const Tensor& v, const Tensor& k_cache, const Tensor& v_cache,
+                        const OptTensor& k_scale, const OptTensor& v_scale, const OptTensor& k_scale_cache,
+                        const OptTensor& v_scale_cache, int64_t quant, int64_t rule, const Tensor& loc,
+                        const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size,
+                        int64_t check, int64_t op, const OptTensor& batch_indices, const OptTensor& kv_indices,
+                        const OptTensor& kv_indptr) {
+  StoreKVQuantParams p = store_kv_quant_params(k, v, k_cache, v_cache, k_scale, v_scale, k_scale_cache, v_scale_cache,
+                                               quant, rule, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  set_table(p.locs, batch_indices, kv_indices, kv_indptr, k);
+  KVW_RUN_CPU(dispatch_store_kv_quant, p, check);
+}
+
+// Fused RoPE + store (kvwrite/rope_store.h): each parallel chunk rotates its tokens' k (k_pe)
+// into one reused, cache-hot scratch row, then stores that row.
+template <class Token, class P>
+void run_rope_tokens(const P& p, const LocArgs& a, int64_t check, int64_t row_bytes, int64_t token_bytes) {
+  if (check == CHECK_ASSERT)
+    assert_prescan_with(a, [&](i64 i) {
+      bool ok = false;
+      const i64 pos = rope_position(p.rope, i, ok);
+      return resolve_rope<CHECK_ASSERT>(a, p.rope, i, ok, pos);
+    });
+  at::parallel_for(0, a.n, grain_for(token_bytes), [&](int64_t b, int64_t e) {
+    std::vector<uint64_t> row(size_t(row_bytes + 7) / 8);
+    P q = p;
+    q.scratch = reinterpret_cast<char*>(row.data());
+    q.scratch_sn = 0;
+    for (int64_t i = b; i < e; ++i) Token{}(q, i, true, 0, 1);
+  });
+}
+
+void rope_store_kv_cpu(const Tensor& positions, const Tensor& q, const Tensor& k, const Tensor& v,
+                       const Tensor& cos_sin, const Tensor& k_cache, const Tensor& v_cache, const OptTensor& k_scale,
+                       const OptTensor& v_scale, const OptTensor& q_w, const OptTensor& k_w, double eps, bool is_neox,
+                       const Tensor& loc, const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank,
+                       int64_t dcp_size, int64_t check, int64_t op, const OptTensor& batch_indices,
+                       const OptTensor& kv_indices, const OptTensor& kv_indptr) {
+  RopeStoreKVParams p = rope_store_kv_params(positions, q, k, v, cos_sin, k_cache, v_cache, k_scale, v_scale, q_w,
+                                             k_w, eps, is_neox, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  set_table(p.kv.locs, batch_indices, kv_indices, kv_indptr, k);
+  p.scratch = reinterpret_cast<char*>(uintptr_t(64));  // the copy unit of an aligned row (never read)
+  const int64_t es = dtype_size(p.kv.in_dtype), row = int64_t(p.kv.H) * p.kv.k.D * es;
+  const int64_t bytes = token_bytes(p.kv) + int64_t(p.rope.Hq + p.kv.H) * p.kv.k.D * es * QUANT_WEIGHT;
+  dispatch_rope_store_kv(p, int(check), [&](auto token, i64) {
+    run_rope_tokens<typename decltype(token)::type>(p, p.kv.locs, check, row, bytes);
+  });
+}
+
+void rope_store_mla_cpu(const Tensor& positions, const Tensor& q_pe, const Tensor& kv_c, const Tensor& k_pe,
+                        const Tensor& cos_sin, const Tensor& kv_cache, const OptTensor& scale,
+                        const OptTensor& scale_cache, const OptTensor& global_scale, int64_t mode, bool is_neox,
+                        const Tensor& loc, const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank,
+                        int64_t dcp_size, int64_t check, int64_t op, const OptTensor& batch_indices,
+                        const OptTensor& kv_indices, const OptTensor& kv_indptr) {
+  RopeStoreMLAParams p = rope_store_mla_params(positions, q_pe, kv_c, k_pe, cos_sin, kv_cache, scale, scale_cache,
+                                               global_scale, mode, is_neox, loc, loc_map, errors, dcp_rank,
+                                               dcp_size, check, op);
+  set_table(p.mla.locs, batch_indices, kv_indices, kv_indptr, kv_c);
+  p.scratch = reinterpret_cast<char*>(uintptr_t(64));
+  const int64_t es = dtype_size(p.mla.in_dtype);
+  const int64_t bytes = token_bytes(p.mla) + int64_t(p.rope.Hq + 1) * p.mla.R * es * QUANT_WEIGHT;
+  dispatch_rope_store_mla(p, int(check), [&](auto token, i64) {
+    run_rope_tokens<typename decltype(token)::type>(p, p.mla.locs, check, int64_t(p.mla.R) * es, bytes);
+  });
+}
+
 }  // namespace
 }  // namespace kvwrite
+
+TORCH_LIBRARY_FRAGMENT(kvwrite_ext, m) {
+  m.def("copy_pages(Tensor src, Tensor(a!) dst, Tensor src_pages, Tensor dst_pages, Tensor(z!)? errors, int check, "
+        "int op) -> ()");
+  m.def("gather(Tensor cache, Tensor(a!) out, Tensor loc, Tensor? loc_map, Tensor(z!)? errors, int dcp_rank, "
+        "int dcp_size, int check, int op, Tensor? batch_indices=None, Tensor? kv_indices=None, "
+        "Tensor? kv_indptr=None) -> ()");
+  m.def("slot_mapping(Tensor block_table, Tensor batch_indices, Tensor positions, Tensor(a!) out, int page_size, "
+        "int num_pages, Tensor(z!)? errors, int check, int op) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvwrite_ext, CPU, m) {
+  m.impl("copy_pages", &kvwrite::copy_pages_cpu);
+  m.impl("gather", &kvwrite::gather_cpu);
+  m.impl("slot_mapping", &kvwrite::slot_mapping_cpu);
+}
 
 // Every op ends with the same tail: loc, loc_map, errors, dcp_rank, dcp_size, check, op.
 // Page-table addressing (kvwrite.PageTable: loc = positions) adds the three optional tables.
@@ -253,11 +419,22 @@ TORCH_LIBRARY(kvwrite_ext, m) {
   m.def("store_dsv4_indexer_k(Tensor k, Tensor(a!) cache, int pool_page_size, int fmt, bool ue8m0, " KVW_TAIL
         ") -> ()");
   m.def("store_rows(Tensor src, Tensor(a!) pool, " KVW_TAIL ") -> ()");
+  m.def("rope_store_kv(Tensor positions, Tensor(c!) q, Tensor k, Tensor v, Tensor cos_sin, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor? k_scale, Tensor? v_scale, Tensor? q_norm_weight, Tensor? k_norm_weight, "
+        "float eps, bool is_neox, " KVW_TAIL ") -> ()");
+  m.def("rope_store_mla(Tensor positions, Tensor(c!) q_pe, Tensor kv_c, Tensor k_pe, Tensor cos_sin, "
+        "Tensor(a!) kv_cache, Tensor? scale, Tensor(b!)? scale_cache, Tensor? global_scale, int mode, bool is_neox, "
+        KVW_TAIL ") -> ()");
 }
 
 TORCH_LIBRARY_FRAGMENT(kvwrite_ext, m) {
   m.def("bench_memcpy_scatter(Tensor[] src, Tensor(a!)[] dst, Tensor loc) -> ()");
+  m.def("store_kv_quant(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k_scale, "
+        "Tensor? v_scale, Tensor(c!)? k_scale_cache, Tensor(d!)? v_scale_cache, int quant, int rule, " KVW_TAIL
+        ") -> ()");
 }
+
+TORCH_LIBRARY_IMPL(kvwrite_ext, CPU, m) { m.impl("store_kv_quant", &kvwrite::store_kv_quant_cpu); }
 
 TORCH_LIBRARY_IMPL(kvwrite_ext, CPU, m) {
   m.impl("bench_memcpy_scatter", &kvwrite::bench_memcpy_scatter);
@@ -268,6 +445,8 @@ TORCH_LIBRARY_IMPL(kvwrite_ext, CPU, m) {
   m.impl("store_dsv4_kv", &kvwrite::store_dsv4_kv_cpu);
   m.impl("store_dsv4_indexer_k", &kvwrite::store_dsv4_indexer_k_cpu);
   m.impl("store_rows", &kvwrite::store_rows_cpu);
+  m.impl("rope_store_kv", &kvwrite::rope_store_kv_cpu);
+  m.impl("rope_store_mla", &kvwrite::rope_store_mla_cpu);
 }
 
 // The public ops torch.ops.kvwrite.* (schemas defined in Python): validation + dispatch in C++

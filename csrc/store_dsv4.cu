@@ -9,6 +9,7 @@ template <class Token, class P>
 __global__ void store_dsv4_kernel(const P p, int group) {
   const i64 i = i64(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
   if (i < p.locs.n) Token{}(p, i, int(threadIdx.x % group), group);
+  end_block<Token>(p.locs.errors);  // guard mode: the record's call epoch
 }
 
 template <class P, class Dispatch>

@@ -9,6 +9,7 @@ template <class Token>
 __global__ void __launch_bounds__(KVW_BLOCK_THREADS, KVW_MIN_BLOCKS) store_mla_kernel(const StoreMLAParams p, int group) {
   const i64 i = i64(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
   if (i < p.locs.n) Token{}(p, i, int(threadIdx.x % group), group);
+  end_block<Token>(p.locs.errors);  // guard mode: the record's call epoch
 }
 
 cudaError_t launch_store_mla(const StoreMLAParams& p, int check, cudaStream_t stream) {

@@ -7,11 +7,15 @@ import triton
 import triton.language as tl
 
 from kvwrite import errors as _e
+from kvwrite.backend import triton_interpreting
 
 CHECK_OFF = tl.constexpr(0)
 CHECK_ASSERT = tl.constexpr(1)
 CHECK_GUARD = tl.constexpr(2)
 DCP_PAGE = tl.constexpr(2)  # HAS_DCP value of page-granular DCP sharding (0 none, 1 per token)
+# Off mode under the interpreter also skips a row past the pool (like the cpu backend): there a
+# store past the cache tensor writes host memory. Compiled for a GPU it is False: no cost.
+OFF_BOUND = tl.constexpr(triton_interpreting())
 
 _COUNT = tl.constexpr(_e.COUNT)
 _LOC_LO = tl.constexpr(_e.LOC_LO)
@@ -31,6 +35,10 @@ _BATCH = tl.constexpr(_e.BATCH)
 _POSITION = tl.constexpr(_e.POSITION)
 _TABLE_SLOT = tl.constexpr(_e.TABLE_SLOT)
 _TABLE_PAGE = tl.constexpr(_e.TABLE_PAGE)
+_OWNER = tl.constexpr(_e.OWNER)
+_EPOCH = tl.constexpr(_e.EPOCH)
+_DONE = tl.constexpr(_e.DONE)
+_EMPTY = tl.constexpr(_e.EMPTY)
 
 
 @triton.jit
@@ -49,7 +57,8 @@ def resolve_locs(loc_ptr, tok, tmask, loc_map_ptr, map_len, dcp_rank, dcp_size, 
          (DeepSeek V4 stores) shards by page instead: virtual page p = row // pool_page_size
          belongs to rank p % dcp_size as its local page p // dcp_size;
       4. bounds: the local row must lie in [0, capacity) (else KIND_POOL; off mode skips only
-         negative rows and does not check the upper bound).
+         negative rows and does not check the upper bound, except under the interpreter:
+         OFF_BOUND).
     Returns (loc, row, write, bad, target, limit, kind): `write` masks the tokens to store,
     `bad` the out-of-range ones (never written); the record keeps the caller's virtual `loc`.
     """
@@ -76,6 +85,8 @@ def resolve_locs(loc_ptr, tok, tmask, loc_map_ptr, map_len, dcp_rank, dcp_size, 
         row = tl.where(row >= 0, row // dcp_size, row)
     if CHECK == CHECK_OFF:
         write = live & (row >= 0)
+        if OFF_BOUND:
+            write = write & (row < capacity)
     else:
         oob = live & ((row < 0) | (row >= capacity))
         bad = bad | oob
@@ -86,16 +97,41 @@ def resolve_locs(loc_ptr, tok, tmask, loc_map_ptr, map_len, dcp_rank, dcp_size, 
 
 
 @triton.jit
+def owns_record(err_ptr):
+    """Whether this call may write the record's fields: OWNER is claimed (compare-and-swap from
+    EMPTY) with this call's EPOCH, or already holds it (see kvwrite.errors). Idempotent."""
+    epoch = tl.load(err_ptr + _EPOCH, volatile=True)
+    empty = tl.zeros_like(epoch) + _EMPTY
+    owner = tl.atomic_cas(err_ptr + _OWNER, empty, epoch)
+    return (owner == empty) | (owner == epoch)
+
+
+@triton.jit
+def end_call(err_ptr, CHECK: tl.constexpr):
+    """Guard mode, once per program after its record: count the program in DONE; the call's last
+    program resets DONE and advances EPOCH, so the next call on the buffer has its own epoch."""
+    if CHECK == CHECK_GUARD:
+        tl.debug_barrier()  # every lane of this program has recorded (and read EPOCH)
+        total = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+        done = tl.atomic_add(err_ptr + _DONE, 1)
+        if done == total - 1:
+            tl.atomic_xchg(err_ptr + _DONE, 0)
+            tl.atomic_add(err_ptr + _EPOCH, 1)
+
+
+@triton.jit
 def check_or_record(err_ptr, tok, loc, bad, target, limit, kind, pool_page_size,
                     OP: tl.constexpr, CHECK: tl.constexpr, record):
     """`assert` mode: fail if any token is bad. `guard` mode (when RECORD): fold the bad tokens
-    into the packed-min error record. Both run before any store of the calling program."""
+    into the packed-min error record (their fields only if this call owns the record; COUNT
+    always). Both run before any store of the calling program."""
     if CHECK == CHECK_ASSERT:
         assert tl.sum(bad.to(tl.int32), axis=0) == 0, "kvwrite: store loc outside the pool (check=assert)"
     if CHECK == CHECK_GUARD:
         if record:
             n_bad = tl.sum(bad.to(tl.int64), axis=0)
             if n_bad > 0:
+                bad = bad & owns_record(err_ptr)
                 base = tok.to(tl.int64) << 32
                 lo = 0xFFFFFFFF
                 zero = tl.zeros_like(base)
@@ -123,7 +159,8 @@ def resolve_table(pos_ptr, bidx_ptr, table_ptr, indptr_ptr, tok, tmask, n_batch,
          min(kv_indptr[b + 1], n_table)) (else KIND_TABLE_SLOT); off mode checks only
          [0, n_table), so kv_indices is never read out of bounds, and skips the token;
       3. page: kv_indices[slot] must lie in [0, num_pages) (else KIND_TABLE_PAGE); off mode
-         skips only a negative page, like a negative row.
+         skips only a negative page, like a negative row (and, under the interpreter, a page
+         past the pool: OFF_BOUND).
     Returns (position, loc, page, offset, write, bad, target, limit, kind, batch, slot,
     table_page); `loc` is the row a KIND_TABLE_PAGE token would have written (else -1).
     """
@@ -157,6 +194,8 @@ def resolve_table(pos_ptr, bidx_ptr, table_ptr, indptr_ptr, tok, tmask, n_batch,
     num_pages = capacity // pool_page_size
     if CHECK == CHECK_OFF:
         write = live & (page >= 0)
+        if OFF_BOUND:
+            write = write & (page < num_pages)
     else:
         oob = live & ((page < 0) | (page >= num_pages))
         bad = bad | oob
@@ -176,6 +215,7 @@ def record_table(err_ptr, tok, bad, batch, position, slot, page, CHECK: tl.const
     if CHECK == CHECK_GUARD:
         if record:
             if tl.sum(bad.to(tl.int32), axis=0) > 0:
+                bad = bad & owns_record(err_ptr)
                 base = tok.to(tl.int64) << 32
                 lo = 0xFFFFFFFF
                 zero = tl.zeros_like(base)
@@ -191,8 +231,10 @@ def claim_rows(loc_ptr, tok, n_tokens, loc_map_ptr, map_len, dcp_rank, dcp_size,
                CHECK: tl.constexpr, OP: tl.constexpr, record, pt_batch_ptr=None,
                pt_indices_ptr=None, pt_indptr_ptr=None, pt_num_batches=0, pt_num_indices=0,
                HAS_TABLE: tl.constexpr = False):
-    """Every store kernel's prologue: resolve the tokens' locs, assert or record the bad ones
-    (`record`: this program owns the record for its tokens), and return (page, offset, write).
+    """Every store kernel's prologue, called once per program: resolve the tokens' locs, assert
+    or record the bad ones (`record`: this program owns the record for its tokens; every
+    program counts itself in the record's DONE, see `end_call`), and return (page, offset,
+    write).
     HAS_TABLE: page-table addressing (`resolve_table`; `loc_ptr` holds the positions) instead
     of locs (`resolve_locs`)."""
     tmask = tok < n_tokens
@@ -211,6 +253,7 @@ def claim_rows(loc_ptr, tok, n_tokens, loc_map_ptr, map_len, dcp_rank, dcp_size,
                         record)
         page = row // pool_page_size
         offset = row % pool_page_size
+    end_call(err_ptr, CHECK)
     return page, offset, write
 
 

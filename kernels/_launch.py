@@ -87,9 +87,20 @@ def is_copy(constexprs: dict) -> bool:
 
 def launch(kernel, grid, a, **kwargs) -> None:
     """Launch with the assert variant built in debug mode (a device assert on a GPU). Under the
-    interpreter a fired assert becomes a KernelAssertion carrying the first bad token."""
+    interpreter a fired assert becomes a KernelAssertion carrying the first bad token. On a GPU
+    the launch runs on the tensors' device (Triton launches on the current one)."""
     if not triton_interpreting():
         kwargs["num_warps"] = num_warps(kwargs)
+        device = a.locs.loc.device
+        if device.type == "cuda" and device.index != torch.cuda.current_device():
+            with torch.cuda.device(device):
+                _launch(kernel, grid, a, kwargs)
+            return
+    _launch(kernel, grid, a, kwargs)
+
+
+def _launch(kernel, grid, a, kwargs: dict) -> None:
+    """`launch` on the current device."""
     if a.check.mode != "assert":
         kernel[grid](**kwargs)
         return

@@ -27,7 +27,8 @@ _MX = tl.constexpr(_d.MXFP4_BLOCK)
 def _ue8m0_bits(amax, FMAX: tl.constexpr):
     """fp32 bits of max(amax, 1e-4) / FMAX rounded up to a power of two."""
     s = tl.div_rn(tl.maximum(amax, _FLOOR), FMAX)
-    return (s.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
+    # s > 0; capped at +inf's bits so the int32 add cannot overflow (debug builds check it)
+    return (tl.minimum(s.to(tl.int32, bitcast=True), 0x7F800000) + 0x7FFFFF) & 0x7F800000
 
 
 @triton.jit

@@ -40,7 +40,7 @@ def store_indexer_k_kernel(
                 other=0.0).to(tl.float32)
     scale = tl.div_rn(tl.maximum(tl.max(finite_abs(x), axis=1), _AMAX_FLOOR), 448.0)
     if UE8M0:  # round up to a power of two: carry any mantissa bit into the exponent
-        bits = scale.to(tl.int32, bitcast=True)
+        bits = tl.minimum(scale.to(tl.int32, bitcast=True), 0x7F800000)  # scale > 0: no overflow
         scale = ((bits + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
     code = fp8_quant(x, scale[:, None], 448.0, 3, -6)
     tl.store(cache_ptr + (page_base + offset * D)[:, None] + cols[None, :], code.to(tl.uint8),

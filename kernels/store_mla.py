@@ -46,10 +46,15 @@ def _bf16_bits(x):
     if x.dtype == tl.bfloat16:
         bits = x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     else:
+        # rounded on the magnitude with NaN cleared (< 2**31 - 0x8000), the sign put back: no
+        # int32 add can overflow (a debug build checks every one; the full bit pattern + 0x7FFF
+        # overflows for the positive NaNs >= 0x7FFF8000)
         f = x.to(tl.float32)
+        is_nan = f != f
         u = f.to(tl.int32, bitcast=True)
-        rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
-        bits = tl.where(f != f, 0x7FC0, rounded)
+        a = tl.where(is_nan, 0, u & 0x7FFFFFFF)
+        rounded = ((a + 0x7FFF + ((a >> 16) & 1)) >> 16) | ((u >> 16) & 0x8000)
+        bits = tl.where(is_nan, 0x7FC0, rounded)
     return bits
 
 

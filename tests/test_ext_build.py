@@ -174,3 +174,76 @@ print("OK")
     env.pop("TRITON_INTERPRET", None)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-2000:]
+
+
+@needs_build
+def test_a_finished_build_is_loaded_without_recompiling(tmp_path):
+    """A fresh process whose sources have new mtimes and another path (a git checkout, a second
+    worktree) but the same content loads the finished build as it is: no build line on stderr,
+    no object file or library rewritten."""
+    out = _ext.build_dir(CSRC, _ext.build_config())
+    built = {p: p.stat().st_mtime_ns for p in out.iterdir() if p.suffix in (".o", ".so")}
+    assert built and (out / _ext.STAMP).is_file()
+    import shutil
+
+    copy = tmp_path / "csrc"
+    shutil.copytree(CSRC, copy)
+    code = (f"from pathlib import Path; from kvwrite import _ext; _ext.csrc_dir = lambda: Path({str(copy)!r}); "
+            f"d, s = _ext.build(); print(d)")
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split()[-1] == str(out)
+    assert "building" not in res.stderr, res.stderr[-2000:]
+    assert {p: p.stat().st_mtime_ns for p in built} == built
+
+
+def test_a_build_says_so_and_its_time_on_stderr(tmp_path, monkeypatch, capsys):
+    """One line when a build starts, one with its time; none when the finished build is reused."""
+    from torch.utils import cpp_extension
+
+    calls = []
+
+    def fake_load(name, build_directory, **kw):
+        calls.append(name)
+        (Path(build_directory) / f"{name}.so").write_bytes(b"")
+
+    monkeypatch.setenv("KVWRITE_EXT_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    monkeypatch.setattr(torch.ops, "load_library", lambda path: calls.append(path))
+    out, _ = _ext.build()
+    err = capsys.readouterr().err.splitlines()
+    assert calls == ["kvwrite_ext"] and out.parent == tmp_path
+    assert len(err) == 2 and err[0].startswith("kvwrite: building the C++ extension (")
+    assert re.fullmatch(r"kvwrite: built the C\+\+ extension in \d+\.\d s", err[1])
+    _ext.build()
+    assert capsys.readouterr().err == "" and calls[1] == str(out / "kvwrite_ext.so")
+
+
+def test_aot_build_embeds_ptx_of_the_newest_arch(monkeypatch):
+    assert _ext.with_ptx("8.0;9.0") == "8.0;9.0+PTX"
+    assert _ext.with_ptx("9.0 8.0") == "9.0+PTX;8.0"
+    assert _ext.with_ptx("8.0;9.0+PTX") == "8.0;9.0+PTX"
+    assert _ext.with_ptx("8.6;10.0;9.0a") == "8.6;10.0+PTX;9.0a"
+    if _ext.find_cuda_home() is None or not torch.version.cuda:
+        pytest.skip("no CUDA toolkit: the AOT build has no CUDA kernels")
+    monkeypatch.setenv("KVWRITE_EXT_CUDA", "1")
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.setattr(_ext, "default_arch_list", lambda: _ext.DEFAULT_ARCHS)
+    _ext.aot_extension(CSRC)
+    from torch.utils import cpp_extension
+
+    flags = cpp_extension._get_cuda_arch_flags()
+    assert "-gencode=arch=compute_90,code=compute_90" in flags   # PTX, JIT-compiled on newer GPUs
+    assert "-gencode=arch=compute_90,code=sm_90" in flags and "-gencode=arch=compute_80,code=sm_80" in flags
+
+
+@needs_build
+def test_kvwrite_build_cli_prebuilds():
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    res = subprocess.run([sys.executable, "-m", "kvwrite.cli", "build", "--quiet"], capture_output=True,
+                         text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "kernels ready in" in res.stdout and str(_ext.build_dir(CSRC, _ext.build_config())) in res.stdout

@@ -1,8 +1,8 @@
 """check="off", decided (README "Off mode"): every negative loc is skipped on every backend; a
 loc past the pool raises before any write on the torch backend and is skipped on the cpu
 backend (never a write outside the cache tensor). The GPU backends (triton, cuda) write it
-unchecked, as the peers do, and are not run past the pool here (under the interpreter that
-would corrupt host memory)."""
+unchecked on a GPU, as the peers do; the Triton interpreter skips it like the cpu backend (an
+unchecked store there writes host memory)."""
 from __future__ import annotations
 
 import pytest
@@ -90,9 +90,13 @@ def test_torch_backend_other_ops_raise_past_the_pool_without_writing(op):
     assert torch.equal(c.raw, original)
 
 
-@pytest.mark.skipif("cpu" not in BACKENDS, reason="needs the cpu backend")
+HOST_SKIPS = [b for b in BACKENDS if b == "cpu" or (b == "triton" and DEVICE.type == "cpu")]
+
+
+@pytest.mark.skipif(not HOST_SKIPS, reason="needs the cpu backend or the Triton interpreter")
+@pytest.mark.parametrize("backend", HOST_SKIPS)
 @pytest.mark.parametrize("mapped", [False, True])
-def test_cpu_backend_skips_a_loc_past_the_pool(mapped):
+def test_host_backends_skip_a_loc_past_the_pool(mapped, backend):
     k, v = kv(4)
     loc = torch.tensor([2, 12, 7, 1 << 40], device=DEVICE)
     kw = {}
@@ -101,7 +105,21 @@ def test_cpu_backend_skips_a_loc_past_the_pool(mapped):
         loc = torch.arange(4, device=DEVICE)
     p = pool()
     original = p.raw.clone()
-    store(p, k, v, loc, "cpu", **kw)   # no exception, no byte outside the pool's rows changed
+    store(p, k, v, loc, backend, **kw)   # no exception, no byte outside the pool's rows changed
     want = pool()
     store(want, k[[0, 2]], v[[0, 2]], torch.tensor([2, 7], device=DEVICE), "torch")
+    assert_same_bytes(p, want, original)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu" or "triton" not in BACKENDS, reason="the Triton interpreter")
+def test_interpreter_skips_a_page_table_page_past_the_pool():
+    k, v = kv(3)
+    table = kvwrite.PageTable(positions=torch.tensor([1, 5, 2]), batch_indices=torch.tensor([0, 0, 1]),
+                              kv_indptr=torch.tensor([0, 2, 3]),
+                              kv_indices=torch.tensor([2, 1 << 40, 3]))
+    p = pool()
+    original = p.raw.clone()
+    store(p, k, v, table, "triton")   # page 1 << 40 and page 3 (of 3) are past the pool: skipped
+    want = pool()
+    store(want, k[:1], v[:1], torch.tensor([9]), "torch")
     assert_same_bytes(p, want, original)

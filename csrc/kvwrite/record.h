@@ -1,12 +1,16 @@
 // Guard-mode error record and assert-mode failure: the ErrorBuffer layout of kvwrite/errors.py.
 //
-// int64[16]: slot COUNT counts bad tokens (atomic add); every other slot holds a packed key
+// int64[16]: slot COUNT counts bad tokens (atomic add); every field slot holds a packed key
 // `token << 32 | uint32 chunk` updated with an atomic min, so the lowest bad token's fields win
-// and stay mutually consistent without a lock (the Triton kernels write the same keys).
+// and stay mutually consistent without a lock (the Triton kernels write the same keys). Only
+// one call writes the fields: OWNER is claimed with the call's EPOCH (compare-and-swap from
+// EMPTY); EPOCH advances once per call (the CUDA kernels' last block, see end_call; the CPU op
+// after its loop), DONE counts a running call's finished blocks.
 #pragma once
 
 #include <assert.h>  // __assert_fail: nvcc's device-side assert (what assert() expands to)
 #include <cstdio>
+#include <type_traits>
 
 #include "common.h"
 
@@ -17,9 +21,13 @@ constexpr int COUNT = 0, LOC_LO = 1, LOC_HI = 2, TARGET_LO = 3, TARGET_HI = 4, L
               LIMIT_HI = 6, POOL_PAGE_SIZE = 7, META = 8, NUM_SLOTS = 16;
 // Page-table context (table kinds only), low 32 bits each: batch, position, slot, page.
 constexpr int BATCH = 9, POSITION = 10, TABLE_SLOT = 11, TABLE_PAGE = 12;
+// The record's owner (the epoch of the call whose fields it holds), the call counter, and the
+// running call's finished blocks.
+constexpr int OWNER = 13, EPOCH = 14, DONE = 15;
 }
 constexpr i64 EMPTY = INT64_MAX;
-enum Kind : int { KIND_POOL = 0, KIND_LOC_MAP = 1, KIND_BATCH = 2, KIND_TABLE_SLOT = 3, KIND_TABLE_PAGE = 4 };
+enum Kind : int { KIND_POOL = 0, KIND_LOC_MAP = 1, KIND_BATCH = 2, KIND_TABLE_SLOT = 3, KIND_TABLE_PAGE = 4,
+                  KIND_POSITION = 5 };  // rope_store_*: position outside the cos/sin cache
 
 // Op codes of kvwrite.errors.OPS (append only).
 enum Op : int { OP_STORE_KV = 0, OP_STORE_MLA = 1, OP_STORE_INDEXER_K = 2, OP_STORE_KV_NVFP4 = 3,
@@ -44,6 +52,32 @@ KVW_HD void atomic_add_i64(i64* p, i64 v) {
 #endif
 }
 
+KVW_HD i64 atomic_load_i64(const i64* p) {
+#if defined(__CUDA_ARCH__)
+  return *reinterpret_cast<const volatile long long*>(p);
+#else
+  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+#endif
+}
+
+// Compare-and-swap; returns the value found.
+KVW_HD i64 atomic_cas_i64(i64* p, i64 expected, i64 v) {
+#if defined(__CUDA_ARCH__)
+  return static_cast<i64>(atomicCAS(reinterpret_cast<unsigned long long*>(p), static_cast<unsigned long long>(expected),
+                                    static_cast<unsigned long long>(v)));
+#else
+  __atomic_compare_exchange_n(p, &expected, v, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+  return expected;
+#endif
+}
+
+// Whether this call may write the fields: OWNER claimed with (or already holding) its epoch.
+KVW_HD bool owns_record(i64* err) {
+  const i64 epoch = atomic_load_i64(err + slot::EPOCH);
+  const i64 owner = atomic_cas_i64(err + slot::OWNER, EMPTY, epoch);
+  return owner == EMPTY || owner == epoch;
+}
+
 // One out-of-range token, as resolve() describes it.
 struct Violation {
   i64 token, loc, target, limit, pool_page_size;
@@ -56,6 +90,10 @@ KVW_HD i64 packed(i64 token, i64 value) { return (token << 32) | (value & 0xFFFF
 
 // Fold one bad token into the record (guard mode; the CPU assert pre-scan too).
 KVW_HD void record(i64* err, const Violation& v) {
+  if (!owns_record(err)) {  // another call's record: count the token only
+    atomic_add_i64(err + slot::COUNT, 1);
+    return;
+  }
   atomic_min_i64(err + slot::LOC_LO, packed(v.token, v.loc));
   atomic_min_i64(err + slot::LOC_HI, packed(v.token, v.loc >> 32));
   atomic_min_i64(err + slot::TARGET_LO, packed(v.token, v.target));
@@ -72,6 +110,38 @@ KVW_HD void record(i64* err, const Violation& v) {
   }
   atomic_add_i64(err + slot::COUNT, 1);
 }
+
+#if defined(__CUDACC__)
+// Guard mode, at the end of every block (all threads): count the block in DONE; the call's last
+// block resets DONE and advances EPOCH, so the next call on the buffer has its own epoch.
+__device__ inline void end_call(i64* err) {
+  __syncthreads();  // every thread of the block has recorded (and read EPOCH)
+  if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0) {
+    __threadfence();
+    const unsigned long long total = 1ull * gridDim.x * gridDim.y * gridDim.z;
+    auto* done = reinterpret_cast<unsigned long long*>(err + slot::DONE);
+    if (atomicAdd(done, 1ull) == total - 1) {
+      atomicExch(done, 0ull);
+      atomicAdd(reinterpret_cast<unsigned long long*>(err + slot::EPOCH), 1ull);
+    }
+  }
+}
+
+// A per-token functor's check mode (its `check` member), -1 if it does not say.
+template <class T, class = void>
+struct token_check : std::integral_constant<int, -1> {};
+template <class T>
+struct token_check<T, std::void_t<decltype(T::check)>> : std::integral_constant<int, T::check> {};
+
+// The end of a kernel's block: end_call in guard mode (compiled out of off / assert kernels).
+template <class Token>
+__device__ inline void end_block(i64* err) {
+  constexpr int c = token_check<Token>::value;
+  if constexpr (c == CHECK_GUARD || c == -1) {
+    if (err != nullptr) end_call(err);
+  }
+}
+#endif
 
 // Assert mode on a GPU: print the token, loc, page and capacity, then a device-side assert
 // (fatal for the CUDA context, like torch's index asserts). The CPU kernels throw instead

@@ -68,6 +68,7 @@ KVW_HD void store_dsv4_kv_token(const StoreDSV4KVParams& p, i64 i, int lane, int
 
 template <int CHECK, DType IN>
 struct StoreDSV4KVToken {
+  static constexpr int check = CHECK;
   KVW_HD void operator()(const StoreDSV4KVParams& p, i64 i, int lane, int nlanes) const {
     store_dsv4_kv_token<CHECK, IN>(p, i, lane, nlanes);
   }
@@ -110,6 +111,7 @@ KVW_HD void store_mxfp4_token(const StoreMXFP4Params& p, i64 i, int lane, int nl
 
 template <int CHECK, DType IN>
 struct StoreMXFP4Token {
+  static constexpr int check = CHECK;
   KVW_HD void operator()(const StoreMXFP4Params& p, i64 i, int lane, int nlanes) const {
     store_mxfp4_token<CHECK, IN>(p, i, lane, nlanes);
   }
@@ -145,6 +147,7 @@ KVW_HD void store_rows_token(const StoreRowsParams& p, i64 i, int lane, int nlan
 
 template <int CHECK, int VEC>
 struct StoreRowsToken {
+  static constexpr int check = CHECK;
   KVW_HD void operator()(const StoreRowsParams& p, i64 i, int lane, int nlanes) const {
     store_rows_token<CHECK, VEC>(p, i, lane, nlanes);
   }

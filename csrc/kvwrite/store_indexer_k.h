@@ -72,6 +72,7 @@ KVW_HD void store_indexer_k_token(const StoreIndexerKParams& p, i64 i, int lane,
 
 template <int CHECK, DType IN>
 struct StoreIndexerKToken {
+  static constexpr int check = CHECK;
   KVW_HD void operator()(const StoreIndexerKParams& p, i64 i, int lane, int nlanes) const {
     store_indexer_k_token<CHECK, IN>(p, i, lane, nlanes);
   }

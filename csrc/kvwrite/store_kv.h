@@ -153,6 +153,7 @@ KVW_HD void store_kv_token(const StoreKVParams& p, i64 i, int lane, int nlanes) 
 
 template <int CHECK, DType IN, class OUT, int VEC>
 struct StoreKVToken {
+  static constexpr int check = CHECK;
   KVW_HD void operator()(const StoreKVParams& p, i64 i, int lane, int nlanes) const {
     store_kv_token<CHECK, IN, OUT, VEC>(p, i, lane, nlanes);
   }

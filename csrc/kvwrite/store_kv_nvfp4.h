@@ -52,6 +52,7 @@ KVW_HD void store_kv_nvfp4_token(const StoreKVNVFP4Params& p, i64 i, int lane, i
 
 template <int CHECK, DType IN>
 struct StoreKVNVFP4Token {
+  static constexpr int check = CHECK;
   KVW_HD void operator()(const StoreKVNVFP4Params& p, i64 i, int lane, int nlanes) const {
     store_kv_nvfp4_token<CHECK, IN>(p, i, lane, nlanes);
   }

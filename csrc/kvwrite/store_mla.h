@@ -197,6 +197,7 @@ KVW_HD void store_mla_token(const StoreMLAParams& p, i64 i, int lane, int nlanes
 
 template <int CHECK, int MODE, DType IN, class OUT, int VEC>
 struct StoreMLAToken {
+  static constexpr int check = CHECK;
   KVW_HD void operator()(const StoreMLAParams& p, i64 i, int lane, int nlanes) const {
     store_mla_token<CHECK, MODE, IN, OUT, VEC>(p, i, lane, nlanes);
   }

@@ -15,6 +15,7 @@ from kvwrite.ops.dsv4 import (compressed_loc, state_loc, store_dsv4_indexer_k, s
                               store_rows)
 from kvwrite.reference.dsv4 import dequant_dsv4_kv, read_dsv4_indexer_k
 from kvwrite.reference.nvfp4 import dequant_nvfp4
+from kvwrite.ops.pages import copy_pages, gather, move_rows, slot_mapping
 from kvwrite.allocator import AllocatorExhausted, PagedAllocator
 from kvwrite.config import (KVCacheConfigurator, KVPool, ModelSpec, ParallelSpec, PoolPlan, VariantPlanner,
                             presets, register_variant)
@@ -32,4 +33,5 @@ __all__ = [
     "store_dsv4_kv", "store_rows",
     "PageTable",
     "dequant_kv", "rope_store_kv", "rope_store_mla",
+    "copy_pages", "gather", "move_rows", "slot_mapping",
 ]

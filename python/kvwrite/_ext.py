@@ -7,7 +7,10 @@ They come from an ahead-of-time build (`KVWRITE_BUILD_EXT=1 pip install .` -> `k
 are built on first use with `torch.utils.cpp_extension.load` + ninja into
 `~/.cache/kvwrite/ext-<torch version>-<hash of the sources and flags>` (`KVWRITE_EXT_CACHE`
 overrides the root). `KVWRITE_EXT=0` disables the extension; `KVWRITE_EXT_VERBOSE=1` shows the
-build log. A torch without CUDA (or no CUDA toolkit) builds the CPU kernels alone.
+build log. A torch without CUDA (or no CUDA toolkit) builds the CPU kernels alone. A build
+says so on stderr (one line when it starts, one with its time); a finished build directory is
+loaded as it is, without ninja, so unchanged sources are never recompiled (even when their
+mtimes changed, e.g. after a git checkout). `kvwrite build` prebuilds with progress.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import hashlib
 import importlib
 import os
 import shutil
+import sys
 import threading
 import time
 from pathlib import Path
@@ -23,6 +27,8 @@ from pathlib import Path
 import torch
 
 DEFAULT_ARCHS = "8.0;9.0"
+EXT_NAME = "kvwrite_ext"
+STAMP = "kvwrite_ext.built"   # written once a build has finished and loaded
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 # True once the extension is loaded and its kernels of the public ops torch.ops.kvwrite.* are
@@ -127,16 +133,29 @@ def _file_lock(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def with_ptx(archs: str) -> str:
+    """A TORCH_CUDA_ARCH_LIST with PTX of its newest arch too ("8.0;9.0" -> "8.0;9.0+PTX"): the
+    ahead-of-time build then also runs on GPUs newer than its SASS (the driver JIT-compiles
+    the PTX) instead of failing with "no kernel image"."""
+    items = [a.strip() for a in archs.replace(",", ";").replace(" ", ";").split(";") if a.strip()]
+    if not items or any(a.endswith("+PTX") for a in items):
+        return ";".join(items)
+    newest = max(items, key=lambda a: tuple(int("".join(c for c in x if c.isdigit()) or 0)
+                                             for x in a.split(".")))
+    return ";".join(a + "+PTX" if a == newest else a for a in items)
+
+
 def aot_extension(root: Path):
     """setup.py's ahead-of-time build (KVWRITE_BUILD_EXT=1): the module `kvwrite._C` from the same
-    sources and flags as the JIT build, and the BuildExtension command (ninja)."""
+    sources and flags as the JIT build (SASS of every listed arch plus PTX of the newest:
+    `with_ptx`), and the BuildExtension command (ninja)."""
     cpp_extension = _import_cpp_extension()
     root = Path(root)
     cfg = build_config()
     if cfg["with_cuda"]:
         os.environ["CUDA_HOME"] = cfg["cuda_home"]
         cpp_extension.CUDA_HOME = cfg["cuda_home"]
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", cfg["archs"])
+    os.environ["TORCH_CUDA_ARCH_LIST"] = with_ptx(os.environ.get("TORCH_CUDA_ARCH_LIST") or cfg["archs"])
     kind = cpp_extension.CUDAExtension if cfg["with_cuda"] else cpp_extension.CppExtension
     srcs = [str(s.relative_to(root.parent)) for s in sources(root, cfg["with_cuda"])]
     flags = {"cxx": cfg["cflags"] + ["-DKVWRITE_PYTHON_MODULE"], "nvcc": cfg["nvflags"]}
@@ -179,12 +198,32 @@ def build(verbose: bool | None = None) -> tuple[Path, float]:
     os.environ["TORCH_CUDA_ARCH_LIST"] = cfg["archs"]
     t0 = time.perf_counter()
     with _file_lock(out / "kvwrite.lock"):
+        lib, stamp = out / f"{EXT_NAME}.so", out / STAMP
+        if lib.is_file() and stamp.is_file():
+            # The directory is keyed by the sources' content and the flags: a finished build is
+            # loaded as it is. (ninja would recompile sources whose mtime changed, and torch's
+            # versioner renames a second build of one process, changing every object's flags.)
+            torch.ops.load_library(str(lib))
+            return out, time.perf_counter() - t0
+        what = ("CPU and CUDA kernels for sm_" + ", sm_".join(a.replace(".", "") for a in cfg["archs"].split(";"))
+                if cfg["with_cuda"] else "CPU kernels")
+        say(f"kvwrite: building the C++ extension ({what}; {'several minutes' if cfg['with_cuda'] else 'about a minute'}, "
+            f"once per source change) in {out}")
+        stamp.unlink(missing_ok=True)
         cpp_extension.load(
-            name="kvwrite_ext", sources=[str(s) for s in sources(root, cfg["with_cuda"])],
+            name=EXT_NAME, sources=[str(s) for s in sources(root, cfg["with_cuda"])],
             extra_cflags=cfg["cflags"] + cfg["jit_cflags"], extra_cuda_cflags=cfg["nvflags"],
             extra_include_paths=[str(root)] + cfg["includes"], build_directory=str(out),
             with_cuda=cfg["with_cuda"], is_python_module=False, verbose=verbose)
-    return out, time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        stamp.write_text(f"built in {seconds:.1f} s\n")
+        say(f"kvwrite: built the C++ extension in {seconds:.1f} s")
+    return out, seconds
+
+
+def say(line: str) -> None:
+    """One line of build progress on stderr."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def _import_aot() -> None:
@@ -289,6 +328,16 @@ def store_kv(a) -> None:
     _run(a, "store_kv", a.k, a.v, a.k_cache, a.v_cache, a.k_scale, a.v_scale)
 
 
+def store_kv_quant(a) -> None:
+    """`a`: kvwrite.ops.kv_quant.KVStore (static int8 or dynamic scales; canonical caches)."""
+    from kvwrite.ops import kv_quant as q
+
+    static = a.quant == q.QUANT_STATIC
+    _run(a, "store_kv_quant", a.k, a.v, a.k_cache, a.v_cache, a.k_scale if static else None,
+         a.v_scale if static else None, None if static else a.k_scale_cache,
+         None if static else a.v_scale_cache, a.quant, a.rule)
+
+
 def store_mla(a) -> None:
     """`a`: kvwrite.ops.mla.StoreMLA (`kv_cache` `[pages, pool_page_size, row]`; nvfp4 also
     `scale_cache` `[pages, pool_page_size, (L+R)/16]` and an optional `global_scale`)."""
@@ -320,3 +369,53 @@ def store_dsv4_indexer_k(a) -> None:
 def store_rows(a) -> None:
     """`a`: kvwrite.ops.dsv4.StoreRows."""
     _run(a, "store_rows", a.src, a.pool)
+
+
+def _run_checked(a, name: str, *args) -> None:
+    """Call torch.ops.kvwrite_ext.<name>(*args, errors, check, op) for a validated page move `a`
+    (CPU assert mode: the kernel records into a scratch buffer and throws before any write; we
+    raise its OutOfBoundsWrite)."""
+    from kvwrite.errors import ErrorBuffer, op_code
+
+    chk = a.check
+    errors, scratch = chk.errors, None
+    if chk.mode == "assert" and args[0].device.type == "cpu":
+        scratch = ErrorBuffer("cpu")
+        errors = scratch.tensor
+    try:
+        getattr(torch.ops.kvwrite_ext, name)(*args, errors, chk.code, op_code(chk.op))
+    except RuntimeError as exc:
+        err = scratch.error() if scratch is not None else None
+        if err is None:
+            raise
+        raise err from exc
+
+
+def copy_pages(a) -> None:
+    """`a`: kvwrite.ops.pages.CopyPages (canonical [pages, rows, heads, feat] pools)."""
+    _run_checked(a, "copy_pages", a.src, a.dst, a.src_pages, a.dst_pages)
+
+
+def gather(a) -> None:
+    """`a`: kvwrite.ops.pages.Gather (canonical cache, [n, heads, feat] out)."""
+    _run(a, "gather", a.cache, a.out)
+
+
+def slot_mapping(a) -> None:
+    """`a`: kvwrite.ops.pages.SlotMapping."""
+    _run_checked(a, "slot_mapping", a.block_table, a.batch_indices, a.positions, a.out,
+                 a.geometry.pool_page_size, a.geometry.num_pages)
+
+
+def rope_store_kv(a) -> None:
+    """`a`: kvwrite.ops.rope.RopeStoreKV (copy or static fp8 K/V store)."""
+    s = a.store
+    _run(a, "rope_store_kv", a.positions, a.q, s.k, s.v, a.cos_sin, s.k_cache, s.v_cache, s.k_scale,
+         s.v_scale, a.q_norm_weight, a.k_norm_weight, a.eps, a.is_neox)
+
+
+def rope_store_mla(a) -> None:
+    """`a`: kvwrite.ops.rope.RopeStoreMLA (every store_mla format)."""
+    s = a.store
+    _run(a, "rope_store_mla", a.positions, a.q, s.kv_c, s.k_pe, a.cos_sin, s.kv_cache, s.scale,
+         s.scale_cache, s.global_scale, s.format.kernel_mode, a.is_neox)

@@ -1,10 +1,23 @@
 """Guard-mode error records: a tiny int64 device buffer the kernels fill without a host sync.
 
 Layout (shared by the torch, Triton, CPU and CUDA backends; see `csrc/kvwrite/record.h`):
-slot COUNT counts bad tokens (atomic add). Every other slot holds a *packed key*
+slot COUNT counts bad tokens (atomic add). Every field slot holds a *packed key*
 `token_index << 32 | uint32 chunk` and is updated with an atomic min, so after any number of
-racing writers each slot holds the chunk written by the lowest bad token index, and the
-fields below are mutually consistent without a lock. Tokens are limited to 2**31 - 1 per call.
+racing writers of one call each slot holds the chunk written by that call's lowest bad token
+index. Tokens are limited to 2**31 - 1 per call.
+
+One record per buffer, whatever the calls: token indices of different calls collide (two calls
+bad at token 0 would each win some slots), so only one call may write the fields. EPOCH counts
+the calls that used the buffer (the last program of a call, or the host after a CPU call, adds
+one); the first bad token claims OWNER with its call's epoch (compare-and-swap from EMPTY), and
+a bad token folds its fields only when OWNER holds its own epoch. COUNT still counts every
+call's bad tokens. DONE counts a running call's finished programs (the last one resets it and
+advances EPOCH). Calls on different streams that share one buffer must be ordered (one buffer
+per stream otherwise): their programs would share an epoch.
+
+Reading: the fields are complete once every store that wrote them has finished; a reader that
+is not ordered after the store's stream (`raise_if_any(stream=...)`) can see COUNT > 0 before
+the fields (reported as `IncompleteRecord`) or a token that is not yet the lowest.
 """
 from __future__ import annotations
 
@@ -29,8 +42,13 @@ BATCH = 9                        # batch_indices[i]
 POSITION = 10                    # positions[i]
 TABLE_SLOT = 11                  # kv_indptr[b] + positions[i] // page_size (-1: not reached)
 TABLE_PAGE = 12                  # kv_indices[slot] (-1: not reached)
+OWNER = 13                       # epoch of the call whose fields the record holds (EMPTY: none)
+EPOCH = 14                       # calls completed since the reset (plain counter)
+DONE = 15                        # programs of the running call that have finished (plain counter)
 NUM_SLOTS = 16
-EMPTY = (1 << 63) - 1            # initial value of every packed slot
+EMPTY = (1 << 63) - 1            # initial value of every packed slot (and of OWNER)
+FIELDS = (LOC_LO, LOC_HI, TARGET_LO, TARGET_HI, LIMIT_LO, LIMIT_HI, POOL_PAGE_SIZE, META)
+TABLE_FIELDS = (BATCH, POSITION, TABLE_SLOT, TABLE_PAGE)
 MAX_TOKENS = (1 << 31) - 1
 
 # What was out of range.
@@ -42,6 +60,17 @@ KIND_TABLE_SLOT = 3  # the page-table slot against batch b's slots [kv_indptr[b]
 KIND_TABLE_PAGE = 4  # the page kv_indices[slot] against the pool's pages [0, num_pages)
 TABLE_KINDS = (KIND_BATCH, KIND_TABLE_SLOT, KIND_TABLE_PAGE)
 KIND_POSITION = 5    # rope_store_*: the token's position against the cos/sin cache (max_position)
+# Page moves (kvwrite.ops.pages); numbered apart from the store kinds. copy_pages: a pair's page
+# (in units of the smaller pool's page) against the pool's units [0, limit).
+KIND_SRC_PAGE = 16
+KIND_DST_PAGE = 17
+# slot_mapping (a block table [batch, blocks]): the batch index against the table's rows, the
+# block index position // page_size against the row's width, the page against the pool's pages.
+KIND_BLOCK_ROW = 18
+KIND_BLOCK_INDEX = 19
+KIND_BLOCK_PAGE = 20
+PAGE_KINDS = (KIND_SRC_PAGE, KIND_DST_PAGE)
+BLOCK_KINDS = (KIND_BLOCK_ROW, KIND_BLOCK_INDEX, KIND_BLOCK_PAGE)
 
 # Op codes, recorded so a shared buffer tells which op failed. Append only.
 OPS = (
@@ -54,7 +83,12 @@ OPS = (
     "store_dsv4_kv",
     "store_dsv4_indexer_k",
     "store_rows",
+    "copy_pages",
+    "gather",
+    "slot_mapping",
+    "move_rows",
 )
+READ_OPS = ("gather",)   # ops whose bad loc is a read (the message says "reads")
 
 
 def op_code(name: str) -> int:
@@ -96,8 +130,32 @@ class OutOfBoundsWrite(RuntimeError):
                 f"kv_indices[{self.table_slot}], but the pool has pages [0, {self.limit}) of "
                 f"{self.pool_page_size} rows; kv_indices holds a page the pool does not have")
 
+    def _page_message(self) -> str:
+        """copy_pages / slot_mapping records (KIND_SRC_PAGE ... KIND_BLOCK_PAGE)."""
+        if self.kind in PAGE_KINDS:
+            many = f"{self.count} bad page id(s); the first is " if self.count > 1 else ""
+            side = "src" if self.kind == KIND_SRC_PAGE else "dst"
+            what = "row" if self.op == "move_rows" else "page"
+            unit = (f" (counted in units of {self.pool_page_size} rows, the smaller pool's page)"
+                    if what == "page" else "")
+            return (f"{self.op}: {many}pair {self.token_index} names {side} {what} {self.target}, but "
+                    f"{side} has {what}s [0, {self.limit}){unit}; nothing was copied for that pair"
+                    + ("; padding must be -1" if self.target < 0 else ""))
+        many = f"{self.count} bad token(s); the first is " if self.count > 1 else ""
+        who = f"{self.op}: {many}token {self.token_index} (batch {self.batch}, position {self.position})"
+        if self.kind == KIND_BLOCK_ROW:
+            return (f"{who} has batch index {self.batch}, outside the block table's rows [0, "
+                    f"{self.limit}); its slot is -1")
+        if self.kind == KIND_BLOCK_INDEX:
+            return (f"{who} needs block {self.target} = {self.position} // {self.pool_page_size}, "
+                    f"past the block table's row of {self.limit} blocks; its slot is -1")
+        return (f"{who} maps to page {self.target} = block_table[{self.batch}, {self.table_slot}], "
+                f"but the pool has pages [0, {self.limit}) of {self.pool_page_size} rows; its slot is -1")
+
     def _message(self) -> str:
         many = f"{self.count} bad token(s); the first is " if self.count > 1 else ""
+        if self.kind in PAGE_KINDS or self.kind in BLOCK_KINDS:
+            return self._page_message()
         if self.kind in TABLE_KINDS:
             return self._table_message(many)
         if self.kind == KIND_LOC_MAP:
@@ -118,7 +176,26 @@ class OutOfBoundsWrite(RuntimeError):
         hint = ("; padding must be -1" if self.target < 0 else
                 "; check that the allocator pages in pool_page_size units and that the pool "
                 "covers its whole loc space (PageGeometry.check_allocator)")
-        return f"{self.op}: {many}token {self.token_index} writes loc {self.loc}{via} into {where}{hint}"
+        verb = "reads loc {} from" if self.op in READ_OPS else "writes loc {} into"
+        return f"{self.op}: {many}token {self.token_index} {verb.format(self.loc)}{via} {where}{hint}"
+
+
+class IncompleteRecord(OutOfBoundsWrite):
+    """COUNT says bad writes were skipped but the record's fields are not (all) written yet: the
+    reader was not ordered after a guarded store that is still running (another stream)."""
+
+    def __init__(self, count: int, detail: str) -> None:
+        self.detail = detail
+        RuntimeError.__init__(self, self._incomplete(count, detail))
+        self.op, self.token_index, self.loc, self.page, self.num_pages = None, None, None, None, None
+        self.pool_page_size, self.count, self.kind, self.target, self.limit = None, count, None, None, None
+        self.batch = self.position = self.table_slot = self.table_page = None
+
+    @staticmethod
+    def _incomplete(count: int, detail: str) -> str:
+        return (f"kvwrite guard record: {count} bad token(s) counted but the record is incomplete "
+                f"({detail}): a guarded store is still writing it; read the record after the "
+                f"stream that ran the store (ErrorBuffer.raise_if_any(stream=that_stream))")
 
 
 def _unpack(lo: int, hi: int) -> int:
@@ -147,7 +224,11 @@ def table_error(op: str, token: int, kind: int, target: int, limit: int, pool_pa
 
 
 class ErrorBuffer:
-    """The guard-mode record on one device: lowest bad token index, its loc, page, count."""
+    """The guard-mode record on one device: lowest bad token index, its loc, page, count.
+
+    Made inside a CUDA graph capture, its zero-fill (like any `reset()` there) is part of the
+    graph: every replay clears it first (a per-replay record). Made before the capture, it
+    accumulates over replays until `reset()`."""
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.tensor = torch.empty(NUM_SLOTS, dtype=torch.int64, device=device)
@@ -160,37 +241,70 @@ class ErrorBuffer:
     def reset(self) -> None:
         """Clear the record (asynchronous on the device, no host sync)."""
         self.tensor.fill_(EMPTY)
-        self.tensor[COUNT] = 0
+        self.tensor[COUNT].fill_(0)   # a fill kernel (`[COUNT] = 0` would copy a CPU scalar in)
+        self.tensor[EPOCH:].zero_()  # EPOCH, DONE
 
-    def error(self) -> OutOfBoundsWrite | None:
-        """The recorded error, or None. Synchronises with the device."""
-        s = self.tensor.tolist()
-        if s[COUNT] == 0:
-            return None
-        token = s[META] >> 32
-        meta = s[META] & 0xFFFFFFFF
-        kind, op = meta >> 8, OPS[meta & 0xFF]
-        loc = _unpack(s[LOC_LO], s[LOC_HI])
-        target = _unpack(s[TARGET_LO], s[TARGET_HI])
-        limit = _unpack(s[LIMIT_LO], s[LIMIT_HI])
-        pps = s[POOL_PAGE_SIZE] & 0xFFFFFFFF
-        if kind in TABLE_KINDS:
-            return table_error(op, token, kind, target, limit, pps, s[COUNT],
-                               *(_signed32(s[k]) for k in (BATCH, POSITION, TABLE_SLOT, TABLE_PAGE)))
-        page = target // pps if kind == KIND_POOL else None
-        return OutOfBoundsWrite(op=op, token_index=token, loc=loc, page=page,
-                                num_pages=limit // pps, pool_page_size=pps, count=s[COUNT],
-                                kind=kind, target=target, limit=limit)
+    def error(self, stream: torch.cuda.Stream | None = None) -> OutOfBoundsWrite | None:
+        """The recorded error, or None. Synchronises with the device: the current stream, and
+        `stream` too when given (the stream the guarded stores ran on, if another)."""
+        if stream is not None:
+            stream.synchronize()
+        return decode(self.tensor.tolist())
 
-    def raise_if_any(self) -> None:
-        """Raise OutOfBoundsWrite if any guarded store skipped a write since the last reset."""
-        err = self.error()
+    def raise_if_any(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Raise OutOfBoundsWrite if any guarded store skipped a write since the last reset.
+
+        The read is ordered after the current stream's work; pass `stream` when the stores ran
+        on another one (it is synchronised first). Read unordered, the record of a store still
+        running can be incomplete (raised as IncompleteRecord) or not yet hold the lowest token."""
+        err = self.error(stream)
         if err is not None:
             raise err
 
     def __repr__(self) -> str:
         err = self.error()
         return f"ErrorBuffer({self.device}, {'clean' if err is None else err})"
+
+
+def decode(s: list[int]) -> OutOfBoundsWrite | None:
+    """The OutOfBoundsWrite a record's slot values describe (None if COUNT is 0); an
+    IncompleteRecord when COUNT > 0 but the fields are missing or from different tokens."""
+    if s[COUNT] == 0:
+        return None
+    if s[OWNER] == EMPTY or any(s[k] == EMPTY for k in FIELDS):
+        return IncompleteRecord(s[COUNT], "fields not written yet")
+    tokens = {s[k] >> 32 for k in FIELDS}
+    meta = s[META] & 0xFFFFFFFF
+    if (meta >> 8) in TABLE_KINDS or (meta >> 8) in BLOCK_KINDS:
+        if any(s[k] == EMPTY for k in TABLE_FIELDS):
+            return IncompleteRecord(s[COUNT], "page-table fields not written yet")
+        tokens |= {s[k] >> 32 for k in TABLE_FIELDS}
+    if len(tokens) > 1:
+        return IncompleteRecord(s[COUNT], f"fields from tokens {sorted(tokens)}")
+    if (meta & 0xFF) >= len(OPS):
+        return IncompleteRecord(s[COUNT], f"unknown op code {meta & 0xFF}")
+    token = s[META] >> 32
+    kind, op = meta >> 8, OPS[meta & 0xFF]
+    loc = _unpack(s[LOC_LO], s[LOC_HI])
+    target = _unpack(s[TARGET_LO], s[TARGET_HI])
+    limit = _unpack(s[LIMIT_LO], s[LIMIT_HI])
+    pps = s[POOL_PAGE_SIZE] & 0xFFFFFFFF
+    if kind in TABLE_KINDS:
+        return table_error(op, token, kind, target, limit, pps, s[COUNT],
+                           *(_signed32(s[k]) for k in (BATCH, POSITION, TABLE_SLOT, TABLE_PAGE)))
+    if kind in PAGE_KINDS:
+        return OutOfBoundsWrite(op=op, token_index=token, loc=loc, page=target, num_pages=limit,
+                                pool_page_size=pps, count=s[COUNT], kind=kind, target=target,
+                                limit=limit)
+    if kind in BLOCK_KINDS:
+        b, pos, blk, page = (_signed32(s[k]) for k in (BATCH, POSITION, TABLE_SLOT, TABLE_PAGE))
+        return OutOfBoundsWrite(op=op, token_index=token, loc=loc, page=None, num_pages=None,
+                                pool_page_size=pps, count=s[COUNT], kind=kind, target=target,
+                                limit=limit, batch=b, position=pos, table_slot=blk, table_page=page)
+    page = target // pps if kind == KIND_POOL else None
+    return OutOfBoundsWrite(op=op, token_index=token, loc=loc, page=page,
+                            num_pages=limit // pps, pool_page_size=pps, count=s[COUNT],
+                            kind=kind, target=target, limit=limit)
 
 
 _default: dict[torch.device, ErrorBuffer] = {}
@@ -204,10 +318,23 @@ def default_errors(device: torch.device | str) -> ErrorBuffer:
         device = torch.device("cuda", torch.cuda.current_device())
     with _default_lock:
         if device not in _default:
+            if device.type == "cuda" and _capturing():
+                raise RuntimeError(
+                    f"kvwrite: guard mode's default record on {device} is first needed inside a "
+                    f"CUDA graph capture, where its zero-fill would be recorded and rerun by "
+                    f"every replay (clearing the record) instead of run once: create it before "
+                    f"the capture (call kvwrite.default_errors({str(device)!r}) or run one "
+                    f"guarded store eagerly), or pass errors=kvwrite.ErrorBuffer(...) made "
+                    f"before the capture")
             if not _default:
                 atexit.register(report_default_errors)
             _default[device] = ErrorBuffer(device)
         return _default[device]
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False where CUDA never started)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def report_default_errors(stream=None) -> int:
@@ -252,9 +379,9 @@ def pack(token: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 def record_torch(errors: torch.Tensor, bad: torch.Tensor, loc: torch.Tensor, target: torch.Tensor,
                  limit: torch.Tensor | int, pool_page_size: int, op: str, kind: torch.Tensor | int,
                  extra: dict[int, torch.Tensor] | None = None) -> None:
-    """Reference guard record: fold every bad token into `errors` with the same packed-min rule
-    the kernels use (no host sync). All tensors are [N]; `bad` is bool. `extra`: more
-    slot -> [N] value fields (the page-table context slots)."""
+    """Reference guard record of one call: fold every bad token into `errors` with the rules the
+    kernels use (OWNER claim by epoch, packed min, EPOCH + 1; no host sync). All tensors are
+    [N]; `bad` is bool. `extra`: more slot -> [N] value fields (the page-table context slots)."""
     n = bad.shape[0]
     if n == 0:
         return
@@ -270,8 +397,13 @@ def record_torch(errors: torch.Tensor, bad: torch.Tensor, loc: torch.Tensor, tar
     }
     for slot, value in (extra or {}).items():
         fields[slot] = value.to(torch.int64)
+    epoch, owner = errors[EPOCH].clone(), errors[OWNER].clone()
+    claim = bad.any() & (owner == EMPTY)
+    errors[OWNER] = torch.where(claim, epoch, owner)
+    folded = bad & (claim | (owner == epoch))
     empty = torch.full_like(tok, EMPTY)
     for slot, value in fields.items():
-        key = torch.where(bad, pack(tok, value), empty).min()
+        key = torch.where(folded, pack(tok, value), empty).min()
         errors[slot] = torch.minimum(errors[slot], key)
     errors[COUNT] += bad.sum()
+    errors[EPOCH] += 1

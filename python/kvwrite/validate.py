@@ -14,19 +14,37 @@ CHECK_MODES = {"off": 0, "assert": 1, "guard": 2}
 CHECK_ENV = "KVWRITE_CHECK"
 
 
+class CheckEnvError(ValueError):
+    """`KVWRITE_CHECK` holds something that is not a check mode."""
+
+
 def _env_check_mode() -> str:
     """The process default check mode: `KVWRITE_CHECK` (off|assert|guard), "off" if unset or
-    empty. Read once, when kvwrite is imported; a bad value fails the import."""
+    empty. Read once, on first use (the first call with check=None, or `kvwrite` commands at
+    start); a bad value is a CheckEnvError naming the variable."""
     value = os.environ.get(CHECK_ENV, "").strip()
     if value == "":
         return "off"
     if value.lower() not in CHECK_MODES:
-        raise ValueError(f"{CHECK_ENV}={value!r} is not a check mode: set it to one of "
-                         f"{'|'.join(CHECK_MODES)} (or unset it for 'off')")
+        raise CheckEnvError(f"{CHECK_ENV}={value!r} is not a check mode: set it to one of "
+                            f"{'|'.join(CHECK_MODES)} (or unset it for 'off')")
     return value.lower()
 
 
-DEFAULT_CHECK = _env_check_mode()
+def default_check() -> str:
+    """The process default check mode (`KVWRITE_CHECK`), read from the environment once."""
+    mode = globals().get("DEFAULT_CHECK")
+    if mode is None:
+        mode = globals()["DEFAULT_CHECK"] = _env_check_mode()
+    return mode
+
+
+def __getattr__(name: str) -> str:
+    """`validate.DEFAULT_CHECK` is resolved on first access (so a bad `KVWRITE_CHECK` fails
+    the call that needs it, and the command line can report it as one line)."""
+    if name == "DEFAULT_CHECK":
+        return default_check()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _names(dtypes: Iterable[torch.dtype]) -> str:
@@ -127,7 +145,7 @@ def dcp(dcp_rank: object, dcp_size: object) -> tuple[int, int]:
 def check_mode(check: object) -> str:
     """`check` itself, or the process default (`KVWRITE_CHECK`, else "off") when it is None."""
     if check is None:
-        return DEFAULT_CHECK
+        return default_check()
     if check not in CHECK_MODES:
         raise ValueError(f"check must be one of {tuple(CHECK_MODES)} or None (the process "
                          f"default, {CHECK_ENV}), got {check!r}")

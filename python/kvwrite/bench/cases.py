@@ -487,5 +487,77 @@ def _dsv4_rows(n: int, device: torch.device, gen: torch.Generator) -> Setup:
                  {"index_copy_": index_copy}, (pool,))
 
 
-__all__ = ["Case", "REGISTRY", "Setup", "available", "case", "paged_locs"]
+# --- page moves (kvwrite.ops.pages) ----------------------------------------------------------------
+
+@case("copy_pages", "pages-64k", "copy_pages between two host pools: pages of 32 rows x 8 x 128 bf16 "
+      "(64 KiB), N // 32 random page pairs (an offload / prefix move)")
+def _copy_pages(n: int, device: torch.device, gen: torch.Generator) -> Setup:
+    heads, dim, page = 8, 128, 32
+    pages = max(1, n // page)
+    num = POOL_SLACK * pages + 1
+    src = _randn((num, page, heads, dim), torch.bfloat16, device, gen)
+    dst = torch.zeros(num, page, heads, dim, dtype=torch.bfloat16, device=device)
+    sp = torch.randperm(num, generator=gen)[:pages].to(device)
+    dp = torch.randperm(num, generator=gen)[:pages].to(device)
+
+    def call(backend: str, check: str, errors) -> None:
+        kvwrite.copy_pages(src, dst, sp, dp, check=check, errors=errors, backend=backend)
+
+    def index() -> None:
+        dst[dp] = src[sp]
+
+    def index_copy() -> None:
+        dst.index_copy_(0, dp, src.index_select(0, sp))
+
+    moved = 2 * pages * page * heads * dim * 2 + _nbytes(sp, dp)
+    return Setup(call, moved, {"torch-index": index, "index_copy_": index_copy}, {},
+                 {"dst[dp] = src[sp]": index}, (dst,))
+
+
+@case("gather", "gather-mha-bf16", "gather K and V rows at N random locs (the mha-bf16 layer's caches, "
+      "8 KV heads x 128 bf16, pages of 16) into preallocated [N, 8, 128] outputs")
+def _gather(n: int, device: torch.device, gen: torch.Generator) -> Setup:
+    heads, dim, page = 8, 128, 16
+    loc, num_pages = random_locs(n, page, device, gen)
+    kc, vc = (_randn((num_pages, page, heads, dim), torch.bfloat16, device, gen) for _ in range(2))
+    ko, vo = (torch.zeros(n, heads, dim, dtype=torch.bfloat16, device=device) for _ in range(2))
+    kf, vf = kc.view(-1, heads, dim), vc.view(-1, heads, dim)
+
+    def call(backend: str, check: str, errors) -> None:
+        kvwrite.gather(kc, loc, check=check, errors=errors, backend=backend, out=ko)
+        kvwrite.gather(vc, loc, check=check, errors=errors, backend=backend, out=vo)
+
+    def index_select() -> None:
+        torch.index_select(kf, 0, loc, out=ko)
+        torch.index_select(vf, 0, loc, out=vo)
+
+    moved = 2 * 2 * n * heads * dim * 2 + _nbytes(loc)
+    return Setup(call, moved, {"torch-index": index_select}, {}, {"index_select": index_select}, (ko, vo))
+
+
+@case("slot_mapping", "slot-mapping", "slot_mapping: N tokens of requests of 512 tokens, block table of "
+      "int32 [N / 512 + 1, 64], pages of 16")
+def _slot_mapping(n: int, device: torch.device, gen: torch.Generator) -> Setup:
+    page, per_req, width = 16, 512, 64
+    reqs = n // per_req + 1
+    num_pages = reqs * width + 1
+    bt = torch.randperm(num_pages, generator=gen)[:reqs * width].view(reqs, width).to(torch.int32).to(device)
+    tok = torch.arange(n)
+    b = (tok // per_req).to(torch.int32).to(device)
+    pos = (tok % per_req).to(torch.int32).to(device)
+    geometry = kvwrite.PageGeometry.from_pool(num_pages, page)
+    out = torch.zeros(n, dtype=torch.int64, device=device)
+
+    def call(backend: str, check: str, errors) -> None:
+        out.copy_(kvwrite.slot_mapping(bt, b, pos, geometry, check=check, errors=errors, backend=backend))
+
+    bl, pl = b.long(), pos.long()
+
+    def torch_expr() -> None:
+        out.copy_(bt[bl, pl // page].long() * page + pl % page)
+
+    moved = _nbytes(b, pos) + n * 4 + n * 8
+    return Setup(call, moved, {"torch-index": torch_expr}, {}, {}, (out,))
+
+
 __all__ = ["Case", "REGISTRY", "Setup", "available", "case", "paged_locs", "random_locs"]

@@ -14,14 +14,6 @@ NAME = "bench"
 HELP = "latency and bandwidth of every store vs the same-run copy bandwidth and the usual alternatives"
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x)
-
-
-def _names(text: str) -> list[str]:
-    return [x for x in text.split(",") if x]
-
-
 def default_out(kind: str) -> Path:
     """bench/results/<kind> of the source checkout when run from one, else ./bench-results/<kind>."""
     root = Path(__file__).resolve().parents[3]
@@ -30,27 +22,43 @@ def default_out(kind: str) -> Path:
     return Path("bench-results") / kind
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvwrite.bench.run import CHECKS, FULL_SIZES, QUICK_SIZES
+def case_names() -> tuple[str, ...]:
+    """Every case and op name `--cases` accepts."""
+    from kvwrite.bench.cases import REGISTRY
 
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    return tuple(sorted({c.name for g in REGISTRY.values() for c in g} | set(REGISTRY)))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvwrite.backend import BACKENDS
+    from kvwrite.bench.run import CHECKS, FULL_SIZES, QUICK_SIZES
+    from kvwrite.cli._args import (default_device, device, names, non_negative_int, positive_float,
+                                   positive_ints)
+
+    p.add_argument("--device", type=device, default=None,
+                   help=f"cpu or cuda[:N] (default here: {default_device()})")
     p.add_argument("--quick", action="store_true",
                    help=f"N in {','.join(map(str, QUICK_SIZES))} and short measurements (< 2 min on 2 CPU cores)")
-    p.add_argument("--sizes", type=_ints, default=None,
-                   help=f"comma-separated N (default {FULL_SIZES[0]}..{FULL_SIZES[-1]}, powers of 2)")
-    p.add_argument("--cases", type=_names, default=None, help="comma-separated case or op names")
-    p.add_argument("--backends", type=_names, default=None, help="comma-separated kvwrite backends")
-    p.add_argument("--checks", type=_names, default=list(CHECKS), help="comma-separated check modes")
-    p.add_argument("--min-time", type=float, default=None,
+    p.add_argument("--sizes", type=positive_ints, default=None,
+                   help=f"comma-separated token counts N >= 1 (default {FULL_SIZES[0]}..{FULL_SIZES[-1]}, "
+                        "powers of 2)")
+    p.add_argument("--cases", type=names(case_names(), "case"), default=None,
+                   help="comma-separated case or op names (default: every case); e.g. mha-bf16,store_mla")
+    p.add_argument("--backends", type=names(BACKENDS, "backend"), default=None,
+                   help=f"comma-separated kvwrite backends from {','.join(BACKENDS)} (default: every "
+                        "backend that runs on the device); one that cannot run there is refused")
+    p.add_argument("--checks", type=names(CHECKS, "check mode"), default=list(CHECKS),
+                   help=f"comma-separated check modes from {','.join(CHECKS)} (default: all)")
+    p.add_argument("--min-time", type=positive_float, default=None,
                    help="seconds per measurement (CPU; on CUDA the do_bench rep in s)")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=non_negative_int, default=1,
                    help="torch CPU threads (default 1: on a shared or oversubscribed machine OpenMP "
                         "stalls of a scheduler tick swamp the medians; 0 = torch's default)")
     p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph replay rows")
     p.add_argument("--interpreter", action="store_true",
                    help="also time triton under TRITON_INTERPRET on CPU (not a performance backend)")
     p.add_argument("--out", type=Path, default=None, help="output folder (default bench/results/<machine-kind>)")
-    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-plot", action="store_true", help="write results.json and report.md only, no plot.png")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no table")
 
 
@@ -59,8 +67,8 @@ def _command(args: argparse.Namespace) -> str:
     from kvwrite.bench.run import CHECKS
 
     parts = ["kvwrite", NAME] + (["--quick"] if args.quick else [])
-    if args.device != ("cuda" if torch.cuda.is_available() else "cpu"):
-        parts += ["--device", args.device]
+    if args.device is not None and args.device.type != ("cuda" if torch.cuda.is_available() else "cpu"):
+        parts += ["--device", str(args.device)]
     for flag, value in (("--sizes", args.sizes), ("--cases", args.cases), ("--backends", args.backends)):
         if value:
             parts += [flag, ",".join(map(str, value))]
@@ -76,8 +84,24 @@ def _command(args: argparse.Namespace) -> str:
     return " ".join(shlex.quote(p) for p in parts)
 
 
+def check_backends(args: argparse.Namespace, device: torch.device) -> None:
+    """Refuse a listed backend that cannot be timed on `device` (instead of dropping its rows)."""
+    from kvwrite.bench.run import select_backends
+    from kvwrite.cli._args import UsageError
+
+    if args.backends is None:
+        return
+    _, notes = select_backends(device, args.backends, args.interpreter)
+    for name in args.backends:
+        if name in notes:
+            raise UsageError(f"--backends {name} cannot be timed on {device}: {notes[name]}")
+
+
 def run(args: argparse.Namespace) -> int:
-    device = torch.device(args.device)
+    from kvwrite.cli._args import default_device
+
+    device = args.device or torch.device(default_device())
+    check_backends(args, device)
     threads = torch.get_num_threads()
     previous = signal.getsignal(signal.SIGTERM)
     if threading.current_thread() is threading.main_thread():
@@ -102,7 +126,9 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
 
     from kvwrite.bench import report
     from kvwrite.bench.run import FULL_SIZES, QUICK_SIZES, Config, machine_kind, sweep
+    from kvwrite.cli._args import writable_dir
 
+    out = writable_dir(args.out or default_out(machine_kind(device)))  # before the sweep, not after
     quick = args.quick
     cfg = Config(
         device=str(device),
@@ -116,7 +142,6 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
     with Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=True, disable=args.quiet) as bar:
         result = sweep(cfg, bar)
-    out = args.out or default_out(machine_kind(device))
     paths = report.write(result, out, with_plot=not args.no_plot)
     if not args.quiet:
         report.print_table(result, console)

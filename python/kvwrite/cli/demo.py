@@ -1,6 +1,7 @@
 """`kvwrite demo`: plan and build a small pool with the configurator, store K/V for a few layers
-through it and check them against the reference, then replay the SGLang #33348 bug (a DCP draft
-pool paged per rank) and show check_allocator refusing it and guard mode catching its write."""
+through it and check them against the reference, then replay SGLang's DCP draft-pool bug (a draft
+pool paged per rank while its allocator pages page_size * dcp_size locs) and show check_allocator
+refusing it and guard mode catching its write."""
 from __future__ import annotations
 
 import argparse
@@ -13,12 +14,18 @@ from kvwrite import KVCacheConfigurator, ModelSpec, ParallelSpec
 from kvwrite.geometry import GeometryError, PageGeometry
 
 NAME = "demo"
-HELP = "store K/V into a small configured pool, verify it, and catch the #33348 out-of-bounds write"
+HELP = ("store K/V into a small configured pool, verify it, and catch a DCP draft pool's "
+        "out-of-bounds write")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--backend", default="auto")
+    from kvwrite.backend import BACKENDS
+    from kvwrite.cli._args import default_device, device
+
+    p.add_argument("--device", type=device, default=None,
+                   help=f"cpu or cuda[:N] (default here: {default_device()})")
+    p.add_argument("--backend", default="auto", choices=("auto",) + BACKENDS,
+                   help="kernel backend of every store (default auto: the fastest that runs on the device)")
 
 
 def _request_locs(alloc: kvwrite.PagedAllocator, lengths: list[int]) -> torch.Tensor:
@@ -27,7 +34,13 @@ def _request_locs(alloc: kvwrite.PagedAllocator, lengths: list[int]) -> torch.Te
 
 
 def run(args: argparse.Namespace) -> int:
-    device = torch.device(args.device)
+    from kvwrite.cli._args import UsageError, default_device
+
+    device = args.device or torch.device(default_device())
+    if args.backend != "auto":
+        why = kvwrite.backends(device)[args.backend]
+        if why is not None:
+            raise UsageError(f"--backend {args.backend} does not run on {device}: {why}")
     gen = torch.Generator().manual_seed(0)
     print(f"kvwrite {kvwrite.__version__} on {device}; backends: "
           + ", ".join(f"{b}={'yes' if r is None else 'no'}" for b, r in kvwrite.backends(device).items()))
@@ -57,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"stored {len(loc)} tokens x {model.num_layers} layers (backend={args.backend}, check=guard) "
           f"in {1e3 * elapsed:.1f} ms: bit-exact with the torch reference")
 
-    # 2. SGLang #33348: DeepSeek-V3's MTP draft worker under DCP 4. The shared allocator pages the
+    # 2. SGLang's DCP draft-pool bug: DeepSeek-V3's MTP draft worker under DCP 4. The shared allocator pages the
     #    virtual loc space in units of page_size * dcp_size; the buggy draft pool kept page_size.
     page_size, dcp_size, per_rank = 16, 4, 256
     draft = KVCacheConfigurator(ModelSpec.from_preset("deepseek-v3"),
@@ -67,9 +80,11 @@ def run(args: argparse.Namespace) -> int:
     fixed = draft.pool("kv").geometry
     buggy_geometry = PageGeometry(page_size=page_size, num_pages=per_rank * dcp_size // page_size + 1)
     buggy = draft.replace_geometry("kv", buggy_geometry)
-    print(f"\n#33348 replay: dcp_size={dcp_size}, draft worker; allocator {alloc}; "
-          f"configured draft pool {fixed} (capacity {fixed.capacity}); buggy one {buggy_geometry} "
-          f"(capacity {buggy_geometry.capacity})")
+    mla = draft.pool("kv")
+    print(f"\nDCP draft-pool replay (SGLang PR 33348): {draft.model.name}, variant {draft.variant}, "
+          f"dcp_size={dcp_size}, draft worker; allocator {alloc}")
+    print(f"  configured {draft.variant} pool '{mla.name}' (stored by {mla.kernel}): {fixed} (capacity {fixed.capacity}); "
+          f"buggy one {buggy_geometry} (capacity {buggy_geometry.capacity})")
     try:
         buggy.check_allocator(alloc.page_size, alloc.num_locs)
         print("  check_allocator accepted the buggy pool")

@@ -28,25 +28,27 @@ def human(n: float) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvwrite.cli._args import non_negative_int, positive_int
     from kvwrite.config.variants import KV_CACHE_DTYPES
 
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", help="a built-in preset (see `kvwrite presets`)")
     src.add_argument("--config", help="a local Hugging Face config.json (or its directory)")
-    p.add_argument("--page-size", type=int, default=None,
+    p.add_argument("--page-size", type=positive_int, default=None,
                    help="base page size in tokens (default: the variant's, else 64; dsv4: 256)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (divides KV heads)")
-    p.add_argument("--dcp", type=int, default=1, help="decode-context-parallel size")
-    p.add_argument("--dcp-rank", type=int, default=0)
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (divides KV heads)")
+    p.add_argument("--dcp", type=positive_int, default=1, help="decode-context-parallel size")
+    p.add_argument("--dcp-rank", type=non_negative_int, default=0,
+                   help="this rank's index in the DCP group, 0..dcp-1 (which tokens a sharded pool keeps)")
     p.add_argument("--draft", action="store_true", help="plan the speculative draft worker's pools")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--memory", type=parse_bytes, help="KV budget per rank, e.g. 40GiB (default 40GiB)")
-    size.add_argument("--max-tokens", type=int, help="tokens per rank instead of a memory budget")
+    size.add_argument("--max-tokens", type=positive_int, help="tokens per rank instead of a memory budget")
     p.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES,
                    help="default: the variant's, else auto (dsv4: fp8_e4m3)")
     p.add_argument("--swa-ratio", type=float, default=None,
                    help="swa_full_tokens_ratio (hybrid SWA; default: the variant's, else 0.8; dsv4: 0.1)")
-    p.add_argument("--max-running-requests", type=int, default=None,
+    p.add_argument("--max-running-requests", type=positive_int, default=None,
                    help="request slots of a hybrid-linear model's recurrent-state pools (required for one)")
     p.add_argument("--layout", default="NHD", choices=("NHD", "HND"), help="paged K/V buffer layout")
     p.add_argument("--no-padding-page", action="store_true",

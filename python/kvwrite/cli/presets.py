@@ -16,6 +16,11 @@ def _describe(spec) -> str:
     if v in ("mla", "dsa"):
         s = f"kv_lora_rank {spec.kv_lora_rank} + rope {spec.qk_rope_head_dim}"
         return s + (f", indexer K {spec.index_head_dim}" if v == "dsa" else "")
+    if v == "dsv4":  # one shared latent KV head per token, in the SWA pool and the compressed ones
+        r = spec.compress_ratios
+        return (f"1 KV head x {spec.head_dim} ({spec.head_dim - spec.qk_rope_head_dim} NoPE + "
+                f"{spec.qk_rope_head_dim} RoPE); SWA window {spec.sliding_window} on every layer; "
+                f"c4 on {r.count(4)}, c128 on {r.count(128)} layers; indexer K {spec.index_head_dim}")
     s = f"{spec.num_kv_heads} KV heads x {spec.head_dim}"
     if v == "swa_hybrid":
         s += (f"; {len(spec.swa_layer_ids)} SWA layers (window {spec.sliding_window}) + "

@@ -39,5 +39,6 @@ def scale_tensor(name: str, scale: object, device: torch.device) -> torch.Tensor
     if isinstance(scale, torch.Tensor):
         return scale if scale.dtype == torch.float32 else scale.float()
     if isinstance(scale, (int, float)) and not isinstance(scale, bool):
-        return torch.tensor(float(scale), dtype=torch.float32, device=device)
+        # a fill kernel on the device, not a copy of a host tensor (no sync, capturable)
+        return torch.full((), float(scale), dtype=torch.float32, device=device)
     raise TypeError(f"{name} must be a float or an fp32 tensor, got {type(scale).__name__}")

@@ -41,7 +41,7 @@ from kvwrite.ops.indexer_k import row_bytes, store_indexer_k
 from kvwrite.ops.kv import store_kv
 from kvwrite.ops.mla import store_mla
 
-__all__ = ["set_index_k_buffer", "set_kv_buffer", "set_mla_kv_buffer"]
+__all__ = ["move_kv_cache", "set_index_k_buffer", "set_kv_buffer", "set_mla_kv_buffer"]
 
 INDEX_HEAD_DIM = 128     # SGLang's NSA indexer: head_dim 128, one fp32 scale per 128 values
 INDEX_BLOCK = 128
@@ -182,3 +182,25 @@ def set_index_k_buffer(index_buffer: torch.Tensor, loc: torch.Tensor, index_k: t
                          f"{list(buf.shape)}")
     store_indexer_k(k, buf, loc, quant_block_size=INDEX_BLOCK, scale_fmt=scale_fmt, check=check,
                     errors=errors, backend=backend)
+
+
+def move_kv_cache(k_buffer, v_buffer, tgt_loc: torch.Tensor, src_loc: torch.Tensor, *,
+                  check: str | None = None, errors: ErrorBuffer | None = None, backend: str = "auto") -> None:
+    """`MHATokenToKVPool.move_kv_cache(tgt_loc, src_loc)`: in every layer's K and V buffer
+    (`k_buffer` / `v_buffer`: one `[rows, ...]` tensor or a list of them, one per layer), row
+    `tgt_loc[i]` takes the row that was at `src_loc[i]` (all sources read first, as
+    `buf[tgt_loc] = buf[src_loc]`). kvwrite.move_rows per buffer: locs checked against the
+    buffer's rows in check="assert"/"guard" (op "move_rows"), where SGLang's copy indexes
+    unchecked; a -1 skips the pair."""
+    from kvwrite.ops.pages import move_rows
+
+    bufs = []
+    for name, group in (("k_buffer", k_buffer), ("v_buffer", v_buffer)):
+        layers = list(group) if isinstance(group, (list, tuple)) else [group]
+        for i, b in enumerate(layers):
+            b = validate.tensor(f"{name}[{i}]", b)
+            if b.dim() < 2:
+                raise ValueError(f"{name}[{i}] must be [rows, ...], got shape {list(b.shape)}")
+            bufs.append(b)
+    for b in bufs:
+        move_rows(b.unsqueeze(1), src_loc, tgt_loc, check=check, errors=errors, backend=backend)

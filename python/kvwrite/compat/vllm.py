@@ -41,13 +41,15 @@ import torch
 from kvwrite import validate
 from kvwrite.compat._common import as_fp8, byte_pairs, scale_tensor
 from kvwrite.errors import ErrorBuffer
+from kvwrite.geometry import PageGeometry
 from kvwrite.ops.indexer_k import row_bytes, store_indexer_k
 from kvwrite.ops.kv import store_kv
 from kvwrite.ops.kv_head_major import store_kv_head_major
 from kvwrite.ops.mla import ds_mla_row_bytes, store_mla
 
-__all__ = ["concat_and_cache_mla", "cpu_attn_reshape_and_cache", "ds_mla_scale", "indexer_k_quant_and_cache", "reshape_and_cache",
-           "reshape_and_cache_flash", "reshape_and_cache_flash_per_token_quant"]
+__all__ = ["concat_and_cache_mla", "cpu_attn_reshape_and_cache", "ds_mla_scale", "indexer_k_quant_and_cache",
+           "reshape_and_cache", "reshape_and_cache_flash", "reshape_and_cache_flash_per_token_quant",
+           "swap_blocks", "cp_gather_cache", "triton_reshape_and_cache_flash_per_token_head_quant"]
 
 NEWEST_VLLM = "0.34.0"          # the newest vLLM release whose cache writers this adapter follows
 DS_MLA_POW2_SINCE = (0, 31)     # first vLLM release with power-of-two fp8_ds_mla tile scales (0.30: exact)
@@ -246,22 +248,158 @@ def indexer_k_quant_and_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
                     scale_fmt=scale_fmt or None, check=check, errors=errors, backend=backend)
 
 
+# vLLM's KVQuantMode values (vllm.v1.kv_cache_interface, an IntEnum) of the per-token-head modes.
+INT8_PER_TOKEN_HEAD, FP8_PER_TOKEN_HEAD, INT4_PER_TOKEN_HEAD = 2, 3, 4
+_PTH_MODES = {"int8_per_token_head": INT8_PER_TOKEN_HEAD, "fp8_per_token_head": FP8_PER_TOKEN_HEAD,
+              "int4_per_token_head": INT4_PER_TOKEN_HEAD}
+
+
+def _pth_mode(kv_quant_mode: object, key_cache: torch.Tensor) -> int:
+    """vLLM's KVQuantMode (the enum, its int value, its name or the kv_cache_dtype string) as an
+    int; None infers it from the cache dtype as vLLM's older signature did (fp8 -> FP8, else INT8)."""
+    if kv_quant_mode is None:
+        return FP8_PER_TOKEN_HEAD if key_cache.dtype in validate.FP8_MAX else INT8_PER_TOKEN_HEAD
+    if isinstance(kv_quant_mode, str):
+        mode = _PTH_MODES.get(kv_quant_mode.lower())
+    elif isinstance(kv_quant_mode, int) and not isinstance(kv_quant_mode, bool):
+        mode = int(kv_quant_mode)
+    else:
+        mode = None
+    if mode not in (INT8_PER_TOKEN_HEAD, FP8_PER_TOKEN_HEAD, INT4_PER_TOKEN_HEAD):
+        raise ValueError(f"kv_quant_mode must be vLLM's KVQuantMode INT8_PER_TOKEN_HEAD (2), "
+                         f"FP8_PER_TOKEN_HEAD (3) or INT4_PER_TOKEN_HEAD (4), got {kv_quant_mode!r}")
+    return mode
+
+
+def triton_reshape_and_cache_flash_per_token_head_quant(
+        key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+        k_scale_cache: torch.Tensor, v_scale_cache: torch.Tensor, slot_mapping: torch.Tensor,
+        kv_quant_mode: object = None, *, check: str | None = None, errors: ErrorBuffer | None = None,
+        backend: str = "auto") -> None:
+    """vLLM's per-token-head dynamic-quant cache write (`vllm.v1.attention.ops.
+    triton_reshape_and_cache_flash`, its Triton attention backend's int8 / fp8_per_token_head
+    caches), byte for byte: key/value `[N, H, D]` into caches `[num_blocks, block_size, H, D]`
+    (int8 for INT8_PER_TOKEN_HEAD; fp8 e4m3fn, or uint8 viewed as it, for FP8_PER_TOKEN_HEAD) and
+    fp32 scale caches `[num_blocks, block_size, H]`; negative slots are skipped.
+
+    Per (token, head), vLLM's formula (`quant_rule="vllm"` of kvwrite.store_kv):
+    scale = max(absmax / QMAX, 1e-6) (QMAX 127 / 448), stored = x * (1 / scale) with the
+    reciprocal rounded to fp32 first; int8: the fp32 sum of that product and +-0.5 (half away
+    from zero), clamped to [-128, 127] and truncated; fp8: clamped to +-448 and rounded to nearest
+    even. kvwrite computes every step correctly rounded and never fused; vLLM's Triton `/` (in
+    absmax / QMAX and 1 / scale) compiles to an approximate division on NVIDIA GPUs, so its GPU
+    bytes can differ from these (and from its own CPU/interpreter run) by one code where that
+    division is off by an ulp. Differences kept on purpose (kvwrite's special-value policy):
+    absmax over the finite values (an inf or NaN element does not blank its head), NaN -> int8 0.
+    INT4_PER_TOKEN_HEAD (a randomized Hadamard rotation, asymmetric 4-bit codes with the zero
+    point in the scale's low mantissa bits) is not implemented: NotImplementedError."""
+    mode = _pth_mode(kv_quant_mode, key_cache)
+    if mode == INT4_PER_TOKEN_HEAD:
+        raise NotImplementedError(
+            "kv_quant_mode=INT4_PER_TOKEN_HEAD is not implemented by kvwrite: vLLM's packed int4 "
+            "cache pre-rotates K/V with a Hadamard transform and hides an asymmetric zero point in "
+            "the scale's mantissa bits; use INT8_PER_TOKEN_HEAD or FP8_PER_TOKEN_HEAD")
+    if mode == FP8_PER_TOKEN_HEAD:
+        key_cache = as_fp8("key_cache", key_cache, torch.float8_e4m3fn)
+        value_cache = as_fp8("value_cache", value_cache, torch.float8_e4m3fn)
+    elif isinstance(key_cache, torch.Tensor) and key_cache.dtype != torch.int8:
+        raise TypeError(f"kv_quant_mode=INT8_PER_TOKEN_HEAD needs int8 caches, got key_cache "
+                        f"{key_cache.dtype}")
+    key, value = _tokens("key", key, slot_mapping), _tokens("value", value, slot_mapping)
+    store_kv(key, value, key_cache, value_cache, slot_mapping, layout="NHD",
+             k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache, check=check, errors=errors,
+             backend=backend, quant_rule="vllm")
+
+
 def reshape_and_cache_flash_per_token_quant(key: torch.Tensor, value: torch.Tensor,
                                             key_cache: torch.Tensor, value_cache: torch.Tensor,
                                             k_scale_cache: torch.Tensor, v_scale_cache: torch.Tensor,
                                             slot_mapping: torch.Tensor, *, check: str | None = None,
                                             errors: ErrorBuffer | None = None,
                                             backend: str = "auto") -> None:
-    """vLLM's per-token dynamic-quant flash cache write: key/value `[N, H, D]` into int8 / fp8
-    caches `[num_blocks, block_size, H, D]` with fp32 scale caches `[num_blocks, block_size]`
-    (per token) or `[num_blocks, block_size, H]` (per token-head). kvwrite's formula
-    (`kvwrite.ops.kv_quant`): scale = max(absmax / QMAX, 1e-6), stored = RNE(x / scale)
-    saturated. Difference from vLLM's Triton path (as described in kvwrite issue 13, not
-    re-checked against vLLM's source here): vLLM multiplies by the reciprocal 1/scale and lets
-    the store convert to int8, so its codes can differ by one where x * (1/scale) and x / scale
-    round differently, and its float->int8 conversion does not saturate or round the same way.
-    kvwrite divides and rounds to nearest even on every backend."""
+    """kvwrite's own per-token / per-token-head dynamic-quant flash cache write in vLLM's
+    argument order: key/value `[N, H, D]` into int8 / fp8 caches `[num_blocks, block_size, H, D]`
+    with fp32 scale caches `[num_blocks, block_size]` (per token) or `[num_blocks, block_size, H]`
+    (per token-head). kvwrite's formula (`kvwrite.ops.kv_quant`): scale = max(absmax / QMAX,
+    1e-6), stored = x / scale (correctly rounded division), int8 rounded to nearest even and
+    saturated. vLLM's own store (`triton_reshape_and_cache_flash_per_token_head_quant`, above)
+    multiplies by the fp32 reciprocal and rounds int8 half away from zero: its codes differ by
+    one at exact ties (x / scale = k + 0.5) and where x * (1 / scale) and x / scale round
+    differently."""
     key, value = _tokens("key", key, slot_mapping), _tokens("value", value, slot_mapping)
     store_kv(key, value, key_cache, value_cache, slot_mapping, layout="NHD",
              k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache, check=check, errors=errors,
              backend=backend)
+
+
+# --- page moves (kvwrite.ops.pages) ----------------------------------------------------------------
+
+def _byte_blocks(name: str, t: object, block_size_in_bytes: int) -> torch.Tensor:
+    """A contiguous tensor as a pool of `block_size_in_bytes`-byte blocks `[blocks, 1, bytes]`
+    (vLLM addresses block b at data_ptr + b * block_size_in_bytes)."""
+    t = validate.tensor(name, t)
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (swap_blocks addresses its bytes from data_ptr), "
+                         f"got strides {t.stride()}")
+    nbytes = t.numel() * t.element_size()
+    if nbytes < block_size_in_bytes:
+        raise ValueError(f"{name} holds {nbytes} bytes, less than one block of {block_size_in_bytes}")
+    flat = t.view(-1).view(torch.uint8)
+    blocks = nbytes // block_size_in_bytes
+    return flat[:blocks * block_size_in_bytes].view(blocks, 1, block_size_in_bytes)
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_size_in_bytes: int, block_mapping: torch.Tensor,
+                *, check: str | None = None, errors: ErrorBuffer | None = None, backend: str = "auto") -> None:
+    """`torch.ops._C_cache_ops.swap_blocks` (vLLM >= #30692): for each row (s, d) of the int64
+    `block_mapping` `[n, 2]`, copy `block_size_in_bytes` bytes from `src` at byte offset
+    `s * block_size_in_bytes` to `dst` at `d * block_size_in_bytes` (the kernel block may be smaller
+    than the logical block: the offloading connector's factor). GPU <-> host (pinned) or on one
+    device. Differs from vLLM: block ids are checked against each tensor's whole blocks in
+    check="assert"/"guard" (vLLM copies past the tensor); a -1 skips the pair."""
+    from kvwrite.geometry import require_positive_int
+    from kvwrite.ops.pages import copy_pages
+
+    bsb = require_positive_int("block_size_in_bytes", block_size_in_bytes)
+    m = validate.tensor("block_mapping", block_mapping, ndim=2, dtypes=validate.LOC_DTYPES)
+    if m.shape[1] != 2:
+        raise ValueError(f"block_mapping must be [num_pairs, 2] (src block, dst block), got {list(m.shape)}")
+    copy_pages(_byte_blocks("src", src, bsb), _byte_blocks("dst", dst, bsb), m[:, 0].contiguous(),
+               m[:, 1].contiguous(), check=check, errors=errors, backend=backend)
+
+
+def cp_gather_cache(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.Tensor,
+                    cu_seq_lens: torch.Tensor, batch_size: int, seq_starts: torch.Tensor | None = None, *,
+                    check: str | None = None, errors: ErrorBuffer | None = None,
+                    backend: str = "auto") -> None:
+    """`torch.ops._C_cache_ops.cp_gather_cache`: the rows of each request, contiguous in `dst`
+    `[tokens, ...]`: `dst[cu_seq_lens[b] + t] = src_cache[block_table[b, p // bs], p % bs]` with
+    `p = t + seq_starts[b]` (0 without seq_starts), bs = `src_cache.shape[1]`, in the cache's dtype;
+    rows past `cu_seq_lens[batch_size]` are left as they are. A slot_mapping then a gather, both
+    checked: a block past the table row or a page past the pool is reported (check="assert" /
+    "guard"; that row reads as zeros) where vLLM reads out of bounds."""
+    from kvwrite.geometry import require_positive_int
+    from kvwrite.ops.pages import canonical_pool, gather, slot_mapping
+
+    cache = canonical_pool("src_cache", src_cache)
+    dst = validate.tensor("dst", dst, dtypes=(src_cache.dtype,), device=src_cache.device)
+    validate.shape("dst", dst, (None, *src_cache.shape[2:]), "tokens, the cache's row shape")
+    bs = require_positive_int("batch_size", batch_size)
+    cu = validate.tensor("cu_seq_lens", cu_seq_lens, ndim=1, dtypes=validate.LOC_DTYPES, device=dst.device)
+    if cu.shape[0] < bs + 1:
+        raise ValueError(f"cu_seq_lens must have batch_size + 1 = {bs + 1} entries, got {cu.shape[0]}")
+    cu = cu[:bs + 1].to(torch.int64)
+    tok = torch.arange(dst.shape[0], device=dst.device)
+    b = torch.searchsorted(cu[1:].contiguous(), tok, right=True)
+    valid = (tok >= cu[0]) & (tok < cu[bs])
+    bc = b.clamp(max=bs - 1)
+    pos = tok - cu[bc]
+    if seq_starts is not None:
+        starts = validate.tensor("seq_starts", seq_starts, ndim=1, dtypes=validate.LOC_DTYPES, device=dst.device)
+        pos = pos + starts.to(torch.int64)[bc]
+    b = torch.where(valid, bc, -1)
+    geometry = PageGeometry.from_pool(cache.shape[0], cache.shape[1])
+    slots = slot_mapping(block_table, b, pos, geometry, check=check, errors=errors, backend=backend)
+    rows = gather(src_cache, slots, check=check, errors=errors, backend=backend)
+    shape = (-1,) + (1,) * (dst.dim() - 1)
+    dst.copy_(torch.where(valid.view(shape), rows, dst))

@@ -11,6 +11,7 @@ import torch
 import kvwrite
 from kvwrite import _ext, validate
 from kvwrite.config.errors import KernelUnavailable, LayerHasNoKV
+from kvwrite.config.pool_pages import PageMoves
 from kvwrite.config.registry import planner_for
 from kvwrite.config.scales import fp8_scale_names
 from kvwrite.errors import ErrorBuffer
@@ -36,7 +37,7 @@ def resolve_op(op: str, needs: tuple[str, ...], what: str) -> Callable:
     return fn
 
 
-class KVPool:
+class KVPool(PageMoves):
     """Every buffer of a `PoolPlan` on `device`, plus `store(layer_id, loc, *tensors, **scales)`.
 
     `check` / `backend` apply to every store (`check=None`: the process default, `KVWRITE_CHECK`);
@@ -46,6 +47,8 @@ class KVPool:
     tensors) or one number for all of them (`scales=1.0`: explicitly unit scales). A `store()`
     call may pass its own scales instead; a scale the pool's format does not use is an error. Hybrid SWA: `map_swa(full_locs, swa_locs)` fills the
     full->SWA loc map SWA layers translate through (-1 = not mapped, skipped).
+    Page moves of every layer at once (`copy_pages`, `move_rows`, `gather`, `slot_mapping`,
+    `send_pages` / `recv_pages`): `kvwrite.config.pool_pages.PageMoves`.
     """
 
     def __init__(self, plan, device: "torch.device | str" = "cpu", *, check: str | None = None,
@@ -238,6 +241,8 @@ class KVPool:
                 b, kw = self.layer(sub, lid), self.op_kwargs(sub)
                 if self.ops[sub] is not kvwrite.store_kv or "v" not in b:
                     continue
+                if b["k"].dtype == torch.int8 or "k_scale_cache" in b:
+                    continue   # int8 / dynamic scales: store_kv's kv_quant kernels (full path)
                 fp8 = b["k"].dtype in validate.FP8_MAX
                 ks = self.scales.get("k_scale") if fp8 else None
                 vs = self.scales.get("v_scale") if fp8 else None

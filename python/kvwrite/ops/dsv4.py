@@ -26,16 +26,15 @@ pool_page_size lives on rank p % dcp_size as local page p // dcp_size (the resol
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
 from kvwrite import validate
 from kvwrite.errors import ErrorBuffer
 from kvwrite.geometry import PageGeometry, require_positive_int
-from kvwrite.ops._common import Check, Locs, cache_geometry, dispatch, prepare
+from kvwrite.ops import spec
+from kvwrite.ops._common import Check, Locs
 
 OP_KV = "store_dsv4_kv"
 OP_INDEXER = "store_dsv4_indexer_k"
@@ -137,11 +136,6 @@ def indexer_pool_page_size(name: str, page_bytes: int, head_dim: int, fmt: str,
     return page_bytes // per_row
 
 
-def _page_locs(locs: Locs) -> Locs:
-    """DeepSeek V4 stores shard whole pages under DCP (the resolver's page mode)."""
-    return dataclasses.replace(locs, dcp_page=True)
-
-
 # --- store_dsv4_kv -------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -155,31 +149,28 @@ class StoreDSV4KV:
     check: Check
 
 
+def _kv_pages(env: dict, v: dict) -> None:
+    env["S"] = kv_pool_page_size("cache", env["B"], v["page_size"])
+
+
+def _build_kv(v: dict, env: dict, locs: Locs, chk: Check) -> StoreDSV4KV:
+    return StoreDSV4KV(v["kv"], v["cache"], env["geometry"], locs, chk)
+
+
+TAIL = (spec.CHECK, spec.ERRORS, spec.LOC_MAP, *spec.DCP, spec.BACKEND)
+KV_SPEC = spec.Op(
+    OP_KV,
+    args=(spec.T("kv", f"N {KV_DIM}", validate.FLOAT_INPUTS, binds="N",
+                 what=f"tokens, {NOPE} NoPE + {ROPE} RoPE values"),
+          spec.cache("cache", "P B", (torch.uint8,)), spec.LOC, spec.option("page_size", "int?"), *TAIL),
+    checks=("kv", "cache", _kv_pages, spec.geometry("cache")),
+    build=_build_kv, impls=KV_IMPLS, dcp_page=True)
+
+
 def prepare_store_dsv4_kv(kv, cache, loc, page_size, check, errors, loc_map, dcp_rank,
                           dcp_size) -> StoreDSV4KV:
-    kv = validate.tensor("kv", kv, ndim=2, dtypes=validate.FLOAT_INPUTS)
-    n = kv.shape[0]
-    validate.shape("kv", kv, (n, KV_DIM), f"tokens, {NOPE} NoPE + {ROPE} RoPE values")
-    cache = validate.tensor("cache", cache, ndim=2, dtypes=(torch.uint8,), device=kv.device)
-    pps = kv_pool_page_size("cache", cache.shape[1], page_size)
-    geometry = cache_geometry("cache", cache.shape[0], pps)
-    locs, chk = prepare(OP_KV, kv.device, n, loc, loc_map, dcp_rank, dcp_size, check, errors)
-    return StoreDSV4KV(kv, cache, geometry, _page_locs(locs), chk)
-
-
-@torch.library.custom_op("kvwrite::store_dsv4_kv", mutates_args=("cache", "errors"))
-def _store_dsv4_kv_op(kv: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor,
-                      page_size: Optional[int], check: str, errors: Optional[torch.Tensor],
-                      loc_map: Optional[torch.Tensor], dcp_rank: int, dcp_size: int,
-                      backend: str) -> None:
-    a = prepare_store_dsv4_kv(kv, cache, loc, page_size, check, errors, loc_map, dcp_rank, dcp_size)
-    if a.locs.n:
-        dispatch(OP_KV, KV_IMPLS, backend, kv.device, a)
-
-
-@_store_dsv4_kv_op.register_fake
-def _(kv, cache, loc, page_size, check, errors, loc_map, dcp_rank, dcp_size, backend) -> None:
-    return None
+    """A validated store_dsv4_kv call (the spec's checks)."""
+    return KV_SPEC.prepare((kv, cache, loc, page_size, check, errors, loc_map, dcp_rank, dcp_size, "auto"))
 
 
 def store_dsv4_kv(kv: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, *,
@@ -190,12 +181,7 @@ def store_dsv4_kv(kv: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, *,
     along tokens) into the FlashMLA MODEL1 page format (module doc) at `loc[i]` (-1 = padding).
     `page_size`: tokens per page of this cache (checked against its page bytes; None derives it).
     `loc_map` (full -> SWA loc) as in `store_kv`; DCP shards whole pages (module doc)."""
-    a = prepare_store_dsv4_kv(kv, cache, loc, page_size, check, errors, loc_map, dcp_rank, dcp_size)
-    if torch.compiler.is_compiling():
-        torch.ops.kvwrite.store_dsv4_kv(kv, cache, loc, page_size, a.check.mode, a.check.errors,
-                                        loc_map, dcp_rank, dcp_size, backend)
-    elif a.locs.n:
-        dispatch(OP_KV, KV_IMPLS, backend, kv.device, a)
+    return KV_SPEC.entry(kv, cache, loc, page_size, check, errors, loc_map, dcp_rank, dcp_size, backend)
 
 
 # --- store_dsv4_indexer_k --------------------------------------------------------------------------
@@ -219,45 +205,47 @@ class StoreDSV4IndexerK:
         return INDEXER_FMT_CODE[self.fmt]
 
 
-def prepare_store_dsv4_indexer_k(k, cache, loc, page_size, fmt, scale_fmt, check, errors, loc_map,
-                                 dcp_rank, dcp_size) -> StoreDSV4IndexerK:
-    k = validate.tensor("index_k", k, ndim=2, dtypes=validate.FLOAT_INPUTS)
-    n, d = k.shape
-    fmt = validate.choice("fmt", fmt, INDEXER_FMTS)
+def _indexer_fmt(env: dict, v: dict) -> None:
+    fmt = env["fmt"] = validate.choice("fmt", v["fmt"], INDEXER_FMTS)
     block = FP8_BLOCK if fmt == "fp8" else MXFP4_BLOCK
+    d = env["D"]
     if d == 0 or d % block:
         raise ValueError(f"index_k's head dim ({d}) must be a positive multiple of {block} for fmt={fmt!r}")
+    scale_fmt = v["scale_fmt"]
     if scale_fmt not in (None, "ue8m0"):
         raise ValueError(f"scale_fmt must be None or 'ue8m0', got {scale_fmt!r}")
     if fmt == "mxfp4" and scale_fmt is not None:
         raise ValueError("scale_fmt applies to fmt='fp8' only (mxfp4 scales are always ue8m0)")
-    cache = validate.tensor("cache", cache, ndim=2, dtypes=(torch.uint8,), device=k.device)
-    pps = indexer_pool_page_size("cache", cache.shape[1], d, fmt, page_size)
-    geometry = cache_geometry("cache", cache.shape[0], pps)
-    locs, chk = prepare(OP_INDEXER, k.device, n, loc, loc_map, dcp_rank, dcp_size, check, errors)
-    return StoreDSV4IndexerK(k, cache, block, scale_fmt == "ue8m0", geometry, _page_locs(locs), chk, fmt)
 
 
-def _indexer_impls(fmt: str) -> tuple[tuple[str, str], ...]:
-    return INDEXER_FP8_IMPLS if fmt == "fp8" else INDEXER_MXFP4_IMPLS
+def _indexer_pages(env: dict, v: dict) -> None:
+    env["S"] = indexer_pool_page_size("cache", env["B"], env["D"], env["fmt"], v["page_size"])
 
 
-@torch.library.custom_op("kvwrite::store_dsv4_indexer_k", mutates_args=("cache", "errors"))
-def _store_dsv4_indexer_k_op(k: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor,
-                             page_size: Optional[int], fmt: str, scale_fmt: Optional[str],
-                             check: str, errors: Optional[torch.Tensor],
-                             loc_map: Optional[torch.Tensor], dcp_rank: int, dcp_size: int,
-                             backend: str) -> None:
-    a = prepare_store_dsv4_indexer_k(k, cache, loc, page_size, fmt, scale_fmt, check, errors, loc_map,
-                                     dcp_rank, dcp_size)
-    if a.locs.n:
-        dispatch(OP_INDEXER, _indexer_impls(a.fmt), backend, k.device, a)
+def _build_indexer(v: dict, env: dict, locs: Locs, chk: Check) -> StoreDSV4IndexerK:
+    fmt = env["fmt"]
+    return StoreDSV4IndexerK(v["k"], v["cache"], FP8_BLOCK if fmt == "fp8" else MXFP4_BLOCK,
+                             v["scale_fmt"] == "ue8m0", env["geometry"], locs, chk, fmt)
 
 
-@_store_dsv4_indexer_k_op.register_fake
-def _(k, cache, loc, page_size, fmt, scale_fmt, check, errors, loc_map, dcp_rank, dcp_size,
-      backend) -> None:
-    return None
+def _indexer_impls(a) -> tuple[tuple[str, str], ...]:
+    return INDEXER_FP8_IMPLS if a.fmt == "fp8" else INDEXER_MXFP4_IMPLS
+
+
+# The public function names its input `index_k`; the schema's `k` (errors say index_k).
+INDEXER_SPEC = spec.Op(
+    OP_INDEXER,
+    args=(spec.T("k", "N D", validate.FLOAT_INPUTS), spec.cache("cache", "P B", (torch.uint8,)), spec.LOC,
+          spec.option("page_size", "int?"), spec.option("fmt"), spec.option("scale_fmt", "str?"), *TAIL),
+    checks=("k", _indexer_fmt, "cache", _indexer_pages, spec.geometry("cache")), aliases={"k": "index_k"},
+    build=_build_indexer, impls=_indexer_impls, dcp_page=True)
+
+
+def prepare_store_dsv4_indexer_k(k, cache, loc, page_size, fmt, scale_fmt, check, errors, loc_map,
+                                 dcp_rank, dcp_size) -> StoreDSV4IndexerK:
+    """A validated store_dsv4_indexer_k call (the spec's checks)."""
+    return INDEXER_SPEC.prepare((k, cache, loc, page_size, fmt, scale_fmt, check, errors, loc_map,
+                                 dcp_rank, dcp_size, "auto"))
 
 
 def store_dsv4_indexer_k(index_k: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, *,
@@ -269,14 +257,8 @@ def store_dsv4_indexer_k(index_k: torch.Tensor, cache: torch.Tensor, loc: torch.
     (a c4 loc; -1 = padding). `fmt` "fp8" (D % 128 == 0; `scale_fmt="ue8m0"`: vLLM's
     power-of-two scale) or "mxfp4" (D % 32 == 0); page layouts in the module doc. `page_size`
     checked against the page bytes (None derives it); DCP shards whole pages."""
-    a = prepare_store_dsv4_indexer_k(index_k, cache, loc, page_size, fmt, scale_fmt, check, errors,
-                                     loc_map, dcp_rank, dcp_size)
-    if torch.compiler.is_compiling():
-        torch.ops.kvwrite.store_dsv4_indexer_k(index_k, cache, loc, page_size, fmt, scale_fmt,
-                                               a.check.mode, a.check.errors, loc_map, dcp_rank,
-                                               dcp_size, backend)
-    elif a.locs.n:
-        dispatch(OP_INDEXER, _indexer_impls(a.fmt), backend, index_k.device, a)
+    return INDEXER_SPEC.entry(index_k, cache, loc, page_size, fmt, scale_fmt, check, errors, loc_map,
+                              dcp_rank, dcp_size, backend)
 
 
 # --- store_rows -------------------------------------------------------------------------------------
@@ -295,30 +277,28 @@ class StoreRows:
 ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.int32, torch.int64)
 
 
-def prepare_store_rows(src, pool, loc, check, errors, loc_map, dcp_rank, dcp_size) -> StoreRows:
-    pool = validate.tensor("pool", pool, ndim=2, dtypes=ROW_DTYPES)
-    src = validate.tensor("src", src, ndim=2, dtypes=(pool.dtype,), device=pool.device)
-    n = src.shape[0]
-    validate.shape("src", src, (n, pool.shape[1]), "tokens, the pool's row width")
+def _no_overlap(env: dict, v: dict) -> None:
+    pool = v["pool"]
     if pool.shape[0] > 1 and pool.shape[1] > 0 and pool.stride(0) < pool.shape[1]:
         raise ValueError(f"pool rows must not overlap, got strides {pool.stride()}")
-    geometry = cache_geometry("pool", pool.shape[0], 1)
-    locs, chk = prepare(OP_ROWS, pool.device, n, loc, loc_map, dcp_rank, dcp_size, check, errors)
-    return StoreRows(src, pool, geometry, _page_locs(locs), chk)
+    env["P"], env["S"] = pool.shape[0], 1
 
 
-@torch.library.custom_op("kvwrite::store_rows", mutates_args=("pool", "errors"))
-def _store_rows_op(src: torch.Tensor, pool: torch.Tensor, loc: torch.Tensor, check: str,
-                   errors: Optional[torch.Tensor], loc_map: Optional[torch.Tensor], dcp_rank: int,
-                   dcp_size: int, backend: str) -> None:
-    a = prepare_store_rows(src, pool, loc, check, errors, loc_map, dcp_rank, dcp_size)
-    if a.locs.n:
-        dispatch(OP_ROWS, ROWS_IMPLS, backend, pool.device, a)
+def _build_rows(v: dict, env: dict, locs: Locs, chk: Check) -> StoreRows:
+    return StoreRows(v["src"], v["pool"], env["geometry"], locs, chk)
 
 
-@_store_rows_op.register_fake
-def _(src, pool, loc, check, errors, loc_map, dcp_rank, dcp_size, backend) -> None:
-    return None
+ROWS_SPEC = spec.Op(
+    OP_ROWS,
+    args=(spec.T("src", "N W", ("=pool",), binds="N", what="tokens, the pool's row width"),
+          spec.cache("pool", "R W", ROW_DTYPES), spec.LOC, *TAIL),
+    checks=("pool", "src", _no_overlap, spec.geometry("pool")),
+    build=_build_rows, impls=ROWS_IMPLS, dcp_page=True)
+
+
+def prepare_store_rows(src, pool, loc, check, errors, loc_map, dcp_rank, dcp_size) -> StoreRows:
+    """A validated store_rows call (the spec's checks)."""
+    return ROWS_SPEC.prepare((src, pool, loc, check, errors, loc_map, dcp_rank, dcp_size, "auto"))
 
 
 def store_rows(src: torch.Tensor, pool: torch.Tensor, loc: torch.Tensor, *,
@@ -330,12 +310,7 @@ def store_rows(src: torch.Tensor, pool: torch.Tensor, loc: torch.Tensor, *,
     state loc into the pool's last (sentinel) row and clears that row right after, so skipping
     leaves the same pool. Every check mode; under DCP row r lives on rank r % dcp_size (pages of
     one row)."""
-    a = prepare_store_rows(src, pool, loc, check, errors, loc_map, dcp_rank, dcp_size)
-    if torch.compiler.is_compiling():
-        torch.ops.kvwrite.store_rows(src, pool, loc, a.check.mode, a.check.errors, loc_map,
-                                     dcp_rank, dcp_size, backend)
-    elif a.locs.n:
-        dispatch(OP_ROWS, ROWS_IMPLS, backend, pool.device, a)
+    return ROWS_SPEC.entry(src, pool, loc, check, errors, loc_map, dcp_rank, dcp_size, backend)
 
 
 # --- loc rules --------------------------------------------------------------------------------------

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvwrite import _ext, validate
+from kvwrite import validate
 from kvwrite.errors import ErrorBuffer
 from kvwrite.geometry import PageGeometry, require_positive_int
-from kvwrite.ops import _library
-from kvwrite.ops._common import NATIVE, Check, Locs, cache_geometry, dispatch, prepare, record
+from kvwrite.ops import spec
+from kvwrite.ops._common import Check, Locs
 
 OP = "store_indexer_k"
 IMPLS = (
@@ -59,42 +59,41 @@ class StoreIndexerK:
     check: Check
 
 
+def _block(env: dict, v: dict) -> None:
+    """quant_block_size divides D; scale_fmt; the page holds whole tokens (letters P, S)."""
+    qbs = require_positive_int("quant_block_size", v["quant_block_size"])
+    if env["D"] % qbs:
+        raise ValueError(f"k's head dim ({env['D']}) must be a multiple of quant_block_size ({qbs})")
+    if v["scale_fmt"] not in SCALE_FMTS:
+        raise ValueError(f"scale_fmt must be one of {SCALE_FMTS}, got {v['scale_fmt']!r}")
+
+
+def _pages(env: dict, v: dict) -> None:
+    env["S"] = pool_page_size("cache", env["B"], env["D"], v["quant_block_size"])
+
+
+def _build(v: dict, env: dict, locs: Locs, chk: Check) -> StoreIndexerK:
+    return StoreIndexerK(v["k"], v["cache"], v["quant_block_size"], v["scale_fmt"] == "ue8m0",
+                         env["geometry"], locs, chk)
+
+
+# The indexer cache is replicated: addressed by the virtual loc, never DCP-sharded (no DCP args).
+SPEC = spec.Op(
+    OP,
+    args=(spec.T("k", "N D", validate.FLOAT_INPUTS),
+          spec.cache("cache", "P B", (torch.uint8,)),
+          spec.LOC, spec.option("quant_block_size", "int"), spec.option("scale_fmt", "str?"),
+          spec.CHECK, spec.ERRORS, spec.LOC_MAP, spec.BACKEND),
+    checks=("k", _block, "cache", _pages, spec.geometry("cache")),
+    build=_build, impls=IMPLS)
+_OP = SPEC.overload
+_CALL = _OP._op
+
+
 def prepare_store_indexer_k(k, cache, loc, quant_block_size, scale_fmt, check, errors,
                             loc_map) -> StoreIndexerK:
-    k = validate.tensor("k", k, ndim=2, dtypes=validate.FLOAT_INPUTS)
-    n, d = k.shape
-    qbs = require_positive_int("quant_block_size", quant_block_size)
-    if d % qbs:
-        raise ValueError(f"k's head dim ({d}) must be a multiple of quant_block_size ({qbs})")
-    if scale_fmt not in SCALE_FMTS:
-        raise ValueError(f"scale_fmt must be one of {SCALE_FMTS}, got {scale_fmt!r}")
-    cache = validate.tensor("cache", cache, ndim=2, dtypes=(torch.uint8,), device=k.device)
-    pps = pool_page_size("cache", cache.shape[1], d, qbs)
-    geometry = cache_geometry("cache", cache.shape[0], pps)
-    # the indexer cache is replicated: addressed by the virtual loc, never DCP-sharded
-    locs, chk = prepare(OP, k.device, n, loc, loc_map, 0, 1, check, errors)
-    return StoreIndexerK(k, cache, qbs, scale_fmt == "ue8m0", geometry, locs, chk)
-
-
-def _store_indexer_k_py(k, cache, loc, quant_block_size, scale_fmt, check, errors, loc_map,
-                        backend) -> None:
-    """The Python implementation of torch.ops.kvwrite.store_indexer_k (see ops._library)."""
-    a = prepare_store_indexer_k(k, cache, loc, quant_block_size, scale_fmt, check, errors, loc_map)
-    if a.locs.n:
-        dispatch(OP, IMPLS, backend, k.device, a)
-
-
-def _fake(k, cache, loc, quant_block_size, scale_fmt, check, errors, loc_map, backend) -> None:
-    """Validation only: the same errors while tracing and for meta tensors."""
-    prepare_store_indexer_k(k, cache, loc, quant_block_size, scale_fmt, _library.fake_check(check, errors),
-                            errors, loc_map)
-
-
-_OP = _library.define(
-    OP, "(Tensor k, Tensor(a!) cache, Tensor loc, int quant_block_size, str? scale_fmt, "
-        "str check, Tensor(b!)? errors, Tensor? loc_map, str backend) -> ()",
-    _store_indexer_k_py, _fake)
-_CALL = _OP._op
+    """A validated store_indexer_k call (the spec's checks)."""
+    return SPEC.prepare((k, cache, loc, quant_block_size, scale_fmt, check, errors, loc_map, "auto"))
 
 
 def store_indexer_k(k: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, *,
@@ -107,19 +106,4 @@ def store_indexer_k(k: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, *,
     The pool page size is `cache.shape[1] // (D + D/qbs*4)`. `loc_map` translates as in
     `store_kv`; there is no DCP sharding (the indexer cache is addressed by the virtual loc).
     """
-    if (_ext.LOADED and backend in NATIVE and type(quant_block_size) is int
-            and isinstance(loc, torch.Tensor) and not torch.compiler.is_compiling()):
-        mode = validate.DEFAULT_CHECK if check is None else check
-        try:  # the C++ op: validation (same errors) + kernel
-            return _CALL(k, cache, loc, quant_block_size, scale_fmt, mode,
-                         record(errors, mode, k), loc_map, backend)
-        except Exception:  # arguments the schema refused: Python's error names them
-            prepare_store_indexer_k(k, cache, loc, quant_block_size, scale_fmt, check, errors,
-                                    loc_map)
-            raise
-    a = prepare_store_indexer_k(k, cache, loc, quant_block_size, scale_fmt, check, errors, loc_map)
-    if torch.compiler.is_compiling():
-        torch.ops.kvwrite.store_indexer_k(k, cache, loc, a.quant_block_size, scale_fmt, a.check.mode,
-                                          a.check.errors, loc_map, backend)
-    elif a.locs.n:
-        dispatch(OP, IMPLS, backend, k.device, a)
+    return SPEC.entry(k, cache, loc, quant_block_size, scale_fmt, check, errors, loc_map, backend)

@@ -4,11 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 import torch
 
-from kvwrite import _ext, validate
+from kvwrite import validate
 from kvwrite.errors import ErrorBuffer
 from kvwrite.geometry import PageGeometry
-from kvwrite.ops import _library, kv_quant
-from kvwrite.ops._common import NATIVE, Check, Locs, cache_geometry, dispatch, prepare, record
+from kvwrite.ops import kv_quant, spec
+from kvwrite.ops._common import Check, Locs
 
 OP = "store_kv"
 LAYOUTS = ("NHD", "HND", "cpu_attn")
@@ -52,73 +52,53 @@ def canonical_key(cache: torch.Tensor, layout: str) -> torch.Tensor:
     return cache.as_strided((pages, rows, h, d, 1), (cache.stride(0), 1, cache.stride(1), rows, 1))
 
 
-def _check_tensors(k, v, k_cache, v_cache, layout) -> tuple[int, int, PageGeometry]:
-    """(tokens, heads, geometry) after checking k, v, the caches and the layout."""
-    k = validate.tensor("k", k, ndim=3, dtypes=validate.FLOAT_INPUTS)
-    n, h, dk = k.shape
-    device = k.device
-    v = validate.tensor("v", v, ndim=3, dtypes=(k.dtype,), device=device)
-    validate.shape("v", v, (n, h, None), "tokens, heads as k, head_dim_v")
-    layout = validate.choice("layout", layout, LAYOUTS)
-    cache_dtypes = (k.dtype, *validate.FP8_MAX)
-    k_cache = validate.tensor("k_cache", k_cache, ndim=4, dtypes=cache_dtypes, device=device)
-    v_cache = validate.tensor("v_cache", v_cache, ndim=4, dtypes=(k_cache.dtype,), device=device)
-    kc = canonical(k_cache, layout)
-    dims = "num_pages, pool_page_size, H, D" if layout == "NHD" else "num_pages, H, pool_page_size, D"
-    num_pages, pps = kc.shape[0], kc.shape[1]
-    for name, c, d in (("k_cache", k_cache, dk), ("v_cache", v_cache, v.shape[2])):
-        expect = (num_pages, pps, h, d) if layout == "NHD" else (num_pages, h, pps, d)
-        validate.shape(name, c, expect, f"{layout}: {dims}")
-    if layout == "cpu_attn" and pps > 1 and dk > 1 and k_cache.stride(2) != dk:
+def _cpu_attn_key(env: dict, v: dict) -> None:
+    """layout "cpu_attn": each (page, head) key tile is one contiguous run (read column-major)."""
+    kc = v["k_cache"]
+    if env["layout"] == "cpu_attn" and kc.shape[2] > 1 and kc.shape[3] > 1 and kc.stride(2) != kc.shape[3]:
         raise ValueError(f"k_cache (layout 'cpu_attn') must hold each (page, head) tile of "
-                         f"pool_page_size * D = {pps} * {dk} elements contiguously (stored column-"
-                         f"major), got strides {k_cache.stride()}")
-    return n, h, cache_geometry("k_cache", num_pages, pps)
+                         f"pool_page_size * D = {kc.shape[2]} * {kc.shape[3]} elements contiguously "
+                         f"(stored column-major), got strides {kc.stride()}")
+
+
+def _scales(env: dict, v: dict) -> None:
+    """fp8 caches take both scales; other caches none."""
+    dtype = env["k_cache"]
+    if dtype in validate.FP8_MAX:
+        if v["k_scale"] is None or v["v_scale"] is None:
+            raise ValueError(f"k_scale and v_scale are required for a {dtype} cache")
+    elif v["k_scale"] is not None or v["v_scale"] is not None:
+        raise ValueError(f"k_scale/v_scale apply only to fp8 caches; the caches are {dtype}")
+
+
+def _build(v: dict, env: dict, locs: Locs, chk: Check) -> StoreKV:
+    layout = env["layout"]
+    return StoreKV(v["k"], v["v"], canonical_key(v["k_cache"], layout), canonical(v["v_cache"], layout),
+                   v["k_scale"], v["v_scale"], env["geometry"], locs, chk)
+
+
+CACHE_DIMS = "num_pages, pool_page_size, H, D"
+SPEC = spec.Op(
+    OP,
+    args=(spec.T("k", "N H D", validate.FLOAT_INPUTS),
+          spec.T("v", "N H Dv", ("=k",), what="tokens, heads as k, head_dim_v"),
+          spec.cache("k_cache", "P S H D", ("=k", *spec.FP8), binds="P S", layout=True, what=CACHE_DIMS),
+          spec.cache("v_cache", "P S H Dv", ("=k_cache",), layout=True, what=CACHE_DIMS),
+          spec.LOC, spec.option("layout"),
+          spec.opt("k_scale", "scale H", role="scale"), spec.opt("v_scale", "scale H", role="scale"),
+          spec.CHECK, spec.ERRORS, spec.LOC_MAP, *spec.DCP, spec.BACKEND),
+    checks=("k", "v", spec.choice("layout", LAYOUTS), "k_cache", "v_cache", spec.geometry("k_cache"),
+            _cpu_attn_key, _scales, "k_scale", "v_scale"),
+    build=_build, impls=IMPLS)
+_OP = SPEC.overload
+_CALL = _OP._op  # the C++ builtin behind the OpOverload (pool.store binds it)
 
 
 def prepare_store_kv(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors,
                      loc_map, dcp_rank, dcp_size) -> StoreKV:
-    # The tensor checks depend only on the facts in the key: run once per distinct key.
-    key = validate.facts(k, v, k_cache, v_cache)
-    if key is not None and layout in LAYOUTS:
-        key = (OP, layout, key)
-    else:
-        key = None
-    n, h, geometry = validate.memo(key, lambda: _check_tensors(k, v, k_cache, v_cache, layout))
-    device = k.device
-    kc, vc = canonical_key(k_cache, layout), canonical(v_cache, layout)
-    if k_cache.dtype in validate.FP8_MAX:
-        if k_scale is None or v_scale is None:
-            raise ValueError(f"k_scale and v_scale are required for a {k_cache.dtype} cache")
-        k_scale = validate.scale("k_scale", k_scale, h, device)
-        v_scale = validate.scale("v_scale", v_scale, h, device)
-    elif k_scale is not None or v_scale is not None:
-        raise ValueError(f"k_scale/v_scale apply only to fp8 caches; the caches are {k_cache.dtype}")
-    locs, chk = prepare(OP, device, n, loc, loc_map, dcp_rank, dcp_size, check, errors)
-    return StoreKV(k, v, kc, vc, k_scale, v_scale, geometry, locs, chk)
-
-
-def _store_kv_py(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors, loc_map,
-                 dcp_rank, dcp_size, backend) -> None:
-    """The Python implementation of torch.ops.kvwrite.store_kv (see ops._library)."""
-    a = prepare_store_kv(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors,
-                         loc_map, dcp_rank, dcp_size)
-    if a.locs.n:
-        dispatch(OP, IMPLS, backend, k.device, a)
-
-
-def _fake(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors, loc_map, dcp_rank,
-          dcp_size, backend) -> None:
-    """Validation only: the same errors while tracing and for meta tensors."""
-    prepare_store_kv(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, _library.fake_check(check, errors),
-                     errors, loc_map, dcp_rank, dcp_size)
-
-
-_OP = _library.define(
-    OP, "(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor loc, str layout, "
-        "Tensor? k_scale, Tensor? v_scale, str check, Tensor(c!)? errors, Tensor? loc_map, "
-        "int dcp_rank, int dcp_size, str backend) -> ()", _store_kv_py, _fake)
-_CALL = _OP._op  # the C++ builtin behind the OpOverload (one Python frame less per call)
+    """A validated store_kv call (the spec's checks)."""
+    return SPEC.prepare((k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors,
+                         loc_map, dcp_rank, dcp_size, "auto", None, None, None))
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -127,7 +107,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              errors: ErrorBuffer | None = None, loc_map: torch.Tensor | None = None,
              dcp_rank: int = 0, dcp_size: int = 1, backend: str = "auto",
              k_scale_cache: torch.Tensor | None = None,
-             v_scale_cache: torch.Tensor | None = None) -> None:
+             v_scale_cache: torch.Tensor | None = None, quant_rule: str = "rne") -> None:
     """Write token i's K/V rows to the paged caches at `loc[i]` (-1 = padding, skipped).
 
     `layout`: "NHD" caches `[pages, pool_page_size, H, D]` or "HND" `[pages, H, pool_page_size, D]`;
@@ -146,30 +126,14 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     keeps the caller's virtual loc and names the index that was out of range.
     int8 caches (static `k_scale`/`v_scale`) and dynamic per-token / per-token-head int8 / fp8
     caches (`k_scale_cache`/`v_scale_cache` fp32 `[pages, pool_page_size]` or
-    `[pages, pool_page_size, H]`) are stored by their own kernel family, `kvwrite.ops.kv_quant`.
+    `[pages, pool_page_size, H]`) are stored by their own kernel family, `kvwrite.ops.kv_quant`;
+    `quant_rule` ("rne" | "vllm") picks how their dynamic codes round (see there).
     """
-    if kv_quant.routes_here(k_cache, k_scale_cache, v_scale_cache):
+    if quant_rule != "rne" or kv_quant.routes_here(k_cache, k_scale_cache, v_scale_cache):
         return kv_quant.store_kv_quant(k, v, k_cache, v_cache, loc, layout=layout, k_scale=k_scale,
                                        v_scale=v_scale, k_scale_cache=k_scale_cache,
                                        v_scale_cache=v_scale_cache, check=check, errors=errors,
                                        loc_map=loc_map, dcp_rank=dcp_rank, dcp_size=dcp_size,
-                                       backend=backend)
-    if (_ext.LOADED and backend in NATIVE and type(dcp_rank) is int and type(dcp_size) is int
-            and isinstance(loc, torch.Tensor) and not torch.compiler.is_compiling()):
-        mode = validate.DEFAULT_CHECK if check is None else check
-        # The C++ op validates (same errors) and runs the kernel; what it leaves to Python
-        # comes back through kvwrite::store_kv_py.
-        try:
-            return _CALL(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, mode,
-                         record(errors, mode, k), loc_map, dcp_rank, dcp_size, backend)
-        except Exception:  # arguments the schema refused: Python's error names them
-            prepare_store_kv(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors,
-                             loc_map, dcp_rank, dcp_size)
-            raise
-    a = prepare_store_kv(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors,
-                         loc_map, dcp_rank, dcp_size)
-    if torch.compiler.is_compiling():
-        torch.ops.kvwrite.store_kv(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, a.check.mode,
-                                   a.check.errors, loc_map, dcp_rank, dcp_size, backend)
-    elif a.locs.n:
-        dispatch(OP, IMPLS, backend, k.device, a)
+                                       backend=backend, quant_rule=quant_rule)
+    return SPEC.entry(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors, loc_map,
+                      dcp_rank, dcp_size, backend)

@@ -9,6 +9,15 @@ Per token (or token-head) over the values x (fp32 of the input dtype):
                                                round to nearest even: int8 clamped to [-128, 127],
                                                fp8 by the shared fp8 rounding (saturating at its max)
 Static int8: the same with the given fp32 scale ([], [1] or [H]). dequant: code * scale.
+Amax is taken over the finite values (NaN / +-inf do not count; they are then coded as the
+special-value policy says: NaN -> int8 0 / the fp8 NaN code, +-inf -> +-max).
+
+`quant_rule="vllm"` (dynamic modes only) is vLLM's per-token-head store instead:
+    stored = saturate(x * (1 / scale))         1 / scale rounded to fp32 first; int8: the fp32
+                                               sum x * (1 / scale) +- 0.5 (half away from zero)
+                                               clamped to [-128, 127], then truncated
+Kernels: `kvwrite.kernels.store_kv_quant` (device functions `kvwrite.kernels._quant`), the C++ /
+CUDA `csrc/kvwrite/store_kv_quant.h` (`kv_quant.h`).
 """
 from __future__ import annotations
 
@@ -23,7 +32,9 @@ from kvwrite.ops._common import Check, Locs, cache_geometry, dispatch, prepare
 OP = "store_kv"
 IMPLS = (
     ("torch", "kvwrite.reference.kv_quant:store_kv_quant"),
-    # triton / cpu / cuda kernels: not written yet (issue 13), the reference runs everywhere
+    ("triton", "kvwrite.kernels.store_kv_quant:launch"),
+    ("cpu", "kvwrite._ext:store_kv_quant"),
+    ("cuda", "kvwrite._ext:store_kv_quant"),
 )
 
 # How K/V reach the cache (the kernels' QUANT constexpr / template parameter).
@@ -37,6 +48,10 @@ FMT_SAME, FMT_E4M3, FMT_E5M2, FMT_INT8 = 0, 1, 2, 3
 FORMAT_OF = {torch.float8_e4m3fn: FMT_E4M3, torch.float8_e5m2: FMT_E5M2, torch.int8: FMT_INT8}
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 SCALE_FLOOR = 1e-6   # as fp32: the smallest dynamic scale
+# How a value reaches its code once the scale is known (the kernels' RULE).
+RULE_RNE = 0    # x / scale, round to nearest even (kvwrite's default)
+RULE_VLLM = 1   # x * (1 / scale), int8 half away from zero (vLLM's per-token-head store)
+RULES = {"rne": RULE_RNE, "vllm": RULE_VLLM}
 QUANT_DTYPES = tuple(QMAX)
 LAYOUTS = ("NHD", "HND")
 
@@ -59,6 +74,7 @@ class KVStore:
     geometry: PageGeometry
     locs: Locs
     check: Check
+    rule: int = RULE_RNE
 
 
 def canonical(cache: torch.Tensor, layout: str) -> torch.Tensor:
@@ -78,7 +94,8 @@ def _scale_cache(name: str, t: object, num_pages: int, pps: int, h: int, device)
 
 def prepare_kv_store(op: str, k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, k_scale_cache,
                      v_scale_cache, check, errors, loc_map, dcp_rank, dcp_size,
-                     allowed=(QUANT_COPY, QUANT_STATIC, QUANT_TOKEN, QUANT_HEAD)) -> KVStore:
+                     allowed=(QUANT_COPY, QUANT_STATIC, QUANT_TOKEN, QUANT_HEAD),
+                     quant_rule: str = "rne") -> KVStore:
     k = validate.tensor("k", k, ndim=3, dtypes=validate.FLOAT_INPUTS)
     n, h, dk = k.shape
     device = k.device
@@ -121,11 +138,15 @@ def prepare_kv_store(op: str, k, v, k_cache, v_cache, loc, layout, k_scale, v_sc
         if k_scale is not None or v_scale is not None:
             raise ValueError(f"k_scale/v_scale apply only to int8/fp8 caches; the caches are {k_cache.dtype}")
         quant, ksc, vsc = QUANT_COPY, None, None
+    rule = RULES[validate.choice("quant_rule", quant_rule, tuple(RULES))]
+    if rule != RULE_RNE and quant not in (QUANT_TOKEN, QUANT_HEAD):
+        raise ValueError(f"quant_rule={quant_rule!r} applies only to dynamic scales "
+                         f"(k_scale_cache/v_scale_cache)")
     if quant not in allowed:
         raise ValueError(f"{op}: this store has no quant mode {quant}")
     locs, chk = prepare(op, device, n, loc, loc_map, dcp_rank, dcp_size, check, errors)
     return KVStore(k, v, kc, vc, quant, FORMAT_OF.get(k_cache.dtype, FMT_SAME), k_scale, v_scale,
-                   ksc, vsc, geometry, locs, chk)
+                   ksc, vsc, geometry, locs, chk, rule)
 
 
 def routes_here(k_cache: object, k_scale_cache: object, v_scale_cache: object) -> bool:
@@ -141,29 +162,29 @@ def _store_kv_quant_op(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, 
                        v_scale: torch.Tensor | None, k_scale_cache: torch.Tensor | None,
                        v_scale_cache: torch.Tensor | None, check: str | None,
                        errors: torch.Tensor | None, loc_map: torch.Tensor | None, dcp_rank: int,
-                       dcp_size: int, backend: str) -> None:
+                       dcp_size: int, backend: str, quant_rule: str) -> None:
     store_kv_quant(k, v, k_cache, v_cache, loc, layout=layout, k_scale=k_scale, v_scale=v_scale,
                    k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache, check=check,
                    errors=errors, loc_map=loc_map, dcp_rank=dcp_rank, dcp_size=dcp_size,
-                   backend=backend)
+                   backend=backend, quant_rule=quant_rule)
 
 
 @_store_kv_quant_op.register_fake
 def _(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, k_scale_cache, v_scale_cache, check,
-      errors, loc_map, dcp_rank, dcp_size, backend) -> None:
+      errors, loc_map, dcp_rank, dcp_size, backend, quant_rule) -> None:
     return None
 
 
 def store_kv_quant(k, v, k_cache, v_cache, loc, *, layout="NHD", k_scale=None, v_scale=None,
                    k_scale_cache=None, v_scale_cache=None, check=None, errors=None, loc_map=None,
-                   dcp_rank=0, dcp_size=1, backend="auto") -> None:
+                   dcp_rank=0, dcp_size=1, backend="auto", quant_rule="rne") -> None:
     """The int8 / dynamic-scale branch of `kvwrite.store_kv` (see the module doc)."""
     a = prepare_kv_store(OP, k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, k_scale_cache,
                          v_scale_cache, check, errors, loc_map, dcp_rank, dcp_size,
-                         allowed=(QUANT_STATIC, QUANT_TOKEN, QUANT_HEAD))
+                         allowed=(QUANT_STATIC, QUANT_TOKEN, QUANT_HEAD), quant_rule=quant_rule)
     if torch.compiler.is_compiling():
         torch.ops.kvwrite.store_kv_quant(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale,
                                          k_scale_cache, v_scale_cache, check, a.check.errors,
-                                         loc_map, dcp_rank, dcp_size, backend)
+                                         loc_map, dcp_rank, dcp_size, backend, quant_rule)
     elif a.locs.n:
         dispatch(OP, IMPLS, backend, k.device, a)

@@ -12,11 +12,11 @@ from typing import Callable, Optional
 
 import torch
 
-from kvwrite import _ext, validate
+from kvwrite import validate
 from kvwrite.errors import ErrorBuffer
 from kvwrite.geometry import PageGeometry
-from kvwrite.ops import _library
-from kvwrite.ops._common import NATIVE, Check, Locs, cache_geometry, dispatch, prepare, record
+from kvwrite.ops import spec
+from kvwrite.ops._common import Check, Locs
 
 OP = "store_mla"
 IMPLS = (
@@ -133,73 +133,66 @@ class StoreMLA:
     global_scale: torch.Tensor | None = None    # nvfp4: optional fp32 [] / [1]
 
 
-def prepare_store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, errors,
-                      loc_map, dcp_rank, dcp_size, scale_cache=None, global_scale=None) -> StoreMLA:
-    kv_c = validate.tensor("kv_c", kv_c, ndim=2, dtypes=validate.FLOAT_INPUTS)
-    n, lora = kv_c.shape
-    device = kv_c.device
-    k_pe = validate.tensor("k_pe", k_pe, ndim=2, dtypes=(kv_c.dtype,), device=device)
-    validate.shape("k_pe", k_pe, (n, None), "tokens as kv_c, rope_dim")
-    rope = k_pe.shape[1]
-    fmt = FORMATS[validate.choice("kv_cache_dtype", kv_cache_dtype, tuple(FORMATS))]
-    problem = fmt.dims(lora, rope)
+def _format(env: dict, v: dict) -> None:
+    """kv_cache_dtype: its dims rule, cache dtype and row width (letter W)."""
+    name = validate.choice("kv_cache_dtype", v["kv_cache_dtype"], tuple(FORMATS))
+    fmt = FORMATS[name]
+    problem = fmt.dims(env["L"], env["R"])
     if problem:
         raise ValueError(problem)
-    if fmt.flags & DS_MLA_RAW_ROPE and kv_c.dtype not in (torch.bfloat16, torch.float16):
+    if fmt.flags & DS_MLA_RAW_ROPE and env["kv_c"] not in (torch.bfloat16, torch.float16):
         raise ValueError(f"kv_cache_dtype={fmt.name!r} stores the rope's own 16-bit pattern: kv_c "
-                         f"and k_pe must be bfloat16 or float16, got {kv_c.dtype}")
-    kv_cache = validate.tensor("kv_cache", kv_cache, ndim=3, dtypes=(fmt.cache_dtype(kv_c.dtype),),
-                               device=device)
-    width = fmt.row_width(lora, rope)
-    validate.shape("kv_cache", kv_cache, (None, None, width),
-                   f"num_pages, pool_page_size, row of {width} for kv_cache_dtype={fmt.name!r} "
-                   f"with kv_lora_rank={lora}, rope_dim={rope}")
-    geometry = cache_geometry("kv_cache", kv_cache.shape[0], kv_cache.shape[1])
+                         f"and k_pe must be bfloat16 or float16, got {env['kv_c']}")
+    env.update(fmt=name, cache_dtype=fmt.cache_dtype(env["kv_c"]), W=fmt.row_width(env["L"], env["R"]))
+
+
+def _scales(env: dict, v: dict) -> None:
+    """The per-tensor scale (fp8 formats) and nvfp4's scale_cache / global_scale."""
+    fmt = FORMATS[env["fmt"]]
     if fmt.takes_scale:
-        if scale is None:
+        if v["scale"] is None:
             raise ValueError(f"scale is required for kv_cache_dtype={fmt.name!r}")
-        scale = validate.scale("scale", scale, None, device)
-    elif scale is not None:
+    elif v["scale"] is not None:
         scaled = "/".join(repr(f.name) for f in FORMATS.values() if f.takes_scale)
         raise ValueError(f"scale applies only to kv_cache_dtype {scaled}, not {fmt.name!r}")
     if fmt.takes_scale_cache:
-        if scale_cache is None:
+        if v["scale_cache"] is None:
             raise ValueError(f"scale_cache is required for kv_cache_dtype={fmt.name!r}")
-        scale_cache = validate.tensor("scale_cache", scale_cache, ndim=3,
-                                      dtypes=(torch.float8_e4m3fn,), device=device)
-        blocks = (lora + rope) // NVFP4_BLOCK
-        validate.shape("scale_cache", scale_cache, (*kv_cache.shape[:2], blocks),
-                       f"num_pages, pool_page_size as kv_cache, (kv_lora_rank + rope_dim)/{NVFP4_BLOCK}")
-        if global_scale is not None:
-            global_scale = validate.scale("global_scale", global_scale, None, device)
-    elif scale_cache is not None or global_scale is not None:
+        env["B"] = (env["L"] + env["R"]) // NVFP4_BLOCK
+    elif v["scale_cache"] is not None or v["global_scale"] is not None:
         raise ValueError(f"scale_cache/global_scale apply only to kv_cache_dtype 'nvfp4', not {fmt.name!r}")
-    locs, chk = prepare(OP, device, n, loc, loc_map, dcp_rank, dcp_size, check, errors)
-    return StoreMLA(kv_c, k_pe, kv_cache, fmt, scale, geometry, locs, chk, scale_cache, global_scale)
 
 
-def _store_mla_py(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, errors, loc_map,
-                  dcp_rank, dcp_size, backend, scale_cache=None, global_scale=None) -> None:
-    """The Python implementation of torch.ops.kvwrite.store_mla (see ops._library)."""
-    a = prepare_store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, errors,
-                          loc_map, dcp_rank, dcp_size, scale_cache, global_scale)
-    if a.locs.n:
-        dispatch(OP, a.format.impls, backend, kv_c.device, a)
+def _build(v: dict, env: dict, locs: Locs, chk: Check) -> StoreMLA:
+    return StoreMLA(v["kv_c"], v["k_pe"], v["kv_cache"], FORMATS[env["fmt"]], v["scale"], env["geometry"],
+                    locs, chk, v["scale_cache"], v["global_scale"])
 
 
-def _fake(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, errors, loc_map, dcp_rank,
-          dcp_size, backend, scale_cache=None, global_scale=None) -> None:
-    """Validation only: the same errors while tracing and for meta tensors."""
-    prepare_store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, _library.fake_check(check, errors),
-                      errors, loc_map, dcp_rank, dcp_size, scale_cache, global_scale)
-
-
-_OP = _library.define(
-    OP, "(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor loc, str kv_cache_dtype, "
-        "Tensor? scale, str check, Tensor(b!)? errors, Tensor? loc_map, int dcp_rank, "
-        "int dcp_size, str backend, Tensor(c!)? scale_cache=None, Tensor? global_scale=None) -> ()",
-    _store_mla_py, _fake)
+SPEC = spec.Op(
+    OP,
+    args=(spec.T("kv_c", "N L", validate.FLOAT_INPUTS),
+          spec.T("k_pe", "N R", ("=kv_c",), what="tokens as kv_c, rope_dim"),
+          spec.cache("kv_cache", "P S W", ("=cache_dtype",),
+                     what="num_pages, pool_page_size, row of {W} for kv_cache_dtype={fmt!r} with "
+                          "kv_lora_rank={L}, rope_dim={R}"),
+          spec.LOC, spec.option("kv_cache_dtype"), spec.opt("scale", "scale", role="scale"),
+          spec.CHECK, spec.ERRORS, spec.LOC_MAP, *spec.DCP, spec.BACKEND,
+          spec.opt("scale_cache", "P S B", (torch.float8_e4m3fn,), mutable=True, role="cache",
+                   default=None,
+                   what=f"num_pages, pool_page_size as kv_cache, (kv_lora_rank + rope_dim)/{NVFP4_BLOCK}"),
+          spec.opt("global_scale", "scale", role="scale", default=None)),
+    checks=("kv_c", "k_pe", _format, "kv_cache", spec.geometry("kv_cache"), _scales, "scale",
+            "scale_cache", "global_scale"),
+    build=_build, impls=lambda a: a.format.impls)
+_OP = SPEC.overload
 _CALL = _OP._op
+
+
+def prepare_store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, errors,
+                      loc_map, dcp_rank, dcp_size, scale_cache=None, global_scale=None) -> StoreMLA:
+    """A validated store_mla call (the spec's checks)."""
+    return SPEC.prepare((kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, errors, loc_map,
+                         dcp_rank, dcp_size, "auto", scale_cache, global_scale))
 
 
 def store_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, loc: torch.Tensor,
@@ -241,22 +234,5 @@ def store_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, lo
             raise ValueError(f"ds_mla_scale/ds_mla_rope apply only to kv_cache_dtype='fp8_ds_mla', "
                              f"not {kv_cache_dtype!r}")
         kv_cache_dtype = ds_mla_format(ds_mla_scale or "exact", ds_mla_rope or "bf16")
-    if (_ext.LOADED and backend in NATIVE and type(dcp_rank) is int and type(dcp_size) is int
-            and isinstance(loc, torch.Tensor) and not torch.compiler.is_compiling()):
-        mode = validate.DEFAULT_CHECK if check is None else check
-        try:  # the C++ op: validation (same errors) + kernel
-            return _CALL(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, mode,
-                         record(errors, mode, kv_c), loc_map, dcp_rank, dcp_size, backend,
-                         scale_cache, global_scale)
-        except Exception:  # arguments the schema refused: Python's error names them
-            prepare_store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, errors,
-                              loc_map, dcp_rank, dcp_size, scale_cache, global_scale)
-            raise
-    a = prepare_store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, errors,
-                          loc_map, dcp_rank, dcp_size, scale_cache, global_scale)
-    if torch.compiler.is_compiling():
-        torch.ops.kvwrite.store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, a.check.mode,
-                                    a.check.errors, loc_map, dcp_rank, dcp_size, backend,
-                                    scale_cache, global_scale)
-    elif a.locs.n:
-        dispatch(OP, a.format.impls, backend, kv_c.device, a)
+    return SPEC.entry(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, errors, loc_map,
+                      dcp_rank, dcp_size, backend, scale_cache, global_scale)

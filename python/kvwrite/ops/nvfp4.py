@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvwrite import _ext, validate
+from kvwrite import validate
 from kvwrite.errors import ErrorBuffer
 from kvwrite.geometry import PageGeometry
-from kvwrite.ops import _library
-from kvwrite.ops._common import NATIVE, Check, Locs, cache_geometry, dispatch, prepare, record
+from kvwrite.ops import spec
+from kvwrite.ops._common import Check, Locs
 from kvwrite.ops.kv import LAYOUTS, canonical
 
 OP = "store_kv_nvfp4"
@@ -52,66 +52,44 @@ def global_scale(name: str, t: object, device: torch.device) -> torch.Tensor | N
     return None if t is None else validate.scale(name, t, None, device)
 
 
+def _head_dims(env: dict, v: dict) -> None:
+    head_dim("k", env["D"])
+    head_dim("v", env["Dv"])
+
+
+def _build(v: dict, env: dict, locs: Locs, chk: Check) -> StoreKVNVFP4:
+    c = {n: canonical(v[n], env["layout"]) for n in ("k_cache", "v_cache", "k_scale_cache", "v_scale_cache")}
+    return StoreKVNVFP4(v["k"], v["v"], c["k_cache"], c["v_cache"], c["k_scale_cache"], c["v_scale_cache"],
+                        v["k_global_scale"], v["v_global_scale"], env["geometry"], locs, chk)
+
+
+_DIMS = "num_pages, pool_page_size, H, "
+SPEC = spec.Op(
+    OP,
+    args=(spec.T("k", "N H D", validate.FLOAT_INPUTS),
+          spec.T("v", "N H Dv", ("=k",), what="tokens, heads as k, head_dim_v"),
+          spec.cache("k_cache", "P S H D/2", (torch.uint8,), binds="P S", layout=True, what=_DIMS + "D/2"),
+          spec.cache("v_cache", "P S H Dv/2", (torch.uint8,), layout=True, what=_DIMS + "Dv/2"),
+          spec.cache("k_scale_cache", f"P S H D/{BLOCK}", (torch.float8_e4m3fn,), layout=True,
+                     what=_DIMS + f"D/{BLOCK}"),
+          spec.cache("v_scale_cache", f"P S H Dv/{BLOCK}", (torch.float8_e4m3fn,), layout=True,
+                     what=_DIMS + f"Dv/{BLOCK}"),
+          spec.LOC, spec.opt("k_global_scale", "scale", role="scale"),
+          spec.opt("v_global_scale", "scale", role="scale"), spec.option("layout"),
+          spec.CHECK, spec.ERRORS, spec.LOC_MAP, *spec.DCP, spec.BACKEND),
+    checks=("k", "v", _head_dims, spec.choice("layout", LAYOUTS[:2]), "k_cache", "v_cache", "k_scale_cache",
+            "v_scale_cache", spec.geometry("k_cache"), "k_global_scale", "v_global_scale"),
+    build=_build, impls=IMPLS)
+_OP = SPEC.overload
+_CALL = _OP._op
+
+
 def prepare_store_kv_nvfp4(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, loc,
                            k_global_scale, v_global_scale, layout, check, errors, loc_map,
                            dcp_rank, dcp_size) -> StoreKVNVFP4:
-    k = validate.tensor("k", k, ndim=3, dtypes=validate.FLOAT_INPUTS)
-    n, h, dk = k.shape
-    device = k.device
-    v = validate.tensor("v", v, ndim=3, dtypes=(k.dtype,), device=device)
-    validate.shape("v", v, (n, h, None), "tokens, heads as k, head_dim_v")
-    dv = v.shape[2]
-    head_dim("k", dk)
-    head_dim("v", dv)
-    layout = validate.choice("layout", layout, LAYOUTS[:2])  # NHD, HND (no cpu_attn)
-    dims = "num_pages, pool_page_size, H, " if layout == "NHD" else "num_pages, H, pool_page_size, "
-    caches = {}
-    first = None
-    for name, c, dtype, width, what in (
-            ("k_cache", k_cache, torch.uint8, dk // 2, "D/2"),
-            ("v_cache", v_cache, torch.uint8, dv // 2, "Dv/2"),
-            ("k_scale_cache", k_scale_cache, torch.float8_e4m3fn, dk // BLOCK, f"D/{BLOCK}"),
-            ("v_scale_cache", v_scale_cache, torch.float8_e4m3fn, dv // BLOCK, f"Dv/{BLOCK}")):
-        c = validate.tensor(name, c, ndim=4, dtypes=(dtype,), device=device)
-        if first is None:
-            first = canonical(c, layout).shape[:2]
-        pages, pps = first
-        expect = (pages, pps, h, width) if layout == "NHD" else (pages, h, pps, width)
-        validate.shape(name, c, expect, f"{layout}: {dims}{what}")
-        caches[name] = canonical(c, layout)
-    geometry = cache_geometry("k_cache", *first)
-    kg = global_scale("k_global_scale", k_global_scale, device)
-    vg = global_scale("v_global_scale", v_global_scale, device)
-    locs, chk = prepare(OP, device, n, loc, loc_map, dcp_rank, dcp_size, check, errors)
-    return StoreKVNVFP4(k, v, caches["k_cache"], caches["v_cache"], caches["k_scale_cache"],
-                        caches["v_scale_cache"], kg, vg, geometry, locs, chk)
-
-
-def _store_kv_nvfp4_py(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, loc, k_global_scale,
-                       v_global_scale, layout, check, errors, loc_map, dcp_rank, dcp_size,
-                       backend) -> None:
-    """The Python implementation of torch.ops.kvwrite.store_kv_nvfp4 (see ops._library)."""
-    a = prepare_store_kv_nvfp4(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, loc,
-                               k_global_scale, v_global_scale, layout, check, errors, loc_map,
-                               dcp_rank, dcp_size)
-    if a.locs.n:
-        dispatch(OP, IMPLS, backend, k.device, a)
-
-
-def _fake(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, loc, k_global_scale,
-          v_global_scale, layout, check, errors, loc_map, dcp_rank, dcp_size, backend) -> None:
-    """Validation only: the same errors while tracing and for meta tensors."""
-    prepare_store_kv_nvfp4(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, loc, k_global_scale,
-                           v_global_scale, layout, _library.fake_check(check, errors), errors, loc_map,
-                           dcp_rank, dcp_size)
-
-
-_OP = _library.define(
-    OP, "(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) k_scale_cache, "
-        "Tensor(d!) v_scale_cache, Tensor loc, Tensor? k_global_scale, Tensor? v_global_scale, "
-        "str layout, str check, Tensor(e!)? errors, Tensor? loc_map, int dcp_rank, int dcp_size, "
-        "str backend) -> ()", _store_kv_nvfp4_py, _fake)
-_CALL = _OP._op
+    """A validated store_kv_nvfp4 call (the spec's checks)."""
+    return SPEC.prepare((k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, loc, k_global_scale,
+                         v_global_scale, layout, check, errors, loc_map, dcp_rank, dcp_size, "auto"))
 
 
 def store_kv_nvfp4(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -134,24 +112,5 @@ def store_kv_nvfp4(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     `kvwrite.dequant_nvfp4`; the error bound is documented in `kvwrite.reference.nvfp4`.
     `check`, `errors`, `loc_map`, `dcp_rank`, `dcp_size`: as `kvwrite.store_kv`.
     """
-    if (_ext.LOADED and backend in NATIVE and type(dcp_rank) is int and type(dcp_size) is int
-            and isinstance(loc, torch.Tensor) and not torch.compiler.is_compiling()):
-        mode = validate.DEFAULT_CHECK if check is None else check
-        try:  # the C++ op: validation (same errors) + kernel
-            return _CALL(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, loc,
-                         k_global_scale, v_global_scale, layout, mode, record(errors, mode, k),
-                         loc_map, dcp_rank, dcp_size, backend)
-        except Exception:  # arguments the schema refused: Python's error names them
-            prepare_store_kv_nvfp4(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, loc,
-                                   k_global_scale, v_global_scale, layout, check, errors, loc_map,
-                                   dcp_rank, dcp_size)
-            raise
-    a = prepare_store_kv_nvfp4(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, loc,
-                               k_global_scale, v_global_scale, layout, check, errors, loc_map,
-                               dcp_rank, dcp_size)
-    if torch.compiler.is_compiling():
-        torch.ops.kvwrite.store_kv_nvfp4(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, loc,
-                                         k_global_scale, v_global_scale, layout, a.check.mode,
-                                         a.check.errors, loc_map, dcp_rank, dcp_size, backend)
-    elif a.locs.n:
-        dispatch(OP, IMPLS, backend, k.device, a)
+    return SPEC.entry(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, loc, k_global_scale,
+                      v_global_scale, layout, check, errors, loc_map, dcp_rank, dcp_size, backend)

@@ -16,7 +16,7 @@ import torch
 from kvwrite import validate
 from kvwrite.errors import ErrorBuffer
 from kvwrite.ops._common import dispatch
-from kvwrite.ops.kv_quant import KVStore, prepare_kv_store
+from kvwrite.ops.kv_quant import FMT_INT8, QUANT_COPY, QUANT_STATIC, KVStore, prepare_kv_store
 from kvwrite.ops.mla import StoreMLA, prepare_store_mla
 
 OP_KV = "rope_store_kv"
@@ -24,11 +24,19 @@ OP_MLA = "rope_store_mla"
 MAX_HEAD_DIM = 1024
 KV_IMPLS = (
     ("torch", "kvwrite.reference.rope:rope_store_kv"),
-    # triton / cpu / cuda kernels: not written yet (issue 13), the reference runs everywhere
+    ("triton", "kvwrite.kernels.rope_store:launch_kv"),
+    ("cpu", "kvwrite._ext:rope_store_kv"),
+    ("cuda", "kvwrite._ext:rope_store_kv"),
 )
+# K/V quant modes the kernels store (kvwrite.ops.kv_quant QUANT_*); the others run on the
+# reference only (a kernel backend asked for by name raises BackendUnavailable)
+KERNEL_QUANTS = (QUANT_COPY, QUANT_STATIC)
+KV_REFERENCE_ONLY = KV_IMPLS[:1]
 MLA_IMPLS = (
     ("torch", "kvwrite.reference.rope:rope_store_mla"),
-    # triton / cpu / cuda kernels: not written yet (issue 13), the reference runs everywhere
+    ("triton", "kvwrite.kernels.rope_store:launch_mla"),
+    ("cpu", "kvwrite._ext:rope_store_mla"),
+    ("cuda", "kvwrite._ext:rope_store_mla"),
 )
 MLA_FORMATS = {"auto": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2",
                "fp8_ds_mla": "fp8_ds_mla", "nvfp4": "nvfp4"}
@@ -72,6 +80,13 @@ class RopeStoreMLA(_Fused):
     rotary_dim: int
     is_neox: bool
     store: StoreMLA
+
+
+def kv_impls(store: KVStore) -> tuple[tuple[str, str], ...]:
+    """The implementations of a rope_store_kv call's K/V store format."""
+    if store.quant in KERNEL_QUANTS and store.fmt != FMT_INT8:
+        return KV_IMPLS
+    return KV_REFERENCE_ONLY
 
 
 def _rope_args(positions, q, head_dim, n, cos_sin_cache, rotary_dim, device, q_name):
@@ -168,7 +183,7 @@ def _rope_store_kv_op(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                               v_scale, k_scale_cache, v_scale_cache, check, errors, loc_map,
                               dcp_rank, dcp_size)
     if a.locs.n:
-        dispatch(OP_KV, KV_IMPLS, backend, k.device, a)
+        dispatch(OP_KV, kv_impls(a.store), backend, k.device, a)
 
 
 @_rope_store_kv_op.register_fake
@@ -211,7 +226,7 @@ def rope_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                                         v_scale_cache, check, a.check.errors, loc_map, dcp_rank,
                                         dcp_size, backend)
     elif a.locs.n:
-        dispatch(OP_KV, KV_IMPLS, backend, a.q.device, a)
+        dispatch(OP_KV, kv_impls(a.store), backend, a.q.device, a)
 
 
 @torch.library.custom_op("kvwrite::rope_store_mla", mutates_args=("q_pe", "kv_cache", "scale_cache", "errors"))

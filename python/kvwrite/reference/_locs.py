@@ -8,7 +8,7 @@ import torch
 from kvwrite import errors as _e
 from kvwrite.errors import KIND_LOC_MAP, KIND_POOL, OutOfBoundsWrite, record_torch
 from kvwrite.geometry import PageGeometry
-from kvwrite.ops._common import Check, Locs
+from kvwrite.addressing import Check, Locs
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ def check(r: Resolved, geometry: PageGeometry, chk: Check) -> None:
     if chk.mode in ("assert", "off") and bool(bad.any()):
         i = int(torch.nonzero(bad)[0, 0])
         kind, target = int(r.kind[i]), int(r.target[i])
-        if r.table is not None:
+        if r.table is not None and kind in _e.TABLE_KINDS:
             ctx = [int(r.table[s][i]) for s in (_e.BATCH, _e.POSITION, _e.TABLE_SLOT, _e.TABLE_PAGE)]
             raise _e.table_error(chk.op, i, kind, target, int(r.limit[i]), geometry.pool_page_size,
                                  int(bad.sum()), *ctx)

@@ -6,32 +6,51 @@ import torch
 
 from kvwrite.ops import kv_quant as _q
 from kvwrite.reference._locs import resolve_and_check
-from kvwrite.reference.kv import quantize_fp8
-
-_FLOOR = torch.tensor(_q.SCALE_FLOOR, dtype=torch.float32)
+from kvwrite.reference.quant import daz, finite_amax, fp8_codes
 
 
-def quantize_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """RNE(x / scale) saturated to [-128, 127] (fp32 division; NaN -> 0)."""
-    y = x.float() / scale
+def scaled(x: torch.Tensor, scale: torch.Tensor, rule: int = _q.RULE_RNE) -> torch.Tensor:
+    """fp32 daz(x) / scale (RULE_RNE) or daz(x) * (1 / scale) (RULE_VLLM, the reciprocal
+    rounded to fp32 first, as vLLM's store computes it)."""
+    if rule == _q.RULE_VLLM:
+        s = scale.float() if isinstance(scale, torch.Tensor) else torch.tensor(scale, dtype=torch.float32)
+        return daz(x) * (torch.ones_like(s) / s)
+    return daz(x) / scale
+
+
+def int8_codes(y: torch.Tensor, rule: int = _q.RULE_RNE) -> torch.Tensor:
+    """int8 codes of scaled fp32 y: RNE(clamp(y)) (RULE_RNE) or trunc(clamp(y +- 0.5))
+    (RULE_VLLM: half away from zero, the +-0.5 an fp32 add); NaN -> 0."""
     y = torch.where(torch.isnan(y), torch.zeros_like(y), y)
+    if rule == _q.RULE_VLLM:
+        t = torch.where(y >= 0, y + 0.5, y - 0.5)
+        return t.clamp(-128.0, 127.0).trunc().to(torch.int8)
     return y.clamp(-128.0, 127.0).round().to(torch.int8)
 
 
-def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """int8 or fp8 codes of x / scale (fp8 through the shared `quantize_fp8`)."""
-    return quantize_int8(x, scale) if dtype == torch.int8 else quantize_fp8(x, scale, dtype)
+def quantize_int8(x: torch.Tensor, scale: torch.Tensor, rule: int = _q.RULE_RNE) -> torch.Tensor:
+    """int8 codes of x under `scale` (fp32; see `scaled` and `int8_codes`)."""
+    return int8_codes(scaled(x, scale, rule), rule)
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+             rule: int = _q.RULE_RNE) -> torch.Tensor:
+    """int8 or fp8 (saturating, RNE: `fp8_codes`) codes of x under `scale`."""
+    y = scaled(x, scale, rule)
+    return int8_codes(y, rule) if dtype == torch.int8 else fp8_codes(y, dtype)
 
 
 def dynamic_scale(x: torch.Tensor, dtype: torch.dtype, per_head: bool) -> torch.Tensor:
-    """max(amax(|x|) / QMAX, 1e-6) of rows x [M, H, D]: [M, H] per head, else [M, 1]."""
-    a = x.float().abs()
-    amax = a.amax(-1) if per_head else a.amax(dim=(-2, -1)).unsqueeze(-1)
-    return torch.maximum(amax / _q.QMAX[dtype], _FLOOR.to(x.device))
+    """max(amax / QMAX, 1e-6) of rows x [M, H, D], amax over the finite |x|: [M, H] per head,
+    else [M, 1]."""
+    a = finite_amax(x, -1)
+    amax = a if per_head else a.amax(-1, keepdim=True)
+    return (amax / _q.QMAX[dtype]).clamp_min(_q.SCALE_FLOOR)
 
 
 def write_rows(x: torch.Tensor, cache: torch.Tensor, quant: int, scale: torch.Tensor | None,
-               scale_cache: torch.Tensor | None, page: torch.Tensor, offset: torch.Tensor) -> None:
+               scale_cache: torch.Tensor | None, page: torch.Tensor, offset: torch.Tensor,
+               rule: int = _q.RULE_RNE) -> None:
     """Store rows x [M, H, D] (already the tokens to write) at (page, offset) in `quant` mode."""
     if quant == _q.QUANT_COPY:
         cache[page, offset] = x.to(cache.dtype)
@@ -40,7 +59,7 @@ def write_rows(x: torch.Tensor, cache: torch.Tensor, quant: int, scale: torch.Te
         cache[page, offset] = quantize(x, s, cache.dtype)
     else:
         s = dynamic_scale(x, cache.dtype, quant == _q.QUANT_HEAD)  # [M, 1 or H]
-        cache[page, offset] = quantize(x, s[..., None], cache.dtype)
+        cache[page, offset] = quantize(x, s[..., None], cache.dtype, rule)
         scale_cache[page, offset] = s
 
 
@@ -48,8 +67,8 @@ def store_kv_quant(a) -> None:
     """`a`: kvwrite.ops.kv_quant.KVStore."""
     idx, page, offset = resolve_and_check(a.locs, a.geometry, a.check)
     if idx.numel():
-        write_rows(a.k[idx], a.k_cache, a.quant, a.k_scale, a.k_scale_cache, page, offset)
-        write_rows(a.v[idx], a.v_cache, a.quant, a.v_scale, a.v_scale_cache, page, offset)
+        write_rows(a.k[idx], a.k_cache, a.quant, a.k_scale, a.k_scale_cache, page, offset, a.rule)
+        write_rows(a.v[idx], a.v_cache, a.quant, a.v_scale, a.v_scale_cache, page, offset, a.rule)
 
 
 def dequant_kv(k_cache: torch.Tensor, loc: torch.Tensor, *, scale: torch.Tensor | None = None,

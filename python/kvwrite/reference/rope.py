@@ -86,14 +86,15 @@ def resolve_with_positions(a) -> tuple[_locs.Resolved, torch.Tensor]:
     [0, max_position) is a KIND_POSITION error (checked first: it is the token's first read),
     never written, in every mode. Returns (resolved, valid-position mask)."""
     store = a.store
-    r = _locs.resolve(store.locs, store.geometry.capacity, store.check)
+    r = _locs.resolve(store.locs, store.geometry.capacity, store.check,
+                      store.geometry.pool_page_size)
     pos = a.positions.long()
     max_pos = a.cos_sin.shape[0]
     ok = (pos >= 0) & (pos < max_pos)
     if store.check.mode != "off":
         bad_pos = ~ok
-        r = _locs.Resolved(
-            loc=r.loc, row=r.row, write=r.write & ok, bad=r.bad | bad_pos,
+        r = dataclasses.replace(
+            r, write=r.write & ok, bad=r.bad | bad_pos,
             target=torch.where(bad_pos, pos, r.target),
             limit=torch.where(bad_pos, torch.full_like(pos, max_pos), r.limit),
             kind=torch.where(bad_pos, torch.full_like(pos, KIND_POSITION), r.kind))

@@ -1,0 +1,236 @@
+// Page moves: copy_pages (unit pairs between two pools), gather (rows at locs, a zero row for a
+// token not read) and slot_mapping (block table -> slots). The twins of kernels/pages.py and
+// kvwrite/reference/pages.py; host and device share these bodies (the CPU kernels in ops.cpp,
+// the CUDA kernels in csrc/pages.cu).
+#pragma once
+
+#include "dispatch.h"
+#include "locs.h"
+#include "paged.h"
+
+namespace kvwrite {
+
+// Record kinds of kvwrite.errors (numbered apart from the stores' kinds).
+constexpr int KIND_SRC_PAGE = 16, KIND_DST_PAGE = 17;
+constexpr int KIND_BLOCK_ROW = 18, KIND_BLOCK_INDEX = 19, KIND_BLOCK_PAGE = 20;
+
+// A pool counted in units of the smaller pool's page: unit u is rows (u % factor) * unit_rows ...
+// of page u / factor. Strides in bytes; a row is `heads` runs of `head_bytes`.
+struct UnitPool {
+  char* base = nullptr;
+  i64 stride_page = 0, stride_row = 0, stride_head = 0;
+  i64 factor = 1, count = 0;
+  bool run = false;  // a unit is one contiguous run of bytes
+
+  KVW_HD char* unit_ptr(i64 u, i64 unit_rows) const {
+    const i64 page = u / factor;
+    return base + page * stride_page + (u - page * factor) * unit_rows * stride_row;
+  }
+};
+
+struct CopyPagesParams {
+  UnitPool src, dst;
+  i64 unit_rows = 1;
+  int heads = 1;
+  i64 head_bytes = 0;
+  int vec = 1;  // bytes per copy unit: divides head_bytes, every stride and both bases
+  const void* src_ids = nullptr;
+  bool src64 = true;
+  const void* dst_ids = nullptr;
+  bool dst64 = true;
+  i64 n = 0;
+  i64* errors = nullptr;
+  int op = 0;
+
+  KVW_HD i64 unit_bytes() const { return unit_rows * heads * head_bytes; }
+};
+
+struct PairResolved {
+  i64 s, d, target, limit;
+  int kind;
+  bool write, bad;
+};
+
+// Pair i: a -1 on either side skips it; assert/guard check src, then dst, against the pools'
+// units; off skips negative ids (and, on the host, ids past a pool: see locs.h).
+template <int CHECK>
+KVW_HD PairResolved resolve_pair(const CopyPagesParams& p, i64 i) {
+  PairResolved r;
+  r.s = load_index(p.src_ids, p.src64, i);
+  r.d = load_index(p.dst_ids, p.dst64, i);
+  const bool live = r.s != -1 && r.d != -1;
+  const bool bad_s = live && (r.s < 0 || r.s >= p.src.count);
+  const bool bad_d = live && !bad_s && (r.d < 0 || r.d >= p.dst.count);
+  r.kind = bad_s ? KIND_SRC_PAGE : KIND_DST_PAGE;
+  r.target = bad_s ? r.s : r.d;
+  r.limit = bad_s ? p.src.count : p.dst.count;
+  if (CHECK == CHECK_OFF) {
+    r.bad = false;
+    r.write = live && r.s >= 0 && r.d >= 0 && (KVWRITE_OFF_BOUND == 0 || (r.s < p.src.count && r.d < p.dst.count));
+  } else {
+    r.bad = bad_s || bad_d;
+    r.write = live && !r.bad;
+  }
+  return r;
+}
+
+KVW_HD Violation pair_violation(const CopyPagesParams& p, i64 i, const PairResolved& r) {
+  return Violation{i, r.target, r.target, r.limit, p.unit_rows, r.kind, p.op};
+}
+
+template <int CHECK>
+KVW_HD PairResolved resolve_pair_checked(const CopyPagesParams& p, i64 i, bool lead) {
+  const PairResolved r = resolve_pair<CHECK>(p, i);
+  if (CHECK != CHECK_OFF && r.bad && lead) on_bad<CHECK>(p.errors, pair_violation(p, i, r));
+  return r;
+}
+
+// Copy items [begin, end) of a unit (item = VEC bytes of one head of one row), lane-strided.
+template <int VEC>
+KVW_HD void copy_unit_items(const CopyPagesParams& p, const char* s, char* d, i64 begin, i64 end, int lane,
+                            int nlanes) {
+  const i64 per_head = p.head_bytes / VEC, per_row = per_head * p.heads;
+  for (i64 k = begin + lane; k < end; k += nlanes) {
+    const i64 r = k / per_row, rem = k - r * per_row, h = rem / per_head, b = (rem - h * per_head) * VEC;
+    copy_unit<VEC>(d + r * p.dst.stride_row + h * p.dst.stride_head + b,
+                   s + r * p.src.stride_row + h * p.src.stride_head + b);
+  }
+}
+
+#if !defined(__CUDA_ARCH__)
+// Host: one memcpy per unit when both sides are runs, else one per (row, head) run.
+inline void copy_unit_host(const CopyPagesParams& p, const char* s, char* d) {
+  if (p.src.run && p.dst.run) {
+    memcpy(d, s, size_t(p.unit_bytes()));
+    return;
+  }
+  for (i64 r = 0; r < p.unit_rows; ++r)
+    copy_runs(d + r * p.dst.stride_row, p.dst.stride_head, s + r * p.src.stride_row, p.src.stride_head, p.heads,
+              p.head_bytes);
+}
+#endif
+
+// gather: row loc[i] of `cache` into out[i] (a zero row when the token is not read).
+struct GatherParams {
+  PagedCache cache;  // canonical [pages, rows, heads, feat], feat contiguous
+  char* out = nullptr;
+  i64 out_sn = 0;  // bytes between out rows; a row is heads * head_bytes contiguous bytes
+  int heads = 1;
+  i64 head_bytes = 0;
+  int vec = 1;
+  LocArgs locs;
+};
+
+template <int VEC>
+KVW_HD void zero_unit(char* dst) {
+  alignas(16) const char zeros[16] = {0};
+  copy_unit<VEC>(dst, zeros);
+}
+
+template <int CHECK, int VEC>
+KVW_HD void gather_token(const GatherParams& p, i64 i, int lane, int nlanes) {
+  const Resolved r = resolve_checked<CHECK>(p.locs, i, lane == 0);
+  char* o = p.out + i * p.out_sn;
+  const i64 row_bytes = p.heads * p.head_bytes;
+#if !defined(__CUDA_ARCH__)
+  if (nlanes == 1) {
+    if (!r.write) {
+      memset(o, 0, size_t(row_bytes));
+    } else {
+      copy_runs(o, p.head_bytes, p.cache.row_ptr(r.row), p.cache.stride_head * p.cache.elem_size, p.heads,
+                p.head_bytes);
+    }
+    return;
+  }
+#endif
+  const i64 per_head = p.head_bytes / VEC;
+  if (!r.write) {
+    for (i64 u = lane; u < row_bytes / VEC; u += nlanes) zero_unit<VEC>(o + u * VEC);
+    return;
+  }
+  const char* s = p.cache.row_ptr(r.row);
+  for (i64 u = lane; u < p.heads * per_head; u += nlanes) {
+    const i64 h = u / per_head, b = (u - h * per_head) * VEC;
+    copy_unit<VEC>(o + h * p.head_bytes + b, s + p.cache.in_row(h, 0) + b);
+  }
+}
+
+template <int CHECK, int VEC>
+struct GatherToken {
+  KVW_HD void operator()(const GatherParams& p, i64 i, int lane, int nlanes) const {
+    gather_token<CHECK, VEC>(p, i, lane, nlanes);
+  }
+};
+
+template <class F>
+void dispatch_gather(const GatherParams& p, int check, F&& f) {
+  with_check(check, [&](auto c) {
+    with_vec(p.vec, [&](auto v) { f(TypeTag<GatherToken<c.value, v.value>>{}, p.heads * p.head_bytes / v.value); });
+  });
+}
+
+// slot_mapping: slot = block_table[b, pos // page_size] * page_size + pos % page_size, or -1.
+struct SlotMappingParams {
+  const void* table = nullptr;
+  bool table64 = true;
+  i64 rows = 0, width = 0, row_stride = 0;  // block_table [rows, width], elements
+  const void* batch = nullptr;
+  bool batch64 = true;
+  const void* pos = nullptr;
+  bool pos64 = true;
+  i64 n = 0;
+  i64 page_size = 1, num_pages = 0;
+  i64* out = nullptr;
+  i64* errors = nullptr;
+  int op = 0;
+};
+
+// Token i's slot: -1 for padding (b or pos == -1), a row or block the table does not have (never
+// read; assert/guard report it), a negative page; assert/guard: also a page past the pool.
+template <int CHECK>
+KVW_HD void slot_token(const SlotMappingParams& p, i64 i) {
+  const i64 b = load_index(p.batch, p.batch64, i), pos = load_index(p.pos, p.pos64, i);
+  i64 slot = -1;
+  if (b == -1 || pos == -1) {
+    p.out[i] = slot;
+    return;
+  }
+  i64 q = pos / p.page_size, e = pos - q * p.page_size;
+  if (e < 0) {
+    q -= 1;
+    e += p.page_size;
+  }
+  Violation v{i, -1, 0, 0, p.page_size, KIND_BLOCK_PAGE, p.op};
+  v.table = true;
+  v.batch = b;
+  v.position = pos;
+  v.table_slot = q;
+  bool bad = false;
+  if (!(b >= 0 && b < p.rows)) {
+    bad = true;
+    v.kind = KIND_BLOCK_ROW;
+    v.target = b;
+    v.limit = p.rows;
+    v.table_slot = -1;
+  } else if (!(q >= 0 && q < p.width)) {
+    bad = true;
+    v.kind = KIND_BLOCK_INDEX;
+    v.target = q;
+    v.limit = p.width;
+  } else {
+    const i64 page = load_index(p.table, p.table64, b * p.row_stride + q);
+    if (CHECK == CHECK_OFF ? page >= 0 : (page >= 0 && page < p.num_pages)) {
+      slot = page * p.page_size + e;
+    } else if (CHECK != CHECK_OFF) {
+      bad = true;
+      v.target = page;
+      v.limit = p.num_pages;
+      v.loc = page * p.page_size + e;
+      v.table_page = page;
+    }
+  }
+  p.out[i] = slot;
+  if (CHECK != CHECK_OFF && bad) on_bad<CHECK>(p.errors, v);
+}
+
+}  // namespace kvwrite

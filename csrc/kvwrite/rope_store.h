@@ -1,0 +1,336 @@
+// rope_store: RoPE (+ q/k RMS norm) fused with the paged K/V store (store_kv's formats) and with
+// the MLA row store (store_mla's formats). The arithmetic and where it rounds are those of
+// kvwrite/reference/rope.py, bit for bit: fp32, every product and sum rounded once (no fused
+// multiply-add: explicit __fmul_rn / __fadd_rn on the device, -ffp-contract=off on the host),
+// the sum of squares as the fixed adjacent-pair tree, one rounding to the input dtype.
+//
+// One token is two phases over its `nlanes` lanes: (1) rotate its q heads in place (valid
+// position) and its k heads (k_pe) into a scratch row (the token is stored); a barrier (the
+// device's block barrier: every thread of a block runs both phases); (2) store the scratch row
+// with v (kv_c) exactly as store_kv (store_mla) stores a row, through their own row writers.
+#pragma once
+
+#include "store_kv.h"
+#include "store_mla.h"
+
+namespace kvwrite {
+
+#if defined(__CUDA_ARCH__)
+#define KVW_BARRIER() __syncthreads()
+KVW_HD float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+KVW_HD float add_rn(float a, float b) { return __fadd_rn(a, b); }
+KVW_HD float sub_rn(float a, float b) { return __fsub_rn(a, b); }
+KVW_HD float div_rn(float a, float b) { return __fdiv_rn(a, b); }
+KVW_HD float sqrt_rn(float a) { return __fsqrt_rn(a); }
+#else
+#define KVW_BARRIER() ((void)0)
+KVW_HD float mul_rn(float a, float b) { return a * b; }  // the host build has -ffp-contract=off
+KVW_HD float add_rn(float a, float b) { return a + b; }
+KVW_HD float sub_rn(float a, float b) { return a - b; }
+KVW_HD float div_rn(float a, float b) { return a / b; }
+KVW_HD float sqrt_rn(float a) { return __builtin_sqrtf(a); }
+#endif
+
+constexpr int ROPE_MAX_DIM = 1024;  // kvwrite.ops.rope.MAX_HEAD_DIM
+
+// fp32 -> IEEE half bits, round to nearest even (overflow -> inf, NaN -> sign | 0x7E00, as c10).
+KVW_HD uint16_t float_to_half_rn(float f) {
+  const uint32_t x = float_to_bits(f), sign = (x >> 16) & 0x8000u, ax = x & 0x7FFFFFFFu;
+  if (ax > 0x7F800000u) return uint16_t(sign | 0x7E00u);
+  if (ax >= 0x477FF000u) return uint16_t(sign | 0x7C00u);  // >= 65520 rounds to inf
+  if (ax >= 0x38800000u) {                                  // normal half (>= 2^-14)
+    const uint32_t r = ax + 0xFFFu + ((ax >> 13) & 1u);
+    return uint16_t(sign | ((r - 0x38000000u) >> 13));
+  }
+  // subnormal half: + 0.5 rounds (RNE) to a multiple of 2^-24, read off the low bits
+  return uint16_t(sign | (float_to_bits(add_rn(bits_to_float(ax), 0.5f)) - 0x3F000000u));
+}
+
+// fp32 -> bf16 bits, round to nearest even (NaN -> 0x7FC0, as c10).
+KVW_HD uint16_t float_to_bf16_rn(float f) {
+  if (f != f) return 0x7FC0;
+  const uint32_t u = float_to_bits(f);
+  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// Store fp32 `y` rounded once to IN at element `i` of `dst`.
+template <DType IN>
+KVW_HD void store_rounded(void* dst, i64 i, float y) {
+  if constexpr (IN == DType::F32) {
+    static_cast<float*>(dst)[i] = y;
+  } else if constexpr (IN == DType::F16) {
+    static_cast<uint16_t*>(dst)[i] = float_to_half_rn(y);
+  } else {
+    static_cast<uint16_t*>(dst)[i] = float_to_bf16_rn(y);
+  }
+}
+
+// What every rope op shares: positions, the cos/sin cache, the rotated part, q.
+struct RopeArgs {
+  const void* pos = nullptr;  // int32/int64 [n]
+  bool pos64 = true;
+  i64 max_pos = 0;
+  const char* cos_sin = nullptr;  // [max_pos, R]: cos half then sin half, fp32 or the input dtype
+  i64 cs_stride = 0;              // elements between positions
+  bool cs_f32 = true;
+  int R = 0;                      // rotary_dim (even, <= D)
+  bool neox = true;
+  char* q = nullptr;              // [n, Hq, D] rotated in place
+  i64 q_sn = 0, q_sh = 0;
+  int Hq = 0;
+  const float* q_w = nullptr;     // RMS-norm weights (fp32 [D]) or null
+  const float* k_w = nullptr;
+  float eps = 0.0f;
+};
+
+template <DType IN>
+KVW_HD float load_cs(const RopeArgs& r, i64 i) {
+  return r.cs_f32 ? static_cast<const float*>(static_cast<const void*>(r.cos_sin))[i] : load_float<IN>(r.cos_sin, i);
+}
+
+// 1 / sqrt(sum(x_d^2) / D + eps) of the head at element `off`: the sum as the adjacent-pair tree
+// over D zero-padded to a power of two, streamed as a binary counter (stk[l]: the pending left
+// subtree of 2^l leaves; the padding zeros add exactly).
+template <DType IN>
+KVW_HD float rms_inv(const void* src, i64 off, int D, float eps) {
+  float stk[12];
+  int P = 1;
+  while (P < D) P *= 2;
+  for (int j = 0; j < P; ++j) {
+    float v = 0.0f;
+    if (j < D) {
+      const float x = load_float<IN>(src, off + j);
+      v = mul_rn(x, x);
+    }
+    int k = j, l = 0;
+    for (; k & 1; k >>= 1, ++l) v = add_rn(stk[l], v);
+    stk[l] = v;
+  }
+  int top = 0;
+  while ((1 << top) < P) ++top;
+  return div_rn(1.0f, sqrt_rn(add_rn(div_rn(stk[top], float(D)), eps)));
+}
+
+// Rotate one head of D elements at `src` + `off` (norm weight `w` or null) and store each
+// result, rounded to IN, at `dst` + `doff` (dst may be src: each pair is read before written).
+template <DType IN>
+KVW_HD void rope_head(const RopeArgs& r, i64 pos, const void* src, i64 off, void* dst, i64 doff, int D,
+                      const float* w) {
+  const float inv = w != nullptr ? rms_inv<IN>(src, off, D, r.eps) : 1.0f;
+  const auto y = [&](int c) {
+    const float x = load_float<IN>(src, off + c);
+    return w != nullptr ? mul_rn(mul_rn(x, inv), w[c]) : x;
+  };
+  const int half = r.R / 2;
+  const i64 cs = pos * r.cs_stride;
+  for (int i = 0; i < half; ++i) {
+    const int a = r.neox ? i : 2 * i, b = r.neox ? i + half : 2 * i + 1;
+    const float ya = y(a), yb = y(b);
+    const float c = load_cs<IN>(r, cs + i), s = load_cs<IN>(r, cs + half + i);
+    store_rounded<IN>(dst, doff + a, sub_rn(mul_rn(ya, c), mul_rn(yb, s)));
+    store_rounded<IN>(dst, doff + b, add_rn(mul_rn(yb, c), mul_rn(ya, s)));
+  }
+  for (int c = r.R; c < D; ++c) store_rounded<IN>(dst, doff + c, y(c));
+}
+
+// Token i's position and whether it is inside the cos/sin cache.
+KVW_HD i64 rope_position(const RopeArgs& r, i64 i, bool& ok) {
+  const i64 pos = load_index(r.pos, r.pos64, i);
+  ok = pos >= 0 && pos < r.max_pos;
+  return pos;
+}
+
+// The store's loc resolution with the position check folded in (kvwrite.reference.rope
+// resolve_with_positions): a bad position is a KIND_POSITION error (checked first), never
+// written, in every mode; the lead lane records / asserts.
+template <int CHECK>
+KVW_HD Resolved resolve_rope(const LocArgs& a, const RopeArgs& r, i64 i, bool pos_ok, i64 pos) {
+  Resolved res = resolve<CHECK>(a, i);
+  if (!pos_ok) {
+    res.write = false;
+    if (CHECK != CHECK_OFF) {
+      res.bad = true;
+      res.kind = KIND_POSITION;
+      res.target = pos;
+      res.limit = r.max_pos;
+    }
+  }
+  return res;
+}
+
+template <int CHECK>
+KVW_HD Resolved resolve_rope_checked(const LocArgs& a, const RopeArgs& r, i64 i, bool pos_ok, i64 pos, bool lead) {
+  const Resolved res = resolve_rope<CHECK>(a, r, i, pos_ok, pos);
+  if (CHECK != CHECK_OFF && res.bad && lead) on_bad<CHECK>(a.errors, violation(a, i, res));
+  return res;
+}
+
+// Phase 1 work items `lane`, `lane + nlanes`, ... of token i: q heads [0, Hq) when the position
+// is valid, then `extra` more heads (k) when `store` (the callback rotates them).
+template <DType IN, class KHead>
+KVW_HD void rope_q_and(const RopeArgs& r, i64 i, i64 pos, bool pos_ok, int D, bool store, int extra, int lane,
+                       int nlanes, KHead&& k_head) {
+  const int nq = pos_ok ? r.Hq : 0, total = nq + (store ? extra : 0);
+  for (int j = lane; j < total; j += nlanes) {
+    if (j < nq) {
+      const i64 off = i * r.q_sn + j * r.q_sh;
+      rope_head<IN>(r, pos, r.q, off, r.q, off, D, r.q_w);
+    } else {
+      k_head(j - nq);
+    }
+  }
+}
+
+// ---- rope_store_kv ----------------------------------------------------------------------------
+
+struct RopeStoreKVParams {
+  StoreKVParams kv;  // k.src: the caller's k (rotated from); the store reads the scratch rows
+  RopeArgs rope;
+  char* scratch = nullptr;  // [n, H, Dk] input dtype (device); the host passes a per-thread row
+  i64 scratch_sn = 0;       // elements between tokens' scratch rows (0: one reused row)
+};
+
+// The whole of token i (both phases). OUT: void = copy (VEC-byte units), else the fp8 format.
+template <int CHECK, DType IN, class OUT, int VEC>
+KVW_HD void rope_store_kv_token(const RopeStoreKVParams& p, i64 i, bool live, int lane, int nlanes) {
+  const StoreKVParams& kv = p.kv;
+  const int D = kv.k.D;
+  bool pos_ok = false, store = false;
+  i64 pos = 0;
+  Resolved res{};
+  if (live) {
+    pos = rope_position(p.rope, i, pos_ok);
+    res = resolve_rope_checked<CHECK>(kv.locs, p.rope, i, pos_ok, pos, lane == 0);
+    store = res.write;
+    char* row = p.scratch + i * p.scratch_sn * dtype_size(IN);
+    rope_q_and<IN>(p.rope, i, pos, pos_ok, D, store, kv.H, lane, nlanes, [&](int h) {
+      rope_head<IN>(p.rope, pos, kv.k.src, i * kv.k.s_tok + h * kv.k.s_head, row, i64(h) * D, D, p.rope.k_w);
+    });
+  }
+  KVW_BARRIER();
+  if (!store) return;
+  KVSide k = kv.k;  // the rotated k: this token's scratch row
+  k.src = p.scratch;
+  k.s_tok = p.scratch_sn;
+  k.s_head = D;
+  if constexpr (std::is_void<OUT>::value) {
+    const int es = dtype_size(kv.in_dtype);
+    copy_side<VEC>(k, kv.H, es, i, res.row, lane, nlanes);
+    copy_side<VEC>(kv.v, kv.H, es, i, res.row, lane, nlanes);
+  } else {
+    quant_side<IN, OUT>(k, kv.H, i, res.row, lane, nlanes);
+    quant_side<IN, OUT>(kv.v, kv.H, i, res.row, lane, nlanes);
+  }
+}
+
+template <int CHECK, DType IN, class OUT, int VEC>
+struct RopeStoreKVToken {
+  KVW_HD void operator()(const RopeStoreKVParams& p, i64 i, bool live, int lane, int nlanes) const {
+    rope_store_kv_token<CHECK, IN, OUT, VEC>(p, i, live, lane, nlanes);
+  }
+};
+
+// f(TypeTag<RopeStoreKVToken<...>>, work items per token) for the runtime check mode and dtypes.
+template <class F>
+void dispatch_rope_store_kv(const RopeStoreKVParams& p, int check, F&& f) {
+  const i64 heads = p.rope.Hq + p.kv.H;
+  const i64 d = p.kv.k.D > p.kv.v.D ? p.kv.k.D : p.kv.v.D;
+  StoreKVParams rotated = p.kv;  // the copy unit from the scratch rows' alignment, not k's
+  rotated.k.src = p.scratch;
+  rotated.k.s_tok = p.scratch_sn;
+  rotated.k.s_head = p.kv.k.D;
+  with_check(check, [&](auto c) {
+    with_float_dtype(p.kv.in_dtype, [&](auto in) {
+      if (p.kv.cache_dtype == p.kv.in_dtype) {
+        with_vec(store_kv_vec(rotated), [&](auto vec) {
+          const i64 w = p.kv.H * d * dtype_size(p.kv.in_dtype) / vec.value;
+          f(TypeTag<RopeStoreKVToken<c.value, in.value, void, vec.value>>{}, w > heads ? w : heads);
+        });
+      } else {
+        with_fp8(p.kv.cache_dtype, [&](auto fmt) {
+          const i64 w = d % CHUNK == 0 ? 2 * p.kv.H * d / CHUNK : p.kv.H * d;
+          f(TypeTag<RopeStoreKVToken<c.value, in.value, typename decltype(fmt)::type, 1>>{}, w > heads ? w : heads);
+        });
+      }
+    });
+  });
+}
+
+// ---- rope_store_mla ---------------------------------------------------------------------------
+
+struct RopeStoreMLAParams {
+  StoreMLAParams mla;  // k_pe: the caller's k_pe (rotated from); the store reads the scratch rows
+  RopeArgs rope;
+  char* scratch = nullptr;  // [n, R] input dtype (device); the host passes a per-thread row
+  i64 scratch_sn = 0;
+};
+
+template <int CHECK, int MODE, DType IN, class OUT, int VEC>
+KVW_HD void rope_store_mla_token(const RopeStoreMLAParams& p, i64 i, bool live, int lane, int nlanes) {
+  const StoreMLAParams& m = p.mla;
+  bool pos_ok = false, store = false;
+  i64 pos = 0;
+  Resolved res{};
+  if (live) {
+    pos = rope_position(p.rope, i, pos_ok);
+    res = resolve_rope_checked<CHECK>(m.locs, p.rope, i, pos_ok, pos, lane == 0);
+    store = res.write;
+    rope_q_and<IN>(p.rope, i, pos, pos_ok, m.R, store, 1, lane, nlanes, [&](int) {
+      rope_head<IN>(p.rope, pos, m.k_pe, i * m.pe_sn, p.scratch, i * p.scratch_sn, m.R, nullptr);
+    });
+  }
+  KVW_BARRIER();
+  if (!store) return;
+  StoreMLAParams s = m;  // the rotated k_pe: this token's scratch row
+  s.k_pe = p.scratch;
+  s.pe_sn = p.scratch_sn;
+  char* dst = s.cache.row_ptr(res.row);
+  if constexpr (MODE == MLA_COPY) {
+    mla_copy<VEC>(s, i, dst, lane, nlanes);
+  } else if constexpr (MODE == MLA_FP8) {
+    mla_fp8<IN, OUT>(s, i, dst, lane, nlanes);
+  } else if constexpr (MODE == MLA_DS_MLA) {
+    mla_ds<IN>(s, i, dst, lane, nlanes);
+  } else {
+    mla_nvfp4<IN>(s, i, res.row, dst, lane, nlanes);
+  }
+}
+
+template <int CHECK, int MODE, DType IN, class OUT, int VEC>
+struct RopeStoreMLAToken {
+  KVW_HD void operator()(const RopeStoreMLAParams& p, i64 i, bool live, int lane, int nlanes) const {
+    rope_store_mla_token<CHECK, MODE, IN, OUT, VEC>(p, i, live, lane, nlanes);
+  }
+};
+
+template <class F>
+void dispatch_rope_store_mla(const RopeStoreMLAParams& p, int check, F&& f) {
+  const i64 heads = p.rope.Hq + 1;
+  StoreMLAParams rotated = p.mla;
+  rotated.k_pe = p.scratch;
+  rotated.pe_sn = p.scratch_sn;
+  const auto work = [&](i64 w) { return w > heads ? w : heads; };
+  with_check(check, [&](auto c) {
+    with_float_dtype(p.mla.in_dtype, [&](auto in) {
+      if (p.mla.mode == MLA_COPY) {
+        with_vec(store_mla_vec(rotated), [&](auto vec) {
+          f(TypeTag<RopeStoreMLAToken<c.value, MLA_COPY, in.value, void, vec.value>>{},
+            work(store_mla_work(rotated, vec.value)));
+        });
+      } else if (p.mla.mode == MLA_FP8) {
+        with_fp8(p.mla.cache_dtype, [&](auto fmt) {
+          f(TypeTag<RopeStoreMLAToken<c.value, MLA_FP8, in.value, typename decltype(fmt)::type, 1>>{},
+            work(store_mla_work(rotated, 1)));
+        });
+      } else if (p.mla.mode == MLA_DS_MLA) {
+        f(TypeTag<RopeStoreMLAToken<c.value, MLA_DS_MLA, in.value, void, 1>>{}, work(store_mla_work(rotated, 1)));
+      } else if (p.mla.mode == MLA_NVFP4) {
+        f(TypeTag<RopeStoreMLAToken<c.value, MLA_NVFP4, in.value, void, 1>>{}, work(store_mla_work(rotated, 1)));
+      } else {
+        throw std::invalid_argument("kvwrite: unknown store_mla mode");
+      }
+    });
+  });
+}
+
+}  // namespace kvwrite

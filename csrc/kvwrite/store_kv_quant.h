@@ -1,0 +1,124 @@
+// store_kv_quant: the paged K+V store with static int8 or dynamic per-token / per-token-head
+// int8 / fp8 scales (kvwrite.ops.kv_quant; the Triton twin is kernels/store_kv_quant.py). One
+// token's work is `store_kv_quant_token`, over `nlanes` lanes (one warp's worth at most on the
+// device: the amax is combined with group_max; 1 on the CPU). The scale goes to the same local
+// row as the codes, written by lane 0 after the amax.
+#pragma once
+
+#include "dispatch.h"
+#include "kv_quant.h"
+#include "locs.h"
+#include "paged.h"
+
+namespace kvwrite {
+
+// One of K or V: source rows [n, H, D] (feat stride 1), the code cache (1 byte an element) and
+// its scales: static fp32 [1] / [H], or a dynamic scale cache [pages, pool_page_size, 1 or H].
+struct KVQuantSide {
+  const char* src = nullptr;
+  i64 s_tok = 0, s_head = 0;
+  PagedCache cache;
+  const float* scale = nullptr;  // static
+  i64 scale_stride = 0;          // 0 (per tensor) or 1 (per head)
+  PagedCache scales;             // dynamic: heads dim 1 (per token) or H (per token-head)
+  int D = 0;
+};
+
+struct StoreKVQuantParams {
+  KVQuantSide k, v;
+  int H = 0;
+  DType in_dtype = DType::F32;
+  int fmt = FMT_INT8;        // KVQuantFmt
+  int quant = QUANT_TOKEN;   // KVQuantMode
+  int rule = RULE_RNE;       // QuantRule
+  LocArgs locs;
+};
+
+// Codes of head h (D elements) of the token starting at `src` into `dst`, lanes striding.
+template <DType IN, class F, int RULE>
+KVW_HD void quant_head(const KVQuantSide& s, const Quantizer<F, RULE>& q, i64 src, int h, char* dst,
+                       int lane, int nlanes) {
+  if (nlanes == 1) {
+    quantize_run<IN, F, RULE>(s.src, src + h * s.s_head, s.D, q, dst + s.cache.in_row(h, 0));
+    return;
+  }
+  for (int d = lane; d < s.D; d += nlanes) dst[s.cache.in_row(h, d)] = char(q(load_quant<IN>(s.src, src + h * s.s_head + d)));
+}
+
+KVW_HD void store_scale(const PagedCache& scales, i64 row, int h, float v) {
+  *reinterpret_cast<float*>(scales.at(row, h, 0)) = v;
+}
+
+template <DType IN, class F, int QUANT, int RULE>
+KVW_HD void quant_kv_side(const KVQuantSide& s, int H, i64 i, i64 row, int lane, int nlanes) {
+  char* dst = s.cache.row_ptr(row);
+  const i64 src = i * s.s_tok;
+  if constexpr (QUANT == QUANT_STATIC) {
+    for (int h = 0; h < H; ++h) quant_head<IN>(s, Quantizer<F, RULE>(s.scale[h * s.scale_stride]), src, h, dst, lane, nlanes);
+  } else if constexpr (QUANT == QUANT_TOKEN) {
+    const float sc = dynamic_scale<F>(heads_amax<IN>(s.src, src, s.s_head, H, s.D, lane, nlanes));
+    if (lane == 0) store_scale(s.scales, row, 0, sc);
+    const Quantizer<F, RULE> q(sc);
+    for (int h = 0; h < H; ++h) quant_head<IN>(s, q, src, h, dst, lane, nlanes);
+  } else {
+    for (int h = 0; h < H; ++h) {
+      const float sc = dynamic_scale<F>(heads_amax<IN>(s.src, src + h * s.s_head, 0, 1, s.D, lane, nlanes));
+      if (lane == 0) store_scale(s.scales, row, h, sc);
+      quant_head<IN>(s, Quantizer<F, RULE>(sc), src, h, dst, lane, nlanes);
+    }
+  }
+}
+
+template <int CHECK, DType IN, class F, int QUANT, int RULE>
+struct StoreKVQuantToken {
+  KVW_HD void operator()(const StoreKVQuantParams& p, i64 i, int lane, int nlanes) const {
+    const Resolved r = resolve_checked<CHECK>(p.locs, i, lane == 0);
+    if (!r.write) return;
+    quant_kv_side<IN, F, QUANT, RULE>(p.k, p.H, i, r.row, lane, nlanes);
+    quant_kv_side<IN, F, QUANT, RULE>(p.v, p.H, i, r.row, lane, nlanes);
+  }
+};
+
+// f(TypeTag<StoreKVQuantToken<...>>, work items per token) for the runtime mode, format, rule.
+// Work items are capped at 32 (one warp): the dynamic amax is combined by warp shuffles.
+template <class Fn>
+void dispatch_store_kv_quant(const StoreKVQuantParams& p, int check, Fn&& f) {
+  const i64 d = p.k.D > p.v.D ? p.k.D : p.v.D;
+  const i64 work = p.quant == QUANT_HEAD ? d : p.H * d;
+  const i64 lanes = work < 32 ? work : 32;
+  auto with_fmt = [&](auto&& g) {
+    switch (p.fmt) {
+      case FMT_INT8: return g(TypeTag<Int8Fmt>{});
+      case FMT_E4M3: return g(TypeTag<E4M3>{});
+      case FMT_E5M2: return g(TypeTag<E5M2>{});
+      default: throw std::invalid_argument("kvwrite: store_kv_quant cache must be int8, float8_e4m3fn or float8_e5m2");
+    }
+  };
+  with_check(check, [&](auto c) {
+    with_float_dtype(p.in_dtype, [&](auto in) {
+      with_fmt([&](auto fmt) {
+        using F = typename decltype(fmt)::type;
+        constexpr int C = decltype(c)::value;
+        constexpr DType IN = decltype(in)::value;
+        if (p.quant == QUANT_STATIC) {
+          if constexpr (std::is_same<F, Int8Fmt>::value) {
+            if (p.rule != RULE_RNE) throw std::invalid_argument("kvwrite: a static scale takes the rne rule only");
+            return f(TypeTag<StoreKVQuantToken<C, IN, F, QUANT_STATIC, RULE_RNE>>{}, lanes);
+          } else {
+            throw std::invalid_argument("kvwrite: static fp8 scales are store_kv's, not store_kv_quant's");
+          }
+        }
+        if (p.quant != QUANT_TOKEN && p.quant != QUANT_HEAD) throw std::invalid_argument("kvwrite: bad quant mode");
+        const bool token = p.quant == QUANT_TOKEN;
+        if (p.rule == RULE_VLLM) {
+          if (token) return f(TypeTag<StoreKVQuantToken<C, IN, F, QUANT_TOKEN, RULE_VLLM>>{}, lanes);
+          return f(TypeTag<StoreKVQuantToken<C, IN, F, QUANT_HEAD, RULE_VLLM>>{}, lanes);
+        }
+        if (token) return f(TypeTag<StoreKVQuantToken<C, IN, F, QUANT_TOKEN, RULE_RNE>>{}, lanes);
+        return f(TypeTag<StoreKVQuantToken<C, IN, F, QUANT_HEAD, RULE_RNE>>{}, lanes);
+      });
+    });
+  });
+}
+
+}  // namespace kvwrite

@@ -1,0 +1,253 @@
+"""Page moves: copy_pages (unit pairs between two pools), gather (rows at locs, zero for skipped
+ones) and slot_mapping (block table -> slots), with the stores' check modes and records.
+
+Pools are canonical `[pages, rows, heads, feat]` views (feat contiguous), moved as raw words (the
+widest of 4 / 2 / 1 bytes dividing the row's layout), so fp8 and quantised pools move as bits.
+"""
+import triton
+import triton.language as tl
+
+from kvwrite.kernels._common import CHECK_OFF, check_or_record, claim_rows, record_table
+
+
+@triton.jit
+def copy_pages_kernel(src_ptr, dst_ptr, sid_ptr, did_ptr, err_ptr, n_pairs, src_count, dst_count,
+                      src_factor, dst_factor, unit_rows, n_runs, heads, feat,
+                      s_sp, s_sr, s_sh, d_sp, d_sr, d_sh,
+                      CHECK: tl.constexpr, OP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program (i, q, c): pair i, runs [q * BLOCK_T, ...) of its unit (a run is one head of one
+    row: `feat` contiguous words; run = row * heads + head), words [c * BLOCK_C, ...) of each.
+    Unit u of a pool is rows (u % factor) * unit_rows ... of page u // factor."""
+    pair = tl.program_id(0) + tl.arange(0, 1)
+    s = tl.load(sid_ptr + pair).to(tl.int64)
+    d = tl.load(did_ptr + pair).to(tl.int64)
+    live = (s != -1) & (d != -1)
+    bad_s = live & ((s < 0) | (s >= src_count))
+    bad_d = live & (bad_s == 0) & ((d < 0) | (d >= dst_count))
+    if CHECK == CHECK_OFF:
+        write = live & (s >= 0) & (d >= 0)
+        bad = tl.zeros_like(s) != 0
+    else:
+        bad = bad_s | bad_d
+        write = live & (bad == 0)
+    kind = tl.where(bad_s, 16, 17)          # kvwrite.errors.KIND_SRC_PAGE / KIND_DST_PAGE
+    target = tl.where(bad_s, s, d)
+    limit = tl.where(bad_s, src_count, dst_count)
+    check_or_record(err_ptr, pair, target, bad, target, limit, kind, unit_rows, OP, CHECK,
+                    (tl.program_id(1) == 0) & (tl.program_id(2) == 0))
+    if tl.sum(write.to(tl.int32), axis=0) > 0:
+        s0 = tl.sum(tl.where(write, s, 0), axis=0)
+        d0 = tl.sum(tl.where(write, d, 0), axis=0)
+        src = (s0 // src_factor) * s_sp + (s0 % src_factor) * unit_rows * s_sr
+        dst = (d0 // dst_factor) * d_sp + (d0 % dst_factor) * unit_rows * d_sr
+        q = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+        r = (q // heads).to(tl.int64)
+        h = (q % heads).to(tl.int64)
+        c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask = (q < n_runs)[:, None] & (c < feat)[None, :]
+        x = tl.load(src_ptr + (src + r * s_sr + h * s_sh)[:, None] + c[None, :], mask=mask)
+        tl.store(dst_ptr + (dst + r * d_sr + h * d_sh)[:, None] + c[None, :], x, mask=mask)
+
+
+@triton.jit
+def gather_kernel(cache_ptr, out_ptr, loc_ptr, err_ptr, loc_map_ptr, n_tokens, capacity,
+                  pool_page_size, map_len, dcp_rank, dcp_size, heads, feat, c_sp, c_sr, c_sh, o_sn,
+                  HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr, CHECK: tl.constexpr, OP: tl.constexpr,
+                  BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                  pt_batch_ptr=None, pt_indices_ptr=None, pt_indptr_ptr=None, pt_num_batches=0,
+                  pt_num_indices=0, HAS_TABLE: tl.constexpr = False):
+    """Program (t, c): BLOCK_T tokens, columns [c * BLOCK_C, ...) of the [heads * feat] row; a
+    token not read (padding, skipped, bad) gets a zero row."""
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    page, offset, write = claim_rows(loc_ptr, tok, n_tokens, loc_map_ptr, map_len, dcp_rank,
+                                     dcp_size, capacity, pool_page_size, err_ptr, HAS_MAP,
+                                     HAS_DCP, CHECK, OP, tl.program_id(1) == 0, pt_batch_ptr,
+                                     pt_indices_ptr, pt_indptr_ptr, pt_num_batches,
+                                     pt_num_indices, HAS_TABLE)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < heads * feat
+    h = (cols // feat).to(tl.int64)
+    f = cols % feat
+    base = page * c_sp + offset * c_sr
+    x = tl.load(cache_ptr + base[:, None] + (h * c_sh + f)[None, :], mask=write[:, None] & cmask[None, :],
+                other=0)
+    tmask = tok < n_tokens
+    tl.store(out_ptr + tok.to(tl.int64)[:, None] * o_sn + cols[None, :], x,
+             mask=tmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def slot_mapping_kernel(table_ptr, batch_ptr, pos_ptr, out_ptr, err_ptr, n_tokens, rows, width,
+                        t_sr, page_size, num_pages, CHECK: tl.constexpr, OP: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """slot = block_table[b, pos // page_size] * page_size + pos % page_size, or -1 (padding,
+    a row or block the table does not have, a negative page; assert/guard: a page past the
+    pool). The reference is kvwrite.reference.pages.slot_mapping."""
+    tok = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tmask = tok < n_tokens
+    b = tl.load(batch_ptr + tok, mask=tmask, other=-1).to(tl.int64)
+    pos = tl.load(pos_ptr + tok, mask=tmask, other=-1).to(tl.int64)
+    live = tmask & (b != -1) & (pos != -1)
+    blk = pos // page_size
+    off = pos - blk * page_size
+    neg = off < 0   # floor division whatever the integer division rounds to
+    blk = tl.where(neg, blk - 1, blk)
+    off = tl.where(neg, off + page_size, off)
+    in_row = (b >= 0) & (b < rows)
+    in_width = (blk >= 0) & (blk < width)
+    bad_row = live & (in_row == 0)
+    bad_blk = live & in_row & (in_width == 0)
+    live = live & in_row & in_width
+    page = tl.load(table_ptr + b * t_sr + blk, mask=live, other=-1).to(tl.int64)
+    if CHECK == CHECK_OFF:
+        bad_page = tl.zeros_like(page) != 0
+        write = live & (page >= 0)
+    else:
+        bad_page = live & ((page < 0) | (page >= num_pages))
+        write = live & (bad_page == 0)
+    slot = page * page_size + off
+    tl.store(out_ptr + tok, tl.where(write, slot, -1), mask=tmask)
+    if CHECK != CHECK_OFF:
+        bad = bad_row | bad_blk | bad_page
+        kind = tl.where(bad_row, 18, tl.where(bad_blk, 19, 20))   # kvwrite.errors.KIND_BLOCK_*
+        target = tl.where(bad_row, b, tl.where(bad_blk, blk, page))
+        limit = tl.where(bad_row, rows, tl.where(bad_blk, width, num_pages))
+        loc = tl.where(bad_page, slot, -1)
+        check_or_record(err_ptr, tok, loc, bad, target, limit, kind, page_size, OP, CHECK, True)
+        record_table(err_ptr, tok, bad, b, pos, tl.where(bad_row, -1, blk), tl.where(bad_page, page, -1),
+                     CHECK, True)
+
+
+def _word(*tensors_and_ints) -> int:
+    """Bytes per moved word: the widest of 4 / 2 / 1 dividing every byte count given."""
+    bits = 0
+    for v in tensors_and_ints:
+        bits |= int(v)
+    return 4 if bits % 4 == 0 else 2 if bits % 2 == 0 else 1
+
+
+def _words(t, word: int):
+    """`t` (canonical [pages, rows, H, F]) as a view of `word`-byte integers, and its strides in words."""
+    import torch
+
+    dtype = {4: torch.int32, 2: torch.int16, 1: torch.uint8}[word]
+    es = t.element_size()
+    v = t.view(torch.uint8) if es > 1 or t.dtype != torch.uint8 else t
+    v = v.view(dtype)
+    return v, [s * es // word for s in t.stride()[:3]]
+
+
+def _run(kernel, grid, a, reference, **kwargs) -> None:
+    """Launch (the assert variant in debug mode: a device assert on a GPU). Under the
+    interpreter, assert mode first runs the reference check, so a bad id raises (as a
+    KernelAssertion) before any program has copied its pair; the kernel's own assert backs it."""
+    from kvwrite.backend import triton_interpreting
+    from kvwrite.kernels._launch import KernelAssertion
+    from kvwrite.errors import OutOfBoundsWrite
+    from kvwrite.kernels._launch import num_warps
+
+    if not triton_interpreting():
+        kwargs["num_warps"] = num_warps(kwargs)   # as kernels/compile_check.py compiles it
+    if a.check.mode != "assert":
+        kernel[grid](**kwargs)
+        return
+    if not triton_interpreting():
+        kernel[grid](**kwargs, debug=True)
+        return
+    try:
+        reference()
+    except OutOfBoundsWrite as err:
+        raise KernelAssertion(err.op, err.token_index, err.loc, err.page, err.num_pages,
+                              err.pool_page_size, err.count, err.kind, err.target, err.limit,
+                              batch=err.batch, position=err.position, table_slot=err.table_slot,
+                              table_page=err.table_page) from None
+    kernel[grid](**kwargs)
+
+
+def copy_pages(a) -> None:
+    """Launch copy_pages_kernel for a validated `kvwrite.ops.pages.CopyPages`."""
+    from kvwrite.errors import op_code
+    from kvwrite.reference.pages import check_pairs
+
+    s, d = a.src, a.dst
+    es = s.element_size()
+    word = _word(s.shape[3] * es, *(x * es for x in s.stride()[:3]), *(x * es for x in d.stride()[:3]),
+                 s.data_ptr(), d.data_ptr())
+    sv, ss = _words(s, word)
+    dv, ds = _words(d, word)
+    heads, feat, rows = s.shape[2], s.shape[3] * es // word, a.src_units.rows
+    runs = rows * heads
+    if all(st[2] == feat or heads == 1 for st in (ss, ds)) and all(
+            st[1] == heads * feat or rows == 1 for st in (ss, ds)):
+        heads, feat, runs = 1, runs * feat, 1      # a unit is one run on both sides
+    block_c = min(triton.next_power_of_2(max(feat, 1)), 4096)
+    block_t = max(1, min(4096 // block_c, triton.next_power_of_2(runs)))
+    grid = (a.n, triton.cdiv(runs, block_t), triton.cdiv(feat, block_c))
+    err = a.check.errors if a.check.errors is not None else a.src_pages
+    kwargs = dict(src_ptr=sv, dst_ptr=dv, sid_ptr=a.src_pages, did_ptr=a.dst_pages, err_ptr=err,
+                  n_pairs=a.n, src_count=a.src_units.count, dst_count=a.dst_units.count,
+                  src_factor=a.src_units.factor, dst_factor=a.dst_units.factor, unit_rows=rows,
+                  n_runs=runs, heads=heads, feat=feat, s_sp=ss[0], s_sr=ss[1], s_sh=ss[2], d_sp=ds[0], d_sr=ds[1],
+                  d_sh=ds[2], CHECK=a.check.code, OP=op_code(a.check.op), BLOCK_T=block_t, BLOCK_C=block_c)
+    _run(copy_pages_kernel, grid, a,
+         lambda: check_pairs(a.src_pages, a.dst_pages, a.src_units, a.dst_units, a.check), **kwargs)
+
+
+def gather(a) -> None:
+    """Launch gather_kernel for a validated `kvwrite.ops.pages.Gather`."""
+    from kvwrite.kernels._launch import loc_args, tiles
+    from kvwrite.reference import _locs
+
+    c, o = a.cache, a.out
+    es = c.element_size()
+    word = _word(c.shape[3] * es, *(x * es for x in c.stride()[:3]), o.stride(0) * es, c.data_ptr(),
+                 o.data_ptr())
+    cv, cs = _words(c, word)
+    ov, os_ = _words(o.unsqueeze(1), word)
+    feat = c.shape[3] * es // word
+    n, h = a.locs.n, c.shape[2]
+    block_t, block_c = tiles(n, h * feat)
+    grid = (triton.cdiv(n, block_t), triton.cdiv(h * feat, block_c))
+    args = loc_args(a)
+
+    def reference():
+        r = _locs.resolve(a.locs, a.geometry.capacity, a.check, a.geometry.pool_page_size)
+        _locs.check(r, a.geometry, a.check)
+
+    _run(gather_kernel, grid, a, reference, cache_ptr=cv, out_ptr=ov, heads=h, feat=feat,
+         c_sp=cs[0], c_sr=cs[1], c_sh=cs[2], o_sn=os_[0], BLOCK_T=block_t, BLOCK_C=block_c, **args)
+
+
+def slot_mapping(a) -> None:
+    """Launch slot_mapping_kernel for a validated `kvwrite.ops.pages.SlotMapping`."""
+    from kvwrite.errors import op_code
+    from kvwrite.reference import pages as ref
+
+    n = a.n
+    block = min(triton.next_power_of_2(max(n, 1)), 1024)
+    bt = a.block_table
+    err = a.check.errors if a.check.errors is not None else a.out
+    _run(slot_mapping_kernel, (triton.cdiv(n, block),), a, lambda: ref.slot_mapping(a),
+         table_ptr=bt, batch_ptr=a.batch_indices, pos_ptr=a.positions, out_ptr=a.out, err_ptr=err,
+         n_tokens=n, rows=bt.shape[0], width=bt.shape[1], t_sr=bt.stride(0) if bt.shape[0] > 1 else 0,
+         page_size=a.geometry.pool_page_size, num_pages=a.geometry.num_pages, CHECK=a.check.code,
+         OP=op_code(a.check.op), BLOCK=block)
+
+
+def variants():
+    """(name, kernel, pointer dtypes, constexprs) of every variant, for compile_check."""
+    import torch
+
+    for check in (0, 1, 2):
+        for word in (torch.int32, torch.uint8):
+            ptrs = dict(src_ptr=word, dst_ptr=word, sid_ptr=torch.int64, did_ptr=torch.int64, err_ptr=torch.int64)
+            yield f"copy_pages-{str(word)[6:]}", copy_pages_kernel, ptrs, dict(CHECK=check, OP=9, BLOCK_T=1,
+                                                                               BLOCK_C=4096)
+        ptrs = dict(cache_ptr=torch.int32, out_ptr=torch.int32, loc_ptr=torch.int64, err_ptr=torch.int64,
+                    loc_map_ptr=torch.int64)
+        yield "gather-int32", gather_kernel, ptrs, dict(HAS_MAP=False, HAS_DCP=0, CHECK=check, OP=10,
+                                                        BLOCK_T=4, BLOCK_C=1024)
+        ptrs = dict(table_ptr=torch.int32, batch_ptr=torch.int32, pos_ptr=torch.int32, out_ptr=torch.int64,
+                    err_ptr=torch.int64)
+        yield "slot_mapping-int32", slot_mapping_kernel, ptrs, dict(CHECK=check, OP=11, BLOCK=1024)
+

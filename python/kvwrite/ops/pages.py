@@ -1,0 +1,428 @@
+"""Checked page moves: `copy_pages` (pool -> pool, also host <-> GPU), `gather` (rows at locs in
+the cache's own dtype), `slot_mapping` (block table -> slots) and `move_rows` (rows inside a pool).
+
+Every pool is a tensor `[pages, rows, ...]`: `rows` token rows per page, each row of the shape
+`...` (any strides for pages and rows, the innermost dim contiguous). Kernels see it as a canonical
+`[pages, rows, heads, feat]` view (`canonical_pool`). Page ids and locs are checked against the
+pool in check="assert"/"guard" like the stores' locs (kvwrite.errors records: KIND_SRC_PAGE /
+KIND_DST_PAGE, the stores' kinds for `gather`, KIND_BLOCK_* for `slot_mapping`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvwrite import validate
+from kvwrite.errors import MAX_TOKENS, NUM_SLOTS, ErrorBuffer, default_errors
+from kvwrite.geometry import GeometryError, PageGeometry
+from kvwrite.ops import _library
+from kvwrite.ops._common import Check, Locs, cache_geometry, dispatch, prepare
+from kvwrite.pagetable import PageTable
+
+OP_COPY, OP_GATHER, OP_SLOTS, OP_MOVE = "copy_pages", "gather", "slot_mapping", "move_rows"
+COPY_IMPLS = (
+    ("torch", "kvwrite.reference.pages:copy_pages"),
+    ("triton", "kvwrite.kernels.pages:copy_pages"),
+    ("cpu", "kvwrite._ext:copy_pages"),
+    ("cuda", "kvwrite._ext:copy_pages"),
+)
+GATHER_IMPLS = (
+    ("torch", "kvwrite.reference.pages:gather"),
+    ("triton", "kvwrite.kernels.pages:gather"),
+    ("cpu", "kvwrite._ext:gather"),
+    ("cuda", "kvwrite._ext:gather"),
+)
+SLOTS_IMPLS = (
+    ("torch", "kvwrite.reference.pages:slot_mapping"),
+    ("triton", "kvwrite.kernels.pages:slot_mapping"),
+    ("cpu", "kvwrite._ext:slot_mapping"),
+    ("cuda", "kvwrite._ext:slot_mapping"),
+)
+# Any dtype moves as bytes; these are the ones a pool can have.
+POOL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int32,
+               torch.int64, *validate.FP8_MAX)
+
+
+def canonical_pool(name: str, t: object) -> torch.Tensor:
+    """The `[pages, rows, heads, feat]` view of a pool `[pages, rows, ...]` (2-D: rows of one
+    element; 3-D: one head; 5-D and more: the dims after the third flattened, which must be a
+    view). The innermost dim must be contiguous."""
+    t = validate.tensor(name, t, dtypes=POOL_DTYPES)
+    if t.dim() < 2:
+        raise ValueError(f"{name} must be a pool [pages, rows, ...], got shape {list(t.shape)}")
+    if t.dim() == 2:
+        t = t.unsqueeze(-1).unsqueeze(-1)
+    elif t.dim() == 3:
+        t = t.unsqueeze(2)
+    elif t.dim() > 4:
+        try:
+            t = t.view(*t.shape[:3], -1)
+        except RuntimeError:
+            raise ValueError(f"{name}: the dims after the third must be contiguous (one run per head), "
+                             f"got shape {list(t.shape)} strides {t.stride()}") from None
+    if t.shape[0] < 1 or t.shape[1] < 1:
+        raise ValueError(f"{name} must have at least one page of at least one row, got shape {list(t.shape)}")
+    return t
+
+
+def _index(name: str, t: object, device: torch.device | None = None) -> torch.Tensor:
+    """A 1-D int32/int64 index tensor (contiguous); moved to `device` when given."""
+    t = validate.tensor(name, t, ndim=1, dtypes=validate.LOC_DTYPES)
+    if t.shape[0] > 1 and t.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous, got stride {t.stride(0)}")
+    if t.shape[0] > MAX_TOKENS:
+        raise ValueError(f"{name}: at most {MAX_TOKENS} entries per call, got {t.shape[0]}")
+    if device is not None and t.device != device:
+        t = t.to(device, non_blocking=True)
+    return t
+
+
+_DEFAULT_CHECKS: dict[tuple[str, str, torch.device], Check] = {}
+
+
+def check_for(op: str, device: torch.device, check: object, errors: object) -> Check:
+    """The Check of one call: the mode, and in guard mode the record (the device's default
+    buffer when `errors` is None), validated like the stores' `errors`."""
+    mode = validate.check_mode(check)
+    if errors is None:
+        key = (op, mode, device)
+        chk = _DEFAULT_CHECKS.get(key)
+        if chk is None:
+            chk = _DEFAULT_CHECKS[key] = Check(op, mode, default_errors(device).tensor if mode == "guard" else None)
+        return chk
+    record = errors.tensor if isinstance(errors, ErrorBuffer) else errors
+    if not (isinstance(record, torch.Tensor) and record.dtype == torch.int64 and record.shape == (NUM_SLOTS,)):
+        raise TypeError(f"errors must be a kvwrite.ErrorBuffer or None, got {type(errors).__name__}")
+    if record.device != device:
+        raise ValueError(f"errors is on {record.device} but the {op} runs on {device}")
+    return Check(op, mode, record if mode == "guard" else None)
+
+
+# --- copy_pages ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Units:
+    """How a pool's pages are counted by copy_pages: unit u is rows [(u % factor) * rows, +rows)
+    of page u // factor; the pool has `count` units."""
+
+    factor: int
+    rows: int
+    count: int
+
+
+@dataclass(slots=True, eq=False)
+class CopyPages:
+    """A validated copy_pages call on one device: canonical `[pages, rows, H, F]` pools."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    src_pages: torch.Tensor
+    dst_pages: torch.Tensor
+    src_units: Units
+    dst_units: Units
+    check: Check
+
+    @property
+    def n(self) -> int:
+        return self.src_pages.shape[0]
+
+
+def page_units(src: torch.Tensor, dst: torch.Tensor) -> tuple[Units, Units]:
+    """(src, dst) units of canonical pools whose page sizes differ by an integer factor, else a
+    GeometryError."""
+    ps, pd = src.shape[1], dst.shape[1]
+    if ps % pd and pd % ps:
+        raise GeometryError(f"src pages hold {ps} rows and dst pages {pd}: copy_pages needs one to be "
+                            f"a whole multiple of the other (pages are counted in units of the smaller)")
+    unit = min(ps, pd)
+    return (Units(ps // unit, unit, src.shape[0] * (ps // unit)),
+            Units(pd // unit, unit, dst.shape[0] * (pd // unit)))
+
+
+def same_rows(src: torch.Tensor, dst: torch.Tensor, what: str = "copy_pages") -> None:
+    """GeometryError unless two pools `[pages, rows, ...]` have one row shape and dtype."""
+    if src.dtype != dst.dtype:
+        raise GeometryError(f"{what}: src rows are {src.dtype} but dst rows are {dst.dtype}; pages move "
+                            f"as they are, so the dtypes must match")
+    if tuple(src.shape[2:]) != tuple(dst.shape[2:]):
+        raise GeometryError(f"{what}: src rows have shape {list(src.shape[2:])} but dst rows "
+                            f"{list(dst.shape[2:])}; pages move as they are, so the row shapes must match")
+
+
+def prepare_copy_pages(src, dst, src_pages, dst_pages, check, errors, op: str = OP_COPY) -> CopyPages:
+    """Validate a same-device copy_pages call (errors name the argument)."""
+    validate.tensor("src", src, dtypes=POOL_DTYPES)
+    validate.tensor("dst", dst, dtypes=POOL_DTYPES)
+    same_rows(src, dst, op)
+    s, d = canonical_pool("src", src), canonical_pool("dst", dst)
+    su, du = page_units(s, d)
+    device = dst.device
+    sp, dp = _index("src_pages", src_pages, device), _index("dst_pages", dst_pages, device)
+    if sp.shape[0] != dp.shape[0]:
+        raise ValueError(f"src_pages and dst_pages must pair up one to one, got {sp.shape[0]} and {dp.shape[0]} entries")
+    return CopyPages(s, d, sp, dp, su, du, check_for(op, device, check, errors))
+
+
+def _copy_pages_py(src, dst, src_pages, dst_pages, check, errors, backend) -> None:
+    """The Python implementation of torch.ops.kvwrite.copy_pages."""
+    a = prepare_copy_pages(src, dst, src_pages, dst_pages, check, errors)
+    if a.n:
+        dispatch(OP_COPY, COPY_IMPLS, backend, dst.device, a)
+
+
+def _copy_pages_fake(src, dst, src_pages, dst_pages, check, errors, backend) -> None:
+    prepare_copy_pages(src, dst, src_pages, dst_pages, _library.fake_check(check, errors), errors)
+
+
+_library.define(OP_COPY, "(Tensor src, Tensor(a!) dst, Tensor src_pages, Tensor dst_pages, str check, "
+                         "Tensor(b!)? errors, str backend) -> ()", _copy_pages_py, _copy_pages_fake)
+
+
+def copy_pages(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor,
+               *, check: str | None = None, errors: ErrorBuffer | None = None,
+               backend: str = "auto") -> None:
+    """Copy page `src_pages[i]` of pool `src` to page `dst_pages[i]` of pool `dst` for every i.
+
+    Pools are `[pages, rows, ...]` tensors with one row shape and dtype (fp8 and quantised pools
+    move as bytes), on one device or on two (host <-> GPU: pin the host pool for an asynchronous
+    copy). A pair with a -1 on either side is skipped. When the pools page differently by an
+    integer factor, page ids count units of the smaller page: a larger page p holds units
+    p * factor ... p * factor + factor - 1. Different row shapes or dtypes, or page sizes that do
+    not divide, raise GeometryError before anything moves. check="assert"/"guard" check every id
+    against its pool's units (KIND_SRC_PAGE / KIND_DST_PAGE records; a bad pair is not copied);
+    "off" skips only negative ids. Pairs that write one dst page twice leave either copy.
+    """
+    if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor) and src.device != dst.device:
+        return _copy_across(src, dst, src_pages, dst_pages, check, errors, backend)
+    a = prepare_copy_pages(src, dst, src_pages, dst_pages, check, errors)
+    if torch.compiler.is_compiling():
+        torch.ops.kvwrite.copy_pages(src, dst, a.src_pages, a.dst_pages, a.check.mode, a.check.errors, backend)
+    elif a.n:
+        dispatch(OP_COPY, COPY_IMPLS, backend, dst.device, a)
+
+
+def _copy_across(src, dst, src_pages, dst_pages, check, errors, backend, op: str = OP_COPY) -> None:
+    """copy_pages between devices: the ids are checked (torch, on the GPU side's record), then
+    the src units are gathered into a staging buffer, moved (asynchronously from/to pinned host
+    memory), and scattered into dst; each step is a same-device copy_pages of checked ids."""
+    from kvwrite.reference.pages import checked_pairs
+
+    validate.tensor("src", src, dtypes=POOL_DTYPES)
+    validate.tensor("dst", dst, dtypes=POOL_DTYPES)
+    same_rows(src, dst, op)
+    s, d = canonical_pool("src", src), canonical_pool("dst", dst)
+    su, du = page_units(s, d)
+    side = dst.device if dst.device.type != "cpu" else src.device   # where the record lives
+    chk = check_for(op, side, check, errors)
+    sp, dp = _index("src_pages", src_pages, side), _index("dst_pages", dst_pages, side)
+    if sp.shape[0] != dp.shape[0]:
+        raise ValueError(f"src_pages and dst_pages must pair up one to one, got {sp.shape[0]} and {dp.shape[0]} entries")
+    n = sp.shape[0]
+    if n == 0:
+        return
+    sp, dp = checked_pairs(sp, dp, su, du, chk)       # bad or skipped pairs -> -1 on both sides
+    unit = su.rows
+    pinned = src.device.type == "cpu" and dst.device.type != "cpu"
+    stage = torch.empty((n, unit, *s.shape[2:]), dtype=s.dtype, device=src.device, pin_memory=pinned)
+    ids = torch.arange(n, device=side)
+    live = torch.where(sp >= 0, ids, -1)
+    copy_pages(s, stage, sp.to(src.device), live.to(src.device), check="off", backend=_on(backend, src.device))
+    moved = stage.to(dst.device, non_blocking=True)
+    copy_pages(moved, d, live.to(dst.device), dp.to(dst.device), check="off", backend=_on(backend, dst.device))
+
+
+def _on(backend: str, device: torch.device) -> str:
+    """The backend of one side of a cross-device copy ("auto" unless it can run there)."""
+    if backend in ("cpu", "cuda") and backend != device.type:
+        return "auto"
+    if backend == "triton" and device.type == "cpu":
+        return "auto"
+    return backend
+
+
+# --- gather ----------------------------------------------------------------------------------------
+
+@dataclass(slots=True, eq=False)
+class Gather:
+    """A validated gather: `cache` canonical `[pages, rows, H, F]`, `out` `[N, H, F]`."""
+
+    cache: torch.Tensor
+    out: torch.Tensor
+    geometry: PageGeometry
+    locs: Locs
+    check: Check
+
+
+def prepare_gather(cache, loc, check, errors, out=None, op: str = OP_GATHER) -> Gather:
+    c = canonical_pool("cache", cache)
+    device = c.device
+    n = loc.positions.shape[0] if isinstance(loc, PageTable) else (
+        loc.shape[0] if isinstance(loc, torch.Tensor) and loc.dim() == 1 else -1)
+    if n < 0:
+        validate.tensor("loc", loc, ndim=1)
+    row_shape = tuple(cache.shape[2:])
+    if out is None:
+        out = torch.empty((n, *row_shape), dtype=c.dtype, device=device)
+    else:
+        validate.tensor("out", out, dtypes=(c.dtype,), device=device)
+        validate.shape("out", out, (n, *row_shape), "tokens, the cache's row shape")
+    try:
+        o = out.view(n, c.shape[2], c.shape[3])
+    except RuntimeError:
+        raise ValueError(f"out rows must be [heads, feat] runs (a view of shape [{n}, {c.shape[2]}, "
+                         f"{c.shape[3]}]), got strides {out.stride()}") from None
+    if c.shape[2] > 1 and o.stride(1) != c.shape[3]:
+        raise ValueError(f"out rows must be contiguous, got strides {out.stride()}")
+    geometry = cache_geometry("cache", c.shape[0], c.shape[1])
+    locs, chk = prepare(op, device, n, loc, None, 0, 1, check, errors)
+    return Gather(c, o, geometry, locs, chk), out
+
+
+def _gather_py(cache, loc, check, errors, backend, batch_indices, kv_indices, kv_indptr) -> torch.Tensor:
+    """The Python implementation of torch.ops.kvwrite.gather."""
+    if batch_indices is not None:
+        loc = PageTable(batch_indices, loc, kv_indices, kv_indptr)
+    a, out = prepare_gather(cache, loc, check, errors)
+    if a.locs.n:
+        dispatch(OP_GATHER, GATHER_IMPLS, backend, cache.device, a)
+    return out
+
+
+def _gather_fake(cache, loc, check, errors, backend, batch_indices, kv_indices, kv_indptr) -> torch.Tensor:
+    return cache.new_empty((loc.shape[0], *cache.shape[2:]))
+
+
+_library.define(OP_GATHER, "(Tensor cache, Tensor loc, str check, Tensor(a!)? errors, str backend, "
+                           "Tensor? batch_indices, Tensor? kv_indices, Tensor? kv_indptr) -> Tensor",
+                _gather_py, _gather_fake)
+
+
+def gather(cache: torch.Tensor, loc: torch.Tensor | PageTable, *, check: str | None = None,
+           errors: ErrorBuffer | None = None, backend: str = "auto",
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """The rows of `cache` `[pages, rows, ...]` at `loc` as `[N, ...]` in the cache's own dtype
+    (fp8 stays fp8, quantised rows stay bytes): row `loc[i] % rows` of page `loc[i] // rows`.
+
+    `loc` is int32/int64 `[N]` (-1: a zero row) or a `kvwrite.PageTable` (positions through a
+    page table, as the stores take it). check="assert"/"guard": a loc outside the pool is
+    reported like a store's (a zero row in guard mode); "off" gives a zero row for negative locs
+    and does not check the upper bound on a GPU. `out`: write into this `[N, ...]` tensor.
+    """
+    if torch.compiler.is_compiling() and out is None:
+        t = loc if isinstance(loc, PageTable) else None
+        chk = validate.check_mode(check)
+        rec = errors.tensor if isinstance(errors, ErrorBuffer) else errors
+        return torch.ops.kvwrite.gather(cache, t.positions if t else loc, chk, rec, backend,
+                                        t.batch_indices if t else None, t.kv_indices if t else None,
+                                        t.kv_indptr if t else None)
+    a, out = prepare_gather(cache, loc, check, errors, out)
+    if a.locs.n:
+        dispatch(OP_GATHER, GATHER_IMPLS, backend, a.cache.device, a)
+    return out
+
+
+# --- slot_mapping ----------------------------------------------------------------------------------
+
+@dataclass(slots=True, eq=False)
+class SlotMapping:
+    """A validated slot_mapping: `block_table` `[B, W]` (row stride, unit inner stride)."""
+
+    block_table: torch.Tensor
+    batch_indices: torch.Tensor
+    positions: torch.Tensor
+    out: torch.Tensor
+    geometry: PageGeometry
+    check: Check
+
+    @property
+    def n(self) -> int:
+        return self.positions.shape[0]
+
+
+def prepare_slot_mapping(block_table, batch_indices, positions, geometry, check, errors) -> SlotMapping:
+    if not isinstance(geometry, PageGeometry):
+        raise TypeError(f"geometry must be a kvwrite.PageGeometry (the pool's page size and pages), "
+                        f"got {type(geometry).__name__}")
+    bt = validate.tensor("block_table", block_table, ndim=2, dtypes=validate.LOC_DTYPES)
+    device = bt.device
+    b = _index("batch_indices", batch_indices)
+    p = _index("positions", positions)
+    for name, t in (("batch_indices", b), ("positions", p)):
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but block_table is on {device}")
+    if b.shape[0] != p.shape[0]:
+        raise ValueError(f"batch_indices and positions must have one entry per token, got "
+                         f"{b.shape[0]} and {p.shape[0]}")
+    out = torch.empty(p.shape[0], dtype=torch.int64, device=device)
+    return SlotMapping(bt, b, p, out, geometry, check_for(OP_SLOTS, device, check, errors))
+
+
+def _slot_mapping_py(block_table, batch_indices, positions, page_size, num_pages, check, errors,
+                     backend) -> torch.Tensor:
+    """The Python implementation of torch.ops.kvwrite.slot_mapping."""
+    g = PageGeometry.from_pool(num_pages, page_size)
+    a = prepare_slot_mapping(block_table, batch_indices, positions, g, check, errors)
+    if a.n:
+        dispatch(OP_SLOTS, SLOTS_IMPLS, backend, block_table.device, a)
+    return a.out
+
+
+def _slot_mapping_fake(block_table, batch_indices, positions, page_size, num_pages, check, errors,
+                       backend) -> torch.Tensor:
+    return positions.new_empty(positions.shape, dtype=torch.int64)
+
+
+_library.define(OP_SLOTS, "(Tensor block_table, Tensor batch_indices, Tensor positions, int page_size, "
+                          "int num_pages, str check, Tensor(a!)? errors, str backend) -> Tensor",
+                _slot_mapping_py, _slot_mapping_fake)
+
+
+def slot_mapping(block_table: torch.Tensor, batch_indices: torch.Tensor, positions: torch.Tensor,
+                 geometry: PageGeometry, *, check: str | None = None, errors: ErrorBuffer | None = None,
+                 backend: str = "auto") -> torch.Tensor:
+    """Each token's slot (int64 `[N]`): `block_table[b, pos // ps] * ps + pos % ps`, b =
+    `batch_indices[i]`, pos = `positions[i]`, ps = `geometry.pool_page_size` (vLLM's slot
+    mapping; the slots a store's `loc` takes).
+
+    -1 where b or pos is -1 (padding), where the table holds a negative page, and, in every mode,
+    where b is outside the table's rows or pos // ps past a row's width (the table is never read
+    out of bounds). check="assert"/"guard" also report those (KIND_BLOCK_ROW / KIND_BLOCK_INDEX)
+    and a page outside the pool's `geometry.num_pages` (KIND_BLOCK_PAGE; its slot is -1 too);
+    "off" lets such a page through (the store that takes the slot checks it).
+    """
+    if torch.compiler.is_compiling():
+        rec = errors.tensor if isinstance(errors, ErrorBuffer) else errors
+        return torch.ops.kvwrite.slot_mapping(block_table, batch_indices, positions, geometry.pool_page_size,
+                                              geometry.num_pages, validate.check_mode(check), rec, backend)
+    a = prepare_slot_mapping(block_table, batch_indices, positions, geometry, check, errors)
+    if a.n:
+        dispatch(OP_SLOTS, SLOTS_IMPLS, backend, a.block_table.device, a)
+    return a.out
+
+
+# --- move_rows -------------------------------------------------------------------------------------
+
+def move_rows(cache: torch.Tensor, src_loc: torch.Tensor, dst_loc: torch.Tensor, *,
+              check: str | None = None, errors: ErrorBuffer | None = None,
+              backend: str = "auto") -> None:
+    """Token-granular moves inside one pool `[pages, rows, ...]`: row `dst_loc[i]` takes the row
+    that was at `src_loc[i]` (every source row is read before any row is written, as
+    `cache[dst] = cache[src]`). A -1 on either side skips the pair; bad locs are reported (op
+    "move_rows") and their pair skipped. Runs as a gather then a copy_pages of one-row units."""
+    c = canonical_pool("cache", cache)
+    device = c.device
+    s = _index("src_loc", src_loc, device)
+    d = _index("dst_loc", dst_loc, device)
+    if s.shape[0] != d.shape[0]:
+        raise ValueError(f"src_loc and dst_loc must pair up one to one, got {s.shape[0]} and {d.shape[0]} entries")
+    n = s.shape[0]
+    if n == 0:
+        return
+    rows, _ = prepare_gather(cache, s, check, errors, op=OP_MOVE)
+    dispatch(OP_GATHER, GATHER_IMPLS, backend, device, rows)
+    capacity = c.shape[0] * c.shape[1]
+    ok = (s >= 0) & (s < capacity)        # a bad source is reported by the gather, and not moved
+    ids = torch.where(ok, torch.arange(n, device=device), -1)
+    a = prepare_copy_pages(rows.out.unsqueeze(1), c, ids, d, check, errors, op=OP_MOVE)
+    dispatch(OP_COPY, COPY_IMPLS, backend, device, a)

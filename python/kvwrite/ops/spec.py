@@ -1,0 +1,320 @@
+"""One definition per op (`Op`): its arguments (role, shape letters, dtypes, mutability, optional),
+its addressing, its checks and its implementations. Derived from it, not written per op: the
+torch.library schema and registration (the page-table tensors and the error buffer included),
+the Python validation (`Op.prepare`: one matcher, shape letters unified across tensors, one
+message format, memoised per argument facts), the fake kernel (the same validation), backend
+dispatch and the public call (`Op.entry`: C++ fast path, Python path, torch.compile path).
+
+Shape letters (`Arg.dims`): "N H D" binds N, H, D from the first tensor that names them; a later
+tensor must match. A letter not bound yet shows as `*` in the message and is bound from the
+tensor after its check, unless listed in `Arg.binds` (bound from the tensor first: a cache's
+pages and rows). "*" is any size, "D/2" a bound letter divided by 2, "512" a size; "scale" /
+"scale H" is a dequant scale `[]`, `[1]` (or `[H]`). `Arg.layout`: the dims are the canonical
+`[pages, rows, H, ...]`; a call with layout "HND" checks (and names) dims 1 and 2 swapped.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from kvwrite import _ext, validate
+from kvwrite.addressing import TABLE_ARGS, page_table, prepare as prepare_addressing
+from kvwrite.errors import ErrorBuffer, op_code
+from kvwrite.ops import _library
+from kvwrite.ops._common import NATIVE, cache_geometry, dispatch, record
+from kvwrite.pagetable import PageTable
+
+NO_DEFAULT = object()
+FP8 = tuple(validate.FP8_MAX)
+_MEMO: dict = {}
+_MEMO_MAX = 1024
+OPS: dict[str, "Op"] = {}   # every declared op, by name (tests, docs)
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One schema argument. Tensors carry their checks: `dims`, `dtypes` (torch dtypes, or "=x":
+    the dtype of tensor x / of the value a check stored as x), `what` (names the dims in the shape
+    message, `{letter}` filled in)."""
+
+    name: str
+    type: str = "Tensor"      # schema type: Tensor, str, int, bool, float; "?" = optional
+    dims: str | None = None
+    dtypes: tuple = ()
+    mutable: bool = False
+    role: str = "input"       # input | cache | scale | option | addressing | check
+    what: str = ""
+    binds: str = ""
+    layout: bool = False
+    last_contiguous: bool = True
+    default: object = NO_DEFAULT   # the schema's default (trailing arguments)
+
+    @property
+    def tokens(self) -> tuple:
+        """`dims` parsed: (letter or None, divisor, literal size or None) per dim."""
+        out = []
+        for tok in (self.dims or "").split():
+            if tok == "*":
+                out.append((None, 1, None))
+            elif tok.isdigit():
+                out.append((None, 1, int(tok)))
+            else:
+                letter, _, div = tok.partition("/")
+                out.append((letter, int(div or 1), None))
+        return tuple(out)
+
+
+def T(name: str, dims: str | None = None, dtypes: tuple = (), **kw) -> Arg:
+    """A tensor argument."""
+    return Arg(name, "Tensor", dims, tuple(dtypes), **kw)
+
+
+def opt(name: str, dims: str | None = None, dtypes: tuple = (), **kw) -> Arg:
+    """An optional tensor argument (None = absent)."""
+    return Arg(name, "Tensor?", dims, tuple(dtypes), **kw)
+
+
+def cache(name: str, dims: str, dtypes: tuple, **kw) -> Arg:
+    """A pool tensor the op writes."""
+    return Arg(name, "Tensor", dims, tuple(dtypes), mutable=True, role="cache", **kw)
+
+
+def option(name: str, type_: str = "str", **kw) -> Arg:
+    return Arg(name, type_, role="option", **kw)
+
+
+LOC = Arg("loc", role="addressing")
+CHECK = Arg("check", "str", role="check")
+ERRORS = Arg("errors", "Tensor?", mutable=True, role="check")
+LOC_MAP = Arg("loc_map", "Tensor?", role="addressing")
+DCP = (Arg("dcp_rank", "int", role="addressing"), Arg("dcp_size", "int", role="addressing"))
+BACKEND = Arg("backend", "str", role="option")
+# What every op's schema ends with: the page-table tensors (loc then holds the positions).
+TABLE = tuple(Arg(n, "Tensor?", role="addressing", default=None) for n in TABLE_ARGS)
+
+
+def choice(name: str, options: tuple) -> Callable:
+    """A check: argument `name` is one of `options` (stored in the env under its name)."""
+    def check(env: dict, v: dict) -> None:
+        env[name] = validate.choice(name, v[name], options)
+    return check
+
+
+def geometry(name: str, pages: str = "P", rows: str = "S") -> Callable:
+    """A check: the pool geometry from the letters the cache `name` bound."""
+    def check(env: dict, v: dict) -> None:
+        env["geometry"] = cache_geometry(name, env[pages], env[rows])
+    return check
+
+
+def _match(a: Arg, t: object, env: dict, name: str) -> None:
+    """Check tensor argument `a` (called `name` in messages) against the env (dtype, rank,
+    device, shape letters) and bind its letters."""
+    dtypes = None
+    if a.dtypes:
+        dtypes = tuple(env[d[1:]] if isinstance(d, str) else d for d in a.dtypes)
+    device = env.get("device")
+    if a.dims is not None and a.dims.startswith("scale"):
+        heads = a.dims[5:].strip()
+        validate.scale(name, t, env[heads] if heads else None, device)
+        return
+    toks = a.tokens
+    t = validate.tensor(name, t, ndim=len(toks) if a.dims is not None else None, dtypes=dtypes,
+                        device=device, last_contiguous=a.last_contiguous)
+    if device is None:
+        env["device"] = t.device
+    env[a.name] = t.dtype
+    if not toks:
+        return
+    hnd = a.layout and env.get("layout") in ("HND", "cpu_attn")   # cpu_attn: HND-shaped caches
+    shape = tuple(t.shape)
+    canon = (shape[0], shape[2], shape[1], *shape[3:]) if hnd else shape
+    for letter in a.binds.split():
+        env[letter] = canon[[tk[0] for tk in toks].index(letter)]
+    expect = [lit if letter is None else (env[letter] // div if letter in env else None)
+              for letter, div, lit in toks]
+    if hnd:
+        expect[1], expect[2] = expect[2], expect[1]
+    if any(e is not None and e != s for e, s in zip(expect, shape)):
+        what = a.what.format_map(env) if "{" in a.what else a.what
+        if a.layout:
+            parts = what.split(", ")
+            if hnd:
+                parts[1], parts[2] = parts[2], parts[1]
+            what = f"{env.get('layout', 'NHD')}: {', '.join(parts)}"
+        validate.shape(name, t, expect, what)
+    for (letter, div, _), s in zip(toks, canon):
+        if letter is not None and div == 1 and letter not in env:
+            env[letter] = s
+
+
+def _facts(v: object) -> object:
+    if isinstance(v, torch.Tensor):
+        return (type(v), v.shape, v.stride(), v.dtype, v.device)
+    return (type(v), v)
+
+
+@dataclass
+class Op:
+    """One op. `checks`: the validation in order, argument names (matched by `_match`) and
+    callables `(env, values)` for the op's own rules; default: every tensor argument that is not
+    addressing. `build(values, env, locs, check)` makes the validated call object the
+    implementations take. `impls`: a (backend, "module:function") table, or a callable of the
+    call object that picks one (per format)."""
+
+    name: str
+    args: tuple
+    build: Callable
+    impls: object
+    checks: tuple = ()
+    dcp_page: bool = False      # DCP shards whole pages (DeepSeek V4 pools)
+    aliases: dict = field(default_factory=dict)   # schema name -> the name errors use
+    doc: str = ""
+    overload: object = field(default=None, init=False)
+    _native: object = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.all_args = tuple(self.args) + TABLE
+        self.names = tuple(a.name for a in self.all_args)
+        self.code = op_code(self.name)
+        if not self.checks:
+            self.checks = tuple(a.name for a in self.args if a.type.startswith("Tensor")
+                                and a.role not in ("addressing", "check"))
+        self.overload = _library.define(self.name, self.schema(), self.impl, self.fake)
+        self.entry = self._entry()
+        OPS[self.name] = self
+
+    # --- derived: schema --------------------------------------------------------------------
+    def schema(self) -> str:
+        """The torch.library schema, aliases for every tensor the op writes."""
+        parts, alias = [], iter("abcdefghijklmnopqrstuvwxy")
+        for a in self.all_args:
+            t = a.type
+            if a.mutable:
+                base, optional = t.rstrip("?"), t.endswith("?")
+                t = f"{base}({next(alias)}!)" + ("?" if optional else "")
+            default = "" if a.default is NO_DEFAULT else f"={a.default}"
+            parts.append(f"{t} {a.name}{default}")
+        return f"({', '.join(parts)}) -> ()"
+
+    # --- derived: validation ----------------------------------------------------------------
+    def _check(self, v: dict) -> dict:
+        env: dict = {}
+        by_name = {a.name: a for a in self.all_args}
+        for c in self.checks:
+            if callable(c):
+                c(env, v)
+            elif v[c] is not None or not by_name[c].type.endswith("?"):
+                _match(by_name[c], v[c], env, self.aliases.get(c, c))
+        return env
+
+    def match(self, v: dict) -> dict:
+        """The env of derived facts (letters, device, dtypes, geometry, the rules' values) of a
+        call, from its argument values: checked once per distinct argument facts (a check
+        raises on bad arguments, so only passing calls are remembered); never memoised while
+        tracing."""
+        if torch.compiler.is_compiling():
+            return self._check(v)
+        try:
+            key = (self.name, *map(_facts, v.values()))
+            env = _MEMO.get(key)
+        except TypeError:   # an unhashable argument: no memo (the checks name it)
+            return self._check(v)
+        if env is None:
+            env = self._check(v)
+            if len(_MEMO) >= _MEMO_MAX:
+                _MEMO.clear()
+            _MEMO[key] = env
+        return env
+
+    def prepare(self, args: tuple, check: object = NO_DEFAULT) -> object:
+        """Validate a call (schema-order arguments) and build the call object."""
+        if len(args) < len(self.names):   # the dispatcher leaves trailing defaults out
+            args = (*args, *(a.default for a in self.all_args[len(args):]))
+        v = dict(zip(self.names, args))
+        if check is not NO_DEFAULT:
+            v["check"] = check
+        env = self.match(v)
+        loc = page_table(self.name, v["loc"], v["batch_indices"], v["kv_indices"], v["kv_indptr"])
+        locs, chk = prepare_addressing(self.name, env["device"], env["N"], loc, v.get("loc_map"),
+                                       v.get("dcp_rank", 0), v.get("dcp_size", 1), v["check"],
+                                       v["errors"])
+        if self.dcp_page:
+            locs.dcp_page = True
+        return self.build(v, env, locs, chk)
+
+    def table(self, a: object) -> tuple:
+        return self.impls(a) if callable(self.impls) else self.impls
+
+    # --- derived: the kernels of torch.ops.kvwrite.<op> ---------------------------------------
+    def impl(self, *args) -> None:
+        """The Python implementation: validate, then run the backend's implementation."""
+        a = self.prepare(args)
+        if a.locs.n:
+            dispatch(self.name, self.table(a), args[self.names.index("backend")], a.locs.loc.device, a)
+
+    def fake(self, *args) -> None:
+        """Validation only: the same errors while tracing and for meta tensors."""
+        i, j = self.names.index("check"), self.names.index("errors")
+        self.prepare(args, _library.fake_check(args[i], args[j]))
+
+    def native(self) -> bool:
+        """Whether the extension's C++ kernel of this op is registered (settled once loaded)."""
+        if self._native is None:
+            if not _ext.LOADED:
+                return False
+            self._native = _library.native(self.overload)
+        return self._native
+
+    # --- derived: the public call -------------------------------------------------------------
+    def _entry(self) -> Callable:
+        """The call behind the public function: arguments in schema order without the table
+        tail, as the public function takes them (loc may be a PageTable, errors an ErrorBuffer,
+        check None = the process default)."""
+        names = self.names
+        i_loc, i_check, i_errors, i_backend = (names.index(n) for n in ("loc", "check", "errors", "backend"))
+        ints = tuple(i for i, a in enumerate(self.args) if a.type == "int")
+        overload, impl, prepare = self.overload, self.impl, self.prepare
+        call = overload._op   # the C++ builtin behind the OpOverload (one frame less)
+        default_check = validate.DEFAULT_CHECK
+
+        def entry(*args):
+            args = list(args)
+            check = args[i_check]
+            if check is None:
+                args[i_check] = check = default_check
+            errors = args[i_errors]
+            if type(errors) is ErrorBuffer:
+                args[i_errors] = errors = errors.tensor
+            loc = args[i_loc]
+            if type(loc) is PageTable:
+                args[i_loc] = loc.positions
+                args += (loc.batch_indices, loc.kv_indices, loc.kv_indptr)
+            if torch.compiler.is_compiling():
+                # the fake kernel validates; guard without a buffer finds the device's default
+                # buffer when the op runs
+                return overload(*args)
+            if (args[i_backend] in NATIVE and self.native()
+                    and all(type(args[i]) is int for i in ints)):
+                if errors is None and check == "guard" and isinstance(args[0], torch.Tensor):
+                    args[i_errors] = record(None, check, args[0])
+                try:
+                    return call(*args)
+                except Exception:  # arguments the schema refused: Python's error names them
+                    prepare(tuple(args) + (None,) * (len(names) - len(args)))
+                    raise
+            return impl(*args, *(None,) * (len(names) - len(args)))
+
+        return entry
+
+
+def args_doc(op: Op) -> list[str]:
+    """The op's arguments as reference-table rows (name, type, role, dims, dtypes, writes)."""
+    rows = []
+    for a in op.all_args:
+        dtypes = ", ".join(d if isinstance(d, str) else str(d).replace("torch.", "") for d in a.dtypes)
+        rows.append(f"| `{a.name}` | {a.type} | {a.role} | {a.dims or ''} | {dtypes} | "
+                    f"{'yes' if a.mutable else ''} |")
+    return rows

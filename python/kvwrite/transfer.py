@@ -1,0 +1,149 @@
+"""Page transfers between processes over torch.distributed (gloo on CPU, NCCL on GPUs): the
+pages of a prefill worker's pool sent into a decode worker's pool.
+
+`send_pages(cache, pages, dst)` on one rank pairs with `recv_pages(cache, pages, src)` on the
+other. Before any page moves, both sides exchange what they hold (dtype, row shape, page size,
+layout, loc_space_scale, how many buffers and pages) and check their page ids against their own
+pool; when the geometries differ both ranks raise GeometryError, when a page id is bad both ranks
+raise (the bad side an OutOfBoundsWrite naming the id, the peer a ValueError naming the rank).
+Then each buffer's pages are staged with copy_pages (checked), sent as one tensor, and scattered
+on the receiving side with copy_pages.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from kvwrite import validate
+from kvwrite.errors import KIND_DST_PAGE, KIND_SRC_PAGE, OutOfBoundsWrite
+from kvwrite.geometry import GeometryError, PageGeometry
+from kvwrite.ops.pages import canonical_pool, copy_pages
+
+LAYOUTS = ("NHD", "HND")
+
+
+@dataclass(frozen=True)
+class PageSpec:
+    """What both ends of a transfer must agree on."""
+
+    dtypes: tuple[str, ...]                   # one per buffer
+    row_shapes: tuple[tuple[int, ...], ...]   # one per buffer
+    page_size: int
+    loc_space_scale: int
+    layout: str
+    num_pages: int                            # pages moved in this call
+
+
+def _buffers(cache: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The pools of a transfer: one `[pages, rows, ...]` tensor or a sequence of them (all layers)."""
+    bufs = [cache] if isinstance(cache, torch.Tensor) else list(cache)
+    if not bufs:
+        raise ValueError("cache must be a pool tensor or a non-empty sequence of them")
+    for i, b in enumerate(bufs):
+        canonical_pool(f"cache[{i}]", b)
+        if b.shape[:2] != bufs[0].shape[:2]:
+            raise ValueError(f"cache[{i}] has {list(b.shape[:2])} pages x rows, cache[0] "
+                             f"{list(bufs[0].shape[:2])}: every buffer pages one loc space")
+    return bufs
+
+
+def spec_of(bufs: list[torch.Tensor], n: int, geometry: PageGeometry | None, layout: str) -> PageSpec:
+    """This side's PageSpec; `geometry` (page_size, loc_space_scale) must describe the buffers."""
+    layout = validate.choice("layout", layout, LAYOUTS)
+    rows, pages = bufs[0].shape[1], bufs[0].shape[0]
+    if geometry is None:
+        geometry = PageGeometry.from_pool(pages, rows)
+    if geometry.pool_page_size != rows or geometry.num_pages != pages:
+        raise GeometryError(f"geometry pages {geometry.num_pages} x pool_page_size "
+                            f"{geometry.pool_page_size} does not describe the cache ({pages} pages of {rows} rows)")
+    return PageSpec(tuple(str(b.dtype).replace("torch.", "") for b in bufs), tuple(tuple(b.shape[2:]) for b in bufs),
+                    geometry.page_size, geometry.loc_space_scale, layout, n)
+
+
+def _page_ids(pages: object, bufs: list[torch.Tensor], side: int) -> torch.Tensor:
+    """int64 CPU ids, every one a page of the pool (else OutOfBoundsWrite naming the first)."""
+    t = validate.tensor("pages", pages, ndim=1, dtypes=validate.LOC_DTYPES)
+    ids = t.to("cpu", torch.int64)
+    num_pages, rows = bufs[0].shape[0], bufs[0].shape[1]
+    bad = (ids < 0) | (ids >= num_pages)
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad)[0, 0])
+        raise OutOfBoundsWrite("transfer", i, int(ids[i]), int(ids[i]), num_pages, rows, int(bad.sum()),
+                               kind=side, target=int(ids[i]), limit=num_pages)
+    return ids
+
+
+def _exchange(mine: dict, peer: int, group, first: bool) -> dict:
+    """Send `mine` to `peer` and receive theirs (the sender sends first, so the pair never waits
+    on each other)."""
+    box = [None]
+    if first:
+        dist.send_object_list([mine], dst=peer, group=group)
+        dist.recv_object_list(box, src=peer, group=group)
+    else:
+        dist.recv_object_list(box, src=peer, group=group)
+        dist.send_object_list([mine], dst=peer, group=group)
+    return box[0]
+
+
+def _handshake(cache, pages, peer, group, geometry, layout, sending: bool):
+    """Validate locally, exchange with the peer, raise on both ranks when either refuses."""
+    local, spec, ids, bufs = None, None, None, None
+    try:
+        bufs = _buffers(cache)
+        ids = _page_ids(pages, bufs, KIND_SRC_PAGE if sending else KIND_DST_PAGE)
+        spec = spec_of(bufs, ids.shape[0], geometry, layout)
+    except (ValueError, TypeError, OutOfBoundsWrite) as exc:
+        local = exc
+    rank = dist.get_rank()
+    refusal = None if local is None else (type(local).__name__, str(local))
+    theirs = _exchange({"rank": rank, "spec": None if spec is None else asdict(spec), "refusal": refusal},
+                       peer, group, first=sending)
+    if local is not None:
+        raise local
+    if theirs["refusal"] is not None:
+        kind, msg = theirs["refusal"]
+        cls = GeometryError if kind == "GeometryError" else ValueError
+        raise cls(f"page transfer refused by rank {theirs['rank']} (the peer), nothing was moved: {kind}: {msg}")
+    mine, other = asdict(spec), theirs["spec"]
+    diff = [f"{k}: rank {rank} has {mine[k]!r}, rank {theirs['rank']} has {other[k]!r}"
+            for k in mine if _norm(mine[k]) != _norm(other[k])]
+    if diff:
+        raise GeometryError("the two ends of a page transfer disagree, nothing was moved: " + "; ".join(diff))
+    return bufs, ids
+
+
+def _norm(v):
+    return tuple(_norm(x) for x in v) if isinstance(v, (list, tuple)) else v
+
+
+def send_pages(cache: torch.Tensor | Sequence[torch.Tensor], pages: torch.Tensor, dst: int, group=None, *,
+               geometry: PageGeometry | None = None, layout: str = "NHD", backend: str = "auto") -> None:
+    """Send pages `pages` of `cache` (a pool `[pages, rows, ...]` or a sequence of them, e.g.
+    every layer's K and V) to rank `dst`, which calls `recv_pages` with as many pages. `geometry`
+    (page_size, loc_space_scale of the pool) and `layout` are compared with the receiver's;
+    without `geometry` the pool's rows per page are its page_size (loc_space_scale 1)."""
+    bufs, ids = _handshake(cache, pages, dst, group, geometry, layout, sending=True)
+    n = ids.shape[0]
+    for b in bufs:
+        stage = torch.empty((n, *b.shape[1:]), dtype=b.dtype, device=b.device)
+        copy_pages(b, stage, ids.to(b.device), torch.arange(n, device=b.device), backend=backend)
+        dist.send(stage.contiguous(), dst=dst, group=group)
+
+
+def recv_pages(cache: torch.Tensor | Sequence[torch.Tensor], pages: torch.Tensor, src: int, group=None, *,
+               geometry: PageGeometry | None = None, layout: str = "NHD", backend: str = "auto") -> None:
+    """Receive the pages rank `src` sends with `send_pages` into pages `pages` of `cache` (same
+    buffers, in the same order)."""
+    bufs, ids = _handshake(cache, pages, src, group, geometry, layout, sending=False)
+    n = ids.shape[0]
+    for b in bufs:
+        stage = torch.empty((n, *b.shape[1:]), dtype=b.dtype, device=b.device)
+        dist.recv(stage, src=src, group=group)
+        copy_pages(stage, b, torch.arange(n, device=b.device), ids.to(b.device), backend=backend)
+
+
+__all__ = ["PageSpec", "recv_pages", "send_pages", "spec_of"]

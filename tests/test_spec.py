@@ -1,0 +1,206 @@
+"""The op spec (kvwrite.ops.spec): what is derived from each op's declaration.
+
+- `torch.library.opcheck` (schema, fake kernel, mutation, dispatch) on every declared op.
+- Bad-argument cases generated from each op's argument list (not a tensor, wrong rank, dtype,
+  device, a strided last dim, a size that disagrees with a shape letter bound earlier): a named
+  error on the cpu (C++ fast path) and torch (Python) backends alike, before any write.
+- torch.compile(fullgraph=True) on the FIRST call of every op and adapter in a fresh process,
+  default check and KVWRITE_CHECK=guard: no graph break, bytes equal to eager; page tables too.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvwrite
+from kvwrite.ops import spec
+
+E4M3, U8 = torch.float8_e4m3fn, torch.uint8
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def good(op: str) -> dict:
+    """A valid call of `op`: schema argument name -> value (3 tokens, small pools)."""
+    g = torch.Generator().manual_seed(0)
+    loc = torch.tensor([0, 5, 9])
+    tail = dict(check="off", errors=None, loc_map=None, dcp_rank=0, dcp_size=1, backend="cpu")
+    if op == "store_kv":
+        return dict(k=torch.randn(3, 2, 16, generator=g), v=torch.randn(3, 2, 8, generator=g),
+                    k_cache=torch.zeros(4, 4, 2, 16), v_cache=torch.zeros(4, 4, 2, 8), loc=loc,
+                    layout="NHD", k_scale=None, v_scale=None, **tail)
+    if op == "store_mla":
+        return dict(kv_c=torch.randn(3, 128, generator=g), k_pe=torch.randn(3, 16, generator=g),
+                    kv_cache=torch.zeros(4, 4, 144), loc=loc, kv_cache_dtype="auto", scale=None,
+                    **tail, scale_cache=None, global_scale=None)
+    if op == "store_indexer_k":
+        t = {k: v for k, v in tail.items() if k not in ("dcp_rank", "dcp_size")}
+        return dict(k=torch.randn(3, 128, generator=g), cache=torch.zeros(4, 4 * 132, dtype=U8), loc=loc,
+                    quant_block_size=128, scale_fmt=None, **t)
+    if op == "store_kv_nvfp4":
+        return dict(k=torch.randn(3, 2, 32, generator=g), v=torch.randn(3, 2, 16, generator=g),
+                    k_cache=torch.zeros(4, 4, 2, 16, dtype=U8), v_cache=torch.zeros(4, 4, 2, 8, dtype=U8),
+                    k_scale_cache=torch.zeros(4, 4, 2, 2, dtype=E4M3),
+                    v_scale_cache=torch.zeros(4, 4, 2, 1, dtype=E4M3), loc=loc, k_global_scale=None,
+                    v_global_scale=None, layout="NHD", **tail)
+    if op == "store_dsv4_kv":
+        from kvwrite.ops.dsv4 import kv_page_bytes
+
+        return dict(kv=torch.randn(3, 512, generator=g), cache=torch.zeros(4, kv_page_bytes(4), dtype=U8),
+                    loc=loc, page_size=None, **tail)
+    if op == "store_dsv4_indexer_k":
+        return dict(k=torch.randn(3, 128, generator=g), cache=torch.zeros(4, 4 * 132, dtype=U8), loc=loc,
+                    page_size=None, fmt="fp8", scale_fmt=None, **tail)
+    if op == "store_rows":
+        return dict(src=torch.randn(3, 8, generator=g), pool=torch.zeros(16, 8), loc=loc, **tail)
+    raise KeyError(op)
+
+
+OPS = sorted(spec.OPS)
+
+
+def test_every_declared_op_has_a_valid_call_here():
+    assert set(OPS) >= {"store_kv", "store_mla", "store_indexer_k", "store_kv_nvfp4", "store_dsv4_kv",
+                        "store_dsv4_indexer_k", "store_rows"}
+    for op in OPS:
+        assert list(good(op)) == [a.name for a in spec.OPS[op].args]
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_opcheck(op):
+    """Schema (aliases of every written tensor), fake kernel, and the dispatcher paths agree."""
+    args = good(op)
+    fp8 = any(isinstance(t, torch.Tensor) and t.dtype == E4M3 for t in args.values())
+    # test_schema compares tensors with float math torch lacks for e4m3 (nvfp4's scale caches):
+    # there the mutation aliases are checked by test_faketensor / aot dispatch alone
+    utils = ("test_faketensor", "test_aot_dispatch_static", "test_aot_dispatch_dynamic") if fp8 else None
+    kw = {} if utils is None else {"test_utils": utils}
+    torch.library.opcheck(spec.OPS[op].overload, tuple(args.values()), **kw)
+    args["check"] = "guard"
+    args["errors"] = kvwrite.ErrorBuffer().tensor
+    torch.library.opcheck(spec.OPS[op].overload, tuple(args.values()), **kw)
+
+
+def _bad_cases(op: str):
+    """(argument, bad value, exception, message regex) generated from the op's declaration."""
+    o = spec.OPS[op]
+    base = good(op)
+    by_name = {a.name: a for a in o.args}
+    order = [c for c in o.checks if isinstance(c, str) and base.get(c) is not None]
+    bound_before: set = set()
+    for i, name in enumerate(order):
+        a, t = by_name[name], base[name]
+        shown = re.escape(o.aliases.get(name, name))
+        if a.dims and a.dims.startswith("scale"):
+            yield name, t.to(torch.float16), TypeError, f"{shown} must have dtype in \\(float32\\)"
+            continue
+        if not a.type.endswith("?"):
+            yield name, t.tolist(), TypeError, f"{shown} must be a torch.Tensor, got list"
+        if a.dims is not None:
+            yield name, t[None], ValueError, f"{shown} must be {t.dim()}-D, got shape"
+        if a.dtypes:
+            yield name, t.to(torch.int16), TypeError, f"{shown} must have dtype in \\("
+        if i > 0:
+            yield name, t.to("meta"), ValueError, f"{shown} is on meta but the inputs are on cpu"
+        if a.last_contiguous and t.dim() and t.shape[-1] > 1:
+            wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)[..., ::2]
+            yield name, wide, ValueError, f"{shown} must be contiguous in its last dim"
+        toks = a.tokens
+        for j in reversed(range(len(toks))):
+            letter, _, lit = toks[j]
+            if lit is not None or (letter in bound_before and letter not in a.binds.split()):
+                shape = list(t.shape)
+                shape[j] += 1
+                yield name, torch.zeros(shape, dtype=t.dtype), ValueError, f"{shown} must have shape \\["
+                break
+        bound_before |= {tk[0] for tk in toks if tk[0]} | set(a.binds.split())
+
+
+CASES = [(op, *c) for op in OPS for c in _bad_cases(op)]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("op, name, value, exc, msg", CASES,
+                         ids=[f"{c[0]}-{c[1]}-{c[4][:30]}" for c in CASES])
+def test_generated_bad_arguments(op, name, value, exc, msg, backend):
+    args = good(op)
+    args.update({name: value, "backend": backend})
+    caches = [t for n, t in args.items() if isinstance(t, torch.Tensor) and n != name
+              and spec.OPS[op].args[list(args).index(n)].mutable]
+    before = [c.clone() for c in caches]
+    with pytest.raises(exc, match=msg):
+        spec.OPS[op].entry(*args.values())
+    assert all(torch.equal(b.view(U8), c.view(U8)) for b, c in zip(before, caches))
+
+
+def test_good_calls_match_the_reference():
+    for op in OPS:
+        got, ref = good(op), good(op)
+        ref["backend"] = "torch"
+        spec.OPS[op].entry(*got.values())
+        spec.OPS[op].entry(*ref.values())
+        for n, a in zip(got, spec.OPS[op].args):
+            if a.mutable and isinstance(got[n], torch.Tensor):
+                assert torch.equal(got[n].view(U8), ref[n].view(U8)), (op, n)
+
+
+COMPILE_SCRIPT = r'''
+import sys, torch, kvwrite
+sys.path.insert(0, {tests!r})
+from test_spec import good
+from kvwrite.ops import spec
+from kvwrite.compat import vllm, flashinfer, sglang
+from torch._dynamo.utils import counters
+
+def run(name, fn, make):
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    eager = make()
+    torch.manual_seed(0)
+    comp = make()
+    fn(*eager)
+    torch.compile(fn, fullgraph=True, backend="eager")(*comp)
+    same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(eager, comp)
+               if isinstance(a, torch.Tensor) and a.dtype != torch.bool)
+    breaks = sum(counters["graph_break"].values())
+    print(name, "ok" if same and not breaks else f"FAIL same={{same}} breaks={{breaks}}", flush=True)
+
+for op in sorted(spec.OPS):
+    def make(op=op):
+        a = good(op); a["check"] = None; a["backend"] = "auto"
+        return list(a.values())
+    run(op, lambda *a, op=op: spec.OPS[op].entry(*a), make)
+
+def table_args():
+    k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    pt = (torch.tensor([0, 0, 1]), torch.tensor([0, 5, 2]), torch.tensor([1, 3, 0]), torch.tensor([0, 2, 3]))
+    return [k, v, torch.zeros(4, 4, 2, 16), torch.zeros(4, 4, 2, 16), *pt]
+run("store_kv PageTable", lambda k, v, kc, vc, b, p, i, ip: kvwrite.store_kv(k, v, kc, vc, kvwrite.PageTable(b, p, i, ip)), table_args)
+run("flashinfer.append_paged_kv_cache",
+    lambda k, v, kc, vc, b, p, i, ip: flashinfer.append_paged_kv_cache(k, v, b, p, (kc, vc), i, ip, torch.tensor([1, 1])),
+    table_args)
+def kv_args():
+    return [torch.randn(3, 2, 16), torch.randn(3, 2, 16), torch.zeros(4, 4, 2, 16), torch.zeros(4, 4, 2, 16), torch.tensor([0, 5, 9])]
+run("vllm.reshape_and_cache_flash", lambda k, v, kc, vc, s: vllm.reshape_and_cache_flash(k, v, kc, vc, s, "auto", None, None), kv_args)
+run("sglang.set_kv_buffer", lambda k, v, kc, vc, s: sglang.set_kv_buffer(kc.view(16, 2, 16), vc.view(16, 2, 16), s, k, v, 4), kv_args)
+def mla_args():
+    return [torch.randn(3, 128), torch.randn(3, 16), torch.zeros(4, 4, 144), torch.tensor([0, 5, 9])]
+run("vllm.concat_and_cache_mla", lambda c, p, kc, s: vllm.concat_and_cache_mla(c, p, kc, s, "auto", None), mla_args)
+'''
+
+
+@pytest.mark.parametrize("env_check", ["", "guard"])
+def test_torch_compile_first_call_of_every_op_and_adapter(env_check):
+    env = dict(os.environ, KVWRITE_CHECK=env_check)
+    out = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT.format(tests=str(ROOT / "tests"))],
+                         env=env, capture_output=True, text=True, timeout=600)
+    lines = out.stdout.splitlines()
+    assert out.returncode == 0 and lines, out.stderr[-3000:]
+    assert all(line.endswith(" ok") for line in lines), (lines, out.stderr[-3000:])
+    assert len(lines) == len(OPS) + 5
