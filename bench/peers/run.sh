@@ -33,9 +33,9 @@ fi
 if [ -f "$PEERS/sglang/.ok" ]; then
   $SG -m pip install -q triton >/dev/null 2>&1
   $SG bench/peers/sglang_deps.py | tail -2
-  $SG -m pip install -q --no-deps -e . >/dev/null 2>&1
   log "SGLang MLA store differential"
-  $SG bench/peers/sglang_diff.py --json "$OUT/sglang-diff.json" | tee "$PEERS/logs/sglang_diff.log"
+  (cd /tmp && PYTHONPATH="$OLDPWD/python" KVWRITE_EXT=0 $SG "$OLDPWD/bench/peers/sglang_diff.py" \
+     --json "$OLDPWD/$OUT/sglang-diff.json") | tee "$PEERS/logs/sglang_diff.log"
   for s in bench/peers/*configurator*.py; do
     [ -f "$s" ] || continue
     log "SGLang configurator comparison: $s"

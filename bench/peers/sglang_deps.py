@@ -12,7 +12,7 @@ from pathlib import Path
 
 MODULES = ["sglang.srt.mem_cache.memory_pool", "sglang.srt.mem_cache.kv_cache_configurator",
            "sglang.kernels.ops.kvcache.mla_buffer"]
-PACKAGE = {"zmq": "pyzmq", "yaml": "pyyaml", "PIL": "pillow", "sklearn": "scikit-learn", "cv2": "opencv-python-headless",
+PACKAGE = {"tvm_ffi": "apache-tvm-ffi", "zmq": "pyzmq", "yaml": "pyyaml", "PIL": "pillow", "sklearn": "scikit-learn", "cv2": "opencv-python-headless",
            "google.protobuf": "protobuf", "sentencepiece": "sentencepiece", "IPython": "ipython",
            "msgspec": "msgspec", "pybase64": "pybase64", "setproctitle": "setproctitle"}
 STUB = '''"""Stub of sgl_kernel for kvwrite's peer runs: the store paths compared never call it."""
@@ -28,7 +28,7 @@ def main() -> int:
     site = Path(subprocess.check_output([sys.executable, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                         text=True).strip())
     for _ in range(40):
-        proc = subprocess.run([sys.executable, "-c", "import " + ", ".join(MODULES)], env=env,
+        proc = subprocess.run([sys.executable, "-c", "import " + ", ".join(MODULES)], env=env, cwd="/",
                               capture_output=True, text=True)
         if proc.returncode == 0:
             print("sglang modules import")

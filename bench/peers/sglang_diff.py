@@ -45,7 +45,7 @@ def main() -> int:
                              generator=gen)
         theirs, ours = base.clone().view(c["dtype"]), base.clone().view(c["dtype"])
         set_mla_kv_buffer_triton(theirs, loc, nope, rope)
-        kv.set_mla_kv_buffer(ours, loc, nope, rope, c["page_size"], backend=os.environ.get("KVWRITE_BACKEND", "cpu"))
+        kv.set_mla_kv_buffer(ours, loc, nope, rope, c["page_size"], backend=os.environ.get("KVWRITE_BACKEND", "auto"))
         diff = (theirs.view(torch.uint8) != ours.view(torch.uint8))
         results.append(dict(op="set_mla_kv_buffer", dtype=str(c["dtype"])[6:], lora=c["lora"], rope=c["rope"],
                             page_size=c["page_size"], seed=c["seed"], tokens=n,
