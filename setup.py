@@ -26,6 +26,7 @@ setup(
     package_dir={"kvwrite": "python/kvwrite", "kvwrite.kernels": "kernels"},
     install_requires=["torch>=2.4", "numpy"],
     extras_require={"triton": ["triton"], "cli": ["rich"], "hf": ["transformers"]},
-    entry_points={"console_scripts": ["kvwrite=kvwrite.cli:main"]},
+    entry_points={"console_scripts": ["kvwrite=kvwrite.cli:main"],
+                  "vllm.general_plugins": ["kvwrite = kvwrite.integrations.vllm:register"]},
     **EXT,
 )

@@ -90,10 +90,14 @@ def launch(a) -> None:
 
 def _split_args(kc, vc) -> dict:
     """The split head-dim strides of canonical 5-D [pages, rows, H, D / X, X] caches (vLLM's
-    legacy head-major layout); nothing for the 4-D [pages, rows, H, D] caches."""
-    if kc.dim() == 4 and vc.dim() == 4:
-        return {}
-    return dict(kc_sx=kc.stride(3), vc_sx=vc.stride(3), KX=kc.shape[4], VX=vc.shape[4])
+    legacy head-major layout; the key of its CPU attention layout); nothing for a 4-D
+    [pages, rows, H, D] cache."""
+    args = {}
+    if kc.dim() == 5:
+        args.update(kc_sx=kc.stride(3), KX=kc.shape[4])
+    if vc.dim() == 5:
+        args.update(vc_sx=vc.stride(3), VX=vc.shape[4])
+    return args
 
 
 def variants():

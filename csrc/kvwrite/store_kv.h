@@ -44,15 +44,46 @@ inline int store_kv_vec(const StoreKVParams& p) {
   return vec_bytes(bits);
 }
 
+#if !defined(__CUDA_ARCH__)
+// Host copy of one head's D elements into a split head dim (feature d at (d / X) * stride_split
+// + d % X): X-element runs by memcpy; X == 1 (a transposed tile: vLLM's legacy value cache, its
+// CPU attention key cache) is a strided scatter of ES-byte elements.
+template <int ES>
+inline void scatter_elems(char* dst, i64 step, const char* src, int n) {
+  using T = std::conditional_t<ES == 1, uint8_t, std::conditional_t<ES == 2, uint16_t, uint32_t>>;
+  const T* s = reinterpret_cast<const T*>(src);
+  for (int d = 0; d < n; ++d) memcpy(dst + d * step, s + d, ES);
+}
+
+inline void copy_split_head(const PagedCache& c, char* dst, const char* src, int D, int es) {
+  const i64 step = c.stride_split * es;
+  if (c.split == 1) {
+    if (es == 2) return scatter_elems<2>(dst, step, src, D);
+    if (es == 4) return scatter_elems<4>(dst, step, src, D);
+    return scatter_elems<1>(dst, step, src, D);
+  }
+  const int runs = D / c.split;
+  for (int r = 0; r < runs; ++r) memcpy(dst + r * step, src + i64(r) * c.split * es, size_t(c.split) * es);
+  if (runs * c.split < D)
+    memcpy(dst + runs * step, src + i64(runs) * c.split * es, size_t(D - runs * c.split) * es);
+}
+#endif
+
 // Copy side `s` of token i to `row`, VEC bytes at a time, lanes striding over H * D. On the
-// host (one lane) a row is one memcpy (one per head where heads are strided).
+// host (one lane) a row is one memcpy (one per head where heads are strided; split heads by
+// runs, `copy_split_head`).
 template <int VEC>
 KVW_HD void copy_side(const KVSide& s, int H, int es, i64 i, i64 row, int lane, int nlanes) {
   char* dst = s.cache.row_ptr(row);
   const char* src = s.src + i * s.s_tok * es;
 #if !defined(__CUDA_ARCH__)
-  if (nlanes == 1 && !s.cache.split) {  // a split head dim is not one run: the unit loop below
+  if (nlanes == 1 && !s.cache.split) {
     copy_runs(dst, s.cache.stride_head * es, src, s.s_head * es, H, i64(s.D) * es);
+    return;
+  }
+  if (nlanes == 1) {
+    for (int h = 0; h < H; ++h)
+      copy_split_head(s.cache, dst + s.cache.in_row(h, 0), src + h * s.s_head * es, s.D, es);
     return;
   }
 #endif
@@ -77,6 +108,16 @@ KVW_HD void quant_side(const KVSide& s, int H, i64 i, i64 row, int lane, int nla
       quant_run<IN, F>(s.src, src + h * s.s_head, s.D, s.scale[h * s.scale_stride], dst + s.cache.in_row(h, 0));
     return;
   }
+#if !defined(__CUDA_ARCH__)
+  if (nlanes == 1 && s.D <= 1024) {  // host, split head dim: codes into a run, then scattered
+    char codes[1024];
+    for (int h = 0; h < H; ++h) {
+      quant_run<IN, F>(s.src, src + h * s.s_head, s.D, s.scale[h * s.scale_stride], codes);
+      copy_split_head(s.cache, dst + s.cache.in_row(h, 0), codes, s.D, 1);
+    }
+    return;
+  }
+#endif
   if (s.D % CHUNK == 0 && !s.cache.split) {
     const int per_head = s.D / CHUNK;
     for (int c = lane; c < H * per_head; c += nlanes) {

@@ -39,7 +39,7 @@ import re
 import torch
 
 from kvwrite import validate
-from kvwrite.compat._common import as_fp8, byte_pairs
+from kvwrite.compat._common import as_fp8, byte_pairs, scale_tensor
 from kvwrite.errors import ErrorBuffer
 from kvwrite.geometry import PageGeometry
 from kvwrite.ops.indexer_k import row_bytes, store_indexer_k
@@ -48,8 +48,8 @@ from kvwrite.ops.kv import store_kv
 from kvwrite.ops.kv_head_major import store_kv_head_major
 from kvwrite.ops.mla import ds_mla_row_bytes, store_mla
 
-__all__ = ["concat_and_cache_mla", "ds_mla_scale", "indexer_k_quant_and_cache", "reshape_and_cache",
-           "reshape_and_cache_flash", "reshape_and_cache_flash_per_token_quant",
+__all__ = ["concat_and_cache_mla", "cpu_attn_reshape_and_cache", "ds_mla_scale", "indexer_k_quant_and_cache",
+           "reshape_and_cache", "reshape_and_cache_flash", "reshape_and_cache_flash_per_token_quant",
            "swap_blocks", "cp_gather_cache", "triton_reshape_and_cache_flash_per_token_head_quant"]
 
 NEWEST_VLLM = "0.34.0"          # the newest vLLM release whose cache writers this adapter follows
@@ -72,7 +72,7 @@ def ds_mla_scale(vllm_version: str | None = None) -> str:
 
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
                    "fp8_e5m2": torch.float8_e5m2}
-MLA_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla")
+MLA_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla")
 
 
 def _tokens(name: str, x: object, slot_mapping: object) -> torch.Tensor:
@@ -120,6 +120,41 @@ def reshape_and_cache_flash(key: torch.Tensor, value: torch.Tensor, key_cache: t
     _FLASH(key, value, key_cache, value_cache, slot_mapping, "NHD", ks, vs, check, errors, None, 0, 1, backend)
 
 
+CPU_ATTN_ISAS = ("vec", "vec16", "neon")   # ISAs whose caches use the column-major key layout
+
+
+def cpu_attn_reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                               value_cache: torch.Tensor, slot_mapping: torch.Tensor, isa: str,
+                               k_scale: float = 1.0, v_scale: float = 1.0,
+                               kv_cache_dtype: str = "auto", *, check: str | None = None,
+                               errors: ErrorBuffer | None = None, backend: str = "auto") -> None:
+    """`torch.ops._C.cpu_attn_reshape_and_cache` (vLLM's CPU attention backend): key/value
+    `[N, H, D]` into `key_cache, value_cache = kv.view(blocks, H, 2 * bs, D).chunk(2, dim=2)`,
+    each `[num_blocks, H, block_size, D]`: the value tile of a (block, head) row-major, the key
+    tile column-major (element (t, d) at d * block_size + t). One `kvwrite.store_kv` launch with
+    layout "cpu_attn". `isa` names the CPU kernel vLLM picked: "vec", "vec16" and "neon" share
+    this layout; "amx" / "amx_fp8" pack their tiles differently and are refused.
+
+    fp8 ("fp8" / "fp8_e4m3" / "fp8_e5m2", uint8 caches): kvwrite stores saturate(x / scale)
+    rounded to nearest even; vLLM's CPU kernel multiplies by 1/scale and truncates the mantissa
+    (codes one step toward zero in about half the cases), stores -0 as +0 and NaN as the
+    format's max. The bytes agree for "auto" caches."""
+    isa = validate.choice("isa", isa, CPU_ATTN_ISAS + ("amx", "amx_fp8", "vxe", "rvv", "vsx"))
+    if isa not in CPU_ATTN_ISAS:
+        raise NotImplementedError(f"isa={isa!r}: vLLM packs this ISA's cache tiles in its own "
+                                  f"layout; kvwrite writes the {CPU_ATTN_ISAS} layout")
+    key, value = _tokens("key", key, slot_mapping), _tokens("value", value, slot_mapping)
+    fmt = KV_CACHE_DTYPES[validate.choice("kv_cache_dtype", kv_cache_dtype, tuple(KV_CACHE_DTYPES))]
+    ks = vs = None
+    if fmt is not None:
+        key_cache = as_fp8("key_cache", key_cache, fmt)
+        value_cache = as_fp8("value_cache", value_cache, fmt)
+        ks = scale_tensor("k_scale", k_scale, key.device)
+        vs = scale_tensor("v_scale", v_scale, key.device)
+    store_kv(key, value, key_cache, value_cache, slot_mapping, layout="cpu_attn", k_scale=ks,
+             v_scale=vs, check=check, errors=errors, backend=backend)
+
+
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                       value_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_cache_dtype: str,
                       k_scale: torch.Tensor, v_scale: torch.Tensor, *, check: str | None = None,
@@ -146,8 +181,8 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
                          check: str | None = None, errors: ErrorBuffer | None = None,
                          backend: str = "auto", vllm_version: str | None = None) -> None:
     """`torch.ops._C_cache_ops.concat_and_cache_mla`: row = concat(kv_c `[N, L]`, k_pe `[N, R]`)
-    into kv_cache `[num_blocks, block_size, L + R]` ("auto"; "fp8"/"fp8_e4m3": uint8 or e4m3
-    cache, fp8(x / scale) with the fp32 per-tensor `scale`), or DeepSeek's 656-byte rows
+    into kv_cache `[num_blocks, block_size, L + R]` ("auto"; "fp8"/"fp8_e4m3"/"fp8_e5m2": uint8
+    or fp8 cache, fp8(x / scale) with the fp32 per-tensor `scale`), or DeepSeek's 656-byte rows
     ("fp8_ds_mla": uint8 `[num_blocks, block_size, L + L/128*4 + 2R]`, `scale` unused as in
     vLLM). One `kvwrite.store_mla` launch.
 
@@ -166,9 +201,10 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
                   ds_mla_scale=ds_mla_scale(vllm_version), ds_mla_rope=rope, check=check,
                   errors=errors, backend=backend)
     else:
-        store_mla(kv_c, k_pe, as_fp8("kv_cache", kv_cache, torch.float8_e4m3fn), slot_mapping,
-                  kv_cache_dtype="fp8_e4m3", scale=scale, check=check, errors=errors,
-                  backend=backend)
+        fmt = KV_CACHE_DTYPES[kv_cache_dtype]
+        store_mla(kv_c, k_pe, as_fp8("kv_cache", kv_cache, fmt), slot_mapping,
+                  kv_cache_dtype="fp8_e5m2" if fmt == torch.float8_e5m2 else "fp8_e4m3", scale=scale,
+                  check=check, errors=errors, backend=backend)
 
 
 def _nope_rope(kv_c: object, k_pe: object, kv_cache: object) -> object:

@@ -11,7 +11,7 @@ from kvwrite.ops import kv_quant, spec
 from kvwrite.ops._common import Check, Locs
 
 OP = "store_kv"
-LAYOUTS = ("NHD", "HND")
+LAYOUTS = ("NHD", "HND", "cpu_attn")
 IMPLS = (
     ("torch", "kvwrite.reference.kv:store_kv"),
     ("triton", "kvwrite.kernels.store_kv:launch"),
@@ -38,8 +38,27 @@ class StoreKV:
 
 
 def canonical(cache: torch.Tensor, layout: str) -> torch.Tensor:
-    """[pages, rows, H, D] view of an NHD or HND paged cache."""
+    """[pages, rows, H, D] view of an NHD or HND paged cache (and of a "cpu_attn" value cache)."""
     return cache if layout == "NHD" else cache.transpose(1, 2)
+
+
+def canonical_key(cache: torch.Tensor, layout: str) -> torch.Tensor:
+    """The key cache's canonical view: as `canonical`, except for "cpu_attn" (vLLM's CPU attention
+    key cache: each (page, head) tile of `[rows, D]` elements stored column-major, element (t, d)
+    at d * rows + t), a split head dim `[pages, rows, H, D, 1]` with feature stride `rows`."""
+    if layout != "cpu_attn":
+        return canonical(cache, layout)
+    pages, h, rows, d = cache.shape
+    return cache.as_strided((pages, rows, h, d, 1), (cache.stride(0), 1, cache.stride(1), rows, 1))
+
+
+def _cpu_attn_key(env: dict, v: dict) -> None:
+    """layout "cpu_attn": each (page, head) key tile is one contiguous run (read column-major)."""
+    kc = v["k_cache"]
+    if env["layout"] == "cpu_attn" and kc.shape[2] > 1 and kc.shape[3] > 1 and kc.stride(2) != kc.shape[3]:
+        raise ValueError(f"k_cache (layout 'cpu_attn') must hold each (page, head) tile of "
+                         f"pool_page_size * D = {kc.shape[2]} * {kc.shape[3]} elements contiguously "
+                         f"(stored column-major), got strides {kc.stride()}")
 
 
 @spec.rule("kv_scales")
@@ -55,7 +74,7 @@ def _scales(env: dict, v: dict) -> None:
 
 def _build(v: dict, env: dict, locs: Locs, chk: Check) -> StoreKV:
     layout = env["layout"]
-    return StoreKV(v["k"], v["v"], canonical(v["k_cache"], layout), canonical(v["v_cache"], layout),
+    return StoreKV(v["k"], v["v"], canonical_key(v["k_cache"], layout), canonical(v["v_cache"], layout),
                    v["k_scale"], v["v_scale"], env["geometry"], locs, chk)
 
 
@@ -70,7 +89,7 @@ SPEC = spec.Op(
           spec.opt("k_scale", "scale H", role="scale"), spec.opt("v_scale", "scale H", role="scale"),
           spec.CHECK, spec.ERRORS, spec.LOC_MAP, *spec.DCP, spec.BACKEND),
     checks=("k", "v", spec.choice("layout", LAYOUTS), "k_cache", "v_cache", spec.geometry("k_cache"),
-            _scales, "k_scale", "v_scale"),
+            _cpu_attn_key, _scales, "k_scale", "v_scale"),
     build=_build, impls=IMPLS)
 _OP = SPEC.overload
 _CALL = _OP._op  # the C++ builtin behind the OpOverload (pool.store binds it)
@@ -92,7 +111,11 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              v_scale_cache: torch.Tensor | None = None, quant_rule: str = "rne") -> None:
     """Write token i's K/V rows to the paged caches at `loc[i]` (-1 = padding, skipped).
 
-    `layout`: "NHD" caches `[pages, pool_page_size, H, D]` or "HND" `[pages, H, pool_page_size, D]`.
+    `layout`: "NHD" caches `[pages, pool_page_size, H, D]` or "HND" `[pages, H, pool_page_size, D]`;
+    "cpu_attn" (vLLM's CPU attention backend): both `[pages, H, pool_page_size, D]` as HND, the
+    value tile of each (page, head) row-major, the key tile column-major (element (t, d) at
+    d * pool_page_size + t of the tile; vLLM's `kv.chunk(2, dim=2)` halves of a
+    `[pages, H, 2 * pool_page_size, D]` buffer).
     fp8 caches take fp32 `k_scale`/`v_scale` (`[]`, `[1]` or `[H]`): stored = saturate(x / scale).
     `check`: "off" | "assert" | "guard" (skip + record into `errors`, default per-device buffer).
     `loc_map` (hybrid SWA, int32/int64 full->SWA map): write at `loc_map[loc[i]]`; a mapped -1

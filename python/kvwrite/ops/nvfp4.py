@@ -78,7 +78,7 @@ SPEC = spec.Op(
           spec.LOC, spec.opt("k_global_scale", "scale", role="scale"),
           spec.opt("v_global_scale", "scale", role="scale"), spec.option("layout"),
           spec.CHECK, spec.ERRORS, spec.LOC_MAP, *spec.DCP, spec.BACKEND),
-    checks=("k", "v", _head_dims, spec.choice("layout", LAYOUTS), "k_cache", "v_cache", "k_scale_cache",
+    checks=("k", "v", _head_dims, spec.choice("layout", LAYOUTS[:2]), "k_cache", "v_cache", "k_scale_cache",
             "v_scale_cache", spec.geometry("k_cache"), "k_global_scale", "v_global_scale"),
     build=_build, impls=IMPLS)
 _OP = SPEC.overload

@@ -148,7 +148,7 @@ def _match(a: Arg, t: object, env: dict, name: str) -> None:
     env[a.name] = t.dtype
     if not toks:
         return
-    hnd = a.layout and env.get("layout") == "HND"
+    hnd = a.layout and env.get("layout") in ("HND", "cpu_attn")   # cpu_attn: HND-shaped caches
     shape = tuple(t.shape)
     canon = (shape[0], shape[2], shape[1], *shape[3:]) if hnd else shape
     for letter in a.binds.split():

