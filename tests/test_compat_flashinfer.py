@@ -4,6 +4,7 @@ page = kv_indices[page_iter]), every dtype FlashInfer's append dispatches, both 
 cache forms, every backend, canary-padded."""
 from __future__ import annotations
 
+import zlib
 import os
 import subprocess
 import sys
@@ -55,7 +56,7 @@ def rand_values(shape, dtype, gen):
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, *FP8])
 def test_append_paged_kv_cache_matches_flashinfer(backend, form, layout, dtype):
-    gen = torch.Generator().manual_seed(hash((form, layout, str(dtype))) % 1000)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((form, layout, str(dtype))).encode()) % 1000)
     pps, pages, h, d = 4, 10, 2, 16
     t, _ = random_table(gen, 3, pps, pages, 9)
     n = t.positions.shape[0]

@@ -1,6 +1,7 @@
 """int8 / fp8 caches with static and dynamic (per-token, per-token-head) scales; dequant_kv."""
 from __future__ import annotations
 
+import zlib
 import pytest
 import torch
 
@@ -223,7 +224,7 @@ CASES = [(dt, sc, rule) for dt in QDTYPES for sc in ("token", "head", "static")
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype,scales,rule", CASES)
 def test_kernels_match_reference(backend, dtype, scales, rule):
-    gen = torch.Generator().manual_seed(hash((str(dtype), scales, rule)) % 1000)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((str(dtype), scales, rule)).encode()) % 1000)
     h, dk, dv, pps, num_pages, n = 3, 12, 8, 4, 5, 9
     layout = "HND" if rule == "vllm" else "NHD"
     in_dtype = torch.float32 if scales == "head" else torch.bfloat16

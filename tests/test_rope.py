@@ -2,6 +2,7 @@
 then store_kv / store_mla", bit for bit, canaries around every buffer; bad positions and locs."""
 from __future__ import annotations
 
+import zlib
 import numpy as np
 import pytest
 import torch
@@ -283,7 +284,7 @@ QUANT_VARIANTS = {  # variant -> (cache dtype, scale caches: None / "token" / "h
 @pytest.mark.parametrize("check", ["off", "guard"])
 def test_rope_store_kv_kernels_match_reference(backend, variant, check):
     n, hq, h, d, pps, num_pages, max_pos = 7, 2, 2, 48, 4, 3, 30
-    gen = torch.Generator().manual_seed(hash(variant) % 1000)
+    gen = torch.Generator().manual_seed(zlib.crc32(variant.encode()) % 1000)  # stable across processes
     dtype = torch.float16 if variant == "dcp" else torch.bfloat16
     cdt, scales, static = QUANT_VARIANTS.get(variant, (None, None, False))
     if variant == "qkv_view":  # q, k, v: column views of one fused qkv buffer

@@ -1,4 +1,4 @@
-"""Host cost per call at N = 1 against the issue's targets (CPU, one thread; ratios from
+"""Host cost per call at N = 1 against the op-spec host-cost targets (CPU, one thread; ratios from
 interleaved runs): every op vs store_kv, each adapter vs the op it wraps, assert vs off, a
 PageTable loc vs a plain loc. `python -m kvwrite.bench.spec_host [min_time]` prints a table."""
 from __future__ import annotations
