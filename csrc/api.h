@@ -271,6 +271,9 @@ inline bool rule(const std::vector<std::string>& w, Call& c) {
     return false;
   }
   if (r == "geometry") return c.e(w[1]) >= 1 && c.e(w[2]) >= 1;
+  // store_kv's layouts this launcher views canonically (NHD 0, HND 1); vLLM's "cpu_attn" key
+  // cache (a split head dim) is stored through the Python path's canonical view.
+  if (r == "native_layout") return c.e("layout") == 0 || c.e("layout") == 1;
   if (r == "kv_scales") return is_fp8(c.e("k_cache")) ? !c.none("k_scale") && !c.none("v_scale")
                                                       : c.none("k_scale") && c.none("v_scale");
   if (r == "mla_format") {

@@ -88,10 +88,17 @@ def test_kernel_sources_keep_torch_out_of_cu_files_and_headers():
             assert "__global__" in text
 
 
-def test_setup_py_aot_extension_uses_the_jit_sources_and_flags():
+def test_setup_py_aot_extension_uses_the_jit_sources_and_flags(monkeypatch):
     """`KVWRITE_BUILD_EXT=1 pip install .` builds kvwrite._C from the same sources and flags
     (the build itself is exercised by hand / in CI images: it takes as long as the JIT build)."""
     cfg = _ext.build_config()
+    # aot_extension sets TORCH_CUDA_ARCH_LIST / CUDA_HOME for setup.py's build: restore them after
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", os.environ.get("TORCH_CUDA_ARCH_LIST", ""))
+    monkeypatch.setenv("CUDA_HOME", os.environ.get("CUDA_HOME", ""))
+    if not os.environ["TORCH_CUDA_ARCH_LIST"]:
+        monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")
+    if not os.environ["CUDA_HOME"]:
+        monkeypatch.delenv("CUDA_HOME")
     exts, cmdclass = _ext.aot_extension(CSRC)
     (ext,) = exts
     assert ext.name == "kvwrite._C" and "build_ext" in cmdclass
