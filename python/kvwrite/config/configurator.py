@@ -9,6 +9,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from kvwrite.config.engines import engine_layout
 from kvwrite.config.errors import BudgetTooSmall, ConfigError, UnsupportedCombination, WindowDoesNotFit
 from kvwrite.config.model import ModelSpec
 from kvwrite.config.parallel import ParallelSpec
@@ -71,20 +72,26 @@ class KVCacheConfigurator:
                  max_total_num_tokens: int | None = None, swa_full_tokens_ratio: float | None = None,
                  max_running_requests: int | None = None, layout: str = "NHD",
                  reserve_padding_page: bool = True, target: str = "gpu", sizing: str = "engine",
-                 mamba_full_memory_ratio: float = MAMBA_FULL_MEMORY_RATIO) -> None:
+                 mamba_full_memory_ratio: float = MAMBA_FULL_MEMORY_RATIO, engine: str | None = None) -> None:
         if not isinstance(model, ModelSpec):
             raise TypeError(f"model must be a kvwrite.ModelSpec, got {type(model).__name__}")
         parallel = ParallelSpec() if parallel is None else parallel
         if not isinstance(parallel, ParallelSpec):
             raise TypeError(f"parallel must be a kvwrite.ParallelSpec, got {type(parallel).__name__}")
-        self.model, self.parallel = model, parallel
-        self.planned_model = model.draft() if parallel.is_draft_worker else model
-        self.planner = planner_for(self.planned_model.variant)
-        defaults = plan_defaults(self.planned_model.variant)
+        if engine is not None:
+            parallel = dataclasses.replace(parallel, engine=engine)
+        self.model, self.parallel, self.engine = model, parallel, parallel.engine
+        defaults = plan_defaults(model.variant)
         self.page_size = require_positive_int("page_size", defaults["page_size"] if page_size is None else page_size)
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+        self.layout_of_engine = engine_layout(self.engine, model, parallel, kv_cache_dtype, self.page_size)
+        served = self.layout_of_engine.model
+        self.planned_model = served.draft() if parallel.is_draft_worker else served
+        self.planner = planner_for(self.planned_model.variant)
+        defaults = plan_defaults(self.planned_model.variant)
         self.requested_kv_cache_dtype = kv_cache_dtype
+        kv_cache_dtype = self.layout_of_engine.kv_cache_dtype
         self.kv_cache_dtype = self.planner.native_kv_cache_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
         if memory_bytes is None and max_total_num_tokens is None:
             raise ConfigError("give memory_bytes (per rank) or max_total_num_tokens (per rank)")
@@ -236,7 +243,7 @@ class KVCacheConfigurator:
             cell_size_bytes=self.cell_size_bytes, memory_bytes=self.memory_bytes, pools=tuple(pools),
             spaces=spaces, max_running_requests=self.max_running_requests, layout=self.layout, target=self.target,
             state_pools=tuple(state_plan(st, slots, npu) for st in self.state_specs), sizing=self.sizing,
-            fixed_bytes=self.fixed_bytes)
+            fixed_bytes=self.fixed_bytes, engine=self.engine, engine_notes=self.layout_of_engine.notes)
 
     def _kernel(self, spec: PoolSpec, addressing: str) -> str:
         extra = [spec.note] if spec.note else []
@@ -351,7 +358,8 @@ class KVCacheConfigurator:
         extra = "".join(f", {k}={v!r}" for k, v, d in (
             ("layout", self.layout, "NHD"), ("target", self.target, "gpu"),
             ("reserve_padding_page", self.reserve_padding_page, True),
-            ("max_running_requests", self.max_running_requests_given, None), ("sizing", self.sizing, "engine"))
+            ("max_running_requests", self.max_running_requests_given, None), ("sizing", self.sizing, "engine"),
+            ("engine", self.engine, "kvwrite"))
             if v != d)
         return (f"KVCacheConfigurator({self.model.name or self.model.variant}, {self.parallel}, "
                 f"page_size={self.page_size}, kv_cache_dtype={self.kv_cache_dtype!r}{extra})")

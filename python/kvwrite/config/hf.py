@@ -563,7 +563,9 @@ def spec_from_hf_config(path_or_dict: Any, *, name: str = "", reader: str = "aut
         if "context_len" not in fields and c.has("max_position_embeddings"):
             fields["context_len"] = c.int("max_position_embeddings")
     label = cfg.raw("_name_or_path")
-    return ModelSpec(name=name or (label if isinstance(label, str) and label else model_type), **fields)
+    arch = archs[0] if archs else (ARCHITECTURES[model_type][0] or ("",))[0]
+    return ModelSpec(name=name or (label if isinstance(label, str) and label else model_type), architecture=arch,
+                     **fields)
 
 
 register_reader("from_hf_config", spec_from_hf_config)

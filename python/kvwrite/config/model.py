@@ -178,6 +178,7 @@ class ModelSpec:
     linear_state: RecurrentState | None = None
     context_len: int = field(default=0, compare=False)   # max_position_embeddings (0: unknown); V4's request estimate
     name: str = field(default="", compare=False)
+    architecture: str = field(default="", compare=False)   # HF architectures[0]: the engines' layout rules key on it
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
