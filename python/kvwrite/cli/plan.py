@@ -102,7 +102,9 @@ def render(plan, console=None) -> None:
         t.add_column(col)
     for p in plan.pools:
         g, s = p.geometry, p.space
-        geo = (f"{g.num_pages:,} pages x {g.pool_page_size} rows\n(page_size {g.page_size} x scale "
+        geo = (f"{g.num_pages:,} rows, addressed by row\n(no pages)" if g.pool_page_size == 1 and s.page_size == 1
+               and p.addressing == "local" and s.name == p.name else
+               f"{g.num_pages:,} pages x {g.pool_page_size} rows\n(page_size {g.page_size} x scale "
                f"{g.loc_space_scale})\ncapacity {g.capacity:,}")
         alloc = f"{s.name}: {s.num_locs:,} locs\npages of {s.page_size}\n{p.addressing}"
         bufs = "\n".join(f"{b.name} {list(b.shape)} {b.dtype}" + ("" if b.per_layer else " (shared)")

@@ -316,6 +316,9 @@ class KVCacheConfigurator:
                     f"bytes per rank ({self.sizing} sizing) but memory_bytes={self.memory_bytes}", need)
             return plan
         budget = self.memory_bytes
+        if not self._fits(n_min) and self.sizing == "engine" and self.fixed_bytes and \
+                self._engine_bytes(n_min) - self.fixed_bytes <= budget:
+            raise BudgetTooSmall(self._fixed_message(budget, n_min), math.ceil(self._engine_bytes(n_min)))
         if not self._fits(n_min):
             minimum = math.ceil(self._engine_bytes(n_min)) if self.sizing == "engine" else self.total_bytes_for(n_min)
             extra = (" plus the padding page" if self.reserve_padding_page and self.sizing == "strict" else "")
@@ -339,6 +342,27 @@ class KVCacheConfigurator:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if self._fits(mid) else (lo, mid)
         return self._assemble(self._sizing(lo))
+
+    def _fixed_message(self, budget: int, n_min: int) -> str:
+        """The request-slot pools (not the KV pools) exhaust the budget: say so, with the knob."""
+        kv_min = math.ceil(self._engine_bytes(n_min) - self.fixed_bytes)
+        what = self.planner.fixed_what or "the recurrent-state pools"
+        given = self.max_running_requests_given is not None
+        origin = ("max_running_requests" if given else
+                  "max_running_requests unset: the engine's default")
+        fit = 0   # the most request slots that leave room for the smallest KV plan
+        lo, hi = 1, self.max_running_requests
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            ctx = dataclasses.replace(self.context, max_running_requests=mid)
+            fixed = self.planner.fixed_bytes(ctx) + sum(state_plan(st, mid + 1).bytes for st in self.state_specs)
+            lo, hi, fit = (mid + 1, hi, mid) if fixed + kv_min <= budget else (lo, mid - 1, fit)
+        hint = (f"give max_running_requests={fit} or fewer" if fit else "no request slot fits: give more memory")
+        return (f"memory_bytes={budget} is too small: {what} for {self.max_running_requests} request slots "
+                f"({origin}) takes {self.fixed_bytes} bytes per rank, "
+                + (f"leaving {budget - self.fixed_bytes} for" if budget > self.fixed_bytes else "all of it and more, none for")
+                + f" the KV pools, whose smallest plan needs {kv_min}; {hint} (each slot costs "
+                f"{self.fixed_bytes // (self.max_running_requests + 1)} bytes)")
 
     def _window_message(self, pages: int, n_min: int) -> str:
         s = self._sizing(pages)
