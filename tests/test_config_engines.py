@@ -63,8 +63,10 @@ def test_fp8_dsa_is_the_ds_mla_row(engine):
     plan = KVCacheConfigurator(d, memory_bytes=20 * GiB, kv_cache_dtype="fp8_e4m3", engine=engine).plan()
     assert plan.kv_cache_dtype == "fp8_ds_mla"
     assert plan.pool("kv").buffers[0].shape[-1] == 656
-    # (656 + 132) x 61 = 48,068 B a token -> 446,720 tokens (SGLang's figure; raw 576-byte rows gave 497,216)
-    assert plan.cell_size_bytes == (656 + 132) * 61 and plan.max_total_num_tokens == 446_720
+    # (656 + 132) x 61 = 48,068 B a token -> 446,720 tokens (SGLang's figure; raw 576-byte rows gave 497,216);
+    # vLLM allocates 20 GiB // (48,068 x 64) = 6,980 blocks, block 0 its null block: 6,979 pages usable
+    assert plan.cell_size_bytes == (656 + 132) * 61
+    assert plan.max_total_num_tokens == (446_720 if engine == "sglang" else 6_979 * 64)
     assert "656" in plan.engine_notes[0]
     raw = KVCacheConfigurator(d, memory_bytes=20 * GiB, kv_cache_dtype="fp8_e4m3").plan()
     assert raw.kv_cache_dtype == "fp8_e4m3" and raw.max_total_num_tokens == 497_216
@@ -102,3 +104,36 @@ def test_engine_argument_sets_the_parallel_engine():
                             max_total_num_tokens=64, engine="vllm")
     assert c.parallel.engine == "vllm" and c.plan().parallel.engine == "vllm"
     assert "engine='vllm'" in repr(c)
+
+
+def test_vllm_groups_sliding_layers_and_shares_their_tensors():
+    """gemma-3-27b under vLLM: 52 sliding + 10 full layers -> group size 10, 6 sliding groups and
+    1 full group over one block pool; 10 tensors (one per position in a group), so a block costs
+    10 layers' pages: 20 GiB // (10 x 16 x 256 x 2 B) = 262,144 one-token blocks (vLLM's own
+    get_kv_cache_config_from_groups gives the same: bench/results/peers/vllm-configurator.md)."""
+    g = ModelSpec.from_preset("gemma-3-27b")
+    plan = KVCacheConfigurator(g, memory_bytes=20 * GiB, page_size=1, engine="vllm").plan()
+    kv = plan.pool("kv")
+    assert plan.variant == "swa_grouped" and len(plan.pools) == 1 and kv.layer_ids == tuple(range(62))
+    assert kv.spec.num_buffers == 10 and "7 groups of 10" in plan.engine_notes[0]
+    assert plan.max_total_num_tokens + 1 == 262_144 and plan.kv_bytes == 20 * GiB
+    full = [i for i in range(62) if (i + 1) % 6 == 0]
+    assert sorted(kv.spec.slot(i) for i in full) == list(range(10))   # the full group uses every tensor once
+
+
+def test_grouped_layers_store_into_their_shared_tensor():
+    import torch
+
+    spec = ModelSpec("swa_hybrid", 6, num_kv_heads=1, head_dim=16, sliding_window=8,
+                     swa_layer_ids=[0, 1, 3, 4], full_attention_layer_ids=[2, 5], dtype="float32")
+    plan = KVCacheConfigurator(spec, max_total_num_tokens=32, page_size=4, engine="vllm").plan()
+    kv = plan.pool("kv")
+    assert kv.spec.num_buffers == 2 and kv.to_dict()["buffer_slots"] == [kv.spec.slot(i) for i in range(6)]
+    pool = plan.build("cpu", check="guard", backend="torch", engine="vllm")
+    k = torch.arange(16, dtype=torch.float32).reshape(1, 1, 16)
+    pool.store(2, torch.tensor([5]), k, k + 100)
+    pool.errors.raise_if_any()
+    partner = next(i for i in (0, 1, 3, 4) if kv.spec.slot(i) == kv.spec.slot(2))
+    assert torch.equal(pool.layer("kv", partner)["k"].reshape(-1, 16)[5], k[0, 0])   # the same memory
+    other = next(i for i in range(6) if kv.spec.slot(i) != kv.spec.slot(2))
+    assert not pool.layer("kv", other)["k"].reshape(-1, 16)[5].eq(k[0, 0]).all()

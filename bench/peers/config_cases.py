@@ -93,7 +93,7 @@ def kvwrite_row(case: dict, engine: str) -> dict:
     return dict(ok=True, max_total_num_tokens=plan.max_total_num_tokens, loc_space_scale=plan.loc_space_scale,
                 pool_page_size=plan.pool_page_size, kv_heads=heads, cell=plan.cell_size_bytes,
                 hybrid_swa=plan.variant == "swa_hybrid", buffers=bufs, variant=plan.variant,
-                kv_cache_dtype=plan.kv_cache_dtype, notes=list(plan.engine_notes))
+                kv_cache_dtype=plan.kv_cache_dtype, notes=list(plan.engine_notes), tensor_bytes=plan.kv_bytes)
 
 
 def normalise_sglang(buffers: dict) -> dict:

@@ -268,7 +268,7 @@ class KVCacheConfigurator:
                 rows_per_token *= self.swa_full_tokens_ratio
             for b in spec.buffers:
                 if b.layout != "map":
-                    total += b.row_bytes * rows_per_token * (len(spec.layer_ids) if b.per_layer else 1)
+                    total += b.row_bytes * rows_per_token * (spec.num_buffers if b.per_layer else 1)
         return total
 
     @property
@@ -291,8 +291,14 @@ class KVCacheConfigurator:
         """Bytes of the plan whose full loc space has `pages` usable pool pages (plus padding)."""
         return self._assemble(self._sizing(pages)).total_bytes
 
+    @property
+    def _pad_inside(self) -> int:
+        """1 where the padding page is inside the budget: vLLM's block pool holds its null block
+        (block 0) among the num_blocks = memory // bytes-per-block it allocates."""
+        return int(self.engine == "vllm" and self.reserve_padding_page)
+
     def _engine_bytes(self, pages: int) -> float:
-        return pages * self.pool_page_size * self._cell(self.context) + self.fixed_bytes
+        return (pages + self._pad_inside) * self.pool_page_size * self._cell(self.context) + self.fixed_bytes
 
     def _fits(self, pages: int) -> bool:
         if self.sizing == "engine":
@@ -331,7 +337,7 @@ class KVCacheConfigurator:
                                  f"{minimum} bytes per rank", minimum)
         if self.sizing == "engine":   # SGLang: int(available // cell) // page_size * page_size
             tokens = int((budget - self.fixed_bytes) // self._cell(self.context))
-            pages = tokens // self.pool_page_size
+            pages = tokens // self.pool_page_size - self._pad_inside
             while pages > n_min and not self._fits(pages):   # float rounding at the edge
                 pages -= 1
             return self._assemble(self._sizing(max(pages, n_min)))

@@ -34,6 +34,23 @@ SGLANG_DSA_PAGE_SIZE = 64   # model_overrides/deepseek_v2.py: "Setting page size
 FP8_FORMATS = ("fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz")
 
 
+def vllm_kv_cache_groups(kinds: list[tuple[int, str]]) -> list[tuple[int, ...]]:
+    """vLLM's KV cache groups of a model whose layers (layer id, attention kind) have one page
+    size (v1/core/kv_cache_utils.py `_get_kv_cache_groups_uniform_page_size`): layers bucketed by
+    kind in first-seen order; group size = the smallest bucket, or the largest when that is under
+    1.5 x the smallest; bucket b splits into cdiv(len, size) groups, group i = bucket[i::n]."""
+    buckets: dict[str, list[int]] = {}
+    for lid, kind in kinds:
+        buckets.setdefault(kind, []).append(lid)
+    sizes = [len(b) for b in buckets.values()]
+    size = max(sizes) if max(sizes) < min(sizes) * 1.5 else min(sizes)
+    groups = []
+    for layers in buckets.values():
+        n = -(-len(layers) // size)
+        groups += [tuple(layers[i::n]) for i in range(n)]
+    return groups
+
+
 @dataclass(frozen=True)
 class EngineLayout:
     """The model as `engine` lays it out, the kv cache dtype it stores, and each change from the
@@ -91,6 +108,19 @@ def _sglang(spec: ModelSpec, parallel, kv: str, page_size: int) -> EngineLayout:
 
 def _vllm(spec: ModelSpec, parallel, kv: str, page_size: int) -> EngineLayout:
     notes: list[str] = []
+    if spec.variant == "swa_hybrid":
+        kinds = [(i, "swa" if i in spec.swa_layer_ids else "full") for i in range(spec.num_layers)]
+        groups = vllm_kv_cache_groups(kinds)
+        notes.append(f"vLLM's KV cache manager groups the {spec.num_layers} layers into {len(groups)} groups of "
+                     f"{max(len(g) for g in groups)} sharing one block pool, one tensor per position in a group "
+                     f"(kv_cache_utils._get_kv_cache_groups_uniform_page_size); sliding-window groups free blocks "
+                     f"outside the window")
+        spec = spec.replace(variant="swa_grouped")
+    if spec.variant == "dsa" and parallel.dcp_size > 1:
+        raise UnsupportedCombination(
+            f"engine='vllm' shards the DSA indexer cache over the {parallel.dcp_size} DCP ranks (its "
+            f"MLAAttentionSpec is dcp_sharded), and kvwrite's store_indexer_k has no DCP-rank translation: plan "
+            f"it with dcp_size=1, or engine='sglang' (whose indexer cache holds the whole virtual loc space)")
     if spec.variant == "dsa" and kv in FP8_FORMATS:
         notes.append(f"vLLM serves any quantized DSA cache ({kv}) as fp8_ds_mla, 656-byte rows "
                      f"(model_executor/layers/attention/mla_attention.py, FLASHMLA_SPARSE)")

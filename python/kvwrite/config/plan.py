@@ -83,6 +83,17 @@ class PoolSpec:
     virtual: bool = False
     needs: tuple[str, ...] = ()
     note: str = ""
+    slots: tuple[int, ...] = ()   # per layer of layer_ids, the buffer copy it uses (layers sharing memory)
+
+    @property
+    def num_buffers(self) -> int:
+        """Per-layer buffer copies allocated: one a layer, or the distinct `slots` (vLLM's KV cache
+        groups share one tensor per position in the group)."""
+        return max(self.slots) + 1 if self.slots else len(self.layer_ids)
+
+    def slot(self, i: int) -> int:
+        """The buffer copy of the i-th layer of layer_ids."""
+        return self.slots[i] if self.slots else i
 
 
 @dataclass(frozen=True)
@@ -150,7 +161,7 @@ class SubPoolPlan:
 
     @property
     def bytes(self) -> int:
-        return sum(b.bytes * (len(self.layer_ids) if b.per_layer else 1) for b in self.buffers)
+        return sum(b.bytes * (self.spec.num_buffers if b.per_layer else 1) for b in self.buffers)
 
     @property
     def sharded(self) -> bool:
@@ -185,6 +196,7 @@ class SubPoolPlan:
                           pool_page_size=g.pool_page_size, num_pages=g.num_pages, capacity=g.capacity),
             buffers=[b.to_dict() for b in self.buffers], bytes=self.bytes, op=self.op,
             kernel=self.kernel, addressing=self.addressing, allocator=self.space.to_dict(),
+            **({"buffer_slots": list(self.spec.slots)} if self.spec.slots else {}),
         )
 
 

@@ -72,8 +72,8 @@ class KVPool(PageMoves):
         self.shared: dict[str, dict[str, torch.Tensor]] = {}
         self._index: dict[str, dict[int, int]] = {}
         for p in plan.pools:
-            self._index[p.name] = {lid: i for i, lid in enumerate(p.layer_ids)}
-            self.buffers[p.name] = self._allocate([b for b in p.buffers if b.per_layer], len(p.layer_ids))
+            self._index[p.name] = {lid: p.spec.slot(i) for i, lid in enumerate(p.layer_ids)}
+            self.buffers[p.name] = self._allocate([b for b in p.buffers if b.per_layer], p.spec.num_buffers)
             self.shared[p.name] = {b.name: torch.full(b.shape, -1, dtype=getattr(torch, b.dtype), device=self.device)
                                    for b in p.buffers if not b.per_layer}
         self._layers = {lid for p in plan.pools for lid in p.layer_ids}

@@ -262,6 +262,29 @@ class SWAHybridPlanner(MHAPlanner):
         return "swa" if layer_id in pool.plan.model.swa_layer_ids else "full"
 
 
+class GroupedSWAPlanner(SWAHybridPlanner):
+    """vLLM's layout of a sliding-window hybrid (engine="vllm"): every layer in one block pool
+    (one loc space, no loc map), layers grouped as vLLM's KV cache manager groups them
+    (`kvwrite.config.engines.vllm_kv_cache_groups`); the i-th layer of every group shares buffer
+    copy i, so a pool holds group-size copies, not one a layer. Each group's slot mapping addresses
+    the shared blocks (a sliding-window group frees blocks outside its window)."""
+
+    name = "swa_grouped"
+
+    def pools(self, ctx):
+        from kvwrite.config.engines import vllm_kv_cache_groups
+
+        m = ctx.model
+        kinds = [(i, "swa" if i in m.swa_layer_ids else "full") for i in range(m.num_layers)]
+        slot = {lid: j for g in vllm_kv_cache_groups(kinds) for j, lid in enumerate(g)}
+        kv = self._kv_pool(ctx, "kv", range(m.num_layers))
+        return [dataclasses.replace(kv, slots=tuple(slot[i] for i in kv.layer_ids),
+                                    note=", ".join(filter(None, (kv.note, "vLLM KV cache groups"))))]
+
+    def route(self, pool, layer_id):
+        return "kv"
+
+
 def _mha_draft(spec):
     return ModelSpec("mha", draft_layers(spec), num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                      v_head_dim=spec.v_head_dim, dtype=spec.dtype, num_draft_layers=spec.num_draft_layers,
@@ -431,6 +454,6 @@ class MiniMaxSparsePlanner(MHAPlanner):
 
 # --- the built-in variants ---------------------------------------------------------------------
 
-BUILTIN = ("mha", "mla", "dsa", "swa_hybrid", "hybrid_linear", "minimax_sparse", "mla_linear")
-register_builtin(MHAPlanner(), MLAPlanner(), DSAPlanner(), SWAHybridPlanner(), HybridLinearPlanner(),
-                 MiniMaxSparsePlanner(), MLALinearPlanner())
+BUILTIN = ("mha", "mla", "dsa", "swa_hybrid", "swa_grouped", "hybrid_linear", "minimax_sparse", "mla_linear")
+register_builtin(MHAPlanner(), MLAPlanner(), DSAPlanner(), SWAHybridPlanner(), GroupedSWAPlanner(),
+                 HybridLinearPlanner(), MiniMaxSparsePlanner(), MLALinearPlanner())
