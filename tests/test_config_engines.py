@@ -137,3 +137,55 @@ def test_grouped_layers_store_into_their_shared_tensor():
     assert torch.equal(pool.layer("kv", partner)["k"].reshape(-1, 16)[5], k[0, 0])   # the same memory
     other = next(i for i in range(6) if kv.spec.slot(i) != kv.spec.slot(2))
     assert not pool.layer("kv", other)["k"].reshape(-1, 16)[5].eq(k[0, 0]).all()
+
+
+def _gemma4(**text):
+    base = dict(model_type="gemma4_text", hidden_size=2304, num_hidden_layers=30, num_attention_heads=8,
+                num_key_value_heads=4, head_dim=256, global_head_dim=512, sliding_window=512)
+    return ModelSpec.from_hf_config(dict(architectures=["Gemma4ForConditionalGeneration"], model_type="gemma4",
+                                         torch_dtype="bfloat16", text_config={**base, **text}), reader="own")
+
+
+def test_gemma4_full_layers_have_their_own_heads_and_sharing_layers_store_nothing():
+    """K reused as V (attention_k_eq_v): the full layers take num_global_key_value_heads of
+    global_head_dim; the last 12 layers reuse layer 16's / 17's KV. SGLang allocates every layer
+    (the shared ones unused): 5 x 2 x 512 x 2 x 2 + 0.8 x 25 x 4 x 256 x 2 x 2 = 102,400 B a token
+    (its own KVCacheConfigurator: bench/results/peers/sglang-configurator.md); kvwrite's layout
+    gives a shared layer its source's buffers: 3 full + 15 sliding copies."""
+    spec = _gemma4(num_kv_shared_layers=12, attention_k_eq_v=True, num_global_key_value_heads=2)
+    assert spec.kv_source(25) == 16 and spec.kv_source(29) == 17 and spec.kv_source(17) is None
+    sg = KVCacheConfigurator(spec, memory_bytes=20 * GiB, page_size=1, engine="sglang").plan()
+    assert sg.cell_size_bytes == 5 * 2 * 512 * 4 + 0.8 * 25 * 4 * 256 * 4 == 102_400
+    assert sg.max_total_num_tokens == 209_715
+    assert sg.pool("full").buffers[0].shape[-2:] == (2, 512) and sg.pool("swa").buffers[0].shape[-2:] == (4, 256)
+    own = KVCacheConfigurator(spec, max_total_num_tokens=2048, page_size=16, swa_full_tokens_ratio=0.5).plan()
+    assert [p.spec.num_buffers for p in own.pools] == [3, 15]
+    assert own.cell_size_bytes == 3 * 2 * 512 * 4 + 0.5 * 15 * 4 * 256 * 4
+    import torch
+    from kvwrite.config import LayerHasNoKV
+    pool = own.build("cpu", check="guard", backend="torch")
+    k = torch.ones(1, 2, 512, dtype=torch.bfloat16)
+    pool.map_swa(torch.arange(64), torch.arange(64))   # full locs 0-63 -> SWA rows 0-63
+    pool.store(17, torch.tensor([3]), k, k)          # K reused as V: the V argument from K
+    pool.errors.raise_if_any()
+    assert torch.equal(pool.layer("full", 29)["v"].reshape(-1, 2, 512)[3], k[0])   # layer 29 reads 17's
+    with pytest.raises(LayerHasNoKV, match="layer 29 reuses layer 17's KV"):
+        pool.store(29, torch.tensor([3]), k, k)
+
+
+def test_gemma3n_is_one_pool_under_sglang_and_shares_layers_in_kvwrite():
+    """SGLang turns hybrid SWA off for Gemma 3n and allocates all 35 layers: 35 x 2 x 256 x 2 x 2 =
+    71,680 B a token, 299,593 tokens in 20 GiB (its own code gives the same); vLLM and kvwrite
+    give the 15 KV-shared layers no memory of their own."""
+    cfg = dict(architectures=["Gemma3nForConditionalGeneration"], model_type="gemma3n", torch_dtype="bfloat16",
+               text_config=dict(model_type="gemma3n_text", hidden_size=2048, num_hidden_layers=35,
+                                num_attention_heads=8, num_key_value_heads=2, head_dim=256, sliding_window=512,
+                                num_kv_shared_layers=15))
+    spec = ModelSpec.from_hf_config(cfg, reader="own")
+    assert spec.kv_source(20) == 18 and spec.kv_source(24) == 19   # sliding / full sources (SGLang's rule)
+    sg = KVCacheConfigurator(spec, memory_bytes=20 * GiB, page_size=1, engine="sglang").plan()
+    assert (sg.variant, sg.cell_size_bytes, sg.max_total_num_tokens) == ("mha", 35 * 2048, 299_593)
+    vl = KVCacheConfigurator(spec, memory_bytes=20 * GiB, page_size=1, engine="vllm").plan()
+    # vLLM: 16 sliding + 4 full layers with a cache -> group size 4 (16 >= 1.5 x 4): 5 groups, 4 tensors
+    assert vl.variant == "swa_grouped" and vl.pool("kv").spec.num_buffers == 4
+    assert vl.max_total_num_tokens + 1 == 20 * GiB // (4 * 2048)

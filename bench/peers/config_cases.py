@@ -29,6 +29,24 @@ CONFIGS = {
                                   num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=32,
                                   sliding_window=4096, sliding_window_pattern=4, torch_dtype="bfloat16"),
     "qwen3-next-80b-a3b": PRESETS["qwen3-next-80b-a3b"][1],
+    # transformers 5.25's Gemma4TextConfig / Gemma3nTextConfig defaults (documented there as similar to
+    # google/gemma-4-e2b-it and google/gemma-3n-E4B), with the fields the configs spell out
+    "gemma-4 (e2b-like)": dict(architectures=["Gemma4ForConditionalGeneration"], model_type="gemma4",
+                               torch_dtype="bfloat16", text_config=dict(
+                                   model_type="gemma4_text", hidden_size=2304, num_hidden_layers=30,
+                                   num_attention_heads=8, num_key_value_heads=4, head_dim=256, global_head_dim=512,
+                                   sliding_window=512, num_kv_shared_layers=0, attention_k_eq_v=False)),
+    "gemma-4 (k_eq_v, shared)": dict(architectures=["Gemma4ForConditionalGeneration"], model_type="gemma4",
+                                     torch_dtype="bfloat16", text_config=dict(
+                                         model_type="gemma4_text", hidden_size=2304, num_hidden_layers=30,
+                                         num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                                         global_head_dim=512, num_global_key_value_heads=2, sliding_window=512,
+                                         num_kv_shared_layers=12, attention_k_eq_v=True)),
+    "gemma-3n (E4B-like)": dict(architectures=["Gemma3nForConditionalGeneration"], model_type="gemma3n",
+                                torch_dtype="bfloat16", text_config=dict(
+                                    model_type="gemma3n_text", hidden_size=2048, num_hidden_layers=35,
+                                    num_attention_heads=8, num_key_value_heads=2, head_dim=256, sliding_window=512,
+                                    num_kv_shared_layers=15)),
 }
 # Models whose draft worker is compared: their MTP layers (DeepSeek) or a one-layer EAGLE draft
 # of the same attention (dense GQA). Hybrid models' drafts are separate checkpoints.
@@ -89,7 +107,8 @@ def kvwrite_row(case: dict, engine: str) -> dict:
             bufs[name] = (_rows_shape(b.shape, spec_b.layout), b.dtype)
             bufs[name + "#layers"] = len(p.layer_ids)
     m = plan.model
-    heads = None if not m.num_kv_heads else plan.parallel.kv_heads_per_rank(m.num_kv_heads)
+    # KV heads of the full-attention layers (what SGLang's ModelConfig.get_num_kv_heads reports)
+    heads = None if not m.num_kv_heads else plan.parallel.kv_heads_per_rank(m.num_global_kv_heads or m.num_kv_heads)
     return dict(ok=True, max_total_num_tokens=plan.max_total_num_tokens, loc_space_scale=plan.loc_space_scale,
                 pool_page_size=plan.pool_page_size, kv_heads=heads, cell=plan.cell_size_bytes,
                 hybrid_swa=plan.variant == "swa_hybrid", buffers=bufs, variant=plan.variant,

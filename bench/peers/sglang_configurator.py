@@ -139,7 +139,7 @@ def sglang_row(case: dict) -> dict:
                                  if mc.is_hybrid_swa else None),
             spec_algorithm=SpeculativeAlgorithm.from_string("EAGLE" if draft else None), is_draft_worker=draft,
             post_capture_kv_active=False, spec_aux_config=SpecAuxHiddenStateConfig(), is_hybrid_swa=mc.is_hybrid_swa,
-            is_hybrid_swa_compress=False, use_mla_backend=use_mla, layer_info=_layer_info(mc, n_layers),
+            is_hybrid_swa_compress=getattr(mc, "is_hybrid_swa_compress", False), use_mla_backend=use_mla, layer_info=_layer_info(mc, n_layers),
             forward_stream=None, req_to_token_pool=None, token_to_kv_pool_allocator=None, memory_pool_config=None)
         if draft:   # the draft worker takes the target's resolved pool config
             config = MemoryPoolConfig(max_total_num_tokens=case["target_tokens"],

@@ -71,6 +71,8 @@ def _specs(spec, case: dict) -> dict:
     heads = max(1, spec.num_kv_heads // tp)
     swa = set(spec.swa_layer_ids) if spec.variant == "swa_hybrid" else set()
     for i in spec.kv_layer_ids:
+        if spec.kv_source(i) is not None:   # a KV-shared layer (kv_sharing_target_layer_name): no cache spec
+            continue
         common = dict(block_size=page, num_kv_heads=heads, head_size=spec.head_dim, dtype=dtype,
                       max_tp_shards=spec.num_kv_heads)
         out[f"layers.{i}.attn"] = (SlidingWindowSpec(**common, sliding_window=spec.sliding_window) if i in swa

@@ -66,7 +66,8 @@ def _one_pool(spec: ModelSpec) -> ModelSpec:
     """An SWA-hybrid spec served with every layer in one full pool."""
     return ModelSpec("mha", spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                      v_head_dim=spec.v_head_dim, dtype=spec.dtype, num_draft_layers=spec.num_draft_layers,
-                     context_len=spec.context_len, name=spec.name, architecture=spec.architecture)
+                     kv_sharing=spec.kv_sharing, context_len=spec.context_len, name=spec.name,
+                     architecture=spec.architecture)
 
 
 def _check_dcp(engine: str, parallel) -> None:
@@ -108,8 +109,14 @@ def _sglang(spec: ModelSpec, parallel, kv: str, page_size: int) -> EngineLayout:
 
 def _vllm(spec: ModelSpec, parallel, kv: str, page_size: int) -> EngineLayout:
     notes: list[str] = []
+    if spec.variant == "swa_hybrid" and (spec.global_head_dim or spec.num_global_kv_heads):
+        raise UnsupportedCombination(
+            f"engine='vllm' gives {spec.architecture or spec.name or 'this model'}'s full-attention layers their own "
+            f"head size / KV heads and unifies the groups' page sizes (kv_cache_utils."
+            f"unify_kv_cache_spec_page_size / packed groups), which kvwrite does not plan: use engine='sglang'")
     if spec.variant == "swa_hybrid":
-        kinds = [(i, "swa" if i in spec.swa_layer_ids else "full") for i in range(spec.num_layers)]
+        kinds = [(i, "swa" if i in spec.swa_layer_ids else "full") for i in range(spec.num_layers)
+                 if spec.kv_source(i) is None]
         groups = vllm_kv_cache_groups(kinds)
         notes.append(f"vLLM's KV cache manager groups the {spec.num_layers} layers into {len(groups)} groups of "
                      f"{max(len(g) for g in groups)} sharing one block pool, one tensor per position in a group "
