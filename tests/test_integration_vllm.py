@@ -55,7 +55,7 @@ def state():
 
 @pytest.fixture
 def fresh_guard(monkeypatch):
-    g = plugin.StepGuard()
+    g = plugin.new_guard()
     monkeypatch.setattr(plugin, "GUARD", g)
     return g
 
@@ -246,7 +246,7 @@ def test_guard_reads_once_per_step_and_names_layer_and_request(monkeypatch, stat
 
 def test_guard_log_policy_counts_and_keeps_serving(monkeypatch, state):
     monkeypatch.setenv(plugin.POLICY_ENV, "log")
-    g = plugin.StepGuard()
+    g = plugin.new_guard()
     monkeypatch.setattr(plugin, "GUARD", g)
     monkeypatch.setattr(validate, "DEFAULT_CHECK", "guard")
     runner = runner_env(state)
@@ -256,7 +256,7 @@ def test_guard_log_policy_counts_and_keeps_serving(monkeypatch, state):
     assert g.faults[0].loc == -7 and "request a" in str(g.faults[0])
     monkeypatch.setenv(plugin.POLICY_ENV, "silent")
     with pytest.raises(ValueError, match="KVWRITE_VLLM_GUARD"):
-        plugin.StepGuard()
+        plugin.new_guard()
 
 
 def test_namespace_mismatch_is_refused_with_both_numbers(monkeypatch, state, fresh_guard):
