@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -43,6 +44,7 @@ class LayerInfo:
 
     names: list[str]
     row: int
+    tensor: Any = None          # a weak reference to the registered tensor
     block_size: int | None = None
     rows: int | None = None
     checked: set = field(default_factory=set)
@@ -88,9 +90,13 @@ class StepGuard:
                 continue
             key = (t.device.type, t.data_ptr())
             info = self.layers.get(key)
+            if info is not None and info.tensor is not None and info.tensor() is None:
+                # the memory of a freed cache, reused by a new one: the row gets the new name(s)
+                info.names, info.block_size, info.rows, info.checked = [], None, None, set()
             if info is None:
                 info = self.layers[key] = LayerInfo([], len(self.names))
                 self.names.append(name)
+            info.tensor = weakref.ref(t)
             if name not in info.names:
                 info.names.append(name)
                 self.names[info.row] = ", ".join(info.names)
@@ -128,6 +134,21 @@ class StepGuard:
         if device not in self.records:
             self._allocate(device)
         return self.rows[device][0 if info is None else info.row]
+
+    def layer_of(self, cache: torch.Tensor) -> str:
+        """The registered name of `cache` (by data_ptr), or that it is not registered."""
+        info = self.layers.get((cache.device.type, cache.data_ptr()))
+        return self.names[0] if info is None else self.names[info.row]
+
+    def raise_now(self, errors, cache: torch.Tensor) -> None:
+        """Without a step hook: read `errors` right after the store (a host read per store) and
+        raise its error with the layer named."""
+        err = errors.error()
+        if err is not None:
+            errors.reset()
+            err.layer = self.layer_of(cache)
+            err.args = (f"kvwrite guard ({self.engine}, layer {err.layer}): {err}",)
+            raise err
 
     def check(self, context: Callable[[int], str] | None = None) -> list:
         """Read every record once (one host read per device); a bad write is raised (policy

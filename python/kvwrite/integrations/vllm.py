@@ -136,15 +136,19 @@ def routed(name: str, adapter: Callable, backend: str, state: Installed, route: 
         errors = g.errors_for(cache, route or ROUTES[1])
         adapter(*args, check="guard", errors=errors, backend=backend, **kwargs)
         if not g.stepped:
-            err = errors.error()
-            if err is not None:
-                errors.reset()
-                raise err
+            g.raise_now(errors, cache) if isinstance(cache, torch.Tensor) else _raise_plain(errors)
 
     write.__name__ = name
     write.__qualname__ = f"kvwrite.integrations.vllm.{name}"
     write.__wrapped_adapter__ = adapter
     return write
+
+
+def _raise_plain(errors) -> None:
+    err = errors.error()
+    if err is not None:
+        errors.reset()
+        raise err
 
 
 def rebind(modules: dict[str, Any], state: Installed, prefix: str = "vllm") -> None:
