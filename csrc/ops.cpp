@@ -333,10 +333,16 @@ void store_kv_quant_cpu(const Tensor& k, const Tensor& v, const Tensor& k_cache,
 
 // Fused RoPE + store (kvwrite/rope_store.h): each parallel chunk rotates its tokens' k (k_pe)
 // into one reused, cache-hot scratch row, then stores that row.
+// One counter for every rope op and instantiation: the id keys rope_head_host's per-thread cos/sin
+// row, so two calls (of any op) must never share one (a per-template counter did: stale rows).
+inline uint64_t next_rope_call() {
+  static std::atomic<uint64_t> calls{0};
+  return ++calls;
+}
+
 template <class Token, class P>
 void run_rope_tokens(P p, const LocArgs& a, int64_t check, int64_t row_bytes, int64_t token_bytes) {
-  static std::atomic<uint64_t> calls{0};
-  p.rope.call = ++calls;  // keys the per-thread cos/sin row of rope_head_host to this call
+  p.rope.call = next_rope_call();  // keys the per-thread cos/sin row of rope_head_host to this call
   if (check == CHECK_ASSERT)
     assert_prescan_with(a, [&](i64 i) {
       bool ok = false;
