@@ -200,7 +200,9 @@ def main() -> int:
         results[key] = json.loads(line[-1][7:]) if line else dict(
             mode=mode, fault=fault, error=f"process died (rc {proc.returncode}): " + proc.stderr[-1500:])
         results[key]["wall_s"] = round(time.time() - t, 1)
-        print(key, json.dumps(results[key])[:700], flush=True)
+        brief = {k: results[key].get(k) for k in ("error", "fault_record", "tokens_per_s", "wall_s")}
+        brief["tokens_equal_to_off"] = same(results.get("off:none", {}).get("tokens"), results[key].get("tokens"))
+        print(key, json.dumps(brief)[:900], flush=True)
     summary = summarize(results)
     print(json.dumps({k: v for k, v in summary.items() if k != "results"}, indent=1))
     if args.json:
