@@ -100,6 +100,7 @@ def _store_kv_layer(original: Callable, backend: str, state: Installed) -> Calla
                                loc, cache_k, cache_v, self.page_size, dtype=self.dtype if fp8 else None,
                                check=mode, errors=errors, backend=backend)
         _after(errors, kb)
+    store = torch.compiler.disable(store)    # the record row comes from a real tensor's data_ptr
     store.__wrapped_sglang__ = original
     return store
 
@@ -132,6 +133,7 @@ def _scatter_mla_rows(original: Callable, backend: str, state: Installed) -> Cal
         adapters.set_mla_kv_buffer(_half_words(dst_buffer), loc, _half_words(cache_k_nope), _half_words(rope),
                                    self.page_size, check=mode, errors=errors, backend=backend)
         _after(errors, dst_buffer)
+    scatter = torch.compiler.disable(scatter)
     scatter.__wrapped_sglang__ = original
     return scatter
 

@@ -142,6 +142,9 @@ def routed(name: str, adapter: Callable, backend: str, state: Installed, route: 
 
     write.__name__ = name
     write.__qualname__ = f"kvwrite.integrations.vllm.{name}"
+    # never traced by torch.compile: the layer's record row is picked from the cache's data_ptr,
+    # which only a real tensor has (vLLM calls its writers inside an opaque attention op anyway)
+    write = torch.compiler.disable(write)
     write.__wrapped_adapter__ = adapter
     return write
 
