@@ -17,13 +17,21 @@ def run(capsys, *argv):
 
 
 def test_plan_table_deepseek_dcp_draft(capsys):
-    rc, out, _ = run(capsys, "plan", "--preset", "deepseek-v3", "--dcp", "4", "--draft", "--page-size", "64",
-                     "--memory", "20GiB")
-    assert rc == 0
+    rc, out, _ = run(capsys, "plan", "--preset", "deepseek-v3", "--tp", "4", "--dcp", "4", "--draft", "--page-size",
+                     "64", "--memory", "20GiB")
+    assert rc == 0 and "layout of engine=sglang" in out
     assert "loc_space_scale=4" in out and "pool_page_size=256" in out
     # SGLang's sizing: 20 GiB // 1152 B per virtual token, in whole 256-token pages; + the padding page
     assert "max_total_num_tokens=18,641,152" in out and "store_mla (virtual loc)" in out
     assert "[72818, 256, 576] bfloat16" in out and "engine sizing" in out
+
+
+def test_plan_refuses_what_the_engine_has_no_layout_for(capsys):
+    rc, _, err = run(capsys, "plan", "--preset", "deepseek-v3", "--dcp", "4", "--draft", "--memory", "20GiB")
+    assert rc == 2 and "tp_size=1 with dcp_size=4" in err and "parallel_hook.py" in err
+    rc, out, _ = run(capsys, "plan", "--preset", "deepseek-v3", "--dcp", "4", "--draft", "--memory", "20GiB",
+                     "--engine", "kvwrite")
+    assert rc == 0 and "layout of engine=kvwrite" in out
 
 
 def test_plan_json_matches_the_api(capsys):

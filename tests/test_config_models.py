@@ -235,8 +235,23 @@ FIXTURES.update({
     "olmoe": ("allenai/OLMoE-1B-7B-0924", dict(
         architectures=["OlmoeForCausalLM"], model_type="olmoe", hidden_size=2048, num_hidden_layers=16,
         num_attention_heads=16, num_key_value_heads=16, torch_dtype="bfloat16")),
+    # transformers 5.25's Gemma4TextConfig / Gemma3nTextConfig defaults (its docs: "similar to
+    # google/gemma-4-e2b-it" / "google/gemma-3n-E4B"), the fields spelled out
+    "gemma4": ("google/gemma-4-e2b-it (transformers defaults)", dict(
+        architectures=["Gemma4ForConditionalGeneration"], model_type="gemma4", torch_dtype="bfloat16",
+        text_config=dict(model_type="gemma4_text", hidden_size=2304, num_hidden_layers=30, num_attention_heads=8,
+                         num_key_value_heads=4, head_dim=256, global_head_dim=512, sliding_window=512,
+                         num_kv_shared_layers=0, attention_k_eq_v=False))),
+    "gemma3n": ("google/gemma-3n-E4B (transformers defaults)", dict(
+        architectures=["Gemma3nForConditionalGeneration"], model_type="gemma3n", torch_dtype="bfloat16",
+        text_config=dict(model_type="gemma3n_text", hidden_size=2048, num_hidden_layers=35, num_attention_heads=8,
+                         num_key_value_heads=2, head_dim=256, sliding_window=512, num_kv_shared_layers=15))),
 })
 BYTES.update({
+    # full layers 5, 11, .., 29: 4 heads x 512 (global_head_dim) x K+V x 2 B; 25 sliding: 4 x 256 x 2 x 2 B
+    "gemma4": ("swa_hybrid", 30, 5 * 4 * 512 * 2 * 2 + 0.5 * 25 * 4 * 256 * 2 * 2),
+    # layers 20-34 reuse layer 18's / 19's KV: 20 layers store, 4 full (4, 9, 14, 19) and 16 sliding
+    "gemma3n": ("swa_hybrid", 35, 2 * 256 * 2 * 2 * (4 + 0.5 * 16)),
     "qwen3_5": ("hybrid_linear", 16, 4 * 512 * 16 * 2),
     "qwen3_5_moe": ("hybrid_linear", 10, 2 * 512 * 10 * 2),
     "qwen2_vl": ("mha", 28, 4 * 256 * 28 * 2),                  # 3584 / 28 = 128
@@ -296,7 +311,7 @@ STATE.update({
 
 
 def test_every_issue_model_type_has_a_fixture():
-    assert set(FIXTURES) == set(BYTES) and len(FIXTURES) == 22 + 28
+    assert set(FIXTURES) == set(BYTES) and len(FIXTURES) == 22 + 30
 
 
 @pytest.mark.parametrize("model_type", list(FIXTURES))

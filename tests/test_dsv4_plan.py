@@ -129,3 +129,17 @@ def test_cli_plan_shows_every_sub_pool(capsys):
     assert rc == 0 and d["page_size"] == 256 and d["kv_cache_dtype"] == "fp8_e4m3"
     assert [s["name"] for s in d["pools"]] == SUBPOOLS and d["sizing"] == "engine"
     assert d["max_total_num_tokens"] == KVCacheConfigurator(flash(), memory_bytes=40 * GiB).plan().max_total_num_tokens
+
+
+def test_default_request_slots_message_names_the_c128_state_and_the_knob():
+    """20 GiB per rank without max_running_requests: SGLang's default 2,048 request slots put
+    ~21.5 GB in the c128 state ring; the message says so and names max_running_requests."""
+    from kvwrite.config import BudgetTooSmall
+    from kvwrite import KVCacheConfigurator, ModelSpec
+
+    spec = ModelSpec.from_preset("deepseek-v4-flash")
+    with pytest.raises(BudgetTooSmall, match=r"c128 compress-state ring .* 2048 request slots \(max_running_requests "
+                                              r"unset.*takes 21506293760 bytes.*give max_running_requests=\d+ or fewer"):
+        KVCacheConfigurator(spec, memory_bytes=20 * 2**30).plan()
+    plan = KVCacheConfigurator(spec, memory_bytes=20 * 2**30, max_running_requests=64).plan()
+    assert plan.max_total_num_tokens == 2_930_944

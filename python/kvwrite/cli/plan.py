@@ -51,8 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-running-requests", type=positive_int, default=None,
                    help="request slots of recurrent-state / dsv4 c128-state pools (default: the engines' "
                         "memory share / estimate)")
-    p.add_argument("--engine", default="sglang", choices=("sglang", "vllm"),
-                   help="whose DCP KV-head rule applies (sglang: H // (tp // dcp); vllm: H // tp)")
+    p.add_argument("--engine", default="sglang", choices=("sglang", "vllm", "kvwrite"),
+                   help="whose layout to plan: the model as SGLang's / vLLM's code lays it out (refused where "
+                        "the engine has none; also the DCP KV-head rule: sglang H // (tp // dcp), vllm H // tp), "
+                        "or kvwrite's own (every variant as read)")
     p.add_argument("--sizing", default="engine", choices=("engine", "strict"),
                    help="engine: tokens = (memory - fixed) // cell as SGLang (padding page and SWA loc map "
                         "beside the budget); strict: everything inside the budget")
@@ -81,6 +83,7 @@ def render(plan, console=None) -> None:
     heads = f", {par.kv_heads_per_rank(m.num_kv_heads)} KV heads/rank ({par.engine})" if m.num_kv_heads else ""
     console.print(f"[bold]{m.name or m.variant}[/bold]: variant={plan.variant}, {role}, tp={par.tp_size}{heads}, "
                   f"dcp={par.dcp_size} (rank {par.dcp_rank}), kv_cache_dtype={plan.kv_cache_dtype}")
+    console.print(f"layout of engine={plan.engine}" + "".join(f"\n  {n}" for n in plan.engine_notes))
     console.print(f"page_size={plan.page_size}  loc_space_scale={plan.loc_space_scale}  "
                   f"pool_page_size={plan.pool_page_size}  max_total_num_tokens={plan.max_total_num_tokens:,}  "
                   f"cell_size_bytes={plan.cell_size_bytes:,}")
@@ -99,7 +102,9 @@ def render(plan, console=None) -> None:
         t.add_column(col)
     for p in plan.pools:
         g, s = p.geometry, p.space
-        geo = (f"{g.num_pages:,} pages x {g.pool_page_size} rows\n(page_size {g.page_size} x scale "
+        geo = (f"{g.num_pages:,} rows, addressed by row\n(no pages)" if g.pool_page_size == 1 and s.page_size == 1
+               and p.addressing == "local" and s.name == p.name else
+               f"{g.num_pages:,} pages x {g.pool_page_size} rows\n(page_size {g.page_size} x scale "
                f"{g.loc_space_scale})\ncapacity {g.capacity:,}")
         alloc = f"{s.name}: {s.num_locs:,} locs\npages of {s.page_size}\n{p.addressing}"
         bufs = "\n".join(f"{b.name} {list(b.shape)} {b.dtype}" + ("" if b.per_layer else " (shared)")

@@ -1,6 +1,6 @@
 """The configurator: model + parallel setup + budget -> pool plan -> built pools."""
 from kvwrite.config.configurator import KVCacheConfigurator
-from kvwrite.config.errors import (BudgetTooSmall, ConfigError, KernelUnavailable, LayerHasNoKV, MalformedConfig,
+from kvwrite.config.errors import (BudgetTooSmall, ConfigError, EngineMismatch, KernelUnavailable, LayerHasNoKV, MalformedConfig,
                                    SpecError, UnknownArchitecture, UnknownPreset, UnknownVariant,
                                    UnsupportedCombination, WindowDoesNotFit)
 from kvwrite.config.hf import spec_from_hf_config  # noqa: F401  (registers ModelSpec.from_hf_config)
@@ -15,7 +15,7 @@ from kvwrite.config.variants import KV_CACHE_DTYPES
 from kvwrite.config import dsv4 as _dsv4  # noqa: F401,E402  (registers the "dsv4" variant)
 
 __all__ = [
-    "BudgetTooSmall", "BufferSpec", "ConfigError", "KVCacheConfigurator", "KVPool", "KV_CACHE_DTYPES",
+    "BudgetTooSmall", "BufferSpec", "ConfigError", "EngineMismatch", "KVCacheConfigurator", "KVPool", "KV_CACHE_DTYPES",
     "KernelUnavailable", "LayerHasNoKV", "LocSpace", "MalformedConfig", "ModelSpec", "ParallelSpec",
     "PlanContext", "PoolPlan", "PoolSpec", "RecurrentState", "SpecError", "StatePoolPlan", "StatePoolSpec",
     "SubPoolPlan", "UnknownArchitecture", "UnknownPreset", "UnknownVariant", "UnsupportedCombination",

@@ -9,6 +9,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from kvwrite.config.engines import engine_layout
 from kvwrite.config.errors import BudgetTooSmall, ConfigError, UnsupportedCombination, WindowDoesNotFit
 from kvwrite.config.model import ModelSpec
 from kvwrite.config.parallel import ParallelSpec
@@ -71,20 +72,26 @@ class KVCacheConfigurator:
                  max_total_num_tokens: int | None = None, swa_full_tokens_ratio: float | None = None,
                  max_running_requests: int | None = None, layout: str = "NHD",
                  reserve_padding_page: bool = True, target: str = "gpu", sizing: str = "engine",
-                 mamba_full_memory_ratio: float = MAMBA_FULL_MEMORY_RATIO) -> None:
+                 mamba_full_memory_ratio: float = MAMBA_FULL_MEMORY_RATIO, engine: str | None = None) -> None:
         if not isinstance(model, ModelSpec):
             raise TypeError(f"model must be a kvwrite.ModelSpec, got {type(model).__name__}")
         parallel = ParallelSpec() if parallel is None else parallel
         if not isinstance(parallel, ParallelSpec):
             raise TypeError(f"parallel must be a kvwrite.ParallelSpec, got {type(parallel).__name__}")
-        self.model, self.parallel = model, parallel
-        self.planned_model = model.draft() if parallel.is_draft_worker else model
-        self.planner = planner_for(self.planned_model.variant)
-        defaults = plan_defaults(self.planned_model.variant)
+        if engine is not None:
+            parallel = dataclasses.replace(parallel, engine=engine)
+        self.model, self.parallel, self.engine = model, parallel, parallel.engine
+        defaults = plan_defaults(model.variant)
         self.page_size = require_positive_int("page_size", defaults["page_size"] if page_size is None else page_size)
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+        self.layout_of_engine = engine_layout(self.engine, model, parallel, kv_cache_dtype, self.page_size)
+        served = self.layout_of_engine.model
+        self.planned_model = served.draft() if parallel.is_draft_worker else served
+        self.planner = planner_for(self.planned_model.variant)
+        defaults = plan_defaults(self.planned_model.variant)
         self.requested_kv_cache_dtype = kv_cache_dtype
+        kv_cache_dtype = self.layout_of_engine.kv_cache_dtype
         self.kv_cache_dtype = self.planner.native_kv_cache_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
         if memory_bytes is None and max_total_num_tokens is None:
             raise ConfigError("give memory_bytes (per rank) or max_total_num_tokens (per rank)")
@@ -236,7 +243,7 @@ class KVCacheConfigurator:
             cell_size_bytes=self.cell_size_bytes, memory_bytes=self.memory_bytes, pools=tuple(pools),
             spaces=spaces, max_running_requests=self.max_running_requests, layout=self.layout, target=self.target,
             state_pools=tuple(state_plan(st, slots, npu) for st in self.state_specs), sizing=self.sizing,
-            fixed_bytes=self.fixed_bytes)
+            fixed_bytes=self.fixed_bytes, engine=self.engine, engine_notes=self.layout_of_engine.notes)
 
     def _kernel(self, spec: PoolSpec, addressing: str) -> str:
         extra = [spec.note] if spec.note else []
@@ -261,7 +268,7 @@ class KVCacheConfigurator:
                 rows_per_token *= self.swa_full_tokens_ratio
             for b in spec.buffers:
                 if b.layout != "map":
-                    total += b.row_bytes * rows_per_token * (len(spec.layer_ids) if b.per_layer else 1)
+                    total += b.row_bytes * rows_per_token * (spec.num_buffers if b.per_layer else 1)
         return total
 
     @property
@@ -284,8 +291,14 @@ class KVCacheConfigurator:
         """Bytes of the plan whose full loc space has `pages` usable pool pages (plus padding)."""
         return self._assemble(self._sizing(pages)).total_bytes
 
+    @property
+    def _pad_inside(self) -> int:
+        """1 where the padding page is inside the budget: vLLM's block pool holds its null block
+        (block 0) among the num_blocks = memory // bytes-per-block it allocates."""
+        return int(self.engine == "vllm" and self.reserve_padding_page)
+
     def _engine_bytes(self, pages: int) -> float:
-        return pages * self.pool_page_size * self._cell(self.context) + self.fixed_bytes
+        return (pages + self._pad_inside) * self.pool_page_size * self._cell(self.context) + self.fixed_bytes
 
     def _fits(self, pages: int) -> bool:
         if self.sizing == "engine":
@@ -309,6 +322,9 @@ class KVCacheConfigurator:
                     f"bytes per rank ({self.sizing} sizing) but memory_bytes={self.memory_bytes}", need)
             return plan
         budget = self.memory_bytes
+        if not self._fits(n_min) and self.sizing == "engine" and self.fixed_bytes and \
+                self._engine_bytes(n_min) - self.fixed_bytes <= budget:
+            raise BudgetTooSmall(self._fixed_message(budget, n_min), math.ceil(self._engine_bytes(n_min)))
         if not self._fits(n_min):
             minimum = math.ceil(self._engine_bytes(n_min)) if self.sizing == "engine" else self.total_bytes_for(n_min)
             extra = (" plus the padding page" if self.reserve_padding_page and self.sizing == "strict" else "")
@@ -321,7 +337,7 @@ class KVCacheConfigurator:
                                  f"{minimum} bytes per rank", minimum)
         if self.sizing == "engine":   # SGLang: int(available // cell) // page_size * page_size
             tokens = int((budget - self.fixed_bytes) // self._cell(self.context))
-            pages = tokens // self.pool_page_size
+            pages = tokens // self.pool_page_size - self._pad_inside
             while pages > n_min and not self._fits(pages):   # float rounding at the edge
                 pages -= 1
             return self._assemble(self._sizing(max(pages, n_min)))
@@ -332,6 +348,27 @@ class KVCacheConfigurator:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if self._fits(mid) else (lo, mid)
         return self._assemble(self._sizing(lo))
+
+    def _fixed_message(self, budget: int, n_min: int) -> str:
+        """The request-slot pools (not the KV pools) exhaust the budget: say so, with the knob."""
+        kv_min = math.ceil(self._engine_bytes(n_min) - self.fixed_bytes)
+        what = self.planner.fixed_what or "the recurrent-state pools"
+        given = self.max_running_requests_given is not None
+        origin = ("max_running_requests" if given else
+                  "max_running_requests unset: the engine's default")
+        fit = 0   # the most request slots that leave room for the smallest KV plan
+        lo, hi = 1, self.max_running_requests
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            ctx = dataclasses.replace(self.context, max_running_requests=mid)
+            fixed = self.planner.fixed_bytes(ctx) + sum(state_plan(st, mid + 1).bytes for st in self.state_specs)
+            lo, hi, fit = (mid + 1, hi, mid) if fixed + kv_min <= budget else (lo, mid - 1, fit)
+        hint = (f"give max_running_requests={fit} or fewer" if fit else "no request slot fits: give more memory")
+        return (f"memory_bytes={budget} is too small: {what} for {self.max_running_requests} request slots "
+                f"({origin}) takes {self.fixed_bytes} bytes per rank, "
+                + (f"leaving {budget - self.fixed_bytes} for" if budget > self.fixed_bytes else "all of it and more, none for")
+                + f" the KV pools, whose smallest plan needs {kv_min}; {hint} (each slot costs "
+                f"{self.fixed_bytes // (self.max_running_requests + 1)} bytes)")
 
     def _window_message(self, pages: int, n_min: int) -> str:
         s = self._sizing(pages)
@@ -351,7 +388,8 @@ class KVCacheConfigurator:
         extra = "".join(f", {k}={v!r}" for k, v, d in (
             ("layout", self.layout, "NHD"), ("target", self.target, "gpu"),
             ("reserve_padding_page", self.reserve_padding_page, True),
-            ("max_running_requests", self.max_running_requests_given, None), ("sizing", self.sizing, "engine"))
+            ("max_running_requests", self.max_running_requests_given, None), ("sizing", self.sizing, "engine"),
+            ("engine", self.engine, "kvwrite"))
             if v != d)
         return (f"KVCacheConfigurator({self.model.name or self.model.variant}, {self.parallel}, "
                 f"page_size={self.page_size}, kv_cache_dtype={self.kv_cache_dtype!r}{extra})")

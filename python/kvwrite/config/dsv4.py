@@ -43,6 +43,7 @@ class DSV4Planner(VariantPlanner):
     kv_cache_dtypes = ("fp8_e4m3",)
     native_kv_cache_dtype = "fp8_e4m3"   # SGLang resolves "auto" to fp8_e4m3 for V4
     request_slots = True                 # the c128 state ring per request slot
+    fixed_what = "DeepSeek V4's c128 compress-state ring (128 rows of 4 KiB per c128 layer per request slot)"
     # SGLang's V4 overrides (arg_groups/model_overrides/deepseek_v4.py): page_size 256,
     # swa_full_tokens_ratio 0.1 (DSV4_DEFAULT_SWA_FULL_TOKENS_RATIO)
     defaults = dict(page_size=256, swa_full_tokens_ratio=0.1)

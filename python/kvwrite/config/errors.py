@@ -50,3 +50,7 @@ class KernelUnavailable(ConfigError):
 class LayerHasNoKV(ConfigError):
     """`store()` was called for a layer that has no KV cache (a linear-attention layer) or that
     the model does not have."""
+
+
+class EngineMismatch(ConfigError):
+    """A plan laid out for one engine was handed to another engine's adapters."""

@@ -244,6 +244,61 @@ def _gemma3(cfg: _Config) -> dict[str, Any]:
     return _swa(text, lambda i: "full_attention" if (i + 1) % pattern == 0 else "sliding_attention", cfg)
 
 
+def _kv_sharing(kinds: list[str], shared: int) -> list[tuple[int, int]]:
+    """The last `shared` layers reuse the KV of the last earlier layer of their own kind (Gemma 3n,
+    Gemma 4: transformers' kv_sharing_modes, SGLang's kv_shared_layer_index)."""
+    first = len(kinds) - shared
+    out = []
+    for i in range(first, len(kinds)):
+        src = [j for j in range(first) if kinds[j] == kinds[i]]
+        out.append((i, src[-1]))
+    return out
+
+
+def _gemma_shared(cfg: _Config, pattern: int, head_dim: int, outer: _Config, *, last_full: bool) -> dict[str, Any]:
+    """Gemma 3n / 4: sliding layers with every `pattern`-th layer global, KV-shared last layers."""
+    n = cfg.int("num_hidden_layers")
+    default = {"head_dim": head_dim, "num_attention_heads": 8, "sliding_window": 512}
+    cfg = _Config({**cfg.data, **{k: v for k, v in default.items() if cfg.raw(k) is None}}, cfg.where)
+    kinds = _kinds(cfg, n, lambda i: "full_attention" if (i + 1) % pattern == 0 else "sliding_attention",
+                   ("full_attention", "sliding_attention"))
+    if last_full:   # transformers forces Gemma 4's last layer global
+        kinds[-1] = "full_attention"
+    out = _swa(_Config({**cfg.data, "layer_types": kinds}, cfg.where), lambda i: kinds[i], outer)
+    shared = cfg.int("num_kv_shared_layers", 0, minimum=0)
+    if shared >= n:
+        raise cfg.fail(f"num_kv_shared_layers={shared} leaves no layer that stores KV ({n} layers)")
+    out["kv_sharing"] = _kv_sharing(kinds, shared) if shared else []
+    missing = sorted({kinds[a] for a, _ in out["kv_sharing"]} - set(kinds[:n - shared]))
+    if missing:
+        raise cfg.fail(f"KV-shared layers of kind {missing} have no earlier layer of that kind to reuse")
+    return out
+
+
+def _gemma4(cfg: _Config) -> dict[str, Any]:
+    # Gemma 4: full-attention layers with their own head dim (global_head_dim, default 512) and, with
+    # attention_k_eq_v (K reused as V), num_global_key_value_heads; the last num_kv_shared_layers reuse
+    # an earlier layer's KV (transformers' Gemma4TextConfig).
+    text = _text(cfg)
+    out = _gemma_shared(text, 6, 256, cfg, last_full=True)
+    out["global_head_dim"] = text.int("global_head_dim", 512)
+    k_eq_v = text.raw("attention_k_eq_v")
+    if k_eq_v is not None and not isinstance(k_eq_v, bool):
+        raise text.fail(f"field 'attention_k_eq_v' must be a boolean, got {_show(k_eq_v)}")
+    if k_eq_v and text.has("num_global_key_value_heads"):
+        out["num_global_kv_heads"] = text.int("num_global_key_value_heads")
+    return out
+
+
+def _gemma3n(cfg: _Config) -> dict[str, Any]:
+    # Gemma 3n: 4 sliding layers then a global one; the last num_kv_shared_layers (default 15)
+    # reuse the KV of the last earlier layer of their kind (transformers' Gemma3nTextConfig).
+    text = _text(cfg)
+    if not text.has("num_kv_shared_layers"):
+        text = _Config({**text.data, "num_kv_shared_layers": 15}, text.where)
+    return _gemma_shared(text, 5, 256, cfg, last_full=False)
+
+
 def _llama4(cfg: _Config) -> dict[str, Any]:
     # Llama 4: chunked-local attention (RoPE) layers, and every 4th layer global (NoPE). The
     # chunked layers go in the SWA pool with window attention_chunk_size, as SGLang sizes them.
@@ -458,6 +513,10 @@ ARCHITECTURES: dict[str, tuple[tuple[str, ...], Callable[[_Config], dict[str, An
     "gemma2": (("Gemma2ForCausalLM",), _alternating),
     "gemma3": (("Gemma3ForConditionalGeneration", "Gemma3ForCausalLM"), _gemma3),
     "gemma3_text": (("Gemma3ForCausalLM",), _gemma3),
+    "gemma3n": (("Gemma3nForConditionalGeneration", "Gemma3nForCausalLM"), _gemma3n),
+    "gemma3n_text": (("Gemma3nForCausalLM",), _gemma3n),
+    "gemma4": (("Gemma4ForConditionalGeneration", "Gemma4ForCausalLM"), _gemma4),
+    "gemma4_text": (("Gemma4ForCausalLM",), _gemma4),
     "llama4": (("Llama4ForConditionalGeneration", "Llama4ForCausalLM"), _llama4),
     "llama4_text": (("Llama4ForCausalLM",), _llama4),
     "qwen3_next": (("Qwen3NextForCausalLM",), _qwen3_next),
@@ -563,7 +622,9 @@ def spec_from_hf_config(path_or_dict: Any, *, name: str = "", reader: str = "aut
         if "context_len" not in fields and c.has("max_position_embeddings"):
             fields["context_len"] = c.int("max_position_embeddings")
     label = cfg.raw("_name_or_path")
-    return ModelSpec(name=name or (label if isinstance(label, str) and label else model_type), **fields)
+    arch = archs[0] if archs else (ARCHITECTURES[model_type][0] or ("",))[0]
+    return ModelSpec(name=name or (label if isinstance(label, str) and label else model_type), architecture=arch,
+                     **fields)
 
 
 register_reader("from_hf_config", spec_from_hf_config)

@@ -26,7 +26,8 @@ _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp3
 # a spec that sets any other is inconsistent (SpecError).
 OPTIONAL_FIELDS = ("num_kv_heads", "head_dim", "v_head_dim", "kv_lora_rank", "qk_rope_head_dim",
                    "index_head_dim", "sliding_window", "swa_layer_ids", "full_attention_layer_ids",
-                   "compress_ratios", "linear_layer_ids", "linear_state")
+                   "compress_ratios", "linear_layer_ids", "linear_state", "global_head_dim",
+                   "num_global_kv_heads", "kv_sharing")
 
 
 _READERS: dict[str, Callable[..., "ModelSpec"]] = {}
@@ -64,6 +65,20 @@ def _ids(name: str, value: object) -> tuple[int, ...]:
     if len(set(ids)) != len(ids):
         raise SpecError(f"{name} has duplicate layer ids: {list(ids)}")
     return tuple(sorted(ids))
+
+
+def _sharing(value: object, n: int) -> tuple[tuple[int, int], ...]:
+    """(consumer, source) layer pairs: each consumer reuses an earlier layer's KV, which is no consumer."""
+    try:
+        pairs = tuple(sorted((int(a), int(b)) for a, b in value))  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        raise SpecError(f"kv_sharing must be (layer, source layer) pairs, got {value!r}") from None
+    consumers = {a for a, _ in pairs}
+    bad = [(a, b) for a, b in pairs if not 0 <= b < a < n or b in consumers]
+    if bad or len(consumers) != len(pairs):
+        raise SpecError(f"kv_sharing pairs must name a later layer reusing an earlier, non-sharing one in "
+                        f"[0, {n}), once each; got {bad or list(pairs)}")
+    return pairs
 
 
 STATE_KINDS = ("mamba2", "gdn", "mamba1", "lightning", "shortconv", "kda")
@@ -176,13 +191,18 @@ class ModelSpec:
     compress_ratios: tuple[int, ...] = ()   # dsv4: per layer 0 (SWA only), 4 or 128
     linear_layer_ids: tuple[int, ...] = ()
     linear_state: RecurrentState | None = None
+    global_head_dim: int = 0         # swa_hybrid: the full-attention layers' head dim (Gemma 4), if not head_dim
+    num_global_kv_heads: int = 0     # swa_hybrid: the full-attention layers' KV heads (Gemma 4), if not num_kv_heads
+    kv_sharing: tuple[tuple[int, int], ...] = ()   # (layer, the layer whose KV it reuses): Gemma 3n / 4
     context_len: int = field(default=0, compare=False)   # max_position_embeddings (0: unknown); V4's request estimate
     name: str = field(default="", compare=False)
+    architecture: str = field(default="", compare=False)   # HF architectures[0]: the engines' layout rules key on it
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
         for k in ("num_layers", "num_kv_heads", "head_dim", "v_head_dim", "kv_lora_rank",
-                  "qk_rope_head_dim", "index_head_dim", "sliding_window", "num_draft_layers", "context_len"):
+                  "qk_rope_head_dim", "index_head_dim", "sliding_window", "num_draft_layers", "context_len",
+                  "global_head_dim", "num_global_kv_heads"):
             v = getattr(self, k)
             if v is None:
                 v = 0
@@ -199,6 +219,7 @@ class ModelSpec:
         except (TypeError, ValueError):
             raise SpecError(f"compress_ratios must be a sequence of ints, got {self.compress_ratios!r}") from None
         set_("linear_layer_ids", _ids("linear_layer_ids", self.linear_layer_ids))
+        set_("kv_sharing", _sharing(self.kv_sharing, self.num_layers))
         if self.linear_state is not None and not isinstance(self.linear_state, RecurrentState):
             raise SpecError(f"ModelSpec.linear_state must be a kvwrite.config.RecurrentState, got "
                             f"{type(self.linear_state).__name__}")
@@ -235,7 +256,12 @@ class ModelSpec:
         for k in ("swa_layer_ids", "full_attention_layer_ids", "linear_layer_ids"):
             d[k] = list(getattr(self, k))
         d["compress_ratios"] = list(self.compress_ratios)
+        d["kv_sharing"] = [list(p) for p in self.kv_sharing]
         return d
+
+    def kv_source(self, layer_id: int) -> int | None:
+        """The layer whose KV `layer_id` reuses (it stores none of its own), or None."""
+        return dict(self.kv_sharing).get(layer_id)
 
     @classmethod
     def from_hf_config(cls, path_or_dict: "str | Mapping[str, Any]", *, name: str = "",

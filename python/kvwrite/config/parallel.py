@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from kvwrite.config.errors import SpecError
 
-ENGINES = ("sglang", "vllm")
+ENGINES = ("kvwrite", "sglang", "vllm")
 
 
 @dataclass(frozen=True)
@@ -14,16 +14,19 @@ class ParallelSpec:
     virtual loc space (token i on rank i % dcp_size); `is_draft_worker`: the speculative draft
     model's worker, whose replicated pools are indexed by the virtual loc.
 
-    `engine` picks whose DCP head rule applies (`kv_heads_per_rank`): "sglang" (DCP ranks are
-    carved out of the TP group, heads shard over `tp // dcp` groups) or "vllm" (heads shard over
-    `tp`; DCP only removes replication, so a GQA model needs `tp > H` and `dcp <= tp // H`).
+    `engine`: whose layout the configurator plans (`kvwrite.config.engines`): "sglang" or "vllm"
+    (the model as that engine's code lays it out, refused where it has none), or "kvwrite"
+    (default: every variant as the spec says, kvwrite's own pools and allocator). It also picks the
+    DCP head rule (`kv_heads_per_rank`): SGLang's (DCP ranks are carved out of the TP group, heads
+    shard over `tp // dcp` groups; also "kvwrite") or vLLM's (heads shard over `tp`; DCP only removes
+    replication, so a GQA model needs `tp > H` and `dcp <= tp // H`).
     """
 
     tp_size: int = 1
     dcp_size: int = 1
     dcp_rank: int = 0
     is_draft_worker: bool = False
-    engine: str = "sglang"
+    engine: str = "kvwrite"
 
     def __post_init__(self) -> None:
         for k in ("tp_size", "dcp_size"):

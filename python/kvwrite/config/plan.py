@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from kvwrite.config.errors import EngineMismatch
 from kvwrite.config.pool import KVPool
 from kvwrite.geometry import GeometryError, PageGeometry, require_positive_int
 
@@ -82,6 +83,17 @@ class PoolSpec:
     virtual: bool = False
     needs: tuple[str, ...] = ()
     note: str = ""
+    slots: tuple[int, ...] = ()   # per layer of layer_ids, the buffer copy it uses (layers sharing memory)
+
+    @property
+    def num_buffers(self) -> int:
+        """Per-layer buffer copies allocated: one a layer, or the distinct `slots` (vLLM's KV cache
+        groups share one tensor per position in the group)."""
+        return max(self.slots) + 1 if self.slots else len(self.layer_ids)
+
+    def slot(self, i: int) -> int:
+        """The buffer copy of the i-th layer of layer_ids."""
+        return self.slots[i] if self.slots else i
 
 
 @dataclass(frozen=True)
@@ -149,7 +161,7 @@ class SubPoolPlan:
 
     @property
     def bytes(self) -> int:
-        return sum(b.bytes * (len(self.layer_ids) if b.per_layer else 1) for b in self.buffers)
+        return sum(b.bytes * (self.spec.num_buffers if b.per_layer else 1) for b in self.buffers)
 
     @property
     def sharded(self) -> bool:
@@ -184,6 +196,7 @@ class SubPoolPlan:
                           pool_page_size=g.pool_page_size, num_pages=g.num_pages, capacity=g.capacity),
             buffers=[b.to_dict() for b in self.buffers], bytes=self.bytes, op=self.op,
             kernel=self.kernel, addressing=self.addressing, allocator=self.space.to_dict(),
+            **({"buffer_slots": list(self.spec.slots)} if self.spec.slots else {}),
         )
 
 
@@ -254,6 +267,17 @@ class PoolPlan:
     target: str = "gpu"
     sizing: str = "engine"
     fixed_bytes: int = 0
+    engine: str = "kvwrite"         # whose layout this is (kvwrite.config.engines)
+    engine_notes: tuple[str, ...] = ()   # where the engine's layout differs from the spec as read
+
+    def require_engine(self, engine: str) -> None:
+        """Raise EngineMismatch unless this plan is `engine`'s layout: an engine adapter calls it
+        before it writes into the plan's pools (a SGLang plan in vLLM's adapters, or the other
+        way round, addresses pools the engine's code does not have)."""
+        if engine != self.engine:
+            raise EngineMismatch(f"this plan is {self.engine}'s layout of {self.model.name or self.variant}; "
+                                 f"it cannot be built into {engine}'s adapters: plan it with "
+                                 f"KVCacheConfigurator(..., engine={engine!r})")
 
     @property
     def overhead_bytes(self) -> int:
@@ -320,10 +344,13 @@ class PoolPlan:
         return dataclasses.replace(self, pools=pools)
 
     def build(self, device: "torch.device | str" = "cpu", check: str | None = None, backend: str = "auto",
-              *, verify: bool = True, scales: "dict | float | None" = None):
+              *, verify: bool = True, scales: "dict | float | None" = None, engine: str | None = None):
         """Allocate every buffer on `device` and return a `KVPool` whose `.store(layer_id, loc,
         *tensors, **scales)` routes each layer to its sub-pool and kernel. `check=None`: the
-        process default (`KVWRITE_CHECK`); `scales`: an fp8 pool's scales (see `KVPool`)."""
+        process default (`KVWRITE_CHECK`); `scales`: an fp8 pool's scales (see `KVPool`);
+        `engine`: the engine whose adapters the pool is for (refused unless it is the plan's)."""
+        if engine is not None:
+            self.require_engine(engine)
         if verify:
             self.verify()
         return KVPool(self, device, check=check, backend=backend, scales=scales)
@@ -342,6 +369,7 @@ class PoolPlan:
             total_bytes=self.total_bytes, kv_bytes=self.kv_bytes, state_bytes=self.state_bytes,
             memory_bytes=self.memory_bytes, layout=self.layout, target=self.target,
             max_running_requests=self.max_running_requests, sizing=self.sizing, fixed_bytes=self.fixed_bytes,
+            engine=self.engine, engine_notes=list(self.engine_notes),
             overhead_bytes=self.overhead_bytes,
             allocators={k: v.to_dict() for k, v in self.spaces.items()},
             pools=[p.to_dict() for p in self.pools], state_pools=[s.to_dict() for s in self.state_pools],

@@ -72,8 +72,8 @@ class KVPool(PageMoves):
         self.shared: dict[str, dict[str, torch.Tensor]] = {}
         self._index: dict[str, dict[int, int]] = {}
         for p in plan.pools:
-            self._index[p.name] = {lid: i for i, lid in enumerate(p.layer_ids)}
-            self.buffers[p.name] = self._allocate([b for b in p.buffers if b.per_layer], len(p.layer_ids))
+            self._index[p.name] = {lid: p.spec.slot(i) for i, lid in enumerate(p.layer_ids)}
+            self.buffers[p.name] = self._allocate([b for b in p.buffers if b.per_layer], p.spec.num_buffers)
             self.shared[p.name] = {b.name: torch.full(b.shape, -1, dtype=getattr(torch, b.dtype), device=self.device)
                                    for b in p.buffers if not b.per_layer}
         self._layers = {lid for p in plan.pools for lid in p.layer_ids}
@@ -197,6 +197,10 @@ class KVPool(PageMoves):
 
     # --- the store ------------------------------------------------------------------------------
     def _check_layer(self, layer_id: int) -> None:
+        source = getattr(self.plan.model, "kv_source", lambda _: None)(layer_id)
+        if source is not None:
+            raise LayerHasNoKV(f"layer {layer_id} reuses layer {source}'s KV (the model's KV-shared layers, "
+                               f"num_kv_shared_layers): it stores nothing; store into layer {source}")
         if layer_id not in self._layers:
             m = self.plan.model
             why = ("a linear-attention layer (no KV cache)" if 0 <= layer_id < m.num_layers
@@ -237,6 +241,8 @@ class KVPool(PageMoves):
         cls = type(self.planner)   # a planner whose store is the plain MHA one (variants.MHAPlanner.FAST_STORE)
         if cls.store is getattr(cls, "FAST_STORE", None) and self.backend in ("auto", "cpu", "cuda"):
             for lid in self._layers:
+                if self.plan.model.kv_source(lid) is not None:
+                    continue   # a KV-shared layer stores nothing (_check_layer says so)
                 sub = self.planner.route(self, lid)
                 b, kw = self.layer(sub, lid), self.op_kwargs(sub)
                 if self.ops[sub] is not kvwrite.store_kv or "v" not in b:

@@ -43,6 +43,7 @@ class VariantPlanner:
     kv_cache_dtypes: tuple[str, ...] = ("auto",)
     native_kv_cache_dtype = "auto"   # what kv_cache_dtype="auto" means for this variant
     request_slots = False            # has a pool sized per request slot besides state_pools()
+    fixed_what = ""                  # what fixed_bytes() holds, for messages
 
     def check_model(self, spec) -> None:  # raise SpecError
         pass

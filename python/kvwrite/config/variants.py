@@ -129,6 +129,17 @@ def _only_nhd(ctx: PlanContext, variant: str) -> None:
                                      f"hybrid_linear, minimax_sparse), not {variant!r}: its rows have no head axis")
 
 
+def _shared_slots(ctx: PlanContext, layers: tuple[int, ...]) -> tuple[int, ...]:
+    """Buffer copies of `layers` when the model has KV-shared layers: each reuses its source's copy
+    (kvwrite's and vLLM's layouts); SGLang allocates the shared layers' buffers too (unused)."""
+    m = ctx.model
+    if not m.kv_sharing or ctx.parallel.engine == "sglang":
+        return ()
+    own = [lid for lid in layers if m.kv_source(lid) is None]
+    slot = {lid: i for i, lid in enumerate(own)}
+    return tuple(slot[lid] if lid in slot else slot[m.kv_source(lid)] for lid in layers)
+
+
 def _sharded(ctx: PlanContext) -> bool:
     """Main pools of a target worker under DCP keep only this rank's tokens."""
     return ctx.parallel.dcp_size > 1 and not ctx.parallel.is_draft_worker
@@ -186,7 +197,7 @@ def _store_indexer(pool, sub: str, layer_id: int, loc, index_k, scales: dict) ->
 
 # --- planners ------------------------------------------------------------------------------------
 
-MHA_FIELDS = frozenset({"num_kv_heads", "head_dim", "v_head_dim"})
+MHA_FIELDS = frozenset({"num_kv_heads", "head_dim", "v_head_dim", "kv_sharing"})
 MHA_SCALES = ("k_scale", "v_scale", "k_global_scale", "v_global_scale")
 
 
@@ -203,17 +214,25 @@ class MHAPlanner(VariantPlanner):
         return {"k": spec.head_dim, "v": spec.v_head_dim or spec.head_dim}
 
     def _kv_pool(self, ctx: PlanContext, name: str, layers, space: str = "full",
-                 loc_map: bool = False) -> PoolSpec:
-        bufs, op, note = kv_buffers(ctx.kv_cache_dtype, ctx.dtype, ctx.heads, self._dims(ctx.model), self.name)
+                 loc_map: bool = False, heads: int | None = None, dims: dict | None = None) -> PoolSpec:
+        heads = ctx.heads if heads is None else heads
+        dims = self._dims(ctx.model) if dims is None else dims
+        bufs, op, note = kv_buffers(ctx.kv_cache_dtype, ctx.dtype, heads, dims, self.name)
         bufs, needs = _with_layout(ctx, bufs, _needs(op, ctx.kv_cache_dtype, _sharded(ctx), loc_map))
-        return PoolSpec(name, tuple(layers), bufs, op, space=space, needs=needs, note=note)
+        layers = tuple(layers)
+        return PoolSpec(name, layers, bufs, op, space=space, needs=needs, note=note,
+                        slots=_shared_slots(ctx, layers))
 
     def pools(self, ctx: PlanContext) -> Sequence[PoolSpec]:
         return [self._kv_pool(ctx, "kv", self.kv_layer_ids(ctx.model))]
 
+    def _layer_shape(self, m, parallel, layer_id: int) -> tuple[int, dict[str, int]]:
+        """(KV heads per rank, {"k": dim, "v": dim}) of layer `layer_id`."""
+        return parallel.kv_heads_per_rank(m.num_kv_heads), self._dims(m)
+
     def inputs(self, plan, layer_id):
-        m, heads = plan.model, plan.parallel.kv_heads_per_rank(plan.model.num_kv_heads)
-        d = self._dims(m)
+        m = plan.model
+        heads, d = self._layer_shape(m, plan.parallel, layer_id)
         return [("k", (heads, d["k"]), m.torch_dtype), ("v", (heads, d["v"]), m.torch_dtype)]
 
     def route(self, pool, layer_id: int) -> str:
@@ -233,7 +252,15 @@ class SWAHybridPlanner(MHAPlanner):
     stores translate the full loc through the `loc_map` (full -> SWA, -1 = not in the window)."""
 
     name = "swa_hybrid"
-    fields = MHA_FIELDS | {"sliding_window", "swa_layer_ids", "full_attention_layer_ids"}
+    fields = MHA_FIELDS | {"sliding_window", "swa_layer_ids", "full_attention_layer_ids", "global_head_dim",
+                           "num_global_kv_heads"}
+
+    def _layer_shape(self, m, parallel, layer_id):
+        """Gemma 4: the full-attention layers have their own head dim and KV heads."""
+        if layer_id in m.swa_layer_ids:
+            return super()._layer_shape(m, parallel, layer_id)
+        d = m.global_head_dim or m.head_dim
+        return parallel.kv_heads_per_rank(m.num_global_kv_heads or m.num_kv_heads), {"k": d, "v": d}
 
     def check_model(self, spec) -> None:
         _require(spec, "num_kv_heads", "head_dim", "sliding_window")
@@ -251,15 +278,42 @@ class SWAHybridPlanner(MHAPlanner):
 
     def pools(self, ctx):
         m = ctx.model
-        full = self._kv_pool(ctx, "full", m.full_attention_layer_ids)
+        heads, dims = self._layer_shape(m, ctx.parallel, m.full_attention_layer_ids[0])
+        full = self._kv_pool(ctx, "full", m.full_attention_layer_ids, heads=heads, dims=dims)
         swa = self._kv_pool(ctx, "swa", m.swa_layer_ids, space="swa", loc_map=True)
-        swa = PoolSpec(swa.name, swa.layer_ids, swa.buffers + (
-            BufferSpec("loc_map", (), "int64", layout="map", per_layer=False),), swa.op, swa.space,
-            swa.virtual, swa.needs, swa.note)
+        swa = dataclasses.replace(swa, buffers=swa.buffers + (
+            BufferSpec("loc_map", (), "int64", layout="map", per_layer=False),))
         return [full, swa]
 
     def route(self, pool, layer_id):
         return "swa" if layer_id in pool.plan.model.swa_layer_ids else "full"
+
+
+class GroupedSWAPlanner(SWAHybridPlanner):
+    """vLLM's layout of a sliding-window hybrid (engine="vllm"): every layer in one block pool
+    (one loc space, no loc map), layers grouped as vLLM's KV cache manager groups them
+    (`kvwrite.config.engines.vllm_kv_cache_groups`); the i-th layer of every group shares buffer
+    copy i, so a pool holds group-size copies, not one a layer. Each group's slot mapping addresses
+    the shared blocks (a sliding-window group frees blocks outside its window)."""
+
+    name = "swa_grouped"
+
+    def pools(self, ctx):
+        from kvwrite.config.engines import vllm_kv_cache_groups
+
+        m = ctx.model
+        # KV-shared layers have no cache of their own in vLLM (kv_sharing_target_layer_name): they
+        # join no group and read their source layer's tensor
+        kinds = [(i, "swa" if i in m.swa_layer_ids else "full") for i in range(m.num_layers)
+                 if m.kv_source(i) is None]
+        slot = {lid: j for g in vllm_kv_cache_groups(kinds) for j, lid in enumerate(g)}
+        slot.update({a: slot[b] for a, b in m.kv_sharing})
+        kv = self._kv_pool(ctx, "kv", range(m.num_layers))
+        return [dataclasses.replace(kv, slots=tuple(slot[i] for i in kv.layer_ids),
+                                    note=", ".join(filter(None, (kv.note, "vLLM KV cache groups"))))]
+
+    def route(self, pool, layer_id):
+        return "kv"
 
 
 def _mha_draft(spec):
@@ -431,6 +485,6 @@ class MiniMaxSparsePlanner(MHAPlanner):
 
 # --- the built-in variants ---------------------------------------------------------------------
 
-BUILTIN = ("mha", "mla", "dsa", "swa_hybrid", "hybrid_linear", "minimax_sparse", "mla_linear")
-register_builtin(MHAPlanner(), MLAPlanner(), DSAPlanner(), SWAHybridPlanner(), HybridLinearPlanner(),
-                 MiniMaxSparsePlanner(), MLALinearPlanner())
+BUILTIN = ("mha", "mla", "dsa", "swa_hybrid", "swa_grouped", "hybrid_linear", "minimax_sparse", "mla_linear")
+register_builtin(MHAPlanner(), MLAPlanner(), DSAPlanner(), SWAHybridPlanner(), GroupedSWAPlanner(),
+                 HybridLinearPlanner(), MiniMaxSparsePlanner(), MLALinearPlanner())

@@ -1,0 +1,185 @@
+"""kvwrite's configurator (engine="vllm") against vLLM 0.32.0's own KV cache manager sizing, on
+CPU: each layer's KVCacheSpec is built with vLLM's spec classes as its attention layers build them
+(FullAttentionSpec / SlidingWindowSpec for GQA layers, MLAAttentionSpec for MLA latents and the
+DeepSeek-V3.2 indexer cache, fp8_ds_mla's 656-byte rows), then vLLM's get_kv_cache_groups
+(grouping of sliding-window layers, page-size unification) and get_kv_cache_config_from_groups
+(blocks from the byte budget, tensors shared across groups) decide the layout. Compared per plan:
+the groups, blocks, bytes a block, KV heads per rank, and each layer's buffer.
+
+Run with the vllm032 env's python (PYTHONPATH=python first: that env has another worktree's
+kvwrite installed). Writes --json and a markdown table (the --json path with .md).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+os.environ.setdefault("KVWRITE_EXT", "0")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import types  # noqa: E402
+import warnings  # noqa: E402
+
+import torch  # noqa: E402
+
+from config_cases import BUDGET, CONFIGS, PAGES, PARALLEL, kvwrite_row, markdown  # noqa: E402
+
+warnings.filterwarnings("ignore")
+logging.disable(logging.WARNING)
+
+DTYPE = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _vllm_config(tp: int, dcp: int):
+    """The fields of VllmConfig that vLLM's grouping and sizing read."""
+    ns = types.SimpleNamespace
+    cache = ns(kv_cache_layout="LBNHC", num_gpu_blocks_override=None, prefix_cache_retention_interval=None,
+               block_size=16)
+    from vllm.config.cache import CacheConfig
+    cache.get_resolved_kv_cache_layout = lambda: CacheConfig.get_resolved_kv_cache_layout(cache)
+    return ns(scheduler_config=ns(disable_hybrid_kv_cache_manager=False), cache_config=cache,
+              attention_config=ns(hisparse_config=None), speculative_config=None,
+              parallel_config=ns(decode_context_parallel_size=dcp, tensor_parallel_size=tp,
+                                 prefill_context_parallel_size=1),
+              model_config=ns(hf_config=None))
+
+
+def _specs(spec, case: dict) -> dict:
+    """Each attention layer's KVCacheSpec, as vLLM's layers build it, for kvwrite's ModelSpec `spec`
+    (the attention facts read from the same config.json)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+
+    tp, page, kv = case["tp"], case["page"], case["kv"]
+    dtype = DTYPE[spec.dtype]
+    out = {}
+    if spec.variant in ("mla", "dsa"):
+        ds = "fp8_ds_mla" if (spec.variant == "dsa" and kv != "auto") else None
+        for i in range(spec.num_layers):
+            out[f"layers.{i}.attn"] = MLAAttentionSpec(
+                block_size=page, num_kv_heads=1, max_tp_shards=1, head_size=spec.kv_lora_rank + spec.qk_rope_head_dim,
+                dtype=torch.uint8 if ds else dtype, cache_dtype_str=ds or "auto",
+                state_content_bytes=656 if ds else None, is_index_group_leader=spec.variant == "dsa")
+            if spec.variant == "dsa":
+                from vllm.v1.kv_cache_interface import SparseCacheRole
+                out[f"layers.{i}.indexer.k_cache"] = MLAAttentionSpec(
+                    block_size=page, num_kv_heads=1, max_tp_shards=1, head_size=spec.index_head_dim + 4 * (
+                        spec.index_head_dim // 128), dtype=torch.uint8, cache_role=SparseCacheRole.INDEXER)
+        return out
+    heads = max(1, spec.num_kv_heads // tp)
+    swa = set(spec.swa_layer_ids) if spec.variant == "swa_hybrid" else set()
+    for i in spec.kv_layer_ids:
+        if spec.kv_source(i) is not None:   # a KV-shared layer (kv_sharing_target_layer_name): no cache spec
+            continue
+        common = dict(block_size=page, num_kv_heads=heads, head_size=spec.head_dim, dtype=dtype,
+                      max_tp_shards=spec.num_kv_heads)
+        out[f"layers.{i}.attn"] = (SlidingWindowSpec(**common, sliding_window=spec.sliding_window) if i in swa
+                                   else FullAttentionSpec(**common))
+    return out
+
+
+def _verify_parallel(cfg: dict, spec, tp: int, dcp: int) -> None:
+    """vLLM's own ModelConfig.verify_with_parallel_config (its head-count and DCP rules) on the
+    config's head counts; a ValueError is vLLM's refusal. Lines after its DCP checks read fields
+    this harness does not fill (an AttributeError there: the checks passed)."""
+    from vllm.config.model import ModelConfig
+
+    text = cfg.get("text_config", cfg)
+    heads = text.get("num_attention_heads", 128)
+    ns = types.SimpleNamespace
+    me = ns(model_arch_config=ns(total_num_attention_heads=heads), use_mla=spec.variant in ("mla", "dsa"),
+            get_total_num_kv_heads=lambda: spec.num_kv_heads or 1, architectures=cfg["architectures"])
+    par = ns(enable_hc_sp=False, tensor_parallel_size=tp, enable_expert_parallel=False, pipeline_parallel_size=1,
+             decode_context_parallel_size=dcp)
+    try:
+        ModelConfig.verify_with_parallel_config(me, par)
+    except AttributeError:
+        pass
+
+
+def vllm_row(case: dict) -> dict:
+    from kvwrite import ModelSpec
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+
+    try:
+        spec = ModelSpec.from_hf_config(json.loads(json.dumps(CONFIGS[case["model"]])), reader="own")
+        if spec.variant == "hybrid_linear":
+            return dict(ok=False, not_run=True, error="not run: the Mamba/GDN state specs of vLLM's hybrid models are not "
+                                        "built by this script")
+        _verify_parallel(CONFIGS[case["model"]], spec, case["tp"], case["dcp"])
+        specs = _specs(spec, case)
+        cfg = _vllm_config(case["tp"], case["dcp"])
+        groups = get_kv_cache_groups(cfg, specs)
+        conf = get_kv_cache_config_from_groups(cfg, groups, BUDGET)
+    except Exception as err:
+        return dict(ok=False, error=f"{type(err).__name__}: {str(err).splitlines()[0][:300]}")
+    layers = {}
+    for t in conf.kv_cache_tensors:
+        for name in t.layers:
+            layers[name] = t.size
+    g0 = groups[0].kv_cache_spec
+    return dict(ok=True, num_blocks=conf.num_blocks, groups=[len(g.layer_names) for g in groups],
+                group_kinds=[type(g.kv_cache_spec).__name__ for g in groups],
+                tensors=len(conf.kv_cache_tensors),
+                # every group's tensor aliases the same memory from byte 0: the pool is the largest
+                tensor_bytes=max(t.size for t in conf.kv_cache_tensors),
+                block_size=g0.block_size, kv_heads=getattr(g0, "num_kv_heads", None),
+                max_total_num_tokens=conf.num_blocks * g0.block_size)
+
+
+def compare(case, v, k) -> tuple[str, list]:
+    if v.get("not_run"):
+        return "not compared", []
+    if not v["ok"] and not k["ok"]:
+        return "both refuse", []
+    if not v["ok"] or not k["ok"]:
+        return ("vllm refuses" if not v["ok"] else "kvwrite refuses"), []
+    diffs = []
+    kv_blocks = k["max_total_num_tokens"] // case["page"] + k.get("padding_pages", 1)
+    if v["num_blocks"] != kv_blocks:
+        diffs.append(f"blocks: vllm {v['num_blocks']} kvwrite {kv_blocks}")
+    if v["kv_heads"] not in (None, 1) and k["kv_heads"] != v["kv_heads"]:
+        diffs.append(f"kv_heads: vllm {v['kv_heads']} kvwrite {k['kv_heads']}")
+    if k.get("tensor_bytes") is not None and v["tensor_bytes"] != k["tensor_bytes"]:
+        diffs.append(f"bytes: vllm {v['tensor_bytes']} kvwrite {k['tensor_bytes']}")
+    return ("equal" if not diffs else "differs"), diffs
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--models", nargs="*", default=None)
+    args = ap.parse_args()
+    rows = []
+    for model in args.models or list(CONFIGS):
+        for kv_dtype in (("auto", "fp8_e4m3") if model.startswith("deepseek-v3.2") else ("auto",)):
+            for tp, dcp in PARALLEL:
+                for page in PAGES:
+                    case = dict(model=model, kv=kv_dtype, tp=tp, dcp=dcp, page=page, draft=False)
+                    v = vllm_row(case)
+                    k = kvwrite_row(case, "vllm")
+                    status, diffs = compare(case, v, k)
+                    rows.append(dict(case=case, status=status, diffs=diffs, engine=v, kvwrite=k))
+    counts = {}
+    for r in rows:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    print("vLLM configurator comparison:", ", ".join(f"{v} {k}" for k, v in sorted(counts.items())),
+          f"of {len(rows)} plans")
+    for r in rows:
+        if r["status"] != "equal":
+            c = r["case"]
+            err = r["engine"].get("error", "") or r["kvwrite"].get("error", "")
+            print(f"  {c['model']} kv={c['kv']} tp={c['tp']} dcp={c['dcp']} page={c['page']}: {r['status']} "
+                  f"{r['diffs'] or ''} {err[:200]}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(vllm="0.32.0", budget_bytes=BUDGET, counts=counts, rows=rows), f, indent=1)
+        with open(args.json[:-5] + ".md", "w") as f:
+            f.write(markdown("vLLM 0.32.0", rows, BUDGET))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

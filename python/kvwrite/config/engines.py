@@ -1,0 +1,146 @@
+"""Whose layout a plan is: the model as SGLang's or vLLM's code lays out its KV cache.
+
+A `ModelSpec` says what the model's attention is; the engine decides which pools serve it
+("kvwrite": the spec's variant as read, kvwrite's own pools and allocator).
+`engine_layout` turns the spec read from a config into the spec the engine actually builds
+(hybrid SWA off where SGLang's model code stores every layer in one full pool, the DS-MLA fp8
+row both engines use for DeepSeek DSA) and refuses where the engine has no layout, each refusal
+naming the engine's rule. Facts from SGLang 0.5.23 and vLLM 0.32.0 (paths given per rule).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvwrite.config.errors import UnsupportedCombination
+from kvwrite.config.model import ModelSpec
+from kvwrite.config.parallel import ENGINES
+
+# SGLang (configs/model_config.py `is_hybrid_swa_model`): the architectures whose sliding-window
+# layers get an SWA pool. Every other model with sliding layers (Gemma 2 / 3 / 3n, Cohere2,
+# EXAONE 4, text-only Llama 4, ...) is stored in one full pool at the full loc; for Gemma 2/3/3n,
+# EXAONE 4 and OLMo 2 its model overrides also set disable_hybrid_swa_memory.
+SGLANG_HYBRID_SWA_ARCHS = frozenset({
+    "GptOssForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM", "IQuestQ1ForCausalLM",
+    "Llama4ForConditionalGeneration", "DeepseekV4ForCausalLM", "Gemma4ForCausalLM",
+    "Gemma4ForConditionalGeneration", "Gemma4UnifiedForConditionalGeneration", "EmbeddingGemma2Model",
+    "BeamForCausalLM", "Step3p5ForCausalLM", "Step3p7ForConditionalGeneration", "LagunaForCausalLM",
+    "MellumForCausalLM", "MiMoV2FlashForCausalLM", "InklingForConditionalGeneration",
+})
+SGLANG_SWA_DISABLED_BY_OVERRIDE = frozenset({
+    "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Gemma3nForCausalLM",
+    "Gemma3nForConditionalGeneration", "Exaone4ForCausalLM", "Olmo2ForCausalLM",
+})
+SGLANG_DSA_PAGE_SIZE = 64   # model_overrides/deepseek_v2.py: "Setting page size to 64 for DeepSeek DSA"
+FP8_FORMATS = ("fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz")
+
+
+def vllm_kv_cache_groups(kinds: list[tuple[int, str]]) -> list[tuple[int, ...]]:
+    """vLLM's KV cache groups of a model whose layers (layer id, attention kind) have one page
+    size (v1/core/kv_cache_utils.py `_get_kv_cache_groups_uniform_page_size`): layers bucketed by
+    kind in first-seen order; group size = the smallest bucket, or the largest when that is under
+    1.5 x the smallest; bucket b splits into cdiv(len, size) groups, group i = bucket[i::n]."""
+    buckets: dict[str, list[int]] = {}
+    for lid, kind in kinds:
+        buckets.setdefault(kind, []).append(lid)
+    sizes = [len(b) for b in buckets.values()]
+    size = max(sizes) if max(sizes) < min(sizes) * 1.5 else min(sizes)
+    groups = []
+    for layers in buckets.values():
+        n = -(-len(layers) // size)
+        groups += [tuple(layers[i::n]) for i in range(n)]
+    return groups
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """The model as `engine` lays it out, the kv cache dtype it stores, and each change from the
+    spec as read (with the engine's rule that makes it)."""
+
+    engine: str
+    model: ModelSpec
+    kv_cache_dtype: str
+    notes: tuple[str, ...] = ()
+
+
+def _one_pool(spec: ModelSpec) -> ModelSpec:
+    """An SWA-hybrid spec served with every layer in one full pool."""
+    return ModelSpec("mha", spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                     v_head_dim=spec.v_head_dim, dtype=spec.dtype, num_draft_layers=spec.num_draft_layers,
+                     kv_sharing=spec.kv_sharing, context_len=spec.context_len, name=spec.name,
+                     architecture=spec.architecture)
+
+
+def _check_dcp(engine: str, parallel) -> None:
+    tp, dcp = parallel.tp_size, parallel.dcp_size
+    if dcp > 1 and tp % dcp:
+        rule = ("its attention TP size must be a multiple of dcp_size (arg_groups/parallel_hook.py)"
+                if engine == "sglang" else "tp_size must be divisible by dcp_size (config/parallel.py)")
+        raise UnsupportedCombination(f"engine={engine!r} has no layout for tp_size={tp} with dcp_size={dcp}: "
+                                     f"{rule}; DCP ranks are TP ranks, give tp_size a multiple of {dcp}")
+
+
+def _sglang(spec: ModelSpec, parallel, kv: str, page_size: int) -> EngineLayout:
+    notes: list[str] = []
+    arch = spec.architecture
+    if spec.variant == "swa_hybrid" and arch and arch not in SGLANG_HYBRID_SWA_ARCHS:
+        why = ("its model overrides set disable_hybrid_swa_memory (arg_groups/model_overrides)"
+               if arch in SGLANG_SWA_DISABLED_BY_OVERRIDE else
+               "configs/model_config.py is_hybrid_swa_model does not list it")
+        notes.append(f"SGLang stores every layer of {arch} in one full pool at the full loc (hybrid SWA "
+                     f"memory off: {why})")
+        spec = _one_pool(spec)
+    if spec.variant == "swa_hybrid" and parallel.dcp_size > 1:
+        raise UnsupportedCombination(
+            f"engine='sglang' has no layout for hybrid SWA ({arch or spec.name or 'swa_hybrid'}) with "
+            f"dcp_size={parallel.dcp_size}: its SWA allocator is not widened for DCP "
+            f"(KVCacheConfigurator.logical_token_capacity: 'SWA allocators never widen under DCP'); use "
+            f"dcp_size=1")
+    if spec.variant == "dsa":
+        if page_size != SGLANG_DSA_PAGE_SIZE:
+            raise UnsupportedCombination(
+                f"engine='sglang' serves DeepSeek DSA at page_size={SGLANG_DSA_PAGE_SIZE} only (its model "
+                f"override sets it: arg_groups/model_overrides/deepseek_v2.py), got page_size={page_size}")
+        if kv == "fp8_e4m3":
+            notes.append("SGLang stores fp8 DSA rows as the 656-byte DS-MLA row (512 e4m3 + 4 fp32 scales + "
+                         "64 bf16 rope: calculate_mla_kv_cache_dim on its default CUDA DSA backends)")
+            kv = "fp8_ds_mla"
+    return EngineLayout("sglang", spec, kv, tuple(notes))
+
+
+def _vllm(spec: ModelSpec, parallel, kv: str, page_size: int) -> EngineLayout:
+    notes: list[str] = []
+    if spec.variant == "swa_hybrid" and (spec.global_head_dim or spec.num_global_kv_heads):
+        raise UnsupportedCombination(
+            f"engine='vllm' gives {spec.architecture or spec.name or 'this model'}'s full-attention layers their own "
+            f"head size / KV heads and unifies the groups' page sizes (kv_cache_utils."
+            f"unify_kv_cache_spec_page_size / packed groups), which kvwrite does not plan: use engine='sglang'")
+    if spec.variant == "swa_hybrid":
+        kinds = [(i, "swa" if i in spec.swa_layer_ids else "full") for i in range(spec.num_layers)
+                 if spec.kv_source(i) is None]
+        groups = vllm_kv_cache_groups(kinds)
+        notes.append(f"vLLM's KV cache manager groups the {spec.num_layers} layers into {len(groups)} groups of "
+                     f"{max(len(g) for g in groups)} sharing one block pool, one tensor per position in a group "
+                     f"(kv_cache_utils._get_kv_cache_groups_uniform_page_size); sliding-window groups free blocks "
+                     f"outside the window")
+        spec = spec.replace(variant="swa_grouped")
+    if spec.variant == "dsa" and parallel.dcp_size > 1:
+        raise UnsupportedCombination(
+            f"engine='vllm' shards the DSA indexer cache over the {parallel.dcp_size} DCP ranks (its "
+            f"MLAAttentionSpec is dcp_sharded), and kvwrite's store_indexer_k has no DCP-rank translation: plan "
+            f"it with dcp_size=1, or engine='sglang' (whose indexer cache holds the whole virtual loc space)")
+    if spec.variant == "dsa" and kv in FP8_FORMATS:
+        notes.append(f"vLLM serves any quantized DSA cache ({kv}) as fp8_ds_mla, 656-byte rows "
+                     f"(model_executor/layers/attention/mla_attention.py, FLASHMLA_SPARSE)")
+        kv = "fp8_ds_mla"
+    return EngineLayout("vllm", spec, kv, tuple(notes))
+
+
+def engine_layout(engine: str, spec: ModelSpec, parallel, kv_cache_dtype: str, page_size: int) -> EngineLayout:
+    """`spec` as `engine` lays out its KV cache (see the module docstring); raises
+    UnsupportedCombination, naming the engine's rule, where the engine has no layout."""
+    if engine not in ENGINES:
+        raise UnsupportedCombination(f"engine must be one of {ENGINES}, got {engine!r}")
+    if engine == "kvwrite":   # kvwrite's own layouts: the spec as read
+        return EngineLayout(engine, spec, kv_cache_dtype)
+    _check_dcp(engine, parallel)
+    return (_sglang if engine == "sglang" else _vllm)(spec, parallel, kv_cache_dtype, page_size)

@@ -1,0 +1,191 @@
+"""`engine=` decides the layout: the model as SGLang's / vLLM's code lays it out, refused where the
+engine has none (each refusal naming the engine's rule), and a plan is built only into its own
+engine's adapters. Figures: SGLang 0.5.23's sizing at 20 GiB per rank (bench/peers/
+sglang_configurator.py runs its own code on the same configs)."""
+from __future__ import annotations
+
+import pytest
+
+from kvwrite import KVCacheConfigurator, ModelSpec, ParallelSpec
+from kvwrite.config import EngineMismatch, UnsupportedCombination
+
+GiB = 2**30
+
+
+def _hf(model_type, arch, **fields):
+    base = dict(model_type=model_type, architectures=[arch], hidden_size=4096, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, num_hidden_layers=12, torch_dtype="bfloat16")
+    return ModelSpec.from_hf_config({**base, **fields}, reader="own")
+
+
+SLIDING = {
+    "cohere2": _hf("cohere2", "Cohere2ForCausalLM", sliding_window=4096, sliding_window_pattern=4),
+    "exaone4": _hf("exaone4", "Exaone4ForCausalLM", sliding_window=4096, sliding_window_pattern="LLLG"),
+    "gemma2": _hf("gemma2", "Gemma2ForCausalLM", sliding_window=4096),
+    "llama4_text": _hf("llama4_text", "Llama4ForCausalLM", attention_chunk_size=8192),
+}
+
+
+def test_gemma3_is_one_full_pool_under_sglang():
+    g = ModelSpec.from_preset("gemma-3-27b")
+    sg = KVCacheConfigurator(g, memory_bytes=20 * GiB, engine="sglang").plan()
+    own = KVCacheConfigurator(g, memory_bytes=20 * GiB).plan()
+    assert (sg.variant, sg.engine, [p.name for p in sg.pools]) == ("mha", "sglang", ["kv"])
+    assert sg.pools[0].layer_ids == tuple(range(62)) and "loc_map" not in sg.pools[0].kernel
+    # 16 heads x (128 + 128) x 62 layers x 2 B = 507,904 B a token; 20 GiB // that, in 64-token pages
+    assert sg.cell_size_bytes == 16 * 256 * 62 * 2 and sg.max_total_num_tokens == 42_240
+    assert "disable_hybrid_swa_memory" in sg.engine_notes[0]
+    assert (own.variant, own.engine, own.max_total_num_tokens) == ("swa_hybrid", "kvwrite", 50_752)
+
+
+@pytest.mark.parametrize("name", sorted(SLIDING))
+def test_sliding_models_sglang_does_not_split(name):
+    spec = SLIDING[name]
+    assert spec.variant == "swa_hybrid"
+    plan = KVCacheConfigurator(spec, memory_bytes=GiB, engine="sglang").plan()
+    assert plan.variant == "mha" and plan.pools[0].layer_ids == tuple(range(12))
+    assert spec.architecture in plan.engine_notes[0]
+
+
+def test_sglang_keeps_the_swa_pools_where_its_code_has_them():
+    for spec in (ModelSpec.from_preset("gpt-oss-120b"),
+                 _hf("llama4", "Llama4ForConditionalGeneration", text_config=dict(
+                     num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     attention_chunk_size=8192))):
+        plan = KVCacheConfigurator(spec, memory_bytes=GiB, engine="sglang").plan()
+        assert plan.variant == "swa_hybrid" and [p.name for p in plan.pools] == ["full", "swa"]
+        assert plan.engine_notes == ()
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_fp8_dsa_is_the_ds_mla_row(engine):
+    d = ModelSpec.from_preset("deepseek-v3.2")
+    plan = KVCacheConfigurator(d, memory_bytes=20 * GiB, kv_cache_dtype="fp8_e4m3", engine=engine).plan()
+    assert plan.kv_cache_dtype == "fp8_ds_mla"
+    assert plan.pool("kv").buffers[0].shape[-1] == 656
+    # (656 + 132) x 61 = 48,068 B a token -> 446,720 tokens (SGLang's figure; raw 576-byte rows gave 497,216);
+    # vLLM allocates 20 GiB // (48,068 x 64) = 6,980 blocks, block 0 its null block: 6,979 pages usable
+    assert plan.cell_size_bytes == (656 + 132) * 61
+    assert plan.max_total_num_tokens == (446_720 if engine == "sglang" else 6_979 * 64)
+    assert "656" in plan.engine_notes[0]
+    raw = KVCacheConfigurator(d, memory_bytes=20 * GiB, kv_cache_dtype="fp8_e4m3").plan()
+    assert raw.kv_cache_dtype == "fp8_e4m3" and raw.max_total_num_tokens == 497_216
+
+
+@pytest.mark.parametrize("case, engine, words", [
+    (dict(preset="gpt-oss-120b", parallel=ParallelSpec(8, 2)), "sglang", "logical_token_capacity"),
+    (dict(preset="deepseek-v3.2", page_size=16), "sglang", "deepseek_v2.py"),
+    (dict(preset="deepseek-v3", parallel=ParallelSpec(1, 4)), "sglang", "parallel_hook.py"),
+    (dict(preset="deepseek-v3", parallel=ParallelSpec(1, 4)), "vllm", "config/parallel.py"),
+])
+def test_refusals_name_the_engine_rule(case, engine, words):
+    case = dict(case)
+    spec = ModelSpec.from_preset(case.pop("preset"))
+    with pytest.raises(UnsupportedCombination, match=words) as err:
+        KVCacheConfigurator(spec, memory_bytes=20 * GiB, engine=engine, **case).plan()
+    assert f"engine={engine!r}" in str(err.value)
+    KVCacheConfigurator(spec, memory_bytes=20 * GiB, engine="kvwrite", **case).plan()   # kvwrite's own layout
+
+
+def test_a_plan_is_built_only_into_its_engines_adapters():
+    plan = KVCacheConfigurator(ModelSpec("mha", 2, num_kv_heads=2, head_dim=32), max_total_num_tokens=64,
+                               page_size=16, engine="sglang").plan()
+    assert plan.to_dict()["engine"] == "sglang"
+    plan.require_engine("sglang")
+    with pytest.raises(EngineMismatch, match="sglang's layout.*vllm's adapters.*engine='vllm'"):
+        plan.require_engine("vllm")
+    with pytest.raises(EngineMismatch):
+        plan.build("cpu", engine="vllm")
+    assert plan.build("cpu", engine="sglang").plan is plan
+
+
+def test_engine_argument_sets_the_parallel_engine():
+    c = KVCacheConfigurator(ModelSpec("mha", 2, num_kv_heads=2, head_dim=32), ParallelSpec(8, 2),
+                            max_total_num_tokens=64, engine="vllm")
+    assert c.parallel.engine == "vllm" and c.plan().parallel.engine == "vllm"
+    assert "engine='vllm'" in repr(c)
+
+
+def test_vllm_groups_sliding_layers_and_shares_their_tensors():
+    """gemma-3-27b under vLLM: 52 sliding + 10 full layers -> group size 10, 6 sliding groups and
+    1 full group over one block pool; 10 tensors (one per position in a group), so a block costs
+    10 layers' pages: 20 GiB // (10 x 16 x 256 x 2 B) = 262,144 one-token blocks (vLLM's own
+    get_kv_cache_config_from_groups gives the same: bench/results/peers/vllm-configurator.md)."""
+    g = ModelSpec.from_preset("gemma-3-27b")
+    plan = KVCacheConfigurator(g, memory_bytes=20 * GiB, page_size=1, engine="vllm").plan()
+    kv = plan.pool("kv")
+    assert plan.variant == "swa_grouped" and len(plan.pools) == 1 and kv.layer_ids == tuple(range(62))
+    assert kv.spec.num_buffers == 10 and "7 groups of 10" in plan.engine_notes[0]
+    assert plan.max_total_num_tokens + 1 == 262_144 and plan.kv_bytes == 20 * GiB
+    full = [i for i in range(62) if (i + 1) % 6 == 0]
+    assert sorted(kv.spec.slot(i) for i in full) == list(range(10))   # the full group uses every tensor once
+
+
+def test_grouped_layers_store_into_their_shared_tensor():
+    import torch
+
+    spec = ModelSpec("swa_hybrid", 6, num_kv_heads=1, head_dim=16, sliding_window=8,
+                     swa_layer_ids=[0, 1, 3, 4], full_attention_layer_ids=[2, 5], dtype="float32")
+    plan = KVCacheConfigurator(spec, max_total_num_tokens=32, page_size=4, engine="vllm").plan()
+    kv = plan.pool("kv")
+    assert kv.spec.num_buffers == 2 and kv.to_dict()["buffer_slots"] == [kv.spec.slot(i) for i in range(6)]
+    pool = plan.build("cpu", check="guard", backend="torch", engine="vllm")
+    k = torch.arange(16, dtype=torch.float32).reshape(1, 1, 16)
+    pool.store(2, torch.tensor([5]), k, k + 100)
+    pool.errors.raise_if_any()
+    partner = next(i for i in (0, 1, 3, 4) if kv.spec.slot(i) == kv.spec.slot(2))
+    assert torch.equal(pool.layer("kv", partner)["k"].reshape(-1, 16)[5], k[0, 0])   # the same memory
+    other = next(i for i in range(6) if kv.spec.slot(i) != kv.spec.slot(2))
+    assert not pool.layer("kv", other)["k"].reshape(-1, 16)[5].eq(k[0, 0]).all()
+
+
+def _gemma4(**text):
+    base = dict(model_type="gemma4_text", hidden_size=2304, num_hidden_layers=30, num_attention_heads=8,
+                num_key_value_heads=4, head_dim=256, global_head_dim=512, sliding_window=512)
+    return ModelSpec.from_hf_config(dict(architectures=["Gemma4ForConditionalGeneration"], model_type="gemma4",
+                                         torch_dtype="bfloat16", text_config={**base, **text}), reader="own")
+
+
+def test_gemma4_full_layers_have_their_own_heads_and_sharing_layers_store_nothing():
+    """K reused as V (attention_k_eq_v): the full layers take num_global_key_value_heads of
+    global_head_dim; the last 12 layers reuse layer 16's / 17's KV. SGLang allocates every layer
+    (the shared ones unused): 5 x 2 x 512 x 2 x 2 + 0.8 x 25 x 4 x 256 x 2 x 2 = 102,400 B a token
+    (its own KVCacheConfigurator: bench/results/peers/sglang-configurator.md); kvwrite's layout
+    gives a shared layer its source's buffers: 3 full + 15 sliding copies."""
+    spec = _gemma4(num_kv_shared_layers=12, attention_k_eq_v=True, num_global_key_value_heads=2)
+    assert spec.kv_source(25) == 16 and spec.kv_source(29) == 17 and spec.kv_source(17) is None
+    sg = KVCacheConfigurator(spec, memory_bytes=20 * GiB, page_size=1, engine="sglang").plan()
+    assert sg.cell_size_bytes == 5 * 2 * 512 * 4 + 0.8 * 25 * 4 * 256 * 4 == 102_400
+    assert sg.max_total_num_tokens == 209_715
+    assert sg.pool("full").buffers[0].shape[-2:] == (2, 512) and sg.pool("swa").buffers[0].shape[-2:] == (4, 256)
+    own = KVCacheConfigurator(spec, max_total_num_tokens=2048, page_size=16, swa_full_tokens_ratio=0.5).plan()
+    assert [p.spec.num_buffers for p in own.pools] == [3, 15]
+    assert own.cell_size_bytes == 3 * 2 * 512 * 4 + 0.5 * 15 * 4 * 256 * 4
+    import torch
+    from kvwrite.config import LayerHasNoKV
+    pool = own.build("cpu", check="guard", backend="torch")
+    k = torch.ones(1, 2, 512, dtype=torch.bfloat16)
+    pool.map_swa(torch.arange(64), torch.arange(64))   # full locs 0-63 -> SWA rows 0-63
+    pool.store(17, torch.tensor([3]), k, k)          # K reused as V: the V argument from K
+    pool.errors.raise_if_any()
+    assert torch.equal(pool.layer("full", 29)["v"].reshape(-1, 2, 512)[3], k[0])   # layer 29 reads 17's
+    with pytest.raises(LayerHasNoKV, match="layer 29 reuses layer 17's KV"):
+        pool.store(29, torch.tensor([3]), k, k)
+
+
+def test_gemma3n_is_one_pool_under_sglang_and_shares_layers_in_kvwrite():
+    """SGLang turns hybrid SWA off for Gemma 3n and allocates all 35 layers: 35 x 2 x 256 x 2 x 2 =
+    71,680 B a token, 299,593 tokens in 20 GiB (its own code gives the same); vLLM and kvwrite
+    give the 15 KV-shared layers no memory of their own."""
+    cfg = dict(architectures=["Gemma3nForConditionalGeneration"], model_type="gemma3n", torch_dtype="bfloat16",
+               text_config=dict(model_type="gemma3n_text", hidden_size=2048, num_hidden_layers=35,
+                                num_attention_heads=8, num_key_value_heads=2, head_dim=256, sliding_window=512,
+                                num_kv_shared_layers=15))
+    spec = ModelSpec.from_hf_config(cfg, reader="own")
+    assert spec.kv_source(20) == 18 and spec.kv_source(24) == 19   # sliding / full sources (SGLang's rule)
+    sg = KVCacheConfigurator(spec, memory_bytes=20 * GiB, page_size=1, engine="sglang").plan()
+    assert (sg.variant, sg.cell_size_bytes, sg.max_total_num_tokens) == ("mha", 35 * 2048, 299_593)
+    vl = KVCacheConfigurator(spec, memory_bytes=20 * GiB, page_size=1, engine="vllm").plan()
+    # vLLM: 16 sliding + 4 full layers with a cache -> group size 4 (16 >= 1.5 x 4): 5 groups, 4 tensors
+    assert vl.variant == "swa_grouped" and vl.pool("kv").spec.num_buffers == 4
+    assert vl.max_total_num_tokens + 1 == 20 * GiB // (4 * 2048)
