@@ -184,24 +184,22 @@ def main() -> int:
     ap.add_argument("--workdir", type=Path, default=Path(".peers/run/e2e"))
     ap.add_argument("--child", nargs=3, metavar=("MODEL", "MODE", "FAULT"))
     ap.add_argument("--only", nargs="*", help="run keys MODE:FAULT (default: all)")
+    ap.add_argument("--perf", type=int, default=0, help="only tokens/s: N alternating off / guard processes")
     args = ap.parse_args()
     if args.child:
         print("RESULT " + json.dumps(child(*args.child)), flush=True)
         return 0
     model = (args.workdir / "tiny-llama-random").resolve()
     tiny_llama(model)
+    if args.perf:
+        return perf(model, args.perf, args.json)
     results = {}
     for mode, fault in RUNS:
         key = f"{mode}:{fault}"
         if args.only and key not in args.only:
             continue
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                   KVWRITE_VLLM_PLUGIN="0" if mode in ("off", "nostore") else "1",
-                   KVWRITE_CHECK="guard" if mode in ("guard", "compiled") else "off",
-                   VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="2", TOKENIZERS_PARALLELISM="false")
         t = time.time()
-        proc = subprocess.run([sys.executable, __file__, "--child", str(model), mode, fault], env=env,
-                              capture_output=True, text=True, timeout=1200)
+        proc = run_child(model, mode, fault)
         line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if line:
             results[key] = json.loads(line[-1][7:])
@@ -217,6 +215,34 @@ def main() -> int:
     print(json.dumps({k: v for k, v in summary.items() if k != "results"}, indent=1))
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1))
+    return 0
+
+
+def run_child(model: Path, mode: str, fault: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               KVWRITE_VLLM_PLUGIN="0" if mode in ("off", "nostore") else "1",
+               KVWRITE_CHECK="guard" if mode in ("guard", "compiled") else "off",
+               VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="2", TOKENIZERS_PARALLELISM="false")
+    return subprocess.run([sys.executable, __file__, "--child", str(model), mode, fault], env=env,
+                          capture_output=True, text=True, timeout=1200)
+
+
+def perf(model: Path, rounds: int, out: Path | None) -> int:
+    """tokens/s of off and guard in alternating processes (the shared machine's load hits both)."""
+    tps = {"off": [], "guard": []}
+    for _ in range(rounds):
+        for mode in ("off", "guard"):
+            line = [ln for ln in run_child(model, mode, "none").stdout.splitlines() if ln.startswith("RESULT ")]
+            tps[mode].append(json.loads(line[-1][7:]).get("tokens_per_s") if line else None)
+            print(mode, tps[mode][-1], flush=True)
+    import statistics
+    med = {m: statistics.median([v for v in vs if v]) for m, vs in tps.items() if any(vs)}
+    summary = dict(rounds=rounds, shape=f"{PERF_PROMPTS} prompts x {PERF_TOKENS} tokens, best of 2 per process",
+                   tokens_per_s=tps, median=med,
+                   guard_over_off=round(med["guard"] / med["off"], 3) if len(med) == 2 else None)
+    print(json.dumps(summary))
+    if out:
+        out.write_text(json.dumps(summary, indent=1))
     return 0
 
 
