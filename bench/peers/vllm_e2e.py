@@ -36,7 +36,7 @@ PROMPTS = [[1, 17, 42, 99, 7, 3, 250, 11], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 1
            [200, 100, 50, 25]]
 MAX_TOKENS = 24
 BLOCK_SIZE = 32   # the CPU attention backend takes multiples of 32
-NAMESPACE_BLOCK_SIZE = 128   # the #47056 run: encoded with 128, decoded with 32 (a size vLLM's CPU kernel takes)
+NAMESPACE_BLOCK_SIZE = 128   # the vLLM #47056 run: encoded with 128, decoded with 32 (a size vLLM's CPU kernel takes)
 PERF_PROMPTS, PERF_TOKENS = 8, 48
 FAULTS = ("past_end", "block_ge", "negative", "duplicate", "namespace")
 FAULT_CALL = 2 * 4 + 2   # the 10th store: layer 1 (of 2) of decode step 4 (prefill is step 1)
