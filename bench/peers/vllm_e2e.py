@@ -225,7 +225,9 @@ def run_child(model: Path, mode: str, fault: str) -> subprocess.CompletedProcess
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
                KVWRITE_VLLM_PLUGIN="0" if mode in ("off", "nostore") else "1",
                KVWRITE_CHECK="guard" if mode in ("guard", "compiled", "perfmix") else "off",
-               VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="2", TOKENIZERS_PARALLELISM="false")
+               VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
+               # perfmix: one thread, so CPU time is the work (not OpenMP spin-waiting under load)
+               OMP_NUM_THREADS="1" if mode == "perfmix" else "2")
     return subprocess.run([sys.executable, __file__, "--child", str(model), mode, fault], env=env,
                           capture_output=True, text=True, timeout=1200)
 
@@ -242,18 +244,26 @@ def perf_in_process(llm, plugin, ops, rounds: int) -> dict:
     perf = SamplingParams(max_tokens=PERF_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
     prompts = [{"prompt_token_ids": [3 + i, 7, 11 + i, 13, 17]} for i in range(PERF_PROMPTS)]
     tps = {"vllm": [], "guard": []}
-    llm.generate(prompts, perf, use_tqdm=False)                  # warm-up
+    cpu_ms = {"vllm": [], "guard": []}      # process CPU time per generated token (all threads)
+    for _ in range(2):                                           # warm-up, both writers
+        for variant in (own, routed):
+            ops.cpu_attn_reshape_and_cache = variant
+            llm.generate(prompts, perf, use_tqdm=False)
     for _ in range(rounds):
         for variant in ("vllm", "guard"):
             ops.cpu_attn_reshape_and_cache = own if variant == "vllm" else routed
             validate.DEFAULT_CHECK = "off" if variant == "vllm" else "guard"
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             llm.generate(prompts, perf, use_tqdm=False)
-            tps[variant].append(round(PERF_PROMPTS * PERF_TOKENS / (time.perf_counter() - t), 1))
+            tokens = PERF_PROMPTS * PERF_TOKENS
+            tps[variant].append(round(tokens / (time.perf_counter() - t), 1))
+            cpu_ms[variant].append(round((time.process_time() - c) * 1e3 / tokens, 3))
     med = {k: statistics.median(v) for k, v in tps.items()}
     ratios = [g / v for g, v in zip(tps["guard"], tps["vllm"])]
+    cpu_ratios = [g / v for g, v in zip(cpu_ms["guard"], cpu_ms["vllm"])]
     return dict(mode="perfmix", rounds=rounds, tokens_per_s=tps, median=med,
                 guard_over_vllm_median_of_pairs=round(statistics.median(ratios), 3),
+                cpu_ms_per_token=cpu_ms, guard_cpu_over_vllm_cpu_median_of_pairs=round(statistics.median(cpu_ratios), 3),
                 shape=f"{PERF_PROMPTS} prompts x {PERF_TOKENS} tokens per round, enforce_eager",
                 guard_steps_checked=plugin.guard().step)
 

