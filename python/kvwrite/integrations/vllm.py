@@ -45,7 +45,7 @@ from typing import Any, Callable
 
 import torch
 
-from kvwrite.integrations.guard import NamespaceMismatch, Route, StepGuard
+from kvwrite.integrations.guard import NamespaceMismatch, Route, StepGuard  # noqa: F401 (NamespaceMismatch: re-exported)
 
 ENABLE_ENV = "KVWRITE_VLLM_PLUGIN"
 BACKEND_ENV = "KVWRITE_VLLM_BACKEND"
