@@ -25,8 +25,9 @@ layer, the request, the token, the slot and the block (`KVWRITE_VLLM_GUARD=raise
 or is logged and counted while vLLM keeps serving (`KVWRITE_VLLM_GUARD=log`; `GUARD.faults`).
 When vLLM allocates its KV cache the plugin also checks each layer's namespace: the block size
 the slot_mapping is encoded with against the page size and pages of the cache tensor the
-backend writes (vLLM #47056): a mismatch is refused at the first store into that cache with
-both numbers (`NamespaceMismatch`).
+backend writes (vLLM #47056): a mismatch is refused with both numbers (`NamespaceMismatch`),
+right then for the CPU attention backend (STARTUP_LAYOUTS), else at the first store into that
+cache.
 
 `KVWRITE_VLLM_PLUGIN=0` leaves vLLM untouched; `KVWRITE_VLLM_BACKEND` picks kvwrite's backend
 ("auto" by default). The vLLM version (for behaviour that changed between releases, see
@@ -45,7 +46,8 @@ from typing import Any, Callable
 
 import torch
 
-from kvwrite.integrations.guard import NamespaceMismatch, Route, StepGuard  # noqa: F401 (NamespaceMismatch: re-exported)
+from kvwrite.integrations.guard import (NamespaceMismatch, Route, StepGuard,  # noqa: F401 (re-exported)
+                                        check_namespace)
 
 ENABLE_ENV = "KVWRITE_VLLM_PLUGIN"
 BACKEND_ENV = "KVWRITE_VLLM_BACKEND"
@@ -280,11 +282,34 @@ def register_runner(runner: Any) -> None:
             if isinstance(kv, torch.Tensor):
                 caches[name], block_size[name] = kv, bs
                 rows[name] = cfg.num_blocks * group.kv_cache_spec.block_size
-    guard().register(caches, block_size, rows)
+    g = guard()
+    g.register(caches, block_size, rows)
+    from kvwrite import validate
     from kvwrite.compat import vllm as adapters
     adapters.register_caches(caches)
+    if validate.DEFAULT_CHECK == "guard":
+        check_at_startup(g, caches, ctx)
     LOG.info("kvwrite: %d KV cache tensor(s) of %d layer(s) registered for guard mode (block sizes %s)",
              len({t.data_ptr() for t in caches.values()}), len(caches), sorted(set(block_size.values())))
+
+
+# backends whose whole per-layer cache tensor has the layout of their writer's cache argument
+# (vLLM's CPU attention: [blocks, H, block_size, 2 * D], pages on dim 2): checked at registration
+STARTUP_LAYOUTS = {"CPU_ATTN": ROUTES[0]}
+
+
+def check_at_startup(g: StepGuard, caches: dict[str, torch.Tensor], ctx: dict) -> None:
+    """The namespace check before any store, for layers whose backend's cache layout is known
+    (STARTUP_LAYOUTS); the others are checked at their first store."""
+    for name, kv in caches.items():
+        try:
+            backend = ctx[name].get_attn_backend().get_name()
+        except Exception:  # noqa: BLE001 - a layer without a backend name: first-store check
+            continue
+        route = STARTUP_LAYOUTS.get(backend)
+        info = g.layers.get((kv.device.type, kv.data_ptr()))
+        if route is not None and info is not None and info.block_size:
+            check_namespace(info, kv, route)
 
 
 def request_context(runner: Any) -> Callable[[int], str]:
