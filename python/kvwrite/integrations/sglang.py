@@ -141,7 +141,8 @@ def _scatter_mla_rows(original: Callable, backend: str, state: Installed) -> Cal
 def register_pool(pool: Any) -> None:
     """Name a pool's per-layer buffers after their layer ids (guard records, error messages)."""
     start = getattr(pool, "start_layer", 0) or 0
-    kind = type(pool).__name__
+    label = getattr(pool, "allocation_label", None)      # "Full" / "SWA": a hybrid pool's sub-pools
+    kind = type(pool).__name__ + (f" ({label} sub-pool)" if label else "")
     caches = {}
     for attr, what in (("k_buffer", "K"), ("v_buffer", "V"), ("kv_buffer", "KV")):
         for i, t in enumerate(getattr(pool, attr, None) or []):
