@@ -90,5 +90,6 @@ step "GPU readiness: CUDA-graph capture+replay of every op, records, NaN under a
 step "page moves: tests on CUDA, pinned host <-> GPU copy_pages, CUDA-graph capture, bandwidth"; ( cd tests && KVWRITE_TEST_DEVICE=cuda timeout 300 $PY -m pytest -q -n 0 -p no:cacheprovider test_pages.py && cd .. && timeout 300 $PY bench/gpu/pages.py ) > "$OUT/pages.log" 2>&1 || status=1; grep -E "passed|failed|\"ok\": false|pct_of_copy" "$OUT/pages.log" | tee -a "$OUT/summary.txt"
 step "store_kv int8 / dynamic-scale modes: every CUDA backend vs reference, CUDA-graph capture + replay (guard)"; timeout 300 $PY bench/gpu/quant.py --out "$OUT/quant.json" > "$OUT/quant.log" 2>&1 || status=1; tail -1 "$OUT/quant.log" | tee -a "$OUT/summary.txt"
 # New steps (sanitizer, benchmarks) go above this line.
+step "vLLM plugin guard: eager / torch.compile / CUDA-graph replay, records read once per step, layers named"; timeout 300 $PY bench/peers/guard_graph_check.py --device cuda > "$OUT/guard_graph.jsonl" 2>&1 || status=1; tail -1 "$OUT/guard_graph.jsonl" | tee -a "$OUT/summary.txt"
 step "done (status $status)"
 exit $status

@@ -120,3 +120,24 @@ def test_uninstall_restores(env):
     pool = env.pools.MHATokenToKVPool()
     pool._store_kv_layer(0, torch.tensor([1]), torch.ones(1, 2, 16), torch.ones(1, 2, 16))
     assert pool.own == [0]
+
+
+def test_the_launcher_hook_installs_when_sglangs_pool_module_is_imported(tmp_path, monkeypatch):
+    """SGLang spawns its schedulers: the launcher's sitecustomize installs the hook in each of them
+    as soon as the pool module is imported (a stand-in package here)."""
+    import importlib
+    import sys
+
+    pkg = tmp_path / "kvwfakesglang"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "pools.py").write_text("class MHATokenToKVPool:\n    def _store_kv_layer(self, *a):\n        pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(hook, "POOLS", "kvwfakesglang.pools")
+    installed = []
+    monkeypatch.setattr(hook, "install", lambda *a, **k: installed.append(sys.modules["kvwfakesglang.pools"]))
+    hook.install_when_imported()
+    assert installed == []
+    module = importlib.import_module("kvwfakesglang.pools")
+    assert installed == [module]
+    assert "install_when_imported()" in hook.SITE and "KVWRITE_SGLANG" in hook.SITE

@@ -174,19 +174,28 @@ def test_operator_kernels_are_overridden(monkeypatch, state):
     del lib
 
 
+def kv_views(kv):
+    """vLLM's CPU backend's key / value caches of a layer's tensor."""
+    nb, h, bs, d2 = kv.shape
+    return kv.view(nb, h, 2 * bs, d2 // 2).chunk(2, dim=2)
+
+
 class FakeRunner:
     """The parts of vLLM's GPUModelRunner the plugin reads, and a step that stores every layer."""
 
-    def __init__(self, store, nb=4, bs=8, pages=None, page=None, names=("model.layers.0.attn", "model.layers.1.attn")):
-        self.store, self.names = store, names
+    def __init__(self, store, nb=4, bs=8, pages=None, page=None, names=("model.layers.0.attn", "model.layers.1.attn"),
+                 backend="FLASH_ATTN"):
+        self.store, self.names, self.backend = store, names, backend
         self.nb, self.bs = nb, bs
         self.pages, self.page = pages or nb, page or bs
 
     def initialize_kv_cache(self, kv_cache_config):
         self.kv_cache_config = kv_cache_config
-        self.caches = {n: torch.zeros(self.pages, 2, 2 * self.page, 8, device=DEVICE) for n in self.names}
+        # vLLM 0.32's CPU attention cache: [blocks, H, block_size, 2 * D]
+        self.caches = {n: torch.zeros(self.pages, 2, self.page, 2 * 8, device=DEVICE) for n in self.names}
+        backend = types.SimpleNamespace(get_name=lambda: self.backend)
         self.compilation_config = types.SimpleNamespace(static_forward_context={
-            n: types.SimpleNamespace(kv_cache=c) for n, c in self.caches.items()})
+            n: types.SimpleNamespace(kv_cache=c, get_attn_backend=lambda: backend) for n, c in self.caches.items()})
         self.input_batch = types.SimpleNamespace(
             block_table=types.SimpleNamespace(block_tables=[types.SimpleNamespace(block_size=self.bs)]),
             num_reqs=0, req_ids=[])
@@ -200,7 +209,7 @@ class FakeRunner:
         self.query_start_loc = types.SimpleNamespace(np=starts)
         for name, sm in zip(self.names, slots):
             key = torch.ones(len(sm), 2, 8, device=DEVICE)
-            self.store(key, key, *self.caches[name].chunk(2, dim=2), torch.tensor(sm, device=DEVICE), "vec")
+            self.store(key, key, *kv_views(self.caches[name]), torch.tensor(sm, device=DEVICE), "vec")
         return "output"
 
 
@@ -231,7 +240,7 @@ def test_guard_reads_once_per_step_and_names_layer_and_request(monkeypatch, stat
     reads.clear()
     twin = runner.caches["model.layers.1.attn"].clone()
     key = torch.ones(3, 2, 8, device=DEVICE)
-    adapters.cpu_attn_reshape_and_cache(key, key, *twin.chunk(2, dim=2), torch.tensor([2, 3, -1], device=DEVICE),
+    adapters.cpu_attn_reshape_and_cache(key, key, *kv_views(twin), torch.tensor([2, 3, -1], device=DEVICE),
                                         "vec", backend="torch")
     with pytest.raises(kvwrite.OutOfBoundsWrite) as exc:
         runner.execute_model(["a", "b"], [2, 1], [[2, 3, 10], [2, 3, bad]])
@@ -266,9 +275,26 @@ def test_namespace_mismatch_is_refused_with_both_numbers(monkeypatch, state, fre
     runner = runner_env(state, nb=4, bs=16, page=4)
     with pytest.raises(plugin.NamespaceMismatch, match=r"64 rows \(blocks of 16\).*4 pages of 4 rows = 16"):
         runner.execute_model(["a"], [1], [[0], [0]])
-    runner = runner_env(plugin.Installed(), nb=4, bs=16, page=6)
-    with pytest.raises(plugin.NamespaceMismatch, match="block size 16 .* pages of 6 rows"):
-        runner.execute_model(["a"], [1], [[0], [0]])
+    other = plugin.Installed()
+    try:
+        runner = runner_env(other, nb=4, bs=16, page=6)
+        with pytest.raises(plugin.NamespaceMismatch, match="block size 16 .* pages of 6 rows"):
+            runner.execute_model(["a"], [1], [[0], [0]])
+    finally:
+        plugin.uninstall(other)
+
+
+def test_namespace_of_cpu_attention_caches_is_checked_at_startup(monkeypatch, state, fresh_guard):
+    """vLLM's CPU backend's whole cache tensor has its writer's layout: refused when vLLM
+    allocates the KV cache, before any store."""
+    monkeypatch.setattr(validate, "DEFAULT_CHECK", "guard")
+    with pytest.raises(plugin.NamespaceMismatch, match=r"64 rows \(blocks of 16\).*4 pages of 4 rows"):
+        runner_env(state, nb=4, bs=16, page=4, backend="CPU_ATTN")
+    other = plugin.Installed()
+    try:
+        runner_env(other, nb=4, bs=16, backend="CPU_ATTN")                  # a consistent one passes
+    finally:
+        plugin.uninstall(other)
 
 
 def test_guard_without_a_step_hook_raises_at_the_store(monkeypatch, state, fresh_guard):
@@ -298,3 +324,23 @@ def test_register_can_be_switched_off(monkeypatch):
     monkeypatch.setenv(plugin.ENABLE_ENV, "1")
     plugin.register()     # vllm is not installed here: install() still runs (and skips what is missing)
     assert called == [1]
+
+
+def test_grouped_mla_route_checks_the_registered_caches(monkeypatch, state, fresh_guard):
+    """concat_and_cache_mla_grouped gets raw cache addresses: the caches registered at startup
+    bound its writes (guard mode raises the bad slot; the other rows are written)."""
+    modules, imp, _ = fake_vllm()
+    modules["vllm._custom_ops"].concat_and_cache_mla_grouped = lambda *a: None
+    monkeypatch.setattr(validate, "DEFAULT_CHECK", "guard")
+    plugin.install(imp, backend="torch", state=state, modules={}, ops=False)
+    caches = torch.zeros(2, 4, 8, 48, dtype=torch.bfloat16, device=DEVICE)
+    adapters.register_caches([caches[0], caches[1]])
+    ptrs = torch.tensor([caches[0].data_ptr(), caches[1].data_ptr()])
+    kv_c = torch.ones(2, 2, 32, dtype=torch.bfloat16, device=DEVICE)
+    k_pe = torch.ones(2, 2, 16, dtype=torch.bfloat16, device=DEVICE)
+    sm = torch.tensor([[1, 2], [3, 4 * 8]], device=DEVICE)
+    with pytest.raises(kvwrite.OutOfBoundsWrite, match="token 1 writes loc 32 into page 4"):
+        modules["vllm._custom_ops"].concat_and_cache_mla_grouped(kv_c, k_pe, ptrs, sm, 8, caches.stride(1),
+                                                                 caches.stride(2), None, "auto")
+    assert bool(caches[0, 0, 1].eq(1).all()) and bool(caches[1, 0, 3].eq(1).all())
+    assert int(caches.ne(0).sum()) == 3 * 48

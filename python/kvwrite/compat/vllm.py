@@ -223,8 +223,12 @@ def register_caches(caches) -> None:
 
 
 def _cache_ptrs(ptrs: torch.Tensor) -> list[int]:
-    """`kv_cache_ptrs` on the host, read once per pointer tensor version (vLLM builds it once)."""
-    key = (ptrs.data_ptr(), ptrs._version, ptrs.shape[0])
+    """`kv_cache_ptrs` on the host: read every call from a CPU tensor; from a device tensor once
+    per tensor version (vLLM builds it once; an inference tensor has no version: once per
+    address), so a store does not wait for the device."""
+    if ptrs.device.type == "cpu":
+        return [int(p) for p in ptrs.tolist()]
+    key = (ptrs.data_ptr(), ptrs.shape[0], None if ptrs.is_inference() else ptrs._version)
     if key not in _PTRS:
         _PTRS[key] = [int(p) for p in ptrs.tolist()]
     return _PTRS[key]

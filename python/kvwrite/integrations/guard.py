@@ -121,10 +121,11 @@ class StepGuard:
         if old is not None:
             rec[:old.shape[0]].copy_(old)
 
-    def errors_for(self, cache: torch.Tensor | None, route: Route):
-        """The record row of `cache`'s layer (row 0 for an unregistered cache); checks the
-        cache's page size against the layer's namespace the first time a shape is seen."""
-        device = cache.device if isinstance(cache, torch.Tensor) else torch.device("cpu")
+    def errors_for(self, cache: torch.Tensor | None, route: Route, device: torch.device | None = None):
+        """The record row of `cache`'s layer (row 0 for an unregistered cache, or no single cache:
+        then on `device`); checks the cache's page size against the layer's namespace the first
+        time a shape is seen."""
+        device = cache.device if isinstance(cache, torch.Tensor) else (device or torch.device("cpu"))
         info = None
         if isinstance(cache, torch.Tensor):
             info = self.layers.get((device.type, cache.data_ptr()))

