@@ -8,6 +8,7 @@
 #pragma once
 
 #include "fp8.h"
+#include "simd_x86.h"
 
 namespace kvwrite {
 
@@ -48,6 +49,15 @@ KVW_HD void nvfp4_block(Load load, const float* global, char* bytes, char* scale
   };
   for (int j = 0; j < NVFP4_BLOCK / 2; ++j) bytes[j] = char(elem(x[2 * j]) | (elem(x[2 * j + 1]) << 4));
   *scale = char(has_nan ? uint8_t(0x7F) : code);  // a NaN in the block makes its scale NaN
+}
+
+// nvfp4_block of the 16 elements of an IN array from `start` (an AVX2 host: nvfp4_block_avx2).
+template <DType IN>
+KVW_HD void nvfp4_block_at(const void* src, i64 start, const float* global, char* bytes, char* scale) {
+#if KVW_SIMD_X86
+  if (simd_ok()) return nvfp4_block_avx2<IN>(src, start, global, bytes, scale);
+#endif
+  nvfp4_block([&](int e) { return load_float<IN>(src, start + e); }, global, bytes, scale);
 }
 
 }  // namespace kvwrite

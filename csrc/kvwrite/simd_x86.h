@@ -41,16 +41,14 @@ KVW_AVX2 __m256 load8_daz(const void* src, i64 i) {
   return _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_and_si256(sub, _mm256_set1_epi32(0x7FFFFFFF)), x));
 }
 
-// fp8 codes (format F) of eight fp32 values as int32 lanes: saturate, round to nearest even on
-// the format's grid by adding and subtracting 2^(e + 23 - MANT) (e = the value's binade, at least
+// Unsigned codes of eight non-negative fp32 magnitudes `ax` (<= the format's max, no NaN) on the
+// grid of a float format with MANT mantissa bits and smallest normal exponent EMIN: round to
+// nearest even by adding and subtracting 2^(e + 23 - MANT) (e = the value's binade, at least
 // EMIN: the fp32 add rounds at exactly the grid step, carries included), then read the code off
-// the rounded value's bits (normal) or as a multiple of the subnormal step. NaN -> the NaN code.
-template <class F>
-KVW_AVX2 __m256i fp8_codes8(__m256 x) {
-  constexpr int MANT = F::mant, EMIN = F::emin, drop = 23 - MANT, bias = 1 - EMIN;
-  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-  const __m256 ax = _mm256_min_ps(_mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))),
-                                  _mm256_set1_ps(fp8_max<F>()));
+// the rounded value's bits (normal) or as a multiple of the subnormal step.
+template <int MANT, int EMIN>
+KVW_AVX2 __m256i grid_codes8(__m256 ax) {
+  constexpr int drop = 23 - MANT, bias = 1 - EMIN;
   __m256i eb = _mm256_and_si256(_mm256_castps_si256(ax), _mm256_set1_epi32(0x7F800000));
   eb = _mm256_max_epi32(eb, _mm256_set1_epi32((EMIN + 127) << 23));
   const __m256 m = _mm256_castsi256_ps(_mm256_add_epi32(eb, _mm256_set1_epi32(drop << 23)));
@@ -60,7 +58,17 @@ KVW_AVX2 __m256i fp8_codes8(__m256 x) {
                                           _mm256_set1_epi32((127 - bias) << MANT));
   const __m256i sub = _mm256_srli_epi32(
       _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(r, tiny)), _mm256_castps_si256(tiny)), drop);
-  __m256i code = _mm256_blendv_epi8(normal, sub, _mm256_castps_si256(_mm256_cmp_ps(r, tiny, _CMP_LT_OQ)));
+  return _mm256_blendv_epi8(normal, sub, _mm256_castps_si256(_mm256_cmp_ps(r, tiny, _CMP_LT_OQ)));
+}
+
+KVW_AVX2 __m256 abs8(__m256 x) { return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
+
+// fp8 codes (format F) of eight fp32 values as int32 lanes, fp8_bits's: saturate, round on the
+// grid, sign bit kept (fnuz: no -0), NaN -> the format's NaN code.
+template <class F>
+KVW_AVX2 __m256i fp8_codes8(__m256 x) {
+  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+  __m256i code = grid_codes8<F::mant, F::emin>(_mm256_min_ps(abs8(x), _mm256_set1_ps(fp8_max<F>())));
   const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 24), _mm256_set1_epi32(0x80));
   if constexpr (F::fnuz) {  // no -0: a zero code stays unsigned
     code = _mm256_or_si256(code, _mm256_andnot_si256(_mm256_cmpeq_epi32(code, _mm256_setzero_si256()), sign));
@@ -94,6 +102,52 @@ KVW_AVX2 void fp8_run_avx2(const void* __restrict__ src, i64 start, int n, float
   const __m256 s = _mm256_set1_ps(scale);
   simd_run<false>(n, dst, [&](int i) KVW_AVX2_FN { return fp8_codes8<F>(_mm256_div_ps(load8_daz<IN>(src, start + i), s)); },
                   [&](int j) KVW_AVX2_FN { return fp8_bits<F>(daz(load_float<IN>(src, start + j)) / scale); });
+}
+
+// Eight finite |x| bits of policy (0 for NaN, +-inf; subnormals are already +-0), horizontal max.
+KVW_AVX2 float finite_amax16(__m256 x0, __m256 x1) {
+  const __m256i inf = _mm256_set1_epi32(0x7F800000);
+  const __m256i a0 = _mm256_castps_si256(abs8(x0)), a1 = _mm256_castps_si256(abs8(x1));
+  __m256i m = _mm256_max_epi32(_mm256_and_si256(a0, _mm256_cmpgt_epi32(inf, a0)),
+                               _mm256_and_si256(a1, _mm256_cmpgt_epi32(inf, a1)));
+  __m128i h = _mm_max_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+  h = _mm_max_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+  h = _mm_max_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+  return bits_to_float(uint32_t(_mm_cvtsi128_si32(h)));
+}
+
+// e2m1 codes (nvfp4.h e2m1_code) of y = x / d, or each element's sign alone when d == 0; NaN -> 0.
+KVW_AVX2 __m256i e2m1_codes8(__m256 x, float d) {
+  const __m256 y = d == 0.0f ? x : _mm256_div_ps(x, _mm256_set1_ps(d));
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(y), 28), _mm256_set1_epi32(8));
+  const __m256i code = d == 0.0f ? sign : _mm256_or_si256(grid_codes8<1, 0>(_mm256_min_ps(abs8(y), _mm256_set1_ps(6.0f))), sign);
+  return _mm256_andnot_si256(_mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_UNORD_Q)), code);
+}
+
+// nvfp4_block's bytes for 16 elements from src + start: the block scale in scalar code (the
+// same functions), the 16 codes in two vectors, packed two per byte (element 2j low nibble).
+template <DType IN>
+KVW_AVX2 void nvfp4_block_avx2(const void* src, i64 start, const float* global, char* bytes, char* scale) {
+  const __m256 x0 = load8_daz<IN>(src, start), x1 = load8_daz<IN>(src, start + 8);
+  const bool has_nan = _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(x0, x0, _CMP_UNORD_Q),
+                                                       _mm256_cmp_ps(x1, x1, _CMP_UNORD_Q))) != 0;
+  float s = finite_amax16(x0, x1) / 6.0f;
+  if (global != nullptr) s = s / global[0];
+  const uint8_t code = fp8_bits<E4M3>(s);
+  float d = e4m3_to_float(code);
+  if (global != nullptr) d = d * global[0];
+  // pairs: the odd element's code (high dword of each 64-bit lane) moved to bits 4..7
+  const __m256i c0 = e2m1_codes8(x0, d), c1 = e2m1_codes8(x1, d);
+  const __m256i p0 = _mm256_or_si256(c0, _mm256_srli_epi64(c0, 28)), p1 = _mm256_or_si256(c1, _mm256_srli_epi64(c1, 28));
+  const __m256i pick0 = _mm256_setr_epi8(0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                         0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i pick1 = _mm256_setr_epi8(-1, -1, 0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                         -1, -1, 0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  // lane 0 holds pairs 0, 1 (of c0) and 4, 5 (of c1); lane 1 pairs 2, 3 and 6, 7
+  const __m256i t = _mm256_or_si256(_mm256_shuffle_epi8(p0, pick0), _mm256_shuffle_epi8(p1, pick1));
+  const __m128i packed = _mm_unpacklo_epi16(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(bytes), packed);
+  *scale = char(has_nan ? uint8_t(0x7F) : code);
 }
 #else
 inline bool simd_ok() { return false; }
