@@ -111,3 +111,33 @@ def test_store_mla_nvfp4_every_pattern(lora, rope):
 
     run(call, {"c": ((pages, 16, (lora + rope) // 2), torch.uint8),
                "s": ((pages, 16, (lora + rope) // 16), torch.float8_e4m3fn)})
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_store_dsv4_indexer_mxfp4_every_pattern(dtype):
+    from kvwrite.ops.dsv4 import indexer_row_bytes
+    d, pps = 128, 64
+    k = every_pattern(dtype, 1, d)[:, 0]
+    k = (k.float() * torch.logspace(-6, 6, k.shape[0])[:, None]).to(dtype)
+    n = k.shape[0]
+    loc = torch.randperm(n + 8, generator=torch.Generator().manual_seed(5))[:n]
+    pages = -(-(n + 8) // pps)
+
+    def call(p, b):
+        kvwrite.store_dsv4_indexer_k(k, p["c"], loc, fmt="mxfp4", backend=b)
+
+    run(call, {"c": ((pages, pps * indexer_row_bytes(d, "mxfp4")), torch.uint8)})
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_store_mla_fp8_ds_mla_every_pattern(dtype):
+    x = every_pattern(torch.bfloat16, 1, 576)[:, 0].to(dtype)
+    x = x * torch.logspace(-4, 4, x.shape[0], dtype=dtype)[:, None]
+    kv_c, k_pe = x[:, :512], x[:, 512:]
+    n = x.shape[0]
+    loc = torch.randperm(n + 4, generator=torch.Generator().manual_seed(6))[:n]
+
+    def call(p, b):
+        kvwrite.store_mla(kv_c, k_pe, p["c"], loc, kv_cache_dtype="fp8_ds_mla", backend=b)
+
+    run(call, {"c": ((-(-(n + 4) // 16), 16, 656), torch.uint8)})

@@ -141,6 +141,9 @@ KVW_HD uint32_t scale_abs_bits(const void* src, i64 i) {
 // max finite |x| over n elements from `start` (as block_amax; vectorisable).
 template <DType IN>
 KVW_HD float run_amax(const void* __restrict__ src, i64 start, int n) {
+#if KVW_SIMD_X86
+  if (n % 8 == 0 && simd_ok()) return amax_avx2<IN>(src, start, n);
+#endif
   uint32_t m = 0;
   for (int j = 0; j < n; ++j) {
     const uint32_t a = scale_abs_bits<IN>(src, start + j);

@@ -7,8 +7,7 @@
 //   byte j = q[2j] | q[2j+1] << 4.
 #pragma once
 
-#include "fp8.h"
-#include "simd_x86.h"
+#include "quant.h"
 
 namespace kvwrite {
 
@@ -58,6 +57,22 @@ KVW_HD void nvfp4_block_at(const void* src, i64 start, const float* global, char
   if (simd_ok()) return nvfp4_block_avx2<IN>(src, start, global, bytes, scale);
 #endif
   nvfp4_block([&](int e) { return load_float<IN>(src, start + e); }, global, bytes, scale);
+}
+
+// e2m1 codes of n elements from `start` divided by s (> 0), packed two per byte (element 2j in
+// the low nibble); returns whether any element was NaN (its code is 0).
+template <DType IN>
+KVW_HD bool e2m1_run(const void* src, i64 start, int n, float s, char* bytes) {
+#if KVW_SIMD_X86
+  if (n % 16 == 0 && simd_ok()) return e2m1_run_avx2<IN>(src, start, n, s, bytes);
+#endif
+  bool nan = false;
+  for (int j = 0; j < n / 2; ++j) {
+    const float lo = load_quant<IN>(src, start + 2 * j), hi = load_quant<IN>(src, start + 2 * j + 1);
+    nan = nan || lo != lo || hi != hi;
+    bytes[j] = char(e2m1_code(lo / s) | (e2m1_code(hi / s) << 4));
+  }
+  return nan;
 }
 
 }  // namespace kvwrite

@@ -34,6 +34,9 @@ KVW_HD uint32_t abs_bits(const void* src, i64 i) {
 // max |x| over the finite elements of n (NaN and +-inf do not count), from element `start`.
 template <DType IN>
 KVW_HD float block_amax(const void* src, i64 start, int n) {
+#if KVW_SIMD_X86
+  if (n % 8 == 0 && simd_ok()) return amax_avx2<IN>(src, start, n);
+#endif
   uint32_t m = 0;
   for (int j = 0; j < n; ++j) {
     const uint32_t a = abs_bits<IN>(src, start + j);

@@ -104,16 +104,50 @@ KVW_AVX2 void fp8_run_avx2(const void* __restrict__ src, i64 start, int n, float
                   [&](int j) KVW_AVX2_FN { return fp8_bits<F>(daz(load_float<IN>(src, start + j)) / scale); });
 }
 
-// Eight finite |x| bits of policy (0 for NaN, +-inf; subnormals are already +-0), horizontal max.
-KVW_AVX2 float finite_amax16(__m256 x0, __m256 x1) {
-  const __m256i inf = _mm256_set1_epi32(0x7F800000);
-  const __m256i a0 = _mm256_castps_si256(abs8(x0)), a1 = _mm256_castps_si256(abs8(x1));
-  __m256i m = _mm256_max_epi32(_mm256_and_si256(a0, _mm256_cmpgt_epi32(inf, a0)),
-                               _mm256_and_si256(a1, _mm256_cmpgt_epi32(inf, a1)));
+// Policy |x| bits of eight elements from src + i: 0 for NaN, +-inf and fp32 subnormals.
+template <DType IN>
+KVW_AVX2 __m256i policy_abs8(const void* src, i64 i) {
+  __m256i a;
+  if constexpr (IN == DType::BF16) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(src) + i));
+    a = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_and_si128(h, _mm_set1_epi16(0x7FFF))), 16);
+  } else if constexpr (IN == DType::F16) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(src) + i));
+    a = _mm256_castps_si256(abs8(_mm256_cvtph_ps(h)));
+  } else {
+    a = _mm256_castps_si256(abs8(_mm256_loadu_ps(static_cast<const float*>(src) + i)));
+  }
+  const __m256i keep = _mm256_and_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(0x7F800000), a),
+                                        _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x007FFFFF)));
+  return _mm256_and_si256(a, keep);
+}
+
+KVW_AVX2 uint32_t hmax8(__m256i m) {
   __m128i h = _mm_max_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
   h = _mm_max_epi32(h, _mm_shuffle_epi32(h, 0x4E));
   h = _mm_max_epi32(h, _mm_shuffle_epi32(h, 0xB1));
-  return bits_to_float(uint32_t(_mm_cvtsi128_si32(h)));
+  return uint32_t(_mm_cvtsi128_si32(h));
+}
+
+// max finite |x| (block_amax's policy) over n elements from `start`, n a multiple of 8.
+template <DType IN>
+KVW_AVX2 float amax_avx2(const void* src, i64 start, int n) {
+  __m256i m0 = _mm256_setzero_si256(), m1 = m0;
+  int j = 0;
+  for (; j + 16 <= n; j += 16) {
+    m0 = _mm256_max_epi32(m0, policy_abs8<IN>(src, start + j));
+    m1 = _mm256_max_epi32(m1, policy_abs8<IN>(src, start + j + 8));
+  }
+  if (j < n) m0 = _mm256_max_epi32(m0, policy_abs8<IN>(src, start + j));
+  return bits_to_float(hmax8(_mm256_max_epi32(m0, m1)));
+}
+
+// max finite |x| of two vectors already read with daz (subnormals are +-0).
+KVW_AVX2 float finite_amax16(__m256 x0, __m256 x1) {
+  const __m256i inf = _mm256_set1_epi32(0x7F800000);
+  const __m256i a0 = _mm256_castps_si256(abs8(x0)), a1 = _mm256_castps_si256(abs8(x1));
+  return bits_to_float(hmax8(_mm256_max_epi32(_mm256_and_si256(a0, _mm256_cmpgt_epi32(inf, a0)),
+                                              _mm256_and_si256(a1, _mm256_cmpgt_epi32(inf, a1)))));
 }
 
 // e2m1 codes (nvfp4.h e2m1_code) of y = x / d, or each element's sign alone when d == 0; NaN -> 0.
@@ -124,18 +158,9 @@ KVW_AVX2 __m256i e2m1_codes8(__m256 x, float d) {
   return _mm256_andnot_si256(_mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_UNORD_Q)), code);
 }
 
-// nvfp4_block's bytes for 16 elements from src + start: the block scale in scalar code (the
-// same functions), the 16 codes in two vectors, packed two per byte (element 2j low nibble).
-template <DType IN>
-KVW_AVX2 void nvfp4_block_avx2(const void* src, i64 start, const float* global, char* bytes, char* scale) {
-  const __m256 x0 = load8_daz<IN>(src, start), x1 = load8_daz<IN>(src, start + 8);
-  const bool has_nan = _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(x0, x0, _CMP_UNORD_Q),
-                                                       _mm256_cmp_ps(x1, x1, _CMP_UNORD_Q))) != 0;
-  float s = finite_amax16(x0, x1) / 6.0f;
-  if (global != nullptr) s = s / global[0];
-  const uint8_t code = fp8_bits<E4M3>(s);
-  float d = e4m3_to_float(code);
-  if (global != nullptr) d = d * global[0];
+// e2m1 codes of 16 elements (x0, x1) divided by d, packed two per byte (element 2j in the low
+// nibble) into 8 bytes at `bytes`.
+KVW_AVX2 void e2m1_pack16(__m256 x0, __m256 x1, float d, char* bytes) {
   // pairs: the odd element's code (high dword of each 64-bit lane) moved to bits 4..7
   const __m256i c0 = e2m1_codes8(x0, d), c1 = e2m1_codes8(x1, d);
   const __m256i p0 = _mm256_or_si256(c0, _mm256_srli_epi64(c0, 28)), p1 = _mm256_or_si256(c1, _mm256_srli_epi64(c1, 28));
@@ -147,7 +172,37 @@ KVW_AVX2 void nvfp4_block_avx2(const void* src, i64 start, const float* global, 
   const __m256i t = _mm256_or_si256(_mm256_shuffle_epi8(p0, pick0), _mm256_shuffle_epi8(p1, pick1));
   const __m128i packed = _mm_unpacklo_epi16(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
   _mm_storel_epi64(reinterpret_cast<__m128i*>(bytes), packed);
-  *scale = char(has_nan ? uint8_t(0x7F) : code);
+}
+
+KVW_AVX2 bool any_nan16(__m256 x0, __m256 x1) {
+  return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(x0, x0, _CMP_UNORD_Q), _mm256_cmp_ps(x1, x1, _CMP_UNORD_Q))) != 0;
+}
+
+// nvfp4_block's bytes for 16 elements from src + start: the block scale in scalar code (the
+// same functions), the 16 codes in two vectors.
+template <DType IN>
+KVW_AVX2 void nvfp4_block_avx2(const void* src, i64 start, const float* global, char* bytes, char* scale) {
+  const __m256 x0 = load8_daz<IN>(src, start), x1 = load8_daz<IN>(src, start + 8);
+  float s = finite_amax16(x0, x1) / 6.0f;
+  if (global != nullptr) s = s / global[0];
+  const uint8_t code = fp8_bits<E4M3>(s);
+  float d = e4m3_to_float(code);
+  if (global != nullptr) d = d * global[0];
+  e2m1_pack16(x0, x1, d, bytes);
+  *scale = char(any_nan16(x0, x1) ? uint8_t(0x7F) : code);
+}
+
+// e2m1 codes of n elements (a multiple of 16) from `start` divided by s (> 0), packed; whether
+// any element was NaN.
+template <DType IN>
+KVW_AVX2 bool e2m1_run_avx2(const void* src, i64 start, int n, float s, char* bytes) {
+  bool nan = false;
+  for (int j = 0; j < n; j += 16) {
+    const __m256 x0 = load8_daz<IN>(src, start + j), x1 = load8_daz<IN>(src, start + j + 8);
+    e2m1_pack16(x0, x1, s, bytes + j / 2);
+    nan = nan || any_nan16(x0, x1);
+  }
+  return nan;
 }
 #else
 inline bool simd_ok() { return false; }
