@@ -163,6 +163,17 @@ KVW_HD void quant_run(const void* __restrict__ src, i64 start, int n, float scal
   for (int j = 0; j < n; ++j) dst[j] = char(fp8_bits<F>(load_quant<IN>(src, start + j) / scale));
 }
 
+// quant_run over H heads of D elements (head h from start + h * s_head with scale[h * scale_step],
+// codes at dst + h * dst_step): on an AVX2 host one call for all heads.
+template <DType IN, class F>
+KVW_HD void quant_heads(const void* src, i64 start, i64 s_head, int H, int D, const float* scale, i64 scale_step,
+                        char* dst, i64 dst_step) {
+#if KVW_SIMD_X86
+  if (D >= 32 && simd_ok()) return fp8_heads_avx2<IN, F>(src, start, s_head, H, D, scale, scale_step, dst, dst_step);
+#endif
+  for (int h = 0; h < H; ++h) quant_run<IN, F>(src, start + h * s_head, D, scale[h * scale_step], dst + h * dst_step);
+}
+
 // e4m3 codes of x / scale for n elements (saturating, RNE), written as bytes.
 template <DType IN>
 KVW_HD void quant_block_e4m3(const void* src, i64 start, int n, float scale, char* dst) {

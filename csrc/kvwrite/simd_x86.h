@@ -104,6 +104,60 @@ KVW_AVX2 void fp8_run_avx2(const void* __restrict__ src, i64 start, int n, float
                   [&](int j) KVW_AVX2_FN { return fp8_bits<F>(daz(load_float<IN>(src, start + j)) / scale); });
 }
 
+// Eight elements from src + i as fp32, as stored (no daz).
+template <DType IN>
+KVW_AVX2 __m256 load8(const void* src, i64 i) {
+  if constexpr (IN == DType::F32) return _mm256_loadu_ps(static_cast<const float*>(src) + i);
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(src) + i));
+  if constexpr (IN == DType::F16) return _mm256_cvtph_ps(h);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// fp8_codes8 where MXCSR.FTZ is clear (fp8_heads_avx2 checks): the code read off
+// r * 2^(bias - 127), whose fp32 bits are the fp8 code shifted (a subnormal product for
+// fp8-subnormal codes, exact since FTZ is clear), instead of the normal / subnormal select.
+template <class F>
+KVW_AVX2 __m256i fp8_codes8_noftz(__m256 x) {
+  constexpr int MANT = F::mant, EMIN = F::emin, drop = 23 - MANT, bias = 1 - EMIN;
+  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+  const __m256 ax = _mm256_min_ps(abs8(x), _mm256_set1_ps(fp8_max<F>()));
+  __m256i eb = _mm256_and_si256(_mm256_castps_si256(ax), _mm256_set1_epi32(0x7F800000));
+  eb = _mm256_max_epi32(eb, _mm256_set1_epi32((EMIN + 127) << 23));
+  const __m256 m = _mm256_castsi256_ps(_mm256_add_epi32(eb, _mm256_set1_epi32(drop << 23)));
+  const __m256 r = _mm256_sub_ps(_mm256_add_ps(ax, m), m);
+  const __m256 down = _mm256_castsi256_ps(_mm256_set1_epi32(bias << 23));  // 2^(bias - 127)
+  __m256i code = _mm256_srli_epi32(_mm256_castps_si256(_mm256_mul_ps(r, down)), drop);
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 24), _mm256_set1_epi32(0x80));
+  if constexpr (F::fnuz) {
+    code = _mm256_or_si256(code, _mm256_andnot_si256(_mm256_cmpeq_epi32(code, _mm256_setzero_si256()), sign));
+  } else {
+    code = _mm256_or_si256(code, sign);
+  }
+  return _mm256_blendv_epi8(code, _mm256_set1_epi32(F::fnuz ? 0x80 : 0x7F), _mm256_castps_si256(nan));
+}
+
+// fp8_run_avx2 over H heads of D elements (head h from start + h * s_head, scale[h * scale_step],
+// codes at dst + h * dst_step). A head whose |scale| >= 2^-100 skips daz: a subnormal input's
+// quotient is then below 2^-26, which rounds to the same signed zero code as daz's +-0; with
+// MXCSR.FTZ clear (read, never written) the codes come from fp8_codes8_noftz.
+template <DType IN, class F>
+KVW_AVX2 void fp8_heads_avx2(const void* __restrict__ src, i64 start, i64 s_head, int H, int D, const float* scale,
+                             i64 scale_step, char* __restrict__ dst, i64 dst_step) {
+  const bool ftz = (_mm_getcsr() & 0x8000u) != 0;
+  for (int h = 0; h < H; ++h) {
+    const float sc = scale[h * scale_step];
+    const i64 at = start + h * s_head;
+    if (ftz || !((sc < 0 ? -sc : sc) >= 7.888609052210118e-31f)) {  // 2^-100; NaN scales too
+      fp8_run_avx2<IN, F>(src, at, D, sc, dst + h * dst_step);
+      continue;
+    }
+    const __m256 s = _mm256_set1_ps(sc);
+    simd_run<false>(D, dst + h * dst_step,
+                    [&](int i) KVW_AVX2_FN { return fp8_codes8_noftz<F>(_mm256_div_ps(load8<IN>(src, at + i), s)); },
+                    [&](int j) KVW_AVX2_FN { return fp8_bits<F>(daz(load_float<IN>(src, at + j)) / sc); });
+  }
+}
+
 // Policy |x| bits of eight elements from src + i: 0 for NaN, +-inf and fp32 subnormals.
 template <DType IN>
 KVW_AVX2 __m256i policy_abs8(const void* src, i64 i) {
