@@ -74,3 +74,70 @@ def test_store_kv_dynamic_every_pattern(dtype, cache, per_head, rule):
 
     run(call, {"k": (shape, cache), "v": (shape, cache), "ks": (sshape, torch.float32),
                "vs": (sshape, torch.float32)})
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("g", [None, 0.5, 0.0, 1e-30])   # 0: every block's scale underflows to 0
+def test_store_kv_nvfp4_every_pattern(dtype, g):
+    heads, dim = 4, 64
+    k = every_pattern(dtype, heads, dim)
+    # blocks of mixed magnitudes too: the block scale lands anywhere on the e4m3 grid
+    v = (k.float() * torch.logspace(-4, 4, k.shape[0])[:, None, None]).to(dtype)
+    n = k.shape[0]
+    loc = torch.randperm(n + 8, generator=torch.Generator().manual_seed(3))[:n]
+    pages = -(-(n + 8) // 16)
+    glob = None if g is None else torch.tensor([g])
+
+    def call(p, b):
+        kvwrite.store_kv_nvfp4(k, v, p["k"], p["v"], p["ks"], p["vs"], loc, k_global_scale=glob,
+                               v_global_scale=glob, backend=b)
+
+    run(call, {"k": ((pages, 16, heads, dim // 2), torch.uint8),
+               "v": ((pages, 16, heads, dim // 2), torch.uint8),
+               "ks": ((pages, 16, heads, dim // 16), torch.float8_e4m3fn),
+               "vs": ((pages, 16, heads, dim // 16), torch.float8_e4m3fn)})
+
+
+@pytest.mark.parametrize("lora,rope", [(512, 64), (40, 24)])   # 40 + 24: a block straddles both
+def test_store_mla_nvfp4_every_pattern(lora, rope):
+    x = every_pattern(torch.bfloat16, 1, lora + rope)[:, 0]
+    kv_c, k_pe = x[:, :lora], x[:, lora:]
+    n = x.shape[0]
+    loc = torch.randperm(n + 4, generator=torch.Generator().manual_seed(4))[:n]
+    pages = -(-(n + 4) // 16)
+
+    def call(p, b):
+        kvwrite.store_mla(kv_c, k_pe, p["c"], loc, kv_cache_dtype="nvfp4", scale_cache=p["s"], backend=b)
+
+    run(call, {"c": ((pages, 16, (lora + rope) // 2), torch.uint8),
+               "s": ((pages, 16, (lora + rope) // 16), torch.float8_e4m3fn)})
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_store_dsv4_indexer_mxfp4_every_pattern(dtype):
+    from kvwrite.ops.dsv4 import indexer_row_bytes
+    d, pps = 128, 64
+    k = every_pattern(dtype, 1, d)[:, 0]
+    k = (k.float() * torch.logspace(-6, 6, k.shape[0])[:, None]).to(dtype)
+    n = k.shape[0]
+    loc = torch.randperm(n + 8, generator=torch.Generator().manual_seed(5))[:n]
+    pages = -(-(n + 8) // pps)
+
+    def call(p, b):
+        kvwrite.store_dsv4_indexer_k(k, p["c"], loc, fmt="mxfp4", backend=b)
+
+    run(call, {"c": ((pages, pps * indexer_row_bytes(d, "mxfp4")), torch.uint8)})
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_store_mla_fp8_ds_mla_every_pattern(dtype):
+    x = every_pattern(torch.bfloat16, 1, 576)[:, 0].to(dtype)
+    x = x * torch.logspace(-4, 4, x.shape[0], dtype=dtype)[:, None]
+    kv_c, k_pe = x[:, :512], x[:, 512:]
+    n = x.shape[0]
+    loc = torch.randperm(n + 4, generator=torch.Generator().manual_seed(6))[:n]
+
+    def call(p, b):
+        kvwrite.store_mla(kv_c, k_pe, p["c"], loc, kv_cache_dtype="fp8_ds_mla", backend=b)
+
+    run(call, {"c": ((-(-(n + 4) // 16), 16, 656), torch.uint8)})

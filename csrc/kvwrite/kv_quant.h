@@ -86,9 +86,10 @@ struct Quantizer {
 // Codes of 8 elements on an AVX2 host, Quantizer's arithmetic in eight lanes: daz, fp32 division
 // (or multiply by the reciprocal); int8: NaN -> 0, clamp, RNE (cvtps under the default MXCSR,
 // as the scalar magic-number add) or +-0.5 and truncation; fp8: fp8_codes8.
-template <DType IN, class F, int RULE>
+template <DType IN, class F, int RULE, bool FAST>
 KVW_AVX2 __m256i quant_codes8(const void* src, i64 i, __m256 vs, __m256 vr) {
-  __m256 y = RULE == RULE_VLLM ? _mm256_mul_ps(load8_daz<IN>(src, i), vr) : _mm256_div_ps(load8_daz<IN>(src, i), vs);
+  const __m256 x = FAST ? load8<IN>(src, i) : load8_daz<IN>(src, i);
+  __m256 y = RULE == RULE_VLLM ? _mm256_mul_ps(x, vr) : _mm256_div_ps(x, vs);
   if constexpr (std::is_same<F, Int8Fmt>::value) {
     const __m256 nan = _mm256_cmp_ps(y, y, _CMP_UNORD_Q);
     if constexpr (RULE == RULE_VLLM) {
@@ -100,17 +101,24 @@ KVW_AVX2 __m256i quant_codes8(const void* src, i64 i, __m256 vs, __m256 vr) {
     const __m256i c = RULE == RULE_VLLM ? _mm256_cvttps_epi32(y) : _mm256_cvtps_epi32(y);
     return _mm256_andnot_si256(_mm256_castps_si256(nan), c);
   } else {
-    return fp8_codes8<F>(y);
+    return FAST ? fp8_codes8_noftz<F>(y) : fp8_codes8<F>(y);
   }
 }
 
+// The fast lanes (as fp8_heads_avx2): with 2^-100 <= |s| <= 2^100 (and so 2^-100 <= |1/s|) a
+// subnormal input's y is below 2^-26 in magnitude, coded as daz's signed zero would be, and
+// with FTZ clear the fp8 codes come from fp8_codes8_noftz.
 template <DType IN, class F, int RULE>
 KVW_AVX2 void quantize_run_avx2(const void* __restrict__ src, i64 start, int n, Quantizer<F, RULE> q,
                                 char* __restrict__ dst) {
   const __m256 vs = _mm256_set1_ps(q.scale), vr = _mm256_set1_ps(q.recip);
-  simd_run<std::is_same<F, Int8Fmt>::value>(
-      n, dst, [&](int i) KVW_AVX2_FN { return quant_codes8<IN, F, RULE>(src, start + i, vs, vr); },
-      [&](int j) KVW_AVX2_FN { return q(load_quant<IN>(src, start + j)); });
+  const float a = q.scale < 0 ? -q.scale : q.scale;
+  const auto tail = [&](int j) KVW_AVX2_FN { return q(load_quant<IN>(src, start + j)); };
+  constexpr bool I8 = std::is_same<F, Int8Fmt>::value;
+  if ((_mm_getcsr() & 0x8000u) == 0 && a >= 7.888609052210118e-31f && a <= 1.2676506002282294e30f) {
+    return simd_run<I8>(n, dst, [&](int i) KVW_AVX2_FN { return quant_codes8<IN, F, RULE, true>(src, start + i, vs, vr); }, tail);
+  }
+  simd_run<I8>(n, dst, [&](int i) KVW_AVX2_FN { return quant_codes8<IN, F, RULE, false>(src, start + i, vs, vr); }, tail);
 }
 #endif
 
@@ -141,6 +149,9 @@ KVW_HD uint32_t scale_abs_bits(const void* src, i64 i) {
 // max finite |x| over n elements from `start` (as block_amax; vectorisable).
 template <DType IN>
 KVW_HD float run_amax(const void* __restrict__ src, i64 start, int n) {
+#if KVW_SIMD_X86
+  if (n % 8 == 0 && simd_ok()) return amax_avx2<IN>(src, start, n);
+#endif
   uint32_t m = 0;
   for (int j = 0; j < n; ++j) {
     const uint32_t a = scale_abs_bits<IN>(src, start + j);

@@ -7,7 +7,7 @@
 //   byte j = q[2j] | q[2j+1] << 4.
 #pragma once
 
-#include "fp8.h"
+#include "quant.h"
 
 namespace kvwrite {
 
@@ -48,6 +48,31 @@ KVW_HD void nvfp4_block(Load load, const float* global, char* bytes, char* scale
   };
   for (int j = 0; j < NVFP4_BLOCK / 2; ++j) bytes[j] = char(elem(x[2 * j]) | (elem(x[2 * j + 1]) << 4));
   *scale = char(has_nan ? uint8_t(0x7F) : code);  // a NaN in the block makes its scale NaN
+}
+
+// nvfp4_block of the 16 elements of an IN array from `start` (an AVX2 host: nvfp4_block_avx2).
+template <DType IN>
+KVW_HD void nvfp4_block_at(const void* src, i64 start, const float* global, char* bytes, char* scale) {
+#if KVW_SIMD_X86
+  if (simd_ok()) return nvfp4_block_avx2<IN>(src, start, global, bytes, scale);
+#endif
+  nvfp4_block([&](int e) { return load_float<IN>(src, start + e); }, global, bytes, scale);
+}
+
+// e2m1 codes of n elements from `start` divided by s (> 0), packed two per byte (element 2j in
+// the low nibble); returns whether any element was NaN (its code is 0).
+template <DType IN>
+KVW_HD bool e2m1_run(const void* src, i64 start, int n, float s, char* bytes) {
+#if KVW_SIMD_X86
+  if (n % 16 == 0 && simd_ok()) return e2m1_run_avx2<IN>(src, start, n, s, bytes);
+#endif
+  bool nan = false;
+  for (int j = 0; j < n / 2; ++j) {
+    const float lo = load_quant<IN>(src, start + 2 * j), hi = load_quant<IN>(src, start + 2 * j + 1);
+    nan = nan || lo != lo || hi != hi;
+    bytes[j] = char(e2m1_code(lo / s) | (e2m1_code(hi / s) << 4));
+  }
+  return nan;
 }
 
 }  // namespace kvwrite

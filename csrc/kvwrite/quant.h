@@ -34,6 +34,9 @@ KVW_HD uint32_t abs_bits(const void* src, i64 i) {
 // max |x| over the finite elements of n (NaN and +-inf do not count), from element `start`.
 template <DType IN>
 KVW_HD float block_amax(const void* src, i64 start, int n) {
+#if KVW_SIMD_X86
+  if (n % 8 == 0 && simd_ok()) return amax_avx2<IN>(src, start, n);
+#endif
   uint32_t m = 0;
   for (int j = 0; j < n; ++j) {
     const uint32_t a = abs_bits<IN>(src, start + j);
@@ -158,6 +161,17 @@ KVW_HD void quant_run(const void* __restrict__ src, i64 start, int n, float scal
   if (n >= 32 && simd_ok()) return fp8_run_avx2<IN, F>(src, start, n, scale, dst);
 #endif
   for (int j = 0; j < n; ++j) dst[j] = char(fp8_bits<F>(load_quant<IN>(src, start + j) / scale));
+}
+
+// quant_run over H heads of D elements (head h from start + h * s_head with scale[h * scale_step],
+// codes at dst + h * dst_step): on an AVX2 host one call for all heads.
+template <DType IN, class F>
+KVW_HD void quant_heads(const void* src, i64 start, i64 s_head, int H, int D, const float* scale, i64 scale_step,
+                        char* dst, i64 dst_step) {
+#if KVW_SIMD_X86
+  if (D >= 32 && simd_ok()) return fp8_heads_avx2<IN, F>(src, start, s_head, H, D, scale, scale_step, dst, dst_step);
+#endif
+  for (int h = 0; h < H; ++h) quant_run<IN, F>(src, start + h * s_head, D, scale[h * scale_step], dst + h * dst_step);
 }
 
 // e4m3 codes of x / scale for n elements (saturating, RNE), written as bytes.

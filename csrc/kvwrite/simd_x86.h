@@ -41,16 +41,14 @@ KVW_AVX2 __m256 load8_daz(const void* src, i64 i) {
   return _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_and_si256(sub, _mm256_set1_epi32(0x7FFFFFFF)), x));
 }
 
-// fp8 codes (format F) of eight fp32 values as int32 lanes: saturate, round to nearest even on
-// the format's grid by adding and subtracting 2^(e + 23 - MANT) (e = the value's binade, at least
+// Unsigned codes of eight non-negative fp32 magnitudes `ax` (<= the format's max, no NaN) on the
+// grid of a float format with MANT mantissa bits and smallest normal exponent EMIN: round to
+// nearest even by adding and subtracting 2^(e + 23 - MANT) (e = the value's binade, at least
 // EMIN: the fp32 add rounds at exactly the grid step, carries included), then read the code off
-// the rounded value's bits (normal) or as a multiple of the subnormal step. NaN -> the NaN code.
-template <class F>
-KVW_AVX2 __m256i fp8_codes8(__m256 x) {
-  constexpr int MANT = F::mant, EMIN = F::emin, drop = 23 - MANT, bias = 1 - EMIN;
-  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-  const __m256 ax = _mm256_min_ps(_mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))),
-                                  _mm256_set1_ps(fp8_max<F>()));
+// the rounded value's bits (normal) or as a multiple of the subnormal step.
+template <int MANT, int EMIN>
+KVW_AVX2 __m256i grid_codes8(__m256 ax) {
+  constexpr int drop = 23 - MANT, bias = 1 - EMIN;
   __m256i eb = _mm256_and_si256(_mm256_castps_si256(ax), _mm256_set1_epi32(0x7F800000));
   eb = _mm256_max_epi32(eb, _mm256_set1_epi32((EMIN + 127) << 23));
   const __m256 m = _mm256_castsi256_ps(_mm256_add_epi32(eb, _mm256_set1_epi32(drop << 23)));
@@ -60,7 +58,17 @@ KVW_AVX2 __m256i fp8_codes8(__m256 x) {
                                           _mm256_set1_epi32((127 - bias) << MANT));
   const __m256i sub = _mm256_srli_epi32(
       _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(r, tiny)), _mm256_castps_si256(tiny)), drop);
-  __m256i code = _mm256_blendv_epi8(normal, sub, _mm256_castps_si256(_mm256_cmp_ps(r, tiny, _CMP_LT_OQ)));
+  return _mm256_blendv_epi8(normal, sub, _mm256_castps_si256(_mm256_cmp_ps(r, tiny, _CMP_LT_OQ)));
+}
+
+KVW_AVX2 __m256 abs8(__m256 x) { return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
+
+// fp8 codes (format F) of eight fp32 values as int32 lanes, fp8_bits's: saturate, round on the
+// grid, sign bit kept (fnuz: no -0), NaN -> the format's NaN code.
+template <class F>
+KVW_AVX2 __m256i fp8_codes8(__m256 x) {
+  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+  __m256i code = grid_codes8<F::mant, F::emin>(_mm256_min_ps(abs8(x), _mm256_set1_ps(fp8_max<F>())));
   const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 24), _mm256_set1_epi32(0x80));
   if constexpr (F::fnuz) {  // no -0: a zero code stays unsigned
     code = _mm256_or_si256(code, _mm256_andnot_si256(_mm256_cmpeq_epi32(code, _mm256_setzero_si256()), sign));
@@ -94,6 +102,161 @@ KVW_AVX2 void fp8_run_avx2(const void* __restrict__ src, i64 start, int n, float
   const __m256 s = _mm256_set1_ps(scale);
   simd_run<false>(n, dst, [&](int i) KVW_AVX2_FN { return fp8_codes8<F>(_mm256_div_ps(load8_daz<IN>(src, start + i), s)); },
                   [&](int j) KVW_AVX2_FN { return fp8_bits<F>(daz(load_float<IN>(src, start + j)) / scale); });
+}
+
+// Eight elements from src + i as fp32, as stored (no daz).
+template <DType IN>
+KVW_AVX2 __m256 load8(const void* src, i64 i) {
+  if constexpr (IN == DType::F32) return _mm256_loadu_ps(static_cast<const float*>(src) + i);
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(src) + i));
+  if constexpr (IN == DType::F16) return _mm256_cvtph_ps(h);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// fp8_codes8 where MXCSR.FTZ is clear (fp8_heads_avx2 checks): the code read off
+// r * 2^(bias - 127), whose fp32 bits are the fp8 code shifted (a subnormal product for
+// fp8-subnormal codes, exact since FTZ is clear), instead of the normal / subnormal select.
+template <class F>
+KVW_AVX2 __m256i fp8_codes8_noftz(__m256 x) {
+  constexpr int MANT = F::mant, EMIN = F::emin, drop = 23 - MANT, bias = 1 - EMIN;
+  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+  const __m256 ax = _mm256_min_ps(abs8(x), _mm256_set1_ps(fp8_max<F>()));
+  __m256i eb = _mm256_and_si256(_mm256_castps_si256(ax), _mm256_set1_epi32(0x7F800000));
+  eb = _mm256_max_epi32(eb, _mm256_set1_epi32((EMIN + 127) << 23));
+  const __m256 m = _mm256_castsi256_ps(_mm256_add_epi32(eb, _mm256_set1_epi32(drop << 23)));
+  const __m256 r = _mm256_sub_ps(_mm256_add_ps(ax, m), m);
+  const __m256 down = _mm256_castsi256_ps(_mm256_set1_epi32(bias << 23));  // 2^(bias - 127)
+  __m256i code = _mm256_srli_epi32(_mm256_castps_si256(_mm256_mul_ps(r, down)), drop);
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 24), _mm256_set1_epi32(0x80));
+  if constexpr (F::fnuz) {
+    code = _mm256_or_si256(code, _mm256_andnot_si256(_mm256_cmpeq_epi32(code, _mm256_setzero_si256()), sign));
+  } else {
+    code = _mm256_or_si256(code, sign);
+  }
+  return _mm256_blendv_epi8(code, _mm256_set1_epi32(F::fnuz ? 0x80 : 0x7F), _mm256_castps_si256(nan));
+}
+
+// fp8_run_avx2 over H heads of D elements (head h from start + h * s_head, scale[h * scale_step],
+// codes at dst + h * dst_step). A head whose |scale| >= 2^-100 skips daz: a subnormal input's
+// quotient is then below 2^-26, which rounds to the same signed zero code as daz's +-0; with
+// MXCSR.FTZ clear (read, never written) the codes come from fp8_codes8_noftz.
+template <DType IN, class F>
+KVW_AVX2 void fp8_heads_avx2(const void* __restrict__ src, i64 start, i64 s_head, int H, int D, const float* scale,
+                             i64 scale_step, char* __restrict__ dst, i64 dst_step) {
+  const bool ftz = (_mm_getcsr() & 0x8000u) != 0;
+  for (int h = 0; h < H; ++h) {
+    const float sc = scale[h * scale_step];
+    const i64 at = start + h * s_head;
+    if (ftz || !((sc < 0 ? -sc : sc) >= 7.888609052210118e-31f)) {  // 2^-100; NaN scales too
+      fp8_run_avx2<IN, F>(src, at, D, sc, dst + h * dst_step);
+      continue;
+    }
+    const __m256 s = _mm256_set1_ps(sc);
+    simd_run<false>(D, dst + h * dst_step,
+                    [&](int i) KVW_AVX2_FN { return fp8_codes8_noftz<F>(_mm256_div_ps(load8<IN>(src, at + i), s)); },
+                    [&](int j) KVW_AVX2_FN { return fp8_bits<F>(daz(load_float<IN>(src, at + j)) / sc); });
+  }
+}
+
+// Policy |x| bits of eight elements from src + i: 0 for NaN, +-inf and fp32 subnormals.
+template <DType IN>
+KVW_AVX2 __m256i policy_abs8(const void* src, i64 i) {
+  __m256i a;
+  if constexpr (IN == DType::BF16) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(src) + i));
+    a = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_and_si128(h, _mm_set1_epi16(0x7FFF))), 16);
+  } else if constexpr (IN == DType::F16) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(src) + i));
+    a = _mm256_castps_si256(abs8(_mm256_cvtph_ps(h)));
+  } else {
+    a = _mm256_castps_si256(abs8(_mm256_loadu_ps(static_cast<const float*>(src) + i)));
+  }
+  const __m256i keep = _mm256_and_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(0x7F800000), a),
+                                        _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x007FFFFF)));
+  return _mm256_and_si256(a, keep);
+}
+
+KVW_AVX2 uint32_t hmax8(__m256i m) {
+  __m128i h = _mm_max_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+  h = _mm_max_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+  h = _mm_max_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+  return uint32_t(_mm_cvtsi128_si32(h));
+}
+
+// max finite |x| (block_amax's policy) over n elements from `start`, n a multiple of 8.
+template <DType IN>
+KVW_AVX2 float amax_avx2(const void* src, i64 start, int n) {
+  __m256i m0 = _mm256_setzero_si256(), m1 = m0;
+  int j = 0;
+  for (; j + 16 <= n; j += 16) {
+    m0 = _mm256_max_epi32(m0, policy_abs8<IN>(src, start + j));
+    m1 = _mm256_max_epi32(m1, policy_abs8<IN>(src, start + j + 8));
+  }
+  if (j < n) m0 = _mm256_max_epi32(m0, policy_abs8<IN>(src, start + j));
+  return bits_to_float(hmax8(_mm256_max_epi32(m0, m1)));
+}
+
+// max finite |x| of two vectors already read with daz (subnormals are +-0).
+KVW_AVX2 float finite_amax16(__m256 x0, __m256 x1) {
+  const __m256i inf = _mm256_set1_epi32(0x7F800000);
+  const __m256i a0 = _mm256_castps_si256(abs8(x0)), a1 = _mm256_castps_si256(abs8(x1));
+  return bits_to_float(hmax8(_mm256_max_epi32(_mm256_and_si256(a0, _mm256_cmpgt_epi32(inf, a0)),
+                                              _mm256_and_si256(a1, _mm256_cmpgt_epi32(inf, a1)))));
+}
+
+// e2m1 codes (nvfp4.h e2m1_code) of y = x / d, or each element's sign alone when d == 0; NaN -> 0.
+KVW_AVX2 __m256i e2m1_codes8(__m256 x, float d) {
+  const __m256 y = d == 0.0f ? x : _mm256_div_ps(x, _mm256_set1_ps(d));
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(y), 28), _mm256_set1_epi32(8));
+  const __m256i code = d == 0.0f ? sign : _mm256_or_si256(grid_codes8<1, 0>(_mm256_min_ps(abs8(y), _mm256_set1_ps(6.0f))), sign);
+  return _mm256_andnot_si256(_mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_UNORD_Q)), code);
+}
+
+// e2m1 codes of 16 elements (x0, x1) divided by d, packed two per byte (element 2j in the low
+// nibble) into 8 bytes at `bytes`.
+KVW_AVX2 void e2m1_pack16(__m256 x0, __m256 x1, float d, char* bytes) {
+  // pairs: the odd element's code (high dword of each 64-bit lane) moved to bits 4..7
+  const __m256i c0 = e2m1_codes8(x0, d), c1 = e2m1_codes8(x1, d);
+  const __m256i p0 = _mm256_or_si256(c0, _mm256_srli_epi64(c0, 28)), p1 = _mm256_or_si256(c1, _mm256_srli_epi64(c1, 28));
+  const __m256i pick0 = _mm256_setr_epi8(0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                         0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i pick1 = _mm256_setr_epi8(-1, -1, 0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                         -1, -1, 0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  // lane 0 holds pairs 0, 1 (of c0) and 4, 5 (of c1); lane 1 pairs 2, 3 and 6, 7
+  const __m256i t = _mm256_or_si256(_mm256_shuffle_epi8(p0, pick0), _mm256_shuffle_epi8(p1, pick1));
+  const __m128i packed = _mm_unpacklo_epi16(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(bytes), packed);
+}
+
+KVW_AVX2 bool any_nan16(__m256 x0, __m256 x1) {
+  return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(x0, x0, _CMP_UNORD_Q), _mm256_cmp_ps(x1, x1, _CMP_UNORD_Q))) != 0;
+}
+
+// nvfp4_block's bytes for 16 elements from src + start: the block scale in scalar code (the
+// same functions), the 16 codes in two vectors.
+template <DType IN>
+KVW_AVX2 void nvfp4_block_avx2(const void* src, i64 start, const float* global, char* bytes, char* scale) {
+  const __m256 x0 = load8_daz<IN>(src, start), x1 = load8_daz<IN>(src, start + 8);
+  float s = finite_amax16(x0, x1) / 6.0f;
+  if (global != nullptr) s = s / global[0];
+  const uint8_t code = fp8_bits<E4M3>(s);
+  float d = e4m3_to_float(code);
+  if (global != nullptr) d = d * global[0];
+  e2m1_pack16(x0, x1, d, bytes);
+  *scale = char(any_nan16(x0, x1) ? uint8_t(0x7F) : code);
+}
+
+// e2m1 codes of n elements (a multiple of 16) from `start` divided by s (> 0), packed; whether
+// any element was NaN.
+template <DType IN>
+KVW_AVX2 bool e2m1_run_avx2(const void* src, i64 start, int n, float s, char* bytes) {
+  bool nan = false;
+  for (int j = 0; j < n; j += 16) {
+    const __m256 x0 = load8_daz<IN>(src, start + j), x1 = load8_daz<IN>(src, start + j + 8);
+    e2m1_pack16(x0, x1, s, bytes + j / 2);
+    nan = nan || any_nan16(x0, x1);
+  }
+  return nan;
 }
 #else
 inline bool simd_ok() { return false; }

@@ -99,12 +99,8 @@ KVW_HD void store_mxfp4_token(const StoreMXFP4Params& p, i64 i, int lane, int nl
     const i64 start = i * p.k_sn + i64(b) * DSV4_MXFP4_BLOCK;
     const float s = dsv4_scale(block_amax<IN>(p.k, start, DSV4_MXFP4_BLOCK), 6.0f);
     char* bytes = p.cache.data_at(r.row) + b * (DSV4_MXFP4_BLOCK / 2);
-    bool nan = false;  // special values (README): NaN -> code 0 and the block's scale byte 0xFF
-    for (int j = 0; j < DSV4_MXFP4_BLOCK / 2; ++j) {
-      const float lo = load_quant<IN>(p.k, start + 2 * j), hi = load_quant<IN>(p.k, start + 2 * j + 1);
-      nan = nan || lo != lo || hi != hi;
-      bytes[j] = char(e2m1_code(lo / s) | (e2m1_code(hi / s) << 4));
-    }
+    // special values (README): NaN -> code 0 and the block's scale byte 0xFF
+    const bool nan = e2m1_run<IN>(p.k, start, DSV4_MXFP4_BLOCK, s, bytes);
     p.cache.scale_at(r.row)[b] = nan ? char(0xFF) : ue8m0_byte(s);
   }
 }

@@ -104,8 +104,7 @@ KVW_HD void quant_side(const KVSide& s, int H, i64 i, i64 row, int lane, int nla
   char* dst = s.cache.row_ptr(row);
   const i64 src = i * s.s_tok;
   if (nlanes == 1 && !s.cache.split) {  // a split head dim goes elementwise (below)
-    for (int h = 0; h < H; ++h)
-      quant_run<IN, F>(s.src, src + h * s.s_head, s.D, s.scale[h * s.scale_stride], dst + s.cache.in_row(h, 0));
+    quant_heads<IN, F>(s.src, src, s.s_head, H, s.D, s.scale, s.scale_stride, dst, s.cache.in_row(1, 0));
     return;
   }
 #if !defined(__CUDA_ARCH__)

@@ -30,8 +30,8 @@ template <DType IN>
 KVW_HD void nvfp4_side_block(const NVFP4Side& s, i64 i, char* values, char* scales, int b) {
   const int nb = s.D / NVFP4_BLOCK, h = b / nb, j = b - h * nb;
   const i64 start = i * s.s_tok + h * s.s_head + i64(j) * NVFP4_BLOCK;
-  nvfp4_block([&](int e) { return load_float<IN>(s.src, start + e); }, s.global,
-              values + s.values.in_row(h, j * (NVFP4_BLOCK / 2)), scales + s.scales.in_row(h, j));
+  nvfp4_block_at<IN>(s.src, start, s.global, values + s.values.in_row(h, j * (NVFP4_BLOCK / 2)),
+                     scales + s.scales.in_row(h, j));
 }
 
 template <int CHECK, DType IN>

@@ -170,11 +170,21 @@ template <DType IN>
 KVW_HD void mla_nvfp4(const StoreMLAParams& p, i64 i, i64 row, char* dst, int lane, int nlanes) {
   char* scales = p.scale_cache.row_ptr(row);
   for (int b = lane; b < (p.L + p.R) / NVFP4_BLOCK; b += nlanes) {
+    char *bytes = dst + b * (NVFP4_BLOCK / 2), *scale = scales + p.scale_cache.in_row(0, b);
+    const int c0 = b * NVFP4_BLOCK;
+    if (c0 + NVFP4_BLOCK <= p.L) {  // a block of one source (the latent or the rope part)
+      nvfp4_block_at<IN>(p.kv_c, i * p.c_sn + c0, p.global, bytes, scale);
+      continue;
+    }
+    if (c0 >= p.L) {
+      nvfp4_block_at<IN>(p.k_pe, i * p.pe_sn + c0 - p.L, p.global, bytes, scale);
+      continue;
+    }
     const auto load = [&](int e) {
       const int c = b * NVFP4_BLOCK + e;
       return c < p.L ? load_float<IN>(p.kv_c, i * p.c_sn + c) : load_float<IN>(p.k_pe, i * p.pe_sn + c - p.L);
     };
-    nvfp4_block(load, p.global, dst + b * (NVFP4_BLOCK / 2), scales + p.scale_cache.in_row(0, b));
+    nvfp4_block(load, p.global, bytes, scale);
   }
 }
 
