@@ -139,9 +139,22 @@ def markdown(engine: str, rows: list, budget: int, rules: dict | None = None) ->
     counts: dict = {}
     for r in rows:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
+    reasons: dict = {}
+    for r in rows:
+        if r["status"] == "equal":
+            continue
+        e, k = r["engine"], r["kvwrite"]
+        why = "; ".join(r["diffs"]) or (e.get("error") if not e["ok"] else "") or k.get("error", "")
+        key = (r["status"], why.split(": ", 1)[-1][:400])
+        reasons.setdefault(key, []).append(r["case"]["model"])
     out = [f"# kvwrite's configurator against {engine}'s own sizing\n",
            f"Budget {budget // 2**30} GiB of KV per rank. " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
            + f" of {len(rows)} plans.\n",
+           "## Every plan that is not equal, and the rule that explains it\n",
+           "| status | plans | models | the rule (the refusing side's message) |", "|---|---|---|---|"]
+    for (status, why), models in sorted(reasons.items()):
+        out.append(f"| {status} | {len(models)} | {', '.join(sorted(set(models)))} | {why.replace('|', '/')} |")
+    out += ["", "## Every plan\n",
            "| model | kv | tp/dcp | page | worker | status | tokens (engine / kvwrite) | what differs, and the engine's rule |",
            "|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -126,7 +126,8 @@ def vllm_row(case: dict) -> dict:
                 # every group's tensor aliases the same memory from byte 0: the pool is the largest
                 tensor_bytes=max(t.size for t in conf.kv_cache_tensors),
                 block_size=g0.block_size, kv_heads=getattr(g0, "num_kv_heads", None),
-                max_total_num_tokens=conf.num_blocks * g0.block_size)
+                # usable tokens: block 0 is the BlockPool's null block
+                max_total_num_tokens=(conf.num_blocks - 1) * g0.block_size)
 
 
 def compare(case, v, k) -> tuple[str, list]:

@@ -107,8 +107,16 @@ def _sglang(spec: ModelSpec, parallel, kv: str, page_size: int) -> EngineLayout:
     return EngineLayout("sglang", spec, kv, tuple(notes))
 
 
+VLLM_PLANNED = ("mha", "mla", "dsa", "swa_hybrid")   # the variants whose vLLM layout kvwrite plans
+
+
 def _vllm(spec: ModelSpec, parallel, kv: str, page_size: int) -> EngineLayout:
     notes: list[str] = []
+    if spec.variant not in VLLM_PLANNED:
+        raise UnsupportedCombination(
+            f"kvwrite does not plan vLLM's layout of variant {spec.variant!r} (vLLM sizes recurrent-state and "
+            f"compressed caches as KV cache specs of their own and unifies their page sizes with the attention "
+            f"layers': kv_cache_utils.unify_kv_cache_spec_page_size); plan it with engine='sglang' or 'kvwrite'")
     if spec.variant == "swa_hybrid" and (spec.global_head_dim or spec.num_global_kv_heads):
         raise UnsupportedCombination(
             f"engine='vllm' gives {spec.architecture or spec.name or 'this model'}'s full-attention layers their own "
