@@ -74,6 +74,10 @@ def _specs(spec, case: dict) -> dict:
             continue
         common = dict(block_size=page, num_kv_heads=heads, head_size=spec.head_dim, dtype=dtype,
                       max_tp_shards=spec.num_kv_heads)
+        if i not in swa and (spec.global_head_dim or spec.num_global_kv_heads):   # Gemma 4's full layers
+            hg = spec.num_global_kv_heads or spec.num_kv_heads
+            common.update(num_kv_heads=max(1, hg // tp), head_size=spec.global_head_dim or spec.head_dim,
+                          max_tp_shards=hg)
         out[f"layers.{i}.attn"] = (SlidingWindowSpec(**common, sliding_window=spec.sliding_window) if i in swa
                                    else FullAttentionSpec(**common))
     return out
