@@ -146,8 +146,10 @@ def markdown(engine: str, rows: list, budget: int, rules: dict | None = None) ->
         if r["status"] == "equal":
             continue
         e, k = r["engine"], r["kvwrite"]
-        why = "; ".join(r["diffs"]) or (e.get("error") if not e["ok"] else "") or k.get("error", "")
-        key = (r["status"], why.split(": ", 1)[-1][:400])
+        msg = (e.get("error") if not e["ok"] else "") or k.get("error", "")
+        msg = msg.split(": ", 1)[-1] if msg.split(": ", 1)[0].isidentifier() else msg   # drop the class name
+        why = "; ".join(filter(None, (msg[:400], "; ".join(r["diffs"]))))
+        key = (r["status"], why)
         reasons.setdefault(key, []).append(r["case"]["model"])
     out = [f"# kvwrite's configurator against {engine}'s own sizing\n",
            f"Budget {budget // 2**30} GiB of KV per rank. " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))

@@ -174,11 +174,28 @@ def sglang_row(case: dict) -> dict:
         over.restore()
 
 
+def _pool_bytes(buffers: dict) -> int:
+    """Bytes of the KV pools SGLang built (every buffer x its layers)."""
+    total = 0
+    for name, v in buffers.items():
+        if name.endswith("#layers") or "index_mapping" in name:
+            continue
+        (rows, elems), dtype = v
+        total += rows * elems * torch.empty((), dtype=getattr(torch, dtype)).element_size() * buffers.get(
+            name + "#layers", 1)
+    return total
+
+
 def compare(case: dict, sg: dict, kv: dict) -> tuple[str, list[str]]:
     if not sg["ok"] and not kv["ok"]:
         return "both refuse", []
-    if not sg["ok"] or not kv["ok"]:
-        return ("sglang refuses" if not sg["ok"] else "kvwrite refuses"), []
+    if not sg["ok"]:
+        return "sglang refuses", []
+    if not kv["ok"]:   # where SGLang's code builds something kvwrite refuses: what it built
+        built = _pool_bytes(sg["buffers"])
+        return "kvwrite refuses", [f"SGLang's own run sizes {sg['max_total_num_tokens']} tokens at {sg['cell']} B a "
+                                   f"token but its builder allocates {sg['kv_heads']} KV heads a rank: "
+                                   f"{built / 2**30:.1f} GiB of pools for the {BUDGET / 2**30:.0f} GiB budget"]
     diffs = []
     for key in ("max_total_num_tokens", "loc_space_scale", "pool_page_size", "kv_heads"):
         if sg[key] != kv[key]:
