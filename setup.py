@@ -1,7 +1,11 @@
 """Installs kvwrite: the Python API from python/kvwrite, the Triton kernels from kernels/."""
 import os
 
+import shutil
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
 
 # python/kvwrite is the `kvwrite` package; kernels/ is installed as `kvwrite.kernels`.
 PACKAGES = ["kvwrite", "kvwrite.kernels"] + [f"kvwrite.{p}" for p in find_packages("python/kvwrite")]
@@ -16,6 +20,25 @@ if os.environ.get("KVWRITE_BUILD_EXT", "0") == "1":
     _ext = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(_ext)
     EXT["ext_modules"], EXT["cmdclass"] = _ext.aot_extension(os.path.abspath("csrc"))
+
+CSRC_SUFFIXES = (".h", ".cuh", ".cpp", ".cu", ".md")
+
+
+class BuildPy(build_py):
+    """Also copies csrc/ into the package as kvwrite/csrc: a non-editable install (a wheel, `pip
+    install .`) then JIT-builds the extension from it as the editable install does
+    (kvwrite._ext.csrc_dir looks there)."""
+
+    def run(self):
+        super().run()
+        dst = os.path.join(self.build_lib, "kvwrite", "csrc")
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.copytree("csrc", dst, ignore=lambda d, names: [
+            n for n in names if not os.path.isdir(os.path.join(d, n)) and not n.endswith(CSRC_SUFFIXES)])
+
+
+EXT.setdefault("cmdclass", {})
+EXT["cmdclass"]["build_py"] = BuildPy
 
 setup(
     name="kvwrite",

@@ -170,6 +170,25 @@ def sglang_set_mla(kv_buffer, loc, nope, rope, pool_dtype, store_dtype):
 
 
 @pytest.mark.parametrize("backend", ALL)
+@pytest.mark.parametrize("rope_arg", ["empty", "none"])
+def test_set_mla_kv_buffer_without_rope_writes_loc0_as_sglang(backend, rope_arg):
+    """SGLang's no-rope MLA kernel (`set_mla_kv_buffer_kernel_norope`) takes no skip index: loc 0
+    is written (the 12 rope_dim-0 cases of bench/peers/sglang_diff.py); with rope it is skipped."""
+    gen = torch.Generator().manual_seed(43)
+    n = 5
+    buf = CanaryBuffer({"kv": ((SIZE + PS, 1, R), torch.bfloat16)}, seed=5)
+    nope = values((n, R), torch.bfloat16, gen)
+    loc = sglang_locs(gen, n)
+    assert int(loc[1]) == 0
+    original, ref = buf.raw.clone(), buf.clone()
+    rope = nope[:, :0] if rope_arg == "empty" else None
+    sglang.set_mla_kv_buffer(buf["kv"], loc, nope, rope, PS, backend=backend)
+    ref["kv"][loc, 0] = nope
+    assert_same_bytes(buf, ref, original)
+    assert torch.equal(buf["kv"][0, 0], nope[1])
+
+
+@pytest.mark.parametrize("backend", ALL)
 @pytest.mark.parametrize("three_d", [True, False])
 @pytest.mark.parametrize("pool_dtype,store_dtype,in_dtype", [
     (torch.bfloat16, torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16, torch.float16),

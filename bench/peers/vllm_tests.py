@@ -26,7 +26,7 @@ HERE = Path(__file__).resolve().parent
 STORE_TESTS = {
     "kernels/attention/test_cache.py": [
         "test_reshape_and_cache", "test_reshape_and_cache_flash", "test_reshape_and_cache_flash_unaligned_rows",
-        "test_concat_and_cache_mla", "test_concat_and_cache_ds_mla", "test_concat_and_cache_ds_mla_nope",
+        "test_concat_and_cache_mla", "test_concat_and_cache_mla_grouped", "test_concat_and_cache_ds_mla", "test_concat_and_cache_ds_mla_nope",
         "test_concat_and_cache_mla_cpu",
     ],
     "quantization/test_per_token_kv_cache.py": [

@@ -14,14 +14,7 @@
 #include "quant.h"
 #include "rn.h"
 
-// The host int8 loop in AVX2 intrinsics where the compiler targets it (-march=native on an AVX2
-// + F16C machine); device code and other hosts take the portable loop.
-#if !defined(__CUDA_ARCH__) && !defined(__CUDACC__) && defined(__AVX2__) && defined(__F16C__)
-#include <immintrin.h>
-#define KVW_INT8_AVX2 1
-#else
-#define KVW_INT8_AVX2 0
-#endif
+#include "simd_x86.h"
 
 namespace kvwrite {
 
@@ -89,62 +82,45 @@ struct Quantizer {
   }
 };
 
-#if KVW_INT8_AVX2
-// int8 codes of 8 elements on the host with AVX2 (+ F16C), the same arithmetic as Quantizer:
-// daz, fp32 division (or multiply by the reciprocal), NaN -> 0, clamp, RNE (cvtps under the
-// default round-to-nearest-even MXCSR, as the scalar magic-number add assumes) or +-0.5 and
-// truncation, then a saturating pack. Bit-identical to the scalar path (tests compare backends).
-template <DType IN>
-inline __m256 load8(const void* src, i64 i) {
-  if constexpr (IN == DType::F32) {
-    return _mm256_loadu_ps(static_cast<const float*>(src) + i);
-  } else if constexpr (IN == DType::F16) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(src) + i)));
-  } else {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(src) + i));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
-}
-
-template <DType IN, int RULE>
-inline void quantize_int8_avx2(const void* __restrict__ src, i64 start, int n, float scale, float recip,
-                               char* __restrict__ dst) {
-  const __m256 vs = _mm256_set1_ps(scale), vr = _mm256_set1_ps(recip);
-  const __m256i expo = _mm256_set1_epi32(0x7F800000), sign = _mm256_set1_epi32(int(0x80000000u));
-  const __m256 lo = _mm256_set1_ps(-128.0f), hi = _mm256_set1_ps(127.0f), half = _mm256_set1_ps(0.5f);
-  int j = 0;
-  for (; j + 8 <= n; j += 8) {
-    __m256 x = load8<IN>(src, start + j);
-    const __m256i xi = _mm256_castps_si256(x);
-    const __m256i sub = _mm256_cmpeq_epi32(_mm256_and_si256(xi, expo), _mm256_setzero_si256());
-    x = _mm256_castsi256_ps(_mm256_blendv_epi8(xi, _mm256_and_si256(xi, sign), sub));  // daz
-    __m256 y = RULE == RULE_VLLM ? _mm256_mul_ps(x, vr) : _mm256_div_ps(x, vs);
+#if KVW_SIMD_X86
+// Codes of 8 elements on an AVX2 host, Quantizer's arithmetic in eight lanes: daz, fp32 division
+// (or multiply by the reciprocal); int8: NaN -> 0, clamp, RNE (cvtps under the default MXCSR,
+// as the scalar magic-number add) or +-0.5 and truncation; fp8: fp8_codes8.
+template <DType IN, class F, int RULE>
+KVW_AVX2 __m256i quant_codes8(const void* src, i64 i, __m256 vs, __m256 vr) {
+  __m256 y = RULE == RULE_VLLM ? _mm256_mul_ps(load8_daz<IN>(src, i), vr) : _mm256_div_ps(load8_daz<IN>(src, i), vs);
+  if constexpr (std::is_same<F, Int8Fmt>::value) {
     const __m256 nan = _mm256_cmp_ps(y, y, _CMP_UNORD_Q);
     if constexpr (RULE == RULE_VLLM) {
+      const __m256 half = _mm256_set1_ps(0.5f);
       const __m256 ge = _mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GE_OQ);
       y = _mm256_blendv_ps(_mm256_sub_ps(y, half), _mm256_add_ps(y, half), ge);
     }
-    y = _mm256_min_ps(_mm256_max_ps(y, lo), hi);
-    __m256i c = RULE == RULE_VLLM ? _mm256_cvttps_epi32(y) : _mm256_cvtps_epi32(y);
-    c = _mm256_andnot_si256(_mm256_castps_si256(nan), c);
-    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + j), _mm_packs_epi16(w, w));
+    y = _mm256_min_ps(_mm256_max_ps(y, _mm256_set1_ps(-128.0f)), _mm256_set1_ps(127.0f));
+    const __m256i c = RULE == RULE_VLLM ? _mm256_cvttps_epi32(y) : _mm256_cvtps_epi32(y);
+    return _mm256_andnot_si256(_mm256_castps_si256(nan), c);
+  } else {
+    return fp8_codes8<F>(y);
   }
-  const Quantizer<Int8Fmt, RULE> q(scale);
-  for (; j < n; ++j) dst[j] = char(q(load_quant<IN>(src, start + j)));
+}
+
+template <DType IN, class F, int RULE>
+KVW_AVX2 void quantize_run_avx2(const void* __restrict__ src, i64 start, int n, Quantizer<F, RULE> q,
+                                char* __restrict__ dst) {
+  const __m256 vs = _mm256_set1_ps(q.scale), vr = _mm256_set1_ps(q.recip);
+  simd_run<std::is_same<F, Int8Fmt>::value>(
+      n, dst, [&](int i) KVW_AVX2_FN { return quant_codes8<IN, F, RULE>(src, start + i, vs, vr); },
+      [&](int j) KVW_AVX2_FN { return q(load_quant<IN>(src, start + j)); });
 }
 #endif
 
-// Codes of n consecutive input elements from `start`, written as bytes (int8 on an AVX2 host:
-// quantize_int8_avx2; else a loop the host compiler vectorises: restrict-qualified, no exit).
+// Codes of n consecutive input elements from `start`, written as bytes (on an AVX2 host:
+// quantize_run_avx2; else a loop the host compiler vectorises: restrict-qualified, no exit).
 template <DType IN, class F, int RULE>
 KVW_HD void quantize_run(const void* __restrict__ src, i64 start, int n, Quantizer<F, RULE> q,
                          char* __restrict__ dst) {
-#if KVW_INT8_AVX2
-  if constexpr (std::is_same<F, Int8Fmt>::value) {
-    quantize_int8_avx2<IN, RULE>(src, start, n, q.scale, q.recip, dst);
-    return;
-  }
+#if KVW_SIMD_X86
+  if (n >= 32 && simd_ok()) return quantize_run_avx2<IN, F, RULE>(src, start, n, q, dst);
 #endif
   for (int j = 0; j < n; ++j) dst[j] = char(q(load_quant<IN>(src, start + j)));
 }

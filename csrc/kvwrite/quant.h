@@ -3,6 +3,7 @@
 #pragma once
 
 #include "fp8.h"
+#include "simd_x86.h"
 
 namespace kvwrite {
 
@@ -148,11 +149,14 @@ KVW_HD float indexer_scale(float amax, bool ue8m0) {
   return ue8m0 ? ue8m0_ceil(s) : s;
 }
 
-// fp8 (format F) codes of x / scale for n elements (saturating, RNE), written as bytes. Plain
-// restrict-qualified locals: the host compiler vectorises the loop (a char store may otherwise
-// alias any struct field the loop reads).
+// fp8 (format F) codes of x / scale for n elements (saturating, RNE), written as bytes: on an
+// AVX2 host fp8_run_avx2; else plain restrict-qualified locals, so the host compiler vectorises
+// the loop (a char store may otherwise alias any struct field the loop reads).
 template <DType IN, class F>
 KVW_HD void quant_run(const void* __restrict__ src, i64 start, int n, float scale, char* __restrict__ dst) {
+#if KVW_SIMD_X86
+  if (n >= 32 && simd_ok()) return fp8_run_avx2<IN, F>(src, start, n, scale, dst);
+#endif
   for (int j = 0; j < n; ++j) dst[j] = char(fp8_bits<F>(load_quant<IN>(src, start + j) / scale));
 }
 

@@ -93,12 +93,24 @@ def resolve(backend: str, device: torch.device, op: str, implemented: tuple[str,
         if reason is None:
             return name
         if name in ("cpu", "cuda") and (name, device.type) not in _warned:
-            import warnings
-
-            _warned.add((name, device.type))
-            warnings.warn(f"kvwrite: backend {name!r} unavailable ({reason}); falling back",
-                          RuntimeWarning, stacklevel=3)
+            say_fallback(name, device, reason, order, implemented)
     raise BackendUnavailable(f"{op}: no backend available on {device}")
+
+
+def say_fallback(name: str, device: torch.device, reason: str, order: tuple[str, ...],
+                 implemented: tuple[str, ...]) -> None:
+    """Say once per (backend, device type), as a warning and a log line ("kvwrite" logger), that
+    "auto" runs a slower backend than the device allows (`kvwrite.backends()` gives the reason)."""
+    import logging
+    import warnings
+
+    _warned.add((name, device.type))
+    later = order[order.index(name) + 1:]
+    instead = next((n for n in later if n in implemented and unavailable_reason(n, device) is None), None)
+    text = (f"kvwrite: backend {name!r} unavailable on {device.type} ({reason}); stores run on "
+            f"{instead or 'another backend'!r} instead, slower; kvwrite.backends({device.type!r}) lists why")
+    logging.getLogger("kvwrite").warning("%s", text)
+    warnings.warn(text, RuntimeWarning, stacklevel=4)
 
 
 @lru_cache(maxsize=None)

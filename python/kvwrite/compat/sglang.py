@@ -137,11 +137,16 @@ def set_mla_kv_buffer(kv_buffer: torch.Tensor, loc: torch.Tensor, cache_k_nope: 
                       backend: str = "auto") -> None:
     """`MLATokenToKVPool.set_mla_kv_buffer` for one layer: row = concat(nope `[N, 1, R]`, rope
     `[N, 1, rope]`; or 2-D) at rows `loc` of `kv_buffer` `[size + page_size, 1, R + rope]`; loc 0
-    (SGLang's reserved padding slot) is skipped, like loc -1. An fp8 pool (fp8-typed, or uint8
+    (SGLang's reserved padding slot) is skipped, like loc -1, except without rope (`cache_k_rope`
+    None or 0 wide): SGLang's no-rope kernel (`set_mla_kv_buffer_kernel_norope`, and its torch
+    path, kept bit-identical on purpose) takes no skip index and writes loc 0. An fp8 pool (fp8-typed, or uint8
     with `dtype=`) stores saturate(x) in that format (SGLang: `.to(fp8)` without a scale; e5m2
     overflows to inf there). One `kvwrite.store_mla` launch."""
     page_size = require_positive_int("page_size", page_size)
-    loc = _skip_reserved(loc)
+    if cache_k_rope is None and isinstance(cache_k_nope, torch.Tensor):
+        cache_k_rope = cache_k_nope.new_empty(cache_k_nope.shape[0], 0)
+    if not (isinstance(cache_k_rope, torch.Tensor) and cache_k_rope.shape[-1] == 0):
+        loc = _skip_reserved(loc)
     buf = validate.tensor("kv_buffer", kv_buffer, ndim=3)
     if buf.shape[1] != 1:
         raise ValueError(f"kv_buffer must be [size + page_size, 1, kv_lora_rank + rope_dim], got "

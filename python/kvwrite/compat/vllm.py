@@ -48,9 +48,10 @@ from kvwrite.ops.kv import store_kv
 from kvwrite.ops.kv_head_major import store_kv_head_major
 from kvwrite.ops.mla import ds_mla_row_bytes, store_mla
 
-__all__ = ["concat_and_cache_mla", "cpu_attn_reshape_and_cache", "ds_mla_scale", "indexer_k_quant_and_cache",
+__all__ = ["concat_and_cache_mla", "concat_and_cache_mla_grouped", "cpu_attn_reshape_and_cache", "ds_mla_scale", "indexer_k_quant_and_cache",
            "reshape_and_cache", "reshape_and_cache_flash", "reshape_and_cache_flash_per_token_quant",
-           "swap_blocks", "cp_gather_cache", "triton_reshape_and_cache_flash_per_token_head_quant"]
+           "register_caches", "swap_blocks", "cp_gather_cache",
+           "triton_reshape_and_cache_flash_per_token_head_quant"]
 
 NEWEST_VLLM = "0.34.0"          # the newest vLLM release whose cache writers this adapter follows
 DS_MLA_POW2_SINCE = (0, 31)     # first vLLM release with power-of-two fp8_ds_mla tile scales (0.30: exact)
@@ -205,6 +206,112 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
         store_mla(kv_c, k_pe, as_fp8("kv_cache", kv_cache, fmt), slot_mapping,
                   kv_cache_dtype="fp8_e5m2" if fmt == torch.float8_e5m2 else "fp8_e4m3", scale=scale,
                   check=check, errors=errors, backend=backend)
+
+
+# Caches known by their data_ptr (the plugin registers every layer's KV cache at startup): the
+# grouped MLA writer receives raw cache addresses, and only a known cache can be bounds-checked.
+_CACHES: dict[tuple[str, int], torch.Tensor] = {}
+_PTRS: dict[tuple[int, int, int], list[int]] = {}
+
+
+def register_caches(caches) -> None:
+    """Make `caches` (tensors; a dict's values) known by their data_ptr, so that
+    `concat_and_cache_mla_grouped` can bound the writes its `kv_cache_ptrs` address."""
+    for t in (caches.values() if isinstance(caches, dict) else caches):
+        if isinstance(t, torch.Tensor):
+            _CACHES[(t.device.type, t.data_ptr())] = t
+
+
+def _cache_ptrs(ptrs: torch.Tensor) -> list[int]:
+    """`kv_cache_ptrs` on the host, read once per pointer tensor version (vLLM builds it once)."""
+    key = (ptrs.data_ptr(), ptrs._version, ptrs.shape[0])
+    if key not in _PTRS:
+        _PTRS[key] = [int(p) for p in ptrs.tolist()]
+    return _PTRS[key]
+
+
+def _raw_cache(ptr: int, dtype: torch.dtype, device: torch.device, shape: tuple, strides: tuple) -> torch.Tensor:
+    """A tensor over `ptr`'s memory with `shape` / `strides` (elements): an unregistered cache,
+    addressed as vLLM's kernel addresses it (check="off" only)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    extent = 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+    if device.type == "cuda":
+        class _Memory:
+            __cuda_array_interface__ = {"shape": (extent * elem,), "typestr": "|u1", "data": (ptr, False),
+                                        "version": 3, "strides": None}
+        flat = torch.as_tensor(_Memory(), device=device)
+    else:
+        import ctypes
+
+        flat = torch.frombuffer((ctypes.c_uint8 * (extent * elem)).from_address(ptr), dtype=torch.uint8)
+    return flat.view(dtype).as_strided(shape, strides)
+
+
+def concat_and_cache_mla_grouped(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache_ptrs: torch.Tensor,
+                                 slot_mapping: torch.Tensor, block_size: int, block_stride: int,
+                                 entry_stride: int, kv_scales: torch.Tensor | None = None,
+                                 kv_cache_dtype: str = "auto", *, caches=None, check: str | None = None,
+                                 errors: ErrorBuffer | None = None, backend: str = "auto") -> None:
+    """`torch.ops._C_cache_ops.concat_and_cache_mla_grouped`: `concat_and_cache_mla` for every
+    layer l at once: row concat(kv_c[l, i], k_pe[l, i]) at slot_mapping[l, i] of the cache at
+    address kv_cache_ptrs[l] (blocks of `block_size` rows, `block_stride` / `entry_stride`
+    elements apart); bf16 inputs, "auto" (bf16 cache) or "fp8" / "fp8_e4m3" / "fp8_e5m2" (uint8
+    cache, fp32 `kv_scales` `[layers]`), as vLLM's kernel. One `store_mla` per layer.
+
+    The caches are found by address: in `caches` (tensors), else among those registered with
+    `register_caches` (the vLLM plugin registers every layer's cache at startup), so each layer's
+    writes are checked against its cache's blocks. An address kvwrite does not know has no
+    bound: with check="off" it is written as vLLM writes it (a view sized to the largest slot,
+    one host read of slot_mapping); "assert" / "guard" refuse it."""
+    kv_cache_dtype = validate.choice("kv_cache_dtype", kv_cache_dtype, ("auto", "bfloat16", "fp8", "fp8_e4m3",
+                                                                        "fp8_e5m2"))
+    kv_c = validate.tensor("kv_c", kv_c, ndim=3, dtypes=(torch.bfloat16,))
+    k_pe = validate.tensor("k_pe", k_pe, ndim=3, dtypes=(torch.bfloat16,), device=kv_c.device)
+    layers, tokens = kv_c.shape[:2]
+    validate.shape("k_pe", k_pe, (layers, tokens, None), "num_layers, num_tokens, pe_dim")
+    ptrs = validate.tensor("kv_cache_ptrs", kv_cache_ptrs, ndim=1, dtypes=(torch.int64,))
+    validate.shape("kv_cache_ptrs", ptrs, (layers,), "num_layers")
+    sm = validate.tensor("slot_mapping", slot_mapping, ndim=2, dtypes=(torch.int64,), device=kv_c.device)
+    validate.shape("slot_mapping", sm, (layers, tokens), "num_layers, num_tokens")
+    fp8 = kv_cache_dtype.startswith("fp8")
+    if fp8:
+        if kv_scales is None:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs kv_scales (fp32 [num_layers])")
+        kv_scales = validate.tensor("kv_scales", kv_scales, ndim=1, dtypes=(torch.float32,), device=kv_c.device)
+        validate.shape("kv_scales", kv_scales, (layers,), "num_layers")
+        if not kv_scales.is_contiguous():
+            raise ValueError("kv_scales must be contiguous")
+    elif kv_scales is not None:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} (bf16 cache) takes no kv_scales")
+    if layers == 0 or tokens == 0:
+        return
+    from kvwrite.geometry import require_positive_int
+    bs = require_positive_int("block_size", block_size)
+    width = kv_c.shape[2] + k_pe.shape[2]
+    dtype = torch.uint8 if fp8 else torch.bfloat16
+    known = {} if caches is None else {t.data_ptr(): t for t in caches}
+    mode = validate.check_mode(check)
+    for layer, ptr in enumerate(_cache_ptrs(ptrs)):
+        cache = known.get(ptr, _CACHES.get((kv_c.device.type, ptr)))
+        if cache is not None:
+            if cache.dtype not in (dtype, *((torch.float8_e4m3fn, torch.float8_e5m2) if fp8 else ())):
+                raise TypeError(f"kv_cache_ptrs[{layer}] is a {cache.dtype} cache; kv_cache_dtype="
+                                f"{kv_cache_dtype!r} writes {dtype}")
+            # the whole blocks the cache holds, addressed with the call's strides
+            last = (bs - 1) * entry_stride + width
+            pages = (cache.numel() - last) // block_stride + 1 if cache.numel() >= last else 0
+            view = cache.view(-1).as_strided((pages, bs, width), (block_stride, entry_stride, 1))
+        elif mode == "off":
+            top = int(sm[layer].max())
+            view = _raw_cache(ptr, dtype, kv_c.device, (max(top // bs + 1, 1), bs, width),
+                              (block_stride, entry_stride, 1))
+        else:
+            raise ValueError(f"kv_cache_ptrs[{layer}] = {ptr:#x} is not a cache kvwrite knows, so its "
+                             f"writes cannot be bounds-checked (check={mode!r}): pass caches=[...] or "
+                             f"register the caches with kvwrite.compat.vllm.register_caches")
+        concat_and_cache_mla(kv_c[layer], k_pe[layer], view, sm[layer],
+                             "auto" if not fp8 else kv_cache_dtype,
+                             kv_scales[layer] if fp8 else None, check=mode, errors=errors, backend=backend)
 
 
 def _nope_rope(kv_c: object, k_pe: object, kv_cache: object) -> object:

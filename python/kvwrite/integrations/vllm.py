@@ -1,74 +1,142 @@
-"""vLLM general plugin: vLLM's KV-cache writes run on kvwrite's bounds-checked stores.
+"""vLLM general plugin: every KV-cache write of the running vLLM on kvwrite's bounds-checked stores.
 
 Registered as `kvwrite = kvwrite.integrations.vllm:register` in the `vllm.general_plugins`
-entry-point group, so every vLLM process (engine core, workers) loads it. `register()` replaces
-the cache writers vLLM calls through `vllm._custom_ops` — `cpu_attn_reshape_and_cache` (CPU
-attention backend), `reshape_and_cache_flash` (flash / FlashInfer / Triton backends),
-`reshape_and_cache` (legacy head-major), `concat_and_cache_mla` (MLA) — and the Triton writer
-`triton_reshape_and_cache_flash`, by `kvwrite.compat.vllm`'s adapters with the same arguments.
+entry-point group, so every vLLM process (engine core, workers) loads it. `register()` routes
+vLLM's cache writers to `kvwrite.compat.vllm`'s adapters (same arguments), three ways, so that no
+backend's store goes around kvwrite whatever the import order:
+- the Python names in `vllm._custom_ops` and the Triton writer's module (ROUTES);
+- the same functions where a module bound them at import (`from vllm._custom_ops import
+  reshape_and_cache_flash` in fa_utils / flash_attn, `triton_reshape_and_cache_flash` in
+  triton_attn / rocm_attn / ...): already-imported `vllm.*` modules are rebound now, later ones
+  as they are imported (a `sys.meta_path` hook);
+- the kernels of the torch operators (`torch.ops._C_cache_ops.reshape_and_cache_flash`, which
+  FlashInfer, FlexAttention, b12x, HPC and ROCm AITER call directly; OP_ROUTES) for every device
+  key vLLM registered them on (torch.library registrations, not Python attributes).
+A startup log line ("vllm.kvwrite" logger) lists what is routed, and what is not and why; the
+`_C_cache_ops` operators that write a cache but have no kvwrite adapter are named there.
 
-`KVWRITE_CHECK` (off | assert | guard) picks the check mode as everywhere in kvwrite. In guard
-mode a bad slot is skipped and recorded, and the plugin raises `kvwrite.OutOfBoundsWrite`
-(token index, slot, block) right after the store that recorded it, before anything reads the
-cache: one host read of the error buffer per store in guard mode (a device sync on a GPU).
+`KVWRITE_CHECK` (off | assert | guard) picks the check mode as everywhere in kvwrite. Guard mode
+inside vLLM (`StepGuard`): each store records a bad slot into its layer's row of one device
+buffer (the row is picked from the cache's data_ptr, registered with the layer name when vLLM
+allocates its KV cache: no host read, no allocation inside a store, so CUDA-graph capture and
+torch.compile see only the kvwrite op); the buffer is read once per engine step, after the model
+runner's `execute_model`, and a bad write raises `kvwrite.OutOfBoundsWrite` naming the step, the
+layer, the request, the token, the slot and the block (`KVWRITE_VLLM_GUARD=raise`, the default),
+or is logged and counted while vLLM keeps serving (`KVWRITE_VLLM_GUARD=log`; `GUARD.faults`).
+When vLLM allocates its KV cache the plugin also checks each layer's namespace: the block size
+the slot_mapping is encoded with against the page size and pages of the cache tensor the
+backend writes (vLLM #47056): a mismatch is refused at the first store into that cache with
+both numbers (`NamespaceMismatch`).
+
 `KVWRITE_VLLM_PLUGIN=0` leaves vLLM untouched; `KVWRITE_VLLM_BACKEND` picks kvwrite's backend
 ("auto" by default). The vLLM version (for behaviour that changed between releases, see
 `kvwrite.compat.vllm.VLLM_VERSION`) is taken from the running vLLM.
 """
 from __future__ import annotations
 
+import bisect
 import importlib
+import importlib.abc
+import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
+
+from kvwrite.integrations.guard import NamespaceMismatch, Route, StepGuard
+
 ENABLE_ENV = "KVWRITE_VLLM_PLUGIN"
 BACKEND_ENV = "KVWRITE_VLLM_BACKEND"
+POLICY_ENV = "KVWRITE_VLLM_GUARD"
+LOG = logging.getLogger("vllm.kvwrite")
 
-# (module, attribute) of each vLLM writer and the kvwrite.compat.vllm adapter that replaces it.
+
+# vLLM's writers by their Python names (module, attribute) -> kvwrite.compat.vllm adapter.
+TRITON = "vllm.v1.attention.ops.triton_reshape_and_cache_flash"
 ROUTES = (
-    ("vllm._custom_ops", "cpu_attn_reshape_and_cache", "cpu_attn_reshape_and_cache"),
-    ("vllm._custom_ops", "reshape_and_cache_flash", "reshape_and_cache_flash"),
-    ("vllm._custom_ops", "reshape_and_cache", "reshape_and_cache"),
-    ("vllm._custom_ops", "concat_and_cache_mla", "concat_and_cache_mla"),
-    ("vllm.v1.attention.ops.triton_reshape_and_cache_flash", "triton_reshape_and_cache_flash",
-     "reshape_and_cache_flash"),
+    Route("vllm._custom_ops", "cpu_attn_reshape_and_cache", "cpu_attn_reshape_and_cache", 2, 2),
+    Route("vllm._custom_ops", "reshape_and_cache_flash", "reshape_and_cache_flash"),
+    Route("vllm._custom_ops", "reshape_and_cache", "reshape_and_cache", 3, 3),
+    Route("vllm._custom_ops", "concat_and_cache_mla", "concat_and_cache_mla"),
+    Route("vllm._custom_ops", "concat_and_cache_mla_grouped", "concat_and_cache_mla_grouped", None),
+    Route("vllm._custom_ops", "indexer_k_quant_and_cache", "indexer_k_quant_and_cache", 1),
+    Route(TRITON, "triton_reshape_and_cache_flash", "reshape_and_cache_flash"),
+    Route(TRITON, "triton_reshape_and_cache_flash_per_token_head_quant",
+          "triton_reshape_and_cache_flash_per_token_head_quant"),
 )
+# The torch operators behind them ("namespace::name" -> the route whose adapter takes its schema).
+OP_ROUTES = {
+    "_C::cpu_attn_reshape_and_cache": ROUTES[0],
+    "_C_cache_ops::reshape_and_cache_flash": ROUTES[1],
+    "_C_cache_ops::reshape_and_cache": ROUTES[2],
+    "_C_cache_ops::concat_and_cache_mla": ROUTES[3],
+    "_C_cache_ops::concat_and_cache_mla_grouped": ROUTES[4],
+    "_C_cache_ops::indexer_k_quant_and_cache": ROUTES[5],
+}
+OP_KEYS = ("CPU", "CUDA")   # the device kernels kvwrite has backends for
+# `_C_cache_ops` operators that move or read pages rather than store K/V rows: not routed.
+NOT_STORES = ("swap_blocks", "swap_blocks_batch", "convert_fp8", "gather_and_maybe_dequant_cache",
+              "cp_gather_cache", "cp_gather_and_upconvert_fp8_kv_cache",
+              "cp_gather_and_upconvert_nvfp4_kv_cache", "concat_mla_q", "copy_blocks",
+              "copy_blocks_mla", "hisparse_gather_plan", "hisparse_resolve_residency",
+              "hisparse_gather_compact")
+# Model-runner classes whose steps the guard checks and whose KV caches it registers.
+RUNNERS = (("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),)
+
+
+GUARD: StepGuard | None = None   # made on first use (reads POLICY_ENV then)
+
+
+def new_guard() -> StepGuard:
+    return StepGuard("vLLM", POLICY_ENV, "vllm.kvwrite")
+
+
+def guard() -> StepGuard:
+    """The process's StepGuard."""
+    global GUARD
+    if GUARD is None:
+        GUARD = new_guard()
+    return GUARD
 
 
 @dataclass
 class Installed:
-    """What `install` replaced (module.attr -> the original), for `uninstall` and reports."""
+    """What `install` replaced (for `uninstall` and the startup report)."""
 
     originals: dict[str, tuple[Any, str, Callable]] = field(default_factory=dict)
+    routed: dict[int, Callable] = field(default_factory=dict)     # id(original) -> replacement
+    rebound: list[str] = field(default_factory=list)
+    ops: dict[str, list[str]] = field(default_factory=dict)       # "ns::op" -> device keys
     skipped: dict[str, str] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
+    libraries: list = field(default_factory=list)
+    finder: Any = None
+    hooks: list = field(default_factory=list)
+    prefix: str = "vllm"
 
 
 STATE = Installed()
 
 
-def routed(name: str, adapter: Callable, backend: str, state: Installed) -> Callable:
-    """A vLLM-signature writer running `adapter`; in guard mode raises the recorded error."""
+def routed(name: str, adapter: Callable, backend: str, state: Installed, route: Route | None = None) -> Callable:
+    """A vLLM-signature writer running `adapter`. Guard mode: records into the cache's layer row,
+    read per step by the runner hook (or right after the store when no hook is installed)."""
     from kvwrite import validate
-    from kvwrite.errors import ErrorBuffer
-
-    buffers: dict[Any, ErrorBuffer] = {}
 
     def write(*args, **kwargs):
         state.calls[name] = state.calls.get(name, 0) + 1
         mode = validate.DEFAULT_CHECK
         if mode != "guard":
             return adapter(*args, check=mode, backend=backend, **kwargs)
-        device = args[0].device
-        errors = buffers.get(device)
-        if errors is None:
-            errors = buffers[device] = ErrorBuffer(device)
+        g = guard()
+        cache = args[route.cache_arg] if route is not None and route.cache_arg is not None \
+            and len(args) > route.cache_arg else None
+        errors = g.errors_for(cache, route or ROUTES[1])
         adapter(*args, check="guard", errors=errors, backend=backend, **kwargs)
-        err = errors.error()
-        if err is not None:
-            errors.reset()
-            raise err
+        if not g.stepped:
+            g.raise_now(errors, cache) if isinstance(cache, torch.Tensor) else _raise_plain(errors)
 
     write.__name__ = name
     write.__qualname__ = f"kvwrite.integrations.vllm.{name}"
@@ -76,38 +144,233 @@ def routed(name: str, adapter: Callable, backend: str, state: Installed) -> Call
     return write
 
 
+def _raise_plain(errors) -> None:
+    err = errors.error()
+    if err is not None:
+        errors.reset()
+        raise err
+
+
+def rebind(modules: dict[str, Any], state: Installed, prefix: str = "vllm") -> None:
+    """Replace, in every module under `prefix`, the names bound to a routed original."""
+    if not state.routed:
+        return
+    for mod_name, module in list(modules.items()):
+        if module is None or not (mod_name == prefix or mod_name.startswith(prefix + ".")):
+            continue
+        for attr, value in list(getattr(module, "__dict__", {}).items()):
+            new = state.routed.get(id(value))
+            if new is not None and new is not value:
+                setattr(module, attr, new)
+                state.rebound.append(f"{mod_name}.{attr}")
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Rebinds routed writers in `prefix.*` modules as they are imported; patches runner classes."""
+
+    def __init__(self, state: Installed, prefix: str) -> None:
+        self.state, self.prefix = state, prefix
+        self.busy: set[str] = set()
+
+    def find_spec(self, fullname, path, target=None):
+        if not (fullname == self.prefix or fullname.startswith(self.prefix + ".")) or fullname in self.busy:
+            return None
+        self.busy.add(fullname)
+        try:
+            from importlib.util import find_spec
+            spec = find_spec(fullname)
+        except (ImportError, ValueError):
+            spec = None
+        finally:
+            self.busy.discard(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        loader, state, prefix = spec.loader, self.state, self.prefix
+
+        class Loader(importlib.abc.Loader):
+            def create_module(self, spec):
+                return loader.create_module(spec)
+
+            def exec_module(self, module):
+                loader.exec_module(module)
+                rebind({module.__name__: module}, state, prefix)
+                hook_runners({module.__name__: module}, state)
+
+        spec.loader = Loader()
+        return spec
+
+
+def override_ops(adapters: Any, backend: str, state: Installed) -> None:
+    """Point the device kernels of the operators in OP_ROUTES at the adapters (the dispatcher
+    then runs kvwrite for `torch.ops.<ns>.<op>(...)` callers too)."""
+    for qual, route in OP_ROUTES.items():
+        ns, op = qual.split("::")
+        if not torch._C._dispatch_has_kernel(qual):
+            state.skipped[f"torch.ops.{ns}.{op}"] = "operator not registered by this vLLM"
+            continue
+        keys = [k for k in OP_KEYS if torch._C._dispatch_has_kernel_for_dispatch_key(qual, k)]
+        if not keys:
+            state.skipped[f"torch.ops.{ns}.{op}"] = f"no {'/'.join(OP_KEYS)} kernel registered"
+            continue
+        lib = torch.library.Library(ns, "IMPL")
+        fn = routed(op, getattr(adapters, route.adapter), backend, state, route)
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # "Overriding a previously registered kernel": intended
+            for key in keys:
+                lib.impl(op, fn, key)
+        state.libraries.append(lib)
+        state.ops[qual] = keys
+    for qual in sorted(torch._C._dispatch_get_all_op_names()):
+        ns, _, op = qual.partition("::")
+        if ns == "_C_cache_ops" and qual not in OP_ROUTES and op.split(".")[0] not in NOT_STORES:
+            state.skipped[f"torch.ops.{ns}.{op}"] = "writes a cache but kvwrite has no adapter for it"
+
+
+def hook_runners(modules: dict[str, Any], state: Installed) -> None:
+    """Wrap the runner classes' `initialize_kv_cache` (register the caches, namespace facts) and
+    `execute_model` (the guard's per-step read)."""
+    for mod_name, cls_name in RUNNERS:
+        module = modules.get(mod_name)
+        cls = getattr(module, cls_name, None) if module is not None else None
+        if cls is None or getattr(cls, "_kvwrite_hooked", False):
+            continue
+        init, execute = cls.initialize_kv_cache, cls.execute_model
+
+        def initialize_kv_cache(self, *args, __init=init, **kwargs):
+            out = __init(self, *args, **kwargs)
+            register_runner(self)
+            return out
+
+        def execute_model(self, *args, __execute=execute, **kwargs):
+            g = guard()
+            g.stepped = True
+            out = __execute(self, *args, **kwargs)
+            from kvwrite import validate
+            if validate.DEFAULT_CHECK == "guard":
+                g.check(request_context(self))
+            return out
+
+        cls.initialize_kv_cache, cls.execute_model = initialize_kv_cache, execute_model
+        cls._kvwrite_hooked = True
+        state.hooks.append((cls, init, execute))
+
+
+def register_runner(runner: Any) -> None:
+    """Register a model runner's KV caches with the guard: layer names, the block size each
+    group's slot_mapping is encoded with, and the rows its allocator addresses."""
+    ctx = runner.compilation_config.static_forward_context
+    cfg = runner.kv_cache_config
+    tables = runner.input_batch.block_table.block_tables
+    caches, block_size, rows = {}, {}, {}
+    for g, group in enumerate(cfg.kv_cache_groups):
+        bs = tables[g].block_size if g < len(tables) else group.kv_cache_spec.block_size
+        for name in group.layer_names:
+            layer = ctx.get(name)
+            kv = getattr(layer, "kv_cache", None)
+            if isinstance(kv, (list, tuple)):
+                kv = kv[0] if kv else None
+            if isinstance(kv, torch.Tensor):
+                caches[name], block_size[name] = kv, bs
+                rows[name] = cfg.num_blocks * group.kv_cache_spec.block_size
+    guard().register(caches, block_size, rows)
+    from kvwrite.compat import vllm as adapters
+    adapters.register_caches(caches)
+    LOG.info("kvwrite: %d KV cache tensor(s) of %d layer(s) registered for guard mode (block sizes %s)",
+             len({t.data_ptr() for t in caches.values()}), len(caches), sorted(set(block_size.values())))
+
+
+def request_context(runner: Any) -> Callable[[int], str]:
+    """token index -> ", request <id> (token t of its step)" from the runner's current batch."""
+    def context(token: int) -> str:
+        try:
+            n = runner.input_batch.num_reqs
+            starts = [int(x) for x in runner.query_start_loc.np[:n + 1]]
+            i = bisect.bisect_right(starts, token) - 1
+            if 0 <= i < n:
+                return f", request {runner.input_batch.req_ids[i]} (its token {token - starts[i]} of this step)"
+        except Exception:   # a runner without these fields: the layer and step still name the write
+            pass
+        return ""
+    return context
+
+
 def install(import_module: Callable[[str], Any] = importlib.import_module,
             adapters: Any = None, backend: str | None = None,
-            state: Installed | None = None) -> Installed:
-    """Replace every writer in ROUTES that the running vLLM has (modules from `import_module`,
-    adapters from `adapters`, default kvwrite.compat.vllm); idempotent."""
+            state: Installed | None = None, modules: dict[str, Any] | None = None,
+            prefix: str = "vllm", ops: bool = True) -> Installed:
+    """Route every writer in ROUTES that the running vLLM has (modules from `import_module`,
+    adapters from `adapters`, default kvwrite.compat.vllm), the names modules bound to them
+    (`modules`, default sys.modules; later imports under `prefix` by a meta-path hook), the
+    operators of OP_ROUTES (`ops`) and the runner hooks. Idempotent."""
     state = STATE if state is None else state
     if adapters is None:
         from kvwrite.compat import vllm as adapters
     backend = backend or os.environ.get(BACKEND_ENV, "auto")
-    for module_name, attr, adapter_name in ROUTES:
-        key = f"{module_name}.{attr}"
+    modules = sys.modules if modules is None else modules
+    for route in ROUTES:
+        key = f"{route.module}.{route.attr}"
         if key in state.originals:
             continue
         try:
-            module = import_module(module_name)
+            module = import_module(route.module)
         except ImportError as exc:
             state.skipped[key] = f"module not importable ({exc})"
             continue
-        if not hasattr(module, attr):
+        if not hasattr(module, route.attr):
             state.skipped[key] = "not in this vLLM"
             continue
-        state.originals[key] = (module, attr, getattr(module, attr))
-        setattr(module, attr, routed(attr, getattr(adapters, adapter_name), backend, state))
+        original = getattr(module, route.attr)
+        new = routed(route.attr, getattr(adapters, route.adapter), backend, state, route)
+        state.originals[key] = (module, route.attr, original)
+        state.routed[id(original)] = new
+        setattr(module, route.attr, new)
+    state.prefix = prefix
+    rebind(modules, state, prefix)
+    if ops and not state.ops:
+        override_ops(adapters, backend, state)
+    hook_runners(modules, state)
+    if state.finder is None:
+        state.finder = _Finder(state, prefix)
+        sys.meta_path.insert(0, state.finder)
     return state
 
 
 def uninstall(state: Installed | None = None) -> None:
-    """Put vLLM's own writers back."""
+    """Put vLLM's own writers, bindings and runner methods back (operator overrides stay until
+    their libraries are freed)."""
     state = STATE if state is None else state
+    back = {id(state.routed[id(orig)]): orig for _, _, orig in state.originals.values()}
     for module, attr, original in state.originals.values():
         setattr(module, attr, original)
-    state.originals.clear()
+    for mod_name, module in list(sys.modules.items()):
+        if module is not None and (mod_name == state.prefix or mod_name.startswith(state.prefix + ".")):
+            for attr, value in list(getattr(module, "__dict__", {}).items()):
+                if id(value) in back:
+                    setattr(module, attr, back[id(value)])
+    for cls, init, execute in state.hooks:
+        cls.initialize_kv_cache, cls.execute_model = init, execute
+        cls._kvwrite_hooked = False
+    if state.finder is not None and state.finder in sys.meta_path:
+        sys.meta_path.remove(state.finder)
+    for lib in state.libraries:
+        lib._destroy() if hasattr(lib, "_destroy") else None
+    state.originals.clear(), state.routed.clear(), state.rebound.clear(), state.hooks.clear()
+    state.libraries.clear(), state.ops.clear()
+    state.finder = None
+
+
+def report(state: Installed | None = None) -> str:
+    """The startup line: what is routed to kvwrite, what is not and why."""
+    state = STATE if state is None else state
+    routed_ = sorted(state.originals) + [f"torch.ops.{q.replace('::', '.')} [{'/'.join(k)}]"
+                                         for q, k in sorted(state.ops.items())]
+    text = f"kvwrite: routed {len(routed_)} cache writer(s): {', '.join(routed_) or 'none'}"
+    if state.rebound:
+        text += f"; rebound at import: {', '.join(sorted(set(state.rebound)))}"
+    if state.skipped:
+        text += "; not routed: " + "; ".join(f"{k} ({v})" for k, v in sorted(state.skipped.items()))
+    return text
 
 
 def _vllm_version(import_module: Callable[[str], Any]) -> str | None:
@@ -130,4 +393,7 @@ def register() -> None:
             adapters.VLLM_VERSION = version
         except ValueError:
             pass
+    first = not STATE.originals
     install()
+    if first:
+        LOG.info("%s", report())

@@ -1,0 +1,272 @@
+"""SGLang on kvwrite's bounds-checked stores, without changing SGLang's code.
+
+`python -m kvwrite.integrations.sglang <sglang launch_server args>` runs
+`sglang.launch_server` with the hook installed in the launcher and in every process SGLang
+starts (its schedulers are spawned: a `sitecustomize` on their PYTHONPATH installs it there).
+`install()` patches SGLang's memory-pool classes at their physical-write methods, after SGLang's
+own dtype handling, so every attention backend that writes through a pool is routed:
+- MHA: `MHATokenToKVPool._store_kv_layer` (the NHD path every `set_kv_buffer` of an MHA pool
+  ends in; SWA pools translate full->SWA locs and write through an MHA pool, so SWA layers are
+  routed too) -> `kvwrite.compat.sglang.set_kv_buffer`;
+- MLA: `MLATokenToKVPool._scatter_mla_rows` (plain, fp8 and DSA fp8 rows: SGLang has already
+  quantised them, kvwrite copies the bytes) -> `kvwrite.compat.sglang.set_mla_kv_buffer`.
+What stays SGLang's own (listed by `report()`): the vectorized_5d MHA layout, DCP-sharded MLA
+writes (SGLang's kernel picks each rank's locs), the DSA index-K store (SGLang quantises the keys
+before `store_quantized`; kvwrite's indexer store quantises itself) and MLA's combined-row
+`set_kv_buffer` (an indexed assignment, which bounds-checks on its own).
+
+Guard mode (`KVWRITE_CHECK=guard`) as in the vLLM plugin (`kvwrite.integrations.guard`): each
+pool's buffers are registered with their layer ids when the pool is built, stores record into
+their layer's row, and the records are read once per `ModelRunner.forward` (raise or, with
+`KVWRITE_SGLANG_GUARD=log`, log and count). `KVWRITE_SGLANG=0` leaves SGLang untouched.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from kvwrite.integrations.guard import Route, StepGuard
+
+ENABLE_ENV = "KVWRITE_SGLANG"
+BACKEND_ENV = "KVWRITE_SGLANG_BACKEND"
+POLICY_ENV = "KVWRITE_SGLANG_GUARD"
+LOG = logging.getLogger("kvwrite.sglang")
+POOLS = "sglang.srt.mem_cache.memory_pool"
+RUNNER = "sglang.srt.model_executor.model_runner"
+MHA_ROUTE = Route(POOLS, "MHATokenToKVPool._store_kv_layer", "set_kv_buffer", None, 0)
+MLA_ROUTE = Route(POOLS, "MLATokenToKVPool._scatter_mla_rows", "set_mla_kv_buffer", None, 0)
+NOT_ROUTED = {
+    "MHATokenToKVPool (kv_cache_layout='vectorized_5d')": "SGLang's shuffled 5-D layout: no kvwrite layout",
+    "MLATokenToKVPool, DCP-sharded writes": "SGLang's kernel selects each rank's locs",
+    "DSATokenToKVPool.set_index_k_scale_buffer": "SGLang quantises the index keys before the store",
+    "MLATokenToKVPool.set_kv_buffer": "an indexed assignment (bounds-checked by torch itself)",
+}
+
+
+@dataclass
+class Installed:
+    originals: dict[str, tuple[Any, str, Callable]] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+    fallbacks: dict[str, int] = field(default_factory=dict)
+
+
+STATE = Installed()
+GUARD: StepGuard | None = None
+
+
+def guard() -> StepGuard:
+    """The process's StepGuard for SGLang."""
+    global GUARD
+    if GUARD is None:
+        GUARD = StepGuard("SGLang", POLICY_ENV, "kvwrite.sglang")
+    return GUARD
+
+
+def _errors(buffer: torch.Tensor, route: Route):
+    """(check mode, errors) for one store: the layer's record row in guard mode."""
+    from kvwrite import validate
+
+    mode = validate.DEFAULT_CHECK
+    return mode, (guard().errors_for(buffer, route) if mode == "guard" else None)
+
+
+def _after(errors, buffer: torch.Tensor) -> None:
+    """Without a step hook (pool code run on its own) the record is read after the store."""
+    if errors is not None and not guard().stepped:
+        guard().raise_now(errors, buffer)
+
+
+def _store_kv_layer(original: Callable, backend: str, state: Installed) -> Callable:
+    from kvwrite.compat import sglang as adapters
+
+    def store(self, layer_idx, loc, cache_k, cache_v):
+        if getattr(self, "kv_cache_layout", None) == "vectorized_5d":
+            state.fallbacks["vectorized_5d"] = state.fallbacks.get("vectorized_5d", 0) + 1
+            return original(self, layer_idx, loc, cache_k, cache_v)
+        state.calls["set_kv_buffer"] = state.calls.get("set_kv_buffer", 0) + 1
+        kb, vb = self.k_buffer[layer_idx], self.v_buffer[layer_idx]
+        fp8 = self.store_dtype != self.dtype
+        if fp8:    # cache_k / cache_v arrive viewed as store_dtype (uint8): the fp8 bytes
+            cache_k, cache_v = cache_k.view(self.dtype), cache_v.view(self.dtype)
+        mode, errors = _errors(kb, MHA_ROUTE)
+        adapters.set_kv_buffer(kb.view(kb.shape[0], -1, cache_k.shape[-1]), vb.view(vb.shape[0], -1, cache_v.shape[-1]),
+                               loc, cache_k, cache_v, self.page_size, dtype=self.dtype if fp8 else None,
+                               check=mode, errors=errors, backend=backend)
+        _after(errors, kb)
+    store.__wrapped_sglang__ = original
+    return store
+
+
+def _half_words(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 row tensor as 16-bit words (kvwrite copies bytes as 16/32-bit elements)."""
+    return t.view(torch.float16) if t.dtype == torch.uint8 else t
+
+
+def _dcp_span(pool: Any) -> int:
+    """The pool's DCP width (its loc space is that many times the rows); 1 without DCP."""
+    try:
+        return int(pool._write_loc_dcp_span)
+    except Exception:  # noqa: BLE001 - no parallel context published: no DCP
+        return 1
+
+
+def _scatter_mla_rows(original: Callable, backend: str, state: Installed) -> Callable:
+    from kvwrite.compat import sglang as adapters
+
+    def scatter(self, dst_buffer, loc, cache_k_nope, cache_k_rope):
+        if not (getattr(self, "write_loc_is_dcp_resolved", True) or getattr(self, "dcp_replicated", False)
+                or _dcp_span(self) == 1):
+            state.fallbacks["mla_dcp_sharded"] = state.fallbacks.get("mla_dcp_sharded", 0) + 1
+            return original(self, dst_buffer, loc, cache_k_nope, cache_k_rope)
+        state.calls["set_mla_kv_buffer"] = state.calls.get("set_mla_kv_buffer", 0) + 1
+        rope = cache_k_rope if cache_k_rope is not None and cache_k_rope.numel() > 0 else \
+            cache_k_nope.reshape(cache_k_nope.shape[0], -1)[:, :0]
+        mode, errors = _errors(dst_buffer, MLA_ROUTE)
+        adapters.set_mla_kv_buffer(_half_words(dst_buffer), loc, _half_words(cache_k_nope), _half_words(rope),
+                                   self.page_size, check=mode, errors=errors, backend=backend)
+        _after(errors, dst_buffer)
+    scatter.__wrapped_sglang__ = original
+    return scatter
+
+
+def register_pool(pool: Any) -> None:
+    """Name a pool's per-layer buffers after their layer ids (guard records, error messages)."""
+    start = getattr(pool, "start_layer", 0) or 0
+    kind = type(pool).__name__
+    caches = {}
+    for attr, what in (("k_buffer", "K"), ("v_buffer", "V"), ("kv_buffer", "KV")):
+        for i, t in enumerate(getattr(pool, attr, None) or []):
+            if isinstance(t, torch.Tensor):
+                caches[f"{kind} layer {start + i} {what}"] = t
+    if caches:
+        guard().register(caches)
+
+
+def _init(original: Callable) -> Callable:
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        register_pool(self)
+    init.__wrapped_sglang__ = original
+    return init
+
+
+def _forward(original: Callable) -> Callable:
+    def forward(self, *args, **kwargs):
+        from kvwrite import validate
+
+        g = guard()
+        g.stepped = True
+        out = original(self, *args, **kwargs)
+        if validate.DEFAULT_CHECK == "guard":
+            g.check()
+        return out
+    forward.__wrapped_sglang__ = original
+    return forward
+
+
+def _patch(state: Installed, module: Any, cls_name: str, attr: str, make: Callable) -> bool:
+    cls = getattr(module, cls_name, None)
+    key = f"{module.__name__}.{cls_name}.{attr}"
+    if cls is None or key in state.originals or attr not in vars(cls):
+        return False
+    state.originals[key] = (cls, attr, vars(cls)[attr])
+    setattr(cls, attr, make(vars(cls)[attr]))
+    return True
+
+
+def install(import_module: Callable[[str], Any] = importlib.import_module, backend: str | None = None,
+            state: Installed | None = None) -> Installed:
+    """Patch SGLang's pool classes (and its ModelRunner.forward when importable); idempotent."""
+    state = STATE if state is None else state
+    backend = backend or os.environ.get(BACKEND_ENV, "auto")
+    pools = import_module(POOLS)
+    _patch(state, pools, "MHATokenToKVPool", "_store_kv_layer", lambda f: _store_kv_layer(f, backend, state))
+    _patch(state, pools, "MLATokenToKVPool", "_scatter_mla_rows", lambda f: _scatter_mla_rows(f, backend, state))
+    for cls_name in ("MHATokenToKVPool", "MLATokenToKVPool"):
+        _patch(state, pools, cls_name, "__init__", _init)
+    try:
+        runner = import_module(RUNNER)
+    except Exception as exc:  # noqa: BLE001 - pool code used on its own (no model runner)
+        LOG.info("kvwrite: SGLang's model runner not importable (%s): guard records are read after "
+                 "each store", exc)
+    else:
+        _patch(state, runner, "ModelRunner", "forward", _forward)
+    return state
+
+
+def uninstall(state: Installed | None = None) -> None:
+    state = STATE if state is None else state
+    for cls, attr, original in state.originals.values():
+        setattr(cls, attr, original)
+    state.originals.clear()
+
+
+def report(state: Installed | None = None) -> str:
+    state = STATE if state is None else state
+    return (f"kvwrite: routed SGLang pool writes: {', '.join(sorted(state.originals)) or 'none'}; "
+            f"not routed: " + "; ".join(f"{k} ({v})" for k, v in NOT_ROUTED.items()))
+
+
+SITE = '''import os
+if os.environ.get("KVWRITE_SGLANG", "1") != "0":
+    try:
+        from kvwrite.integrations import sglang as _kvw
+        _kvw.install_when_imported()
+    except Exception as _exc:  # never stop SGLang from starting; say why
+        import sys
+        print(f"kvwrite: SGLang hook not installed: {_exc}", file=sys.stderr)
+'''
+
+
+def install_when_imported() -> None:
+    """Install as soon as SGLang's pool module is imported (or now, if it is)."""
+    if POOLS in sys.modules:
+        install()
+        return
+    import importlib.abc
+    import importlib.util
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname != POOLS:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)
+            loader = spec.loader
+
+            class Loader(importlib.abc.Loader):
+                def create_module(self, spec):
+                    return loader.create_module(spec)
+
+                def exec_module(self, module):
+                    loader.exec_module(module)
+                    install()
+            spec.loader = Loader()
+            return spec
+    sys.meta_path.insert(0, Finder())
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m kvwrite.integrations.sglang <launch_server args>`."""
+    import runpy
+
+    argv = sys.argv[1:] if argv is None else argv
+    site = tempfile.mkdtemp(prefix="kvwrite-sglang-")
+    with open(os.path.join(site, "sitecustomize.py"), "w") as f:
+        f.write(SITE)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)
+    if os.environ.get(ENABLE_ENV, "1") != "0":
+        install_when_imported()
+    sys.argv = ["sglang.launch_server", *argv]
+    runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()
