@@ -3,7 +3,7 @@ model type (`kvwrite.config.hf.ARCHITECTURES`) and what SGLang's and vLLM's layo
 (`kvwrite.config.engines`). docs/generate.py writes it; tests/test_docs.py keeps it current."""
 from __future__ import annotations
 
-from kvwrite.config import hf
+import kvwrite.config.hf as hf
 from kvwrite.config.engines import SGLANG_DSA_PAGE_SIZE, SGLANG_HYBRID_SWA_ARCHS, VLLM_PLANNED
 
 # reader -> (variants it can produce, what decides)
