@@ -207,3 +207,9 @@ def test_vllm_dsa_under_dcp_is_refused_and_the_model_table_says_so():
     rows = {line.split(" | ")[0].strip("| "): line for line in table().splitlines()[2:]}
     assert "one full pool (hybrid SWA memory off)" in rows["gemma3"]
     assert "full + SWA pools" in rows["gpt_oss"] and "DCP refused" in rows["deepseek_v32"]
+
+
+def test_vllm_has_no_draft_worker_pools():
+    with pytest.raises(UnsupportedCombination, match="_annotate_eagle_groups"):
+        KVCacheConfigurator(ModelSpec.from_preset("deepseek-v3"), ParallelSpec(8, 1, is_draft_worker=True),
+                            memory_bytes=GiB, engine="vllm")

@@ -112,6 +112,11 @@ VLLM_PLANNED = ("mha", "mla", "dsa", "swa_hybrid")   # the variants whose vLLM l
 
 def _vllm(spec: ModelSpec, parallel, kv: str, page_size: int) -> EngineLayout:
     notes: list[str] = []
+    if parallel.is_draft_worker:
+        raise UnsupportedCombination(
+            "engine='vllm' has no draft worker with pools of its own: the draft's (EAGLE / MTP) attention "
+            "layers get KV cache specs beside the target's and join its KV cache groups (kv_cache_utils."
+            "_annotate_eagle_groups); plan the target with the draft layers counted, or use engine='sglang'")
     if spec.variant not in VLLM_PLANNED:
         raise UnsupportedCombination(
             f"kvwrite does not plan vLLM's layout of variant {spec.variant!r} (vLLM sizes recurrent-state and "
