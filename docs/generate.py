@@ -157,7 +157,15 @@ def _shown(value) -> str:
     return str(value)
 
 
-BLOCKS = {"ops.md": ("op tables", ops_tables), "cli.md": ("command reference", cli_reference)}
+def model_types() -> str:
+    """docs/configurator.md's model-type table (kvwrite.config.modeltypes)."""
+    from kvwrite.config.modeltypes import table
+
+    return table()
+
+
+BLOCKS = {"ops.md": ("op tables", ops_tables), "cli.md": ("command reference", cli_reference),
+          "configurator.md": ("model types", model_types)}
 
 
 def page_block(text: str, name: str) -> str:

@@ -84,3 +84,11 @@ def test_demo_runs_on_the_configurator(capsys):
     assert "bit-exact with the torch reference" in out
     assert "check_allocator refuses it" in out and "token 2, loc 1040, page 65" in out
     assert "same store is clean: True" in out
+
+
+def test_plan_table_names_the_engine_layout_and_shared_buffers(capsys):
+    rc, out, _ = run(capsys, "plan", "--preset", "gemma-3-27b", "--engine", "vllm", "--page-size", "16",
+                     "--memory", "20GiB")
+    assert rc == 0 and "variant=swa_grouped" in out and "7 groups of 10" in out and "10 buffer copies" in out
+    rc, out, _ = run(capsys, "plan", "--preset", "gemma-3-27b", "--memory", "20GiB")
+    assert rc == 0 and "variant=mha" in out and "disable_hybrid_swa_memory" in out

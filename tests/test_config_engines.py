@@ -189,3 +189,27 @@ def test_gemma3n_is_one_pool_under_sglang_and_shares_layers_in_kvwrite():
     # vLLM: 16 sliding + 4 full layers with a cache -> group size 4 (16 >= 1.5 x 4): 5 groups, 4 tensors
     assert vl.variant == "swa_grouped" and vl.pool("kv").spec.num_buffers == 4
     assert vl.max_total_num_tokens + 1 == 20 * GiB // (4 * 2048)
+
+
+@pytest.mark.parametrize("preset", ["qwen3-next-80b-a3b", "deepseek-v4-flash"])
+def test_vllm_layouts_kvwrite_does_not_plan_are_refused(preset):
+    with pytest.raises(UnsupportedCombination, match="does not plan vLLM's layout of variant"):
+        KVCacheConfigurator(ModelSpec.from_preset(preset), memory_bytes=20 * GiB, max_running_requests=8,
+                            engine="vllm")
+
+
+def test_vllm_dsa_under_dcp_is_refused_and_the_model_table_says_so():
+    from kvwrite.config.modeltypes import table
+
+    with pytest.raises(UnsupportedCombination, match="store_indexer_k has no DCP-rank translation"):
+        KVCacheConfigurator(ModelSpec.from_preset("deepseek-v3.2"), ParallelSpec(8, 2), memory_bytes=GiB,
+                            engine="vllm")
+    rows = {line.split(" | ")[0].strip("| "): line for line in table().splitlines()[2:]}
+    assert "one full pool (hybrid SWA memory off)" in rows["gemma3"]
+    assert "full + SWA pools" in rows["gpt_oss"] and "DCP refused" in rows["deepseek_v32"]
+
+
+def test_vllm_has_no_draft_worker_pools():
+    with pytest.raises(UnsupportedCombination, match="_annotate_eagle_groups"):
+        KVCacheConfigurator(ModelSpec.from_preset("deepseek-v3"), ParallelSpec(8, 1, is_draft_worker=True),
+                            memory_bytes=GiB, engine="vllm")

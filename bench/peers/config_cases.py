@@ -2,7 +2,9 @@
 vllm_configurator.py), kvwrite's side of each row, and the markdown table."""
 from __future__ import annotations
 
+import argparse
 import copy
+import json
 
 from kvwrite.config.presets import PRESETS
 
@@ -139,9 +141,24 @@ def markdown(engine: str, rows: list, budget: int, rules: dict | None = None) ->
     counts: dict = {}
     for r in rows:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
+    reasons: dict = {}
+    for r in rows:
+        if r["status"] == "equal":
+            continue
+        e, k = r["engine"], r["kvwrite"]
+        msg = (e.get("error") if not e["ok"] else "") or k.get("error", "")
+        msg = msg.split(": ", 1)[-1] if msg.split(": ", 1)[0].isidentifier() else msg   # drop the class name
+        why = "; ".join(filter(None, (msg[:400], "; ".join(r["diffs"]))))
+        key = (r["status"], why)
+        reasons.setdefault(key, []).append(r["case"]["model"])
     out = [f"# kvwrite's configurator against {engine}'s own sizing\n",
            f"Budget {budget // 2**30} GiB of KV per rank. " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
            + f" of {len(rows)} plans.\n",
+           "## Every plan that is not equal, and the rule that explains it\n",
+           "| status | plans | models | the rule (the refusing side's message) |", "|---|---|---|---|"]
+    for (status, why), models in sorted(reasons.items()):
+        out.append(f"| {status} | {len(models)} | {', '.join(sorted(set(models)))} | {why.replace('|', '/')} |")
+    out += ["", "## Every plan\n",
            "| model | kv | tp/dcp | page | worker | status | tokens (engine / kvwrite) | what differs, and the engine's rule |",
            "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -157,3 +174,48 @@ def markdown(engine: str, rows: list, budget: int, rules: dict | None = None) ->
         out.append(f"| {c['model']} | {c['kv']} | {c['tp']}/{c['dcp']} | {c['page']} | "
                    f"{'draft' if c['draft'] else 'target'} | {r['status']} | {tok} | {why.replace('|', '/')} |")
     return "\n".join(out) + "\n"
+
+
+def cases(models=None):
+    """The matrix: every model x kv dtype (auto, and fp8_e4m3 for DSA) x (tp, dcp) x page size."""
+    for model in models or list(CONFIGS):
+        for kv_dtype in (("auto", "fp8_e4m3") if model.startswith("deepseek-v3.2") else ("auto",)):
+            for tp, dcp in PARALLEL:
+                for page in PAGES:
+                    yield dict(model=model, kv=kv_dtype, tp=tp, dcp=dcp, page=page, draft=False)
+
+
+def row(case: dict, engine: str, engine_row, compare) -> dict:
+    """One compared plan: the engine's own result, kvwrite's, and what differs."""
+    e, k = engine_row(case), kvwrite_row(case, engine)
+    status, diffs = compare(case, e, k)
+    return dict(case=case, status=status, diffs=diffs, engine=e, kvwrite=k)
+
+
+def main(label: str, version: str, engine: str, run) -> int:
+    """Parse --json / --markdown / --models, `run(models)` -> rows, print and write the results."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--markdown", help="default: the --json path with .md")
+    ap.add_argument("--models", nargs="*", default=None)
+    args = ap.parse_args()
+    rows = run(args.models)
+    counts: dict = {}
+    for r in rows:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    print(f"{label} configurator comparison:", ", ".join(f"{v} {k}" for k, v in sorted(counts.items())),
+          f"of {len(rows)} plans")
+    for r in rows:
+        if r["status"] != "equal":
+            c, e, k = r["case"], r["engine"], r["kvwrite"]
+            err = (e.get("error", "") if not e["ok"] else "") or k.get("error", "")
+            print(f"  {c['model']} kv={c['kv']} tp={c['tp']} dcp={c['dcp']} page={c['page']} "
+                  f"{'draft' if c['draft'] else 'target'}: {r['status']} {r['diffs'] or ''} {err[:200]}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({engine: version, "budget_bytes": BUDGET, "counts": counts, "rows": rows}, f, indent=1)
+    md = args.markdown or (args.json[:-5] + ".md" if args.json and args.json.endswith(".json") else None)
+    if md:
+        with open(md, "w") as f:
+            f.write(markdown(f"{label} {version}", rows, BUDGET))
+    return 0

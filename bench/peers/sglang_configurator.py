@@ -19,7 +19,6 @@ os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 os.environ.setdefault("KVWRITE_EXT", "0")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
 
-import argparse  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import tempfile  # noqa: E402
@@ -28,7 +27,7 @@ import warnings  # noqa: E402
 
 import torch  # noqa: E402
 
-from config_cases import BUDGET, CONFIGS, DRAFTS, PARALLEL, PAGES, kvwrite_row, markdown, normalise_sglang  # noqa: E402
+from config_cases import BUDGET, CONFIGS, DRAFTS, cases, main, normalise_sglang, row  # noqa: E402
 
 warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
@@ -175,11 +174,28 @@ def sglang_row(case: dict) -> dict:
         over.restore()
 
 
+def _pool_bytes(buffers: dict) -> int:
+    """Bytes of the KV pools SGLang built (every buffer x its layers)."""
+    total = 0
+    for name, v in buffers.items():
+        if name.endswith("#layers") or "index_mapping" in name:
+            continue
+        (rows, elems), dtype = v
+        total += rows * elems * torch.empty((), dtype=getattr(torch, dtype)).element_size() * buffers.get(
+            name + "#layers", 1)
+    return total
+
+
 def compare(case: dict, sg: dict, kv: dict) -> tuple[str, list[str]]:
     if not sg["ok"] and not kv["ok"]:
         return "both refuse", []
-    if not sg["ok"] or not kv["ok"]:
-        return ("sglang refuses" if not sg["ok"] else "kvwrite refuses"), []
+    if not sg["ok"]:
+        return "sglang refuses", []
+    if not kv["ok"]:   # where SGLang's code builds something kvwrite refuses: what it built
+        built = _pool_bytes(sg["buffers"])
+        return "kvwrite refuses", [f"SGLang's own run sizes {sg['max_total_num_tokens']} tokens at {sg['cell']} B a "
+                                   f"token but its builder allocates {sg['kv_heads']} KV heads a rank: "
+                                   f"{built / 2**30:.1f} GiB of pools for the {BUDGET / 2**30:.0f} GiB budget"]
     diffs = []
     for key in ("max_total_num_tokens", "loc_space_scale", "pool_page_size", "kv_heads"):
         if sg[key] != kv[key]:
@@ -199,50 +215,17 @@ def compare(case: dict, sg: dict, kv: dict) -> tuple[str, list[str]]:
     return ("equal" if not diffs else "differs"), diffs
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json")
-    ap.add_argument("--markdown")
-    ap.add_argument("--models", nargs="*", default=None)
-    args = ap.parse_args()
+def run(models) -> list:
     _no_copy_warmup()
     rows = []
-    for model in args.models or list(CONFIGS):
-        for kv_dtype in (("auto", "fp8_e4m3") if model.startswith("deepseek-v3.2") else ("auto",)):
-            for tp, dcp in PARALLEL:
-                for page in PAGES:
-                    case = dict(model=model, kv=kv_dtype, tp=tp, dcp=dcp, page=page, draft=False)
-                    sg = sglang_row(case)
-                    kv = kvwrite_row(case, "sglang")
-                    status, diffs = compare(case, sg, kv)
-                    rows.append(dict(case=case, status=status, diffs=diffs, engine=sg, kvwrite=kv))
-                    if sg["ok"] and kv["ok"] and model in DRAFTS:
-                        dcase = dict(case, draft=True, target_tokens=sg["target_tokens"],
-                                     target_full_tokens=sg["full_tokens"], target_swa_tokens=sg["swa_tokens"])
-                        dsg = sglang_row(dcase)
-                        dkv = kvwrite_row(dcase, "sglang")
-                        status, diffs = compare(dcase, dsg, dkv)
-                        rows.append(dict(case=dcase, status=status, diffs=diffs, engine=dsg, kvwrite=dkv))
-    counts = {}
-    for r in rows:
-        counts[r["status"]] = counts.get(r["status"], 0) + 1
-    print("SGLang configurator comparison:", ", ".join(f"{v} {k}" for k, v in sorted(counts.items())),
-          f"of {len(rows)} plans")
-    for r in rows:
-        if r["status"] in ("differs", "sglang refuses", "kvwrite refuses"):
-            c = r["case"]
-            print(f"  {c['model']} kv={c['kv']} tp={c['tp']} dcp={c['dcp']} page={c['page']} "
-                  f"{'draft' if c['draft'] else 'target'}: {r['status']} {r['diffs'] or ''} "
-                  f"{r['engine'].get('error', '') if not r['engine']['ok'] else r['kvwrite'].get('error', '')}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(sglang="0.5.23", budget_bytes=BUDGET, counts=counts, rows=rows), f, indent=1)
-    md = args.markdown or (args.json[:-5] + ".md" if args.json and args.json.endswith(".json") else None)
-    if md:
-        with open(md, "w") as f:
-            f.write(markdown("SGLang 0.5.23", rows, BUDGET))
-    return 0
+    for case in cases(models):
+        rows.append(row(case, "sglang", sglang_row, compare))
+        sg, kv = rows[-1]["engine"], rows[-1]["kvwrite"]
+        if sg["ok"] and kv["ok"] and case["model"] in DRAFTS:   # its draft worker, on the target's pool config
+            rows.append(row(dict(case, draft=True, target_tokens=sg["target_tokens"], target_full_tokens=sg[
+                "full_tokens"], target_swa_tokens=sg["swa_tokens"]), "sglang", sglang_row, compare))
+    return rows
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main("SGLang", "0.5.23", "sglang", run))

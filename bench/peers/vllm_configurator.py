@@ -17,7 +17,6 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
 os.environ.setdefault("KVWRITE_EXT", "0")
 
-import argparse  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import types  # noqa: E402
@@ -25,7 +24,7 @@ import warnings  # noqa: E402
 
 import torch  # noqa: E402
 
-from config_cases import BUDGET, CONFIGS, PAGES, PARALLEL, kvwrite_row, markdown  # noqa: E402
+from config_cases import BUDGET, CONFIGS, cases, main, row  # noqa: E402
 
 warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
@@ -75,6 +74,10 @@ def _specs(spec, case: dict) -> dict:
             continue
         common = dict(block_size=page, num_kv_heads=heads, head_size=spec.head_dim, dtype=dtype,
                       max_tp_shards=spec.num_kv_heads)
+        if i not in swa and (spec.global_head_dim or spec.num_global_kv_heads):   # Gemma 4's full layers
+            hg = spec.num_global_kv_heads or spec.num_kv_heads
+            common.update(num_kv_heads=max(1, hg // tp), head_size=spec.global_head_dim or spec.head_dim,
+                          max_tp_shards=hg)
         out[f"layers.{i}.attn"] = (SlidingWindowSpec(**common, sliding_window=spec.sliding_window) if i in swa
                                    else FullAttentionSpec(**common))
     return out
@@ -126,7 +129,8 @@ def vllm_row(case: dict) -> dict:
                 # every group's tensor aliases the same memory from byte 0: the pool is the largest
                 tensor_bytes=max(t.size for t in conf.kv_cache_tensors),
                 block_size=g0.block_size, kv_heads=getattr(g0, "num_kv_heads", None),
-                max_total_num_tokens=conf.num_blocks * g0.block_size)
+                # usable tokens: block 0 is the BlockPool's null block
+                max_total_num_tokens=(conf.num_blocks - 1) * g0.block_size)
 
 
 def compare(case, v, k) -> tuple[str, list]:
@@ -147,39 +151,14 @@ def compare(case, v, k) -> tuple[str, list]:
     return ("equal" if not diffs else "differs"), diffs
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json")
-    ap.add_argument("--models", nargs="*", default=None)
-    args = ap.parse_args()
-    rows = []
-    for model in args.models or list(CONFIGS):
-        for kv_dtype in (("auto", "fp8_e4m3") if model.startswith("deepseek-v3.2") else ("auto",)):
-            for tp, dcp in PARALLEL:
-                for page in PAGES:
-                    case = dict(model=model, kv=kv_dtype, tp=tp, dcp=dcp, page=page, draft=False)
-                    v = vllm_row(case)
-                    k = kvwrite_row(case, "vllm")
-                    status, diffs = compare(case, v, k)
-                    rows.append(dict(case=case, status=status, diffs=diffs, engine=v, kvwrite=k))
-    counts = {}
-    for r in rows:
-        counts[r["status"]] = counts.get(r["status"], 0) + 1
-    print("vLLM configurator comparison:", ", ".join(f"{v} {k}" for k, v in sorted(counts.items())),
-          f"of {len(rows)} plans")
-    for r in rows:
-        if r["status"] != "equal":
-            c = r["case"]
-            err = r["engine"].get("error", "") or r["kvwrite"].get("error", "")
-            print(f"  {c['model']} kv={c['kv']} tp={c['tp']} dcp={c['dcp']} page={c['page']}: {r['status']} "
-                  f"{r['diffs'] or ''} {err[:200]}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(vllm="0.32.0", budget_bytes=BUDGET, counts=counts, rows=rows), f, indent=1)
-        with open(args.json[:-5] + ".md", "w") as f:
-            f.write(markdown("vLLM 0.32.0", rows, BUDGET))
-    return 0
+def run(models) -> list:
+    return [row(case, "vllm", vllm_row, compare) for case in cases(models)]
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        import vllm  # noqa: F401
+    except ImportError:   # e.g. run.sh's loop over *configurator*.py under the sglang env: write nothing
+        print("vllm_configurator.py needs the vllm032 env's python (PYTHONPATH=python); not run")
+        sys.exit(0)
+    sys.exit(main("vLLM", "0.32.0", "vllm", run))

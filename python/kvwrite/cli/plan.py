@@ -98,7 +98,7 @@ def render(plan, console=None) -> None:
         console.print(f"layout={plan.layout}  target={plan.target}  "
                       f"reserve_padding_page={plan.spaces['full'].reserve_padding_page}")
     t = Table(show_lines=True)
-    for col in ("sub-pool", "layers", "geometry", "allocator it serves", "buffers (per layer)", "bytes", "kernel"):
+    for col in ("sub-pool", "layers", "geometry", "allocator it serves", "buffers (per copy)", "bytes", "kernel"):
         t.add_column(col)
     for p in plan.pools:
         g, s = p.geometry, p.space
@@ -109,7 +109,10 @@ def render(plan, console=None) -> None:
         alloc = f"{s.name}: {s.num_locs:,} locs\npages of {s.page_size}\n{p.addressing}"
         bufs = "\n".join(f"{b.name} {list(b.shape)} {b.dtype}" + ("" if b.per_layer else " (shared)")
                          for b in p.buffers)
-        t.add_row(p.name, _layers(p.layer_ids, m.num_layers), geo, alloc, bufs, human(p.bytes), p.kernel)
+        layers = _layers(p.layer_ids, m.num_layers)
+        if p.spec.num_buffers != len(p.layer_ids):
+            layers += f"\n{p.spec.num_buffers} buffer copies\nshared by them"
+        t.add_row(p.name, layers, geo, alloc, bufs, human(p.bytes), p.kernel)
     for st in plan.state_pools:
         bufs = "\n".join(f"{b.name} {list(b.shape)} {b.dtype}" for b in st.buffers)
         t.add_row(st.name, _layers(st.layer_ids, m.num_layers), f"{st.slots} request slots\n"

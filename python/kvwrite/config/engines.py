@@ -107,13 +107,28 @@ def _sglang(spec: ModelSpec, parallel, kv: str, page_size: int) -> EngineLayout:
     return EngineLayout("sglang", spec, kv, tuple(notes))
 
 
+VLLM_PLANNED = ("mha", "mla", "dsa", "swa_hybrid")   # the variants whose vLLM layout kvwrite plans
+
+
 def _vllm(spec: ModelSpec, parallel, kv: str, page_size: int) -> EngineLayout:
     notes: list[str] = []
+    if parallel.is_draft_worker:
+        raise UnsupportedCombination(
+            "engine='vllm' has no draft worker with pools of its own: the draft's (EAGLE / MTP) attention "
+            "layers get KV cache specs beside the target's and join its KV cache groups (kv_cache_utils."
+            "_annotate_eagle_groups); plan the target with the draft layers counted, or use engine='sglang'")
+    if spec.variant not in VLLM_PLANNED:
+        raise UnsupportedCombination(
+            f"kvwrite does not plan vLLM's layout of variant {spec.variant!r} (vLLM sizes recurrent-state and "
+            f"compressed caches as KV cache specs of their own and unifies their page sizes with the attention "
+            f"layers': kv_cache_utils.unify_kv_cache_spec_page_size); plan it with engine='sglang' or 'kvwrite'")
     if spec.variant == "swa_hybrid" and (spec.global_head_dim or spec.num_global_kv_heads):
         raise UnsupportedCombination(
-            f"engine='vllm' gives {spec.architecture or spec.name or 'this model'}'s full-attention layers their own "
-            f"head size / KV heads and unifies the groups' page sizes (kv_cache_utils."
-            f"unify_kv_cache_spec_page_size / packed groups), which kvwrite does not plan: use engine='sglang'")
+            f"engine='vllm' keeps {spec.architecture or spec.name or 'this model'}'s full-attention and sliding "
+            f"layers, which have different head sizes / KV heads, in group tensors shared by both, each layer "
+            f"viewing the bytes with its own shape (block sizes unified to equal page bytes: kv_cache_utils."
+            f"unify_kv_cache_spec_page_size); a kvwrite sub-pool has one buffer shape, so kvwrite does not plan "
+            f"it: use engine='sglang'")
     if spec.variant == "swa_hybrid":
         kinds = [(i, "swa" if i in spec.swa_layer_ids else "full") for i in range(spec.num_layers)
                  if spec.kv_source(i) is None]
