@@ -74,7 +74,9 @@ def targets(result: dict) -> list[dict]:
     threads = result["machine"].get("torch_threads")
     vs_scatter(REFERENCE_CASE, 0.9, 0.5, f"CPU ({threads} thread(s)): MHA bf16 >= 90% of memcpy-scatter "
                "and >= 50% of contiguous copy at N >= 1024 (off, guard)")
-    for case, what in (("mha-fp8", "fp8 store_kv"), ("mla-fp8ds", "fp8_ds_mla")):
+    for case, what in (("mha-fp8", "fp8 store_kv"), ("mla-fp8ds", "fp8_ds_mla"),
+                       ("mha-int8-token", "per-token int8 store_kv"), ("mha-int8-head", "per-token-head int8 store_kv"),
+                       ("mha-nvfp4", "NVFP4 store_kv_nvfp4"), ("mla-nvfp4", "NVFP4 store_mla")):
         vs_scatter(case, 0.4, None, f"CPU ({threads} thread(s)): {what} >= 40% of memcpy-scatter at N >= 1024")
 
     # Host overhead of the wrapper vs one raw torch op.
