@@ -101,13 +101,13 @@ KVW_AVX2 __m256i quant_codes8(const void* src, i64 i, __m256 vs, __m256 vr) {
     const __m256i c = RULE == RULE_VLLM ? _mm256_cvttps_epi32(y) : _mm256_cvtps_epi32(y);
     return _mm256_andnot_si256(_mm256_castps_si256(nan), c);
   } else {
-    return FAST ? fp8_codes8_noftz<F>(y) : fp8_codes8<F>(y);
+    return fp8_codes8<F, FAST>(y);
   }
 }
 
 // The fast lanes (as fp8_heads_avx2): with 2^-100 <= |s| <= 2^100 (and so 2^-100 <= |1/s|) a
 // subnormal input's y is below 2^-26 in magnitude, coded as daz's signed zero would be, and
-// with FTZ clear the fp8 codes come from fp8_codes8_noftz.
+// with FTZ clear the fp8 codes come from fp8_codes8<F, true>.
 template <DType IN, class F, int RULE>
 KVW_AVX2 void quantize_run_avx2(const void* __restrict__ src, i64 start, int n, Quantizer<F, RULE> q,
                                 char* __restrict__ dst) {

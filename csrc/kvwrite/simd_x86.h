@@ -45,14 +45,20 @@ KVW_AVX2 __m256 load8_daz(const void* src, i64 i) {
 // grid of a float format with MANT mantissa bits and smallest normal exponent EMIN: round to
 // nearest even by adding and subtracting 2^(e + 23 - MANT) (e = the value's binade, at least
 // EMIN: the fp32 add rounds at exactly the grid step, carries included), then read the code off
-// the rounded value's bits (normal) or as a multiple of the subnormal step.
-template <int MANT, int EMIN>
+// the rounded value's bits (normal) or as a multiple of the subnormal step. NOFTZ (the caller
+// checked MXCSR.FTZ is clear): read it off r * 2^(bias - 127) instead, whose fp32 bits are the
+// code shifted (a subnormal product for subnormal codes, exact without FTZ), no select.
+template <int MANT, int EMIN, bool NOFTZ = false>
 KVW_AVX2 __m256i grid_codes8(__m256 ax) {
   constexpr int drop = 23 - MANT, bias = 1 - EMIN;
   __m256i eb = _mm256_and_si256(_mm256_castps_si256(ax), _mm256_set1_epi32(0x7F800000));
   eb = _mm256_max_epi32(eb, _mm256_set1_epi32((EMIN + 127) << 23));
   const __m256 m = _mm256_castsi256_ps(_mm256_add_epi32(eb, _mm256_set1_epi32(drop << 23)));
   const __m256 r = _mm256_sub_ps(_mm256_add_ps(ax, m), m);
+  if constexpr (NOFTZ) {
+    const __m256 down = _mm256_castsi256_ps(_mm256_set1_epi32(bias << 23));  // 2^(bias - 127)
+    return _mm256_srli_epi32(_mm256_castps_si256(_mm256_mul_ps(r, down)), drop);
+  }
   const __m256 tiny = _mm256_set1_ps(pow2f(EMIN));
   const __m256i normal = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_castps_si256(r), drop),
                                           _mm256_set1_epi32((127 - bias) << MANT));
@@ -65,10 +71,10 @@ KVW_AVX2 __m256 abs8(__m256 x) { return _mm256_and_ps(x, _mm256_castsi256_ps(_mm
 
 // fp8 codes (format F) of eight fp32 values as int32 lanes, fp8_bits's: saturate, round on the
 // grid, sign bit kept (fnuz: no -0), NaN -> the format's NaN code.
-template <class F>
+template <class F, bool NOFTZ = false>
 KVW_AVX2 __m256i fp8_codes8(__m256 x) {
   const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-  __m256i code = grid_codes8<F::mant, F::emin>(_mm256_min_ps(abs8(x), _mm256_set1_ps(fp8_max<F>())));
+  __m256i code = grid_codes8<F::mant, F::emin, NOFTZ>(_mm256_min_ps(abs8(x), _mm256_set1_ps(fp8_max<F>())));
   const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 24), _mm256_set1_epi32(0x80));
   if constexpr (F::fnuz) {  // no -0: a zero code stays unsigned
     code = _mm256_or_si256(code, _mm256_andnot_si256(_mm256_cmpeq_epi32(code, _mm256_setzero_si256()), sign));
@@ -113,33 +119,10 @@ KVW_AVX2 __m256 load8(const void* src, i64 i) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-// fp8_codes8 where MXCSR.FTZ is clear (fp8_heads_avx2 checks): the code read off
-// r * 2^(bias - 127), whose fp32 bits are the fp8 code shifted (a subnormal product for
-// fp8-subnormal codes, exact since FTZ is clear), instead of the normal / subnormal select.
-template <class F>
-KVW_AVX2 __m256i fp8_codes8_noftz(__m256 x) {
-  constexpr int MANT = F::mant, EMIN = F::emin, drop = 23 - MANT, bias = 1 - EMIN;
-  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-  const __m256 ax = _mm256_min_ps(abs8(x), _mm256_set1_ps(fp8_max<F>()));
-  __m256i eb = _mm256_and_si256(_mm256_castps_si256(ax), _mm256_set1_epi32(0x7F800000));
-  eb = _mm256_max_epi32(eb, _mm256_set1_epi32((EMIN + 127) << 23));
-  const __m256 m = _mm256_castsi256_ps(_mm256_add_epi32(eb, _mm256_set1_epi32(drop << 23)));
-  const __m256 r = _mm256_sub_ps(_mm256_add_ps(ax, m), m);
-  const __m256 down = _mm256_castsi256_ps(_mm256_set1_epi32(bias << 23));  // 2^(bias - 127)
-  __m256i code = _mm256_srli_epi32(_mm256_castps_si256(_mm256_mul_ps(r, down)), drop);
-  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 24), _mm256_set1_epi32(0x80));
-  if constexpr (F::fnuz) {
-    code = _mm256_or_si256(code, _mm256_andnot_si256(_mm256_cmpeq_epi32(code, _mm256_setzero_si256()), sign));
-  } else {
-    code = _mm256_or_si256(code, sign);
-  }
-  return _mm256_blendv_epi8(code, _mm256_set1_epi32(F::fnuz ? 0x80 : 0x7F), _mm256_castps_si256(nan));
-}
-
 // fp8_run_avx2 over H heads of D elements (head h from start + h * s_head, scale[h * scale_step],
 // codes at dst + h * dst_step). A head whose |scale| >= 2^-100 skips daz: a subnormal input's
 // quotient is then below 2^-26, which rounds to the same signed zero code as daz's +-0; with
-// MXCSR.FTZ clear (read, never written) the codes come from fp8_codes8_noftz.
+// MXCSR.FTZ clear (read, never written) the codes come from fp8_codes8<F, true>.
 template <DType IN, class F>
 KVW_AVX2 void fp8_heads_avx2(const void* __restrict__ src, i64 start, i64 s_head, int H, int D, const float* scale,
                              i64 scale_step, char* __restrict__ dst, i64 dst_step) {
@@ -153,7 +136,7 @@ KVW_AVX2 void fp8_heads_avx2(const void* __restrict__ src, i64 start, i64 s_head
     }
     const __m256 s = _mm256_set1_ps(sc);
     simd_run<false>(D, dst + h * dst_step,
-                    [&](int i) KVW_AVX2_FN { return fp8_codes8_noftz<F>(_mm256_div_ps(load8<IN>(src, at + i), s)); },
+                    [&](int i) KVW_AVX2_FN { return fp8_codes8<F, true>(_mm256_div_ps(load8<IN>(src, at + i), s)); },
                     [&](int j) KVW_AVX2_FN { return fp8_bits<F>(daz(load_float<IN>(src, at + j)) / sc); });
   }
 }
