@@ -168,3 +168,16 @@ def scale(name: str, t: object, num_heads: int | None, device: torch.device) -> 
     if t.dim() == 1 and t.shape[0] > 1 and t.stride(0) != 1:
         raise ValueError(f"{name} must be contiguous")
     return t
+
+
+def scale_cache(name: str, t: object, num_pages: int, pps: int, h: int, device) -> torch.Tensor:
+    """A dynamic fp32 scale cache `[pages, pps]` (per token) or `[pages, pps, H]` (per token-head),
+    as a `[pages, pps, 1 or H]` view."""
+    t = tensor(name, t, dtypes=(torch.float32,), device=device)
+    if t.dim() == 2:
+        shape(name, t, (num_pages, pps), "num_pages, pool_page_size: one scale per token")
+        return t.unsqueeze(-1)
+    shape(name, t, (num_pages, pps, h),
+          "num_pages, pool_page_size (one scale per token) or num_pages, pool_page_size, H "
+          "(one per token-head)")
+    return t

@@ -26,6 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from kvwrite import validate
+from kvwrite.facts import (  # noqa: F401  (the formats' facts, re-exported)
+    FMT_E4M3, FMT_E5M2, FMT_INT8, FMT_SAME, FORMAT_OF, QMAX, QUANT_COPY, QUANT_DTYPES, QUANT_HEAD,
+    QUANT_STATIC, QUANT_TOKEN, RULE_RNE, RULE_VLLM, RULES, SCALE_FLOOR)
 from kvwrite.geometry import PageGeometry
 from kvwrite.ops._common import Check, Locs, cache_geometry, dispatch, prepare
 
@@ -37,22 +40,6 @@ IMPLS = (
     ("cuda", "kvwrite._ext:store_kv_quant"),
 )
 
-# How K/V reach the cache (the kernels' QUANT constexpr / template parameter).
-QUANT_COPY = 0     # cache in the input dtype
-QUANT_STATIC = 1   # fp8 / int8 with a given fp32 scale ([], [1] or [H])
-QUANT_TOKEN = 2    # dynamic: one scale per token over all heads, scale cache [pages, pps]
-QUANT_HEAD = 3     # dynamic: one scale per token-head, scale cache [pages, pps, H]
-
-# Cache element formats (the kernels' FMT).
-FMT_SAME, FMT_E4M3, FMT_E5M2, FMT_INT8 = 0, 1, 2, 3
-FORMAT_OF = {torch.float8_e4m3fn: FMT_E4M3, torch.float8_e5m2: FMT_E5M2, torch.int8: FMT_INT8}
-QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
-SCALE_FLOOR = 1e-6   # as fp32: the smallest dynamic scale
-# How a value reaches its code once the scale is known (the kernels' RULE).
-RULE_RNE = 0    # x / scale, round to nearest even (kvwrite's default)
-RULE_VLLM = 1   # x * (1 / scale), int8 half away from zero (vLLM's per-token-head store)
-RULES = {"rne": RULE_RNE, "vllm": RULE_VLLM}
-QUANT_DTYPES = tuple(QMAX)
 LAYOUTS = ("NHD", "HND")
 
 
@@ -79,17 +66,6 @@ class KVStore:
 
 def canonical(cache: torch.Tensor, layout: str) -> torch.Tensor:
     return cache if layout == "NHD" else cache.transpose(1, 2)
-
-
-def _scale_cache(name: str, t: object, num_pages: int, pps: int, h: int, device) -> torch.Tensor:
-    t = validate.tensor(name, t, dtypes=(torch.float32,), device=device)
-    if t.dim() == 2:
-        validate.shape(name, t, (num_pages, pps), "num_pages, pool_page_size: one scale per token")
-        return t.unsqueeze(-1)
-    validate.shape(name, t, (num_pages, pps, h),
-                   "num_pages, pool_page_size (one scale per token) or num_pages, pool_page_size, H "
-                   "(one per token-head)")
-    return t
 
 
 def prepare_kv_store(op: str, k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, k_scale_cache,
@@ -120,8 +96,8 @@ def prepare_kv_store(op: str, k, v, k_cache, v_cache, loc, layout, k_scale, v_sc
             raise ValueError("k_scale/v_scale (static) and k_scale_cache/v_scale_cache (dynamic) exclude each other")
         if k_cache.dtype not in QUANT_DTYPES:
             raise TypeError(f"k_scale_cache/v_scale_cache need an int8 or fp8 cache, got {k_cache.dtype}")
-        ksc = _scale_cache("k_scale_cache", k_scale_cache, num_pages, pps, h, device)
-        vsc = _scale_cache("v_scale_cache", v_scale_cache, num_pages, pps, h, device)
+        ksc = validate.scale_cache("k_scale_cache", k_scale_cache, num_pages, pps, h, device)
+        vsc = validate.scale_cache("v_scale_cache", v_scale_cache, num_pages, pps, h, device)
         if ksc.shape != vsc.shape:
             raise ValueError(f"k_scale_cache and v_scale_cache must have the same shape, got "
                              f"{list(k_scale_cache.shape)} and {list(v_scale_cache.shape)}")
