@@ -1,4 +1,4 @@
-"""The structure figures of issue 28: glue lines, places a store touches, duplicate pairs.
+"""The structure figures: glue lines, places a store touches, duplicate pairs.
 
 - glue: non-blank lines of python/kvwrite/**.py outside reference/, config/, cli/, bench/,
   compat/, plus csrc/* code files outside csrc/kvwrite/ (README excluded).

@@ -340,10 +340,13 @@ void store_kv_quant_cpu(const Tensor& k, const Tensor& v, const Tensor& k_cache,
 
 // Fused RoPE + store (kvwrite/rope_store.h): each parallel chunk rotates its tokens' k (k_pe)
 // into one reused, cache-hot scratch row, then stores that row.
+// One counter for every instantiation below: the per-thread cos/sin row of rope_head_host is
+// shared by them, so a per-instantiation counter would hand two calls the same id (a stale row).
+std::atomic<uint64_t> rope_calls{0};
+
 template <class Token, class P>
 void run_rope_tokens(P p, const LocArgs& a, int64_t check, int64_t row_bytes, int64_t token_bytes) {
-  static std::atomic<uint64_t> calls{0};
-  p.rope.call = ++calls;  // keys the per-thread cos/sin row of rope_head_host to this call
+  p.rope.call = ++rope_calls;  // keys the per-thread cos/sin row of rope_head_host to this call
   if (check == CHECK_ASSERT)
     assert_prescan_with(a, [&](i64 i) {
       bool ok = false;
@@ -499,6 +502,7 @@ namespace kvwrite {
 struct CpuRun {
   static constexpr const char* NAME = "cpu";
   static constexpr auto store_kv = &store_kv_cpu;
+  static constexpr auto store_kv_quant = &store_kv_quant_cpu;
   static constexpr auto store_mla = &store_mla_cpu;
   static constexpr auto store_indexer_k = &store_indexer_k_cpu;
   static constexpr auto store_kv_nvfp4 = &store_kv_nvfp4_cpu;

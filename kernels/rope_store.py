@@ -207,7 +207,7 @@ def rope_store_kv_kernel(
     pt_batch_ptr=None, pt_indices_ptr=None, pt_indptr_ptr=None, pt_num_batches=0,
     pt_num_indices=0, HAS_TABLE: tl.constexpr = False,
 ):
-    """QUANT (kvwrite.ops.kv_quant): 0 copy, 1 static scale (fp8 / int8), 2 dynamic per token
+    """QUANT (kvwrite.facts): 0 copy, 1 static scale (fp8 / int8), 2 dynamic per token
     (program HQ owns every kv head: two passes, amax then codes), 3 dynamic per token-head."""
     pid_t = tl.program_id(0)
     j = tl.program_id(1)

@@ -332,12 +332,12 @@ def _run(a, name: str, *args) -> None:
 
 
 def store_kv(a) -> None:
-    """`a`: kvwrite.ops.kv.StoreKV (canonical [pages, pool_page_size, H, D] cache views)."""
+    """`a`: kvwrite.ops.kv.KVStore (canonical [pages, pool_page_size, H, D] cache views)."""
     _run(a, "store_kv", a.k, a.v, a.k_cache, a.v_cache, a.k_scale, a.v_scale)
 
 
 def store_kv_quant(a) -> None:
-    """`a`: kvwrite.ops.kv_quant.KVStore (static int8 or dynamic scales; canonical caches)."""
+    """`a`: kvwrite.ops.kv.KVStore (static int8 or dynamic scales; canonical caches)."""
     static = a.quant == facts.QUANT_STATIC
     _run(a, "store_kv_quant", a.k, a.v, a.k_cache, a.v_cache, a.k_scale if static else None,
          a.v_scale if static else None, None if static else a.k_scale_cache,

@@ -29,6 +29,7 @@ OPS = (
     "gather",
     "slot_mapping",
     "move_rows",
+    "store_kv_head_major",
 )
 READ_OPS = ("gather",)   # ops whose bad loc is a read (the message says "reads")
 
@@ -37,7 +38,7 @@ def op_code(name: str) -> int:
     return OPS.index(name)
 
 
-# --- store_kv: copy, fp8, int8, dynamic scales (kvwrite.ops.kv_quant has the formulas) ---------
+# --- store_kv: copy, fp8, int8, dynamic scales (kvwrite.ops.kv has the formulas) ---------
 KV_LAYOUTS = ("NHD", "HND", "cpu_attn")
 # How K/V reach the cache (the kernels' QUANT constexpr / template parameter).
 QUANT_COPY = 0     # cache in the input dtype

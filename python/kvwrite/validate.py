@@ -31,8 +31,10 @@ def _env_check_mode() -> str:
     return value.lower()
 
 
+@torch._dynamo.assume_constant_result
 def default_check() -> str:
-    """The process default check mode (`KVWRITE_CHECK`), read from the environment once."""
+    """The process default check mode (`KVWRITE_CHECK`), read from the environment once: a
+    process constant, also while tracing (Dynamo cannot read `globals()`)."""
     mode = globals().get("DEFAULT_CHECK")
     if mode is None:
         mode = globals()["DEFAULT_CHECK"] = _env_check_mode()

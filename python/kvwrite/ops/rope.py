@@ -16,7 +16,8 @@ import torch
 from kvwrite import _ext, validate
 from kvwrite.errors import ErrorBuffer, op_code
 from kvwrite.ops._common import dispatch, record
-from kvwrite.ops.kv_quant import KVStore, prepare_kv_store
+from kvwrite.facts import FMT_SAME, QUANT_STATIC
+from kvwrite.ops.kv import KVStore, prepare_store_kv
 from kvwrite.ops.mla import FORMATS, StoreMLA, prepare_store_mla
 
 OP_KV = "rope_store_kv"
@@ -138,8 +139,11 @@ def prepare_rope_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, l
                           rotary_dim, q_norm_weight, k_norm_weight, norm_eps, layout, k_scale,
                           v_scale, k_scale_cache, v_scale_cache, check, errors, loc_map, dcp_rank,
                           dcp_size) -> RopeStoreKV:
-    store = prepare_kv_store(OP_KV, k, v, k_cache, v_cache, loc, layout, k_scale, v_scale,
-                             k_scale_cache, v_scale_cache, check, errors, loc_map, dcp_rank, dcp_size)
+    validate.choice("layout", layout, ("NHD", "HND"))
+    store = prepare_store_kv(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors,
+                             loc_map, dcp_rank, dcp_size, k_scale_cache, v_scale_cache, op=OP_KV)
+    if store.quant == QUANT_STATIC and store.fmt == FMT_SAME:
+        raise TypeError(f"k_cache: rope_store_kv stores no {store.k_cache.dtype} cache")
     n, _, d = store.k.shape
     device = store.k.device
     q = validate.tensor("q", q, ndim=3, dtypes=(store.k.dtype,), device=device)

@@ -1,5 +1,5 @@
 """Reference int8 / fp8 K/V stores with static or dynamic (per-token, per-token-head) scales, and
-`dequant_kv`, their reader. The formulas are on `kvwrite.ops.kv_quant`."""
+`dequant_kv`, their reader. The formulas are on `kvwrite.ops.kv`."""
 from __future__ import annotations
 
 import torch
@@ -64,7 +64,7 @@ def write_rows(x: torch.Tensor, cache: torch.Tensor, quant: int, scale: torch.Te
 
 
 def store_kv_quant(a) -> None:
-    """`a`: kvwrite.ops.kv_quant.KVStore."""
+    """`a`: kvwrite.ops.kv.KVStore."""
     idx, page, offset = resolve_and_check(a.locs, a.geometry, a.check)
     if idx.numel():
         write_rows(a.k[idx], a.k_cache, a.quant, a.k_scale, a.k_scale_cache, page, offset, a.rule)
