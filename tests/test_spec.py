@@ -211,7 +211,7 @@ def run(name, fn, make):
     torch.manual_seed(0)
     comp = make()
     fn(*eager)
-    torch.compile(fn, fullgraph=True, backend="eager")(*comp)
+    torch.compile(fn, fullgraph=True)(*comp)   # the default backend: inductor
     same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(eager, comp)
                if isinstance(a, torch.Tensor) and a.dtype != torch.bool)
     breaks = sum(counters["graph_break"].values())
@@ -241,6 +241,18 @@ def quant_args():
     return [k, v, kc, vc, torch.tensor([0, 5, 9]), torch.zeros(4, 4, 2), torch.zeros(4, 4, 2)]
 run("store_kv int8 per token-head", lambda k, v, kc, vc, s, ks, vs: kvwrite.store_kv(
     k, v, kc, vc, s, k_scale_cache=ks, v_scale_cache=vs, quant_rule="vllm"), quant_args)
+def rope_kv_args():
+    g = torch.Generator().manual_seed(1)
+    return [torch.tensor([0, 3, 7]), torch.randn(3, 4, 16, generator=g), torch.randn(3, 2, 16, generator=g),
+            torch.randn(3, 2, 16, generator=g), torch.randn(8, 16, generator=g), torch.zeros(4, 4, 2, 16),
+            torch.zeros(4, 4, 2, 16), torch.tensor([0, 5, 9])]
+run("rope_store_kv", lambda p, q, k, v, cs, kc, vc, s: kvwrite.rope_store_kv(p, q, k, v, cs, kc, vc, s), rope_kv_args)
+def rope_mla_args():
+    g = torch.Generator().manual_seed(2)
+    return [torch.tensor([0, 3, 7]), torch.randn(3, 2, 16, generator=g), torch.randn(3, 128, generator=g),
+            torch.randn(3, 16, generator=g), torch.randn(8, 16, generator=g), torch.zeros(4, 4, 144),
+            torch.tensor([0, 5, 9])]
+run("rope_store_mla", lambda p, q, c, pe, cs, kc, s: kvwrite.rope_store_mla(p, q, c, pe, cs, kc, s), rope_mla_args)
 def mla_args():
     return [torch.randn(3, 128), torch.randn(3, 16), torch.zeros(4, 4, 144), torch.tensor([0, 5, 9])]
 run("vllm.concat_and_cache_mla", lambda c, p, kc, s: vllm.concat_and_cache_mla(c, p, kc, s, "auto", None), mla_args)
@@ -255,7 +267,7 @@ def test_torch_compile_first_call_of_every_op_and_adapter(env_check):
     lines = out.stdout.splitlines()
     assert out.returncode == 0 and lines, out.stderr[-3000:]
     assert all(line.endswith(" ok") for line in lines), (lines, out.stderr[-3000:])
-    assert len(lines) == len(OPS) + 6
+    assert len(lines) == len(OPS) + 8
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])

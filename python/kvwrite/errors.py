@@ -30,7 +30,6 @@ from __future__ import annotations
 import atexit
 import sys
 import threading
-from dataclasses import dataclass
 
 import torch
 
@@ -343,18 +342,6 @@ def report_default_errors(stream=None) -> int:
                   f"(kvwrite.default_errors({str(device)!r}).raise_if_any()): {err}", file=stream)
     stream.flush()
     return found
-
-
-@dataclass(frozen=True)
-class Violation:
-    """What the host-side reference found wrong with one call (used by `assert` on CPU)."""
-
-    token_index: int
-    loc: int
-    target: int
-    limit: int
-    kind: int
-    count: int
 
 
 def pack(token: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

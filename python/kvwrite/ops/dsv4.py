@@ -102,12 +102,6 @@ KV_SPEC = spec.Op(
     build=_build_kv, impls=KV_IMPLS, dcp_page=True, page_table=False)
 
 
-def prepare_store_dsv4_kv(kv, cache, loc, page_size, check, errors, loc_map, dcp_rank,
-                          dcp_size) -> StoreDSV4KV:
-    """A validated store_dsv4_kv call (the spec's checks)."""
-    return KV_SPEC.prepare((kv, cache, loc, page_size, check, errors, loc_map, dcp_rank, dcp_size, "auto"))
-
-
 def store_dsv4_kv(kv: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, *,
                   page_size: int | None = None, check: str | None = None,
                   errors: ErrorBuffer | None = None, loc_map: torch.Tensor | None = None,
@@ -178,13 +172,6 @@ INDEXER_SPEC = spec.Op(
     build=_build_indexer, impls=_indexer_impls, dcp_page=True, page_table=False)
 
 
-def prepare_store_dsv4_indexer_k(k, cache, loc, page_size, fmt, scale_fmt, check, errors, loc_map,
-                                 dcp_rank, dcp_size) -> StoreDSV4IndexerK:
-    """A validated store_dsv4_indexer_k call (the spec's checks)."""
-    return INDEXER_SPEC.prepare((k, cache, loc, page_size, fmt, scale_fmt, check, errors, loc_map,
-                                 dcp_rank, dcp_size, "auto"))
-
-
 def store_dsv4_indexer_k(index_k: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, *,
                          page_size: int | None = None, fmt: str = "fp8",
                          scale_fmt: str | None = None, check: str | None = None,
@@ -232,11 +219,6 @@ ROWS_SPEC = spec.Op(
           spec.cache("pool", "R W", ROW_DTYPES), spec.LOC, *TAIL),
     checks=("pool", "src", _no_overlap, spec.geometry("pool")),
     build=_build_rows, impls=ROWS_IMPLS, dcp_page=True, page_table=False)
-
-
-def prepare_store_rows(src, pool, loc, check, errors, loc_map, dcp_rank, dcp_size) -> StoreRows:
-    """A validated store_rows call (the spec's checks)."""
-    return ROWS_SPEC.prepare((src, pool, loc, check, errors, loc_map, dcp_rank, dcp_size, "auto"))
 
 
 def store_rows(src: torch.Tensor, pool: torch.Tensor, loc: torch.Tensor, *,

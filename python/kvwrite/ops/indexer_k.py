@@ -77,12 +77,6 @@ _OP = SPEC.overload
 _CALL = _OP._op
 
 
-def prepare_store_indexer_k(k, cache, loc, quant_block_size, scale_fmt, check, errors,
-                            loc_map) -> StoreIndexerK:
-    """A validated store_indexer_k call (the spec's checks)."""
-    return SPEC.prepare((k, cache, loc, quant_block_size, scale_fmt, check, errors, loc_map, "auto"))
-
-
 def store_indexer_k(k: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, *,
                     quant_block_size: int = 128, scale_fmt: str | None = None,
                     check: str | None = None, errors: ErrorBuffer | None = None,

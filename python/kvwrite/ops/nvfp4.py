@@ -85,14 +85,6 @@ _OP = SPEC.overload
 _CALL = _OP._op
 
 
-def prepare_store_kv_nvfp4(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, loc,
-                           k_global_scale, v_global_scale, layout, check, errors, loc_map,
-                           dcp_rank, dcp_size) -> StoreKVNVFP4:
-    """A validated store_kv_nvfp4 call (the spec's checks)."""
-    return SPEC.prepare((k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, loc, k_global_scale,
-                         v_global_scale, layout, check, errors, loc_map, dcp_rank, dcp_size, "auto"))
-
-
 def store_kv_nvfp4(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    k_scale_cache: torch.Tensor, v_scale_cache: torch.Tensor, loc: torch.Tensor, *,
                    k_global_scale: torch.Tensor | None = None,

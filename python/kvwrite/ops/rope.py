@@ -15,6 +15,7 @@ import torch
 
 from kvwrite import _ext, validate
 from kvwrite.errors import ErrorBuffer, op_code
+from kvwrite.ops import _library
 from kvwrite.ops._common import dispatch, record
 from kvwrite.facts import FMT_SAME, QUANT_STATIC
 from kvwrite.ops.kv import KVStore, prepare_store_kv
@@ -97,11 +98,6 @@ def _fast_kv(*args) -> None:
 _FAST_KV = _fast_kv
 
 
-def kv_impls(store: KVStore) -> tuple[tuple[str, str], ...]:
-    """The implementations of a rope_store_kv call (every K/V store format has its kernels)."""
-    return KV_IMPLS
-
-
 def _rope_args(positions, q, head_dim, n, cos_sin_cache, rotary_dim, device, q_name):
     positions = validate.tensor("positions", positions, ndim=1, dtypes=validate.LOC_DTYPES, device=device)
     if positions.shape[0] != n:
@@ -177,6 +173,16 @@ def prepare_rope_store_mla(positions, q_pe, kv_c, k_pe, cos_sin_cache, kv_cache,
     return RopeStoreMLA(q_pe, positions, cos_sin, rotary_dim, is_neox, store)
 
 
+def _traced(check, errors, traced: bool):
+    """The check a traced call validates with: as the fake kernels, guard without a buffer as "off"
+    (the default buffer is found when the op runs)."""
+    return _library.fake_check(validate.check_mode(check), errors) if traced else check
+
+
+def _tensor(errors):
+    return errors.tensor if isinstance(errors, ErrorBuffer) else errors
+
+
 def _op_check(chk, op):
     from kvwrite.ops._common import Check
 
@@ -199,7 +205,7 @@ def _rope_store_kv_op(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                               v_scale, k_scale_cache, v_scale_cache, check, errors, loc_map,
                               dcp_rank, dcp_size)
     if a.locs.n:
-        dispatch(OP_KV, kv_impls(a.store), backend, k.device, a)
+        dispatch(OP_KV, KV_IMPLS, backend, k.device, a)
 
 
 @_rope_store_kv_op.register_fake
@@ -247,18 +253,19 @@ def rope_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                                 _OP_KV_CODE)
             except Exception:  # what they refuse, the Python path names (or runs: bf16 weights)
                 pass
+    traced = torch.compiler.is_compiling()
     a = prepare_rope_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, loc, is_neox,
                               rotary_dim, q_norm_weight, k_norm_weight, norm_eps, layout, k_scale,
-                              v_scale, k_scale_cache, v_scale_cache, check, errors, loc_map,
-                              dcp_rank, dcp_size)
-    if torch.compiler.is_compiling():
+                              v_scale, k_scale_cache, v_scale_cache, _traced(check, errors, traced),
+                              errors, loc_map, dcp_rank, dcp_size)
+    if traced:
         torch.ops.kvwrite.rope_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, loc,
                                         is_neox, rotary_dim, q_norm_weight, k_norm_weight,
                                         float(norm_eps), layout, k_scale, v_scale, k_scale_cache,
-                                        v_scale_cache, check, a.check.errors, loc_map, dcp_rank,
+                                        v_scale_cache, check, _tensor(errors), loc_map, dcp_rank,
                                         dcp_size, backend)
     elif a.locs.n:
-        dispatch(OP_KV, kv_impls(a.store), backend, a.q.device, a)
+        dispatch(OP_KV, KV_IMPLS, backend, a.q.device, a)
 
 
 @torch.library.custom_op("kvwrite::rope_store_mla", mutates_args=("q_pe", "kv_cache", "scale_cache", "errors"))
@@ -295,12 +302,13 @@ def rope_store_mla(positions: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tens
     `global_scale`). The rotated k_pe is rounded once to the input dtype (fp32 rotation, no fma),
     then stored exactly as `store_mla` stores a k_pe. Positions, checks, `loc_map`, DCP: as in
     `rope_store_kv`. kv_c and k_pe are not modified."""
+    traced = torch.compiler.is_compiling()
     a = prepare_rope_store_mla(positions, q_pe, kv_c, k_pe, cos_sin_cache, kv_cache, loc, is_neox,
-                               kv_cache_dtype, scale, check, errors, loc_map, dcp_rank, dcp_size,
-                               scale_cache, global_scale)
-    if torch.compiler.is_compiling():
+                               kv_cache_dtype, scale, _traced(check, errors, traced), errors, loc_map,
+                               dcp_rank, dcp_size, scale_cache, global_scale)
+    if traced:
         torch.ops.kvwrite.rope_store_mla(positions, q_pe, kv_c, k_pe, cos_sin_cache, kv_cache, loc,
-                                         is_neox, kv_cache_dtype, scale, check, a.check.errors,
+                                         is_neox, kv_cache_dtype, scale, check, _tensor(errors),
                                          loc_map, dcp_rank, dcp_size, backend, scale_cache,
                                          global_scale)
     elif a.locs.n:
