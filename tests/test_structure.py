@@ -3,6 +3,7 @@ and the layers below the ops (kernels/, reference/, the facts) never import `kvw
 from __future__ import annotations
 
 import ast
+import importlib.util
 from pathlib import Path
 
 import kvwrite
@@ -40,10 +41,7 @@ def _graph() -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join(up + [base]).rstrip(".")
+                base = importlib.util.resolve_name("." * node.level + (node.module or ""), package)
                 names = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
             else:
                 continue

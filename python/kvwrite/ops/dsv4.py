@@ -38,37 +38,18 @@ from kvwrite.facts import (  # noqa: F401  (the formats' facts, re-exported)
     indexer_row_bytes, kv_page_bytes, kv_pool_page_size)
 from kvwrite.geometry import PageGeometry, require_positive_int
 from kvwrite.ops import spec
-from kvwrite.ops._common import Check, Locs
+from kvwrite.ops._common import Check, Locs, impls
 
 OP_KV = "store_dsv4_kv"
 OP_INDEXER = "store_dsv4_indexer_k"
 OP_ROWS = "store_rows"
 
-KV_IMPLS = (
-    ("torch", "kvwrite.reference.dsv4:store_dsv4_kv"),
-    ("triton", "kvwrite.kernels.store_dsv4:launch_kv"),
-    ("cpu", "kvwrite._ext:store_dsv4_kv"),
-    ("cuda", "kvwrite._ext:store_dsv4_kv"),
-)
+KV_IMPLS = impls("dsv4:store_dsv4_kv", "store_dsv4:launch_kv", "store_dsv4_kv")
 # fp8 indexer rows are `store_indexer_k`'s format: its reference and Triton kernel, our binding.
-INDEXER_FP8_IMPLS = (
-    ("torch", "kvwrite.reference.indexer_k:store_indexer_k"),
-    ("triton", "kvwrite.kernels.store_indexer_k:launch"),
-    ("cpu", "kvwrite._ext:store_dsv4_indexer_k"),
-    ("cuda", "kvwrite._ext:store_dsv4_indexer_k"),
-)
-INDEXER_MXFP4_IMPLS = (
-    ("torch", "kvwrite.reference.dsv4:store_dsv4_indexer_k"),
-    ("triton", "kvwrite.kernels.store_dsv4:launch_indexer_mxfp4"),
-    ("cpu", "kvwrite._ext:store_dsv4_indexer_k"),
-    ("cuda", "kvwrite._ext:store_dsv4_indexer_k"),
-)
-ROWS_IMPLS = (
-    ("torch", "kvwrite.reference.dsv4:store_rows"),
-    ("triton", "kvwrite.kernels.store_dsv4:launch_rows"),
-    ("cpu", "kvwrite._ext:store_rows"),
-    ("cuda", "kvwrite._ext:store_rows"),
-)
+INDEXER_FP8_IMPLS = impls("indexer_k:store_indexer_k", "store_indexer_k:launch", "store_dsv4_indexer_k")
+INDEXER_MXFP4_IMPLS = impls("dsv4:store_dsv4_indexer_k", "store_dsv4:launch_indexer_mxfp4",
+                            "store_dsv4_indexer_k")
+ROWS_IMPLS = impls("dsv4:store_rows", "store_dsv4:launch_rows", "store_rows")
 
 # --- store_dsv4_kv -------------------------------------------------------------------------------
 

@@ -19,15 +19,10 @@ from kvwrite.facts import indexer_k_pool_page_size as pool_page_size  # noqa: F4
 from kvwrite.facts import indexer_k_row_bytes as row_bytes
 from kvwrite.geometry import PageGeometry, require_positive_int
 from kvwrite.ops import spec
-from kvwrite.ops._common import Check, Locs
+from kvwrite.ops._common import Check, Locs, impls
 
 OP = "store_indexer_k"
-IMPLS = (
-    ("torch", "kvwrite.reference.indexer_k:store_indexer_k"),
-    ("triton", "kvwrite.kernels.store_indexer_k:launch"),
-    ("cpu", "kvwrite._ext:store_indexer_k"),
-    ("cuda", "kvwrite._ext:store_indexer_k"),
-)
+IMPLS = impls("indexer_k:store_indexer_k", "store_indexer_k:launch", "store_indexer_k")
 SCALE_FMTS = (None, "ue8m0")
 
 

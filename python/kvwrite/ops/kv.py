@@ -33,21 +33,12 @@ from kvwrite.facts import (FMT_INT8, FMT_SAME, FORMAT_OF, KV_LAYOUTS as LAYOUTS,
                            QUANT_HEAD, QUANT_STATIC, QUANT_TOKEN, RULE_RNE, RULES)
 from kvwrite.geometry import PageGeometry
 from kvwrite.ops import spec
-from kvwrite.ops._common import Check, Locs
+from kvwrite.ops._common import Check, Locs, impls
 
 OP = "store_kv"
-IMPLS = (
-    ("torch", "kvwrite.reference.kv:store_kv"),
-    ("triton", "kvwrite.kernels.store_kv:launch"),
-    ("cpu", "kvwrite._ext:store_kv"),
-    ("cuda", "kvwrite._ext:store_kv"),
-)
-QUANT_IMPLS = (   # int8 caches and dynamic scales
-    ("torch", "kvwrite.reference.kv_quant:store_kv_quant"),
-    ("triton", "kvwrite.kernels.store_kv_quant:launch"),
-    ("cpu", "kvwrite._ext:store_kv_quant"),
-    ("cuda", "kvwrite._ext:store_kv_quant"),
-)
+IMPLS = impls("kv:store_kv", "store_kv:launch", "store_kv")
+# int8 caches and dynamic scales
+QUANT_IMPLS = impls("kv_quant:store_kv_quant", "store_kv_quant:launch", "store_kv_quant")
 
 
 @dataclass(slots=True, eq=False)
@@ -151,7 +142,7 @@ def _build(v: dict, env: dict, locs: Locs, chk: Check) -> KVStore:
                    _scale_view(v["k_scale_cache"]), _scale_view(v["v_scale_cache"]), env["rule"])
 
 
-def impls(a: KVStore) -> tuple:
+def format_impls(a: KVStore) -> tuple:
     """The kernels of a call's format: store_kv's for copy / static fp8, else store_kv_quant's."""
     return IMPLS if a.quant == QUANT_COPY or (a.quant == QUANT_STATIC and a.fmt != FMT_INT8) else QUANT_IMPLS
 
@@ -172,7 +163,7 @@ SPEC = spec.Op(
           spec.option("quant_rule", "str?", default=None)),
     checks=("k", "v", spec.choice("layout", LAYOUTS), "k_cache", "v_cache", spec.geometry("k_cache"),
             _cpu_attn_key, _quant, "k_scale", "v_scale"),
-    build=_build, impls=impls)
+    build=_build, impls=format_impls)
 _OP = SPEC.overload
 _CALL = _OP._op  # the C++ builtin behind the OpOverload (pool.store binds it)
 

@@ -1,9 +1,10 @@
 """`store_mla`: the MLA latent+rope row store (bf16/fp16/fp32, per-tensor fp8, DeepSeek fp8_ds_mla,
 NVFP4).
 
-Each `kv_cache_dtype` is one `MLAFormat` in `FORMATS` (`kvwrite.facts.MLA_FORMATS`): the cache dtype it needs, the width of its
-cache row, whether it takes a per-tensor `scale`, the kernel mode, and any extra rule on the
-dims. A new format is one more entry there (and its impls here if not IMPLS) (plus its row writer in each backend).
+Each `kv_cache_dtype` is one `MLAFormat` in `FORMATS` (`kvwrite.facts.MLA_FORMATS`): the cache
+dtype it needs, the width of its cache row, whether it takes a per-tensor `scale`, the kernel
+mode, and any extra rule on the dims. A new format is one more entry there (plus its row writer
+in each backend, and its backend table here if not IMPLS).
 """
 from __future__ import annotations
 
@@ -19,24 +20,14 @@ from kvwrite.facts import (  # noqa: F401  (the formats' facts, re-exported)
     ds_mla_format, ds_mla_row_bytes)
 from kvwrite.geometry import PageGeometry
 from kvwrite.ops import spec
-from kvwrite.ops._common import Check, Locs
+from kvwrite.ops._common import Check, Locs, impls
 
 OP = "store_mla"
-IMPLS = (
-    ("torch", "kvwrite.reference.mla:store_mla"),
-    ("triton", "kvwrite.kernels.store_mla:launch"),
-    ("cpu", "kvwrite._ext:store_mla"),
-    ("cuda", "kvwrite._ext:store_mla"),
-)
+IMPLS = impls("mla:store_mla", "store_mla:launch", "store_mla")
 
 # NVFP4 rows have their own Triton kernel (the reference is store_mla's, writer in
 # reference/mla.WRITERS); the C++/CUDA store_mla covers them as its mode MODE_NVFP4.
-NVFP4_IMPLS = (
-    ("torch", "kvwrite.reference.mla:store_mla"),
-    ("triton", "kvwrite.kernels.store_mla_nvfp4:launch"),
-    ("cpu", "kvwrite._ext:store_mla"),
-    ("cuda", "kvwrite._ext:store_mla"),
-)
+NVFP4_IMPLS = impls("mla:store_mla", "store_mla_nvfp4:launch", "store_mla")
 FORMATS = MLA_FORMATS   # kv_cache_dtype -> MLAFormat (kvwrite.facts)
 
 

@@ -10,17 +10,12 @@ from kvwrite import validate
 from kvwrite.errors import ErrorBuffer
 from kvwrite.geometry import PageGeometry
 from kvwrite.ops import spec
-from kvwrite.ops._common import Check, Locs
+from kvwrite.ops._common import Check, Locs, impls
 from kvwrite.ops.kv import LAYOUTS, canonical
 
 OP = "store_kv_nvfp4"
 BLOCK = 16  # elements per e4m3 block scale
-IMPLS = (
-    ("torch", "kvwrite.reference.nvfp4:store_kv_nvfp4"),
-    ("triton", "kvwrite.kernels.store_kv_nvfp4:launch"),
-    ("cpu", "kvwrite._ext:store_kv_nvfp4"),
-    ("cuda", "kvwrite._ext:store_kv_nvfp4"),
-)
+IMPLS = impls("nvfp4:store_kv_nvfp4", "store_kv_nvfp4:launch", "store_kv_nvfp4")
 
 
 @dataclass(frozen=True)

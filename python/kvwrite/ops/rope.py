@@ -16,7 +16,7 @@ import torch
 from kvwrite import _ext, validate
 from kvwrite.errors import ErrorBuffer, op_code
 from kvwrite.ops import _library
-from kvwrite.ops._common import dispatch, record
+from kvwrite.ops._common import dispatch, impls, record
 from kvwrite.facts import FMT_SAME, QUANT_STATIC
 from kvwrite.ops.kv import KVStore, prepare_store_kv
 from kvwrite.ops.mla import FORMATS, StoreMLA, prepare_store_mla
@@ -24,18 +24,8 @@ from kvwrite.ops.mla import FORMATS, StoreMLA, prepare_store_mla
 OP_KV = "rope_store_kv"
 OP_MLA = "rope_store_mla"
 MAX_HEAD_DIM = 1024
-KV_IMPLS = (
-    ("torch", "kvwrite.reference.rope:rope_store_kv"),
-    ("triton", "kvwrite.kernels.rope_store:launch_kv"),
-    ("cpu", "kvwrite._ext:rope_store_kv"),
-    ("cuda", "kvwrite._ext:rope_store_kv"),
-)
-MLA_IMPLS = (
-    ("torch", "kvwrite.reference.rope:rope_store_mla"),
-    ("triton", "kvwrite.kernels.rope_store:launch_mla"),
-    ("cpu", "kvwrite._ext:rope_store_mla"),
-    ("cuda", "kvwrite._ext:rope_store_mla"),
-)
+KV_IMPLS = impls("rope:rope_store_kv", "rope_store:launch_kv", "rope_store_kv")
+MLA_IMPLS = impls("rope:rope_store_mla", "rope_store:launch_mla", "rope_store_mla")
 # every store_mla kv_cache_dtype (fp8_ds_mla options included), and "fp8" for "fp8_e4m3"
 MLA_FORMATS = {"fp8": "fp8_e4m3", **{name: name for name in FORMATS}}
 
