@@ -259,6 +259,26 @@ inline int64_t dsv4_kv_page_bytes(int64_t pps) {
   return ceil_div(pps * (DSV4_DATA_ROW + DSV4_SCALE_ROW), DSV4_DATA_ROW) * DSV4_DATA_ROW;
 }
 
+// ops.kv._quant: store_kv's format (quant 0 copy, 1 static, 2 per token, 3 per token-head) and
+// quant_rule (0 rne, 1 vllm). The scale caches' shapes are the kernel's params checks (a refusal
+// there, before any write, hands the call to Python like a refused rule).
+inline bool kv_quant(Call& c) {
+  const c10::IValue& name = c.v("quant_rule");
+  if (!name.isNone() && !(name.isString() && (name.toStringRef() == "rne" || name.toStringRef() == "vllm")))
+    return false;
+  c.e("rule") = !name.isNone() && name.toStringRef() == "vllm";
+  const int64_t dt = c.e("k_cache");
+  const bool int8 = dt == int64_t(at::kChar), scales = !c.none("k_scale") && !c.none("v_scale");
+  const auto ks = c.opt("k_scale_cache"), vs = c.opt("v_scale_cache");
+  if (!ks && !vs) {
+    c.e("quant") = int8 || is_fp8(dt) ? 1 : 0;
+    return c.e("rule") == 0 && (c.e("quant") ? scales : c.none("k_scale") && c.none("v_scale"));
+  }
+  if (!ks || !vs || !c.none("k_scale") || !c.none("v_scale") || ks->sizes() != vs->sizes()) return false;
+  c.e("quant") = ks->dim() == 3 ? 3 : 2;
+  return (int8 || dt == int64_t(at::kFloat8_e4m3fn) || dt == int64_t(at::kFloat8_e5m2)) && ks->dim() >= 2;
+}
+
 // The op rules (the C++ side of the spec's named checks: `spec.rule("name")`), as predicates.
 inline bool rule(const std::vector<std::string>& w, Call& c) {
   const std::string& r = w[0];
@@ -274,8 +294,14 @@ inline bool rule(const std::vector<std::string>& w, Call& c) {
   // store_kv's layouts this launcher views canonically (NHD 0, HND 1); vLLM's "cpu_attn" key
   // cache (a split head dim) is stored through the Python path's canonical view.
   if (r == "native_layout") return c.e("layout") == 0 || c.e("layout") == 1;
-  if (r == "kv_scales") return is_fp8(c.e("k_cache")) ? !c.none("k_scale") && !c.none("v_scale")
-                                                      : c.none("k_scale") && c.none("v_scale");
+  if (r == "kv_quant") return kv_quant(c);
+  if (r == "kv_scales") return is_fp8(c.e(w[1])) ? !c.none("k_scale") && !c.none("v_scale")  // fp8: both
+                                                 : c.none("k_scale") && c.none("v_scale");
+  if (r == "split_x") {  // ops.kv_head_major._split_x: key cache [P, H, D / x, S, x], x = 16 bytes
+    const at::Tensor& kc = c.t("key_cache");
+    const int64_t x = 16 / int64_t(c10::elementSize(kc.scalar_type())), d = c.e("D");
+    return d % x == 0 && kc.size(2) == d / x && kc.size(4) == x;
+  }
   if (r == "mla_format") {
     const c10::IValue& v = c.v("kv_cache_dtype");
     if (!v.isString()) return false;
@@ -412,8 +438,24 @@ inline std::optional<Tail> addressing(Call& c) {
 template <class R>
 struct Launch {
   static at::Tensor cv(Call& c, const at::Tensor& x) { return c.e("layout") == 1 ? x.transpose(1, 2) : x; }
+  // copy / static fp8: the store_kv kernel; int8 and dynamic scales: store_kv_quant's.
   static void store_kv(Call& c, const Tail& t) {
-    R::store_kv(c.t("k"), c.t("v"), cv(c, c.t("k_cache")), cv(c, c.t("v_cache")), c.opt("k_scale"), c.opt("v_scale"),
+    const int64_t quant = c.e("quant");
+    if (quant == 0 || (quant == 1 && c.e("k_cache") != int64_t(at::kChar))) {
+      R::store_kv(c.t("k"), c.t("v"), cv(c, c.t("k_cache")), cv(c, c.t("v_cache")), c.opt("k_scale"), c.opt("v_scale"),
+                  KVW_TAIL_ARGS);
+      return;
+    }
+    auto sc = [&](const char* n) -> std::optional<at::Tensor> {
+      auto s = c.opt(n);
+      return s && s->dim() == 2 ? std::optional<at::Tensor>(s->unsqueeze(-1)) : s;
+    };
+    R::store_kv_quant(c.t("k"), c.t("v"), cv(c, c.t("k_cache")), cv(c, c.t("v_cache")), c.opt("k_scale"),
+                      c.opt("v_scale"), sc("k_scale_cache"), sc("v_scale_cache"), quant, c.e("rule"), KVW_TAIL_ARGS);
+  }
+  static void store_kv_head_major(Call& c, const Tail& t) {  // store_kv on the split-head-dim views
+    R::store_kv(c.t("key"), c.t("value"), c.t("key_cache").permute({0, 3, 1, 2, 4}),
+                c.t("value_cache").permute({0, 3, 1, 2}).unsqueeze(-1), c.opt("k_scale"), c.opt("v_scale"),
                 KVW_TAIL_ARGS);
   }
   static void store_mla(Call& c, const Tail& t) {
@@ -439,6 +481,7 @@ template <class R>
 const std::unordered_map<std::string, void (*)(Call&, const Tail&)>& ops() {
   static const std::unordered_map<std::string, void (*)(Call&, const Tail&)> m = {
       {"kvwrite::store_kv", &Launch<R>::store_kv},
+      {"kvwrite::store_kv_head_major", &Launch<R>::store_kv_head_major},
       {"kvwrite::store_mla", &Launch<R>::store_mla},
       {"kvwrite::store_indexer_k", &Launch<R>::store_indexer_k},
       {"kvwrite::store_kv_nvfp4", &Launch<R>::store_kv_nvfp4},

@@ -239,6 +239,7 @@ namespace kvwrite {
 struct CudaRun {
   static constexpr const char* NAME = "cuda";
   static constexpr auto store_kv = &store_kv_cuda;
+  static constexpr auto store_kv_quant = &store_kv_quant_cuda;
   static constexpr auto store_mla = &store_mla_cuda;
   static constexpr auto store_indexer_k = &store_indexer_k_cuda;
   static constexpr auto store_kv_nvfp4 = &store_kv_nvfp4_cuda;

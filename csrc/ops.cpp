@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <sstream>
+#include <string>
 #include <vector>
 
 #include "api.h"
@@ -21,9 +22,15 @@ namespace {
 
 constexpr int64_t GRAIN = 64;  // tokens per parallel_for chunk
 
-const char* const OP_NAMES[] = {"store_kv",      "store_mla",      "store_indexer_k",      "store_kv_nvfp4", "rope_store_kv",
-                                "rope_store_mla", "store_dsv4_kv", "store_dsv4_indexer_k", "store_rows",
-                                "copy_pages",    "gather",         "slot_mapping",         "move_rows"};
+// kvwrite.facts.OPS (op code -> name), handed over when the extension loads (set_op_names).
+std::vector<std::string>& op_names() {
+  static std::vector<std::string> names;
+  return names;
+}
+std::string op_name(int op) {
+  const auto& names = op_names();
+  return op >= 0 && size_t(op) < names.size() ? names[op] : "op " + std::to_string(op);
+}
 
 i64 unpack(const i64* rec, int lo) {
   return i64((uint64_t(rec[lo + 1]) & 0xFFFFFFFFull) << 32 | (uint64_t(rec[lo]) & 0xFFFFFFFFull));
@@ -51,7 +58,7 @@ void assert_prescan_with(const LocArgs& a, Resolve&& resolve_i) {
   const i64 target = unpack(rec, slot::TARGET_LO), limit = unpack(rec, slot::LIMIT_LO);
   const int kind = int((rec[slot::META] & 0xFFFFFFFF) >> 8);
   std::ostringstream msg;
-  msg << "kvwrite: store loc outside the pool (check=assert): " << OP_NAMES[a.op] << ": token " << token
+  msg << "kvwrite: store loc outside the pool (check=assert): " << op_name(a.op) << ": token " << token
       << " loc " << loc;
   if (kind == KIND_BATCH || kind == KIND_TABLE_SLOT || kind == KIND_TABLE_PAGE) {
     msg << " page table: kind " << kind << " index " << target << " outside its bound " << limit;
@@ -274,7 +281,7 @@ void copy_pages_cpu(const Tensor& src, const Tensor& dst, const Tensor& src_page
       if (r.bad) record(rec, pair_violation(p, i, r));
     }
     rec[slot::EPOCH] = epoch + 1;
-    if (rec[slot::COUNT] != before) throw_assert(OP_NAMES[p.op], rec, rec[slot::COUNT] - before);
+    if (rec[slot::COUNT] != before) throw_assert(op_name(p.op).c_str(), rec, rec[slot::COUNT] - before);
   }
   with_check(int(check), [&](auto c) {
     at::parallel_for(0, p.n, grain_for(2 * p.unit_bytes()), [&](int64_t b, int64_t e) {
@@ -315,7 +322,7 @@ void slot_mapping_cpu(const Tensor& block_table, const Tensor& batch_indices, co
     });
   });
   if (check == CHECK_GUARD && p.errors != nullptr) p.errors[slot::EPOCH] += 1;  // the next call's epoch
-  if (asserting && p.errors[slot::COUNT] != before) throw_assert(OP_NAMES[p.op], p.errors, p.errors[slot::COUNT] - before);
+  if (asserting && p.errors[slot::COUNT] != before) throw_assert(op_name(p.op).c_str(), p.errors, p.errors[slot::COUNT] - before);
 }
 
 // store_kv with static int8 or dynamic per-token / per-token-head scales (kvwrite/store_kv_quant.h).
@@ -489,6 +496,7 @@ TORCH_LIBRARY_IMPL(kvwrite_ext, CPU, m) {
 
 TORCH_LIBRARY_FRAGMENT(kvwrite_ext, m) {
   m.def("set_program(str name, str program) -> ()", &kvwrite::api::set_program);
+  m.def("set_op_names(str[] names) -> ()", [](std::vector<std::string> names) { kvwrite::op_names() = std::move(names); });
 }
 
 // The public ops torch.ops.kvwrite.* (schemas defined in Python): the spec-fed kernel of api.h,
@@ -497,6 +505,7 @@ namespace kvwrite {
 struct CpuRun {
   static constexpr const char* NAME = "cpu";
   static constexpr auto store_kv = &store_kv_cpu;
+  static constexpr auto store_kv_quant = &store_kv_quant_cpu;
   static constexpr auto store_mla = &store_mla_cpu;
   static constexpr auto store_indexer_k = &store_indexer_k_cpu;
   static constexpr auto store_kv_nvfp4 = &store_kv_nvfp4_cpu;

@@ -25,7 +25,7 @@ from kvwrite.kernels._common import (CHECK_OFF, check_or_record, end_call, fp8_q
 from kvwrite.kernels._nvfp4 import store_blocks
 from kvwrite.kernels._quant import abs_for_scale, dynamic_scale, quant_code
 from kvwrite.kernels.store_mla import _RAW_ROPE, _bf16_bits, _ds_mla_tile
-from kvwrite.ops import mla as _mla
+from kvwrite import facts as _mla
 
 _KIND_POSITION = tl.constexpr(_e.KIND_POSITION)
 _COPY = tl.constexpr(_mla.MODE_COPY)
@@ -207,7 +207,7 @@ def rope_store_kv_kernel(
     pt_batch_ptr=None, pt_indices_ptr=None, pt_indptr_ptr=None, pt_num_batches=0,
     pt_num_indices=0, HAS_TABLE: tl.constexpr = False,
 ):
-    """QUANT (kvwrite.ops.kv_quant): 0 copy, 1 static scale (fp8 / int8), 2 dynamic per token
+    """QUANT (kvwrite.facts): 0 copy, 1 static scale (fp8 / int8), 2 dynamic per token
     (program HQ owns every kv head: two passes, amax then codes), 3 dynamic per token-head."""
     pid_t = tl.program_id(0)
     j = tl.program_id(1)
@@ -456,7 +456,6 @@ def launch_kv(a) -> None:
 
     from kvwrite.kernels import _quant
     from kvwrite.kernels._launch import fp8_constexprs, loc_args
-    from kvwrite.ops import kv_quant
 
     s = a.store
     n, h, d = s.k.shape
@@ -467,7 +466,7 @@ def launch_kv(a) -> None:
     block_t = _block_t(n, max(block_d, block_dv))
     kc, vc = ((s.k_cache.view(torch.uint8), s.v_cache.view(torch.uint8)) if quant
               else (_bits(s.k_cache), _bits(s.v_cache)))
-    static = quant == kv_quant.QUANT_STATIC
+    static = quant == _mla.QUANT_STATIC
     ks = s.k_scale if static else a.cos_sin
     vs = s.v_scale if static else a.cos_sin
     ksc = s.k_scale_cache if s.k_scale_cache is not None else a.cos_sin.new_empty((1, 1, 1))
@@ -493,7 +492,7 @@ def launch_kv(a) -> None:
         QUANT=quant, **fmt,
         BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_DV=block_dv, LOG2P=_log2(block_d),
         **loc_args(a))
-    kv_programs = 1 if quant == kv_quant.QUANT_TOKEN else h
+    kv_programs = 1 if quant == _mla.QUANT_TOKEN else h
     _run(rope_store_kv_kernel, (triton.cdiv(n, block_t), hq + kv_programs), a, **kwargs)
 
 
@@ -585,7 +584,7 @@ def variants():
                                    (bf16, "fp8_ds_mla", False), (f32, "fp8_ds_mla", True),
                                    (f16, "fp8_ds_mla+pow2+input", False), (bf16, "nvfp4", False),
                                    (f32, "nvfp4", True)):
-            f = _mla.FORMATS[fmt]
+            f = _mla.MLA_FORMATS[fmt]
             cache = f.cache_dtype(dtype)
             mode = f.mode
             block_c = {_mla.MODE_DS_MLA: 1, _mla.MODE_NVFP4: 36}.get(mode, 1024)

@@ -12,7 +12,7 @@ import triton.language as tl
 from kvwrite.kernels._common import claim_rows, daz, finite_abs, fp8_quant, store_le_bytes
 from kvwrite.kernels._nvfp4 import e2m1_code
 from kvwrite.kernels.store_mla import _bf16_bits
-from kvwrite.ops import dsv4 as _d
+from kvwrite import facts as _d
 
 _NOPE = tl.constexpr(_d.NOPE)
 _TILE = tl.constexpr(_d.TILE)
@@ -165,10 +165,10 @@ def variants():
             ptr = dict(cache_ptr=torch.uint8, loc_ptr=torch.int64, err_ptr=torch.int64,
                        loc_map_ptr=torch.int32)
             yield (f"kv:{tag}", store_dsv4_kv_kernel, dict(kv_ptr=dtype, **ptr),
-                   dict(common, OP=op_code(_d.OP_KV), BLOCK_T=32))
+                   dict(common, OP=op_code("store_dsv4_kv"), BLOCK_T=32))
             yield (f"mxfp4:{tag}", store_dsv4_mxfp4_kernel, dict(k_ptr=dtype, **ptr),
-                   dict(common, D=128, OP=op_code(_d.OP_INDEXER), BLOCK_T=64))
+                   dict(common, D=128, OP=op_code("store_dsv4_indexer_k"), BLOCK_T=64))
             yield (f"rows:{tag}", store_rows_kernel,
                    dict(src_ptr=dtype, pool_ptr=dtype, loc_ptr=torch.int64, err_ptr=torch.int64,
                         loc_map_ptr=torch.int32),
-                   dict(common, OP=op_code(_d.OP_ROWS), BLOCK_T=4, BLOCK_C=1024))
+                   dict(common, OP=op_code("store_rows"), BLOCK_T=4, BLOCK_C=1024))

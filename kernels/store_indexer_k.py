@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from kvwrite.kernels._common import claim_rows, finite_abs, fp8_quant, store_le_bytes
-from kvwrite.ops import indexer_k as _ik
+from kvwrite import facts as _ik
 
 _AMAX_FLOOR = tl.constexpr(_ik.AMAX_FLOOR)
 
@@ -75,6 +75,6 @@ def variants():
             pointers = dict(k_ptr=dtype, cache_ptr=torch.uint8, loc_ptr=torch.int64,
                             err_ptr=torch.int64, loc_map_ptr=torch.int32)
             constexprs = dict(D=128, QBS=128, BLOCK_Q=128, UE8M0=ue8m0, HAS_MAP=has_map,
-                              HAS_DCP=False, CHECK=check, OP=op_code(_ik.OP), BLOCK_T=32)
+                              HAS_DCP=False, CHECK=check, OP=op_code("store_indexer_k"), BLOCK_T=32)
             name = f"{str(dtype)[6:]}{'+ue8m0' if ue8m0 else ''}{'+map' if has_map else ''}"
             yield name, store_indexer_k_kernel, pointers, constexprs

@@ -62,7 +62,7 @@ def store_kv_kernel(
 
 
 def launch(a) -> None:
-    """Launch store_kv_kernel for a validated `kvwrite.ops.kv.StoreKV`."""
+    """Launch store_kv_kernel for a validated `kvwrite.ops.kv.KVStore`."""
     import torch
 
     from kvwrite.validate import FP8_MAX

@@ -86,7 +86,7 @@ def block_tokens(n: int, row_elems: int) -> int:
 
 
 def launch(a) -> None:
-    """Launch store_kv_quant_kernel for a validated `kvwrite.ops.kv_quant.KVStore`."""
+    """Launch store_kv_quant_kernel for a validated `kvwrite.ops.kv.KVStore`."""
     import torch
 
     from kvwrite.kernels import _quant

@@ -1,6 +1,6 @@
 """MLA row store: concat(kv_c, k_pe) copied, per-tensor fp8, or DeepSeek's fp8_ds_mla row.
 
-MODE (see `kvwrite.ops.mla.FORMATS`) picks the row writer at compile time. Copy/fp8 rows: program
+MODE (see `kvwrite.facts.MLA_FORMATS`) picks the row writer at compile time. Copy/fp8 rows: program
 (t, c) owns BLOCK_T tokens and column tile c of the L + R row. fp8_ds_mla: program (t, c) owns
 128-element latent tile c (its e4m3 bytes and fp32 scale); tile 0 also writes the bf16 rope.
 Every cache byte of fp8 formats is written as a byte (sm_80 has no e4m3 type).
@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from kvwrite.kernels._common import claim_rows, finite_abs, fp8_quant, store_le_bytes
-from kvwrite.ops import mla as _mla
+from kvwrite import facts as _mla
 
 _COPY = tl.constexpr(_mla.MODE_COPY)
 _FP8 = tl.constexpr(_mla.MODE_FP8)
@@ -173,14 +173,14 @@ def variants():
     )
     for check in (0, 1, 2):
         for dtype, name, map_dcp in cases:
-            fmt = _mla.FORMATS[name]
+            fmt = _mla.MLA_FORMATS[name]
             cache = fmt.cache_dtype(dtype)
             ds = fmt.mode == _mla.MODE_DS_MLA
             pointers = dict(c_ptr=dtype, pe_ptr=dtype, cache_ptr=torch.uint8 if cache in FP8_MAX else cache,
                             loc_ptr=torch.int64, scale_ptr=f32 if fmt.takes_scale else dtype,
                             err_ptr=torch.int64, loc_map_ptr=torch.int32)
             constexprs = dict(L=512, R=64, MODE=fmt.kernel_mode, **fp8_constexprs(cache),
-                              HAS_MAP=map_dcp, HAS_DCP=map_dcp, CHECK=check, OP=op_code(_mla.OP),
+                              HAS_MAP=map_dcp, HAS_DCP=map_dcp, CHECK=check, OP=op_code("store_mla"),
                               BLOCK_T=32 if ds else 4, BLOCK_C=64 if ds else 1024)
             yield (f"{str(dtype)[6:]}->{name}{'+map+dcp' if map_dcp else ''}", store_mla_kernel,
                    pointers, constexprs)
@@ -189,6 +189,6 @@ def variants():
                         err_ptr=torch.int64, loc_map_ptr=torch.int32, pt_batch_ptr=torch.int32,
                         pt_indices_ptr=torch.int32, pt_indptr_ptr=torch.int32)
         constexprs = dict(L=512, R=64, MODE=_mla.MODE_COPY, **fp8_constexprs(bf16), HAS_MAP=False,
-                          HAS_DCP=False, CHECK=check, OP=op_code(_mla.OP), BLOCK_T=4, BLOCK_C=1024,
+                          HAS_DCP=False, CHECK=check, OP=op_code("store_mla"), BLOCK_T=4, BLOCK_C=1024,
                           HAS_TABLE=True)
         yield "bfloat16->auto+table", store_mla_kernel, pointers, constexprs

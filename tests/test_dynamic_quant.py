@@ -8,7 +8,7 @@ import torch
 import kvwrite
 from conftest import DEVICE
 from helpers import BACKENDS, CanaryBuffer, assert_same_bytes, paged_locs
-from kvwrite.ops import kv_quant as q
+from kvwrite import facts as q
 
 QDTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 IMPLEMENTED = ["torch", *BACKENDS]  # the reference and every kernel backend on DEVICE

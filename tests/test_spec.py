@@ -33,7 +33,12 @@ def good(op: str) -> dict:
     if op == "store_kv":
         return dict(k=torch.randn(3, 2, 16, generator=g), v=torch.randn(3, 2, 8, generator=g),
                     k_cache=torch.zeros(4, 4, 2, 16), v_cache=torch.zeros(4, 4, 2, 8), loc=loc,
-                    layout="NHD", k_scale=None, v_scale=None, **tail)
+                    layout="NHD", k_scale=None, v_scale=None, **tail, k_scale_cache=None, v_scale_cache=None,
+                    quant_rule=None)
+    if op == "store_kv_head_major":   # float32: x = 4
+        return dict(key=torch.randn(3, 2, 16, generator=g), value=torch.randn(3, 2, 16, generator=g),
+                    key_cache=torch.zeros(4, 2, 4, 4, 4), value_cache=torch.zeros(4, 2, 16, 4), loc=loc,
+                    k_scale=None, v_scale=None, **tail)
     if op == "store_mla":
         return dict(kv_c=torch.randn(3, 128, generator=g), k_pe=torch.randn(3, 16, generator=g),
                     kv_cache=torch.zeros(4, 4, 144), loc=loc, kv_cache_dtype="auto", scale=None,
@@ -84,6 +89,47 @@ def test_opcheck(op):
     args["check"] = "guard"
     args["errors"] = kvwrite.ErrorBuffer().tensor
     torch.library.opcheck(spec.OPS[op].overload, tuple(args.values()), **kw)
+
+
+def quant_call(fmt: str) -> dict:
+    """store_kv into an int8 / fp8 cache: static scales, or dynamic per token / per token-head."""
+    args = good("store_kv")
+    dtype = torch.int8 if fmt.startswith("int8") else E4M3
+    args.update(k_cache=torch.zeros(4, 4, 2, 16, dtype=dtype), v_cache=torch.zeros(4, 4, 2, 8, dtype=dtype))
+    if "static" in fmt:
+        args.update(k_scale=torch.tensor(0.05), v_scale=torch.tensor([0.03, 0.04]))
+    else:
+        shape = (4, 4, 2) if "head" in fmt else (4, 4)
+        args.update(k_scale_cache=torch.zeros(shape), v_scale_cache=torch.zeros(shape))
+        args["quant_rule"] = "vllm" if "vllm" in fmt else None
+    return args
+
+
+QUANT_FORMATS = ("int8 static", "int8 token", "int8 head vllm", "e4m3 token", "e4m3 head")
+
+
+@pytest.mark.parametrize("fmt", QUANT_FORMATS)
+def test_store_kv_quant_formats_are_the_op(fmt):
+    """int8 and dynamic scales are formats of kvwrite::store_kv: opcheck passes, and the public op
+    runs them in C++ (nothing handed to the Python twin) with the reference's bytes."""
+    from kvwrite import _ext
+    from kvwrite.ops import _library
+
+    args = quant_call(fmt)
+    fp8 = args["k_cache"].dtype == E4M3
+    kw = {"test_utils": ("test_faketensor", "test_aot_dispatch_static", "test_aot_dispatch_dynamic")} if fp8 else {}
+    torch.library.opcheck(spec.OPS["store_kv"].overload, tuple(quant_call(fmt).values()), **kw)
+    ref = quant_call(fmt)
+    ref["backend"] = "torch"
+    spec.OPS["store_kv"].entry(*ref.values())
+    before = _library.FORWARDED.get("store_kv", 0)
+    torch.ops.kvwrite.store_kv(*args.values())
+    if _ext.LOADED:
+        assert _library.FORWARDED.get("store_kv", 0) == before
+    for n in ("k_cache", "v_cache", "k_scale_cache", "v_scale_cache"):
+        if args[n] is not None:
+            assert torch.equal(args[n].view(U8), ref[n].view(U8)), n
+            assert args[n].view(U8).any(), n
 
 
 def _bad_cases(op: str):
@@ -165,7 +211,7 @@ def run(name, fn, make):
     torch.manual_seed(0)
     comp = make()
     fn(*eager)
-    torch.compile(fn, fullgraph=True, backend="eager")(*comp)
+    torch.compile(fn, fullgraph=True)(*comp)   # the default backend: inductor
     same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(eager, comp)
                if isinstance(a, torch.Tensor) and a.dtype != torch.bool)
     breaks = sum(counters["graph_break"].values())
@@ -189,6 +235,24 @@ def kv_args():
     return [torch.randn(3, 2, 16), torch.randn(3, 2, 16), torch.zeros(4, 4, 2, 16), torch.zeros(4, 4, 2, 16), torch.tensor([0, 5, 9])]
 run("vllm.reshape_and_cache_flash", lambda k, v, kc, vc, s: vllm.reshape_and_cache_flash(k, v, kc, vc, s, "auto", None, None), kv_args)
 run("sglang.set_kv_buffer", lambda k, v, kc, vc, s: sglang.set_kv_buffer(kc.view(16, 2, 16), vc.view(16, 2, 16), s, k, v, 4), kv_args)
+def quant_args():
+    k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    kc, vc = torch.zeros(4, 4, 2, 16, dtype=torch.int8), torch.zeros(4, 4, 2, 16, dtype=torch.int8)
+    return [k, v, kc, vc, torch.tensor([0, 5, 9]), torch.zeros(4, 4, 2), torch.zeros(4, 4, 2)]
+run("store_kv int8 per token-head", lambda k, v, kc, vc, s, ks, vs: kvwrite.store_kv(
+    k, v, kc, vc, s, k_scale_cache=ks, v_scale_cache=vs, quant_rule="vllm"), quant_args)
+def rope_kv_args():
+    g = torch.Generator().manual_seed(1)
+    return [torch.tensor([0, 3, 7]), torch.randn(3, 4, 16, generator=g), torch.randn(3, 2, 16, generator=g),
+            torch.randn(3, 2, 16, generator=g), torch.randn(8, 16, generator=g), torch.zeros(4, 4, 2, 16),
+            torch.zeros(4, 4, 2, 16), torch.tensor([0, 5, 9])]
+run("rope_store_kv", lambda p, q, k, v, cs, kc, vc, s: kvwrite.rope_store_kv(p, q, k, v, cs, kc, vc, s), rope_kv_args)
+def rope_mla_args():
+    g = torch.Generator().manual_seed(2)
+    return [torch.tensor([0, 3, 7]), torch.randn(3, 2, 16, generator=g), torch.randn(3, 128, generator=g),
+            torch.randn(3, 16, generator=g), torch.randn(8, 16, generator=g), torch.zeros(4, 4, 144),
+            torch.tensor([0, 5, 9])]
+run("rope_store_mla", lambda p, q, c, pe, cs, kc, s: kvwrite.rope_store_mla(p, q, c, pe, cs, kc, s), rope_mla_args)
 def mla_args():
     return [torch.randn(3, 128), torch.randn(3, 16), torch.zeros(4, 4, 144), torch.tensor([0, 5, 9])]
 run("vllm.concat_and_cache_mla", lambda c, p, kc, s: vllm.concat_and_cache_mla(c, p, kc, s, "auto", None), mla_args)
@@ -203,7 +267,7 @@ def test_torch_compile_first_call_of_every_op_and_adapter(env_check):
     lines = out.stdout.splitlines()
     assert out.returncode == 0 and lines, out.stderr[-3000:]
     assert all(line.endswith(" ok") for line in lines), (lines, out.stderr[-3000:])
-    assert len(lines) == len(OPS) + 5
+    assert len(lines) == len(OPS) + 8
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])

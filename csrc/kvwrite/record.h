@@ -29,10 +29,7 @@ constexpr i64 EMPTY = INT64_MAX;
 enum Kind : int { KIND_POOL = 0, KIND_LOC_MAP = 1, KIND_BATCH = 2, KIND_TABLE_SLOT = 3, KIND_TABLE_PAGE = 4,
                   KIND_POSITION = 5 };  // rope_store_*: position outside the cos/sin cache
 
-// Op codes of kvwrite.errors.OPS (append only).
-enum Op : int { OP_STORE_KV = 0, OP_STORE_MLA = 1, OP_STORE_INDEXER_K = 2, OP_STORE_KV_NVFP4 = 3,
-              OP_ROPE_STORE_KV = 4, OP_ROPE_STORE_MLA = 5, OP_STORE_DSV4_KV = 6, OP_STORE_DSV4_INDEXER_K = 7,
-              OP_STORE_ROWS = 8 };
+// Op codes: the index of an op in kvwrite.facts.OPS, passed in by Python with each call.
 
 KVW_HD void atomic_min_i64(i64* p, i64 v) {
 #if defined(__CUDA_ARCH__)

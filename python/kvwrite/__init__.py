@@ -5,6 +5,7 @@ from kvwrite.geometry import GeometryError, PageGeometry
 from kvwrite.pagetable import PageTable
 from kvwrite.ops.indexer_k import store_indexer_k
 from kvwrite.ops.kv import store_kv
+from kvwrite.ops.kv_head_major import store_kv_head_major
 from kvwrite.ops.mla import store_mla
 from kvwrite.reference.indexer_k import read_indexer_k
 from kvwrite.reference.mla import dequant_ds_mla
@@ -24,7 +25,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BackendUnavailable", "ErrorBuffer", "GeometryError", "OutOfBoundsWrite", "PageGeometry",
-    "backends", "default_errors", "store_kv",
+    "backends", "default_errors", "store_kv", "store_kv_head_major",
     "dequant_ds_mla", "read_indexer_k", "store_indexer_k", "store_mla",
     "AllocatorExhausted", "KVCacheConfigurator", "KVPool", "ModelSpec", "PagedAllocator", "ParallelSpec",
     "PoolPlan", "VariantPlanner", "presets", "register_variant",

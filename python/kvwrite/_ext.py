@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from kvwrite import facts
+
 DEFAULT_ARCHS = "8.0;9.0"
 EXT_NAME = "kvwrite_ext"
 STAMP = "kvwrite_ext.built"   # written once a build has finished and loaded
@@ -263,6 +265,8 @@ def _load() -> str | None:
         if reason is None and not _has_ops():
             reason = "the extension loaded but registered no kvwrite_ext ops"
         _state["reason"] = reason
+        if reason is None:
+            torch.ops.kvwrite_ext.set_op_names(list(facts.OPS))   # the C++ messages' op names
         global LOADED
         LOADED = reason is None and torch._C._dispatch_has_kernel_for_dispatch_key("kvwrite::store_kv", "CPU")
         if LOADED:
@@ -328,15 +332,13 @@ def _run(a, name: str, *args) -> None:
 
 
 def store_kv(a) -> None:
-    """`a`: kvwrite.ops.kv.StoreKV (canonical [pages, pool_page_size, H, D] cache views)."""
+    """`a`: kvwrite.ops.kv.KVStore (canonical [pages, pool_page_size, H, D] cache views)."""
     _run(a, "store_kv", a.k, a.v, a.k_cache, a.v_cache, a.k_scale, a.v_scale)
 
 
 def store_kv_quant(a) -> None:
-    """`a`: kvwrite.ops.kv_quant.KVStore (static int8 or dynamic scales; canonical caches)."""
-    from kvwrite.ops import kv_quant as q
-
-    static = a.quant == q.QUANT_STATIC
+    """`a`: kvwrite.ops.kv.KVStore (static int8 or dynamic scales; canonical caches)."""
+    static = a.quant == facts.QUANT_STATIC
     _run(a, "store_kv_quant", a.k, a.v, a.k_cache, a.v_cache, a.k_scale if static else None,
          a.v_scale if static else None, None if static else a.k_scale_cache,
          None if static else a.v_scale_cache, a.quant, a.rule)
@@ -414,10 +416,8 @@ def slot_mapping(a) -> None:
 def rope_store_kv(a) -> None:
     """`a`: kvwrite.ops.rope.RopeStoreKV: copy / static fp8 K/V stores (`rope_store_kv`), int8
     and dynamic-scale ones (`rope_store_kv_quant`, store_kv_quant's row writers)."""
-    from kvwrite.ops import kv_quant
-
     s = a.store
-    if s.quant == kv_quant.QUANT_COPY or (s.quant == kv_quant.QUANT_STATIC and s.fmt != kv_quant.FMT_INT8):
+    if s.quant == facts.QUANT_COPY or (s.quant == facts.QUANT_STATIC and s.fmt != facts.FMT_INT8):
         _run(a, "rope_store_kv", a.positions, a.q, s.k, s.v, a.cos_sin, s.k_cache, s.v_cache,
              s.k_scale, s.v_scale, a.q_norm_weight, a.k_norm_weight, a.eps, a.is_neox)
         return

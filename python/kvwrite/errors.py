@@ -30,9 +30,10 @@ from __future__ import annotations
 import atexit
 import sys
 import threading
-from dataclasses import dataclass
 
 import torch
+
+from kvwrite.facts import OPS, READ_OPS, op_code  # noqa: F401  (op codes: kvwrite.facts)
 
 # Slot indices. Each 64-bit field takes two packed slots (low, high 32 bits).
 COUNT = 0
@@ -77,28 +78,6 @@ KIND_BLOCK_INDEX = 19
 KIND_BLOCK_PAGE = 20
 PAGE_KINDS = (KIND_SRC_PAGE, KIND_DST_PAGE)
 BLOCK_KINDS = (KIND_BLOCK_ROW, KIND_BLOCK_INDEX, KIND_BLOCK_PAGE)
-
-# Op codes, recorded so a shared buffer tells which op failed. Append only.
-OPS = (
-    "store_kv",
-    "store_mla",
-    "store_indexer_k",
-    "store_kv_nvfp4",
-    "rope_store_kv",
-    "rope_store_mla",
-    "store_dsv4_kv",
-    "store_dsv4_indexer_k",
-    "store_rows",
-    "copy_pages",
-    "gather",
-    "slot_mapping",
-    "move_rows",
-)
-READ_OPS = ("gather",)   # ops whose bad loc is a read (the message says "reads")
-
-
-def op_code(name: str) -> int:
-    return OPS.index(name)
 
 
 class OutOfBoundsWrite(RuntimeError):
@@ -363,18 +342,6 @@ def report_default_errors(stream=None) -> int:
                   f"(kvwrite.default_errors({str(device)!r}).raise_if_any()): {err}", file=stream)
     stream.flush()
     return found
-
-
-@dataclass(frozen=True)
-class Violation:
-    """What the host-side reference found wrong with one call (used by `assert` on CPU)."""
-
-    token_index: int
-    loc: int
-    target: int
-    limit: int
-    kind: int
-    count: int
 
 
 def pack(token: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

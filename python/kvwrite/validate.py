@@ -31,8 +31,10 @@ def _env_check_mode() -> str:
     return value.lower()
 
 
+@torch._dynamo.assume_constant_result
 def default_check() -> str:
-    """The process default check mode (`KVWRITE_CHECK`), read from the environment once."""
+    """The process default check mode (`KVWRITE_CHECK`), read from the environment once: a
+    process constant, also while tracing (Dynamo cannot read `globals()`)."""
     mode = globals().get("DEFAULT_CHECK")
     if mode is None:
         mode = globals()["DEFAULT_CHECK"] = _env_check_mode()
@@ -167,4 +169,17 @@ def scale(name: str, t: object, num_heads: int | None, device: torch.device) -> 
         raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
     if t.dim() == 1 and t.shape[0] > 1 and t.stride(0) != 1:
         raise ValueError(f"{name} must be contiguous")
+    return t
+
+
+def scale_cache(name: str, t: object, num_pages: int, pps: int, h: int, device) -> torch.Tensor:
+    """A dynamic fp32 scale cache `[pages, pps]` (per token) or `[pages, pps, H]` (per token-head),
+    as a `[pages, pps, 1 or H]` view."""
+    t = tensor(name, t, dtypes=(torch.float32,), device=device)
+    if t.dim() == 2:
+        shape(name, t, (num_pages, pps), "num_pages, pool_page_size: one scale per token")
+        return t.unsqueeze(-1)
+    shape(name, t, (num_pages, pps, h),
+          "num_pages, pool_page_size (one scale per token) or num_pages, pool_page_size, H "
+          "(one per token-head)")
     return t

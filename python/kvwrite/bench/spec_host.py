@@ -29,7 +29,16 @@ def cases() -> list[tuple[str, object, str, object, float]]:
     src, pool = rnd(1, 64), torch.zeros(64, 64, dtype=bf)
     pt = kvwrite.PageTable(torch.tensor([0]), torch.tensor([5]), torch.tensor([3, 1]), torch.tensor([0, 2]))
     last = torch.tensor([5])
+    i8 = [torch.zeros(16, 16, 8, 128, dtype=torch.int8) for _ in range(2)]
+    one = torch.tensor(0.05)
+    tok, head = [torch.zeros(16, 16) for _ in range(2)], [torch.zeros(16, 16, 8) for _ in range(2)]
     return [
+        ("store_kv int8 static", lambda: kvwrite.store_kv(k, v, *i8, loc, k_scale=one, v_scale=one), "store_kv",
+         base, 2.0),
+        ("store_kv int8 per token", lambda: kvwrite.store_kv(k, v, *i8, loc, k_scale_cache=tok[0],
+                                                              v_scale_cache=tok[1]), "store_kv", base, 2.0),
+        ("store_kv int8 per token-head", lambda: kvwrite.store_kv(k, v, *i8, loc, k_scale_cache=head[0],
+                                                                   v_scale_cache=head[1]), "store_kv", base, 2.0),
         ("store_mla", lambda: kvwrite.store_mla(kv_c, k_pe, mla, loc), "store_kv", base, 2.0),
         ("store_indexer_k", lambda: kvwrite.store_indexer_k(ik, icache, loc), "store_kv", base, 2.0),
         ("store_kv_nvfp4", lambda: kvwrite.store_kv_nvfp4(k, v, *nv, loc), "store_kv", base, 2.0),

@@ -107,7 +107,7 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor,
     k, k_cache = _bit_views(k, k_cache, "append_key")
     v, v_cache = _bit_views(validate.tensor("append_value", append_value), v_cache, "append_value")
     _APPEND(k, v, k_cache, v_cache, positions, kv_layout, None, None, check, errors, None, 0, 1, backend,
-            batch_indices, kv_indices, kv_indptr)  # the page table as the schema's tail: no PageTable object
+            None, None, None, batch_indices, kv_indices, kv_indptr)  # the page table as the schema's tail: no PageTable object
 
 
 def append_paged_mla_kv_cache(append_ckv: torch.Tensor, append_kpe: torch.Tensor,

@@ -162,7 +162,7 @@ def _store_kv_like(pool, sub: str, layer_id: int, loc, k, v, scales: dict, prefi
                 kw[theirs] = scales[prefix + name]
         pool.ops[sub](k, v, b["k"], b["k"] if k_only else b["v"], ks, vs, loc, **kw)
         return
-    if "k_scale_cache" in b:  # dynamic per-token / per-token-head scales (kvwrite.ops.kv_quant)
+    if "k_scale_cache" in b:  # dynamic per-token / per-token-head scales (kvwrite.ops.kv)
         kw["k_scale_cache"] = b["k_scale_cache"]
         kw["v_scale_cache"] = b["k_scale_cache"] if k_only else b["v_scale_cache"]
     elif b["k"].dtype in FP8_MAX or b["k"].dtype == torch.int8:  # the pool's build-time scales, or this call's (KVPool.store)

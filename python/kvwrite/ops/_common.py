@@ -38,6 +38,13 @@ def cache_geometry(name: str, num_pages: int, pool_page_size: int) -> PageGeomet
     return PageGeometry.from_pool(num_pages, pool_page_size)
 
 
+def impls(reference: str, kernel: str, ext: str) -> tuple[tuple[str, str], ...]:
+    """An op's backend table: its torch reference (`reference.<module:fn>`), its Triton launch
+    (`kernels.<module:fn>`) and its C++ binding (`_ext.<fn>`, the cpu and cuda backends)."""
+    return (("torch", f"kvwrite.reference.{reference}"), ("triton", f"kvwrite.kernels.{kernel}"),
+            ("cpu", f"kvwrite._ext:{ext}"), ("cuda", f"kvwrite._ext:{ext}"))
+
+
 def dispatch(op: str, table: tuple[tuple[str, str], ...], backend: str, device: torch.device,
              args: object) -> None:
     """Run `args` on the resolved backend's implementation of `op`."""

@@ -32,109 +32,24 @@ import torch
 
 from kvwrite import validate
 from kvwrite.errors import ErrorBuffer
+from kvwrite.facts import (  # noqa: F401  (the formats' facts, re-exported)
+    AMAX_FLOOR, DATA_ROW, FP8_BLOCK, INDEXER_FMT_CODE, INDEXER_FMTS, KV_DIM, MXFP4_BLOCK, NOPE,
+    PAGE_ALIGN, RATIOS, ROPE, SCALE_ROW, TILE, TILES, TOKEN_BYTES, indexer_pool_page_size,
+    indexer_row_bytes, kv_page_bytes, kv_pool_page_size)
 from kvwrite.geometry import PageGeometry, require_positive_int
 from kvwrite.ops import spec
-from kvwrite.ops._common import Check, Locs
+from kvwrite.ops._common import Check, Locs, impls
 
 OP_KV = "store_dsv4_kv"
 OP_INDEXER = "store_dsv4_indexer_k"
 OP_ROWS = "store_rows"
 
-KV_IMPLS = (
-    ("torch", "kvwrite.reference.dsv4:store_dsv4_kv"),
-    ("triton", "kvwrite.kernels.store_dsv4:launch_kv"),
-    ("cpu", "kvwrite._ext:store_dsv4_kv"),
-    ("cuda", "kvwrite._ext:store_dsv4_kv"),
-)
+KV_IMPLS = impls("dsv4:store_dsv4_kv", "store_dsv4:launch_kv", "store_dsv4_kv")
 # fp8 indexer rows are `store_indexer_k`'s format: its reference and Triton kernel, our binding.
-INDEXER_FP8_IMPLS = (
-    ("torch", "kvwrite.reference.indexer_k:store_indexer_k"),
-    ("triton", "kvwrite.kernels.store_indexer_k:launch"),
-    ("cpu", "kvwrite._ext:store_dsv4_indexer_k"),
-    ("cuda", "kvwrite._ext:store_dsv4_indexer_k"),
-)
-INDEXER_MXFP4_IMPLS = (
-    ("torch", "kvwrite.reference.dsv4:store_dsv4_indexer_k"),
-    ("triton", "kvwrite.kernels.store_dsv4:launch_indexer_mxfp4"),
-    ("cpu", "kvwrite._ext:store_dsv4_indexer_k"),
-    ("cuda", "kvwrite._ext:store_dsv4_indexer_k"),
-)
-ROWS_IMPLS = (
-    ("torch", "kvwrite.reference.dsv4:store_rows"),
-    ("triton", "kvwrite.kernels.store_dsv4:launch_rows"),
-    ("cpu", "kvwrite._ext:store_rows"),
-    ("cuda", "kvwrite._ext:store_rows"),
-)
-
-NOPE = 448                  # e4m3 values a row
-ROPE = 64                   # bf16 values a row
-KV_DIM = NOPE + ROPE        # 512 input values a token
-TILE = 64                   # NoPE values per ue8m0 scale
-TILES = NOPE // TILE        # 7
-DATA_ROW = NOPE + 2 * ROPE  # 576 bytes
-SCALE_ROW = TILES + 1       # 8 bytes: 7 scales + 1 pad
-TOKEN_BYTES = DATA_ROW + SCALE_ROW   # 584
-PAGE_ALIGN = 576
-AMAX_FLOOR = 1e-4           # scale = max(amax, AMAX_FLOOR) / fmax (then ue8m0 for KV / mxfp4)
-INDEXER_FMTS = ("fp8", "mxfp4")
-FP8_BLOCK = 128             # indexer values per fp32 scale ("fp8")
-MXFP4_BLOCK = 32            # indexer values per ue8m0 scale ("mxfp4")
-INDEXER_FMT_CODE = {"fp8": 0, "mxfp4": 1}
-RATIOS = (4, 128)           # the compressed caches of V4
-
-
-def kv_page_bytes(pool_page_size: int) -> int:
-    """Bytes of one KV page: ceil(pool_page_size * 584 / 576) * 576 (256 -> 149760, 64 -> 37440,
-    2 -> 1728)."""
-    pps = require_positive_int("page_size", pool_page_size)
-    return -(-pps * TOKEN_BYTES // PAGE_ALIGN) * PAGE_ALIGN
-
-
-def _tokens_for_page_bytes(page_bytes: int) -> int | None:
-    """The pool page size whose KV page is `page_bytes`, or None (kv_page_bytes is increasing)."""
-    pps = max(1, (page_bytes - PAGE_ALIGN) // TOKEN_BYTES)
-    while kv_page_bytes(pps) < page_bytes:
-        pps += 1
-    return pps if kv_page_bytes(pps) == page_bytes else None
-
-
-def kv_pool_page_size(name: str, page_bytes: int, page_size: object = None) -> int:
-    """Tokens per page of a KV cache with `page_bytes` a page: `page_size` checked against it,
-    or derived from it when None (named error on a mismatch)."""
-    if page_size is None:
-        pps = _tokens_for_page_bytes(page_bytes)
-        if pps is None:
-            raise ValueError(f"{name}'s page of {page_bytes} bytes is not a DeepSeek V4 KV page "
-                             f"(ceil(page_size * {TOKEN_BYTES} / {PAGE_ALIGN}) * {PAGE_ALIGN} bytes)")
-        return pps
-    pps = require_positive_int("page_size", page_size)
-    if kv_page_bytes(pps) != page_bytes:
-        raise ValueError(f"{name} must have pages of kv_page_bytes({pps}) = {kv_page_bytes(pps)} "
-                         f"bytes for page_size={pps}, got {page_bytes}")
-    return pps
-
-
-def indexer_row_bytes(head_dim: int, fmt: str = "fp8") -> int:
-    """Indexer cache bytes a row: fp8 D + D/128*4 (132), mxfp4 D/2 + D/32 (68)."""
-    if fmt == "mxfp4":
-        return head_dim // 2 + head_dim // MXFP4_BLOCK
-    return head_dim + (head_dim // FP8_BLOCK) * 4
-
-
-def indexer_pool_page_size(name: str, page_bytes: int, head_dim: int, fmt: str,
-                           page_size: object = None) -> int:
-    per_row = indexer_row_bytes(head_dim, fmt)
-    if page_size is not None:
-        pps = require_positive_int("page_size", page_size)
-        if pps * per_row != page_bytes:
-            raise ValueError(f"{name} must have pages of page_size * {per_row} = {pps * per_row} "
-                             f"bytes (fmt={fmt!r}, D={head_dim}), got {page_bytes}")
-        return pps
-    if page_bytes == 0 or page_bytes % per_row:
-        raise ValueError(f"{name}'s page of {page_bytes} bytes is not a whole number of "
-                         f"{fmt} indexer rows of {per_row} bytes (D={head_dim})")
-    return page_bytes // per_row
-
+INDEXER_FP8_IMPLS = impls("indexer_k:store_indexer_k", "store_indexer_k:launch", "store_dsv4_indexer_k")
+INDEXER_MXFP4_IMPLS = impls("dsv4:store_dsv4_indexer_k", "store_dsv4:launch_indexer_mxfp4",
+                            "store_dsv4_indexer_k")
+ROWS_IMPLS = impls("dsv4:store_rows", "store_dsv4:launch_rows", "store_rows")
 
 # --- store_dsv4_kv -------------------------------------------------------------------------------
 
@@ -166,12 +81,6 @@ KV_SPEC = spec.Op(
           spec.cache("cache", "P B", (torch.uint8,)), spec.LOC, spec.option("page_size", "int?"), *TAIL),
     checks=("kv", "cache", _kv_pages, spec.geometry("cache")),
     build=_build_kv, impls=KV_IMPLS, dcp_page=True, page_table=False)
-
-
-def prepare_store_dsv4_kv(kv, cache, loc, page_size, check, errors, loc_map, dcp_rank,
-                          dcp_size) -> StoreDSV4KV:
-    """A validated store_dsv4_kv call (the spec's checks)."""
-    return KV_SPEC.prepare((kv, cache, loc, page_size, check, errors, loc_map, dcp_rank, dcp_size, "auto"))
 
 
 def store_dsv4_kv(kv: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, *,
@@ -244,13 +153,6 @@ INDEXER_SPEC = spec.Op(
     build=_build_indexer, impls=_indexer_impls, dcp_page=True, page_table=False)
 
 
-def prepare_store_dsv4_indexer_k(k, cache, loc, page_size, fmt, scale_fmt, check, errors, loc_map,
-                                 dcp_rank, dcp_size) -> StoreDSV4IndexerK:
-    """A validated store_dsv4_indexer_k call (the spec's checks)."""
-    return INDEXER_SPEC.prepare((k, cache, loc, page_size, fmt, scale_fmt, check, errors, loc_map,
-                                 dcp_rank, dcp_size, "auto"))
-
-
 def store_dsv4_indexer_k(index_k: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, *,
                          page_size: int | None = None, fmt: str = "fp8",
                          scale_fmt: str | None = None, check: str | None = None,
@@ -298,11 +200,6 @@ ROWS_SPEC = spec.Op(
           spec.cache("pool", "R W", ROW_DTYPES), spec.LOC, *TAIL),
     checks=("pool", "src", _no_overlap, spec.geometry("pool")),
     build=_build_rows, impls=ROWS_IMPLS, dcp_page=True, page_table=False)
-
-
-def prepare_store_rows(src, pool, loc, check, errors, loc_map, dcp_rank, dcp_size) -> StoreRows:
-    """A validated store_rows call (the spec's checks)."""
-    return ROWS_SPEC.prepare((src, pool, loc, check, errors, loc_map, dcp_rank, dcp_size, "auto"))
 
 
 def store_rows(src: torch.Tensor, pool: torch.Tensor, loc: torch.Tensor, *,

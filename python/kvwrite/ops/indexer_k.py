@@ -14,36 +14,16 @@ import torch
 
 from kvwrite import validate
 from kvwrite.errors import ErrorBuffer
+from kvwrite.facts import AMAX_FLOOR  # noqa: F401  (re-exported)
+from kvwrite.facts import indexer_k_pool_page_size as pool_page_size  # noqa: F401
+from kvwrite.facts import indexer_k_row_bytes as row_bytes
 from kvwrite.geometry import PageGeometry, require_positive_int
 from kvwrite.ops import spec
-from kvwrite.ops._common import Check, Locs
+from kvwrite.ops._common import Check, Locs, impls
 
 OP = "store_indexer_k"
-IMPLS = (
-    ("torch", "kvwrite.reference.indexer_k:store_indexer_k"),
-    ("triton", "kvwrite.kernels.store_indexer_k:launch"),
-    ("cpu", "kvwrite._ext:store_indexer_k"),
-    ("cuda", "kvwrite._ext:store_indexer_k"),
-)
+IMPLS = impls("indexer_k:store_indexer_k", "store_indexer_k:launch", "store_indexer_k")
 SCALE_FMTS = (None, "ue8m0")
-AMAX_FLOOR = 1e-4          # scale = max(amax, AMAX_FLOOR) / 448
-
-
-def row_bytes(head_dim: int, quant_block_size: int) -> int:
-    """Cache bytes one token takes: D e4m3 bytes + D/qbs fp32 scales."""
-    return head_dim + (head_dim // quant_block_size) * 4
-
-
-def pool_page_size(name: str, cache_row: int, head_dim: int, quant_block_size: int) -> int:
-    """Tokens per page of an indexer cache whose pages hold `cache_row` bytes (named error if
-    the page does not hold a whole number of tokens)."""
-    per_token = row_bytes(head_dim, quant_block_size)
-    if cache_row % per_token or cache_row == 0:
-        raise ValueError(
-            f"{name}'s page of {cache_row} bytes is not a whole number of tokens of "
-            f"{per_token} bytes (D={head_dim} e4m3 + {head_dim // quant_block_size} fp32 scales): "
-            f"expected [num_pages, pool_page_size * {per_token}]")
-    return cache_row // per_token
 
 
 @dataclass(frozen=True)
@@ -90,12 +70,6 @@ SPEC = spec.Op(
     build=_build, impls=IMPLS)
 _OP = SPEC.overload
 _CALL = _OP._op
-
-
-def prepare_store_indexer_k(k, cache, loc, quant_block_size, scale_fmt, check, errors,
-                            loc_map) -> StoreIndexerK:
-    """A validated store_indexer_k call (the spec's checks)."""
-    return SPEC.prepare((k, cache, loc, quant_block_size, scale_fmt, check, errors, loc_map, "auto"))
 
 
 def store_indexer_k(k: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, *,

@@ -1,30 +1,51 @@
-"""`store_kv`: the fused paged K+V store of MHA/GQA (bf16/fp16/fp32, fp8 with scales)."""
+"""`store_kv`: the fused paged K+V store of MHA/GQA, one op for every cache format.
+
+Formats (the quant mode `kvwrite.facts.QUANT_*`, picked from the cache dtype and the scales):
+copy (a cache in the input dtype), static (an fp8 or int8 cache with fp32 `k_scale`/`v_scale`),
+dynamic per token / per token-head (an int8 / e4m3fn / e5m2 cache with fp32 scale caches
+`k_scale_cache`/`v_scale_cache`, vLLM's per-token-quant caches). Copy and static fp8 run the
+store_kv kernels; int8 and dynamic scales the store_kv_quant kernels (`kernels/store_kv_quant.py`,
+device functions `kernels/_quant.py`, C++ `csrc/kvwrite/store_kv_quant.h`, `kv_quant.h`).
+
+Per token (or token-head) over the values x (fp32 of the input dtype):
+    scale  = max(amax(|x|) / QMAX, 1e-6)       fp32 division; QMAX 127 (int8), 448 (e4m3fn), 57344 (e5m2)
+    stored = saturate(RNE(x / scale))          fp32 division (not a multiply by 1/scale), then
+                                               round to nearest even: int8 clamped to [-128, 127],
+                                               fp8 by the shared fp8 rounding (saturating at its max)
+Static int8 / fp8: the same with the given fp32 scale ([], [1] or [H]). dequant: code * scale.
+Amax is taken over the finite values (NaN / +-inf do not count; they are then coded as the
+special-value policy says: NaN -> int8 0 / the fp8 NaN code, +-inf -> +-max).
+
+`quant_rule="vllm"` (dynamic modes only) is vLLM's per-token-head store instead:
+    stored = saturate(x * (1 / scale))         1 / scale rounded to fp32 first; int8: the fp32
+                                               sum x * (1 / scale) +- 0.5 (half away from zero)
+                                               clamped to [-128, 127], then truncated
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 
 from kvwrite import validate
 from kvwrite.errors import ErrorBuffer
+from kvwrite.facts import (FMT_INT8, FMT_SAME, FORMAT_OF, KV_LAYOUTS as LAYOUTS, QUANT_COPY, QUANT_DTYPES,
+                           QUANT_HEAD, QUANT_STATIC, QUANT_TOKEN, RULE_RNE, RULES)
 from kvwrite.geometry import PageGeometry
-from kvwrite.ops import kv_quant, spec
-from kvwrite.ops._common import Check, Locs
+from kvwrite.ops import spec
+from kvwrite.ops._common import Check, Locs, impls
 
 OP = "store_kv"
-LAYOUTS = ("NHD", "HND", "cpu_attn")
-IMPLS = (
-    ("torch", "kvwrite.reference.kv:store_kv"),
-    ("triton", "kvwrite.kernels.store_kv:launch"),
-    ("cpu", "kvwrite._ext:store_kv"),
-    ("cuda", "kvwrite._ext:store_kv"),
-)
+IMPLS = impls("kv:store_kv", "store_kv:launch", "store_kv")
+# int8 caches and dynamic scales
+QUANT_IMPLS = impls("kv_quant:store_kv_quant", "store_kv_quant:launch", "store_kv_quant")
 
 
 @dataclass(slots=True, eq=False)
-class StoreKV:
-    """A validated store_kv call (read-only by convention; slotted, not frozen: built on every
-    call). Caches are canonical [pages, pool_page_size, H, D] views (HND caches are permuted
-    views: one shape, other strides)."""
+class KVStore:
+    """A validated K/V store (read-only by convention; slotted, not frozen: built on every call).
+    Caches are canonical [pages, pool_page_size, H, D] views (HND caches are permuted views: one
+    shape, other strides); `k_scale_cache`/`v_scale_cache` [pages, pool_page_size, 1 or H] views."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -35,6 +56,11 @@ class StoreKV:
     geometry: PageGeometry
     locs: Locs
     check: Check
+    quant: int = QUANT_COPY
+    fmt: int = FMT_SAME
+    k_scale_cache: torch.Tensor | None = None
+    v_scale_cache: torch.Tensor | None = None
+    rule: int = RULE_RNE
 
 
 def canonical(cache: torch.Tensor, layout: str) -> torch.Tensor:
@@ -62,21 +88,63 @@ def _cpu_attn_key(env: dict, v: dict) -> None:
                          f"(stored column-major), got strides {kc.stride()}")
 
 
-@spec.rule("kv_scales")
-def _scales(env: dict, v: dict) -> None:
-    """fp8 caches take both scales; other caches none."""
-    dtype = env["k_cache"]
-    if dtype in validate.FP8_MAX:
+def _dynamic(env: dict, v: dict) -> int:
+    """The dynamic mode of a call with scale caches (QUANT_TOKEN / QUANT_HEAD), checked."""
+    ksc, vsc = v["k_scale_cache"], v["v_scale_cache"]
+    if ksc is None or vsc is None:
+        raise ValueError("k_scale_cache and v_scale_cache go together (dynamic per-token quantisation)")
+    if v["k_scale"] is not None or v["v_scale"] is not None:
+        raise ValueError("k_scale/v_scale (static) and k_scale_cache/v_scale_cache (dynamic) exclude each other")
+    if env["k_cache"] not in QUANT_DTYPES:
+        raise TypeError(f"k_scale_cache/v_scale_cache need an int8 or fp8 cache, got {env['k_cache']}")
+    dims = (env["P"], env["S"], env["H"], env["device"])
+    validate.scale_cache("k_scale_cache", ksc, *dims)
+    validate.scale_cache("v_scale_cache", vsc, *dims)
+    if ksc.shape != vsc.shape:
+        raise ValueError(f"k_scale_cache and v_scale_cache must have the same shape, got "
+                         f"{list(ksc.shape)} and {list(vsc.shape)}")
+    return QUANT_HEAD if ksc.dim() == 3 else QUANT_TOKEN
+
+
+@spec.rule("kv_quant")
+def _quant(env: dict, v: dict) -> None:
+    """The format: copy (no scales), static (fp8 / int8 cache with both scales) or dynamic (both
+    scale caches); `quant_rule` only for dynamic scales; "cpu_attn" caches copy or fp8 only."""
+    dtype, name = env["k_cache"], v["quant_rule"]
+    rule = RULES[validate.choice("quant_rule", "rne" if name is None else name, tuple(RULES))]
+    if v["k_scale_cache"] is not None or v["v_scale_cache"] is not None:
+        quant = _dynamic(env, v)
+    elif dtype in validate.FP8_MAX or dtype == torch.int8:
         if v["k_scale"] is None or v["v_scale"] is None:
-            raise ValueError(f"k_scale and v_scale are required for a {dtype} cache")
+            raise ValueError(f"k_scale and v_scale are required for a {dtype} cache (static; dynamic: "
+                             f"k_scale_cache and v_scale_cache)")
+        quant = QUANT_STATIC
     elif v["k_scale"] is not None or v["v_scale"] is not None:
-        raise ValueError(f"k_scale/v_scale apply only to fp8 caches; the caches are {dtype}")
+        raise ValueError(f"k_scale/v_scale apply only to fp8 / int8 caches; the caches are {dtype}")
+    else:
+        quant = QUANT_COPY
+    if rule != RULE_RNE and quant not in (QUANT_TOKEN, QUANT_HEAD):
+        raise ValueError(f"quant_rule={name!r} applies only to dynamic scales (k_scale_cache/v_scale_cache)")
+    fmt = FORMAT_OF.get(dtype, FMT_SAME)
+    if env["layout"] == "cpu_attn" and (quant > QUANT_STATIC or fmt == FMT_INT8):
+        raise ValueError("layout 'cpu_attn' stores plain and fp8 caches only (no int8, no scale caches)")
+    env.update(quant=quant, rule=rule, fmt=fmt)
 
 
-def _build(v: dict, env: dict, locs: Locs, chk: Check) -> StoreKV:
-    layout = env["layout"]
-    return StoreKV(v["k"], v["v"], canonical_key(v["k_cache"], layout), canonical(v["v_cache"], layout),
-                   v["k_scale"], v["v_scale"], env["geometry"], locs, chk)
+def _scale_view(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.unsqueeze(-1) if t is not None and t.dim() == 2 else t
+
+
+def _build(v: dict, env: dict, locs: Locs, chk: Check) -> KVStore:
+    layout, quant = env["layout"], env["quant"]
+    return KVStore(v["k"], v["v"], canonical_key(v["k_cache"], layout), canonical(v["v_cache"], layout),
+                   v["k_scale"], v["v_scale"], env["geometry"], locs, chk, quant, env["fmt"],
+                   _scale_view(v["k_scale_cache"]), _scale_view(v["v_scale_cache"]), env["rule"])
+
+
+def format_impls(a: KVStore) -> tuple:
+    """The kernels of a call's format: store_kv's for copy / static fp8, else store_kv_quant's."""
+    return IMPLS if a.quant == QUANT_COPY or (a.quant == QUANT_STATIC and a.fmt != FMT_INT8) else QUANT_IMPLS
 
 
 CACHE_DIMS = "num_pages, pool_page_size, H, D"
@@ -84,23 +152,29 @@ SPEC = spec.Op(
     OP,
     args=(spec.T("k", "N H D", validate.FLOAT_INPUTS),
           spec.T("v", "N H Dv", ("=k",), what="tokens, heads as k, head_dim_v"),
-          spec.cache("k_cache", "P S H D", ("=k", *spec.FP8), binds="P S", layout=True, what=CACHE_DIMS),
+          spec.cache("k_cache", "P S H D", ("=k", *spec.FP8, torch.int8), binds="P S", layout=True,
+                     what=CACHE_DIMS),
           spec.cache("v_cache", "P S H Dv", ("=k_cache",), layout=True, what=CACHE_DIMS),
           spec.LOC, spec.option("layout"),
           spec.opt("k_scale", "scale H", role="scale"), spec.opt("v_scale", "scale H", role="scale"),
-          spec.CHECK, spec.ERRORS, spec.LOC_MAP, *spec.DCP, spec.BACKEND),
+          spec.CHECK, spec.ERRORS, spec.LOC_MAP, *spec.DCP, spec.BACKEND,
+          spec.opt("k_scale_cache", mutable=True, role="cache", default=None),
+          spec.opt("v_scale_cache", mutable=True, role="cache", default=None),
+          spec.option("quant_rule", "str?", default=None)),
     checks=("k", "v", spec.choice("layout", LAYOUTS), "k_cache", "v_cache", spec.geometry("k_cache"),
-            _cpu_attn_key, _scales, "k_scale", "v_scale"),
-    build=_build, impls=IMPLS)
+            _cpu_attn_key, _quant, "k_scale", "v_scale"),
+    build=_build, impls=format_impls)
 _OP = SPEC.overload
 _CALL = _OP._op  # the C++ builtin behind the OpOverload (pool.store binds it)
 
 
 def prepare_store_kv(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors,
-                     loc_map, dcp_rank, dcp_size) -> StoreKV:
-    """A validated store_kv call (the spec's checks)."""
+                     loc_map, dcp_rank, dcp_size, k_scale_cache=None, v_scale_cache=None,
+                     quant_rule=None, op: str | None = None) -> KVStore:
+    """A validated store_kv call (the spec's checks); `op`: the op it records as (a fused store)."""
     return SPEC.prepare((k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors,
-                         loc_map, dcp_rank, dcp_size, "auto", None, None, None))
+                         loc_map, dcp_rank, dcp_size, "auto", k_scale_cache, v_scale_cache, quant_rule,
+                         None, None, None), op=op)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -117,7 +191,10 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     value tile of each (page, head) row-major, the key tile column-major (element (t, d) at
     d * pool_page_size + t of the tile; vLLM's `kv.chunk(2, dim=2)` halves of a
     `[pages, H, 2 * pool_page_size, D]` buffer).
-    fp8 caches take fp32 `k_scale`/`v_scale` (`[]`, `[1]` or `[H]`): stored = saturate(x / scale).
+    fp8 and int8 caches take fp32 `k_scale`/`v_scale` (`[]`, `[1]` or `[H]`): stored =
+    saturate(x / scale). Dynamic per-token / per-token-head int8 / fp8 caches take
+    `k_scale_cache`/`v_scale_cache` fp32 `[pages, pool_page_size]` or `[pages, pool_page_size, H]`
+    instead; `quant_rule` ("rne" | "vllm") picks how their codes round (module doc).
     `check`: "off" | "assert" | "guard" (skip + record into `errors`, default per-device buffer).
     `loc_map` (hybrid SWA, int32/int64 full->SWA map): write at `loc_map[loc[i]]`; a mapped -1
     is skipped. `dcp_rank`/`dcp_size`: store only this rank's tokens at their local rows.
@@ -126,16 +203,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     in off mode; mapped -1: skip) -> DCP (`row % dcp_size == dcp_rank` else skip; local row
     `row // dcp_size`) -> bounds of the local row against the pool (KIND_POOL). The error record
     keeps the caller's virtual loc and names the index that was out of range.
-    int8 caches (static `k_scale`/`v_scale`) and dynamic per-token / per-token-head int8 / fp8
-    caches (`k_scale_cache`/`v_scale_cache` fp32 `[pages, pool_page_size]` or
-    `[pages, pool_page_size, H]`) are stored by their own kernel family, `kvwrite.ops.kv_quant`;
-    `quant_rule` ("rne" | "vllm") picks how their dynamic codes round (see there).
     """
-    if quant_rule != "rne" or kv_quant.routes_here(k_cache, k_scale_cache, v_scale_cache):
-        return kv_quant.store_kv_quant(k, v, k_cache, v_cache, loc, layout=layout, k_scale=k_scale,
-                                       v_scale=v_scale, k_scale_cache=k_scale_cache,
-                                       v_scale_cache=v_scale_cache, check=check, errors=errors,
-                                       loc_map=loc_map, dcp_rank=dcp_rank, dcp_size=dcp_size,
-                                       backend=backend, quant_rule=quant_rule)
     return SPEC.entry(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors, loc_map,
-                      dcp_rank, dcp_size, backend)
+                      dcp_rank, dcp_size, backend, k_scale_cache, v_scale_cache,
+                      None if quant_rule == "rne" else quant_rule)

@@ -1,120 +1,34 @@
 """`store_mla`: the MLA latent+rope row store (bf16/fp16/fp32, per-tensor fp8, DeepSeek fp8_ds_mla,
 NVFP4).
 
-Each `kv_cache_dtype` is one `MLAFormat` in `FORMATS`: the cache dtype it needs, the width of its
-cache row, whether it takes a per-tensor `scale`, the kernel mode, and any extra rule on the
-dims. A new format is one more entry there (plus its row writer in each backend).
+Each `kv_cache_dtype` is one `MLAFormat` in `FORMATS` (`kvwrite.facts.MLA_FORMATS`): the cache
+dtype it needs, the width of its cache row, whether it takes a per-tensor `scale`, the kernel
+mode, and any extra rule on the dims. A new format is one more entry there (plus its row writer
+in each backend, and its backend table here if not IMPLS).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 
 from kvwrite import validate
 from kvwrite.errors import ErrorBuffer
+from kvwrite.facts import (  # noqa: F401  (the formats' facts, re-exported)
+    DS_MLA_POW2, DS_MLA_POW2_FLOOR, DS_MLA_RAW_ROPE, DS_MLA_ROPES, DS_MLA_SCALE_FLOOR, DS_MLA_SCALES,
+    DS_MLA_TILE, MLA_FORMATS, MODE_COPY, MODE_DS_MLA, MODE_FP8, MODE_NVFP4, NVFP4_BLOCK, MLAFormat,
+    ds_mla_format, ds_mla_row_bytes)
 from kvwrite.geometry import PageGeometry
 from kvwrite.ops import spec
-from kvwrite.ops._common import Check, Locs
+from kvwrite.ops._common import Check, Locs, impls
 
 OP = "store_mla"
-IMPLS = (
-    ("torch", "kvwrite.reference.mla:store_mla"),
-    ("triton", "kvwrite.kernels.store_mla:launch"),
-    ("cpu", "kvwrite._ext:store_mla"),
-    ("cuda", "kvwrite._ext:store_mla"),
-)
-
-# Kernel modes (the Triton kernel's MODE constexpr).
-MODE_COPY = 0      # row = concat(kv_c, k_pe) in the input dtype
-MODE_FP8 = 1       # the same row, saturate(x / scale) in an fp8 dtype
-MODE_DS_MLA = 2    # DeepSeek's fp8 MLA row, see `ds_mla_row_bytes`
-MODE_NVFP4 = 3     # NVFP4 row + e4m3 block-scale row (`kernels/store_mla_nvfp4.py`)
+IMPLS = impls("mla:store_mla", "store_mla:launch", "store_mla")
 
 # NVFP4 rows have their own Triton kernel (the reference is store_mla's, writer in
 # reference/mla.WRITERS); the C++/CUDA store_mla covers them as its mode MODE_NVFP4.
-NVFP4_IMPLS = (
-    ("torch", "kvwrite.reference.mla:store_mla"),
-    ("triton", "kvwrite.kernels.store_mla_nvfp4:launch"),
-    ("cpu", "kvwrite._ext:store_mla"),
-    ("cuda", "kvwrite._ext:store_mla"),
-)
-NVFP4_BLOCK = 16   # row elements per e4m3 block scale
-
-DS_MLA_TILE = 128                       # kv_c elements per fp32 scale
-DS_MLA_SCALE_FLOOR = torch.finfo(torch.float32).tiny   # "exact": scale = max(amax / 448, FLT_MIN)
-DS_MLA_POW2_FLOOR = 1e-4                # "pow2": scale = 2^ceil(log2(max(amax / 448, 1e-4)))
-
-# fp8_ds_mla options, as flag bits beside the kernel mode (kernels and the C++ op read them from
-# the format's `flags`): how the tile scale is formed and how the rope is stored.
-DS_MLA_POW2 = 1 << 4       # tile scale rounded up to a power of two (floor 1e-4)
-DS_MLA_RAW_ROPE = 1 << 5   # rope stored as the input's own 16-bit pattern (bf16 or fp16 bits)
-DS_MLA_SCALES = {"exact": 0, "pow2": DS_MLA_POW2}
-DS_MLA_ROPES = {"bf16": 0, "input": DS_MLA_RAW_ROPE}
-
-
-def ds_mla_row_bytes(kv_lora_rank: int, rope_dim: int) -> int:
-    """Bytes of one fp8_ds_mla row: L e4m3 latent bytes, L/128 fp32 tile scales, R bf16 rope."""
-    return kv_lora_rank + (kv_lora_rank // DS_MLA_TILE) * 4 + 2 * rope_dim
-
-
-def _nvfp4_dims(kv_lora_rank: int, rope_dim: int) -> str | None:
-    if (kv_lora_rank + rope_dim) % NVFP4_BLOCK:
-        return (f"kv_cache_dtype='nvfp4' needs kv_lora_rank + rope_dim to be a multiple of "
-                f"{NVFP4_BLOCK}, got {kv_lora_rank} + {rope_dim}")
-    return None
-
-
-def _ds_mla_dims(kv_lora_rank: int, rope_dim: int) -> str | None:
-    if kv_lora_rank % DS_MLA_TILE:
-        return (f"kv_cache_dtype='fp8_ds_mla' needs kv_c's last dim (kv_lora_rank) to be a multiple "
-                f"of {DS_MLA_TILE}, got {kv_lora_rank}")
-    return None
-
-
-@dataclass(frozen=True)
-class MLAFormat:
-    """One `kv_cache_dtype`: how its cache looks and which kernel mode writes it."""
-
-    name: str
-    mode: int
-    cache_dtype: Callable[[torch.dtype], torch.dtype]   # input dtype -> cache dtype
-    row_width: Callable[[int, int], int]                 # (L, R) -> cache row, in cache elements
-    takes_scale: bool = False
-    dims: Callable[[int, int], Optional[str]] = lambda L, R: None   # error text or None
-    impls: tuple[tuple[str, str], ...] = IMPLS                       # backend -> implementation
-    takes_scale_cache: bool = False                                  # nvfp4: scale_cache, global_scale
-    flags: int = 0                                                   # fp8_ds_mla: DS_MLA_* bits
-
-    @property
-    def kernel_mode(self) -> int:
-        """The mode the kernels take: MODE_* with the format's option bits."""
-        return self.mode | self.flags
-
-
-def ds_mla_format(scale: str = "exact", rope: str = "bf16") -> str:
-    """The kv_cache_dtype name of fp8_ds_mla with tile scale `scale` ("exact": max(amax/448,
-    FLT_MIN); "pow2": 2^ceil(log2(max(amax/448, 1e-4)))) and rope `rope` ("bf16": rounded to bf16;
-    "input": the 16-bit input's own bits), e.g. "fp8_ds_mla+pow2+input"."""
-    validate.choice("ds_mla_scale", scale, tuple(DS_MLA_SCALES))
-    validate.choice("ds_mla_rope", rope, tuple(DS_MLA_ROPES))
-    return "fp8_ds_mla" + ("+pow2" if scale == "pow2" else "") + ("+input" if rope == "input" else "")
-
-
-_CONCAT = lambda L, R: L + R  # noqa: E731
-FORMATS: dict[str, MLAFormat] = {f.name: f for f in (
-    MLAFormat("auto", MODE_COPY, lambda dtype: dtype, _CONCAT),
-    MLAFormat("fp8_e4m3", MODE_FP8, lambda dtype: torch.float8_e4m3fn, _CONCAT, takes_scale=True),
-    MLAFormat("fp8_e5m2", MODE_FP8, lambda dtype: torch.float8_e5m2, _CONCAT, takes_scale=True),
-    MLAFormat("fp8_e4m3fnuz", MODE_FP8, lambda dtype: torch.float8_e4m3fnuz, _CONCAT,
-              takes_scale=True),
-    *(MLAFormat(ds_mla_format(sc, rp), MODE_DS_MLA, lambda dtype: torch.uint8, ds_mla_row_bytes,
-                dims=_ds_mla_dims, flags=DS_MLA_SCALES[sc] | DS_MLA_ROPES[rp])
-      for sc in DS_MLA_SCALES for rp in DS_MLA_ROPES),
-    MLAFormat("nvfp4", MODE_NVFP4, lambda dtype: torch.uint8, lambda L, R: (L + R) // 2,
-              dims=_nvfp4_dims, impls=NVFP4_IMPLS, takes_scale_cache=True),
-)}
+NVFP4_IMPLS = impls("mla:store_mla", "store_mla_nvfp4:launch", "store_mla")
+FORMATS = MLA_FORMATS   # kv_cache_dtype -> MLAFormat (kvwrite.facts)
 
 
 @dataclass(frozen=True)
@@ -185,7 +99,7 @@ SPEC = spec.Op(
           spec.opt("global_scale", "scale", role="scale", default=None)),
     checks=("kv_c", "k_pe", _format, "kv_cache", spec.geometry("kv_cache"), _scales, "scale",
             "scale_cache", "global_scale"),
-    build=_build, impls=lambda a: a.format.impls)
+    build=_build, impls=lambda a: NVFP4_IMPLS if a.format.mode == MODE_NVFP4 else IMPLS)
 _OP = SPEC.overload
 _CALL = _OP._op
 

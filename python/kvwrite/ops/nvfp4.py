@@ -10,17 +10,12 @@ from kvwrite import validate
 from kvwrite.errors import ErrorBuffer
 from kvwrite.geometry import PageGeometry
 from kvwrite.ops import spec
-from kvwrite.ops._common import Check, Locs
+from kvwrite.ops._common import Check, Locs, impls
 from kvwrite.ops.kv import LAYOUTS, canonical
 
 OP = "store_kv_nvfp4"
 BLOCK = 16  # elements per e4m3 block scale
-IMPLS = (
-    ("torch", "kvwrite.reference.nvfp4:store_kv_nvfp4"),
-    ("triton", "kvwrite.kernels.store_kv_nvfp4:launch"),
-    ("cpu", "kvwrite._ext:store_kv_nvfp4"),
-    ("cuda", "kvwrite._ext:store_kv_nvfp4"),
-)
+IMPLS = impls("nvfp4:store_kv_nvfp4", "store_kv_nvfp4:launch", "store_kv_nvfp4")
 
 
 @dataclass(frozen=True)
@@ -83,14 +78,6 @@ SPEC = spec.Op(
     build=_build, impls=IMPLS)
 _OP = SPEC.overload
 _CALL = _OP._op
-
-
-def prepare_store_kv_nvfp4(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, loc,
-                           k_global_scale, v_global_scale, layout, check, errors, loc_map,
-                           dcp_rank, dcp_size) -> StoreKVNVFP4:
-    """A validated store_kv_nvfp4 call (the spec's checks)."""
-    return SPEC.prepare((k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, loc, k_global_scale,
-                         v_global_scale, layout, check, errors, loc_map, dcp_rank, dcp_size, "auto"))
 
 
 def store_kv_nvfp4(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -17,28 +17,13 @@ from kvwrite import validate
 from kvwrite.errors import MAX_TOKENS, NUM_SLOTS, ErrorBuffer, default_errors
 from kvwrite.geometry import GeometryError, PageGeometry
 from kvwrite.ops import _library
-from kvwrite.ops._common import Check, Locs, cache_geometry, dispatch, prepare
+from kvwrite.ops._common import Check, Locs, cache_geometry, dispatch, impls, prepare
 from kvwrite.pagetable import PageTable
 
 OP_COPY, OP_GATHER, OP_SLOTS, OP_MOVE = "copy_pages", "gather", "slot_mapping", "move_rows"
-COPY_IMPLS = (
-    ("torch", "kvwrite.reference.pages:copy_pages"),
-    ("triton", "kvwrite.kernels.pages:copy_pages"),
-    ("cpu", "kvwrite._ext:copy_pages"),
-    ("cuda", "kvwrite._ext:copy_pages"),
-)
-GATHER_IMPLS = (
-    ("torch", "kvwrite.reference.pages:gather"),
-    ("triton", "kvwrite.kernels.pages:gather"),
-    ("cpu", "kvwrite._ext:gather"),
-    ("cuda", "kvwrite._ext:gather"),
-)
-SLOTS_IMPLS = (
-    ("torch", "kvwrite.reference.pages:slot_mapping"),
-    ("triton", "kvwrite.kernels.pages:slot_mapping"),
-    ("cpu", "kvwrite._ext:slot_mapping"),
-    ("cuda", "kvwrite._ext:slot_mapping"),
-)
+COPY_IMPLS = impls("pages:copy_pages", "pages:copy_pages", "copy_pages")
+GATHER_IMPLS = impls("pages:gather", "pages:gather", "gather")
+SLOTS_IMPLS = impls("pages:slot_mapping", "pages:slot_mapping", "slot_mapping")
 # Any dtype moves as bytes; these are the ones a pool can have.
 POOL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int32,
                torch.int64, *validate.FP8_MAX)

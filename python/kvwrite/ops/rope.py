@@ -15,25 +15,17 @@ import torch
 
 from kvwrite import _ext, validate
 from kvwrite.errors import ErrorBuffer, op_code
-from kvwrite.ops._common import dispatch, record
-from kvwrite.ops.kv_quant import KVStore, prepare_kv_store
+from kvwrite.ops import _library
+from kvwrite.ops._common import dispatch, impls, record
+from kvwrite.facts import FMT_SAME, QUANT_STATIC
+from kvwrite.ops.kv import KVStore, prepare_store_kv
 from kvwrite.ops.mla import FORMATS, StoreMLA, prepare_store_mla
 
 OP_KV = "rope_store_kv"
 OP_MLA = "rope_store_mla"
 MAX_HEAD_DIM = 1024
-KV_IMPLS = (
-    ("torch", "kvwrite.reference.rope:rope_store_kv"),
-    ("triton", "kvwrite.kernels.rope_store:launch_kv"),
-    ("cpu", "kvwrite._ext:rope_store_kv"),
-    ("cuda", "kvwrite._ext:rope_store_kv"),
-)
-MLA_IMPLS = (
-    ("torch", "kvwrite.reference.rope:rope_store_mla"),
-    ("triton", "kvwrite.kernels.rope_store:launch_mla"),
-    ("cpu", "kvwrite._ext:rope_store_mla"),
-    ("cuda", "kvwrite._ext:rope_store_mla"),
-)
+KV_IMPLS = impls("rope:rope_store_kv", "rope_store:launch_kv", "rope_store_kv")
+MLA_IMPLS = impls("rope:rope_store_mla", "rope_store:launch_mla", "rope_store_mla")
 # every store_mla kv_cache_dtype (fp8_ds_mla options included), and "fp8" for "fp8_e4m3"
 MLA_FORMATS = {"fp8": "fp8_e4m3", **{name: name for name in FORMATS}}
 
@@ -96,11 +88,6 @@ def _fast_kv(*args) -> None:
 _FAST_KV = _fast_kv
 
 
-def kv_impls(store: KVStore) -> tuple[tuple[str, str], ...]:
-    """The implementations of a rope_store_kv call (every K/V store format has its kernels)."""
-    return KV_IMPLS
-
-
 def _rope_args(positions, q, head_dim, n, cos_sin_cache, rotary_dim, device, q_name):
     positions = validate.tensor("positions", positions, ndim=1, dtypes=validate.LOC_DTYPES, device=device)
     if positions.shape[0] != n:
@@ -138,8 +125,11 @@ def prepare_rope_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, l
                           rotary_dim, q_norm_weight, k_norm_weight, norm_eps, layout, k_scale,
                           v_scale, k_scale_cache, v_scale_cache, check, errors, loc_map, dcp_rank,
                           dcp_size) -> RopeStoreKV:
-    store = prepare_kv_store(OP_KV, k, v, k_cache, v_cache, loc, layout, k_scale, v_scale,
-                             k_scale_cache, v_scale_cache, check, errors, loc_map, dcp_rank, dcp_size)
+    validate.choice("layout", layout, ("NHD", "HND"))
+    store = prepare_store_kv(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors,
+                             loc_map, dcp_rank, dcp_size, k_scale_cache, v_scale_cache, op=OP_KV)
+    if store.quant == QUANT_STATIC and store.fmt == FMT_SAME:
+        raise TypeError(f"k_cache: rope_store_kv stores no {store.k_cache.dtype} cache")
     n, _, d = store.k.shape
     device = store.k.device
     q = validate.tensor("q", q, ndim=3, dtypes=(store.k.dtype,), device=device)
@@ -173,6 +163,16 @@ def prepare_rope_store_mla(positions, q_pe, kv_c, k_pe, cos_sin_cache, kv_cache,
     return RopeStoreMLA(q_pe, positions, cos_sin, rotary_dim, is_neox, store)
 
 
+def _traced(check, errors, traced: bool):
+    """The check a traced call validates with: as the fake kernels, guard without a buffer as "off"
+    (the default buffer is found when the op runs)."""
+    return _library.fake_check(validate.check_mode(check), errors) if traced else check
+
+
+def _tensor(errors):
+    return errors.tensor if isinstance(errors, ErrorBuffer) else errors
+
+
 def _op_check(chk, op):
     from kvwrite.ops._common import Check
 
@@ -195,7 +195,7 @@ def _rope_store_kv_op(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                               v_scale, k_scale_cache, v_scale_cache, check, errors, loc_map,
                               dcp_rank, dcp_size)
     if a.locs.n:
-        dispatch(OP_KV, kv_impls(a.store), backend, k.device, a)
+        dispatch(OP_KV, KV_IMPLS, backend, k.device, a)
 
 
 @_rope_store_kv_op.register_fake
@@ -243,18 +243,19 @@ def rope_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                                 _OP_KV_CODE)
             except Exception:  # what they refuse, the Python path names (or runs: bf16 weights)
                 pass
+    traced = torch.compiler.is_compiling()
     a = prepare_rope_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, loc, is_neox,
                               rotary_dim, q_norm_weight, k_norm_weight, norm_eps, layout, k_scale,
-                              v_scale, k_scale_cache, v_scale_cache, check, errors, loc_map,
-                              dcp_rank, dcp_size)
-    if torch.compiler.is_compiling():
+                              v_scale, k_scale_cache, v_scale_cache, _traced(check, errors, traced),
+                              errors, loc_map, dcp_rank, dcp_size)
+    if traced:
         torch.ops.kvwrite.rope_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, loc,
                                         is_neox, rotary_dim, q_norm_weight, k_norm_weight,
                                         float(norm_eps), layout, k_scale, v_scale, k_scale_cache,
-                                        v_scale_cache, check, a.check.errors, loc_map, dcp_rank,
+                                        v_scale_cache, check, _tensor(errors), loc_map, dcp_rank,
                                         dcp_size, backend)
     elif a.locs.n:
-        dispatch(OP_KV, kv_impls(a.store), backend, a.q.device, a)
+        dispatch(OP_KV, KV_IMPLS, backend, a.q.device, a)
 
 
 @torch.library.custom_op("kvwrite::rope_store_mla", mutates_args=("q_pe", "kv_cache", "scale_cache", "errors"))
@@ -291,12 +292,13 @@ def rope_store_mla(positions: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tens
     `global_scale`). The rotated k_pe is rounded once to the input dtype (fp32 rotation, no fma),
     then stored exactly as `store_mla` stores a k_pe. Positions, checks, `loc_map`, DCP: as in
     `rope_store_kv`. kv_c and k_pe are not modified."""
+    traced = torch.compiler.is_compiling()
     a = prepare_rope_store_mla(positions, q_pe, kv_c, k_pe, cos_sin_cache, kv_cache, loc, is_neox,
-                               kv_cache_dtype, scale, check, errors, loc_map, dcp_rank, dcp_size,
-                               scale_cache, global_scale)
-    if torch.compiler.is_compiling():
+                               kv_cache_dtype, scale, _traced(check, errors, traced), errors, loc_map,
+                               dcp_rank, dcp_size, scale_cache, global_scale)
+    if traced:
         torch.ops.kvwrite.rope_store_mla(positions, q_pe, kv_c, k_pe, cos_sin_cache, kv_cache, loc,
-                                         is_neox, kv_cache_dtype, scale, check, a.check.errors,
+                                         is_neox, kv_cache_dtype, scale, check, _tensor(errors),
                                          loc_map, dcp_rank, dcp_size, backend, scale_cache,
                                          global_scale)
     elif a.locs.n:

@@ -122,7 +122,7 @@ def geometry(name: str, pages: str = "P", rows: str = "S") -> Callable:
 
 
 # Env names the C++ rules read or write beside the letters and the arguments' dtypes.
-RULE_SLOTS = ("N", "P", "S", "B", "W", "D", "Dv", "L", "R", "layout", "fmt", "cache_dtype")
+RULE_SLOTS = ("N", "P", "S", "B", "W", "D", "Dv", "L", "R", "layout", "fmt", "cache_dtype", "quant", "rule")
 
 
 def _dtype_name(d: object) -> str:
@@ -168,12 +168,6 @@ def _match(a: Arg, t: object, env: dict, name: str) -> None:
     for (letter, div, _), s in zip(toks, canon):
         if letter is not None and div == 1 and letter not in env:
             env[letter] = s
-
-
-@torch._dynamo.assume_constant_result
-def _default_check() -> str:
-    """`KVWRITE_CHECK` (read on first use): a process constant, also while tracing."""
-    return validate.default_check()
 
 
 def _facts(v: object) -> object:
@@ -295,9 +289,11 @@ class Op:
         return env
 
     def prepare(self, args: tuple, check: object = NO_DEFAULT, aliases: dict | None = None,
-                call: str | None = None) -> object:
+                call: str | None = None, op: str | None = None) -> object:
         """Validate a call (schema-order arguments) and build the call object. An adapter's
-        `aliases` (schema name -> the engine's) and `call` (its function) name its errors."""
+        `aliases` (schema name -> the engine's) and `call` (its function) name its errors; `op`:
+        the op the call records as (a fused op that stores through this one)."""
+        op = self.name if op is None else op
         if len(args) < len(self.names):   # the dispatcher leaves trailing defaults out
             args = (*args, *(a.default for a in self.all_args[len(args):]))
         v = dict(zip(self.names, args))
@@ -305,8 +301,8 @@ class Op:
             v["check"] = check
         try:
             env = self.match(v, aliases)
-            loc = page_table(self.name, v["loc"], v["batch_indices"], v["kv_indices"], v["kv_indptr"])
-            locs, chk = prepare_addressing(self.name, env["device"], env["N"], loc, v.get("loc_map"),
+            loc = page_table(op, v["loc"], v["batch_indices"], v["kv_indices"], v["kv_indptr"])
+            locs, chk = prepare_addressing(op, env["device"], env["N"], loc, v.get("loc_map"),
                                            v.get("dcp_rank", 0), v.get("dcp_size", 1), v["check"],
                                            v["errors"], (aliases or self.aliases).get("loc", "loc"))
         except (TypeError, ValueError) as exc:
@@ -355,7 +351,7 @@ class Op:
         ints = tuple(i for i, a in enumerate(self.args) if a.type == "int")
         overload, impl, prepare = self.overload, self.impl, self.prepare
         call = overload._op   # the C++ builtin behind the OpOverload (one frame less)
-        default_check = _default_check
+        default_check = validate.default_check
 
         def entry(*args):
             args = list(args)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kvwrite.ops.dsv4 import (AMAX_FLOOR, DATA_ROW, KV_DIM, MXFP4_BLOCK, NOPE, SCALE_ROW, TILE,
+from kvwrite.facts import (AMAX_FLOOR, DATA_ROW, KV_DIM, MXFP4_BLOCK, NOPE, SCALE_ROW, TILE,
                               TILES, indexer_pool_page_size, kv_pool_page_size)
 from kvwrite.reference._locs import resolve_and_check
 from kvwrite.reference.indexer_k import read_indexer_k, ue8m0

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kvwrite.ops.indexer_k import AMAX_FLOOR, pool_page_size
+from kvwrite.facts import AMAX_FLOOR, indexer_k_pool_page_size as pool_page_size
 from kvwrite.reference._locs import resolve_and_check
 from kvwrite.reference.quant import finite_amax, quantize_fp8
 

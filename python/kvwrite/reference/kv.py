@@ -21,7 +21,7 @@ def _store(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None,
 
 
 def store_kv(a) -> None:
-    """`a`: kvwrite.ops.kv.StoreKV with the caches in canonical [pages, rows, H, D] view (or
+    """`a`: kvwrite.ops.kv.KVStore with the caches in canonical [pages, rows, H, D] view (or
     [pages, rows, H, D / X, X]: a split head dim, `kvwrite.ops.kv_head_major`)."""
     idx, page, offset = resolve_and_check(a.locs, a.geometry, a.check)
     _store(a.k, a.k_cache, a.k_scale, idx, page, offset)

@@ -1,10 +1,10 @@
 """Reference int8 / fp8 K/V stores with static or dynamic (per-token, per-token-head) scales, and
-`dequant_kv`, their reader. The formulas are on `kvwrite.ops.kv_quant`."""
+`dequant_kv`, their reader. The formulas are on `kvwrite.ops.kv`."""
 from __future__ import annotations
 
 import torch
 
-from kvwrite.ops import kv_quant as _q
+from kvwrite import facts as _q
 from kvwrite.reference._locs import resolve_and_check
 from kvwrite.reference.quant import daz, finite_amax, fp8_codes
 
@@ -64,7 +64,7 @@ def write_rows(x: torch.Tensor, cache: torch.Tensor, quant: int, scale: torch.Te
 
 
 def store_kv_quant(a) -> None:
-    """`a`: kvwrite.ops.kv_quant.KVStore."""
+    """`a`: kvwrite.ops.kv.KVStore."""
     idx, page, offset = resolve_and_check(a.locs, a.geometry, a.check)
     if idx.numel():
         write_rows(a.k[idx], a.k_cache, a.quant, a.k_scale, a.k_scale_cache, page, offset, a.rule)
@@ -80,8 +80,8 @@ def dequant_kv(k_cache: torch.Tensor, loc: torch.Tensor, *, scale: torch.Tensor 
     from kvwrite import validate
 
     k_cache = validate.tensor("k_cache", k_cache, ndim=4, last_contiguous=False)
-    layout = validate.choice("layout", layout, _q.LAYOUTS)
-    kc = _q.canonical(k_cache, layout)
+    layout = validate.choice("layout", layout, ("NHD", "HND"))
+    kc = k_cache if layout == "NHD" else k_cache.transpose(1, 2)
     num_pages, pps, h = kc.shape[0], kc.shape[1], kc.shape[2]
     loc = validate.tensor("loc", loc, ndim=1, dtypes=validate.LOC_DTYPES, device=k_cache.device).long()
     if loc.numel() and (int(loc.min()) < 0 or int(loc.max()) >= num_pages * pps):
@@ -96,6 +96,6 @@ def dequant_kv(k_cache: torch.Tensor, loc: torch.Tensor, *, scale: torch.Tensor 
         scale = validate.scale("scale", scale, h, k_cache.device)
         rows = rows * (scale.float().reshape(-1)[None, :, None] if scale.dim() else scale.float())
     elif scale_cache is not None:
-        sc = _q._scale_cache("scale_cache", scale_cache, num_pages, pps, h, k_cache.device)
+        sc = validate.scale_cache("scale_cache", scale_cache, num_pages, pps, h, k_cache.device)
         rows = rows * sc[page, offset][..., None]
     return rows

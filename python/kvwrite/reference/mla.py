@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from kvwrite.ops.mla import (DS_MLA_POW2, DS_MLA_POW2_FLOOR, DS_MLA_RAW_ROPE, DS_MLA_SCALE_FLOOR,
-                             DS_MLA_TILE, FORMATS, MODE_DS_MLA, ds_mla_row_bytes)
+from kvwrite.facts import (DS_MLA_POW2, DS_MLA_POW2_FLOOR, DS_MLA_RAW_ROPE, DS_MLA_SCALE_FLOOR,
+                           DS_MLA_TILE, MLA_FORMATS as FORMATS, MODE_DS_MLA, ds_mla_row_bytes)
 from kvwrite.reference._locs import resolve_and_check
 from kvwrite.reference.indexer_k import ue8m0
 from kvwrite.reference.quant import bf16_bits, finite_amax, quantize_fp8

@@ -1,0 +1,227 @@
+"""The facts every layer reads: the op list (op codes of the guard record) and the cache formats'
+constants. It sits below ops/, kernels/ and reference/ (it imports only geometry and validate),
+so the kernels and the reference take their formats from here, never from `kvwrite.ops`.
+The C++ extension reads the op list when it loads (`_ext.ON_LOAD`: `set_op_names`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from kvwrite import validate
+from kvwrite.geometry import require_positive_int
+
+# --- ops ----------------------------------------------------------------------------------------
+# Op codes (the index), recorded so a shared error buffer tells which op failed. Append only.
+OPS = (
+    "store_kv",
+    "store_mla",
+    "store_indexer_k",
+    "store_kv_nvfp4",
+    "rope_store_kv",
+    "rope_store_mla",
+    "store_dsv4_kv",
+    "store_dsv4_indexer_k",
+    "store_rows",
+    "copy_pages",
+    "gather",
+    "slot_mapping",
+    "move_rows",
+    "store_kv_head_major",
+)
+READ_OPS = ("gather",)   # ops whose bad loc is a read (the message says "reads")
+
+
+def op_code(name: str) -> int:
+    return OPS.index(name)
+
+
+# --- store_kv: copy, fp8, int8, dynamic scales (kvwrite.ops.kv has the formulas) ---------
+KV_LAYOUTS = ("NHD", "HND", "cpu_attn")
+# How K/V reach the cache (the kernels' QUANT constexpr / template parameter).
+QUANT_COPY = 0     # cache in the input dtype
+QUANT_STATIC = 1   # fp8 / int8 with a given fp32 scale ([], [1] or [H])
+QUANT_TOKEN = 2    # dynamic: one scale per token over all heads, scale cache [pages, pps]
+QUANT_HEAD = 3     # dynamic: one scale per token-head, scale cache [pages, pps, H]
+# Cache element formats (the kernels' FMT).
+FMT_SAME, FMT_E4M3, FMT_E5M2, FMT_INT8 = 0, 1, 2, 3
+FORMAT_OF = {torch.float8_e4m3fn: FMT_E4M3, torch.float8_e5m2: FMT_E5M2, torch.int8: FMT_INT8}
+QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+QUANT_DTYPES = tuple(QMAX)
+SCALE_FLOOR = 1e-6   # as fp32: the smallest dynamic scale
+# How a value reaches its code once the scale is known (the kernels' RULE).
+RULE_RNE = 0    # x / scale, round to nearest even (kvwrite's default)
+RULE_VLLM = 1   # x * (1 / scale), int8 half away from zero (vLLM's per-token-head store)
+RULES = {"rne": RULE_RNE, "vllm": RULE_VLLM}
+
+# --- DSA indexer K and DeepSeek scales ----------------------------------------------------------
+AMAX_FLOOR = 1e-4   # scale = max(amax, AMAX_FLOOR) / fmax (indexer K, DeepSeek V4)
+
+
+def indexer_k_row_bytes(head_dim: int, quant_block_size: int) -> int:
+    """Cache bytes one token takes: D e4m3 bytes + D/qbs fp32 scales."""
+    return head_dim + (head_dim // quant_block_size) * 4
+
+
+def indexer_k_pool_page_size(name: str, cache_row: int, head_dim: int, quant_block_size: int) -> int:
+    """Tokens per page of an indexer cache whose pages hold `cache_row` bytes (named error if
+    the page does not hold a whole number of tokens)."""
+    per_token = indexer_k_row_bytes(head_dim, quant_block_size)
+    if cache_row % per_token or cache_row == 0:
+        raise ValueError(
+            f"{name}'s page of {cache_row} bytes is not a whole number of tokens of "
+            f"{per_token} bytes (D={head_dim} e4m3 + {head_dim // quant_block_size} fp32 scales): "
+            f"expected [num_pages, pool_page_size * {per_token}]")
+    return cache_row // per_token
+
+
+# --- MLA formats --------------------------------------------------------------------------------
+# Kernel modes (the kernels' MODE).
+MODE_COPY = 0      # row = concat(kv_c, k_pe) in the input dtype
+MODE_FP8 = 1       # the same row, saturate(x / scale) in an fp8 dtype
+MODE_DS_MLA = 2    # DeepSeek's fp8 MLA row, see `ds_mla_row_bytes`
+MODE_NVFP4 = 3     # NVFP4 row + e4m3 block-scale row (`kernels/store_mla_nvfp4.py`)
+NVFP4_BLOCK = 16   # row elements per e4m3 block scale
+
+DS_MLA_TILE = 128                       # kv_c elements per fp32 scale
+DS_MLA_SCALE_FLOOR = torch.finfo(torch.float32).tiny   # "exact": scale = max(amax / 448, FLT_MIN)
+DS_MLA_POW2_FLOOR = 1e-4                # "pow2": scale = 2^ceil(log2(max(amax / 448, 1e-4)))
+# fp8_ds_mla options, as flag bits beside the kernel mode (kernels and the C++ op read them from
+# the format's `flags`): how the tile scale is formed and how the rope is stored.
+DS_MLA_POW2 = 1 << 4       # tile scale rounded up to a power of two (floor 1e-4)
+DS_MLA_RAW_ROPE = 1 << 5   # rope stored as the input's own 16-bit pattern (bf16 or fp16 bits)
+DS_MLA_SCALES = {"exact": 0, "pow2": DS_MLA_POW2}
+DS_MLA_ROPES = {"bf16": 0, "input": DS_MLA_RAW_ROPE}
+
+
+def ds_mla_row_bytes(kv_lora_rank: int, rope_dim: int) -> int:
+    """Bytes of one fp8_ds_mla row: L e4m3 latent bytes, L/128 fp32 tile scales, R bf16 rope."""
+    return kv_lora_rank + (kv_lora_rank // DS_MLA_TILE) * 4 + 2 * rope_dim
+
+
+def _nvfp4_dims(kv_lora_rank: int, rope_dim: int) -> str | None:
+    if (kv_lora_rank + rope_dim) % NVFP4_BLOCK:
+        return (f"kv_cache_dtype='nvfp4' needs kv_lora_rank + rope_dim to be a multiple of "
+                f"{NVFP4_BLOCK}, got {kv_lora_rank} + {rope_dim}")
+    return None
+
+
+def _ds_mla_dims(kv_lora_rank: int, rope_dim: int) -> str | None:
+    if kv_lora_rank % DS_MLA_TILE:
+        return (f"kv_cache_dtype='fp8_ds_mla' needs kv_c's last dim (kv_lora_rank) to be a multiple "
+                f"of {DS_MLA_TILE}, got {kv_lora_rank}")
+    return None
+
+
+@dataclass(frozen=True)
+class MLAFormat:
+    """One `kv_cache_dtype`: how its cache looks and which kernel mode writes it."""
+
+    name: str
+    mode: int
+    cache_dtype: Callable[[torch.dtype], torch.dtype]   # input dtype -> cache dtype
+    row_width: Callable[[int, int], int]                 # (L, R) -> cache row, in cache elements
+    takes_scale: bool = False
+    dims: Callable[[int, int], Optional[str]] = lambda L, R: None   # error text or None
+    takes_scale_cache: bool = False                                  # nvfp4: scale_cache, global_scale
+    flags: int = 0                                                   # fp8_ds_mla: DS_MLA_* bits
+
+    @property
+    def kernel_mode(self) -> int:
+        """The mode the kernels take: MODE_* with the format's option bits."""
+        return self.mode | self.flags
+
+
+def ds_mla_format(scale: str = "exact", rope: str = "bf16") -> str:
+    """The kv_cache_dtype name of fp8_ds_mla with tile scale `scale` ("exact": max(amax/448,
+    FLT_MIN); "pow2": 2^ceil(log2(max(amax/448, 1e-4)))) and rope `rope` ("bf16": rounded to bf16;
+    "input": the 16-bit input's own bits), e.g. "fp8_ds_mla+pow2+input"."""
+    validate.choice("ds_mla_scale", scale, tuple(DS_MLA_SCALES))
+    validate.choice("ds_mla_rope", rope, tuple(DS_MLA_ROPES))
+    return "fp8_ds_mla" + ("+pow2" if scale == "pow2" else "") + ("+input" if rope == "input" else "")
+
+
+_CONCAT = lambda L, R: L + R  # noqa: E731
+MLA_FORMATS: dict[str, MLAFormat] = {f.name: f for f in (
+    MLAFormat("auto", MODE_COPY, lambda dtype: dtype, _CONCAT),
+    MLAFormat("fp8_e4m3", MODE_FP8, lambda dtype: torch.float8_e4m3fn, _CONCAT, takes_scale=True),
+    MLAFormat("fp8_e5m2", MODE_FP8, lambda dtype: torch.float8_e5m2, _CONCAT, takes_scale=True),
+    MLAFormat("fp8_e4m3fnuz", MODE_FP8, lambda dtype: torch.float8_e4m3fnuz, _CONCAT,
+              takes_scale=True),
+    *(MLAFormat(ds_mla_format(sc, rp), MODE_DS_MLA, lambda dtype: torch.uint8, ds_mla_row_bytes,
+                dims=_ds_mla_dims, flags=DS_MLA_SCALES[sc] | DS_MLA_ROPES[rp])
+      for sc in DS_MLA_SCALES for rp in DS_MLA_ROPES),
+    MLAFormat("nvfp4", MODE_NVFP4, lambda dtype: torch.uint8, lambda L, R: (L + R) // 2,
+              dims=_nvfp4_dims, takes_scale_cache=True),
+)}
+
+# --- DeepSeek V4 (layouts on kvwrite.ops.dsv4) -------------------------------------------------
+NOPE = 448                  # e4m3 values a row
+ROPE = 64                   # bf16 values a row
+KV_DIM = NOPE + ROPE        # 512 input values a token
+TILE = 64                   # NoPE values per ue8m0 scale
+TILES = NOPE // TILE        # 7
+DATA_ROW = NOPE + 2 * ROPE  # 576 bytes
+SCALE_ROW = TILES + 1       # 8 bytes: 7 scales + 1 pad
+TOKEN_BYTES = DATA_ROW + SCALE_ROW   # 584
+PAGE_ALIGN = 576
+INDEXER_FMTS = ("fp8", "mxfp4")
+FP8_BLOCK = 128             # indexer values per fp32 scale ("fp8")
+MXFP4_BLOCK = 32            # indexer values per ue8m0 scale ("mxfp4")
+INDEXER_FMT_CODE = {"fp8": 0, "mxfp4": 1}
+RATIOS = (4, 128)           # the compressed caches of V4
+
+
+def kv_page_bytes(pool_page_size: int) -> int:
+    """Bytes of one KV page: ceil(pool_page_size * 584 / 576) * 576 (256 -> 149760, 64 -> 37440,
+    2 -> 1728)."""
+    pps = require_positive_int("page_size", pool_page_size)
+    return -(-pps * TOKEN_BYTES // PAGE_ALIGN) * PAGE_ALIGN
+
+
+def _tokens_for_page_bytes(page_bytes: int) -> int | None:
+    """The pool page size whose KV page is `page_bytes`, or None (kv_page_bytes is increasing)."""
+    pps = max(1, (page_bytes - PAGE_ALIGN) // TOKEN_BYTES)
+    while kv_page_bytes(pps) < page_bytes:
+        pps += 1
+    return pps if kv_page_bytes(pps) == page_bytes else None
+
+
+def kv_pool_page_size(name: str, page_bytes: int, page_size: object = None) -> int:
+    """Tokens per page of a KV cache with `page_bytes` a page: `page_size` checked against it,
+    or derived from it when None (named error on a mismatch)."""
+    if page_size is None:
+        pps = _tokens_for_page_bytes(page_bytes)
+        if pps is None:
+            raise ValueError(f"{name}'s page of {page_bytes} bytes is not a DeepSeek V4 KV page "
+                             f"(ceil(page_size * {TOKEN_BYTES} / {PAGE_ALIGN}) * {PAGE_ALIGN} bytes)")
+        return pps
+    pps = require_positive_int("page_size", page_size)
+    if kv_page_bytes(pps) != page_bytes:
+        raise ValueError(f"{name} must have pages of kv_page_bytes({pps}) = {kv_page_bytes(pps)} "
+                         f"bytes for page_size={pps}, got {page_bytes}")
+    return pps
+
+
+def indexer_row_bytes(head_dim: int, fmt: str = "fp8") -> int:
+    """Indexer cache bytes a row: fp8 D + D/128*4 (132), mxfp4 D/2 + D/32 (68)."""
+    if fmt == "mxfp4":
+        return head_dim // 2 + head_dim // MXFP4_BLOCK
+    return head_dim + (head_dim // FP8_BLOCK) * 4
+
+
+def indexer_pool_page_size(name: str, page_bytes: int, head_dim: int, fmt: str,
+                           page_size: object = None) -> int:
+    per_row = indexer_row_bytes(head_dim, fmt)
+    if page_size is not None:
+        pps = require_positive_int("page_size", page_size)
+        if pps * per_row != page_bytes:
+            raise ValueError(f"{name} must have pages of page_size * {per_row} = {pps * per_row} "
+                             f"bytes (fmt={fmt!r}, D={head_dim}), got {page_bytes}")
+        return pps
+    if page_bytes == 0 or page_bytes % per_row:
+        raise ValueError(f"{name}'s page of {page_bytes} bytes is not a whole number of "
+                         f"{fmt} indexer rows of {per_row} bytes (D={head_dim})")
+    return page_bytes // per_row
