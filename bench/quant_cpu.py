@@ -1,0 +1,48 @@
+"""Every quantised store's cpu backend against the same-run memcpy scatter of the bytes it writes,
+on the thread-CPU-time clock (steadier than wall time on a shared machine), one torch thread.
+`KVWRITE_CPU_SIMD=0` runs the portable loops instead of the AVX2 lanes (csrc/kvwrite/simd_x86.h).
+
+    python bench/quant_cpu.py [N] [case,case,...]
+    KVWRITE_CPU_SIMD=0 python bench/quant_cpu.py 1024
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+
+from kvwrite.bench.cases import available
+
+QUANT_CASES = ("mha-fp8,mha-int8-token,mha-int8-head,mla-fp8ds,mla-nvfp4,mha-nvfp4,indexer-k,dsv4-kv,"
+               "dsv4-indexer-mxfp4")
+
+
+def median_us(fn, reps: int = 15) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.thread_time_ns()
+        fn()
+        times.append(time.thread_time_ns() - t)
+    return statistics.median(times) / 1e3
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 1024
+    cases, _ = available((sys.argv[2] if len(sys.argv) > 2 else QUANT_CASES).split(","))
+    for c in cases:
+        s = c.build(n, torch.device("cpu"), torch.Generator().manual_seed(0))
+        store = median_us(lambda: s.call("cpu", "off", None))
+        scatter = s.baselines.get("memcpy-scatter")
+        line = f"{c.name:22s} N={n} store {store:9.1f} us"
+        if scatter is not None:
+            sc = median_us(scatter)
+            line += f"  memcpy-scatter {sc:7.1f} us  {100 * sc / store:5.1f} % of scatter"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
