@@ -75,4 +75,14 @@ KVW_HD bool e2m1_run(const void* src, i64 start, int n, float s, char* bytes) {
   return nan;
 }
 
+// nblocks consecutive blocks from `start` (bytes: 8 a block, scales: 1 a block, both contiguous).
+template <DType IN>
+KVW_HD void nvfp4_run(const void* src, i64 start, int nblocks, const float* global, char* bytes, char* scales) {
+#if KVW_SIMD_X86
+  if (simd_ok()) return nvfp4_run_avx2<IN>(src, start, nblocks, global, bytes, scales);
+#endif
+  for (int b = 0; b < nblocks; ++b)
+    nvfp4_block_at<IN>(src, start + i64(b) * NVFP4_BLOCK, global, bytes + b * (NVFP4_BLOCK / 2), scales + b);
+}
+
 }  // namespace kvwrite

@@ -27,16 +27,19 @@ inline bool simd_ok() {
   return ok;
 }
 
+// Eight elements from src + i as fp32, as stored (no daz).
+template <DType IN>
+KVW_AVX2 __m256 load8(const void* src, i64 i) {
+  if constexpr (IN == DType::F32) return _mm256_loadu_ps(static_cast<const float*>(src) + i);
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(src) + i));
+  if constexpr (IN == DType::F16) return _mm256_cvtph_ps(h);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 // Eight elements from src + i as fp32, fp32 subnormals read as +-0 (daz).
 template <DType IN>
 KVW_AVX2 __m256 load8_daz(const void* src, i64 i) {
-  __m256i x;
-  if constexpr (IN == DType::F32) {
-    x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const float*>(src) + i));
-  } else {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(src) + i));
-    x = IN == DType::F16 ? _mm256_castps_si256(_mm256_cvtph_ps(h)) : _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
-  }
+  const __m256i x = _mm256_castps_si256(load8<IN>(src, i));
   const __m256i sub = _mm256_cmpeq_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7F800000)), _mm256_setzero_si256());
   return _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_and_si256(sub, _mm256_set1_epi32(0x7FFFFFFF)), x));
 }
@@ -108,15 +111,6 @@ KVW_AVX2 void fp8_run_avx2(const void* __restrict__ src, i64 start, int n, float
   const __m256 s = _mm256_set1_ps(scale);
   simd_run<false>(n, dst, [&](int i) KVW_AVX2_FN { return fp8_codes8<F>(_mm256_div_ps(load8_daz<IN>(src, start + i), s)); },
                   [&](int j) KVW_AVX2_FN { return fp8_bits<F>(daz(load_float<IN>(src, start + j)) / scale); });
-}
-
-// Eight elements from src + i as fp32, as stored (no daz).
-template <DType IN>
-KVW_AVX2 __m256 load8(const void* src, i64 i) {
-  if constexpr (IN == DType::F32) return _mm256_loadu_ps(static_cast<const float*>(src) + i);
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(src) + i));
-  if constexpr (IN == DType::F16) return _mm256_cvtph_ps(h);
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
 // fp8_run_avx2 over H heads of D elements (head h from start + h * s_head, scale[h * scale_step],
@@ -227,6 +221,69 @@ KVW_AVX2 void nvfp4_block_avx2(const void* src, i64 start, const float* global, 
   if (global != nullptr) d = d * global[0];
   e2m1_pack16(x0, x1, d, bytes);
   *scale = char(any_nan16(x0, x1) ? uint8_t(0x7F) : code);
+}
+
+// max of each of 8 vectors' lanes, as one vector: lane b = max over the lanes of m[b] (int32).
+KVW_AVX2 __m256i hmax8x8(const __m256i (&m)[8]) {
+  __m256i t[4];
+  for (int k = 0; k < 4; ++k)  // pairs interleaved: lanes {b, b+1} of each 64-bit half
+    t[k] = _mm256_max_epi32(_mm256_unpacklo_epi32(m[2 * k], m[2 * k + 1]), _mm256_unpackhi_epi32(m[2 * k], m[2 * k + 1]));
+  const __m256i u0 = _mm256_max_epi32(_mm256_unpacklo_epi64(t[0], t[1]), _mm256_unpackhi_epi64(t[0], t[1]));
+  const __m256i u1 = _mm256_max_epi32(_mm256_unpacklo_epi64(t[2], t[3]), _mm256_unpackhi_epi64(t[2], t[3]));
+  // u0 lanes: blocks 0 1 2 3 (low half) / 0 1 2 3 (high half); u1 the same for 4..7
+  const __m256i lo = _mm256_permute2x128_si256(u0, u1, 0x20), hi = _mm256_permute2x128_si256(u0, u1, 0x31);
+  return _mm256_max_epi32(lo, hi);
+}
+
+// e4m3 code lanes (0..255) -> their values (e4m3_to_float), NaN code -> NaN.
+KVW_AVX2 __m256 e4m3_values8(__m256i c) {
+  const __m256i mag = _mm256_and_si256(c, _mm256_set1_epi32(0x7F));
+  const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23)));
+  const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(1.0f / 512.0f));  // mant * 2^-9, exact
+  const __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag);
+  __m256 v = _mm256_blendv_ps(normal, sub, _mm256_castsi256_ps(is_sub));
+  v = _mm256_blendv_ps(v, _mm256_set1_ps(__builtin_nanf("")), _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7F))));
+  return _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24)));
+}
+
+// nvfp4_block_avx2 for 8 consecutive blocks (128 elements from src + start; bytes: 64, scales: 8):
+// the eight block scales in one vector (amax, / 6, / global, e4m3 code, decode, * global: the same
+// fp32 operations per lane as the scalar code), then each block's codes.
+template <DType IN>
+KVW_AVX2 void nvfp4_blocks8_avx2(const void* src, i64 start, const float* global, char* bytes, char* scales) {
+  __m256 x[16];
+  __m256i m[8];
+  const __m256i inf = _mm256_set1_epi32(0x7F800000);
+  int nan_blocks = 0;
+  for (int b = 0; b < 8; ++b) {
+    x[2 * b] = load8_daz<IN>(src, start + 16 * b);
+    x[2 * b + 1] = load8_daz<IN>(src, start + 16 * b + 8);
+    const __m256i a0 = _mm256_castps_si256(abs8(x[2 * b])), a1 = _mm256_castps_si256(abs8(x[2 * b + 1]));
+    m[b] = _mm256_max_epi32(_mm256_and_si256(a0, _mm256_cmpgt_epi32(inf, a0)), _mm256_and_si256(a1, _mm256_cmpgt_epi32(inf, a1)));
+    nan_blocks |= int(any_nan16(x[2 * b], x[2 * b + 1])) << b;
+  }
+  __m256 s = _mm256_div_ps(_mm256_castsi256_ps(hmax8x8(m)), _mm256_set1_ps(6.0f));
+  if (global != nullptr) s = _mm256_div_ps(s, _mm256_set1_ps(global[0]));
+  const __m256i code = fp8_codes8<E4M3>(s);
+  __m256 d = e4m3_values8(code);
+  if (global != nullptr) d = _mm256_mul_ps(d, _mm256_set1_ps(global[0]));
+  alignas(32) float dl[8];
+  alignas(32) int32_t cl[8];
+  _mm256_store_ps(dl, d);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(cl), code);
+  for (int b = 0; b < 8; ++b) {
+    e2m1_pack16(x[2 * b], x[2 * b + 1], dl[b], bytes + 8 * b);
+    scales[b] = char((nan_blocks >> b) & 1 ? 0x7F : cl[b]);
+  }
+}
+
+// nblocks consecutive NVFP4 blocks from src + start (bytes: 8 a block, scales: 1 a block), eight
+// at a time.
+template <DType IN>
+KVW_AVX2 void nvfp4_run_avx2(const void* src, i64 start, int nblocks, const float* global, char* bytes, char* scales) {
+  int b = 0;
+  for (; b + 8 <= nblocks; b += 8) nvfp4_blocks8_avx2<IN>(src, start + 16 * b, global, bytes + 8 * b, scales + b);
+  for (; b < nblocks; ++b) nvfp4_block_avx2<IN>(src, start + 16 * b, global, bytes + 8 * b, scales + b);
 }
 
 // e2m1 codes of n elements (a multiple of 16) from `start` divided by s (> 0), packed; whether

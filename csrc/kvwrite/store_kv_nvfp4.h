@@ -30,8 +30,8 @@ template <DType IN>
 KVW_HD void nvfp4_side_block(const NVFP4Side& s, i64 i, char* values, char* scales, int b) {
   const int nb = s.D / NVFP4_BLOCK, h = b / nb, j = b - h * nb;
   const i64 start = i * s.s_tok + h * s.s_head + i64(j) * NVFP4_BLOCK;
-  nvfp4_block_at<IN>(s.src, start, s.global, values + s.values.in_row(h, j * (NVFP4_BLOCK / 2)),
-                     scales + s.scales.in_row(h, j));
+  nvfp4_block([&](int e) { return load_float<IN>(s.src, start + e); }, s.global,
+              values + s.values.in_row(h, j * (NVFP4_BLOCK / 2)), scales + s.scales.in_row(h, j));
 }
 
 template <int CHECK, DType IN>
@@ -41,6 +41,18 @@ KVW_HD void store_kv_nvfp4_token(const StoreKVNVFP4Params& p, i64 i, int lane, i
   const int nk = p.H * (p.k.D / NVFP4_BLOCK), nv = p.H * (p.v.D / NVFP4_BLOCK);
   char *kv = p.k.values.row_ptr(r.row), *ks = p.k.scales.row_ptr(r.row);
   char *vv = p.v.values.row_ptr(r.row), *vs = p.v.scales.row_ptr(r.row);
+#if !defined(__CUDA_ARCH__)
+  if (nlanes == 1 && !p.k.values.split && !p.k.scales.split && !p.v.values.split && !p.v.scales.split) {
+    const auto side = [&](const NVFP4Side& s, char* values, char* scales) {  // a head's blocks are contiguous
+      for (int h = 0; h < p.H; ++h)
+        nvfp4_run<IN>(s.src, i * s.s_tok + h * s.s_head, s.D / NVFP4_BLOCK, s.global, values + s.values.in_row(h, 0),
+                      scales + s.scales.in_row(h, 0));
+    };
+    side(p.k, kv, ks);
+    side(p.v, vv, vs);
+    return;
+  }
+#endif
   for (int w = lane; w < nk + nv; w += nlanes) {
     if (w < nk) {
       nvfp4_side_block<IN>(p.k, i, kv, ks, w);

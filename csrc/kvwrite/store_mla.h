@@ -169,22 +169,19 @@ KVW_HD void mla_ds(const StoreMLAParams& p, i64 i, char* dst, int lane, int nlan
 template <DType IN>
 KVW_HD void mla_nvfp4(const StoreMLAParams& p, i64 i, i64 row, char* dst, int lane, int nlanes) {
   char* scales = p.scale_cache.row_ptr(row);
+#if !defined(__CUDA_ARCH__)
+  if (nlanes == 1 && p.L % NVFP4_BLOCK == 0 && !p.scale_cache.split) {  // latent blocks, then rope blocks
+    nvfp4_run<IN>(p.kv_c, i * p.c_sn, p.L / NVFP4_BLOCK, p.global, dst, scales);
+    if (p.R > 0) nvfp4_run<IN>(p.k_pe, i * p.pe_sn, p.R / NVFP4_BLOCK, p.global, dst + p.L / 2, scales + p.L / NVFP4_BLOCK);
+    return;
+  }
+#endif
   for (int b = lane; b < (p.L + p.R) / NVFP4_BLOCK; b += nlanes) {
-    char *bytes = dst + b * (NVFP4_BLOCK / 2), *scale = scales + p.scale_cache.in_row(0, b);
-    const int c0 = b * NVFP4_BLOCK;
-    if (c0 + NVFP4_BLOCK <= p.L) {  // a block of one source (the latent or the rope part)
-      nvfp4_block_at<IN>(p.kv_c, i * p.c_sn + c0, p.global, bytes, scale);
-      continue;
-    }
-    if (c0 >= p.L) {
-      nvfp4_block_at<IN>(p.k_pe, i * p.pe_sn + c0 - p.L, p.global, bytes, scale);
-      continue;
-    }
     const auto load = [&](int e) {
       const int c = b * NVFP4_BLOCK + e;
       return c < p.L ? load_float<IN>(p.kv_c, i * p.c_sn + c) : load_float<IN>(p.k_pe, i * p.pe_sn + c - p.L);
     };
-    nvfp4_block(load, p.global, bytes, scale);
+    nvfp4_block(load, p.global, dst + b * (NVFP4_BLOCK / 2), scales + p.scale_cache.in_row(0, b));
   }
 }
 
