@@ -138,16 +138,7 @@ KVW_AVX2 void fp8_heads_avx2(const void* __restrict__ src, i64 start, i64 s_head
 // Policy |x| bits of eight elements from src + i: 0 for NaN, +-inf and fp32 subnormals.
 template <DType IN>
 KVW_AVX2 __m256i policy_abs8(const void* src, i64 i) {
-  __m256i a;
-  if constexpr (IN == DType::BF16) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(src) + i));
-    a = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_and_si128(h, _mm_set1_epi16(0x7FFF))), 16);
-  } else if constexpr (IN == DType::F16) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(src) + i));
-    a = _mm256_castps_si256(abs8(_mm256_cvtph_ps(h)));
-  } else {
-    a = _mm256_castps_si256(abs8(_mm256_loadu_ps(static_cast<const float*>(src) + i)));
-  }
+  const __m256i a = _mm256_castps_si256(abs8(load8<IN>(src, i)));
   const __m256i keep = _mm256_and_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(0x7F800000), a),
                                         _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x007FFFFF)));
   return _mm256_and_si256(a, keep);
@@ -173,12 +164,12 @@ KVW_AVX2 float amax_avx2(const void* src, i64 start, int n) {
   return bits_to_float(hmax8(_mm256_max_epi32(m0, m1)));
 }
 
-// max finite |x| of two vectors already read with daz (subnormals are +-0).
-KVW_AVX2 float finite_amax16(__m256 x0, __m256 x1) {
+// Lane-wise max of the finite |x| bits of two vectors already read with daz (NaN, +-inf -> 0):
+// the bits of a block's amax before the horizontal max.
+KVW_AVX2 __m256i finite_abs_max16(__m256 x0, __m256 x1) {
   const __m256i inf = _mm256_set1_epi32(0x7F800000);
   const __m256i a0 = _mm256_castps_si256(abs8(x0)), a1 = _mm256_castps_si256(abs8(x1));
-  return bits_to_float(hmax8(_mm256_max_epi32(_mm256_and_si256(a0, _mm256_cmpgt_epi32(inf, a0)),
-                                              _mm256_and_si256(a1, _mm256_cmpgt_epi32(inf, a1)))));
+  return _mm256_max_epi32(_mm256_and_si256(a0, _mm256_cmpgt_epi32(inf, a0)), _mm256_and_si256(a1, _mm256_cmpgt_epi32(inf, a1)));
 }
 
 // e2m1 codes (nvfp4.h e2m1_code) of y = x / d, or each element's sign alone when d == 0; NaN -> 0.
@@ -214,7 +205,7 @@ KVW_AVX2 bool any_nan16(__m256 x0, __m256 x1) {
 template <DType IN>
 KVW_AVX2 void nvfp4_block_avx2(const void* src, i64 start, const float* global, char* bytes, char* scale) {
   const __m256 x0 = load8_daz<IN>(src, start), x1 = load8_daz<IN>(src, start + 8);
-  float s = finite_amax16(x0, x1) / 6.0f;
+  float s = bits_to_float(hmax8(finite_abs_max16(x0, x1))) / 6.0f;
   if (global != nullptr) s = s / global[0];
   const uint8_t code = fp8_bits<E4M3>(s);
   float d = e4m3_to_float(code);
@@ -253,13 +244,11 @@ template <DType IN>
 KVW_AVX2 void nvfp4_blocks8_avx2(const void* src, i64 start, const float* global, char* bytes, char* scales) {
   __m256 x[16];
   __m256i m[8];
-  const __m256i inf = _mm256_set1_epi32(0x7F800000);
   int nan_blocks = 0;
   for (int b = 0; b < 8; ++b) {
     x[2 * b] = load8_daz<IN>(src, start + 16 * b);
     x[2 * b + 1] = load8_daz<IN>(src, start + 16 * b + 8);
-    const __m256i a0 = _mm256_castps_si256(abs8(x[2 * b])), a1 = _mm256_castps_si256(abs8(x[2 * b + 1]));
-    m[b] = _mm256_max_epi32(_mm256_and_si256(a0, _mm256_cmpgt_epi32(inf, a0)), _mm256_and_si256(a1, _mm256_cmpgt_epi32(inf, a1)));
+    m[b] = finite_abs_max16(x[2 * b], x[2 * b + 1]);
     nan_blocks |= int(any_nan16(x[2 * b], x[2 * b + 1])) << b;
   }
   __m256 s = _mm256_div_ps(_mm256_castsi256_ps(hmax8x8(m)), _mm256_set1_ps(6.0f));
