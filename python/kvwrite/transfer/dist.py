@@ -1,5 +1,6 @@
 """Page transfers between processes over torch.distributed (gloo on CPU, NCCL on GPUs): the
-pages of a prefill worker's pool sent into a decode worker's pool.
+pages of a prefill worker's pool sent into a decode worker's pool (`transport="nixl"`, the
+default where NIXL is installed: `kvwrite.transfer.dist_nixl`; below, the torch path).
 
 `send_pages(cache, pages, dst)` on one rank pairs with `recv_pages(cache, pages, src)` on the
 other. Before any page moves, both sides exchange what they hold (dtype, row shape, page size,
@@ -23,6 +24,7 @@ from kvwrite.geometry import GeometryError, PageGeometry
 from kvwrite.ops.pages import canonical_pool, copy_pages
 
 LAYOUTS = ("NHD", "HND")
+TRANSPORTS = ("auto", "torch", "nixl")
 
 
 @dataclass(frozen=True)
@@ -120,12 +122,36 @@ def _norm(v):
     return tuple(_norm(x) for x in v) if isinstance(v, (list, tuple)) else v
 
 
+def transport_of(transport: str) -> str:
+    """"nixl" or "torch": `auto` is NIXL where it is installed."""
+    from kvwrite.transfer import nixl
+
+    validate.choice("transport", transport, TRANSPORTS)
+    if transport == "nixl":
+        nixl.nixl_api()   # NixlUnavailable when it is not installed
+    return ("nixl" if nixl.available() else "torch") if transport == "auto" else transport
+
+
+def _nixl(cache, pages, peer, group, geometry, layout, sending, pool_layout) -> None:
+    from kvwrite.transfer.dist_nixl import handoff
+
+    handoff(cache, pages, peer, group, geometry, layout, sending, pool_layout,
+            lambda mine: _exchange(mine, peer, group, first=sending))
+
+
 def send_pages(cache: torch.Tensor | Sequence[torch.Tensor], pages: torch.Tensor, dst: int, group=None, *,
-               geometry: PageGeometry | None = None, layout: str = "NHD", backend: str = "auto") -> None:
+               geometry: PageGeometry | None = None, layout: str = "NHD", backend: str = "auto",
+               transport: str = "auto", pool_layout=None) -> None:
     """Send pages `pages` of `cache` (a pool `[pages, rows, ...]` or a sequence of them, e.g.
     every layer's K and V) to rank `dst`, which calls `recv_pages` with as many pages. `geometry`
     (page_size, loc_space_scale of the pool) and `layout` are compared with the receiver's;
-    without `geometry` the pool's rows per page are its page_size (loc_space_scale 1)."""
+    without `geometry` the pool's rows per page are its page_size (loc_space_scale 1).
+    `transport`: "nixl" (one NIXL WRITE, no staging; page sizes that divide are bridged, ids
+    counting units of the smaller page), "torch" (staged through copy_pages, geometries must be
+    equal) or "auto" (NIXL where installed). `pool_layout`: (PoolLayout, buffers) of a KVPool
+    sub-pool (KVPool.send_pages passes it)."""
+    if transport_of(transport) == "nixl":
+        return _nixl(cache, pages, dst, group, geometry, layout, True, pool_layout)
     bufs, ids = _handshake(cache, pages, dst, group, geometry, layout, sending=True)
     n = ids.shape[0]
     for b in bufs:
@@ -135,9 +161,12 @@ def send_pages(cache: torch.Tensor | Sequence[torch.Tensor], pages: torch.Tensor
 
 
 def recv_pages(cache: torch.Tensor | Sequence[torch.Tensor], pages: torch.Tensor, src: int, group=None, *,
-               geometry: PageGeometry | None = None, layout: str = "NHD", backend: str = "auto") -> None:
+               geometry: PageGeometry | None = None, layout: str = "NHD", backend: str = "auto",
+               transport: str = "auto", pool_layout=None) -> None:
     """Receive the pages rank `src` sends with `send_pages` into pages `pages` of `cache` (same
-    buffers, in the same order)."""
+    buffers, in the same order; the same `transport` on both ranks)."""
+    if transport_of(transport) == "nixl":
+        return _nixl(cache, pages, src, group, geometry, layout, False, pool_layout)
     bufs, ids = _handshake(cache, pages, src, group, geometry, layout, sending=False)
     n = ids.shape[0]
     for b in bufs:
@@ -146,4 +175,4 @@ def recv_pages(cache: torch.Tensor | Sequence[torch.Tensor], pages: torch.Tensor
         copy_pages(stage, b, torch.arange(n, device=b.device), ids.to(b.device), backend=backend)
 
 
-__all__ = ["PageSpec", "recv_pages", "send_pages", "spec_of"]
+__all__ = ["PageSpec", "TRANSPORTS", "recv_pages", "send_pages", "spec_of", "transport_of"]

@@ -94,6 +94,20 @@ def _mem_of(tensors: Sequence[torch.Tensor], name: str) -> tuple[str, int]:
     raise ValueError(f"pool {name!r} is on {d}: NIXL moves host (cpu) or CUDA memory")
 
 
+def _split(blob: bytes) -> tuple[dict, bytes]:
+    """(kvwrite header, NIXL metadata) of a `KVAgent.metadata()` blob."""
+    if not isinstance(blob, (bytes, bytearray)) or not bytes(blob).startswith(MAGIC):
+        raise ValueError("blob must be the bytes of a peer's KVAgent.metadata()")
+    blob = bytes(blob)
+    n = struct.unpack(">I", blob[len(MAGIC):len(MAGIC) + 4])[0]
+    return json.loads(blob[len(MAGIC) + 4:len(MAGIC) + 4 + n]), blob[len(MAGIC) + 4 + n:]
+
+
+def peer_name(blob: bytes) -> str:
+    """The agent name a `KVAgent.metadata()` blob publishes."""
+    return _split(blob)[0]["agent"]
+
+
 class KVAgent:
     """This process's NIXL agent and the pools it registered (see the module docstring)."""
 
@@ -146,12 +160,8 @@ class KVAgent:
 
     def add_peer(self, blob: bytes) -> str:
         """Load a peer's `metadata()`; returns its agent name."""
-        if not isinstance(blob, (bytes, bytearray)) or not bytes(blob).startswith(MAGIC):
-            raise ValueError("blob must be the bytes of a peer's KVAgent.metadata()")
-        blob = bytes(blob)
-        n = struct.unpack(">I", blob[len(MAGIC):len(MAGIC) + 4])[0]
-        head = json.loads(blob[len(MAGIC) + 4:len(MAGIC) + 4 + n])
-        name = self.agent.add_remote_agent(blob[len(MAGIC) + 4 + n:])
+        head, md = _split(blob)
+        name = self.agent.add_remote_agent(md)
         name = name.decode() if isinstance(name, bytes) else str(name)
         if name != head["agent"]:
             raise ValueError(f"peer metadata names agent {head['agent']!r} but NIXL loaded {name!r}")
@@ -230,16 +240,18 @@ class KVAgent:
         """A notification to `peer` outside any transfer (e.g. "pages read, free them")."""
         self.agent.send_notif(peer, message)
 
-    def wait_notif(self, peer: str, message: bytes, timeout: float = 120.0) -> None:
-        """Block until `peer` delivered `message` (a transfer's `notify` or a send_notif)."""
+    def wait_notif(self, peer: str, *messages: bytes, timeout: float = 120.0) -> bytes:
+        """Block until `peer` delivered one of `messages` (a transfer's `notify` or a
+        send_notif); returns it."""
         deadline = time.monotonic() + timeout
         while True:
             got = self.agent.update_notifs().get(peer, [])
-            if message in got:
-                got.remove(message)
-                return
+            for m in messages:
+                if m in got:
+                    got.remove(m)
+                    return m
             if time.monotonic() > deadline:
-                raise TransferFailed(f"no notification {message!r} from agent {peer!r} after {timeout} s")
+                raise TransferFailed(f"no notification {messages} from agent {peer!r} after {timeout} s")
             time.sleep(0.0005)
 
     def close(self) -> None:
