@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -40,10 +44,21 @@ def test_nixl_two_processes(tmp_path):
     failed = [f"{r['role']} {r['case']}: {r['why']}" for lines in res.values() for r in lines if not r["ok"]]
     assert not failed, "\n".join(failed)
     for role, lines in res.items():
-        assert [r["case"] for r in lines] == [c.name for c in worker.CASES], (role, lines)
+        assert [r["case"] for r in lines] == ["(setup)"] + [c.name for c in worker.CASES], (role, lines)
     # what the initiator saw: merged descriptors where page runs are contiguous, refusals by name
     seen = {r["case"]: r["why"] for r in res["prefill"]}
     assert seen["mha_same_page"] == "moved 4 skipped 0 descriptors 8"     # 3-page run + 1 page, x 4 buffers
     assert seen["padding_skipped"].startswith("moved 1 skipped 2")
     assert seen["guard_skips_bad"].startswith("moved 2 skipped 1")
     assert "src page 17 of src agent 'prefill'" in seen["bad_src_page"]
+
+
+def test_pd_handoff_example_runs():
+    """examples/pd_handoff.py: prefill (16-token pages) hands a request to decode (64-token pages)."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root / "python"))
+    out = subprocess.run([sys.executable, str(root / "examples" / "pd_handoff.py")], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "K/V of 2 layers x 40 tokens equal prefill's" in out.stdout
+    assert "handed off, freed" in out.stdout

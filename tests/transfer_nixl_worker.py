@@ -148,7 +148,9 @@ def expected(src: Built, dst: Built, sp, dp, skip=()) -> list[torch.Tensor]:
 
 
 def run(role: str, conn, out: str) -> None:
-    lines = []
+    import time
+
+    t0, lines = time.perf_counter(), []
     try:
         from kvwrite import ErrorBuffer, GeometryError   # noqa: F401 - GeometryError is a case's expect
         from kvwrite.transfer import KVAgent, TransferPageError   # noqa: F401
@@ -158,6 +160,7 @@ def run(role: str, conn, out: str) -> None:
         for c in CASES:
             mine[c.name] = Built(c.src if role == "prefill" else c.dst)
             mine[c.name].register(agent, c.name)
+        lines.append(dict(case="(setup)", role=role, ok=True, why="", t=round(time.perf_counter() - t0, 3)))
         conn.send(agent.metadata())
         peer = agent.add_peer(conn.recv())
         for c in CASES:
@@ -205,7 +208,7 @@ def run(role: str, conn, out: str) -> None:
                 err = errors.error()
                 if err is None or "dst page 40" not in str(err):
                     ok, why = False, f"guard record: {err}"
-            lines.append(dict(case=c.name, role=role, ok=ok, why=why))
+            lines.append(dict(case=c.name, role=role, ok=ok, why=why, t=round(time.perf_counter() - t0, 3)))
             conn.send("next")
             assert conn.recv() == "next"
         agent.close()
