@@ -21,7 +21,9 @@ import torch.distributed as dist
 from kvwrite import validate
 from kvwrite.errors import KIND_DST_PAGE, KIND_SRC_PAGE, OutOfBoundsWrite
 from kvwrite.geometry import GeometryError, PageGeometry
-from kvwrite.ops.pages import canonical_pool, copy_pages
+from kvwrite.ops.pages import copy_pages
+from kvwrite.transfer.layout import cache_buffers
+from kvwrite.transfer.nixl import available, nixl_api
 
 LAYOUTS = ("NHD", "HND")
 TRANSPORTS = ("auto", "torch", "nixl")
@@ -37,19 +39,6 @@ class PageSpec:
     loc_space_scale: int
     layout: str
     num_pages: int                            # pages moved in this call
-
-
-def _buffers(cache: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The pools of a transfer: one `[pages, rows, ...]` tensor or a sequence of them (all layers)."""
-    bufs = [cache] if isinstance(cache, torch.Tensor) else list(cache)
-    if not bufs:
-        raise ValueError("cache must be a pool tensor or a non-empty sequence of them")
-    for i, b in enumerate(bufs):
-        canonical_pool(f"cache[{i}]", b)
-        if b.shape[:2] != bufs[0].shape[:2]:
-            raise ValueError(f"cache[{i}] has {list(b.shape[:2])} pages x rows, cache[0] "
-                             f"{list(bufs[0].shape[:2])}: every buffer pages one loc space")
-    return bufs
 
 
 def spec_of(bufs: list[torch.Tensor], n: int, geometry: PageGeometry | None, layout: str) -> PageSpec:
@@ -95,7 +84,7 @@ def _handshake(cache, pages, peer, group, geometry, layout, sending: bool):
     """Validate locally, exchange with the peer, raise on both ranks when either refuses."""
     local, spec, ids, bufs = None, None, None, None
     try:
-        bufs = _buffers(cache)
+        bufs = cache_buffers(cache)
         ids = _page_ids(pages, bufs, KIND_SRC_PAGE if sending else KIND_DST_PAGE)
         spec = spec_of(bufs, ids.shape[0], geometry, layout)
     except (ValueError, TypeError, OutOfBoundsWrite) as exc:
@@ -124,12 +113,10 @@ def _norm(v):
 
 def transport_of(transport: str) -> str:
     """"nixl" or "torch": `auto` is NIXL where it is installed."""
-    from kvwrite.transfer import nixl
-
     validate.choice("transport", transport, TRANSPORTS)
     if transport == "nixl":
-        nixl.nixl_api()   # NixlUnavailable when it is not installed
-    return ("nixl" if nixl.available() else "torch") if transport == "auto" else transport
+        nixl_api()   # NixlUnavailable when it is not installed
+    return ("nixl" if available() else "torch") if transport == "auto" else transport
 
 
 def _nixl(cache, pages, peer, group, geometry, layout, sending, pool_layout) -> None:

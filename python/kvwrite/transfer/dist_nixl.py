@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from kvwrite import validate
 from kvwrite.geometry import GeometryError
-from kvwrite.transfer.layout import PoolLayout, bridge, tensors_layout
+from kvwrite.transfer.layout import PoolLayout, bridge, cache_buffers, tensors_layout
 from kvwrite.errors import KIND_SRC_PAGE
 from kvwrite.transfer.nixl import KVAgent, TransferFailed, peer_name
 from kvwrite.transfer.pages import TransferPageError, check_pairs
@@ -74,14 +74,12 @@ def _load_peer(agent: KVAgent, blob: bytes) -> str:
 
 def handoff(cache, pages, peer: int, group, geometry, layout: str, sending: bool, pool_layout, exchange) -> None:
     """One side of a NIXL send/recv pair (`exchange(mine) -> theirs` over torch.distributed)."""
-    from kvwrite.transfer.dist import _buffers
-
     local, lay, raw, ids, meta, name = None, None, None, None, None, None
     try:
         if pool_layout is not None:
             lay, raw = pool_layout
         else:
-            bufs = _buffers(cache)
+            bufs = cache_buffers(cache)
             layout = validate.choice("layout", layout, ("NHD", "HND"))
             raw = _raw(bufs, layout)
             lay = tensors_layout("cache", raw, geometry, layout)

@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 
 from kvwrite.geometry import GeometryError, PageGeometry
-from kvwrite.ops.pages import Units   # unit u: rows [(u % factor) * rows, + rows) of page u // factor
+from kvwrite.ops.pages import Units, canonical_pool   # unit u: rows [(u % factor) * rows, + rows) of page u // factor
 
 BUFFER_LAYOUTS = ("NHD", "HND", "page_major", "page")   # "page": opaque page bytes (no sub-page moves)
 
@@ -82,6 +82,19 @@ class PoolLayout:
                 raise GeometryError(f"pool {out.name!r} buffer {i}: {b.page_bytes} page bytes are not "
                                     f"{out.pool_page_size} rows of {sum(b.segments)} bytes")
         return out
+
+
+def cache_buffers(cache: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The pools of a transfer: one `[pages, rows, ...]` tensor or a sequence of them (all layers)."""
+    bufs = [cache] if isinstance(cache, torch.Tensor) else list(cache)
+    if not bufs:
+        raise ValueError("cache must be a pool tensor or a non-empty sequence of them")
+    for i, b in enumerate(bufs):
+        canonical_pool(f"cache[{i}]", b)
+        if b.shape[:2] != bufs[0].shape[:2]:
+            raise ValueError(f"cache[{i}] has {list(b.shape[:2])} pages x rows, cache[0] "
+                             f"{list(bufs[0].shape[:2])}: every buffer pages one loc space")
+    return bufs
 
 
 def _elem(dtype: torch.dtype) -> int:

@@ -40,13 +40,19 @@ class TransferFailed(RuntimeError):
     """NIXL reported an error or the transfer did not finish in time."""
 
 
+_API: list = []   # the module once found (a failed search is repeated: NIXL may be installed later)
+
+
 def nixl_api():
     """The installed NIXL Python API module (`nixl`, else `nixl_cu13`, else `nixl_cu12`)."""
+    if _API:
+        return _API[0]
     errors = []
     for name in _MODULES:
         try:
             mod = importlib.import_module(name)
             if hasattr(mod, "nixl_agent"):
+                _API.append(mod)
                 return mod
         except ImportError as exc:   # noqa: PERF203 - a few names
             errors.append(f"{name}: {exc}")
