@@ -7,7 +7,8 @@ the NIXL WRITE, waiting for DONE) and the raw NIXL path an engine would write by
 descriptor per page per buffer from precomputed address arrays, `initialize_xfer`, `transfer`,
 polled to DONE), alternating (each goes first every other rep); times are medians of `--reps`, ratio = the median over the reps of
 raw time / kvwrite time of the same rep (paired, so machine load drifts cancel; >= 0.9 is the
-target from 256 pages). Page ids: a random permutation (`scattered`: runs rarely merge) and
+target from 256 pages); kvwrite's own host work (layouts compared, ids checked, descriptors
+built) is timed apart too. Page ids: a random permutation (`scattered`: runs rarely merge) and
 a run (`contiguous`: kvwrite merges it into one descriptor per buffer).
 
     python bench/transfer_nixl.py --out bench/results/transfer      (writes transfer_nixl.json / .md)
@@ -24,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvwrite.transfer import KVAgent
+from kvwrite.transfer import KVAgent, bridge, check_pairs, pair_descs
 
 
 def pools(n_pages: int, layers: int, page: int, heads: int, dim: int, device: str, seed: int):
@@ -100,6 +101,15 @@ def main(argv=None) -> int:
                     t0 = time.perf_counter()
                     fn()
                     acc.append(time.perf_counter() - t0)
+            # kvwrite's own host work per call (compare layouts, check ids, build descriptors)
+            loc, rem = a.pools["kv"], a.peers[peer]["kv"]
+            host = []
+            for _ in range(args.reps):
+                t0 = time.perf_counter()
+                br = bridge(loc.layout, rem.layout)
+                pr = check_pairs(sp, dp, br, {"src": "src", "dst": "dst"}, "assert")
+                pair_descs(loc.addresses, rem.addresses, pr.src, pr.dst, br)
+                host.append(time.perf_counter() - t0)
             # the bytes really moved (the last kvwrite write): every destination page equals its source
             ok = all(torch.equal(d[torch.as_tensor(dp)].view(torch.uint8), s[torch.as_tensor(sp)].view(torch.uint8))
                      for s, d in zip(src, dst))
@@ -108,10 +118,11 @@ def main(argv=None) -> int:
                              raw_pages_s=n / mr, kvwrite_pages_s=n / mo, raw_gbs=n * page_bytes / mr / 1e9,
                              kvwrite_gbs=n * page_bytes / mo / 1e9,
                              ratio=statistics.median(r / o for r, o in zip(t_raw, t_ours)), bytes_equal=ok,
-                             raw_descriptors=int(ls.shape[0])))
+                             raw_descriptors=int(ls.shape[0]), host_s=statistics.median(host)))
             r = rows[-1]
             print(f"{n:6d} {pattern:10s} kvwrite {r['kvwrite_pages_s']:10.0f} pages/s {r['kvwrite_gbs']:6.2f} GB/s | "
-                  f"raw NIXL {r['raw_pages_s']:10.0f} pages/s {r['raw_gbs']:6.2f} GB/s | ratio {r['ratio']:.2f}"
+                  f"raw NIXL {r['raw_pages_s']:10.0f} pages/s {r['raw_gbs']:6.2f} GB/s | ratio {r['ratio']:.2f} | "
+                  f"checks+descriptors {r['host_s'] * 1e3:.2f} ms"
                   f"{'' if ok else '  BYTES DIFFER'}", flush=True)
     meta = dict(device=args.device, layers=args.layers, page_tokens=args.page, heads=args.heads, dim=args.dim,
                 page_bytes_all_buffers=page_bytes, reps=args.reps, torch=torch.__version__)
@@ -119,10 +130,11 @@ def main(argv=None) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "transfer_nixl.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-        lines = ["| pages | ids | kvwrite pages/s | kvwrite GB/s | raw NIXL pages/s | raw NIXL GB/s | ratio |",
-                 "|---:|---|---:|---:|---:|---:|---:|"]
+        lines = ["| pages | ids | kvwrite pages/s | kvwrite GB/s | raw NIXL pages/s | raw NIXL GB/s | ratio | "
+                 "checks + descriptors ms |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
         lines += [f"| {r['pages']} | {r['pattern']} | {r['kvwrite_pages_s']:.0f} | {r['kvwrite_gbs']:.2f} | "
-                  f"{r['raw_pages_s']:.0f} | {r['raw_gbs']:.2f} | {r['ratio']:.2f} |" for r in rows]
+                  f"{r['raw_pages_s']:.0f} | {r['raw_gbs']:.2f} | {r['ratio']:.2f} | {r['host_s'] * 1e3:.2f} |"
+                  for r in rows]
         (out / "transfer_nixl.md").write_text(f"{meta}\n\n" + "\n".join(lines) + "\n")
     a.close()
     b.close()

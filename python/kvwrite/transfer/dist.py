@@ -22,6 +22,7 @@ from kvwrite import validate
 from kvwrite.errors import KIND_DST_PAGE, KIND_SRC_PAGE, OutOfBoundsWrite
 from kvwrite.geometry import GeometryError, PageGeometry
 from kvwrite.ops.pages import copy_pages
+from kvwrite.transfer.handshake import exchange, refusal, settle
 from kvwrite.transfer.layout import cache_buffers
 from kvwrite.transfer.nixl import available, nixl_api
 
@@ -67,19 +68,6 @@ def _page_ids(pages: object, bufs: list[torch.Tensor], side: int) -> torch.Tenso
     return ids
 
 
-def _exchange(mine: dict, peer: int, group, first: bool) -> dict:
-    """Send `mine` to `peer` and receive theirs (the sender sends first, so the pair never waits
-    on each other)."""
-    box = [None]
-    if first:
-        dist.send_object_list([mine], dst=peer, group=group)
-        dist.recv_object_list(box, src=peer, group=group)
-    else:
-        dist.recv_object_list(box, src=peer, group=group)
-        dist.send_object_list([mine], dst=peer, group=group)
-    return box[0]
-
-
 def _handshake(cache, pages, peer, group, geometry, layout, sending: bool):
     """Validate locally, exchange with the peer, raise on both ranks when either refuses."""
     local, spec, ids, bufs = None, None, None, None
@@ -90,15 +78,9 @@ def _handshake(cache, pages, peer, group, geometry, layout, sending: bool):
     except (ValueError, TypeError, OutOfBoundsWrite) as exc:
         local = exc
     rank = dist.get_rank()
-    refusal = None if local is None else (type(local).__name__, str(local))
-    theirs = _exchange({"rank": rank, "spec": None if spec is None else asdict(spec), "refusal": refusal},
-                       peer, group, first=sending)
-    if local is not None:
-        raise local
-    if theirs["refusal"] is not None:
-        kind, msg = theirs["refusal"]
-        cls = GeometryError if kind == "GeometryError" else ValueError
-        raise cls(f"page transfer refused by rank {theirs['rank']} (the peer), nothing was moved: {kind}: {msg}")
+    theirs = exchange({"rank": rank, "spec": None if spec is None else asdict(spec), "refusal": refusal(local)},
+                      peer, group, first=sending)
+    settle(local, theirs)
     mine, other = asdict(spec), theirs["spec"]
     diff = [f"{k}: rank {rank} has {mine[k]!r}, rank {theirs['rank']} has {other[k]!r}"
             for k in mine if _norm(mine[k]) != _norm(other[k])]
@@ -119,11 +101,19 @@ def transport_of(transport: str) -> str:
     return ("nixl" if available() else "torch") if transport == "auto" else transport
 
 
-def _nixl(cache, pages, peer, group, geometry, layout, sending, pool_layout) -> None:
-    from kvwrite.transfer.dist_nixl import handoff
+def _stages(cache, pages, peer, group, geometry, layout, transport, pool_layout, sending: bool):
+    """NIXL: run the pair, yield nothing. torch: check the pair, then yield (buffer, its staging
+    tensor, page ids, staging ids) for each buffer."""
+    if transport_of(transport) == "nixl":
+        from kvwrite.transfer.dist_nixl import handoff
 
-    handoff(cache, pages, peer, group, geometry, layout, sending, pool_layout,
-            lambda mine: _exchange(mine, peer, group, first=sending))
+        handoff(cache, pages, peer, group, geometry, layout, sending, pool_layout)
+        return
+    bufs, ids = _handshake(cache, pages, peer, group, geometry, layout, sending)
+    n = ids.shape[0]
+    for b in bufs:
+        yield (b, torch.empty((n, *b.shape[1:]), dtype=b.dtype, device=b.device), ids.to(b.device),
+               torch.arange(n, device=b.device))
 
 
 def send_pages(cache: torch.Tensor | Sequence[torch.Tensor], pages: torch.Tensor, dst: int, group=None, *,
@@ -137,29 +127,17 @@ def send_pages(cache: torch.Tensor | Sequence[torch.Tensor], pages: torch.Tensor
     counting units of the smaller page), "torch" (staged through copy_pages, geometries must be
     equal) or "auto" (NIXL where installed). `pool_layout`: (PoolLayout, buffers) of a KVPool
     sub-pool (KVPool.send_pages passes it)."""
-    if transport_of(transport) == "nixl":
-        return _nixl(cache, pages, dst, group, geometry, layout, True, pool_layout)
-    bufs, ids = _handshake(cache, pages, dst, group, geometry, layout, sending=True)
-    n = ids.shape[0]
-    for b in bufs:
-        stage = torch.empty((n, *b.shape[1:]), dtype=b.dtype, device=b.device)
-        copy_pages(b, stage, ids.to(b.device), torch.arange(n, device=b.device), backend=backend)
-        dist.send(stage.contiguous(), dst=dst, group=group)
-
+    for b, stage, ids, seq in _stages(cache, pages, dst, group, geometry, layout, transport, pool_layout, True):
+        copy_pages(b, stage, ids, seq, backend=backend)
+        dist.send(stage, dst=dst, group=group)
 
 def recv_pages(cache: torch.Tensor | Sequence[torch.Tensor], pages: torch.Tensor, src: int, group=None, *,
                geometry: PageGeometry | None = None, layout: str = "NHD", backend: str = "auto",
                transport: str = "auto", pool_layout=None) -> None:
     """Receive the pages rank `src` sends with `send_pages` into pages `pages` of `cache` (same
     buffers, in the same order; the same `transport` on both ranks)."""
-    if transport_of(transport) == "nixl":
-        return _nixl(cache, pages, src, group, geometry, layout, False, pool_layout)
-    bufs, ids = _handshake(cache, pages, src, group, geometry, layout, sending=False)
-    n = ids.shape[0]
-    for b in bufs:
-        stage = torch.empty((n, *b.shape[1:]), dtype=b.dtype, device=b.device)
+    for b, stage, ids, seq in _stages(cache, pages, src, group, geometry, layout, transport, pool_layout, False):
         dist.recv(stage, src=src, group=group)
-        copy_pages(stage, b, torch.arange(n, device=b.device), ids.to(b.device), backend=backend)
-
+        copy_pages(stage, b, seq, ids, backend=backend)
 
 __all__ = ["PageSpec", "TRANSPORTS", "recv_pages", "send_pages", "spec_of", "transport_of"]

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from kvwrite import validate
 from kvwrite.geometry import GeometryError
+from kvwrite.transfer.handshake import exchange, refusal, settle
 from kvwrite.transfer.layout import PoolLayout, bridge, cache_buffers, tensors_layout
 from kvwrite.errors import KIND_SRC_PAGE
 from kvwrite.transfer.nixl import KVAgent, TransferFailed, peer_name
@@ -72,8 +73,8 @@ def _load_peer(agent: KVAgent, blob: bytes) -> str:
     return name
 
 
-def handoff(cache, pages, peer: int, group, geometry, layout: str, sending: bool, pool_layout, exchange) -> None:
-    """One side of a NIXL send/recv pair (`exchange(mine) -> theirs` over torch.distributed)."""
+def handoff(cache, pages, peer: int, group, geometry, layout: str, sending: bool, pool_layout) -> None:
+    """One side of a NIXL send/recv pair (the handshake over torch.distributed, then one write)."""
     local, lay, raw, ids, meta, name = None, None, None, None, None, None
     try:
         if pool_layout is not None:
@@ -91,15 +92,10 @@ def handoff(cache, pages, peer: int, group, geometry, layout: str, sending: bool
         local = exc
     rank = dist.get_rank()
     tag = uuid.uuid4().hex.encode() if sending else None
-    theirs = exchange({"rank": rank, "refusal": None if local is None else (type(local).__name__, str(local)),
-                       "layout": None if lay is None else lay.to_dict(), "pool": name, "meta": meta,
-                       "pages": None if ids is None else ids.tolist(), "tag": tag})
-    if local is not None:
-        raise local
-    if theirs["refusal"] is not None:
-        kind, msg = theirs["refusal"]
-        cls = GeometryError if kind == "GeometryError" else ValueError
-        raise cls(f"page transfer refused by rank {theirs['rank']} (the peer), nothing was moved: {kind}: {msg}")
+    theirs = exchange({"rank": rank, "refusal": refusal(local), "layout": None if lay is None else lay.to_dict(),
+                       "pool": name, "meta": meta, "pages": None if ids is None else ids.tolist(), "tag": tag},
+                      peer, group, first=sending)
+    settle(local, theirs)
     other = PoolLayout.from_dict(theirs["layout"])
     me, them = f"rank {rank}", f"rank {theirs['rank']}"
     src, dst = (lay, other) if sending else (other, lay)
