@@ -9,6 +9,7 @@ it.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import uuid
@@ -17,10 +18,10 @@ import torch
 import torch.distributed as dist
 
 from kvwrite import validate
+from kvwrite.errors import KIND_SRC_PAGE
 from kvwrite.geometry import GeometryError
 from kvwrite.transfer.handshake import exchange, refusal, settle
 from kvwrite.transfer.layout import PoolLayout, bridge, cache_buffers, tensors_layout
-from kvwrite.errors import KIND_SRC_PAGE
 from kvwrite.transfer.nixl import KVAgent, TransferFailed, peer_name
 from kvwrite.transfer.pages import TransferPageError, check_pairs
 
@@ -53,8 +54,7 @@ def _registered(agent: KVAgent, layout: PoolLayout, raw: list[torch.Tensor]) -> 
     name = _STATE["pools"].get(key)
     if name is None:
         name = f"pool{next(_NAMES)}"
-        agent._add(name, PoolLayout(name, layout.page_size, layout.loc_space_scale, layout.num_pages,
-                                    layout.heads_per_rank, layout.buffers), raw)
+        agent._add(name, dataclasses.replace(layout, name=name), raw)
         _STATE["pools"][key] = name
     return name
 

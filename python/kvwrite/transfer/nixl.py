@@ -13,6 +13,7 @@ registered buffers (no staging copy); contiguous runs become one descriptor.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import struct
@@ -140,8 +141,7 @@ class KVAgent:
         (default: the sub-pool's name)."""
         layout, tensors = kvpool_layout(pool, sub)
         if name is not None:
-            layout = PoolLayout(name, layout.page_size, layout.loc_space_scale, layout.num_pages,
-                                layout.heads_per_rank, layout.buffers)
+            layout = dataclasses.replace(layout, name=name)
         return self._add(layout.name, layout, tensors)
 
     def _add(self, name: str, layout: PoolLayout, tensors: list[torch.Tensor]) -> PoolLayout:

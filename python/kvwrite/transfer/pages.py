@@ -75,5 +75,5 @@ def check_pairs(src_pages: object, dst_pages: object, br: Bridge, where: dict[st
             raise ValueError(f"errors must be a CPU ErrorBuffer (a transfer checks its ids on the host), "
                              f"got one on {rec.device}")
         record_torch(rec.tensor, bad, target, target, limit, br.src.rows, RECORD_OP, kind)
-    keep = torch.nonzero(write).flatten()
-    return CheckedPairs(sp[keep].numpy(), dp[keep].numpy(), int(sp.shape[0] - keep.shape[0]))
+    keep = write.numpy()   # numpy from here: a torch index at thousands of ids costs milliseconds
+    return CheckedPairs(sp.numpy()[keep], dp.numpy()[keep], int(keep.size - keep.sum()))
