@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     b.register("kv", dst)
     peer = a.add_peer(b.metadata())
     mem = "VRAM" if args.device.startswith("cuda") else "DRAM"
-    dev = torch.device(args.device).index or 0 if mem == "VRAM" else 0
+    dev = (torch.device(args.device).index or 0) if mem == "VRAM" else 0
     page_bytes = sum(t[0].numel() * t.element_size() for t in src)
     rng = np.random.default_rng(0)
     rows = []
