@@ -126,7 +126,8 @@ def main(argv=None) -> int:
                   f"checks+descriptors {r['host_s'] * 1e3:.2f} ms"
                   f"{'' if ok else '  BYTES DIFFER'}", flush=True)
     meta = dict(device=args.device, layers=args.layers, page_tokens=args.page, heads=args.heads, dim=args.dim,
-                page_bytes_all_buffers=page_bytes, reps=args.reps, torch=torch.__version__)
+                page_bytes_all_buffers=page_bytes, reps=args.reps, torch=torch.__version__,
+                torch_threads=torch.get_num_threads(), command=" ".join(sys.argv))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
