@@ -165,21 +165,22 @@ class KVAgent:
         return MAGIC + struct.pack(">I", len(head)) + head + self.agent.get_agent_metadata()
 
     def add_peer(self, blob: bytes) -> str:
-        """Load a peer's `metadata()`; returns its agent name."""
+        """Load a peer's `metadata()` (its layouts checked first); returns its agent name."""
         head, md = _split(blob)
-        name = self.agent.add_remote_agent(md)
-        name = name.decode() if isinstance(name, bytes) else str(name)
-        if name != head["agent"]:
-            raise ValueError(f"peer metadata names agent {head['agent']!r} but NIXL loaded {name!r}")
-        pools = {}
+        name, pools = str(head["agent"]), {}
         for pname, p in head["pools"].items():
             layout = PoolLayout.from_dict(p["layout"])
             regions = [Region(int(a), int(b), int(c)) for a, b, c in p["regions"]]
             pools[pname] = _Pool(layout, PoolAddresses(layout, regions, f"agent {name!r}"), p["mem"])
+        loaded = self.agent.add_remote_agent(md)
+        loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if loaded != name:
+            raise ValueError(f"peer metadata names agent {name!r} but NIXL loaded {loaded!r}")
         self.peers[name] = pools
         return name
 
     def peer_layout(self, peer: str, pool: str) -> PoolLayout:
+        """The layout peer `peer` published for its pool `pool`."""
         return self._peer_pool(peer, pool).layout
 
     def _peer_pool(self, peer: str, pool: str) -> _Pool:
