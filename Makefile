@@ -5,6 +5,10 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 DEPS := setuptools wheel torch==2.14.1 ninja numpy pytest hypothesis pytest-xdist rich matplotlib
 STAMP := $(VENV)/.kvwrite-deps
+# NIXL for kvwrite.transfer's KVAgent (the kvwrite[nixl] extra): nixl-cu13 matches torch's CUDA 13
+# build (58 MB wheel; its UCX backend moves host memory on CPU-only machines too)
+NIXL_DEPS := nixl-cu13
+NIXL_STAMP := $(VENV)/.kvwrite-nixl
 JOBS ?= 2
 
 .PHONY: test demo install bench clean
@@ -15,7 +19,11 @@ $(STAMP):
 	$(BIN)/pip install -q $(DEPS)
 	touch $(STAMP)
 
-install: $(STAMP)
+$(NIXL_STAMP): $(STAMP)
+	$(BIN)/pip install -q $(NIXL_DEPS)
+	touch $(NIXL_STAMP)
+
+install: $(STAMP) $(NIXL_STAMP)
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 
 test: install

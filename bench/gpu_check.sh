@@ -91,5 +91,13 @@ step "page moves: tests on CUDA, pinned host <-> GPU copy_pages, CUDA-graph capt
 step "store_kv int8 / dynamic-scale modes: every CUDA backend vs reference, CUDA-graph capture + replay (guard)"; timeout 300 $PY bench/gpu/quant.py --out "$OUT/quant.json" > "$OUT/quant.log" 2>&1 || status=1; tail -1 "$OUT/quant.log" | tee -a "$OUT/summary.txt"
 # New steps (sanitizer, benchmarks) go above this line.
 step "vLLM plugin guard: eager / torch.compile / CUDA-graph replay, records read once per step, layers named"; timeout 300 $PY bench/peers/guard_graph_check.py --device cuda > "$OUT/guard_graph.jsonl" 2>&1 || status=1; tail -1 "$OUT/guard_graph.jsonl" | tee -a "$OUT/summary.txt"
+step "NIXL page transfers from device memory (VRAM over UCX): bytes equal, kvwrite vs raw NIXL throughput"
+if $PY -c "from kvwrite.transfer import nixl_api; nixl_api()" > "$OUT/transfer_nixl.log" 2>&1 || \
+   { $PY -m pip install -q ${NIXL_WHEEL:-nixl-cu13} >> "$OUT/transfer_nixl.log" 2>&1 && $PY -c "from kvwrite.transfer import nixl_api; nixl_api()" >> "$OUT/transfer_nixl.log" 2>&1; }; then
+    timeout 300 $PY bench/transfer_nixl.py --device ${KVWRITE_NIXL_DEVICE:-cuda} --layers 8 --heads 8 --out "$OUT/transfer" >> "$OUT/transfer_nixl.log" 2>&1 || status=1
+    grep -E "ratio|DIFFER|Error" "$OUT/transfer_nixl.log" | tee -a "$OUT/summary.txt"
+else
+    echo "skipped: NIXL does not import here (no network? set NIXL_WHEEL=/path/to/nixl_cu13-*.whl)" | tee -a "$OUT/summary.txt"
+fi
 step "done (status $status)"
 exit $status

@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 
 from kvwrite import GeometryError, OutOfBoundsWrite, PageGeometry
-from kvwrite.transfer import recv_pages, send_pages
+from kvwrite.transfer import recv_pages as _recv
+from kvwrite.transfer import send_pages as _send
 
 
 def _pool(pages: int, rows: int, seed: int, dtype=torch.bfloat16) -> list[torch.Tensor]:
@@ -23,9 +24,13 @@ def _expect(exc_type, fn, text: str) -> str:
     raise AssertionError(f"{exc_type.__name__} not raised ({text})")
 
 
-def run(rank: int, init: str, backend: str, out: str) -> None:
+def run(rank: int, init: str, backend: str, out: str, transport: str = "torch") -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     lines = []
+    from functools import partial
+
+    global send_pages, recv_pages
+    send_pages, recv_pages = partial(_send, transport=transport), partial(_recv, transport=transport)
     try:
         src_pages, dst_pages = torch.tensor([5, 1, 7]), torch.tensor([0, 3, 2])
         geo = lambda pages: PageGeometry(page_size=2, num_pages=pages, loc_space_scale=2)  # noqa: E731
@@ -80,14 +85,25 @@ def run(rank: int, init: str, backend: str, out: str) -> None:
         for t in kv.page_buffers():
             t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
         if rank == 0:
-            kv.send_pages(torch.tensor([1, 2]), 1)
+            kv.send_pages(torch.tensor([1, 2]), 1, transport=transport)
         else:
             sent = [t.clone() for t in kv.page_buffers()]
-            kv.recv_pages(torch.tensor([3, 0]), 0)
+            kv.recv_pages(torch.tensor([3, 0]), 0, transport=transport)
             got = kv.page_buffers()
             assert len(got) >= 2 and all(torch.equal(x[3], y[1]) and torch.equal(x[0], y[2])
                                          for x, y in zip(got, sent)), "KVPool pages differ"
             lines.append("pool moved")
+        if transport == "nixl":   # pages of 4 rows into pages of 8: ids count 4-row units on both sides
+            if rank == 0:
+                send_pages(_pool(8, 4, seed=11), torch.tensor([0, 1, 5]), 1)
+            else:
+                mine = _pool(4, 8, seed=12)
+                want = [m.clone().view(8, 4, 2, 8) for m in mine]
+                for w, s in zip(want, _pool(8, 4, seed=11)):
+                    w[[2, 3, 7]] = s[[0, 1, 5]]
+                recv_pages(mine, torch.tensor([2, 3, 7]), 0)
+                assert all(torch.equal(m.view(8, 4, 2, 8), w) for m, w in zip(mine, want)), "bridged pages differ"
+                lines.append("bridged")
     finally:
         dist.destroy_process_group()
     with open(f"{out}.{rank}", "w") as f:

@@ -86,21 +86,26 @@ class PageMoves:
         geometry = self.plan.pool(self._sub_pool(pool)).geometry
         return slot_mapping(block_table, batch_indices, positions, geometry, **self._kw(block_table.device))
 
-    def send_pages(self, pages: torch.Tensor, dst: int, group=None, *, pool: str | None = None) -> None:
-        """kvwrite.transfer.send_pages of every layer's buffers of sub-pool `pool`."""
-        from kvwrite.transfer import send_pages
+    def send_pages(self, pages: torch.Tensor, dst: int, group=None, *, pool: str | None = None,
+                   transport: str = "auto") -> None:
+        """kvwrite.transfer.send_pages of every layer's buffers of sub-pool `pool` (`transport`: auto,
+        nixl or torch)."""
+        from kvwrite.transfer import kvpool_layout, send_pages
 
         sub = self.plan.pool(self._sub_pool(pool))
         send_pages(self.page_buffers(sub.name), pages, dst, group, geometry=sub.geometry,
-                   layout=self._layout(sub), backend=self.backend)
+                   layout=self._layout(sub), backend=self.backend, transport=transport,
+                   pool_layout=kvpool_layout(self, sub.name))
 
-    def recv_pages(self, pages: torch.Tensor, src: int, group=None, *, pool: str | None = None) -> None:
+    def recv_pages(self, pages: torch.Tensor, src: int, group=None, *, pool: str | None = None,
+                   transport: str = "auto") -> None:
         """kvwrite.transfer.recv_pages into every layer's buffers of sub-pool `pool`."""
-        from kvwrite.transfer import recv_pages
+        from kvwrite.transfer import kvpool_layout, recv_pages
 
         sub = self.plan.pool(self._sub_pool(pool))
         recv_pages(self.page_buffers(sub.name), pages, src, group, geometry=sub.geometry,
-                   layout=self._layout(sub), backend=self.backend)
+                   layout=self._layout(sub), backend=self.backend, transport=transport,
+                   pool_layout=kvpool_layout(self, sub.name))
 
     @staticmethod
     def _layout(sub) -> str:

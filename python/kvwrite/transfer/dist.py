@@ -1,5 +1,6 @@
 """Page transfers between processes over torch.distributed (gloo on CPU, NCCL on GPUs): the
-pages of a prefill worker's pool sent into a decode worker's pool.
+pages of a prefill worker's pool sent into a decode worker's pool (`transport="nixl"`, the
+default where NIXL is installed: `kvwrite.transfer.dist_nixl`; below, the torch path).
 
 `send_pages(cache, pages, dst)` on one rank pairs with `recv_pages(cache, pages, src)` on the
 other. Before any page moves, both sides exchange what they hold (dtype, row shape, page size,
@@ -20,9 +21,13 @@ import torch.distributed as dist
 from kvwrite import validate
 from kvwrite.errors import KIND_DST_PAGE, KIND_SRC_PAGE, OutOfBoundsWrite
 from kvwrite.geometry import GeometryError, PageGeometry
-from kvwrite.ops.pages import canonical_pool, copy_pages
+from kvwrite.ops.pages import copy_pages
+from kvwrite.transfer.handshake import exchange, refusal, settle
+from kvwrite.transfer.layout import cache_buffers
+from kvwrite.transfer.nixl import available, nixl_api
 
 LAYOUTS = ("NHD", "HND")
+TRANSPORTS = ("auto", "torch", "nixl")
 
 
 @dataclass(frozen=True)
@@ -35,19 +40,6 @@ class PageSpec:
     loc_space_scale: int
     layout: str
     num_pages: int                            # pages moved in this call
-
-
-def _buffers(cache: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The pools of a transfer: one `[pages, rows, ...]` tensor or a sequence of them (all layers)."""
-    bufs = [cache] if isinstance(cache, torch.Tensor) else list(cache)
-    if not bufs:
-        raise ValueError("cache must be a pool tensor or a non-empty sequence of them")
-    for i, b in enumerate(bufs):
-        canonical_pool(f"cache[{i}]", b)
-        if b.shape[:2] != bufs[0].shape[:2]:
-            raise ValueError(f"cache[{i}] has {list(b.shape[:2])} pages x rows, cache[0] "
-                             f"{list(bufs[0].shape[:2])}: every buffer pages one loc space")
-    return bufs
 
 
 def spec_of(bufs: list[torch.Tensor], n: int, geometry: PageGeometry | None, layout: str) -> PageSpec:
@@ -76,38 +68,19 @@ def _page_ids(pages: object, bufs: list[torch.Tensor], side: int) -> torch.Tenso
     return ids
 
 
-def _exchange(mine: dict, peer: int, group, first: bool) -> dict:
-    """Send `mine` to `peer` and receive theirs (the sender sends first, so the pair never waits
-    on each other)."""
-    box = [None]
-    if first:
-        dist.send_object_list([mine], dst=peer, group=group)
-        dist.recv_object_list(box, src=peer, group=group)
-    else:
-        dist.recv_object_list(box, src=peer, group=group)
-        dist.send_object_list([mine], dst=peer, group=group)
-    return box[0]
-
-
 def _handshake(cache, pages, peer, group, geometry, layout, sending: bool):
     """Validate locally, exchange with the peer, raise on both ranks when either refuses."""
     local, spec, ids, bufs = None, None, None, None
     try:
-        bufs = _buffers(cache)
+        bufs = cache_buffers(cache)
         ids = _page_ids(pages, bufs, KIND_SRC_PAGE if sending else KIND_DST_PAGE)
         spec = spec_of(bufs, ids.shape[0], geometry, layout)
     except (ValueError, TypeError, OutOfBoundsWrite) as exc:
         local = exc
     rank = dist.get_rank()
-    refusal = None if local is None else (type(local).__name__, str(local))
-    theirs = _exchange({"rank": rank, "spec": None if spec is None else asdict(spec), "refusal": refusal},
-                       peer, group, first=sending)
-    if local is not None:
-        raise local
-    if theirs["refusal"] is not None:
-        kind, msg = theirs["refusal"]
-        cls = GeometryError if kind == "GeometryError" else ValueError
-        raise cls(f"page transfer refused by rank {theirs['rank']} (the peer), nothing was moved: {kind}: {msg}")
+    theirs = exchange({"rank": rank, "spec": None if spec is None else asdict(spec), "refusal": refusal(local)},
+                      peer, group, first=sending)
+    settle(local, theirs)
     mine, other = asdict(spec), theirs["spec"]
     diff = [f"{k}: rank {rank} has {mine[k]!r}, rank {theirs['rank']} has {other[k]!r}"
             for k in mine if _norm(mine[k]) != _norm(other[k])]
@@ -120,30 +93,51 @@ def _norm(v):
     return tuple(_norm(x) for x in v) if isinstance(v, (list, tuple)) else v
 
 
+def transport_of(transport: str) -> str:
+    """"nixl" or "torch": `auto` is NIXL where it is installed."""
+    validate.choice("transport", transport, TRANSPORTS)
+    if transport == "nixl":
+        nixl_api()   # NixlUnavailable when it is not installed
+    return ("nixl" if available() else "torch") if transport == "auto" else transport
+
+
+def _stages(cache, pages, peer, group, geometry, layout, transport, pool_layout, sending: bool):
+    """NIXL: run the pair, yield nothing. torch: check the pair, then yield (buffer, its staging
+    tensor, page ids, staging ids) for each buffer."""
+    if transport_of(transport) == "nixl":
+        from kvwrite.transfer.dist_nixl import handoff
+
+        handoff(cache, pages, peer, group, geometry, layout, sending, pool_layout)
+        return
+    bufs, ids = _handshake(cache, pages, peer, group, geometry, layout, sending)
+    n = ids.shape[0]
+    for b in bufs:
+        yield (b, torch.empty((n, *b.shape[1:]), dtype=b.dtype, device=b.device), ids.to(b.device),
+               torch.arange(n, device=b.device))
+
+
 def send_pages(cache: torch.Tensor | Sequence[torch.Tensor], pages: torch.Tensor, dst: int, group=None, *,
-               geometry: PageGeometry | None = None, layout: str = "NHD", backend: str = "auto") -> None:
+               geometry: PageGeometry | None = None, layout: str = "NHD", backend: str = "auto",
+               transport: str = "auto", pool_layout=None) -> None:
     """Send pages `pages` of `cache` (a pool `[pages, rows, ...]` or a sequence of them, e.g.
     every layer's K and V) to rank `dst`, which calls `recv_pages` with as many pages. `geometry`
     (page_size, loc_space_scale of the pool) and `layout` are compared with the receiver's;
-    without `geometry` the pool's rows per page are its page_size (loc_space_scale 1)."""
-    bufs, ids = _handshake(cache, pages, dst, group, geometry, layout, sending=True)
-    n = ids.shape[0]
-    for b in bufs:
-        stage = torch.empty((n, *b.shape[1:]), dtype=b.dtype, device=b.device)
-        copy_pages(b, stage, ids.to(b.device), torch.arange(n, device=b.device), backend=backend)
-        dist.send(stage.contiguous(), dst=dst, group=group)
-
+    without `geometry` the pool's rows per page are its page_size (loc_space_scale 1).
+    `transport`: "nixl" (one NIXL WRITE, no staging; page sizes that divide are bridged, ids
+    counting units of the smaller page), "torch" (staged through copy_pages, geometries must be
+    equal) or "auto" (NIXL where installed). `pool_layout`: (PoolLayout, buffers) of a KVPool
+    sub-pool (KVPool.send_pages passes it)."""
+    for b, stage, ids, seq in _stages(cache, pages, dst, group, geometry, layout, transport, pool_layout, True):
+        copy_pages(b, stage, ids, seq, backend=backend)
+        dist.send(stage, dst=dst, group=group)
 
 def recv_pages(cache: torch.Tensor | Sequence[torch.Tensor], pages: torch.Tensor, src: int, group=None, *,
-               geometry: PageGeometry | None = None, layout: str = "NHD", backend: str = "auto") -> None:
+               geometry: PageGeometry | None = None, layout: str = "NHD", backend: str = "auto",
+               transport: str = "auto", pool_layout=None) -> None:
     """Receive the pages rank `src` sends with `send_pages` into pages `pages` of `cache` (same
-    buffers, in the same order)."""
-    bufs, ids = _handshake(cache, pages, src, group, geometry, layout, sending=False)
-    n = ids.shape[0]
-    for b in bufs:
-        stage = torch.empty((n, *b.shape[1:]), dtype=b.dtype, device=b.device)
+    buffers, in the same order; the same `transport` on both ranks)."""
+    for b, stage, ids, seq in _stages(cache, pages, src, group, geometry, layout, transport, pool_layout, False):
         dist.recv(stage, src=src, group=group)
-        copy_pages(stage, b, torch.arange(n, device=b.device), ids.to(b.device), backend=backend)
+        copy_pages(stage, b, seq, ids, backend=backend)
 
-
-__all__ = ["PageSpec", "recv_pages", "send_pages", "spec_of"]
+__all__ = ["PageSpec", "TRANSPORTS", "recv_pages", "send_pages", "spec_of", "transport_of"]

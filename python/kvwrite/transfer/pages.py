@@ -1,0 +1,79 @@
+"""Page ids of a transfer, checked against both pools before any descriptor is built.
+
+The rules are `kvwrite.copy_pages`'s (`kvwrite.reference.pages.resolve_pairs`): ids count units
+of the smaller page; a -1 on either side skips the pair (padding); "assert" raises on the first
+bad id, "guard" skips the bad pairs and records them (as copy_pages records, KIND_SRC_PAGE /
+KIND_DST_PAGE) and "off" skips negative ids only. The raised error names the side, the agent,
+the pool and the id.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvwrite import validate
+from kvwrite.errors import KIND_SRC_PAGE, ErrorBuffer, OutOfBoundsWrite, default_errors, record_torch
+from kvwrite.reference.pages import resolve_pairs
+from kvwrite.transfer.layout import Bridge
+
+RECORD_OP = "copy_pages"   # the guard record's op code (a transfer moves pages as copy_pages does)
+
+
+class TransferPageError(OutOfBoundsWrite):
+    """A transfer names a page its src or dst pool does not have (nothing was moved)."""
+
+    def __init__(self, where: dict[str, str], i: int, target: int, limit: int, rows: int, count: int,
+                 kind: int) -> None:
+        self.where = where   # {"src": "agent 'prefill', pool 'kv'", "dst": ...}
+        super().__init__("transfer", i, target, target, limit, rows, count, kind=kind, target=target, limit=limit)
+
+    def _page_message(self) -> str:
+        side = "src" if self.kind == KIND_SRC_PAGE else "dst"
+        many = f"{self.count} bad page ids; the first: " if self.count > 1 else ""
+        return (f"transfer: {many}pair {self.token_index} names {side} page {self.target} of {side} "
+                f"{self.where[side]}, which has pages [0, {self.limit}) (in units of {self.pool_page_size} "
+                f"rows); nothing was moved" + ("; padding must be -1" if self.target < 0 else ""))
+
+
+@dataclass(frozen=True)
+class CheckedPairs:
+    """The pairs that move (`src`, `dst` unit ids, int64) and how many were skipped."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    skipped: int
+
+
+def _ids(name: str, pages: object) -> torch.Tensor:
+    if isinstance(pages, (list, tuple, range, np.ndarray)):
+        pages = torch.as_tensor(np.asarray(pages, dtype=np.int64))
+    t = validate.tensor(name, pages, ndim=1, dtypes=validate.LOC_DTYPES)
+    return t.to("cpu", torch.int64)
+
+
+def check_pairs(src_pages: object, dst_pages: object, br: Bridge, where: dict[str, str], check: str | None,
+                errors: ErrorBuffer | None = None) -> CheckedPairs:
+    """Check the ids of a transfer against both pools (`br`: their units) in mode `check`."""
+    mode = validate.check_mode(check)
+    sp, dp = _ids("src_pages", src_pages), _ids("dst_pages", dst_pages)
+    if sp.shape[0] != dp.shape[0]:
+        raise ValueError(f"src_pages and dst_pages must pair up one to one, got {sp.shape[0]} and "
+                         f"{dp.shape[0]} entries")
+    write, bad, kind, target, limit = resolve_pairs(sp, dp, br.src, br.dst, mode)
+    if mode == "off":   # past either pool: refused all the same (no descriptor may leave a pool)
+        past_s, past_d = write & (sp >= br.src.count), write & (dp >= br.dst.count)
+        bad, write = past_s | past_d, write & ~(past_s | past_d)
+        kind = torch.where(past_s, KIND_SRC_PAGE, kind)
+    if mode in ("assert", "off") and bool(bad.any()):
+        i = int(torch.nonzero(bad)[0, 0])
+        raise TransferPageError(where, i, int(target[i]), int(limit[i]), br.src.rows, int(bad.sum()), int(kind[i]))
+    if mode == "guard" and bool(bad.any()):
+        rec = errors if errors is not None else default_errors("cpu")
+        if rec.device.type != "cpu":
+            raise ValueError(f"errors must be a CPU ErrorBuffer (a transfer checks its ids on the host), "
+                             f"got one on {rec.device}")
+        record_torch(rec.tensor, bad, target, target, limit, br.src.rows, RECORD_OP, kind)
+    keep = write.numpy()   # numpy from here: a torch index at thousands of ids costs milliseconds
+    return CheckedPairs(sp.numpy()[keep], dp.numpy()[keep], int(keep.size - keep.sum()))
