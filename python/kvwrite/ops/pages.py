@@ -193,7 +193,8 @@ def copy_pages(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, ds
     p * factor ... p * factor + factor - 1. Different row shapes or dtypes, or page sizes that do
     not divide, raise GeometryError before anything moves. check="assert"/"guard" check every id
     against its pool's units (KIND_SRC_PAGE / KIND_DST_PAGE records; a bad pair is not copied);
-    "off" skips only negative ids. Pairs that write one dst page twice leave either copy; src
+    "off" skips only negative ids. Pairs that write one dst page twice: assert fails, guard
+    copies the lowest pair and records the others (KIND_DUPLICATE), off leaves either copy; src
     and dst may be one pool when no page is both read and written by the call (`move_rows`
     reads every source first).
     """
@@ -225,6 +226,10 @@ def _copy_across(src, dst, src_pages, dst_pages, check, errors, backend, op: str
     n = sp.shape[0]
     if n == 0:
         return
+    if chk.mode != "off":   # duplicate dst pages (and bad pairs) first: kvwrite.ops.claims
+        from kvwrite.reference.claims import unique_pairs
+
+        dp = unique_pairs(sp, dp, su, du, chk)
     sp, dp = checked_pairs(sp, dp, su, du, chk)       # bad or skipped pairs -> -1 on both sides
     unit = su.rows
     pinned = src.device.type == "cpu" and dst.device.type != "cpu"
