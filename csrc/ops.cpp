@@ -119,6 +119,9 @@ int64_t token_bytes(const StoreDSV4KVParams& p) {  // DeepSeek V4
   return int64_t(DSV4_NOPE + DSV4_ROPE) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT;
 }
 int64_t token_bytes(const StoreMXFP4Params& p) { return int64_t(p.D) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT; }
+int64_t token_bytes(const StoreDSV4FP4Params& p) {
+  return int64_t(DSV4_NOPE + DSV4_ROPE) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT;
+}
 int64_t token_bytes(const StoreRowsParams& p) { return 2 * p.row_bytes; }
 int64_t token_bytes(const GatherParams& p) { return 2 * p.heads * p.head_bytes; }  // page moves
 int64_t token_bytes(const StoreKVQuantParams& p) {  // store_kv_quant
@@ -246,6 +249,14 @@ void store_dsv4_indexer_k_cpu(const Tensor& k, const Tensor& cache, int64_t pool
       store_mxfp4_params(k, cache, pool_page_size, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
   kvw_dsv4_table(p.locs, batch_indices, kv_indices, kv_indptr);
   KVW_RUN_CPU(dispatch_store_mxfp4, p, check);
+}
+
+void store_dsv4_kv_fp4_cpu(const Tensor& kv, const Tensor& cache, int64_t pool_page_size, int64_t fmt,
+                           const Tensor& loc, const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank,
+                           int64_t dcp_size, int64_t check, int64_t op) {
+  StoreDSV4FP4Params p =
+      store_dsv4_fp4_params(kv, cache, pool_page_size, fmt, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  KVW_RUN_CPU(dispatch_store_dsv4_fp4, p, check);
 }
 
 void store_rows_cpu(const Tensor& src, const Tensor& pool, const Tensor& loc, const OptTensor& loc_map,
@@ -479,6 +490,12 @@ TORCH_LIBRARY_FRAGMENT(kvwrite_ext, m) {
 }
 
 TORCH_LIBRARY_IMPL(kvwrite_ext, CPU, m) { m.impl("store_kv_quant", &kvwrite::store_kv_quant_cpu); }
+
+// DeepSeek V4 FP4 records (kvwrite/store_dsv4_fp4.h): fmt 0 nvfp4, 1 nvfp4_v41, 2 mxfp4.
+TORCH_LIBRARY_FRAGMENT(kvwrite_ext, m) {
+  m.def("store_dsv4_kv_fp4(Tensor kv, Tensor(a!) cache, int pool_page_size, int fmt, " KVW_TAIL_NO_TABLE ") -> ()");
+}
+TORCH_LIBRARY_IMPL(kvwrite_ext, CPU, m) { m.impl("store_dsv4_kv_fp4", &kvwrite::store_dsv4_kv_fp4_cpu); }
 
 TORCH_LIBRARY_IMPL(kvwrite_ext, CPU, m) {
   m.impl("bench_memcpy_scatter", &kvwrite::bench_memcpy_scatter);

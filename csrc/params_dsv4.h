@@ -4,6 +4,7 @@
 #pragma once
 
 #include "kvwrite/store_dsv4.h"
+#include "kvwrite/store_dsv4_fp4.h"
 #include "params.h"
 
 namespace kvwrite {
@@ -85,6 +86,30 @@ inline StoreRowsParams store_rows_params(const Tensor& src, const Tensor& pool, 
   p.locs = loc_args(loc, loc_map, errors, dcp_rank, dcp_size, check, op, pool.size(0), 1, pool);
   p.locs.dcp_page = true;
   TORCH_CHECK(p.locs.n == src.size(0), "kvwrite: loc must have one entry per token");
+  return p;
+}
+
+inline StoreDSV4FP4Params store_dsv4_fp4_params(const Tensor& kv, const Tensor& cache, int64_t pool_page_size,
+                                                int64_t fmt, const Tensor& loc, const OptTensor& loc_map,
+                                                const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size,
+                                                int64_t check, int64_t op) {
+  TORCH_CHECK(kv.dim() == 2 && kv.size(1) == DSV4_NOPE + DSV4_ROPE && kv.stride(1) == 1,
+              "kvwrite: kv must be [N, 512], contiguous in its last dim");
+  TORCH_CHECK(fmt >= 0 && fmt <= 2, "kvwrite: fmt must be 0 (nvfp4), 1 (nvfp4_v41) or 2 (mxfp4)");
+  TORCH_CHECK(pool_page_size >= 1 && cache.dim() == 2 && cache.size(1) == pool_page_size * fp4_token_bytes(int(fmt)),
+              "kvwrite: the FP4 record page does not hold pool_page_size tokens");
+  check_same_device(kv, cache, "cache");
+  const int token = fp4_token_bytes(int(fmt)), scale_row = fmt == 2 ? 0 : 32;
+  StoreDSV4FP4Params p;
+  p.kv = static_cast<const char*>(kv.data_ptr());
+  p.kv_sn = kv.stride(0);
+  p.in_dtype = dtype_of(kv);
+  p.fmt = int(fmt);
+  p.cache = split_page(cache, pool_page_size, token - scale_row, scale_row, "cache");
+  p.locs = loc_args(loc, loc_map, errors, dcp_rank, dcp_size, check, op, cache.size(0) * pool_page_size,
+                    pool_page_size, kv);
+  p.locs.dcp_page = true;
+  TORCH_CHECK(p.locs.n == kv.size(0), "kvwrite: loc must have one entry per token");
   return p;
 }
 

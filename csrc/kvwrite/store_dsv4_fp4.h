@@ -1,0 +1,106 @@
+// DeepSeek V4 FP4 KV records (formats in kvwrite/ops/dsv4_fp4.py, rounding and special values in
+// kvwrite/reference/dsv4_fp4.py): "nvfp4" 384 bytes (e4m3 blocks of 16 over the 448 NoPE values,
+// bf16 RoPE, split page), "nvfp4_v41" 288 bytes (all 512 values, e4m3 scale floored at 2^-9,
+// split page), "mxfp4" 368 bytes (ue8m0 blocks of 32, scales inside the token row, bf16 RoPE).
+#pragma once
+
+#include "dispatch.h"
+#include "locs.h"
+#include "nvfp4.h"
+#include "quant.h"
+#include "store_dsv4.h"
+
+namespace kvwrite {
+
+// One record's constants (kvwrite.facts.FP4_RECORDS, by code).
+template <int FMT>
+struct FP4Rec {
+  static constexpr bool mx = FMT == 2;
+  static constexpr int quant = FMT == 1 ? 512 : DSV4_NOPE, block = mx ? 32 : NVFP4_BLOCK;
+  static constexpr int blocks = quant / block, rope = FMT == 1 ? 0 : DSV4_ROPE;
+  static constexpr int scale_row = mx ? 16 : 32;
+  static constexpr int data_row = quant / 2 + 2 * rope + (mx ? scale_row : 0);
+  static constexpr int rope_at = quant / 2 + (mx ? scale_row : 0);
+  static constexpr float floor = FMT == 1 ? 0.001953125f : 0.0f;  // 2^-9
+};
+constexpr int fp4_token_bytes(int fmt) { return fmt == 1 ? 288 : fmt == 2 ? 368 : 384; }
+
+struct StoreDSV4FP4Params {
+  const char* kv = nullptr;
+  i64 kv_sn = 0;  // token stride in elements
+  DType in_dtype = DType::F32;
+  int fmt = 0;
+  SplitPage cache;  // data_row / scale_row of the record (mxfp4: scale_row 0, scales in the row)
+  LocArgs locs;
+};
+
+// ue8m0 byte of round(log2(amax / 6)) + 127, clamped to [0, 255], from amax's bits (the
+// reference's mx_scale_byte), and its value 2^(byte - 127) (byte 0: the subnormal 2^-127).
+KVW_HD int mx_scale_byte(float amax) {
+  const uint32_t bits = float_to_bits(amax);
+  const int byte = int((bits >> 23) & 0xFFu) - 3 + int((bits & 0x7FFFFFu) >= 0x7C3B7u);
+  return byte < 0 ? 0 : byte > 255 ? 255 : byte;
+}
+KVW_HD float mx_byte_value(int byte) { return bits_to_float(byte == 0 ? 0x00400000u : uint32_t(byte) << 23); }
+
+// Block b of token i (e2m1 bytes at `data`, its scale byte at `scales`).
+template <int FMT, DType IN>
+KVW_HD void fp4_block(const StoreDSV4FP4Params& p, i64 i, int b, char* data, char* scales) {
+  using R = FP4Rec<FMT>;
+  const i64 start = i * p.kv_sn + i64(b) * R::block;
+  if constexpr (R::mx) {
+    const int byte = mx_scale_byte(block_amax<IN>(p.kv, start, R::block));
+    // special values (README): NaN -> code 0 and the block's scale byte 0xFF
+    const bool nan = e2m1_run<IN>(p.kv, start, R::block, mx_byte_value(byte), data + b * (R::block / 2));
+    scales[b] = nan ? char(0xFF) : char(byte);
+  } else {
+    nvfp4_block_at<IN>(p.kv, start, nullptr, data + b * (R::block / 2), scales + b, R::floor);
+  }
+}
+
+// Token i: lanes stride over its quantisation blocks and the RoPE part (the last work item).
+template <int CHECK, int FMT, DType IN>
+KVW_HD void store_dsv4_fp4_token(const StoreDSV4FP4Params& p, i64 i, int lane, int nlanes) {
+  using R = FP4Rec<FMT>;
+  const Resolved r = resolve_checked<CHECK>(p.locs, i, lane == 0);
+  if (!r.write) return;
+  char* data = p.cache.data_at(r.row);
+  char* scales = R::mx ? data + R::quant / 2 : p.cache.scale_at(r.row);
+#if !defined(__CUDA_ARCH__)
+  if (nlanes == 1 && !R::mx) {  // host: eight blocks a vector (nvfp4_run)
+    nvfp4_run<IN>(p.kv, i * p.kv_sn, R::blocks, nullptr, data, scales, R::floor);
+    for (int j = 0; j < R::rope; ++j) store_le(data + R::rope_at + 2 * j, bf16_bits<IN>(p.kv, i * p.kv_sn + R::quant + j), 2);
+    return;
+  }
+#endif
+  for (int w = lane; w < R::blocks + (R::rope ? 1 : 0); w += nlanes) {
+    if (w < R::blocks) {
+      fp4_block<FMT, IN>(p, i, w, data, scales);
+    } else {
+      const i64 start = i * p.kv_sn + R::quant;
+      for (int j = 0; j < R::rope; ++j) store_le(data + R::rope_at + 2 * j, bf16_bits<IN>(p.kv, start + j), 2);
+    }
+  }
+}
+
+template <int CHECK, int FMT, DType IN>
+struct StoreDSV4FP4Token {
+  static constexpr int check = CHECK;
+  KVW_HD void operator()(const StoreDSV4FP4Params& p, i64 i, int lane, int nlanes) const {
+    store_dsv4_fp4_token<CHECK, FMT, IN>(p, i, lane, nlanes);
+  }
+};
+
+template <class F>
+void dispatch_store_dsv4_fp4(const StoreDSV4FP4Params& p, int check, F&& f) {
+  const auto fmts = [&](auto c, auto in) {
+    switch (p.fmt) {
+      case 0: return f(TypeTag<StoreDSV4FP4Token<c.value, 0, in.value>>{}, FP4Rec<0>::blocks + 1);
+      case 1: return f(TypeTag<StoreDSV4FP4Token<c.value, 1, in.value>>{}, FP4Rec<1>::blocks);
+      default: return f(TypeTag<StoreDSV4FP4Token<c.value, 2, in.value>>{}, FP4Rec<2>::blocks + 1);
+    }
+  };
+  with_check(check, [&](auto c) { with_float_dtype(p.in_dtype, [&](auto in) { fmts(c, in); }); });
+}
+
+}  // namespace kvwrite
