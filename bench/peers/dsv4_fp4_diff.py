@@ -20,6 +20,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch  # noqa: E402
 
 import kvwrite  # noqa: E402
+
+# kvwrite.kernels is installed from the repo's kernels/ (setup.py); with kvwrite on PYTHONPATH only,
+# point the subpackage there so the Triton kernel runs too (interpreter).
+kvwrite.__path__.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from sglang.test.kernels.deepseek_v4 import dsv41_kv_quant_reference as sg  # noqa: E402
 
 
