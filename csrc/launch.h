@@ -32,6 +32,7 @@ cudaError_t launch_store_dsv4_kv(const StoreDSV4KVParams& p, int check, cudaStre
 cudaError_t launch_store_mxfp4(const StoreMXFP4Params& p, int check, cudaStream_t stream);
 cudaError_t launch_store_rows(const StoreRowsParams& p, int check, cudaStream_t stream);
 cudaError_t launch_store_dsv4_fp4(const StoreDSV4FP4Params& p, int check, cudaStream_t stream);
+cudaError_t launch_rope_store_dsv4_fp4(const StoreDSV4FP4Params& p, int check, cudaStream_t stream);
 // fused RoPE + store (csrc/rope_store.cu); p.scratch: [n, row] device rows of the rotated k / k_pe
 cudaError_t launch_rope_store_kv(const RopeStoreKVParams& p, int check, cudaStream_t stream);
 cudaError_t launch_rope_store_kv_quant(const RopeStoreKVQuantParams& p, int check, cudaStream_t stream);

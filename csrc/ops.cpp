@@ -256,7 +256,7 @@ void store_dsv4_kv_fp4_cpu(const Tensor& kv, const Tensor& cache, int64_t pool_p
                            int64_t dcp_size, int64_t check, int64_t op) {
   StoreDSV4FP4Params p =
       store_dsv4_fp4_params(kv, cache, pool_page_size, fmt, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
-  KVW_RUN_CPU(dispatch_store_dsv4_fp4, p, check);
+  dispatch_store_dsv4_fp4<false>(p, int(check), [&](auto token, i64) { run_tokens<typename decltype(token)::type>(p, check); });
 }
 
 void store_rows_cpu(const Tensor& src, const Tensor& pool, const Tensor& loc, const OptTensor& loc_map,
@@ -373,6 +373,32 @@ void run_rope_tokens(P p, const LocArgs& a, int64_t check, int64_t row_bytes, in
     q.scratch = reinterpret_cast<char*>(row.data());
     q.scratch_sn = 0;
     for (int64_t i = b; i < e; ++i) Token{}(q, i, true, 0, 1);
+  });
+  if (check == CHECK_GUARD && a.errors != nullptr) a.errors[slot::EPOCH] += 1;  // the next call's epoch
+}
+
+// rope_store_dsv4_kv_fp4 (kvwrite/store_dsv4_fp4.h, ROPED): no scratch row, the rotated RoPE part
+// lives in the token body; assert mode pre-scans with the position check folded in.
+void rope_store_dsv4_kv_fp4_cpu(const Tensor& positions, const Tensor& kv, const Tensor& cos_sin, const OptTensor& q,
+                                const Tensor& cache, int64_t pool_page_size, int64_t fmt, const Tensor& loc,
+                                const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size,
+                                int64_t check, int64_t op) {
+  StoreDSV4FP4Params p = rope_store_dsv4_fp4_params(positions, kv, cos_sin, q, cache, pool_page_size, fmt, loc,
+                                                    loc_map, errors, dcp_rank, dcp_size, check, op);
+  p.rope.call = next_rope_call();
+  const LocArgs& a = p.locs;
+  if (check == CHECK_ASSERT)
+    assert_prescan_with(a, [&](i64 i) {
+      bool ok = false;
+      const i64 pos = rope_position(p.rope, i, ok);
+      return resolve_rope<CHECK_ASSERT>(a, p.rope, i, ok, pos);
+    });
+  const int64_t bytes = token_bytes(p) + int64_t(p.rope.Hq) * DSV4_ROPE * dtype_size(p.in_dtype) * QUANT_WEIGHT;
+  dispatch_store_dsv4_fp4<true>(p, int(check), [&](auto token, i64) {
+    using Token = typename decltype(token)::type;
+    at::parallel_for(0, a.n, grain_for(bytes), [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) Token{}(p, i, 0, 1);
+    });
   });
   if (check == CHECK_GUARD && a.errors != nullptr) a.errors[slot::EPOCH] += 1;  // the next call's epoch
 }
@@ -494,8 +520,13 @@ TORCH_LIBRARY_IMPL(kvwrite_ext, CPU, m) { m.impl("store_kv_quant", &kvwrite::sto
 // DeepSeek V4 FP4 records (kvwrite/store_dsv4_fp4.h): fmt 0 nvfp4, 1 nvfp4_v41, 2 mxfp4.
 TORCH_LIBRARY_FRAGMENT(kvwrite_ext, m) {
   m.def("store_dsv4_kv_fp4(Tensor kv, Tensor(a!) cache, int pool_page_size, int fmt, " KVW_TAIL_NO_TABLE ") -> ()");
+  m.def("rope_store_dsv4_kv_fp4(Tensor positions, Tensor kv, Tensor cos_sin, Tensor(b!)? q, Tensor(a!) cache, "
+        "int pool_page_size, int fmt, " KVW_TAIL_NO_TABLE ") -> ()");
 }
-TORCH_LIBRARY_IMPL(kvwrite_ext, CPU, m) { m.impl("store_dsv4_kv_fp4", &kvwrite::store_dsv4_kv_fp4_cpu); }
+TORCH_LIBRARY_IMPL(kvwrite_ext, CPU, m) {
+  m.impl("store_dsv4_kv_fp4", &kvwrite::store_dsv4_kv_fp4_cpu);
+  m.impl("rope_store_dsv4_kv_fp4", &kvwrite::rope_store_dsv4_kv_fp4_cpu);
+}
 
 TORCH_LIBRARY_IMPL(kvwrite_ext, CPU, m) {
   m.impl("bench_memcpy_scatter", &kvwrite::bench_memcpy_scatter);

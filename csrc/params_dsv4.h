@@ -6,6 +6,7 @@
 #include "kvwrite/store_dsv4.h"
 #include "kvwrite/store_dsv4_fp4.h"
 #include "params.h"
+#include "params_rope.h"
 
 namespace kvwrite {
 
@@ -110,6 +111,22 @@ inline StoreDSV4FP4Params store_dsv4_fp4_params(const Tensor& kv, const Tensor& 
                     pool_page_size, kv);
   p.locs.dcp_page = true;
   TORCH_CHECK(p.locs.n == kv.size(0), "kvwrite: loc must have one entry per token");
+  return p;
+}
+
+// rope_store_dsv4_kv_fp4: the store's parameters plus the GPT-J rotation of the 64 RoPE values
+// (cos_sin [max_position, 64]) and of q [n, Hq, 64] in place (none: zero heads).
+inline StoreDSV4FP4Params rope_store_dsv4_fp4_params(const Tensor& positions, const Tensor& kv, const Tensor& cos_sin,
+                                                     const OptTensor& q, const Tensor& cache, int64_t pool_page_size,
+                                                     int64_t fmt, const Tensor& loc, const OptTensor& loc_map,
+                                                     const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size,
+                                                     int64_t check, int64_t op) {
+  TORCH_CHECK(fmt == 0 || fmt == 2, "kvwrite: the fused RoPE store takes fmt 0 (nvfp4) or 2 (mxfp4)");
+  StoreDSV4FP4Params p =
+      store_dsv4_fp4_params(kv, cache, pool_page_size, fmt, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  const Tensor qt = q.has_value() ? *q : kv.new_empty({kv.size(0), 0, DSV4_ROPE});
+  p.rope = rope_args(positions, qt, cos_sin, c10::nullopt, c10::nullopt, 0.0, false, kv, DSV4_ROPE);
+  TORCH_CHECK(p.rope.R == DSV4_ROPE, "kvwrite: cos_sin must be [max_position, 64]");
   return p;
 }
 

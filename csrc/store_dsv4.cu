@@ -30,7 +30,11 @@ cudaError_t launch_store_mxfp4(const StoreMXFP4Params& p, int check, cudaStream_
 }
 
 cudaError_t launch_store_dsv4_fp4(const StoreDSV4FP4Params& p, int check, cudaStream_t stream) {
-  return launch_tokens(p, check, stream, [](const auto& q, int c, auto&& f) { dispatch_store_dsv4_fp4(q, c, f); });
+  return launch_tokens(p, check, stream, [](const auto& q, int c, auto&& f) { dispatch_store_dsv4_fp4<false>(q, c, f); });
+}
+
+cudaError_t launch_rope_store_dsv4_fp4(const StoreDSV4FP4Params& p, int check, cudaStream_t stream) {
+  return launch_tokens(p, check, stream, [](const auto& q, int c, auto&& f) { dispatch_store_dsv4_fp4<true>(q, c, f); });
 }
 
 cudaError_t launch_store_rows(const StoreRowsParams& p, int check, cudaStream_t stream) {

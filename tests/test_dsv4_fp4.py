@@ -296,3 +296,86 @@ def test_dequant_bad_arguments():
         kvwrite.dequant_dsv4_kv_fp4(torch.zeros(1, 384), torch.tensor([0]))
     with pytest.raises(IndexError, match="outside"):
         kvwrite.dequant_dsv4_kv_fp4(torch.zeros(1, 384, dtype=torch.uint8), torch.tensor([1]))
+
+
+# --- rope_store_dsv4_kv_fp4: the fused GPT-J RoPE ------------------------------------------------
+
+ROPE_FMTS = ("nvfp4", "mxfp4")
+
+
+def rope_inputs(n, dtype, cs_dtype, max_pos, seed):
+    gen = torch.Generator().manual_seed(seed)
+    kv = values(n, 512, dtype, gen)
+    cos_sin = torch.randn(max_pos, 64, generator=gen).to(cs_dtype).to(DEVICE)
+    q = torch.randn(n, 2, 64, generator=gen).to(dtype).to(DEVICE)
+    return kv, cos_sin, q
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fmt", ROPE_FMTS)
+@pytest.mark.parametrize("dtype, cs_dtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.float16),
+                                             (torch.float32, torch.float32)])
+@pytest.mark.parametrize("check", ["off", "guard"])
+def test_rope_matches_reference_and_rope_then_store(backend, fmt, dtype, cs_dtype, check):
+    """Bytes, q and the record equal the reference's; the written rows equal `store_dsv4_kv_fp4`
+    of the rows rotated in torch (kvwrite.reference.rope), i.e. rope-then-store, bit for bit."""
+    from kvwrite.reference.rope import rope
+
+    n, pps, pages, max_pos = 9, 4, 3, 16
+    kv, cos_sin, q = rope_inputs(n, dtype, cs_dtype, max_pos, 3)
+    positions = torch.tensor([0, 3, 15, 7, 16, 2, -1, 9, 1], device=DEVICE)   # 16, -1: bad positions
+    loc = torch.tensor([0, 5, 11, -1, 3, 7, 8, 2, 1], device=DEVICE)
+    spec = {"cache": ((pages, page_bytes(fmt, pps)), torch.uint8)}
+    pool = CanaryBuffer(spec, 4)
+    ref, original = pool.clone(), pool.raw.clone()
+    results = []
+    for be, buf in ((backend, pool), ("torch", ref)):
+        qq = q.clone()
+        errs = kvwrite.ErrorBuffer(DEVICE)
+        kvwrite.rope_store_dsv4_kv_fp4(positions, kv, cos_sin, buf["cache"], loc, q=qq, fmt=fmt, check=check,
+                                       errors=errs, backend=be)
+        results.append((qq, errs.error()))
+    assert_same_bytes(pool, ref, original)
+    assert torch.equal(results[0][0], results[1][0])
+    ok = (positions >= 0) & (positions < max_pos)
+    assert not torch.equal(results[0][0][ok], q[ok]) and torch.equal(results[0][0][~ok], q[~ok])
+    if check == "guard":
+        e0, e1 = results[0][1], results[1][1]
+        assert (e0.token_index, e0.count) == (e1.token_index, e1.count) == (4, 2)
+    # rope in torch, then the plain store, on the tokens with a valid position
+    good = ok & (loc >= 0)
+    rolled = kv.clone()
+    rolled[good, 448:] = rope(kv[good][:, None, 448:], positions[good], cos_sin, 64, False)[:, 0]
+    keep = torch.where(good, loc, torch.full_like(loc, -1))
+    twin = pool.clone()
+    twin.raw.copy_(original)
+    kvwrite.store_dsv4_kv_fp4(rolled, twin["cache"], keep, fmt=fmt, backend="torch")
+    assert torch.equal(pool["cache"], twin["cache"])
+
+
+@pytest.mark.parametrize("backend", ["torch", *BACKENDS])
+def test_rope_bad_position_assert(backend):
+    kv, cos_sin, q = rope_inputs(4, torch.bfloat16, torch.float32, 8, 1)
+    cache = torch.zeros(2, page_bytes("nvfp4", 4), dtype=torch.uint8, device=DEVICE)
+    before, q0 = cache.clone(), q.clone()
+    positions = torch.tensor([1, 2, 8, 3], device=DEVICE)
+    with pytest.raises(kvwrite.OutOfBoundsWrite, match="rope_store_dsv4_kv_fp4") as info:
+        kvwrite.rope_store_dsv4_kv_fp4(positions, kv, cos_sin, cache, torch.arange(4, device=DEVICE), q=q,
+                                       check="assert", backend=backend)
+    assert info.value.token_index == 2
+    assert torch.equal(cache, before) and torch.equal(q, q0)
+
+
+def test_rope_bad_arguments():
+    kv, cos_sin, q = rope_inputs(2, torch.bfloat16, torch.float32, 8, 1)
+    cache = torch.zeros(2, 4 * 384, dtype=torch.uint8)
+    pos, loc = torch.tensor([0, 1]), torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="fused RoPE store takes fmt in"):
+        kvwrite.rope_store_dsv4_kv_fp4(pos, kv, cos_sin, torch.zeros(2, 4 * 288, dtype=torch.uint8), loc,
+                                       fmt="nvfp4_v41")
+    with pytest.raises(ValueError, match=r"cos_sin must have shape \[\*, 64\] \(max_position"):
+        kvwrite.rope_store_dsv4_kv_fp4(pos, kv, cos_sin[:, :32], cache, loc)
+    with pytest.raises(TypeError, match="q must have dtype"):
+        kvwrite.rope_store_dsv4_kv_fp4(pos, kv, cos_sin, cache, loc, q=q.float())
+    with pytest.raises(ValueError, match=r"positions must have shape \[2\]|kv must have shape \[3, 512\]"):
+        kvwrite.rope_store_dsv4_kv_fp4(torch.tensor([0, 1, 2]), kv, cos_sin, cache, loc)

@@ -8,6 +8,7 @@
 #include "locs.h"
 #include "nvfp4.h"
 #include "quant.h"
+#include "rope_store.h"
 #include "store_dsv4.h"
 
 namespace kvwrite {
@@ -32,6 +33,7 @@ struct StoreDSV4FP4Params {
   int fmt = 0;
   SplitPage cache;  // data_row / scale_row of the record (mxfp4: scale_row 0, scales in the row)
   LocArgs locs;
+  RopeArgs rope;    // rope_store_dsv4_kv_fp4: GPT-J rotation of the RoPE part (R = 64), q in place
 };
 
 // ue8m0 byte of round(log2(amax / 6)) + 127, clamped to [0, 255], from amax's bits (the
@@ -58,46 +60,87 @@ KVW_HD void fp4_block(const StoreDSV4FP4Params& p, i64 i, int b, char* data, cha
   }
 }
 
-// Token i: lanes stride over its quantisation blocks and the RoPE part (the last work item).
-template <int CHECK, int FMT, DType IN>
+// The RoPE part of token i (64 values from `src`) as bf16 at `dst`.
+template <int FMT, DType IN>
+KVW_HD void fp4_rope_part(const void* src, i64 start, char* dst) {
+  for (int j = 0; j < FP4Rec<FMT>::rope; ++j) store_le(dst + 2 * j, bf16_bits<IN>(src, start + j), 2);
+}
+
+// ROPED: the RoPE part rotated first (rope_head: GPT-J pairs, rounded to IN, as
+// kvwrite.reference.rope), then stored as the plain store stores it.
+template <int FMT, DType IN, bool ROPED>
+KVW_HD void fp4_rope_item(const StoreDSV4FP4Params& p, i64 i, i64 pos, char* data) {
+  using R = FP4Rec<FMT>;
+  const i64 start = i * p.kv_sn + R::quant;
+  if constexpr (ROPED) {
+    float rotated[R::rope > 0 ? R::rope : 1];  // IN values (fp32 holds any of them)
+    rope_head<IN>(p.rope, pos, p.kv, start, rotated, 0, R::rope, nullptr);
+    fp4_rope_part<FMT, IN>(rotated, 0, data + R::rope_at);
+  } else {
+    fp4_rope_part<FMT, IN>(p.kv, start, data + R::rope_at);
+  }
+}
+
+// Token i: lanes stride over its q heads (ROPED, valid position), then its quantisation blocks
+// and the RoPE part (the last work item).
+template <int CHECK, int FMT, DType IN, bool ROPED>
 KVW_HD void store_dsv4_fp4_token(const StoreDSV4FP4Params& p, i64 i, int lane, int nlanes) {
   using R = FP4Rec<FMT>;
-  const Resolved r = resolve_checked<CHECK>(p.locs, i, lane == 0);
-  if (!r.write) return;
-  char* data = p.cache.data_at(r.row);
-  char* scales = R::mx ? data + R::quant / 2 : p.cache.scale_at(r.row);
+  bool pos_ok = true;
+  i64 pos = 0;
+  Resolved r;
+  if constexpr (ROPED) {
+    pos = rope_position(p.rope, i, pos_ok);
+    r = resolve_rope_checked<CHECK>(p.locs, p.rope, i, pos_ok, pos, lane == 0);
+  } else {
+    r = resolve_checked<CHECK>(p.locs, i, lane == 0);
+  }
+  const int nq = ROPED && pos_ok ? p.rope.Hq : 0;
+  if (!r.write && nq == 0) return;
+  char* data = r.write ? p.cache.data_at(r.row) : nullptr;
+  char* scales = !r.write ? nullptr : R::mx ? data + R::quant / 2 : p.cache.scale_at(r.row);
 #if !defined(__CUDA_ARCH__)
   if (nlanes == 1 && !R::mx) {  // host: eight blocks a vector (nvfp4_run)
+    for (int h = 0; h < nq; ++h) rope_head<IN>(p.rope, pos, p.rope.q, i * p.rope.q_sn + h * p.rope.q_sh, p.rope.q,
+                                               i * p.rope.q_sn + h * p.rope.q_sh, R::rope, nullptr);
+    if (!r.write) return;
     nvfp4_run<IN>(p.kv, i * p.kv_sn, R::blocks, nullptr, data, scales, R::floor);
-    for (int j = 0; j < R::rope; ++j) store_le(data + R::rope_at + 2 * j, bf16_bits<IN>(p.kv, i * p.kv_sn + R::quant + j), 2);
+    if (R::rope) fp4_rope_item<FMT, IN, ROPED>(p, i, pos, data);
     return;
   }
 #endif
-  for (int w = lane; w < R::blocks + (R::rope ? 1 : 0); w += nlanes) {
-    if (w < R::blocks) {
-      fp4_block<FMT, IN>(p, i, w, data, scales);
+  const int items = nq + (r.write ? R::blocks + (R::rope ? 1 : 0) : 0);
+  for (int w = lane; w < items; w += nlanes) {
+    if (w < nq) {
+      const i64 off = i * p.rope.q_sn + w * p.rope.q_sh;
+      rope_head<IN>(p.rope, pos, p.rope.q, off, p.rope.q, off, R::rope, nullptr);
+    } else if (w - nq < R::blocks) {
+      fp4_block<FMT, IN>(p, i, w - nq, data, scales);
     } else {
-      const i64 start = i * p.kv_sn + R::quant;
-      for (int j = 0; j < R::rope; ++j) store_le(data + R::rope_at + 2 * j, bf16_bits<IN>(p.kv, start + j), 2);
+      fp4_rope_item<FMT, IN, ROPED>(p, i, pos, data);
     }
   }
 }
 
-template <int CHECK, int FMT, DType IN>
+template <int CHECK, int FMT, DType IN, bool ROPED>
 struct StoreDSV4FP4Token {
   static constexpr int check = CHECK;
   KVW_HD void operator()(const StoreDSV4FP4Params& p, i64 i, int lane, int nlanes) const {
-    store_dsv4_fp4_token<CHECK, FMT, IN>(p, i, lane, nlanes);
+    store_dsv4_fp4_token<CHECK, FMT, IN, ROPED>(p, i, lane, nlanes);
   }
 };
 
-template <class F>
+// ROPED: rope_store_dsv4_kv_fp4 (formats with a bf16 RoPE part: nvfp4, mxfp4).
+template <bool ROPED, class F>
 void dispatch_store_dsv4_fp4(const StoreDSV4FP4Params& p, int check, F&& f) {
   const auto fmts = [&](auto c, auto in) {
+    const int q = ROPED ? p.rope.Hq : 0;
     switch (p.fmt) {
-      case 0: return f(TypeTag<StoreDSV4FP4Token<c.value, 0, in.value>>{}, FP4Rec<0>::blocks + 1);
-      case 1: return f(TypeTag<StoreDSV4FP4Token<c.value, 1, in.value>>{}, FP4Rec<1>::blocks);
-      default: return f(TypeTag<StoreDSV4FP4Token<c.value, 2, in.value>>{}, FP4Rec<2>::blocks + 1);
+      case 0: return f(TypeTag<StoreDSV4FP4Token<c.value, 0, in.value, ROPED>>{}, q + FP4Rec<0>::blocks + 1);
+      case 1:
+        if constexpr (!ROPED) return f(TypeTag<StoreDSV4FP4Token<c.value, 1, in.value, false>>{}, FP4Rec<1>::blocks);
+        return;
+      default: return f(TypeTag<StoreDSV4FP4Token<c.value, 2, in.value, ROPED>>{}, q + FP4Rec<2>::blocks + 1);
     }
   };
   with_check(check, [&](auto c) { with_float_dtype(p.in_dtype, [&](auto in) { fmts(c, in); }); });

@@ -31,6 +31,7 @@ OPS = (
     "move_rows",
     "store_kv_head_major",
     "store_dsv4_kv_fp4",
+    "rope_store_dsv4_kv_fp4",
 )
 READ_OPS = ("gather",)   # ops whose bad loc is a read (the message says "reads")
 

@@ -74,3 +74,76 @@ def store_dsv4_kv_fp4(kv: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, 
     bytes; None derives it). `loc_map`, DCP and `check` as `store_dsv4_kv`. Read back with
     `kvwrite.dequant_dsv4_kv_fp4`."""
     return SPEC.entry(kv, cache, loc, page_size, fmt, check, errors, loc_map, dcp_rank, dcp_size, backend)
+
+
+# --- rope_store_dsv4_kv_fp4 ------------------------------------------------------------------------
+
+OP_ROPE = "rope_store_dsv4_kv_fp4"
+ROPE_IMPLS = impls("dsv4_fp4:rope_store_dsv4_kv_fp4", "store_dsv4_fp4:launch_rope", "rope_store_dsv4_kv_fp4")
+ROPE_FMTS = tuple(f for f, r in FP4_RECORDS.items() if r.rope)   # records with a bf16 RoPE part
+
+
+@dataclass(frozen=True)
+class RopeStoreDSV4KVFP4:
+    """A validated rope_store_dsv4_kv_fp4 call: the store, then the GPT-J rotation (the field
+    names `kvwrite.reference.rope` reads)."""
+
+    store: StoreDSV4KVFP4
+    positions: torch.Tensor
+    cos_sin: torch.Tensor
+    q: torch.Tensor | None
+    rotary_dim: int = ROPE
+    is_neox: bool = False
+
+    @property
+    def locs(self) -> Locs:
+        return self.store.locs
+
+    @property
+    def check(self) -> Check:
+        return self.store.check
+
+    @property
+    def geometry(self) -> PageGeometry:
+        return self.store.geometry
+
+
+def _rope_fmt(env: dict, v: dict) -> None:
+    if v["fmt"] in FP4_FMTS and v["fmt"] not in ROPE_FMTS:
+        raise ValueError(f"fmt={v['fmt']!r} quantises the RoPE values with the rest: the fused RoPE store takes "
+                         f"fmt in {ROPE_FMTS}")
+
+
+def _build_rope(v: dict, env: dict, locs: Locs, chk: Check) -> RopeStoreDSV4KVFP4:
+    return RopeStoreDSV4KVFP4(_build(v, env, locs, chk), v["positions"], v["cos_sin"], v["q"])
+
+
+ROPE_SPEC = spec.Op(
+    OP_ROPE,
+    args=(spec.T("positions", "N", validate.LOC_DTYPES, binds="N", what="one position per token"),
+          spec.T("kv", f"N {KV_DIM}", validate.FLOAT_INPUTS, what=f"tokens, {NOPE} NoPE + {ROPE} RoPE values"),
+          spec.T("cos_sin", f"M {ROPE}", (torch.float32, "=kv"), what=f"max_position, {ROPE // 2} cos then "
+                 f"{ROPE // 2} sin"),
+          spec.opt("q", f"N Hq {ROPE}", ("=kv",), mutable=True, what=f"tokens, heads, {ROPE} RoPE values"),
+          spec.cache("cache", "P B", (torch.uint8,)), spec.LOC, spec.option("page_size", "int?"),
+          spec.option("fmt"), spec.CHECK, spec.ERRORS, spec.LOC_MAP, *spec.DCP, spec.BACKEND),
+    checks=("positions", "kv", "cos_sin", "q", _rope_fmt, "cache", _pages, spec.geometry("cache")),
+    build=_build_rope, impls=ROPE_IMPLS, dcp_page=True, page_table=False)
+
+
+def rope_store_dsv4_kv_fp4(positions: torch.Tensor, kv: torch.Tensor, cos_sin: torch.Tensor,
+                           cache: torch.Tensor, loc: torch.Tensor, *, q: torch.Tensor | None = None,
+                           fmt: str = "nvfp4", page_size: int | None = None, check: str | None = None,
+                           errors: ErrorBuffer | None = None, loc_map: torch.Tensor | None = None,
+                           dcp_rank: int = 0, dcp_size: int = 1, backend: str = "auto") -> None:
+    """GPT-J RoPE + FP4 record store in one launch (FlashInfer's
+    `cake_dsv4_nvfp4_kv_rope_quantize_insert`; with `q`, `cake_dsv4_nvfp4_rope_quantize_insert`):
+    token i's 64 RoPE values `kv[i, 448:]` are rotated by `cos_sin[positions[i]]` (`[max_position,
+    64]`: 32 cos then 32 sin, fp32 or kv's dtype; pairs (2j, 2j+1)), rounded to kv's dtype, and
+    the row is stored exactly as `store_dsv4_kv_fp4` stores it (bytes equal to rotating in torch,
+    then storing). `q` `[N, Hq, 64]` (kv's dtype, optional): the queries' RoPE part, rotated in
+    place for every token with a valid position. `fmt` "nvfp4" or "mxfp4" (the records that keep
+    the RoPE part in bf16). A position outside [0, max_position) is a bad token (never written)
+    in every check mode, recorded like a bad loc. Other arguments as `store_dsv4_kv_fp4`."""
+    return ROPE_SPEC.entry(positions, kv, cos_sin, q, cache, loc, page_size, fmt, check, errors, loc_map,
+                           dcp_rank, dcp_size, backend)

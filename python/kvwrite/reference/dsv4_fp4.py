@@ -75,18 +75,44 @@ def regions(cache: torch.Tensor, pps: int, rec: FP4Record) -> tuple[torch.Tensor
     return data[..., :q], scales, data[..., rec.rope_at:rec.rope_at + 2 * rec.rope]
 
 
-def store_dsv4_kv_fp4(a) -> None:
-    """`a`: kvwrite.ops.dsv4_fp4.StoreDSV4KVFP4."""
-    idx, page, offset = resolve_and_check(a.locs, a.geometry, a.check)
-    if not idx.numel():
-        return
+def _write(a, kv: torch.Tensor, page: torch.Tensor, offset: torch.Tensor) -> None:
+    """Store rows `kv` `[M, 512]` of the validated store `a` at (page, offset)."""
     rec = a.record
-    packed, scales, rope = quantize_fp4(a.kv[idx], rec)
+    packed, scales, rope = quantize_fp4(kv, rec)
     data, scale_slots, rope_slots = regions(a.cache, a.geometry.pool_page_size, rec)
     data[page, offset] = packed
     scale_slots[page, offset, :rec.blocks] = scales    # the pad bytes are never written
     if rec.rope:
         rope_slots[page, offset] = rope
+
+
+def store_dsv4_kv_fp4(a) -> None:
+    """`a`: kvwrite.ops.dsv4_fp4.StoreDSV4KVFP4."""
+    idx, page, offset = resolve_and_check(a.locs, a.geometry, a.check)
+    if idx.numel():
+        _write(a, a.kv[idx], page, offset)
+
+
+def rope_store_dsv4_kv_fp4(a) -> None:
+    """`a`: kvwrite.ops.dsv4_fp4.RopeStoreDSV4KVFP4: the RoPE part rotated as
+    `kvwrite.reference.rope.rope` does (GPT-J pairs, one rounding to kv's dtype), q in place, then
+    the rows stored as `store_dsv4_kv_fp4` stores them."""
+    from kvwrite.reference import _locs
+    from kvwrite.reference.rope import _rotate_q_in_place, resolve_with_positions, rope
+
+    s = a.store
+    r, ok = resolve_with_positions(a)
+    _locs.check(r, s.geometry, s.check)
+    idx = torch.nonzero(r.write).flatten()
+    q0 = s.record.quant
+    kv = s.kv[idx].clone()
+    if idx.numel():
+        kv[:, q0:] = rope(kv[:, None, q0:], a.positions[idx], a.cos_sin, a.rotary_dim, a.is_neox)[:, 0]
+    if a.q is not None:
+        _rotate_q_in_place(a, ok, None)
+    if idx.numel():
+        page, offset = s.geometry.locate(r.row[idx])
+        _write(s, kv, page, offset)
 
 
 def dequant_dsv4_kv_fp4(cache: torch.Tensor, loc: torch.Tensor, *, fmt: str = "nvfp4",
