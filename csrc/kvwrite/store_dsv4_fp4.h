@@ -36,6 +36,15 @@ struct StoreDSV4FP4Params {
   RopeArgs rope;    // rope_store_dsv4_kv_fp4: GPT-J rotation of the RoPE part (R = 64), q in place
 };
 
+// The block quantiser as a call of its own on the device (scalar arguments: the kernel's
+// parameter struct stays in parameter space): inlined into the token loop, the NVFP4 block's 16
+// values spilled beside the loop's state (sm_80 / sm_90, bf16).
+#if defined(__CUDA_ARCH__)
+#define KVW_ITEM __noinline__
+#else
+#define KVW_ITEM
+#endif
+
 // ue8m0 byte of round(log2(amax / 6)) + 127, clamped to [0, 255], from amax's bits (the
 // reference's mx_scale_byte), and its value 2^(byte - 127) (byte 0: the subnormal 2^-127).
 KVW_HD int mx_scale_byte(float amax) {
@@ -45,18 +54,18 @@ KVW_HD int mx_scale_byte(float amax) {
 }
 KVW_HD float mx_byte_value(int byte) { return bits_to_float(byte == 0 ? 0x00400000u : uint32_t(byte) << 23); }
 
-// Block b of token i (e2m1 bytes at `data`, its scale byte at `scales`).
+// Block b of the row at `kv` + `row` (e2m1 bytes at `data`, its scale byte at `scales`).
 template <int FMT, DType IN>
-KVW_HD void fp4_block(const StoreDSV4FP4Params& p, i64 i, int b, char* data, char* scales) {
+KVW_ITEM KVW_HD void fp4_block(const char* kv, i64 row, int b, char* data, char* scales) {
   using R = FP4Rec<FMT>;
-  const i64 start = i * p.kv_sn + i64(b) * R::block;
+  const i64 start = row + i64(b) * R::block;
   if constexpr (R::mx) {
-    const int byte = mx_scale_byte(block_amax<IN>(p.kv, start, R::block));
+    const int byte = mx_scale_byte(block_amax<IN>(kv, start, R::block));
     // special values (README): NaN -> code 0 and the block's scale byte 0xFF
-    const bool nan = e2m1_run<IN>(p.kv, start, R::block, mx_byte_value(byte), data + b * (R::block / 2));
+    const bool nan = e2m1_run<IN>(kv, start, R::block, mx_byte_value(byte), data + b * (R::block / 2));
     scales[b] = nan ? char(0xFF) : char(byte);
   } else {
-    nvfp4_block_at<IN>(p.kv, start, nullptr, data + b * (R::block / 2), scales + b, R::floor);
+    nvfp4_block_at<IN>(kv, start, nullptr, data + b * (R::block / 2), scales + b, R::floor);
   }
 }
 
@@ -115,7 +124,7 @@ KVW_HD void store_dsv4_fp4_token(const StoreDSV4FP4Params& p, i64 i, int lane, i
       const i64 off = i * p.rope.q_sn + w * p.rope.q_sh;
       rope_head<IN>(p.rope, pos, p.rope.q, off, p.rope.q, off, R::rope, nullptr);
     } else if (w - nq < R::blocks) {
-      fp4_block<FMT, IN>(p, i, w - nq, data, scales);
+      fp4_block<FMT, IN>(p.kv, i * p.kv_sn, w - nq, data, scales);
     } else {
       fp4_rope_item<FMT, IN, ROPED>(p, i, pos, data);
     }
