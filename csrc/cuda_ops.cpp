@@ -103,6 +103,27 @@ void store_dsv4_indexer_k_cuda(const Tensor& k, const Tensor& cache, int64_t poo
   check_launch(launch_store_mxfp4(p, int(check), c10::cuda::getCurrentCUDAStream()));
 }
 
+void store_dsv4_kv_fp4_cuda(const Tensor& kv, const Tensor& cache, int64_t pool_page_size, int64_t fmt,
+                            const Tensor& loc, const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank,
+                            int64_t dcp_size, int64_t check, int64_t op) {
+  const c10::cuda::CUDAGuard guard(kv.device());
+  StoreDSV4FP4Params p =
+      store_dsv4_fp4_params(kv, cache, pool_page_size, fmt, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  if (p.locs.n == 0) return;
+  check_launch(launch_store_dsv4_fp4(p, int(check), c10::cuda::getCurrentCUDAStream()));
+}
+
+void rope_store_dsv4_kv_fp4_cuda(const Tensor& positions, const Tensor& kv, const Tensor& cos_sin, const OptTensor& q,
+                                 const Tensor& cache, int64_t pool_page_size, int64_t fmt, const Tensor& loc,
+                                 const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank,
+                                 int64_t dcp_size, int64_t check, int64_t op) {
+  const c10::cuda::CUDAGuard guard(kv.device());
+  StoreDSV4FP4Params p = rope_store_dsv4_fp4_params(positions, kv, cos_sin, q, cache, pool_page_size, fmt, loc,
+                                                    loc_map, errors, dcp_rank, dcp_size, check, op);
+  if (p.locs.n == 0) return;
+  check_launch(launch_rope_store_dsv4_fp4(p, int(check), c10::cuda::getCurrentCUDAStream()));
+}
+
 void store_rows_cuda(const Tensor& src, const Tensor& pool, const Tensor& loc, const OptTensor& loc_map,
                      const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op, const OptTensor& batch_indices,
     const OptTensor& kv_indices, const OptTensor& kv_indptr) {
@@ -252,6 +273,8 @@ TORCH_LIBRARY_IMPL(kvwrite_ext, CUDA, m) {
   m.impl("store_dsv4_kv", &kvwrite::store_dsv4_kv_cuda);
   m.impl("store_dsv4_indexer_k", &kvwrite::store_dsv4_indexer_k_cuda);
   m.impl("store_rows", &kvwrite::store_rows_cuda);
+  m.impl("store_dsv4_kv_fp4", &kvwrite::store_dsv4_kv_fp4_cuda);
+  m.impl("rope_store_dsv4_kv_fp4", &kvwrite::rope_store_dsv4_kv_fp4_cuda);
   m.impl("rope_store_kv", &kvwrite::rope_store_kv_cuda);
   m.impl("rope_store_kv_quant", &kvwrite::rope_store_kv_quant_cuda);
   m.impl("rope_store_mla", &kvwrite::rope_store_mla_cuda);

@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 
 #include "kvwrite/store_dsv4.h"
+#include "kvwrite/store_dsv4_fp4.h"
 #include "kvwrite/store_indexer_k.h"
 #include "kvwrite/store_kv.h"
 #include "kvwrite/store_kv_quant.h"
@@ -31,6 +32,8 @@ cudaError_t launch_store_kv_nvfp4(const StoreKVNVFP4Params& p, int check, cudaSt
 cudaError_t launch_store_dsv4_kv(const StoreDSV4KVParams& p, int check, cudaStream_t stream);
 cudaError_t launch_store_mxfp4(const StoreMXFP4Params& p, int check, cudaStream_t stream);
 cudaError_t launch_store_rows(const StoreRowsParams& p, int check, cudaStream_t stream);
+cudaError_t launch_store_dsv4_fp4(const StoreDSV4FP4Params& p, int check, cudaStream_t stream);
+cudaError_t launch_rope_store_dsv4_fp4(const StoreDSV4FP4Params& p, int check, cudaStream_t stream);
 // fused RoPE + store (csrc/rope_store.cu); p.scratch: [n, row] device rows of the rotated k / k_pe
 cudaError_t launch_rope_store_kv(const RopeStoreKVParams& p, int check, cudaStream_t stream);
 cudaError_t launch_rope_store_kv_quant(const RopeStoreKVQuantParams& p, int check, cudaStream_t stream);

@@ -120,6 +120,9 @@ int64_t token_bytes(const StoreDSV4KVParams& p) {  // DeepSeek V4
   return int64_t(DSV4_NOPE + DSV4_ROPE) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT;
 }
 int64_t token_bytes(const StoreMXFP4Params& p) { return int64_t(p.D) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT; }
+int64_t token_bytes(const StoreDSV4FP4Params& p) {
+  return int64_t(DSV4_NOPE + DSV4_ROPE) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT;
+}
 int64_t token_bytes(const StoreRowsParams& p) { return 2 * p.row_bytes; }
 int64_t token_bytes(const GatherParams& p) { return 2 * p.heads * p.head_bytes; }  // page moves
 int64_t token_bytes(const StoreKVQuantParams& p) {  // store_kv_quant
@@ -247,6 +250,14 @@ void store_dsv4_indexer_k_cpu(const Tensor& k, const Tensor& cache, int64_t pool
       store_mxfp4_params(k, cache, pool_page_size, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
   kvw_dsv4_table(p.locs, batch_indices, kv_indices, kv_indptr);
   KVW_RUN_CPU(dispatch_store_mxfp4, p, check);
+}
+
+void store_dsv4_kv_fp4_cpu(const Tensor& kv, const Tensor& cache, int64_t pool_page_size, int64_t fmt,
+                           const Tensor& loc, const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank,
+                           int64_t dcp_size, int64_t check, int64_t op) {
+  StoreDSV4FP4Params p =
+      store_dsv4_fp4_params(kv, cache, pool_page_size, fmt, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  dispatch_store_dsv4_fp4<false>(p, int(check), [&](auto token, i64) { run_tokens<typename decltype(token)::type>(p, check); });
 }
 
 void store_rows_cpu(const Tensor& src, const Tensor& pool, const Tensor& loc, const OptTensor& loc_map,
@@ -407,6 +418,32 @@ void run_rope_tokens(P p, const LocArgs& a, int64_t check, int64_t row_bytes, in
   if (check == CHECK_GUARD && a.errors != nullptr) a.errors[slot::EPOCH] += 1;  // the next call's epoch
 }
 
+// rope_store_dsv4_kv_fp4 (kvwrite/store_dsv4_fp4.h, ROPED): no scratch row, the rotated RoPE part
+// lives in the token body; assert mode pre-scans with the position check folded in.
+void rope_store_dsv4_kv_fp4_cpu(const Tensor& positions, const Tensor& kv, const Tensor& cos_sin, const OptTensor& q,
+                                const Tensor& cache, int64_t pool_page_size, int64_t fmt, const Tensor& loc,
+                                const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size,
+                                int64_t check, int64_t op) {
+  StoreDSV4FP4Params p = rope_store_dsv4_fp4_params(positions, kv, cos_sin, q, cache, pool_page_size, fmt, loc,
+                                                    loc_map, errors, dcp_rank, dcp_size, check, op);
+  p.rope.call = next_rope_call();
+  const LocArgs& a = p.locs;
+  if (check == CHECK_ASSERT)
+    assert_prescan_with(a, [&](i64 i) {
+      bool ok = false;
+      const i64 pos = rope_position(p.rope, i, ok);
+      return resolve_rope<CHECK_ASSERT>(a, p.rope, i, ok, pos);
+    });
+  const int64_t bytes = token_bytes(p) + int64_t(p.rope.Hq) * DSV4_ROPE * dtype_size(p.in_dtype) * QUANT_WEIGHT;
+  dispatch_store_dsv4_fp4<true>(p, int(check), [&](auto token, i64) {
+    using Token = typename decltype(token)::type;
+    at::parallel_for(0, a.n, grain_for(bytes), [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) Token{}(p, i, 0, 1);
+    });
+  });
+  if (check == CHECK_GUARD && a.errors != nullptr) a.errors[slot::EPOCH] += 1;  // the next call's epoch
+}
+
 void rope_store_kv_cpu(const Tensor& positions, const Tensor& q, const Tensor& k, const Tensor& v,
                        const Tensor& cos_sin, const Tensor& k_cache, const Tensor& v_cache, const OptTensor& k_scale,
                        const OptTensor& v_scale, const OptTensor& q_w, const OptTensor& k_w, double eps, bool is_neox,
@@ -525,6 +562,17 @@ TORCH_LIBRARY_FRAGMENT(kvwrite_ext, m) {
 TORCH_LIBRARY_IMPL(kvwrite_ext, CPU, m) {
   m.impl("store_kv_quant", &kvwrite::store_kv_quant_cpu);
   m.impl("claim_rows", &kvwrite::claim_rows_cpu);
+}
+
+// DeepSeek V4 FP4 records (kvwrite/store_dsv4_fp4.h): fmt 0 nvfp4, 1 nvfp4_v41, 2 mxfp4.
+TORCH_LIBRARY_FRAGMENT(kvwrite_ext, m) {
+  m.def("store_dsv4_kv_fp4(Tensor kv, Tensor(a!) cache, int pool_page_size, int fmt, " KVW_TAIL_NO_TABLE ") -> ()");
+  m.def("rope_store_dsv4_kv_fp4(Tensor positions, Tensor kv, Tensor cos_sin, Tensor(b!)? q, Tensor(a!) cache, "
+        "int pool_page_size, int fmt, " KVW_TAIL_NO_TABLE ") -> ()");
+}
+TORCH_LIBRARY_IMPL(kvwrite_ext, CPU, m) {
+  m.impl("store_dsv4_kv_fp4", &kvwrite::store_dsv4_kv_fp4_cpu);
+  m.impl("rope_store_dsv4_kv_fp4", &kvwrite::rope_store_dsv4_kv_fp4_cpu);
 }
 
 TORCH_LIBRARY_IMPL(kvwrite_ext, CPU, m) {

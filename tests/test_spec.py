@@ -63,6 +63,13 @@ def good(op: str) -> dict:
                     page_size=None, fmt="fp8", scale_fmt=None, **tail)
     if op == "store_rows":
         return dict(src=torch.randn(3, 8, generator=g), pool=torch.zeros(16, 8), loc=loc, **tail)
+    if op == "store_dsv4_kv_fp4":
+        return dict(kv=torch.randn(3, 512, generator=g), cache=torch.zeros(4, 4 * 384, dtype=U8), loc=loc,
+                    page_size=None, fmt="nvfp4", **tail)
+    if op == "rope_store_dsv4_kv_fp4":
+        return dict(positions=torch.tensor([0, 1, 2]), kv=torch.randn(3, 512, generator=g),
+                    cos_sin=torch.randn(4, 64, generator=g), q=torch.randn(3, 2, 64, generator=g),
+                    cache=torch.zeros(4, 4 * 384, dtype=U8), loc=loc, page_size=None, fmt="nvfp4", **tail)
     raise KeyError(op)
 
 

@@ -103,6 +103,17 @@ def main(out: Path) -> None:
                 print(f"  - differs: {r}")
     else:
         print("not run")
+    d = load(out, "dsv4-fp4-diff.json")
+    print("\n## DeepSeek V4 FP4 records vs SGLang's V4.1 FP4 oracle (bench/peers/dsv4_fp4_diff.py)\n")
+    if d:
+        for b, (eq, tot) in d["finite_bytes_equal"].items():
+            print(f"- {b}: {eq}/{tot} tokens bytes-equal on finite inputs")
+        special = [r for r in d["runs"] if r["special"]]
+        for b in d["finite_bytes_equal"]:
+            eq, tot = sum(r[b]["bytes_equal"] for r in special), sum(r[b]["tokens"] for r in special)
+            print(f"- {b}, with NaN/inf/subnormal inputs (policy differs on purpose): {eq}/{tot}")
+    else:
+        print("not run")
     c = load(out, "sglang-configurator.json")
     if c:
         print("\n## SGLang configurator comparison\n")

@@ -40,6 +40,9 @@ if [ -f "$PEERS/sglang/.ok" ]; then
   log "SGLang MLA store differential"
   (cd /tmp && PYTHONPATH="$OLDPWD/python" KVWRITE_EXT=0 $SG "$OLDPWD/bench/peers/sglang_diff.py" \
      --json "$OLDPWD/$OUT/sglang-diff.json") | tee "$PEERS/logs/sglang_diff.log"
+  log "DeepSeek V4 FP4 records against SGLang's V4.1 FP4 oracle"
+  (cd /tmp && PYTHONPATH="$OLDPWD/python" KVWRITE_EXT=0 $SG "$OLDPWD/bench/peers/dsv4_fp4_diff.py" \
+     --json "$OLDPWD/$OUT/dsv4-fp4-diff.json") | tail -3 | tee "$PEERS/logs/dsv4_fp4_diff.log"
   log "SGLang's pool classes through kvwrite.integrations.sglang, planted faults"
   (cd /tmp && PYTHONPATH="$OLDPWD/python" KVWRITE_EXT=0 $SG "$OLDPWD/bench/peers/sglang_pools.py" \
      --json "$OLDPWD/$OUT/sglang-pools.json") | tail -3 | tee "$PEERS/logs/sglang_pools.log"

@@ -24,9 +24,10 @@ KVW_HD uint32_t e2m1_code(float y) {
 }
 
 // Quantise one block: `load(e)` gives element e (0..15) as fp32; `global` may be null (g = 1).
-// Writes 8 packed bytes at `bytes` and the e4m3 scale code at `scale`.
+// Writes 8 packed bytes at `bytes` and the e4m3 scale code at `scale`. `floor`: s = max(amax / 6,
+// floor) before the global scale (DeepSeek-V4.1's record: 2^-9; 0: none).
 template <class Load>
-KVW_HD void nvfp4_block(Load load, const float* global, char* bytes, char* scale) {
+KVW_HD void nvfp4_block(Load load, const float* global, char* bytes, char* scale, float floor = 0.0f) {
   float x[NVFP4_BLOCK];
   float amax = 0.0f;
   bool has_nan = false;
@@ -37,6 +38,7 @@ KVW_HD void nvfp4_block(Load load, const float* global, char* bytes, char* scale
     has_nan = has_nan || x[e] != x[e];
   }
   float s = amax / 6.0f;
+  s = s < floor ? floor : s;
   if (global != nullptr) s = s / global[0];
   const uint8_t code = fp8_bits<E4M3>(s);
   float d = e4m3_to_float(code);
@@ -52,11 +54,12 @@ KVW_HD void nvfp4_block(Load load, const float* global, char* bytes, char* scale
 
 // nvfp4_block of the 16 elements of an IN array from `start` (an AVX2 host: nvfp4_block_avx2).
 template <DType IN>
-KVW_HD void nvfp4_block_at(const void* src, i64 start, const float* global, char* bytes, char* scale) {
+KVW_HD void nvfp4_block_at(const void* src, i64 start, const float* global, char* bytes, char* scale,
+                           float floor = 0.0f) {
 #if KVW_SIMD_X86
-  if (simd_ok()) return nvfp4_block_avx2<IN>(src, start, global, bytes, scale);
+  if (simd_ok()) return nvfp4_block_avx2<IN>(src, start, global, bytes, scale, floor);
 #endif
-  nvfp4_block([&](int e) { return load_float<IN>(src, start + e); }, global, bytes, scale);
+  nvfp4_block([&](int e) { return load_float<IN>(src, start + e); }, global, bytes, scale, floor);
 }
 
 // e2m1 codes of n elements from `start` divided by s (> 0), packed two per byte (element 2j in
@@ -77,12 +80,13 @@ KVW_HD bool e2m1_run(const void* src, i64 start, int n, float s, char* bytes) {
 
 // nblocks consecutive blocks from `start` (bytes: 8 a block, scales: 1 a block, both contiguous).
 template <DType IN>
-KVW_HD void nvfp4_run(const void* src, i64 start, int nblocks, const float* global, char* bytes, char* scales) {
+KVW_HD void nvfp4_run(const void* src, i64 start, int nblocks, const float* global, char* bytes, char* scales,
+                      float floor = 0.0f) {
 #if KVW_SIMD_X86
-  if (simd_ok()) return nvfp4_run_avx2<IN>(src, start, nblocks, global, bytes, scales);
+  if (simd_ok()) return nvfp4_run_avx2<IN>(src, start, nblocks, global, bytes, scales, floor);
 #endif
   for (int b = 0; b < nblocks; ++b)
-    nvfp4_block_at<IN>(src, start + i64(b) * NVFP4_BLOCK, global, bytes + b * (NVFP4_BLOCK / 2), scales + b);
+    nvfp4_block_at<IN>(src, start + i64(b) * NVFP4_BLOCK, global, bytes + b * (NVFP4_BLOCK / 2), scales + b, floor);
 }
 
 }  // namespace kvwrite

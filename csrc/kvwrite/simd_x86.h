@@ -203,9 +203,11 @@ KVW_AVX2 bool any_nan16(__m256 x0, __m256 x1) {
 // nvfp4_block's bytes for 16 elements from src + start: the block scale in scalar code (the
 // same functions), the 16 codes in two vectors.
 template <DType IN>
-KVW_AVX2 void nvfp4_block_avx2(const void* src, i64 start, const float* global, char* bytes, char* scale) {
+KVW_AVX2 void nvfp4_block_avx2(const void* src, i64 start, const float* global, char* bytes, char* scale,
+                               float floor = 0.0f) {
   const __m256 x0 = load8_daz<IN>(src, start), x1 = load8_daz<IN>(src, start + 8);
   float s = bits_to_float(hmax8(finite_abs_max16(x0, x1))) / 6.0f;
+  s = s < floor ? floor : s;
   if (global != nullptr) s = s / global[0];
   const uint8_t code = fp8_bits<E4M3>(s);
   float d = e4m3_to_float(code);
@@ -241,7 +243,8 @@ KVW_AVX2 __m256 e4m3_values8(__m256i c) {
 // the eight block scales in one vector (amax, / 6, / global, e4m3 code, decode, * global: the same
 // fp32 operations per lane as the scalar code), then each block's codes.
 template <DType IN>
-KVW_AVX2 void nvfp4_blocks8_avx2(const void* src, i64 start, const float* global, char* bytes, char* scales) {
+KVW_AVX2 void nvfp4_blocks8_avx2(const void* src, i64 start, const float* global, char* bytes, char* scales,
+                                 float floor = 0.0f) {
   __m256 x[16];
   __m256i m[8];
   int nan_blocks = 0;
@@ -251,7 +254,7 @@ KVW_AVX2 void nvfp4_blocks8_avx2(const void* src, i64 start, const float* global
     m[b] = finite_abs_max16(x[2 * b], x[2 * b + 1]);
     nan_blocks |= int(any_nan16(x[2 * b], x[2 * b + 1])) << b;
   }
-  __m256 s = _mm256_div_ps(_mm256_castsi256_ps(hmax8x8(m)), _mm256_set1_ps(6.0f));
+  __m256 s = _mm256_max_ps(_mm256_div_ps(_mm256_castsi256_ps(hmax8x8(m)), _mm256_set1_ps(6.0f)), _mm256_set1_ps(floor));
   if (global != nullptr) s = _mm256_div_ps(s, _mm256_set1_ps(global[0]));
   const __m256i code = fp8_codes8<E4M3>(s);
   __m256 d = e4m3_values8(code);
@@ -269,10 +272,11 @@ KVW_AVX2 void nvfp4_blocks8_avx2(const void* src, i64 start, const float* global
 // nblocks consecutive NVFP4 blocks from src + start (bytes: 8 a block, scales: 1 a block), eight
 // at a time.
 template <DType IN>
-KVW_AVX2 void nvfp4_run_avx2(const void* src, i64 start, int nblocks, const float* global, char* bytes, char* scales) {
+KVW_AVX2 void nvfp4_run_avx2(const void* src, i64 start, int nblocks, const float* global, char* bytes, char* scales,
+                             float floor = 0.0f) {
   int b = 0;
-  for (; b + 8 <= nblocks; b += 8) nvfp4_blocks8_avx2<IN>(src, start + 16 * b, global, bytes + 8 * b, scales + b);
-  for (; b < nblocks; ++b) nvfp4_block_avx2<IN>(src, start + 16 * b, global, bytes + 8 * b, scales + b);
+  for (; b + 8 <= nblocks; b += 8) nvfp4_blocks8_avx2<IN>(src, start + 16 * b, global, bytes + 8 * b, scales + b, floor);
+  for (; b < nblocks; ++b) nvfp4_block_avx2<IN>(src, start + 16 * b, global, bytes + 8 * b, scales + b, floor);
 }
 
 // e2m1 codes of n elements (a multiple of 16) from `start` divided by s (> 0), packed; whether

@@ -15,6 +15,8 @@ from kvwrite.reference.kv_quant import dequant_kv
 from kvwrite.ops.dsv4 import (compressed_loc, state_loc, store_dsv4_indexer_k, store_dsv4_kv,
                               store_rows)
 from kvwrite.reference.dsv4 import dequant_dsv4_kv, read_dsv4_indexer_k
+from kvwrite.ops.dsv4_fp4 import rope_store_dsv4_kv_fp4, store_dsv4_kv_fp4
+from kvwrite.reference.dsv4_fp4 import dequant_dsv4_kv_fp4
 from kvwrite.reference.nvfp4 import dequant_nvfp4
 from kvwrite.ops.pages import copy_pages, gather, move_rows, slot_mapping
 from kvwrite.allocator import AllocatorExhausted, PagedAllocator
@@ -35,4 +37,5 @@ __all__ = [
     "PageTable",
     "dequant_kv", "rope_store_kv", "rope_store_mla",
     "copy_pages", "gather", "move_rows", "slot_mapping",
+    "dequant_dsv4_kv_fp4", "rope_store_dsv4_kv_fp4", "store_dsv4_kv_fp4",
 ]

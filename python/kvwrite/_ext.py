@@ -372,6 +372,18 @@ def store_dsv4_indexer_k(a) -> None:
     _run(a, "store_dsv4_indexer_k", a.k, a.cache, a.geometry.pool_page_size, a.fmt_code, a.ue8m0)
 
 
+def store_dsv4_kv_fp4(a) -> None:
+    """`a`: kvwrite.ops.dsv4_fp4.StoreDSV4KVFP4 (uint8 `[pages, pps * token_bytes]` cache)."""
+    _run(a, "store_dsv4_kv_fp4", a.kv, a.cache, a.geometry.pool_page_size, a.record.code)
+
+
+def rope_store_dsv4_kv_fp4(a) -> None:
+    """`a`: kvwrite.ops.dsv4_fp4.RopeStoreDSV4KVFP4 (its `store` a StoreDSV4KVFP4)."""
+    s = a.store
+    _run(s, "rope_store_dsv4_kv_fp4", a.positions, s.kv, a.cos_sin, a.q, s.cache, s.geometry.pool_page_size,
+         s.record.code)
+
+
 def store_rows(a) -> None:
     """`a`: kvwrite.ops.dsv4.StoreRows."""
     _run(a, "store_rows", a.src, a.pool)

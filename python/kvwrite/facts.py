@@ -30,6 +30,8 @@ OPS = (
     "slot_mapping",
     "move_rows",
     "store_kv_head_major",
+    "store_dsv4_kv_fp4",
+    "rope_store_dsv4_kv_fp4",
 )
 READ_OPS = ("gather",)   # ops whose bad loc is a read (the message says "reads")
 
@@ -225,3 +227,73 @@ def indexer_pool_page_size(name: str, page_bytes: int, head_dim: int, fmt: str,
         raise ValueError(f"{name}'s page of {page_bytes} bytes is not a whole number of "
                          f"{fmt} indexer rows of {per_row} bytes (D={head_dim})")
     return page_bytes // per_row
+
+
+# --- DeepSeek V4 FP4 KV records (layouts on kvwrite.ops.dsv4_fp4) --------------------------------
+E2M1_MAX = 6.0
+V41_SCALE_FLOOR = 2.0 ** -9   # nvfp4_v41: e4m3 block scale = e4m3(max(amax / 6, 2**-9))
+
+
+@dataclass(frozen=True)
+class FP4Record:
+    """One FP4 record of a DeepSeek V4 KV token: `quant` values as packed e2m1 (even element in
+    the low nibble), one scale per `block` of them (`scale` "e4m3" or "ue8m0") in a `scale_row`
+    of bytes (pad bytes included, never written), then `rope` values as bf16. `inline`: the
+    scales sit inside the token's row after the packed values; else a page holds its tokens'
+    data rows first, then their scale rows (FlashMLA's split page). Pages are `pps *
+    token_bytes` bytes, no padding."""
+
+    name: str
+    code: int
+    quant: int
+    block: int
+    scale: str
+    rope: int
+    scale_row: int
+    inline: bool
+    floor: float = 0.0
+
+    @property
+    def blocks(self) -> int:
+        return self.quant // self.block
+
+    @property
+    def data_row(self) -> int:
+        """Bytes of a token's data row (the whole token when inline)."""
+        return self.quant // 2 + 2 * self.rope + (self.scale_row if self.inline else 0)
+
+    @property
+    def token_bytes(self) -> int:
+        return self.quant // 2 + 2 * self.rope + self.scale_row
+
+    @property
+    def rope_at(self) -> int:
+        """Byte of the bf16 rope within the data row."""
+        return self.quant // 2 + (self.scale_row if self.inline else 0)
+
+
+FP4_RECORDS: dict[str, FP4Record] = {r.name: r for r in (
+    # FlashInfer PR #4955 / SGLang PR #38646 / vLLM nvfp4_fi_ds_mla: 352 data + 32 scale bytes
+    FP4Record("nvfp4", 0, NOPE, NVFP4_BLOCK, "e4m3", ROPE, 32, False),
+    # DeepSeek-V4.1 (vLLM PR #57344, FlashMLA V41_FP4): all 512 values e2m1, 256 + 32 bytes
+    FP4Record("nvfp4_v41", 1, KV_DIM, NVFP4_BLOCK, "e4m3", 0, 32, False, V41_SCALE_FLOOR),
+    # SGLang PR #37138 (fp4_e2m1): [224 e2m1 | 14 e8m0 + 2 pad | 128 bf16 rope] a row
+    FP4Record("mxfp4", 2, NOPE, MXFP4_BLOCK, "ue8m0", ROPE, 16, True),
+)}
+FP4_FMTS = tuple(FP4_RECORDS)
+
+
+def fp4_pool_page_size(name: str, page_bytes: int, fmt: str, page_size: object = None) -> int:
+    """Tokens per page of an FP4 KV cache with `page_bytes` a page (named error if the page is
+    not a whole number of `fmt` records, or not `page_size` of them)."""
+    per = FP4_RECORDS[fmt].token_bytes
+    if page_size is not None:
+        pps = require_positive_int("page_size", page_size)
+        if pps * per != page_bytes:
+            raise ValueError(f"{name} must have pages of page_size * {per} = {pps * per} bytes "
+                             f"(fmt={fmt!r}), got {page_bytes}")
+        return pps
+    if page_bytes == 0 or page_bytes % per:
+        raise ValueError(f"{name}'s page of {page_bytes} bytes is not a whole number of {fmt!r} "
+                         f"records of {per} bytes")
+    return page_bytes // per

@@ -65,12 +65,16 @@ def _global(global_scale: torch.Tensor | None, device: torch.device) -> torch.Te
     return global_scale.float().reshape(())
 
 
-def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] (D % 16 == 0) -> (packed uint8 [..., D/2], block scales e4m3 [..., D/16])."""
+def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None = None,
+                   floor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] (D % 16 == 0) -> (packed uint8 [..., D/2], block scales e4m3 [..., D/16]).
+    `floor`: s = max(amax / 6, floor) before the global scale (DeepSeek-V4.1's 2**-9)."""
     g = _global(global_scale, x.device)
     blocks = daz(x).reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
-    s = finite_amax(blocks) / 6 / g
+    s = finite_amax(blocks) / 6
+    if floor is not None:
+        s = torch.maximum(s, floor.float().to(s.device))
+    s = s / g
     scale = fp8_codes(s, torch.float8_e4m3fn)
     d = (scale.float() * g)[..., None]
     # d == 0 (all-zero block, or a global scale that underflows it): each element its sign alone;

@@ -1,0 +1,149 @@
+"""`store_dsv4_kv_fp4`: DeepSeek V4's FP4 KV records (the FP4 twins of `store_dsv4_kv`'s 584-byte
+fp8 record), uint8 `[num_pages, pool_page_size * token_bytes]`, no page padding. `fmt`:
+
+  - "nvfp4", 384 bytes a token (FlashInfer `nvfp4_quantize_append_sparse_mla_cache`, SGLang's
+    NVFP4 V4 pool, vLLM `nvfp4_fi_ds_mla`): page p holds its pool_page_size data rows of 352
+    bytes (row o at o*352: 224 bytes of packed e2m1 for the 448 NoPE values, then the 64 RoPE
+    values as bf16), then its scale rows of 32 bytes (row o at pool_page_size*352 + o*32: 28
+    e4m3 block scales, one per 16 NoPE values, then 4 pad bytes, never written).
+  - "nvfp4_v41", 288 bytes (DeepSeek-V4.1, vLLM PR #57344): data rows of 256 bytes (all 512
+    values packed e2m1), then scale rows of 32 e4m3 bytes (one per 16 values, scale floored at
+    2**-9).
+  - "mxfp4", 368 bytes (SGLang `--kv-cache-dtype fp4_e2m1`): one row per token at o*368: 224
+    bytes of packed e2m1 NoPE, 14 ue8m0 scales (one per 32 values) + 2 pad bytes, 128 bytes of
+    bf16 RoPE.
+
+Packed e2m1: element 2j in the low nibble of byte j. Rounding and special values:
+`kvwrite.reference.dsv4_fp4`. DCP shards whole pages, as the other V4 stores.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvwrite import validate
+from kvwrite.errors import ErrorBuffer
+from kvwrite.facts import FP4_FMTS, FP4_RECORDS, KV_DIM, NOPE, ROPE, FP4Record, fp4_pool_page_size
+from kvwrite.geometry import PageGeometry
+from kvwrite.ops import spec
+from kvwrite.ops._common import Check, Locs, impls
+
+OP = "store_dsv4_kv_fp4"
+IMPLS = impls("dsv4_fp4:store_dsv4_kv_fp4", "store_dsv4_fp4:launch", "store_dsv4_kv_fp4")
+
+
+@dataclass(frozen=True)
+class StoreDSV4KVFP4:
+    """A validated store_dsv4_kv_fp4 call; `cache` uint8 `[pages, pps * record.token_bytes]`."""
+
+    kv: torch.Tensor
+    cache: torch.Tensor
+    record: FP4Record
+    geometry: PageGeometry
+    locs: Locs
+    check: Check
+
+
+def _pages(env: dict, v: dict) -> None:
+    fmt = env["fmt"] = validate.choice("fmt", v["fmt"], FP4_FMTS)
+    env["S"] = fp4_pool_page_size("cache", env["B"], fmt, v["page_size"])
+
+
+def _build(v: dict, env: dict, locs: Locs, chk: Check) -> StoreDSV4KVFP4:
+    return StoreDSV4KVFP4(v["kv"], v["cache"], FP4_RECORDS[env["fmt"]], env["geometry"], locs, chk)
+
+
+SPEC = spec.Op(
+    OP,
+    args=(spec.T("kv", f"N {KV_DIM}", validate.FLOAT_INPUTS, binds="N",
+                 what=f"tokens, {NOPE} NoPE + {ROPE} RoPE values"),
+          spec.cache("cache", "P B", (torch.uint8,)), spec.LOC, spec.option("page_size", "int?"),
+          spec.option("fmt"), spec.CHECK, spec.ERRORS, spec.LOC_MAP, *spec.DCP, spec.BACKEND),
+    checks=("kv", "cache", _pages, spec.geometry("cache")),
+    build=_build, impls=IMPLS, dcp_page=True, page_table=False)
+
+
+def store_dsv4_kv_fp4(kv: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, *, fmt: str = "nvfp4",
+                      page_size: int | None = None, check: str | None = None,
+                      errors: ErrorBuffer | None = None, loc_map: torch.Tensor | None = None,
+                      dcp_rank: int = 0, dcp_size: int = 1, backend: str = "auto") -> None:
+    """Quantise token i's `kv[i]` `[512]` (448 NoPE then 64 RoPE; bf16/fp16/fp32, may be strided
+    along tokens) into the FP4 record `fmt` ("nvfp4" 384 bytes, "nvfp4_v41" 288, "mxfp4" 368;
+    module doc) at `loc[i]` (-1 = padding). `page_size`: tokens per page (checked against the page
+    bytes; None derives it). `loc_map`, DCP and `check` as `store_dsv4_kv`. Read back with
+    `kvwrite.dequant_dsv4_kv_fp4`."""
+    return SPEC.entry(kv, cache, loc, page_size, fmt, check, errors, loc_map, dcp_rank, dcp_size, backend)
+
+
+# --- rope_store_dsv4_kv_fp4 ------------------------------------------------------------------------
+
+OP_ROPE = "rope_store_dsv4_kv_fp4"
+ROPE_IMPLS = impls("dsv4_fp4:rope_store_dsv4_kv_fp4", "store_dsv4_fp4:launch_rope", "rope_store_dsv4_kv_fp4")
+ROPE_FMTS = tuple(f for f, r in FP4_RECORDS.items() if r.rope)   # records with a bf16 RoPE part
+
+
+@dataclass(frozen=True)
+class RopeStoreDSV4KVFP4:
+    """A validated rope_store_dsv4_kv_fp4 call: the store, then the GPT-J rotation (the field
+    names `kvwrite.reference.rope` reads)."""
+
+    store: StoreDSV4KVFP4
+    positions: torch.Tensor
+    cos_sin: torch.Tensor
+    q: torch.Tensor | None
+    rotary_dim: int = ROPE
+    is_neox: bool = False
+
+    @property
+    def locs(self) -> Locs:
+        return self.store.locs
+
+    @property
+    def check(self) -> Check:
+        return self.store.check
+
+    @property
+    def geometry(self) -> PageGeometry:
+        return self.store.geometry
+
+
+def _rope_fmt(env: dict, v: dict) -> None:
+    if v["fmt"] in FP4_FMTS and v["fmt"] not in ROPE_FMTS:
+        raise ValueError(f"fmt={v['fmt']!r} quantises the RoPE values with the rest: the fused RoPE store takes "
+                         f"fmt in {ROPE_FMTS}")
+
+
+def _build_rope(v: dict, env: dict, locs: Locs, chk: Check) -> RopeStoreDSV4KVFP4:
+    return RopeStoreDSV4KVFP4(_build(v, env, locs, chk), v["positions"], v["cos_sin"], v["q"])
+
+
+ROPE_SPEC = spec.Op(
+    OP_ROPE,
+    args=(spec.T("positions", "N", validate.LOC_DTYPES, binds="N", what="one position per token"),
+          spec.T("kv", f"N {KV_DIM}", validate.FLOAT_INPUTS, what=f"tokens, {NOPE} NoPE + {ROPE} RoPE values"),
+          spec.T("cos_sin", f"M {ROPE}", (torch.float32, "=kv"), what=f"max_position, {ROPE // 2} cos then "
+                 f"{ROPE // 2} sin"),
+          spec.opt("q", f"N Hq {ROPE}", ("=kv",), mutable=True, what=f"tokens, heads, {ROPE} RoPE values"),
+          spec.cache("cache", "P B", (torch.uint8,)), spec.LOC, spec.option("page_size", "int?"),
+          spec.option("fmt"), spec.CHECK, spec.ERRORS, spec.LOC_MAP, *spec.DCP, spec.BACKEND),
+    checks=("positions", "kv", "cos_sin", "q", _rope_fmt, "cache", _pages, spec.geometry("cache")),
+    build=_build_rope, impls=ROPE_IMPLS, dcp_page=True, page_table=False)
+
+
+def rope_store_dsv4_kv_fp4(positions: torch.Tensor, kv: torch.Tensor, cos_sin: torch.Tensor,
+                           cache: torch.Tensor, loc: torch.Tensor, *, q: torch.Tensor | None = None,
+                           fmt: str = "nvfp4", page_size: int | None = None, check: str | None = None,
+                           errors: ErrorBuffer | None = None, loc_map: torch.Tensor | None = None,
+                           dcp_rank: int = 0, dcp_size: int = 1, backend: str = "auto") -> None:
+    """GPT-J RoPE + FP4 record store in one launch (FlashInfer's
+    `cake_dsv4_nvfp4_kv_rope_quantize_insert`; with `q`, `cake_dsv4_nvfp4_rope_quantize_insert`):
+    token i's 64 RoPE values `kv[i, 448:]` are rotated by `cos_sin[positions[i]]` (`[max_position,
+    64]`: 32 cos then 32 sin, fp32 or kv's dtype; pairs (2j, 2j+1)), rounded to kv's dtype, and
+    the row is stored exactly as `store_dsv4_kv_fp4` stores it (bytes equal to rotating in torch,
+    then storing). `q` `[N, Hq, 64]` (kv's dtype, optional): the queries' RoPE part, rotated in
+    place for every token with a valid position. `fmt` "nvfp4" or "mxfp4" (the records that keep
+    the RoPE part in bf16). A position outside [0, max_position) is a bad token (never written)
+    in every check mode, recorded like a bad loc. Other arguments as `store_dsv4_kv_fp4`."""
+    return ROPE_SPEC.entry(positions, kv, cos_sin, q, cache, loc, page_size, fmt, check, errors, loc_map,
+                           dcp_rank, dcp_size, backend)
