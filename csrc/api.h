@@ -17,6 +17,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -25,6 +26,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "kvwrite/claims.h"
 #include "params.h"
 #include "params_dsv4.h"
 
@@ -492,6 +494,28 @@ const std::unordered_map<std::string, void (*)(Call&, const Tail&)>& ops() {
   return m;
 }
 
+// The duplicate-row pre-pass (kvwrite/claims.h, kvwrite/ops/claims.py) of every op in assert /
+// guard mode, before its launcher: the store then runs on its result (guard: bad and duplicate
+// tokens set to -1; a page table's rows as plain locs). A throw (CPU assert: a duplicate; a pool
+// the env does not name) hands the call to Python, which raises the named error.
+// On unless the bench switches it off for its baseline (kvwrite_ext::set_claims, ops.claims.disabled).
+inline std::atomic<bool>& claims_on() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+
+template <class R>
+void claim(Call& c, Tail& t) {
+  if (!claims_on().load(std::memory_order_relaxed)) return;
+  const int64_t pps = c.e("S"), pages = c.e("P");
+  TORCH_CHECK(pps >= 1 && pages >= 1, "kvwrite: ", c.p.name, ": no pool geometry for the duplicate check");
+  at::Tensor out = R::claim_rows(t.loc, t.loc_map, t.errors, t.dcp_rank, t.dcp_size, t.check, t.op, t.batch_indices,
+                                 t.kv_indices, t.kv_indptr, pages * pps, pps, c.p.dcp_page);
+  if (out.numel() == 0) return;  // assert mode without a duplicate: the store's own checks
+  t.loc = std::move(out);
+  t.batch_indices = t.kv_indices = t.kv_indptr = std::nullopt;
+}
+
 // Match the call against its spec and run it here; false: Python runs it.
 template <class R>
 bool run_here(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
@@ -503,9 +527,12 @@ bool run_here(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (!backend.isString() || (backend.toStringRef() != "auto" && backend.toStringRef() != R::NAME)) return false;
   for (const Step& s : p->steps)
     if (!(s.kind == 'R' ? rule(s.words, c) : match_tensor(s, c))) return false;
-  const std::optional<Tail> t = addressing(c);
+  std::optional<Tail> t = addressing(c);
   if (!t) return false;
-  if (c.e("N") > 0) ops<R>().at(name)(c, *t);
+  if (c.e("N") > 0) {
+    if (t->check != CHECK_OFF) claim<R>(c, *t);
+    ops<R>().at(name)(c, *t);
+  }
   return true;
 }
 

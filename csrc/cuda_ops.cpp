@@ -10,8 +10,6 @@
 #include "params.h"
 #include "params_dsv4.h"
 #include "params_rope.h"
-}
-
 #include "params_pages.h"
 
 namespace kvwrite {
@@ -213,10 +211,36 @@ void store_kv_quant_cuda(const Tensor& k, const Tensor& v, const Tensor& k_cache
   check_launch(launch_store_kv_quant(p, int(check), c10::cuda::getCurrentCUDAStream()));
 }
 
+// The duplicate-row pre-pass (kvwrite/claims.h, csrc/claims.cu): guard returns the loc the
+// store runs on; assert returns an empty tensor (a duplicate is a device assert).
+Tensor claim_rows_cuda(const Tensor& loc, const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank,
+                       int64_t dcp_size, int64_t check, int64_t op, const OptTensor& batch_indices,
+                       const OptTensor& kv_indices, const OptTensor& kv_indptr, int64_t capacity,
+                       int64_t pool_page_size, bool dcp_page) {
+  TORCH_CHECK(check == CHECK_ASSERT || check == CHECK_GUARD, "kvwrite: claim_rows runs in assert or guard mode");
+  TORCH_CHECK(capacity >= 1 && pool_page_size >= 1, "kvwrite: claim_rows needs a pool");
+  const c10::cuda::CUDAGuard guard(loc.device());
+  ClaimParams p;
+  p.a = loc_args(loc, loc_map, errors, dcp_rank, dcp_size, check, op, capacity, pool_page_size, loc);
+  set_table(p.a, batch_indices, kv_indices, kv_indptr, loc);
+  p.a.dcp_page = dcp_page;
+  const i64 slots = claim_slots(p.a.n);
+  const Tensor keys = at::empty({slots}, loc.options().dtype(at::kLong));
+  const Tensor first = at::empty({slots}, loc.options().dtype(at::kInt));
+  Tensor out = at::empty({check == CHECK_GUARD ? p.a.n : 0}, loc.options().dtype(at::kLong));
+  p.keys = keys.data_ptr<int64_t>();
+  p.first = reinterpret_cast<uint32_t*>(first.data_ptr<int32_t>());
+  p.mask = slots - 1;
+  p.out = check == CHECK_GUARD ? out.data_ptr<int64_t>() : nullptr;
+  if (p.a.n > 0) check_launch(launch_claim_rows(p, int(check), c10::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
 }  // namespace
 }  // namespace kvwrite
 
 TORCH_LIBRARY_IMPL(kvwrite_ext, CUDA, m) {
+  m.impl("claim_rows", &kvwrite::claim_rows_cuda);
   m.impl("copy_pages", &kvwrite::copy_pages_cuda);
   m.impl("gather", &kvwrite::gather_cuda);
   m.impl("slot_mapping", &kvwrite::slot_mapping_cuda);
@@ -246,6 +270,7 @@ struct CudaRun {
   static constexpr auto store_dsv4_kv = &store_dsv4_kv_cuda;
   static constexpr auto store_dsv4_indexer_k = &store_dsv4_indexer_k_cuda;
   static constexpr auto store_rows = &store_rows_cuda;
+  static constexpr auto claim_rows = &claim_rows_cuda;
 };
 }  // namespace kvwrite
 

@@ -11,6 +11,7 @@
 #include "kvwrite/store_mla.h"
 #include "kvwrite/rope_store.h"
 #include "kvwrite/pages.h"
+#include "kvwrite/claims.h"
 
 // Every kernel runs 256-thread blocks (launch_shape); at least 4 resident blocks per SM caps a
 // thread at 64 registers (65536 / (256 * 4)): the assert variants' __assert_fail arguments
@@ -38,5 +39,7 @@ cudaError_t launch_rope_store_mla(const RopeStoreMLAParams& p, int check, cudaSt
 cudaError_t launch_copy_pages(const CopyPagesParams& p, int check, cudaStream_t stream);
 cudaError_t launch_gather(const GatherParams& p, int check, cudaStream_t stream);
 cudaError_t launch_slot_mapping(const SlotMappingParams& p, int check, cudaStream_t stream);
+// The duplicate-row pre-pass (csrc/claims.cu): fills the table, then its two kernels
+cudaError_t launch_claim_rows(const ClaimParams& p, int check, cudaStream_t stream);
 
 }  // namespace kvwrite

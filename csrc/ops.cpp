@@ -2,6 +2,7 @@
 // CPU key). The CPU kernels run the same header functions as the CUDA kernels, one token per
 // iteration of at::parallel_for; kvwrite's backend="cpu".
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -256,6 +257,46 @@ void store_rows_cpu(const Tensor& src, const Tensor& pool, const Tensor& loc, co
   KVW_RUN_CPU(dispatch_store_rows, p, check);
 }
 
+// The duplicate-row pre-pass (kvwrite/claims.h) of a store in assert / guard mode. Guard: the
+// record takes the bad and duplicate tokens, the result is the loc the store runs on. Assert:
+// an empty result (the store runs on its own loc), or, when two tokens share a row, the call's
+// bad and duplicate tokens recorded into `errors` (kvwrite raises from it) and a throw.
+Tensor claim_rows_cpu(const Tensor& loc, const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank,
+                      int64_t dcp_size, int64_t check, int64_t op, const OptTensor& batch_indices,
+                      const OptTensor& kv_indices, const OptTensor& kv_indptr, int64_t capacity,
+                      int64_t pool_page_size, bool dcp_page) {
+  TORCH_CHECK(check == CHECK_ASSERT || check == CHECK_GUARD, "kvwrite: claim_rows runs in assert or guard mode");
+  TORCH_CHECK(capacity >= 1 && pool_page_size >= 1, "kvwrite: claim_rows needs a pool");
+  ClaimParams p;
+  p.a = loc_args(loc, loc_map, errors, dcp_rank, dcp_size, check, op, capacity, pool_page_size, loc);
+  set_table(p.a, batch_indices, kv_indices, kv_indptr, loc);
+  p.a.dcp_page = dcp_page;
+  const i64 slots = claim_slots(p.a.n);
+  thread_local std::vector<i64> keys, first;  // reused: no allocation per call once warm
+  keys.assign(size_t(slots), FREE_ROW);
+  first.resize(size_t(slots));
+  p.keys = keys.data();
+  p.mask = slots - 1;
+  if (check == CHECK_GUARD) {
+    Tensor out = at::empty({p.a.n}, loc.options().dtype(at::kLong));
+    p.out = out.data_ptr<int64_t>();
+    claim_rows_host<CHECK_GUARD>(p, p.a.errors, first.data());
+    return out;
+  }
+  if (claim_rows_host<CHECK_ASSERT>(p, nullptr, first.data()) == 0) return at::empty({0}, loc.options().dtype(at::kLong));
+  i64 local[slot::NUM_SLOTS];
+  for (int s = 0; s < slot::NUM_SLOTS; ++s) local[s] = s == slot::COUNT ? 0 : EMPTY;
+  i64* rec = p.a.errors != nullptr ? p.a.errors : local;
+  const i64 before = rec[slot::COUNT];
+  keys.assign(size_t(slots), FREE_ROW);
+  claim_rows_host<CHECK_ASSERT>(p, rec, first.data());
+  std::ostringstream msg;
+  msg << "kvwrite: two tokens of one call write the same row (check=assert): " << op_name(int(op)) << ": token "
+      << (rec[slot::META] >> 32) << " row " << unpack(rec, slot::TARGET_LO) << "; " << rec[slot::COUNT] - before
+      << " bad or duplicate token(s)";
+  TORCH_CHECK(false, msg.str());
+}
+
 // Page moves (kvwrite/pages.h). Assert mode: every bad id or loc is recorded (into the scratch
 // buffer kvwrite._ext passes) and the call throws before anything is written.
 
@@ -473,12 +514,18 @@ TORCH_LIBRARY(kvwrite_ext, m) {
 
 TORCH_LIBRARY_FRAGMENT(kvwrite_ext, m) {
   m.def("bench_memcpy_scatter(Tensor[] src, Tensor(a!)[] dst, Tensor loc) -> ()");
+  m.def("claim_rows(Tensor loc, Tensor? loc_map, Tensor(z!)? errors, int dcp_rank, int dcp_size, int check, int op, "
+        "Tensor? batch_indices, Tensor? kv_indices, Tensor? kv_indptr, int capacity, int pool_page_size, "
+        "bool dcp_page) -> Tensor");
   m.def("store_kv_quant(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k_scale, "
         "Tensor? v_scale, Tensor(c!)? k_scale_cache, Tensor(d!)? v_scale_cache, int quant, int rule, " KVW_TAIL
         ") -> ()");
 }
 
-TORCH_LIBRARY_IMPL(kvwrite_ext, CPU, m) { m.impl("store_kv_quant", &kvwrite::store_kv_quant_cpu); }
+TORCH_LIBRARY_IMPL(kvwrite_ext, CPU, m) {
+  m.impl("store_kv_quant", &kvwrite::store_kv_quant_cpu);
+  m.impl("claim_rows", &kvwrite::claim_rows_cpu);
+}
 
 TORCH_LIBRARY_IMPL(kvwrite_ext, CPU, m) {
   m.impl("bench_memcpy_scatter", &kvwrite::bench_memcpy_scatter);
@@ -496,6 +543,7 @@ TORCH_LIBRARY_IMPL(kvwrite_ext, CPU, m) {
 
 TORCH_LIBRARY_FRAGMENT(kvwrite_ext, m) {
   m.def("set_program(str name, str program) -> ()", &kvwrite::api::set_program);
+  m.def("set_claims(bool on) -> ()", [](bool on) { kvwrite::api::claims_on() = on; });
   m.def("set_op_names(str[] names) -> ()", [](std::vector<std::string> names) { kvwrite::op_names() = std::move(names); });
 }
 
@@ -512,6 +560,7 @@ struct CpuRun {
   static constexpr auto store_dsv4_kv = &store_dsv4_kv_cpu;
   static constexpr auto store_dsv4_indexer_k = &store_dsv4_indexer_k_cpu;
   static constexpr auto store_rows = &store_rows_cpu;
+  static constexpr auto claim_rows = &claim_rows_cpu;
 };
 }  // namespace kvwrite
 

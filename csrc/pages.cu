@@ -1,6 +1,6 @@
 // Page-move CUDA kernels (copy_pages, gather, slot_mapping) and their launchers. The per-item
 // bodies (kvwrite/pages.h) are shared with the CPU kernels in ops.cpp.
-#include "launch.h"
+#include "tokens.cuh"
 
 namespace kvwrite {
 
@@ -34,20 +34,8 @@ cudaError_t launch_copy_pages(const CopyPagesParams& p, int check, cudaStream_t 
   return cudaGetLastError();
 }
 
-// `group` threads per token, blockDim.x / group tokens per block.
-template <class Token>
-__global__ void __launch_bounds__(KVW_BLOCK_THREADS, KVW_MIN_BLOCKS) gather_kernel(const GatherParams p, int group) {
-  const i64 i = i64(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
-  if (i < p.locs.n) Token{}(p, i, int(threadIdx.x % group), group);
-  end_block<Token>(p.locs.errors);  // guard mode: the record's call epoch
-}
-
 cudaError_t launch_gather(const GatherParams& p, int check, cudaStream_t stream) {
-  dispatch_gather(p, check, [&](auto token, i64 work) {
-    const LaunchShape g = launch_shape(p.locs.n, work);
-    gather_kernel<typename decltype(token)::type><<<g.blocks, g.threads, 0, stream>>>(p, g.group);
-  });
-  return cudaGetLastError();
+  return launch_tokens(p, check, stream, KVW_DISPATCH(dispatch_gather));
 }
 
 template <int CHECK>

@@ -104,6 +104,15 @@ def _patch_launches(record: list[str]):
         record.append(f"launch cuda {name}")
 
     _ext._run = ext_run
+
+    def ext_claim(locs, geometry, chk):   # the duplicate-row pre-pass's C++ op (kvwrite.ops.claims)
+        t = getattr(locs, "table", None)
+        check_tensors("cuda claim_rows", [locs.loc, locs.loc_map, chk.errors] +
+                      ([] if t is None else [t.batch_indices, t.kv_indices, t.kv_indptr]))
+        record.append("launch cuda claim_rows")
+        return locs
+
+    _ext.claim_rows = ext_claim
     _ext.LOADED = False   # the Python host path (the C++ op's host code reads metadata only)
     real = backends.unavailable_reason
 

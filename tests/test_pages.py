@@ -335,22 +335,29 @@ def test_kvpool_page_moves_cover_every_layer(variant, kv):
 
 
 def test_page_ops_trace_and_pass_opcheck():
-    """torch.compile(fullgraph=True) traces all three ops (same results as eager) and
-    torch.library.opcheck passes their schemas, fake kernels and mutation annotations."""
+    """torch.compile(fullgraph=True, inductor) traces the four page moves (same results as eager)
+    and torch.library.opcheck passes their schemas, fake kernels and mutation annotations."""
     from torch.library import opcheck
 
     src, sp, dp = torch.randn(8, 4, 2, 8), _ids([1, 2, 5]).cpu(), _ids([0, 3, 7]).cpu()
     cache, loc = torch.randn(4, 4, 2, 8), torch.tensor([1, 5, -1])
     bt, b, pos, geo = torch.tensor([[1, 2], [3, 0]]), torch.tensor([0, 1]), torch.tensor([5, 2]), PageGeometry(4, 4)
 
-    def f(dst):
+    def f(dst, rows):
         kvwrite.copy_pages(src, dst, sp, dp, backend="torch")
+        kvwrite.move_rows(rows, torch.tensor([0, 9]), torch.tensor([14, 3]), backend="torch")
         return kvwrite.gather(cache, loc, backend="torch") * 2, kvwrite.slot_mapping(bt, b, pos, geo, backend="torch") + 1
 
     d1, d2 = torch.zeros(4, 8, 2, 8), torch.zeros(4, 8, 2, 8)
-    got, want = torch.compile(f, fullgraph=True, backend="aot_eager")(d1), f(d2)
-    assert all(torch.equal(x, y) for x, y in zip(got, want)) and torch.equal(d1, d2)
+    r1, r2 = cache.clone(), cache.clone()
+    got, want = torch.compile(f, fullgraph=True)(d1, r1), f(d2, r2)
+    assert all(torch.equal(x, y) for x, y in zip(got, want)) and torch.equal(d1, d2) and torch.equal(r1, r2)
+    assert not torch.equal(r1, cache)
     for op, args in ((torch.ops.kvwrite.copy_pages.default, (src, torch.zeros(4, 8, 2, 8), sp, dp, "off", None, "torch")),
-                     (torch.ops.kvwrite.gather.default, (cache, loc, "off", None, "torch", None, None, None)),
-                     (torch.ops.kvwrite.slot_mapping.default, (bt, b, pos, 4, 4, "off", None, "torch"))):
+                     (torch.ops.kvwrite.gather.default, (cache, loc, torch.zeros(3, 2, 8), "off", None, "torch",
+                                                         None, None, None)),
+                     (torch.ops.kvwrite.slot_mapping.default, (bt, b, pos, torch.zeros(2, dtype=torch.int64), 4, 4,
+                                                               "off", None, "torch")),
+                     (torch.ops.kvwrite.move_rows.default, (cache.clone(), torch.tensor([0, 9]),
+                                                            torch.tensor([14, 3]), "off", None, "torch"))):
         opcheck(op, args)

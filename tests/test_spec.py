@@ -256,6 +256,21 @@ run("rope_store_mla", lambda p, q, c, pe, cs, kc, s: kvwrite.rope_store_mla(p, q
 def mla_args():
     return [torch.randn(3, 128), torch.randn(3, 16), torch.zeros(4, 4, 144), torch.tensor([0, 5, 9])]
 run("vllm.concat_and_cache_mla", lambda c, p, kc, s: vllm.concat_and_cache_mla(c, p, kc, s, "auto", None), mla_args)
+# the page moves (gather and slot_mapping return new tensors: compared through a copy into an input;
+# -1 entries are padding)
+def pools():
+    return [torch.randn(8, 4, 2, 16), torch.zeros(8, 4, 2, 16), torch.tensor([0, 3, 6]), torch.tensor([5, 1, 2])]
+run("copy_pages", lambda s, d, sp, dp: kvwrite.copy_pages(s, d, sp, dp), pools)
+def gather_args():
+    return [torch.randn(8, 4, 2, 16), torch.tensor([0, 5, 9, -1]), torch.zeros(4, 2, 16)]
+run("gather", lambda c, l, o: o.copy_(kvwrite.gather(c, l)), gather_args)
+geo = kvwrite.PageGeometry.from_pool(8, 4)
+def slot_args():
+    return [torch.tensor([[0, 3], [5, 1]]), torch.tensor([0, 1, 1, -1]), torch.tensor([1, 2, 5, 0]), torch.zeros(4, dtype=torch.int64)]
+run("slot_mapping", lambda bt, b, p, o: o.copy_(kvwrite.slot_mapping(bt, b, p, geo)), slot_args)
+def move_args():
+    return [torch.randn(8, 4, 2, 16), torch.tensor([0, 5, -1]), torch.tensor([9, 12, 3])]
+run("move_rows", lambda c, s, d: kvwrite.move_rows(c, s, d), move_args)
 '''
 
 
@@ -267,7 +282,7 @@ def test_torch_compile_first_call_of_every_op_and_adapter(env_check):
     lines = out.stdout.splitlines()
     assert out.returncode == 0 and lines, out.stderr[-3000:]
     assert all(line.endswith(" ok") for line in lines), (lines, out.stderr[-3000:])
-    assert len(lines) == len(OPS) + 8
+    assert len(lines) == len(OPS) + 12
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])

@@ -123,7 +123,7 @@ def kernels() -> list[dict]:
 # Kernels known to spill, each named with its bound (to be tuned, not hidden): the fused RoPE +
 # per-token-head int8 store (bf16 input) keeps the rotated row, its scale and the int8 rounding
 # live at once; sm_90 spills 8 bytes in its assert and guard variants.
-KNOWN_SPILL = {("rope_store.cu", "RopeStoreKVQuantToken", "Int8Fmt"): 8}
+KNOWN_SPILL = {("rope_store_kv_quant.cu", "RopeStoreKVQuantToken", "Int8Fmt"): 8}
 
 
 def _known_spill(r: dict) -> int:

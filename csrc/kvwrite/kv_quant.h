@@ -66,13 +66,16 @@ KVW_HD int int8_code(float y) {
   return nan ? 0 : code;
 }
 
-// The stored byte of x (already read with DAZ) under format F and RULE: `scale` is s, `recip`
-// RN(1 / s) (used by RULE_VLLM only; see `Quantizer`).
-template <class F, int RULE>
+// The stored byte of x (already read with DAZ) under format F and the call's rule: `scale` is s,
+// `recip` RN(1 / s) (used by RULE_VLLM only). The rule is a runtime value (one kernel serves both
+// rules: a uniform branch on the GPU; the host runs pick the rule once per run).
+template <class F>
 struct Quantizer {
   float scale, recip;
-  KVW_HD explicit Quantizer(float s) : scale(s), recip(RULE == RULE_VLLM ? div_rn(1.0f, s) : 1.0f) {}
-  KVW_HD uint8_t operator()(float x) const {
+  int rule;
+  KVW_HD Quantizer(float s, int r) : scale(s), recip(r == RULE_VLLM ? div_rn(1.0f, s) : 1.0f), rule(r) {}
+  template <int RULE>
+  KVW_HD uint8_t code(float x) const {
     const float y = RULE == RULE_VLLM ? mul_rn(x, recip) : div_rn(x, scale);
     if constexpr (std::is_same<F, Int8Fmt>::value) {
       return uint8_t(int8_code<RULE>(y) & 0xFF);
@@ -80,6 +83,7 @@ struct Quantizer {
       return fp8_bits<F>(y);
     }
   }
+  KVW_HD uint8_t operator()(float x) const { return rule == RULE_VLLM ? code<RULE_VLLM>(x) : code<RULE_RNE>(x); }
 };
 
 #if KVW_SIMD_X86
@@ -109,11 +113,11 @@ KVW_AVX2 __m256i quant_codes8(const void* src, i64 i, __m256 vs, __m256 vr) {
 // subnormal input's y is below 2^-26 in magnitude, coded as daz's signed zero would be, and
 // with FTZ clear the fp8 codes come from fp8_codes8<F, true>.
 template <DType IN, class F, int RULE>
-KVW_AVX2 void quantize_run_avx2(const void* __restrict__ src, i64 start, int n, Quantizer<F, RULE> q,
+KVW_AVX2 void quantize_run_avx2(const void* __restrict__ src, i64 start, int n, Quantizer<F> q,
                                 char* __restrict__ dst) {
   const __m256 vs = _mm256_set1_ps(q.scale), vr = _mm256_set1_ps(q.recip);
   const float a = q.scale < 0 ? -q.scale : q.scale;
-  const auto tail = [&](int j) KVW_AVX2_FN { return q(load_quant<IN>(src, start + j)); };
+  const auto tail = [&](int j) KVW_AVX2_FN { return q.template code<RULE>(load_quant<IN>(src, start + j)); };
   constexpr bool I8 = std::is_same<F, Int8Fmt>::value;
   if ((_mm_getcsr() & 0x8000u) == 0 && a >= 7.888609052210118e-31f && a <= 1.2676506002282294e30f) {
     return simd_run<I8>(n, dst, [&](int i) KVW_AVX2_FN { return quant_codes8<IN, F, RULE, true>(src, start + i, vs, vr); }, tail);
@@ -125,12 +129,18 @@ KVW_AVX2 void quantize_run_avx2(const void* __restrict__ src, i64 start, int n, 
 // Codes of n consecutive input elements from `start`, written as bytes (on an AVX2 host:
 // quantize_run_avx2; else a loop the host compiler vectorises: restrict-qualified, no exit).
 template <DType IN, class F, int RULE>
-KVW_HD void quantize_run(const void* __restrict__ src, i64 start, int n, Quantizer<F, RULE> q,
-                         char* __restrict__ dst) {
+KVW_HD void quantize_run_rule(const void* __restrict__ src, i64 start, int n, Quantizer<F> q,
+                              char* __restrict__ dst) {
 #if KVW_SIMD_X86
   if (n >= 32 && simd_ok()) return quantize_run_avx2<IN, F, RULE>(src, start, n, q, dst);
 #endif
-  for (int j = 0; j < n; ++j) dst[j] = char(q(load_quant<IN>(src, start + j)));
+  for (int j = 0; j < n; ++j) dst[j] = char(q.template code<RULE>(load_quant<IN>(src, start + j)));
+}
+
+template <DType IN, class F>
+KVW_HD void quantize_run(const void* __restrict__ src, i64 start, int n, Quantizer<F> q, char* __restrict__ dst) {
+  if (q.rule == RULE_VLLM) return quantize_run_rule<IN, F, RULE_VLLM>(src, start, n, q, dst);
+  quantize_run_rule<IN, F, RULE_RNE>(src, start, n, q, dst);
 }
 
 // |x| bits of element i as the dynamic scale reads it: 0 for NaN, +-inf and fp32 subnormals

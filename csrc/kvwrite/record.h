@@ -27,7 +27,8 @@ constexpr int OWNER = 13, EPOCH = 14, DONE = 15;
 }
 constexpr i64 EMPTY = INT64_MAX;
 enum Kind : int { KIND_POOL = 0, KIND_LOC_MAP = 1, KIND_BATCH = 2, KIND_TABLE_SLOT = 3, KIND_TABLE_PAGE = 4,
-                  KIND_POSITION = 5 };  // rope_store_*: position outside the cos/sin cache
+                  KIND_POSITION = 5,    // rope_store_*: position outside the cos/sin cache
+                  KIND_DUPLICATE = 6 }; // a row an earlier token of the call writes (claims.h)
 
 // Op codes: the index of an op in kvwrite.facts.OPS, passed in by Python with each call.
 
@@ -145,7 +146,11 @@ __device__ inline void end_block(i64* err) {
 // (see csrc/ops.cpp), after a pre-scan, before any write.
 KVW_HD void device_assert(const Violation& v) {
 #if defined(__CUDA_ARCH__)
-  if (v.table) {
+  if (v.kind == KIND_DUPLICATE) {
+    printf("kvwrite: check=assert: op %d token %lld loc %lld writes row %lld, which token %lld of the same "
+           "call writes\n",
+           v.op, (long long)v.token, (long long)v.loc, (long long)v.target, (long long)v.limit);
+  } else if (v.table) {
     printf("kvwrite: check=assert: op %d token %lld page table: batch %lld position %lld slot %lld page %lld: "
            "kind %d index %lld outside its bound %lld\n",
            v.op, (long long)v.token, (long long)v.batch, (long long)v.position, (long long)v.table_slot,

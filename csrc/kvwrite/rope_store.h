@@ -317,6 +317,8 @@ void dispatch_rope_store_kv(const RopeStoreKVParams& p, int check, F&& f) {
   });
 }
 
+KVW_HD const LocArgs& locs_of(const RopeStoreKVParams& p) { return p.kv.locs; }
+
 // ---- rope_store_kv into int8 / dynamic-scale caches (store_kv_quant's formats) ---------------
 
 struct RopeStoreKVQuantParams {
@@ -328,7 +330,7 @@ struct RopeStoreKVQuantParams {
 
 // Phase 2 is store_kv_quant's row writer, on at most one warp's lanes (its dynamic amax is a
 // warp-shuffle max): lanes past 32 only rotate.
-template <int CHECK, DType IN, class F, int QUANT, int RULE>
+template <int CHECK, DType IN, class F, int QUANT>
 KVW_HD void rope_store_kv_quant_token(const RopeStoreKVQuantParams& p, i64 i, bool live, int lane, int nlanes) {
   const StoreKVQuantParams& kv = p.kv;
   const int D = kv.k.D;
@@ -351,15 +353,15 @@ KVW_HD void rope_store_kv_quant_token(const RopeStoreKVQuantParams& p, i64 i, bo
   k.src = p.scratch;
   k.s_tok = p.scratch_sn;
   k.s_head = D;
-  quant_kv_side<IN, F, QUANT, RULE>(k, kv.H, i, res.row, lane, lanes);
-  quant_kv_side<IN, F, QUANT, RULE>(kv.v, kv.H, i, res.row, lane, lanes);
+  quant_kv_side<IN, F, QUANT>(k, kv.rule, kv.H, i, res.row, lane, lanes);
+  quant_kv_side<IN, F, QUANT>(kv.v, kv.rule, kv.H, i, res.row, lane, lanes);
 }
 
-template <int CHECK, DType IN, class F, int QUANT, int RULE>
+template <int CHECK, DType IN, class F, int QUANT>
 struct RopeStoreKVQuantToken {
   static constexpr int check = CHECK;
   KVW_HD void operator()(const RopeStoreKVQuantParams& p, i64 i, bool live, int lane, int nlanes) const {
-    rope_store_kv_quant_token<CHECK, IN, F, QUANT, RULE>(p, i, live, lane, nlanes);
+    rope_store_kv_quant_token<CHECK, IN, F, QUANT>(p, i, live, lane, nlanes);
   }
 };
 
@@ -372,40 +374,19 @@ void dispatch_rope_store_kv_quant(const RopeStoreKVQuantParams& p, int check, Fn
   const i64 quant_work = kv.quant == QUANT_HEAD ? d : kv.H * d;
   const i64 heads = p.rope.Hq + kv.H;
   const i64 work = heads > (quant_work < 32 ? quant_work : 32) ? heads : (quant_work < 32 ? quant_work : 32);
-  auto with_fmt = [&](auto&& g) {
-    switch (kv.fmt) {
-      case FMT_INT8: return g(TypeTag<Int8Fmt>{});
-      case FMT_E4M3: return g(TypeTag<E4M3>{});
-      case FMT_E5M2: return g(TypeTag<E5M2>{});
-      default: throw std::invalid_argument("kvwrite: rope_store_kv quant caches must be int8, float8_e4m3fn or float8_e5m2");
-    }
-  };
   with_check(check, [&](auto c) {
     with_float_dtype(kv.in_dtype, [&](auto in) {
-      with_fmt([&](auto fmt) {
+      with_quant_fmt(kv.fmt, [&](auto fmt) {
         using F = typename decltype(fmt)::type;
-        constexpr int C = decltype(c)::value;
-        constexpr DType IN = decltype(in)::value;
-        if (kv.quant == QUANT_STATIC) {
-          if constexpr (std::is_same<F, Int8Fmt>::value) {
-            if (kv.rule != RULE_RNE) throw std::invalid_argument("kvwrite: a static scale takes the rne rule only");
-            return f(TypeTag<RopeStoreKVQuantToken<C, IN, F, QUANT_STATIC, RULE_RNE>>{}, work);
-          } else {
-            throw std::invalid_argument("kvwrite: static fp8 rope stores are rope_store_kv's");
-          }
-        }
-        if (kv.quant != QUANT_TOKEN && kv.quant != QUANT_HEAD) throw std::invalid_argument("kvwrite: bad quant mode");
-        const bool token = kv.quant == QUANT_TOKEN;
-        if (kv.rule == RULE_VLLM) {
-          if (token) return f(TypeTag<RopeStoreKVQuantToken<C, IN, F, QUANT_TOKEN, RULE_VLLM>>{}, work);
-          return f(TypeTag<RopeStoreKVQuantToken<C, IN, F, QUANT_HEAD, RULE_VLLM>>{}, work);
-        }
-        if (token) return f(TypeTag<RopeStoreKVQuantToken<C, IN, F, QUANT_TOKEN, RULE_RNE>>{}, work);
-        return f(TypeTag<RopeStoreKVQuantToken<C, IN, F, QUANT_HEAD, RULE_RNE>>{}, work);
+        with_quant_mode<F>(kv.quant, kv.rule, [&](auto q) {
+          f(TypeTag<RopeStoreKVQuantToken<c.value, in.value, F, q.value>>{}, work);
+        });
       });
     });
   });
 }
+
+KVW_HD const LocArgs& locs_of(const RopeStoreKVQuantParams& p) { return p.kv.locs; }
 
 // ---- rope_store_mla ---------------------------------------------------------------------------
 
@@ -484,5 +465,7 @@ void dispatch_rope_store_mla(const RopeStoreMLAParams& p, int check, F&& f) {
     });
   });
 }
+
+KVW_HD const LocArgs& locs_of(const RopeStoreMLAParams& p) { return p.mla.locs; }
 
 }  // namespace kvwrite

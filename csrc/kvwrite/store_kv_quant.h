@@ -35,11 +35,11 @@ struct StoreKVQuantParams {
 };
 
 // Codes of head h (D elements) of the token starting at `src` into `dst`, lanes striding.
-template <DType IN, class F, int RULE>
-KVW_HD void quant_head(const KVQuantSide& s, const Quantizer<F, RULE>& q, i64 src, int h, char* dst,
+template <DType IN, class F>
+KVW_HD void quant_head(const KVQuantSide& s, const Quantizer<F>& q, i64 src, int h, char* dst,
                        int lane, int nlanes) {
   if (nlanes == 1) {
-    quantize_run<IN, F, RULE>(s.src, src + h * s.s_head, s.D, q, dst + s.cache.in_row(h, 0));
+    quantize_run<IN, F>(s.src, src + h * s.s_head, s.D, q, dst + s.cache.in_row(h, 0));
     return;
   }
   for (int d = lane; d < s.D; d += nlanes) dst[s.cache.in_row(h, d)] = char(q(load_quant<IN>(s.src, src + h * s.s_head + d)));
@@ -49,73 +49,78 @@ KVW_HD void store_scale(const PagedCache& scales, i64 row, int h, float v) {
   *reinterpret_cast<float*>(scales.at(row, h, 0)) = v;
 }
 
-template <DType IN, class F, int QUANT, int RULE>
-KVW_HD void quant_kv_side(const KVQuantSide& s, int H, i64 i, i64 row, int lane, int nlanes) {
+template <DType IN, class F, int QUANT>
+KVW_HD void quant_kv_side(const KVQuantSide& s, int rule, int H, i64 i, i64 row, int lane, int nlanes) {
   char* dst = s.cache.row_ptr(row);
   const i64 src = i * s.s_tok;
   if constexpr (QUANT == QUANT_STATIC) {
-    for (int h = 0; h < H; ++h) quant_head<IN>(s, Quantizer<F, RULE>(s.scale[h * s.scale_stride]), src, h, dst, lane, nlanes);
+    for (int h = 0; h < H; ++h) quant_head<IN>(s, Quantizer<F>(s.scale[h * s.scale_stride], rule), src, h, dst, lane, nlanes);
   } else if constexpr (QUANT == QUANT_TOKEN) {
     const float sc = dynamic_scale<F>(heads_amax<IN>(s.src, src, s.s_head, H, s.D, lane, nlanes));
     if (lane == 0) store_scale(s.scales, row, 0, sc);
-    const Quantizer<F, RULE> q(sc);
+    const Quantizer<F> q(sc, rule);
     for (int h = 0; h < H; ++h) quant_head<IN>(s, q, src, h, dst, lane, nlanes);
   } else {
     for (int h = 0; h < H; ++h) {
       const float sc = dynamic_scale<F>(heads_amax<IN>(s.src, src + h * s.s_head, 0, 1, s.D, lane, nlanes));
       if (lane == 0) store_scale(s.scales, row, h, sc);
-      quant_head<IN>(s, Quantizer<F, RULE>(sc), src, h, dst, lane, nlanes);
+      quant_head<IN>(s, Quantizer<F>(sc, rule), src, h, dst, lane, nlanes);
     }
   }
 }
 
-template <int CHECK, DType IN, class F, int QUANT, int RULE>
+template <int CHECK, DType IN, class F, int QUANT>
 struct StoreKVQuantToken {
   KVW_HD void operator()(const StoreKVQuantParams& p, i64 i, int lane, int nlanes) const {
     const Resolved r = resolve_checked<CHECK>(p.locs, i, lane == 0);
     if (!r.write) return;
-    quant_kv_side<IN, F, QUANT, RULE>(p.k, p.H, i, r.row, lane, nlanes);
-    quant_kv_side<IN, F, QUANT, RULE>(p.v, p.H, i, r.row, lane, nlanes);
+    quant_kv_side<IN, F, QUANT>(p.k, p.rule, p.H, i, r.row, lane, nlanes);
+    quant_kv_side<IN, F, QUANT>(p.v, p.rule, p.H, i, r.row, lane, nlanes);
   }
 };
 
-// f(TypeTag<StoreKVQuantToken<...>>, work items per token) for the runtime mode, format, rule.
+// The call's format as a type: int8, or float8 e4m3 / e5m2 (dynamic scales).
+template <class G>
+void with_quant_fmt(int fmt, G&& g) {
+  switch (fmt) {
+    case FMT_INT8: return g(TypeTag<Int8Fmt>{});
+    case FMT_E4M3: return g(TypeTag<E4M3>{});
+    case FMT_E5M2: return g(TypeTag<E5M2>{});
+    default: throw std::invalid_argument("kvwrite: int8 / dynamic-scale caches must be int8, float8_e4m3fn or float8_e5m2");
+  }
+}
+
+// The quant mode as a template parameter (the rule stays a runtime value): a static scale is
+// int8 with the rne rule only; dynamic scales per token or per token-head.
+template <class F, class G>
+void with_quant_mode(int quant, int rule, G&& g) {
+  if (quant == QUANT_STATIC) {
+    if constexpr (std::is_same<F, Int8Fmt>::value) {
+      if (rule != RULE_RNE) throw std::invalid_argument("kvwrite: a static scale takes the rne rule only");
+      return g(IntTag<QUANT_STATIC>{});
+    } else {
+      throw std::invalid_argument("kvwrite: static fp8 scales are store_kv's fp8 path, not a dynamic-scale format");
+    }
+  }
+  if (quant == QUANT_TOKEN) return g(IntTag<QUANT_TOKEN>{});
+  if (quant == QUANT_HEAD) return g(IntTag<QUANT_HEAD>{});
+  throw std::invalid_argument("kvwrite: bad quant mode");
+}
+
+// f(TypeTag<StoreKVQuantToken<...>>, work items per token) for the runtime mode and format.
 // Work items are capped at 32 (one warp): the dynamic amax is combined by warp shuffles.
 template <class Fn>
 void dispatch_store_kv_quant(const StoreKVQuantParams& p, int check, Fn&& f) {
   const i64 d = p.k.D > p.v.D ? p.k.D : p.v.D;
   const i64 work = p.quant == QUANT_HEAD ? d : p.H * d;
   const i64 lanes = work < 32 ? work : 32;
-  auto with_fmt = [&](auto&& g) {
-    switch (p.fmt) {
-      case FMT_INT8: return g(TypeTag<Int8Fmt>{});
-      case FMT_E4M3: return g(TypeTag<E4M3>{});
-      case FMT_E5M2: return g(TypeTag<E5M2>{});
-      default: throw std::invalid_argument("kvwrite: store_kv_quant cache must be int8, float8_e4m3fn or float8_e5m2");
-    }
-  };
   with_check(check, [&](auto c) {
     with_float_dtype(p.in_dtype, [&](auto in) {
-      with_fmt([&](auto fmt) {
+      with_quant_fmt(p.fmt, [&](auto fmt) {
         using F = typename decltype(fmt)::type;
-        constexpr int C = decltype(c)::value;
-        constexpr DType IN = decltype(in)::value;
-        if (p.quant == QUANT_STATIC) {
-          if constexpr (std::is_same<F, Int8Fmt>::value) {
-            if (p.rule != RULE_RNE) throw std::invalid_argument("kvwrite: a static scale takes the rne rule only");
-            return f(TypeTag<StoreKVQuantToken<C, IN, F, QUANT_STATIC, RULE_RNE>>{}, lanes);
-          } else {
-            throw std::invalid_argument("kvwrite: static fp8 scales are store_kv's, not store_kv_quant's");
-          }
-        }
-        if (p.quant != QUANT_TOKEN && p.quant != QUANT_HEAD) throw std::invalid_argument("kvwrite: bad quant mode");
-        const bool token = p.quant == QUANT_TOKEN;
-        if (p.rule == RULE_VLLM) {
-          if (token) return f(TypeTag<StoreKVQuantToken<C, IN, F, QUANT_TOKEN, RULE_VLLM>>{}, lanes);
-          return f(TypeTag<StoreKVQuantToken<C, IN, F, QUANT_HEAD, RULE_VLLM>>{}, lanes);
-        }
-        if (token) return f(TypeTag<StoreKVQuantToken<C, IN, F, QUANT_TOKEN, RULE_RNE>>{}, lanes);
-        return f(TypeTag<StoreKVQuantToken<C, IN, F, QUANT_HEAD, RULE_RNE>>{}, lanes);
+        with_quant_mode<F>(p.quant, p.rule, [&](auto q) {
+          f(TypeTag<StoreKVQuantToken<c.value, in.value, F, q.value>>{}, lanes);
+        });
       });
     });
   });

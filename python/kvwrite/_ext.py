@@ -431,3 +431,32 @@ def rope_store_mla(a) -> None:
     s = a.store
     _run(a, "rope_store_mla", a.positions, a.q, s.kv_c, s.k_pe, a.cos_sin, s.kv_cache, s.scale,
          s.scale_cache, s.global_scale, s.format.kernel_mode, a.is_neox)
+
+
+def claim_rows(locs, geometry, chk):
+    """The duplicate-row pre-pass of a store on the cpu / cuda backend (kvwrite.ops.claims):
+    the Locs the store runs on. CPU assert mode: a duplicate raises its error (from a scratch
+    record, as `_run`)."""
+    import dataclasses
+
+    from kvwrite.addressing import Locs
+    from kvwrite.errors import ErrorBuffer, op_code
+
+    errors, scratch = chk.errors, None
+    if chk.mode == "assert" and locs.loc.device.type == "cpu":
+        scratch = ErrorBuffer("cpu")
+        errors = scratch.tensor
+    t = locs.table
+    table = (None, None, None) if t is None else (t.batch_indices, t.kv_indices, t.kv_indptr)
+    try:
+        out = torch.ops.kvwrite_ext.claim_rows(locs.loc, locs.loc_map, errors, locs.dcp_rank, locs.dcp_size,
+                                               chk.code, op_code(chk.op), *table, geometry.capacity,
+                                               geometry.pool_page_size, locs.dcp_page)
+    except RuntimeError as exc:
+        err = scratch.error() if scratch is not None else None
+        if err is None:
+            raise
+        raise err from exc
+    if out.numel() == 0:
+        return locs
+    return Locs(out) if t is not None else dataclasses.replace(locs, loc=out)

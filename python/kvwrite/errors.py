@@ -15,11 +15,12 @@ call's bad tokens. DONE counts a running call's finished programs (the last one 
 advances EPOCH). Calls on different streams that share one buffer must be ordered (one buffer
 per stream otherwise): their programs would share an epoch.
 
-Duplicate locs (two tokens of one call resolving to the same row) are not checked in any mode:
-every backend writes both. The CPU backends (torch, cpu, the Triton interpreter) write tokens in
-order, so the last one wins; on a GPU the order is unspecified, and for a quantised row whose
-tiles are written by different programs (fp8_ds_mla, nvfp4, DSA indexer, DeepSeek V4) the row
-can end with one token's codes and another's scale. Allocators hand out each loc once per step.
+Duplicate rows (two tokens of one call resolving to the same pool row, or two page-move pairs
+to one destination page) are KIND_DUPLICATE records in assert and guard mode (`kvwrite.claims`:
+a pre-pass before the store, no host sync): the lowest token index that writes a row keeps it,
+every later one is skipped and recorded (TARGET holds the row, LIMIT the first writer's token
+index). The pre-pass shares the store's epoch, so the record holds the call's lowest bad or
+duplicate token. Off mode does not look: every backend writes both, in an unspecified order.
 
 Reading: the fields are complete once every store that wrote them has finished; a reader that
 is not ordered after the store's stream (`raise_if_any(stream=...)`) can see COUNT > 0 before
@@ -76,6 +77,9 @@ KIND_DST_PAGE = 17
 KIND_BLOCK_ROW = 18
 KIND_BLOCK_INDEX = 19
 KIND_BLOCK_PAGE = 20
+# A second write to a row (a page, for copy_pages) already written by a lower token of the same
+# call: TARGET is the local row (the dst unit), LIMIT the first writer's token index.
+KIND_DUPLICATE = 6
 PAGE_KINDS = (KIND_SRC_PAGE, KIND_DST_PAGE)
 BLOCK_KINDS = (KIND_BLOCK_ROW, KIND_BLOCK_INDEX, KIND_BLOCK_PAGE)
 
@@ -163,6 +167,41 @@ class OutOfBoundsWrite(RuntimeError):
                 "covers its whole loc space (PageGeometry.check_allocator)")
         verb, prep = ("reads", "from") if self.op in READ_OPS else ("writes", "into")
         return f"{self.op}: {many}token {self.token_index} {verb} loc {self.loc}{via} {prep} {where}{hint}"
+
+
+class DuplicateWrite(OutOfBoundsWrite):
+    """Two tokens of one call resolve to the same pool row (or two pairs of a page move to one
+    destination page): `token_index` is the later one, `first_token` the lowest token that
+    writes the row, `row` the local row (`target`), `page` and `offset` where it lies. Guard
+    mode keeps the first writer's bytes and skips the rest; assert mode writes nothing."""
+
+    def __init__(self, op: str, token_index: int, loc: int, row: int, first_token: int,
+                 pool_page_size: int, count: int, *, batch: int | None = None,
+                 position: int | None = None) -> None:
+        self.op, self.token_index, self.loc, self.count = op, token_index, loc, count
+        self.kind, self.target, self.row, self.first_token = KIND_DUPLICATE, row, row, first_token
+        self.pool_page_size = pool_page_size
+        self.page, self.offset = divmod(row, pool_page_size)
+        self.num_pages = self.limit = None
+        self.batch, self.position, self.table_slot, self.table_page = batch, position, None, None
+        RuntimeError.__init__(self, self._message())
+
+    def _message(self) -> str:
+        many = f"{self.count} bad or duplicate item(s); the first is " if self.count > 1 else ""
+        if self.op in ("copy_pages", "move_rows"):
+            what = "row" if self.op == "move_rows" else "page"
+            unit = (f" (in units of {self.pool_page_size} rows)" if self.op == "copy_pages" else "")
+            return (f"{self.op}: {many}pair {self.token_index} writes dst {what} {self.row}{unit}, "
+                    f"which pair {self.first_token} of the same call already writes; each dst "
+                    f"{what} may be written once per call (guard keeps pair {self.first_token}'s copy)")
+        via = "" if self.row == self.loc else f" (local row {self.row})"
+        table = ("" if self.batch is None else
+                 f" (page table: batch {self.batch}, position {self.position})")
+        return (f"{self.op}: {many}token {self.token_index}{table} writes loc {self.loc}{via}, row "
+                f"{self.offset} of page {self.page}, which token {self.first_token} of the same call "
+                f"already writes; a call may write each pool row once (guard keeps token "
+                f"{self.first_token}'s bytes): the allocator handed out one slot twice (a double "
+                f"free or a prefix-cache bug?)")
 
 
 class IncompleteRecord(OutOfBoundsWrite):
@@ -274,6 +313,11 @@ def decode(s: list[int]) -> OutOfBoundsWrite | None:
     target = _unpack(s[TARGET_LO], s[TARGET_HI])
     limit = _unpack(s[LIMIT_LO], s[LIMIT_HI])
     pps = s[POOL_PAGE_SIZE] & 0xFFFFFFFF
+    if kind == KIND_DUPLICATE:
+        ctx = {}
+        if all(s[k] >> 32 == token for k in (BATCH, POSITION)):   # a page-table call's context
+            ctx = dict(batch=_signed32(s[BATCH]), position=_signed32(s[POSITION]))
+        return DuplicateWrite(op, token, loc, target, limit, pps, s[COUNT], **ctx)
     if kind in TABLE_KINDS:
         return table_error(op, token, kind, target, limit, pps, s[COUNT],
                            *(_signed32(s[k]) for k in (BATCH, POSITION, TABLE_SLOT, TABLE_PAGE)))
@@ -351,10 +395,11 @@ def pack(token: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 
 def record_torch(errors: torch.Tensor, bad: torch.Tensor, loc: torch.Tensor, target: torch.Tensor,
                  limit: torch.Tensor | int, pool_page_size: int, op: str, kind: torch.Tensor | int,
-                 extra: dict[int, torch.Tensor] | None = None) -> None:
+                 extra: dict[int, torch.Tensor] | None = None, advance: bool = True) -> None:
     """Reference guard record of one call: fold every bad token into `errors` with the rules the
     kernels use (OWNER claim by epoch, packed min, EPOCH + 1; no host sync). All tensors are
-    [N]; `bad` is bool. `extra`: more slot -> [N] value fields (the page-table context slots)."""
+    [N]; `bad` is bool. `extra`: more slot -> [N] value fields (the page-table context slots).
+    `advance=False`: a pre-pass of the call (`kvwrite.claims`), which leaves EPOCH to the store."""
     n = bad.shape[0]
     if n == 0:
         return
@@ -379,4 +424,5 @@ def record_torch(errors: torch.Tensor, bad: torch.Tensor, loc: torch.Tensor, tar
         key = torch.where(folded, pack(tok, value), empty).min()
         errors[slot] = torch.minimum(errors[slot], key)
     errors[COUNT] += bad.sum()
-    errors[EPOCH] += 1
+    if advance:
+        errors[EPOCH] += 1

@@ -1,5 +1,5 @@
 """Host cost per call at N = 1 against the op-spec host-cost targets (CPU, one thread; ratios from
-interleaved runs): every op vs store_kv, each adapter vs the op it wraps, assert vs off, a
+interleaved runs): every public op (stores, fused RoPE stores, page moves) vs store_kv, each adapter vs the op it wraps, assert vs off, a
 PageTable loc vs a plain loc. `python -m kvwrite.bench.spec_host [min_time]` prints a table."""
 from __future__ import annotations
 
@@ -32,6 +32,10 @@ def cases() -> list[tuple[str, object, str, object, float]]:
     i8 = [torch.zeros(16, 16, 8, 128, dtype=torch.int8) for _ in range(2)]
     one = torch.tensor(0.05)
     tok, head = [torch.zeros(16, 16) for _ in range(2)], [torch.zeros(16, 16, 8) for _ in range(2)]
+    hm = (torch.zeros(16, 8, 16, 16, 8, dtype=bf), torch.zeros(16, 8, 128, 16, dtype=bf))   # vLLM head-major, x = 8
+    pos, q, q_pe = torch.tensor([3]), rnd(1, 8, 128), rnd(1, 8, 64)
+    cos_sin, cos_sin_pe = rnd(16, 128), rnd(16, 64)
+    kc2, table, geo = torch.zeros_like(kc), torch.tensor([[3, 1]]), kvwrite.PageGeometry(16, 16)
     return [
         ("store_kv int8 static", lambda: kvwrite.store_kv(k, v, *i8, loc, k_scale=one, v_scale=one), "store_kv",
          base, 2.0),
@@ -46,6 +50,15 @@ def cases() -> list[tuple[str, object, str, object, float]]:
         ("store_dsv4_indexer_k", lambda: kvwrite.store_dsv4_indexer_k(ik, icache, loc), "store_kv", base, 2.0),
         ("store_rows", lambda: kvwrite.store_rows(src, pool, loc), "store_kv", base, 2.0),
         ("store_kv PageTable", lambda: kvwrite.store_kv(k, v, kc, vc, pt), "store_kv", base, 2.0),
+        ("store_kv_head_major", lambda: kvwrite.store_kv_head_major(k, v, *hm, loc), "store_kv", base, 2.0),
+        ("rope_store_kv", lambda: kvwrite.rope_store_kv(pos, q, k, v, cos_sin, kc, vc, loc), "store_kv", base, 2.0),
+        ("rope_store_mla", lambda: kvwrite.rope_store_mla(pos, q_pe, kv_c, k_pe, cos_sin_pe, mla, loc), "store_kv",
+         base, 2.0),
+        ("copy_pages", lambda: kvwrite.copy_pages(kc, kc2, loc, loc), "store_kv", base, 2.0),
+        ("gather", lambda: kvwrite.gather(kc, loc), "store_kv", base, 2.0),
+        ("slot_mapping", lambda: kvwrite.slot_mapping(table, pt.batch_indices, pt.positions, geo), "store_kv",
+         base, 2.0),
+        ("move_rows", lambda: kvwrite.move_rows(kc, loc, last + 1), "store_kv", base, 2.0),
         ("store_kv check=assert", lambda: kvwrite.store_kv(k, v, kc, vc, loc, check="assert"), "store_kv", base, 1.3),
         ("vllm.reshape_and_cache_flash",
          lambda: vllm.reshape_and_cache_flash(k, v, kc, vc, loc, "auto", None, None), "store_kv", base, 1.2),

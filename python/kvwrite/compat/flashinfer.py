@@ -56,6 +56,10 @@ def _unpack_paged_kv_cache(paged_kv_cache, kv_layout: str) -> tuple[torch.Tensor
 
 
 def _check_last_page_len(kv_last_page_len: object, kv_indptr: object, device: torch.device) -> None:
+    t = kv_last_page_len   # the common case by one predicate; the checks below name what is wrong
+    if (type(t) is torch.Tensor and t.dim() == 1 and t.dtype in validate.LOC_DTYPES and t.device == device
+            and type(kv_indptr) is torch.Tensor and kv_indptr.dim() == 1 and kv_indptr.shape[0] == t.shape[0] + 1):
+        return
     t = validate.tensor("kv_last_page_len", kv_last_page_len, ndim=1, dtypes=validate.LOC_DTYPES,
                         device=device)
     if isinstance(kv_indptr, torch.Tensor) and kv_indptr.dim() == 1 and kv_indptr.shape[0] != t.shape[0] + 1:

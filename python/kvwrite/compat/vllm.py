@@ -115,6 +115,11 @@ def reshape_and_cache_flash(key: torch.Tensor, value: torch.Tensor, key_cache: t
     shape `[num_blocks, block_size, H, D]`, or any stride-permuted view of it (vLLM's HND
     allocation; K and V may be two views of one packed `[num_blocks, 2, ...]` buffer). One fused
     `kvwrite.store_kv` launch with the caches' own strides."""
+    if (kv_cache_dtype == "auto" and type(key) is torch.Tensor and type(value) is torch.Tensor   # the common
+            and type(slot_mapping) is torch.Tensor and key.dim() == 3 and value.dim() == 3  # case: nothing
+            and key.shape[0] == value.shape[0] == slot_mapping.shape[0]):                    # to trim or view
+        return _FLASH(key, value, key_cache, value_cache, slot_mapping, "NHD", None, None, check, errors, None, 0,
+                      1, backend)
     key, value = _tokens("key", key, slot_mapping), _tokens("value", value, slot_mapping)
     key, value, key_cache, value_cache, ks, vs = _kv_caches(key, value, key_cache, value_cache,
                                                             kv_cache_dtype, k_scale, v_scale)

@@ -9,6 +9,7 @@ from kvwrite import backend as backends
 from kvwrite.addressing import Check, Locs, prepare  # noqa: F401  (the ops' shared names)
 from kvwrite.errors import ErrorBuffer, default_errors
 from kvwrite.geometry import PageGeometry
+from kvwrite.ops.claims import claim
 
 
 # Backends the C++ ops (csrc/api.h) run themselves once the extension is loaded.
@@ -47,7 +48,8 @@ def impls(reference: str, kernel: str, ext: str) -> tuple[tuple[str, str], ...]:
 
 def dispatch(op: str, table: tuple[tuple[str, str], ...], backend: str, device: torch.device,
              args: object) -> None:
-    """Run `args` on the resolved backend's implementation of `op`."""
+    """Run `args` on the resolved backend's implementation of `op` (in assert and guard mode
+    after the duplicate-row pre-pass, `kvwrite.ops.claims`)."""
     key = (op, table, backend, device)
     name = _RESOLVED.get(key) if type(backend) is str else None
     if name is None:
@@ -56,6 +58,8 @@ def dispatch(op: str, table: tuple[tuple[str, str], ...], backend: str, device: 
         name = backends.resolve(backend, device, op, backends.implemented(table))
         _RESOLVED[key] = name  # availability is settled once per process (backend.py caches it)
     impl: Callable = backends.implementation(table, name)
+    if args.check.mode != "off":
+        args = claim(op, name, args)
     impl(args)
 
 

@@ -76,6 +76,11 @@ def _mode(check: object) -> str:
     return validate.check_mode(_default_mode() if check is None else check)
 
 
+def _record(errors: object) -> object:
+    """The record tensor an op's schema takes (an ErrorBuffer's tensor; None stays None)."""
+    return errors.tensor if isinstance(errors, ErrorBuffer) else errors
+
+
 def check_for(op: str, device: torch.device, check: object, errors: object) -> Check:
     """The Check of one call: the mode, and in guard mode the record (the device's default
     buffer when `errors` is None), validated like the stores' `errors`."""
@@ -188,16 +193,17 @@ def copy_pages(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, ds
     p * factor ... p * factor + factor - 1. Different row shapes or dtypes, or page sizes that do
     not divide, raise GeometryError before anything moves. check="assert"/"guard" check every id
     against its pool's units (KIND_SRC_PAGE / KIND_DST_PAGE records; a bad pair is not copied);
-    "off" skips only negative ids. Pairs that write one dst page twice leave either copy; src
+    "off" skips only negative ids. Pairs that write one dst page twice: assert fails, guard
+    copies the lowest pair and records the others (KIND_DUPLICATE), off leaves either copy; src
     and dst may be one pool when no page is both read and written by the call (`move_rows`
     reads every source first).
     """
     if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor) and src.device != dst.device:
         return _copy_across(src, dst, src_pages, dst_pages, check, errors, backend)
+    if torch.compiler.is_compiling():   # the fake validates; guard finds its buffer when it runs
+        return torch.ops.kvwrite.copy_pages(src, dst, src_pages, dst_pages, _mode(check), _record(errors), backend)
     a = prepare_copy_pages(src, dst, src_pages, dst_pages, check, errors)
-    if torch.compiler.is_compiling():
-        torch.ops.kvwrite.copy_pages(src, dst, a.src_pages, a.dst_pages, a.check.mode, a.check.errors, backend)
-    elif a.n:
+    if a.n:
         dispatch(OP_COPY, COPY_IMPLS, backend, dst.device, a)
 
 
@@ -220,6 +226,10 @@ def _copy_across(src, dst, src_pages, dst_pages, check, errors, backend, op: str
     n = sp.shape[0]
     if n == 0:
         return
+    if chk.mode != "off":   # duplicate dst pages (and bad pairs) first: kvwrite.ops.claims
+        from kvwrite.reference.claims import unique_pairs
+
+        dp = unique_pairs(sp, dp, su, du, chk)
     sp, dp = checked_pairs(sp, dp, su, du, chk)       # bad or skipped pairs -> -1 on both sides
     unit = su.rows
     pinned = src.device.type == "cpu" and dst.device.type != "cpu"
@@ -278,22 +288,24 @@ def prepare_gather(cache, loc, check, errors, out=None, op: str = OP_GATHER) -> 
     return Gather(c, o, geometry, locs, chk), out
 
 
-def _gather_py(cache, loc, check, errors, backend, batch_indices, kv_indices, kv_indptr) -> torch.Tensor:
+def _table(loc, batch_indices, kv_indices, kv_indptr) -> object:
+    return loc if batch_indices is None else PageTable(batch_indices, loc, kv_indices, kv_indptr)
+
+
+def _gather_py(cache, loc, out, check, errors, backend, batch_indices, kv_indices, kv_indptr) -> None:
     """The Python implementation of torch.ops.kvwrite.gather."""
-    if batch_indices is not None:
-        loc = PageTable(batch_indices, loc, kv_indices, kv_indptr)
-    a, out = prepare_gather(cache, loc, check, errors)
+    a, _ = prepare_gather(cache, _table(loc, batch_indices, kv_indices, kv_indptr), check, errors, out)
     if a.locs.n:
         dispatch(OP_GATHER, GATHER_IMPLS, backend, cache.device, a)
-    return out
 
 
-def _gather_fake(cache, loc, check, errors, backend, batch_indices, kv_indices, kv_indptr) -> torch.Tensor:
-    return cache.new_empty((loc.shape[0], *cache.shape[2:]))
+def _gather_fake(cache, loc, out, check, errors, backend, batch_indices, kv_indices, kv_indptr) -> None:
+    prepare_gather(cache, _table(loc, batch_indices, kv_indices, kv_indptr),
+                   _library.fake_check(check, errors), errors, out)
 
 
-_library.define(OP_GATHER, "(Tensor cache, Tensor loc, str check, Tensor(a!)? errors, str backend, "
-                           "Tensor? batch_indices, Tensor? kv_indices, Tensor? kv_indptr) -> Tensor",
+_library.define(OP_GATHER, "(Tensor cache, Tensor loc, Tensor(a!) out, str check, Tensor(b!)? errors, "
+                           "str backend, Tensor? batch_indices, Tensor? kv_indices, Tensor? kv_indptr) -> ()",
                 _gather_py, _gather_fake)
 
 
@@ -308,13 +320,15 @@ def gather(cache: torch.Tensor, loc: torch.Tensor | PageTable, *, check: str | N
     reported like a store's (a zero row in guard mode); "off" gives a zero row for negative locs
     and does not check the upper bound on a GPU. `out`: write into this `[N, ...]` tensor.
     """
-    if torch.compiler.is_compiling() and out is None:
+    if torch.compiler.is_compiling():
         t = loc if isinstance(loc, PageTable) else None
-        chk = _mode(check)
-        rec = errors.tensor if isinstance(errors, ErrorBuffer) else errors
-        return torch.ops.kvwrite.gather(cache, t.positions if t else loc, chk, rec, backend,
-                                        t.batch_indices if t else None, t.kv_indices if t else None,
-                                        t.kv_indptr if t else None)
+        pos = t.positions if t else loc
+        if out is None:
+            out = cache.new_empty((pos.shape[0], *cache.shape[2:]))
+        torch.ops.kvwrite.gather(cache, pos, out, _mode(check), _record(errors), backend,
+                                 t.batch_indices if t else None, t.kv_indices if t else None,
+                                 t.kv_indptr if t else None)
+        return out
     a, out = prepare_gather(cache, loc, check, errors, out)
     if a.locs.n:
         dispatch(OP_GATHER, GATHER_IMPLS, backend, a.cache.device, a)
@@ -363,23 +377,23 @@ def prepare_slot_mapping(block_table, batch_indices, positions, geometry, check,
     return SlotMapping(bt, b, p, out, geometry, check_for(OP_SLOTS, device, check, errors))
 
 
-def _slot_mapping_py(block_table, batch_indices, positions, page_size, num_pages, check, errors,
-                     backend) -> torch.Tensor:
+def _slot_mapping_py(block_table, batch_indices, positions, out, page_size, num_pages, check, errors,
+                     backend) -> None:
     """The Python implementation of torch.ops.kvwrite.slot_mapping."""
     g = PageGeometry.from_pool(num_pages, page_size)
-    a = prepare_slot_mapping(block_table, batch_indices, positions, g, check, errors)
+    a = prepare_slot_mapping(block_table, batch_indices, positions, g, check, errors, out)
     if a.n:
         dispatch(OP_SLOTS, SLOTS_IMPLS, backend, block_table.device, a)
-    return a.out
 
 
-def _slot_mapping_fake(block_table, batch_indices, positions, page_size, num_pages, check, errors,
-                       backend) -> torch.Tensor:
-    return positions.new_empty(positions.shape, dtype=torch.int64)
+def _slot_mapping_fake(block_table, batch_indices, positions, out, page_size, num_pages, check, errors,
+                       backend) -> None:
+    prepare_slot_mapping(block_table, batch_indices, positions, PageGeometry.from_pool(num_pages, page_size),
+                         _library.fake_check(check, errors), errors, out)
 
 
-_library.define(OP_SLOTS, "(Tensor block_table, Tensor batch_indices, Tensor positions, int page_size, "
-                          "int num_pages, str check, Tensor(a!)? errors, str backend) -> Tensor",
+_library.define(OP_SLOTS, "(Tensor block_table, Tensor batch_indices, Tensor positions, Tensor(a!) out, "
+                          "int page_size, int num_pages, str check, Tensor(b!)? errors, str backend) -> ()",
                 _slot_mapping_py, _slot_mapping_fake)
 
 
@@ -397,10 +411,12 @@ def slot_mapping(block_table: torch.Tensor, batch_indices: torch.Tensor, positio
     "off" lets such a page through (the store that takes the slot checks it). `out`: write the
     slots into this int64 `[N]` tensor.
     """
-    if torch.compiler.is_compiling() and out is None:
-        rec = errors.tensor if isinstance(errors, ErrorBuffer) else errors
-        return torch.ops.kvwrite.slot_mapping(block_table, batch_indices, positions, geometry.pool_page_size,
-                                              geometry.num_pages, _mode(check), rec, backend)
+    if torch.compiler.is_compiling():
+        if out is None:
+            out = positions.new_empty(positions.shape, dtype=torch.int64)
+        torch.ops.kvwrite.slot_mapping(block_table, batch_indices, positions, out, geometry.pool_page_size,
+                                       geometry.num_pages, _mode(check), _record(errors), backend)
+        return out
     a = prepare_slot_mapping(block_table, batch_indices, positions, geometry, check, errors, out)
     if a.n:
         dispatch(OP_SLOTS, SLOTS_IMPLS, backend, a.block_table.device, a)
@@ -409,6 +425,21 @@ def slot_mapping(block_table: torch.Tensor, batch_indices: torch.Tensor, positio
 
 # --- move_rows -------------------------------------------------------------------------------------
 
+def _move_locs(cache, src_loc, dst_loc) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The canonical pool and the validated (src, dst) locs of a move_rows call."""
+    c = canonical_pool("cache", cache)
+    s = _index("src_loc", src_loc, c.device)
+    d = _index("dst_loc", dst_loc, c.device)
+    if s.shape[0] != d.shape[0]:
+        raise ValueError(f"src_loc and dst_loc must pair up one to one, got {s.shape[0]} and {d.shape[0]} entries")
+    return c, s, d
+
+
+def _move_rows_fake(cache, src_loc, dst_loc, check, errors, backend) -> None:
+    _move_locs(cache, src_loc, dst_loc)
+    validate.check_mode(check)
+
+
 def move_rows(cache: torch.Tensor, src_loc: torch.Tensor, dst_loc: torch.Tensor, *,
               check: str | None = None, errors: ErrorBuffer | None = None,
               backend: str = "auto") -> None:
@@ -416,13 +447,15 @@ def move_rows(cache: torch.Tensor, src_loc: torch.Tensor, dst_loc: torch.Tensor,
     that was at `src_loc[i]` (every source row is read before any row is written, as
     `cache[dst] = cache[src]`). A -1 on either side skips the pair; bad locs are reported (op
     "move_rows") and their pair skipped. Runs as a gather then a copy_pages of one-row units."""
-    c = canonical_pool("cache", cache)
-    device = c.device
-    s = _index("src_loc", src_loc, device)
-    d = _index("dst_loc", dst_loc, device)
-    if s.shape[0] != d.shape[0]:
-        raise ValueError(f"src_loc and dst_loc must pair up one to one, got {s.shape[0]} and {d.shape[0]} entries")
-    n = s.shape[0]
+    if torch.compiler.is_compiling():
+        return torch.ops.kvwrite.move_rows(cache, src_loc, dst_loc, _mode(check), _record(errors), backend)
+    _move_rows(cache, src_loc, dst_loc, check, errors, backend)
+
+
+def _move_rows(cache, src_loc, dst_loc, check, errors, backend) -> None:
+    """The implementation of move_rows (and of torch.ops.kvwrite.move_rows)."""
+    c, s, d = _move_locs(cache, src_loc, dst_loc)
+    device, n = c.device, s.shape[0]
     if n == 0:
         return
     rows, _ = prepare_gather(cache, s, check, errors, op=OP_MOVE)
@@ -432,3 +465,7 @@ def move_rows(cache: torch.Tensor, src_loc: torch.Tensor, dst_loc: torch.Tensor,
     ids = torch.where(ok, torch.arange(n, device=device), -1)
     a = prepare_copy_pages(rows.out.unsqueeze(1), c, ids, d, check, errors, op=OP_MOVE)
     dispatch(OP_COPY, COPY_IMPLS, backend, device, a)
+
+
+_library.define(OP_MOVE, "(Tensor(a!) cache, Tensor src_loc, Tensor dst_loc, str check, Tensor(b!)? errors, "
+                         "str backend) -> ()", _move_rows, _move_rows_fake)

@@ -74,7 +74,7 @@ class RopeStoreMLA(_Fused):
 # backend "auto"/"cpu", check off/guard): no Python validation, the same kernel and bytes as
 # the dispatched path. Anything the C++ checks refuse goes the Python way (named errors).
 _FAST_BACKENDS = ("auto", "cpu")
-_FAST_CHECKS = {"off": 0, "guard": 2}
+_FAST_CHECKS = {"off": 0}   # guard: the Python path, with the duplicate-row pre-pass (ops.claims)
 _CANONICAL = {"NHD": lambda c: c, "HND": lambda c: c.transpose(1, 2)}
 _OP_KV_CODE = op_code(OP_KV)
 

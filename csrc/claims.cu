@@ -1,0 +1,34 @@
+// The duplicate-row pre-pass on a GPU (kvwrite/claims.h): a fill of the table, an insert kernel
+// and a check kernel, one thread a token, on `stream` (no host sync, CUDA-graph safe).
+#include "launch.h"
+
+namespace kvwrite {
+
+template <int CHECK>
+__global__ void claim_insert_kernel(const ClaimParams p) {
+  const i64 i = i64(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < p.a.n) claim_insert<CHECK>(p, i);
+}
+
+template <int CHECK>
+__global__ void claim_check_kernel(const ClaimParams p) {
+  const i64 i = i64(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < p.a.n) claim_check<CHECK>(p, i);
+}
+
+cudaError_t launch_claim_rows(const ClaimParams& p, int check, cudaStream_t stream) {
+  const i64 slots = p.mask + 1;
+  cudaError_t err = cudaMemsetAsync(p.keys, 0xFF, size_t(slots) * sizeof(i64), stream);  // FREE_ROW
+  if (err == cudaSuccess) err = cudaMemsetAsync(p.first, 0xFF, size_t(slots) * sizeof(uint32_t), stream);
+  if (err != cudaSuccess) return err;
+  const unsigned blocks = unsigned((p.a.n + KVW_BLOCK_THREADS - 1) / KVW_BLOCK_THREADS);
+  with_check(check, [&](auto c) {
+    if constexpr (c.value != CHECK_OFF) {
+      claim_insert_kernel<c.value><<<blocks, KVW_BLOCK_THREADS, 0, stream>>>(p);
+      claim_check_kernel<c.value><<<blocks, KVW_BLOCK_THREADS, 0, stream>>>(p);
+    }
+  });
+  return cudaGetLastError();
+}
+
+}  // namespace kvwrite

@@ -1,0 +1,73 @@
+"""Duplicate-row detection for every store and page move, in one place: `claim` runs in
+`ops._common.dispatch` before the backend's implementation (and the C++ fast path runs the same
+pre-pass in `csrc/api.h`), in assert and guard mode only; off mode never reaches it.
+
+It resolves the call's destination rows once (loc, loc_map, DCP, page table; a page move's dst
+pages), keeps the lowest token of each row and, in guard mode, records the later ones (and the
+out-of-range ones) as `KIND_DUPLICATE` / out-of-range errors and hands the store a scratch loc
+with every token not to write set to the padding -1; assert mode fails on a duplicate. A new
+store gets it by going through `dispatch` with a call object that has `locs`, `geometry` and
+`check` (the spec's `Op` does), and through `csrc/api.h`'s `run_here` for its C++ kernel.
+
+Implementations: the `cpu` and `cuda` backends run the extension's `claim_rows` (a hash of
+2N..4N slots; `csrc/kvwrite/claims.h`), the `torch` and `triton` backends and page moves the
+torch twin `kvwrite.reference.claims` (a stable sort). Neither syncs with the host in guard mode.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+
+from kvwrite import _ext
+from kvwrite.reference import claims as _ref
+
+# Ops that write no pool row (a gather fills its own output in token order).
+READ_ONLY = ("gather", "slot_mapping")
+NATIVE = ("cpu", "cuda")   # backends with the extension's pre-pass
+_ON = [True]
+
+
+@contextlib.contextmanager
+def disabled():
+    """Guard and assert without the duplicate check, for the bench's baseline only (it measures
+    what the check costs); the C++ fast path is switched with it."""
+    _ON[0] = False
+    native = _ext.LOADED and hasattr(torch.ops.kvwrite_ext, "set_claims")
+    if native:
+        torch.ops.kvwrite_ext.set_claims(False)
+    try:
+        yield
+    finally:
+        _ON[0] = True
+        if native:
+            torch.ops.kvwrite_ext.set_claims(True)
+
+
+def with_locs(a: object, locs: object) -> object:
+    """The call `a` with its Locs replaced (a fused call's are its inner store's)."""
+    if hasattr(a, "store"):
+        return dataclasses.replace(a, store=with_locs(a.store, locs))
+    return dataclasses.replace(a, locs=locs)
+
+
+def claim(op: str, backend: str, a: object) -> object:
+    """The call a backend's implementation runs: `a` itself in off mode, for read-only ops and
+    when nothing changes; else `a` on the pre-pass's scratch locs (or dst pages)."""
+    chk = a.check
+    if chk.mode == "off" or op in READ_ONLY or not _ON[0]:
+        return a
+    if hasattr(a, "dst_pages"):   # copy_pages (move_rows' second half)
+        if a.n == 0:
+            return a
+        dst = _ref.unique_pairs(a.src_pages, a.dst_pages, a.src_units, a.dst_units, chk)
+        return a if dst is a.dst_pages else dataclasses.replace(a, dst_pages=dst)
+    locs = a.locs
+    if locs.n == 0:
+        return a
+    if backend in NATIVE:
+        new = _ext.claim_rows(locs, a.geometry, chk)
+    else:
+        new = _ref.unique_locs(locs, a.geometry, chk)
+    return a if new is locs else with_locs(a, new)
