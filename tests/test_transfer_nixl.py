@@ -62,3 +62,34 @@ def test_pd_handoff_example_runs():
     assert out.returncode == 0, out.stderr[-3000:]
     assert "K/V of 2 layers x 40 tokens equal prefill's" in out.stdout
     assert "handed off, freed" in out.stdout
+
+
+def test_agent_refuses_bad_use_before_any_transfer():
+    """One process, two agents: misuse is refused with messages naming what is wrong."""
+    import torch
+
+    from kvwrite import GeometryError, PageGeometry
+    from kvwrite.transfer import KVAgent
+
+    a, b = KVAgent("api-a"), KVAgent("api-b")
+    src = [torch.zeros(4, 16, 2, 8, dtype=torch.bfloat16) for _ in range(2)]
+    a.register("kv", src, geometry=PageGeometry(16, 4))
+    with pytest.raises(ValueError, match="already registered a pool 'kv'"):
+        a.register("kv", src)
+    with pytest.raises(ValueError, match="not contiguous"):
+        b.register("t", [torch.zeros(16, 4, 2, 8).transpose(0, 1)])
+    with pytest.raises(GeometryError, match="geometry has 8 pages but the buffers 4"):
+        b.register("g", src, geometry=PageGeometry(16, 8))
+    with pytest.raises(ValueError, match="must be the bytes of a peer's KVAgent.metadata"):
+        a.add_peer(b"not a blob")
+    b.register("kv", [torch.zeros(2, 16, 2, 8, dtype=torch.bfloat16) for _ in range(2)])
+    with pytest.raises(ValueError, match="unknown peer 'api-b'"):
+        a.write_pages("api-b", [0], [0], pool="kv")
+    peer = a.add_peer(b.metadata())
+    with pytest.raises(ValueError, match="registered no pool 'nope'"):
+        a.write_pages(peer, [0], [0], pool="nope")
+    with pytest.raises(ValueError, match="peer 'api-b' registered no pool 'v'"):
+        a.write_pages(peer, [0], [0], pool="kv", peer_pool="v")
+    with pytest.raises(ValueError, match="src_pages must be 1-D integer page ids"):
+        a.write_pages(peer, [0.5], [0], pool="kv")
+    a.close(), b.close()

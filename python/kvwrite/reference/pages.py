@@ -1,6 +1,7 @@
 """Torch twins of the page moves (kvwrite.ops.pages): copy_pages, gather, slot_mapping."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvwrite import errors as _e
@@ -15,20 +16,22 @@ def _floordiv(x: torch.Tensor, d: int) -> torch.Tensor:
 def resolve_pairs(sp: torch.Tensor, dp: torch.Tensor, su, du, mode: str):
     """(write, bad, kind, target, limit) of each pair, as the kernels resolve them: a -1 on either
     side skips the pair; assert/guard check src then dst against the pools' units; off skips
-    negative ids only."""
-    s, d = sp.to(torch.int64), dp.to(torch.int64)
+    negative ids only. Torch tensors, or int64 numpy arrays (kvwrite.transfer checks host ids
+    without waking torch's threads)."""
+    xp = np if isinstance(sp, np.ndarray) else torch
+    s, d = (sp, dp) if xp is np else (sp.to(torch.int64), dp.to(torch.int64))
     live = (s != -1) & (d != -1)
     bad_s = live & ((s < 0) | (s >= su.count))
     bad_d = live & ~bad_s & ((d < 0) | (d >= du.count))
     if mode == "off":
-        bad = torch.zeros_like(live)
+        bad = xp.zeros_like(live)
         write = live & (s >= 0) & (d >= 0)
     else:
         bad = bad_s | bad_d
         write = live & ~bad
-    kind = torch.where(bad_s, _e.KIND_SRC_PAGE, _e.KIND_DST_PAGE)
-    target = torch.where(bad_s, s, d)
-    limit = torch.where(bad_s, su.count, du.count)
+    kind = xp.where(bad_s, _e.KIND_SRC_PAGE, _e.KIND_DST_PAGE)
+    target = xp.where(bad_s, s, d)
+    limit = xp.where(bad_s, su.count, du.count)
     return write, bad, kind, target, limit
 
 

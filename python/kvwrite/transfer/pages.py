@@ -46,11 +46,15 @@ class CheckedPairs:
     skipped: int
 
 
-def _ids(name: str, pages: object) -> torch.Tensor:
-    if isinstance(pages, (list, tuple, range, np.ndarray)):
-        pages = torch.as_tensor(np.asarray(pages, dtype=np.int64))
-    t = validate.tensor(name, pages, ndim=1, dtypes=validate.LOC_DTYPES)
-    return t.to("cpu", torch.int64)
+def _ids(name: str, pages: object) -> np.ndarray:
+    """int64 host ids of a 1-D int tensor, array or list (numpy from here on: no torch threads)."""
+    if isinstance(pages, torch.Tensor):
+        t = validate.tensor(name, pages, ndim=1, dtypes=validate.LOC_DTYPES)
+        return t.to("cpu", torch.int64).numpy()
+    a = np.asarray(pages)
+    if a.ndim != 1 or not (a.size == 0 or np.issubdtype(a.dtype, np.integer)):
+        raise ValueError(f"{name} must be 1-D integer page ids, got {a.dtype} of shape {list(a.shape)}")
+    return a.astype(np.int64)
 
 
 def check_pairs(src_pages: object, dst_pages: object, br: Bridge, where: dict[str, str], check: str | None,
@@ -65,15 +69,15 @@ def check_pairs(src_pages: object, dst_pages: object, br: Bridge, where: dict[st
     if mode == "off":   # past either pool: refused all the same (no descriptor may leave a pool)
         past_s, past_d = write & (sp >= br.src.count), write & (dp >= br.dst.count)
         bad, write = past_s | past_d, write & ~(past_s | past_d)
-        kind = torch.where(past_s, KIND_SRC_PAGE, kind)
-    if mode in ("assert", "off") and bool(bad.any()):
-        i = int(torch.nonzero(bad)[0, 0])
+        kind = np.where(past_s, KIND_SRC_PAGE, kind)
+    if mode in ("assert", "off") and bad.any():
+        i = int(np.flatnonzero(bad)[0])
         raise TransferPageError(where, i, int(target[i]), int(limit[i]), br.src.rows, int(bad.sum()), int(kind[i]))
-    if mode == "guard" and bool(bad.any()):
+    if mode == "guard" and bad.any():
         rec = errors if errors is not None else default_errors("cpu")
         if rec.device.type != "cpu":
             raise ValueError(f"errors must be a CPU ErrorBuffer (a transfer checks its ids on the host), "
                              f"got one on {rec.device}")
-        record_torch(rec.tensor, bad, target, target, limit, br.src.rows, RECORD_OP, kind)
-    keep = write.numpy()   # numpy from here: a torch index at thousands of ids costs milliseconds
-    return CheckedPairs(sp.numpy()[keep], dp.numpy()[keep], int(keep.size - keep.sum()))
+        t = torch.from_numpy
+        record_torch(rec.tensor, t(bad), t(target), t(target), t(limit), br.src.rows, RECORD_OP, t(kind))
+    return CheckedPairs(sp[write], dp[write], int(write.size - write.sum()))
