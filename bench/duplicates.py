@@ -22,7 +22,7 @@ from kvwrite.bench import cases as registry, timing
 from kvwrite.errors import DuplicateWrite
 from kvwrite.ops import claims
 
-TARGET = 1.15   # issue 33: guard with detection at most 15 % over guard without (cpu, N >= 1024)
+TARGET = 1.15   # the target: guard with detection at most 15 % over guard without (cpu, N >= 1024)
 
 
 def measure(setup, backend: str, device: torch.device, rounds: int, min_time: float) -> dict:

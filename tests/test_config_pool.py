@@ -239,8 +239,8 @@ def test_allocator_locs_never_trip_guard(c):
     plan, g = pool.plan, torch.Generator().manual_seed(c["seed"])
     full = plan.allocator()
     everything = full.alloc(full.usable_locs)             # the whole loc space, last page included
-    pick = torch.randperm(everything.numel(), generator=g)[:c["n"]]
-    loc = torch.cat([everything[pick], everything[-3:], torch.tensor([-1])]).to(DEVICE)
+    pick = torch.randperm(everything.numel() - 3, generator=g)[:c["n"]]   # distinct locs: a repeat is
+    loc = torch.cat([everything[pick], everything[-3:], torch.tensor([-1])]).to(DEVICE)   # a duplicate write
     if "swa" in plan.spaces:
         swa = plan.allocator("swa")
         swa_locs = swa.alloc(swa.usable_locs)
