@@ -39,13 +39,13 @@ def run(rank: int, world: int, init: str, backend: str) -> None:
             target = conf(False).plan().build("cpu", check="guard", backend=backend, scales=scales)
             draft = conf(True).plan().build("cpu", check="guard", backend=backend, scales=scales)
             assert target.plan.spaces["full"] == draft.plan.spaces["full"]
-            # one shared allocation (rank 0's DCP allocator), the last page included
+            # one shared allocation (rank 0's DCP allocator), the last page included, no loc twice
             n = 40
             if rank == 0:
                 alloc = target.allocator()
                 assert alloc.page_size == PAGE * world and alloc.num_locs == (PER_RANK + PAGE) * world
                 locs = alloc.alloc(alloc.usable_locs)
-                keep = torch.randperm(locs.numel(), generator=torch.Generator().manual_seed(world))[:n - 1]
+                keep = torch.randperm(locs.numel() - 1, generator=torch.Generator().manual_seed(world))[:n - 1]
                 locs = torch.cat([locs[keep], locs[-1:]])
                 locs[3] = -1                                           # padding
                 inputs = target.sample_inputs(0, n, torch.Generator().manual_seed(7))
