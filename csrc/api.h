@@ -219,7 +219,7 @@ inline bool match_tensor(const Step& s, Call& c) {
   if (!c.device) c.device = t.device();
   c.env[s.name_slot] = int64_t(st);
   if (s.dims.empty()) return true;
-  const bool hnd = s.layout && c.env[c.p.slot("layout")] == 1;
+  const bool hnd = s.layout && c.env[c.p.slot("layout")] >= 1;  // HND, cpu_attn: [P, H, S, D]
   auto canon = [&](size_t i) { return shape[hnd && (i == 1 || i == 2) ? 3 - i : i]; };
   for (int b : s.binds)
     for (size_t i = 0; i < s.dims.size(); ++i)
@@ -293,9 +293,14 @@ inline bool rule(const std::vector<std::string>& w, Call& c) {
     return false;
   }
   if (r == "geometry") return c.e(w[1]) >= 1 && c.e(w[2]) >= 1;
-  // store_kv's layouts this launcher views canonically (NHD 0, HND 1); vLLM's "cpu_attn" key
-  // cache (a split head dim) is stored through the Python path's canonical view.
-  if (r == "native_layout") return c.e("layout") == 0 || c.e("layout") == 1;
+  // store_kv's layouts (NHD 0, HND 1, cpu_attn 2: vLLM's CPU attention caches, each (page, head)
+  // key tile contiguous and read column-major; plain and fp8 caches only), viewed by Launch::cv.
+  if (r == "native_layout") {
+    if (c.e("layout") < 2) return true;
+    const at::Tensor& kc = c.t("k_cache");
+    return (kc.size(2) <= 1 || kc.size(3) <= 1 || kc.stride(2) == kc.size(3)) && c.none("k_scale_cache") &&
+           c.e("k_cache") != int64_t(at::kChar);
+  }
   if (r == "kv_quant") return kv_quant(c);
   if (r == "kv_scales") return is_fp8(c.e(w[1])) ? !c.none("k_scale") && !c.none("v_scale")  // fp8: both
                                                  : c.none("k_scale") && c.none("v_scale");
@@ -439,12 +444,18 @@ inline std::optional<Tail> addressing(Call& c) {
 
 template <class R>
 struct Launch {
-  static at::Tensor cv(Call& c, const at::Tensor& x) { return c.e("layout") == 1 ? x.transpose(1, 2) : x; }
+  static at::Tensor cv(Call& c, const at::Tensor& x) { return c.e("layout") >= 1 ? x.transpose(1, 2) : x; }
+  // The key cache's canonical view: cpu_attn's column-major (page, head) tile is a split head dim
+  // [P, S, H, D, 1] with feature stride S (ops.kv.canonical_key).
+  static at::Tensor cvk(Call& c, const at::Tensor& x) {
+    if (c.e("layout") != 2) return cv(c, x);
+    return x.as_strided({x.size(0), x.size(2), x.size(1), x.size(3), 1}, {x.stride(0), 1, x.stride(1), x.size(2), 1});
+  }
   // copy / static fp8: the store_kv kernel; int8 and dynamic scales: store_kv_quant's.
   static void store_kv(Call& c, const Tail& t) {
     const int64_t quant = c.e("quant");
     if (quant == 0 || (quant == 1 && c.e("k_cache") != int64_t(at::kChar))) {
-      R::store_kv(c.t("k"), c.t("v"), cv(c, c.t("k_cache")), cv(c, c.t("v_cache")), c.opt("k_scale"), c.opt("v_scale"),
+      R::store_kv(c.t("k"), c.t("v"), cvk(c, c.t("k_cache")), cv(c, c.t("v_cache")), c.opt("k_scale"), c.opt("v_scale"),
                   KVW_TAIL_ARGS);
       return;
     }

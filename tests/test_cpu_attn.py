@@ -101,3 +101,19 @@ def test_cpu_attn_refusals():
     nhd = torch.zeros(NB, BS, H, D, dtype=torch.bfloat16, device=DEVICE).transpose(1, 2)
     with pytest.raises(ValueError, match="layout 'cpu_attn'"):
         kvwrite.store_kv(key, key, nhd, nhd, sm, layout="cpu_attn")
+
+
+def test_cpu_attn_fast_path_errors_name_the_call():
+    """The adapter's one-predicate path (C++ matcher) refuses as the named checks do: vLLM's call
+    and argument named; int8 caches in this layout refused before any byte moves."""
+    key = torch.ones(2, H, D, dtype=torch.bfloat16, device=DEVICE)
+    kv = torch.zeros(NB, H, 2 * BS, D, dtype=torch.bfloat16, device=DEVICE)
+    kc, vc = kv.chunk(2, dim=2)
+    sm = torch.tensor([0, 1], device=DEVICE)
+    with pytest.raises(ValueError, match=r"cpu_attn_reshape_and_cache: value_cache must have shape"):
+        vllm.cpu_attn_reshape_and_cache(key, key, kc, vc[:, :1], sm, "vec")
+    k8, v8 = torch.zeros(2, NB, H, BS, D, dtype=torch.int8, device=DEVICE)
+    one = torch.ones(1, device=DEVICE)
+    with pytest.raises(ValueError, match="layout 'cpu_attn' stores plain and fp8 caches only"):
+        kvwrite.store_kv(key, key, k8, v8, sm, layout="cpu_attn", k_scale=one, v_scale=one)
+    assert not kv.any() and not k8.any()

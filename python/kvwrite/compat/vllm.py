@@ -102,8 +102,9 @@ def _kv_caches(key, value, key_cache, value_cache, kv_cache_dtype, k_scale, v_sc
 
 
 # store_kv as vLLM calls it: errors name vLLM's arguments and the call
-_FLASH = kv_op.SPEC.adapter("reshape_and_cache_flash", {"k": "key", "v": "value", "k_cache": "key_cache",
-                                                      "v_cache": "value_cache", "loc": "slot_mapping"})
+_KV_NAMES = {"k": "key", "v": "value", "k_cache": "key_cache", "v_cache": "value_cache", "loc": "slot_mapping"}
+_FLASH = kv_op.SPEC.adapter("reshape_and_cache_flash", _KV_NAMES)
+_CPU_ATTN = kv_op.SPEC.adapter("cpu_attn_reshape_and_cache", _KV_NAMES)
 
 
 def reshape_and_cache_flash(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -145,6 +146,12 @@ def cpu_attn_reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache
     rounded to nearest even; vLLM's CPU kernel multiplies by 1/scale and truncates the mantissa
     (codes one step toward zero in about half the cases), stores -0 as +0 and NaN as the
     format's max. The bytes agree for "auto" caches."""
+    if (kv_cache_dtype == "auto" and isa in CPU_ATTN_ISAS and type(key) is torch.Tensor      # the common
+            and type(value) is torch.Tensor and type(slot_mapping) is torch.Tensor     # case: nothing
+            and key.dim() == 3 and value.dim() == 3                                   # to trim or view
+            and key.shape[0] == value.shape[0] == slot_mapping.shape[0]):
+        return _CPU_ATTN(key, value, key_cache, value_cache, slot_mapping, "cpu_attn", None, None, check, errors,
+                         None, 0, 1, backend)
     isa = validate.choice("isa", isa, CPU_ATTN_ISAS + ("amx", "amx_fp8", "vxe", "rvv", "vsx"))
     if isa not in CPU_ATTN_ISAS:
         raise NotImplementedError(f"isa={isa!r}: vLLM packs this ISA's cache tiles in its own "
@@ -157,8 +164,8 @@ def cpu_attn_reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache
         value_cache = as_fp8("value_cache", value_cache, fmt)
         ks = scale_tensor("k_scale", k_scale, key.device)
         vs = scale_tensor("v_scale", v_scale, key.device)
-    store_kv(key, value, key_cache, value_cache, slot_mapping, layout="cpu_attn", k_scale=ks,
-             v_scale=vs, check=check, errors=errors, backend=backend)
+    _CPU_ATTN(key, value, key_cache, value_cache, slot_mapping, "cpu_attn", ks, vs, check, errors, None, 0, 1,
+              backend)
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

@@ -78,7 +78,7 @@ def canonical_key(cache: torch.Tensor, layout: str) -> torch.Tensor:
     return cache.as_strided((pages, rows, h, d, 1), (cache.stride(0), 1, cache.stride(1), rows, 1))
 
 
-@spec.rule("native_layout")  # C++: NHD / HND only; cpu_attn calls take the Python path
+@spec.rule("native_layout")  # C++: the same test (api.h), plus cpu_attn's plain / fp8-only rule
 def _cpu_attn_key(env: dict, v: dict) -> None:
     """layout "cpu_attn": each (page, head) key tile is one contiguous run (read column-major)."""
     kc = v["k_cache"]
