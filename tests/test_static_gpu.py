@@ -4,8 +4,9 @@ and the copy / chunked-quantisation paths use 16-byte (`.v4`) global loads and s
 
 The Triton variants get the same checks in test_compile.py (compile_check reports registers,
 spill and .v4 counts from the same compile). nvcc runs once per source file (both archs in one
-call, two files at a time) and the parsed result is cached under build/static_gpu/ keyed by the
-hash of csrc/ and the nvcc version, so a rerun on unchanged sources costs nothing.
+call, two files at a time) and each file's parsed result is cached under build/static_gpu/ keyed
+by the hash of the file, the csrc/ headers it includes and the nvcc version, so a rerun costs
+only the translation units whose sources changed.
 """
 from __future__ import annotations
 
@@ -97,27 +98,50 @@ def _compile(cu: Path) -> list[dict]:
     return rows
 
 
-def _key() -> str:
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+
+
+def _sources(cu: Path) -> list[Path]:
+    """`cu` and every csrc/ header it includes, transitively (`#include "..."`)."""
+    seen, todo = {cu}, [cu]
+    while todo:
+        f = todo.pop()
+        for name in _INCLUDE.findall(f.read_text()):
+            dep = next((d / name for d in (f.parent, CSRC) if (d / name).is_file()), None)
+            if dep is not None and dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return sorted(seen)
+
+
+def _key(cu: Path, nvcc_version: str) -> str:
+    """Hash of what one translation unit compiles from (its includes, nvcc, the flags' version):
+    a change elsewhere in csrc/ (the host-only api.h, ops.cpp) recompiles nothing."""
     h = hashlib.sha256()
-    for f in sorted(CSRC.rglob("*")):
-        if f.is_file() and f.suffix in (".h", ".cu", ".cuh"):
-            h.update(f.relative_to(CSRC).as_posix().encode())
-            h.update(f.read_bytes())
-    h.update(subprocess.run([NVCC, "--version"], capture_output=True, text=True).stdout.encode())
-    h.update(b"v1")
+    for f in _sources(cu):
+        h.update(f.relative_to(CSRC).as_posix().encode())
+        h.update(f.read_bytes())
+    h.update(nvcc_version.encode())
+    h.update(b"v2")
     return h.hexdigest()[:16]
+
+
+def _compile_cached(cu: Path, nvcc_version: str) -> list[dict]:
+    cache = ROOT / "build" / "static_gpu" / f"{cu.stem}-{_key(cu, nvcc_version)}.json"
+    if cache.is_file():
+        return json.loads(cache.read_text())
+    rows = _compile(cu)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps(rows, indent=1))
+    return rows
 
 
 @pytest.fixture(scope="module")
 def kernels() -> list[dict]:
-    cache = ROOT / "build" / "static_gpu" / f"{_key()}.json"
-    if cache.is_file():
-        return json.loads(cache.read_text())
+    version = subprocess.run([NVCC, "--version"], capture_output=True, text=True).stdout
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        rows = [r for part in pool.map(_compile, sorted(CSRC.glob("*.cu"))) for r in part]
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    cache.write_text(json.dumps(rows, indent=1))
-    return rows
+        return [r for part in pool.map(lambda cu: _compile_cached(cu, version), sorted(CSRC.glob("*.cu")))
+                for r in part]
 
 
 # Kernels known to spill, each named with its bound (to be tuned, not hidden): the fused RoPE +
