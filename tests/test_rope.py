@@ -433,36 +433,3 @@ def test_rope_store_kv_cpu_direct_call(monkeypatch):
         kvwrite.rope_store_kv(pos, q.float(), k, v, cs, caches[2], caches[3], loc, backend="cpu")
     with pytest.raises(ValueError, match="norm_eps"):
         kvwrite.rope_store_kv(pos, q, k, v, cs, caches[2], caches[3], loc, norm_eps=-1.0, backend="cpu")
-
-
-ROPE_CALL_IDS = r'''
-import torch, kvwrite
-torch.set_num_threads(1)
-g = torch.Generator().manual_seed(0)
-pos = torch.tensor([3])
-def run(backend):
-    q, k, v = torch.randn(1, 2, 64, generator=g), torch.randn(1, 1, 64, generator=g), torch.randn(1, 1, 64, generator=g)
-    kc, vc = torch.zeros(2, 4, 1, 64), torch.zeros(2, 4, 1, 64)
-    kvwrite.rope_store_kv(pos, q, k, v, torch.randn(8, 64, generator=g), kc, vc, torch.tensor([1]), backend=backend)
-    q_pe, kv_c, k_pe = torch.randn(1, 2, 64, generator=g), torch.randn(1, 128, generator=g), torch.randn(1, 64, generator=g)
-    cache = torch.zeros(2, 4, 192)
-    kvwrite.rope_store_mla(pos, q_pe, kv_c, k_pe, torch.randn(8, 64, generator=g), cache, torch.tensor([1]), backend=backend)
-    return q, kc, q_pe, cache
-g.manual_seed(0); got = run("cpu")
-g.manual_seed(0); ref = run("torch")
-print(all(torch.equal(a, b) for a, b in zip(got, ref)))
-'''
-
-
-def test_cpu_rope_calls_of_different_ops_never_share_a_cos_sin_row():
-    """The C++ CPU kernels cache a token's cos/sin row per thread, keyed by the call's id: the
-    first rope_store_kv and the first rope_store_mla of a process (one thread, the same position,
-    other cos/sin caches) must not see each other's row."""
-    import subprocess
-    import sys
-
-    if "cpu" not in KERNEL_BACKENDS:
-        pytest.skip("no cpu backend")
-    out = subprocess.run([sys.executable, "-c", ROPE_CALL_IDS], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split()[-1] == "True"
