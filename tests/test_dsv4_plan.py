@@ -234,6 +234,8 @@ def test_fp4_engine_names_and_refusals():
     with pytest.raises(UnsupportedCombination, match="multiple of 256"):
         KVCacheConfigurator(flash(), ParallelSpec(engine="sglang"), page_size=128, kv_cache_dtype="nvfp4",
                             memory_bytes=GiB)
+    with pytest.raises(UnsupportedCombination, match="vLLM's layout of variant 'dsv4'.*engine='kvwrite' \\(its record"):
+        KVCacheConfigurator(flash(), ParallelSpec(engine="vllm"), kv_cache_dtype="nvfp4_fi_ds_mla", memory_bytes=GiB)
     notes = KVCacheConfigurator(flash(), ParallelSpec(engine="sglang"), kv_cache_dtype="fp4_e2m1",
                                 memory_bytes=40 * GiB, max_running_requests=256).plan().engine_notes
     assert any("PR #37138" in n for n in notes)

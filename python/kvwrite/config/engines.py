@@ -146,7 +146,9 @@ def _vllm(spec: ModelSpec, parallel, kv: str, page_size: int) -> EngineLayout:
         raise UnsupportedCombination(
             f"kvwrite does not plan vLLM's layout of variant {spec.variant!r} (vLLM sizes recurrent-state and "
             f"compressed caches as KV cache specs of their own and unifies their page sizes with the attention "
-            f"layers': kv_cache_utils.unify_kv_cache_spec_page_size); plan it with engine='sglang' or 'kvwrite'")
+            f"layers': kv_cache_utils.unify_kv_cache_spec_page_size); plan it with "
+            + ("engine='kvwrite' (its record planned in kvwrite's layout)" if kv in ("nvfp4_fi_ds_mla", "nvfp4_v41")
+               else "engine='sglang' or 'kvwrite'"))
     if spec.variant == "swa_hybrid" and (spec.global_head_dim or spec.num_global_kv_heads):
         raise UnsupportedCombination(
             f"engine='vllm' keeps {spec.architecture or spec.name or 'this model'}'s full-attention and sliding "
