@@ -89,6 +89,13 @@ step "rope stores: eager / CUDA graph replay / torch.compile vs reference (cuda,
 step "GPU readiness: CUDA-graph capture+replay of every op, records, NaN under assert builds, 2 GPUs, PTX"; timeout 420 $PY bench/gpu/readiness.py --out "$OUT/readiness.json" > "$OUT/readiness.log" 2>&1 || status=1; tail -1 "$OUT/readiness.log" | tee -a "$OUT/summary.txt"
 step "page moves: tests on CUDA, pinned host <-> GPU copy_pages, CUDA-graph capture, bandwidth"; ( cd tests && KVWRITE_TEST_DEVICE=cuda timeout 300 $PY -m pytest -q -n 0 -p no:cacheprovider test_pages.py && cd .. && timeout 300 $PY bench/gpu/pages.py ) > "$OUT/pages.log" 2>&1 || status=1; grep -E "passed|failed|\"ok\": false|pct_of_copy" "$OUT/pages.log" | tee -a "$OUT/summary.txt"
 step "store_kv int8 / dynamic-scale modes: every CUDA backend vs reference, CUDA-graph capture + replay (guard)"; timeout 300 $PY bench/gpu/quant.py --out "$OUT/quant.json" > "$OUT/quant.log" 2>&1 || status=1; tail -1 "$OUT/quant.log" | tee -a "$OUT/summary.txt"
+step "DeepSeek V4 FP4 records (nvfp4 384 B, mxfp4 368 B, nvfp4_v41 288 B): tests on CUDA incl. the fused RoPE store bit-exact vs rope-then-store, bench bit-exact at V4 sizes"
+( cd tests && KVWRITE_TEST_DEVICE=cuda timeout 300 $PY -m pytest -q -n 0 -p no:cacheprovider test_dsv4_fp4.py \
+    test_dsv4_plan.py -k "fp4" ) > "$OUT/dsv4_fp4_tests.log" 2>&1 || status=1
+tail -1 "$OUT/dsv4_fp4_tests.log" | tee -a "$OUT/summary.txt"
+timeout 300 $PY -m kvwrite.cli bench --device cuda --cases dsv4-kv-nvfp4,dsv4-kv-mxfp4,dsv4-kv-nvfp4-v41,dsv4-kv-nvfp4-rope,dsv4-kv \
+    --min-time ${KVWRITE_GPU_BENCH_REP:-0.03} --out "$OUT/bench_dsv4_fp4" > "$OUT/bench_dsv4_fp4.log" 2>&1 || status=1
+grep -m1 "bit-exact" "$OUT/bench_dsv4_fp4/report.md" 2>/dev/null | tee -a "$OUT/summary.txt" || tail -3 "$OUT/bench_dsv4_fp4.log"
 # New steps (sanitizer, benchmarks) go above this line.
 step "vLLM plugin guard: eager / torch.compile / CUDA-graph replay, records read once per step, layers named"; timeout 300 $PY bench/peers/guard_graph_check.py --device cuda > "$OUT/guard_graph.jsonl" 2>&1 || status=1; tail -1 "$OUT/guard_graph.jsonl" | tee -a "$OUT/summary.txt"
 step "NIXL page transfers from device memory (VRAM over UCX): bytes equal, kvwrite vs raw NIXL throughput"

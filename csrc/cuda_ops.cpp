@@ -238,13 +238,10 @@ Tensor claim_rows_cuda(const Tensor& loc, const OptTensor& loc_map, const OptTen
                        int64_t dcp_size, int64_t check, int64_t op, const OptTensor& batch_indices,
                        const OptTensor& kv_indices, const OptTensor& kv_indptr, int64_t capacity,
                        int64_t pool_page_size, bool dcp_page) {
-  TORCH_CHECK(check == CHECK_ASSERT || check == CHECK_GUARD, "kvwrite: claim_rows runs in assert or guard mode");
-  TORCH_CHECK(capacity >= 1 && pool_page_size >= 1, "kvwrite: claim_rows needs a pool");
   const c10::cuda::CUDAGuard guard(loc.device());
   ClaimParams p;
-  p.a = loc_args(loc, loc_map, errors, dcp_rank, dcp_size, check, op, capacity, pool_page_size, loc);
-  set_table(p.a, batch_indices, kv_indices, kv_indptr, loc);
-  p.a.dcp_page = dcp_page;
+  p.a = claim_locs(loc, loc_map, errors, dcp_rank, dcp_size, check, op, batch_indices, kv_indices, kv_indptr, capacity,
+                   pool_page_size, dcp_page);
   const i64 slots = claim_slots(p.a.n);
   const Tensor keys = at::empty({slots}, loc.options().dtype(at::kLong));
   const Tensor first = at::empty({slots}, loc.options().dtype(at::kInt));

@@ -276,12 +276,9 @@ Tensor claim_rows_cpu(const Tensor& loc, const OptTensor& loc_map, const OptTens
                       int64_t dcp_size, int64_t check, int64_t op, const OptTensor& batch_indices,
                       const OptTensor& kv_indices, const OptTensor& kv_indptr, int64_t capacity,
                       int64_t pool_page_size, bool dcp_page) {
-  TORCH_CHECK(check == CHECK_ASSERT || check == CHECK_GUARD, "kvwrite: claim_rows runs in assert or guard mode");
-  TORCH_CHECK(capacity >= 1 && pool_page_size >= 1, "kvwrite: claim_rows needs a pool");
   ClaimParams p;
-  p.a = loc_args(loc, loc_map, errors, dcp_rank, dcp_size, check, op, capacity, pool_page_size, loc);
-  set_table(p.a, batch_indices, kv_indices, kv_indptr, loc);
-  p.a.dcp_page = dcp_page;
+  p.a = claim_locs(loc, loc_map, errors, dcp_rank, dcp_size, check, op, batch_indices, kv_indices, kv_indptr, capacity,
+                   pool_page_size, dcp_page);
   const i64 slots = claim_slots(p.a.n);
   thread_local std::vector<i64> keys, first;  // reused: no allocation per call once warm
   keys.assign(size_t(slots), FREE_ROW);

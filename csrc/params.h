@@ -136,6 +136,19 @@ inline void set_table(LocArgs& a, const OptTensor& batch_indices, const OptTenso
   a.n_batch = kv_indptr->size(0) - 1;
 }
 
+// claim_rows' addressing on either device (the duplicate-row pre-pass, kvwrite/claims.h).
+inline LocArgs claim_locs(const Tensor& loc, const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank,
+                          int64_t dcp_size, int64_t check, int64_t op, const OptTensor& batch_indices,
+                          const OptTensor& kv_indices, const OptTensor& kv_indptr, int64_t capacity,
+                          int64_t pool_page_size, bool dcp_page) {
+  TORCH_CHECK(check == CHECK_ASSERT || check == CHECK_GUARD, "kvwrite: claim_rows runs in assert or guard mode");
+  TORCH_CHECK(capacity >= 1 && pool_page_size >= 1, "kvwrite: claim_rows needs a pool");
+  LocArgs a = loc_args(loc, loc_map, errors, dcp_rank, dcp_size, check, op, capacity, pool_page_size, loc);
+  set_table(a, batch_indices, kv_indices, kv_indptr, loc);
+  a.dcp_page = dcp_page;
+  return a;
+}
+
 inline KVSide kv_side(const Tensor& x, const Tensor& cache, const OptTensor& scale, const char* name) {
   TORCH_CHECK(x.dim() == 3 && (x.size(2) <= 1 || x.stride(2) == 1), "kvwrite: ", name,
               " must be [tokens, heads, dim], contiguous in dim");

@@ -25,6 +25,19 @@ inline SplitPage split_page(const Tensor& cache, int64_t pool_page_size, int dat
   return s;
 }
 
+// What every paged V4 store shares: `p.cache` split into pages of `data_row` + `scale_row` bytes a
+// token, `p.locs` sharding whole pages under DCP, one loc per row of `src`.
+template <class P>
+inline void paged_locs(P& p, const Tensor& src, const Tensor& cache, int64_t pool_page_size, int data_row,
+                       int scale_row, const Tensor& loc, const OptTensor& loc_map, const OptTensor& errors,
+                       int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op) {
+  p.cache = split_page(cache, pool_page_size, data_row, scale_row, "cache");
+  p.locs = loc_args(loc, loc_map, errors, dcp_rank, dcp_size, check, op, cache.size(0) * pool_page_size,
+                    pool_page_size, src);
+  p.locs.dcp_page = true;
+  TORCH_CHECK(p.locs.n == src.size(0), "kvwrite: loc must have one entry per token");
+}
+
 inline StoreDSV4KVParams store_dsv4_kv_params(const Tensor& kv, const Tensor& cache, int64_t pool_page_size,
                                               const Tensor& loc, const OptTensor& loc_map, const OptTensor& errors,
                                               int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op) {
@@ -38,11 +51,8 @@ inline StoreDSV4KVParams store_dsv4_kv_params(const Tensor& kv, const Tensor& ca
   p.kv = static_cast<const char*>(kv.data_ptr());
   p.kv_sn = kv.stride(0);
   p.in_dtype = dtype_of(kv);
-  p.cache = split_page(cache, pool_page_size, DSV4_DATA_ROW, DSV4_SCALE_ROW, "cache");
-  p.locs = loc_args(loc, loc_map, errors, dcp_rank, dcp_size, check, op, cache.size(0) * pool_page_size,
-                    pool_page_size, kv);
-  p.locs.dcp_page = true;
-  TORCH_CHECK(p.locs.n == kv.size(0), "kvwrite: loc must have one entry per token");
+  paged_locs(p, kv, cache, pool_page_size, DSV4_DATA_ROW, DSV4_SCALE_ROW, loc, loc_map, errors, dcp_rank, dcp_size,
+             check, op);
   return p;
 }
 
@@ -60,11 +70,8 @@ inline StoreMXFP4Params store_mxfp4_params(const Tensor& k, const Tensor& cache,
   p.k_sn = k.stride(0);
   p.D = d;
   p.in_dtype = dtype_of(k);
-  p.cache = split_page(cache, pool_page_size, d / 2, d / DSV4_MXFP4_BLOCK, "cache");
-  p.locs = loc_args(loc, loc_map, errors, dcp_rank, dcp_size, check, op, cache.size(0) * pool_page_size,
-                    pool_page_size, k);
-  p.locs.dcp_page = true;
-  TORCH_CHECK(p.locs.n == k.size(0), "kvwrite: loc must have one entry per token");
+  paged_locs(p, k, cache, pool_page_size, d / 2, d / DSV4_MXFP4_BLOCK, loc, loc_map, errors, dcp_rank, dcp_size,
+             check, op);
   return p;
 }
 
@@ -106,11 +113,8 @@ inline StoreDSV4FP4Params store_dsv4_fp4_params(const Tensor& kv, const Tensor& 
   p.kv_sn = kv.stride(0);
   p.in_dtype = dtype_of(kv);
   p.fmt = int(fmt);
-  p.cache = split_page(cache, pool_page_size, token - scale_row, scale_row, "cache");
-  p.locs = loc_args(loc, loc_map, errors, dcp_rank, dcp_size, check, op, cache.size(0) * pool_page_size,
-                    pool_page_size, kv);
-  p.locs.dcp_page = true;
-  TORCH_CHECK(p.locs.n == kv.size(0), "kvwrite: loc must have one entry per token");
+  paged_locs(p, kv, cache, pool_page_size, token - scale_row, scale_row, loc, loc_map, errors, dcp_rank, dcp_size,
+             check, op);
   return p;
 }
 

@@ -76,50 +76,38 @@ def store_dsv4_fp4_kernel(
     INLINE: tl.constexpr, ROPE_AT: tl.constexpr,
     HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr, CHECK: tl.constexpr, OP: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    pos_ptr=None, kv16_ptr=None, cs_ptr=None, q_ptr=None, max_pos=0, cs_sn=0, q_sn=0, q_sh=0,
+    n_q_heads=0, IN: tl.constexpr = 0, CS_IN: tl.constexpr = 0, FUSED_ROPE: tl.constexpr = False,
 ):
+    """The store; FUSED_ROPE (rope_store_dsv4_kv_fp4): the RoPE part rotated first (`_rope_vals`:
+    GPT-J pairs, rounded to the input dtype) and q's heads rotated in place (`_rotate_q`); bad
+    positions are bad tokens."""
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    page, offset, write = claim_rows(loc_ptr, tok, n_tokens, loc_map_ptr, map_len, dcp_rank,
-                                     dcp_size, capacity, pool_page_size, err_ptr, HAS_MAP,
-                                     HAS_DCP, CHECK, OP, True)
+    if FUSED_ROPE:
+        pos, pos_ok = _positions(pos_ptr, tok, tok < n_tokens, max_pos)
+        page, offset, write = _claim(loc_ptr, pos, pos_ok, tok, n_tokens, loc_map_ptr, map_len, dcp_rank,
+                                     dcp_size, capacity, pool_page_size, max_pos, err_ptr, HAS_MAP, HAS_DCP,
+                                     CHECK, OP, True, loc_ptr, loc_ptr, loc_ptr, 0, 0, False)
+    else:
+        page, offset, write = claim_rows(loc_ptr, tok, n_tokens, loc_map_ptr, map_len, dcp_rank,
+                                         dcp_size, capacity, pool_page_size, err_ptr, HAS_MAP,
+                                         HAS_DCP, CHECK, OP, True)
     row_base, scale_base = _bases(page, offset, cache_sp, pool_page_size, QUANT, DATA_ROW, SCALE_ROW, INLINE)
     _store_blocks(kv_ptr, cache_ptr, tok, write, row_base, scale_base, kv_sn, QUANT, BLOCK, NBP, UE8M0, FLOOR)
     if ROPE > 0:
-        r = tl.arange(0, ROPE)
+        r = tl.arange(0, ROPE)[None, :]
         rmask = write[:, None]
-        x = tl.load(kv_ptr + tok.to(tl.int64)[:, None] * kv_sn + QUANT + r[None, :], mask=rmask, other=0.0)
-        store_le_bytes(cache_ptr, row_base[:, None] + ROPE_AT + 2 * r[None, :], _bf16_bits(x), rmask, 2)
-
-
-@triton.jit
-def rope_store_dsv4_fp4_kernel(
-    pos_ptr, kv_ptr, kv16_ptr, cs_ptr, q_ptr, cache_ptr, loc_ptr, err_ptr, loc_map_ptr,
-    n_tokens, max_pos, capacity, pool_page_size, map_len, dcp_rank, dcp_size,
-    kv_sn, cs_sn, q_sn, q_sh, n_q_heads, cache_sp,
-    QUANT: tl.constexpr, BLOCK: tl.constexpr, NBP: tl.constexpr, UE8M0: tl.constexpr,
-    FLOOR: tl.constexpr, ROPE: tl.constexpr, DATA_ROW: tl.constexpr, SCALE_ROW: tl.constexpr,
-    INLINE: tl.constexpr, ROPE_AT: tl.constexpr, IN: tl.constexpr, CS_IN: tl.constexpr,
-    HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr, CHECK: tl.constexpr, OP: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-):
-    """The store above with the RoPE part rotated first (`_rope_vals`: GPT-J pairs, rounded to
-    the input dtype) and q's heads rotated in place (`_rotate_q`); bad positions are bad tokens."""
-    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    tmask = tok < n_tokens
-    pos, pos_ok = _positions(pos_ptr, tok, tmask, max_pos)
-    page, offset, write = _claim(loc_ptr, pos, pos_ok, tok, n_tokens, loc_map_ptr, map_len, dcp_rank,
-                                 dcp_size, capacity, pool_page_size, max_pos, err_ptr, HAS_MAP, HAS_DCP,
-                                 CHECK, OP, True, loc_ptr, loc_ptr, loc_ptr, 0, 0, False)
-    row_base, scale_base = _bases(page, offset, cache_sp, pool_page_size, QUANT, DATA_ROW, SCALE_ROW, INLINE)
-    _store_blocks(kv_ptr, cache_ptr, tok, write, row_base, scale_base, kv_sn, QUANT, BLOCK, NBP, UE8M0, FLOOR)
-    r = tl.arange(0, ROPE)[None, :]
-    rmask = write[:, None]
-    val, _ = _rope_vals(kv16_ptr, (tok.to(tl.int64) * kv_sn + QUANT)[:, None], r, rmask, cs_ptr,
-                        (pos * cs_sn)[:, None], 1.0, kv16_ptr, ROPE, False, False, IN, CS_IN)
-    store_le_bytes(cache_ptr, row_base[:, None] + ROPE_AT + 2 * r, _bf16_bits(val), rmask, 2)
-    for h in range(n_q_heads):
-        _rotate_q(q_ptr, h, tok, pos_ok, pos, cs_ptr, cs_sn, q_ptr, 0.0, q_sn, q_sh, ROPE, ROPE, False,
-                  False, IN, CS_IN, ROPE, 0)
-    end_call(err_ptr, CHECK)  # guard: every program counts itself in the record's call
+        if FUSED_ROPE:
+            val, _ = _rope_vals(kv16_ptr, (tok.to(tl.int64) * kv_sn + QUANT)[:, None], r, rmask, cs_ptr,
+                                (pos * cs_sn)[:, None], 1.0, kv16_ptr, ROPE, False, False, IN, CS_IN)
+        else:
+            val = tl.load(kv_ptr + tok.to(tl.int64)[:, None] * kv_sn + QUANT + r, mask=rmask, other=0.0)
+        store_le_bytes(cache_ptr, row_base[:, None] + ROPE_AT + 2 * r, _bf16_bits(val), rmask, 2)
+    if FUSED_ROPE:
+        for h in range(n_q_heads):
+            _rotate_q(q_ptr, h, tok, pos_ok, pos, cs_ptr, cs_sn, q_ptr, 0.0, q_sn, q_sh, ROPE, ROPE, False,
+                      False, IN, CS_IN, ROPE, 0)
+        end_call(err_ptr, CHECK)  # guard: every program counts itself in the record's call
 
 
 def record_constexprs(rec) -> dict:
@@ -141,7 +129,7 @@ def launch(a) -> None:
 
 
 def launch_rope(a) -> None:
-    """Launch rope_store_dsv4_fp4_kernel for a validated `kvwrite.ops.dsv4_fp4.RopeStoreDSV4KVFP4`."""
+    """Launch store_dsv4_fp4_kernel (FUSED_ROPE) for a validated `kvwrite.ops.dsv4_fp4.RopeStoreDSV4KVFP4`."""
     from kvwrite.kernels._launch import KernelAssertion, launch as run, loc_args, tiles
 
     s = a.store
@@ -149,12 +137,12 @@ def launch_rope(a) -> None:
     block_t, _ = tiles(n, 512)
     q = a.q if a.q is not None else s.kv.new_empty((n, 0, s.record.rope))
     try:   # fp fusion off: the rotation rounds each product (kvwrite.reference.rope)
-        run(rope_store_dsv4_fp4_kernel, (triton.cdiv(n, block_t),), s, pos_ptr=a.positions, kv_ptr=s.kv,
+        run(store_dsv4_fp4_kernel, (triton.cdiv(n, block_t),), s, pos_ptr=a.positions, kv_ptr=s.kv,
             kv16_ptr=_bits(s.kv), cs_ptr=_bits(a.cos_sin), q_ptr=_bits(q), cache_ptr=s.cache,
             max_pos=a.cos_sin.shape[0], kv_sn=s.kv.stride(0), cs_sn=a.cos_sin.stride(0),
             q_sn=q.stride(0), q_sh=q.stride(1), n_q_heads=q.shape[1], cache_sp=s.cache.stride(0),
             IN=_in_code(s.kv.dtype), CS_IN=_in_code(a.cos_sin.dtype), BLOCK_T=block_t,
-            enable_fp_fusion=False, **record_constexprs(s.record), **loc_args(s))
+            FUSED_ROPE=True, enable_fp_fusion=False, **record_constexprs(s.record), **loc_args(s))
     except Exception as exc:   # the interpreter's assert: name the first bad token, positions included
         if s.check.mode != "assert" or not (isinstance(exc, KernelAssertion)
                                             or "kvwrite: store loc outside the pool" in str(exc)):
@@ -185,9 +173,10 @@ def variants():
                 if not rec.rope:
                     continue
                 bits = torch.int16 if dtype == torch.bfloat16 else dtype
-                yield (f"rope:{tag}", rope_store_dsv4_fp4_kernel,
+                yield (f"rope:{tag}", store_dsv4_fp4_kernel,
                        dict(pos_ptr=torch.int64, kv_ptr=dtype, kv16_ptr=bits, cs_ptr=torch.float32, q_ptr=bits,
                             cache_ptr=torch.uint8, loc_ptr=torch.int64, err_ptr=torch.int64,
                             loc_map_ptr=torch.int32),
                        dict(record_constexprs(rec), IN=_in_code(dtype), CS_IN=0, HAS_MAP=map_,
-                            HAS_DCP=2 if dcp else 0, CHECK=check, OP=op_code("rope_store_dsv4_kv_fp4"), BLOCK_T=8))
+                            HAS_DCP=2 if dcp else 0, CHECK=check, OP=op_code("rope_store_dsv4_kv_fp4"), BLOCK_T=8,
+                            FUSED_ROPE=True))

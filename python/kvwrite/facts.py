@@ -216,17 +216,24 @@ def indexer_row_bytes(head_dim: int, fmt: str = "fp8") -> int:
 
 def indexer_pool_page_size(name: str, page_bytes: int, head_dim: int, fmt: str,
                            page_size: object = None) -> int:
-    per_row = indexer_row_bytes(head_dim, fmt)
+    return records_per_page(name, page_bytes, indexer_row_bytes(head_dim, fmt), page_size,
+                            f"fmt={fmt!r}, D={head_dim}", f"{fmt} indexer rows", f" (D={head_dim})")
+
+
+def records_per_page(name: str, page_bytes: int, per: int, page_size: object, about: str,
+                     records: str, suffix: str = "") -> int:
+    """Records of `per` bytes in a page of `page_bytes` (`page_size` of them when given): named
+    error otherwise. `about` / `records` / `suffix` word the messages."""
     if page_size is not None:
         pps = require_positive_int("page_size", page_size)
-        if pps * per_row != page_bytes:
-            raise ValueError(f"{name} must have pages of page_size * {per_row} = {pps * per_row} "
-                             f"bytes (fmt={fmt!r}, D={head_dim}), got {page_bytes}")
+        if pps * per != page_bytes:
+            raise ValueError(f"{name} must have pages of page_size * {per} = {pps * per} bytes "
+                             f"({about}), got {page_bytes}")
         return pps
-    if page_bytes == 0 or page_bytes % per_row:
-        raise ValueError(f"{name}'s page of {page_bytes} bytes is not a whole number of "
-                         f"{fmt} indexer rows of {per_row} bytes (D={head_dim})")
-    return page_bytes // per_row
+    if page_bytes == 0 or page_bytes % per:
+        raise ValueError(f"{name}'s page of {page_bytes} bytes is not a whole number of {records} "
+                         f"of {per} bytes{suffix}")
+    return page_bytes // per
 
 
 # --- DeepSeek V4 FP4 KV records (layouts on kvwrite.ops.dsv4_fp4) --------------------------------
@@ -286,14 +293,5 @@ FP4_FMTS = tuple(FP4_RECORDS)
 def fp4_pool_page_size(name: str, page_bytes: int, fmt: str, page_size: object = None) -> int:
     """Tokens per page of an FP4 KV cache with `page_bytes` a page (named error if the page is
     not a whole number of `fmt` records, or not `page_size` of them)."""
-    per = FP4_RECORDS[fmt].token_bytes
-    if page_size is not None:
-        pps = require_positive_int("page_size", page_size)
-        if pps * per != page_bytes:
-            raise ValueError(f"{name} must have pages of page_size * {per} = {pps * per} bytes "
-                             f"(fmt={fmt!r}), got {page_bytes}")
-        return pps
-    if page_bytes == 0 or page_bytes % per:
-        raise ValueError(f"{name}'s page of {page_bytes} bytes is not a whole number of {fmt!r} "
-                         f"records of {per} bytes")
-    return page_bytes // per
+    return records_per_page(name, page_bytes, FP4_RECORDS[fmt].token_bytes, page_size,
+                            f"fmt={fmt!r}", f"{fmt!r} records")

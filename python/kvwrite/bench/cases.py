@@ -109,9 +109,10 @@ def _scatter_baseline(srcs, dsts, loc, baselines: dict, notes: dict) -> None:
     """`memcpy-scatter`: the extension's plain per-row memcpy loop, dst_j[loc[i]] = src_j[i]
     (bench_memcpy_scatter, compiled with the CPU kernels, same threading policy): the floor of a
     row scatter on this machine. For quantising formats the rows are the reference's output
-    rows (quantised beforehand), so it is the scatter of the bytes the store writes."""
+    rows (quantised beforehand), so it is the scatter of the bytes the store writes. `loc` a
+    list: one loc tensor per (src, dst) pair, one call each."""
     name = "memcpy-scatter"
-    if loc.device.type != "cpu":
+    if (loc[0] if isinstance(loc, list) else loc).device.type != "cpu":
         notes[name] = "skipped: CPU only (the extension's CPU baseline)"
         return
     from kvwrite import _ext
@@ -122,6 +123,10 @@ def _scatter_baseline(srcs, dsts, loc, baselines: dict, notes: dict) -> None:
         return
     op = torch.ops.kvwrite_ext.bench_memcpy_scatter
     srcs = [s.contiguous() for s in srcs]
+    if isinstance(loc, list):
+        pairs = list(zip(srcs, dsts, loc))
+        _try(name, lambda: [op([s], [d], l) for s, d, l in pairs], baselines, notes)
+        return
     _try(name, lambda: op(srcs, dsts, loc), baselines, notes)
 
 
@@ -508,6 +513,63 @@ def _dsv4_mxfp4(n: int, device: torch.device, gen: torch.Generator) -> Setup:
 
     return Setup(call, _nbytes(k, loc) + n * 68, {}, {"torch-index": "skipped: no plain torch MXFP4 store"}, {},
                  (cache,))
+
+
+def _dsv4_fp4(n: int, device: torch.device, gen: torch.Generator, fmt: str, rope: bool = False) -> Setup:
+    """A DeepSeek V4 SWA layer's FP4 record store (pages of 256, locs of whole pages). The
+    memcpy-scatter baseline copies the reference's record bytes to the same cache bytes: one run
+    a token (inline mxfp4) or two (the split page's data row and scale row), each addressed as a
+    row of a view of the cache in `unit`-byte steps."""
+    from kvwrite.facts import FP4_RECORDS
+
+    rec, page = FP4_RECORDS[fmt], 256
+    loc, num_pages = paged_locs(n, page, device, gen)
+    kv = _randn((n, 512), torch.bfloat16, device, gen)
+    cache = torch.zeros(num_pages, page * rec.token_bytes, dtype=torch.uint8, device=device)
+    if rope:
+        positions = torch.randint(0, 4096, (n,), generator=gen).to(device)
+        ang = torch.arange(4096)[:, None] * torch.logspace(0, -4, 32)[None, :]
+        cos_sin = torch.cat([ang.cos(), ang.sin()], 1).to(device)
+
+        def call(backend: str, check: str, errors) -> None:
+            kvwrite.rope_store_dsv4_kv_fp4(positions, kv, cos_sin, cache, loc, fmt=fmt, page_size=page,
+                                           check=check, errors=errors, backend=backend)
+    else:
+        def call(backend: str, check: str, errors) -> None:
+            kvwrite.store_dsv4_kv_fp4(kv, cache, loc, fmt=fmt, page_size=page, check=check, errors=errors,
+                                      backend=backend)
+
+    moved = _nbytes(kv, loc) + n * rec.token_bytes + (_nbytes(positions) + n * 64 * 4 if rope else 0)
+    baselines = {}
+    notes = {"torch-index": f"skipped: no plain torch {fmt} record store (the torch backend is the reference)"}
+    srcs, dsts, locs = [], [], []
+    if device.type == "cpu":
+        call("torch", "off", None)
+        flat, unit = cache.view(-1), math.gcd(rec.data_row, rec.scale_row, cache.shape[1])
+        page_at, off = loc // page * cache.shape[1], loc % page
+        for at, width in ((page_at + off * rec.data_row, rec.data_row),
+                          (page_at + page * rec.data_row + off * rec.scale_row, rec.scale_row))[:2 - rec.inline]:
+            srcs.append(torch.stack([flat[a:a + width] for a in at.tolist()]))
+            dsts.append(flat.as_strided(((flat.numel() - width) // unit + 1, width), (unit, 1)))
+            locs.append(at // unit)
+        cache.zero_()
+    _scatter_baseline(srcs, dsts, locs or loc, baselines, notes)
+    return Setup(call, moved, baselines, notes, {}, (cache,))
+
+
+def _dsv4_fp4_missing() -> str | None:
+    return None if hasattr(kvwrite, "store_dsv4_kv_fp4") else "kvwrite has no store_dsv4_kv_fp4"
+
+
+for _fmt, _what in (("nvfp4", "NVFP4 record (384 B: 448 e2m1 + e4m3 per 16, 64 bf16 RoPE; split page)"),
+                    ("mxfp4", "MXFP4 record (368 B: 448 e2m1 + ue8m0 per 32, 64 bf16 RoPE; inline)"),
+                    ("nvfp4_v41", "V4.1 NVFP4 record (288 B: 512 e2m1 + e4m3 per 16; split page)")):
+    case("store_dsv4_kv_fp4", f"dsv4-kv-{_fmt.replace('_', '-')}",
+         f"DeepSeek V4 SWA layer: 512 bf16 -> {_what}, pages of 256", _dsv4_fp4_missing)(
+        lambda n, device, gen, _fmt=_fmt: _dsv4_fp4(n, device, gen, _fmt))
+case("rope_store_dsv4_kv_fp4", "dsv4-kv-nvfp4-rope",
+     "DeepSeek V4 SWA layer: GPT-J RoPE on the 64 RoPE values fused with the NVFP4 record store, pages of 256",
+     _dsv4_fp4_missing)(lambda n, device, gen: _dsv4_fp4(n, device, gen, "nvfp4", rope=True))
 
 
 @case("store_rows", "dsv4-state-rows", "DeepSeek V4 c4 compress state: rows of 2*2*512 fp32", _dsv4_missing)

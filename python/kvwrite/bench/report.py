@@ -76,7 +76,9 @@ def targets(result: dict) -> list[dict]:
                "and >= 50% of contiguous copy at N >= 1024 (off, guard)")
     for case, what in (("mha-fp8", "fp8 store_kv"), ("mla-fp8ds", "fp8_ds_mla"),
                        ("mha-int8-token", "per-token int8 store_kv"), ("mha-int8-head", "per-token-head int8 store_kv"),
-                       ("mha-nvfp4", "NVFP4 store_kv_nvfp4"), ("mla-nvfp4", "NVFP4 store_mla")):
+                       ("mha-nvfp4", "NVFP4 store_kv_nvfp4"), ("mla-nvfp4", "NVFP4 store_mla"),
+                       ("dsv4-kv-nvfp4", "DeepSeek V4 nvfp4 record"), ("dsv4-kv-mxfp4", "DeepSeek V4 mxfp4 record"),
+                       ("dsv4-kv-nvfp4-v41", "DeepSeek V4.1 nvfp4_v41 record")):
         vs_scatter(case, 0.4, None, f"CPU ({threads} thread(s)): {what} >= 40% of memcpy-scatter at N >= 1024")
 
     # Host overhead of the wrapper vs one raw torch op.

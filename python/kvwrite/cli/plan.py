@@ -73,7 +73,7 @@ def _layers(ids: tuple[int, ...], total: int) -> str:
     return f"{shown} ({len(ids)} of {total})"
 
 
-def render(plan, console=None) -> None:
+def render(plan, console=None, fp8=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -91,6 +91,15 @@ def render(plan, console=None) -> None:
     console.print(f"total_bytes={plan.total_bytes:,} ({human(plan.total_bytes)}){budget}  "
                   f"({plan.sizing} sizing: fixed {plan.fixed_bytes:,} B, padding pages / loc map "
                   f"{plan.overhead_bytes:,} B)")
+    if fp8 is not None:   # a DeepSeek V4 FP4 record: its capacity against the fp8 record's
+        from kvwrite.config.dsv4 import fp4_record
+        from kvwrite.facts import TOKEN_BYTES
+
+        rec, n, n8 = fp4_record(plan.kv_cache_dtype), plan.max_total_num_tokens, fp8.max_total_num_tokens
+        console.print(f"capacity against the fp8 record: {rec.name} {TOKEN_BYTES} -> {rec.token_bytes} B a token: "
+                      f"{TOKEN_BYTES / rec.token_bytes:.2f}x the tokens per GiB of KV records")
+        console.print(f"  this plan: {n:,} tokens against {n8:,} with the fp8 record ({n / n8:.2f}x; the indexer, "
+                      f"compress states and c128 ring do not shrink)")
     if plan.state_pools:
         console.print(f"  kv_bytes={plan.kv_bytes:,} ({human(plan.kv_bytes)}) + state_bytes={plan.state_bytes:,} "
                       f"({human(plan.state_bytes)}: {plan.max_running_requests} + 1 request slots)")
@@ -123,6 +132,7 @@ def render(plan, console=None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvwrite.config import ConfigError, KVCacheConfigurator, ModelSpec, ParallelSpec
+    from kvwrite.config.dsv4 import fp4_record
 
     try:
         model = ModelSpec.from_preset(args.preset) if args.preset else ModelSpec.from_hf_config(args.config)
@@ -130,17 +140,19 @@ def run(args: argparse.Namespace) -> int:
                                 is_draft_worker=args.draft, engine=args.engine)
         memory = args.memory if args.memory is not None or args.max_tokens is not None else 40 * 2**30
         # unset options take the configurator's defaults (kvwrite.config.registry.plan_defaults)
-        plan = KVCacheConfigurator(model, parallel, page_size=args.page_size, kv_cache_dtype=args.kv_cache_dtype,
-                                   memory_bytes=memory, max_total_num_tokens=args.max_tokens,
-                                   swa_full_tokens_ratio=args.swa_ratio,
-                                   max_running_requests=args.max_running_requests, layout=args.layout,
-                                   reserve_padding_page=not args.no_padding_page, target=args.target,
-                                   sizing=args.sizing).plan()
+        kw = dict(page_size=args.page_size, memory_bytes=memory, max_total_num_tokens=args.max_tokens,
+                  swa_full_tokens_ratio=args.swa_ratio, max_running_requests=args.max_running_requests,
+                  layout=args.layout, reserve_padding_page=not args.no_padding_page, target=args.target,
+                  sizing=args.sizing)
+        plan = KVCacheConfigurator(model, parallel, kv_cache_dtype=args.kv_cache_dtype, **kw).plan()
+        fp8 = None
+        if plan.variant == "dsv4" and fp4_record(plan.kv_cache_dtype) is not None:
+            fp8 = KVCacheConfigurator(model, parallel, kv_cache_dtype="fp8_e4m3", **kw).plan()
     except (ConfigError, OSError, ValueError) as err:
         print(f"kvwrite plan: {type(err).__name__}: {err}", file=sys.stderr)
         return 2
     if args.json:
         print(plan.to_json())
     else:
-        render(plan)
+        render(plan, fp8=fp8)
     return 0

@@ -104,7 +104,32 @@ def _sglang(spec: ModelSpec, parallel, kv: str, page_size: int) -> EngineLayout:
             notes.append("SGLang stores fp8 DSA rows as the 656-byte DS-MLA row (512 e4m3 + 4 fp32 scales + "
                          "64 bf16 rope: calculate_mla_kv_cache_dim on its default CUDA DSA backends)")
             kv = "fp8_ds_mla"
+    if spec.variant == "dsv4":
+        kv = _sglang_dsv4(kv, parallel, notes)
     return EngineLayout("sglang", spec, kv, tuple(notes))
+
+
+def _sglang_dsv4(kv: str, parallel, notes: list[str]) -> str:
+    """SGLang's DeepSeek V4 KV records (memory_pool/deepseek_v4_memory_pool.py): fp8 (584 B),
+    --kv-cache-dtype fp4_e2m1 (PR #37138), the NVFP4 opt-in (PR #38646; kvwrite's "nvfp4")."""
+    if kv in ("nvfp4_fi_ds_mla", "nvfp4_v41"):
+        raise UnsupportedCombination(
+            f"engine='sglang' has no DeepSeek V4 kv_cache_dtype {kv!r} (vLLM's / DeepSeek-V4.1's record): its FP4 "
+            f"pools are 'fp4_e2m1' (MXFP4, 368 B) and the NVFP4 opt-in SGLANG_SM120_KV_CACHE_FORMAT=nvfp4 "
+            f"(kv_cache_dtype='nvfp4', 384 B); plan {kv!r} with engine='kvwrite'")
+    if kv == "fp4_e2m1":
+        notes.append("SGLang fp4_e2m1 (PR #37138): 368-byte MXFP4 records in the SWA, c4 and c128 pools, no fp8 "
+                     "page-tail padding; the c4 indexer stays fp8")
+    if kv == "nvfp4":
+        if parallel.dcp_size > 1:
+            raise UnsupportedCombination(
+                f"kvwrite does not plan SGLang's NVFP4 DeepSeek V4 pool with dcp_size={parallel.dcp_size}: it "
+                f"regroups pages into its kernels' smaller pages, and DCP shards whole allocator pages; use "
+                f"dcp_size=1 or kv_cache_dtype='fp4_e2m1'")
+        notes.append("SGLang's NVFP4 opt-in (SGLANG_SM120_KV_CACHE_FORMAT=nvfp4, PR #38646; its --kv-cache-dtype "
+                     "stays fp8): 384-byte records, each pool's rows regrouped into 64-token (SWA, c4) and 2-token "
+                     "(c128) pages with no per-page padding, slot ids unchanged")
+    return kv
 
 
 VLLM_PLANNED = ("mha", "mla", "dsa", "swa_hybrid")   # the variants whose vLLM layout kvwrite plans
@@ -121,7 +146,9 @@ def _vllm(spec: ModelSpec, parallel, kv: str, page_size: int) -> EngineLayout:
         raise UnsupportedCombination(
             f"kvwrite does not plan vLLM's layout of variant {spec.variant!r} (vLLM sizes recurrent-state and "
             f"compressed caches as KV cache specs of their own and unifies their page sizes with the attention "
-            f"layers': kv_cache_utils.unify_kv_cache_spec_page_size); plan it with engine='sglang' or 'kvwrite'")
+            f"layers': kv_cache_utils.unify_kv_cache_spec_page_size); plan it with "
+            + ("engine='kvwrite' (its record planned in kvwrite's layout)" if kv in ("nvfp4_fi_ds_mla", "nvfp4_v41")
+               else "engine='sglang' or 'kvwrite'"))
     if spec.variant == "swa_hybrid" and (spec.global_head_dim or spec.num_global_kv_heads):
         raise UnsupportedCombination(
             f"engine='vllm' keeps {spec.architecture or spec.name or 'this model'}'s full-attention and sliding "

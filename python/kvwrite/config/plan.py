@@ -84,6 +84,8 @@ class PoolSpec:
     needs: tuple[str, ...] = ()
     note: str = ""
     slots: tuple[int, ...] = ()   # per layer of layer_ids, the buffer copy it uses (layers sharing memory)
+    regrouped: bool = False       # its rows regrouped into smaller pages than the allocator's (one flat
+    #                               slot space, no per-page padding: SGLang's NVFP4 DeepSeek V4 pool)
 
     @property
     def num_buffers(self) -> int:
@@ -173,8 +175,9 @@ class SubPoolPlan:
         virtual -> local translation `loc // dcp_size`)."""
         g = require_positive_int("page_granularity", page_granularity)
         n = require_positive_int("num_locs", num_locs)
-        if self.spec.virtual and self.addressing != "local" and g % self.geometry.pool_page_size == 0:
-            g = self.geometry.pool_page_size   # index pages: whole allocator pages are whole index pages
+        if ((self.spec.virtual and self.addressing != "local") or self.spec.regrouped) and \
+                g % self.geometry.pool_page_size == 0:
+            g = self.geometry.pool_page_size   # index / regrouped pages: an allocator page is whole pages
         if self.sharded:
             d = self.dcp_size
             if g % d or n % d:

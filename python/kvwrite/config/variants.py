@@ -23,7 +23,7 @@ from kvwrite.ops.nvfp4 import BLOCK as NVFP4_BLOCK
 from kvwrite.validate import FP8_MAX
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "nvfp4", "fp8_ds_mla", "int8",
-                   *DYNAMIC)
+                   *DYNAMIC, "fp4_e2m1", "nvfp4_fi_ds_mla", "nvfp4_v41")   # the last three: DeepSeek V4 (config/dsv4.py)
 INDEXER_BLOCK = 128        # the DSA indexer's quant_block_size (DeepSeek-V3.2), passed to the op
 
 

@@ -28,21 +28,18 @@ from kvwrite.facts import FP4_FMTS, FP4_RECORDS, KV_DIM, NOPE, ROPE, FP4Record, 
 from kvwrite.geometry import PageGeometry
 from kvwrite.ops import spec
 from kvwrite.ops._common import Check, Locs, impls
+from kvwrite.ops.dsv4 import StoreDSV4KV
 
 OP = "store_dsv4_kv_fp4"
 IMPLS = impls("dsv4_fp4:store_dsv4_kv_fp4", "store_dsv4_fp4:launch", "store_dsv4_kv_fp4")
 
 
 @dataclass(frozen=True)
-class StoreDSV4KVFP4:
-    """A validated store_dsv4_kv_fp4 call; `cache` uint8 `[pages, pps * record.token_bytes]`."""
+class StoreDSV4KVFP4(StoreDSV4KV):
+    """A validated store_dsv4_kv_fp4 call: `store_dsv4_kv`'s fields, `cache` uint8 `[pages, pps *
+    record.token_bytes]`."""
 
-    kv: torch.Tensor
-    cache: torch.Tensor
     record: FP4Record
-    geometry: PageGeometry
-    locs: Locs
-    check: Check
 
 
 def _pages(env: dict, v: dict) -> None:
@@ -51,7 +48,7 @@ def _pages(env: dict, v: dict) -> None:
 
 
 def _build(v: dict, env: dict, locs: Locs, chk: Check) -> StoreDSV4KVFP4:
-    return StoreDSV4KVFP4(v["kv"], v["cache"], FP4_RECORDS[env["fmt"]], env["geometry"], locs, chk)
+    return StoreDSV4KVFP4(v["kv"], v["cache"], env["geometry"], locs, chk, FP4_RECORDS[env["fmt"]])
 
 
 SPEC = spec.Op(
