@@ -144,17 +144,18 @@ def main() -> int:
                 bad = loc.clone()
                 bad[0] = bad_loc(fault, loc, rows(pool))
                 twin = [b.clone() for b in buffers(pool)]
-                # the expected bytes: the same store with the bad token skipped (or, for a duplicate,
-                # as written: both tokens land on one row, the later one wins on CPU)
+                # the expected bytes: the same store with the bad token skipped; for a duplicate,
+                # kvwrite's guard keeps the first writer (token 1 skipped), SGLang alone writes
+                # both tokens to one row and the later one wins on CPU
                 ref = make()
                 for b, t in zip(buffers(ref), twin):
                     b.copy_(t)
                 hook.uninstall()
                 layer = fault_layer(pool)
-                if fault == "duplicate":
+                if fault == "duplicate" and not with_kvwrite:
                     store(ref, layer, bad, torch.Generator().manual_seed(9))
                 else:
-                    store_skip_first(ref, layer, loc, torch.Generator().manual_seed(9))
+                    store_skip(ref, layer, bad, torch.Generator().manual_seed(9), 1 if fault == "duplicate" else 0)
                 (hook.install if with_kvwrite else hook.uninstall)()
                 err = None
                 try:
@@ -163,7 +164,7 @@ def main() -> int:
                     err = f"{type(exc).__name__}: {exc}"[:600]
                 outside = changed(pool, buffers(ref))
                 rec["kvwrite" if with_kvwrite else "sglang_alone"] = dict(
-                    bad_loc=int(bad[0]), error=err, caught=err is not None and "OutOfBoundsWrite" in err,
+                    bad_loc=int(bad[0]), error=err, caught=err is not None and ("OutOfBoundsWrite" in err or "DuplicateWrite" in err),
                     bytes_differing_from_good_rows_only=outside)
             out["faults"][f"{name}: {fault}"] = rec
             print(f"  {fault}: {json.dumps(rec)[:400]}")
@@ -176,10 +177,10 @@ def main() -> int:
     return 0
 
 
-def store_skip_first(pool, layer: int, loc: torch.Tensor, gen: torch.Generator) -> None:
-    """The store of `store()` with token 0 not written (same random values drawn)."""
+def store_skip(pool, layer: int, loc: torch.Tensor, gen: torch.Generator, skip: int) -> None:
+    """The store of `store()` with token `skip` not written (same random values drawn)."""
     lay = types.SimpleNamespace(layer_id=layer)
-    keep = torch.arange(N) > 0
+    keep = torch.arange(N) != skip
     if hasattr(pool, "kv_lora_rank"):
         nope = torch.randn(N, 1, pool.kv_lora_rank, generator=gen).bfloat16()
         rope = torch.randn(N, 1, pool.qk_rope_head_dim, generator=gen).bfloat16() if pool.qk_rope_head_dim else None
