@@ -40,6 +40,7 @@ BLOCK_SIZE = 32   # the CPU attention backend takes multiples of 32
 NAMESPACE_BLOCK_SIZE = 128   # the vLLM #47056 run: encoded with 128, decoded with 32 (a size vLLM's CPU kernel takes)
 PERF_PROMPTS, PERF_TOKENS = 8, 48
 FAULTS = ("past_end", "block_ge", "negative", "duplicate", "namespace")
+KVWRITE_ERRORS = ("OutOfBoundsWrite", "DuplicateWrite", "NamespaceMismatch")
 FAULT_CALL = 2 * 4 + 2   # the 10th store: layer 1 (of 2) of decode step 4 (prefill is step 1)
 
 
@@ -61,8 +62,9 @@ def tiny_llama(path: Path) -> None:
 class Planter:
     """Wraps the store vLLM's CPU backend calls; plants one bad slot and measures the bytes."""
 
-    def __init__(self, ops, fault: str) -> None:
-        self.ops, self.fault, self.write = ops, fault, ops.cpu_attn_reshape_and_cache
+    def __init__(self, ops, fault: str, first_wins: bool = False) -> None:
+        # first_wins: kvwrite's guard keeps a duplicated row's first writer; vLLM alone writes both
+        self.ops, self.fault, self.write, self.first_wins = ops, fault, ops.cpu_attn_reshape_and_cache, first_wins
         self.calls, self.caches, self.record = 0, {}, {}
         ops.cpu_attn_reshape_and_cache = self
 
@@ -84,6 +86,8 @@ class Planter:
         good = sm.clone()
         if self.fault != "duplicate":
             good[0] = -1
+        elif self.first_wins and n > 1:
+            good[1] = -1
         before = {p: c.clone() for p, c in self.caches.items()}
         expect = base.clone()
         # the same K / V views over a copy of the layer's tensor
@@ -147,7 +151,7 @@ def child(model: str, mode: str, fault: str) -> dict:
     if mode == "nostore":
         ops.cpu_attn_reshape_and_cache = lambda *a, **k: None
     elif fault != "namespace" and mode != "perfmix":
-        planter = Planter(ops, fault)
+        planter = Planter(ops, fault, first_wins=mode != "off")
     if mode == "perfmix":
         return perf_in_process(llm, plugin, ops, int(fault))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
@@ -158,7 +162,7 @@ def child(model: str, mode: str, fault: str) -> dict:
         out["tokens"] = [list(r.outputs[0].token_ids) for r in res]
     except Exception as exc:  # noqa: BLE001  (a fault run must fail with kvwrite's error)
         cause = exc
-        while cause.__cause__ is not None and type(cause).__name__ not in ("OutOfBoundsWrite", "NamespaceMismatch"):
+        while cause.__cause__ is not None and type(cause).__name__ not in KVWRITE_ERRORS:
             cause = cause.__cause__
         out["error"] = f"{type(cause).__name__}: {cause}"[:1500]
     out["fault_record"] = planter.record if planter is not None else record
@@ -293,7 +297,7 @@ def summarize(results: dict) -> dict:
     for f in FAULTS:
         kv, vl = g(f"guard:{f}"), g(f"off:{f}")
         table[f] = dict(
-            kvwrite=dict(caught=bool(kv.get("error")) and ("OutOfBoundsWrite" in kv["error"] or "NamespaceMismatch" in kv["error"]),
+            kvwrite=dict(caught=bool(kv.get("error")) and any(e in kv["error"] for e in KVWRITE_ERRORS),
                          error=kv.get("error"), record=kv.get("fault_record"),
                          tokens_equal_to_clean=same(off.get("tokens"), kv.get("tokens"))),
             without_kvwrite=dict(error=vl.get("error"), record=vl.get("fault_record"),
