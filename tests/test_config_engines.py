@@ -191,6 +191,69 @@ def test_gemma3n_is_one_pool_under_sglang_and_shares_layers_in_kvwrite():
     assert vl.max_total_num_tokens + 1 == 20 * GiB // (4 * 2048)
 
 
+def test_gemma4_under_vllm_unifies_page_sizes_by_block_size():
+    """vLLM 0.32 (kv_cache_utils.unify_kv_cache_spec_page_size): a full layer's page at 64 tokens is
+    4 heads x 512 x K+V x 2 B x 64 = 524,288 B, a sliding layer's 262,144 B, so the sliding layers
+    take 128-token blocks. 25 sliding + 5 full layers -> group size 5: a block costs 5 x 524,288 =
+    2,621,440 B (40,960 B a 64-token page's token); 20 GiB // that = 8,192 blocks, block 0 the null
+    block (vLLM's own get_kv_cache_config_from_groups: 8,192, bench/results/peers/vllm-configurator.md)."""
+    spec = _gemma4(num_kv_shared_layers=0, attention_k_eq_v=False)
+    plan = KVCacheConfigurator(spec, memory_bytes=20 * GiB, page_size=64, engine="vllm").plan()
+    full, swa = plan.pool("full"), plan.pool("swa")
+    assert plan.variant == "swa_grouped" and "unify_kv_cache_spec_page_size" in plan.engine_notes[0]
+    assert (full.geometry.page_size, swa.geometry.page_size) == (64, 128)
+    assert full.geometry.num_pages == swa.geometry.num_pages == 8_192
+    assert full.buffers[0].shape == (8_192, 64, 4, 512) and swa.buffers[0].shape == (8_192, 128, 4, 256)
+    assert plan.cell_size_bytes == 5 * 524_288 // 64 == 40_960
+    assert plan.max_total_num_tokens == 8_191 * 64 and plan.kv_bytes == 20 * GiB
+    assert swa.spec.alias == "full" and swa.bytes == 0 and swa.space.name == "swa_x2"
+    assert swa.space.page_size == 128 and swa.space.num_locs == 8_192 * 128
+
+
+def test_gemma4_31b_shape_under_vllm_gives_the_full_layers_the_larger_block():
+    """16 sliding KV heads, 4 global (K = V): a sliding layer's 64-token page is 16 x 256 x 2 x 2 B x 64
+    = 1,048,576 B, a full layer's 4 x 512 x 2 x 2 B x 64 = 524,288 B, so the full layers take 128-token
+    blocks. 50 sliding + 10 full -> group size 10: 10 x 1,048,576 B a block, 2,048 blocks in 20 GiB
+    (vLLM's own figure for the same config: bench/results/peers/vllm-configurator.md)."""
+    spec = _gemma4(num_hidden_layers=60, num_attention_heads=32, num_key_value_heads=16, num_global_key_value_heads=4,
+                   attention_k_eq_v=True, sliding_window=1024, num_kv_shared_layers=0)
+    plan = KVCacheConfigurator(spec, memory_bytes=20 * GiB, page_size=64, engine="vllm").plan()
+    full, swa = plan.pool("full"), plan.pool("swa")
+    assert (full.geometry.page_size, swa.geometry.page_size) == (128, 64)
+    assert full.space.name == "full_x2" and swa.space.name == "full" and swa.spec.alias == "full"
+    assert plan.cell_size_bytes == 10 * 1_048_576 // 64 and full.geometry.num_pages == 2_048
+    assert plan.kv_bytes == 20 * GiB and full.buffers[0].shape == (2_048, 128, 4, 512)
+
+
+def test_gemma4_k_eq_v_under_vllm_stores_k_as_v_into_shared_memory():
+    """K reused as V, 2 global KV heads: a full layer's token is 2 x 512 x 2 x 2 B = 4,096 B, a
+    sliding layer's 4 x 256 x 2 x 2 B = 4,096 B: one block size. 15 sliding + 3 full layers with a
+    cache (12 KV-shared) -> group size 3: 3 x 4,096 = 12,288 B a token, 20 GiB // (12,288 x 64) =
+    27,306 blocks (vLLM's own figure). Sliding layer 0 and full layer 5 are both first in their
+    groups: the same bytes, each read with its own shape."""
+    import torch
+
+    spec = _gemma4(num_kv_shared_layers=12, attention_k_eq_v=True, num_global_key_value_heads=2)
+    big = KVCacheConfigurator(spec, memory_bytes=20 * GiB, page_size=64, engine="vllm").plan()
+    assert big.cell_size_bytes == 3 * 4_096 and big.max_total_num_tokens == (27_306 - 1) * 64
+    plan = KVCacheConfigurator(spec, max_total_num_tokens=64, page_size=16, engine="vllm").plan()
+    full, swa = plan.pool("full"), plan.pool("swa")
+    assert (full.geometry.page_size, swa.geometry.page_size) == (16, 16)
+    assert full.spec.slot(full.layer_ids.index(5)) == swa.spec.slot(swa.layer_ids.index(0)) == 0
+    pool = plan.build("cpu", check="guard", backend="torch", engine="vllm")
+    assert pool.nbytes == plan.total_bytes == 3 * 5 * 16 * 4_096
+    k = torch.randn(1, 2, 512).to(torch.bfloat16)
+    pool.store(5, torch.tensor([3]), k, k)          # K reused as V
+    pool.errors.raise_if_any()
+    assert torch.equal(pool.layer("full", 5)["v"].reshape(-1, 2, 512)[3], k[0])
+    assert pool.layer("full", 29)["k"] is pool.layer("full", 17)["k"]   # KV-shared layer 29 reads 17's copy
+    row = pool.layer("swa", 0)["k"].reshape(-1, 4, 256)[3]    # the same 2 KiB, as 4 x 256
+    assert torch.equal(row.reshape(-1), k[0].reshape(-1))
+    pool.store(0, torch.tensor([swa.geometry.capacity]), row[None], row[None])   # past the sliding blocks
+    with pytest.raises(Exception, match="capacity"):
+        pool.errors.raise_if_any()
+
+
 @pytest.mark.parametrize("preset", ["qwen3-next-80b-a3b", "deepseek-v4-flash"])
 def test_vllm_layouts_kvwrite_does_not_plan_are_refused(preset):
     with pytest.raises(UnsupportedCombination, match="does not plan vLLM's layout of variant"):

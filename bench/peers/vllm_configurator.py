@@ -118,19 +118,28 @@ def vllm_row(case: dict) -> dict:
         conf = get_kv_cache_config_from_groups(cfg, groups, BUDGET)
     except Exception as err:
         return dict(ok=False, error=f"{type(err).__name__}: {str(err).splitlines()[0][:300]}")
+    from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
+
+    # each GQA layer's (block size, KV heads, head size, position of its bytes in the group tensors)
+    spec_of = {name: g.kv_cache_spec for g in groups for name in g.layer_names}
     layers = {}
     for t in conf.kv_cache_tensors:
-        for name in t.layers:
-            layers[name] = t.size
+        for j, name in enumerate(t.layers):
+            s = spec_of[name]
+            if isinstance(s, AttentionSpec) and not isinstance(s, MLAAttentionSpec) and name.endswith(".attn"):
+                layers[name.split(".")[1]] = [s.block_size, s.num_kv_heads, s.head_size,
+                                              j + t.offset // t.layer_stride]
     g0 = groups[0].kv_cache_spec
     return dict(ok=True, num_blocks=conf.num_blocks, groups=[len(g.layer_names) for g in groups],
                 group_kinds=[type(g.kv_cache_spec).__name__ for g in groups],
+                group_block_sizes=[g.kv_cache_spec.block_size for g in groups],
                 tensors=len(conf.kv_cache_tensors),
                 # every group's tensor aliases the same memory from byte 0: the pool is the largest
                 tensor_bytes=max(t.size for t in conf.kv_cache_tensors),
-                block_size=g0.block_size, kv_heads=getattr(g0, "num_kv_heads", None),
-                # usable tokens: block 0 is the BlockPool's null block
-                max_total_num_tokens=(conf.num_blocks - 1) * g0.block_size)
+                block_size=g0.block_size, kv_heads=getattr(g0, "num_kv_heads", None), layers=layers,
+                # usable tokens in blocks of the configured block size (block 0 is the BlockPool's null
+                # block); a group whose pages vLLM unified holds a multiple of that a block
+                max_total_num_tokens=(conf.num_blocks - 1) * case["page"])
 
 
 def compare(case, v, k) -> tuple[str, list]:
@@ -144,7 +153,13 @@ def compare(case, v, k) -> tuple[str, list]:
     kv_blocks = k["max_total_num_tokens"] // case["page"] + k.get("padding_pages", 1)
     if v["num_blocks"] != kv_blocks:
         diffs.append(f"blocks: vllm {v['num_blocks']} kvwrite {kv_blocks}")
-    if v["kv_heads"] not in (None, 1) and k["kv_heads"] != v["kv_heads"]:
+    if v["layers"]:   # every GQA layer: block size, KV heads, head size, buffer copy
+        mine = k.get("layers", {})
+        bad = [f"layer {i}: vllm {v['layers'][i]} kvwrite {mine.get(i)}" for i in v["layers"] if mine.get(i) != v["layers"][i]]
+        bad += [f"layer {i}: kvwrite only" for i in mine if i not in v["layers"]]
+        if bad:
+            diffs.append(f"layers (block, heads, head size, copy): {'; '.join(bad[:3])}" + (" ..." if len(bad) > 3 else ""))
+    elif v["kv_heads"] not in (None, 1) and k["kv_heads"] != v["kv_heads"]:
         diffs.append(f"kv_heads: vllm {v['kv_heads']} kvwrite {k['kv_heads']}")
     if k.get("tensor_bytes") is not None and v["tensor_bytes"] != k["tensor_bytes"]:
         diffs.append(f"bytes: vllm {v['tensor_bytes']} kvwrite {k['tensor_bytes']}")

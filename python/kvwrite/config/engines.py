@@ -51,6 +51,32 @@ def vllm_kv_cache_groups(kinds: list[tuple[int, str]]) -> list[tuple[int, ...]]:
     return groups
 
 
+def vllm_block_multipliers(page_bytes: dict[str, dict[str, int]], what: str) -> dict[str, int]:
+    """vLLM's `kv_cache_utils.unify_kv_cache_spec_page_size` for attention layers of different page
+    sizes: a layer kind whose page (bytes a block at the configured block size) is smaller than
+    the largest takes block_size x (largest // its page), so every page holds the same bytes.
+    `page_bytes`: {kind: {buffer: bytes a token}}; returns {kind: block-size multiplier}. vLLM
+    pads a page that does not divide the largest (`page_size_padded`, a strided view), which
+    kvwrite does not plan; kvwrite also needs each buffer to scale alike (its copies alias
+    buffer by buffer): both refused with UnsupportedCombination."""
+    total = {kind: sum(b.values()) for kind, b in page_bytes.items()}
+    top = max(total.values())
+    out = {kind: top // t for kind, t in total.items()}
+    if any(top % t for t in total.values()):
+        raise UnsupportedCombination(
+            f"engine='vllm' pads {what}'s smaller KV pages to the largest ({total} bytes a token: not a divisor, "
+            f"kv_cache_utils.unify_kv_cache_spec_page_size sets page_size_padded), a strided layout kvwrite does "
+            f"not plan: use engine='sglang'")
+    per_buffer = {name: {kind: b[name] * out[kind] for kind, b in page_bytes.items()} for name in
+                  next(iter(page_bytes.values()))}
+    if any(len(set(v.values())) > 1 for v in per_buffer.values()):
+        raise UnsupportedCombination(
+            f"engine='vllm' unifies {what}'s page sizes by block size, but this kv_cache_dtype's buffers do not "
+            f"scale alike ({per_buffer}), so kvwrite's sub-pools cannot share their memory buffer by buffer: "
+            f"use kv_cache_dtype='auto' or an fp8 format, or engine='sglang'")
+    return out
+
+
 @dataclass(frozen=True)
 class EngineLayout:
     """The model as `engine` lays it out, the kv cache dtype it stores, and each change from the
@@ -123,12 +149,11 @@ def _vllm(spec: ModelSpec, parallel, kv: str, page_size: int) -> EngineLayout:
             f"compressed caches as KV cache specs of their own and unifies their page sizes with the attention "
             f"layers': kv_cache_utils.unify_kv_cache_spec_page_size); plan it with engine='sglang' or 'kvwrite'")
     if spec.variant == "swa_hybrid" and (spec.global_head_dim or spec.num_global_kv_heads):
-        raise UnsupportedCombination(
-            f"engine='vllm' keeps {spec.architecture or spec.name or 'this model'}'s full-attention and sliding "
-            f"layers, which have different head sizes / KV heads, in group tensors shared by both, each layer "
-            f"viewing the bytes with its own shape (block sizes unified to equal page bytes: kv_cache_utils."
-            f"unify_kv_cache_spec_page_size); a kvwrite sub-pool has one buffer shape, so kvwrite does not plan "
-            f"it: use engine='sglang'")
+        notes.append(f"{spec.architecture or spec.name or 'this model'}'s full-attention layers have their own head "
+                     f"size / KV heads: vLLM raises the block size of the layers with the smaller page until every "
+                     f"page holds the same bytes (kv_cache_utils.unify_kv_cache_spec_page_size) and the groups share "
+                     f"one tensor per position, each layer viewing it with its own shape; kvwrite plans sub-pools "
+                     f"'full' and 'swa' with those block sizes, one viewing the other's memory")
     if spec.variant == "swa_hybrid":
         kinds = [(i, "swa" if i in spec.swa_layer_ids else "full") for i in range(spec.num_layers)
                  if spec.kv_source(i) is None]

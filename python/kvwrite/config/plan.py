@@ -73,6 +73,9 @@ class PoolSpec:
     layers). `virtual`: addressed by the DCP virtual loc even on a target worker (the DSA indexer
     cache), so its pages are `page_size * dcp_size` rows. `op`: the kvwrite store op;
     `needs`: keywords that op must accept for this sub-pool (checked by `build()`).
+    `alias`: the sub-pool whose buffer copies this one views instead of allocating its own (vLLM's
+    page-size-unified KV cache groups: copy i of both is the same bytes, each sub-pool reading
+    them with its own page size and row shape; `build()` checks the bytes agree).
     """
 
     name: str
@@ -84,6 +87,7 @@ class PoolSpec:
     needs: tuple[str, ...] = ()
     note: str = ""
     slots: tuple[int, ...] = ()   # per layer of layer_ids, the buffer copy it uses (layers sharing memory)
+    alias: str = ""
 
     @property
     def num_buffers(self) -> int:
@@ -161,6 +165,9 @@ class SubPoolPlan:
 
     @property
     def bytes(self) -> int:
+        """Bytes this sub-pool allocates (0 for an `alias` of another sub-pool's memory)."""
+        if self.spec.alias:
+            return 0
         return sum(b.bytes * (self.spec.num_buffers if b.per_layer else 1) for b in self.buffers)
 
     @property
@@ -197,6 +204,7 @@ class SubPoolPlan:
             buffers=[b.to_dict() for b in self.buffers], bytes=self.bytes, op=self.op,
             kernel=self.kernel, addressing=self.addressing, allocator=self.space.to_dict(),
             **({"buffer_slots": list(self.spec.slots)} if self.spec.slots else {}),
+            **({"aliases": self.spec.alias} if self.spec.alias else {}),
         )
 
 

@@ -71,9 +71,11 @@ class KVPool(PageMoves):
         self.buffers: dict[str, list[dict[str, torch.Tensor]]] = {}
         self.shared: dict[str, dict[str, torch.Tensor]] = {}
         self._index: dict[str, dict[int, int]] = {}
-        for p in plan.pools:
+        for p in sorted(plan.pools, key=lambda p: bool(p.spec.alias)):   # memory owners first
             self._index[p.name] = {lid: p.spec.slot(i) for i, lid in enumerate(p.layer_ids)}
-            self.buffers[p.name] = self._allocate([b for b in p.buffers if b.per_layer], p.spec.num_buffers)
+            per_layer = [b for b in p.buffers if b.per_layer]
+            self.buffers[p.name] = (self._alias_views(plan.pool(p.spec.alias), p, per_layer) if p.spec.alias else
+                                    self._allocate(per_layer, p.spec.num_buffers))
             self.shared[p.name] = {b.name: torch.full(b.shape, -1, dtype=getattr(torch, b.dtype), device=self.device)
                                    for b in p.buffers if not b.per_layer}
         self._layers = {lid for p in plan.pools for lid in p.layer_ids}
@@ -98,6 +100,21 @@ class KVPool(PageMoves):
                 for i in range(num_layers):
                     layers[i][b.name] = torch.zeros(b.shape, dtype=dtype, device=self.device)
         return layers
+
+    def _alias_views(self, owner, sub, buffers) -> list[dict[str, torch.Tensor]]:
+        """Sub-pool `sub`'s buffer copies as views of `owner`'s (PoolSpec.alias): copy i, buffer b
+        is the bytes of the owner's copy i, buffer b, read with `sub`'s shape and dtype."""
+        mine = {b.name: b for b in owner.buffers}
+        bad = [b.name for b in buffers if b.name not in mine or mine[b.name].bytes != b.bytes]
+        if bad or sub.spec.num_buffers > owner.spec.num_buffers:
+            raise ValueError(f"sub-pool {sub.name!r} aliases {owner.name!r} but its buffers {bad or ''} (or its "
+                             f"{sub.spec.num_buffers} copies) are not the same bytes")
+        out = []
+        for i in range(sub.spec.num_buffers):
+            src = self.buffers[owner.name][i]
+            out.append({b.name: src[b.name].view(torch.uint8).view(getattr(torch, b.dtype)).view(b.shape)
+                        for b in buffers})
+        return out
 
     def _build_scales(self, scales) -> dict[str, torch.Tensor]:
         """The build-time scales, checked: every fp8 scale given, nothing that does not apply."""
@@ -160,8 +177,9 @@ class KVPool(PageMoves):
 
     @property
     def nbytes(self) -> int:
+        aliases = {p.name for p in self.plan.pools if p.spec.alias}   # views of another sub-pool's memory
         per = sum(t.numel() * t.element_size() for group in (self.buffers, self.states)
-                  for layers in group.values() for d in layers for t in d.values())
+                  for name, layers in group.items() if name not in aliases for d in layers for t in d.values())
         return per + sum(t.numel() * t.element_size() for d in self.shared.values() for t in d.values())
 
     def allocator(self, space: str = "full"):
