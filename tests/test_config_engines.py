@@ -254,22 +254,54 @@ def test_gemma4_k_eq_v_under_vllm_stores_k_as_v_into_shared_memory():
         pool.errors.raise_if_any()
 
 
-@pytest.mark.parametrize("preset", ["qwen3-next-80b-a3b", "deepseek-v4-flash"])
-def test_vllm_layouts_kvwrite_does_not_plan_are_refused(preset):
+def test_vllm_layouts_kvwrite_does_not_plan_are_refused():
     with pytest.raises(UnsupportedCombination, match="does not plan vLLM's layout of variant"):
-        KVCacheConfigurator(ModelSpec.from_preset(preset), memory_bytes=20 * GiB, max_running_requests=8,
-                            engine="vllm")
+        KVCacheConfigurator(ModelSpec.from_preset("deepseek-v4-flash"), memory_bytes=20 * GiB,
+                            max_running_requests=8, engine="vllm")
 
 
-def test_vllm_dsa_under_dcp_is_refused_and_the_model_table_says_so():
+@pytest.mark.parametrize("tp, page, block, state", [(1, 64, 576, 1_097_728), (1, 1, 544, 1_097_728),
+                                                     (8, 64, 192, 137_216), (8, 1, 144, 137_216)])
+def test_vllm_gdn_layout_is_refused_with_vllms_figures(tp, page, block, state):
+    """Qwen3-Next under vLLM 0.32: a GDN layer's state is conv 8,192/tp x 3 + recurrent 32/tp x 128 x
+    128 values, bf16 (1,097,728 B at tp 1); an attention token 2/tp KV heads (at least 1) x 256 x 2 x
+    2 B (2,048 B at tp 1). The block grows in multiples of max(16, page) until a page holds a state:
+    tp 1, page 64: 64 x ceil(1,097,728 / (64 x 2,048)) = 576 (vLLM's own _align_hybrid_block_size
+    gives the same: bench/results/peers/vllm-configurator.md)."""
+    with pytest.raises(UnsupportedCombination, match=f"one layer's conv \\+ recurrent state \\({state} B.* "
+                                                      f"from {page} to {block} tokens.*into 4 KV cache groups"):
+        KVCacheConfigurator(ModelSpec.from_preset("qwen3-next-80b-a3b"), ParallelSpec(tp), page_size=page,
+                            memory_bytes=20 * GiB, engine="vllm")
+
+
+def test_vllm_dsa_under_dcp_shards_the_indexer_cache_and_the_model_table_says_so():
+    """vLLM shards the DSA indexer cache over the DCP ranks like the MLA cache: a rank's token costs
+    (576 x 2 + 132) x 61 = 78,324 B at dcp 2 as at dcp 1 (20 GiB // (78,324 x 64) = 4,284 blocks, vLLM's
+    own figure); kvwrite's indexer store translates the virtual loc to the rank's row."""
+    import torch
+
     from kvwrite.config.modeltypes import table
+    from kvwrite.reference.indexer_k import read_indexer_k
 
-    with pytest.raises(UnsupportedCombination, match="store_indexer_k has no DCP-rank translation"):
-        KVCacheConfigurator(ModelSpec.from_preset("deepseek-v3.2"), ParallelSpec(8, 2), memory_bytes=GiB,
-                            engine="vllm")
+    d = ModelSpec.from_preset("deepseek-v3.2")
+    plan = KVCacheConfigurator(d, ParallelSpec(8, 2, dcp_rank=1), memory_bytes=20 * GiB, engine="vllm").plan()
+    one = KVCacheConfigurator(d, ParallelSpec(8, 1), memory_bytes=20 * GiB, engine="vllm").plan()
+    assert plan.cell_size_bytes == one.cell_size_bytes == (576 * 2 + 132) * 61
+    assert plan.max_total_num_tokens == one.max_total_num_tokens == (4_284 - 1) * 64
+    assert [p.addressing for p in plan.pools] == ["sharded", "sharded"] and "dcp_sharded" in plan.engine_notes[0]
+    small = KVCacheConfigurator(d.replace(num_layers=1), ParallelSpec(8, 2, dcp_rank=1), max_total_num_tokens=128,
+                                engine="vllm").plan()
+    pool = small.build("cpu", check="guard", backend="torch", engine="vllm")
+    kv_c, k_pe, index_k = pool.sample_inputs(0, 2, torch.Generator().manual_seed(0))
+    pool.store(0, torch.tensor([7, 8]), kv_c, k_pe, index_k)   # 7 is rank 1's row 3; 8 rank 0's
+    pool.errors.raise_if_any()
+    cache = pool.layer("indexer", 0)["index_k"]
+    got = read_indexer_k(cache, torch.tensor([3, 4]), 128)
+    assert torch.allclose(got[0], index_k[0].float(), rtol=0.07, atol=1e-3) and not got[1].any()
+    assert torch.equal(pool.layer("kv", 0)["kv"].reshape(-1, 576)[3, :512], kv_c[0])
     rows = {line.split(" | ")[0].strip("| "): line for line in table().splitlines()[2:]}
     assert "one full pool (hybrid SWA memory off)" in rows["gemma3"]
-    assert "full + SWA pools" in rows["gpt_oss"] and "DCP refused" in rows["deepseek_v32"]
+    assert "full + SWA pools" in rows["gpt_oss"] and "indexer cache DCP-sharded" in rows["deepseek_v32"]
 
 
 def test_vllm_has_no_draft_worker_pools():

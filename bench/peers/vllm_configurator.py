@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 os.environ.setdefault("KVWRITE_EXT", "0")
 
 import json  # noqa: E402
+import re  # noqa: E402
 import logging  # noqa: E402
 import types  # noqa: E402
 import warnings  # noqa: E402
@@ -83,6 +84,52 @@ def _specs(spec, case: dict) -> dict:
     return out
 
 
+def _hybrid_specs(spec, case: dict, cfg: dict, vcfg) -> dict:
+    """A gated-delta-net hybrid's specs (Qwen3-Next) as vLLM builds them: its own
+    Platform._align_hybrid_block_size (FlashAttention's kernel blocks; the model class's
+    get_mamba_state_shape/dtype_from_config) raises vcfg's block size and sets
+    mamba_page_size_padded, then FullAttentionSpec per attention layer and the GDN layers' MambaSpec
+    (model_executor/layers/mamba/abstract.py get_kv_cache_spec) with prefix caching off."""
+    from unittest import mock
+
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM
+    from vllm.platforms.interface import Platform
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    ns = types.SimpleNamespace
+    text = ns(**cfg.get("text_config", cfg))
+    heads = max(1, spec.num_kv_heads // case["tp"])
+    vcfg.cache_config.__dict__.update(cache_dtype="auto", block_size=case["page"], mamba_page_size_padded=None,
+                                      mamba_cache_mode="none", mamba_block_size=spec.context_len or 262144,
+                                      mamba_cache_dtype="auto", mamba_ssm_cache_dtype="auto",
+                                      kv_cache_dtype_skip_layers=None)
+    vcfg.model_config = ns(dtype=DTYPE[spec.dtype], use_mla=False, architecture=cfg["architectures"][0],
+                           hf_text_config=text, hf_config=text, get_num_kv_heads=lambda par: heads,
+                           get_head_size=lambda: spec.head_dim)
+    vcfg.num_speculative_tokens = 0
+    with mock.patch.object(ModelRegistry, "resolve_model_cls", lambda *a, **k: (Qwen3NextForCausalLM, None)), \
+            mock.patch.object(Platform, "_find_non_ssm_backends", classmethod(lambda cls, c: [FlashAttentionBackend])):
+        Platform._align_hybrid_block_size(vcfg, FlashAttentionBackend)
+    cache = vcfg.cache_config
+    shapes = Qwen3NextForCausalLM.get_mamba_state_shape_from_config(vcfg)
+    dtypes = Qwen3NextForCausalLM.get_mamba_state_dtype_from_config(vcfg)
+    out = {}
+    for i in range(spec.num_layers):
+        if i in spec.full_attention_layer_ids:
+            out[f"layers.{i}.attn"] = FullAttentionSpec(block_size=cache.block_size, num_kv_heads=heads,
+                                                        head_size=spec.head_dim, dtype=DTYPE[spec.dtype],
+                                                        max_tp_shards=spec.num_kv_heads)
+        else:
+            out[f"layers.{i}.linear_attn"] = MambaSpec(
+                shapes=tuple(shapes), dtypes=dtypes, block_size=cache.mamba_block_size,
+                page_size_padded=cache.mamba_page_size_padded, mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+                mamba_cache_mode=cache.mamba_cache_mode)
+    return out
+
+
 def _verify_parallel(cfg: dict, spec, tp: int, dcp: int) -> None:
     """vLLM's own ModelConfig.verify_with_parallel_config (its head-count and DCP rules) on the
     config's head counts; a ValueError is vLLM's refusal. Lines after its DCP checks read fields
@@ -108,12 +155,10 @@ def vllm_row(case: dict) -> dict:
 
     try:
         spec = ModelSpec.from_hf_config(json.loads(json.dumps(CONFIGS[case["model"]])), reader="own")
-        if spec.variant == "hybrid_linear":
-            return dict(ok=False, not_run=True, error="not run: the Mamba/GDN state specs of vLLM's hybrid models are not "
-                                        "built by this script")
         _verify_parallel(CONFIGS[case["model"]], spec, case["tp"], case["dcp"])
-        specs = _specs(spec, case)
         cfg = _vllm_config(case["tp"], case["dcp"])
+        specs = (_hybrid_specs(spec, case, CONFIGS[case["model"]], cfg) if spec.variant == "hybrid_linear"
+                 else _specs(spec, case))
         groups = get_kv_cache_groups(cfg, specs)
         conf = get_kv_cache_config_from_groups(cfg, groups, BUDGET)
     except Exception as err:
@@ -137,9 +182,10 @@ def vllm_row(case: dict) -> dict:
                 # every group's tensor aliases the same memory from byte 0: the pool is the largest
                 tensor_bytes=max(t.size for t in conf.kv_cache_tensors),
                 block_size=g0.block_size, kv_heads=getattr(g0, "num_kv_heads", None), layers=layers,
-                # usable tokens in blocks of the configured block size (block 0 is the BlockPool's null
-                # block); a group whose pages vLLM unified holds a multiple of that a block
-                max_total_num_tokens=(conf.num_blocks - 1) * case["page"])
+                cache_block_size=cfg.cache_config.block_size, page_bytes=g0.page_size_bytes,
+                # usable tokens in blocks of the cache's block size (block 0 is the BlockPool's null block;
+                # vLLM raises it for hybrid models); a group whose pages vLLM unified holds a multiple a block
+                max_total_num_tokens=(conf.num_blocks - 1) * cfg.cache_config.block_size)
 
 
 def compare(case, v, k) -> tuple[str, list]:
@@ -148,7 +194,14 @@ def compare(case, v, k) -> tuple[str, list]:
     if not v["ok"] and not k["ok"]:
         return "both refuse", []
     if not v["ok"] or not k["ok"]:
-        return ("vllm refuses" if not v["ok"] else "kvwrite refuses"), []
+        diffs = []
+        said = re.search(r"raises the block size from \d+ to (\d+) tokens.* pads the state page to (\d+) B.* into "
+                         r"(\d+) KV cache groups", k.get("error", ""))
+        if v["ok"] and said:   # kvwrite's refusal states vLLM's figures: check them against vLLM's own
+            theirs = (v["cache_block_size"], v["page_bytes"], len(v["groups"]))
+            if tuple(int(x) for x in said.groups()) != theirs:
+                diffs.append(f"kvwrite's figures (block, page, groups) {said.groups()} vs vllm's {theirs}")
+        return ("vllm refuses" if not v["ok"] else "kvwrite refuses"), diffs
     diffs = []
     kv_blocks = k["max_total_num_tokens"] // case["page"] + k.get("padding_pages", 1)
     if v["num_blocks"] != kv_blocks:

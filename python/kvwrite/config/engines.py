@@ -9,6 +9,7 @@ naming the engine's rule. Facts from SGLang 0.5.23 and vLLM 0.32.0 (paths given 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvwrite.config.errors import UnsupportedCombination
@@ -77,6 +78,49 @@ def vllm_block_multipliers(page_bytes: dict[str, dict[str, int]], what: str) -> 
     return out
 
 
+VLLM_KERNEL_BLOCK = 16   # FlashAttention's kernel block sizes: MultipleOf(16) (v1/attention/backends/flash_attn.py)
+
+
+def vllm_gdn_layout(spec: ModelSpec, parallel, kv: str, page_size: int) -> str:
+    """Why kvwrite does not plan vLLM 0.32's layout of a gated-delta-net hybrid (Qwen3-Next), with
+    vLLM's figures: the GDN states live in the KV block pool, one layer's state a block
+    (`Platform._align_hybrid_block_size`: the attention block size is raised, in multiples of
+    max(16, block_size), until an attention page holds a state; the state page is padded to it,
+    `mamba_page_size_padded`), and the attention and GDN layers form KV cache groups sharing one
+    tensor per position (`vllm_kv_cache_groups`)."""
+    import torch
+
+    from kvwrite.config.scales import STATIC_SCALED
+
+    def size(dtype: str) -> int:
+        return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+    st = spec.linear_state
+    heads = parallel.kv_heads_per_rank(spec.num_kv_heads)
+    kv_dtype = spec.dtype if kv == "auto" else STATIC_SCALED.get(kv)
+    if kv_dtype is None:
+        return (f"kvwrite does not plan vLLM's layout of variant {spec.variant!r} (its GDN states share the KV "
+                f"block pool: Platform._align_hybrid_block_size); plan it with engine='sglang' or 'kvwrite'")
+    attn = heads * (spec.head_dim + (spec.v_head_dim or spec.head_dim)) * size(kv_dtype)
+    elt = size(spec.dtype)
+    state = sum(math.prod(shape) for shape in st.shapes(parallel.tp_size).values()) * elt   # model dtype ("auto")
+    align = max(VLLM_KERNEL_BLOCK, page_size)
+    block = align * -(-state // (align * attn))
+    block = max(page_size, VLLM_KERNEL_BLOCK * -(-block // VLLM_KERNEL_BLOCK))
+    kinds = sorted([(i, "attention") for i in spec.full_attention_layer_ids] +
+                   [(i, "gdn") for i in spec.linear_layer_ids])
+    groups = vllm_kv_cache_groups(kinds)
+    what = spec.architecture or spec.name or "this model"
+    return (f"engine='vllm' keeps {what}'s GDN states in the KV block pool, one layer's conv + recurrent state "
+            f"({state} B, model dtype) a block: it raises the block size from {page_size} to {block} tokens so an "
+            f"attention page ({block} x {attn} B = {block * attn} B) holds one (Platform._align_hybrid_block_size, "
+            f"kernel blocks of {VLLM_KERNEL_BLOCK}), pads the state page to {block * attn} B (mamba_page_size_padded) "
+            f"and groups the {len(spec.full_attention_layer_ids)} attention and {len(spec.linear_layer_ids)} GDN "
+            f"layers into {len(groups)} KV cache groups sharing {max(len(g) for g in groups)} tensors; kvwrite keeps "
+            f"recurrent states in request-slot pools beside the KV pool, so it does not plan this layout: use "
+            f"engine='sglang' or 'kvwrite'")
+
+
 @dataclass(frozen=True)
 class EngineLayout:
     """The model as `engine` lays it out, the kv cache dtype it stores, and each change from the
@@ -143,6 +187,8 @@ def _vllm(spec: ModelSpec, parallel, kv: str, page_size: int) -> EngineLayout:
             "engine='vllm' has no draft worker with pools of its own: the draft's (EAGLE / MTP) attention "
             "layers get KV cache specs beside the target's and join its KV cache groups (kv_cache_utils."
             "_annotate_eagle_groups); plan the target with the draft layers counted, or use engine='sglang'")
+    if spec.variant == "hybrid_linear" and spec.linear_state is not None and spec.linear_state.kind == "gdn":
+        raise UnsupportedCombination(vllm_gdn_layout(spec, parallel, kv, page_size))
     if spec.variant not in VLLM_PLANNED:
         raise UnsupportedCombination(
             f"kvwrite does not plan vLLM's layout of variant {spec.variant!r} (vLLM sizes recurrent-state and "
@@ -164,10 +210,9 @@ def _vllm(spec: ModelSpec, parallel, kv: str, page_size: int) -> EngineLayout:
                      f"outside the window")
         spec = spec.replace(variant="swa_grouped")
     if spec.variant == "dsa" and parallel.dcp_size > 1:
-        raise UnsupportedCombination(
-            f"engine='vllm' shards the DSA indexer cache over the {parallel.dcp_size} DCP ranks (its "
-            f"MLAAttentionSpec is dcp_sharded), and kvwrite's store_indexer_k has no DCP-rank translation: plan "
-            f"it with dcp_size=1, or engine='sglang' (whose indexer cache holds the whole virtual loc space)")
+        notes.append(f"vLLM shards the DSA indexer cache over the {parallel.dcp_size} DCP ranks like the MLA "
+                     f"cache (its MLAAttentionSpec is dcp_sharded): store_indexer_k translates the virtual loc "
+                     f"to this rank's row (SGLang's indexer cache holds the whole virtual loc space)")
     if spec.variant == "dsa" and kv in FP8_FORMATS:
         notes.append(f"vLLM serves any quantized DSA cache ({kv}) as fp8_ds_mla, 656-byte rows "
                      f"(model_executor/layers/attention/mla_attention.py, FLASHMLA_SPARSE)")

@@ -57,7 +57,7 @@ def _vllm(variants: tuple[str, ...], parser) -> str:
             " (full / sliding pages unified by block size: two sub-pools sharing memory)" if parser is hf._gemma4
             else ""))
     if "dsa" in variants:
-        out.append("fp8 -> fp8_ds_mla; DCP refused")
+        out.append("fp8 -> fp8_ds_mla; indexer cache DCP-sharded")
     return "; ".join(out)
 
 

@@ -459,8 +459,9 @@ class MLAPlanner(VariantPlanner):
 
 
 class DSAPlanner(MLAPlanner):
-    """MLA pool + the DSA indexer K cache (fp8 + fp32 scales per 128, always), which every DCP
-    rank holds whole: it is indexed by the virtual loc, so its pages are page_size * dcp_size."""
+    """MLA pool + the DSA indexer K cache (fp8 + fp32 scales per 128, always). SGLang's and
+    kvwrite's: every DCP rank holds it whole, indexed by the virtual loc, so its pages are
+    page_size * dcp_size. vLLM's (engine="vllm"): sharded over the DCP ranks like the MLA pool."""
 
     name = "dsa"
     fields = MLAPlanner.fields | {"index_head_dim"}
@@ -476,6 +477,10 @@ class DSAPlanner(MLAPlanner):
             raise UnsupportedCombination("variant 'dsa' has no Ascend layout here: SGLang's NPU DSA pool keeps a "
                                          "bf16 index K per layer, which this kvwrite does not plan")
         layers = self.kv_layer_ids(ctx.model)
+        if ctx.parallel.engine == "vllm":   # vLLM shards the indexer cache over the DCP ranks like the MLA cache
+            return [self._mla_pool(ctx), PoolSpec("indexer", layers, (indexer_buffer(ctx.model.index_head_dim),),
+                                                  "store_indexer_k", needs=_needs("store_indexer_k", "auto",
+                                                                                  _sharded(ctx)))]
         return [self._mla_pool(ctx), PoolSpec("indexer", layers, (indexer_buffer(ctx.model.index_head_dim),),
                                               "store_indexer_k", virtual=True)]
 
