@@ -93,6 +93,11 @@ _NAMES = {("kv", "k"): "k_buffer", ("kv", "v"): "v_buffer", ("kv", "kv"): "kv_bu
           ("swa", "loc_map"): "full_to_swa_index_mapping"}
 
 
+def layer_key(block: int, heads: int, head_size: int, copy: int) -> str:
+    """A GQA layer in vLLM's terms: "block x heads x head size @ buffer copy"."""
+    return f"{block}x{heads}x{head_size}@{copy}"
+
+
 def kvwrite_row(case: dict, engine: str) -> dict:
     """kvwrite's plan of `case` for `engine`, in the comparison's terms (or its refusal)."""
     from kvwrite import KVCacheConfigurator, ModelSpec, ParallelSpec
@@ -124,7 +129,7 @@ def kvwrite_row(case: dict, engine: str) -> dict:
             continue
         for i, lid in enumerate(p.layer_ids):
             if plan.model.kv_source(lid) is None:
-                layers[str(lid)] = [p.geometry.page_size, k.row_shape[0], k.row_shape[1], p.spec.slot(i)]
+                layers[str(lid)] = layer_key(p.geometry.page_size, k.row_shape[0], k.row_shape[1], p.spec.slot(i))
     m = plan.model
     # KV heads of the full-attention layers (what SGLang's ModelConfig.get_num_kv_heads reports)
     heads = None if not m.num_kv_heads else plan.parallel.kv_heads_per_rank(m.num_global_kv_heads or m.num_kv_heads)

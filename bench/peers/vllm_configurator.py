@@ -25,7 +25,7 @@ import warnings  # noqa: E402
 
 import torch  # noqa: E402
 
-from config_cases import BUDGET, CONFIGS, cases, main, row  # noqa: E402
+from config_cases import BUDGET, CONFIGS, cases, layer_key, main, row  # noqa: E402
 
 warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
@@ -157,6 +157,7 @@ def vllm_row(case: dict) -> dict:
         spec = ModelSpec.from_hf_config(json.loads(json.dumps(CONFIGS[case["model"]])), reader="own")
         _verify_parallel(CONFIGS[case["model"]], spec, case["tp"], case["dcp"])
         cfg = _vllm_config(case["tp"], case["dcp"])
+        cfg.cache_config.block_size = case["page"]   # --block-size
         specs = (_hybrid_specs(spec, case, CONFIGS[case["model"]], cfg) if spec.variant == "hybrid_linear"
                  else _specs(spec, case))
         groups = get_kv_cache_groups(cfg, specs)
@@ -172,8 +173,8 @@ def vllm_row(case: dict) -> dict:
         for j, name in enumerate(t.layers):
             s = spec_of[name]
             if isinstance(s, AttentionSpec) and not isinstance(s, MLAAttentionSpec) and name.endswith(".attn"):
-                layers[name.split(".")[1]] = [s.block_size, s.num_kv_heads, s.head_size,
-                                              j + t.offset // t.layer_stride]
+                layers[name.split(".")[1]] = layer_key(s.block_size, s.num_kv_heads, s.head_size,
+                                                       j + t.offset // t.layer_stride)
     g0 = groups[0].kv_cache_spec
     return dict(ok=True, num_blocks=conf.num_blocks, groups=[len(g.layer_names) for g in groups],
                 group_kinds=[type(g.kv_cache_spec).__name__ for g in groups],
@@ -211,7 +212,7 @@ def compare(case, v, k) -> tuple[str, list]:
         bad = [f"layer {i}: vllm {v['layers'][i]} kvwrite {mine.get(i)}" for i in v["layers"] if mine.get(i) != v["layers"][i]]
         bad += [f"layer {i}: kvwrite only" for i in mine if i not in v["layers"]]
         if bad:
-            diffs.append(f"layers (block, heads, head size, copy): {'; '.join(bad[:3])}" + (" ..." if len(bad) > 3 else ""))
+            diffs.append(f"layers (block x heads x head size @ copy): {'; '.join(bad[:3])}" + (" ..." if len(bad) > 3 else ""))
     elif v["kv_heads"] not in (None, 1) and k["kv_heads"] != v["kv_heads"]:
         diffs.append(f"kv_heads: vllm {v['kv_heads']} kvwrite {k['kv_heads']}")
     if k.get("tensor_bytes") is not None and v["tensor_bytes"] != k["tensor_bytes"]:
