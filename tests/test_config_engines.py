@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from helpers import BACKENDS
 from kvwrite import KVCacheConfigurator, ModelSpec, ParallelSpec
 from kvwrite.config import EngineMismatch, UnsupportedCombination
 
@@ -262,16 +263,53 @@ def test_vllm_layouts_kvwrite_does_not_plan_are_refused():
 
 @pytest.mark.parametrize("tp, page, block, state", [(1, 64, 576, 1_097_728), (1, 1, 544, 1_097_728),
                                                      (8, 64, 192, 137_216), (8, 1, 144, 137_216)])
-def test_vllm_gdn_layout_is_refused_with_vllms_figures(tp, page, block, state):
-    """Qwen3-Next under vLLM 0.32: a GDN layer's state is conv 8,192/tp x 3 + recurrent 32/tp x 128 x
-    128 values, bf16 (1,097,728 B at tp 1); an attention token 2/tp KV heads (at least 1) x 256 x 2 x
-    2 B (2,048 B at tp 1). The block grows in multiples of max(16, page) until a page holds a state:
-    tp 1, page 64: 64 x ceil(1,097,728 / (64 x 2,048)) = 576 (vLLM's own _align_hybrid_block_size
-    gives the same: bench/results/peers/vllm-configurator.md)."""
-    with pytest.raises(UnsupportedCombination, match=f"one layer's conv \\+ recurrent state \\({state} B.* "
-                                                      f"from {page} to {block} tokens.*into 4 KV cache groups"):
-        KVCacheConfigurator(ModelSpec.from_preset("qwen3-next-80b-a3b"), ParallelSpec(tp), page_size=page,
-                            memory_bytes=20 * GiB, engine="vllm")
+def test_vllm_keeps_qwen3_next_gdn_states_in_kv_blocks(tp, page, block, state):
+    """Qwen3-Next under vLLM 0.32: a GDN layer's state is conv 3 x 8,192/tp + recurrent 32/tp x 128 x
+    128 values, bf16 (1,097,728 B at tp 1); an attention token 2/tp KV heads (at least 1) x 256 x 2
+    x 2 B (2,048 B at tp 1). The block grows in multiples of max(16, page) until a page holds a state
+    (tp 1, page 64: 64 x ceil(1,097,728 / (64 x 2,048)) = 576 tokens, 1,179,648 B pages); 36 GDN +
+    12 attention layers -> 4 groups of 12: a block costs 12 pages, 20 GiB // (12 x 1,179,648) = 1,517
+    blocks (vLLM's own _align_hybrid_block_size and get_kv_cache_config_from_groups give the same:
+    bench/results/peers/vllm-configurator.md)."""
+    plan = KVCacheConfigurator(ModelSpec.from_preset("qwen3-next-80b-a3b"), ParallelSpec(tp), page_size=page,
+                               memory_bytes=20 * GiB, engine="vllm").plan()
+    attn = max(1, 2 // tp) * 256 * 2 * 2
+    kv, st = plan.pool("kv"), plan.pool("state")
+    assert plan.variant == "linear_grouped" and plan.page_size == block and f"from {page} to {block}" in plan.engine_notes[0]
+    assert kv.spec.num_buffers == st.spec.num_buffers == 12 and plan.state_pools == () and plan.fixed_bytes == 0
+    assert plan.cell_size_bytes == 12 * attn and st.bytes == 0 and st.spec.alias == "kv"
+    assert sum(b.bytes for b in st.buffers) // st.geometry.num_pages == state <= block * attn
+    blocks = 20 * GiB // (12 * block * attn)
+    assert kv.geometry.num_pages == blocks and plan.max_total_num_tokens == (blocks - 1) * block
+    if (tp, page) == (1, 64):
+        assert blocks == 1_517
+
+
+@pytest.mark.parametrize("backend", ["torch", *BACKENDS])
+def test_vllm_gdn_layout_stores_k_v_and_shares_blocks_with_the_states(backend):
+    """A block is K | V of one attention layer or one GDN layer's state (the rest padding), in the
+    same block-major copy: attention layer 3 and GDN layer 0 are both first in their groups. The
+    K / V caches are strided by the page (every backend, the C++ fast path on the second call)."""
+    import torch
+
+    plan = KVCacheConfigurator(ModelSpec.from_preset("qwen3-next-80b-a3b"), ParallelSpec(8), page_size=64,
+                               max_total_num_tokens=4 * 192, engine="vllm").plan()
+    pool = plan.build("cpu", check="guard", backend=backend, engine="vllm")
+    assert pool.nbytes == plan.total_bytes == 12 * 5 * 192 * 1024
+    k = torch.randn(2, 1, 256).to(torch.bfloat16)
+    for _ in range(2):
+        pool.store(3, torch.tensor([5, 200]), k, k + 1)
+        pool.errors.raise_if_any()
+    kc, vc = pool.layer("kv", 3)["k"], pool.layer("kv", 3)["v"]
+    assert torch.equal(kc[0, 5], k[0]) and torch.equal(vc[1, 8], k[1] + 1)
+    conv = pool.state(0)["conv"]                            # [blocks, 3, 1024]: block 1's first bytes are K
+    assert conv.shape == (5, 3, 1024) and pool.state(0)["ssm"].shape == (5, 4, 128, 128)
+    assert torch.equal(conv[1].reshape(-1)[8 * 256:9 * 256], k[1, 0])   # block 1, token 8 of layer 3's K
+    with pytest.raises(Exception, match="linear-attention layer"):
+        pool.store(0, torch.tensor([1]), k[:1], k[:1])
+    pool.store(3, torch.tensor([5 * 192]), k[:1], k[:1])   # past the blocks
+    with pytest.raises(Exception, match="capacity"):
+        pool.errors.raise_if_any()
 
 
 def test_vllm_dsa_under_dcp_shards_the_indexer_cache_and_the_model_table_says_so():

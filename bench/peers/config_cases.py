@@ -98,6 +98,11 @@ def layer_key(block: int, heads: int, head_size: int, copy: int) -> str:
     return f"{block}x{heads}x{head_size}@{copy}"
 
 
+def state_key(content: int, page: int, copy: int) -> str:
+    """A recurrent-state layer kept in KV blocks: "state bytes / padded page bytes @ buffer copy"."""
+    return f"state {content}/{page}@{copy}"
+
+
 def kvwrite_row(case: dict, engine: str) -> dict:
     """kvwrite's plan of `case` for `engine`, in the comparison's terms (or its refusal)."""
     from kvwrite import KVCacheConfigurator, ModelSpec, ParallelSpec
@@ -130,6 +135,13 @@ def kvwrite_row(case: dict, engine: str) -> dict:
         for i, lid in enumerate(p.layer_ids):
             if plan.model.kv_source(lid) is None:
                 layers[str(lid)] = layer_key(p.geometry.page_size, k.row_shape[0], k.row_shape[1], p.spec.slot(i))
+    for p in plan.pools:   # recurrent states in KV blocks (vLLM's GDN layout): state bytes / page bytes
+        if p.spec.alias and all(b.layout == "block" for b in p.spec.buffers):
+            owner = plan.pool(p.spec.alias)
+            page = sum(b.bytes for b in owner.buffers) // owner.geometry.num_pages
+            content = sum(b.row_bytes for b in p.spec.buffers)
+            for i, lid in enumerate(p.layer_ids):
+                layers[str(lid)] = state_key(content, page, p.spec.slot(i))
     m = plan.model
     # KV heads of the full-attention layers (what SGLang's ModelConfig.get_num_kv_heads reports)
     heads = None if not m.num_kv_heads else plan.parallel.kv_heads_per_rank(m.num_global_kv_heads or m.num_kv_heads)

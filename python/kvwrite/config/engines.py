@@ -81,13 +81,22 @@ def vllm_block_multipliers(page_bytes: dict[str, dict[str, int]], what: str) -> 
 VLLM_KERNEL_BLOCK = 16   # FlashAttention's kernel block sizes: MultipleOf(16) (v1/attention/backends/flash_attn.py)
 
 
-def vllm_gdn_layout(spec: ModelSpec, parallel, kv: str, page_size: int) -> str:
-    """Why kvwrite does not plan vLLM 0.32's layout of a gated-delta-net hybrid (Qwen3-Next), with
-    vLLM's figures: the GDN states live in the KV block pool, one layer's state a block
-    (`Platform._align_hybrid_block_size`: the attention block size is raised, in multiples of
-    max(16, block_size), until an attention page holds a state; the state page is padded to it,
-    `mamba_page_size_padded`), and the attention and GDN layers form KV cache groups sharing one
-    tensor per position (`vllm_kv_cache_groups`)."""
+def vllm_gdn_state_shapes(st, tp: int) -> dict[str, tuple[int, ...]]:
+    """vLLM's GDN state of one layer on one of `tp` ranks (MambaStateShapeCalculator.
+    gated_delta_net_state_shape, conv state-length-major): conv `[K-1, conv_dim/tp]`, recurrent
+    `[H/tp, head_v_dim, head_k_dim]`."""
+    conv, ssm = st.shapes(tp)["conv"], st.shapes(tp)["ssm"]
+    return {"conv": (conv[1], conv[0]), "ssm": (ssm[0], ssm[2], ssm[1])}
+
+
+def vllm_gdn_block(spec: ModelSpec, parallel, kv: str, page_size: int) -> dict[str, int]:
+    """vLLM 0.32's block size for a gated-delta-net hybrid (Qwen3-Next): the GDN states live in the
+    KV block pool, one layer's state a block (`Platform._align_hybrid_block_size`): the attention
+    block size grows in multiples of max(16, block_size) (FlashAttention's kernel blocks) until an
+    attention page holds a state, and the state page is padded to it (`mamba_page_size_padded`).
+    {"block", "attn" (attention bytes a token), "state" (a layer's state bytes, model dtype:
+    mamba_cache_dtype / mamba_ssm_cache_dtype "auto")}; UnsupportedCombination for a
+    kv_cache_dtype whose page vLLM sizes otherwise."""
     import torch
 
     from kvwrite.config.scales import STATIC_SCALED
@@ -95,30 +104,25 @@ def vllm_gdn_layout(spec: ModelSpec, parallel, kv: str, page_size: int) -> str:
     def size(dtype: str) -> int:
         return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
-    st = spec.linear_state
-    heads = parallel.kv_heads_per_rank(spec.num_kv_heads)
     kv_dtype = spec.dtype if kv == "auto" else STATIC_SCALED.get(kv)
     if kv_dtype is None:
-        return (f"kvwrite does not plan vLLM's layout of variant {spec.variant!r} (its GDN states share the KV "
-                f"block pool: Platform._align_hybrid_block_size); plan it with engine='sglang' or 'kvwrite'")
+        raise UnsupportedCombination(f"kvwrite plans vLLM's layout of a GDN hybrid for kv_cache_dtype 'auto' and "
+                                     f"the per-tensor-scaled formats, not {kv!r}: use engine='sglang' or 'kvwrite'")
+    heads = parallel.kv_heads_per_rank(spec.num_kv_heads)
     attn = heads * (spec.head_dim + (spec.v_head_dim or spec.head_dim)) * size(kv_dtype)
-    elt = size(spec.dtype)
-    state = sum(math.prod(shape) for shape in st.shapes(parallel.tp_size).values()) * elt   # model dtype ("auto")
+    state = sum(math.prod(s) for s in vllm_gdn_state_shapes(spec.linear_state, parallel.tp_size).values())
+    state *= size(spec.dtype)
     align = max(VLLM_KERNEL_BLOCK, page_size)
     block = align * -(-state // (align * attn))
     block = max(page_size, VLLM_KERNEL_BLOCK * -(-block // VLLM_KERNEL_BLOCK))
+    return dict(block=block, attn=attn, state=state)
+
+
+def vllm_gdn_groups(spec: ModelSpec) -> list[tuple[int, ...]]:
+    """vLLM's KV cache groups of a GDN hybrid: attention and GDN layers, equal pages."""
     kinds = sorted([(i, "attention") for i in spec.full_attention_layer_ids] +
                    [(i, "gdn") for i in spec.linear_layer_ids])
-    groups = vllm_kv_cache_groups(kinds)
-    what = spec.architecture or spec.name or "this model"
-    return (f"engine='vllm' keeps {what}'s GDN states in the KV block pool, one layer's conv + recurrent state "
-            f"({state} B, model dtype) a block: it raises the block size from {page_size} to {block} tokens so an "
-            f"attention page ({block} x {attn} B = {block * attn} B) holds one (Platform._align_hybrid_block_size, "
-            f"kernel blocks of {VLLM_KERNEL_BLOCK}), pads the state page to {block * attn} B (mamba_page_size_padded) "
-            f"and groups the {len(spec.full_attention_layer_ids)} attention and {len(spec.linear_layer_ids)} GDN "
-            f"layers into {len(groups)} KV cache groups sharing {max(len(g) for g in groups)} tensors; kvwrite keeps "
-            f"recurrent states in request-slot pools beside the KV pool, so it does not plan this layout: use "
-            f"engine='sglang' or 'kvwrite'")
+    return vllm_kv_cache_groups(kinds)
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,7 @@ class EngineLayout:
     model: ModelSpec
     kv_cache_dtype: str
     notes: tuple[str, ...] = ()
+    page_size: int | None = None   # the engine's block size where it overrides the one asked for
 
 
 def _one_pool(spec: ModelSpec) -> ModelSpec:
@@ -188,7 +193,17 @@ def _vllm(spec: ModelSpec, parallel, kv: str, page_size: int) -> EngineLayout:
             "layers get KV cache specs beside the target's and join its KV cache groups (kv_cache_utils."
             "_annotate_eagle_groups); plan the target with the draft layers counted, or use engine='sglang'")
     if spec.variant == "hybrid_linear" and spec.linear_state is not None and spec.linear_state.kind == "gdn":
-        raise UnsupportedCombination(vllm_gdn_layout(spec, parallel, kv, page_size))
+        f = vllm_gdn_block(spec, parallel, kv, page_size)
+        groups = vllm_gdn_groups(spec)
+        page = f["block"] * f["attn"]
+        notes.append(f"vLLM keeps each GDN layer's conv + recurrent state ({f['state']} B, model dtype) in a KV "
+                     f"block: it raises the block size from {page_size} to {f['block']} tokens so an attention page "
+                     f"({f['block']} x {f['attn']} B = {page} B) holds one (Platform._align_hybrid_block_size, "
+                     f"kernel blocks of {VLLM_KERNEL_BLOCK}), pads the state page to {page} B "
+                     f"(mamba_page_size_padded) and groups the {len(spec.full_attention_layer_ids)} attention and "
+                     f"{len(spec.linear_layer_ids)} GDN layers into {len(groups)} KV cache groups sharing "
+                     f"{max(len(g) for g in groups)} tensors; no request-slot state pool")
+        return EngineLayout("vllm", spec.replace(variant="linear_grouped"), kv, tuple(notes), page_size=f["block"])
     if spec.variant not in VLLM_PLANNED:
         raise UnsupportedCombination(
             f"kvwrite does not plan vLLM's layout of variant {spec.variant!r} (vLLM sizes recurrent-state and "

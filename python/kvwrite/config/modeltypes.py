@@ -49,6 +49,9 @@ def _sglang(variants: tuple[str, ...], archs: tuple[str, ...]) -> str:
 
 
 def _vllm(variants: tuple[str, ...], parser) -> str:
+    if parser is hf._qwen3_next:
+        return ("null block inside the budget; GDN states in KV blocks (block size raised until a page holds "
+                "one, state page padded)")
     if not set(variants) & set(VLLM_PLANNED):
         return "refused (kvwrite does not plan vLLM's state / compressed specs)"
     out = ["null block inside the budget"]

@@ -17,7 +17,7 @@ from kvwrite.config.errors import EngineMismatch
 from kvwrite.config.pool import KVPool
 from kvwrite.geometry import GeometryError, PageGeometry, require_positive_int
 
-LAYOUTS = ("rows", "hnd", "page_major", "map", "slots", "dsv4_kv")
+LAYOUTS = ("rows", "hnd", "page_major", "map", "slots", "dsv4_kv", "block")
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,8 @@ class BufferSpec:
     heads, pool_page_size, *rest]` for `row_shape = (heads, *rest)`; "page_major" (uint8) ->
     `[num_pages, pool_page_size * prod(row_shape)]` (a page's rows then its scales, like the DSA
     indexer cache); "map" -> `[num_locs of the "full" loc space]` (the full->SWA loc map);
-    "slots" -> `[request slots, *row_shape]` (a recurrent-state buffer, sized per request).
+    "slots" -> `[request slots, *row_shape]` (a recurrent-state buffer, sized per request);
+    "block" -> `[num_pages, *row_shape]` (one row a block: vLLM's recurrent states in KV blocks).
     """
 
     name: str
@@ -56,6 +57,8 @@ class BufferSpec:
             return (geometry.num_pages, self.row_shape[0], geometry.pool_page_size, *self.row_shape[1:])
         if self.layout == "slots":
             raise ValueError(f"buffer {self.name!r} is per request slot, not paged")
+        if self.layout == "block":
+            return (geometry.num_pages, *self.row_shape)
         if self.layout == "page_major":
             return (geometry.num_pages, geometry.pool_page_size * math.prod(self.row_shape))
         if self.layout == "dsv4_kv":  # DeepSeek V4 KV pages: 584 B a token, padded to 576 B
@@ -75,7 +78,10 @@ class PoolSpec:
     `needs`: keywords that op must accept for this sub-pool (checked by `build()`).
     `alias`: the sub-pool whose buffer copies this one views instead of allocating its own (vLLM's
     page-size-unified KV cache groups: copy i of both is the same bytes, each sub-pool reading
-    them with its own page size and row shape; `build()` checks the bytes agree).
+    them with its own page size and row shape; `build()` checks the bytes agree). `block_major`:
+    each copy is one `[num_pages, page bytes]` allocation, every buffer a strided view at its
+    offset in the page (vLLM's K | V pages); an alias of it carves its buffers from the same pages
+    (a recurrent state a block, the rest of the page padding).
     """
 
     name: str
@@ -88,6 +94,7 @@ class PoolSpec:
     note: str = ""
     slots: tuple[int, ...] = ()   # per layer of layer_ids, the buffer copy it uses (layers sharing memory)
     alias: str = ""
+    block_major: bool = False
 
     @property
     def num_buffers(self) -> int:

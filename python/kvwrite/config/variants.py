@@ -419,6 +419,41 @@ class HybridLinearPlanner(MHAPlanner):
         return _mha_draft(spec)
 
 
+class LinearGroupedPlanner(MHAPlanner):
+    """vLLM's layout of a gated-delta-net hybrid (engine="vllm", Qwen3-Next): no request-slot state
+    pool; each GDN layer's conv + recurrent state lives in KV blocks, one a block, at the block size
+    vLLM raises until an attention page holds one (`engines.vllm_gdn_block`, the configurator's
+    page_size). Attention and GDN layers form vLLM's KV cache groups (`engines.vllm_gdn_groups`);
+    the i-th layer of every group shares block-major copy i: an attention layer's K | V page, or a
+    GDN layer's state and padding (sub-pool "state", vLLM's state shapes, no store: read it with
+    `KVPool.state(layer)`, `[blocks, ...]`)."""
+
+    name = "linear_grouped"
+    fields = HybridLinearPlanner.fields
+    check_model = HybridLinearPlanner.check_model
+
+    def kv_layer_ids(self, spec):
+        return spec.full_attention_layer_ids
+
+    def pools(self, ctx):
+        from kvwrite.config.engines import vllm_gdn_groups, vllm_gdn_state_shapes
+
+        m = ctx.model
+        slot = {lid: j for g in vllm_gdn_groups(m) for j, lid in enumerate(g)}
+        kv = self._kv_pool(ctx, "kv", m.full_attention_layer_ids)
+        kv = dataclasses.replace(kv, slots=tuple(slot[i] for i in kv.layer_ids), block_major=True,
+                                 note=", ".join(filter(None, (kv.note, "vLLM KV cache groups, K | V a block"))))
+        dtype = m.dtype   # vLLM's mamba_cache_dtype / mamba_ssm_cache_dtype "auto": the model's
+        shapes = vllm_gdn_state_shapes(m.linear_state, ctx.parallel.tp_size)
+        bufs = tuple(BufferSpec(n, shape, dtype, layout="block") for n, shape in shapes.items())
+        state = PoolSpec("state", m.linear_layer_ids, bufs, "", alias="kv", note="GDN states, one a block",
+                         slots=tuple(slot[i] for i in m.linear_layer_ids))
+        return [kv, state]
+
+    def draft_model(self, spec):
+        return _mha_draft(spec)
+
+
 class MLAPlanner(VariantPlanner):
     name = "mla"
     fields = frozenset({"kv_lora_rank", "qk_rope_head_dim"})
@@ -552,6 +587,7 @@ class MiniMaxSparsePlanner(MHAPlanner):
 
 # --- the built-in variants ---------------------------------------------------------------------
 
-BUILTIN = ("mha", "mla", "dsa", "swa_hybrid", "swa_grouped", "hybrid_linear", "minimax_sparse", "mla_linear")
+BUILTIN = ("mha", "mla", "dsa", "swa_hybrid", "swa_grouped", "hybrid_linear", "linear_grouped", "minimax_sparse",
+           "mla_linear")
 register_builtin(MHAPlanner(), MLAPlanner(), DSAPlanner(), SWAHybridPlanner(), GroupedSWAPlanner(),
-                 HybridLinearPlanner(), MiniMaxSparsePlanner(), MLALinearPlanner())
+                 HybridLinearPlanner(), LinearGroupedPlanner(), MiniMaxSparsePlanner(), MLALinearPlanner())
