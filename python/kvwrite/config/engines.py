@@ -81,12 +81,16 @@ def vllm_block_multipliers(page_bytes: dict[str, dict[str, int]], what: str) -> 
 VLLM_KERNEL_BLOCK = 16   # FlashAttention's kernel block sizes: MultipleOf(16) (v1/attention/backends/flash_attn.py)
 
 
-def vllm_gdn_state_shapes(st, tp: int) -> dict[str, tuple[int, ...]]:
-    """vLLM's GDN state of one layer on one of `tp` ranks (MambaStateShapeCalculator.
-    gated_delta_net_state_shape, conv state-length-major): conv `[K-1, conv_dim/tp]`, recurrent
-    `[H/tp, head_v_dim, head_k_dim]`."""
+def vllm_gdn_state(spec: ModelSpec, tp: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """vLLM's GDN state of one layer on one of `tp` ranks, {name: (shape, dtype)}
+    (MambaStateShapeCalculator.gated_delta_net_state_shape, conv state-length-major): conv
+    `[K-1, conv_dim/tp]`, recurrent `[H/tp, head_v_dim, head_k_dim]`. dtypes: mamba_cache_dtype
+    "auto" is the model's; the recurrent state's too (mamba_ssm_cache_dtype "auto"), except on
+    Qwen3.5, whose config hook adopts the config's mamba_ssm_dtype (as read: float32 when absent)."""
+    st = spec.linear_state
     conv, ssm = st.shapes(tp)["conv"], st.shapes(tp)["ssm"]
-    return {"conv": (conv[1], conv[0]), "ssm": (ssm[0], ssm[2], ssm[1])}
+    ssm_dtype = st.ssm_dtype if (spec.architecture or "").startswith("Qwen3_5") else spec.dtype
+    return {"conv": ((conv[1], conv[0]), spec.dtype), "ssm": ((ssm[0], ssm[2], ssm[1]), ssm_dtype)}
 
 
 def vllm_gdn_block(spec: ModelSpec, parallel, kv: str, page_size: int) -> dict[str, int]:
@@ -94,8 +98,8 @@ def vllm_gdn_block(spec: ModelSpec, parallel, kv: str, page_size: int) -> dict[s
     KV block pool, one layer's state a block (`Platform._align_hybrid_block_size`): the attention
     block size grows in multiples of max(16, block_size) (FlashAttention's kernel blocks) until an
     attention page holds a state, and the state page is padded to it (`mamba_page_size_padded`).
-    {"block", "attn" (attention bytes a token), "state" (a layer's state bytes, model dtype:
-    mamba_cache_dtype / mamba_ssm_cache_dtype "auto")}; UnsupportedCombination for a
+    {"block", "attn" (attention bytes a token), "state" (a layer's state bytes,
+    `vllm_gdn_state`)}; UnsupportedCombination for a
     kv_cache_dtype whose page vLLM sizes otherwise."""
     import torch
 
@@ -110,8 +114,7 @@ def vllm_gdn_block(spec: ModelSpec, parallel, kv: str, page_size: int) -> dict[s
                                      f"the per-tensor-scaled formats, not {kv!r}: use engine='sglang' or 'kvwrite'")
     heads = parallel.kv_heads_per_rank(spec.num_kv_heads)
     attn = heads * (spec.head_dim + (spec.v_head_dim or spec.head_dim)) * size(kv_dtype)
-    state = sum(math.prod(s) for s in vllm_gdn_state_shapes(spec.linear_state, parallel.tp_size).values())
-    state *= size(spec.dtype)
+    state = sum(math.prod(shape) * size(dtype) for shape, dtype in vllm_gdn_state(spec, parallel.tp_size).values())
     align = max(VLLM_KERNEL_BLOCK, page_size)
     block = align * -(-state // (align * attn))
     block = max(page_size, VLLM_KERNEL_BLOCK * -(-block // VLLM_KERNEL_BLOCK))
@@ -196,7 +199,7 @@ def _vllm(spec: ModelSpec, parallel, kv: str, page_size: int) -> EngineLayout:
         f = vllm_gdn_block(spec, parallel, kv, page_size)
         groups = vllm_gdn_groups(spec)
         page = f["block"] * f["attn"]
-        notes.append(f"vLLM keeps each GDN layer's conv + recurrent state ({f['state']} B, model dtype) in a KV "
+        notes.append(f"vLLM keeps each GDN layer's conv + recurrent state ({f['state']} B) in a KV "
                      f"block: it raises the block size from {page_size} to {f['block']} tokens so an attention page "
                      f"({f['block']} x {f['attn']} B = {page} B) holds one (Platform._align_hybrid_block_size, "
                      f"kernel blocks of {VLLM_KERNEL_BLOCK}), pads the state page to {page} B "

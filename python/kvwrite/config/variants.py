@@ -436,16 +436,15 @@ class LinearGroupedPlanner(MHAPlanner):
         return spec.full_attention_layer_ids
 
     def pools(self, ctx):
-        from kvwrite.config.engines import vllm_gdn_groups, vllm_gdn_state_shapes
+        from kvwrite.config.engines import vllm_gdn_groups, vllm_gdn_state
 
         m = ctx.model
         slot = {lid: j for g in vllm_gdn_groups(m) for j, lid in enumerate(g)}
         kv = self._kv_pool(ctx, "kv", m.full_attention_layer_ids)
         kv = dataclasses.replace(kv, slots=tuple(slot[i] for i in kv.layer_ids), block_major=True,
                                  note=", ".join(filter(None, (kv.note, "vLLM KV cache groups, K | V a block"))))
-        dtype = m.dtype   # vLLM's mamba_cache_dtype / mamba_ssm_cache_dtype "auto": the model's
-        shapes = vllm_gdn_state_shapes(m.linear_state, ctx.parallel.tp_size)
-        bufs = tuple(BufferSpec(n, shape, dtype, layout="block") for n, shape in shapes.items())
+        bufs = tuple(BufferSpec(n, shape, dtype, layout="block")
+                     for n, (shape, dtype) in vllm_gdn_state(m, ctx.parallel.tp_size).items())
         state = PoolSpec("state", m.linear_layer_ids, bufs, "", alias="kv", note="GDN states, one a block",
                          slots=tuple(slot[i] for i in m.linear_layer_ids))
         return [kv, state]
