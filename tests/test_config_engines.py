@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from helpers import BACKENDS
 from kvwrite import KVCacheConfigurator, ModelSpec, ParallelSpec
 from kvwrite.config import EngineMismatch, UnsupportedCombination
 
@@ -191,22 +192,154 @@ def test_gemma3n_is_one_pool_under_sglang_and_shares_layers_in_kvwrite():
     assert vl.max_total_num_tokens + 1 == 20 * GiB // (4 * 2048)
 
 
-@pytest.mark.parametrize("preset", ["qwen3-next-80b-a3b", "deepseek-v4-flash"])
-def test_vllm_layouts_kvwrite_does_not_plan_are_refused(preset):
+def test_gemma4_under_vllm_unifies_page_sizes_by_block_size():
+    """vLLM 0.32 (kv_cache_utils.unify_kv_cache_spec_page_size): a full layer's page at 64 tokens is
+    4 heads x 512 x K+V x 2 B x 64 = 524,288 B, a sliding layer's 262,144 B, so the sliding layers
+    take 128-token blocks. 25 sliding + 5 full layers -> group size 5: a block costs 5 x 524,288 =
+    2,621,440 B (40,960 B a 64-token page's token); 20 GiB // that = 8,192 blocks, block 0 the null
+    block (vLLM's own get_kv_cache_config_from_groups: 8,192, bench/results/peers/vllm-configurator.md)."""
+    spec = _gemma4(num_kv_shared_layers=0, attention_k_eq_v=False)
+    plan = KVCacheConfigurator(spec, memory_bytes=20 * GiB, page_size=64, engine="vllm").plan()
+    full, swa = plan.pool("full"), plan.pool("swa")
+    assert plan.variant == "swa_grouped" and "unify_kv_cache_spec_page_size" in plan.engine_notes[0]
+    assert (full.geometry.page_size, swa.geometry.page_size) == (64, 128)
+    assert full.geometry.num_pages == swa.geometry.num_pages == 8_192
+    assert full.buffers[0].shape == (8_192, 64, 4, 512) and swa.buffers[0].shape == (8_192, 128, 4, 256)
+    assert plan.cell_size_bytes == 5 * 524_288 // 64 == 40_960
+    assert plan.max_total_num_tokens == 8_191 * 64 and plan.kv_bytes == 20 * GiB
+    assert swa.spec.alias == "full" and swa.bytes == 0 and swa.space.name == "swa_x2"
+    assert swa.space.page_size == 128 and swa.space.num_locs == 8_192 * 128
+
+
+def test_gemma4_31b_shape_under_vllm_gives_the_full_layers_the_larger_block():
+    """16 sliding KV heads, 4 global (K = V): a sliding layer's 64-token page is 16 x 256 x 2 x 2 B x 64
+    = 1,048,576 B, a full layer's 4 x 512 x 2 x 2 B x 64 = 524,288 B, so the full layers take 128-token
+    blocks. 50 sliding + 10 full -> group size 10: 10 x 1,048,576 B a block, 2,048 blocks in 20 GiB
+    (vLLM's own figure for the same config: bench/results/peers/vllm-configurator.md)."""
+    spec = _gemma4(num_hidden_layers=60, num_attention_heads=32, num_key_value_heads=16, num_global_key_value_heads=4,
+                   attention_k_eq_v=True, sliding_window=1024, num_kv_shared_layers=0)
+    plan = KVCacheConfigurator(spec, memory_bytes=20 * GiB, page_size=64, engine="vllm").plan()
+    full, swa = plan.pool("full"), plan.pool("swa")
+    assert (full.geometry.page_size, swa.geometry.page_size) == (128, 64)
+    assert full.space.name == "full_x2" and swa.space.name == "full" and swa.spec.alias == "full"
+    assert plan.cell_size_bytes == 10 * 1_048_576 // 64 and full.geometry.num_pages == 2_048
+    assert plan.kv_bytes == 20 * GiB and full.buffers[0].shape == (2_048, 128, 4, 512)
+
+
+def test_gemma4_k_eq_v_under_vllm_stores_k_as_v_into_shared_memory():
+    """K reused as V, 2 global KV heads: a full layer's token is 2 x 512 x 2 x 2 B = 4,096 B, a
+    sliding layer's 4 x 256 x 2 x 2 B = 4,096 B: one block size. 15 sliding + 3 full layers with a
+    cache (12 KV-shared) -> group size 3: 3 x 4,096 = 12,288 B a token, 20 GiB // (12,288 x 64) =
+    27,306 blocks (vLLM's own figure). Sliding layer 0 and full layer 5 are both first in their
+    groups: the same bytes, each read with its own shape."""
+    import torch
+
+    spec = _gemma4(num_kv_shared_layers=12, attention_k_eq_v=True, num_global_key_value_heads=2)
+    big = KVCacheConfigurator(spec, memory_bytes=20 * GiB, page_size=64, engine="vllm").plan()
+    assert big.cell_size_bytes == 3 * 4_096 and big.max_total_num_tokens == (27_306 - 1) * 64
+    plan = KVCacheConfigurator(spec, max_total_num_tokens=64, page_size=16, engine="vllm").plan()
+    full, swa = plan.pool("full"), plan.pool("swa")
+    assert (full.geometry.page_size, swa.geometry.page_size) == (16, 16)
+    assert full.spec.slot(full.layer_ids.index(5)) == swa.spec.slot(swa.layer_ids.index(0)) == 0
+    pool = plan.build("cpu", check="guard", backend="torch", engine="vllm")
+    assert pool.nbytes == plan.total_bytes == 3 * 5 * 16 * 4_096
+    k = torch.randn(1, 2, 512).to(torch.bfloat16)
+    pool.store(5, torch.tensor([3]), k, k)          # K reused as V
+    pool.errors.raise_if_any()
+    assert torch.equal(pool.layer("full", 5)["v"].reshape(-1, 2, 512)[3], k[0])
+    assert pool.layer("full", 29)["k"] is pool.layer("full", 17)["k"]   # KV-shared layer 29 reads 17's copy
+    row = pool.layer("swa", 0)["k"].reshape(-1, 4, 256)[3]    # the same 2 KiB, as 4 x 256
+    assert torch.equal(row.reshape(-1), k[0].reshape(-1))
+    pool.store(0, torch.tensor([swa.geometry.capacity]), row[None], row[None])   # past the sliding blocks
+    with pytest.raises(Exception, match="capacity"):
+        pool.errors.raise_if_any()
+
+
+def test_vllm_layouts_kvwrite_does_not_plan_are_refused():
     with pytest.raises(UnsupportedCombination, match="does not plan vLLM's layout of variant"):
-        KVCacheConfigurator(ModelSpec.from_preset(preset), memory_bytes=20 * GiB, max_running_requests=8,
-                            engine="vllm")
+        KVCacheConfigurator(ModelSpec.from_preset("deepseek-v4-flash"), memory_bytes=20 * GiB,
+                            max_running_requests=8, engine="vllm")
 
 
-def test_vllm_dsa_under_dcp_is_refused_and_the_model_table_says_so():
+@pytest.mark.parametrize("tp, page, block, state", [(1, 64, 576, 1_097_728), (1, 1, 544, 1_097_728),
+                                                     (8, 64, 192, 137_216), (8, 1, 144, 137_216)])
+def test_vllm_keeps_qwen3_next_gdn_states_in_kv_blocks(tp, page, block, state):
+    """Qwen3-Next under vLLM 0.32: a GDN layer's state is conv 3 x 8,192/tp + recurrent 32/tp x 128 x
+    128 values, bf16 (1,097,728 B at tp 1); an attention token 2/tp KV heads (at least 1) x 256 x 2
+    x 2 B (2,048 B at tp 1). The block grows in multiples of max(16, page) until a page holds a state
+    (tp 1, page 64: 64 x ceil(1,097,728 / (64 x 2,048)) = 576 tokens, 1,179,648 B pages); 36 GDN +
+    12 attention layers -> 4 groups of 12: a block costs 12 pages, 20 GiB // (12 x 1,179,648) = 1,517
+    blocks (vLLM's own _align_hybrid_block_size and get_kv_cache_config_from_groups give the same:
+    bench/results/peers/vllm-configurator.md)."""
+    plan = KVCacheConfigurator(ModelSpec.from_preset("qwen3-next-80b-a3b"), ParallelSpec(tp), page_size=page,
+                               memory_bytes=20 * GiB, engine="vllm").plan()
+    attn = max(1, 2 // tp) * 256 * 2 * 2
+    kv, st = plan.pool("kv"), plan.pool("state")
+    assert plan.variant == "linear_grouped" and plan.page_size == block and f"from {page} to {block}" in plan.engine_notes[0]
+    assert kv.spec.num_buffers == st.spec.num_buffers == 12 and plan.state_pools == () and plan.fixed_bytes == 0
+    assert plan.cell_size_bytes == 12 * attn and st.bytes == 0 and st.spec.alias == "kv"
+    assert sum(b.bytes for b in st.buffers) // st.geometry.num_pages == state <= block * attn
+    blocks = 20 * GiB // (12 * block * attn)
+    assert kv.geometry.num_pages == blocks and plan.max_total_num_tokens == (blocks - 1) * block
+    if (tp, page) == (1, 64):
+        assert blocks == 1_517
+
+
+@pytest.mark.parametrize("backend", ["torch", *BACKENDS])
+def test_vllm_gdn_layout_stores_k_v_and_shares_blocks_with_the_states(backend):
+    """A block is K | V of one attention layer or one GDN layer's state (the rest padding), in the
+    same block-major copy: attention layer 3 and GDN layer 0 are both first in their groups. The
+    K / V caches are strided by the page (every backend, the C++ fast path on the second call)."""
+    import torch
+
+    plan = KVCacheConfigurator(ModelSpec.from_preset("qwen3-next-80b-a3b"), ParallelSpec(8), page_size=64,
+                               max_total_num_tokens=4 * 192, engine="vllm").plan()
+    pool = plan.build("cpu", check="guard", backend=backend, engine="vllm")
+    assert pool.nbytes == plan.total_bytes == 12 * 5 * 192 * 1024
+    k = torch.randn(2, 1, 256).to(torch.bfloat16)
+    for _ in range(2):
+        pool.store(3, torch.tensor([5, 200]), k, k + 1)
+        pool.errors.raise_if_any()
+    kc, vc = pool.layer("kv", 3)["k"], pool.layer("kv", 3)["v"]
+    assert torch.equal(kc[0, 5], k[0]) and torch.equal(vc[1, 8], k[1] + 1)
+    conv = pool.state(0)["conv"]                            # [blocks, 3, 1024]: block 1's first bytes are K
+    assert conv.shape == (5, 3, 1024) and pool.state(0)["ssm"].shape == (5, 4, 128, 128)
+    assert torch.equal(conv[1].reshape(-1)[8 * 256:9 * 256], k[1, 0])   # block 1, token 8 of layer 3's K
+    with pytest.raises(Exception, match="linear-attention layer"):
+        pool.store(0, torch.tensor([1]), k[:1], k[:1])
+    pool.store(3, torch.tensor([5 * 192]), k[:1], k[:1])   # past the blocks
+    with pytest.raises(Exception, match="capacity"):
+        pool.errors.raise_if_any()
+
+
+def test_vllm_dsa_under_dcp_shards_the_indexer_cache_and_the_model_table_says_so():
+    """vLLM shards the DSA indexer cache over the DCP ranks like the MLA cache: a rank's token costs
+    (576 x 2 + 132) x 61 = 78,324 B at dcp 2 as at dcp 1 (20 GiB // (78,324 x 64) = 4,284 blocks, vLLM's
+    own figure); kvwrite's indexer store translates the virtual loc to the rank's row."""
+    import torch
+
     from kvwrite.config.modeltypes import table
+    from kvwrite.reference.indexer_k import read_indexer_k
 
-    with pytest.raises(UnsupportedCombination, match="store_indexer_k has no DCP-rank translation"):
-        KVCacheConfigurator(ModelSpec.from_preset("deepseek-v3.2"), ParallelSpec(8, 2), memory_bytes=GiB,
-                            engine="vllm")
+    d = ModelSpec.from_preset("deepseek-v3.2")
+    plan = KVCacheConfigurator(d, ParallelSpec(8, 2, dcp_rank=1), memory_bytes=20 * GiB, engine="vllm").plan()
+    one = KVCacheConfigurator(d, ParallelSpec(8, 1), memory_bytes=20 * GiB, engine="vllm").plan()
+    assert plan.cell_size_bytes == one.cell_size_bytes == (576 * 2 + 132) * 61
+    assert plan.max_total_num_tokens == one.max_total_num_tokens == (4_284 - 1) * 64
+    assert [p.addressing for p in plan.pools] == ["sharded", "sharded"] and "dcp_sharded" in plan.engine_notes[0]
+    small = KVCacheConfigurator(d.replace(num_layers=1), ParallelSpec(8, 2, dcp_rank=1), max_total_num_tokens=128,
+                                engine="vllm").plan()
+    pool = small.build("cpu", check="guard", backend="torch", engine="vllm")
+    kv_c, k_pe, index_k = pool.sample_inputs(0, 2, torch.Generator().manual_seed(0))
+    pool.store(0, torch.tensor([7, 8]), kv_c, k_pe, index_k)   # 7 is rank 1's row 3; 8 rank 0's
+    pool.errors.raise_if_any()
+    cache = pool.layer("indexer", 0)["index_k"]
+    got = read_indexer_k(cache, torch.tensor([3, 4]), 128)
+    assert torch.allclose(got[0], index_k[0].float(), rtol=0.07, atol=1e-3) and not got[1].any()
+    assert torch.equal(pool.layer("kv", 0)["kv"].reshape(-1, 576)[3, :512], kv_c[0])
     rows = {line.split(" | ")[0].strip("| "): line for line in table().splitlines()[2:]}
     assert "one full pool (hybrid SWA memory off)" in rows["gemma3"]
-    assert "full + SWA pools" in rows["gpt_oss"] and "DCP refused" in rows["deepseek_v32"]
+    assert "full + SWA pools" in rows["gpt_oss"] and "indexer cache DCP-sharded" in rows["deepseek_v32"]
 
 
 def test_vllm_has_no_draft_worker_pools():

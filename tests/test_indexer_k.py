@@ -260,10 +260,29 @@ def test_bad_arguments_raise_named_errors_before_any_write(over, exc, msg):
     assert torch.equal(before, a["cache"])
 
 
-def test_no_dcp_arguments():
-    """The indexer cache is addressed by the virtual loc: store_indexer_k has no DCP shard."""
-    with pytest.raises(TypeError, match="dcp_size"):
-        kvwrite.store_indexer_k(*args().values(), dcp_size=2)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dcp_size, dcp_rank", [(2, 1), (4, 0), (4, 3)])
+def test_dcp_sharded_cache_keeps_this_ranks_tokens(backend, dcp_size, dcp_rank):
+    """vLLM shards the indexer cache over the DCP ranks: virtual loc v is rank v % dcp_size's row
+    v // dcp_size; other ranks' tokens (and -1) are skipped. Equal to the reference storing this
+    rank's tokens at their local rows, canaries untouched; a local row past the cache is an error."""
+    gen = torch.Generator().manual_seed(dcp_size * 10 + dcp_rank)
+    pps, pages = 16, 3
+    pool = make_pool(pages, pps, 128, 128, 7)
+    ref, original = pool.clone(), pool.raw.clone()
+    n = 40
+    loc = torch.randperm(pages * pps * dcp_size, generator=gen)[:n]
+    loc[::9] = -1
+    k = keys(n, 128, torch.bfloat16, gen, strided=True)
+    errs = kvwrite.ErrorBuffer(DEVICE)
+    run_store(backend, pool, k, loc.to(DEVICE), check="guard", errors=errs, dcp_rank=dcp_rank, dcp_size=dcp_size)
+    local = torch.where((loc >= 0) & (loc % dcp_size == dcp_rank), loc // dcp_size, -1)
+    run_store("torch", ref, k, local.to(DEVICE))
+    assert_same_bytes(pool, ref, original)
+    assert errs.error() is None
+    far = torch.tensor([pages * pps * dcp_size + dcp_rank], device=DEVICE)   # local row = capacity
+    run_store(backend, pool, k[:1], far, check="guard", errors=errs, dcp_rank=dcp_rank, dcp_size=dcp_size)
+    assert errs.error() is not None
 
 
 def test_torch_compile_fullgraph_calls_the_custom_op():
@@ -286,7 +305,7 @@ def test_torch_compile_fullgraph_calls_the_custom_op():
 def test_custom_op_is_registered():
     cache = torch.zeros(2, 4 * 132, dtype=torch.uint8)
     torch.ops.kvwrite.store_indexer_k(torch.full((1, 128), 448.0), cache, torch.tensor([5]), 128, None,
-                                      "off", None, None, "torch")
+                                      "off", None, None, 0, 1, "torch")
     assert bool((cache[1, 128:256] == 0x7E).all()) and int((cache != 0).sum()) == 128 + 2  # scale 1.0
 
 

@@ -44,9 +44,8 @@ def good(op: str) -> dict:
                     kv_cache=torch.zeros(4, 4, 144), loc=loc, kv_cache_dtype="auto", scale=None,
                     **tail, scale_cache=None, global_scale=None)
     if op == "store_indexer_k":
-        t = {k: v for k, v in tail.items() if k not in ("dcp_rank", "dcp_size")}
         return dict(k=torch.randn(3, 128, generator=g), cache=torch.zeros(4, 4 * 132, dtype=U8), loc=loc,
-                    quant_block_size=128, scale_fmt=None, **t)
+                    quant_block_size=128, scale_fmt=None, **tail)
     if op == "store_kv_nvfp4":
         return dict(k=torch.randn(3, 2, 32, generator=g), v=torch.randn(3, 2, 16, generator=g),
                     k_cache=torch.zeros(4, 4, 2, 16, dtype=U8), v_cache=torch.zeros(4, 4, 2, 8, dtype=U8),

@@ -44,6 +44,13 @@ CONFIGS = {
                                          num_attention_heads=8, num_key_value_heads=4, head_dim=256,
                                          global_head_dim=512, num_global_key_value_heads=2, sliding_window=512,
                                          num_kv_shared_layers=12, attention_k_eq_v=True)),
+    # the 31B's shape (K = V global layers with 4 of 16 KV heads): a sliding page larger than a full one
+    "gemma-4 (31b-like)": dict(architectures=["Gemma4ForConditionalGeneration"], model_type="gemma4",
+                               torch_dtype="bfloat16", text_config=dict(
+                                   model_type="gemma4_text", hidden_size=5376, num_hidden_layers=60,
+                                   num_attention_heads=32, num_key_value_heads=16, head_dim=256,
+                                   global_head_dim=512, num_global_key_value_heads=4, sliding_window=1024,
+                                   num_kv_shared_layers=0, attention_k_eq_v=True)),
     "gemma-3n (E4B-like)": dict(architectures=["Gemma3nForConditionalGeneration"], model_type="gemma3n",
                                 torch_dtype="bfloat16", text_config=dict(
                                     model_type="gemma3n_text", hidden_size=2048, num_hidden_layers=35,
@@ -86,6 +93,16 @@ _NAMES = {("kv", "k"): "k_buffer", ("kv", "v"): "v_buffer", ("kv", "kv"): "kv_bu
           ("swa", "loc_map"): "full_to_swa_index_mapping"}
 
 
+def layer_key(block: int, heads: int, head_size: int, copy: int) -> str:
+    """A GQA layer in vLLM's terms: "block x heads x head size @ buffer copy"."""
+    return f"{block}x{heads}x{head_size}@{copy}"
+
+
+def state_key(content: int, page: int, copy: int) -> str:
+    """A recurrent-state layer kept in KV blocks: "state bytes / padded page bytes @ buffer copy"."""
+    return f"state {content}/{page}@{copy}"
+
+
 def kvwrite_row(case: dict, engine: str) -> dict:
     """kvwrite's plan of `case` for `engine`, in the comparison's terms (or its refusal)."""
     from kvwrite import KVCacheConfigurator, ModelSpec, ParallelSpec
@@ -108,13 +125,31 @@ def kvwrite_row(case: dict, engine: str) -> dict:
                 continue
             bufs[name] = (_rows_shape(b.shape, spec_b.layout), b.dtype)
             bufs[name + "#layers"] = len(p.layer_ids)
+    # vLLM's terms of each layer with a K/V cache of its own: (block size, KV heads, head size, the
+    # buffer copy it uses: its position in its KV cache group)
+    layers = {}
+    for p in plan.pools:
+        k = next((b for b in p.spec.buffers if b.name == "k" and b.layout in ("rows", "hnd")), None)
+        if k is None or len(k.row_shape) != 2:
+            continue
+        for i, lid in enumerate(p.layer_ids):
+            if plan.model.kv_source(lid) is None:
+                layers[str(lid)] = layer_key(p.geometry.page_size, k.row_shape[0], k.row_shape[1], p.spec.slot(i))
+    for p in plan.pools:   # recurrent states in KV blocks (vLLM's GDN layout): state bytes / page bytes
+        if p.spec.alias and all(b.layout == "block" for b in p.spec.buffers):
+            owner = plan.pool(p.spec.alias)
+            page = sum(b.bytes for b in owner.buffers) // owner.geometry.num_pages
+            content = sum(b.row_bytes for b in p.spec.buffers)
+            for i, lid in enumerate(p.layer_ids):
+                layers[str(lid)] = state_key(content, page, p.spec.slot(i))
     m = plan.model
     # KV heads of the full-attention layers (what SGLang's ModelConfig.get_num_kv_heads reports)
     heads = None if not m.num_kv_heads else plan.parallel.kv_heads_per_rank(m.num_global_kv_heads or m.num_kv_heads)
     return dict(ok=True, max_total_num_tokens=plan.max_total_num_tokens, loc_space_scale=plan.loc_space_scale,
                 pool_page_size=plan.pool_page_size, kv_heads=heads, cell=plan.cell_size_bytes,
                 hybrid_swa=plan.variant == "swa_hybrid", buffers=bufs, variant=plan.variant,
-                kv_cache_dtype=plan.kv_cache_dtype, notes=list(plan.engine_notes), tensor_bytes=plan.kv_bytes)
+                kv_cache_dtype=plan.kv_cache_dtype, notes=list(plan.engine_notes), tensor_bytes=plan.kv_bytes,
+                layers=layers)
 
 
 def normalise_sglang(buffers: dict) -> dict:

@@ -24,7 +24,7 @@ import warnings  # noqa: E402
 
 import torch  # noqa: E402
 
-from config_cases import BUDGET, CONFIGS, cases, main, row  # noqa: E402
+from config_cases import BUDGET, CONFIGS, cases, layer_key, main, row, state_key  # noqa: E402
 
 warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
@@ -83,6 +83,52 @@ def _specs(spec, case: dict) -> dict:
     return out
 
 
+def _hybrid_specs(spec, case: dict, cfg: dict, vcfg) -> dict:
+    """A gated-delta-net hybrid's specs (Qwen3-Next) as vLLM builds them: its own
+    Platform._align_hybrid_block_size (FlashAttention's kernel blocks; the model class's
+    get_mamba_state_shape/dtype_from_config) raises vcfg's block size and sets
+    mamba_page_size_padded, then FullAttentionSpec per attention layer and the GDN layers' MambaSpec
+    (model_executor/layers/mamba/abstract.py get_kv_cache_spec) with prefix caching off."""
+    from unittest import mock
+
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM
+    from vllm.platforms.interface import Platform
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    ns = types.SimpleNamespace
+    text = ns(**cfg.get("text_config", cfg))
+    heads = max(1, spec.num_kv_heads // case["tp"])
+    vcfg.cache_config.__dict__.update(cache_dtype="auto", block_size=case["page"], mamba_page_size_padded=None,
+                                      mamba_cache_mode="none", mamba_block_size=spec.context_len or 262144,
+                                      mamba_cache_dtype="auto", mamba_ssm_cache_dtype="auto",
+                                      kv_cache_dtype_skip_layers=None)
+    vcfg.model_config = ns(dtype=DTYPE[spec.dtype], use_mla=False, architecture=cfg["architectures"][0],
+                           hf_text_config=text, hf_config=text, get_num_kv_heads=lambda par: heads,
+                           get_head_size=lambda: spec.head_dim)
+    vcfg.num_speculative_tokens = 0
+    with mock.patch.object(ModelRegistry, "resolve_model_cls", lambda *a, **k: (Qwen3NextForCausalLM, None)), \
+            mock.patch.object(Platform, "_find_non_ssm_backends", classmethod(lambda cls, c: [FlashAttentionBackend])):
+        Platform._align_hybrid_block_size(vcfg, FlashAttentionBackend)
+    cache = vcfg.cache_config
+    shapes = Qwen3NextForCausalLM.get_mamba_state_shape_from_config(vcfg)
+    dtypes = Qwen3NextForCausalLM.get_mamba_state_dtype_from_config(vcfg)
+    out = {}
+    for i in range(spec.num_layers):
+        if i in spec.full_attention_layer_ids:
+            out[f"layers.{i}.attn"] = FullAttentionSpec(block_size=cache.block_size, num_kv_heads=heads,
+                                                        head_size=spec.head_dim, dtype=DTYPE[spec.dtype],
+                                                        max_tp_shards=spec.num_kv_heads)
+        else:
+            out[f"layers.{i}.linear_attn"] = MambaSpec(
+                shapes=tuple(shapes), dtypes=dtypes, block_size=cache.mamba_block_size,
+                page_size_padded=cache.mamba_page_size_padded, mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+                mamba_cache_mode=cache.mamba_cache_mode)
+    return out
+
+
 def _verify_parallel(cfg: dict, spec, tp: int, dcp: int) -> None:
     """vLLM's own ModelConfig.verify_with_parallel_config (its head-count and DCP rules) on the
     config's head counts; a ValueError is vLLM's refusal. Lines after its DCP checks read fields
@@ -108,29 +154,40 @@ def vllm_row(case: dict) -> dict:
 
     try:
         spec = ModelSpec.from_hf_config(json.loads(json.dumps(CONFIGS[case["model"]])), reader="own")
-        if spec.variant == "hybrid_linear":
-            return dict(ok=False, not_run=True, error="not run: the Mamba/GDN state specs of vLLM's hybrid models are not "
-                                        "built by this script")
         _verify_parallel(CONFIGS[case["model"]], spec, case["tp"], case["dcp"])
-        specs = _specs(spec, case)
         cfg = _vllm_config(case["tp"], case["dcp"])
+        cfg.cache_config.block_size = case["page"]   # --block-size
+        specs = (_hybrid_specs(spec, case, CONFIGS[case["model"]], cfg) if spec.variant == "hybrid_linear"
+                 else _specs(spec, case))
         groups = get_kv_cache_groups(cfg, specs)
         conf = get_kv_cache_config_from_groups(cfg, groups, BUDGET)
     except Exception as err:
         return dict(ok=False, error=f"{type(err).__name__}: {str(err).splitlines()[0][:300]}")
+    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec, MLAAttentionSpec
+
+    # each GQA layer's (block size, KV heads, head size, position of its bytes in the group tensors)
+    spec_of = {name: g.kv_cache_spec for g in groups for name in g.layer_names}
     layers = {}
     for t in conf.kv_cache_tensors:
-        for name in t.layers:
-            layers[name] = t.size
+        for j, name in enumerate(t.layers):
+            s = spec_of[name]
+            copy = j + t.offset // t.layer_stride
+            if isinstance(s, AttentionSpec) and not isinstance(s, MLAAttentionSpec) and name.endswith(".attn"):
+                layers[name.split(".")[1]] = layer_key(s.block_size, s.num_kv_heads, s.head_size, copy)
+            elif isinstance(s, MambaSpec):
+                layers[name.split(".")[1]] = state_key(s.real_page_size_bytes, s.page_size_bytes, copy)
     g0 = groups[0].kv_cache_spec
     return dict(ok=True, num_blocks=conf.num_blocks, groups=[len(g.layer_names) for g in groups],
                 group_kinds=[type(g.kv_cache_spec).__name__ for g in groups],
+                group_block_sizes=[g.kv_cache_spec.block_size for g in groups],
                 tensors=len(conf.kv_cache_tensors),
                 # every group's tensor aliases the same memory from byte 0: the pool is the largest
                 tensor_bytes=max(t.size for t in conf.kv_cache_tensors),
-                block_size=g0.block_size, kv_heads=getattr(g0, "num_kv_heads", None),
-                # usable tokens: block 0 is the BlockPool's null block
-                max_total_num_tokens=(conf.num_blocks - 1) * g0.block_size)
+                block_size=g0.block_size, kv_heads=getattr(g0, "num_kv_heads", None), layers=layers,
+                cache_block_size=cfg.cache_config.block_size, page_bytes=g0.page_size_bytes,
+                # usable tokens in blocks of the cache's block size (block 0 is the BlockPool's null block;
+                # vLLM raises it for hybrid models); a group whose pages vLLM unified holds a multiple a block
+                max_total_num_tokens=(conf.num_blocks - 1) * cfg.cache_config.block_size)
 
 
 def compare(case, v, k) -> tuple[str, list]:
@@ -141,10 +198,16 @@ def compare(case, v, k) -> tuple[str, list]:
     if not v["ok"] or not k["ok"]:
         return ("vllm refuses" if not v["ok"] else "kvwrite refuses"), []
     diffs = []
-    kv_blocks = k["max_total_num_tokens"] // case["page"] + k.get("padding_pages", 1)
+    kv_blocks = k["max_total_num_tokens"] // k["pool_page_size"] + k.get("padding_pages", 1)   # the plan's block size
     if v["num_blocks"] != kv_blocks:
         diffs.append(f"blocks: vllm {v['num_blocks']} kvwrite {kv_blocks}")
-    if v["kv_heads"] not in (None, 1) and k["kv_heads"] != v["kv_heads"]:
+    if v["layers"]:   # every GQA layer: block size, KV heads, head size, buffer copy; every GDN state layer
+        mine = k.get("layers", {})
+        bad = [f"layer {i}: vllm {v['layers'][i]} kvwrite {mine.get(i)}" for i in v["layers"] if mine.get(i) != v["layers"][i]]
+        bad += [f"layer {i}: kvwrite only" for i in mine if i not in v["layers"]]
+        if bad:
+            diffs.append(f"layers (block x heads x head size @ copy): {'; '.join(bad[:3])}" + (" ..." if len(bad) > 3 else ""))
+    elif v["kv_heads"] not in (None, 1) and k["kv_heads"] != v["kv_heads"]:
         diffs.append(f"kv_heads: vllm {v['kv_heads']} kvwrite {k['kv_heads']}")
     if k.get("tensor_bytes") is not None and v["tensor_bytes"] != k["tensor_bytes"]:
         diffs.append(f"bytes: vllm {v['tensor_bytes']} kvwrite {k['tensor_bytes']}")

@@ -86,6 +86,9 @@ class KVCacheConfigurator:
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
         self.layout_of_engine = engine_layout(self.engine, model, parallel, kv_cache_dtype, self.page_size)
+        self.requested_page_size = self.page_size
+        if self.layout_of_engine.page_size:   # the engine's block size (vLLM raises it for GDN hybrids)
+            self.page_size = self.layout_of_engine.page_size
         served = self.layout_of_engine.model
         self.planned_model = served.draft() if parallel.is_draft_worker else served
         self.planner = planner_for(self.planned_model.variant)
@@ -263,6 +266,8 @@ class KVCacheConfigurator:
         lss = self.loc_space_scale
         specs = self.pool_specs if hasattr(self, "pool_specs") else self.planner.pools(context)
         for spec in specs:
+            if spec.alias:   # views another sub-pool's memory
+                continue
             rows_per_token = self._pool_scale(spec) / lss
             if spec.space == "swa":
                 rows_per_token *= self.swa_full_tokens_ratio

@@ -9,6 +9,7 @@ naming the engine's rule. Facts from SGLang 0.5.23 and vLLM 0.32.0 (paths given 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvwrite.config.errors import UnsupportedCombination
@@ -51,6 +52,82 @@ def vllm_kv_cache_groups(kinds: list[tuple[int, str]]) -> list[tuple[int, ...]]:
     return groups
 
 
+def vllm_block_multipliers(page_bytes: dict[str, dict[str, int]], what: str) -> dict[str, int]:
+    """vLLM's `kv_cache_utils.unify_kv_cache_spec_page_size` for attention layers of different page
+    sizes: a layer kind whose page (bytes a block at the configured block size) is smaller than
+    the largest takes block_size x (largest // its page), so every page holds the same bytes.
+    `page_bytes`: {kind: {buffer: bytes a token}}; returns {kind: block-size multiplier}. vLLM
+    pads a page that does not divide the largest (`page_size_padded`, a strided view), which
+    kvwrite does not plan; kvwrite also needs each buffer to scale alike (its copies alias
+    buffer by buffer): both refused with UnsupportedCombination."""
+    total = {kind: sum(b.values()) for kind, b in page_bytes.items()}
+    top = max(total.values())
+    out = {kind: top // t for kind, t in total.items()}
+    if any(top % t for t in total.values()):
+        raise UnsupportedCombination(
+            f"engine='vllm' pads {what}'s smaller KV pages to the largest ({total} bytes a token: not a divisor, "
+            f"kv_cache_utils.unify_kv_cache_spec_page_size sets page_size_padded), a strided layout kvwrite does "
+            f"not plan: use engine='sglang'")
+    per_buffer = {name: {kind: b[name] * out[kind] for kind, b in page_bytes.items()} for name in
+                  next(iter(page_bytes.values()))}
+    if any(len(set(v.values())) > 1 for v in per_buffer.values()):
+        raise UnsupportedCombination(
+            f"engine='vllm' unifies {what}'s page sizes by block size, but this kv_cache_dtype's buffers do not "
+            f"scale alike ({per_buffer}), so kvwrite's sub-pools cannot share their memory buffer by buffer: "
+            f"use kv_cache_dtype='auto' or an fp8 format, or engine='sglang'")
+    return out
+
+
+VLLM_KERNEL_BLOCK = 16   # FlashAttention's kernel block sizes: MultipleOf(16) (v1/attention/backends/flash_attn.py)
+
+
+def vllm_gdn_state(spec: ModelSpec, tp: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """vLLM's GDN state of one layer on one of `tp` ranks, {name: (shape, dtype)}
+    (MambaStateShapeCalculator.gated_delta_net_state_shape, conv state-length-major): conv
+    `[K-1, conv_dim/tp]`, recurrent `[H/tp, head_v_dim, head_k_dim]`. dtypes: mamba_cache_dtype
+    "auto" is the model's; the recurrent state's too (mamba_ssm_cache_dtype "auto"), except on
+    Qwen3.5, whose config hook adopts the config's mamba_ssm_dtype (as read: float32 when absent)."""
+    st = spec.linear_state
+    conv, ssm = st.shapes(tp)["conv"], st.shapes(tp)["ssm"]
+    ssm_dtype = st.ssm_dtype if (spec.architecture or "").startswith("Qwen3_5") else spec.dtype
+    return {"conv": ((conv[1], conv[0]), spec.dtype), "ssm": ((ssm[0], ssm[2], ssm[1]), ssm_dtype)}
+
+
+def vllm_gdn_block(spec: ModelSpec, parallel, kv: str, page_size: int) -> dict[str, int]:
+    """vLLM 0.32's block size for a gated-delta-net hybrid (Qwen3-Next): the GDN states live in the
+    KV block pool, one layer's state a block (`Platform._align_hybrid_block_size`): the attention
+    block size grows in multiples of max(16, block_size) (FlashAttention's kernel blocks) until an
+    attention page holds a state, and the state page is padded to it (`mamba_page_size_padded`).
+    {"block", "attn" (attention bytes a token), "state" (a layer's state bytes,
+    `vllm_gdn_state`)}; UnsupportedCombination for a
+    kv_cache_dtype whose page vLLM sizes otherwise."""
+    import torch
+
+    from kvwrite.config.scales import STATIC_SCALED
+
+    def size(dtype: str) -> int:
+        return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+    kv_dtype = spec.dtype if kv == "auto" else STATIC_SCALED.get(kv)
+    if kv_dtype is None:
+        raise UnsupportedCombination(f"kvwrite plans vLLM's layout of a GDN hybrid for kv_cache_dtype 'auto' and "
+                                     f"the per-tensor-scaled formats, not {kv!r}: use engine='sglang' or 'kvwrite'")
+    heads = parallel.kv_heads_per_rank(spec.num_kv_heads)
+    attn = heads * (spec.head_dim + (spec.v_head_dim or spec.head_dim)) * size(kv_dtype)
+    state = sum(math.prod(shape) * size(dtype) for shape, dtype in vllm_gdn_state(spec, parallel.tp_size).values())
+    align = max(VLLM_KERNEL_BLOCK, page_size)
+    block = align * -(-state // (align * attn))
+    block = max(page_size, VLLM_KERNEL_BLOCK * -(-block // VLLM_KERNEL_BLOCK))
+    return dict(block=block, attn=attn, state=state)
+
+
+def vllm_gdn_groups(spec: ModelSpec) -> list[tuple[int, ...]]:
+    """vLLM's KV cache groups of a GDN hybrid: attention and GDN layers, equal pages."""
+    kinds = sorted([(i, "attention") for i in spec.full_attention_layer_ids] +
+                   [(i, "gdn") for i in spec.linear_layer_ids])
+    return vllm_kv_cache_groups(kinds)
+
+
 @dataclass(frozen=True)
 class EngineLayout:
     """The model as `engine` lays it out, the kv cache dtype it stores, and each change from the
@@ -60,6 +137,7 @@ class EngineLayout:
     model: ModelSpec
     kv_cache_dtype: str
     notes: tuple[str, ...] = ()
+    page_size: int | None = None   # the engine's block size where it overrides the one asked for
 
 
 def _one_pool(spec: ModelSpec) -> ModelSpec:
@@ -142,6 +220,18 @@ def _vllm(spec: ModelSpec, parallel, kv: str, page_size: int) -> EngineLayout:
             "engine='vllm' has no draft worker with pools of its own: the draft's (EAGLE / MTP) attention "
             "layers get KV cache specs beside the target's and join its KV cache groups (kv_cache_utils."
             "_annotate_eagle_groups); plan the target with the draft layers counted, or use engine='sglang'")
+    if spec.variant == "hybrid_linear" and spec.linear_state is not None and spec.linear_state.kind == "gdn":
+        f = vllm_gdn_block(spec, parallel, kv, page_size)
+        groups = vllm_gdn_groups(spec)
+        page = f["block"] * f["attn"]
+        notes.append(f"vLLM keeps each GDN layer's conv + recurrent state ({f['state']} B) in a KV "
+                     f"block: it raises the block size from {page_size} to {f['block']} tokens so an attention page "
+                     f"({f['block']} x {f['attn']} B = {page} B) holds one (Platform._align_hybrid_block_size, "
+                     f"kernel blocks of {VLLM_KERNEL_BLOCK}), pads the state page to {page} B "
+                     f"(mamba_page_size_padded) and groups the {len(spec.full_attention_layer_ids)} attention and "
+                     f"{len(spec.linear_layer_ids)} GDN layers into {len(groups)} KV cache groups sharing "
+                     f"{max(len(g) for g in groups)} tensors; no request-slot state pool")
+        return EngineLayout("vllm", spec.replace(variant="linear_grouped"), kv, tuple(notes), page_size=f["block"])
     if spec.variant not in VLLM_PLANNED:
         raise UnsupportedCombination(
             f"kvwrite does not plan vLLM's layout of variant {spec.variant!r} (vLLM sizes recurrent-state and "
@@ -150,12 +240,11 @@ def _vllm(spec: ModelSpec, parallel, kv: str, page_size: int) -> EngineLayout:
             + ("engine='kvwrite' (its record planned in kvwrite's layout)" if kv in ("nvfp4_fi_ds_mla", "nvfp4_v41")
                else "engine='sglang' or 'kvwrite'"))
     if spec.variant == "swa_hybrid" and (spec.global_head_dim or spec.num_global_kv_heads):
-        raise UnsupportedCombination(
-            f"engine='vllm' keeps {spec.architecture or spec.name or 'this model'}'s full-attention and sliding "
-            f"layers, which have different head sizes / KV heads, in group tensors shared by both, each layer "
-            f"viewing the bytes with its own shape (block sizes unified to equal page bytes: kv_cache_utils."
-            f"unify_kv_cache_spec_page_size); a kvwrite sub-pool has one buffer shape, so kvwrite does not plan "
-            f"it: use engine='sglang'")
+        notes.append(f"{spec.architecture or spec.name or 'this model'}'s full-attention layers have their own head "
+                     f"size / KV heads: vLLM raises the block size of the layers with the smaller page until every "
+                     f"page holds the same bytes (kv_cache_utils.unify_kv_cache_spec_page_size) and the groups share "
+                     f"one tensor per position, each layer viewing it with its own shape; kvwrite plans sub-pools "
+                     f"'full' and 'swa' with those block sizes, one viewing the other's memory")
     if spec.variant == "swa_hybrid":
         kinds = [(i, "swa" if i in spec.swa_layer_ids else "full") for i in range(spec.num_layers)
                  if spec.kv_source(i) is None]
@@ -166,10 +255,9 @@ def _vllm(spec: ModelSpec, parallel, kv: str, page_size: int) -> EngineLayout:
                      f"outside the window")
         spec = spec.replace(variant="swa_grouped")
     if spec.variant == "dsa" and parallel.dcp_size > 1:
-        raise UnsupportedCombination(
-            f"engine='vllm' shards the DSA indexer cache over the {parallel.dcp_size} DCP ranks (its "
-            f"MLAAttentionSpec is dcp_sharded), and kvwrite's store_indexer_k has no DCP-rank translation: plan "
-            f"it with dcp_size=1, or engine='sglang' (whose indexer cache holds the whole virtual loc space)")
+        notes.append(f"vLLM shards the DSA indexer cache over the {parallel.dcp_size} DCP ranks like the MLA "
+                     f"cache (its MLAAttentionSpec is dcp_sharded): store_indexer_k translates the virtual loc "
+                     f"to this rank's row (SGLang's indexer cache holds the whole virtual loc space)")
     if spec.variant == "dsa" and kv in FP8_FORMATS:
         notes.append(f"vLLM serves any quantized DSA cache ({kv}) as fp8_ds_mla, 656-byte rows "
                      f"(model_executor/layers/attention/mla_attention.py, FLASHMLA_SPARSE)")

@@ -49,14 +49,18 @@ def _sglang(variants: tuple[str, ...], archs: tuple[str, ...]) -> str:
 
 
 def _vllm(variants: tuple[str, ...], parser) -> str:
+    if parser is hf._qwen3_next:
+        return ("null block inside the budget; GDN states in KV blocks (block size raised until a page holds "
+                "one, state page padded)")
     if not set(variants) & set(VLLM_PLANNED):
         return "refused (kvwrite does not plan vLLM's state / compressed specs)"
     out = ["null block inside the budget"]
     if "swa_hybrid" in variants:
-        out.append("sliding layers: " + ("refused (per-layer-type head sizes)" if parser is hf._gemma4 else
-                                         "KV cache groups over one block pool"))
+        out.append("sliding layers: KV cache groups over one block pool" + (
+            " (full / sliding pages unified by block size: two sub-pools sharing memory)" if parser is hf._gemma4
+            else ""))
     if "dsa" in variants:
-        out.append("fp8 -> fp8_ds_mla; DCP refused")
+        out.append("fp8 -> fp8_ds_mla; indexer cache DCP-sharded")
     return "; ".join(out)
 
 

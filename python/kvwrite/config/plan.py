@@ -17,7 +17,7 @@ from kvwrite.config.errors import EngineMismatch
 from kvwrite.config.pool import KVPool
 from kvwrite.geometry import GeometryError, PageGeometry, require_positive_int
 
-LAYOUTS = ("rows", "hnd", "page_major", "map", "slots", "dsv4_kv")
+LAYOUTS = ("rows", "hnd", "page_major", "map", "slots", "dsv4_kv", "block")
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,8 @@ class BufferSpec:
     heads, pool_page_size, *rest]` for `row_shape = (heads, *rest)`; "page_major" (uint8) ->
     `[num_pages, pool_page_size * prod(row_shape)]` (a page's rows then its scales, like the DSA
     indexer cache); "map" -> `[num_locs of the "full" loc space]` (the full->SWA loc map);
-    "slots" -> `[request slots, *row_shape]` (a recurrent-state buffer, sized per request).
+    "slots" -> `[request slots, *row_shape]` (a recurrent-state buffer, sized per request);
+    "block" -> `[num_pages, *row_shape]` (one row a block: vLLM's recurrent states in KV blocks).
     """
 
     name: str
@@ -56,6 +57,8 @@ class BufferSpec:
             return (geometry.num_pages, self.row_shape[0], geometry.pool_page_size, *self.row_shape[1:])
         if self.layout == "slots":
             raise ValueError(f"buffer {self.name!r} is per request slot, not paged")
+        if self.layout == "block":
+            return (geometry.num_pages, *self.row_shape)
         if self.layout == "page_major":
             return (geometry.num_pages, geometry.pool_page_size * math.prod(self.row_shape))
         if self.layout == "dsv4_kv":  # DeepSeek V4 KV pages: 584 B a token, padded to 576 B
@@ -73,6 +76,12 @@ class PoolSpec:
     layers). `virtual`: addressed by the DCP virtual loc even on a target worker (the DSA indexer
     cache), so its pages are `page_size * dcp_size` rows. `op`: the kvwrite store op;
     `needs`: keywords that op must accept for this sub-pool (checked by `build()`).
+    `alias`: the sub-pool whose buffer copies this one views instead of allocating its own (vLLM's
+    page-size-unified KV cache groups: copy i of both is the same bytes, each sub-pool reading
+    them with its own page size and row shape; `build()` checks the bytes agree). `block_major`:
+    each copy is one `[num_pages, page bytes]` allocation, every buffer a strided view at its
+    offset in the page (vLLM's K | V pages); an alias of it carves its buffers from the same pages
+    (a recurrent state a block, the rest of the page padding).
     """
 
     name: str
@@ -86,6 +95,8 @@ class PoolSpec:
     slots: tuple[int, ...] = ()   # per layer of layer_ids, the buffer copy it uses (layers sharing memory)
     regrouped: bool = False       # its rows regrouped into smaller pages than the allocator's (one flat
     #                               slot space, no per-page padding: SGLang's NVFP4 DeepSeek V4 pool)
+    alias: str = ""
+    block_major: bool = False
 
     @property
     def num_buffers(self) -> int:
@@ -163,6 +174,9 @@ class SubPoolPlan:
 
     @property
     def bytes(self) -> int:
+        """Bytes this sub-pool allocates (0 for an `alias` of another sub-pool's memory)."""
+        if self.spec.alias:
+            return 0
         return sum(b.bytes * (self.spec.num_buffers if b.per_layer else 1) for b in self.buffers)
 
     @property
@@ -200,6 +214,7 @@ class SubPoolPlan:
             buffers=[b.to_dict() for b in self.buffers], bytes=self.bytes, op=self.op,
             kernel=self.kernel, addressing=self.addressing, allocator=self.space.to_dict(),
             **({"buffer_slots": list(self.spec.slots)} if self.spec.slots else {}),
+            **({"aliases": self.spec.alias} if self.spec.alias else {}),
         )
 
 

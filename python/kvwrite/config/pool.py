@@ -66,17 +66,30 @@ class KVPool(PageMoves):
         self.scales = self._build_scales(scales)
         what = lambda p: (f"variant {plan.variant!r} with kv_cache_dtype={plan.kv_cache_dtype!r} "  # noqa: E731
                           f"(sub-pool {p.name!r}, {p.addressing})")
-        self.ops = {p.name: resolve_op(p.op, p.spec.needs, what(p)) for p in plan.pools}
+        # a sub-pool without an op holds no K/V (vLLM's GDN states in KV blocks): nothing stores into it
+        self.ops = {p.name: resolve_op(p.op, p.spec.needs, what(p)) for p in plan.pools if p.op}
         self.errors = ErrorBuffer(self.device)
         self.buffers: dict[str, list[dict[str, torch.Tensor]]] = {}
         self.shared: dict[str, dict[str, torch.Tensor]] = {}
         self._index: dict[str, dict[int, int]] = {}
-        for p in plan.pools:
+        self._pages: dict[str, list[torch.Tensor]] = {}   # block-major copies: [pages, page bytes] each
+        for p in sorted(plan.pools, key=lambda p: bool(p.spec.alias)):   # memory owners first
             self._index[p.name] = {lid: p.spec.slot(i) for i, lid in enumerate(p.layer_ids)}
-            self.buffers[p.name] = self._allocate([b for b in p.buffers if b.per_layer], p.spec.num_buffers)
+            per_layer = [b for b in p.buffers if b.per_layer]
+            if p.spec.block_major:
+                pages = p.geometry.num_pages
+                self._pages[p.name] = [torch.zeros(pages, sum(b.bytes for b in per_layer) // pages, dtype=torch.uint8,
+                                                   device=self.device) for _ in range(p.spec.num_buffers)]
+                self.buffers[p.name] = self._carve(self._pages[p.name], p, per_layer)
+            elif p.spec.alias and p.spec.alias in self._pages:
+                self.buffers[p.name] = self._carve(self._pages[p.spec.alias], p, per_layer)
+            elif p.spec.alias:
+                self.buffers[p.name] = self._alias_views(plan.pool(p.spec.alias), p, per_layer)
+            else:
+                self.buffers[p.name] = self._allocate(per_layer, p.spec.num_buffers)
             self.shared[p.name] = {b.name: torch.full(b.shape, -1, dtype=getattr(torch, b.dtype), device=self.device)
                                    for b in p.buffers if not b.per_layer}
-        self._layers = {lid for p in plan.pools for lid in p.layer_ids}
+        self._layers = {lid for p in plan.pools if p.op for lid in p.layer_ids}
         self.states: dict[str, list[dict[str, torch.Tensor]]] = {}
         self._state_index: dict[str, dict[int, int]] = {}
         for st in getattr(plan, "state_pools", ()):
@@ -98,6 +111,39 @@ class KVPool(PageMoves):
                 for i in range(num_layers):
                     layers[i][b.name] = torch.zeros(b.shape, dtype=dtype, device=self.device)
         return layers
+
+    def _carve(self, pages: list[torch.Tensor], sub, buffers) -> list[dict[str, torch.Tensor]]:
+        """Sub-pool `sub`'s buffer copies cut from block-major copies `pages` (`[num_pages, page
+        bytes]` each): buffer b of copy i is the bytes at b's offset in every page, strided by the page."""
+        if sub.spec.num_buffers > len(pages):
+            raise ValueError(f"sub-pool {sub.name!r} has {sub.spec.num_buffers} copies, its memory {len(pages)}")
+        out = []
+        for i in range(sub.spec.num_buffers):
+            views, off = {}, 0
+            for b in buffers:
+                n = b.bytes // pages[i].shape[0]
+                if off + n > pages[i].shape[1]:
+                    raise ValueError(f"sub-pool {sub.name!r}: its buffers need {off + n} bytes a page, the pages "
+                                     f"hold {pages[i].shape[1]}")
+                views[b.name] = pages[i][:, off:off + n].view(getattr(torch, b.dtype)).view(b.shape)
+                off += n
+            out.append(views)
+        return out
+
+    def _alias_views(self, owner, sub, buffers) -> list[dict[str, torch.Tensor]]:
+        """Sub-pool `sub`'s buffer copies as views of `owner`'s (PoolSpec.alias): copy i, buffer b
+        is the bytes of the owner's copy i, buffer b, read with `sub`'s shape and dtype."""
+        mine = {b.name: b for b in owner.buffers}
+        bad = [b.name for b in buffers if b.name not in mine or mine[b.name].bytes != b.bytes]
+        if bad or sub.spec.num_buffers > owner.spec.num_buffers:
+            raise ValueError(f"sub-pool {sub.name!r} aliases {owner.name!r} but its buffers {bad or ''} (or its "
+                             f"{sub.spec.num_buffers} copies) are not the same bytes")
+        out = []
+        for i in range(sub.spec.num_buffers):
+            src = self.buffers[owner.name][i]
+            out.append({b.name: src[b.name].view(torch.uint8).view(getattr(torch, b.dtype)).view(b.shape)
+                        for b in buffers})
+        return out
 
     def _build_scales(self, scales) -> dict[str, torch.Tensor]:
         """The build-time scales, checked: every fp8 scale given, nothing that does not apply."""
@@ -139,7 +185,10 @@ class KVPool(PageMoves):
                                f"not {layer_id}") from None
 
     def state(self, layer_id: int, pool: str = "state") -> dict[str, torch.Tensor]:
-        """The recurrent-state buffers (`conv`, `ssm`: `[slots, ...]`) of linear layer `layer_id`."""
+        """The recurrent-state buffers (`conv`, `ssm`: `[slots, ...]`) of linear layer `layer_id`
+        (vLLM's layout: `[blocks, ...]`, one state a KV block)."""
+        if pool not in self.states and pool in self.buffers:
+            return self.layer(pool, layer_id)
         try:
             return self.states[pool][self._state_index[pool][layer_id]]
         except KeyError:
@@ -160,8 +209,11 @@ class KVPool(PageMoves):
 
     @property
     def nbytes(self) -> int:
+        aliases = {p.name for p in self.plan.pools if p.spec.alias}   # views of another sub-pool's memory
         per = sum(t.numel() * t.element_size() for group in (self.buffers, self.states)
-                  for layers in group.values() for d in layers for t in d.values())
+                  for name, layers in group.items() if name not in aliases and name not in self._pages
+                  for d in layers for t in d.values())
+        per += sum(t.numel() for pages in self._pages.values() for t in pages)
         return per + sum(t.numel() * t.element_size() for d in self.shared.values() for t in d.values())
 
     def allocator(self, space: str = "full"):

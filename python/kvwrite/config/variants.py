@@ -294,26 +294,88 @@ class GroupedSWAPlanner(SWAHybridPlanner):
     (one loc space, no loc map), layers grouped as vLLM's KV cache manager groups them
     (`kvwrite.config.engines.vllm_kv_cache_groups`); the i-th layer of every group shares buffer
     copy i, so a pool holds group-size copies, not one a layer. Each group's slot mapping addresses
-    the shared blocks (a sliding-window group frees blocks outside its window)."""
+    the shared blocks (a sliding-window group frees blocks outside its window).
+
+    Full-attention layers with their own head size / KV heads (Gemma 4): sub-pools "full" and
+    "swa", each with the block size vLLM gives its layers after page-size unification
+    (`engines.vllm_block_multipliers`: the smaller page's block holds more tokens, so both pages
+    are the same bytes); the sub-pool with fewer copies views the other's memory
+    (`PoolSpec.alias`). Both serve `num_pages` blocks of one block pool; a sub-pool whose block is
+    k pages addresses its own loc space ("<name>_x<k>": slot = block * k * page_size + offset)."""
 
     name = "swa_grouped"
 
-    def pools(self, ctx):
+    @staticmethod
+    def _slots(m) -> dict[int, int]:
+        """layer id -> its position in its vLLM KV cache group (the buffer copy it uses)."""
         from kvwrite.config.engines import vllm_kv_cache_groups
 
-        m = ctx.model
         # KV-shared layers have no cache of their own in vLLM (kv_sharing_target_layer_name): they
         # join no group and read their source layer's tensor
         kinds = [(i, "swa" if i in m.swa_layer_ids else "full") for i in range(m.num_layers)
                  if m.kv_source(i) is None]
         slot = {lid: j for g in vllm_kv_cache_groups(kinds) for j, lid in enumerate(g)}
         slot.update({a: slot[b] for a, b in m.kv_sharing})
-        kv = self._kv_pool(ctx, "kv", range(m.num_layers))
-        return [dataclasses.replace(kv, slots=tuple(slot[i] for i in kv.layer_ids),
-                                    note=", ".join(filter(None, (kv.note, "vLLM KV cache groups"))))]
+        return slot
+
+    def _multipliers(self, ctx) -> dict[str, int] | None:
+        """None when every layer has one shape (one sub-pool), else vLLM's block-size multiplier
+        of the "full" and "swa" layers."""
+        from kvwrite.config.engines import vllm_block_multipliers
+
+        m = ctx.model
+        shapes = {kind: self._layer_shape(m, ctx.parallel, ids[0])
+                  for kind, ids in (("full", m.full_attention_layer_ids), ("swa", m.swa_layer_ids))}
+        if shapes["full"] == shapes["swa"]:
+            return None
+        pages = {kind: {b.name: b.row_bytes for b in kv_buffers(ctx.kv_cache_dtype, ctx.dtype, h, d, self.name)[0]}
+                 for kind, (h, d) in shapes.items()}
+        return vllm_block_multipliers(pages, m.architecture or m.name or "this model")
+
+    def pools(self, ctx):
+        m = ctx.model
+        slot = self._slots(m)
+        mult = self._multipliers(ctx)
+        if mult is None:
+            kv = self._kv_pool(ctx, "kv", range(m.num_layers))
+            return [dataclasses.replace(kv, slots=tuple(slot[i] for i in kv.layer_ids),
+                                        note=", ".join(filter(None, (kv.note, "vLLM KV cache groups"))))]
+        out = []
+        for name, ids in (("full", m.full_attention_layer_ids), ("swa", m.swa_layer_ids)):
+            heads, dims = self._layer_shape(m, ctx.parallel, ids[0])
+            p = self._kv_pool(ctx, name, ids, heads=heads, dims=dims)
+            note = f"vLLM KV cache groups, blocks of {mult[name]} x page_size" if mult[name] > 1 else \
+                "vLLM KV cache groups"
+            out.append(dataclasses.replace(p, slots=tuple(slot[i] for i in ids),
+                                           note=", ".join(filter(None, (p.note, note)))))
+        owner = max(out, key=lambda p: p.num_buffers)   # ties: "full"
+        return [p if p is owner else dataclasses.replace(p, alias=owner.name) for p in out]
+
+    def sub_pool(self, spec, ctx, pages, scale):
+        mult = self._multipliers(ctx) if spec.name in ("full", "swa") else None
+        k = mult[spec.name] if mult else 1
+        if k == 1:
+            return None
+        from kvwrite.config.plan import LocSpace
+        from kvwrite.geometry import PageGeometry
+
+        P, dcp = ctx.page_size * k, ctx.parallel.dcp_size
+        return dict(geometry=PageGeometry(P, pages, loc_space_scale=scale),
+                    space=LocSpace(f"{spec.name}_x{k}", P * dcp, pages * P * dcp, dcp))
+
+    def cell_size(self, ctx, swa_full_tokens_ratio):
+        """Bytes a page_size token of the block pool: the memory owner's copies x its rows a token
+        (k for blocks of k pages); the aliasing sub-pool adds nothing."""
+        mult = self._multipliers(ctx)
+        if mult is None:
+            return None
+        return sum(p.num_buffers * mult[p.name] * sum(b.row_bytes for b in p.buffers)
+                   for p in self.pools(ctx) if not p.alias)
 
     def route(self, pool, layer_id):
-        return "kv"
+        if len(pool.plan.pools) == 1:
+            return "kv"
+        return super().route(pool, layer_id)
 
 
 def _mha_draft(spec):
@@ -352,6 +414,40 @@ class HybridLinearPlanner(MHAPlanner):
             shapes["conv"] = shapes["conv"][::-1]
         bufs = tuple(BufferSpec(n, shape, dtypes[n], layout="slots") for n, shape in shapes.items())
         return (StatePoolSpec("state", ctx.model.linear_layer_ids, bufs),)
+
+    def draft_model(self, spec):
+        return _mha_draft(spec)
+
+
+class LinearGroupedPlanner(MHAPlanner):
+    """vLLM's layout of a gated-delta-net hybrid (engine="vllm", Qwen3-Next): no request-slot state
+    pool; each GDN layer's conv + recurrent state lives in KV blocks, one a block, at the block size
+    vLLM raises until an attention page holds one (`engines.vllm_gdn_block`, the configurator's
+    page_size). Attention and GDN layers form vLLM's KV cache groups (`engines.vllm_gdn_groups`);
+    the i-th layer of every group shares block-major copy i: an attention layer's K | V page, or a
+    GDN layer's state and padding (sub-pool "state", vLLM's state shapes, no store: read it with
+    `KVPool.state(layer)`, `[blocks, ...]`)."""
+
+    name = "linear_grouped"
+    fields = HybridLinearPlanner.fields
+    check_model = HybridLinearPlanner.check_model
+
+    def kv_layer_ids(self, spec):
+        return spec.full_attention_layer_ids
+
+    def pools(self, ctx):
+        from kvwrite.config.engines import vllm_gdn_groups, vllm_gdn_state
+
+        m = ctx.model
+        slot = {lid: j for g in vllm_gdn_groups(m) for j, lid in enumerate(g)}
+        kv = self._kv_pool(ctx, "kv", m.full_attention_layer_ids)
+        kv = dataclasses.replace(kv, slots=tuple(slot[i] for i in kv.layer_ids), block_major=True,
+                                 note=", ".join(filter(None, (kv.note, "vLLM KV cache groups, K | V a block"))))
+        bufs = tuple(BufferSpec(n, shape, dtype, layout="block")
+                     for n, (shape, dtype) in vllm_gdn_state(m, ctx.parallel.tp_size).items())
+        state = PoolSpec("state", m.linear_layer_ids, bufs, "", alias="kv", note="GDN states, one a block",
+                         slots=tuple(slot[i] for i in m.linear_layer_ids))
+        return [kv, state]
 
     def draft_model(self, spec):
         return _mha_draft(spec)
@@ -397,8 +493,9 @@ class MLAPlanner(VariantPlanner):
 
 
 class DSAPlanner(MLAPlanner):
-    """MLA pool + the DSA indexer K cache (fp8 + fp32 scales per 128, always), which every DCP
-    rank holds whole: it is indexed by the virtual loc, so its pages are page_size * dcp_size."""
+    """MLA pool + the DSA indexer K cache (fp8 + fp32 scales per 128, always). SGLang's and
+    kvwrite's: every DCP rank holds it whole, indexed by the virtual loc, so its pages are
+    page_size * dcp_size. vLLM's (engine="vllm"): sharded over the DCP ranks like the MLA pool."""
 
     name = "dsa"
     fields = MLAPlanner.fields | {"index_head_dim"}
@@ -414,6 +511,10 @@ class DSAPlanner(MLAPlanner):
             raise UnsupportedCombination("variant 'dsa' has no Ascend layout here: SGLang's NPU DSA pool keeps a "
                                          "bf16 index K per layer, which this kvwrite does not plan")
         layers = self.kv_layer_ids(ctx.model)
+        if ctx.parallel.engine == "vllm":   # vLLM shards the indexer cache over the DCP ranks like the MLA cache
+            return [self._mla_pool(ctx), PoolSpec("indexer", layers, (indexer_buffer(ctx.model.index_head_dim),),
+                                                  "store_indexer_k", needs=_needs("store_indexer_k", "auto",
+                                                                                  _sharded(ctx)))]
         return [self._mla_pool(ctx), PoolSpec("indexer", layers, (indexer_buffer(ctx.model.index_head_dim),),
                                               "store_indexer_k", virtual=True)]
 
@@ -485,6 +586,7 @@ class MiniMaxSparsePlanner(MHAPlanner):
 
 # --- the built-in variants ---------------------------------------------------------------------
 
-BUILTIN = ("mha", "mla", "dsa", "swa_hybrid", "swa_grouped", "hybrid_linear", "minimax_sparse", "mla_linear")
+BUILTIN = ("mha", "mla", "dsa", "swa_hybrid", "swa_grouped", "hybrid_linear", "linear_grouped", "minimax_sparse",
+           "mla_linear")
 register_builtin(MHAPlanner(), MLAPlanner(), DSAPlanner(), SWAHybridPlanner(), GroupedSWAPlanner(),
-                 HybridLinearPlanner(), MiniMaxSparsePlanner(), MLALinearPlanner())
+                 HybridLinearPlanner(), LinearGroupedPlanner(), MiniMaxSparsePlanner(), MLALinearPlanner())

@@ -59,13 +59,14 @@ def _build(v: dict, env: dict, locs: Locs, chk: Check) -> StoreIndexerK:
                          env["geometry"], locs, chk)
 
 
-# The indexer cache is replicated: addressed by the virtual loc, never DCP-sharded (no DCP args).
+# SGLang's indexer cache is replicated (addressed by the virtual loc, dcp_size=1); vLLM shards it
+# over the DCP ranks like the MLA cache (dcp_rank / dcp_size: the virtual loc -> this rank's row).
 SPEC = spec.Op(
     OP,
     args=(spec.T("k", "N D", validate.FLOAT_INPUTS),
           spec.cache("cache", "P B", (torch.uint8,)),
           spec.LOC, spec.option("quant_block_size", "int"), spec.option("scale_fmt", "str?"),
-          spec.CHECK, spec.ERRORS, spec.LOC_MAP, spec.BACKEND),
+          spec.CHECK, spec.ERRORS, spec.LOC_MAP, *spec.DCP, spec.BACKEND),
     checks=("k", _block, "cache", _pages, spec.geometry("cache")),
     build=_build, impls=IMPLS)
 _OP = SPEC.overload
@@ -75,11 +76,15 @@ _CALL = _OP._op
 def store_indexer_k(k: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, *,
                     quant_block_size: int = 128, scale_fmt: str | None = None,
                     check: str | None = None, errors: ErrorBuffer | None = None,
-                    loc_map: torch.Tensor | None = None, backend: str = "auto") -> None:
+                    loc_map: torch.Tensor | None = None, dcp_rank: int = 0, dcp_size: int = 1,
+                    backend: str = "auto") -> None:
     """Quantise token i's indexer key `k[i]` `[D]` per `quant_block_size` block to e4m3 and
     store it with its fp32 scales at `loc[i]` (-1 = padding, skipped); see the module doc for
     the page layout. `scale_fmt="ue8m0"` rounds each scale up to a power of two.
     The pool page size is `cache.shape[1] // (D + D/qbs*4)`. `loc_map` translates as in
-    `store_kv`; there is no DCP sharding (the indexer cache is addressed by the virtual loc).
+    `store_kv`; `dcp_rank` / `dcp_size` as in `store_kv`: a cache sharded over the DCP ranks
+    (vLLM's) keeps virtual loc v at row v // dcp_size on rank v % dcp_size; SGLang's replicated
+    cache is addressed by the virtual loc (dcp_size=1).
     """
-    return SPEC.entry(k, cache, loc, quant_block_size, scale_fmt, check, errors, loc_map, backend)
+    return SPEC.entry(k, cache, loc, quant_block_size, scale_fmt, check, errors, loc_map, dcp_rank, dcp_size,
+                      backend)
