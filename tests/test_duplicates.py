@@ -14,7 +14,7 @@ import kvwrite
 from conftest import DEVICE
 from helpers import BACKENDS, CanaryBuffer, assert_same_bytes
 from kvwrite.errors import KIND_DUPLICATE, DuplicateWrite
-from kvwrite.facts import KV_DIM, indexer_row_bytes, kv_page_bytes
+from kvwrite.facts import FP4_RECORDS, KV_DIM, indexer_row_bytes, kv_page_bytes
 
 ALL = ["torch", *BACKENDS]
 PAGES, PPS = 2, 4                                  # every pool: 2 pages of 4 rows (capacity 8)
@@ -87,6 +87,14 @@ CASES = {
     "store_dsv4_indexer_k-mxfp4": (
         {"c": ((PAGES, PPS * indexer_row_bytes(128, "mxfp4")), torch.uint8)},
         lambda p, loc, **kw: kvwrite.store_dsv4_indexer_k(_rand(N, 128), p["c"], loc, fmt="mxfp4", **kw)),
+    **{f"store_dsv4_kv_fp4-{fmt}": (
+        {"c": ((PAGES, PPS * FP4_RECORDS[fmt].token_bytes), torch.uint8)},
+        lambda p, loc, fmt=fmt, **kw: kvwrite.store_dsv4_kv_fp4(_rand(N, KV_DIM), p["c"], loc, fmt=fmt, **kw))
+       for fmt in ("nvfp4", "mxfp4", "nvfp4_v41")},
+    "rope_store_dsv4_kv_fp4": (
+        {"c": ((PAGES, PPS * FP4_RECORDS["nvfp4"].token_bytes), torch.uint8)},   # q: test_dsv4_fp4
+        lambda p, loc, **kw: kvwrite.rope_store_dsv4_kv_fp4(_t([1, 2, 3, 4, 5]), _rand(N, KV_DIM), _cos_sin(64),
+                                                            p["c"], loc, q=_rand(N, 2, 64, seed=2), **kw)),
     "store_rows": ({"c": ((PAGES * PPS, 24), torch.float32)},
                    lambda p, loc, **kw: kvwrite.store_rows(_rand(N, 24, dtype=torch.float32), p["c"], loc, **kw)),
     "rope_store_kv": (
