@@ -90,10 +90,11 @@ def main() -> None:
              "|---|---|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['case']} | {r['backend']} | {r['n']} | {r['off_us']:.1f} | {r['guard_no_dup_check_us']:.1f} | "
               f"{r['guard_us']:.1f} | {r['ratio']:.3f} |" for r in rows]
-    worst = max((r["ratio"] for r in rows if r["backend"] == "cpu" and r["n"] >= 1024), default=None)
-    if worst is not None:
-        lines.append(f"\ncpu, N >= 1024: worst guard / no-check ratio {worst:.3f} "
-                     f"(target <= {TARGET}: {'met' if worst <= TARGET else 'NOT met'})")
+    for backend in backends:   # the target is the cpu backend's; the others' worst ratio is reported
+        worst = max((r["ratio"] for r in rows if r["backend"] == backend and r["n"] >= 1024), default=None)
+        if worst is not None:
+            target = f" (target <= {TARGET}: {'met' if worst <= TARGET else 'NOT met'})" if backend == "cpu" else ""
+            lines.append(f"\n{backend}, N >= 1024: worst guard / no-check ratio {worst:.3f}{target}")
     graphs = {}
     if device.type == "cuda":
         for backend in backends:

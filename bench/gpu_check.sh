@@ -96,6 +96,13 @@ tail -1 "$OUT/dsv4_fp4_tests.log" | tee -a "$OUT/summary.txt"
 timeout 300 $PY -m kvwrite.cli bench --device cuda --cases dsv4-kv-nvfp4,dsv4-kv-mxfp4,dsv4-kv-nvfp4-v41,dsv4-kv-nvfp4-rope,dsv4-kv \
     --min-time ${KVWRITE_GPU_BENCH_REP:-0.03} --out "$OUT/bench_dsv4_fp4" > "$OUT/bench_dsv4_fp4.log" 2>&1 || status=1
 grep -m1 "bit-exact" "$OUT/bench_dsv4_fp4/report.md" 2>/dev/null | tee -a "$OUT/summary.txt" || tail -3 "$OUT/bench_dsv4_fp4.log"
+step "duplicate rows: tests on CUDA (every store and page move), guard with vs without the pre-pass, CUDA-graph capture + replay of a guarded duplicate"
+( cd tests && KVWRITE_TEST_DEVICE=cuda timeout 300 $PY -m pytest -q -n 0 -p no:cacheprovider test_duplicates.py ) \
+    > "$OUT/duplicates_tests.log" 2>&1 || status=1
+tail -1 "$OUT/duplicates_tests.log" | tee -a "$OUT/summary.txt"
+timeout 300 $PY bench/duplicates.py --device cuda --cases mha-bf16,mha-fp8,mla-fp8ds,indexer-k --sizes 1024 4096 \
+    --out "$OUT/duplicates" > "$OUT/duplicates.log" 2>&1 || status=1
+grep -E "CUDA graph|ratio|skipped" "$OUT/duplicates.log" | tee -a "$OUT/summary.txt"
 # New steps (sanitizer, benchmarks) go above this line.
 step "vLLM plugin guard: eager / torch.compile / CUDA-graph replay, records read once per step, layers named"; timeout 300 $PY bench/peers/guard_graph_check.py --device cuda > "$OUT/guard_graph.jsonl" 2>&1 || status=1; tail -1 "$OUT/guard_graph.jsonl" | tee -a "$OUT/summary.txt"
 step "NIXL page transfers from device memory (VRAM over UCX): bytes equal, kvwrite vs raw NIXL throughput"
