@@ -84,6 +84,11 @@ def _build(v: dict, env: dict, locs: Locs, chk: Check) -> StoreMLA:
                     locs, chk, v["scale_cache"], v["global_scale"])
 
 
+def format_impls(a: StoreMLA) -> tuple:
+    """The backends of a call: the NVFP4 row has its own kernels."""
+    return NVFP4_IMPLS if a.format.mode == MODE_NVFP4 else IMPLS
+
+
 SPEC = spec.Op(
     OP,
     args=(spec.T("kv_c", "N L", validate.FLOAT_INPUTS),
@@ -99,7 +104,7 @@ SPEC = spec.Op(
           spec.opt("global_scale", "scale", role="scale", default=None)),
     checks=("kv_c", "k_pe", _format, "kv_cache", spec.geometry("kv_cache"), _scales, "scale",
             "scale_cache", "global_scale"),
-    build=_build, impls=lambda a: NVFP4_IMPLS if a.format.mode == MODE_NVFP4 else IMPLS)
+    build=_build, impls=format_impls)
 _OP = SPEC.overload
 _CALL = _OP._op
 
