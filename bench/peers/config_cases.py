@@ -12,6 +12,13 @@ BUDGET = 20 * 2**30            # KV bytes per rank
 PARALLEL = ((1, 1), (8, 1), (8, 2), (8, 4), (8, 8))   # (tp, dcp)
 PAGES = (1, 64)
 
+def _gemma4(**text) -> dict:
+    """A Gemma 4 config.json: transformers 5.25's Gemma4TextConfig fields (head_dim 256, global_head_dim
+    512) with the given ones."""
+    return dict(architectures=["Gemma4ForConditionalGeneration"], model_type="gemma4", torch_dtype="bfloat16",
+                text_config=dict(model_type="gemma4_text", head_dim=256, global_head_dim=512, **text))
+
+
 # Public config.json values (the attention fields) of each model.
 CONFIGS = {
     "llama-3-8b": PRESETS["llama-3.1-8b"][1],
@@ -33,24 +40,16 @@ CONFIGS = {
     "qwen3-next-80b-a3b": PRESETS["qwen3-next-80b-a3b"][1],
     # transformers 5.25's Gemma4TextConfig / Gemma3nTextConfig defaults (documented there as similar to
     # google/gemma-4-e2b-it and google/gemma-3n-E4B), with the fields the configs spell out
-    "gemma-4 (e2b-like)": dict(architectures=["Gemma4ForConditionalGeneration"], model_type="gemma4",
-                               torch_dtype="bfloat16", text_config=dict(
-                                   model_type="gemma4_text", hidden_size=2304, num_hidden_layers=30,
-                                   num_attention_heads=8, num_key_value_heads=4, head_dim=256, global_head_dim=512,
-                                   sliding_window=512, num_kv_shared_layers=0, attention_k_eq_v=False)),
-    "gemma-4 (k_eq_v, shared)": dict(architectures=["Gemma4ForConditionalGeneration"], model_type="gemma4",
-                                     torch_dtype="bfloat16", text_config=dict(
-                                         model_type="gemma4_text", hidden_size=2304, num_hidden_layers=30,
-                                         num_attention_heads=8, num_key_value_heads=4, head_dim=256,
-                                         global_head_dim=512, num_global_key_value_heads=2, sliding_window=512,
-                                         num_kv_shared_layers=12, attention_k_eq_v=True)),
+    "gemma-4 (e2b-like)": _gemma4(hidden_size=2304, num_hidden_layers=30, num_attention_heads=8,
+                                  num_key_value_heads=4, sliding_window=512, num_kv_shared_layers=0,
+                                  attention_k_eq_v=False),
+    "gemma-4 (k_eq_v, shared)": _gemma4(hidden_size=2304, num_hidden_layers=30, num_attention_heads=8,
+                                        num_key_value_heads=4, num_global_key_value_heads=2, sliding_window=512,
+                                        num_kv_shared_layers=12, attention_k_eq_v=True),
     # the 31B's shape (K = V global layers with 4 of 16 KV heads): a sliding page larger than a full one
-    "gemma-4 (31b-like)": dict(architectures=["Gemma4ForConditionalGeneration"], model_type="gemma4",
-                               torch_dtype="bfloat16", text_config=dict(
-                                   model_type="gemma4_text", hidden_size=5376, num_hidden_layers=60,
-                                   num_attention_heads=32, num_key_value_heads=16, head_dim=256,
-                                   global_head_dim=512, num_global_key_value_heads=4, sliding_window=1024,
-                                   num_kv_shared_layers=0, attention_k_eq_v=True)),
+    "gemma-4 (31b-like)": _gemma4(hidden_size=5376, num_hidden_layers=60, num_attention_heads=32,
+                                  num_key_value_heads=16, num_global_key_value_heads=4, sliding_window=1024,
+                                  num_kv_shared_layers=0, attention_k_eq_v=True),
     "gemma-3n (E4B-like)": dict(architectures=["Gemma3nForConditionalGeneration"], model_type="gemma3n",
                                 torch_dtype="bfloat16", text_config=dict(
                                     model_type="gemma3n_text", hidden_size=2048, num_hidden_layers=35,
