@@ -211,6 +211,27 @@ def test_special_values(backend, fmt):
     assert data[4 * half] & 0xF == 0                                  # subnormal -> +0
 
 
+@pytest.mark.parametrize("backend", ["torch", *BACKENDS])
+def test_mxfp4_scale_steps_at_the_exact_boundary(backend):
+    """mxfp4's ue8m0 byte round(log2(amax / 6)) + 127 is decided exactly: it steps between the two
+    fp32 neighbours of 6 sqrt(2) 2^e. SGLang's PyTorch reference rounds an fp32 log2 and moves the
+    step by a few ulps (its Triton kernel does not): bench/peers/dsv4_fp4_diff.py counts them."""
+    from fractions import Fraction
+
+    amax, want = [], []
+    for e in (-20, 0, 13):
+        bits = torch.tensor(6 * 2 ** 0.5 * 2.0 ** e).view(torch.int32) + torch.arange(-2, 3, dtype=torch.int32)
+        for x in bits.view(torch.float32).tolist():
+            amax.append(x)
+            want.append(127 + e + int(Fraction(x) ** 2 >= 72 * Fraction(4) ** e))
+    assert len(set(want)) == 6                                  # both sides of each step
+    kv = torch.zeros(len(amax), 512)
+    kv[:, 0] = torch.tensor(amax)
+    cache = torch.zeros(len(amax), page_bytes("mxfp4", 1), dtype=torch.uint8, device=DEVICE)
+    store(backend, cache, kv.to(DEVICE), torch.arange(len(amax), device=DEVICE), "mxfp4")
+    assert cache.cpu()[:, layout("mxfp4", 1, 0)["scales"]].tolist() == want
+
+
 # --- DCP: page p on rank p % dcp_size as local page p // dcp_size ---------------------------------
 
 @pytest.mark.parametrize("backend", ["torch", *BACKENDS])

@@ -109,14 +109,20 @@ def main(out: Path) -> None:
     else:
         print("not run")
     d = load(out, "dsv4-fp4-diff.json")
-    print("\n## DeepSeek V4 FP4 records vs SGLang's V4.1 FP4 oracle (bench/peers/dsv4_fp4_diff.py)\n")
+    print("\n## DeepSeek V4 FP4 records vs the engines' own code (bench/peers/dsv4_fp4_diff.py)\n")
     if d:
-        for b, (eq, tot) in d["finite_bytes_equal"].items():
-            print(f"- {b}: {eq}/{tot} tokens bytes-equal on finite inputs")
-        special = [r for r in d["runs"] if r["special"]]
-        for b in d["finite_bytes_equal"]:
-            eq, tot = sum(r[b]["bytes_equal"] for r in special), sum(r[b]["tokens"] for r in special)
-            print(f"- {b}, with NaN/inf/subnormal inputs (policy differs on purpose): {eq}/{tot}")
+        print("Tokens equal (kvwrite backend: figure X/Y), finite inputs; then inputs with NaN/inf/fp32 "
+              "subnormals, where kvwrite's special-value policy differs on purpose (reported, not asserted).\n")
+        for sec in d.get("sections") or [dict(name="v41_fp4_sglang", fmt="nvfp4_v41", engine=d["engine"],
+                                              finite={b: {"bytes_equal": v} for b, v in d["finite_bytes_equal"].items()})]:
+            if "skipped" in sec:
+                print(f"- {sec['name']}: skipped ({sec['skipped']})")
+                continue
+            print(f"- **{sec['fmt']}** vs {sec['engine']}" + (f": {sec['note']}" if sec.get("note") else ""))
+            for kind in ("finite", "special"):
+                for b, figs in (sec.get(kind) or {}).items():
+                    shown = ", ".join(f"{key} {e}/{t}" for key, (e, t) in figs.items() if t)
+                    print(f"  - {kind}, kvwrite {b}: {shown}")
     else:
         print("not run")
     c = load(out, "sglang-configurator.json")
