@@ -35,6 +35,12 @@ KVW_HD uint32_t abs_bits(const void* src, i64 i) {
 template <DType IN>
 KVW_HD float block_amax(const void* src, i64 start, int n) {
 #if KVW_SIMD_X86
+  if constexpr (IN == DType::BF16) {  // the raw max of 16-bit magnitudes; NaN / inf: the policy lanes
+    if (n % 16 == 0 && simd_ok()) {
+      const float a = bf16_policy_amax(bf16_absmax_raw(static_cast<const uint16_t*>(src) + start, n));
+      if (a >= 0.0f) return a;
+    }
+  }
   if (n % 8 == 0 && simd_ok()) return amax_avx2<IN>(src, start, n);
 #endif
   uint32_t m = 0;
@@ -155,12 +161,21 @@ KVW_HD float indexer_scale(float amax, bool ue8m0) {
 // fp8 (format F) codes of x / scale for n elements (saturating, RNE), written as bytes: on an
 // AVX2 host fp8_run_avx2; else plain restrict-qualified locals, so the host compiler vectorises
 // the loop (a char store may otherwise alias any struct field the loop reads).
+// `noftz`: MXCSR.FTZ clear (1) or set (0) as the caller read it once for many runs; -1: read here.
 template <DType IN, class F>
-KVW_HD void quant_run(const void* __restrict__ src, i64 start, int n, float scale, char* __restrict__ dst) {
+KVW_HD void quant_run(const void* __restrict__ src, i64 start, int n, float scale, char* __restrict__ dst,
+                      int noftz = -1) {
+  int j = 0;
 #if KVW_SIMD_X86
-  if (n >= 32 && simd_ok()) return fp8_run_avx2<IN, F>(src, start, n, scale, dst);
+  if constexpr (IN == DType::BF16 && !F::fnuz) {  // the streaming bf16 lanes, then the tail
+    if (n >= 32 && simd_ok() && cr_div_ok(scale) && (noftz < 0 ? ftz_clear() : noftz != 0))
+      j = fp8_bf16_run<F>(static_cast<const uint16_t*>(src) + start, n, scale, dst);
+  }
+#else
+  (void)noftz;
+  if (j == 0 && n >= 32 && simd_ok()) return fp8_run_avx2<IN, F>(src, start, n, scale, dst);
 #endif
-  for (int j = 0; j < n; ++j) dst[j] = char(fp8_bits<F>(load_quant<IN>(src, start + j) / scale));
+  for (; j < n; ++j) dst[j] = char(fp8_bits<F>(load_quant<IN>(src, start + j) / scale));
 }
 
 // quant_run over H heads of D elements (head h from start + h * s_head with scale[h * scale_step],
@@ -168,16 +183,29 @@ KVW_HD void quant_run(const void* __restrict__ src, i64 start, int n, float scal
 template <DType IN, class F>
 KVW_HD void quant_heads(const void* src, i64 start, i64 s_head, int H, int D, const float* scale, i64 scale_step,
                         char* dst, i64 dst_step) {
+  int noftz = -1;
 #if KVW_SIMD_X86
-  if (D >= 32 && simd_ok()) return fp8_heads_avx2<IN, F>(src, start, s_head, H, D, scale, scale_step, dst, dst_step);
+  if (IN != DType::BF16 && D >= 32 && simd_ok())
+    return fp8_heads_avx2<IN, F>(src, start, s_head, H, D, scale, scale_step, dst, dst_step);
+  if (IN == DType::BF16 && D >= 32 && simd_ok()) noftz = ftz_clear();
 #endif
-  for (int h = 0; h < H; ++h) quant_run<IN, F>(src, start + h * s_head, D, scale[h * scale_step], dst + h * dst_step);
+  for (int h = 0; h < H; ++h)
+    quant_run<IN, F>(src, start + h * s_head, D, scale[h * scale_step], dst + h * dst_step, noftz);
 }
 
 // e4m3 codes of x / scale for n elements (saturating, RNE), written as bytes.
 template <DType IN>
-KVW_HD void quant_block_e4m3(const void* src, i64 start, int n, float scale, char* dst) {
-  quant_run<IN, E4M3>(src, start, n, scale, dst);
+KVW_HD void quant_block_e4m3(const void* src, i64 start, int n, float scale, char* dst, int noftz = -1) {
+  quant_run<IN, E4M3>(src, start, n, scale, dst, noftz);
+}
+
+// The `noftz` argument of quant_run for a host loop of many runs: MXCSR read once (-1 elsewhere).
+KVW_HD int host_noftz() {
+#if KVW_SIMD_X86
+  return ftz_clear() ? 1 : 0;
+#else
+  return -1;
+#endif
 }
 
 // bf16 bits of element i: bf16 input copied; other floats rounded to nearest even (NaN -> 0x7FC0).

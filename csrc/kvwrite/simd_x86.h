@@ -10,7 +10,7 @@
 #define KVW_SIMD_X86 1
 #include <immintrin.h>
 #include <cstdlib>
-#define KVW_AVX2_FN __attribute__((target("avx2,f16c")))
+#define KVW_AVX2_FN __attribute__((target("avx2,f16c,fma")))
 #define KVW_AVX2 KVW_AVX2_FN inline
 #else
 #define KVW_SIMD_X86 0
@@ -19,10 +19,11 @@
 namespace kvwrite {
 
 #if KVW_SIMD_X86
-// AVX2 + F16C present and not switched off by KVWRITE_CPU_SIMD=0 (read once). Like the scalar
-// code, the lanes assume the default MXCSR (round to nearest even), as torch runs.
+// AVX2 + F16C + FMA present and not switched off by KVWRITE_CPU_SIMD=0 (read once). Like the
+// scalar code, the lanes assume the default MXCSR (round to nearest even), as torch runs.
 inline bool simd_ok() {
   static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
+                         __builtin_cpu_supports("fma") &&
                          !(std::getenv("KVWRITE_CPU_SIMD") && std::getenv("KVWRITE_CPU_SIMD")[0] == '0');
   return ok;
 }
@@ -290,6 +291,117 @@ KVW_AVX2 bool e2m1_run_avx2(const void* src, i64 start, int n, float s, char* by
     nan = nan || any_nan16(x0, x1);
   }
   return nan;
+}
+
+// ---- Streaming bf16 lanes: 32 elements a step, no division instruction -------------------------
+// A bf16 row is read 16 elements a load and widened by interleaving zero halves (one op per 8
+// lanes; lanes come in "unpack order", [0-3 | 8-11] and [4-7 | 12-15] of each load, which the
+// byte pack below puts back in element order). x / s is computed as q = x * r, r = RN(1 / s),
+// corrected once with two FMAs (Markstein): the correctly rounded quotient, the same fp32 value
+// as the division, for every bf16 (and fp16) x and every fp32 s, checked exhaustively over all
+// (8-bit x mantissa, 24-bit s mantissa) pairs (bench/simd_check.cpp). The range below keeps every
+// intermediate normal where a code depends on it: |s| in [2^-40, 2^40].
+inline bool cr_div_ok(float s) {
+  const float a = s < 0 ? -s : s;
+  return a >= 9.094947017729282e-13f && a <= 1.099511627776e12f;
+}
+
+// MXCSR.FTZ clear on this thread (fp8_bf16_run's codes need it; read once per token by the hot
+// loops: the read costs about as much as a head's codes).
+inline bool ftz_clear() { return (_mm_getcsr() & 0x8000u) == 0; }
+
+KVW_AVX2 __m256 div_cr8(__m256 x, __m256 s, __m256 r) {
+  const __m256 q = _mm256_mul_ps(x, r);
+  return _mm256_fmadd_ps(_mm256_fnmadd_ps(q, s, x), r, q);
+}
+
+// 32 bf16 elements from p: the raw loads (l0, l1) and the four fp32 vectors in unpack order.
+KVW_AVX2 void load_bf16x32(const uint16_t* p, __m256i& l0, __m256i& l1, __m256 (&x)[4]) {
+  l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+  const __m256i z = _mm256_setzero_si256();
+  x[0] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, l0));
+  x[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, l0));
+  x[2] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, l1));
+  x[3] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, l1));
+}
+
+// Four int32 code vectors in unpack order as 32 bytes in "pack order" (qwords 0, 2, 1, 3 of the
+// element order: the order of packs_epi16(l0, l1)); `in_order` puts them in element order.
+template <bool SIGNED>
+KVW_AVX2 __m256i pack_codes32(__m256i c0, __m256i c1, __m256i c2, __m256i c3) {
+  if constexpr (SIGNED) return _mm256_packs_epi16(_mm256_packs_epi32(c0, c1), _mm256_packs_epi32(c2, c3));
+  return _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
+}
+KVW_AVX2 __m256i in_order(__m256i b) { return _mm256_permute4x64_epi64(b, 0xD8); }
+
+// fp8 codes (format F, not fnuz) of x / s for n elements of a bf16 row (s: cr_div_ok; MXCSR.FTZ
+// clear: ftz_clear), 32 at a time; returns how many were done (a multiple of 32). The magnitude is grid_codes8 (NOFTZ) of
+// |x| / |s| with |x| first clamped to C = RN(max * |s|): C / |s| rounds to within an ulp of max,
+// which codes as max, so every |x| >= C saturates as the scalar clamp does and no quotient
+// overflows (NaN is kept by the min: its code packs to 0xFF). The sign byte is the input's sign
+// (xor the divisor's), packed from the raw bf16 halves; 0xFF (a NaN) becomes the NaN code 0x7F.
+template <class F>
+KVW_AVX2 int fp8_bf16_run(const uint16_t* __restrict__ src, int n, float s, char* __restrict__ dst) {
+  static_assert(!F::fnuz, "fnuz keeps the generic lanes");
+  const float as = s < 0 ? -s : s;
+  const __m256 vs = _mm256_set1_ps(as), vr = _mm256_set1_ps(1.0f / as), vmax = _mm256_set1_ps(fp8_max<F>() * as);
+  const __m256i smask = _mm256_set1_epi8(char(0x80)), flip = _mm256_set1_epi8(char(s < 0 ? 0x80 : 0));
+  const __m256i ones = _mm256_set1_epi8(char(0xFF));
+  int j = 0;
+  for (; j + 32 <= n; j += 32) {
+    __m256i l0, l1;
+    __m256 x[4];
+    load_bf16x32(src + j, l0, l1, x);
+    __m256i c[4];
+    for (int k = 0; k < 4; ++k)
+      c[k] = grid_codes8<F::mant, F::emin, true>(div_cr8(_mm256_min_ps(vmax, abs8(x[k])), vs, vr));
+    const __m256i sign = _mm256_xor_si256(_mm256_and_si256(_mm256_packs_epi16(l0, l1), smask), flip);
+    __m256i b = _mm256_or_si256(pack_codes32<false>(c[0], c[1], c[2], c[3]), sign);
+    b = _mm256_xor_si256(b, _mm256_and_si256(_mm256_cmpeq_epi8(b, ones), smask));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), in_order(b));
+  }
+  return j;
+}
+
+// int8 codes RNE(x / s) (the rne rule) of a bf16 row without NaN or +-inf and with |x / s| < 2^31
+// (a dynamic scale's row: |x| <= amax, the caller checked its raw max): the signed packs
+// saturate to [-128, 127] as the clamp does.
+KVW_AVX2 int int8_bf16_run(const uint16_t* __restrict__ src, int n, float s, char* __restrict__ dst) {
+  const __m256 vs = _mm256_set1_ps(s), vr = _mm256_set1_ps(1.0f / s);
+  int j = 0;
+  for (; j + 32 <= n; j += 32) {
+    __m256i l0, l1;
+    __m256 x[4];
+    load_bf16x32(src + j, l0, l1, x);
+    __m256i c[4];
+    for (int k = 0; k < 4; ++k) c[k] = _mm256_cvtps_epi32(div_cr8(x[k], vs, vr));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), in_order(pack_codes32<true>(c[0], c[1], c[2], c[3])));
+  }
+  return j;
+}
+
+// Max of the |x| bits (bf16 x & 0x7FFF, NaN and inf included) over n elements, n a multiple of 16.
+KVW_AVX2 uint32_t bf16_absmax_raw(const uint16_t* p, int n) {
+  const __m256i m = _mm256_set1_epi16(0x7FFF);
+  __m256i a = _mm256_setzero_si256(), b = a;
+  int j = 0;
+  for (; j + 32 <= n; j += 32) {
+    a = _mm256_max_epu16(a, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j)), m));
+    b = _mm256_max_epu16(b, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j + 16)), m));
+  }
+  if (j < n) a = _mm256_max_epu16(a, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j)), m));
+  a = _mm256_max_epu16(a, b);
+  const __m128i h = _mm_xor_si128(_mm_max_epu16(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1)),
+                                  _mm_set1_epi16(-1));
+  return 0x7FFFu & ~uint32_t(_mm_cvtsi128_si32(_mm_minpos_epu16(h)));
+}
+
+// The policy amax (finite values, subnormals as 0) from bf16_absmax_raw's bits: NaN or inf
+// present (raw >= 0x7F80) -> -1 (the caller takes the generic lanes); else the max itself.
+inline float bf16_policy_amax(uint32_t raw) {
+  if (raw >= 0x7F80u) return -1.0f;
+  return raw < 0x80u ? 0.0f : bits_to_float(raw << 16);
 }
 #else
 inline bool simd_ok() { return false; }

@@ -49,9 +49,60 @@ KVW_HD void store_scale(const PagedCache& scales, i64 row, int h, float v) {
   *reinterpret_cast<float*>(scales.at(row, h, 0)) = v;
 }
 
+#if KVW_SIMD_X86
+// The host's streaming lanes for a bf16 side with dynamic scales under the rne rule (int8 /
+// e4m3 / e5m2, whole rows of D % 32 == 0): the amax as the raw max of 16-bit magnitudes, codes by
+// int8_bf16_run / fp8_bf16_run, the same bytes as the generic path. False (nothing decided) where
+// they do not apply: a NaN or inf in the token (the generic path then writes the whole side).
+template <class F, int QUANT>
+inline bool quant_kv_side_bf16(const KVQuantSide& s, int H, i64 i, char* dst, const PagedCache& scales, i64 row) {
+  constexpr bool I8 = std::is_same<F, Int8Fmt>::value;
+  if (QUANT == QUANT_STATIC || s.cache.split || s.D % 32 != 0 || !simd_ok()) return false;
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(s.src) + i * s.s_tok;
+  if (!I8 && !ftz_clear()) return false;
+  const auto run = [&](int h, float sc) {
+    const uint16_t* x = src + h * s.s_head;
+    char* out = dst + s.cache.in_row(h, 0);
+    if constexpr (I8) {
+      int8_bf16_run(x, s.D, sc, out);
+    } else {
+      fp8_bf16_run<F>(x, s.D, sc, out);
+    }
+  };
+  if constexpr (QUANT == QUANT_TOKEN) {
+    uint32_t raw = 0;
+    for (int h = 0; h < H; ++h) {
+      const uint32_t r = bf16_absmax_raw(src + h * s.s_head, s.D);
+      raw = r > raw ? r : raw;
+    }
+    const float amax = bf16_policy_amax(raw);
+    if (amax < 0.0f) return false;
+    const float sc = dynamic_scale<F>(amax);
+    if (!cr_div_ok(sc)) return false;
+    store_scale(scales, row, 0, sc);
+    for (int h = 0; h < H; ++h) run(h, sc);
+  } else {
+    for (int h = 0; h < H; ++h) {
+      const float amax = bf16_policy_amax(bf16_absmax_raw(src + h * s.s_head, s.D));
+      if (amax < 0.0f) return false;
+      const float sc = dynamic_scale<F>(amax);
+      if (!cr_div_ok(sc)) return false;
+      store_scale(scales, row, h, sc);
+      run(h, sc);
+    }
+  }
+  return true;
+}
+#endif
+
 template <DType IN, class F, int QUANT>
 KVW_HD void quant_kv_side(const KVQuantSide& s, int rule, int H, i64 i, i64 row, int lane, int nlanes) {
   char* dst = s.cache.row_ptr(row);
+#if KVW_SIMD_X86
+  if constexpr (IN == DType::BF16) {
+    if (nlanes == 1 && rule == RULE_RNE && quant_kv_side_bf16<F, QUANT>(s, H, i, dst, s.scales, row)) return;
+  }
+#endif
   const i64 src = i * s.s_tok;
   if constexpr (QUANT == QUANT_STATIC) {
     for (int h = 0; h < H; ++h) quant_head<IN>(s, Quantizer<F>(s.scale[h * s.scale_stride], rule), src, h, dst, lane, nlanes);

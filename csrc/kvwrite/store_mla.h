@@ -151,10 +151,11 @@ KVW_HD void mla_ds(const StoreMLAParams& p, i64 i, char* dst, int lane, int nlan
     return;
   }
   // One lane per tile (the host: a tile is two vectorisable loops, amax then codes).
+  const int noftz = nlanes == 1 ? host_noftz() : -1;
   for (int w = lane; w < tiles; w += nlanes) {
     const i64 start = i * p.c_sn + i64(w) * DS_MLA_TILE;
     const float scale = ds_tile_scale(p, block_amax<IN>(p.kv_c, start, DS_MLA_TILE));
-    quant_block_e4m3<IN>(p.kv_c, start, DS_MLA_TILE, scale, dst + w * DS_MLA_TILE);
+    quant_block_e4m3<IN>(p.kv_c, start, DS_MLA_TILE, scale, dst + w * DS_MLA_TILE, noftz);
     store_le(scales + 4 * w, float_to_bits(scale), 4);
   }
 #if !defined(__CUDA_ARCH__)
