@@ -25,7 +25,12 @@ struct PagedCache {
   }
   // Byte address of local row `row` (page = row / pool_page_size): the one int64 division.
   KVW_HD char* row_ptr(i64 row) const {
+#if defined(__CUDA_ARCH__)
     const i64 page = row / pool_page_size;
+#else  // host: a power-of-two page (the usual) by a shift, not a 64-bit division per token
+    const i64 page = (pool_page_size & (pool_page_size - 1)) == 0 ? row >> __builtin_ctzll(uint64_t(pool_page_size))
+                                                                     : row / pool_page_size;
+#endif
     return base + elem_offset(page, row - page * pool_page_size, 0, 0) * elem_size;
   }
   // Byte offset of (head, feat) within a row.

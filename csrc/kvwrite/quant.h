@@ -178,19 +178,46 @@ KVW_HD void quant_run(const void* __restrict__ src, i64 start, int n, float scal
   for (; j < n; ++j) dst[j] = char(fp8_bits<F>(load_quant<IN>(src, start + j) / scale));
 }
 
+#if KVW_SIMD_X86
+// quant_run for a static scale (the same divisor for every token of a call) on an AVX2 host:
+// bf16 rows of whole 32-element blocks by the divisor's code table (fp8_bf16_table_run, `cache`
+// from fp8_table_cache), else (or where the row falls back) quant_run.
+template <DType IN, class F>
+inline void quant_run_static(const void* src, i64 start, int n, float scale, char* dst, Fp8Table* cache, int noftz) {
+  if constexpr (IN == DType::BF16 && !F::fnuz) {
+    if (cache != nullptr && n % 32 == 0 && n >= 32) {
+      const Fp8Table* t = fp8_table_for<F>(cache, scale);
+      if (t != nullptr && fp8_bf16_table_run<F>(*t, scale, static_cast<const uint16_t*>(src) + start, n, dst)) return;
+    }
+  }
+  quant_run<IN, F>(src, start, n, scale, dst, noftz);
+}
+
+// The code-table cache of this thread for a bf16 -> fp8 (not fnuz) host run, else null.
+template <DType IN, class F>
+inline Fp8Table* static_fp8_tables() {
+  if constexpr (IN == DType::BF16 && !F::fnuz) return simd_ok() ? fp8_table_cache<F>() : nullptr;
+  return nullptr;
+}
+#endif
+
 // quant_run over H heads of D elements (head h from start + h * s_head with scale[h * scale_step],
-// codes at dst + h * dst_step): on an AVX2 host one call for all heads.
+// codes at dst + h * dst_step): on an AVX2 host one call for all heads (bf16: quant_run_static).
 template <DType IN, class F>
 KVW_HD void quant_heads(const void* src, i64 start, i64 s_head, int H, int D, const float* scale, i64 scale_step,
                         char* dst, i64 dst_step) {
-  int noftz = -1;
 #if KVW_SIMD_X86
   if (IN != DType::BF16 && D >= 32 && simd_ok())
     return fp8_heads_avx2<IN, F>(src, start, s_head, H, D, scale, scale_step, dst, dst_step);
-  if (IN == DType::BF16 && D >= 32 && simd_ok()) noftz = ftz_clear();
+  if (IN == DType::BF16 && D >= 32 && simd_ok()) {
+    Fp8Table* cache = static_fp8_tables<IN, F>();
+    const int noftz = ftz_clear();
+    for (int h = 0; h < H; ++h)
+      quant_run_static<IN, F>(src, start + h * s_head, D, scale[h * scale_step], dst + h * dst_step, cache, noftz);
+    return;
+  }
 #endif
-  for (int h = 0; h < H; ++h)
-    quant_run<IN, F>(src, start + h * s_head, D, scale[h * scale_step], dst + h * dst_step, noftz);
+  for (int h = 0; h < H; ++h) quant_run<IN, F>(src, start + h * s_head, D, scale[h * scale_step], dst + h * dst_step);
 }
 
 // e4m3 codes of x / scale for n elements (saturating, RNE), written as bytes.

@@ -342,10 +342,11 @@ KVW_AVX2 __m256i in_order(__m256i b) { return _mm256_permute4x64_epi64(b, 0xD8);
 // overflows (NaN is kept by the min: its code packs to 0xFF). The sign byte is the input's sign
 // (xor the divisor's), packed from the raw bf16 halves; 0xFF (a NaN) becomes the NaN code 0x7F.
 template <class F>
-KVW_AVX2 int fp8_bf16_run(const uint16_t* __restrict__ src, int n, float s, char* __restrict__ dst) {
+KVW_AVX2 int fp8_bf16_run(const uint16_t* __restrict__ src, int n, float s, char* __restrict__ dst, float r = 0.0f) {
   static_assert(!F::fnuz, "fnuz keeps the generic lanes");
-  const float as = s < 0 ? -s : s;
-  const __m256 vs = _mm256_set1_ps(as), vr = _mm256_set1_ps(1.0f / as), vmax = _mm256_set1_ps(fp8_max<F>() * as);
+  const float as = s < 0 ? -s : s;  // r: RN(1 / |s|) when the caller has it (0: computed here)
+  const __m256 vs = _mm256_set1_ps(as), vr = _mm256_set1_ps(r != 0.0f ? r : 1.0f / as);
+  const __m256 vmax = _mm256_set1_ps(fp8_max<F>() * as);
   const __m256i smask = _mm256_set1_epi8(char(0x80)), flip = _mm256_set1_epi8(char(s < 0 ? 0x80 : 0));
   const __m256i ones = _mm256_set1_epi8(char(0xFF));
   int j = 0;
@@ -367,8 +368,8 @@ KVW_AVX2 int fp8_bf16_run(const uint16_t* __restrict__ src, int n, float s, char
 // int8 codes RNE(x / s) (the rne rule) of a bf16 row without NaN or +-inf and with |x / s| < 2^31
 // (a dynamic scale's row: |x| <= amax, the caller checked its raw max): the signed packs
 // saturate to [-128, 127] as the clamp does.
-KVW_AVX2 int int8_bf16_run(const uint16_t* __restrict__ src, int n, float s, char* __restrict__ dst) {
-  const __m256 vs = _mm256_set1_ps(s), vr = _mm256_set1_ps(1.0f / s);
+KVW_AVX2 int int8_bf16_run(const uint16_t* __restrict__ src, int n, float s, char* __restrict__ dst, float r = 0.0f) {
+  const __m256 vs = _mm256_set1_ps(s), vr = _mm256_set1_ps(r != 0.0f ? r : 1.0f / s);  // r: RN(1 / s) or 0
   int j = 0;
   for (; j + 32 <= n; j += 32) {
     __m256i l0, l1;
@@ -397,11 +398,146 @@ KVW_AVX2 uint32_t bf16_absmax_raw(const uint16_t* p, int n) {
   return 0x7FFFu & ~uint32_t(_mm_cvtsi128_si32(_mm_minpos_epu16(h)));
 }
 
+// Dynamic scales max(amax / qmax, floor) and their reciprocals RN(1 / s) for 8 runs at once from
+// their bf16_absmax_raw bits (the same correctly rounded fp32 operations as the scalar
+// dynamic_scale, two divisions for 8 runs): false where a run holds a NaN / inf or a scale
+// leaves cr_div_ok's range.
+KVW_AVX2 bool dynamic_scales8(const uint32_t* raw, float qmax, float floor, float* s, float* r) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(raw));
+  if (_mm256_movemask_epi8(_mm256_cmpgt_epi32(b, _mm256_set1_epi32(0x7F7F))) != 0) return false;
+  const __m256 amax = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(b, 16), _mm256_cmpgt_epi32(b, _mm256_set1_epi32(0x7F))));
+  const __m256 sc = _mm256_max_ps(_mm256_div_ps(amax, _mm256_set1_ps(qmax)), _mm256_set1_ps(floor));
+  if (_mm256_movemask_ps(_mm256_cmp_ps(sc, _mm256_set1_ps(1.099511627776e12f), _CMP_GT_OQ)) != 0) return false;
+  _mm256_storeu_ps(s, sc);
+  _mm256_storeu_ps(r, _mm256_div_ps(_mm256_set1_ps(1.0f), sc));
+  return true;
+}
+
 // The policy amax (finite values, subnormals as 0) from bf16_absmax_raw's bits: NaN or inf
 // present (raw >= 0x7F80) -> -1 (the caller takes the generic lanes); else the max itself.
 inline float bf16_policy_amax(uint32_t raw) {
   if (raw >= 0x7F80u) return -1.0f;
   return raw < 0x80u ? 0.0f : bits_to_float(raw << 16);
+}
+
+// ---- A static fp8 scale on bf16 rows: codes by table lookup ------------------------------------
+// For a fixed divisor s the fp8 code of a bf16 x is a function of its 15 magnitude bits (E: 8
+// exponent bits, m: 7 mantissa bits) and its sign. From the first binade W whose quotients are
+// all normal in the format, code(E, m) = T[m] + STEP * (E - W), saturated at the format's max
+// (2x doubles a correctly rounded fp32 quotient exactly and moves a normal fp8 code up by one
+// binade, STEP = 2^MANT codes). A group of 8 consecutive mantissas spans under 1/16 of a binade,
+// less than one fp8 step, so T[8g + lo] = T[8g] + (lo >= theta[g]): two 16-byte tables, looked
+// up 32 lanes at a time by pshufb. With E8 = STEP * (E - Z) (packus saturates to [0, 255]),
+// code = min((E8 + base[g] - (lo < theta[g])) -sat K, max), K = STEP * (W - Z): binades E <= Z
+// (all below the format's smallest code) give 0; a row with a binade Z < E < W (quotients in
+// fp8's subnormal range) or E = 255 (NaN, inf) goes to the arithmetic lanes instead. The table is
+// built from the scalar fp8_bits and checked against it where it is built (fp8_table_build); a
+// table that fails a check is not used. Integer lanes only: no MXCSR dependence.
+struct Fp8Table {
+  uint32_t bits = 0;  // the divisor's bits
+  bool built = false, ok = false;
+  alignas(16) uint8_t base[16], theta[16];
+  int16_t zstep = 0;  // STEP * Z
+  uint8_t k = 0, kf = 0;  // K; KF = STEP * (W - Z - 1): E8 - 1 < KF flags a subnormal-range binade
+};
+
+template <class F>
+inline uint8_t fp8_mag_code(uint32_t e, uint32_t m, float as) {  // the scalar code of |x| / |s|
+  return uint8_t(fp8_bits<F>(daz(bf16_to_float(uint16_t(e << 7 | m))) / as) & 0x7F);
+}
+
+template <class F>
+inline void fp8_table_build(Fp8Table& t, float s) {
+  constexpr int STEP = 1 << F::mant;
+  constexpr uint8_t CMAX = F::mant == 3 ? 0x7E : 0x7B;
+  t.bits = float_to_bits(s);
+  t.built = true;
+  t.ok = false;
+  const float as = s < 0 ? -s : s;
+  if (F::fnuz || !cr_div_ok(s)) return;
+  int w = -1, elow = -1;
+  for (int e = 1; e < 255 && w < 0; ++e) {
+    if (elow < 0 && fp8_mag_code<F>(e, 127, as) != 0) elow = e;
+    if (bf16_to_float(uint16_t(e << 7)) / as >= pow2f(F::emin)) w = e;
+  }
+  if (w < 3 || elow < 1 || w > 200) return;
+  const int z = (elow - 1 < w - 3) ? elow - 1 : w - 3;
+  const int k = STEP * (w - z);
+  uint8_t T[128];
+  for (int m = 0; m < 128; ++m) {
+    T[m] = fp8_mag_code<F>(w, m, as);
+    if (T[m] > k || T[m] >= CMAX) return;
+  }
+  for (int g = 0; g < 16; ++g) {
+    const uint8_t b = T[8 * g];
+    if (T[8 * g + 7] - b > 1) return;
+    int th = 8;
+    for (int lo = 7; lo >= 1; --lo) th = T[8 * g + lo] != b ? lo : th;
+    t.base[g] = uint8_t(b + 1);
+    t.theta[g] = uint8_t(th);
+  }
+  // the binade rule where it applies (a check of the construction, not of the arithmetic)
+  for (int e = w; e < w + 24 && e < 255; e += 5)
+    for (int m = 0; m < 128; ++m) {
+      const int f = T[m] + STEP * (e - w);
+      if (fp8_mag_code<F>(e, m, as) != (f < CMAX ? f : CMAX)) return;
+    }
+  t.zstep = int16_t(STEP * z);
+  t.k = uint8_t(k);
+  t.kf = uint8_t(STEP * (w - z - 1));
+  t.ok = true;
+}
+
+// This thread's table of divisor s (a few kept, keyed by the divisor's bits): null where the
+// table does not apply.
+template <class F>
+inline const Fp8Table* fp8_table_for(Fp8Table* cache, float s) {
+  const uint32_t b = float_to_bits(s);
+  Fp8Table& e = cache[(b ^ (b >> 9) ^ (b >> 19)) & 7];
+  if (!e.built || e.bits != b) fp8_table_build<F>(e, s);
+  return e.ok ? &e : nullptr;
+}
+
+template <class F>
+inline Fp8Table* fp8_table_cache() {
+  static thread_local Fp8Table cache[8];
+  return cache;
+}
+
+// fp8 codes of a bf16 row of n elements (n % 32 == 0) by table t (divisor s): false where the row
+// needs the arithmetic lanes (a binade in fp8's subnormal range, a NaN or an inf); the caller then
+// rewrites dst.
+template <class F>
+KVW_AVX2 bool fp8_bf16_table_run(const Fp8Table& t, float s, const uint16_t* __restrict__ src, int n,
+                                 char* __restrict__ dst) {
+  constexpr uint8_t CMAX = F::mant == 3 ? 0x7E : 0x7B;
+  const __m256i base = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(t.base)));
+  const __m256i theta = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(t.theta)));
+  const __m256i emask = _mm256_set1_epi16(0x7F80), mmask = _mm256_set1_epi16(0x7F), zstep = _mm256_set1_epi16(t.zstep);
+  const __m256i k = _mm256_set1_epi8(char(t.k)), cmax = _mm256_set1_epi8(char(CMAX)), seven = _mm256_set1_epi8(7);
+  const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1), smask = _mm256_set1_epi8(char(0x80));
+  const __m256i flip = _mm256_set1_epi8(char(s < 0 ? 0x80 : 0));
+  __m256i emax = _mm256_setzero_si256(), fmin = _mm256_set1_epi8(char(0xFF));
+  for (int j = 0; j < n; j += 32) {
+    const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j));
+    const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j + 16));
+    const __m256i v0 = _mm256_and_si256(l0, emask), v1 = _mm256_and_si256(l1, emask);
+    emax = _mm256_max_epu16(emax, _mm256_max_epu16(v0, v1));
+    const __m256i e8 = _mm256_packus_epi16(_mm256_sub_epi16(_mm256_srli_epi16(v0, 7 - F::mant), zstep),
+                                           _mm256_sub_epi16(_mm256_srli_epi16(v1, 7 - F::mant), zstep));
+    const __m256i m = _mm256_packus_epi16(_mm256_and_si256(l0, mmask), _mm256_and_si256(l1, mmask));
+    const __m256i g = _mm256_and_si256(_mm256_srli_epi16(m, 3), low4);
+    const __m256i c = _mm256_add_epi8(_mm256_shuffle_epi8(base, g),
+                                      _mm256_cmpgt_epi8(_mm256_shuffle_epi8(theta, g), _mm256_and_si256(m, seven)));
+    const __m256i code = _mm256_min_epu8(_mm256_subs_epu8(_mm256_adds_epu8(e8, c), k), cmax);
+    fmin = _mm256_min_epu8(fmin, _mm256_sub_epi8(e8, one));
+    const __m256i sign = _mm256_xor_si256(_mm256_and_si256(_mm256_packs_epi16(l0, l1), smask), flip);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), in_order(_mm256_or_si256(code, sign)));
+  }
+  const bool special = _mm256_movemask_epi8(_mm256_cmpeq_epi16(emax, emask)) != 0;
+  const __m256i kf = _mm256_set1_epi8(char(t.kf));
+  const bool subnormal = _mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_max_epu8(fmin, kf), fmin)) != -1;
+  return !special && !subnormal;
 }
 #else
 inline bool simd_ok() { return false; }

@@ -60,13 +60,13 @@ inline bool quant_kv_side_bf16(const KVQuantSide& s, int H, i64 i, char* dst, co
   if (QUANT == QUANT_STATIC || s.cache.split || s.D % 32 != 0 || !simd_ok()) return false;
   const uint16_t* src = reinterpret_cast<const uint16_t*>(s.src) + i * s.s_tok;
   if (!I8 && !ftz_clear()) return false;
-  const auto run = [&](int h, float sc) {
+  const auto run = [&](int h, float sc, float rc) {
     const uint16_t* x = src + h * s.s_head;
     char* out = dst + s.cache.in_row(h, 0);
     if constexpr (I8) {
-      int8_bf16_run(x, s.D, sc, out);
+      int8_bf16_run(x, s.D, sc, out, rc);
     } else {
-      fp8_bf16_run<F>(x, s.D, sc, out);
+      fp8_bf16_run<F>(x, s.D, sc, out, rc);
     }
   };
   if constexpr (QUANT == QUANT_TOKEN) {
@@ -80,15 +80,27 @@ inline bool quant_kv_side_bf16(const KVQuantSide& s, int H, i64 i, char* dst, co
     const float sc = dynamic_scale<F>(amax);
     if (!cr_div_ok(sc)) return false;
     store_scale(scales, row, 0, sc);
-    for (int h = 0; h < H; ++h) run(h, sc);
+    const float rc = 1.0f / sc;
+    for (int h = 0; h < H; ++h) run(h, sc, rc);
   } else {
-    for (int h = 0; h < H; ++h) {
+    int h = 0;
+    for (; h + 8 <= H; h += 8) {  // eight heads' scales in one vector
+      uint32_t raw[8];
+      float sc[8], rc[8];
+      for (int k = 0; k < 8; ++k) raw[k] = bf16_absmax_raw(src + (h + k) * s.s_head, s.D);
+      if (!dynamic_scales8(raw, quant_max<F>(), DYN_SCALE_FLOOR, sc, rc)) return false;
+      for (int k = 0; k < 8; ++k) {
+        store_scale(scales, row, h + k, sc[k]);
+        run(h + k, sc[k], rc[k]);
+      }
+    }
+    for (; h < H; ++h) {
       const float amax = bf16_policy_amax(bf16_absmax_raw(src + h * s.s_head, s.D));
       if (amax < 0.0f) return false;
       const float sc = dynamic_scale<F>(amax);
       if (!cr_div_ok(sc)) return false;
       store_scale(scales, row, h, sc);
-      run(h, sc);
+      run(h, sc, 1.0f / sc);
     }
   }
   return true;

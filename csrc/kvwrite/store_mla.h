@@ -85,6 +85,15 @@ KVW_HD void mla_copy(const StoreMLAParams& p, i64 i, char* dst, int lane, int nl
 template <DType IN, class F>
 KVW_HD void mla_fp8(const StoreMLAParams& p, i64 i, char* dst, int lane, int nlanes) {
   const float s = p.scale[0];
+#if KVW_SIMD_X86
+  if (nlanes == 1 && simd_ok()) {  // host: the static scale's lanes, latent then rope
+    Fp8Table* cache = static_fp8_tables<IN, F>();
+    const int noftz = host_noftz();
+    quant_run_static<IN, F>(p.kv_c, i * p.c_sn, p.L, s, dst, cache, noftz);
+    quant_run_static<IN, F>(p.k_pe, i * p.pe_sn, p.R, s, dst + p.L, cache, noftz);
+    return;
+  }
+#endif
   if (nlanes == 1) {  // host: two vectorisable loops
     quant_run<IN, F>(p.kv_c, i * p.c_sn, p.L, s, dst);
     quant_run<IN, F>(p.k_pe, i * p.pe_sn, p.R, s, dst + p.L);
