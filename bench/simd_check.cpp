@@ -4,7 +4,8 @@
 // fp8_bits / e2m1_code; the streaming bf16 lanes: div_cr8 (x * RN(1/s) with one FMA correction)
 // against the division for every (8-bit x mantissa, 24-bit s mantissa) pair and for 11-bit (fp16)
 // x mantissas too, and fp8_bf16_run / int8_bf16_run over every bf16 pattern for a spread of
-// scales (`simd_check bf16`: these alone, about a minute). Not part of `make test` (about a minute
+// scales, the static-scale code tables and the NVFP4 bf16 lanes (`simd_check bf16`: these alone,
+// about a minute). Not part of `make test` (about a minute
 // per format on one core):
 //   g++ -O2 -ffp-contract=off -fno-trapping-math -std=c++17 bench/simd_check.cpp -o /tmp/simd_check && /tmp/simd_check
 #include <cstdio>
@@ -95,6 +96,30 @@ long check_bf16_run(const char* what, const std::vector<float>& scales) {
   return bad;
 }
 
+// nvfp4_run on bf16 rows (nvfp4_blocks8_bf16, or the generic lanes for a group it declines)
+// against the scalar nvfp4_block, every bf16 pattern, scaled so block scales land anywhere, with
+// and without global scales and the V4.1 floor.
+long check_nvfp4_bf16() {
+  const int n = 1 << 16;
+  std::vector<uint16_t> x(n);
+  long bad = 0;
+  for (const float mul : {1.0f, 1e-30f, 3e20f, 0.37f}) {
+    for (int i = 0; i < n; ++i) x[i] = uint16_t(float_to_bits(bf16_to_float(uint16_t(i)) * mul) >> 16);
+    for (const float gl : {0.0f, 0.5f, 1e-30f, 3.7f, 1e-3f})
+      for (const float fl : {0.0f, 1.0f / 512}) {
+        const float* gp = gl == 0.0f ? nullptr : &gl;
+        std::vector<char> b1(n / 2), s1(n / 16), b2(n / 2), s2(n / 16);
+        for (int h = 0; h < n / 128; ++h) nvfp4_run<DType::BF16>(x.data(), h * 128, 8, gp, b1.data() + h * 64, s1.data() + h * 8, fl);
+        for (int k = 0; k < n / 16; ++k)
+          nvfp4_block([&](int e) { return load_float<DType::BF16>(x.data(), k * 16 + e); }, gp, b2.data() + k * 8, s2.data() + k, fl);
+        for (int i = 0; i < n / 2; ++i) bad += b1[i] != b2[i];
+        for (int i = 0; i < n / 16; ++i) bad += s1[i] != s2[i];
+      }
+  }
+  std::printf("nvfp4 bf16 lanes: %ld bytes differ\n", bad);
+  return bad;
+}
+
 int main(int argc, char** argv) {
   if (!simd_ok()) { std::printf("no AVX2 + F16C + FMA here\n"); return 0; }
   long bad = 0;
@@ -109,5 +134,20 @@ int main(int argc, char** argv) {
   std::mt19937 g(0);
   for (int k = 0; k < 2000; ++k) scales.push_back(bits_to_float((g() & 0x807FFFFFu) | (uint32_t(87 + g() % 80) << 23)));
   bad += check_bf16_run<E4M3>("e4m3 bf16 lanes", scales) + check_bf16_run<E5M2>("e5m2 bf16 lanes", scales);
+  bad += check_nvfp4_bf16();
+  {  // the static-scale code tables (fp8_bf16_table_run, blocks it declines by the arithmetic lanes)
+    std::vector<uint16_t> x(65536);
+    for (int i = 0; i < 65536; ++i) x[i] = uint16_t(i);
+    std::vector<char> out(65536);
+    long tb = 0;
+    for (const float s : scales) {
+      quant_heads<DType::BF16, E4M3>(x.data(), 0, 128, 512, 128, &s, 0, out.data(), 128);
+      for (int i = 0; i < 65536; ++i) tb += uint8_t(out[i]) != fp8_bits<E4M3>(daz(bf16_to_float(uint16_t(i))) / s);
+      quant_heads<DType::BF16, E5M2>(x.data(), 0, 128, 512, 128, &s, 0, out.data(), 128);
+      for (int i = 0; i < 65536; ++i) tb += uint8_t(out[i]) != fp8_bits<E5M2>(daz(bf16_to_float(uint16_t(i))) / s);
+    }
+    std::printf("fp8 code tables: %ld differ over %zu scales x 2^16 x 2 formats\n", tb, scales.size());
+    bad += tb;
+  }
   return bad != 0;
 }

@@ -36,6 +36,19 @@ struct PagedCache {
   // Byte offset of (head, feat) within a row.
   KVW_HD i64 in_row(i64 head, i64 feat) const { return elem_offset(0, 0, head, feat) * elem_size; }
   KVW_HD char* at(i64 row, i64 head, i64 feat) const { return row_ptr(row) + in_row(head, feat); }
+#if !defined(__CUDA_ARCH__)
+  // Host: prefetch (write) the H heads of `head_elems` elements each of local row `row` (>= 0).
+  void prefetch_heads(i64 row, int H, i64 head_elems) const {
+    const char* r = row_ptr(row);
+    const i64 bytes = head_elems * elem_size;
+    if (split == 0 && stride_head == head_elems) {
+      for (i64 o = 0; o < H * bytes; o += 64) __builtin_prefetch(r + o, 1, 3);
+      return;
+    }
+    for (int h = 0; h < H; ++h)
+      for (i64 o = 0; o < bytes; o += 64) __builtin_prefetch(r + in_row(h, 0) + o, 1, 3);
+  }
+#endif
 };
 
 // Copy one `B`-byte unit (B = 16: one vector load/store when the caller checked alignment).

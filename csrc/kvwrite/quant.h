@@ -187,7 +187,13 @@ inline void quant_run_static(const void* src, i64 start, int n, float scale, cha
   if constexpr (IN == DType::BF16 && !F::fnuz) {
     if (cache != nullptr && n % 32 == 0 && n >= 32) {
       const Fp8Table* t = fp8_table_for<F>(cache, scale);
-      if (t != nullptr && fp8_bf16_table_run<F>(*t, scale, static_cast<const uint16_t*>(src) + start, n, dst)) return;
+      const uint16_t* x = static_cast<const uint16_t*>(src) + start;
+      if (t != nullptr) {
+        if (fp8_bf16_table_run<F>(*t, scale, x, n, dst)) return;
+        for (int j = 0; j < n; j += 32)  // the blocks the table does not code, again
+          if (fp8_table_block_off<F>(*t, x + j)) quant_run<IN, F>(src, start + j, 32, scale, dst + j, noftz);
+        return;
+      }
     }
   }
   quant_run<IN, F>(src, start, n, scale, dst, noftz);
@@ -211,7 +217,7 @@ KVW_HD void quant_heads(const void* src, i64 start, i64 s_head, int H, int D, co
     return fp8_heads_avx2<IN, F>(src, start, s_head, H, D, scale, scale_step, dst, dst_step);
   if (IN == DType::BF16 && D >= 32 && simd_ok()) {
     Fp8Table* cache = static_fp8_tables<IN, F>();
-    const int noftz = ftz_clear();
+    const int noftz = cache != nullptr && D % 32 == 0 ? -1 : ftz_clear();  // tables: read where a block needs it
     for (int h = 0; h < H; ++h)
       quant_run_static<IN, F>(src, start + h * s_head, D, scale[h * scale_step], dst + h * dst_step, cache, noftz);
     return;

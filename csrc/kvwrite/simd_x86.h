@@ -73,6 +73,20 @@ KVW_AVX2 __m256i grid_codes8(__m256 ax) {
 
 KVW_AVX2 __m256 abs8(__m256 x) { return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
 
+// grid_codes8's codes read without a subnormal product (no MXCSR dependence, no denormal assist
+// where most codes are subnormal, as e2m1's): t = ax + m holds k = t - m grid steps in its low
+// bits, and code = k + (e' + bias - 1) << MANT = k + (eb' >> drop) - ((128 - bias) << MANT).
+// `ax` finite (a NaN gives no defined code here).
+template <int MANT, int EMIN>
+KVW_AVX2 __m256i grid_codes8_k(__m256 ax) {
+  constexpr int drop = 23 - MANT, bias = 1 - EMIN;
+  __m256i eb = _mm256_and_si256(_mm256_castps_si256(ax), _mm256_set1_epi32(0x7F800000));
+  eb = _mm256_max_epi32(eb, _mm256_set1_epi32((EMIN + 127) << 23));
+  const __m256i m = _mm256_add_epi32(eb, _mm256_set1_epi32(drop << 23));
+  const __m256i k = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(ax, _mm256_castsi256_ps(m))), m);
+  return _mm256_add_epi32(k, _mm256_sub_epi32(_mm256_srli_epi32(eb, drop), _mm256_set1_epi32((128 - bias) << MANT)));
+}
+
 // fp8 codes (format F) of eight fp32 values as int32 lanes, fp8_bits's: saturate, round on the
 // grid, sign bit kept (fnuz: no -0), NaN -> the format's NaN code.
 template <class F, bool NOFTZ = false>
@@ -268,16 +282,6 @@ KVW_AVX2 void nvfp4_blocks8_avx2(const void* src, i64 start, const float* global
     e2m1_pack16(x[2 * b], x[2 * b + 1], dl[b], bytes + 8 * b);
     scales[b] = char((nan_blocks >> b) & 1 ? 0x7F : cl[b]);
   }
-}
-
-// nblocks consecutive NVFP4 blocks from src + start (bytes: 8 a block, scales: 1 a block), eight
-// at a time.
-template <DType IN>
-KVW_AVX2 void nvfp4_run_avx2(const void* src, i64 start, int nblocks, const float* global, char* bytes, char* scales,
-                             float floor = 0.0f) {
-  int b = 0;
-  for (; b + 8 <= nblocks; b += 8) nvfp4_blocks8_avx2<IN>(src, start + 16 * b, global, bytes + 8 * b, scales + b, floor);
-  for (; b < nblocks; ++b) nvfp4_block_avx2<IN>(src, start + 16 * b, global, bytes + 8 * b, scales + b, floor);
 }
 
 // e2m1 codes of n elements (a multiple of 16) from `start` divided by s (> 0), packed; whether
@@ -504,9 +508,22 @@ inline Fp8Table* fp8_table_cache() {
   return cache;
 }
 
+// The 32-element blocks from src that table t does not code (a binade Z < E < W, or E = 255).
+template <class F>
+KVW_AVX2 bool fp8_table_block_off(const Fp8Table& t, const uint16_t* src) {
+  const __m256i emask = _mm256_set1_epi16(0x7F80), zstep = _mm256_set1_epi16(t.zstep);
+  const __m256i v0 = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)), emask);
+  const __m256i v1 = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16)), emask);
+  if (_mm256_movemask_epi8(_mm256_or_si256(_mm256_cmpeq_epi16(v0, emask), _mm256_cmpeq_epi16(v1, emask))) != 0) return true;
+  const __m256i e8 = _mm256_packus_epi16(_mm256_sub_epi16(_mm256_srli_epi16(v0, 7 - F::mant), zstep),
+                                         _mm256_sub_epi16(_mm256_srli_epi16(v1, 7 - F::mant), zstep));
+  const __m256i u = _mm256_sub_epi8(e8, _mm256_set1_epi8(1));
+  return _mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_max_epu8(u, _mm256_set1_epi8(char(t.kf))), u)) != -1;
+}
+
 // fp8 codes of a bf16 row of n elements (n % 32 == 0) by table t (divisor s): false where the row
-// needs the arithmetic lanes (a binade in fp8's subnormal range, a NaN or an inf); the caller then
-// rewrites dst.
+// holds a block the table does not code (a binade in fp8's subnormal range, a NaN or an inf); the
+// caller then rewrites those blocks (fp8_table_block_off) by the arithmetic lanes.
 template <class F>
 KVW_AVX2 bool fp8_bf16_table_run(const Fp8Table& t, float s, const uint16_t* __restrict__ src, int n,
                                  char* __restrict__ dst) {
@@ -539,6 +556,78 @@ KVW_AVX2 bool fp8_bf16_table_run(const Fp8Table& t, float s, const uint16_t* __r
   const bool subnormal = _mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_max_epu8(fmin, kf), fmin)) != -1;
   return !special && !subnormal;
 }
+// nvfp4_blocks8_avx2 for bf16 rows, streaming: each block's raw |x| max as 16-bit lanes (a max
+// tree over the 8 blocks' loads), the eight scales as there, then |x| / d by div_cr8 with d's
+// reciprocal, |x| first clamped to RN(6 d) (whose quotient codes as 6, as every larger one: no
+// overflow); a block with d == 0 takes 0 (every code the element's sign alone, the scalar rule).
+// Codes by grid_codes8_k, the sign from the input, two codes a byte. False (nothing written) for
+// blocks holding a NaN or an inf, or a d outside cr_div_ok's range: the caller takes
+// nvfp4_blocks8_avx2.
+KVW_AVX2 bool nvfp4_blocks8_bf16(const uint16_t* src, const float* global, char* bytes, char* scales, float floor) {
+  __m256i l[8], a[8];
+  const __m256i am = _mm256_set1_epi16(0x7FFF);
+  for (int b = 0; b < 8; ++b) {
+    l[b] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16 * b));
+    a[b] = _mm256_and_si256(l[b], am);
+  }
+  __m256i t[4];
+  for (int k = 0; k < 4; ++k)  // blocks 2k, 2k+1 alternate
+    t[k] = _mm256_max_epu16(_mm256_unpacklo_epi16(a[2 * k], a[2 * k + 1]), _mm256_unpackhi_epi16(a[2 * k], a[2 * k + 1]));
+  const __m256i u0 = _mm256_max_epu16(_mm256_unpacklo_epi32(t[0], t[1]), _mm256_unpackhi_epi32(t[0], t[1]));
+  const __m256i u1 = _mm256_max_epu16(_mm256_unpacklo_epi32(t[2], t[3]), _mm256_unpackhi_epi32(t[2], t[3]));
+  const __m256i w = _mm256_max_epu16(_mm256_unpacklo_epi64(u0, u1), _mm256_unpackhi_epi64(u0, u1));  // b0..b7 a half
+  const __m256i raw = _mm256_cvtepu16_epi32(_mm_max_epu16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+  if (_mm256_movemask_epi8(_mm256_cmpgt_epi32(raw, _mm256_set1_epi32(0x7F7F))) != 0) return false;
+  const __m256 amax = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(raw, 16), _mm256_cmpgt_epi32(raw, _mm256_set1_epi32(0x7F))));
+  __m256 s = _mm256_max_ps(_mm256_div_ps(amax, _mm256_set1_ps(6.0f)), _mm256_set1_ps(floor));
+  if (global != nullptr) s = _mm256_div_ps(s, _mm256_set1_ps(global[0]));
+  const __m256i code = fp8_codes8<E4M3>(s);
+  __m256 d = e4m3_values8(code);
+  if (global != nullptr) d = _mm256_mul_ps(d, _mm256_set1_ps(global[0]));
+  const __m256 zero = _mm256_cmp_ps(d, _mm256_setzero_ps(), _CMP_EQ_OQ);
+  const __m256 inrange = _mm256_and_ps(_mm256_cmp_ps(d, _mm256_set1_ps(9.094947017729282e-13f), _CMP_GE_OQ),
+                                       _mm256_cmp_ps(d, _mm256_set1_ps(1.099511627776e12f), _CMP_LE_OQ));
+  if (_mm256_movemask_ps(_mm256_or_ps(zero, inrange)) != 0xFF) return false;
+  const __m256 r = _mm256_andnot_ps(zero, _mm256_div_ps(_mm256_set1_ps(1.0f), d));
+  const __m256 cap = _mm256_mul_ps(d, _mm256_set1_ps(6.0f));
+  const __m256i z = _mm256_setzero_si256(), smask = _mm256_set1_epi16(int16_t(0x8000));
+  const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  for (int b = 0; b < 8; ++b) {
+    const __m256i bi = _mm256_set1_epi32(b);
+    const __m256 db = _mm256_permutevar8x32_ps(d, bi), rb = _mm256_permutevar8x32_ps(r, bi);
+    const __m256 cb = _mm256_permutevar8x32_ps(cap, bi);
+    const __m256 x0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, l[b])), x1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, l[b]));
+    const __m256i c0 = grid_codes8_k<1, 0>(div_cr8(_mm256_min_ps(cb, abs8(x0)), db, rb));
+    const __m256i c1 = grid_codes8_k<1, 0>(div_cr8(_mm256_min_ps(cb, abs8(x1)), db, rb));
+    // 16 codes in element order (16-bit lanes), the sign as bit 3, then two codes a byte
+    __m256i p = _mm256_or_si256(_mm256_packus_epi32(c0, c1), _mm256_srli_epi16(_mm256_and_si256(l[b], smask), 12));
+    p = _mm256_shuffle_epi8(_mm256_or_si256(p, _mm256_srli_epi32(p, 12)), pick);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(bytes + 8 * b),
+                     _mm_unpacklo_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1)));
+  }
+  alignas(32) int32_t cl[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(cl), code);
+  for (int b = 0; b < 8; ++b) scales[b] = char(cl[b]);
+  return true;
+}
+
+// nblocks consecutive NVFP4 blocks from src + start (bytes: 8 a block, scales: 1 a block), eight
+// at a time (bf16: nvfp4_blocks8_bf16 first). `noftz` is unused (kept for the callers).
+template <DType IN>
+KVW_AVX2 void nvfp4_run_avx2(const void* src, i64 start, int nblocks, const float* global, char* bytes, char* scales,
+                             float floor = 0.0f, int noftz = -1) {
+  (void)noftz;
+  int b = 0;
+  const bool bf16 = IN == DType::BF16;
+  for (; b + 8 <= nblocks; b += 8) {
+    if (bf16 && nvfp4_blocks8_bf16(static_cast<const uint16_t*>(src) + start + 16 * b, global, bytes + 8 * b, scales + b, floor))
+      continue;
+    nvfp4_blocks8_avx2<IN>(src, start + 16 * b, global, bytes + 8 * b, scales + b, floor);
+  }
+  for (; b < nblocks; ++b) nvfp4_block_avx2<IN>(src, start + 16 * b, global, bytes + 8 * b, scales + b, floor);
+}
+
 #else
 inline bool simd_ok() { return false; }
 #endif

@@ -135,6 +135,17 @@ KVW_HD void quant_kv_side(const KVQuantSide& s, int rule, int H, i64 i, i64 row,
 template <int CHECK, DType IN, class F, int QUANT>
 struct StoreKVQuantToken {
   KVW_HD void operator()(const StoreKVQuantParams& p, i64 i, int lane, int nlanes) const {
+#if !defined(__CUDA_ARCH__)
+    const i64 ahead = nlanes == 1 ? prefetch_row(p.locs, i + PREFETCH_AHEAD) : -1;
+    if (ahead >= 0) {
+      p.k.cache.prefetch_heads(ahead, p.H, p.k.D);
+      p.v.cache.prefetch_heads(ahead, p.H, p.v.D);
+      if (QUANT != QUANT_STATIC) {
+        __builtin_prefetch(p.k.scales.row_ptr(ahead), 1, 3);
+        __builtin_prefetch(p.v.scales.row_ptr(ahead), 1, 3);
+      }
+    }
+#endif
     const Resolved r = resolve_checked<CHECK>(p.locs, i, lane == 0);
     if (!r.write) return;
     quant_kv_side<IN, F, QUANT>(p.k, p.rule, p.H, i, r.row, lane, nlanes);

@@ -88,7 +88,7 @@ KVW_HD void mla_fp8(const StoreMLAParams& p, i64 i, char* dst, int lane, int nla
 #if KVW_SIMD_X86
   if (nlanes == 1 && simd_ok()) {  // host: the static scale's lanes, latent then rope
     Fp8Table* cache = static_fp8_tables<IN, F>();
-    const int noftz = host_noftz();
+    const int noftz = cache != nullptr ? -1 : host_noftz();  // tables: read where a block needs it
     quant_run_static<IN, F>(p.kv_c, i * p.c_sn, p.L, s, dst, cache, noftz);
     quant_run_static<IN, F>(p.k_pe, i * p.pe_sn, p.R, s, dst + p.L, cache, noftz);
     return;
@@ -181,8 +181,10 @@ KVW_HD void mla_nvfp4(const StoreMLAParams& p, i64 i, i64 row, char* dst, int la
   char* scales = p.scale_cache.row_ptr(row);
 #if !defined(__CUDA_ARCH__)
   if (nlanes == 1 && p.L % NVFP4_BLOCK == 0 && !p.scale_cache.split) {  // latent blocks, then rope blocks
-    nvfp4_run<IN>(p.kv_c, i * p.c_sn, p.L / NVFP4_BLOCK, p.global, dst, scales);
-    if (p.R > 0) nvfp4_run<IN>(p.k_pe, i * p.pe_sn, p.R / NVFP4_BLOCK, p.global, dst + p.L / 2, scales + p.L / NVFP4_BLOCK);
+    const int noftz = host_noftz();  // MXCSR read once a token
+    nvfp4_run<IN>(p.kv_c, i * p.c_sn, p.L / NVFP4_BLOCK, p.global, dst, scales, 0.0f, noftz);
+    if (p.R > 0)
+      nvfp4_run<IN>(p.k_pe, i * p.pe_sn, p.R / NVFP4_BLOCK, p.global, dst + p.L / 2, scales + p.L / NVFP4_BLOCK, 0.0f, noftz);
     return;
   }
 #endif
@@ -216,6 +218,16 @@ template <int CHECK, int MODE, DType IN, class OUT, int VEC>
 struct StoreMLAToken {
   static constexpr int check = CHECK;
   KVW_HD void operator()(const StoreMLAParams& p, i64 i, int lane, int nlanes) const {
+#if !defined(__CUDA_ARCH__)
+    if constexpr (MODE != MLA_COPY) {  // the quantised row of a later token, asked for now
+      const i64 row = nlanes == 1 ? prefetch_row(p.locs, i + PREFETCH_AHEAD) : -1;
+      if (row >= 0) {
+        const i64 bytes = MODE == MLA_NVFP4 ? (p.L + p.R) / 2 : MODE == MLA_FP8 ? p.L + p.R : p.L + 4 * (p.L / 128) + 2 * p.R;
+        prefetch_write(p.cache.row_ptr(row), bytes);
+        if (MODE == MLA_NVFP4) prefetch_write(p.scale_cache.row_ptr(row), (p.L + p.R) / NVFP4_BLOCK);
+      }
+    }
+#endif
     store_mla_token<CHECK, MODE, IN, OUT, VEC>(p, i, lane, nlanes);
   }
 };
