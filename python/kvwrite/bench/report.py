@@ -12,7 +12,7 @@ from kvwrite.bench import host as host_costs
 GPU_BACKENDS = ("cuda", "triton")
 REFERENCE_CASE = "mha-bf16"
 SCATTER = "memcpy-scatter"  # the extension's plain per-row memcpy loop (bench_memcpy_scatter)
-# Every quantised format's case (issue 33): the cpu backend against the same-run scatter of the
+# Every quantised format's case: the cpu backend against the same-run scatter of the
 # bytes it writes, one target row each (a layout no row scatter expresses says so in its row).
 QUANT_SCATTER_TARGET = 0.4
 QUANT_FORMATS = (("mha-fp8", "fp8 store_kv"), ("mla-fp8ds", "fp8_ds_mla"),
