@@ -161,7 +161,18 @@ KVW_HD void mla_ds(const StoreMLAParams& p, i64 i, char* dst, int lane, int nlan
   }
   // One lane per tile (the host: a tile is two vectorisable loops, amax then codes).
   const int noftz = nlanes == 1 ? host_noftz() : -1;
-  for (int w = lane; w < tiles; w += nlanes) {
+  bool done = false;
+#if KVW_SIMD_X86
+  if constexpr (IN == DType::BF16) {  // host: every tile's scale first (e4m3_tiles_bf16)
+    float sc[16];
+    if (nlanes == 1 && e4m3_tiles_bf16(p.kv_c, i * p.c_sn, tiles, DS_MLA_TILE, [&](float a) { return ds_tile_scale(p, a); },
+                                       dst, sc, noftz)) {
+      for (int w = 0; w < tiles; ++w) store_le(scales + 4 * w, float_to_bits(sc[w]), 4);
+      done = true;
+    }
+  }
+#endif
+  for (int w = lane; w < tiles && !done; w += nlanes) {
     const i64 start = i * p.c_sn + i64(w) * DS_MLA_TILE;
     const float scale = ds_tile_scale(p, block_amax<IN>(p.kv_c, start, DS_MLA_TILE));
     quant_block_e4m3<IN>(p.kv_c, start, DS_MLA_TILE, scale, dst + w * DS_MLA_TILE, noftz);
