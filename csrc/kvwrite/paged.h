@@ -7,6 +7,16 @@
 
 namespace kvwrite {
 
+// The page of local row `row` (>= 0) in pages of `pps` rows: on the host a power-of-two page (the
+// usual) by a shift, not a 64-bit division per token; the device keeps the division.
+KVW_HD i64 page_of(i64 row, i64 pps) {
+#if defined(__CUDA_ARCH__)
+  return row / pps;
+#else
+  return (pps & (pps - 1)) == 0 ? row >> __builtin_ctzll(uint64_t(pps)) : row / pps;
+#endif
+}
+
 struct PagedCache {
   char* base = nullptr;
   i64 stride_page = 0, stride_entry = 0, stride_head = 0;  // in elements; feat stride is 1
@@ -23,14 +33,9 @@ struct PagedCache {
   KVW_HD i64 elem_offset(i64 page, i64 entry, i64 head, i64 feat) const {
     return page * stride_page + entry * stride_entry + head * stride_head + feat_offset(feat);
   }
-  // Byte address of local row `row` (page = row / pool_page_size): the one int64 division.
+  // Byte address of local row `row` (page = row / pool_page_size, page_of).
   KVW_HD char* row_ptr(i64 row) const {
-#if defined(__CUDA_ARCH__)
-    const i64 page = row / pool_page_size;
-#else  // host: a power-of-two page (the usual) by a shift, not a 64-bit division per token
-    const i64 page = (pool_page_size & (pool_page_size - 1)) == 0 ? row >> __builtin_ctzll(uint64_t(pool_page_size))
-                                                                     : row / pool_page_size;
-#endif
+    const i64 page = page_of(row, pool_page_size);
     return base + elem_offset(page, row - page * pool_page_size, 0, 0) * elem_size;
   }
   // Byte offset of (head, feat) within a row.
