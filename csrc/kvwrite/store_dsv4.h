@@ -31,11 +31,11 @@ struct SplitPage {
   int data_row = 0, scale_row = 0;
 
   KVW_HD char* data_at(i64 row) const {
-    const i64 page = page_of(row, pool_page_size);
+    const i64 page = row / pool_page_size;
     return base + page * stride_page + (row - page * pool_page_size) * data_row;
   }
   KVW_HD char* scale_at(i64 row) const {
-    const i64 page = page_of(row, pool_page_size);
+    const i64 page = row / pool_page_size;
     return base + page * stride_page + pool_page_size * data_row + (row - page * pool_page_size) * scale_row;
   }
 };
