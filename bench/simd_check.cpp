@@ -1,10 +1,21 @@
 // Exhaustive check of the cpu backend's AVX2 conversions (csrc/kvwrite/simd_x86.h) against the
 // scalar code every backend shares: every one of the 2^32 fp32 bit patterns through fp8_codes8
 // (both variants) for e4m3 / e5m2 / e4m3fnuz and through e2m1_codes8 (divisor 1), compared with
-// fp8_bits / e2m1_code. Not part of `make test` (about a minute per format on one core):
+// fp8_bits / e2m1_code; the streaming bf16 lanes: div_cr8 (x * RN(1/s) with one FMA correction)
+// against the division for every (8-bit x mantissa, 24-bit s mantissa) pair and for 11-bit (fp16)
+// x mantissas too, and fp8_bf16_run / int8_bf16_run over every bf16 pattern for a spread of
+// scales, the static-scale code tables and the NVFP4 bf16 lanes (`simd_check bf16`: these alone,
+// about a minute). Not part of `make test` (about a minute
+// per format on one core):
 //   g++ -O2 -ffp-contract=off -fno-trapping-math -std=c++17 bench/simd_check.cpp -o /tmp/simd_check && /tmp/simd_check
 #include <cstdio>
 
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../csrc/kvwrite/kv_quant.h"
 #include "../csrc/kvwrite/nvfp4.h"
 
 using namespace kvwrite;
@@ -32,12 +43,111 @@ long check_fp8(const char* what) {
                      [](float x) { return uint32_t(fp8_bits<F>(x)); });
 }
 
-int main() {
-  if (!simd_ok()) { std::printf("no AVX2 + F16C here\n"); return 0; }
-  long bad = check_fp8<E4M3, false>("e4m3") + check_fp8<E4M3, true>("e4m3 noftz") + check_fp8<E5M2, false>("e5m2") +
+// div_cr8(a, b) == a / b for a = every mantissa of `abits` explicit bits in [1, 2) and b = every
+// fp32 mantissa in [1, 2) (exponents only scale both sides exactly in cr_div_ok's range).
+__attribute__((target("avx2,f16c,fma"))) long check_div(int abits) {
+  const int na = 1 << abits;
+  std::vector<float> as(na);
+  for (int k = 0; k < na; ++k) as[k] = 1.0f + float(k) / float(na);
+  long bad = 0;
+  for (uint32_t mb = 0; mb < (1u << 23); ++mb) {
+    const float b = bits_to_float(0x3F800000u | mb);
+    const __m256 vb = _mm256_set1_ps(b), vr = _mm256_set1_ps(1.0f / b);
+    for (int k = 0; k < na; k += 8) {
+      const __m256 a = _mm256_loadu_ps(as.data() + k);
+      bad += __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(div_cr8(a, vb, vr), _mm256_div_ps(a, vb), _CMP_NEQ_UQ)));
+    }
+  }
+  std::printf("div_cr8, %d-bit x mantissas x every fp32 s mantissa: %ld differ\n", abits + 1, bad);
+  return bad;
+}
+
+// fp8_bf16_run<F> (and int8_bf16_run on the rows without NaN / inf) over every bf16 pattern.
+template <class F>
+long check_bf16_run(const char* what, const std::vector<float>& scales) {
+  std::vector<uint16_t> x(65536);
+  for (int i = 0; i < 65536; ++i) x[i] = uint16_t(i);
+  std::vector<char> out(65536);
+  long bad = 0;
+  for (const float s : scales) {
+    if (!cr_div_ok(s)) continue;
+    fp8_bf16_run<F>(x.data(), 65536, s, out.data());
+    for (int i = 0; i < 65536; ++i) {
+      const uint8_t want = fp8_bits<F>(daz(bf16_to_float(x[i])) / s);
+      if (uint8_t(out[i]) != want && bad++ < 4) std::printf("%s s=%a: %04x gives %02x, scalar %02x\n", what, s, i, uint8_t(out[i]), want);
+    }
+    if constexpr (std::is_same<F, E4M3>::value) {  // int8 on the finite patterns (|x| < 0x7F80)
+      const Quantizer<Int8Fmt> q(s, RULE_RNE);
+      for (int base = 0; base < 65536; base += 32) {
+        bool finite = true;
+        for (int j = 0; j < 32; ++j)  // int8_bf16_run's domain: |x / s| < 2^31 (a dynamic scale's rows)
+          finite = finite && (x[base + j] & 0x7FFF) < 0x7F80 && std::fabs(bf16_to_float(x[base + j]) / s) < 1e9f;
+        if (!finite) continue;
+        int8_bf16_run(x.data() + base, 32, s, out.data() + base);
+        for (int j = 0; j < 32; ++j) {
+          const int i = base + j;
+          const uint8_t want = q(load_quant<DType::BF16>(x.data(), i));
+          if (uint8_t(out[i]) != want && bad++ < 4) std::printf("int8 s=%a: %04x gives %02x, scalar %02x\n", s, i, uint8_t(out[i]), want);
+        }
+      }
+    }
+  }
+  std::printf("%s: %ld differ over %zu scales x 2^16\n", what, bad, scales.size());
+  return bad;
+}
+
+// nvfp4_run on bf16 rows (nvfp4_blocks8_bf16, or the generic lanes for a group it declines)
+// against the scalar nvfp4_block, every bf16 pattern, scaled so block scales land anywhere, with
+// and without global scales and the V4.1 floor.
+long check_nvfp4_bf16() {
+  const int n = 1 << 16;
+  std::vector<uint16_t> x(n);
+  long bad = 0;
+  for (const float mul : {1.0f, 1e-30f, 3e20f, 0.37f}) {
+    for (int i = 0; i < n; ++i) x[i] = uint16_t(float_to_bits(bf16_to_float(uint16_t(i)) * mul) >> 16);
+    for (const float gl : {0.0f, 0.5f, 1e-30f, 3.7f, 1e-3f})
+      for (const float fl : {0.0f, 1.0f / 512}) {
+        const float* gp = gl == 0.0f ? nullptr : &gl;
+        std::vector<char> b1(n / 2), s1(n / 16), b2(n / 2), s2(n / 16);
+        for (int h = 0; h < n / 128; ++h) nvfp4_run<DType::BF16>(x.data(), h * 128, 8, gp, b1.data() + h * 64, s1.data() + h * 8, fl);
+        for (int k = 0; k < n / 16; ++k)
+          nvfp4_block([&](int e) { return load_float<DType::BF16>(x.data(), k * 16 + e); }, gp, b2.data() + k * 8, s2.data() + k, fl);
+        for (int i = 0; i < n / 2; ++i) bad += b1[i] != b2[i];
+        for (int i = 0; i < n / 16; ++i) bad += s1[i] != s2[i];
+      }
+  }
+  std::printf("nvfp4 bf16 lanes: %ld bytes differ\n", bad);
+  return bad;
+}
+
+int main(int argc, char** argv) {
+  if (!simd_ok()) { std::printf("no AVX2 + F16C + FMA here\n"); return 0; }
+  long bad = 0;
+  const bool bf16_only = argc > 1 && std::string(argv[1]) == "bf16";  // `simd_check bf16`: the bf16 lanes alone
+  if (!bf16_only) bad += check_fp8<E4M3, false>("e4m3") + check_fp8<E4M3, true>("e4m3 noftz") + check_fp8<E5M2, false>("e5m2") +
              check_fp8<E5M2, true>("e5m2 noftz") + check_fp8<E4M3FNUZ, false>("e4m3fnuz") +
              check_fp8<E4M3FNUZ, true>("e4m3fnuz noftz");
-  bad += count_diffs("e2m1", [](__m256 x) __attribute__((target("avx2,f16c"))) { return e2m1_codes8(x, 1.0f); },
+  if (!bf16_only) bad += count_diffs("e2m1", [](__m256 x) __attribute__((target("avx2,f16c"))) { return e2m1_codes8(x, 1.0f); },
                      [](float x) { return e2m1_code(x / 1.0f); });
+  bad += check_div(7) + check_div(10);
+  std::vector<float> scales = {1.0f, -1.0f, 3.0f, 1.0f / 3, 0.37f, -0.0173f, 448.0f, 1.0f / 448, 9.094947e-13f, 1.0995116e12f};
+  std::mt19937 g(0);
+  for (int k = 0; k < 2000; ++k) scales.push_back(bits_to_float((g() & 0x807FFFFFu) | (uint32_t(87 + g() % 80) << 23)));
+  bad += check_bf16_run<E4M3>("e4m3 bf16 lanes", scales) + check_bf16_run<E5M2>("e5m2 bf16 lanes", scales);
+  bad += check_nvfp4_bf16();
+  {  // the static-scale code tables (fp8_bf16_table_run, blocks it declines by the arithmetic lanes)
+    std::vector<uint16_t> x(65536);
+    for (int i = 0; i < 65536; ++i) x[i] = uint16_t(i);
+    std::vector<char> out(65536);
+    long tb = 0;
+    for (const float s : scales) {
+      quant_heads<DType::BF16, E4M3>(x.data(), 0, 128, 512, 128, &s, 0, out.data(), 128);
+      for (int i = 0; i < 65536; ++i) tb += uint8_t(out[i]) != fp8_bits<E4M3>(daz(bf16_to_float(uint16_t(i))) / s);
+      quant_heads<DType::BF16, E5M2>(x.data(), 0, 128, 512, 128, &s, 0, out.data(), 128);
+      for (int i = 0; i < 65536; ++i) tb += uint8_t(out[i]) != fp8_bits<E5M2>(daz(bf16_to_float(uint16_t(i))) / s);
+    }
+    std::printf("fp8 code tables: %ld differ over %zu scales x 2^16 x 2 formats\n", tb, scales.size());
+    bad += tb;
+  }
   return bad != 0;
 }

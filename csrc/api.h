@@ -517,7 +517,8 @@ inline std::atomic<bool>& claims_on() {
 
 template <class R>
 void claim(Call& c, Tail& t) {
-  if (!claims_on().load(std::memory_order_relaxed)) return;
+  // one token writes one row: nothing to claim (its bad loc, if any, is the store's own check)
+  if (!claims_on().load(std::memory_order_relaxed) || c.e("N") < 2) return;
   const int64_t pps = c.e("S"), pages = c.e("P");
   TORCH_CHECK(pps >= 1 && pages >= 1, "kvwrite: ", c.p.name, ": no pool geometry for the duplicate check");
   at::Tensor out = R::claim_rows(t.loc, t.loc_map, t.errors, t.dcp_rank, t.dcp_size, t.check, t.op, t.batch_indices,

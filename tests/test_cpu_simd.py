@@ -141,3 +141,52 @@ def test_store_mla_fp8_ds_mla_every_pattern(dtype):
         kvwrite.store_mla(kv_c, k_pe, p["c"], loc, kv_cache_dtype="fp8_ds_mla", backend=b)
 
     run(call, {"c": ((-(-(n + 4) // 16), 16, 656), torch.uint8)})
+
+
+# The streaming bf16 lanes (fp8_bf16_run / int8_bf16_run: x / s by a reciprocal and one FMA
+# correction, the sign taken from the input): signs of the scale, the edges of their scale range
+# (2^-40, 2^40) and scales that make many quotients exact ties of the fp8 / int8 grids.
+@pytest.mark.parametrize("cache", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_store_kv_fp8_bf16_lanes_scales(cache):
+    heads, dim = 8, 64
+    k = every_pattern(torch.bfloat16, heads, dim)
+    v = k.flip(0)
+    n = k.shape[0]
+    loc = torch.randperm(n + 8, generator=torch.Generator().manual_seed(7))[:n]
+    shape = (-(-(n + 8) // 16), 16, heads, dim)
+    ks = torch.tensor([-0.37, 3.0, 1 / 3, 0.125, 2.0 ** -40, 2.0 ** 40, 2.0 ** -40 * 0.99, -7e-3])
+    vs = torch.tensor(-1.0 / 448)
+
+    def call(p, b):
+        kvwrite.store_kv(k, v, p["k"], p["v"], loc, k_scale=ks, v_scale=vs, backend=b)
+
+    run(call, {"k": (shape, cache), "v": (shape, cache)})
+
+
+@pytest.mark.parametrize("cache", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_store_kv_dynamic_bf16_lanes(cache, per_head):
+    """Tokens without NaN or inf (the lanes' domain): amax a power of two times the format's max
+    (s exact, so x / s lands on grid ties), random magnitudes, zeros and subnormals; one token
+    with an inf and one with a NaN (the generic lanes)."""
+    heads, dim, n = 12, 64, 48   # 12 heads: one group of eight scales at once, four one by one
+    g = torch.Generator().manual_seed(8)
+    qmax = 127.0 if cache == torch.int8 else torch.finfo(cache).max
+    x = torch.randn(n, heads, dim, generator=g) * torch.logspace(-30, 30, n)[:, None, None]
+    ties = (torch.randint(-255, 256, (n, heads, dim), generator=g) / 2).float()   # k + 0.5 steps
+    x[::3] = ties[::3] * 2.0 ** torch.randint(-8, 8, (1,), generator=g).item()
+    x[::3, :, 0] = qmax * 2.0 ** -3    # the amax: s = 2^-3 (per token and per head)
+    x[1::7, :, 5:9] = torch.tensor([0.0, -0.0, 1e-39, -1e-40])
+    x[2, 1, 3] = float("inf")
+    x[4, 2, 7] = float("nan")
+    k = x.to(torch.bfloat16)
+    v = (-x).to(torch.bfloat16)
+    loc = torch.randperm(n + 8, generator=g)[:n]
+    pages = -(-(n + 8) // 16)
+    sshape = (pages, 16, heads) if per_head else (pages, 16)
+
+    def call(p, b):
+        kvwrite.store_kv(k, v, p["k"], p["v"], loc, k_scale_cache=p["ks"], v_scale_cache=p["vs"], backend=b)
+
+    run(call, {"k": ((pages, 16, heads, dim), cache), "v": ((pages, 16, heads, dim), cache),
+               "ks": (sshape, torch.float32), "vs": (sshape, torch.float32)})

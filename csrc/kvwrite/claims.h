@@ -6,7 +6,10 @@
 // shares the call's epoch, so the record holds its lowest bad or duplicate token) and the scratch
 // loc `out` the store runs on holds -1 (padding, skipped by every store) for them; a page-table
 // call's `out` holds the rows (the store runs it as plain locs). Assert: a duplicate fails (the
-// CPU caller throws, a GPU asserts); the store then runs on the caller's own loc.
+// CPU caller throws, a GPU asserts); the store then runs on the caller's own loc. The host in
+// guard mode first runs the pass without `out` or record: a call with neither a bad nor a
+// duplicate token (the usual one) returns an empty result, and the store runs on its own loc
+// (its guard finds nothing), no scratch loc written or allocated; else the full pass.
 //
 // The table: an open-addressing hash of `slots` (a power of two, 2n..4n) int64 rows (-1: free)
 // and uint32 first tokens (UINT32_MAX: none); on the host one pass in token order (the first
@@ -57,15 +60,17 @@ KVW_HD Violation duplicate_violation(const LocArgs& a, i64 i, const Resolved& r,
 KVW_HD i64 kept_loc(const LocArgs& a, const Resolved& r) { return a.batch != nullptr ? r.row : r.loc; }
 
 // Host, one pass in token order: CHECK's resolution, the lowest token of each row kept.
-// `rec`: where bad / duplicate tokens are recorded (null: not recorded). Returns the duplicates.
+// `rec`: where bad / duplicate tokens are recorded (null: not recorded). Returns the duplicates
+// (and counts the bad tokens into `*bad` when given).
 template <int CHECK>
-inline i64 claim_rows_host(const ClaimParams& p, i64* rec, i64* first) {
+inline i64 claim_rows_host(const ClaimParams& p, i64* rec, i64* first, i64* bad = nullptr) {
   const LocArgs& a = p.a;
-  i64 dups = 0;
+  i64 dups = 0, nbad = 0;
   for (i64 i = 0; i < a.n; ++i) {
     const Resolved r = resolve<CHECK>(a, i);
     i64 keep = -1;
     if (r.bad) {
+      ++nbad;
       if (rec != nullptr) record(rec, violation(a, i, r));
     } else if (r.write) {
       i64 h = claim_hash(r.row, p.mask);
@@ -81,6 +86,7 @@ inline i64 claim_rows_host(const ClaimParams& p, i64* rec, i64* first) {
     }
     if (p.out != nullptr) p.out[i] = keep;
   }
+  if (bad != nullptr) *bad = nbad;
   return dups;
 }
 

@@ -160,7 +160,7 @@ KVW_HD uint32_t scale_abs_bits(const void* src, i64 i) {
 template <DType IN>
 KVW_HD float run_amax(const void* __restrict__ src, i64 start, int n) {
 #if KVW_SIMD_X86
-  if (n % 8 == 0 && simd_ok()) return amax_avx2<IN>(src, start, n);
+  if (n % 8 == 0 && simd_ok()) return block_amax<IN>(src, start, n);
 #endif
   uint32_t m = 0;
   for (int j = 0; j < n; ++j) {

@@ -181,4 +181,23 @@ KVW_HD Resolved resolve_checked(const LocArgs& a, i64 i, bool lead) {
   return r;
 }
 
+#if !defined(__CUDA_ARCH__)
+// Host: the cache lines of the rows a later token writes, asked for ahead (write intent). The
+// quantising stores do enough work per byte that a row fill missed by the store itself stalls
+// it (a random row: no hardware prefetcher guesses it); a plain copy keeps many fills in flight
+// on its own. Off-mode resolution (nothing recorded); prefetches never fault.
+constexpr i64 PREFETCH_AHEAD = 2;
+
+inline void prefetch_write(const char* p, i64 bytes) {
+  for (i64 o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 1, 3);
+}
+
+// The local row token i writes, -1 when none (or i past the call).
+inline i64 prefetch_row(const LocArgs& a, i64 i) {
+  if (i >= a.n) return -1;
+  const Resolved r = resolve<CHECK_OFF>(a, i);
+  return r.write ? r.row : -1;
+}
+#endif
+
 }  // namespace kvwrite

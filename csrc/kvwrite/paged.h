@@ -7,6 +7,16 @@
 
 namespace kvwrite {
 
+// The page of local row `row` (>= 0) in pages of `pps` rows: on the host a power-of-two page (the
+// usual) by a shift, not a 64-bit division per token; the device keeps the division.
+KVW_HD i64 page_of(i64 row, i64 pps) {
+#if defined(__CUDA_ARCH__)
+  return row / pps;
+#else
+  return (pps & (pps - 1)) == 0 ? row >> __builtin_ctzll(uint64_t(pps)) : row / pps;
+#endif
+}
+
 struct PagedCache {
   char* base = nullptr;
   i64 stride_page = 0, stride_entry = 0, stride_head = 0;  // in elements; feat stride is 1
@@ -23,14 +33,27 @@ struct PagedCache {
   KVW_HD i64 elem_offset(i64 page, i64 entry, i64 head, i64 feat) const {
     return page * stride_page + entry * stride_entry + head * stride_head + feat_offset(feat);
   }
-  // Byte address of local row `row` (page = row / pool_page_size): the one int64 division.
+  // Byte address of local row `row` (page = row / pool_page_size, page_of).
   KVW_HD char* row_ptr(i64 row) const {
-    const i64 page = row / pool_page_size;
+    const i64 page = page_of(row, pool_page_size);
     return base + elem_offset(page, row - page * pool_page_size, 0, 0) * elem_size;
   }
   // Byte offset of (head, feat) within a row.
   KVW_HD i64 in_row(i64 head, i64 feat) const { return elem_offset(0, 0, head, feat) * elem_size; }
   KVW_HD char* at(i64 row, i64 head, i64 feat) const { return row_ptr(row) + in_row(head, feat); }
+#if !defined(__CUDA_ARCH__)
+  // Host: prefetch (write) the H heads of `head_elems` elements each of local row `row` (>= 0).
+  void prefetch_heads(i64 row, int H, i64 head_elems) const {
+    const char* r = row_ptr(row);
+    const i64 bytes = head_elems * elem_size;
+    if (split == 0 && stride_head == head_elems) {
+      for (i64 o = 0; o < H * bytes; o += 64) __builtin_prefetch(r + o, 1, 3);
+      return;
+    }
+    for (int h = 0; h < H; ++h)
+      for (i64 o = 0; o < bytes; o += 64) __builtin_prefetch(r + in_row(h, 0) + o, 1, 3);
+  }
+#endif
 };
 
 // Copy one `B`-byte unit (B = 16: one vector load/store when the caller checked alignment).

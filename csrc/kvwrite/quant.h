@@ -35,6 +35,12 @@ KVW_HD uint32_t abs_bits(const void* src, i64 i) {
 template <DType IN>
 KVW_HD float block_amax(const void* src, i64 start, int n) {
 #if KVW_SIMD_X86
+  if constexpr (IN == DType::BF16) {  // the raw max of 16-bit magnitudes; NaN / inf: the policy lanes
+    if (n % 16 == 0 && simd_ok()) {
+      const float a = bf16_policy_amax(bf16_absmax_raw(static_cast<const uint16_t*>(src) + start, n));
+      if (a >= 0.0f) return a;
+    }
+  }
   if (n % 8 == 0 && simd_ok()) return amax_avx2<IN>(src, start, n);
 #endif
   uint32_t m = 0;
@@ -155,29 +161,106 @@ KVW_HD float indexer_scale(float amax, bool ue8m0) {
 // fp8 (format F) codes of x / scale for n elements (saturating, RNE), written as bytes: on an
 // AVX2 host fp8_run_avx2; else plain restrict-qualified locals, so the host compiler vectorises
 // the loop (a char store may otherwise alias any struct field the loop reads).
+// `noftz`: MXCSR.FTZ clear (1) or set (0) as the caller read it once for many runs; -1: read here.
 template <DType IN, class F>
-KVW_HD void quant_run(const void* __restrict__ src, i64 start, int n, float scale, char* __restrict__ dst) {
+KVW_HD void quant_run(const void* __restrict__ src, i64 start, int n, float scale, char* __restrict__ dst,
+                      int noftz = -1) {
+  int j = 0;
 #if KVW_SIMD_X86
-  if (n >= 32 && simd_ok()) return fp8_run_avx2<IN, F>(src, start, n, scale, dst);
+  if constexpr (IN == DType::BF16 && !F::fnuz) {  // the streaming bf16 lanes, then the tail
+    if (n >= 32 && simd_ok() && cr_div_ok(scale) && (noftz < 0 ? ftz_clear() : noftz != 0))
+      j = fp8_bf16_run<F>(static_cast<const uint16_t*>(src) + start, n, scale, dst);
+  }
+#else
+  (void)noftz;
+  if (j == 0 && n >= 32 && simd_ok()) return fp8_run_avx2<IN, F>(src, start, n, scale, dst);
 #endif
-  for (int j = 0; j < n; ++j) dst[j] = char(fp8_bits<F>(load_quant<IN>(src, start + j) / scale));
+  for (; j < n; ++j) dst[j] = char(fp8_bits<F>(load_quant<IN>(src, start + j) / scale));
 }
 
+#if KVW_SIMD_X86
+// quant_run for a static scale (the same divisor for every token of a call) on an AVX2 host:
+// bf16 rows of whole 32-element blocks by the divisor's code table (fp8_bf16_table_run, `cache`
+// from fp8_table_cache), else (or where the row falls back) quant_run.
+template <DType IN, class F>
+inline void quant_run_static(const void* src, i64 start, int n, float scale, char* dst, Fp8Table* cache, int noftz) {
+  if constexpr (IN == DType::BF16 && !F::fnuz) {
+    if (cache != nullptr && n % 32 == 0 && n >= 32) {
+      const Fp8Table* t = fp8_table_for<F>(cache, scale);
+      const uint16_t* x = static_cast<const uint16_t*>(src) + start;
+      if (t != nullptr) {
+        if (fp8_bf16_table_run<F>(*t, scale, x, n, dst)) return;
+        for (int j = 0; j < n; j += 32)  // the blocks the table does not code, again
+          if (fp8_table_block_off<F>(*t, x + j)) quant_run<IN, F>(src, start + j, 32, scale, dst + j, noftz);
+        return;
+      }
+    }
+  }
+  quant_run<IN, F>(src, start, n, scale, dst, noftz);
+}
+
+// The code-table cache of this thread for a bf16 -> fp8 (not fnuz) host run, else null.
+template <DType IN, class F>
+inline Fp8Table* static_fp8_tables() {
+  if constexpr (IN == DType::BF16 && !F::fnuz) return simd_ok() ? fp8_table_cache<F>() : nullptr;
+  return nullptr;
+}
+#endif
+
 // quant_run over H heads of D elements (head h from start + h * s_head with scale[h * scale_step],
-// codes at dst + h * dst_step): on an AVX2 host one call for all heads.
+// codes at dst + h * dst_step): on an AVX2 host one call for all heads (bf16: quant_run_static).
 template <DType IN, class F>
 KVW_HD void quant_heads(const void* src, i64 start, i64 s_head, int H, int D, const float* scale, i64 scale_step,
                         char* dst, i64 dst_step) {
 #if KVW_SIMD_X86
-  if (D >= 32 && simd_ok()) return fp8_heads_avx2<IN, F>(src, start, s_head, H, D, scale, scale_step, dst, dst_step);
+  if (IN != DType::BF16 && D >= 32 && simd_ok())
+    return fp8_heads_avx2<IN, F>(src, start, s_head, H, D, scale, scale_step, dst, dst_step);
+  if (IN == DType::BF16 && D >= 32 && simd_ok()) {
+    Fp8Table* cache = static_fp8_tables<IN, F>();
+    const int noftz = cache != nullptr && D % 32 == 0 ? -1 : ftz_clear();  // tables: read where a block needs it
+    for (int h = 0; h < H; ++h)
+      quant_run_static<IN, F>(src, start + h * s_head, D, scale[h * scale_step], dst + h * dst_step, cache, noftz);
+    return;
+  }
 #endif
   for (int h = 0; h < H; ++h) quant_run<IN, F>(src, start + h * s_head, D, scale[h * scale_step], dst + h * dst_step);
 }
 
 // e4m3 codes of x / scale for n elements (saturating, RNE), written as bytes.
 template <DType IN>
-KVW_HD void quant_block_e4m3(const void* src, i64 start, int n, float scale, char* dst) {
-  quant_run<IN, E4M3>(src, start, n, scale, dst);
+KVW_HD void quant_block_e4m3(const void* src, i64 start, int n, float scale, char* dst, int noftz = -1) {
+  quant_run<IN, E4M3>(src, start, n, scale, dst, noftz);
+}
+
+#if KVW_SIMD_X86
+// Host, bf16: the e4m3 codes of `tiles` consecutive tiles of `tile` elements from src + start
+// (tile % 32 == 0, tiles <= 16), each by its own scale: every tile's amax first, then every
+// scale (`scale_of(amax)`) and its reciprocal, then the codes (fp8_bf16_run), so no tile's
+// codes wait on its own division chain. Scales go to `scales` (fp32). False (nothing decided)
+// where the lanes do not apply: the caller's generic loop then writes the tiles.
+template <class ScaleOf>
+inline bool e4m3_tiles_bf16(const void* src, i64 start, int tiles, int tile, ScaleOf&& scale_of, char* dst,
+                            float* scales, int noftz) {
+  if (tiles > 16 || tile % 32 != 0 || !simd_ok() || (noftz < 0 ? !ftz_clear() : noftz == 0)) return false;
+  const uint16_t* x = static_cast<const uint16_t*>(src) + start;
+  float rc[16];
+  for (int w = 0; w < tiles; ++w) scales[w] = scale_of(block_amax<DType::BF16>(src, start + i64(w) * tile, tile));
+  for (int w = 0; w < tiles; ++w) {
+    if (!cr_div_ok(scales[w])) return false;
+    rc[w] = 1.0f / scales[w];
+  }
+  for (int w = 0; w < tiles; ++w) fp8_bf16_run<E4M3>(x + w * tile, tile, scales[w], dst + i64(w) * tile, rc[w]);
+  return true;
+}
+#endif
+
+// The `noftz` argument of quant_run for a host loop of many runs: MXCSR read once (-1 elsewhere).
+KVW_HD int host_noftz() {
+#if KVW_SIMD_X86
+  return ftz_clear() ? 1 : 0;
+#else
+  return -1;
+#endif
 }
 
 // bf16 bits of element i: bf16 input copied; other floats rounded to nearest even (NaN -> 0x7FC0).

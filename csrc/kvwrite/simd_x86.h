@@ -10,7 +10,7 @@
 #define KVW_SIMD_X86 1
 #include <immintrin.h>
 #include <cstdlib>
-#define KVW_AVX2_FN __attribute__((target("avx2,f16c")))
+#define KVW_AVX2_FN __attribute__((target("avx2,f16c,fma")))
 #define KVW_AVX2 KVW_AVX2_FN inline
 #else
 #define KVW_SIMD_X86 0
@@ -19,10 +19,11 @@
 namespace kvwrite {
 
 #if KVW_SIMD_X86
-// AVX2 + F16C present and not switched off by KVWRITE_CPU_SIMD=0 (read once). Like the scalar
-// code, the lanes assume the default MXCSR (round to nearest even), as torch runs.
+// AVX2 + F16C + FMA present and not switched off by KVWRITE_CPU_SIMD=0 (read once). Like the
+// scalar code, the lanes assume the default MXCSR (round to nearest even), as torch runs.
 inline bool simd_ok() {
   static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
+                         __builtin_cpu_supports("fma") &&
                          !(std::getenv("KVWRITE_CPU_SIMD") && std::getenv("KVWRITE_CPU_SIMD")[0] == '0');
   return ok;
 }
@@ -71,6 +72,20 @@ KVW_AVX2 __m256i grid_codes8(__m256 ax) {
 }
 
 KVW_AVX2 __m256 abs8(__m256 x) { return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
+
+// grid_codes8's codes read without a subnormal product (no MXCSR dependence, no denormal assist
+// where most codes are subnormal, as e2m1's): t = ax + m holds k = t - m grid steps in its low
+// bits, and code = k + (e' + bias - 1) << MANT = k + (eb' >> drop) - ((128 - bias) << MANT).
+// `ax` finite (a NaN gives no defined code here).
+template <int MANT, int EMIN>
+KVW_AVX2 __m256i grid_codes8_k(__m256 ax) {
+  constexpr int drop = 23 - MANT, bias = 1 - EMIN;
+  __m256i eb = _mm256_and_si256(_mm256_castps_si256(ax), _mm256_set1_epi32(0x7F800000));
+  eb = _mm256_max_epi32(eb, _mm256_set1_epi32((EMIN + 127) << 23));
+  const __m256i m = _mm256_add_epi32(eb, _mm256_set1_epi32(drop << 23));
+  const __m256i k = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(ax, _mm256_castsi256_ps(m))), m);
+  return _mm256_add_epi32(k, _mm256_sub_epi32(_mm256_srli_epi32(eb, drop), _mm256_set1_epi32((128 - bias) << MANT)));
+}
 
 // fp8 codes (format F) of eight fp32 values as int32 lanes, fp8_bits's: saturate, round on the
 // grid, sign bit kept (fnuz: no -0), NaN -> the format's NaN code.
@@ -269,16 +284,6 @@ KVW_AVX2 void nvfp4_blocks8_avx2(const void* src, i64 start, const float* global
   }
 }
 
-// nblocks consecutive NVFP4 blocks from src + start (bytes: 8 a block, scales: 1 a block), eight
-// at a time.
-template <DType IN>
-KVW_AVX2 void nvfp4_run_avx2(const void* src, i64 start, int nblocks, const float* global, char* bytes, char* scales,
-                             float floor = 0.0f) {
-  int b = 0;
-  for (; b + 8 <= nblocks; b += 8) nvfp4_blocks8_avx2<IN>(src, start + 16 * b, global, bytes + 8 * b, scales + b, floor);
-  for (; b < nblocks; ++b) nvfp4_block_avx2<IN>(src, start + 16 * b, global, bytes + 8 * b, scales + b, floor);
-}
-
 // e2m1 codes of n elements (a multiple of 16) from `start` divided by s (> 0), packed; whether
 // any element was NaN.
 template <DType IN>
@@ -291,6 +296,338 @@ KVW_AVX2 bool e2m1_run_avx2(const void* src, i64 start, int n, float s, char* by
   }
   return nan;
 }
+
+// ---- Streaming bf16 lanes: 32 elements a step, no division instruction -------------------------
+// A bf16 row is read 16 elements a load and widened by interleaving zero halves (one op per 8
+// lanes; lanes come in "unpack order", [0-3 | 8-11] and [4-7 | 12-15] of each load, which the
+// byte pack below puts back in element order). x / s is computed as q = x * r, r = RN(1 / s),
+// corrected once with two FMAs (Markstein): the correctly rounded quotient, the same fp32 value
+// as the division, for every bf16 (and fp16) x and every fp32 s, checked exhaustively over all
+// (8-bit x mantissa, 24-bit s mantissa) pairs (bench/simd_check.cpp). The range below keeps every
+// intermediate normal where a code depends on it: |s| in [2^-40, 2^40].
+inline bool cr_div_ok(float s) {
+  const float a = s < 0 ? -s : s;
+  return a >= 9.094947017729282e-13f && a <= 1.099511627776e12f;
+}
+
+// MXCSR.FTZ clear on this thread (fp8_bf16_run's codes need it; read once per token by the hot
+// loops: the read costs about as much as a head's codes).
+inline bool ftz_clear() { return (_mm_getcsr() & 0x8000u) == 0; }
+
+KVW_AVX2 __m256 div_cr8(__m256 x, __m256 s, __m256 r) {
+  const __m256 q = _mm256_mul_ps(x, r);
+  return _mm256_fmadd_ps(_mm256_fnmadd_ps(q, s, x), r, q);
+}
+
+// 32 bf16 elements from p: the raw loads (l0, l1) and the four fp32 vectors in unpack order.
+KVW_AVX2 void load_bf16x32(const uint16_t* p, __m256i& l0, __m256i& l1, __m256 (&x)[4]) {
+  l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+  const __m256i z = _mm256_setzero_si256();
+  x[0] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, l0));
+  x[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, l0));
+  x[2] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, l1));
+  x[3] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, l1));
+}
+
+// Four int32 code vectors in unpack order as 32 bytes in "pack order" (qwords 0, 2, 1, 3 of the
+// element order: the order of packs_epi16(l0, l1)); `in_order` puts them in element order.
+template <bool SIGNED>
+KVW_AVX2 __m256i pack_codes32(__m256i c0, __m256i c1, __m256i c2, __m256i c3) {
+  if constexpr (SIGNED) return _mm256_packs_epi16(_mm256_packs_epi32(c0, c1), _mm256_packs_epi32(c2, c3));
+  return _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
+}
+KVW_AVX2 __m256i in_order(__m256i b) { return _mm256_permute4x64_epi64(b, 0xD8); }
+
+// fp8 codes (format F, not fnuz) of x / s for n elements of a bf16 row (s: cr_div_ok; MXCSR.FTZ
+// clear: ftz_clear), 32 at a time; returns how many were done (a multiple of 32). The magnitude is grid_codes8 (NOFTZ) of
+// |x| / |s| with |x| first clamped to C = RN(max * |s|): C / |s| rounds to within an ulp of max,
+// which codes as max, so every |x| >= C saturates as the scalar clamp does and no quotient
+// overflows (NaN is kept by the min: its code packs to 0xFF). The sign byte is the input's sign
+// (xor the divisor's), packed from the raw bf16 halves; 0xFF (a NaN) becomes the NaN code 0x7F.
+template <class F>
+KVW_AVX2 int fp8_bf16_run(const uint16_t* __restrict__ src, int n, float s, char* __restrict__ dst, float r = 0.0f) {
+  static_assert(!F::fnuz, "fnuz keeps the generic lanes");
+  const float as = s < 0 ? -s : s;  // r: RN(1 / |s|) when the caller has it (0: computed here)
+  const __m256 vs = _mm256_set1_ps(as), vr = _mm256_set1_ps(r != 0.0f ? r : 1.0f / as);
+  const __m256 vmax = _mm256_set1_ps(fp8_max<F>() * as);
+  const __m256i smask = _mm256_set1_epi8(char(0x80)), flip = _mm256_set1_epi8(char(s < 0 ? 0x80 : 0));
+  const __m256i ones = _mm256_set1_epi8(char(0xFF));
+  int j = 0;
+  for (; j + 32 <= n; j += 32) {
+    __m256i l0, l1;
+    __m256 x[4];
+    load_bf16x32(src + j, l0, l1, x);
+    __m256i c[4];
+    for (int k = 0; k < 4; ++k)
+      c[k] = grid_codes8<F::mant, F::emin, true>(div_cr8(_mm256_min_ps(vmax, abs8(x[k])), vs, vr));
+    const __m256i sign = _mm256_xor_si256(_mm256_and_si256(_mm256_packs_epi16(l0, l1), smask), flip);
+    __m256i b = _mm256_or_si256(pack_codes32<false>(c[0], c[1], c[2], c[3]), sign);
+    b = _mm256_xor_si256(b, _mm256_and_si256(_mm256_cmpeq_epi8(b, ones), smask));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), in_order(b));
+  }
+  return j;
+}
+
+// int8 codes RNE(x / s) (the rne rule) of a bf16 row without NaN or +-inf and with |x / s| < 2^31
+// (a dynamic scale's row: |x| <= amax, the caller checked its raw max): the signed packs
+// saturate to [-128, 127] as the clamp does.
+KVW_AVX2 int int8_bf16_run(const uint16_t* __restrict__ src, int n, float s, char* __restrict__ dst, float r = 0.0f) {
+  const __m256 vs = _mm256_set1_ps(s), vr = _mm256_set1_ps(r != 0.0f ? r : 1.0f / s);  // r: RN(1 / s) or 0
+  int j = 0;
+  for (; j + 32 <= n; j += 32) {
+    __m256i l0, l1;
+    __m256 x[4];
+    load_bf16x32(src + j, l0, l1, x);
+    __m256i c[4];
+    for (int k = 0; k < 4; ++k) c[k] = _mm256_cvtps_epi32(div_cr8(x[k], vs, vr));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), in_order(pack_codes32<true>(c[0], c[1], c[2], c[3])));
+  }
+  return j;
+}
+
+// Max of the |x| bits (bf16 x & 0x7FFF, NaN and inf included) over n elements, n a multiple of 16.
+KVW_AVX2 uint32_t bf16_absmax_raw(const uint16_t* p, int n) {
+  const __m256i m = _mm256_set1_epi16(0x7FFF);
+  __m256i a = _mm256_setzero_si256(), b = a;
+  int j = 0;
+  for (; j + 32 <= n; j += 32) {
+    a = _mm256_max_epu16(a, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j)), m));
+    b = _mm256_max_epu16(b, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j + 16)), m));
+  }
+  if (j < n) a = _mm256_max_epu16(a, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j)), m));
+  a = _mm256_max_epu16(a, b);
+  const __m128i h = _mm_xor_si128(_mm_max_epu16(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1)),
+                                  _mm_set1_epi16(-1));
+  return 0x7FFFu & ~uint32_t(_mm_cvtsi128_si32(_mm_minpos_epu16(h)));
+}
+
+// Dynamic scales max(amax / qmax, floor) and their reciprocals RN(1 / s) for 8 runs at once from
+// their bf16_absmax_raw bits (the same correctly rounded fp32 operations as the scalar
+// dynamic_scale, two divisions for 8 runs): false where a run holds a NaN / inf or a scale
+// leaves cr_div_ok's range.
+KVW_AVX2 bool dynamic_scales8(const uint32_t* raw, float qmax, float floor, float* s, float* r) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(raw));
+  if (_mm256_movemask_epi8(_mm256_cmpgt_epi32(b, _mm256_set1_epi32(0x7F7F))) != 0) return false;
+  const __m256 amax = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(b, 16), _mm256_cmpgt_epi32(b, _mm256_set1_epi32(0x7F))));
+  const __m256 sc = _mm256_max_ps(_mm256_div_ps(amax, _mm256_set1_ps(qmax)), _mm256_set1_ps(floor));
+  if (_mm256_movemask_ps(_mm256_cmp_ps(sc, _mm256_set1_ps(1.099511627776e12f), _CMP_GT_OQ)) != 0) return false;
+  _mm256_storeu_ps(s, sc);
+  _mm256_storeu_ps(r, _mm256_div_ps(_mm256_set1_ps(1.0f), sc));
+  return true;
+}
+
+// The policy amax (finite values, subnormals as 0) from bf16_absmax_raw's bits: NaN or inf
+// present (raw >= 0x7F80) -> -1 (the caller takes the generic lanes); else the max itself.
+inline float bf16_policy_amax(uint32_t raw) {
+  if (raw >= 0x7F80u) return -1.0f;
+  return raw < 0x80u ? 0.0f : bits_to_float(raw << 16);
+}
+
+// ---- A static fp8 scale on bf16 rows: codes by table lookup ------------------------------------
+// For a fixed divisor s the fp8 code of a bf16 x is a function of its 15 magnitude bits (E: 8
+// exponent bits, m: 7 mantissa bits) and its sign. From the first binade W whose quotients are
+// all normal in the format, code(E, m) = T[m] + STEP * (E - W), saturated at the format's max
+// (2x doubles a correctly rounded fp32 quotient exactly and moves a normal fp8 code up by one
+// binade, STEP = 2^MANT codes). A group of 8 consecutive mantissas spans under 1/16 of a binade,
+// less than one fp8 step, so T[8g + lo] = T[8g] + (lo >= theta[g]): two 16-byte tables, looked
+// up 32 lanes at a time by pshufb. With E8 = STEP * (E - Z) (packus saturates to [0, 255]),
+// code = min((E8 + base[g] - (lo < theta[g])) -sat K, max), K = STEP * (W - Z): binades E <= Z
+// (all below the format's smallest code) give 0; a row with a binade Z < E < W (quotients in
+// fp8's subnormal range) or E = 255 (NaN, inf) goes to the arithmetic lanes instead. The table is
+// built from the scalar fp8_bits and checked against it where it is built (fp8_table_build); a
+// table that fails a check is not used. Integer lanes only: no MXCSR dependence.
+struct Fp8Table {
+  uint32_t bits = 0;  // the divisor's bits
+  bool built = false, ok = false;
+  alignas(16) uint8_t base[16], theta[16];
+  int16_t zstep = 0;  // STEP * Z
+  uint8_t k = 0, kf = 0;  // K; KF = STEP * (W - Z - 1): E8 - 1 < KF flags a subnormal-range binade
+};
+
+template <class F>
+inline uint8_t fp8_mag_code(uint32_t e, uint32_t m, float as) {  // the scalar code of |x| / |s|
+  return uint8_t(fp8_bits<F>(daz(bf16_to_float(uint16_t(e << 7 | m))) / as) & 0x7F);
+}
+
+template <class F>
+inline void fp8_table_build(Fp8Table& t, float s) {
+  constexpr int STEP = 1 << F::mant;
+  constexpr uint8_t CMAX = F::mant == 3 ? 0x7E : 0x7B;
+  t.bits = float_to_bits(s);
+  t.built = true;
+  t.ok = false;
+  const float as = s < 0 ? -s : s;
+  if (F::fnuz || !cr_div_ok(s)) return;
+  int w = -1, elow = -1;
+  for (int e = 1; e < 255 && w < 0; ++e) {
+    if (elow < 0 && fp8_mag_code<F>(e, 127, as) != 0) elow = e;
+    if (bf16_to_float(uint16_t(e << 7)) / as >= pow2f(F::emin)) w = e;
+  }
+  if (w < 3 || elow < 1 || w > 200) return;
+  const int z = (elow - 1 < w - 3) ? elow - 1 : w - 3;
+  const int k = STEP * (w - z);
+  uint8_t T[128];
+  for (int m = 0; m < 128; ++m) {
+    T[m] = fp8_mag_code<F>(w, m, as);
+    if (T[m] > k || T[m] >= CMAX) return;
+  }
+  for (int g = 0; g < 16; ++g) {
+    const uint8_t b = T[8 * g];
+    if (T[8 * g + 7] - b > 1) return;
+    int th = 8;
+    for (int lo = 7; lo >= 1; --lo) th = T[8 * g + lo] != b ? lo : th;
+    t.base[g] = uint8_t(b + 1);
+    t.theta[g] = uint8_t(th);
+  }
+  // the binade rule where it applies (a check of the construction, not of the arithmetic)
+  for (int e = w; e < w + 24 && e < 255; e += 5)
+    for (int m = 0; m < 128; ++m) {
+      const int f = T[m] + STEP * (e - w);
+      if (fp8_mag_code<F>(e, m, as) != (f < CMAX ? f : CMAX)) return;
+    }
+  t.zstep = int16_t(STEP * z);
+  t.k = uint8_t(k);
+  t.kf = uint8_t(STEP * (w - z - 1));
+  t.ok = true;
+}
+
+// This thread's table of divisor s (a few kept, keyed by the divisor's bits): null where the
+// table does not apply.
+template <class F>
+inline const Fp8Table* fp8_table_for(Fp8Table* cache, float s) {
+  const uint32_t b = float_to_bits(s);
+  Fp8Table& e = cache[(b ^ (b >> 9) ^ (b >> 19)) & 7];
+  if (!e.built || e.bits != b) fp8_table_build<F>(e, s);
+  return e.ok ? &e : nullptr;
+}
+
+template <class F>
+inline Fp8Table* fp8_table_cache() {
+  static thread_local Fp8Table cache[8];
+  return cache;
+}
+
+// The 32-element blocks from src that table t does not code (a binade Z < E < W, or E = 255).
+template <class F>
+KVW_AVX2 bool fp8_table_block_off(const Fp8Table& t, const uint16_t* src) {
+  const __m256i emask = _mm256_set1_epi16(0x7F80), zstep = _mm256_set1_epi16(t.zstep);
+  const __m256i v0 = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)), emask);
+  const __m256i v1 = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16)), emask);
+  if (_mm256_movemask_epi8(_mm256_or_si256(_mm256_cmpeq_epi16(v0, emask), _mm256_cmpeq_epi16(v1, emask))) != 0) return true;
+  const __m256i e8 = _mm256_packus_epi16(_mm256_sub_epi16(_mm256_srli_epi16(v0, 7 - F::mant), zstep),
+                                         _mm256_sub_epi16(_mm256_srli_epi16(v1, 7 - F::mant), zstep));
+  const __m256i u = _mm256_sub_epi8(e8, _mm256_set1_epi8(1));
+  return _mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_max_epu8(u, _mm256_set1_epi8(char(t.kf))), u)) != -1;
+}
+
+// fp8 codes of a bf16 row of n elements (n % 32 == 0) by table t (divisor s): false where the row
+// holds a block the table does not code (a binade in fp8's subnormal range, a NaN or an inf); the
+// caller then rewrites those blocks (fp8_table_block_off) by the arithmetic lanes.
+template <class F>
+KVW_AVX2 bool fp8_bf16_table_run(const Fp8Table& t, float s, const uint16_t* __restrict__ src, int n,
+                                 char* __restrict__ dst) {
+  constexpr uint8_t CMAX = F::mant == 3 ? 0x7E : 0x7B;
+  const __m256i base = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(t.base)));
+  const __m256i theta = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(t.theta)));
+  const __m256i emask = _mm256_set1_epi16(0x7F80), mmask = _mm256_set1_epi16(0x7F), zstep = _mm256_set1_epi16(t.zstep);
+  const __m256i k = _mm256_set1_epi8(char(t.k)), cmax = _mm256_set1_epi8(char(CMAX)), seven = _mm256_set1_epi8(7);
+  const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1), smask = _mm256_set1_epi8(char(0x80));
+  const __m256i flip = _mm256_set1_epi8(char(s < 0 ? 0x80 : 0));
+  __m256i emax = _mm256_setzero_si256(), fmin = _mm256_set1_epi8(char(0xFF));
+  for (int j = 0; j < n; j += 32) {
+    const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j));
+    const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j + 16));
+    const __m256i v0 = _mm256_and_si256(l0, emask), v1 = _mm256_and_si256(l1, emask);
+    emax = _mm256_max_epu16(emax, _mm256_max_epu16(v0, v1));
+    const __m256i e8 = _mm256_packus_epi16(_mm256_sub_epi16(_mm256_srli_epi16(v0, 7 - F::mant), zstep),
+                                           _mm256_sub_epi16(_mm256_srli_epi16(v1, 7 - F::mant), zstep));
+    const __m256i m = _mm256_packus_epi16(_mm256_and_si256(l0, mmask), _mm256_and_si256(l1, mmask));
+    const __m256i g = _mm256_and_si256(_mm256_srli_epi16(m, 3), low4);
+    const __m256i c = _mm256_add_epi8(_mm256_shuffle_epi8(base, g),
+                                      _mm256_cmpgt_epi8(_mm256_shuffle_epi8(theta, g), _mm256_and_si256(m, seven)));
+    const __m256i code = _mm256_min_epu8(_mm256_subs_epu8(_mm256_adds_epu8(e8, c), k), cmax);
+    fmin = _mm256_min_epu8(fmin, _mm256_sub_epi8(e8, one));
+    const __m256i sign = _mm256_xor_si256(_mm256_and_si256(_mm256_packs_epi16(l0, l1), smask), flip);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), in_order(_mm256_or_si256(code, sign)));
+  }
+  const bool special = _mm256_movemask_epi8(_mm256_cmpeq_epi16(emax, emask)) != 0;
+  const __m256i kf = _mm256_set1_epi8(char(t.kf));
+  const bool subnormal = _mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_max_epu8(fmin, kf), fmin)) != -1;
+  return !special && !subnormal;
+}
+// nvfp4_blocks8_avx2 for bf16 rows, streaming: each block's raw |x| max as 16-bit lanes (a max
+// tree over the 8 blocks' loads), the eight scales as there, then |x| / d by div_cr8 with d's
+// reciprocal, |x| first clamped to RN(6 d) (whose quotient codes as 6, as every larger one: no
+// overflow); a block with d == 0 takes 0 (every code the element's sign alone, the scalar rule).
+// Codes by grid_codes8_k, the sign from the input, two codes a byte. False (nothing written) for
+// blocks holding a NaN or an inf, or a d outside cr_div_ok's range: the caller takes
+// nvfp4_blocks8_avx2.
+KVW_AVX2 bool nvfp4_blocks8_bf16(const uint16_t* src, const float* global, char* bytes, char* scales, float floor) {
+  __m256i l[8], a[8];
+  const __m256i am = _mm256_set1_epi16(0x7FFF);
+  for (int b = 0; b < 8; ++b) {
+    l[b] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16 * b));
+    a[b] = _mm256_and_si256(l[b], am);
+  }
+  __m256i t[4];
+  for (int k = 0; k < 4; ++k)  // blocks 2k, 2k+1 alternate
+    t[k] = _mm256_max_epu16(_mm256_unpacklo_epi16(a[2 * k], a[2 * k + 1]), _mm256_unpackhi_epi16(a[2 * k], a[2 * k + 1]));
+  const __m256i u0 = _mm256_max_epu16(_mm256_unpacklo_epi32(t[0], t[1]), _mm256_unpackhi_epi32(t[0], t[1]));
+  const __m256i u1 = _mm256_max_epu16(_mm256_unpacklo_epi32(t[2], t[3]), _mm256_unpackhi_epi32(t[2], t[3]));
+  const __m256i w = _mm256_max_epu16(_mm256_unpacklo_epi64(u0, u1), _mm256_unpackhi_epi64(u0, u1));  // b0..b7 a half
+  const __m256i raw = _mm256_cvtepu16_epi32(_mm_max_epu16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+  if (_mm256_movemask_epi8(_mm256_cmpgt_epi32(raw, _mm256_set1_epi32(0x7F7F))) != 0) return false;
+  const __m256 amax = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(raw, 16), _mm256_cmpgt_epi32(raw, _mm256_set1_epi32(0x7F))));
+  __m256 s = _mm256_max_ps(_mm256_div_ps(amax, _mm256_set1_ps(6.0f)), _mm256_set1_ps(floor));
+  if (global != nullptr) s = _mm256_div_ps(s, _mm256_set1_ps(global[0]));
+  const __m256i code = fp8_codes8<E4M3>(s);
+  __m256 d = e4m3_values8(code);
+  if (global != nullptr) d = _mm256_mul_ps(d, _mm256_set1_ps(global[0]));
+  const __m256 zero = _mm256_cmp_ps(d, _mm256_setzero_ps(), _CMP_EQ_OQ);
+  const __m256 inrange = _mm256_and_ps(_mm256_cmp_ps(d, _mm256_set1_ps(9.094947017729282e-13f), _CMP_GE_OQ),
+                                       _mm256_cmp_ps(d, _mm256_set1_ps(1.099511627776e12f), _CMP_LE_OQ));
+  if (_mm256_movemask_ps(_mm256_or_ps(zero, inrange)) != 0xFF) return false;
+  const __m256 r = _mm256_andnot_ps(zero, _mm256_div_ps(_mm256_set1_ps(1.0f), d));
+  const __m256 cap = _mm256_mul_ps(d, _mm256_set1_ps(6.0f));
+  const __m256i z = _mm256_setzero_si256(), smask = _mm256_set1_epi16(int16_t(0x8000));
+  const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  for (int b = 0; b < 8; ++b) {
+    const __m256i bi = _mm256_set1_epi32(b);
+    const __m256 db = _mm256_permutevar8x32_ps(d, bi), rb = _mm256_permutevar8x32_ps(r, bi);
+    const __m256 cb = _mm256_permutevar8x32_ps(cap, bi);
+    const __m256 x0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, l[b])), x1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, l[b]));
+    const __m256i c0 = grid_codes8_k<1, 0>(div_cr8(_mm256_min_ps(cb, abs8(x0)), db, rb));
+    const __m256i c1 = grid_codes8_k<1, 0>(div_cr8(_mm256_min_ps(cb, abs8(x1)), db, rb));
+    // 16 codes in element order (16-bit lanes), the sign as bit 3, then two codes a byte
+    __m256i p = _mm256_or_si256(_mm256_packus_epi32(c0, c1), _mm256_srli_epi16(_mm256_and_si256(l[b], smask), 12));
+    p = _mm256_shuffle_epi8(_mm256_or_si256(p, _mm256_srli_epi32(p, 12)), pick);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(bytes + 8 * b),
+                     _mm_unpacklo_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1)));
+  }
+  alignas(32) int32_t cl[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(cl), code);
+  for (int b = 0; b < 8; ++b) scales[b] = char(cl[b]);
+  return true;
+}
+
+// nblocks consecutive NVFP4 blocks from src + start (bytes: 8 a block, scales: 1 a block), eight
+// at a time (bf16: nvfp4_blocks8_bf16 first). `noftz` is unused (kept for the callers).
+template <DType IN>
+KVW_AVX2 void nvfp4_run_avx2(const void* src, i64 start, int nblocks, const float* global, char* bytes, char* scales,
+                             float floor = 0.0f, int noftz = -1) {
+  (void)noftz;
+  int b = 0;
+  const bool bf16 = IN == DType::BF16;
+  for (; b + 8 <= nblocks; b += 8) {
+    if (bf16 && nvfp4_blocks8_bf16(static_cast<const uint16_t*>(src) + start + 16 * b, global, bytes + 8 * b, scales + b, floor))
+      continue;
+    nvfp4_blocks8_avx2<IN>(src, start + 16 * b, global, bytes + 8 * b, scales + b, floor);
+  }
+  for (; b < nblocks; ++b) nvfp4_block_avx2<IN>(src, start + 16 * b, global, bytes + 8 * b, scales + b, floor);
+}
+
 #else
 inline bool simd_ok() { return false; }
 #endif

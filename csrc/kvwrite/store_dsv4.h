@@ -54,11 +54,24 @@ KVW_HD void store_dsv4_kv_token(const StoreDSV4KVParams& p, i64 i, int lane, int
   const Resolved r = resolve_checked<CHECK>(p.locs, i, lane == 0);
   if (!r.write) return;
   char* data = p.cache.data_at(r.row);
+  const int noftz = nlanes == 1 ? host_noftz() : -1;
+  bool tiles_done = false;
+#if KVW_SIMD_X86
+  if constexpr (IN == DType::BF16) {  // host: every tile's scale first (e4m3_tiles_bf16)
+    float sc[16];
+    if (nlanes == 1 && e4m3_tiles_bf16(p.kv, i * p.kv_sn, DSV4_TILES, DSV4_TILE, [](float a) { return dsv4_scale(a, 448.0f); },
+                                       data, sc, noftz)) {
+      for (int w = 0; w < DSV4_TILES; ++w) p.cache.scale_at(r.row)[w] = ue8m0_byte(sc[w]);
+      tiles_done = true;
+    }
+  }
+#endif
   for (int w = lane; w <= DSV4_TILES; w += nlanes) {
     const i64 start = i * p.kv_sn + i64(w) * DSV4_TILE;
+    if (w < DSV4_TILES && tiles_done) continue;
     if (w < DSV4_TILES) {
       const float scale = dsv4_scale(block_amax<IN>(p.kv, start, DSV4_TILE), 448.0f);
-      quant_block_e4m3<IN>(p.kv, start, DSV4_TILE, scale, data + w * DSV4_TILE);
+      quant_block_e4m3<IN>(p.kv, start, DSV4_TILE, scale, data + w * DSV4_TILE, noftz);
       p.cache.scale_at(r.row)[w] = ue8m0_byte(scale);  // byte 7 (pad) is never written
     } else {
       for (int j = 0; j < DSV4_ROPE; ++j) store_le(data + DSV4_NOPE + 2 * j, bf16_bits<IN>(p.kv, start + j), 2);

@@ -5,6 +5,7 @@
 
 #include "dispatch.h"
 #include "locs.h"
+#include "paged.h"
 #include "quant.h"
 
 namespace kvwrite {
@@ -17,11 +18,11 @@ struct IndexerCache {
   int D = 0, blocks = 0;
 
   KVW_HD char* data_at(i64 row, int d) const {
-    const i64 page = row / pool_page_size, o = row - page * pool_page_size;
+    const i64 page = page_of(row, pool_page_size), o = row - page * pool_page_size;
     return base + page * stride_page + o * D + d;
   }
   KVW_HD char* scale_at(i64 row, int b) const {
-    const i64 page = row / pool_page_size, o = row - page * pool_page_size;
+    const i64 page = page_of(row, pool_page_size), o = row - page * pool_page_size;
     return base + page * stride_page + pool_page_size * D + (o * blocks + b) * 4;
   }
 };

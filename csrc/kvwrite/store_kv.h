@@ -154,6 +154,15 @@ template <int CHECK, DType IN, class OUT, int VEC>
 struct StoreKVToken {
   static constexpr int check = CHECK;
   KVW_HD void operator()(const StoreKVParams& p, i64 i, int lane, int nlanes) const {
+#if !defined(__CUDA_ARCH__)
+    if constexpr (!std::is_void<OUT>::value) {  // the fp8 rows of a later token, asked for now
+      const i64 row = nlanes == 1 ? prefetch_row(p.locs, i + PREFETCH_AHEAD) : -1;
+      if (row >= 0) {
+        p.k.cache.prefetch_heads(row, p.H, p.k.D);
+        p.v.cache.prefetch_heads(row, p.H, p.v.D);
+      }
+    }
+#endif
     store_kv_token<CHECK, IN, OUT, VEC>(p, i, lane, nlanes);
   }
 };

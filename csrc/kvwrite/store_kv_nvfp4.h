@@ -36,6 +36,15 @@ KVW_HD void nvfp4_side_block(const NVFP4Side& s, i64 i, char* values, char* scal
 
 template <int CHECK, DType IN>
 KVW_HD void store_kv_nvfp4_token(const StoreKVNVFP4Params& p, i64 i, int lane, int nlanes) {
+#if !defined(__CUDA_ARCH__)
+  const i64 ahead = nlanes == 1 ? prefetch_row(p.locs, i + PREFETCH_AHEAD) : -1;
+  if (ahead >= 0) {  // a later token's rows, asked for now
+    p.k.values.prefetch_heads(ahead, p.H, p.k.D / 2);
+    p.v.values.prefetch_heads(ahead, p.H, p.v.D / 2);
+    p.k.scales.prefetch_heads(ahead, p.H, p.k.D / NVFP4_BLOCK);
+    p.v.scales.prefetch_heads(ahead, p.H, p.v.D / NVFP4_BLOCK);
+  }
+#endif
   const Resolved r = resolve_checked<CHECK>(p.locs, i, lane == 0);
   if (!r.write) return;
   const int nk = p.H * (p.k.D / NVFP4_BLOCK), nv = p.H * (p.v.D / NVFP4_BLOCK);
@@ -43,10 +52,11 @@ KVW_HD void store_kv_nvfp4_token(const StoreKVNVFP4Params& p, i64 i, int lane, i
   char *vv = p.v.values.row_ptr(r.row), *vs = p.v.scales.row_ptr(r.row);
 #if !defined(__CUDA_ARCH__)
   if (nlanes == 1 && !p.k.values.split && !p.k.scales.split && !p.v.values.split && !p.v.scales.split) {
+    const int noftz = host_noftz();  // MXCSR read once a token
     const auto side = [&](const NVFP4Side& s, char* values, char* scales) {  // a head's blocks are contiguous
       for (int h = 0; h < p.H; ++h)
         nvfp4_run<IN>(s.src, i * s.s_tok + h * s.s_head, s.D / NVFP4_BLOCK, s.global, values + s.values.in_row(h, 0),
-                      scales + s.scales.in_row(h, 0));
+                      scales + s.scales.in_row(h, 0), 0.0f, noftz);
     };
     side(p.k, kv, ks);
     side(p.v, vv, vs);

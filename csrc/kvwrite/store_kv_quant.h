@@ -49,9 +49,72 @@ KVW_HD void store_scale(const PagedCache& scales, i64 row, int h, float v) {
   *reinterpret_cast<float*>(scales.at(row, h, 0)) = v;
 }
 
+#if KVW_SIMD_X86
+// The host's streaming lanes for a bf16 side with dynamic scales under the rne rule (int8 /
+// e4m3 / e5m2, whole rows of D % 32 == 0): the amax as the raw max of 16-bit magnitudes, codes by
+// int8_bf16_run / fp8_bf16_run, the same bytes as the generic path. False (nothing decided) where
+// they do not apply: a NaN or inf in the token (the generic path then writes the whole side).
+template <class F, int QUANT>
+inline bool quant_kv_side_bf16(const KVQuantSide& s, int H, i64 i, char* dst, const PagedCache& scales, i64 row) {
+  constexpr bool I8 = std::is_same<F, Int8Fmt>::value;
+  if (QUANT == QUANT_STATIC || s.cache.split || s.D % 32 != 0 || !simd_ok()) return false;
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(s.src) + i * s.s_tok;
+  if (!I8 && !ftz_clear()) return false;
+  const auto run = [&](int h, float sc, float rc) {
+    const uint16_t* x = src + h * s.s_head;
+    char* out = dst + s.cache.in_row(h, 0);
+    if constexpr (I8) {
+      int8_bf16_run(x, s.D, sc, out, rc);
+    } else {
+      fp8_bf16_run<F>(x, s.D, sc, out, rc);
+    }
+  };
+  if constexpr (QUANT == QUANT_TOKEN) {
+    uint32_t raw = 0;
+    for (int h = 0; h < H; ++h) {
+      const uint32_t r = bf16_absmax_raw(src + h * s.s_head, s.D);
+      raw = r > raw ? r : raw;
+    }
+    const float amax = bf16_policy_amax(raw);
+    if (amax < 0.0f) return false;
+    const float sc = dynamic_scale<F>(amax);
+    if (!cr_div_ok(sc)) return false;
+    store_scale(scales, row, 0, sc);
+    const float rc = 1.0f / sc;
+    for (int h = 0; h < H; ++h) run(h, sc, rc);
+  } else {
+    int h = 0;
+    for (; h + 8 <= H; h += 8) {  // eight heads' scales in one vector
+      uint32_t raw[8];
+      float sc[8], rc[8];
+      for (int k = 0; k < 8; ++k) raw[k] = bf16_absmax_raw(src + (h + k) * s.s_head, s.D);
+      if (!dynamic_scales8(raw, quant_max<F>(), DYN_SCALE_FLOOR, sc, rc)) return false;
+      for (int k = 0; k < 8; ++k) {
+        store_scale(scales, row, h + k, sc[k]);
+        run(h + k, sc[k], rc[k]);
+      }
+    }
+    for (; h < H; ++h) {
+      const float amax = bf16_policy_amax(bf16_absmax_raw(src + h * s.s_head, s.D));
+      if (amax < 0.0f) return false;
+      const float sc = dynamic_scale<F>(amax);
+      if (!cr_div_ok(sc)) return false;
+      store_scale(scales, row, h, sc);
+      run(h, sc, 1.0f / sc);
+    }
+  }
+  return true;
+}
+#endif
+
 template <DType IN, class F, int QUANT>
 KVW_HD void quant_kv_side(const KVQuantSide& s, int rule, int H, i64 i, i64 row, int lane, int nlanes) {
   char* dst = s.cache.row_ptr(row);
+#if KVW_SIMD_X86
+  if constexpr (IN == DType::BF16) {
+    if (nlanes == 1 && rule == RULE_RNE && quant_kv_side_bf16<F, QUANT>(s, H, i, dst, s.scales, row)) return;
+  }
+#endif
   const i64 src = i * s.s_tok;
   if constexpr (QUANT == QUANT_STATIC) {
     for (int h = 0; h < H; ++h) quant_head<IN>(s, Quantizer<F>(s.scale[h * s.scale_stride], rule), src, h, dst, lane, nlanes);
@@ -72,6 +135,17 @@ KVW_HD void quant_kv_side(const KVQuantSide& s, int rule, int H, i64 i, i64 row,
 template <int CHECK, DType IN, class F, int QUANT>
 struct StoreKVQuantToken {
   KVW_HD void operator()(const StoreKVQuantParams& p, i64 i, int lane, int nlanes) const {
+#if !defined(__CUDA_ARCH__)
+    const i64 ahead = nlanes == 1 ? prefetch_row(p.locs, i + PREFETCH_AHEAD) : -1;
+    if (ahead >= 0) {
+      p.k.cache.prefetch_heads(ahead, p.H, p.k.D);
+      p.v.cache.prefetch_heads(ahead, p.H, p.v.D);
+      if (QUANT != QUANT_STATIC) {
+        __builtin_prefetch(p.k.scales.row_ptr(ahead), 1, 3);
+        __builtin_prefetch(p.v.scales.row_ptr(ahead), 1, 3);
+      }
+    }
+#endif
     const Resolved r = resolve_checked<CHECK>(p.locs, i, lane == 0);
     if (!r.write) return;
     quant_kv_side<IN, F, QUANT>(p.k, p.rule, p.H, i, r.row, lane, nlanes);

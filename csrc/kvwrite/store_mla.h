@@ -85,6 +85,15 @@ KVW_HD void mla_copy(const StoreMLAParams& p, i64 i, char* dst, int lane, int nl
 template <DType IN, class F>
 KVW_HD void mla_fp8(const StoreMLAParams& p, i64 i, char* dst, int lane, int nlanes) {
   const float s = p.scale[0];
+#if KVW_SIMD_X86
+  if (nlanes == 1 && simd_ok()) {  // host: the static scale's lanes, latent then rope
+    Fp8Table* cache = static_fp8_tables<IN, F>();
+    const int noftz = cache != nullptr ? -1 : host_noftz();  // tables: read where a block needs it
+    quant_run_static<IN, F>(p.kv_c, i * p.c_sn, p.L, s, dst, cache, noftz);
+    quant_run_static<IN, F>(p.k_pe, i * p.pe_sn, p.R, s, dst + p.L, cache, noftz);
+    return;
+  }
+#endif
   if (nlanes == 1) {  // host: two vectorisable loops
     quant_run<IN, F>(p.kv_c, i * p.c_sn, p.L, s, dst);
     quant_run<IN, F>(p.k_pe, i * p.pe_sn, p.R, s, dst + p.L);
@@ -151,10 +160,22 @@ KVW_HD void mla_ds(const StoreMLAParams& p, i64 i, char* dst, int lane, int nlan
     return;
   }
   // One lane per tile (the host: a tile is two vectorisable loops, amax then codes).
-  for (int w = lane; w < tiles; w += nlanes) {
+  const int noftz = nlanes == 1 ? host_noftz() : -1;
+  bool done = false;
+#if KVW_SIMD_X86
+  if constexpr (IN == DType::BF16) {  // host: every tile's scale first (e4m3_tiles_bf16)
+    float sc[16];
+    if (nlanes == 1 && e4m3_tiles_bf16(p.kv_c, i * p.c_sn, tiles, DS_MLA_TILE, [&](float a) { return ds_tile_scale(p, a); },
+                                       dst, sc, noftz)) {
+      for (int w = 0; w < tiles; ++w) store_le(scales + 4 * w, float_to_bits(sc[w]), 4);
+      done = true;
+    }
+  }
+#endif
+  for (int w = lane; w < tiles && !done; w += nlanes) {
     const i64 start = i * p.c_sn + i64(w) * DS_MLA_TILE;
     const float scale = ds_tile_scale(p, block_amax<IN>(p.kv_c, start, DS_MLA_TILE));
-    quant_block_e4m3<IN>(p.kv_c, start, DS_MLA_TILE, scale, dst + w * DS_MLA_TILE);
+    quant_block_e4m3<IN>(p.kv_c, start, DS_MLA_TILE, scale, dst + w * DS_MLA_TILE, noftz);
     store_le(scales + 4 * w, float_to_bits(scale), 4);
   }
 #if !defined(__CUDA_ARCH__)
@@ -171,8 +192,10 @@ KVW_HD void mla_nvfp4(const StoreMLAParams& p, i64 i, i64 row, char* dst, int la
   char* scales = p.scale_cache.row_ptr(row);
 #if !defined(__CUDA_ARCH__)
   if (nlanes == 1 && p.L % NVFP4_BLOCK == 0 && !p.scale_cache.split) {  // latent blocks, then rope blocks
-    nvfp4_run<IN>(p.kv_c, i * p.c_sn, p.L / NVFP4_BLOCK, p.global, dst, scales);
-    if (p.R > 0) nvfp4_run<IN>(p.k_pe, i * p.pe_sn, p.R / NVFP4_BLOCK, p.global, dst + p.L / 2, scales + p.L / NVFP4_BLOCK);
+    const int noftz = host_noftz();  // MXCSR read once a token
+    nvfp4_run<IN>(p.kv_c, i * p.c_sn, p.L / NVFP4_BLOCK, p.global, dst, scales, 0.0f, noftz);
+    if (p.R > 0)
+      nvfp4_run<IN>(p.k_pe, i * p.pe_sn, p.R / NVFP4_BLOCK, p.global, dst + p.L / 2, scales + p.L / NVFP4_BLOCK, 0.0f, noftz);
     return;
   }
 #endif
@@ -206,6 +229,16 @@ template <int CHECK, int MODE, DType IN, class OUT, int VEC>
 struct StoreMLAToken {
   static constexpr int check = CHECK;
   KVW_HD void operator()(const StoreMLAParams& p, i64 i, int lane, int nlanes) const {
+#if !defined(__CUDA_ARCH__)
+    if constexpr (MODE != MLA_COPY) {  // the quantised row of a later token, asked for now
+      const i64 row = nlanes == 1 ? prefetch_row(p.locs, i + PREFETCH_AHEAD) : -1;
+      if (row >= 0) {
+        const i64 bytes = MODE == MLA_NVFP4 ? (p.L + p.R) / 2 : MODE == MLA_FP8 ? p.L + p.R : p.L + 4 * (p.L / 128) + 2 * p.R;
+        prefetch_write(p.cache.row_ptr(row), bytes);
+        if (MODE == MLA_NVFP4) prefetch_write(p.scale_cache.row_ptr(row), (p.L + p.R) / NVFP4_BLOCK);
+      }
+    }
+#endif
     store_mla_token<CHECK, MODE, IN, OUT, VEC>(p, i, lane, nlanes);
   }
 };

@@ -496,7 +496,9 @@ def _dsv4_kv(n: int, device: torch.device, gen: torch.Generator) -> Setup:
     def call(backend: str, check: str, errors) -> None:
         kvwrite.store_dsv4_kv(kv, cache, loc, page_size=page, check=check, errors=errors, backend=backend)
 
-    notes = {"torch-index": "skipped: no plain torch store of the split data/scale page (the torch backend is the reference)"}
+    notes = {"torch-index": "skipped: no plain torch store of the split data/scale page (the torch backend is the reference)",
+             "memcpy-scatter": "skipped: the split data/scale page puts a token's record in two runs (data, "
+                               "scales); no row scatter writes the same bytes"}
     return Setup(call, _nbytes(kv, loc) + n * 583, {}, notes, {}, (cache,))
 
 
@@ -511,7 +513,10 @@ def _dsv4_mxfp4(n: int, device: torch.device, gen: torch.Generator) -> Setup:
     def call(backend: str, check: str, errors) -> None:
         kvwrite.store_dsv4_indexer_k(k, cache, loc, fmt="mxfp4", check=check, errors=errors, backend=backend)
 
-    return Setup(call, _nbytes(k, loc) + n * 68, {}, {"torch-index": "skipped: no plain torch MXFP4 store"}, {},
+    return Setup(call, _nbytes(k, loc) + n * 68, {},
+                 {"torch-index": "skipped: no plain torch MXFP4 store",
+                  "memcpy-scatter": "skipped: the page-major indexer layout splits a token into two runs "
+                                    "(64 code bytes, 4 scale bytes); no row scatter writes the same bytes"}, {},
                  (cache,))
 
 
