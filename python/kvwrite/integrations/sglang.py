@@ -9,11 +9,18 @@ own dtype handling, so every attention backend that writes through a pool is rou
   ends in; SWA pools translate full->SWA locs and write through an MHA pool, so SWA layers are
   routed too) -> `kvwrite.compat.sglang.set_kv_buffer`;
 - MLA: `MLATokenToKVPool._scatter_mla_rows` (plain, fp8 and DSA fp8 rows: SGLang has already
-  quantised them, kvwrite copies the bytes) -> `kvwrite.compat.sglang.set_mla_kv_buffer`.
-What stays SGLang's own (listed by `report()`): the vectorized_5d MHA layout, DCP-sharded MLA
-writes (SGLang's kernel picks each rank's locs), the DSA index-K store (SGLang quantises the keys
-before `store_quantized`; kvwrite's indexer store quantises itself) and MLA's combined-row
-`set_kv_buffer` (an indexed assignment, which bounds-checks on its own).
+  quantised them, kvwrite copies the bytes) -> `kvwrite.compat.sglang.set_mla_kv_buffer`;
+- DSA index-K: SGLang's `dsa_index_k_cache.SetKAndS.execute` (what
+  `DSATokenToKVPool.set_index_k_scale_buffer` and DeepSeek V4's `DeepSeekV4IndexerPool
+  .set_index_k_scale_buffer` call with keys SGLang has quantised) ->
+  `kvwrite.compat.sglang.set_index_k_scale_buffer` (a bounds-checked byte copy of key and scale);
+- DeepSeek V4 KV pages: `dsv4_main_kv_store.SetKAndS.execute` (`DeepSeekV4SingleKVPool
+  .set_key_buffer`: the SWA, c4 and c128 pools' quantised packs) ->
+  `kvwrite.compat.sglang.set_dsv4_key_buffer`;
+- DeepSeek V4 compress state: `CompressStatePool.set_state_by_state_loc` -> `kvwrite.store_rows`
+  (a -1 state loc skipped; SGLang writes it into the sentinel row, then clears that row: the
+  same pool).
+What stays SGLang's own (listed by `report()` with the reason): see NOT_ROUTED.
 
 Guard mode (`KVWRITE_CHECK=guard`) as in the vLLM plugin (`kvwrite.integrations.guard`): each
 pool's buffers are registered with their layer ids when the pool is built, stores record into
@@ -42,11 +49,24 @@ POOLS = "sglang.srt.mem_cache.memory_pool"
 RUNNER = "sglang.srt.model_executor.model_runner"
 MHA_ROUTE = Route(POOLS, "MHATokenToKVPool._store_kv_layer", "set_kv_buffer", None, 0)
 MLA_ROUTE = Route(POOLS, "MLATokenToKVPool._scatter_mla_rows", "set_mla_kv_buffer", None, 0)
+INDEX_K = "sglang.kernels.ops.kvcache.dsa_index_k_cache"
+DSV4_KV = "sglang.kernels.ops.kvcache.dsv4_main_kv_store"
+DSV4_POOLS = "sglang.srt.mem_cache.deepseek_v4_memory_pool"
+DSV4_STATE = "sglang.srt.mem_cache.deepseek_v4_compress_state"
+INDEX_K_ROUTE = Route(INDEX_K, "SetKAndS.execute", "set_index_k_scale_buffer", None, 0)
+DSV4_KV_ROUTE = Route(DSV4_KV, "SetKAndS.execute", "set_dsv4_key_buffer", None, 0)
+STATE_ROUTE = Route(DSV4_STATE, "CompressStatePool.set_state_by_state_loc", "store_rows", None, 0)
 NOT_ROUTED = {
     "MHATokenToKVPool (kv_cache_layout='vectorized_5d')": "SGLang's shuffled 5-D layout: no kvwrite layout",
-    "MLATokenToKVPool, DCP-sharded writes": "SGLang's kernel selects each rank's locs",
-    "DSATokenToKVPool.set_index_k_scale_buffer": "SGLang quantises the index keys before the store",
+    "MLATokenToKVPool, DCP-sharded writes": "SGLang's kernel selects each rank's locs inside the store "
+                                            "(no per-rank locs reach the pool on its CPU path)",
     "MLATokenToKVPool.set_kv_buffer": "an indexed assignment (bounds-checked by torch itself)",
+    "dsa_index_k_cache.SetKAndS (ROCm preshuffled index-K)": "tiled key layout: no kvwrite layout",
+    "DeepSeek V4 fused stores (set_key_buffer_fused, set_index_fused, set_index_fp4: SGLang's JIT "
+    "store_cache / fp4 index kernels)": "SGLang quantises inside its CUDA JIT kernels, which do not run on "
+                                        "CPU: nothing to compare kvwrite's store_dsv4_kv / "
+                                        "store_dsv4_indexer_k with here",
+    "DeepSeekV4UniformFP8KVPool.set_key_buffer_fused": "an indexed assignment (bounds-checked by torch itself)",
 }
 
 
@@ -138,16 +158,83 @@ def _scatter_mla_rows(original: Callable, backend: str, state: Installed) -> Cal
     return scatter
 
 
+def _count(state: Installed, key: str) -> None:
+    state.calls[key] = state.calls.get(key, 0) + 1
+
+
+def _index_k_execute(original: Any, backend: str, state: Installed) -> classmethod:
+    """`SetKAndS.execute(pool=, buf=, loc=, index_k=, index_k_scale=)` of the DSA index-K cache."""
+    from kvwrite.compat import sglang as adapters
+
+    def execute(cls, *args, buf, **kwargs):
+        module = sys.modules.get(INDEX_K)
+        if getattr(module, "_use_aiter_preshuffle", False):
+            state.fallbacks["index_k_preshuffle"] = state.fallbacks.get("index_k_preshuffle", 0) + 1
+            return original.__get__(None, cls)(*args, buf=buf, **kwargs)
+        a = dict(zip(("pool", "loc", "index_k", "index_k_scale"), args), **kwargs)
+        _count(state, "set_index_k_scale_buffer")
+        mode, errors = _errors(buf, INDEX_K_ROUTE)
+        adapters.set_index_k_scale_buffer(buf, a["loc"], a["index_k"], a["index_k_scale"], a["pool"].index_page_size,
+                                          check=mode, errors=errors, backend=backend)
+        _after(errors, buf)
+    execute = torch.compiler.disable(execute)
+    execute.__wrapped_sglang__ = original
+    return classmethod(execute)
+
+
+def _dsv4_kv_execute(original: Any, backend: str, state: Installed) -> classmethod:
+    """`SetKAndS.execute(pool, buf, loc, nope_fp8_rope_bf16_pack)` of DeepSeek V4's KV pages."""
+    from kvwrite.compat import sglang as adapters
+
+    def execute(cls, *args, **kwargs):
+        a = dict(zip(("pool", "buf", "loc", "nope_fp8_rope_bf16_pack"), args), **kwargs)
+        pack, buf = a["nope_fp8_rope_bf16_pack"], a["buf"]
+        _count(state, "set_dsv4_key_buffer")
+        mode, errors = _errors(buf, DSV4_KV_ROUTE)
+        adapters.set_dsv4_key_buffer(buf, a["loc"], pack.k_nope_fp8, pack.k_rope_bf16, pack.scale_k_nope_ue8m0,
+                                     a["pool"].page_size, check=mode, errors=errors, backend=backend)
+        _after(errors, buf)
+    execute = torch.compiler.disable(execute)
+    execute.__wrapped_sglang__ = original
+    return classmethod(execute)
+
+
+def _set_state(original: Callable, backend: str, state: Installed) -> Callable:
+    """`CompressStatePool.set_state_by_state_loc(state_loc, value)`: rows of the kv+score buffer."""
+    from kvwrite.ops.dsv4 import store_rows
+
+    def set_state(self, state_loc, value):
+        buf = self.kv_score_buffer.kv_score
+        src = value.kv_score if hasattr(value, "kv_score") else value
+        _count(state, "set_state_by_state_loc")
+        mode, errors = _errors(buf, STATE_ROUTE)
+        store_rows(src.reshape(-1, buf.shape[-1]), buf, state_loc.reshape(-1), check=mode, errors=errors,
+                   backend=backend)
+        self.kv_score_buffer[-1].clear()     # SGLang's sentinel row, as its own store leaves it
+        _after(errors, buf)
+    set_state = torch.compiler.disable(set_state)
+    set_state.__wrapped_sglang__ = original
+    return set_state
+
+
 def register_pool(pool: Any) -> None:
     """Name a pool's per-layer buffers after their layer ids (guard records, error messages)."""
     start = getattr(pool, "start_layer", 0) or 0
     label = getattr(pool, "allocation_label", None)      # "Full" / "SWA": a hybrid pool's sub-pools
     kind = type(pool).__name__ + (f" ({label} sub-pool)" if label else "")
     caches = {}
-    for attr, what in (("k_buffer", "K"), ("v_buffer", "V"), ("kv_buffer", "KV")):
-        for i, t in enumerate(getattr(pool, attr, None) or []):
-            if isinstance(t, torch.Tensor):
+    for attr, what in (("k_buffer", "K"), ("v_buffer", "V"), ("kv_buffer", "KV"),
+                       ("index_k_with_scale_buffer", "index-K")):
+        try:
+            bufs = getattr(pool, attr, None) or []
+        except Exception:  # noqa: BLE001 - a property over storage not built yet
+            bufs = []
+        for i, t in enumerate(bufs):
+            if isinstance(t, torch.Tensor) and t.numel():
                 caches[f"{kind} layer {start + i} {what}"] = t
+    state = getattr(pool, "kv_score_buffer", None)
+    if isinstance(getattr(state, "kv_score", None), torch.Tensor):
+        caches[f"{kind} c{getattr(pool, 'ratio', '?')} compress state"] = state.kv_score
     if caches:
         guard().register(caches)
 
@@ -192,8 +279,21 @@ def install(import_module: Callable[[str], Any] = importlib.import_module, backe
     pools = import_module(POOLS)
     _patch(state, pools, "MHATokenToKVPool", "_store_kv_layer", lambda f: _store_kv_layer(f, backend, state))
     _patch(state, pools, "MLATokenToKVPool", "_scatter_mla_rows", lambda f: _scatter_mla_rows(f, backend, state))
-    for cls_name in ("MHATokenToKVPool", "MLATokenToKVPool"):
+    for cls_name in ("MHATokenToKVPool", "MLATokenToKVPool", "DSATokenToKVPool"):
         _patch(state, pools, cls_name, "__init__", _init)
+    for name, cls_name, attr, make in (
+            (INDEX_K, "SetKAndS", "execute", lambda f: _index_k_execute(f, backend, state)),
+            (DSV4_KV, "SetKAndS", "execute", lambda f: _dsv4_kv_execute(f, backend, state)),
+            (DSV4_STATE, "CompressStatePool", "set_state_by_state_loc", lambda f: _set_state(f, backend, state)),
+            (DSV4_STATE, "CompressStatePool", "__init__", _init),
+            (DSV4_POOLS, "DeepSeekV4SingleKVPool", "__init__", _init),
+            (DSV4_POOLS, "DeepSeekV4IndexerPool", "__init__", _init)):
+        try:
+            module = import_module(name)
+        except Exception as exc:  # noqa: BLE001 - an SGLang without this pool (or its kernels)
+            LOG.info("kvwrite: %s not importable (%s): not routed", name, exc)
+            continue
+        _patch(state, module, cls_name, attr, make)
     try:
         runner = import_module(RUNNER)
     except Exception as exc:  # noqa: BLE001 - pool code used on its own (no model runner)
