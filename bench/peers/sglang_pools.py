@@ -49,6 +49,10 @@ def pools():
                                                               qk_rope_head_dim=64, **common)
     yield "MLA no rope bf16", lambda: mp.MLATokenToKVPool(dtype=torch.bfloat16, kv_lora_rank=512,
                                                           qk_rope_head_dim=0, **common)
+    # DCP: 2 ranks, this one rank 1; the pool is sharded (widened locs, SGLang's
+    # set_mla_kv_buffer_dcp_sharded_triton keeps loc % 2 == 1 at row loc // 2)
+    yield "MLA DeepSeek-V3 bf16, DCP-sharded (rank 1 of 2)", lambda: dcp(lambda: mp.MLATokenToKVPool(
+        dtype=torch.bfloat16, kv_lora_rank=512, qk_rope_head_dim=64, **common))
     from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
     # hybrid SWA (layers 0 and 2 sliding, 1 full): SGLang translates to SWA locs and writes the SWA
     # layers through its SWA sub-pool, an MHATokenToKVPool; the faults land in SWA layer 2
@@ -100,6 +104,28 @@ def widen(pool, kind: str) -> None:
         back = torch.zeros(t.shape[0] + BEFORE + AFTER, t.shape[1], dtype=t.dtype)
         bufs[i] = back[BEFORE:BEFORE + t.shape[0]]
         pool._kvw_backing.append(back)
+
+
+DCP = (2, 1)      # dcp_size, this rank
+
+
+def dcp(make):
+    """Build a pool under DCP (the setting stays while its stores run; `no_dcp` ends it)."""
+    from sglang.srt.runtime_context import get_parallel
+    get_parallel().override_permanently(attn_dcp_size=DCP[0], attn_dcp_rank=DCP[1])
+    pool = make()
+    pool._kvw_dcp = True
+    return pool
+
+
+def no_dcp() -> None:
+    from sglang.srt.runtime_context import get_parallel
+    get_parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0)
+
+
+def widened(pool, loc: torch.Tensor) -> torch.Tensor:
+    """A DCP-sharded pool's (widened) locs for these rows of this rank: row * dcp_size + rank."""
+    return loc * DCP[0] + DCP[1] if getattr(pool, "_kvw_dcp", False) else loc
 
 
 def buffers(pool) -> list[torch.Tensor]:
@@ -183,7 +209,10 @@ def locs(seed: int) -> torch.Tensor:
     return torch.randperm(SWA_SIZE, generator=g)[:N] + PAGE   # valid rows past the padding page (of every pool)
 
 
-def bad_loc(fault: str, loc: torch.Tensor, n_rows: int) -> int:
+def bad_loc(fault: str, loc: torch.Tensor, n_rows: int, pool=None) -> int:
+    if getattr(pool, "_kvw_dcp", False):      # this rank's widened locs one past / 1000 pages past its rows
+        return {"past_end": int(widened(pool, torch.tensor(n_rows))), "block_ge": int(widened(pool, torch.tensor(n_rows + 1000 * PAGE))),
+                "negative": -7, "duplicate": int(loc[1])}[fault]
     return {"past_end": n_rows, "block_ge": n_rows + 1000 * PAGE, "negative": -7, "duplicate": int(loc[1])}[fault]
 
 
@@ -226,11 +255,12 @@ def run_pool(out: dict, name: str, plain, kind: str | None, hook, validate) -> N
 
     def good(seed: int) -> torch.Tensor:
         if kind is None:
-            return locs(seed)
+            return widened(probe_plain, locs(seed))
         g = torch.Generator().manual_seed(seed)
         return torch.randperm(rows(probe) - 1 - PAGE, generator=g)[:N] + PAGE   # not the last (sentinel) row
 
     probe = make() if kind is not None else None
+    probe_plain = make() if kind is None else None
     theirs = make()
     hook.install()
     ours = make()
@@ -256,7 +286,7 @@ def run_pool(out: dict, name: str, plain, kind: str | None, hook, validate) -> N
             fill(pool, 2)
             loc = good(7)
             bad = loc.clone()
-            bad[0] = bad_loc(fault, loc, rows(pool))
+            bad[0] = bad_loc(fault, loc, rows(pool), pool)
             twin = [b.clone() for b in buffers(pool)]
             # the expected bytes: the same store with the bad token skipped; for a duplicate,
             # kvwrite's guard keeps the first writer (token 1 skipped), SGLang alone writes
@@ -287,6 +317,7 @@ def run_pool(out: dict, name: str, plain, kind: str | None, hook, validate) -> N
         out["faults"][f"{name}: {fault}"] = rec
         print(f"  {fault}: {json.dumps(rec)[:400]}")
     hook.uninstall()
+    no_dcp()
 
 
 def store_skip(pool, layer: int, loc: torch.Tensor, gen: torch.Generator, skip: int, kind: str | None = None) -> None:

@@ -135,14 +135,17 @@ def _skip_reserved(loc: object) -> object:
 def set_mla_kv_buffer(kv_buffer: torch.Tensor, loc: torch.Tensor, cache_k_nope: torch.Tensor,
                       cache_k_rope: torch.Tensor, page_size: int, *, dtype: torch.dtype | None = None,
                       check: str | None = None, errors: ErrorBuffer | None = None,
-                      backend: str = "auto") -> None:
+                      dcp_rank: int = 0, dcp_size: int = 1, backend: str = "auto") -> None:
     """`MLATokenToKVPool.set_mla_kv_buffer` for one layer: row = concat(nope `[N, 1, R]`, rope
     `[N, 1, rope]`; or 2-D) at rows `loc` of `kv_buffer` `[size + page_size, 1, R + rope]`; loc 0
     (SGLang's reserved padding slot) is skipped, like loc -1, except without rope (`cache_k_rope`
     None or 0 wide): SGLang's no-rope kernel (`set_mla_kv_buffer_kernel_norope`, and its torch
     path, kept bit-identical on purpose) takes no skip index and writes loc 0. An fp8 pool (fp8-typed, or uint8
     with `dtype=`) stores saturate(x) in that format (SGLang: `.to(fp8)` without a scale; e5m2
-    overflows to inf there). One `kvwrite.store_mla` launch."""
+    overflows to inf there). `dcp_rank` / `dcp_size`: a DCP-sharded pool (SGLang's
+    `set_mla_kv_buffer_dcp_sharded_triton`): `loc` is the widened (virtual) loc, this rank keeps
+    `loc % dcp_size == dcp_rank` at row `loc // dcp_size`; the reserved loc 0 is the widened one.
+    One `kvwrite.store_mla` launch."""
     page_size = require_positive_int("page_size", page_size)
     if cache_k_rope is None and isinstance(cache_k_nope, torch.Tensor):
         cache_k_rope = cache_k_nope.new_empty(cache_k_nope.shape[0], 0)
@@ -159,15 +162,17 @@ def set_mla_kv_buffer(kv_buffer: torch.Tensor, loc: torch.Tensor, cache_k_nope: 
         if nope.dtype == pool:  # already fp8: a byte copy of the row
             n_pairs = byte_pairs("cache_k_nope", nope, cache)
             r_pairs = byte_pairs("cache_k_rope", rope, cache)
-            store_mla(n_pairs[0], r_pairs[0], n_pairs[1], loc, check=check, errors=errors, backend=backend)
+            store_mla(n_pairs[0], r_pairs[0], n_pairs[1], loc, check=check, errors=errors, dcp_rank=dcp_rank,
+                      dcp_size=dcp_size, backend=backend)
             return
         one = torch.ones((), dtype=torch.float32, device=nope.device)
         store_mla(nope, rope, cache, loc, kv_cache_dtype="fp8_e4m3" if pool == torch.float8_e4m3fn else "fp8_e5m2",
-                  scale=one, check=check, errors=errors, backend=backend)
+                  scale=one, check=check, errors=errors, dcp_rank=dcp_rank, dcp_size=dcp_size, backend=backend)
         return
     if nope.dtype != pool:
         nope, rope = nope.to(pool), rope.to(pool)
-    store_mla(nope, rope, cache, loc, check=check, errors=errors, backend=backend)
+    store_mla(nope, rope, cache, loc, check=check, errors=errors, dcp_rank=dcp_rank, dcp_size=dcp_size,
+              backend=backend)
 
 
 def set_index_k_buffer(index_buffer: torch.Tensor, loc: torch.Tensor, index_k: torch.Tensor,

@@ -9,7 +9,10 @@ own dtype handling, so every attention backend that writes through a pool is rou
   ends in; SWA pools translate full->SWA locs and write through an MHA pool, so SWA layers are
   routed too) -> `kvwrite.compat.sglang.set_kv_buffer`;
 - MLA: `MLATokenToKVPool._scatter_mla_rows` (plain, fp8 and DSA fp8 rows: SGLang has already
-  quantised them, kvwrite copies the bytes) -> `kvwrite.compat.sglang.set_mla_kv_buffer`;
+  quantised them, kvwrite copies the bytes) -> `kvwrite.compat.sglang.set_mla_kv_buffer`; under
+  DCP (a sharded pool: widened locs) with this rank's `dcp_rank` / `dcp_size` (SGLang's
+  `get_parallel()`), kvwrite keeping `loc % dcp_size == dcp_rank` at row `loc // dcp_size` as
+  SGLang's sharded kernel does;
 - DSA index-K: SGLang's `dsa_index_k_cache.SetKAndS.execute` (what
   `DSATokenToKVPool.set_index_k_scale_buffer` and DeepSeek V4's `DeepSeekV4IndexerPool
   .set_index_k_scale_buffer` call with keys SGLang has quantised) ->
@@ -58,8 +61,8 @@ DSV4_KV_ROUTE = Route(DSV4_KV, "SetKAndS.execute", "set_dsv4_key_buffer", None, 
 STATE_ROUTE = Route(DSV4_STATE, "CompressStatePool.set_state_by_state_loc", "store_rows", None, 0)
 NOT_ROUTED = {
     "MHATokenToKVPool (kv_cache_layout='vectorized_5d')": "SGLang's shuffled 5-D layout: no kvwrite layout",
-    "MLATokenToKVPool, DCP-sharded writes": "SGLang's kernel selects each rank's locs inside the store "
-                                            "(no per-rank locs reach the pool on its CPU path)",
+    "MLATokenToKVPool, DCP-sharded writes without rope (qk_rope_head_dim 0)": "SGLang's no-rope kernel "
+        "ignores DCP (writes the widened loc unsharded); kvwrite's sharded store would write other rows",
     "MLATokenToKVPool.set_kv_buffer": "an indexed assignment (bounds-checked by torch itself)",
     "dsa_index_k_cache.SetKAndS (ROCm preshuffled index-K)": "tiled key layout: no kvwrite layout",
     "DeepSeek V4 fused stores (set_key_buffer_fused, set_index_fused, set_index_fp4: SGLang's JIT "
@@ -138,20 +141,33 @@ def _dcp_span(pool: Any) -> int:
         return 1
 
 
+def _dcp_rank() -> int:
+    """This process's DCP rank (SGLang's `get_parallel().attn_dcp_rank`)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    return int(get_parallel().attn_dcp_rank)
+
+
 def _scatter_mla_rows(original: Callable, backend: str, state: Installed) -> Callable:
     from kvwrite.compat import sglang as adapters
 
     def scatter(self, dst_buffer, loc, cache_k_nope, cache_k_rope):
-        if not (getattr(self, "write_loc_is_dcp_resolved", True) or getattr(self, "dcp_replicated", False)
-                or _dcp_span(self) == 1):
-            state.fallbacks["mla_dcp_sharded"] = state.fallbacks.get("mla_dcp_sharded", 0) + 1
-            return original(self, dst_buffer, loc, cache_k_nope, cache_k_rope)
-        state.calls["set_mla_kv_buffer"] = state.calls.get("set_mla_kv_buffer", 0) + 1
         rope = cache_k_rope if cache_k_rope is not None and cache_k_rope.numel() > 0 else \
             cache_k_nope.reshape(cache_k_nope.shape[0], -1)[:, :0]
+        dcp_size, dcp_rank = 1, 0
+        if not (getattr(self, "write_loc_is_dcp_resolved", True) or getattr(self, "dcp_replicated", False)
+                or _dcp_span(self) == 1):
+            if rope.shape[-1] == 0:    # SGLang's no-rope kernel ignores DCP: kvwrite would not write the same rows
+                state.fallbacks["mla_dcp_sharded_norope"] = state.fallbacks.get("mla_dcp_sharded_norope", 0) + 1
+                return original(self, dst_buffer, loc, cache_k_nope, cache_k_rope)
+            dcp_size, dcp_rank = _dcp_span(self), _dcp_rank()
+            _count(state, "set_mla_kv_buffer (DCP-sharded)")
+        else:
+            _count(state, "set_mla_kv_buffer")
         mode, errors = _errors(dst_buffer, MLA_ROUTE)
         adapters.set_mla_kv_buffer(_half_words(dst_buffer), loc, _half_words(cache_k_nope), _half_words(rope),
-                                   self.page_size, check=mode, errors=errors, backend=backend)
+                                   self.page_size, check=mode, errors=errors, dcp_rank=dcp_rank, dcp_size=dcp_size,
+                                   backend=backend)
         _after(errors, dst_buffer)
     scatter = torch.compiler.disable(scatter)
     scatter.__wrapped_sglang__ = original
