@@ -288,3 +288,15 @@ def test_report_lists_every_route_and_what_stays_sglangs(qenv):
                   "CompressStatePool.set_state_by_state_loc", "MLATokenToKVPool._scatter_mla_rows"):
         assert route in text
     assert "store_cache" in text and "vectorized_5d" in text
+
+
+def test_strided_page_major_views_stay_sglangs(env):
+    """SGLang's unified pools hand `_store_kv_layer` / `_scatter_mla_rows` page-major strided views
+    of one shared buffer: not kvwrite's row layout, so SGLang's own write runs."""
+    pool = env.pools.MHATokenToKVPool()
+    pool.k_buffer = [torch.zeros(SIZE + PAGE, 4, 16, device=DEVICE)[:, ::2] for _ in range(LAYERS)]
+    pool._store_kv_layer(0, torch.tensor([9]), torch.ones(1, 2, 16), torch.ones(1, 2, 16))
+    assert pool.own == [0] and env.state.fallbacks == {"mha_page_major_views": 1}
+    mla = env.pools.MLATokenToKVPool()
+    with pytest.raises(AssertionError, match="SGLang's own scatter ran"):
+        mla._scatter_mla_rows(mla.kv_buffer[0].view(-1, PAGE, 1, 24), torch.tensor([9]), None, None)

@@ -64,6 +64,8 @@ NOT_ROUTED = {
     "MLATokenToKVPool, DCP-sharded writes without rope (qk_rope_head_dim 0)": "SGLang's no-rope kernel "
         "ignores DCP (writes the widened loc unsharded); kvwrite's sharded store would write other rows",
     "MLATokenToKVPool.set_kv_buffer": "an indexed assignment (bounds-checked by torch itself)",
+    "Unified pools (UnifiedMHATokenToKVPool / UnifiedMLATokenToKVPool: page-major strided views of one "
+    "shared buffer)": "kvwrite routes contiguous per-layer buffers only; these writes stay SGLang's",
     "dsa_index_k_cache.SetKAndS (ROCm preshuffled index-K)": "tiled key layout: no kvwrite layout",
     "DeepSeek V4 fused stores (set_key_buffer_fused, set_index_fused, set_index_fp4: SGLang's JIT "
     "store_cache / fp4 index kernels)": "SGLang quantises inside its CUDA JIT kernels, which do not run on "
@@ -113,6 +115,8 @@ def _store_kv_layer(original: Callable, backend: str, state: Installed) -> Calla
         if getattr(self, "kv_cache_layout", None) == "vectorized_5d":
             state.fallbacks["vectorized_5d"] = state.fallbacks.get("vectorized_5d", 0) + 1
             return original(self, layer_idx, loc, cache_k, cache_v)
+        if not (_row_layout(self.k_buffer[layer_idx], 3) and _row_layout(self.v_buffer[layer_idx], 3)):
+            return _fallback(state, "mha_page_major_views", original, self, layer_idx, loc, cache_k, cache_v)
         state.calls["set_kv_buffer"] = state.calls.get("set_kv_buffer", 0) + 1
         kb, vb = self.k_buffer[layer_idx], self.v_buffer[layer_idx]
         fp8 = self.store_dtype != self.dtype
@@ -126,6 +130,17 @@ def _store_kv_layer(original: Callable, backend: str, state: Installed) -> Calla
     store = torch.compiler.disable(store)    # the record row comes from a real tensor's data_ptr
     store.__wrapped_sglang__ = original
     return store
+
+
+def _row_layout(t: Any, ndim: int) -> bool:
+    """A buffer in SGLang's standard per-layer layout: contiguous `ndim`-D rows (the unified
+    pools' page-major strided views are not)."""
+    return isinstance(t, torch.Tensor) and t.dim() == ndim and t.is_contiguous()
+
+
+def _fallback(state: Installed, why: str, original: Callable, *args, **kwargs):
+    state.fallbacks[why] = state.fallbacks.get(why, 0) + 1
+    return original(*args, **kwargs)
 
 
 def _half_words(t: torch.Tensor) -> torch.Tensor:
@@ -152,6 +167,8 @@ def _scatter_mla_rows(original: Callable, backend: str, state: Installed) -> Cal
     from kvwrite.compat import sglang as adapters
 
     def scatter(self, dst_buffer, loc, cache_k_nope, cache_k_rope):
+        if not _row_layout(dst_buffer, 3):
+            return _fallback(state, "mla_page_major_views", original, self, dst_buffer, loc, cache_k_nope, cache_k_rope)
         rope = cache_k_rope if cache_k_rope is not None and cache_k_rope.numel() > 0 else \
             cache_k_nope.reshape(cache_k_nope.shape[0], -1)[:, :0]
         dcp_size, dcp_rank = 1, 0
@@ -188,6 +205,8 @@ def _index_k_execute(original: Any, backend: str, state: Installed) -> classmeth
             state.fallbacks["index_k_preshuffle"] = state.fallbacks.get("index_k_preshuffle", 0) + 1
             return original.__get__(None, cls)(*args, buf=buf, **kwargs)
         a = dict(zip(("pool", "loc", "index_k", "index_k_scale"), args), **kwargs)
+        if not _row_layout(buf, 2):
+            return _fallback(state, "index_k_not_contiguous", original.__get__(None, cls), *args, buf=buf, **kwargs)
         _count(state, "set_index_k_scale_buffer")
         mode, errors = _errors(buf, INDEX_K_ROUTE)
         adapters.set_index_k_scale_buffer(buf, a["loc"], a["index_k"], a["index_k_scale"], a["pool"].index_page_size,
@@ -205,6 +224,8 @@ def _dsv4_kv_execute(original: Any, backend: str, state: Installed) -> classmeth
     def execute(cls, *args, **kwargs):
         a = dict(zip(("pool", "buf", "loc", "nope_fp8_rope_bf16_pack"), args), **kwargs)
         pack, buf = a["nope_fp8_rope_bf16_pack"], a["buf"]
+        if not _row_layout(buf, 2):
+            return _fallback(state, "dsv4_kv_not_contiguous", original.__get__(None, cls), *args, **kwargs)
         _count(state, "set_dsv4_key_buffer")
         mode, errors = _errors(buf, DSV4_KV_ROUTE)
         adapters.set_dsv4_key_buffer(buf, a["loc"], pack.k_nope_fp8, pack.k_rope_bf16, pack.scale_k_nope_ue8m0,
@@ -221,6 +242,8 @@ def _set_state(original: Callable, backend: str, state: Installed) -> Callable:
 
     def set_state(self, state_loc, value):
         buf = self.kv_score_buffer.kv_score
+        if not _row_layout(buf, 2):
+            return _fallback(state, "state_not_contiguous", original, self, state_loc, value)
         src = value.kv_score if hasattr(value, "kv_score") else value
         _count(state, "set_state_by_state_loc")
         mode, errors = _errors(buf, STATE_ROUTE)
