@@ -113,11 +113,10 @@ def _store_kv_layer(original: Callable, backend: str, state: Installed) -> Calla
 
     def store(self, layer_idx, loc, cache_k, cache_v):
         if getattr(self, "kv_cache_layout", None) == "vectorized_5d":
-            state.fallbacks["vectorized_5d"] = state.fallbacks.get("vectorized_5d", 0) + 1
-            return original(self, layer_idx, loc, cache_k, cache_v)
+            return _fallback(state, "vectorized_5d", original, self, layer_idx, loc, cache_k, cache_v)
         if not (_row_layout(self.k_buffer[layer_idx], 3) and _row_layout(self.v_buffer[layer_idx], 3)):
             return _fallback(state, "mha_page_major_views", original, self, layer_idx, loc, cache_k, cache_v)
-        state.calls["set_kv_buffer"] = state.calls.get("set_kv_buffer", 0) + 1
+        _count(state, "set_kv_buffer")
         kb, vb = self.k_buffer[layer_idx], self.v_buffer[layer_idx]
         fp8 = self.store_dtype != self.dtype
         if fp8:    # cache_k / cache_v arrive viewed as store_dtype (uint8): the fp8 bytes
@@ -175,8 +174,8 @@ def _scatter_mla_rows(original: Callable, backend: str, state: Installed) -> Cal
         if not (getattr(self, "write_loc_is_dcp_resolved", True) or getattr(self, "dcp_replicated", False)
                 or _dcp_span(self) == 1):
             if rope.shape[-1] == 0:    # SGLang's no-rope kernel ignores DCP: kvwrite would not write the same rows
-                state.fallbacks["mla_dcp_sharded_norope"] = state.fallbacks.get("mla_dcp_sharded_norope", 0) + 1
-                return original(self, dst_buffer, loc, cache_k_nope, cache_k_rope)
+                return _fallback(state, "mla_dcp_sharded_norope", original, self, dst_buffer, loc, cache_k_nope,
+                                 cache_k_rope)
             dcp_size, dcp_rank = _dcp_span(self), _dcp_rank()
             _count(state, "set_mla_kv_buffer (DCP-sharded)")
         else:
@@ -202,8 +201,7 @@ def _index_k_execute(original: Any, backend: str, state: Installed) -> classmeth
     def execute(cls, *args, buf, **kwargs):
         module = sys.modules.get(INDEX_K)
         if getattr(module, "_use_aiter_preshuffle", False):
-            state.fallbacks["index_k_preshuffle"] = state.fallbacks.get("index_k_preshuffle", 0) + 1
-            return original.__get__(None, cls)(*args, buf=buf, **kwargs)
+            return _fallback(state, "index_k_preshuffle", original.__get__(None, cls), *args, buf=buf, **kwargs)
         a = dict(zip(("pool", "loc", "index_k", "index_k_scale"), args), **kwargs)
         if not _row_layout(buf, 2):
             return _fallback(state, "index_k_not_contiguous", original.__get__(None, cls), *args, buf=buf, **kwargs)
