@@ -171,6 +171,25 @@ class CompressStatePool:
         raise AssertionError("SGLang's own state store ran")
 
 
+class DeepSeekV4SingleKVPool:
+    def __init__(self, layout="v4"):
+        from kvwrite.facts import kv_page_bytes
+        self.page_size, self.start_layer, self.kv_layout, self.own = IPAGE, 0, layout, []
+        self.kv_buffer = [_random_bytes(3, kv_page_bytes(IPAGE)) for _ in range(LAYERS)]
+
+    def set_key_buffer_fused(self, layer_id, loc, cache_k, freqs_cis=None):
+        self.own.append(layer_id)        # SGLang's JIT store_cache
+
+
+class DeepSeekV4IndexerPool:
+    def __init__(self):
+        self.page_size, self.start_layer, self.use_fp4_indexer = IPAGE, 0, False
+        self.index_k_with_scale_buffer = [_random_bytes(3, IPAGE * 132) for _ in range(LAYERS)]
+
+    def set_index_fused(self, layer_id, loc, cache_k):
+        raise AssertionError("SGLang's own fused index store ran")
+
+
 @pytest.fixture
 def qenv(monkeypatch, env):
     """The fixture's hook plus fake SGLang kernel modules for the quantised stores."""
@@ -180,6 +199,11 @@ def qenv(monkeypatch, env):
                                                    CompressStatePool=type("CompressStatePool", (CompressStatePool,), {}))}
     mods[hook.DSV4_STATE].CompressStatePool.set_state_by_state_loc = CompressStatePool.set_state_by_state_loc
     mods[hook.POOLS], mods[hook.RUNNER] = env.pools, env.runner      # already patched: install skips them
+    mods[hook.DSV4_POOLS] = types.SimpleNamespace(
+        __name__=hook.DSV4_POOLS, DeepSeekV4SingleKVPool=type("DeepSeekV4SingleKVPool", (DeepSeekV4SingleKVPool,), {}),
+        DeepSeekV4IndexerPool=type("DeepSeekV4IndexerPool", (DeepSeekV4IndexerPool,), {}))
+    mods[hook.DSV4_POOLS].DeepSeekV4SingleKVPool.set_key_buffer_fused = DeepSeekV4SingleKVPool.set_key_buffer_fused
+    mods[hook.DSV4_POOLS].DeepSeekV4IndexerPool.set_index_fused = DeepSeekV4IndexerPool.set_index_fused
     hook.install(lambda name: mods[name] if name in mods else (_ for _ in ()).throw(ImportError(name)),
                  backend="torch", state=env.state)
     env.mods = mods
@@ -285,9 +309,10 @@ def test_dcp_sharded_mla_keeps_this_ranks_widened_locs(monkeypatch, env):
 def test_report_lists_every_route_and_what_stays_sglangs(qenv):
     text = hook.report(qenv.state)
     for route in ("dsa_index_k_cache.SetKAndS.execute", "dsv4_main_kv_store.SetKAndS.execute",
-                  "CompressStatePool.set_state_by_state_loc", "MLATokenToKVPool._scatter_mla_rows"):
-        assert route in text
-    assert "store_cache" in text and "vectorized_5d" in text
+                  "CompressStatePool.set_state_by_state_loc", "MLATokenToKVPool._scatter_mla_rows",
+                  "DeepSeekV4SingleKVPool.set_key_buffer_fused", "DeepSeekV4IndexerPool.set_index_fused"):
+        assert route in text.split("not routed")[0]
+    assert "set_index_fp4" in text and "vectorized_5d" in text
 
 
 def test_strided_page_major_views_stay_sglangs(env):
@@ -300,3 +325,27 @@ def test_strided_page_major_views_stay_sglangs(env):
     mla = env.pools.MLATokenToKVPool()
     with pytest.raises(AssertionError, match="SGLang's own scatter ran"):
         mla._scatter_mla_rows(mla.kv_buffer[0].view(-1, PAGE, 1, 24), torch.tensor([9]), None, None)
+
+
+def test_v4_fused_stores_are_kvwrites_dsv4_stores(qenv):
+    """SGLang's JIT store_cache entries of the V4 pools: kvwrite's store_dsv4_kv /
+    store_dsv4_indexer_k on the layer's buffer (every other byte unchanged); V4.1 layouts and
+    in-kernel RoPE stay SGLang's."""
+    mods = qenv.mods[hook.DSV4_POOLS]
+    pool = mods.DeepSeekV4SingleKVPool()
+    want = pool.kv_buffer[1].clone()
+    x = torch.randn(3, 512, device=DEVICE).bfloat16()
+    loc = torch.tensor([3, 40, -1], device=DEVICE)
+    kvwrite.store_dsv4_kv(x, want, loc, page_size=IPAGE, backend="torch")
+    pool.set_key_buffer_fused(1, loc, x)
+    assert torch.equal(pool.kv_buffer[1], want) and pool.own == []
+    pool.set_key_buffer_fused(1, loc, x, freqs_cis=torch.ones(3, 64))
+    mods.DeepSeekV4SingleKVPool(layout="v41").set_key_buffer_fused(0, loc, x)
+    assert pool.own == [1] and qenv.state.fallbacks == {"dsv4_fused_not_v4": 2}
+    idx = mods.DeepSeekV4IndexerPool()
+    want = idx.index_k_with_scale_buffer[0].clone()
+    k = torch.randn(3, 128, device=DEVICE).bfloat16()
+    kvwrite.store_dsv4_indexer_k(k, want, loc, page_size=IPAGE, fmt="fp8", backend="torch")
+    idx.set_index_fused(0, loc, k)
+    assert torch.equal(idx.index_k_with_scale_buffer[0], want)
+    assert qenv.state.calls == {"set_key_buffer_fused": 1, "set_index_fused": 1}

@@ -78,6 +78,17 @@ def quantised_pools():
         size=2 * V4_PAGE, dtype=torch.float8_e4m3fn, qk_nope_head_dim=448, qk_rope_head_dim=64, **common), "dsv4_kv"
     yield "DeepSeek V4 c4 indexer (IndexerPool fp8)", lambda: v4.DeepSeekV4IndexerPool(
         size=2 * V4_PAGE, dtype=torch.float8_e4m3fn, index_head_dim=128, use_fp4_indexer=False, **common), "index_k"
+    # The fused stores (bf16 in, quantised in SGLang's CUDA JIT store_cache, which does not run on
+    # CPU): SGLang's own Triton port of those kernels (its ROCm path, `triton_fused_store_cache`) is
+    # the reference here, fed values that need no rounding (the interpreter's fp8 rounding is not
+    # the hardware's; kvwrite's rounding is tested against torch's elsewhere).
+    from sglang.kernels.ops.kvcache.triton_store_cache import triton_fused_store_cache
+    v4.fused_store_cache = lambda input, cache, indices, *, page_size, type, layout=None, freqs_cis=None: \
+        triton_fused_store_cache(input, cache, indices, page_size=page_size, type=type)
+    yield "DeepSeek V4 KV pages, fused store (bf16 in, SGLang's store_cache)", lambda: v4.DeepSeekV4SingleKVPool(
+        size=2 * V4_PAGE, dtype=torch.float8_e4m3fn, qk_nope_head_dim=448, qk_rope_head_dim=64, **common), "dsv4_fused"
+    yield "DeepSeek V4 c4 indexer, fused store (bf16 in, SGLang's store_cache)", lambda: v4.DeepSeekV4IndexerPool(
+        size=2 * V4_PAGE, dtype=torch.float8_e4m3fn, index_head_dim=128, use_fp4_indexer=False, **common), "index_fused"
     yield "DeepSeek V4 c4 compress state (ring 8, head_dim 512, fp32)", lambda: CompressStatePool(
         size=2 * V4_PAGE, ring_size=8, overlap=True, head_dim=512, dtype=torch.float32, device="cpu",
         enable_memory_saver=False, ratio=4, swa_page_size=V4_PAGE), "state"
@@ -98,7 +109,7 @@ def widen(pool, kind: str) -> None:
         pool.kv_score_buffer.kv_score = back[BEFORE:BEFORE + t.shape[0]]
         pool._kvw_backing = [back]
         return
-    bufs = _index_bufs(pool) if kind == "index_k" else pool.kv_buffer
+    bufs = _index_bufs(pool) if kind in ("index_k", "index_fused") else pool.kv_buffer
     pool._kvw_backing = []
     for i, t in enumerate(bufs):
         back = torch.zeros(t.shape[0] + BEFORE + AFTER, t.shape[1], dtype=t.dtype)
@@ -178,6 +189,16 @@ def store(pool, layer: int, loc: torch.Tensor, gen: torch.Generator, kind: str |
         pool.set_kv_buffer(lay, write_loc(pool, loc), k, v)
 
 
+def exact(n: int, d: int, tile: int, gen: torch.Generator) -> torch.Tensor:
+    """[n, d] values whose fp8 quantisation needs no rounding: e4m3 codes times a power of two per
+    tile, each tile's amax 448 times it (so its scale is that power of two, ue8m0 or not)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    codes = codes[torch.isfinite(codes)]
+    q = codes[torch.randint(0, len(codes), (n, d), generator=gen)].view(n, d // tile, tile)
+    q[:, :, 0] = 448.0
+    return (q * torch.exp2(torch.randint(-6, 4, (n, d // tile, 1), generator=gen).float())).view(n, d)
+
+
 def quantised_store(pool, kind: str, layer: int, loc: torch.Tensor, gen: torch.Generator, keep: torch.Tensor) -> None:
     """SGLang's own store of already-quantised rows (random bytes of the right dtypes; finite fp8
     codes, as SGLang's quantiser makes them), the tokens in `keep` only."""
@@ -192,6 +213,12 @@ def quantised_store(pool, kind: str, layer: int, loc: torch.Tensor, gen: torch.G
         sc = torch.randint(100, 140, (N, 7), generator=gen, dtype=torch.uint8)
         pool.set_key_buffer(layer, loc[keep].contiguous(), NopeFp8RopeBf16Pack(
             nope[keep].contiguous(), rope[keep].contiguous(), sc[keep].contiguous()))
+    elif kind == "dsv4_fused":
+        x = exact(N, 448, 64, gen)
+        x = torch.cat([x, torch.randn(N, 64, generator=gen)], 1).bfloat16()    # NoPE, then RoPE (bf16 as is)
+        pool.set_key_buffer_fused(layer, loc[keep].contiguous(), x[keep].contiguous())
+    elif kind == "index_fused":
+        pool.set_index_fused(layer, loc[keep].contiguous(), exact(N, 128, 128, gen).bfloat16()[keep].contiguous())
     else:
         from sglang.srt.mem_cache.deepseek_v4_compress_state import KVAndScore
         v = torch.randn(N, pool.last_dim, generator=gen)

@@ -20,6 +20,11 @@ own dtype handling, so every attention backend that writes through a pool is rou
 - DeepSeek V4 KV pages: `dsv4_main_kv_store.SetKAndS.execute` (`DeepSeekV4SingleKVPool
   .set_key_buffer`: the SWA, c4 and c128 pools' quantised packs) ->
   `kvwrite.compat.sglang.set_dsv4_key_buffer`;
+- DeepSeek V4's fused stores (SGLang's JIT `store_cache`, bf16 in, quantised in the kernel):
+  `DeepSeekV4SingleKVPool.set_key_buffer_fused` of the V4 layout (without in-kernel RoPE) ->
+  `kvwrite.store_dsv4_kv`, `DeepSeekV4IndexerPool.set_index_fused` (fp8 indexer) ->
+  `kvwrite.store_dsv4_indexer_k(fmt="fp8")` (same formats: byte-equal to SGLang's Triton port of
+  those kernels wherever x / scale needs no rounding; the rounding itself is kvwrite's RNE);
 - DeepSeek V4 compress state: `CompressStatePool.set_state_by_state_loc` -> `kvwrite.store_rows`
   (a -1 state loc skipped; SGLang writes it into the sentinel row, then clears that row: the
   same pool).
@@ -67,10 +72,10 @@ NOT_ROUTED = {
     "Unified pools (UnifiedMHATokenToKVPool / UnifiedMLATokenToKVPool: page-major strided views of one "
     "shared buffer)": "kvwrite routes contiguous per-layer buffers only; these writes stay SGLang's",
     "dsa_index_k_cache.SetKAndS (ROCm preshuffled index-K)": "tiled key layout: no kvwrite layout",
-    "DeepSeek V4 fused stores (set_key_buffer_fused, set_index_fused, set_index_fp4: SGLang's JIT "
-    "store_cache / fp4 index kernels)": "SGLang quantises inside its CUDA JIT kernels, which do not run on "
-                                        "CPU: nothing to compare kvwrite's store_dsv4_kv / "
-                                        "store_dsv4_indexer_k with here",
+    "DeepSeekV4SingleKVPool.set_key_buffer_fused of the V4.1 layouts (v41, v41_fp4, with in-kernel "
+    "RoPE)": "V4.1 records are not wired to kvwrite's store_dsv4_kv_fp4 here",
+    "DeepSeekV4IndexerPool.set_index_fp4": "SGLang's fp4 index-K kernel: not wired to "
+                                           "store_dsv4_indexer_k(fmt='mxfp4')",
     "DeepSeekV4UniformFP8KVPool.set_key_buffer_fused": "an indexed assignment (bounds-checked by torch itself)",
 }
 
@@ -254,6 +259,46 @@ def _set_state(original: Callable, backend: str, state: Installed) -> Callable:
     return set_state
 
 
+DSV4_FUSED_ROUTE = Route(DSV4_POOLS, "DeepSeekV4SingleKVPool.set_key_buffer_fused", "store_dsv4_kv", None, 0)
+INDEX_FUSED_ROUTE = Route(DSV4_POOLS, "DeepSeekV4IndexerPool.set_index_fused", "store_dsv4_indexer_k", None, 0)
+
+
+def _dsv4_fused(original: Callable, backend: str, state: Installed) -> Callable:
+    """`DeepSeekV4SingleKVPool.set_key_buffer_fused(layer_id, loc, cache_k, freqs_cis=None)`."""
+    from kvwrite.ops.dsv4 import store_dsv4_kv
+
+    def fused(self, layer_id, loc, cache_k, freqs_cis=None):
+        buf = self.kv_buffer[layer_id]
+        if freqs_cis is not None or getattr(self.kv_layout, "value", self.kv_layout) != "v4" or not _row_layout(buf, 2):
+            return _fallback(state, "dsv4_fused_not_v4", original, self, layer_id, loc, cache_k, freqs_cis)
+        _count(state, "set_key_buffer_fused")
+        mode, errors = _errors(buf, DSV4_FUSED_ROUTE)
+        store_dsv4_kv(cache_k, buf, loc, page_size=self.page_size, check=mode, errors=errors, backend=backend)
+        _after(errors, buf)
+    fused = torch.compiler.disable(fused)
+    fused.__wrapped_sglang__ = original
+    return fused
+
+
+def _index_fused(original: Callable, backend: str, state: Installed) -> Callable:
+    """`DeepSeekV4IndexerPool.set_index_fused(layer_id, loc, cache_k)` (fp8 indexer)."""
+    from kvwrite.ops.dsv4 import store_dsv4_indexer_k
+
+    def fused(self, layer_id, loc, cache_k):
+        bufs = getattr(self, "index_k_with_scale_buffer", None)
+        buf = bufs[layer_id - self.start_layer] if bufs is not None else None
+        if getattr(self, "use_fp4_indexer", False) or not _row_layout(buf, 2):
+            return _fallback(state, "index_fused_not_fp8", original, self, layer_id, loc, cache_k)
+        _count(state, "set_index_fused")
+        mode, errors = _errors(buf, INDEX_FUSED_ROUTE)
+        store_dsv4_indexer_k(cache_k, buf, loc, page_size=self.page_size, fmt="fp8", check=mode, errors=errors,
+                             backend=backend)
+        _after(errors, buf)
+    fused = torch.compiler.disable(fused)
+    fused.__wrapped_sglang__ = original
+    return fused
+
+
 def register_pool(pool: Any) -> None:
     """Name a pool's per-layer buffers after their layer ids (guard records, error messages)."""
     start = getattr(pool, "start_layer", 0) or 0
@@ -324,6 +369,8 @@ def install(import_module: Callable[[str], Any] = importlib.import_module, backe
             (DSV4_STATE, "CompressStatePool", "set_state_by_state_loc", lambda f: _set_state(f, backend, state)),
             (DSV4_STATE, "CompressStatePool", "__init__", _init),
             (DSV4_POOLS, "DeepSeekV4SingleKVPool", "__init__", _init),
+            (DSV4_POOLS, "DeepSeekV4SingleKVPool", "set_key_buffer_fused", lambda f: _dsv4_fused(f, backend, state)),
+            (DSV4_POOLS, "DeepSeekV4IndexerPool", "set_index_fused", lambda f: _index_fused(f, backend, state)),
             (DSV4_POOLS, "DeepSeekV4IndexerPool", "__init__", _init)):
         try:
             module = import_module(name)
