@@ -11,8 +11,11 @@ stores SGLang writes with its own (Triton, run by the interpreter) kernels: the 
 of a DSATokenToKVPool with DeepSeek-V3.2's shapes (index_head_dim 128, 64-token pages,
 `set_index_k_scale_buffer` of fp8 keys + fp32 scales), DeepSeek V4's KV pages
 (DeepSeekV4SingleKVPool, 64-token pages, `set_key_buffer` of its fp8 NoPE / bf16 RoPE / ue8m0
-pack), its c4 indexer pool (DeepSeekV4IndexerPool, `set_index_k_scale_buffer`) and its c4
-compress state (CompressStatePool, ring 8, head_dim 512, `set_state_by_state_loc`). Their
+pack), its c4 indexer pool (DeepSeekV4IndexerPool, `set_index_k_scale_buffer`), the same two
+pools' fused stores of bf16 input (`set_key_buffer_fused`, `set_index_fused`: SGLang's JIT
+store_cache, replaced on CPU by SGLang's Triton port of it; values that need no fp8 rounding),
+and V4's c4 compress state (CompressStatePool, ring 8, head_dim 512, `set_state_by_state_loc`);
+a DCP-sharded MLA pool (DCP 2, rank 1: widened locs). Their
 buffers are views into a larger backing tensor (2 pages before, 1002 after), so what SGLang's
 own Triton store does with a bad loc lands in memory this script owns and is counted. Then, in guard
 mode, one store per fault gets one bad loc (token 0): one past the last row, a page 1000 past
