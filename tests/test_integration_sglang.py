@@ -269,7 +269,7 @@ def test_guard_catches_a_bad_index_k_loc_and_names_the_layer(monkeypatch, qenv, 
     before = buf.clone()
     k = torch.randn(2, 128, device=DEVICE).to(torch.float8_e4m3fn)
     s = torch.rand(2, device=DEVICE)
-    with pytest.raises(kvwrite.OutOfBoundsWrite, match=rf"layer SimpleNamespace layer 4 index-K\): store_rows: .*loc {bad}"):
+    with pytest.raises(kvwrite.OutOfBoundsWrite, match=rf"layer SimpleNamespace layer 4 index-K\): store_rows: token 0 with loc {bad},"):
         qenv.mods[hook.INDEX_K].SetKAndS.execute(pool=types.SimpleNamespace(index_page_size=IPAGE), buf=buf,
                                                  loc=torch.tensor([bad, 34], device=DEVICE), index_k=k, index_k_scale=s)
     want = before.clone()      # only the good token (loc 34: page 1, row 2) written
@@ -349,3 +349,15 @@ def test_v4_fused_stores_are_kvwrites_dsv4_stores(qenv):
     idx.set_index_fused(0, loc, k)
     assert torch.equal(idx.index_k_with_scale_buffer[0], want)
     assert qenv.state.calls == {"set_key_buffer_fused": 1, "set_index_fused": 1}
+
+
+def test_a_duplicated_index_k_loc_keeps_the_first_writers_key_and_scale(monkeypatch, qenv):
+    monkeypatch.setattr(validate, "DEFAULT_CHECK", "guard")
+    buf = _random_bytes(3, IPAGE * 132)
+    k = torch.randn(3, 128, device=DEVICE).to(torch.float8_e4m3fn)
+    s = torch.rand(3, device=DEVICE)
+    with pytest.raises(kvwrite.OutOfBoundsWrite, match="store_rows: token 2 writes loc 40"):
+        qenv.mods[hook.INDEX_K].SetKAndS.execute(pool=types.SimpleNamespace(index_page_size=IPAGE), buf=buf,
+                                                 loc=torch.tensor([40, 41, 40], device=DEVICE), index_k=k, index_k_scale=s)
+    assert torch.equal(buf[1, 8 * 128:9 * 128], k[0].view(torch.uint8))
+    assert torch.equal(buf[1, IPAGE * 128 + 32:IPAGE * 128 + 36], s[0:1].view(torch.uint8))

@@ -220,7 +220,9 @@ def store_page_parts(buffer: torch.Tensor, loc: torch.Tensor, parts, page_size: 
     (e.g. SGLang's index-K page: 128 key bytes a token from byte 0, then its 4 scale bytes from
     byte page_size * 128). One `kvwrite.store_rows` per part on a `[bytes / stride, W]` row view
     of the buffer, `loc_map` taking loc to its row, so locs are checked against the buffer's
-    `num_pages * page_size` locs and errors name SGLang's loc; -1 is padding (skipped)."""
+    `num_pages * page_size` locs and errors name SGLang's loc; -1 is padding (skipped). The first
+    part is checked (and recorded, in guard mode); the others write the tokens it wrote (in range,
+    the first writer of a duplicated loc) without recording them again."""
     from kvwrite.ops.dsv4 import store_rows
 
     page_size = require_positive_int("page_size", page_size)
@@ -229,15 +231,34 @@ def store_page_parts(buffer: torch.Tensor, loc: torch.Tensor, parts, page_size: 
         raise ValueError("buffer must be contiguous (SGLang's page buffers are)")
     num_pages, page_bytes = buf.shape
     flat = buf.view(-1)
+    mode = validate.default_check() if check is None else check
+    later = loc
     for i, (src, offset, stride) in enumerate(parts):
+        if i == 1 and mode != "off":
+            later, check, errors = _written_locs(loc, num_pages * page_size), "off", None
         src = validate.tensor(f"parts[{i}]", src, ndim=2, dtypes=(torch.uint8,))
         w = src.shape[1]
         if page_bytes % stride or offset % stride or w > stride or offset + page_size * stride > page_bytes:
             raise ValueError(f"parts[{i}]: {w} bytes every {stride} from byte {offset} do not fit "
                              f"{page_size} tokens in a {page_bytes}-byte page")
         rows = flat.as_strided((flat.numel() // stride, w), (stride, 1))
-        store_rows(src, rows, loc, loc_map=_part_map(buf.device, num_pages, page_size, page_bytes, offset, stride),
+        store_rows(src, rows, later, loc_map=_part_map(buf.device, num_pages, page_size, page_bytes, offset, stride),
                    check=check, errors=errors, backend=backend)
+
+
+def _written_locs(loc: torch.Tensor, n_locs: int) -> torch.Tensor:
+    """`loc` with -1 wherever a checked store writes nothing: outside `[0, n_locs)`, or a later
+    token of a duplicated loc (the first writer kept, as kvwrite's guard does). On the device,
+    no host sync."""
+    loc = loc.to(torch.int64)
+    ok = (loc >= 0) & (loc < n_locs)
+    key = torch.where(ok, loc, n_locs + torch.arange(loc.shape[0], device=loc.device))
+    ordered, order = torch.sort(key, stable=True)
+    first = torch.ones_like(ok)
+    first[1:] = ordered[1:] != ordered[:-1]
+    keep = torch.empty_like(ok)
+    keep[order] = first
+    return torch.where(ok & keep, loc, torch.full_like(loc, -1))
 
 
 def _bytes(name: str, t: torch.Tensor, n: int) -> torch.Tensor:
