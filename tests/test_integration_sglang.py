@@ -141,3 +141,223 @@ def test_the_launcher_hook_installs_when_sglangs_pool_module_is_imported(tmp_pat
     module = importlib.import_module("kvwfakesglang.pools")
     assert installed == [module]
     assert "install_when_imported()" in hook.SITE and "KVWRITE_SGLANG" in hook.SITE
+
+
+# --- the quantised stores: DSA / V4 index-K, V4 KV pages, V4 compress state, DCP-sharded MLA ------
+
+IPAGE = 32      # index-K / V4 pages of 32 tokens (SGLang: 64; index-K rows need page_size % 32 == 0), 3 pages
+
+
+def _sglang_kernel(name):
+    def execute(cls, *args, **kwargs):
+        raise AssertionError(f"SGLang's own {name} ran")
+    return type("SetKAndS", (), {"execute": classmethod(execute)})
+
+
+class KVAndScore:
+    def __init__(self, kv_score):
+        self.kv_score = kv_score
+
+    def __getitem__(self, i):      # SGLang's clear(): kv zeroed, score -inf; here one marker value
+        return types.SimpleNamespace(clear=lambda: self.kv_score[i].fill_(0.5))
+
+
+class CompressStatePool:
+    def __init__(self, rows=12, width=8):
+        self.ratio = 4
+        self.kv_score_buffer = KVAndScore(torch.rand(rows, width, device=DEVICE) + 2)
+
+    def set_state_by_state_loc(self, state_loc, value):
+        raise AssertionError("SGLang's own state store ran")
+
+
+class DeepSeekV4SingleKVPool:
+    def __init__(self, layout="v4"):
+        from kvwrite.facts import kv_page_bytes
+        self.page_size, self.start_layer, self.kv_layout, self.own = IPAGE, 0, layout, []
+        self.kv_buffer = [_random_bytes(3, kv_page_bytes(IPAGE)) for _ in range(LAYERS)]
+
+    def set_key_buffer_fused(self, layer_id, loc, cache_k, freqs_cis=None):
+        self.own.append(layer_id)        # SGLang's JIT store_cache
+
+
+class DeepSeekV4IndexerPool:
+    def __init__(self):
+        self.page_size, self.start_layer, self.use_fp4_indexer = IPAGE, 0, False
+        self.index_k_with_scale_buffer = [_random_bytes(3, IPAGE * 132) for _ in range(LAYERS)]
+
+    def set_index_fused(self, layer_id, loc, cache_k):
+        raise AssertionError("SGLang's own fused index store ran")
+
+
+@pytest.fixture
+def qenv(monkeypatch, env):
+    """The fixture's hook plus fake SGLang kernel modules for the quantised stores."""
+    mods = {hook.INDEX_K: types.SimpleNamespace(__name__=hook.INDEX_K, SetKAndS=_sglang_kernel("index-K SetKAndS")),
+            hook.DSV4_KV: types.SimpleNamespace(__name__=hook.DSV4_KV, SetKAndS=_sglang_kernel("V4 SetKAndS")),
+            hook.DSV4_STATE: types.SimpleNamespace(__name__=hook.DSV4_STATE,
+                                                   CompressStatePool=type("CompressStatePool", (CompressStatePool,), {}))}
+    mods[hook.DSV4_STATE].CompressStatePool.set_state_by_state_loc = CompressStatePool.set_state_by_state_loc
+    mods[hook.POOLS], mods[hook.RUNNER] = env.pools, env.runner      # already patched: install skips them
+    mods[hook.DSV4_POOLS] = types.SimpleNamespace(
+        __name__=hook.DSV4_POOLS, DeepSeekV4SingleKVPool=type("DeepSeekV4SingleKVPool", (DeepSeekV4SingleKVPool,), {}),
+        DeepSeekV4IndexerPool=type("DeepSeekV4IndexerPool", (DeepSeekV4IndexerPool,), {}))
+    mods[hook.DSV4_POOLS].DeepSeekV4SingleKVPool.set_key_buffer_fused = DeepSeekV4SingleKVPool.set_key_buffer_fused
+    mods[hook.DSV4_POOLS].DeepSeekV4IndexerPool.set_index_fused = DeepSeekV4IndexerPool.set_index_fused
+    hook.install(lambda name: mods[name] if name in mods else (_ for _ in ()).throw(ImportError(name)),
+                 backend="torch", state=env.state)
+    env.mods = mods
+    return env
+
+
+def _random_bytes(*shape):
+    return torch.randint(0, 256, shape, dtype=torch.uint8, device=DEVICE)
+
+
+def test_index_k_store_copies_sglangs_bytes_into_the_page_layout(qenv):
+    buf = _random_bytes(3, IPAGE * 132)
+    before = buf.clone()
+    k = torch.randn(3, 128, device=DEVICE).to(torch.float8_e4m3fn)
+    s = torch.rand(3, device=DEVICE)
+    loc = torch.tensor([5, 75, -1], device=DEVICE)
+    pool = types.SimpleNamespace(index_page_size=IPAGE)
+    qenv.mods[hook.INDEX_K].SetKAndS.execute(pool=pool, buf=buf, loc=loc, index_k=k, index_k_scale=s)
+    want = before.clone()
+    for i, l in enumerate((5, 75)):     # page l // 32: keys at (l % 32) * 128, scales after the page's keys
+        p, o = divmod(l, IPAGE)
+        want[p, o * 128:(o + 1) * 128] = k[i].view(torch.uint8)
+        want[p, IPAGE * 128 + o * 4:IPAGE * 128 + o * 4 + 4] = s[i:i + 1].view(torch.uint8)
+    assert torch.equal(buf, want)       # canaries: every other byte (and token 2's -1) unchanged
+    assert qenv.state.calls["set_index_k_scale_buffer"] == 1
+
+
+def test_dsv4_pack_store_writes_data_and_scale_rows_not_the_pad(qenv):
+    from kvwrite.facts import kv_page_bytes
+    buf = _random_bytes(3, kv_page_bytes(IPAGE))
+    before = buf.clone()
+    nope = torch.randn(2, 448, device=DEVICE).to(torch.float8_e4m3fn)
+    rope = torch.randn(2, 64, device=DEVICE).bfloat16()
+    sc = _random_bytes(2, 7)
+    pack = types.SimpleNamespace(k_nope_fp8=nope, k_rope_bf16=rope, scale_k_nope_ue8m0=sc)
+    qenv.mods[hook.DSV4_KV].SetKAndS.execute(types.SimpleNamespace(page_size=IPAGE), buf,
+                                             torch.tensor([2, 70], device=DEVICE), pack)
+    want = before.clone()
+    for i, l in enumerate((2, 70)):
+        p, o = divmod(l, IPAGE)
+        want[p, o * 576:o * 576 + 448] = nope[i].view(torch.uint8)
+        want[p, o * 576 + 448:(o + 1) * 576] = rope[i].view(torch.uint8)
+        want[p, IPAGE * 576 + o * 8:IPAGE * 576 + o * 8 + 7] = sc[i]     # byte 8 of the scale row: pad, kept
+    assert torch.equal(buf, want)
+
+
+def test_compress_state_rows_and_the_sentinel_row(qenv):
+    pool = qenv.mods[hook.DSV4_STATE].CompressStatePool()
+    before = pool.kv_score_buffer.kv_score.clone()
+    v = torch.randn(3, 8, device=DEVICE)
+    pool.set_state_by_state_loc(torch.tensor([3, -1, 7], device=DEVICE), types.SimpleNamespace(kv_score=v))
+    want = before.clone()
+    want[3], want[7], want[-1] = v[0], v[2], 0.5      # -1 skipped; SGLang's sentinel row cleared
+    assert torch.equal(pool.kv_score_buffer.kv_score, want)
+
+
+@pytest.mark.parametrize("bad", [3 * IPAGE, 3 * IPAGE + 1000 * IPAGE, -7])
+def test_guard_catches_a_bad_index_k_loc_and_names_the_layer(monkeypatch, qenv, bad):
+    monkeypatch.setattr(validate, "DEFAULT_CHECK", "guard")
+    owner = types.SimpleNamespace(index_k_with_scale_buffer=[_random_bytes(3, IPAGE * 132)], start_layer=4)
+    hook.register_pool(owner)
+    buf = owner.index_k_with_scale_buffer[0]
+    before = buf.clone()
+    k = torch.randn(2, 128, device=DEVICE).to(torch.float8_e4m3fn)
+    s = torch.rand(2, device=DEVICE)
+    with pytest.raises(kvwrite.OutOfBoundsWrite, match=rf"layer SimpleNamespace layer 4 index-K\): store_rows: token 0 with loc {bad},"):
+        qenv.mods[hook.INDEX_K].SetKAndS.execute(pool=types.SimpleNamespace(index_page_size=IPAGE), buf=buf,
+                                                 loc=torch.tensor([bad, 34], device=DEVICE), index_k=k, index_k_scale=s)
+    want = before.clone()      # only the good token (loc 34: page 1, row 2) written
+    want[1, 2 * 128:3 * 128] = k[1].view(torch.uint8)
+    want[1, IPAGE * 128 + 8:IPAGE * 128 + 12] = s[1:2].view(torch.uint8)
+    assert torch.equal(buf, want)
+
+
+def test_guard_keeps_the_first_writer_of_a_duplicated_state_row(monkeypatch, qenv):
+    monkeypatch.setattr(validate, "DEFAULT_CHECK", "guard")
+    pool = qenv.mods[hook.DSV4_STATE].CompressStatePool()
+    v = torch.randn(2, 8, device=DEVICE)
+    with pytest.raises(kvwrite.OutOfBoundsWrite, match="token 1 writes loc 5"):
+        pool.set_state_by_state_loc(torch.tensor([5, 5], device=DEVICE), types.SimpleNamespace(kv_score=v))
+    assert torch.equal(pool.kv_score_buffer.kv_score[5], v[0])
+
+
+def test_dcp_sharded_mla_keeps_this_ranks_widened_locs(monkeypatch, env):
+    monkeypatch.setattr(hook, "_dcp_rank", lambda: 1)
+    mla = env.pools.MLATokenToKVPool()
+    mla.write_loc_is_dcp_resolved, mla.dcp_replicated, mla._write_loc_dcp_span = False, False, 2
+    before = mla.kv_buffer[0].clone()
+    nope, rope = torch.randn(4, 1, 16, device=DEVICE).bfloat16(), torch.randn(4, 1, 8, device=DEVICE).bfloat16()
+    mla._scatter_mla_rows(mla.kv_buffer[0], torch.tensor([1, 6, 17, 33], device=DEVICE), nope, rope)
+    want = before.clone()
+    for i, l in ((0, 1), (2, 17), (3, 33)):        # odd widened locs: rank 1's, at row loc // 2
+        want[l // 2, 0] = torch.cat([nope[i, 0], rope[i, 0]])
+    assert torch.equal(mla.kv_buffer[0], want)
+    assert env.state.calls == {"set_mla_kv_buffer (DCP-sharded)": 1}
+    norope = env.pools.MLATokenToKVPool()
+    norope.write_loc_is_dcp_resolved, norope.dcp_replicated, norope._write_loc_dcp_span = False, False, 2
+    with pytest.raises(AssertionError, match="SGLang's own scatter ran"):   # no rope under DCP: SGLang's
+        norope._scatter_mla_rows(norope.kv_buffer[0], torch.tensor([1], device=DEVICE), nope[:1], None)
+    assert env.state.fallbacks == {"mla_dcp_sharded_norope": 1}
+
+
+def test_report_lists_every_route_and_what_stays_sglangs(qenv):
+    text = hook.report(qenv.state)
+    for route in ("dsa_index_k_cache.SetKAndS.execute", "dsv4_main_kv_store.SetKAndS.execute",
+                  "CompressStatePool.set_state_by_state_loc", "MLATokenToKVPool._scatter_mla_rows",
+                  "DeepSeekV4SingleKVPool.set_key_buffer_fused", "DeepSeekV4IndexerPool.set_index_fused"):
+        assert route in text.split("not routed")[0]
+    assert "set_index_fp4" in text and "vectorized_5d" in text
+
+
+def test_strided_page_major_views_stay_sglangs(env):
+    """SGLang's unified pools hand `_store_kv_layer` / `_scatter_mla_rows` page-major strided views
+    of one shared buffer: not kvwrite's row layout, so SGLang's own write runs."""
+    pool = env.pools.MHATokenToKVPool()
+    pool.k_buffer = [torch.zeros(SIZE + PAGE, 4, 16, device=DEVICE)[:, ::2] for _ in range(LAYERS)]
+    pool._store_kv_layer(0, torch.tensor([9]), torch.ones(1, 2, 16), torch.ones(1, 2, 16))
+    assert pool.own == [0] and env.state.fallbacks == {"mha_page_major_views": 1}
+    mla = env.pools.MLATokenToKVPool()
+    with pytest.raises(AssertionError, match="SGLang's own scatter ran"):
+        mla._scatter_mla_rows(mla.kv_buffer[0].view(-1, PAGE, 1, 24), torch.tensor([9]), None, None)
+
+
+def test_v4_fused_stores_are_kvwrites_dsv4_stores(qenv):
+    """SGLang's JIT store_cache entries of the V4 pools: kvwrite's store_dsv4_kv /
+    store_dsv4_indexer_k on the layer's buffer (every other byte unchanged); V4.1 layouts and
+    in-kernel RoPE stay SGLang's."""
+    mods = qenv.mods[hook.DSV4_POOLS]
+    pool = mods.DeepSeekV4SingleKVPool()
+    want = pool.kv_buffer[1].clone()
+    x = torch.randn(3, 512, device=DEVICE).bfloat16()
+    loc = torch.tensor([3, 40, -1], device=DEVICE)
+    kvwrite.store_dsv4_kv(x, want, loc, page_size=IPAGE, backend="torch")
+    pool.set_key_buffer_fused(1, loc, x)
+    assert torch.equal(pool.kv_buffer[1], want) and pool.own == []
+    pool.set_key_buffer_fused(1, loc, x, freqs_cis=torch.ones(3, 64))
+    mods.DeepSeekV4SingleKVPool(layout="v41").set_key_buffer_fused(0, loc, x)
+    assert pool.own == [1] and qenv.state.fallbacks == {"dsv4_fused_not_v4": 2}
+    idx = mods.DeepSeekV4IndexerPool()
+    want = idx.index_k_with_scale_buffer[0].clone()
+    k = torch.randn(3, 128, device=DEVICE).bfloat16()
+    kvwrite.store_dsv4_indexer_k(k, want, loc, page_size=IPAGE, fmt="fp8", backend="torch")
+    idx.set_index_fused(0, loc, k)
+    assert torch.equal(idx.index_k_with_scale_buffer[0], want)
+    assert qenv.state.calls == {"set_key_buffer_fused": 1, "set_index_fused": 1}
+
+
+def test_a_duplicated_index_k_loc_keeps_the_first_writers_key_and_scale(monkeypatch, qenv):
+    monkeypatch.setattr(validate, "DEFAULT_CHECK", "guard")
+    buf = _random_bytes(3, IPAGE * 132)
+    k = torch.randn(3, 128, device=DEVICE).to(torch.float8_e4m3fn)
+    s = torch.rand(3, device=DEVICE)
+    with pytest.raises(kvwrite.OutOfBoundsWrite, match="store_rows: token 2 writes loc 40"):
+        qenv.mods[hook.INDEX_K].SetKAndS.execute(pool=types.SimpleNamespace(index_page_size=IPAGE), buf=buf,
+                                                 loc=torch.tensor([40, 41, 40], device=DEVICE), index_k=k, index_k_scale=s)
+    assert torch.equal(buf[1, 8 * 128:9 * 128], k[0].view(torch.uint8))
+    assert torch.equal(buf[1, IPAGE * 128 + 32:IPAGE * 128 + 36], s[0:1].view(torch.uint8))

@@ -96,7 +96,20 @@ def main(out: Path) -> None:
         for k, v in p["faults"].items():
             print(f"| {k} | {'caught' if v['kvwrite']['caught'] else 'not caught'}; bytes outside the good rows "
                   f"{v['kvwrite']['bytes_differing_from_good_rows_only']} | {(v['sglang_alone']['error'] or 'no error')[:90]};"
-                  f" bytes differing from the good-rows-only result {v['sglang_alone']['bytes_differing_from_good_rows_only']} |")
+                  f" bytes differing from the good-rows-only result {v['sglang_alone']['bytes_differing_from_good_rows_only']}"
+                  + (f" ({v['sglang_alone']['bytes_changed_outside_the_buffer']} outside the pool's buffer)"
+                     if "bytes_changed_outside_the_buffer" in v["sglang_alone"] else "") + " |")
+        print(f"\n{p.get('report', '')}")
+    else:
+        print("not run")
+    t = load(out, "sglang-tests.json")
+    print("\n## SGLang's own mem_cache unit tests with the hook installed (bench/peers/sglang_tests.py)\n")
+    if t:
+        print("| file | SGLang alone | with kvwrite's hook (guard) | outcomes that differ | routed calls |\n|---|---|---|---|---|")
+        for name, f in t["files"].items():
+            print(f"| {name} | {f['alone'].get('counts')} | {f['hook'].get('counts')} | "
+                  f"{len(f['differs_with_hook'])} | {f['hook'].get('hook', {}).get('calls')} |")
+        print(f"\nTotals: alone {t['totals']['alone']}, with the hook {t['totals']['hook']}.")
     else:
         print("not run")
     s = load(out, "sglang-diff.json")

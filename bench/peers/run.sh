@@ -50,6 +50,11 @@ if [ -f "$PEERS/sglang/.ok" ]; then
   log "SGLang's pool classes through kvwrite.integrations.sglang, planted faults"
   (cd /tmp && PYTHONPATH="$OLDPWD/python" KVWRITE_EXT=0 $SG "$OLDPWD/bench/peers/sglang_pools.py" \
      --json "$OLDPWD/$OUT/sglang-pools.json") | tail -3 | tee "$PEERS/logs/sglang_pools.log"
+  if [ -d "${SGLANG_TESTS:-/work/peers/src/sglang_tests}" ]; then
+    log "SGLang's own mem_cache unit tests with and without the hook"
+    (cd /tmp && $SG "$OLDPWD/bench/peers/sglang_tests.py" "${SGLANG_TESTS:-/work/peers/src/sglang_tests}" \
+       --json "$OLDPWD/$OUT/sglang-tests.json") | tail -3 | tee "$PEERS/logs/sglang_tests.log"
+  fi
   log "SGLang configurator comparison (its own sizing code on meta tensors)"
   $SG bench/peers/sglang_configurator.py --json "$OUT/sglang-configurator.json" | tail -20 | tee "$PEERS/logs/sglang_configurator.log"
 fi

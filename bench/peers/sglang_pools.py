@@ -6,7 +6,18 @@ MLATokenToKVPool with DeepSeek-V3's (kv_lora_rank 512 + rope 64, bf16), the same
 rope (rope_dim 0), and a hybrid SWAKVPool (layers 0 and 2 sliding-window, 1 full; the faults go
 into SWA layer 2's pre-translated SWA loc); 3 layers each, 16-token pages. For each, SGLang's own
 `set_kv_buffer` / `set_mla_kv_buffer` (its conversions, then the hooked physical write) is called
-on a pool with the hook and on a twin without it: the buffers must be byte-equal. Then, in guard
+on a pool with the hook and on a twin without it: the buffers must be byte-equal. The quantised
+stores SGLang writes with its own (Triton, run by the interpreter) kernels: the DSA index-K cache
+of a DSATokenToKVPool with DeepSeek-V3.2's shapes (index_head_dim 128, 64-token pages,
+`set_index_k_scale_buffer` of fp8 keys + fp32 scales), DeepSeek V4's KV pages
+(DeepSeekV4SingleKVPool, 64-token pages, `set_key_buffer` of its fp8 NoPE / bf16 RoPE / ue8m0
+pack), its c4 indexer pool (DeepSeekV4IndexerPool, `set_index_k_scale_buffer`), the same two
+pools' fused stores of bf16 input (`set_key_buffer_fused`, `set_index_fused`: SGLang's JIT
+store_cache, replaced on CPU by SGLang's Triton port of it; values that need no fp8 rounding),
+and V4's c4 compress state (CompressStatePool, ring 8, head_dim 512, `set_state_by_state_loc`);
+a DCP-sharded MLA pool (DCP 2, rank 1: widened locs). Their
+buffers are views into a larger backing tensor (2 pages before, 1002 after), so what SGLang's
+own Triton store does with a bad loc lands in memory this script owns and is counted. Then, in guard
 mode, one store per fault gets one bad loc (token 0): one past the last row, a page 1000 past
 the end, -7, and a loc duplicated from token 1: caught or not, the error text (it names the
 layer), and whether any byte other than the good rows changed; and what the same store does in
@@ -41,6 +52,10 @@ def pools():
                                                               qk_rope_head_dim=64, **common)
     yield "MLA no rope bf16", lambda: mp.MLATokenToKVPool(dtype=torch.bfloat16, kv_lora_rank=512,
                                                           qk_rope_head_dim=0, **common)
+    # DCP: 2 ranks, this one rank 1; the pool is sharded (widened locs, SGLang's
+    # set_mla_kv_buffer_dcp_sharded_triton keeps loc % 2 == 1 at row loc // 2)
+    yield "MLA DeepSeek-V3 bf16, DCP-sharded (rank 1 of 2)", lambda: dcp(lambda: mp.MLATokenToKVPool(
+        dtype=torch.bfloat16, kv_lora_rank=512, qk_rope_head_dim=64, **common))
     from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
     # hybrid SWA (layers 0 and 2 sliding, 1 full): SGLang translates to SWA locs and writes the SWA
     # layers through its SWA sub-pool, an MHATokenToKVPool; the faults land in SWA layer 2
@@ -49,7 +64,87 @@ def pools():
         swa_attention_layer_ids=[0, 2], full_attention_layer_ids=[1], device="cpu", enable_memory_saver=False)
 
 
+V4_PAGE, INDEX_PAGE = 64, 64     # DeepSeek V4 / DSA: 64-token physical pages (SGLang asserts it)
+BEFORE, AFTER = 2, 1002           # backing pages around a quantised pool's buffer
+
+
+def quantised_pools():
+    """(name, make, kind): the pools SGLang stores already-quantised bytes into."""
+    import sglang.srt.mem_cache.deepseek_v4_memory_pool as v4
+    import sglang.srt.mem_cache.memory_pool as mp
+    from sglang.srt.mem_cache.deepseek_v4_compress_state import CompressStatePool
+    common = dict(page_size=INDEX_PAGE, layer_num=LAYERS, device="cpu", enable_memory_saver=False)
+    yield "DSA index-K DeepSeek-V3.2 (fp8 keys + fp32 scales)", lambda: mp.DSATokenToKVPool(
+        size=2 * INDEX_PAGE, kv_lora_rank=512, dtype=torch.float8_e4m3fn, qk_rope_head_dim=64,
+        index_head_dim=128, kv_cache_dim=656, **common), "index_k"
+    yield "DeepSeek V4 KV pages (SingleKVPool, fp8 NoPE + bf16 RoPE + ue8m0)", lambda: v4.DeepSeekV4SingleKVPool(
+        size=2 * V4_PAGE, dtype=torch.float8_e4m3fn, qk_nope_head_dim=448, qk_rope_head_dim=64, **common), "dsv4_kv"
+    yield "DeepSeek V4 c4 indexer (IndexerPool fp8)", lambda: v4.DeepSeekV4IndexerPool(
+        size=2 * V4_PAGE, dtype=torch.float8_e4m3fn, index_head_dim=128, use_fp4_indexer=False, **common), "index_k"
+    # The fused stores (bf16 in, quantised in SGLang's CUDA JIT store_cache, which does not run on
+    # CPU): SGLang's own Triton port of those kernels (its ROCm path, `triton_fused_store_cache`) is
+    # the reference here, fed values that need no rounding (the interpreter's fp8 rounding is not
+    # the hardware's; kvwrite's rounding is tested against torch's elsewhere).
+    from sglang.kernels.ops.kvcache.triton_store_cache import triton_fused_store_cache
+    v4.fused_store_cache = lambda input, cache, indices, *, page_size, type, layout=None, freqs_cis=None: \
+        triton_fused_store_cache(input, cache, indices, page_size=page_size, type=type)
+    yield "DeepSeek V4 KV pages, fused store (bf16 in, SGLang's store_cache)", lambda: v4.DeepSeekV4SingleKVPool(
+        size=2 * V4_PAGE, dtype=torch.float8_e4m3fn, qk_nope_head_dim=448, qk_rope_head_dim=64, **common), "dsv4_fused"
+    yield "DeepSeek V4 c4 indexer, fused store (bf16 in, SGLang's store_cache)", lambda: v4.DeepSeekV4IndexerPool(
+        size=2 * V4_PAGE, dtype=torch.float8_e4m3fn, index_head_dim=128, use_fp4_indexer=False, **common), "index_fused"
+    yield "DeepSeek V4 c4 compress state (ring 8, head_dim 512, fp32)", lambda: CompressStatePool(
+        size=2 * V4_PAGE, ring_size=8, overlap=True, head_dim=512, dtype=torch.float32, device="cpu",
+        enable_memory_saver=False, ratio=4, swa_page_size=V4_PAGE), "state"
+
+
+def _index_bufs(pool) -> list:
+    cache = getattr(pool, "index_key_cache", None)
+    return cache.buffer if cache is not None else pool.index_k_with_scale_buffer
+
+
+def widen(pool, kind: str) -> None:
+    """Put each written buffer of a quantised pool inside a backing tensor with pages around it
+    (a bad loc that SGLang's Triton store writes out of the buffer lands in the backing)."""
+    if kind == "state":
+        t = pool.kv_score_buffer.kv_score
+        back = torch.zeros(t.shape[0] + BEFORE + AFTER, t.shape[1], dtype=t.dtype)
+        back[BEFORE:BEFORE + t.shape[0]] = t
+        pool.kv_score_buffer.kv_score = back[BEFORE:BEFORE + t.shape[0]]
+        pool._kvw_backing = [back]
+        return
+    bufs = _index_bufs(pool) if kind in ("index_k", "index_fused") else pool.kv_buffer
+    pool._kvw_backing = []
+    for i, t in enumerate(bufs):
+        back = torch.zeros(t.shape[0] + BEFORE + AFTER, t.shape[1], dtype=t.dtype)
+        bufs[i] = back[BEFORE:BEFORE + t.shape[0]]
+        pool._kvw_backing.append(back)
+
+
+DCP = (2, 1)      # dcp_size, this rank
+
+
+def dcp(make):
+    """Build a pool under DCP (the setting stays while its stores run; `no_dcp` ends it)."""
+    from sglang.srt.runtime_context import get_parallel
+    get_parallel().override_permanently(attn_dcp_size=DCP[0], attn_dcp_rank=DCP[1])
+    pool = make()
+    pool._kvw_dcp = True
+    return pool
+
+
+def no_dcp() -> None:
+    from sglang.srt.runtime_context import get_parallel
+    get_parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0)
+
+
+def widened(pool, loc: torch.Tensor) -> torch.Tensor:
+    """A DCP-sharded pool's (widened) locs for these rows of this rank: row * dcp_size + rank."""
+    return loc * DCP[0] + DCP[1] if getattr(pool, "_kvw_dcp", False) else loc
+
+
 def buffers(pool) -> list[torch.Tensor]:
+    if hasattr(pool, "_kvw_backing"):
+        return pool._kvw_backing
     if hasattr(pool, "swa_kv_pool"):
         return buffers(pool.full_kv_pool) + buffers(pool.swa_kv_pool)
     return [b for attr in ("k_buffer", "v_buffer", "kv_buffer") for b in (getattr(pool, attr, None) or [])]
@@ -64,7 +159,13 @@ def fault_layer(pool) -> int:
 
 
 def rows(pool) -> int:
-    """Rows of the buffer the fault layer writes."""
+    """Locs (rows) of the buffer the fault layer writes."""
+    if hasattr(pool, "kv_score_buffer"):
+        return pool.kv_score_buffer.kv_score.shape[0]
+    if hasattr(pool, "index_k_with_scale_buffer") and not hasattr(pool, "kv_lora_rank") or hasattr(pool, "index_key_cache"):
+        return _index_bufs(pool)[0].shape[0] * INDEX_PAGE
+    if hasattr(pool, "qk_nope_head_dim") and not hasattr(pool, "kv_lora_rank"):
+        return pool.kv_buffer[0].shape[0] * V4_PAGE
     return (SWA_SIZE if is_swa(pool) else SIZE) + PAGE
 
 
@@ -76,10 +177,12 @@ def write_loc(pool, loc: torch.Tensor):
     return KVWriteLoc(loc=loc, swa_loc=loc)
 
 
-def store(pool, layer: int, loc: torch.Tensor, gen: torch.Generator) -> None:
+def store(pool, layer: int, loc: torch.Tensor, gen: torch.Generator, kind: str | None = None) -> None:
     """One SGLang store of N tokens through the pool's own method."""
     lay = types.SimpleNamespace(layer_id=layer)
-    if hasattr(pool, "kv_lora_rank"):
+    if kind is not None:
+        quantised_store(pool, kind, layer, loc, gen, torch.ones(N, dtype=torch.bool))
+    elif hasattr(pool, "kv_lora_rank"):
         nope = torch.randn(N, 1, pool.kv_lora_rank, generator=gen).bfloat16()
         rope = torch.randn(N, 1, pool.qk_rope_head_dim, generator=gen).bfloat16() if pool.qk_rope_head_dim else None
         pool.set_mla_kv_buffer(lay, loc, nope, rope)
@@ -87,6 +190,42 @@ def store(pool, layer: int, loc: torch.Tensor, gen: torch.Generator) -> None:
         k = torch.randn(N, pool.head_num, pool.head_dim, generator=gen).bfloat16()
         v = torch.randn(N, pool.head_num, pool.head_dim, generator=gen).bfloat16()
         pool.set_kv_buffer(lay, write_loc(pool, loc), k, v)
+
+
+def exact(n: int, d: int, tile: int, gen: torch.Generator) -> torch.Tensor:
+    """[n, d] values whose fp8 quantisation needs no rounding: e4m3 codes times a power of two per
+    tile, each tile's amax 448 times it (so its scale is that power of two, ue8m0 or not)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    codes = codes[torch.isfinite(codes)]
+    q = codes[torch.randint(0, len(codes), (n, d), generator=gen)].view(n, d // tile, tile)
+    q[:, :, 0] = 448.0
+    return (q * torch.exp2(torch.randint(-6, 4, (n, d // tile, 1), generator=gen).float())).view(n, d)
+
+
+def quantised_store(pool, kind: str, layer: int, loc: torch.Tensor, gen: torch.Generator, keep: torch.Tensor) -> None:
+    """SGLang's own store of already-quantised rows (random bytes of the right dtypes; finite fp8
+    codes, as SGLang's quantiser makes them), the tokens in `keep` only."""
+    def fp8(*shape):
+        return (torch.randn(*shape, generator=gen) * 8).to(torch.float8_e4m3fn)
+    if kind == "index_k":
+        k, s = fp8(N, 128), torch.rand(N, generator=gen)
+        pool.set_index_k_scale_buffer(layer, loc[keep].contiguous(), k[keep].contiguous(), s[keep].contiguous())
+    elif kind == "dsv4_kv":
+        from sglang.kernels.ops.kvcache.dsv4_main_kv_store import NopeFp8RopeBf16Pack
+        nope, rope = fp8(N, 448), torch.randn(N, 64, generator=gen).bfloat16()
+        sc = torch.randint(100, 140, (N, 7), generator=gen, dtype=torch.uint8)
+        pool.set_key_buffer(layer, loc[keep].contiguous(), NopeFp8RopeBf16Pack(
+            nope[keep].contiguous(), rope[keep].contiguous(), sc[keep].contiguous()))
+    elif kind == "dsv4_fused":
+        x = exact(N, 448, 64, gen)
+        x = torch.cat([x, torch.randn(N, 64, generator=gen)], 1).bfloat16()    # NoPE, then RoPE (bf16 as is)
+        pool.set_key_buffer_fused(layer, loc[keep].contiguous(), x[keep].contiguous())
+    elif kind == "index_fused":
+        pool.set_index_fused(layer, loc[keep].contiguous(), exact(N, 128, 128, gen).bfloat16()[keep].contiguous())
+    else:
+        from sglang.srt.mem_cache.deepseek_v4_compress_state import KVAndScore
+        v = torch.randn(N, pool.last_dim, generator=gen)
+        pool.set_state_by_state_loc(loc[keep].clone(), KVAndScore(v[keep].contiguous()))
 
 
 def fill(pool, seed: int) -> None:
@@ -100,7 +239,10 @@ def locs(seed: int) -> torch.Tensor:
     return torch.randperm(SWA_SIZE, generator=g)[:N] + PAGE   # valid rows past the padding page (of every pool)
 
 
-def bad_loc(fault: str, loc: torch.Tensor, n_rows: int) -> int:
+def bad_loc(fault: str, loc: torch.Tensor, n_rows: int, pool=None) -> int:
+    if getattr(pool, "_kvw_dcp", False):      # this rank's widened locs one past / 1000 pages past its rows
+        return {"past_end": int(widened(pool, torch.tensor(n_rows))), "block_ge": int(widened(pool, torch.tensor(n_rows + 1000 * PAGE))),
+                "negative": -7, "duplicate": int(loc[1])}[fault]
     return {"past_end": n_rows, "block_ge": n_rows + 1000 * PAGE, "negative": -7, "duplicate": int(loc[1])}[fault]
 
 
@@ -111,6 +253,7 @@ def changed(pool, reference) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
+    ap.add_argument("--only", help="run the pools whose name contains this")
     args = ap.parse_args()
     from kvwrite import validate
     from kvwrite.integrations import sglang as hook
@@ -118,57 +261,11 @@ def main() -> int:
     get_parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0)      # one rank: no DCP (SGLang's default)
 
     out = {"sglang": "0.5.23", "pools": {}, "faults": {}}
-    for name, make in pools():
-        theirs = make()
-        hook.install()
-        ours = make()
-        fill(theirs, 1), fill(ours, 1)
-        hook.uninstall()
-        for layer in range(LAYERS):
-            store(theirs, layer, locs(layer), torch.Generator().manual_seed(layer))
-        hook.install()
-        for layer in range(LAYERS):
-            store(ours, layer, locs(layer), torch.Generator().manual_seed(layer))
-        equal = changed(ours, buffers(theirs)) == 0
-        out["pools"][name] = {"byte_equal_to_sglang": equal, "routed_calls": dict(hook.STATE.calls),
-                              "buffers": [list(b.shape) for b in buffers(ours)][:1]}
-        print(f"{name}: hooked stores byte-equal to SGLang's: {equal}")
-        for fault in FAULTS:
-            rec = {}
-            for with_kvwrite in (True, False):
-                (hook.install if with_kvwrite else hook.uninstall)()
-                validate.DEFAULT_CHECK = "guard" if with_kvwrite else "off"
-                pool = make()
-                fill(pool, 2)
-                loc = locs(7)
-                bad = loc.clone()
-                bad[0] = bad_loc(fault, loc, rows(pool))
-                twin = [b.clone() for b in buffers(pool)]
-                # the expected bytes: the same store with the bad token skipped; for a duplicate,
-                # kvwrite's guard keeps the first writer (token 1 skipped), SGLang alone writes
-                # both tokens to one row and the later one wins on CPU
-                ref = make()
-                for b, t in zip(buffers(ref), twin):
-                    b.copy_(t)
-                hook.uninstall()
-                layer = fault_layer(pool)
-                if fault == "duplicate" and not with_kvwrite:
-                    store(ref, layer, bad, torch.Generator().manual_seed(9))
-                else:
-                    store_skip(ref, layer, bad, torch.Generator().manual_seed(9), 1 if fault == "duplicate" else 0)
-                (hook.install if with_kvwrite else hook.uninstall)()
-                err = None
-                try:
-                    store(pool, layer, bad, torch.Generator().manual_seed(9))
-                except Exception as exc:  # noqa: BLE001 - recorded
-                    err = f"{type(exc).__name__}: {exc}"[:600]
-                outside = changed(pool, buffers(ref))
-                rec["kvwrite" if with_kvwrite else "sglang_alone"] = dict(
-                    bad_loc=int(bad[0]), error=err, caught=err is not None and ("OutOfBoundsWrite" in err or "DuplicateWrite" in err),
-                    bytes_differing_from_good_rows_only=outside)
-            out["faults"][f"{name}: {fault}"] = rec
-            print(f"  {fault}: {json.dumps(rec)[:400]}")
-        hook.uninstall()
+    every = [(name, make, None) for name, make in pools()] + list(quantised_pools())
+    if args.only:
+        every = [e for e in every if args.only in e[0]]
+    for name, plain, kind in every:
+        run_pool(out, name, plain, kind, hook, validate)
     validate.DEFAULT_CHECK = "off"
     out["report"] = hook.report()
     if args.json:
@@ -177,11 +274,89 @@ def main() -> int:
     return 0
 
 
-def store_skip(pool, layer: int, loc: torch.Tensor, gen: torch.Generator, skip: int) -> None:
+def run_pool(out: dict, name: str, plain, kind: str | None, hook, validate) -> None:
+    """Byte-equality against SGLang alone, then the four faults with and without kvwrite."""
+    def make():
+        pool = plain()
+        if kind is not None:
+            widen(pool, kind)
+            hook.register_pool(pool)       # the buffers moved into their backing: name them again
+        return pool
+
+    def good(seed: int) -> torch.Tensor:
+        if kind is None:
+            return widened(probe_plain, locs(seed))
+        g = torch.Generator().manual_seed(seed)
+        return torch.randperm(rows(probe) - 1 - PAGE, generator=g)[:N] + PAGE   # not the last (sentinel) row
+
+    probe = make() if kind is not None else None
+    probe_plain = make() if kind is None else None
+    theirs = make()
+    hook.install()
+    ours = make()
+    fill(theirs, 1), fill(ours, 1)
+    hook.uninstall()
+    hook.STATE.calls.clear()
+    for layer in range(LAYERS if kind != "state" else 1):
+        store(theirs, layer, good(layer), torch.Generator().manual_seed(layer), kind)
+    hook.install()
+    for layer in range(LAYERS if kind != "state" else 1):
+        store(ours, layer, good(layer), torch.Generator().manual_seed(layer), kind)
+    equal = changed(ours, buffers(theirs)) == 0
+    out["pools"][name] = {"byte_equal_to_sglang": equal, "routed_calls": dict(hook.STATE.calls),
+                          "buffers": [list(b.shape) for b in buffers(ours)][:1]}
+    print(f"{name}: hooked stores byte-equal to SGLang's: {equal} {dict(hook.STATE.calls)}")
+    layer = fault_layer(ours) if kind != "state" else 0
+    for fault in FAULTS:
+        rec = {}
+        for with_kvwrite in (True, False):
+            (hook.install if with_kvwrite else hook.uninstall)()
+            validate.DEFAULT_CHECK = "guard" if with_kvwrite else "off"
+            pool = make()
+            fill(pool, 2)
+            loc = good(7)
+            bad = loc.clone()
+            bad[0] = bad_loc(fault, loc, rows(pool), pool)
+            twin = [b.clone() for b in buffers(pool)]
+            # the expected bytes: the same store with the bad token skipped; for a duplicate,
+            # kvwrite's guard keeps the first writer (token 1 skipped), SGLang alone writes
+            # both tokens to one row and the later one wins on CPU
+            ref = make()
+            for b, t in zip(buffers(ref), twin):
+                b.copy_(t)
+            hook.uninstall()
+            if fault == "duplicate" and not with_kvwrite:
+                store(ref, layer, bad, torch.Generator().manual_seed(9), kind)
+            else:
+                store_skip(ref, layer, bad, torch.Generator().manual_seed(9), 1 if fault == "duplicate" else 0, kind)
+            (hook.install if with_kvwrite else hook.uninstall)()
+            err = None
+            try:
+                store(pool, layer, bad, torch.Generator().manual_seed(9), kind)
+            except Exception as exc:  # noqa: BLE001 - recorded
+                err = f"{type(exc).__name__}: {exc}"[:600]
+            outside = changed(pool, buffers(ref))
+            rec["kvwrite" if with_kvwrite else "sglang_alone"] = r = dict(
+                bad_loc=int(bad[0]), error=err, caught=err is not None and ("OutOfBoundsWrite" in err or "DuplicateWrite" in err),
+                bytes_differing_from_good_rows_only=outside)
+            if kind is not None:     # of those, the bytes outside the pool's buffer (in the backing around it)
+                r["bytes_changed_outside_the_buffer"] = sum(
+                    int((a[m].view(torch.uint8) != b[m].view(torch.uint8)).sum())
+                    for a, b in zip(buffers(pool), twin)
+                    for m in (slice(0, BEFORE), slice(a.shape[0] - AFTER, None)))
+        out["faults"][f"{name}: {fault}"] = rec
+        print(f"  {fault}: {json.dumps(rec)[:400]}")
+    hook.uninstall()
+    no_dcp()
+
+
+def store_skip(pool, layer: int, loc: torch.Tensor, gen: torch.Generator, skip: int, kind: str | None = None) -> None:
     """The store of `store()` with token `skip` not written (same random values drawn)."""
     lay = types.SimpleNamespace(layer_id=layer)
     keep = torch.arange(N) != skip
-    if hasattr(pool, "kv_lora_rank"):
+    if kind is not None:
+        quantised_store(pool, kind, layer, loc, gen, keep)
+    elif hasattr(pool, "kv_lora_rank"):
         nope = torch.randn(N, 1, pool.kv_lora_rank, generator=gen).bfloat16()
         rope = torch.randn(N, 1, pool.qk_rope_head_dim, generator=gen).bfloat16() if pool.qk_rope_head_dim else None
         pool.set_mla_kv_buffer(lay, loc[keep], nope[keep], rope[keep] if rope is not None else None)

@@ -150,8 +150,8 @@ class OutOfBoundsWrite(RuntimeError):
         if self.kind == KIND_LOC_MAP:
             return (
                 f"{self.op}: {many}token {self.token_index} with loc {self.loc}, which is outside "
-                f"loc_map (length {self.limit}): the full->SWA map does not cover the full pool's "
-                f"loc space; size loc_map to the full allocator's locs"
+                f"loc_map (length {self.limit}), the locs its map covers (a full->SWA map: size it to "
+                f"the full allocator's locs; a page-part map: the pool's pages times page_size)"
             )
         if self.kind == KIND_POSITION:
             return (

@@ -41,7 +41,8 @@ from kvwrite.ops.indexer_k import row_bytes, store_indexer_k
 from kvwrite.ops.kv import store_kv
 from kvwrite.ops.mla import store_mla
 
-__all__ = ["move_kv_cache", "set_index_k_buffer", "set_kv_buffer", "set_mla_kv_buffer"]
+__all__ = ["move_kv_cache", "set_dsv4_key_buffer", "set_index_k_buffer", "set_index_k_scale_buffer",
+           "set_kv_buffer", "set_mla_kv_buffer", "store_page_parts"]
 
 INDEX_HEAD_DIM = 128     # SGLang's NSA indexer: head_dim 128, one fp32 scale per 128 values
 INDEX_BLOCK = 128
@@ -134,14 +135,17 @@ def _skip_reserved(loc: object) -> object:
 def set_mla_kv_buffer(kv_buffer: torch.Tensor, loc: torch.Tensor, cache_k_nope: torch.Tensor,
                       cache_k_rope: torch.Tensor, page_size: int, *, dtype: torch.dtype | None = None,
                       check: str | None = None, errors: ErrorBuffer | None = None,
-                      backend: str = "auto") -> None:
+                      dcp_rank: int = 0, dcp_size: int = 1, backend: str = "auto") -> None:
     """`MLATokenToKVPool.set_mla_kv_buffer` for one layer: row = concat(nope `[N, 1, R]`, rope
     `[N, 1, rope]`; or 2-D) at rows `loc` of `kv_buffer` `[size + page_size, 1, R + rope]`; loc 0
     (SGLang's reserved padding slot) is skipped, like loc -1, except without rope (`cache_k_rope`
     None or 0 wide): SGLang's no-rope kernel (`set_mla_kv_buffer_kernel_norope`, and its torch
     path, kept bit-identical on purpose) takes no skip index and writes loc 0. An fp8 pool (fp8-typed, or uint8
     with `dtype=`) stores saturate(x) in that format (SGLang: `.to(fp8)` without a scale; e5m2
-    overflows to inf there). One `kvwrite.store_mla` launch."""
+    overflows to inf there). `dcp_rank` / `dcp_size`: a DCP-sharded pool (SGLang's
+    `set_mla_kv_buffer_dcp_sharded_triton`): `loc` is the widened (virtual) loc, this rank keeps
+    `loc % dcp_size == dcp_rank` at row `loc // dcp_size`; the reserved loc 0 is the widened one.
+    One `kvwrite.store_mla` launch."""
     page_size = require_positive_int("page_size", page_size)
     if cache_k_rope is None and isinstance(cache_k_nope, torch.Tensor):
         cache_k_rope = cache_k_nope.new_empty(cache_k_nope.shape[0], 0)
@@ -158,15 +162,17 @@ def set_mla_kv_buffer(kv_buffer: torch.Tensor, loc: torch.Tensor, cache_k_nope: 
         if nope.dtype == pool:  # already fp8: a byte copy of the row
             n_pairs = byte_pairs("cache_k_nope", nope, cache)
             r_pairs = byte_pairs("cache_k_rope", rope, cache)
-            store_mla(n_pairs[0], r_pairs[0], n_pairs[1], loc, check=check, errors=errors, backend=backend)
+            store_mla(n_pairs[0], r_pairs[0], n_pairs[1], loc, check=check, errors=errors, dcp_rank=dcp_rank,
+                      dcp_size=dcp_size, backend=backend)
             return
         one = torch.ones((), dtype=torch.float32, device=nope.device)
         store_mla(nope, rope, cache, loc, kv_cache_dtype="fp8_e4m3" if pool == torch.float8_e4m3fn else "fp8_e5m2",
-                  scale=one, check=check, errors=errors, backend=backend)
+                  scale=one, check=check, errors=errors, dcp_rank=dcp_rank, dcp_size=dcp_size, backend=backend)
         return
     if nope.dtype != pool:
         nope, rope = nope.to(pool), rope.to(pool)
-    store_mla(nope, rope, cache, loc, check=check, errors=errors, backend=backend)
+    store_mla(nope, rope, cache, loc, check=check, errors=errors, dcp_rank=dcp_rank, dcp_size=dcp_size,
+              backend=backend)
 
 
 def set_index_k_buffer(index_buffer: torch.Tensor, loc: torch.Tensor, index_k: torch.Tensor,
@@ -187,6 +193,122 @@ def set_index_k_buffer(index_buffer: torch.Tensor, loc: torch.Tensor, index_k: t
                          f"{list(buf.shape)}")
     store_indexer_k(k, buf, loc, quant_block_size=INDEX_BLOCK, scale_fmt=scale_fmt, check=check,
                     errors=errors, backend=backend)
+
+
+_PART_MAPS: dict[tuple, torch.Tensor] = {}
+
+
+def _part_map(device: torch.device, num_pages: int, page_size: int, page_bytes: int, offset: int,
+              stride: int) -> torch.Tensor:
+    """loc -> row of the `[bytes / stride, W]` view whose row holds loc's part (cached per shape):
+    page * page_bytes / stride + offset / stride + loc % page_size."""
+    key = (device, num_pages, page_size, page_bytes, offset, stride)
+    m = _PART_MAPS.get(key)
+    if m is None:
+        loc = torch.arange(num_pages * page_size, device=device, dtype=torch.int64)
+        m = _PART_MAPS[key] = (torch.div(loc, page_size, rounding_mode="floor") * (page_bytes // stride)
+                               + offset // stride + loc % page_size)
+    return m
+
+
+def store_page_parts(buffer: torch.Tensor, loc: torch.Tensor, parts, page_size: int, *,
+                     check: str | None = None, errors: ErrorBuffer | None = None,
+                     backend: str = "auto") -> None:
+    """Scatter already-quantised token bytes into a page-major uint8 buffer `[num_pages,
+    page_bytes]`: `parts` is a sequence of (`src` uint8 `[N, W]`, `offset`, `stride`): token
+    `loc`'s part lands at byte `offset + (loc % page_size) * stride` of page `loc // page_size`
+    (e.g. SGLang's index-K page: 128 key bytes a token from byte 0, then its 4 scale bytes from
+    byte page_size * 128). One `kvwrite.store_rows` per part on a `[bytes / stride, W]` row view
+    of the buffer, `loc_map` taking loc to its row, so locs are checked against the buffer's
+    `num_pages * page_size` locs and errors name SGLang's loc; -1 is padding (skipped). The first
+    part is checked (and recorded, in guard mode); the others write the tokens it wrote (in range,
+    the first writer of a duplicated loc) without recording them again."""
+    from kvwrite.ops.dsv4 import store_rows
+
+    page_size = require_positive_int("page_size", page_size)
+    buf = validate.tensor("buffer", buffer, ndim=2, dtypes=(torch.uint8,))
+    if not buf.is_contiguous():
+        raise ValueError("buffer must be contiguous (SGLang's page buffers are)")
+    num_pages, page_bytes = buf.shape
+    flat = buf.view(-1)
+    mode = validate.default_check() if check is None else check
+    later = loc
+    for i, (src, offset, stride) in enumerate(parts):
+        if i == 1 and mode != "off":
+            later, check, errors = _written_locs(loc, num_pages * page_size), "off", None
+        src = validate.tensor(f"parts[{i}]", src, ndim=2, dtypes=(torch.uint8,))
+        w = src.shape[1]
+        if page_bytes % stride or offset % stride or w > stride or offset + page_size * stride > page_bytes:
+            raise ValueError(f"parts[{i}]: {w} bytes every {stride} from byte {offset} do not fit "
+                             f"{page_size} tokens in a {page_bytes}-byte page")
+        rows = flat.as_strided((flat.numel() // stride, w), (stride, 1))
+        store_rows(src, rows, later, loc_map=_part_map(buf.device, num_pages, page_size, page_bytes, offset, stride),
+                   check=check, errors=errors, backend=backend)
+
+
+def _written_locs(loc: torch.Tensor, n_locs: int) -> torch.Tensor:
+    """`loc` with -1 wherever a checked store writes nothing: outside `[0, n_locs)`, or a later
+    token of a duplicated loc (the first writer kept, as kvwrite's guard does). On the device,
+    no host sync."""
+    loc = loc.to(torch.int64)
+    ok = (loc >= 0) & (loc < n_locs)
+    key = torch.where(ok, loc, n_locs + torch.arange(loc.shape[0], device=loc.device))
+    ordered, order = torch.sort(key, stable=True)
+    first = torch.ones_like(ok)
+    first[1:] = ordered[1:] != ordered[:-1]
+    keep = torch.empty_like(ok)
+    keep[order] = first
+    return torch.where(ok & keep, loc, torch.full_like(loc, -1))
+
+
+def _bytes(name: str, t: torch.Tensor, n: int) -> torch.Tensor:
+    """A tensor of N rows as its uint8 bytes `[N, row bytes]` (contiguous rows)."""
+    t = validate.tensor(name, t)
+    if t.dim() == 1:
+        t = t.unsqueeze(1)
+    return t.contiguous().view(torch.uint8).reshape(n, -1)
+
+
+def set_index_k_scale_buffer(index_buffer: torch.Tensor, loc: torch.Tensor, index_k: torch.Tensor,
+                             index_k_scale: torch.Tensor, page_size: int, *, check: str | None = None,
+                             errors: ErrorBuffer | None = None, backend: str = "auto") -> None:
+    """SGLang's `SetKAndS` of the DSA index-K cache (`DSATokenToKVPool.set_index_k_scale_buffer`,
+    DeepSeek V4's indexer pool alike): index keys SGLang has already quantised (`index_k` e4m3
+    `[N, 128]`, `index_k_scale` fp32 `[N]` or `[N, 1]`) copied byte for byte into the uint8 page
+    buffer `[num_pages, page_size * (128 + 4)]` (a page: page_size * 128 key bytes, then page_size
+    fp32 scales). `store_page_parts`: bounds-checked against num_pages * page_size locs."""
+    n = validate.tensor("index_k", index_k, ndim=2).shape[0]
+    if index_k.shape[1] != INDEX_HEAD_DIM or index_k.dtype not in FP8_DTYPES:
+        raise ValueError(f"index_k must be fp8 [N, {INDEX_HEAD_DIM}], got {index_k.dtype} {list(index_k.shape)}")
+    scale = validate.tensor("index_k_scale", index_k_scale, dtypes=(torch.float32,))
+    if scale.numel() != n:
+        raise ValueError(f"index_k_scale must hold one fp32 scale per token ({n}), got {list(scale.shape)}")
+    key = _bytes("index_k", index_k, n)
+    store_page_parts(index_buffer, loc, ((key, 0, INDEX_HEAD_DIM), (_bytes("index_k_scale", scale, n),
+                                         page_size * INDEX_HEAD_DIM, 4)),
+                     page_size, check=check, errors=errors, backend=backend)
+
+
+def set_dsv4_key_buffer(kv_buffer: torch.Tensor, loc: torch.Tensor, k_nope_fp8: torch.Tensor,
+                        k_rope_bf16: torch.Tensor, scale_k_nope_ue8m0: torch.Tensor, page_size: int, *,
+                        check: str | None = None, errors: ErrorBuffer | None = None,
+                        backend: str = "auto") -> None:
+    """SGLang's DeepSeek V4 `SetKAndS` (`DeepSeekV4SingleKVPool.set_key_buffer`, the SWA, c4 and
+    c128 pools): a quantised pack (`k_nope_fp8` e4m3 `[N, 448]`, `k_rope_bf16` `[N, 64]`,
+    `scale_k_nope_ue8m0` uint8 `[N, 7]`) copied into the FlashMLA MODEL1 page
+    (`kvwrite.ops.dsv4`: 576-byte data rows, then 8-byte scale rows whose pad byte is not
+    written). `store_page_parts`: bounds-checked against num_pages * page_size locs."""
+    from kvwrite.facts import DATA_ROW, NOPE, ROPE, SCALE_ROW, TILES
+
+    n = validate.tensor("k_nope_fp8", k_nope_fp8, ndim=2).shape[0]
+    nope, rope = _bytes("k_nope_fp8", k_nope_fp8, n), _bytes("k_rope_bf16", k_rope_bf16, n)
+    scales = _bytes("scale_k_nope_ue8m0", scale_k_nope_ue8m0, n)
+    if (nope.shape[1], rope.shape[1], scales.shape[1]) != (NOPE, 2 * ROPE, TILES):
+        raise ValueError(f"the pack must be [N, {NOPE}] e4m3, [N, {ROPE}] bf16 and [N, {TILES}] uint8, got "
+                         f"{list(k_nope_fp8.shape)}, {list(k_rope_bf16.shape)}, {list(scale_k_nope_ue8m0.shape)}")
+    store_page_parts(kv_buffer, loc, ((torch.cat([nope, rope], 1), 0, DATA_ROW),
+                                      (scales, page_size * DATA_ROW, SCALE_ROW)),
+                     page_size, check=check, errors=errors, backend=backend)
 
 
 def move_kv_cache(k_buffer, v_buffer, tgt_loc: torch.Tensor, src_loc: torch.Tensor, *,

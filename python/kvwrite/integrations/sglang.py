@@ -9,11 +9,26 @@ own dtype handling, so every attention backend that writes through a pool is rou
   ends in; SWA pools translate full->SWA locs and write through an MHA pool, so SWA layers are
   routed too) -> `kvwrite.compat.sglang.set_kv_buffer`;
 - MLA: `MLATokenToKVPool._scatter_mla_rows` (plain, fp8 and DSA fp8 rows: SGLang has already
-  quantised them, kvwrite copies the bytes) -> `kvwrite.compat.sglang.set_mla_kv_buffer`.
-What stays SGLang's own (listed by `report()`): the vectorized_5d MHA layout, DCP-sharded MLA
-writes (SGLang's kernel picks each rank's locs), the DSA index-K store (SGLang quantises the keys
-before `store_quantized`; kvwrite's indexer store quantises itself) and MLA's combined-row
-`set_kv_buffer` (an indexed assignment, which bounds-checks on its own).
+  quantised them, kvwrite copies the bytes) -> `kvwrite.compat.sglang.set_mla_kv_buffer`; under
+  DCP (a sharded pool: widened locs) with this rank's `dcp_rank` / `dcp_size` (SGLang's
+  `get_parallel()`), kvwrite keeping `loc % dcp_size == dcp_rank` at row `loc // dcp_size` as
+  SGLang's sharded kernel does;
+- DSA index-K: SGLang's `dsa_index_k_cache.SetKAndS.execute` (what
+  `DSATokenToKVPool.set_index_k_scale_buffer` and DeepSeek V4's `DeepSeekV4IndexerPool
+  .set_index_k_scale_buffer` call with keys SGLang has quantised) ->
+  `kvwrite.compat.sglang.set_index_k_scale_buffer` (a bounds-checked byte copy of key and scale);
+- DeepSeek V4 KV pages: `dsv4_main_kv_store.SetKAndS.execute` (`DeepSeekV4SingleKVPool
+  .set_key_buffer`: the SWA, c4 and c128 pools' quantised packs) ->
+  `kvwrite.compat.sglang.set_dsv4_key_buffer`;
+- DeepSeek V4's fused stores (SGLang's JIT `store_cache`, bf16 in, quantised in the kernel):
+  `DeepSeekV4SingleKVPool.set_key_buffer_fused` of the V4 layout (without in-kernel RoPE) ->
+  `kvwrite.store_dsv4_kv`, `DeepSeekV4IndexerPool.set_index_fused` (fp8 indexer) ->
+  `kvwrite.store_dsv4_indexer_k(fmt="fp8")` (same formats: byte-equal to SGLang's Triton port of
+  those kernels wherever x / scale needs no rounding; the rounding itself is kvwrite's RNE);
+- DeepSeek V4 compress state: `CompressStatePool.set_state_by_state_loc` -> `kvwrite.store_rows`
+  (a -1 state loc skipped; SGLang writes it into the sentinel row, then clears that row: the
+  same pool).
+What stays SGLang's own (listed by `report()` with the reason): see NOT_ROUTED.
 
 Guard mode (`KVWRITE_CHECK=guard`) as in the vLLM plugin (`kvwrite.integrations.guard`): each
 pool's buffers are registered with their layer ids when the pool is built, stores record into
@@ -42,11 +57,26 @@ POOLS = "sglang.srt.mem_cache.memory_pool"
 RUNNER = "sglang.srt.model_executor.model_runner"
 MHA_ROUTE = Route(POOLS, "MHATokenToKVPool._store_kv_layer", "set_kv_buffer", None, 0)
 MLA_ROUTE = Route(POOLS, "MLATokenToKVPool._scatter_mla_rows", "set_mla_kv_buffer", None, 0)
+INDEX_K = "sglang.kernels.ops.kvcache.dsa_index_k_cache"
+DSV4_KV = "sglang.kernels.ops.kvcache.dsv4_main_kv_store"
+DSV4_POOLS = "sglang.srt.mem_cache.deepseek_v4_memory_pool"
+DSV4_STATE = "sglang.srt.mem_cache.deepseek_v4_compress_state"
+INDEX_K_ROUTE = Route(INDEX_K, "SetKAndS.execute", "set_index_k_scale_buffer", None, 0)
+DSV4_KV_ROUTE = Route(DSV4_KV, "SetKAndS.execute", "set_dsv4_key_buffer", None, 0)
+STATE_ROUTE = Route(DSV4_STATE, "CompressStatePool.set_state_by_state_loc", "store_rows", None, 0)
 NOT_ROUTED = {
     "MHATokenToKVPool (kv_cache_layout='vectorized_5d')": "SGLang's shuffled 5-D layout: no kvwrite layout",
-    "MLATokenToKVPool, DCP-sharded writes": "SGLang's kernel selects each rank's locs",
-    "DSATokenToKVPool.set_index_k_scale_buffer": "SGLang quantises the index keys before the store",
+    "MLATokenToKVPool, DCP-sharded writes without rope (qk_rope_head_dim 0)": "SGLang's no-rope kernel "
+        "ignores DCP (writes the widened loc unsharded); kvwrite's sharded store would write other rows",
     "MLATokenToKVPool.set_kv_buffer": "an indexed assignment (bounds-checked by torch itself)",
+    "Unified pools (UnifiedMHATokenToKVPool / UnifiedMLATokenToKVPool: page-major strided views of one "
+    "shared buffer)": "kvwrite routes contiguous per-layer buffers only; these writes stay SGLang's",
+    "dsa_index_k_cache.SetKAndS (ROCm preshuffled index-K)": "tiled key layout: no kvwrite layout",
+    "DeepSeekV4SingleKVPool.set_key_buffer_fused of the V4.1 layouts (v41, v41_fp4, with in-kernel "
+    "RoPE)": "V4.1 records are not wired to kvwrite's store_dsv4_kv_fp4 here",
+    "DeepSeekV4IndexerPool.set_index_fp4": "SGLang's fp4 index-K kernel: not wired to "
+                                           "store_dsv4_indexer_k(fmt='mxfp4')",
+    "DeepSeekV4UniformFP8KVPool.set_key_buffer_fused": "an indexed assignment (bounds-checked by torch itself)",
 }
 
 
@@ -88,9 +118,10 @@ def _store_kv_layer(original: Callable, backend: str, state: Installed) -> Calla
 
     def store(self, layer_idx, loc, cache_k, cache_v):
         if getattr(self, "kv_cache_layout", None) == "vectorized_5d":
-            state.fallbacks["vectorized_5d"] = state.fallbacks.get("vectorized_5d", 0) + 1
-            return original(self, layer_idx, loc, cache_k, cache_v)
-        state.calls["set_kv_buffer"] = state.calls.get("set_kv_buffer", 0) + 1
+            return _fallback(state, "vectorized_5d", original, self, layer_idx, loc, cache_k, cache_v)
+        if not (_row_layout(self.k_buffer[layer_idx], 3) and _row_layout(self.v_buffer[layer_idx], 3)):
+            return _fallback(state, "mha_page_major_views", original, self, layer_idx, loc, cache_k, cache_v)
+        _count(state, "set_kv_buffer")
         kb, vb = self.k_buffer[layer_idx], self.v_buffer[layer_idx]
         fp8 = self.store_dtype != self.dtype
         if fp8:    # cache_k / cache_v arrive viewed as store_dtype (uint8): the fp8 bytes
@@ -103,6 +134,17 @@ def _store_kv_layer(original: Callable, backend: str, state: Installed) -> Calla
     store = torch.compiler.disable(store)    # the record row comes from a real tensor's data_ptr
     store.__wrapped_sglang__ = original
     return store
+
+
+def _row_layout(t: Any, ndim: int) -> bool:
+    """A buffer in SGLang's standard per-layer layout: contiguous `ndim`-D rows (the unified
+    pools' page-major strided views are not)."""
+    return isinstance(t, torch.Tensor) and t.dim() == ndim and t.is_contiguous()
+
+
+def _fallback(state: Installed, why: str, original: Callable, *args, **kwargs):
+    state.fallbacks[why] = state.fallbacks.get(why, 0) + 1
+    return original(*args, **kwargs)
 
 
 def _half_words(t: torch.Tensor) -> torch.Tensor:
@@ -118,24 +160,143 @@ def _dcp_span(pool: Any) -> int:
         return 1
 
 
+def _dcp_rank() -> int:
+    """This process's DCP rank (SGLang's `get_parallel().attn_dcp_rank`)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    return int(get_parallel().attn_dcp_rank)
+
+
 def _scatter_mla_rows(original: Callable, backend: str, state: Installed) -> Callable:
     from kvwrite.compat import sglang as adapters
 
     def scatter(self, dst_buffer, loc, cache_k_nope, cache_k_rope):
-        if not (getattr(self, "write_loc_is_dcp_resolved", True) or getattr(self, "dcp_replicated", False)
-                or _dcp_span(self) == 1):
-            state.fallbacks["mla_dcp_sharded"] = state.fallbacks.get("mla_dcp_sharded", 0) + 1
-            return original(self, dst_buffer, loc, cache_k_nope, cache_k_rope)
-        state.calls["set_mla_kv_buffer"] = state.calls.get("set_mla_kv_buffer", 0) + 1
+        if not _row_layout(dst_buffer, 3):
+            return _fallback(state, "mla_page_major_views", original, self, dst_buffer, loc, cache_k_nope, cache_k_rope)
         rope = cache_k_rope if cache_k_rope is not None and cache_k_rope.numel() > 0 else \
             cache_k_nope.reshape(cache_k_nope.shape[0], -1)[:, :0]
+        dcp_size, dcp_rank = 1, 0
+        if not (getattr(self, "write_loc_is_dcp_resolved", True) or getattr(self, "dcp_replicated", False)
+                or _dcp_span(self) == 1):
+            if rope.shape[-1] == 0:    # SGLang's no-rope kernel ignores DCP: kvwrite would not write the same rows
+                return _fallback(state, "mla_dcp_sharded_norope", original, self, dst_buffer, loc, cache_k_nope,
+                                 cache_k_rope)
+            dcp_size, dcp_rank = _dcp_span(self), _dcp_rank()
+            _count(state, "set_mla_kv_buffer (DCP-sharded)")
+        else:
+            _count(state, "set_mla_kv_buffer")
         mode, errors = _errors(dst_buffer, MLA_ROUTE)
         adapters.set_mla_kv_buffer(_half_words(dst_buffer), loc, _half_words(cache_k_nope), _half_words(rope),
-                                   self.page_size, check=mode, errors=errors, backend=backend)
+                                   self.page_size, check=mode, errors=errors, dcp_rank=dcp_rank, dcp_size=dcp_size,
+                                   backend=backend)
         _after(errors, dst_buffer)
     scatter = torch.compiler.disable(scatter)
     scatter.__wrapped_sglang__ = original
     return scatter
+
+
+def _count(state: Installed, key: str) -> None:
+    state.calls[key] = state.calls.get(key, 0) + 1
+
+
+def _index_k_execute(original: Any, backend: str, state: Installed) -> classmethod:
+    """`SetKAndS.execute(pool=, buf=, loc=, index_k=, index_k_scale=)` of the DSA index-K cache."""
+    from kvwrite.compat import sglang as adapters
+
+    def execute(cls, *args, buf, **kwargs):
+        module = sys.modules.get(INDEX_K)
+        if getattr(module, "_use_aiter_preshuffle", False):
+            return _fallback(state, "index_k_preshuffle", original.__get__(None, cls), *args, buf=buf, **kwargs)
+        a = dict(zip(("pool", "loc", "index_k", "index_k_scale"), args), **kwargs)
+        if not _row_layout(buf, 2):
+            return _fallback(state, "index_k_not_contiguous", original.__get__(None, cls), *args, buf=buf, **kwargs)
+        _count(state, "set_index_k_scale_buffer")
+        mode, errors = _errors(buf, INDEX_K_ROUTE)
+        adapters.set_index_k_scale_buffer(buf, a["loc"], a["index_k"], a["index_k_scale"], a["pool"].index_page_size,
+                                          check=mode, errors=errors, backend=backend)
+        _after(errors, buf)
+    execute = torch.compiler.disable(execute)
+    execute.__wrapped_sglang__ = original
+    return classmethod(execute)
+
+
+def _dsv4_kv_execute(original: Any, backend: str, state: Installed) -> classmethod:
+    """`SetKAndS.execute(pool, buf, loc, nope_fp8_rope_bf16_pack)` of DeepSeek V4's KV pages."""
+    from kvwrite.compat import sglang as adapters
+
+    def execute(cls, *args, **kwargs):
+        a = dict(zip(("pool", "buf", "loc", "nope_fp8_rope_bf16_pack"), args), **kwargs)
+        pack, buf = a["nope_fp8_rope_bf16_pack"], a["buf"]
+        if not _row_layout(buf, 2):
+            return _fallback(state, "dsv4_kv_not_contiguous", original.__get__(None, cls), *args, **kwargs)
+        _count(state, "set_dsv4_key_buffer")
+        mode, errors = _errors(buf, DSV4_KV_ROUTE)
+        adapters.set_dsv4_key_buffer(buf, a["loc"], pack.k_nope_fp8, pack.k_rope_bf16, pack.scale_k_nope_ue8m0,
+                                     a["pool"].page_size, check=mode, errors=errors, backend=backend)
+        _after(errors, buf)
+    execute = torch.compiler.disable(execute)
+    execute.__wrapped_sglang__ = original
+    return classmethod(execute)
+
+
+def _set_state(original: Callable, backend: str, state: Installed) -> Callable:
+    """`CompressStatePool.set_state_by_state_loc(state_loc, value)`: rows of the kv+score buffer."""
+    from kvwrite.ops.dsv4 import store_rows
+
+    def set_state(self, state_loc, value):
+        buf = self.kv_score_buffer.kv_score
+        if not _row_layout(buf, 2):
+            return _fallback(state, "state_not_contiguous", original, self, state_loc, value)
+        src = value.kv_score if hasattr(value, "kv_score") else value
+        _count(state, "set_state_by_state_loc")
+        mode, errors = _errors(buf, STATE_ROUTE)
+        store_rows(src.reshape(-1, buf.shape[-1]), buf, state_loc.reshape(-1), check=mode, errors=errors,
+                   backend=backend)
+        self.kv_score_buffer[-1].clear()     # SGLang's sentinel row, as its own store leaves it
+        _after(errors, buf)
+    set_state = torch.compiler.disable(set_state)
+    set_state.__wrapped_sglang__ = original
+    return set_state
+
+
+DSV4_FUSED_ROUTE = Route(DSV4_POOLS, "DeepSeekV4SingleKVPool.set_key_buffer_fused", "store_dsv4_kv", None, 0)
+INDEX_FUSED_ROUTE = Route(DSV4_POOLS, "DeepSeekV4IndexerPool.set_index_fused", "store_dsv4_indexer_k", None, 0)
+
+
+def _dsv4_fused(original: Callable, backend: str, state: Installed) -> Callable:
+    """`DeepSeekV4SingleKVPool.set_key_buffer_fused(layer_id, loc, cache_k, freqs_cis=None)`."""
+    from kvwrite.ops.dsv4 import store_dsv4_kv
+
+    def fused(self, layer_id, loc, cache_k, freqs_cis=None):
+        buf = self.kv_buffer[layer_id]
+        if freqs_cis is not None or getattr(self.kv_layout, "value", self.kv_layout) != "v4" or not _row_layout(buf, 2):
+            return _fallback(state, "dsv4_fused_not_v4", original, self, layer_id, loc, cache_k, freqs_cis)
+        _count(state, "set_key_buffer_fused")
+        mode, errors = _errors(buf, DSV4_FUSED_ROUTE)
+        store_dsv4_kv(cache_k, buf, loc, page_size=self.page_size, check=mode, errors=errors, backend=backend)
+        _after(errors, buf)
+    fused = torch.compiler.disable(fused)
+    fused.__wrapped_sglang__ = original
+    return fused
+
+
+def _index_fused(original: Callable, backend: str, state: Installed) -> Callable:
+    """`DeepSeekV4IndexerPool.set_index_fused(layer_id, loc, cache_k)` (fp8 indexer)."""
+    from kvwrite.ops.dsv4 import store_dsv4_indexer_k
+
+    def fused(self, layer_id, loc, cache_k):
+        bufs = getattr(self, "index_k_with_scale_buffer", None)
+        buf = bufs[layer_id - self.start_layer] if bufs is not None else None
+        if getattr(self, "use_fp4_indexer", False) or not _row_layout(buf, 2):
+            return _fallback(state, "index_fused_not_fp8", original, self, layer_id, loc, cache_k)
+        _count(state, "set_index_fused")
+        mode, errors = _errors(buf, INDEX_FUSED_ROUTE)
+        store_dsv4_indexer_k(cache_k, buf, loc, page_size=self.page_size, fmt="fp8", check=mode, errors=errors,
+                             backend=backend)
+        _after(errors, buf)
+    fused = torch.compiler.disable(fused)
+    fused.__wrapped_sglang__ = original
+    return fused
 
 
 def register_pool(pool: Any) -> None:
@@ -144,10 +305,18 @@ def register_pool(pool: Any) -> None:
     label = getattr(pool, "allocation_label", None)      # "Full" / "SWA": a hybrid pool's sub-pools
     kind = type(pool).__name__ + (f" ({label} sub-pool)" if label else "")
     caches = {}
-    for attr, what in (("k_buffer", "K"), ("v_buffer", "V"), ("kv_buffer", "KV")):
-        for i, t in enumerate(getattr(pool, attr, None) or []):
-            if isinstance(t, torch.Tensor):
+    for attr, what in (("k_buffer", "K"), ("v_buffer", "V"), ("kv_buffer", "KV"),
+                       ("index_k_with_scale_buffer", "index-K")):
+        try:
+            bufs = getattr(pool, attr, None) or []
+        except Exception:  # noqa: BLE001 - a property over storage not built yet
+            bufs = []
+        for i, t in enumerate(bufs):
+            if isinstance(t, torch.Tensor) and t.numel():
                 caches[f"{kind} layer {start + i} {what}"] = t
+    state = getattr(pool, "kv_score_buffer", None)
+    if isinstance(getattr(state, "kv_score", None), torch.Tensor):
+        caches[f"{kind} c{getattr(pool, 'ratio', '?')} compress state"] = state.kv_score
     if caches:
         guard().register(caches)
 
@@ -192,8 +361,23 @@ def install(import_module: Callable[[str], Any] = importlib.import_module, backe
     pools = import_module(POOLS)
     _patch(state, pools, "MHATokenToKVPool", "_store_kv_layer", lambda f: _store_kv_layer(f, backend, state))
     _patch(state, pools, "MLATokenToKVPool", "_scatter_mla_rows", lambda f: _scatter_mla_rows(f, backend, state))
-    for cls_name in ("MHATokenToKVPool", "MLATokenToKVPool"):
+    for cls_name in ("MHATokenToKVPool", "MLATokenToKVPool", "DSATokenToKVPool"):
         _patch(state, pools, cls_name, "__init__", _init)
+    for name, cls_name, attr, make in (
+            (INDEX_K, "SetKAndS", "execute", lambda f: _index_k_execute(f, backend, state)),
+            (DSV4_KV, "SetKAndS", "execute", lambda f: _dsv4_kv_execute(f, backend, state)),
+            (DSV4_STATE, "CompressStatePool", "set_state_by_state_loc", lambda f: _set_state(f, backend, state)),
+            (DSV4_STATE, "CompressStatePool", "__init__", _init),
+            (DSV4_POOLS, "DeepSeekV4SingleKVPool", "__init__", _init),
+            (DSV4_POOLS, "DeepSeekV4SingleKVPool", "set_key_buffer_fused", lambda f: _dsv4_fused(f, backend, state)),
+            (DSV4_POOLS, "DeepSeekV4IndexerPool", "set_index_fused", lambda f: _index_fused(f, backend, state)),
+            (DSV4_POOLS, "DeepSeekV4IndexerPool", "__init__", _init)):
+        try:
+            module = import_module(name)
+        except Exception as exc:  # noqa: BLE001 - an SGLang without this pool (or its kernels)
+            LOG.info("kvwrite: %s not importable (%s): not routed", name, exc)
+            continue
+        _patch(state, module, cls_name, attr, make)
     try:
         runner = import_module(RUNNER)
     except Exception as exc:  # noqa: BLE001 - pool code used on its own (no model runner)
