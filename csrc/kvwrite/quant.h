@@ -171,9 +171,9 @@ KVW_HD void quant_run(const void* __restrict__ src, i64 start, int n, float scal
     if (n >= 32 && simd_ok() && cr_div_ok(scale) && (noftz < 0 ? ftz_clear() : noftz != 0))
       j = fp8_bf16_run<F>(static_cast<const uint16_t*>(src) + start, n, scale, dst);
   }
+  if (j == 0 && n >= 32 && simd_ok()) return fp8_run_avx2<IN, F>(src, start, n, scale, dst);
 #else
   (void)noftz;
-  if (j == 0 && n >= 32 && simd_ok()) return fp8_run_avx2<IN, F>(src, start, n, scale, dst);
 #endif
   for (; j < n; ++j) dst[j] = char(fp8_bits<F>(load_quant<IN>(src, start + j) / scale));
 }
