@@ -248,17 +248,14 @@ def store_page_parts(buffer: torch.Tensor, loc: torch.Tensor, parts, page_size: 
 
 def _written_locs(loc: torch.Tensor, n_locs: int) -> torch.Tensor:
     """`loc` with -1 wherever a checked store writes nothing: outside `[0, n_locs)`, or a later
-    token of a duplicated loc (the first writer kept, as kvwrite's guard does). On the device,
-    no host sync."""
+    token of a duplicated loc (the first writer kept: `reference.claims.first_writers`, the rule
+    of kvwrite's guard). On the device, no host sync."""
+    from kvwrite.reference.claims import first_writers
+
     loc = loc.to(torch.int64)
     ok = (loc >= 0) & (loc < n_locs)
-    key = torch.where(ok, loc, n_locs + torch.arange(loc.shape[0], device=loc.device))
-    ordered, order = torch.sort(key, stable=True)
-    first = torch.ones_like(ok)
-    first[1:] = ordered[1:] != ordered[:-1]
-    keep = torch.empty_like(ok)
-    keep[order] = first
-    return torch.where(ok & keep, loc, torch.full_like(loc, -1))
+    dup, _ = first_writers(loc, ok)
+    return torch.where(ok & ~dup, loc, torch.full_like(loc, -1))
 
 
 def _bytes(name: str, t: torch.Tensor, n: int) -> torch.Tensor:

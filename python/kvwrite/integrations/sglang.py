@@ -131,9 +131,15 @@ def _store_kv_layer(original: Callable, backend: str, state: Installed) -> Calla
                                loc, cache_k, cache_v, self.page_size, dtype=self.dtype if fp8 else None,
                                check=mode, errors=errors, backend=backend)
         _after(errors, kb)
-    store = torch.compiler.disable(store)    # the record row comes from a real tensor's data_ptr
-    store.__wrapped_sglang__ = original
-    return store
+    return _routed(store, original)
+
+
+def _routed(fn: Callable, original: Any) -> Callable:
+    """A routed write as installed: outside any torch.compile graph (the record row comes from a
+    real tensor's data_ptr), remembering SGLang's original for `uninstall`."""
+    fn = torch.compiler.disable(fn)
+    fn.__wrapped_sglang__ = original
+    return fn
 
 
 def _row_layout(t: Any, ndim: int) -> bool:
@@ -190,9 +196,7 @@ def _scatter_mla_rows(original: Callable, backend: str, state: Installed) -> Cal
                                    self.page_size, check=mode, errors=errors, dcp_rank=dcp_rank, dcp_size=dcp_size,
                                    backend=backend)
         _after(errors, dst_buffer)
-    scatter = torch.compiler.disable(scatter)
-    scatter.__wrapped_sglang__ = original
-    return scatter
+    return _routed(scatter, original)
 
 
 def _count(state: Installed, key: str) -> None:
@@ -215,9 +219,7 @@ def _index_k_execute(original: Any, backend: str, state: Installed) -> classmeth
         adapters.set_index_k_scale_buffer(buf, a["loc"], a["index_k"], a["index_k_scale"], a["pool"].index_page_size,
                                           check=mode, errors=errors, backend=backend)
         _after(errors, buf)
-    execute = torch.compiler.disable(execute)
-    execute.__wrapped_sglang__ = original
-    return classmethod(execute)
+    return classmethod(_routed(execute, original))
 
 
 def _dsv4_kv_execute(original: Any, backend: str, state: Installed) -> classmethod:
@@ -234,9 +236,7 @@ def _dsv4_kv_execute(original: Any, backend: str, state: Installed) -> classmeth
         adapters.set_dsv4_key_buffer(buf, a["loc"], pack.k_nope_fp8, pack.k_rope_bf16, pack.scale_k_nope_ue8m0,
                                      a["pool"].page_size, check=mode, errors=errors, backend=backend)
         _after(errors, buf)
-    execute = torch.compiler.disable(execute)
-    execute.__wrapped_sglang__ = original
-    return classmethod(execute)
+    return classmethod(_routed(execute, original))
 
 
 def _set_state(original: Callable, backend: str, state: Installed) -> Callable:
@@ -254,9 +254,7 @@ def _set_state(original: Callable, backend: str, state: Installed) -> Callable:
                    backend=backend)
         self.kv_score_buffer[-1].clear()     # SGLang's sentinel row, as its own store leaves it
         _after(errors, buf)
-    set_state = torch.compiler.disable(set_state)
-    set_state.__wrapped_sglang__ = original
-    return set_state
+    return _routed(set_state, original)
 
 
 DSV4_FUSED_ROUTE = Route(DSV4_POOLS, "DeepSeekV4SingleKVPool.set_key_buffer_fused", "store_dsv4_kv", None, 0)
@@ -275,9 +273,7 @@ def _dsv4_fused(original: Callable, backend: str, state: Installed) -> Callable:
         mode, errors = _errors(buf, DSV4_FUSED_ROUTE)
         store_dsv4_kv(cache_k, buf, loc, page_size=self.page_size, check=mode, errors=errors, backend=backend)
         _after(errors, buf)
-    fused = torch.compiler.disable(fused)
-    fused.__wrapped_sglang__ = original
-    return fused
+    return _routed(fused, original)
 
 
 def _index_fused(original: Callable, backend: str, state: Installed) -> Callable:
@@ -294,9 +290,7 @@ def _index_fused(original: Callable, backend: str, state: Installed) -> Callable
         store_dsv4_indexer_k(cache_k, buf, loc, page_size=self.page_size, fmt="fp8", check=mode, errors=errors,
                              backend=backend)
         _after(errors, buf)
-    fused = torch.compiler.disable(fused)
-    fused.__wrapped_sglang__ = original
-    return fused
+    return _routed(fused, original)
 
 
 def register_pool(pool: Any) -> None:
