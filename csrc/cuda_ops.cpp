@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include "api.h"
+#include "engines.h"
 #include "launch.h"
 #include "params.h"
 #include "params_dsv4.h"
@@ -292,6 +293,11 @@ struct CudaRun {
   static constexpr auto store_rows = &store_rows_cuda;
   static constexpr auto claim_rows = &claim_rows_cuda;
 };
+// the engines' operators (engines.h) on the CUDA kernels
+const bool ENGINES_CUDA = [] {
+  engines::runner(c10::DeviceType::CUDA) = {&store_kv_cuda, &claim_rows_cuda};
+  return true;
+}();
 }  // namespace kvwrite
 
 TORCH_LIBRARY_IMPL(kvwrite, CUDA, m) { kvwrite::api::register_ops<kvwrite::CudaRun>(m); }

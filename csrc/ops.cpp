@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "api.h"
+#include "engines.h"
 #include "params.h"
 #include "params_dsv4.h"
 #include "params_pages.h"
@@ -594,6 +595,7 @@ TORCH_LIBRARY_FRAGMENT(kvwrite_ext, m) {
   m.def("set_program(str name, str program) -> ()", &kvwrite::api::set_program);
   m.def("set_claims(bool on) -> ()", [](bool on) { kvwrite::api::claims_on() = on; });
   m.def("set_op_names(str[] names) -> ()", [](std::vector<std::string> names) { kvwrite::op_names() = std::move(names); });
+  kvwrite::engines::define(m);
 }
 
 // The public ops torch.ops.kvwrite.* (schemas defined in Python): the spec-fed kernel of api.h,
@@ -611,6 +613,11 @@ struct CpuRun {
   static constexpr auto store_rows = &store_rows_cpu;
   static constexpr auto claim_rows = &claim_rows_cpu;
 };
+// the engines' operators (engines.h) on the CPU kernels
+const bool ENGINES_CPU = [] {
+  engines::runner(c10::DeviceType::CPU) = {&store_kv_cpu, &claim_rows_cpu};
+  return true;
+}();
 }  // namespace kvwrite
 
 TORCH_LIBRARY_IMPL(kvwrite, CPU, m) { kvwrite::api::register_ops<kvwrite::CpuRun>(m); }

@@ -170,8 +170,105 @@ def test_operator_kernels_are_overridden(monkeypatch, state):
     adapters.reshape_and_cache_flash(key, key, twin, twin.clone(), sm, "auto", one, one, backend="torch")
     assert ran == [] and torch.equal(kc, twin) and bool(kc.any())
     assert state.calls["reshape_and_cache_flash"] == 1
-    assert f"torch.ops.{ns}.reshape_and_cache_flash [CPU]" in plugin.report(state)
+    assert f"torch.ops.{ns}.reshape_and_cache_flash [CPU" in plugin.report(state)
     del lib
+
+
+CPU_ATTN_SCHEMA = ("(Tensor key, Tensor value, Tensor! key_cache, Tensor! value_cache, Tensor slot_mapping, "
+                   "str isa, float k_scale=1., float v_scale=1., str kv_cache_dtype=\"auto\") -> ()")
+
+
+@pytest.fixture
+def native_ops(monkeypatch):
+    """Fake vLLM operators (vLLM's schemas, C++-registered stand-ins) routed by the plugin with
+    backend "auto": the C++ route of csrc/engines.h runs their common call."""
+    if kvwrite.backends(torch.device("cpu")).get("cpu") is not None:
+        pytest.skip("the C++ extension is not available")
+    ns = "kvw_native_ops"
+    lib = torch.library.Library(ns, "DEF")
+    lib.define("reshape_and_cache_flash" + SCHEMA)
+    lib.define("cpu_attn_reshape_and_cache" + CPU_ATTN_SCHEMA)
+    ran = []
+    for op in ("reshape_and_cache_flash", "cpu_attn_reshape_and_cache"):
+        lib.impl(op, lambda *a, op=op: ran.append(op), "CPU")
+        torch.library._impls.discard(f"{ns}/{op}/CPU")
+    monkeypatch.setattr(plugin, "OP_ROUTES", {f"{ns}::reshape_and_cache_flash": plugin.ROUTES[1],
+                                              f"{ns}::cpu_attn_reshape_and_cache": plugin.ROUTES[0]})
+    st = plugin.Installed()
+    modules, imp, _ = fake_vllm()
+    plugin.install(imp, backend="auto", state=st, modules={})
+    yield types.SimpleNamespace(ops=getattr(torch.ops, ns), state=st, ran=ran, modules=modules)
+    plugin.uninstall(st)
+    plugin.sync_mode("auto")
+    del lib
+
+
+def native_calls(st, qual):
+    return sum(torch.ops.kvwrite_ext.engine_calls(h) for h in st.native[qual])
+
+
+def test_native_route_runs_the_common_call_in_cpp(native_ops):
+    """The common call ("auto" caches) runs on the C++ route (no Python frame: the Python writer
+    is not called) and writes the adapter's bytes; the Python wrapper of the operator is left as
+    vLLM's own; other calls (an fp8 cache) go to the Python writer."""
+    st, ops = native_ops.state, native_ops.ops
+    qual = "kvw_native_ops::reshape_and_cache_flash"
+    assert sorted(st.native) == ["kvw_native_ops::cpu_attn_reshape_and_cache", qual]
+    assert "vllm._custom_ops.reshape_and_cache_flash" not in st.originals
+    g = torch.Generator().manual_seed(0)
+    key, value = torch.randn(5, 2, 8, generator=g).bfloat16(), torch.randn(5, 2, 8, generator=g).bfloat16()
+    sm = torch.tensor([3, -1, 14, 0, 9])
+    kc, vc = torch.zeros(4, 4, 2, 8, dtype=torch.bfloat16), torch.zeros(4, 4, 2, 8, dtype=torch.bfloat16)
+    twin_k, twin_v = kc.clone(), vc.clone()
+    one = torch.ones(())
+    ops.reshape_and_cache_flash(key, value, kc, vc, sm, "auto", one, one)
+    adapters.reshape_and_cache_flash(key, value, twin_k, twin_v, sm, "auto", one, one, backend="torch")
+    assert torch.equal(kc, twin_k) and torch.equal(vc, twin_v) and bool(kc.any())
+    assert native_calls(st, qual) == 1 and st.calls.get("reshape_and_cache_flash", 0) == 0
+    # vLLM's CPU attention layout: [blocks, H, 2 * bs, D] chunked into K and V
+    kv, twin = torch.zeros(4, 2, 8, 8, dtype=torch.bfloat16), torch.zeros(4, 2, 8, 8, dtype=torch.bfloat16)
+    ops.cpu_attn_reshape_and_cache(key, value, *kv.chunk(2, dim=2), sm, "vec")
+    adapters.cpu_attn_reshape_and_cache(key, value, *twin.chunk(2, dim=2), sm, "vec", backend="torch")
+    assert torch.equal(kv, twin) and native_calls(st, "kvw_native_ops::cpu_attn_reshape_and_cache") == 1
+    fp8 = torch.zeros(4, 4, 2, 8, dtype=torch.uint8)
+    ops.reshape_and_cache_flash(key, value, fp8, fp8.clone(), sm, "fp8", one, one)
+    assert st.calls["reshape_and_cache_flash"] == 1 and bool(fp8.any())   # the Python writer ran
+    assert native_ops.ran == []
+
+
+@pytest.mark.parametrize("mode", ["assert", "guard"])
+def test_native_route_bad_slot_changes_no_byte(native_ops, mode, monkeypatch, fresh_guard):
+    """A bad slot through the C++ route: assert raises the named error (via the Python writer,
+    nothing written); guard with the step hook records into the layer's row (handed to C++ by the
+    first store, which went through Python) and the step's check names the layer."""
+    monkeypatch.setattr(validate, "DEFAULT_CHECK", mode)
+    plugin.sync_mode("auto")
+    st, ops = native_ops.state, native_ops.ops
+    qual = "kvw_native_ops::reshape_and_cache_flash"
+    key = torch.ones(3, 2, 8, dtype=torch.bfloat16)
+    kc = torch.zeros(4, 4, 2, 8, dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    fresh_guard.register({"model.layers.0.attn": kc}, {"model.layers.0.attn": 4}, {"model.layers.0.attn": 16})
+    fresh_guard.stepped = True
+    one = torch.ones(())
+    ops.reshape_and_cache_flash(key, key, kc, vc, torch.tensor([0, 1, 2]), "auto", one, one)
+    before = native_calls(st, qual)
+    snapshot = kc.clone()
+    bad = torch.tensor([5, 16, 6])                   # one past the last row
+    if mode == "assert":
+        with pytest.raises(kvwrite.OutOfBoundsWrite, match="loc 16"):
+            ops.reshape_and_cache_flash(key, key, kc, vc, bad, "auto", one, one)
+        assert torch.equal(kc, snapshot)
+        return
+    ops.reshape_and_cache_flash(key, key, kc, vc, bad, "auto", one, one)
+    assert native_calls(st, qual) == before + 1      # the C++ route ran it
+    with pytest.raises(kvwrite.OutOfBoundsWrite) as exc:
+        fresh_guard.check()
+    assert exc.value.loc == 16 and exc.value.token_index == 1 and "model.layers.0.attn" in str(exc.value)
+    expect = snapshot.clone()
+    expect[1, 1] = 1
+    expect[1, 2] = 1
+    assert torch.equal(kc, expect)                  # the good rows, no other byte
 
 
 def kv_views(kv):

@@ -140,12 +140,12 @@ def try_route(fn, name: str) -> dict:
     from kvwrite.integrations import vllm as plugin
 
     args, outs, adapter = call_args(name)
-    before_k, before_p = dict(KERNEL_RAN), sum(plugin.STATE.calls.values())
+    before_k, before_p = dict(KERNEL_RAN), plugin.STATE.total_calls()
     try:
         fn(*args)
     except Exception as exc:  # noqa: BLE001 - recorded
         return {"routed": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
-    kvwrite_ran = sum(plugin.STATE.calls.values()) > before_p
+    kvwrite_ran = plugin.STATE.total_calls() > before_p
     vllm_ran = KERNEL_RAN != before_k
     twin_args, twin_outs, _ = call_args(name)
     getattr(adapters, adapter)(*twin_args, check="off", backend="torch")

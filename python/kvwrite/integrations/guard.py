@@ -103,6 +103,7 @@ class StepGuard:
             info.block_size = (block_size or {}).get(name, info.block_size)
             info.rows = (rows or {}).get(name, info.rows)
             self._allocate(t.device)
+        forget_native_rows()
 
     def _allocate(self, device: torch.device) -> None:
         from kvwrite.errors import NUM_SLOTS, ErrorBuffer
@@ -120,6 +121,7 @@ class StepGuard:
             ErrorBuffer.reset(r)
         if old is not None:
             rec[:old.shape[0]].copy_(old)
+        forget_native_rows()
 
     def errors_for(self, cache: torch.Tensor | None, route: Route, device: torch.device | None = None):
         """The record row of `cache`'s layer (row 0 for an unregistered cache, or no single cache:
@@ -178,6 +180,15 @@ class StepGuard:
         if found and self.policy == "raise":
             raise found[0]
         return found
+
+
+def forget_native_rows() -> None:
+    """The C++ routes (csrc/engines.h) forget their record rows: caches were (re)registered or the
+    records reallocated; each cache's next store goes through Python, which hands its row over again."""
+    from kvwrite import _ext
+
+    if _ext.LOADED:
+        torch.ops.kvwrite_ext.engine_guard_clear()
 
 
 def check_namespace(info: LayerInfo, cache: torch.Tensor, route: Route) -> None:

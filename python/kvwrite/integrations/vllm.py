@@ -12,6 +12,9 @@ backend's store goes around kvwrite whatever the import order:
 - the kernels of the torch operators (`torch.ops._C_cache_ops.reshape_and_cache_flash`, which
   FlashInfer, FlexAttention, b12x, HPC and ROCm AITER call directly; OP_ROUTES) for every device
   key vLLM registered them on (torch.library registrations, not Python attributes).
+The operators of NATIVE get a C++ kernel (csrc/engines.h): vLLM's common call ("auto" caches)
+runs on kvwrite's raw store with no Python frame, every other call on the Python adapter; their
+Python wrappers in `vllm._custom_ops` (which only call the operator) are then left as they are.
 A startup log line ("vllm.kvwrite" logger) lists what is routed, and what is not and why; the
 `_C_cache_ops` operators that write a cache but have no kvwrite adapter are named there.
 
@@ -40,6 +43,7 @@ import importlib
 import importlib.abc
 import logging
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -87,6 +91,8 @@ NOT_STORES = ("swap_blocks", "swap_blocks_batch", "convert_fp8", "gather_and_may
               "concat_mla_q", "copy_blocks", "copy_blocks_mla", "hisparse_gather_plan",
               "hisparse_resolve_residency", "hisparse_gather_compact",
               "hisparse_invalidate_written_slots")
+# Adapters with a C++ kernel for their operator's common call (csrc/engines.h, by adapter name).
+NATIVE = ("cpu_attn_reshape_and_cache", "reshape_and_cache_flash")
 # Model-runner classes whose steps the guard checks and whose KV caches it registers.
 RUNNERS = (("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),)
 
@@ -117,9 +123,15 @@ class Installed:
     skipped: dict[str, str] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
     libraries: list = field(default_factory=list)
+    native: dict[str, list[int]] = field(default_factory=dict)    # "ns::op" -> engine_route handles
     finder: Any = None
     hooks: list = field(default_factory=list)
     prefix: str = "vllm"
+
+    def total_calls(self) -> int:
+        """Stores kvwrite ran: through the Python writers and the C++ routes."""
+        native = sum(torch.ops.kvwrite_ext.engine_calls(h) for hs in self.native.values() for h in hs)
+        return sum(self.calls.values()) + native
 
 
 STATE = Installed()
@@ -141,6 +153,8 @@ def routed(name: str, adapter: Callable, backend: str, state: Installed, route: 
         device = args[0].device if args and isinstance(args[0], torch.Tensor) else None
         errors = g.errors_for(cache, route or ROUTES[1], device)
         adapter(*args, check="guard", errors=errors, backend=backend, **kwargs)
+        if g.stepped and route is not None and route.adapter in NATIVE and isinstance(cache, torch.Tensor):
+            native_guard_row(cache, errors.tensor)   # the C++ route's next stores record there too
         if not g.stepped:
             g.raise_now(errors, cache) if isinstance(cache, torch.Tensor) else _raise_plain(errors)
 
@@ -209,9 +223,59 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _has_native() -> bool:
+    from kvwrite import _ext
+
+    return _ext._load() is None and hasattr(torch.ops.kvwrite_ext, "engine_route")
+
+
+_FALLBACKS: dict[str, Callable] = {}   # "ns::op" -> the Python writer its C++ route falls back to
+
+
+def _fallback_op(qual: str, fn: Callable, keys: list[str]) -> str:
+    """The operator `kvwrite_engine::<ns>__<op>` (the schema of `qual`) running `fn`: what the C++
+    route calls for a call off its fast path. Defined once per process; `fn` is looked up per call."""
+    ns, op = qual.split("::")
+    name = f"{ns}__{op}".lstrip("_")
+    if qual not in _FALLBACKS:
+        schema = str(getattr(getattr(torch.ops, ns), op).default._schema)
+        count = iter(range(1 << 30))   # mutable arguments renamed a0!, a1!, ... (their alias sets print oddly)
+        args = re.sub(r"Tensor\([^)]*!\s*(->\s*)?[^)]*\)", lambda m: f"Tensor(a{next(count)}!)",
+                      schema[schema.index("("):])
+        lib = torch.library.Library("kvwrite_engine", "FRAGMENT")
+        lib.define(name + args)
+        for key in ("CPU", "CUDA"):
+            lib.impl(name, lambda *a, _q=qual: _FALLBACKS[_q](*a), key)
+        _LIBS.append(lib)
+    _FALLBACKS[qual] = fn
+    return f"kvwrite_engine::{name}"
+
+
+_LIBS: list = []
+
+
+def sync_mode(backend: str | None = None) -> None:
+    """Hand the check mode (validate.DEFAULT_CHECK) and the backend to the C++ routes: done at
+    install and at every engine step (a store between steps keeps the step's mode)."""
+    from kvwrite import validate
+
+    if not _has_native():
+        return
+    backend = backend or os.environ.get(BACKEND_ENV, "auto")
+    device = {"auto": -1, "cpu": 0, "cuda": 1}.get(backend, -2)   # c10::DeviceType; -1 any, -2 none
+    torch.ops.kvwrite_ext.engine_mode(validate.CHECK_MODES[validate.DEFAULT_CHECK], device)
+
+
+def native_guard_row(cache: torch.Tensor, row: torch.Tensor) -> None:
+    """Guard mode: the C++ routes record stores into `cache` in `row` (its layer's record row)."""
+    torch.ops.kvwrite_ext.engine_guard_row(cache, row)
+
+
 def override_ops(adapters: Any, backend: str, state: Installed) -> None:
     """Point the device kernels of the operators in OP_ROUTES at the adapters (the dispatcher
-    then runs kvwrite for `torch.ops.<ns>.<op>(...)` callers too)."""
+    then runs kvwrite for `torch.ops.<ns>.<op>(...)` callers too); NATIVE ones at a C++ kernel
+    whose fallback is the adapter."""
+    native = _has_native()
     for qual, route in OP_ROUTES.items():
         ns, op = qual.split("::")
         if not torch._C._dispatch_has_kernel(qual):
@@ -221,15 +285,22 @@ def override_ops(adapters: Any, backend: str, state: Installed) -> None:
         if not keys:
             state.skipped[f"torch.ops.{ns}.{op}"] = f"no kernel registered for any of {', '.join(OP_KEYS)}"
             continue
-        lib = torch.library.Library(ns, "IMPL")
         fn = routed(op, getattr(adapters, route.adapter), backend, state, route)
         import warnings
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")   # "Overriding a previously registered kernel": intended
-            for key in keys:
-                lib.impl(op, fn, key)
-        state.libraries.append(lib)
+            if native and route.adapter in NATIVE:
+                py = _fallback_op(qual, fn, keys)
+                state.native[qual] = [torch.ops.kvwrite_ext.engine_route(qual, key, route.adapter, py)
+                                      for key in keys]
+            else:
+                lib = torch.library.Library(ns, "IMPL")
+                for key in keys:
+                    lib.impl(op, fn, key)
+                state.libraries.append(lib)
         state.ops[qual] = keys
+    if state.native:
+        sync_mode(backend)
     for qual in sorted(torch._C._dispatch_get_all_op_names()):
         ns, _, op = qual.partition("::")
         if ns == "_C_cache_ops" and qual not in OP_ROUTES and op.split(".")[0] not in NOT_STORES:
@@ -254,6 +325,8 @@ def hook_runners(modules: dict[str, Any], state: Installed) -> None:
         def execute_model(self, *args, __execute=execute, **kwargs):
             g = guard()
             g.stepped = True
+            if state.native:
+                sync_mode()
             out = __execute(self, *args, **kwargs)
             from kvwrite import validate
             if validate.DEFAULT_CHECK == "guard":
@@ -340,9 +413,16 @@ def install(import_module: Callable[[str], Any] = importlib.import_module,
         from kvwrite.compat import vllm as adapters
     backend = backend or os.environ.get(BACKEND_ENV, "auto")
     modules = sys.modules if modules is None else modules
+    if ops and not state.ops:
+        override_ops(adapters, backend, state)
+    # a wrapper that only calls an operator with a C++ route stays vLLM's own
+    by_op = {OP_ROUTES[q] for q in state.native}
     for route in ROUTES:
         key = f"{route.module}.{route.attr}"
-        if key in state.originals:
+        if key in state.originals or key in state.skipped:
+            continue
+        if route in by_op:
+            state.skipped[key] = "calls its operator, routed in C++"
             continue
         try:
             module = import_module(route.module)
@@ -359,8 +439,6 @@ def install(import_module: Callable[[str], Any] = importlib.import_module,
         setattr(module, route.attr, new)
     state.prefix = prefix
     rebind(modules, state, prefix)
-    if ops and not state.ops:
-        override_ops(adapters, backend, state)
     hook_runners(modules, state)
     if state.finder is None:
         state.finder = _Finder(state, prefix)
@@ -387,15 +465,19 @@ def uninstall(state: Installed | None = None) -> None:
         sys.meta_path.remove(state.finder)
     for lib in state.libraries:
         lib._destroy() if hasattr(lib, "_destroy") else None
+    for handles in state.native.values():
+        for h in handles:
+            torch.ops.kvwrite_ext.engine_unroute(h)
     state.originals.clear(), state.routed.clear(), state.rebound.clear(), state.hooks.clear()
-    state.libraries.clear(), state.ops.clear()
+    state.libraries.clear(), state.ops.clear(), state.native.clear()
     state.finder = None
 
 
 def report(state: Installed | None = None) -> str:
     """The startup line: what is routed to kvwrite, what is not and why."""
     state = STATE if state is None else state
-    routed_ = sorted(state.originals) + [f"torch.ops.{q.replace('::', '.')} [{'/'.join(k)}]"
+    routed_ = sorted(state.originals) + [f"torch.ops.{q.replace('::', '.')} [{'/'.join(k)}"
+                                         f"{', C++' if q in state.native else ''}]"
                                          for q, k in sorted(state.ops.items())]
     text = f"kvwrite: routed {len(routed_)} cache writer(s): {', '.join(routed_) or 'none'}"
     if state.rebound:
