@@ -182,16 +182,17 @@ CPU_ATTN_SCHEMA = ("(Tensor key, Tensor value, Tensor! key_cache, Tensor! value_
 def native_ops(monkeypatch):
     """Fake vLLM operators (vLLM's schemas, C++-registered stand-ins) routed by the plugin with
     backend "auto": the C++ route of csrc/engines.h runs their common call."""
-    if kvwrite.backends(torch.device("cpu")).get("cpu") is not None:
-        pytest.skip("the C++ extension is not available")
+    if kvwrite.backends(DEVICE).get(DEVICE.type) is not None:
+        pytest.skip(f"the C++ extension has no {DEVICE.type} kernels here")
     ns = "kvw_native_ops"
     lib = torch.library.Library(ns, "DEF")
     lib.define("reshape_and_cache_flash" + SCHEMA)
     lib.define("cpu_attn_reshape_and_cache" + CPU_ATTN_SCHEMA)
     ran = []
     for op in ("reshape_and_cache_flash", "cpu_attn_reshape_and_cache"):
-        lib.impl(op, lambda *a, op=op: ran.append(op), "CPU")
-        torch.library._impls.discard(f"{ns}/{op}/CPU")
+        for key in {"CPU", DEVICE.type.upper()}:
+            lib.impl(op, lambda *a, op=op: ran.append(op), key)
+            torch.library._impls.discard(f"{ns}/{op}/{key}")
     monkeypatch.setattr(plugin, "OP_ROUTES", {f"{ns}::reshape_and_cache_flash": plugin.ROUTES[1],
                                               f"{ns}::cpu_attn_reshape_and_cache": plugin.ROUTES[0]})
     st = plugin.Installed()
@@ -204,7 +205,7 @@ def native_ops(monkeypatch):
 
 
 def native_calls(st, qual):
-    return sum(torch.ops.kvwrite_ext.engine_calls(h) for h in st.native[qual])
+    return st.native_calls()[qual]
 
 
 def test_native_route_runs_the_common_call_in_cpp(native_ops):
@@ -216,21 +217,21 @@ def test_native_route_runs_the_common_call_in_cpp(native_ops):
     assert sorted(st.native) == ["kvw_native_ops::cpu_attn_reshape_and_cache", qual]
     assert "vllm._custom_ops.reshape_and_cache_flash" not in st.originals
     g = torch.Generator().manual_seed(0)
-    key, value = torch.randn(5, 2, 8, generator=g).bfloat16(), torch.randn(5, 2, 8, generator=g).bfloat16()
-    sm = torch.tensor([3, -1, 14, 0, 9])
-    kc, vc = torch.zeros(4, 4, 2, 8, dtype=torch.bfloat16), torch.zeros(4, 4, 2, 8, dtype=torch.bfloat16)
+    key, value = torch.randn(5, 2, 8, generator=g).bfloat16().to(DEVICE), torch.randn(5, 2, 8, generator=g).bfloat16().to(DEVICE)
+    sm = torch.tensor([3, -1, 14, 0, 9], device=DEVICE)
+    kc, vc = (torch.zeros(4, 4, 2, 8, dtype=torch.bfloat16, device=DEVICE) for _ in range(2))
     twin_k, twin_v = kc.clone(), vc.clone()
-    one = torch.ones(())
+    one = torch.ones((), device=DEVICE)
     ops.reshape_and_cache_flash(key, value, kc, vc, sm, "auto", one, one)
     adapters.reshape_and_cache_flash(key, value, twin_k, twin_v, sm, "auto", one, one, backend="torch")
     assert torch.equal(kc, twin_k) and torch.equal(vc, twin_v) and bool(kc.any())
     assert native_calls(st, qual) == 1 and st.calls.get("reshape_and_cache_flash", 0) == 0
     # vLLM's CPU attention layout: [blocks, H, 2 * bs, D] chunked into K and V
-    kv, twin = torch.zeros(4, 2, 8, 8, dtype=torch.bfloat16), torch.zeros(4, 2, 8, 8, dtype=torch.bfloat16)
+    kv, twin = (torch.zeros(4, 2, 8, 8, dtype=torch.bfloat16, device=DEVICE) for _ in range(2))
     ops.cpu_attn_reshape_and_cache(key, value, *kv.chunk(2, dim=2), sm, "vec")
     adapters.cpu_attn_reshape_and_cache(key, value, *twin.chunk(2, dim=2), sm, "vec", backend="torch")
     assert torch.equal(kv, twin) and native_calls(st, "kvw_native_ops::cpu_attn_reshape_and_cache") == 1
-    fp8 = torch.zeros(4, 4, 2, 8, dtype=torch.uint8)
+    fp8 = torch.zeros(4, 4, 2, 8, dtype=torch.uint8, device=DEVICE)
     ops.reshape_and_cache_flash(key, value, fp8, fp8.clone(), sm, "fp8", one, one)
     assert st.calls["reshape_and_cache_flash"] == 1 and bool(fp8.any())   # the Python writer ran
     assert native_ops.ran == []
@@ -241,20 +242,22 @@ def test_native_route_bad_slot_changes_no_byte(native_ops, mode, monkeypatch, fr
     """A bad slot through the C++ route: assert raises the named error (via the Python writer,
     nothing written); guard with the step hook records into the layer's row (handed to C++ by the
     first store, which went through Python) and the step's check names the layer."""
+    if mode == "assert" and DEVICE.type == "cuda":
+        pytest.skip("a device assert ends the CUDA context (the CUDA assert path: test_store_kv.py's subprocess)")
     monkeypatch.setattr(validate, "DEFAULT_CHECK", mode)
     plugin.sync_mode("auto")
     st, ops = native_ops.state, native_ops.ops
     qual = "kvw_native_ops::reshape_and_cache_flash"
-    key = torch.ones(3, 2, 8, dtype=torch.bfloat16)
-    kc = torch.zeros(4, 4, 2, 8, dtype=torch.bfloat16)
+    key = torch.ones(3, 2, 8, dtype=torch.bfloat16, device=DEVICE)
+    kc = torch.zeros(4, 4, 2, 8, dtype=torch.bfloat16, device=DEVICE)
     vc = torch.zeros_like(kc)
     fresh_guard.register({"model.layers.0.attn": kc}, {"model.layers.0.attn": 4}, {"model.layers.0.attn": 16})
     fresh_guard.stepped = True
-    one = torch.ones(())
-    ops.reshape_and_cache_flash(key, key, kc, vc, torch.tensor([0, 1, 2]), "auto", one, one)
+    one = torch.ones((), device=DEVICE)
+    ops.reshape_and_cache_flash(key, key, kc, vc, torch.tensor([0, 1, 2], device=DEVICE), "auto", one, one)
     before = native_calls(st, qual)
     snapshot = kc.clone()
-    bad = torch.tensor([5, 16, 6])                   # one past the last row
+    bad = torch.tensor([5, 16, 6], device=DEVICE)                   # one past the last row
     if mode == "assert":
         with pytest.raises(kvwrite.OutOfBoundsWrite, match="loc 16"):
             ops.reshape_and_cache_flash(key, key, kc, vc, bad, "auto", one, one)

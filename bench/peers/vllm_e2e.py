@@ -166,7 +166,7 @@ def child(model: str, mode: str, fault: str) -> dict:
             cause = cause.__cause__
         out["error"] = f"{type(cause).__name__}: {cause}"[:1500]
     out["fault_record"] = planter.record if planter is not None else record
-    out["calls"] = dict(plugin.STATE.calls)
+    out["calls"] = {**plugin.STATE.calls, **{f"{q} (C++)": n for q, n in plugin.STATE.native_calls().items()}}
     if mode in ("off", "guard") and fault == "none" and out["tokens"]:
         perf = SamplingParams(max_tokens=PERF_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
         prompts = [{"prompt_token_ids": [3 + i, 7, 11 + i, 13, 17]} for i in range(PERF_PROMPTS)]

@@ -128,10 +128,13 @@ class Installed:
     hooks: list = field(default_factory=list)
     prefix: str = "vllm"
 
+    def native_calls(self) -> dict[str, int]:
+        """Calls the C++ routes ran (by operator; the others are counted in `calls`)."""
+        return {q: sum(torch.ops.kvwrite_ext.engine_calls(h) for h in hs) for q, hs in self.native.items()}
+
     def total_calls(self) -> int:
         """Stores kvwrite ran: through the Python writers and the C++ routes."""
-        native = sum(torch.ops.kvwrite_ext.engine_calls(h) for hs in self.native.values() for h in hs)
-        return sum(self.calls.values()) + native
+        return sum(self.calls.values()) + sum(self.native_calls().values())
 
 
 STATE = Installed()
@@ -413,6 +416,11 @@ def install(import_module: Callable[[str], Any] = importlib.import_module,
         from kvwrite.compat import vllm as adapters
     backend = backend or os.environ.get(BACKEND_ENV, "auto")
     modules = sys.modules if modules is None else modules
+    for route in ROUTES:   # importing vllm._custom_ops loads vLLM's operators (override_ops needs them)
+        try:
+            import_module(route.module)
+        except ImportError:
+            pass
     if ops and not state.ops:
         override_ops(adapters, backend, state)
     # a wrapper that only calls an operator with a C++ route stays vLLM's own
