@@ -143,8 +143,10 @@ def _int4(env: dict, v: dict) -> None:
     if env["layout"] == "cpu_attn":
         raise ValueError("layout 'cpu_attn' stores plain and fp8 caches only (no int4)")
     for name, t in (("k_scale_cache", ksc), ("v_scale_cache", vsc)):
-        t = validate.tensor(name, t, ndim=3, dtypes=(torch.float32,), device=env["device"],
-                            last_contiguous=False)
+        t = validate.tensor(name, t, dtypes=(torch.float32,), device=env["device"], last_contiguous=False)
+        if t.dim() != 3:
+            raise ValueError(f"{name} of an int4 (uint8) cache must be [num_pages, pool_page_size, H] "
+                             f"(one scale per token-head), got shape {tuple(t.shape)}")
         validate.shape(name, t, (env["P"], env["S"], env["H"]),
                        "num_pages, pool_page_size, H: one scale per token-head (int4)")
     env.update(quant=QUANT_INT4, rule=RULE_VLLM, fmt=FMT_INT4)
