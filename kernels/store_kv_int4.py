@@ -119,11 +119,20 @@ def store_kv_int4_kernel(
 _IN = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 
+def block_tokens(n: int, row_elems: int) -> int:
+    """BLOCK_T: about 1K elements a program on a GPU (the butterfly keeps a tile's values live:
+    4K-element tiles need 80-92 registers, 1K stay under 64 with no spill); under the
+    interpreter as few programs as memory allows."""
+    from kvwrite.backend import triton_interpreting
+
+    per = 65536 if triton_interpreting() else 1024
+    return max(1, min(triton.next_power_of_2(max(n, 1)), per // max(row_elems, 1), 256))
+
+
 def launch(a) -> None:
     """Launch store_kv_int4_kernel for a validated `kvwrite.ops.kv.KVStore` (QUANT_INT4)."""
     from kvwrite import facts
     from kvwrite.kernels._launch import launch as run, loc_args
-    from kvwrite.kernels.store_kv_quant import block_tokens
 
     n, h, dk = a.k.shape
     dv = a.v.shape[2]
@@ -157,3 +166,6 @@ def variants():
             constexprs = dict(DK=128, DV=128, LOG_BK=7, LOG_BV=7, H_PAD=8, DK_PAD=128, DV_PAD=128, IN=code,
                               HAS_MAP=False, HAS_DCP=False, CHECK=check, OP=0, BLOCK_T=1)
             yield f"{str(dtype)[6:]}->int4 c{check}", store_kv_int4_kernel, pointers, constexprs
+            if dtype == torch.bfloat16:   # D = 256: a [8, 256] tile (BLOCK_T 1 at 1K elements)
+                wide = dict(constexprs, DK=256, DV=256, LOG_BK=8, LOG_BV=8, DK_PAD=256, DV_PAD=256)
+                yield f"bfloat16->int4 D256 c{check}", store_kv_int4_kernel, pointers, wide
