@@ -103,6 +103,12 @@ tail -1 "$OUT/duplicates_tests.log" | tee -a "$OUT/summary.txt"
 timeout 300 $PY bench/duplicates.py --device cuda --cases mha-bf16,mha-fp8,mla-fp8ds,indexer-k --sizes 1024 4096 \
     --out "$OUT/duplicates" > "$OUT/duplicates.log" 2>&1 || status=1
 grep -E "CUDA graph|ratio|skipped" "$OUT/duplicates.log" | tee -a "$OUT/summary.txt"
+step "store_kv int4 (vLLM INT4_PER_TOKEN_HEAD): every CUDA backend bit-exact vs the reference, guard skips + records a bad slot with no stray byte, decode bound; tests on CUDA"
+timeout 300 $PY bench/gpu/int4.py --out "$OUT/int4.json" > "$OUT/int4.log" 2>&1 || status=1
+tail -1 "$OUT/int4.log" | tee -a "$OUT/summary.txt"
+( cd tests && KVWRITE_TEST_DEVICE=cuda timeout 300 $PY -m pytest -q -n 0 -p no:cacheprovider test_int4.py ) \
+    > "$OUT/int4_tests.log" 2>&1 || status=1
+tail -1 "$OUT/int4_tests.log" | tee -a "$OUT/summary.txt"
 # New steps (sanitizer, benchmarks) go above this line.
 step "vLLM plugin guard: eager / torch.compile / CUDA-graph replay, records read once per step, layers named"; timeout 300 $PY bench/peers/guard_graph_check.py --device cuda > "$OUT/guard_graph.jsonl" 2>&1 || status=1; tail -1 "$OUT/guard_graph.jsonl" | tee -a "$OUT/summary.txt"
 step "NIXL page transfers from device memory (VRAM over UCX): bytes equal, kvwrite vs raw NIXL throughput"

@@ -29,6 +29,7 @@
 #include "kvwrite/claims.h"
 #include "params.h"
 #include "params_dsv4.h"
+#include "params_int4.h"
 
 namespace kvwrite {
 namespace api {
@@ -272,6 +273,11 @@ inline bool kv_quant(Call& c) {
   const int64_t dt = c.e("k_cache");
   const bool int8 = dt == int64_t(at::kChar), scales = !c.none("k_scale") && !c.none("v_scale");
   const auto ks = c.opt("k_scale_cache"), vs = c.opt("v_scale_cache");
+  if (dt == int64_t(at::kByte)) {  // int4 (ops.kv._int4): per-token-head scale caches, no static scales
+    c.e("quant") = 4;
+    return ks && vs && ks->dim() == 3 && vs->dim() == 3 && c.none("k_scale") && c.none("v_scale") &&
+           c.e("layout") < 2 && (name.isNone() || c.e("rule") == 1);
+  }
   if (!ks && !vs) {
     c.e("quant") = int8 || is_fp8(dt) ? 1 : 0;
     return c.e("rule") == 0 && (c.e("quant") ? scales : c.none("k_scale") && c.none("v_scale"));
@@ -302,6 +308,15 @@ inline bool rule(const std::vector<std::string>& w, Call& c) {
            c.e("k_cache") != int64_t(at::kChar);
   }
   if (r == "kv_quant") return kv_quant(c);
+  if (r == "kv_widths") {  // ops.kv._widths: a uint8 (int4) cache holds D / 2 bytes a head
+    const c10::IValue& kc = c.v("k_cache");
+    const bool i4 = kc.isTensor() && kc.toTensor().scalar_type() == at::kByte;
+    const int64_t d = c.e("D"), dv = c.e("Dv");
+    if (i4 && (d % 2 || dv % 2 || std::max(d, dv) > INT4_MAX_DIM)) return false;
+    c.e("Dk") = i4 ? d / 2 : d;
+    c.e("Dvk") = i4 ? dv / 2 : dv;
+    return true;
+  }
   if (r == "kv_scales") return is_fp8(c.e(w[1])) ? !c.none("k_scale") && !c.none("v_scale")  // fp8: both
                                                  : c.none("k_scale") && c.none("v_scale");
   if (r == "split_x") {  // ops.kv_head_major._split_x: key cache [P, H, D / x, S, x], x = 16 bytes
@@ -451,9 +466,14 @@ struct Launch {
     if (c.e("layout") != 2) return cv(c, x);
     return x.as_strided({x.size(0), x.size(2), x.size(1), x.size(3), 1}, {x.stride(0), 1, x.stride(1), x.size(2), 1});
   }
-  // copy / static fp8: the store_kv kernel; int8 and dynamic scales: store_kv_quant's.
+  // copy / static fp8: the store_kv kernel; int8 and dynamic scales: store_kv_quant's; int4 its own.
   static void store_kv(Call& c, const Tail& t) {
     const int64_t quant = c.e("quant");
+    if (quant == 4) {
+      R::store_kv_int4(c.t("k"), c.t("v"), cv(c, c.t("k_cache")), cv(c, c.t("v_cache")), c.t("k_scale_cache"),
+                       c.t("v_scale_cache"), KVW_TAIL_ARGS);
+      return;
+    }
     if (quant == 0 || (quant == 1 && c.e("k_cache") != int64_t(at::kChar))) {
       R::store_kv(c.t("k"), c.t("v"), cvk(c, c.t("k_cache")), cv(c, c.t("v_cache")), c.opt("k_scale"), c.opt("v_scale"),
                   KVW_TAIL_ARGS);

@@ -10,6 +10,7 @@
 #include "launch.h"
 #include "params.h"
 #include "params_dsv4.h"
+#include "params_int4.h"
 #include "params_rope.h"
 #include "params_pages.h"
 
@@ -233,6 +234,19 @@ void store_kv_quant_cuda(const Tensor& k, const Tensor& v, const Tensor& k_cache
   check_launch(launch_store_kv_quant(p, int(check), c10::cuda::getCurrentCUDAStream()));
 }
 
+void store_kv_int4_cuda(const Tensor& k, const Tensor& v, const Tensor& k_cache, const Tensor& v_cache,
+                        const Tensor& k_scale_cache, const Tensor& v_scale_cache, const Tensor& loc,
+                        const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size,
+                        int64_t check, int64_t op, const OptTensor& batch_indices, const OptTensor& kv_indices,
+                        const OptTensor& kv_indptr) {
+  const c10::cuda::CUDAGuard guard(k.device());
+  StoreKVInt4Params p = store_kv_int4_params(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, loc, loc_map,
+                                             errors, dcp_rank, dcp_size, check, op);
+  set_table(p.locs, batch_indices, kv_indices, kv_indptr, k);
+  if (p.locs.n == 0) return;
+  check_launch(launch_store_kv_int4(p, int(check), c10::cuda::getCurrentCUDAStream()));
+}
+
 // The duplicate-row pre-pass (kvwrite/claims.h, csrc/claims.cu): guard returns the loc the
 // store runs on; assert returns an empty tensor (a duplicate is a device assert).
 Tensor claim_rows_cuda(const Tensor& loc, const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank,
@@ -265,6 +279,7 @@ TORCH_LIBRARY_IMPL(kvwrite_ext, CUDA, m) {
   m.impl("slot_mapping", &kvwrite::slot_mapping_cuda);
   m.impl("store_kv", &kvwrite::store_kv_cuda);
   m.impl("store_kv_quant", &kvwrite::store_kv_quant_cuda);
+  m.impl("store_kv_int4", &kvwrite::store_kv_int4_cuda);
   m.impl("store_mla", &kvwrite::store_mla_cuda);
   m.impl("store_indexer_k", &kvwrite::store_indexer_k_cuda);
   m.impl("store_kv_nvfp4", &kvwrite::store_kv_nvfp4_cuda);
@@ -285,6 +300,7 @@ struct CudaRun {
   static constexpr const char* NAME = "cuda";
   static constexpr auto store_kv = &store_kv_cuda;
   static constexpr auto store_kv_quant = &store_kv_quant_cuda;
+  static constexpr auto store_kv_int4 = &store_kv_int4_cuda;
   static constexpr auto store_mla = &store_mla_cuda;
   static constexpr auto store_indexer_k = &store_indexer_k_cuda;
   static constexpr auto store_kv_nvfp4 = &store_kv_nvfp4_cuda;

@@ -8,6 +8,7 @@
 #include "kvwrite/store_indexer_k.h"
 #include "kvwrite/store_kv.h"
 #include "kvwrite/store_kv_quant.h"
+#include "kvwrite/kv_int4.h"
 #include "kvwrite/store_kv_nvfp4.h"
 #include "kvwrite/store_mla.h"
 #include "kvwrite/rope_store.h"
@@ -25,6 +26,7 @@ namespace kvwrite {
 // Each enqueues one kernel on `stream` (no host sync) and returns cudaGetLastError().
 cudaError_t launch_store_kv(const StoreKVParams& p, int check, cudaStream_t stream);
 cudaError_t launch_store_kv_quant(const StoreKVQuantParams& p, int check, cudaStream_t stream);
+cudaError_t launch_store_kv_int4(const StoreKVInt4Params& p, int check, cudaStream_t stream);
 cudaError_t launch_store_mla(const StoreMLAParams& p, int check, cudaStream_t stream);
 cudaError_t launch_store_indexer_k(const StoreIndexerKParams& p, int check, cudaStream_t stream);
 cudaError_t launch_store_kv_nvfp4(const StoreKVNVFP4Params& p, int check, cudaStream_t stream);

@@ -16,6 +16,7 @@
 #include "engines.h"
 #include "params.h"
 #include "params_dsv4.h"
+#include "params_int4.h"
 #include "params_pages.h"
 #include "params_rope.h"
 
@@ -126,6 +127,9 @@ int64_t token_bytes(const StoreDSV4FP4Params& p) {
 }
 int64_t token_bytes(const StoreRowsParams& p) { return 2 * p.row_bytes; }
 int64_t token_bytes(const GatherParams& p) { return 2 * p.heads * p.head_bytes; }  // page moves
+int64_t token_bytes(const StoreKVInt4Params& p) {  // store_kv's int4 format
+  return int64_t(p.H) * (p.k.D + p.v.D) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT;
+}
 int64_t token_bytes(const StoreKVQuantParams& p) {  // store_kv_quant
   return int64_t(p.H) * (p.k.D + p.v.D) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT;
 }
@@ -392,6 +396,18 @@ void store_kv_quant_cpu(const Tensor& k, const Tensor& v, const Tensor& k_cache,
   KVW_RUN_CPU(dispatch_store_kv_quant, p, check);
 }
 
+// store_kv's int4 format (kvwrite/kv_int4.h, vLLM's INT4_PER_TOKEN_HEAD).
+void store_kv_int4_cpu(const Tensor& k, const Tensor& v, const Tensor& k_cache, const Tensor& v_cache,
+                       const Tensor& k_scale_cache, const Tensor& v_scale_cache, const Tensor& loc,
+                       const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size,
+                       int64_t check, int64_t op, const OptTensor& batch_indices, const OptTensor& kv_indices,
+                       const OptTensor& kv_indptr) {
+  StoreKVInt4Params p = store_kv_int4_params(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, loc, loc_map,
+                                             errors, dcp_rank, dcp_size, check, op);
+  set_table(p.locs, batch_indices, kv_indices, kv_indptr, k);
+  KVW_RUN_CPU(dispatch_store_kv_int4, p, check);
+}
+
 // Fused RoPE + store (kvwrite/rope_store.h): each parallel chunk rotates its tokens' k (k_pe)
 // into one reused, cache-hot scratch row, then stores that row.
 // One counter for every rope op and instantiation: the id keys rope_head_host's per-thread cos/sin
@@ -559,10 +575,13 @@ TORCH_LIBRARY_FRAGMENT(kvwrite_ext, m) {
   m.def("store_kv_quant(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k_scale, "
         "Tensor? v_scale, Tensor(c!)? k_scale_cache, Tensor(d!)? v_scale_cache, int quant, int rule, " KVW_TAIL
         ") -> ()");
+  m.def("store_kv_int4(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) k_scale_cache, "
+        "Tensor(d!) v_scale_cache, " KVW_TAIL ") -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvwrite_ext, CPU, m) {
   m.impl("store_kv_quant", &kvwrite::store_kv_quant_cpu);
+  m.impl("store_kv_int4", &kvwrite::store_kv_int4_cpu);
   m.impl("claim_rows", &kvwrite::claim_rows_cpu);
 }
 
@@ -605,6 +624,7 @@ struct CpuRun {
   static constexpr const char* NAME = "cpu";
   static constexpr auto store_kv = &store_kv_cpu;
   static constexpr auto store_kv_quant = &store_kv_quant_cpu;
+  static constexpr auto store_kv_int4 = &store_kv_int4_cpu;
   static constexpr auto store_mla = &store_mla_cpu;
   static constexpr auto store_indexer_k = &store_indexer_k_cpu;
   static constexpr auto store_kv_nvfp4 = &store_kv_nvfp4_cpu;

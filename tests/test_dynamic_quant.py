@@ -397,14 +397,12 @@ def test_vllm_per_token_head_adapter(backend, mode):
     assert bool((ks[0, 1] == -1).all())   # slot 1 was never written
 
 
-def test_vllm_int4_per_token_head_is_refused():
+def test_vllm_per_token_head_mode_is_checked():
+    """An unknown kv_quant_mode is refused by name (INT4_PER_TOKEN_HEAD is stored: test_int4.py)."""
     from kvwrite.compat.vllm import triton_reshape_and_cache_flash_per_token_head_quant as store
 
     k = torch.randn(1, 1, 16, device=DEVICE)
     kc = torch.zeros(1, 4, 1, 8, dtype=torch.uint8, device=DEVICE)
-    with pytest.raises(NotImplementedError, match="INT4_PER_TOKEN_HEAD"):
-        store(k, k, kc, kc.clone(), torch.zeros(1, 4, 1, device=DEVICE), torch.zeros(1, 4, 1, device=DEVICE),
-              torch.tensor([0], device=DEVICE), 4)
     with pytest.raises(ValueError, match="kv_quant_mode must be"):
         store(k, k, kc, kc.clone(), torch.zeros(1, 4, 1, device=DEVICE), torch.zeros(1, 4, 1, device=DEVICE),
               torch.tensor([0], device=DEVICE), 1)

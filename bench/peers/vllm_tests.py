@@ -74,7 +74,9 @@ def main() -> int:
         copy = patched_copy(src)
         xml = copy.with_suffix(".xml")
         sel = " or ".join(f"{n}[" for n in names)
-        env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{root}", KVWRITE_SHIM_BACKEND=args.backend,
+        # a PYTHONPATH given to this script comes first (a checkout's kvwrite over the installed one)
+        path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(HERE), str(root)) if p)
+        env = dict(os.environ, PYTHONPATH=path, KVWRITE_SHIM_BACKEND=args.backend,
                    TRITON_INTERPRET="1")
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "vllm_shim", "-p", "no:cacheprovider",
                str(copy), "-k", " or ".join(names), f"--junitxml={xml}", "-o", "addopts="]

@@ -12,6 +12,7 @@ from kvwrite.reference.mla import dequant_ds_mla
 from kvwrite.ops.nvfp4 import store_kv_nvfp4
 from kvwrite.ops.rope import rope_store_kv, rope_store_mla
 from kvwrite.reference.kv_quant import dequant_kv
+from kvwrite.reference.kv_int4 import dequant_kv_int4
 from kvwrite.ops.dsv4 import (compressed_loc, state_loc, store_dsv4_indexer_k, store_dsv4_kv,
                               store_rows)
 from kvwrite.reference.dsv4 import dequant_dsv4_kv, read_dsv4_indexer_k
@@ -35,7 +36,7 @@ __all__ = [
     "compressed_loc", "dequant_dsv4_kv", "read_dsv4_indexer_k", "state_loc", "store_dsv4_indexer_k",
     "store_dsv4_kv", "store_rows",
     "PageTable",
-    "dequant_kv", "rope_store_kv", "rope_store_mla",
+    "dequant_kv", "dequant_kv_int4", "rope_store_kv", "rope_store_mla",
     "copy_pages", "gather", "move_rows", "slot_mapping",
     "dequant_dsv4_kv_fp4", "rope_store_dsv4_kv_fp4", "store_dsv4_kv_fp4",
 ]

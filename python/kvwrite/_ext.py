@@ -344,6 +344,11 @@ def store_kv_quant(a) -> None:
          None if static else a.v_scale_cache, a.quant, a.rule)
 
 
+def store_kv_int4(a) -> None:
+    """`a`: kvwrite.ops.kv.KVStore in the int4 format (canonical caches, [P, S, H] scale caches)."""
+    _run(a, "store_kv_int4", a.k, a.v, a.k_cache, a.v_cache, a.k_scale_cache, a.v_scale_cache)
+
+
 def store_mla(a) -> None:
     """`a`: kvwrite.ops.mla.StoreMLA (`kv_cache` `[pages, pool_page_size, row]`; nvfp4 also
     `scale_cache` `[pages, pool_page_size, (L+R)/16]` and an optional `global_scale`)."""

@@ -58,6 +58,34 @@ RULE_RNE = 0    # x / scale, round to nearest even (kvwrite's default)
 RULE_VLLM = 1   # x * (1 / scale), int8 half away from zero (vLLM's per-token-head store)
 RULES = {"rne": RULE_RNE, "vllm": RULE_VLLM}
 
+# --- store_kv's int4 format: vLLM's INT4_PER_TOKEN_HEAD (formulas: kvwrite.reference.kv_int4) ----
+QUANT_INT4 = 4          # dynamic per token-head, randomized Hadamard rotation, packed 4-bit codes
+FMT_INT4 = 4            # uint8 cache [pages, pps, H, D / 2]: two codes a byte, even element low
+INT4_MAX_DIM = 512      # the largest head dim (csrc/kvwrite/kv_int4.h's per-head buffer)
+INT4_LEVELS = 15.0      # codes 0..15: scale = max((max - min) / 15, 1e-6)
+INT4_ZP_BITS = 0xF      # the zero point rides in the fp32 scale's low 4 mantissa bits
+INT4_RHT_SEED = 0x9E3779B9   # torch CPU generator seed of vLLM's +-1 rotation signs (round 0)
+_RHT_SIGNS: dict = {}
+
+
+def int4_rht_block(head_dim: int) -> int:
+    """The rotation's block: the largest power of two dividing head_dim (H_b block-diagonal)."""
+    return head_dim & -head_dim
+
+
+def int4_rht_signs(head_dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The fp32 +-1 sign vector [block] of the rotation of rows of `head_dim` (vLLM's: 2 *
+    bernoulli(0.5) - 1 from a CPU torch.Generator seeded INT4_RHT_SEED; cached per device)."""
+    b = int4_rht_block(head_dim)
+    key = (b, str(device))
+    s = _RHT_SIGNS.get(key)
+    if s is None:
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(INT4_RHT_SEED)
+        cpu = 2.0 * torch.bernoulli(torch.full((b,), 0.5), generator=gen) - 1.0
+        s = _RHT_SIGNS[key] = cpu.to(device)
+    return s
+
 # --- DSA indexer K and DeepSeek scales ----------------------------------------------------------
 AMAX_FLOOR = 1e-4   # scale = max(amax, AMAX_FLOOR) / fmax (indexer K, DeepSeek V4)
 

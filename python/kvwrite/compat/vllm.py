@@ -25,6 +25,9 @@ Where kvwrite differs (and why):
 - `indexer_k_quant_and_cache` takes any head_dim that is a multiple of `quant_block_size`
   (vLLM's kernel: one warp of 4-element vectors per block, i.e. quant_block_size = 128).
 - ROCm's "fp8" (e4m3fnuz) is not supported.
+- INT4_PER_TOKEN_HEAD (`triton_reshape_and_cache_flash_per_token_head_quant`): vLLM rotates K/V
+  with the fp32 butterfly on CPU but with Hadacore / a bf16 Triton matmul on a GPU; kvwrite
+  always uses the butterfly (its GPU bytes equal its CPU bytes, and vLLM's CPU bytes).
 
 Where vLLM changed behaviour between releases, the adapter follows `vllm_version` (keyword, or
 the module's `VLLM_VERSION`: the `KVWRITE_VLLM_VERSION` environment variable, else the newest
@@ -50,6 +53,7 @@ from kvwrite.ops.mla import ds_mla_row_bytes, store_mla
 
 __all__ = ["concat_and_cache_mla", "concat_and_cache_mla_grouped", "cpu_attn_reshape_and_cache", "ds_mla_scale", "indexer_k_quant_and_cache",
            "reshape_and_cache", "reshape_and_cache_flash", "reshape_and_cache_flash_per_token_quant",
+           "reshape_and_cache_int4",
            "register_caches", "swap_blocks", "cp_gather_cache",
            "triton_reshape_and_cache_flash_per_token_head_quant"]
 
@@ -419,24 +423,65 @@ def triton_reshape_and_cache_flash_per_token_head_quant(
     bytes can differ from these (and from its own CPU/interpreter run) by one code where that
     division is off by an ulp. Differences kept on purpose (kvwrite's special-value policy):
     absmax over the finite values (an inf or NaN element does not blank its head), NaN -> int8 0.
-    INT4_PER_TOKEN_HEAD (a randomized Hadamard rotation, asymmetric 4-bit codes with the zero
-    point in the scale's low mantissa bits) is not implemented: NotImplementedError."""
+
+    INT4_PER_TOKEN_HEAD (vLLM's `reshape_and_cache_int4`): uint8 caches `[num_blocks, block_size,
+    H, D / 2]`, store_kv's int4 format (`kvwrite.reference.kv_int4`: a randomized Hadamard
+    rotation, asymmetric 4-bit codes, the zero point in the scale's low 4 mantissa bits). The
+    bytes equal vLLM's CPU run (its fp32 butterfly rotation) for finite inputs; vLLM's GPU run
+    rotates with Hadacore or a bf16 Triton matmul (other roundings: codes one apart in places).
+    Differences kept on purpose: the range is taken over the finite rotated values (NaN -> the
+    zero point, +-inf saturate), subnormal inputs read as zero, and a zero point past int32 range
+    (an all-negative row with a floored scale) clamps to 15 where vLLM's float -> int32 overflows.
+
+    vLLM's Triton attention backend passes int4 caches whose rows carry the fp32 scale inline
+    after the data (last dim D / 2 + 4 bytes, `_ensure_scale_caches`): such a cache is narrowed
+    to its data bytes (the scale caches are vLLM's strided views of the rest, taken as they are)."""
     mode = _pth_mode(kv_quant_mode, key_cache)
+    key, value = _tokens("key", key, slot_mapping), _tokens("value", value, slot_mapping)
     if mode == INT4_PER_TOKEN_HEAD:
-        raise NotImplementedError(
-            "kv_quant_mode=INT4_PER_TOKEN_HEAD is not implemented by kvwrite: vLLM's packed int4 "
-            "cache pre-rotates K/V with a Hadamard transform and hides an asymmetric zero point in "
-            "the scale's mantissa bits; use INT8_PER_TOKEN_HEAD or FP8_PER_TOKEN_HEAD")
+        for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+            if isinstance(cache, torch.Tensor) and cache.dtype != torch.uint8:
+                raise TypeError(f"kv_quant_mode=INT4_PER_TOKEN_HEAD needs uint8 caches, got {name} {cache.dtype}")
+        key_cache = _data_part(key_cache, key, 2)
+        value_cache = _data_part(value_cache, value, 2)
+        store_kv(key, value, key_cache, value_cache, slot_mapping, layout="NHD",
+                 k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache, check=check, errors=errors,
+                 backend=backend, quant_rule="vllm")
+        return
     if mode == FP8_PER_TOKEN_HEAD:
         key_cache = as_fp8("key_cache", key_cache, torch.float8_e4m3fn)
         value_cache = as_fp8("value_cache", value_cache, torch.float8_e4m3fn)
     elif isinstance(key_cache, torch.Tensor) and key_cache.dtype != torch.int8:
         raise TypeError(f"kv_quant_mode=INT8_PER_TOKEN_HEAD needs int8 caches, got key_cache "
                         f"{key_cache.dtype}")
-    key, value = _tokens("key", key, slot_mapping), _tokens("value", value, slot_mapping)
     store_kv(key, value, key_cache, value_cache, slot_mapping, layout="NHD",
              k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache, check=check, errors=errors,
              backend=backend, quant_rule="vllm")
+
+
+def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                           value_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+                           k_scale_cache: torch.Tensor, v_scale_cache: torch.Tensor,
+                           check: str | None = None, errors: ErrorBuffer | None = None,
+                           backend: str = "auto") -> None:
+    """`vllm.v1.attention.ops.int4_per_token_head.reshape_and_cache_int4`, the INT4_PER_TOKEN_HEAD
+    writer (vLLM's per-token-head store calls it): the same store as
+    `triton_reshape_and_cache_flash_per_token_head_quant` with kv_quant_mode=INT4_PER_TOKEN_HEAD."""
+    triton_reshape_and_cache_flash_per_token_head_quant(
+        key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping, INT4_PER_TOKEN_HEAD,
+        check=check, errors=errors, backend=backend)
+
+
+def _data_part(cache: object, x: object, per_byte: int) -> object:
+    """A per-token-head cache `[blocks, block_size, H, width + 4 / element size]` (vLLM's Triton
+    attention layout: each head's fp32 scale inline after its data, width = D / per_byte) as its
+    `[..., :width]` data view; any other cache unchanged (store_kv checks it). Used for int4."""
+    if (isinstance(cache, torch.Tensor) and isinstance(x, torch.Tensor) and cache.dim() == 4
+            and x.dim() == 3 and cache.element_size() <= 4):
+        width = x.shape[2] // per_byte
+        if cache.shape[3] == width + 4 // cache.element_size():
+            return cache[..., :width]
+    return cache
 
 
 def reshape_and_cache_flash_per_token_quant(key: torch.Tensor, value: torch.Tensor,

@@ -71,6 +71,9 @@ ROUTES = (
     Route(TRITON, "triton_reshape_and_cache_flash", "reshape_and_cache_flash"),
     Route(TRITON, "triton_reshape_and_cache_flash_per_token_head_quant",
           "triton_reshape_and_cache_flash_per_token_head_quant"),
+    # INT4_PER_TOKEN_HEAD's own writer (vLLM 0.32 calls it from the per-token-head store above,
+    # which is routed whole; routed too for any other caller)
+    Route("vllm.v1.attention.ops.int4_per_token_head", "reshape_and_cache_int4", "reshape_and_cache_int4"),
 )
 # The torch operators behind them ("namespace::name" -> the route whose adapter takes its schema).
 OP_ROUTES = {

@@ -3,9 +3,12 @@
 Formats (the quant mode `kvwrite.facts.QUANT_*`, picked from the cache dtype and the scales):
 copy (a cache in the input dtype), static (an fp8 or int8 cache with fp32 `k_scale`/`v_scale`),
 dynamic per token / per token-head (an int8 / e4m3fn / e5m2 cache with fp32 scale caches
-`k_scale_cache`/`v_scale_cache`, vLLM's per-token-quant caches). Copy and static fp8 run the
-store_kv kernels; int8 and dynamic scales the store_kv_quant kernels (`kernels/store_kv_quant.py`,
-device functions `kernels/_quant.py`, C++ `csrc/kvwrite/store_kv_quant.h`, `kv_quant.h`).
+`k_scale_cache`/`v_scale_cache`, vLLM's per-token-quant caches), int4 (QUANT_INT4: a uint8 cache
+`[pages, pps, H, D / 2]` with per-token-head scale caches, vLLM's INT4_PER_TOKEN_HEAD; formulas
+on `kvwrite.reference.kv_int4`). Copy and static fp8 run the store_kv kernels; int8 and dynamic
+scales the store_kv_quant kernels (`kernels/store_kv_quant.py`, device functions
+`kernels/_quant.py`, C++ `csrc/kvwrite/store_kv_quant.h`, `kv_quant.h`); int4 its own
+(`kernels/store_kv_int4.py`, `csrc/kvwrite/kv_int4.h`).
 
 Per token (or token-head) over the values x (fp32 of the input dtype):
     scale  = max(amax(|x|) / QMAX, 1e-6)       fp32 division; QMAX 127 (int8), 448 (e4m3fn), 57344 (e5m2)
@@ -29,8 +32,9 @@ import torch
 
 from kvwrite import validate
 from kvwrite.errors import ErrorBuffer
-from kvwrite.facts import (FMT_INT8, FMT_SAME, FORMAT_OF, KV_LAYOUTS as LAYOUTS, QUANT_COPY, QUANT_DTYPES,
-                           QUANT_HEAD, QUANT_STATIC, QUANT_TOKEN, RULE_RNE, RULES)
+from kvwrite.facts import (FMT_INT4, FMT_INT8, FMT_SAME, FORMAT_OF, INT4_MAX_DIM, KV_LAYOUTS as LAYOUTS,
+                           QUANT_COPY, QUANT_DTYPES, QUANT_HEAD, QUANT_INT4, QUANT_STATIC, QUANT_TOKEN,
+                           RULE_RNE, RULE_VLLM, RULES)
 from kvwrite.geometry import PageGeometry
 from kvwrite.ops import spec
 from kvwrite.ops._common import Check, Locs, impls
@@ -39,6 +43,7 @@ OP = "store_kv"
 IMPLS = impls("kv:store_kv", "store_kv:launch", "store_kv")
 # int8 caches and dynamic scales
 QUANT_IMPLS = impls("kv_quant:store_kv_quant", "store_kv_quant:launch", "store_kv_quant")
+INT4_IMPLS = impls("kv_int4:store_kv_int4", "store_kv_int4:launch", "store_kv_int4")
 
 
 @dataclass(slots=True, eq=False)
@@ -106,11 +111,55 @@ def _dynamic(env: dict, v: dict) -> int:
     return QUANT_HEAD if ksc.dim() == 3 else QUANT_TOKEN
 
 
+@spec.rule("kv_widths")
+def _widths(env: dict, v: dict) -> None:
+    """The caches' last dims Dk / Dvk: D and Dv, halved for a uint8 cache (int4: two codes a
+    byte; even head dims of at most INT4_MAX_DIM)."""
+    kc = v["k_cache"]
+    d, dv = env["D"], env["Dv"]
+    if isinstance(kc, torch.Tensor) and kc.dtype == torch.uint8:
+        if d % 2 or dv % 2 or max(d, dv) > INT4_MAX_DIM:
+            raise ValueError(f"an int4 (uint8) cache needs even head dims of at most {INT4_MAX_DIM}, "
+                             f"got D={d}, Dv={dv}")
+        env.update(Dk=d // 2, Dvk=dv // 2, kdim="D / 2 (two int4 codes a byte)",
+                   vdim="Dv / 2 (two int4 codes a byte)")
+    else:
+        env.update(Dk=d, Dvk=dv, kdim="D", vdim="Dv")
+
+
+def _int4(env: dict, v: dict) -> None:
+    """QUANT_INT4 (a uint8 cache): per-token-head fp32 scale caches [P, S, H], no static scales,
+    no other quant_rule than vLLM's, NHD / HND caches."""
+    ksc, vsc = v["k_scale_cache"], v["v_scale_cache"]
+    if v["k_scale"] is not None or v["v_scale"] is not None:
+        raise ValueError("k_scale/v_scale do not apply to an int4 (uint8) cache: its scales are "
+                         "per token-head, in k_scale_cache/v_scale_cache")
+    if ksc is None or vsc is None:
+        raise ValueError("an int4 (uint8) cache needs k_scale_cache and v_scale_cache, fp32 "
+                         "[num_pages, pool_page_size, H]")
+    if v["quant_rule"] not in (None, "vllm"):
+        raise ValueError(f"quant_rule={v['quant_rule']!r} does not apply to an int4 (uint8) cache: "
+                         f"the format has one rounding rule (vLLM's; kvwrite.reference.kv_int4)")
+    if env["layout"] == "cpu_attn":
+        raise ValueError("layout 'cpu_attn' stores plain and fp8 caches only (no int4)")
+    for name, t in (("k_scale_cache", ksc), ("v_scale_cache", vsc)):
+        t = validate.tensor(name, t, dtypes=(torch.float32,), device=env["device"], last_contiguous=False)
+        if t.dim() != 3:
+            raise ValueError(f"{name} of an int4 (uint8) cache must be [num_pages, pool_page_size, H] "
+                             f"(one scale per token-head), got shape {tuple(t.shape)}")
+        validate.shape(name, t, (env["P"], env["S"], env["H"]),
+                       "num_pages, pool_page_size, H: one scale per token-head (int4)")
+    env.update(quant=QUANT_INT4, rule=RULE_VLLM, fmt=FMT_INT4)
+
+
 @spec.rule("kv_quant")
 def _quant(env: dict, v: dict) -> None:
-    """The format: copy (no scales), static (fp8 / int8 cache with both scales) or dynamic (both
-    scale caches); `quant_rule` only for dynamic scales; "cpu_attn" caches copy or fp8 only."""
+    """The format: copy (no scales), static (fp8 / int8 cache with both scales), dynamic (both
+    scale caches) or int4 (a uint8 cache, `_int4`); `quant_rule` only for dynamic scales;
+    "cpu_attn" caches copy or fp8 only."""
     dtype, name = env["k_cache"], v["quant_rule"]
+    if dtype == torch.uint8:
+        return _int4(env, v)
     rule = RULES[validate.choice("quant_rule", "rne" if name is None else name, tuple(RULES))]
     if v["k_scale_cache"] is not None or v["v_scale_cache"] is not None:
         quant = _dynamic(env, v)
@@ -143,25 +192,28 @@ def _build(v: dict, env: dict, locs: Locs, chk: Check) -> KVStore:
 
 
 def format_impls(a: KVStore) -> tuple:
-    """The kernels of a call's format: store_kv's for copy / static fp8, else store_kv_quant's."""
+    """The kernels of a call's format: store_kv's for copy / static fp8, int4's, else
+    store_kv_quant's."""
+    if a.quant == QUANT_INT4:
+        return INT4_IMPLS
     return IMPLS if a.quant == QUANT_COPY or (a.quant == QUANT_STATIC and a.fmt != FMT_INT8) else QUANT_IMPLS
 
 
-CACHE_DIMS = "num_pages, pool_page_size, H, D"
+CACHE_DIMS = "num_pages, pool_page_size, H, "
 SPEC = spec.Op(
     OP,
     args=(spec.T("k", "N H D", validate.FLOAT_INPUTS),
           spec.T("v", "N H Dv", ("=k",), what="tokens, heads as k, head_dim_v"),
-          spec.cache("k_cache", "P S H D", ("=k", *spec.FP8, torch.int8), binds="P S", layout=True,
-                     what=CACHE_DIMS),
-          spec.cache("v_cache", "P S H Dv", ("=k_cache",), layout=True, what=CACHE_DIMS),
+          spec.cache("k_cache", "P S H Dk", ("=k", *spec.FP8, torch.int8, torch.uint8), binds="P S",
+                     layout=True, what=CACHE_DIMS + "{kdim}"),
+          spec.cache("v_cache", "P S H Dvk", ("=k_cache",), layout=True, what=CACHE_DIMS + "{vdim}"),
           spec.LOC, spec.option("layout"),
           spec.opt("k_scale", "scale H", role="scale"), spec.opt("v_scale", "scale H", role="scale"),
           spec.CHECK, spec.ERRORS, spec.LOC_MAP, *spec.DCP, spec.BACKEND,
           spec.opt("k_scale_cache", mutable=True, role="cache", default=None),
           spec.opt("v_scale_cache", mutable=True, role="cache", default=None),
           spec.option("quant_rule", "str?", default=None)),
-    checks=("k", "v", spec.choice("layout", LAYOUTS), "k_cache", "v_cache", spec.geometry("k_cache"),
+    checks=("k", "v", spec.choice("layout", LAYOUTS), _widths, "k_cache", "v_cache", spec.geometry("k_cache"),
             _cpu_attn_key, _quant, "k_scale", "v_scale"),
     build=_build, impls=format_impls)
 _OP = SPEC.overload
@@ -171,10 +223,14 @@ _CALL = _OP._op  # the C++ builtin behind the OpOverload (pool.store binds it)
 def prepare_store_kv(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors,
                      loc_map, dcp_rank, dcp_size, k_scale_cache=None, v_scale_cache=None,
                      quant_rule=None, op: str | None = None) -> KVStore:
-    """A validated store_kv call (the spec's checks); `op`: the op it records as (a fused store)."""
-    return SPEC.prepare((k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors,
-                         loc_map, dcp_rank, dcp_size, "auto", k_scale_cache, v_scale_cache, quant_rule,
-                         None, None, None), op=op)
+    """A validated store_kv call (the spec's checks); `op`: the op it records as (a fused store,
+    which stores no int4 cache)."""
+    a = SPEC.prepare((k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors,
+                      loc_map, dcp_rank, dcp_size, "auto", k_scale_cache, v_scale_cache, quant_rule,
+                      None, None, None), op=op)
+    if op is not None and a.quant == QUANT_INT4:
+        raise TypeError(f"k_cache: {op} stores no int4 (uint8) cache")
+    return a
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -195,6 +251,10 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     saturate(x / scale). Dynamic per-token / per-token-head int8 / fp8 caches take
     `k_scale_cache`/`v_scale_cache` fp32 `[pages, pool_page_size]` or `[pages, pool_page_size, H]`
     instead; `quant_rule` ("rne" | "vllm") picks how their codes round (module doc).
+    int4 (vLLM's INT4_PER_TOKEN_HEAD): uint8 caches `[pages, pool_page_size, H, D / 2]` with fp32
+    `k_scale_cache`/`v_scale_cache` `[pages, pool_page_size, H]` (rotated, asymmetric 4-bit codes,
+    the zero point in the scale's low mantissa bits: `kvwrite.reference.kv_int4`;
+    `kvwrite.dequant_kv_int4` reads them back).
     `check`: "off" | "assert" | "guard" (skip + record into `errors`, default per-device buffer).
     `loc_map` (hybrid SWA, int32/int64 full->SWA map): write at `loc_map[loc[i]]`; a mapped -1
     is skipped. `dcp_rank`/`dcp_size`: store only this rank's tokens at their local rows.
