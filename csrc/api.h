@@ -29,6 +29,7 @@
 #include "kvwrite/claims.h"
 #include "params.h"
 #include "params_dsv4.h"
+#include "params_rope.h"
 
 namespace kvwrite {
 namespace api {
@@ -385,6 +386,25 @@ inline bool rule(const std::vector<std::string>& w, Call& c) {
     c.e("P") = pool.size(0);
     return c.e("S") = 1, true;
   }
+  // The fused RoPE stores (ops.rope): cos_sin_cache [M >= 1, width], width = rotary_dim (when the
+  // op takes one), even, in [2, head dim], head dim <= ROPE_MAX_DIM; is_neox a bool, norm_eps >= 0;
+  // the K/V formats the fused kernels have (copy, static / dynamic int8, e4m3, e5m2).
+  if (r == "rope_dims") {
+    const at::Tensor& cs = c.t("cos_sin_cache");
+    const int64_t width = cs.size(1), d = c.e(w[1]);
+    const int rd = c.p.arg("rotary_dim");
+    if (rd >= 0 && !c.a[rd].isNone() && !(c.a[rd].isInt() && c.a[rd].toInt() == width)) return false;
+    return cs.size(0) >= 1 && width >= 2 && width % 2 == 0 && width <= d && d <= ROPE_MAX_DIM;
+  }
+  if (r == "rope_args") {
+    const int eps = c.p.arg("norm_eps");
+    return c.v("is_neox").isBool() && (eps < 0 || (c.a[eps].isDouble() && c.a[eps].toDouble() >= 0));
+  }
+  if (r == "rope_kv_format") {
+    const int64_t q = c.e("quant"), dt = c.e("k_cache");
+    return q >= 0 && q <= 3 &&
+           (q == 0 || dt == int64_t(at::kChar) || dt == int64_t(at::kFloat8_e4m3fn) || dt == int64_t(at::kFloat8_e5m2));
+  }
   return false;  // a rule this build does not know: Python runs the call
 }
 
@@ -487,6 +507,36 @@ struct Launch {
     R::store_dsv4_indexer_k(c.t("k"), c.t("cache"), c.e("S"), c.e("fmt"), !c.none("scale_fmt"), KVW_TAIL_ARGS);
   }
   static void store_rows(Call& c, const Tail& t) { R::store_rows(c.t("src"), c.t("pool"), KVW_TAIL_ARGS); }
+  // The fused RoPE stores: norm weights as fp32 (a copy only for a weight in the input dtype);
+  // copy / static fp8 formats run rope_store_kv, int8 and dynamic scales rope_store_kv_quant.
+  static std::optional<at::Tensor> fp32(Call& c, const char* n) {
+    auto w = c.opt(n);
+    return w && w->scalar_type() != at::kFloat ? std::optional<at::Tensor>(w->to(at::kFloat)) : w;
+  }
+  static std::optional<at::Tensor> rows_view(Call& c, const char* n) {  // [P, S] scale caches as [P, S, 1]
+    auto s = c.opt(n);
+    return s && s->dim() == 2 ? std::optional<at::Tensor>(s->unsqueeze(-1)) : s;
+  }
+  static void rope_store_kv(Call& c, const Tail& t) {
+    const int64_t quant = c.e("quant");
+    const at::Tensor &pos = c.t("positions"), &q = c.t("q"), &k = c.t("k"), &v = c.t("v"), &cs = c.t("cos_sin_cache");
+    const at::Tensor kc = cv(c, c.t("k_cache")), vc = cv(c, c.t("v_cache"));
+    const double eps = c.v("norm_eps").toDouble();
+    const bool neox = c.v("is_neox").toBool();
+    if (quant == 0 || (quant == 1 && c.e("k_cache") != int64_t(at::kChar))) {
+      R::rope_store_kv(pos, q, k, v, cs, kc, vc, c.opt("k_scale"), c.opt("v_scale"), fp32(c, "q_norm_weight"),
+                       fp32(c, "k_norm_weight"), eps, neox, KVW_TAIL_ARGS);
+      return;
+    }
+    R::rope_store_kv_quant(pos, q, k, v, cs, kc, vc, c.opt("k_scale"), c.opt("v_scale"), rows_view(c, "k_scale_cache"),
+                           rows_view(c, "v_scale_cache"), quant, c.e("rule"), fp32(c, "q_norm_weight"),
+                           fp32(c, "k_norm_weight"), eps, neox, KVW_TAIL_ARGS);
+  }
+  static void rope_store_mla(Call& c, const Tail& t) {
+    R::rope_store_mla(c.t("positions"), c.t("q_pe"), c.t("kv_c"), c.t("k_pe"), c.t("cos_sin_cache"), c.t("kv_cache"),
+                      c.opt("scale"), c.opt("scale_cache"), c.opt("global_scale"), c.e("fmt"), c.v("is_neox").toBool(),
+                      KVW_TAIL_ARGS);
+  }
 };
 
 // The ops with a C++ kernel: the one place an op is listed on this side.
@@ -501,6 +551,8 @@ const std::unordered_map<std::string, void (*)(Call&, const Tail&)>& ops() {
       {"kvwrite::store_dsv4_kv", &Launch<R>::store_dsv4_kv},
       {"kvwrite::store_dsv4_indexer_k", &Launch<R>::store_dsv4_indexer_k},
       {"kvwrite::store_rows", &Launch<R>::store_rows},
+      {"kvwrite::rope_store_kv", &Launch<R>::rope_store_kv},
+      {"kvwrite::rope_store_mla", &Launch<R>::rope_store_mla},
   };
   return m;
 }

@@ -348,7 +348,9 @@ class Op:
         check None = the process default)."""
         names = self.names
         i_loc, i_check, i_errors, i_backend = (names.index(n) for n in ("loc", "check", "errors", "backend"))
-        ints = tuple(i for i, a in enumerate(self.args) if a.type == "int")
+        # scalars the C++ path takes only as their own type (the schema would convert a bool)
+        scalars = tuple((i, int if a.type == "int" else float) for i, a in enumerate(self.args)
+                        if a.type in ("int", "float"))
         overload, impl, prepare = self.overload, self.impl, self.prepare
         call = overload._op   # the C++ builtin behind the OpOverload (one frame less)
         default_check = validate.default_check
@@ -370,7 +372,7 @@ class Op:
                 # buffer when the op runs
                 return overload(*args)
             if (args[i_backend] in NATIVE and self.native()
-                    and all(type(args[i]) is int for i in ints)):
+                    and all(type(args[i]) is t for i, t in scalars)):
                 if errors is None and check == "guard" and isinstance(args[0], torch.Tensor):
                     args[i_errors] = record(None, check, args[0])
                 try:
