@@ -293,6 +293,8 @@ struct CudaRun {
   static constexpr auto rope_store_kv = &rope_store_kv_cuda;
   static constexpr auto rope_store_kv_quant = &rope_store_kv_quant_cuda;
   static constexpr auto rope_store_mla = &rope_store_mla_cuda;
+  static constexpr auto copy_pages = &copy_pages_cuda;
+  static constexpr auto gather = &gather_cuda;
   static constexpr auto claim_rows = &claim_rows_cuda;
 };
 }  // namespace kvwrite

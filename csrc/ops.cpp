@@ -612,6 +612,8 @@ struct CpuRun {
   static constexpr auto rope_store_kv = &rope_store_kv_cpu;
   static constexpr auto rope_store_kv_quant = &rope_store_kv_quant_cpu;
   static constexpr auto rope_store_mla = &rope_store_mla_cpu;
+  static constexpr auto copy_pages = &copy_pages_cpu;
+  static constexpr auto gather = &gather_cpu;
   static constexpr auto claim_rows = &claim_rows_cpu;
 };
 }  // namespace kvwrite

@@ -82,6 +82,16 @@ def good(op: str) -> dict:
                     kv_c=torch.randn(3, 128, generator=g), k_pe=torch.randn(3, 16, generator=g),
                     cos_sin_cache=torch.randn(8, 16, generator=g), kv_cache=torch.zeros(4, 4, 144), loc=loc,
                     is_neox=False, kv_cache_dtype="auto", scale=None, **tail, scale_cache=None, global_scale=None)
+    pages = dict(check="off", errors=None, backend="cpu")
+    if op == "copy_pages":
+        return dict(src=torch.randn(6, 4, 2, 8, generator=g), dst=torch.zeros(10, 2, 2, 8),
+                    src_pages=torch.tensor([1, 5, 0]), dst_pages=loc, **pages)
+    if op == "gather":
+        return dict(cache=torch.randn(4, 4, 2, 8, generator=g), loc=loc, out=torch.zeros(3, 2, 8), check="off",
+                    errors=None, backend="cpu")
+    if op == "move_rows":
+        return dict(cache=torch.randn(4, 4, 2, 8, generator=g), src_loc=torch.tensor([1, 15, 2]), dst_loc=loc,
+                    **pages)
     raise KeyError(op)
 
 
