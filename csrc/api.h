@@ -434,6 +434,10 @@ inline bool rule(const std::vector<std::string>& w, Call& c) {
       if (s.size(i) != d.size(i)) return false;
     return s.size(1) % d.size(1) == 0 || d.size(1) % s.size(1) == 0;
   }
+  if (r == "slot_geometry") {  // slot_mapping's page_size and num_pages (a PageGeometry): both >= 1
+    const c10::IValue &ps = c.v("page_size"), &np = c.v("num_pages");
+    return ps.isInt() && ps.toInt() >= 1 && np.isInt() && np.toInt() >= 1;
+  }
   if (r == "gather_out") {
     const c10::IValue& loc = c.v("loc");
     const at::Tensor &cache = c.t("cache"), &out = c.t("out");
@@ -578,9 +582,6 @@ struct Launch {
     if (x.dim() == 3) return x.unsqueeze(2);
     return x.dim() == 4 ? x : x.view({x.size(0), x.size(1), x.size(2), -1});
   }
-  static void copy_pages(Call& c, const Tail& t) {
-    R::copy_pages(pool4(c.t("src")), pool4(c.t("dst")), c.t("src_pages"), t.loc, t.errors, t.check, t.op);
-  }
   static void gather(Call& c, const Tail& t) {
     const at::Tensor cache = pool4(c.t("cache"));
     R::gather(cache, c.t("out").view({c.e("N"), cache.size(2), cache.size(3)}), KVW_TAIL_ARGS);
@@ -590,9 +591,10 @@ struct Launch {
     if (!src.is_cpu()) return at::where(src.ge(0).logical_and_(src.lt(capacity)), at::arange(src.size(0), src.options()), -1);
     at::Tensor ids = at::empty({src.size(0)}, src.options().dtype(at::kLong));
     int64_t* out = ids.data_ptr<int64_t>();
-    const bool wide = src.scalar_type() == at::kLong;
+    const int64_t* wide = src.scalar_type() == at::kLong ? src.data_ptr<int64_t>() : nullptr;
+    const int32_t* narrow = wide ? nullptr : src.data_ptr<int32_t>();
     for (int64_t i = 0; i < src.size(0); ++i) {
-      const int64_t s = wide ? src.data_ptr<int64_t>()[i] : src.data_ptr<int32_t>()[i];
+      const int64_t s = wide ? wide[i] : narrow[i];
       out[i] = s >= 0 && s < capacity ? i : -1;
     }
     return ids;
@@ -606,6 +608,13 @@ struct Launch {
     R::gather(cache, rows.squeeze(1), src, std::nullopt, t.errors, 0, 1, t.check, t.op, std::nullopt, std::nullopt,
               std::nullopt);
     R::copy_pages(rows, cache, live_ids(src, capacity), t.loc, t.errors, t.check, t.op);
+  }
+  static void slot_mapping(Call& c, const Tail& t) {
+    R::slot_mapping(c.t("block_table"), c.t("batch_indices"), t.loc, c.t("out"), c.v("page_size").toInt(),
+                    c.v("num_pages").toInt(), t.errors, t.check, t.op);
+  }
+  static void copy_pages(Call& c, const Tail& t) {
+    R::copy_pages(pool4(c.t("src")), pool4(c.t("dst")), c.t("src_pages"), t.loc, t.errors, t.check, t.op);
   }
   static void rope_store_mla(Call& c, const Tail& t) {
     R::rope_store_mla(c.t("positions"), c.t("q_pe"), c.t("kv_c"), c.t("k_pe"), c.t("cos_sin_cache"), c.t("kv_cache"),
@@ -631,6 +640,7 @@ const std::unordered_map<std::string, void (*)(Call&, const Tail&)>& ops() {
       {"kvwrite::copy_pages", &Launch<R>::copy_pages},
       {"kvwrite::gather", &Launch<R>::gather},
       {"kvwrite::move_rows", &Launch<R>::move_rows},
+      {"kvwrite::slot_mapping", &Launch<R>::slot_mapping},
   };
   return m;
 }

@@ -295,6 +295,7 @@ struct CudaRun {
   static constexpr auto rope_store_mla = &rope_store_mla_cuda;
   static constexpr auto copy_pages = &copy_pages_cuda;
   static constexpr auto gather = &gather_cuda;
+  static constexpr auto slot_mapping = &slot_mapping_cuda;
   static constexpr auto claim_rows = &claim_rows_cuda;
 };
 }  // namespace kvwrite

@@ -614,6 +614,7 @@ struct CpuRun {
   static constexpr auto rope_store_mla = &rope_store_mla_cpu;
   static constexpr auto copy_pages = &copy_pages_cpu;
   static constexpr auto gather = &gather_cpu;
+  static constexpr auto slot_mapping = &slot_mapping_cpu;
   static constexpr auto claim_rows = &claim_rows_cpu;
 };
 }  // namespace kvwrite

@@ -92,6 +92,10 @@ def good(op: str) -> dict:
     if op == "move_rows":
         return dict(cache=torch.randn(4, 4, 2, 8, generator=g), src_loc=torch.tensor([1, 15, 2]), dst_loc=loc,
                     **pages)
+    if op == "slot_mapping":
+        return dict(block_table=torch.tensor([[0, 3], [2, 1]]), batch_indices=torch.tensor([0, 1, 1]),
+                    positions=torch.tensor([1, 2, 5]), out=torch.zeros(3, dtype=torch.int64), page_size=4,
+                    num_pages=4, **pages)
     raise KeyError(op)
 
 

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from kvwrite import validate
-from kvwrite.errors import MAX_TOKENS, NUM_SLOTS, ErrorBuffer, default_errors
+from kvwrite.errors import ErrorBuffer
 from kvwrite.geometry import GeometryError, PageGeometry
-from kvwrite.ops import _library, spec
+from kvwrite.ops import spec
 from kvwrite.ops._common import (POOL_DTYPES, Check, Locs, canonical_pool,  # noqa: F401  (re-exported)
-                                 dispatch, impls)
+                                 dispatch, impls, prepare)
 from kvwrite.pagetable import PageTable
 
 OP_COPY, OP_GATHER, OP_SLOTS, OP_MOVE = "copy_pages", "gather", "slot_mapping", "move_rows"
@@ -29,61 +29,11 @@ SLOTS_IMPLS = impls("pages:slot_mapping", "pages:slot_mapping", "slot_mapping")
 MOVE_IMPLS = tuple((b, "kvwrite.ops.pages:move") for b in ("torch", "triton", "cpu", "cuda"))
 
 
-def _index(name: str, t: object, device: torch.device | None = None) -> torch.Tensor:
-    """A 1-D int32/int64 index tensor (contiguous); moved to `device` when given."""
-    t = validate.tensor(name, t, ndim=1, dtypes=validate.LOC_DTYPES)
-    if t.shape[0] > 1 and t.stride(0) != 1:
-        raise ValueError(f"{name} must be contiguous, got stride {t.stride(0)}")
-    if t.shape[0] > MAX_TOKENS:
-        raise ValueError(f"{name}: at most {MAX_TOKENS} entries per call, got {t.shape[0]}")
-    if device is not None and t.device != device:
-        t = t.to(device, non_blocking=True)
-    return t
-
-
-_DEFAULT_CHECKS: dict[tuple[str, str, torch.device], Check] = {}
-
-
-@torch.compiler.assume_constant_result
-def _default_mode() -> str:
-    """The process default check mode, a constant to torch.compile (it reads module globals)."""
-    return validate.default_check()
-
-
-def _mode(check: object) -> str:
-    return validate.check_mode(_default_mode() if check is None else check)
-
-
-def _record(errors: object) -> object:
-    """The record tensor an op's schema takes (an ErrorBuffer's tensor; None stays None)."""
-    return errors.tensor if isinstance(errors, ErrorBuffer) else errors
-
-
-def check_for(op: str, device: torch.device, check: object, errors: object) -> Check:
-    """The Check of one call: the mode, and in guard mode the record (the device's default
-    buffer when `errors` is None), validated like the stores' `errors`."""
-    mode = _mode(check)
-    if errors is None and torch.compiler.is_compiling():   # no cache mutation inside a trace
-        return Check(op, mode, default_errors(device).tensor if mode == "guard" else None)
-    if errors is None:
-        key = (op, mode, device)
-        chk = _DEFAULT_CHECKS.get(key)
-        if chk is None:
-            chk = _DEFAULT_CHECKS[key] = Check(op, mode, default_errors(device).tensor if mode == "guard" else None)
-        return chk
-    record = errors.tensor if isinstance(errors, ErrorBuffer) else errors
-    if not (isinstance(record, torch.Tensor) and record.dtype == torch.int64 and record.shape == (NUM_SLOTS,)):
-        raise TypeError(f"errors must be a kvwrite.ErrorBuffer or None, got {type(errors).__name__}")
-    if record.device != device:
-        raise ValueError(f"errors is on {record.device} but the {op} runs on {device}")
-    return Check(op, mode, record if mode == "guard" else None)
-
-
 # --- copy_pages ------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Units:
-    """How a pool's pages are counted by copy_pages: unit u is rows [(u % factor) * rows, +rows)
+    """How a pool's pages are counted by a page copy: unit u is rows [(u % factor) * rows, +rows)
     of page u // factor; the pool has `count` units."""
 
     factor: int
@@ -118,14 +68,14 @@ def page_units(src: torch.Tensor, dst: torch.Tensor) -> tuple[Units, Units]:
     GeometryError."""
     ps, pd = src.shape[1], dst.shape[1]
     if ps % pd and pd % ps:
-        raise GeometryError(f"src pages hold {ps} rows and dst pages {pd}: copy_pages needs one to be "
+        raise GeometryError(f"src pages hold {ps} rows and dst pages {pd}: {OP_COPY} needs one to be "
                             f"a whole multiple of the other (pages are counted in units of the smaller)")
     unit = min(ps, pd)
     return (Units(ps // unit, unit, src.shape[0] * (ps // unit)),
             Units(pd // unit, unit, dst.shape[0] * (pd // unit)))
 
 
-def same_rows(src: torch.Tensor, dst: torch.Tensor, what: str = "copy_pages") -> None:
+def same_rows(src: torch.Tensor, dst: torch.Tensor, what: str = OP_COPY) -> None:
     """GeometryError unless two pools `[pages, rows, ...]` have one row shape and dtype."""
     if src.dtype != dst.dtype:
         raise GeometryError(f"{what}: src rows are {src.dtype} but dst rows are {dst.dtype}; pages move "
@@ -189,9 +139,9 @@ def copy_pages(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, ds
 
 
 def _copy_across(src, dst, src_pages, dst_pages, check, errors, backend, op: str = OP_COPY) -> None:
-    """copy_pages between devices: the ids are checked (torch, on the GPU side's record), then
+    """The page copy between devices: the ids are checked (torch, on the GPU side's record), then
     the src units are gathered into a staging buffer, moved (asynchronously from/to pinned host
-    memory), and scattered into dst; each step is a same-device copy_pages of checked ids."""
+    memory), and scattered into dst; each step is a same-device page copy of checked ids."""
     from kvwrite.reference.pages import checked_pairs
 
     validate.tensor("src", src, dtypes=POOL_DTYPES)
@@ -200,10 +150,11 @@ def _copy_across(src, dst, src_pages, dst_pages, check, errors, backend, op: str
     s, d = canonical_pool("src", src), canonical_pool("dst", dst)
     su, du = page_units(s, d)
     side = dst.device if dst.device.type != "cpu" else src.device   # where the record lives
-    chk = check_for(op, side, check, errors)
-    sp, dp = _index("src_pages", src_pages, side), _index("dst_pages", dst_pages, side)
-    if sp.shape[0] != dp.shape[0]:
-        raise ValueError(f"src_pages and dst_pages must pair up one to one, got {sp.shape[0]} and {dp.shape[0]} entries")
+    sp = validate.tensor("src_pages", _to(src_pages, side), ndim=1, dtypes=validate.LOC_DTYPES)
+    dp = _to(dst_pages, side)
+    spec.pairs("src_pages", "dst_pages")({"N": sp.shape[0]}, {"dst_pages": dp})
+    locs, chk = prepare(op, side, sp.shape[0], dp, None, 0, 1, check, errors, "dst_pages")
+    sp, dp = validate.loc("src_pages", sp, sp.shape[0], side), locs.loc
     n = sp.shape[0]
     if n == 0:
         return
@@ -317,49 +268,28 @@ class SlotMapping:
     def n(self) -> int:
         return self.positions.shape[0]
 
-
-def prepare_slot_mapping(block_table, batch_indices, positions, geometry, check, errors, out=None) -> SlotMapping:
-    if not isinstance(geometry, PageGeometry):
-        raise TypeError(f"geometry must be a kvwrite.PageGeometry (the pool's page size and pages), "
-                        f"got {type(geometry).__name__}")
-    bt = validate.tensor("block_table", block_table, ndim=2, dtypes=validate.LOC_DTYPES)
-    device = bt.device
-    b = _index("batch_indices", batch_indices)
-    p = _index("positions", positions)
-    for name, t in (("batch_indices", b), ("positions", p)):
-        if t.device != device:
-            raise ValueError(f"{name} is on {t.device} but block_table is on {device}")
-    if b.shape[0] != p.shape[0]:
-        raise ValueError(f"batch_indices and positions must have one entry per token, got "
-                         f"{b.shape[0]} and {p.shape[0]}")
-    if out is None:
-        out = torch.empty(p.shape[0], dtype=torch.int64, device=device)
-    else:
-        validate.tensor("out", out, ndim=1, dtypes=(torch.int64,), device=device)
-        validate.shape("out", out, (p.shape[0],), "one int64 slot per token")
-        if out.shape[0] > 1 and out.stride(0) != 1:
-            raise ValueError(f"out must be contiguous, got stride {out.stride(0)}")
-    return SlotMapping(bt, b, p, out, geometry, check_for(OP_SLOTS, device, check, errors))
+    @property
+    def locs(self) -> Locs:
+        """The positions as the call's addressing (dispatch reads its device and count)."""
+        return Locs(self.positions)
 
 
-def _slot_mapping_py(block_table, batch_indices, positions, out, page_size, num_pages, check, errors,
-                     backend) -> None:
-    """The Python implementation of torch.ops.kvwrite.slot_mapping."""
-    g = PageGeometry.from_pool(num_pages, page_size)
-    a = prepare_slot_mapping(block_table, batch_indices, positions, g, check, errors, out)
-    if a.n:
-        dispatch(OP_SLOTS, SLOTS_IMPLS, backend, block_table.device, a)
+@spec.rule("slot_geometry")
+def _slot_geometry(env: dict, v: dict) -> None:
+    env["geometry"] = PageGeometry.from_pool(v["num_pages"], v["page_size"])
 
 
-def _slot_mapping_fake(block_table, batch_indices, positions, out, page_size, num_pages, check, errors,
-                       backend) -> None:
-    prepare_slot_mapping(block_table, batch_indices, positions, PageGeometry.from_pool(num_pages, page_size),
-                         _library.fake_check(check, errors), errors, out)
+def _build_slots(v: dict, env: dict, locs: Locs, chk: Check) -> SlotMapping:
+    return SlotMapping(v["block_table"], v["batch_indices"], locs.loc, v["out"], env["geometry"], chk)
 
 
-_library.define(OP_SLOTS, "(Tensor block_table, Tensor batch_indices, Tensor positions, Tensor(a!) out, "
-                          "int page_size, int num_pages, str check, Tensor(b!)? errors, str backend) -> ()",
-                _slot_mapping_py, _slot_mapping_fake)
+SLOTS_SPEC = spec.Op(
+    OP_SLOTS,
+    args=(spec.T("block_table", "B W", IDS), spec.T("batch_indices", "N", IDS), spec.Arg("positions", role="addressing"),
+          spec.cache("out", "N", (torch.int64,), what="one int64 slot per token"), spec.option("page_size", "int"),
+          spec.option("num_pages", "int"), *TAIL),
+    checks=("block_table", "batch_indices", spec.pairs("batch_indices", "positions"), "out", _slot_geometry),
+    build=_build_slots, impls=SLOTS_IMPLS, page_table=False, loc="positions", claims="read", table_tail=False)
 
 
 def slot_mapping(block_table: torch.Tensor, batch_indices: torch.Tensor, positions: torch.Tensor,
@@ -376,16 +306,15 @@ def slot_mapping(block_table: torch.Tensor, batch_indices: torch.Tensor, positio
     "off" lets such a page through (the store that takes the slot checks it). `out`: write the
     slots into this int64 `[N]` tensor.
     """
-    if torch.compiler.is_compiling():
-        if out is None:
-            out = positions.new_empty(positions.shape, dtype=torch.int64)
-        torch.ops.kvwrite.slot_mapping(block_table, batch_indices, positions, out, geometry.pool_page_size,
-                                       geometry.num_pages, _mode(check), _record(errors), backend)
-        return out
-    a = prepare_slot_mapping(block_table, batch_indices, positions, geometry, check, errors, out)
-    if a.n:
-        dispatch(OP_SLOTS, SLOTS_IMPLS, backend, a.block_table.device, a)
-    return a.out
+    if not isinstance(geometry, PageGeometry):
+        raise TypeError(f"geometry must be a kvwrite.PageGeometry (the pool's page size and pages), "
+                        f"got {type(geometry).__name__}")
+    if out is None:
+        t = validate.tensor("positions", positions)
+        out = t.new_empty(t.shape[:1], dtype=torch.int64)
+    SLOTS_SPEC.entry(block_table, batch_indices, positions, out, geometry.pool_page_size, geometry.num_pages,
+                     check, errors, backend)
+    return out
 
 
 # --- move_rows -------------------------------------------------------------------------------------
@@ -433,7 +362,7 @@ def move_rows(cache: torch.Tensor, src_loc: torch.Tensor, dst_loc: torch.Tensor,
     """Token-granular moves inside one pool `[pages, rows, ...]`: row `dst_loc[i]` takes the row
     that was at `src_loc[i]` (every source row is read before any row is written, as
     `cache[dst] = cache[src]`). A -1 on either side skips the pair; bad locs are reported (op
-    "move_rows") and their pair skipped. Runs as a gather then a copy_pages of one-row units."""
+    "move_rows") and their pair skipped. Runs as a gather then a page copy of one-row units."""
     if isinstance(cache, torch.Tensor):
         src_loc, dst_loc = _to(src_loc, cache.device), _to(dst_loc, cache.device)
     MOVE_SPEC.entry(cache, src_loc, dst_loc, check, errors, backend)

@@ -2,13 +2,12 @@
 
 q is rotated in place for every token whose position is valid (whatever its loc: padding, another
 DCP rank's, a bad loc); k is normed, rotated and stored with v (`store_kv`'s formats, int8 / fp8
-static or dynamic scales); for MLA k_pe is rotated and stored with kv_c (`store_mla`'s formats).
+static or dynamic scales); for MLA k_pe is rotated and stored with kv_c (`store_mla`'s formats):
+each op is declared on the op spec (`kvwrite.ops.spec`) with its store's arguments and rules, plus
+the rotation's (q, positions, the cos/sin cache).
 Positions are checked against the cos/sin cache: outside [0, max_position) is a KIND_POSITION
 error in assert / guard; in every mode such a token is not written and its q left as it was, and
 the cache is never read out of bounds. Exact arithmetic and rounding: `kvwrite.reference.rope`.
-
-Both are declared on the op spec (`kvwrite.ops.spec`): the store's own arguments and checks
-(`store_kv`'s / `store_mla`'s rules) plus the rotation's (q, positions, the cos/sin cache).
 """
 from __future__ import annotations
 
@@ -110,7 +109,7 @@ def _mla_dims(env: dict, v: dict) -> None:
 
 @spec.rule("rope_args")
 def _rope_args(env: dict, v: dict) -> None:
-    """is_neox a bool; norm_eps (rope_store_kv) a float >= 0."""
+    """is_neox a bool; norm_eps (the K/V op's) a float >= 0."""
     if not isinstance(v["is_neox"], bool):
         raise TypeError(f"is_neox must be a bool, got {type(v['is_neox']).__name__}")
     eps = v.get("norm_eps", 0.0)
@@ -120,9 +119,9 @@ def _rope_args(env: dict, v: dict) -> None:
 
 @spec.rule("rope_kv_format")
 def _kv_format(env: dict, v: dict) -> None:
-    """The store formats the fused K/V kernels have (store_kv's others are refused)."""
+    """The K/V formats the fused kernels have (any other is refused)."""
     if env["quant"] not in KV_QUANTS or (env["quant"] != QUANT_COPY and env["fmt"] not in KV_FMTS):
-        raise TypeError(f"k_cache: rope_store_kv stores no {env['k_cache']} cache")
+        raise TypeError(f"k_cache: {OP_KV} stores no {env['k_cache']} cache")
 
 
 def _f32(w: torch.Tensor | None) -> torch.Tensor | None:
@@ -182,8 +181,8 @@ def rope_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     rotates the first rotary_dim elements of each head, neox halves (`is_neox=True`) or GPT-J
     interleaved pairs. `q_norm_weight` / `k_norm_weight` `[D]` (fp32 or the input dtype): RMS-norm
     each head first (`norm_eps`). Rounding: once, to the input dtype, after norm + rotation in fp32
-    (exact order in `kvwrite.reference.rope`); the stored k is that rounded k, stored as `store_kv`
-    stores it. Caches and `layout` ("NHD" | "HND"), `k_scale`/`v_scale` (static fp8/int8),
+    (exact order in `kvwrite.reference.rope`); the stored k is that rounded k, stored as the K/V
+    store stores it. Caches and `layout` ("NHD" | "HND"), `k_scale`/`v_scale` (static fp8/int8),
     `k_scale_cache`/`v_scale_cache` (dynamic int8/fp8, `[pages, pool_page_size]` or
     `[pages, pool_page_size, H]`) and `quant_rule`, `check`, `errors`, `loc` (a PageTable too),
     `loc_map`, `dcp_rank`/`dcp_size`: as in `store_kv`. A position outside [0, max_position) is a
@@ -224,11 +223,11 @@ def rope_store_mla(positions: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tens
                    global_scale: torch.Tensor | None = None) -> None:
     """Rotate q_pe `[N, Hq, R]` in place and store the row of kv_c `[N, L]` and rotated k_pe
     `[N, R]` at `loc`. `cos_sin_cache` `[max_position, R]`; `is_neox` False = GPT-J pairs
-    (DeepSeek's default). `kv_cache_dtype`: every `store_mla` format — "auto", "fp8" (= "fp8_e4m3",
+    (DeepSeek's default). `kv_cache_dtype`: every MLA store format — "auto", "fp8" (= "fp8_e4m3",
     per-tensor `scale`), "fp8_e5m2", "fp8_ds_mla", "nvfp4" (`scale_cache`, optional
     `global_scale`). The rotated k_pe is rounded once to the input dtype (fp32 rotation, no fma),
-    then stored exactly as `store_mla` stores a k_pe. Positions, checks, `loc_map`, DCP: as in
-    `rope_store_kv`. kv_c and k_pe are not modified."""
+    then stored exactly as `store_mla` stores a k_pe. Positions, checks, `loc_map`, DCP: as for
+    the K/V op above. kv_c and k_pe are not modified."""
     return MLA_SPEC.entry(positions, q_pe, kv_c, k_pe, cos_sin_cache, kv_cache, loc, is_neox,
                           "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype, scale, check, errors,
                           loc_map, dcp_rank, dcp_size, backend, scale_cache, global_scale)

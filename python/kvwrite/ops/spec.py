@@ -12,8 +12,7 @@ pages and rows). "*" is any size, "D/2" a bound letter divided by 2, "512" a siz
 "scale H" is a dequant scale `[]`, `[1]` (or `[H]`). `Arg.layout`: the dims are the canonical
 `[pages, rows, H, ...]`; a call with layout "HND" checks (and names) dims 1 and 2 swapped.
 
-Page moves: `Op.loc` names the argument that addresses the call (copy_pages: dst_pages, move_rows:
-dst_loc), `Op.claims` how the duplicate pre-pass sees it ("rows" a store's rows, "pairs" a page
+Page moves: `Op.loc` names the argument that addresses the call (a page move's dst pages or locs), `Op.claims` how the duplicate pre-pass sees it ("rows" a store's rows, "pairs" a page
 move's (src, dst) pairs, "read" none: a gather writes its own output), `Op.table_tail` whether the
 schema ends with the page-table tensors; `pool(name)` checks a pool `[pages, rows, ...]` of any
 rank (its `[pages, rows, heads, feat]` view, `kvwrite.ops._common.canonical_pool`).
