@@ -394,9 +394,7 @@ inline bool rule(const std::vector<std::string>& w, Call& c) {
     c.e("P") = pool.size(0);
     return c.e("S") = 1, true;
   }
-  // The fused RoPE stores (ops.rope): cos_sin_cache [M >= 1, width], width = rotary_dim (when the
-  // op takes one), even, in [2, head dim], head dim <= ROPE_MAX_DIM; is_neox a bool, norm_eps >= 0;
-  // the K/V formats the fused kernels have (copy, static / dynamic int8, e4m3, e5m2).
+  // The fused RoPE stores (ops.rope `_kv_dims`, `_mla_dims`, `_rope_args`, `_kv_format`).
   if (r == "rope_dims") {
     const at::Tensor& cs = c.t("cos_sin_cache");
     const int64_t width = cs.size(1), d = c.e(w[1]);
@@ -404,19 +402,14 @@ inline bool rule(const std::vector<std::string>& w, Call& c) {
     if (rd >= 0 && !c.a[rd].isNone() && !(c.a[rd].isInt() && c.a[rd].toInt() == width)) return false;
     return cs.size(0) >= 1 && width >= 2 && width % 2 == 0 && width <= d && d <= ROPE_MAX_DIM;
   }
-  if (r == "rope_args") {
-    const int eps = c.p.arg("norm_eps");
-    return c.v("is_neox").isBool() && (eps < 0 || (c.a[eps].isDouble() && c.a[eps].toDouble() >= 0));
-  }
+  if (r == "rope_args")
+    return c.v("is_neox").isBool() && (c.p.arg("norm_eps") < 0 || c.v("norm_eps").toDouble() >= 0);
   if (r == "rope_kv_format") {
     const int64_t q = c.e("quant"), dt = c.e("k_cache");
     return q >= 0 && q <= 3 &&
            (q == 0 || dt == int64_t(at::kChar) || dt == int64_t(at::kFloat8_e4m3fn) || dt == int64_t(at::kFloat8_e5m2));
   }
-  // The page moves (ops.pages): pools [pages, rows, ...] of any rank >= 2 (viewed by pool4), their
-  // pages and rows bound to P and S when asked; a pair list's second half as long as N; copy_pages'
-  // pools of one row shape and dtype, page sizes a whole multiple of one another; gather's out
-  // [N, the cache's row shape] (N: loc's length).
+  // The page moves (ops.spec `pool`, `pairs`; ops.pages `_page_pools`, `_slot_geometry`, `_gather_out`).
   if (r == "pool") {
     const at::Tensor& t = c.t(w[1]);
     if (t.dim() < 2 || t.size(0) < 1 || t.size(1) < 1) return false;
@@ -434,10 +427,7 @@ inline bool rule(const std::vector<std::string>& w, Call& c) {
       if (s.size(i) != d.size(i)) return false;
     return s.size(1) % d.size(1) == 0 || d.size(1) % s.size(1) == 0;
   }
-  if (r == "slot_geometry") {  // slot_mapping's page_size and num_pages (a PageGeometry): both >= 1
-    const c10::IValue &ps = c.v("page_size"), &np = c.v("num_pages");
-    return ps.isInt() && ps.toInt() >= 1 && np.isInt() && np.toInt() >= 1;
-  }
+  if (r == "slot_geometry") return c.v("page_size").toInt() >= 1 && c.v("num_pages").toInt() >= 1;
   if (r == "gather_out") {
     const c10::IValue& loc = c.v("loc");
     const at::Tensor &cache = c.t("cache"), &out = c.t("out");
@@ -550,8 +540,8 @@ struct Launch {
     R::store_dsv4_indexer_k(c.t("k"), c.t("cache"), c.e("S"), c.e("fmt"), !c.none("scale_fmt"), KVW_TAIL_ARGS);
   }
   static void store_rows(Call& c, const Tail& t) { R::store_rows(c.t("src"), c.t("pool"), KVW_TAIL_ARGS); }
-  // The fused RoPE stores: norm weights as fp32 (a copy only for a weight in the input dtype);
-  // copy / static fp8 formats run rope_store_kv, int8 and dynamic scales rope_store_kv_quant.
+  // The fused RoPE stores: norm weights as fp32; copy / static fp8 formats run rope_store_kv, int8
+  // and dynamic scales rope_store_kv_quant.
   static std::optional<at::Tensor> fp32(Call& c, const char* n) {
     auto w = c.opt(n);
     return w && w->scalar_type() != at::kFloat ? std::optional<at::Tensor>(w->to(at::kFloat)) : w;
@@ -564,19 +554,16 @@ struct Launch {
     const int64_t quant = c.e("quant");
     const at::Tensor &pos = c.t("positions"), &q = c.t("q"), &k = c.t("k"), &v = c.t("v"), &cs = c.t("cos_sin_cache");
     const at::Tensor kc = cv(c, c.t("k_cache")), vc = cv(c, c.t("v_cache"));
+    const auto qw = fp32(c, "q_norm_weight"), kw = fp32(c, "k_norm_weight");
     const double eps = c.v("norm_eps").toDouble();
-    const bool neox = c.v("is_neox").toBool();
-    if (quant == 0 || (quant == 1 && c.e("k_cache") != int64_t(at::kChar))) {
-      R::rope_store_kv(pos, q, k, v, cs, kc, vc, c.opt("k_scale"), c.opt("v_scale"), fp32(c, "q_norm_weight"),
-                       fp32(c, "k_norm_weight"), eps, neox, KVW_TAIL_ARGS);
-      return;
-    }
+    if (quant == 0 || (quant == 1 && c.e("k_cache") != int64_t(at::kChar)))
+      return R::rope_store_kv(pos, q, k, v, cs, kc, vc, c.opt("k_scale"), c.opt("v_scale"), qw, kw, eps,
+                              c.v("is_neox").toBool(), KVW_TAIL_ARGS);
     R::rope_store_kv_quant(pos, q, k, v, cs, kc, vc, c.opt("k_scale"), c.opt("v_scale"), rows_view(c, "k_scale_cache"),
-                           rows_view(c, "v_scale_cache"), quant, c.e("rule"), fp32(c, "q_norm_weight"),
-                           fp32(c, "k_norm_weight"), eps, neox, KVW_TAIL_ARGS);
+                           rows_view(c, "v_scale_cache"), quant, c.e("rule"), qw, kw, eps, c.v("is_neox").toBool(),
+                           KVW_TAIL_ARGS);
   }
-  // The page moves: pools as [pages, rows, heads, feat] views (ops._common.canonical_pool; a
-  // 5-D+ pool whose trailing dims are no view throws here, before any write: Python explains).
+  // The page moves: pools as [pages, rows, heads, feat] views (ops._common.canonical_pool).
   static at::Tensor pool4(const at::Tensor& x) {
     if (x.dim() == 2) return x.unsqueeze(-1).unsqueeze(-1);
     if (x.dim() == 3) return x.unsqueeze(2);
@@ -589,18 +576,12 @@ struct Launch {
   // Pair i of a move reads gathered row i, or nothing (-1) when src[i] is outside [0, capacity).
   static at::Tensor live_ids(const at::Tensor& src, int64_t capacity) {
     if (!src.is_cpu()) return at::where(src.ge(0).logical_and_(src.lt(capacity)), at::arange(src.size(0), src.options()), -1);
-    at::Tensor ids = at::empty({src.size(0)}, src.options().dtype(at::kLong));
-    int64_t* out = ids.data_ptr<int64_t>();
-    const int64_t* wide = src.scalar_type() == at::kLong ? src.data_ptr<int64_t>() : nullptr;
-    const int32_t* narrow = wide ? nullptr : src.data_ptr<int32_t>();
-    for (int64_t i = 0; i < src.size(0); ++i) {
-      const int64_t s = wide ? wide[i] : narrow[i];
-      out[i] = s >= 0 && s < capacity ? i : -1;
-    }
+    at::Tensor ids = src.to(at::kLong, false, true);  // a copy
+    int64_t* p = ids.data_ptr<int64_t>();
+    for (int64_t i = 0; i < ids.size(0); ++i) p[i] = p[i] >= 0 && p[i] < capacity ? i : -1;
     return ids;
   }
-  // move_rows (ops.pages.move): every source row gathered first (bad ones reported), then copied
-  // as one-row units to the dst locs; a bad source is not moved.
+  // move_rows (ops.pages.move): the source rows gathered first, then copied as one-row units.
   static void move_rows(Call& c, const Tail& t) {
     const at::Tensor cache = pool4(c.t("cache")), src = c.t("src_loc");
     const int64_t n = src.size(0), capacity = cache.size(0) * cache.size(1);

@@ -144,10 +144,8 @@ def _copy_across(src, dst, src_pages, dst_pages, check, errors, backend, op: str
     memory), and scattered into dst; each step is a same-device page copy of checked ids."""
     from kvwrite.reference.pages import checked_pairs
 
-    validate.tensor("src", src, dtypes=POOL_DTYPES)
-    validate.tensor("dst", dst, dtypes=POOL_DTYPES)
-    same_rows(src, dst, op)
     s, d = canonical_pool("src", src), canonical_pool("dst", dst)
+    same_rows(src, dst, op)
     su, du = page_units(s, d)
     side = dst.device if dst.device.type != "cpu" else src.device   # where the record lives
     sp = validate.tensor("src_pages", _to(src_pages, side), ndim=1, dtypes=validate.LOC_DTYPES)

@@ -76,7 +76,9 @@ class RopeStoreMLA(_Fused):
 
 # --- the rotation's checks (C++ twins: csrc/api.h `rule`) -----------------------------------------
 
-def _rotary(rotary_dim: int, head_dim: int, head: str) -> None:
+def _rotary(env: dict, rotary_dim: int, head_dim: int, head: str) -> None:
+    if env["M"] < 1:
+        raise ValueError("cos_sin_cache must have at least one position")
     if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim:
         raise ValueError(f"rotary_dim must be even and in [2, {head} head_dim={head_dim}], got {rotary_dim}")
     if head_dim > MAX_HEAD_DIM:
@@ -87,8 +89,6 @@ def _rotary(rotary_dim: int, head_dim: int, head: str) -> None:
 def _kv_dims(env: dict, v: dict) -> None:
     """cos_sin_cache `[max_position >= 1, rotary_dim]`; rotary_dim even, <= k's head_dim."""
     width, rotary_dim = env["C"], v["rotary_dim"]
-    if env["M"] < 1:
-        raise ValueError("cos_sin_cache must have at least one position")
     if rotary_dim is None:
         rotary_dim = width
     if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, (int, torch.SymInt)):
@@ -96,15 +96,13 @@ def _kv_dims(env: dict, v: dict) -> None:
     if rotary_dim != width:
         raise ValueError(f"cos_sin_cache must be [max_position, rotary_dim={rotary_dim}] (cos half, "
                          f"then sin half), got {list(v['cos_sin_cache'].shape)}")
-    _rotary(width, env["D"], "k")
+    _rotary(env, width, env["D"], "k")
 
 
 @spec.rule("rope_dims R")
 def _mla_dims(env: dict, v: dict) -> None:
     """cos_sin_cache `[max_position >= 1, R]`: the whole k_pe rotates."""
-    if env["M"] < 1:
-        raise ValueError("cos_sin_cache must have at least one position")
-    _rotary(env["R"], env["R"], "k_pe")
+    _rotary(env, env["R"], env["R"], "k_pe")
 
 
 @spec.rule("rope_args")

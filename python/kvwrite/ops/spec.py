@@ -12,10 +12,9 @@ pages and rows). "*" is any size, "D/2" a bound letter divided by 2, "512" a siz
 "scale H" is a dequant scale `[]`, `[1]` (or `[H]`). `Arg.layout`: the dims are the canonical
 `[pages, rows, H, ...]`; a call with layout "HND" checks (and names) dims 1 and 2 swapped.
 
-Page moves: `Op.loc` names the argument that addresses the call (a page move's dst pages or locs), `Op.claims` how the duplicate pre-pass sees it ("rows" a store's rows, "pairs" a page
-move's (src, dst) pairs, "read" none: a gather writes its own output), `Op.table_tail` whether the
-schema ends with the page-table tensors; `pool(name)` checks a pool `[pages, rows, ...]` of any
-rank (its `[pages, rows, heads, feat]` view, `kvwrite.ops._common.canonical_pool`).
+Page moves: `Op.loc` names the addressing argument (dst pages / locs), `Op.claims` the duplicate
+pre-pass ("rows", "pairs" of a page move, "read": none), `Op.table_tail` whether the schema ends
+with the page-table tensors; `pool(name)` checks a pool `[pages, rows, ...]` of any rank.
 """
 from __future__ import annotations
 
@@ -319,11 +318,10 @@ class Op:
         return env
 
     def prepare(self, args: tuple, check: object = NO_DEFAULT, aliases: dict | None = None,
-                call: str | None = None, op: str | None = None) -> object:
+                call: str | None = None) -> object:
         """Validate a call (schema-order arguments) and build the call object. An adapter's
-        `aliases` (schema name -> the engine's) and `call` (its function) name its errors; `op`:
-        the op the call records as (a fused op that stores through this one)."""
-        op = self.name if op is None else op
+        `aliases` (schema name -> the engine's) and `call` (its function) name its errors."""
+        op = self.name
         if len(args) < len(self.names):   # the dispatcher leaves trailing defaults out
             args = (*args, *(a.default for a in self.all_args[len(args):]))
         v = dict(zip(self.names, args))
