@@ -461,7 +461,7 @@ inline std::optional<Tail> addressing(Call& c) {
   if (c.p.arg("loc_map") >= 0) t.loc_map = c.opt("loc_map");
   if (c.p.arg("dcp_rank") >= 0) t.dcp_rank = c.v("dcp_rank").toInt(), t.dcp_size = c.v("dcp_size").toInt();
   if (!index_tensor(t.loc_map, c) || t.dcp_size < 1 || t.dcp_rank < 0 || t.dcp_rank >= t.dcp_size) return std::nullopt;
-  if (c.p.arg("batch_indices") >= 0)
+  if (c.p.arg("kv_indptr") >= 0)  // the schema ends with the page-table tensors
     t.batch_indices = c.opt("batch_indices"), t.kv_indices = c.opt("kv_indices"), t.kv_indptr = c.opt("kv_indptr");
   if (t.batch_indices || t.kv_indices || t.kv_indptr) {
     if (!c.p.table_ok || !t.batch_indices || !t.kv_indices || !t.kv_indptr || t.loc_map || t.dcp_size != 1)

@@ -115,8 +115,8 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor,
             k_cache, v_cache = paged_kv_cache
             usual = (kv_layout in LAYOUTS and append_key.dtype in _PLAIN and k_cache.dtype is append_key.dtype
                      and v_cache.dtype is append_value.dtype and t.ndim == 1 and t.dtype in validate.LOC_DTYPES
-                     and len(kv_indptr) == len(t) + 1 and t.device == append_key.device)
-        except (AttributeError, TypeError, ValueError):
+                     and kv_indptr.shape[0] == t.shape[0] + 1 and t.device == append_key.device)
+        except (AttributeError, IndexError, TypeError, ValueError):
             usual = False
         if usual:
             return _APPEND(append_key, append_value, k_cache, v_cache, positions, kv_layout, None, None, check,
