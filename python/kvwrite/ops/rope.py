@@ -77,6 +77,7 @@ class RopeStoreMLA(_Fused):
 # --- the rotation's checks (C++ twins: csrc/api.h `rule`) -----------------------------------------
 
 def _rotary(env: dict, rotary_dim: int, head_dim: int, head: str) -> None:
+    """At least one position; rotary_dim even, in [2, head_dim]; head_dim within the kernels' rows."""
     if env["M"] < 1:
         raise ValueError("cos_sin_cache must have at least one position")
     if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim:
@@ -123,6 +124,7 @@ def _kv_format(env: dict, v: dict) -> None:
 
 
 def _f32(w: torch.Tensor | None) -> torch.Tensor | None:
+    """A norm weight as the kernels read it (fp32; one in the input dtype converted)."""
     return w if w is None or w.dtype == torch.float32 else w.float()
 
 
