@@ -12,6 +12,9 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/where.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <c10/util/Exception.h>
@@ -30,6 +33,7 @@
 #include "params.h"
 #include "params_dsv4.h"
 #include "params_int4.h"
+#include "params_rope.h"
 
 namespace kvwrite {
 namespace api {
@@ -81,6 +85,8 @@ struct Program {
   std::unordered_map<std::string, int> arg_index, slot_index;
   int nslots = 0, op_code = 0;
   bool dcp_page = false, table_ok = false;
+  std::string loc_arg = "loc";  // the addressing argument (a page move's dst pages / dst locs)
+  char claims = 'r';             // the duplicate pre-pass: 'r' rows, 'p' page pairs, 'n' none (a gather)
   std::vector<Step> steps;
   std::optional<c10::OperatorHandle> python;
 
@@ -110,6 +116,9 @@ inline Program parse(const std::string& name, const std::string& text) {
       p.op_code = std::stoi(w[1]);
       p.dcp_page = w[2] == "1";
       p.table_ok = w[3] == "1";
+    } else if (w[0] == "loc") {  // loc <arg> rows|pairs|read
+      p.loc_arg = w[1];
+      p.claims = w[2] == "pairs" ? 'p' : w[2] == "read" ? 'n' : 'r';
     } else if (w[0] == "T" || w[0] == "S") {  // T arg optional layout lastc ndim dims dtypes binds
       Step s;
       s.kind = w[0][0];
@@ -400,6 +409,49 @@ inline bool rule(const std::vector<std::string>& w, Call& c) {
     c.e("P") = pool.size(0);
     return c.e("S") = 1, true;
   }
+  // The fused RoPE stores (ops.rope `_kv_dims`, `_mla_dims`, `_rope_args`, `_kv_format`).
+  if (r == "rope_dims") {
+    const at::Tensor& cs = c.t("cos_sin_cache");
+    const int64_t width = cs.size(1), d = c.e(w[1]);
+    const int rd = c.p.arg("rotary_dim");
+    if (rd >= 0 && !c.a[rd].isNone() && !(c.a[rd].isInt() && c.a[rd].toInt() == width)) return false;
+    return cs.size(0) >= 1 && width >= 2 && width % 2 == 0 && width <= d && d <= ROPE_MAX_DIM;
+  }
+  if (r == "rope_args")
+    return c.v("is_neox").isBool() && (c.p.arg("norm_eps") < 0 || c.v("norm_eps").toDouble() >= 0);
+  if (r == "rope_kv_format") {
+    const int64_t q = c.e("quant"), dt = c.e("k_cache");
+    return q >= 0 && q <= 3 &&
+           (q == 0 || dt == int64_t(at::kChar) || dt == int64_t(at::kFloat8_e4m3fn) || dt == int64_t(at::kFloat8_e5m2));
+  }
+  // The page moves (ops.spec `pool`, `pairs`; ops.pages `_page_pools`, `_slot_geometry`, `_gather_out`).
+  if (r == "pool") {
+    const at::Tensor& t = c.t(w[1]);
+    if (t.dim() < 2 || t.size(0) < 1 || t.size(1) < 1) return false;
+    if (w.size() > 3) c.e(w[2]) = t.size(0), c.e(w[3]) = t.size(1);
+    return true;
+  }
+  if (r == "pairs") {
+    const c10::IValue& v = c.v(w[1]);
+    return v.isTensor() && v.toTensor().dim() == 1 && v.toTensor().size(0) == c.e("N");
+  }
+  if (r == "page_pools") {
+    const at::Tensor &s = c.t("src"), &d = c.t("dst");
+    if (s.scalar_type() != d.scalar_type() || s.dim() != d.dim()) return false;
+    for (int64_t i = 2; i < s.dim(); ++i)
+      if (s.size(i) != d.size(i)) return false;
+    return s.size(1) % d.size(1) == 0 || d.size(1) % s.size(1) == 0;
+  }
+  if (r == "slot_geometry") return c.v("page_size").toInt() >= 1 && c.v("num_pages").toInt() >= 1;
+  if (r == "gather_out") {
+    const c10::IValue& loc = c.v("loc");
+    const at::Tensor &cache = c.t("cache"), &out = c.t("out");
+    if (!loc.isTensor() || loc.toTensor().dim() != 1 || out.dim() != cache.dim() - 1) return false;
+    c.e("N") = loc.toTensor().size(0);
+    for (int64_t i = 0; i < out.dim(); ++i)
+      if (out.size(i) != (i ? cache.size(i + 1) : c.e("N"))) return false;
+    return true;
+  }
   return false;  // a rule this build does not know: Python runs the call
 }
 
@@ -417,14 +469,15 @@ inline bool index_tensor(const std::optional<at::Tensor>& t, const Call& c) {
 inline std::optional<Tail> addressing(Call& c) {
   Tail t;
   const int64_t n = c.e("N");
-  const c10::IValue& loc = c.v("loc");
+  const c10::IValue& loc = c.v(c.p.loc_arg);
   if (n > MAX_TOKENS || !loc.isTensor() || !c.device) return std::nullopt;
   t.loc = loc.toTensor();
   if (!index_tensor(t.loc, c) || t.loc.size(0) != n) return std::nullopt;
   if (c.p.arg("loc_map") >= 0) t.loc_map = c.opt("loc_map");
   if (c.p.arg("dcp_rank") >= 0) t.dcp_rank = c.v("dcp_rank").toInt(), t.dcp_size = c.v("dcp_size").toInt();
   if (!index_tensor(t.loc_map, c) || t.dcp_size < 1 || t.dcp_rank < 0 || t.dcp_rank >= t.dcp_size) return std::nullopt;
-  t.batch_indices = c.opt("batch_indices"), t.kv_indices = c.opt("kv_indices"), t.kv_indptr = c.opt("kv_indptr");
+  if (c.p.arg("kv_indptr") >= 0)  // the schema ends with the page-table tensors
+    t.batch_indices = c.opt("batch_indices"), t.kv_indices = c.opt("kv_indices"), t.kv_indptr = c.opt("kv_indptr");
   if (t.batch_indices || t.kv_indices || t.kv_indptr) {
     if (!c.p.table_ok || !t.batch_indices || !t.kv_indices || !t.kv_indptr || t.loc_map || t.dcp_size != 1)
       return std::nullopt;
@@ -507,6 +560,68 @@ struct Launch {
     R::store_dsv4_indexer_k(c.t("k"), c.t("cache"), c.e("S"), c.e("fmt"), !c.none("scale_fmt"), KVW_TAIL_ARGS);
   }
   static void store_rows(Call& c, const Tail& t) { R::store_rows(c.t("src"), c.t("pool"), KVW_TAIL_ARGS); }
+  // The fused RoPE stores: norm weights as fp32; copy / static fp8 formats run rope_store_kv, int8
+  // and dynamic scales rope_store_kv_quant.
+  static std::optional<at::Tensor> fp32(Call& c, const char* n) {
+    auto w = c.opt(n);
+    return w && w->scalar_type() != at::kFloat ? std::optional<at::Tensor>(w->to(at::kFloat)) : w;
+  }
+  static std::optional<at::Tensor> rows_view(Call& c, const char* n) {  // [P, S] scale caches as [P, S, 1]
+    auto s = c.opt(n);
+    return s && s->dim() == 2 ? std::optional<at::Tensor>(s->unsqueeze(-1)) : s;
+  }
+  static void rope_store_kv(Call& c, const Tail& t) {
+    const int64_t quant = c.e("quant");
+    const at::Tensor &pos = c.t("positions"), &q = c.t("q"), &k = c.t("k"), &v = c.t("v"), &cs = c.t("cos_sin_cache");
+    const at::Tensor kc = cv(c, c.t("k_cache")), vc = cv(c, c.t("v_cache"));
+    const auto qw = fp32(c, "q_norm_weight"), kw = fp32(c, "k_norm_weight");
+    const double eps = c.v("norm_eps").toDouble();
+    if (quant == 0 || (quant == 1 && c.e("k_cache") != int64_t(at::kChar)))
+      return R::rope_store_kv(pos, q, k, v, cs, kc, vc, c.opt("k_scale"), c.opt("v_scale"), qw, kw, eps,
+                              c.v("is_neox").toBool(), KVW_TAIL_ARGS);
+    R::rope_store_kv_quant(pos, q, k, v, cs, kc, vc, c.opt("k_scale"), c.opt("v_scale"), rows_view(c, "k_scale_cache"),
+                           rows_view(c, "v_scale_cache"), quant, c.e("rule"), qw, kw, eps, c.v("is_neox").toBool(),
+                           KVW_TAIL_ARGS);
+  }
+  // The page moves: pools as [pages, rows, heads, feat] views (ops._common.canonical_pool).
+  static at::Tensor pool4(const at::Tensor& x) {
+    if (x.dim() == 2) return x.unsqueeze(-1).unsqueeze(-1);
+    if (x.dim() == 3) return x.unsqueeze(2);
+    return x.dim() == 4 ? x : x.view({x.size(0), x.size(1), x.size(2), -1});
+  }
+  static void gather(Call& c, const Tail& t) {
+    const at::Tensor cache = pool4(c.t("cache"));
+    R::gather(cache, c.t("out").view({c.e("N"), cache.size(2), cache.size(3)}), KVW_TAIL_ARGS);
+  }
+  // Pair i of a move reads gathered row i, or nothing (-1) when src[i] is outside [0, capacity).
+  static at::Tensor live_ids(const at::Tensor& src, int64_t capacity) {
+    if (!src.is_cpu()) return at::where(src.ge(0).logical_and_(src.lt(capacity)), at::arange(src.size(0), src.options()), -1);
+    at::Tensor ids = src.to(at::kLong, false, true);  // a copy
+    int64_t* p = ids.data_ptr<int64_t>();
+    for (int64_t i = 0; i < ids.size(0); ++i) p[i] = p[i] >= 0 && p[i] < capacity ? i : -1;
+    return ids;
+  }
+  // move_rows (ops.pages.move): the source rows gathered first, then copied as one-row units.
+  static void move_rows(Call& c, const Tail& t) {
+    const at::Tensor cache = pool4(c.t("cache")), src = c.t("src_loc");
+    const int64_t n = src.size(0), capacity = cache.size(0) * cache.size(1);
+    const at::Tensor rows = at::empty({n, 1, cache.size(2), cache.size(3)}, cache.options());
+    R::gather(cache, rows.squeeze(1), src, std::nullopt, t.errors, 0, 1, t.check, t.op, std::nullopt, std::nullopt,
+              std::nullopt);
+    R::copy_pages(rows, cache, live_ids(src, capacity), t.loc, t.errors, t.check, t.op);
+  }
+  static void slot_mapping(Call& c, const Tail& t) {
+    R::slot_mapping(c.t("block_table"), c.t("batch_indices"), t.loc, c.t("out"), c.v("page_size").toInt(),
+                    c.v("num_pages").toInt(), t.errors, t.check, t.op);
+  }
+  static void copy_pages(Call& c, const Tail& t) {
+    R::copy_pages(pool4(c.t("src")), pool4(c.t("dst")), c.t("src_pages"), t.loc, t.errors, t.check, t.op);
+  }
+  static void rope_store_mla(Call& c, const Tail& t) {
+    R::rope_store_mla(c.t("positions"), c.t("q_pe"), c.t("kv_c"), c.t("k_pe"), c.t("cos_sin_cache"), c.t("kv_cache"),
+                      c.opt("scale"), c.opt("scale_cache"), c.opt("global_scale"), c.e("fmt"), c.v("is_neox").toBool(),
+                      KVW_TAIL_ARGS);
+  }
 };
 
 // The ops with a C++ kernel: the one place an op is listed on this side.
@@ -521,6 +636,12 @@ const std::unordered_map<std::string, void (*)(Call&, const Tail&)>& ops() {
       {"kvwrite::store_dsv4_kv", &Launch<R>::store_dsv4_kv},
       {"kvwrite::store_dsv4_indexer_k", &Launch<R>::store_dsv4_indexer_k},
       {"kvwrite::store_rows", &Launch<R>::store_rows},
+      {"kvwrite::rope_store_kv", &Launch<R>::rope_store_kv},
+      {"kvwrite::rope_store_mla", &Launch<R>::rope_store_mla},
+      {"kvwrite::copy_pages", &Launch<R>::copy_pages},
+      {"kvwrite::gather", &Launch<R>::gather},
+      {"kvwrite::move_rows", &Launch<R>::move_rows},
+      {"kvwrite::slot_mapping", &Launch<R>::slot_mapping},
   };
   return m;
 }
@@ -562,7 +683,9 @@ bool run_here(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   std::optional<Tail> t = addressing(c);
   if (!t) return false;
   if (c.e("N") > 0) {
-    if (t->check != CHECK_OFF) claim<R>(c, *t);
+    // a page move's (src, dst) pairs: the Python pre-pass (kvwrite.reference.claims.unique_pairs)
+    if (t->check != CHECK_OFF && p->claims == 'p' && c.e("N") >= 2) return false;
+    if (t->check != CHECK_OFF && p->claims == 'r') claim<R>(c, *t);
     ops<R>().at(name)(c, *t);
   }
   return true;

@@ -307,6 +307,12 @@ struct CudaRun {
   static constexpr auto store_dsv4_kv = &store_dsv4_kv_cuda;
   static constexpr auto store_dsv4_indexer_k = &store_dsv4_indexer_k_cuda;
   static constexpr auto store_rows = &store_rows_cuda;
+  static constexpr auto rope_store_kv = &rope_store_kv_cuda;
+  static constexpr auto rope_store_kv_quant = &rope_store_kv_quant_cuda;
+  static constexpr auto rope_store_mla = &rope_store_mla_cuda;
+  static constexpr auto copy_pages = &copy_pages_cuda;
+  static constexpr auto gather = &gather_cuda;
+  static constexpr auto slot_mapping = &slot_mapping_cuda;
   static constexpr auto claim_rows = &claim_rows_cuda;
 };
 // the engines' operators (engines.h) on the CUDA kernels

@@ -631,6 +631,12 @@ struct CpuRun {
   static constexpr auto store_dsv4_kv = &store_dsv4_kv_cpu;
   static constexpr auto store_dsv4_indexer_k = &store_dsv4_indexer_k_cpu;
   static constexpr auto store_rows = &store_rows_cpu;
+  static constexpr auto rope_store_kv = &rope_store_kv_cpu;
+  static constexpr auto rope_store_kv_quant = &rope_store_kv_quant_cpu;
+  static constexpr auto rope_store_mla = &rope_store_mla_cpu;
+  static constexpr auto copy_pages = &copy_pages_cpu;
+  static constexpr auto gather = &gather_cpu;
+  static constexpr auto slot_mapping = &slot_mapping_cpu;
   static constexpr auto claim_rows = &claim_rows_cpu;
 };
 // the engines' operators (engines.h) on the CPU kernels

@@ -65,7 +65,7 @@ inline RopeStoreKVParams rope_store_kv_params(const Tensor& positions, const Ten
   p.kv = store_kv_params(k, v, k_cache, v_cache, k_scale, v_scale, loc, loc_map, errors, dcp_rank, dcp_size, check,
                          op);
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) >= 1 && k_cache.size(1) >= 1,
-              "kvwrite: rope_store_kv caches are [pages >= 1, rows >= 1, heads, D] views");
+              "kvwrite: the caches must be [pages >= 1, rows >= 1, heads, D] views");
   // scales: fp32 [] / [1] / [H] (contiguous), for fp8 caches only (kvwrite.validate.scale)
   const bool fp8 = is_fp8(p.kv.cache_dtype);
   for (const OptTensor* s : {&k_scale, &v_scale}) {
@@ -88,7 +88,7 @@ inline RopeStoreKVQuantParams rope_store_kv_quant_params(
   RopeStoreKVQuantParams p;
   p.kv = store_kv_quant_params(k, v, k_cache, v_cache, k_scale, v_scale, k_scale_cache, v_scale_cache, quant, rule,
                                loc, loc_map, errors, dcp_rank, dcp_size, check, op);
-  TORCH_CHECK(k_cache.size(0) >= 1 && k_cache.size(1) >= 1, "kvwrite: rope_store_kv caches need pages and rows");
+  TORCH_CHECK(k_cache.size(0) >= 1 && k_cache.size(1) >= 1, "kvwrite: the caches need pages and rows");
   p.rope = rope_args(positions, q, cos_sin, q_w, k_w, eps, is_neox, k, k.size(2));
   return p;
 }

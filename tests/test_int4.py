@@ -275,7 +275,7 @@ def test_argument_errors():
     with pytest.raises(ValueError, match="k_scale/v_scale do not apply"):
         kvwrite.store_kv(k, k, kc, vc, loc, k_scale=torch.ones(()), v_scale=torch.ones(()),
                          k_scale_cache=ks, v_scale_cache=vs)
-    with pytest.raises(TypeError, match="rope_store_kv stores no int4"):
+    with pytest.raises(TypeError, match="k_cache must have dtype in .*got torch.uint8"):  # no fused int4
         kvwrite.rope_store_kv(torch.zeros(2, dtype=torch.int64, device=DEVICE), k.clone(), k, k,
                               torch.randn(8, 16, device=DEVICE), kc, vc, loc, k_scale_cache=ks, v_scale_cache=vs)
 

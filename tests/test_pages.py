@@ -361,3 +361,46 @@ def test_page_ops_trace_and_pass_opcheck():
                      (torch.ops.kvwrite.move_rows.default, (cache.clone(), torch.tensor([0, 9]),
                                                             torch.tensor([14, 3]), "off", None, "torch"))):
         opcheck(op, args)
+
+
+@pytest.mark.skipif("cpu" not in BACKENDS or DEVICE.type != "cpu", reason="the cpu backend (C++ extension) is unavailable")
+@pytest.mark.parametrize("check", ["off", "guard"])
+def test_page_moves_run_in_cpp(monkeypatch, check):
+    """The four page moves are declared ops: on the cpu backend a call the C++ matcher accepts runs
+    from C++ (no Python validation, nothing handed to the Python twin) with the torch backend's
+    bytes and record; guard with one pair (N = 1) too, its bad ids recorded by the kernels."""
+    from kvwrite.ops import _library, spec
+
+    def calls(backend, errors, pools):
+        src, dst, cache = pools
+        kvwrite.copy_pages(src, dst, _ids([3, 0, 5] if check == "off" else [3]), _ids([1, 2, 0] if check == "off"
+                                                                                       else [7]),
+                           check=check, errors=errors, backend=backend)
+        rows = kvwrite.gather(cache, _ids([5, -1, 9]), check=check, errors=errors, backend=backend)
+        kvwrite.move_rows(cache, _ids([5, 1, 9] if check == "off" else [40]), _ids([2, 3, 7] if check == "off"
+                                                                                   else [0]),
+                          check=check, errors=errors, backend=backend)
+        slots = kvwrite.slot_mapping(_ids([[3, 1], [0, 2]]), _ids([0, 1, -1]), _ids([5, 2, 0]), PageGeometry(4, 4),
+                                     check=check, errors=errors, backend=backend)
+        return rows, slots
+
+    def pools():
+        g = torch.Generator().manual_seed(7)
+        return torch.randn(6, 4, 2, 8, generator=g), torch.zeros(3, 4, 2, 8), torch.randn(4, 4, 2, 8, generator=g)
+
+    want_pools, want_errors = pools(), ErrorBuffer()
+    want = calls("torch", want_errors, want_pools)
+    got_pools, got_errors = pools(), ErrorBuffer()
+    forwarded = dict(_library.FORWARDED)
+
+    def no_python(*args, **kwargs):
+        raise AssertionError("the Python validation ran")
+
+    monkeypatch.setattr(spec.Op, "match", no_python)
+    got = calls("cpu", got_errors, got_pools)
+    monkeypatch.undo()
+    assert _library.FORWARDED == forwarded
+    for a, b in zip(got + got_pools, want + want_pools):
+        assert torch.equal(a, b)
+    assert torch.equal(got_errors.tensor, want_errors.tensor)
+    assert (got_errors.error() is None) == (check == "off")

@@ -403,10 +403,12 @@ def test_rope_store_assert_raises_before_any_write(backend, op):
 
 
 @pytest.mark.skipif("cpu" not in KERNEL_BACKENDS, reason="the cpu backend (C++ extension) is unavailable")
-def test_rope_store_kv_cpu_direct_call(monkeypatch):
-    """Once the extension is loaded, a CPU call the C++ checks accept runs the kernel directly
-    (no Python validation: the same bytes); one they refuse gets Python's named error."""
-    import kvwrite.ops.rope as rope_ops
+@pytest.mark.parametrize("check", ["off", "guard"])
+def test_rope_store_kv_cpu_runs_in_cpp(monkeypatch, check):
+    """Once the extension is loaded, a CPU call the C++ matcher accepts runs the kernel from C++
+    (no Python validation, nothing handed to the Python twin: the same bytes); one it refuses
+    gets Python's named error."""
+    from kvwrite.ops import _library, spec
 
     n, hq, h, d = 3, 2, 2, 32
     gen = torch.Generator().manual_seed(4)
@@ -417,19 +419,39 @@ def test_rope_store_kv_cpu_direct_call(monkeypatch):
     w = torch.rand(d, generator=gen) + 0.5
     caches = [torch.zeros(2, 4, h, d, dtype=torch.bfloat16) for _ in range(4)]
     qs = [q.clone(), q.clone()]
+    errs = [kvwrite.ErrorBuffer(), kvwrite.ErrorBuffer()]
     kvwrite.rope_store_kv(pos, qs[0], k, v, cs, caches[0], caches[1], loc, q_norm_weight=w, k_norm_weight=w,
-                          backend="torch")
+                          check=check, errors=errs[0], backend="torch")
 
     def no_python(*args, **kwargs):
         raise AssertionError("the Python validation ran")
 
-    kvwrite.rope_store_kv(pos, q.clone(), k, v, cs, caches[2].clone(), caches[3].clone(), loc, backend="cpu")
-    monkeypatch.setattr(rope_ops, "prepare_rope_store_kv", no_python)
+    forwarded = dict(_library.FORWARDED)
+    monkeypatch.setattr(spec.Op, "match", no_python)
     kvwrite.rope_store_kv(pos, qs[1], k, v, cs, caches[2], caches[3], loc, q_norm_weight=w, k_norm_weight=w,
-                          backend="cpu")
-    assert torch.equal(qs[0], qs[1]) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+                          check=check, errors=errs[1], backend="cpu")
     monkeypatch.undo()
+    assert _library.FORWARDED == forwarded
+    assert torch.equal(qs[0], qs[1]) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     with pytest.raises(TypeError, match="q must have dtype"):
         kvwrite.rope_store_kv(pos, q.float(), k, v, cs, caches[2], caches[3], loc, backend="cpu")
     with pytest.raises(ValueError, match="norm_eps"):
         kvwrite.rope_store_kv(pos, q, k, v, cs, caches[2], caches[3], loc, norm_eps=-1.0, backend="cpu")
+
+
+@pytest.mark.parametrize("backend", IMPLEMENTED)
+def test_rope_store_kv_quant_rule_is_store_kvs(backend):
+    """quant_rule="vllm" (dynamic scales) stores the rotated k as store_kv stores it with that rule."""
+    gen = torch.Generator().manual_seed(6)
+    n, h, d = 4, 2, 32
+    q, k, v = (torch.randn(n, h, d, generator=gen).bfloat16() for _ in range(3))
+    cs, pos, loc = torch.randn(8, d, generator=gen), torch.tensor([1, 7, 3, 0]), torch.tensor([2, 9, 5, 12])
+    got = [torch.zeros(4, 4, h, d, dtype=torch.int8) for _ in range(2)] + [torch.zeros(4, 4, h) for _ in range(2)]
+    want = [t.clone() for t in got]
+    kvwrite.rope_store_kv(pos, q.clone(), k, v, cs, got[0], got[1], loc, k_scale_cache=got[2], v_scale_cache=got[3],
+                          quant_rule="vllm", backend=backend)
+    k_rot = np_rope(k, pos, cs, d, True).to(torch.bfloat16)
+    kvwrite.store_kv(k_rot, v, want[0], want[1], loc, k_scale_cache=want[2], v_scale_cache=want[3],
+                     quant_rule="vllm", backend="torch")
+    for a, b in zip(got, want):
+        assert torch.equal(a, b) and a.any()

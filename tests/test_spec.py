@@ -69,6 +69,33 @@ def good(op: str) -> dict:
         return dict(positions=torch.tensor([0, 1, 2]), kv=torch.randn(3, 512, generator=g),
                     cos_sin=torch.randn(4, 64, generator=g), q=torch.randn(3, 2, 64, generator=g),
                     cache=torch.zeros(4, 4 * 384, dtype=U8), loc=loc, page_size=None, fmt="nvfp4", **tail)
+    if op == "rope_store_kv":
+        return dict(positions=torch.tensor([0, 3, 7]), q=torch.randn(3, 4, 16, generator=g),
+                    k=torch.randn(3, 2, 16, generator=g), v=torch.randn(3, 2, 8, generator=g),
+                    cos_sin_cache=torch.randn(8, 16, generator=g), k_cache=torch.zeros(4, 4, 2, 16),
+                    v_cache=torch.zeros(4, 4, 2, 8), loc=loc, is_neox=True, rotary_dim=None,
+                    q_norm_weight=torch.rand(16, generator=g) + 0.5, k_norm_weight=None, norm_eps=1e-6,
+                    layout="NHD", k_scale=None, v_scale=None, k_scale_cache=None, v_scale_cache=None, **tail,
+                    quant_rule=None)
+    if op == "rope_store_mla":
+        return dict(positions=torch.tensor([0, 3, 7]), q_pe=torch.randn(3, 2, 16, generator=g),
+                    kv_c=torch.randn(3, 128, generator=g), k_pe=torch.randn(3, 16, generator=g),
+                    cos_sin_cache=torch.randn(8, 16, generator=g), kv_cache=torch.zeros(4, 4, 144), loc=loc,
+                    is_neox=False, kv_cache_dtype="auto", scale=None, **tail, scale_cache=None, global_scale=None)
+    pages = dict(check="off", errors=None, backend="cpu")
+    if op == "copy_pages":
+        return dict(src=torch.randn(6, 4, 2, 8, generator=g), dst=torch.zeros(10, 2, 2, 8),
+                    src_pages=torch.tensor([1, 5, 0]), dst_pages=loc, **pages)
+    if op == "gather":
+        return dict(cache=torch.randn(4, 4, 2, 8, generator=g), loc=loc, out=torch.zeros(3, 2, 8), check="off",
+                    errors=None, backend="cpu")
+    if op == "move_rows":
+        return dict(cache=torch.randn(4, 4, 2, 8, generator=g), src_loc=torch.tensor([1, 15, 2]), dst_loc=loc,
+                    **pages)
+    if op == "slot_mapping":
+        return dict(block_table=torch.tensor([[0, 3], [2, 1]]), batch_indices=torch.tensor([0, 1, 1]),
+                    positions=torch.tensor([1, 2, 5]), out=torch.zeros(3, dtype=torch.int64), page_size=4,
+                    num_pages=4, **pages)
     raise KeyError(op)
 
 

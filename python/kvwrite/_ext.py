@@ -306,24 +306,25 @@ def unavailable_reason(device_type: str) -> str | None:
     return f"device type {device_type} is not supported"
 
 
-def _run(a, name: str, *args) -> None:
+def _run(a, name: str, *args, tail: bool = True) -> None:
     """Call torch.ops.kvwrite_ext.<name>(*args, <the shared loc/check tail>) for a validated call
-    `a`. CPU assert mode: the kernel throws before any write; we raise OutOfBoundsWrite with the
-    record it filled."""
+    `a` (`tail=False`: a page move's kernel, whose tail is errors, check, op). CPU assert mode:
+    the kernel throws before any write; we raise OutOfBoundsWrite with the record it filled."""
     from kvwrite.errors import ErrorBuffer, op_code
 
-    locs, chk = a.locs, a.check
-    errors = chk.errors
-    scratch = None
-    if chk.mode == "assert" and locs.loc.device.type == "cpu":
+    chk = a.check
+    errors, scratch = chk.errors, None
+    if chk.mode == "assert" and args[0].device.type == "cpu":
         scratch = ErrorBuffer("cpu")
         errors = scratch.tensor
-    op = getattr(torch.ops.kvwrite_ext, name)
-    t = getattr(locs, "table", None)
-    table = () if t is None else (t.batch_indices, t.kv_indices, t.kv_indptr)
+    rest = (errors, chk.code, op_code(chk.op))
+    if tail:
+        locs = a.locs
+        t = getattr(locs, "table", None)
+        table = () if t is None else (t.batch_indices, t.kv_indices, t.kv_indptr)
+        rest = (locs.loc, locs.loc_map, errors, locs.dcp_rank, locs.dcp_size, *rest[1:], *table)
     try:
-        op(*args, locs.loc, locs.loc_map, errors, locs.dcp_rank, locs.dcp_size, chk.code, op_code(chk.op),
-           *table)
+        getattr(torch.ops.kvwrite_ext, name)(*args, *rest)
     except RuntimeError as exc:
         err = scratch.error() if scratch is not None else None
         if err is None:
@@ -394,29 +395,9 @@ def store_rows(a) -> None:
     _run(a, "store_rows", a.src, a.pool)
 
 
-def _run_checked(a, name: str, *args) -> None:
-    """Call torch.ops.kvwrite_ext.<name>(*args, errors, check, op) for a validated page move `a`
-    (CPU assert mode: the kernel records into a scratch buffer and throws before any write; we
-    raise its OutOfBoundsWrite)."""
-    from kvwrite.errors import ErrorBuffer, op_code
-
-    chk = a.check
-    errors, scratch = chk.errors, None
-    if chk.mode == "assert" and args[0].device.type == "cpu":
-        scratch = ErrorBuffer("cpu")
-        errors = scratch.tensor
-    try:
-        getattr(torch.ops.kvwrite_ext, name)(*args, errors, chk.code, op_code(chk.op))
-    except RuntimeError as exc:
-        err = scratch.error() if scratch is not None else None
-        if err is None:
-            raise
-        raise err from exc
-
-
 def copy_pages(a) -> None:
     """`a`: kvwrite.ops.pages.CopyPages (canonical [pages, rows, heads, feat] pools)."""
-    _run_checked(a, "copy_pages", a.src, a.dst, a.src_pages, a.dst_pages)
+    _run(a, "copy_pages", a.src, a.dst, a.src_pages, a.dst_pages, tail=False)
 
 
 def gather(a) -> None:
@@ -426,8 +407,8 @@ def gather(a) -> None:
 
 def slot_mapping(a) -> None:
     """`a`: kvwrite.ops.pages.SlotMapping."""
-    _run_checked(a, "slot_mapping", a.block_table, a.batch_indices, a.positions, a.out,
-                 a.geometry.pool_page_size, a.geometry.num_pages)
+    _run(a, "slot_mapping", a.block_table, a.batch_indices, a.positions, a.out, a.geometry.pool_page_size,
+         a.geometry.num_pages, tail=False)
 
 
 def rope_store_kv(a) -> None:

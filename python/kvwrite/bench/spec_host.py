@@ -22,13 +22,15 @@ def cases() -> list[tuple[str, object, str, object, float]]:
     k, v = rnd(1, 8, 128), rnd(1, 8, 128)
     kc, vc = torch.zeros(16, 16, 8, 128, dtype=bf), torch.zeros(16, 16, 8, 128, dtype=bf)
     base = lambda: kvwrite.store_kv(k, v, kc, vc, loc)  # noqa: E731
+    errors = kvwrite.ErrorBuffer()
+    guard = lambda: kvwrite.store_kv(k, v, kc, vc, loc, check="guard", errors=errors)  # noqa: E731
     kv_c, k_pe, mla = rnd(1, 512), rnd(1, 64), torch.zeros(16, 16, 576, dtype=bf)
     ik, icache = rnd(1, 128), torch.zeros(16, 16 * 132, dtype=torch.uint8)
     nv = [torch.zeros(16, 16, 8, w, dtype=dt) for w, dt in ((64, torch.uint8),) * 2 + ((8, torch.float8_e4m3fn),) * 2]
     dkv, dcache = rnd(1, 512), torch.zeros(16, kv_page_bytes(16), dtype=torch.uint8)
     src, pool = rnd(1, 64), torch.zeros(64, 64, dtype=bf)
     pt = kvwrite.PageTable(torch.tensor([0]), torch.tensor([5]), torch.tensor([3, 1]), torch.tensor([0, 2]))
-    last = torch.tensor([5])
+    last, moved = torch.tensor([5]), torch.tensor([6])
     i8 = [torch.zeros(16, 16, 8, 128, dtype=torch.int8) for _ in range(2)]
     one = torch.tensor(0.05)
     tok, head = [torch.zeros(16, 16) for _ in range(2)], [torch.zeros(16, 16, 8) for _ in range(2)]
@@ -54,11 +56,16 @@ def cases() -> list[tuple[str, object, str, object, float]]:
         ("rope_store_kv", lambda: kvwrite.rope_store_kv(pos, q, k, v, cos_sin, kc, vc, loc), "store_kv", base, 2.0),
         ("rope_store_mla", lambda: kvwrite.rope_store_mla(pos, q_pe, kv_c, k_pe, cos_sin_pe, mla, loc), "store_kv",
          base, 2.0),
+        ("rope_store_kv check=guard", lambda: kvwrite.rope_store_kv(pos, q, k, v, cos_sin, kc, vc, loc, check="guard",
+                                                                    errors=errors), "store_kv check=guard", guard, 2.0),
+        ("rope_store_mla check=guard", lambda: kvwrite.rope_store_mla(pos, q_pe, kv_c, k_pe, cos_sin_pe, mla, loc,
+                                                                      check="guard", errors=errors),
+         "store_kv check=guard", guard, 2.0),
         ("copy_pages", lambda: kvwrite.copy_pages(kc, kc2, loc, loc), "store_kv", base, 2.0),
         ("gather", lambda: kvwrite.gather(kc, loc), "store_kv", base, 2.0),
         ("slot_mapping", lambda: kvwrite.slot_mapping(table, pt.batch_indices, pt.positions, geo), "store_kv",
          base, 2.0),
-        ("move_rows", lambda: kvwrite.move_rows(kc, loc, last + 1), "store_kv", base, 2.0),
+        ("move_rows", lambda: kvwrite.move_rows(kc, loc, moved), "store_kv", base, 2.0),
         ("store_kv check=assert", lambda: kvwrite.store_kv(k, v, kc, vc, loc, check="assert"), "store_kv", base, 1.3),
         ("vllm.reshape_and_cache_flash",
          lambda: vllm.reshape_and_cache_flash(k, v, kc, vc, loc, "auto", None, None), "store_kv", base, 1.2),

@@ -55,6 +55,9 @@ def _unpack_paged_kv_cache(paged_kv_cache, kv_layout: str) -> tuple[torch.Tensor
                     f"{type(paged_kv_cache).__name__}")
 
 
+_PLAIN = (torch.float32, torch.float16, torch.bfloat16)   # dtypes stored without byte views
+
+
 def _check_last_page_len(kv_last_page_len: object, kv_indptr: object, device: torch.device) -> None:
     t = kv_last_page_len   # the common case by one predicate; the checks below name what is wrong
     if (type(t) is torch.Tensor and t.dim() == 1 and t.dtype in validate.LOC_DTYPES and t.device == device
@@ -104,6 +107,20 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor,
     `positions[i] % page_size` of page `kv_indices[kv_indptr[b] + positions[i] // page_size]`,
     b = `batch_indices[i]`. One fused kvwrite.store_kv launch.
     """
+    if type(paged_kv_cache) is tuple and type(kv_layout) is str and type(kv_last_page_len) is torch.Tensor:
+        # the usual call (a (k, v) tuple, caches in the inputs' 16/32-bit dtype, a good
+        # kv_last_page_len) in one predicate: the store checks the rest
+        t = kv_last_page_len
+        try:
+            k_cache, v_cache = paged_kv_cache
+            usual = (kv_layout in LAYOUTS and append_key.dtype in _PLAIN and k_cache.dtype is append_key.dtype
+                     and v_cache.dtype is append_value.dtype and t.ndim == 1 and t.dtype in validate.LOC_DTYPES
+                     and kv_indptr.shape[0] == t.shape[0] + 1 and t.device == append_key.device)
+        except (AttributeError, IndexError, TypeError, ValueError):
+            usual = False
+        if usual:
+            return _APPEND(append_key, append_value, k_cache, v_cache, positions, kv_layout, None, None, check,
+                           errors, None, 0, 1, backend, None, None, None, batch_indices, kv_indices, kv_indptr)
     kv_layout = validate.choice("kv_layout", kv_layout, LAYOUTS)
     k_cache, v_cache = _unpack_paged_kv_cache(paged_kv_cache, kv_layout)
     k = validate.tensor("append_key", append_key)

@@ -5,7 +5,7 @@ from typing import Callable
 
 import torch
 
-from kvwrite import backend as backends
+from kvwrite import backend as backends, validate
 from kvwrite.addressing import Check, Locs, prepare  # noqa: F401  (the ops' shared names)
 from kvwrite.errors import ErrorBuffer, default_errors
 from kvwrite.geometry import PageGeometry
@@ -37,6 +37,33 @@ def cache_geometry(name: str, num_pages: int, pool_page_size: int) -> PageGeomet
         raise ValueError(f"{name} must have at least one page of at least one row, got "
                          f"{num_pages} pages of {pool_page_size}")
     return PageGeometry.from_pool(num_pages, pool_page_size)
+
+
+# Any dtype moves as bytes; these are the ones a pool can have (the page moves' pools).
+POOL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int32,
+               torch.int64, *validate.FP8_MAX)
+
+
+def canonical_pool(name: str, t: object) -> torch.Tensor:
+    """The `[pages, rows, heads, feat]` view of a pool `[pages, rows, ...]` (2-D: rows of one
+    element; 3-D: one head; 5-D and more: the dims after the third flattened, which must be a
+    view). The innermost dim must be contiguous."""
+    t = validate.tensor(name, t, dtypes=POOL_DTYPES)
+    if t.dim() < 2:
+        raise ValueError(f"{name} must be a pool [pages, rows, ...], got shape {list(t.shape)}")
+    if t.dim() == 2:
+        t = t.unsqueeze(-1).unsqueeze(-1)
+    elif t.dim() == 3:
+        t = t.unsqueeze(2)
+    elif t.dim() > 4:
+        try:
+            t = t.view(*t.shape[:3], -1)
+        except RuntimeError:
+            raise ValueError(f"{name}: the dims after the third must be contiguous (one run per head), "
+                             f"got shape {list(t.shape)} strides {t.stride()}") from None
+    if t.shape[0] < 1 or t.shape[1] < 1:
+        raise ValueError(f"{name} must have at least one page of at least one row, got shape {list(t.shape)}")
+    return t
 
 
 def impls(reference: str, kernel: str, ext: str) -> tuple[tuple[str, str], ...]:

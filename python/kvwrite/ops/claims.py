@@ -23,8 +23,8 @@ import torch
 from kvwrite import _ext
 from kvwrite.reference import claims as _ref
 
-# Ops that write no pool row (a gather fills its own output in token order).
-READ_ONLY = ("gather", "slot_mapping")
+# Ops that write no pool row (a gather fills its own output), and move_rows (its halves check).
+READ_ONLY = ("gather", "slot_mapping", "move_rows")
 NATIVE = ("cpu", "cuda")   # backends with the extension's pre-pass
 _ON = [True]
 

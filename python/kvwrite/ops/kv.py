@@ -220,19 +220,6 @@ _OP = SPEC.overload
 _CALL = _OP._op  # the C++ builtin behind the OpOverload (pool.store binds it)
 
 
-def prepare_store_kv(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors,
-                     loc_map, dcp_rank, dcp_size, k_scale_cache=None, v_scale_cache=None,
-                     quant_rule=None, op: str | None = None) -> KVStore:
-    """A validated store_kv call (the spec's checks); `op`: the op it records as (a fused store,
-    which stores no int4 cache)."""
-    a = SPEC.prepare((k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors,
-                      loc_map, dcp_rank, dcp_size, "auto", k_scale_cache, v_scale_cache, quant_rule,
-                      None, None, None), op=op)
-    if op is not None and a.quant == QUANT_INT4:
-        raise TypeError(f"k_cache: {op} stores no int4 (uint8) cache")
-    return a
-
-
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              loc: torch.Tensor, *, layout: str = "NHD", k_scale: torch.Tensor | None = None,
              v_scale: torch.Tensor | None = None, check: str | None = None,

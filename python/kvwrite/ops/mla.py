@@ -105,17 +105,6 @@ SPEC = spec.Op(
     checks=("kv_c", "k_pe", _format, "kv_cache", spec.geometry("kv_cache"), _scales, "scale",
             "scale_cache", "global_scale"),
     build=_build, impls=format_impls)
-_OP = SPEC.overload
-_CALL = _OP._op
-
-
-def prepare_store_mla(kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, errors,
-                      loc_map, dcp_rank, dcp_size, scale_cache=None, global_scale=None) -> StoreMLA:
-    """A validated store_mla call (the spec's checks)."""
-    return SPEC.prepare((kv_c, k_pe, kv_cache, loc, kv_cache_dtype, scale, check, errors, loc_map,
-                         dcp_rank, dcp_size, "auto", scale_cache, global_scale))
-
-
 def store_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, loc: torch.Tensor,
               *, kv_cache_dtype: str = "auto", scale: torch.Tensor | None = None,
               check: str | None = None, errors: ErrorBuffer | None = None,

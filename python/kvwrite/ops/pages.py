@@ -14,98 +14,26 @@ from dataclasses import dataclass
 import torch
 
 from kvwrite import validate
-from kvwrite.errors import MAX_TOKENS, NUM_SLOTS, ErrorBuffer, default_errors
+from kvwrite.errors import ErrorBuffer
 from kvwrite.geometry import GeometryError, PageGeometry
-from kvwrite.ops import _library
-from kvwrite.ops._common import Check, Locs, cache_geometry, dispatch, impls, prepare
+from kvwrite.ops import spec
+from kvwrite.ops._common import (POOL_DTYPES, Check, Locs, canonical_pool,  # noqa: F401  (re-exported)
+                                 dispatch, impls, prepare)
 from kvwrite.pagetable import PageTable
 
 OP_COPY, OP_GATHER, OP_SLOTS, OP_MOVE = "copy_pages", "gather", "slot_mapping", "move_rows"
 COPY_IMPLS = impls("pages:copy_pages", "pages:copy_pages", "copy_pages")
 GATHER_IMPLS = impls("pages:gather", "pages:gather", "gather")
 SLOTS_IMPLS = impls("pages:slot_mapping", "pages:slot_mapping", "slot_mapping")
-# Any dtype moves as bytes; these are the ones a pool can have.
-POOL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int32,
-               torch.int64, *validate.FP8_MAX)
-
-
-def canonical_pool(name: str, t: object) -> torch.Tensor:
-    """The `[pages, rows, heads, feat]` view of a pool `[pages, rows, ...]` (2-D: rows of one
-    element; 3-D: one head; 5-D and more: the dims after the third flattened, which must be a
-    view). The innermost dim must be contiguous."""
-    t = validate.tensor(name, t, dtypes=POOL_DTYPES)
-    if t.dim() < 2:
-        raise ValueError(f"{name} must be a pool [pages, rows, ...], got shape {list(t.shape)}")
-    if t.dim() == 2:
-        t = t.unsqueeze(-1).unsqueeze(-1)
-    elif t.dim() == 3:
-        t = t.unsqueeze(2)
-    elif t.dim() > 4:
-        try:
-            t = t.view(*t.shape[:3], -1)
-        except RuntimeError:
-            raise ValueError(f"{name}: the dims after the third must be contiguous (one run per head), "
-                             f"got shape {list(t.shape)} strides {t.stride()}") from None
-    if t.shape[0] < 1 or t.shape[1] < 1:
-        raise ValueError(f"{name} must have at least one page of at least one row, got shape {list(t.shape)}")
-    return t
-
-
-def _index(name: str, t: object, device: torch.device | None = None) -> torch.Tensor:
-    """A 1-D int32/int64 index tensor (contiguous); moved to `device` when given."""
-    t = validate.tensor(name, t, ndim=1, dtypes=validate.LOC_DTYPES)
-    if t.shape[0] > 1 and t.stride(0) != 1:
-        raise ValueError(f"{name} must be contiguous, got stride {t.stride(0)}")
-    if t.shape[0] > MAX_TOKENS:
-        raise ValueError(f"{name}: at most {MAX_TOKENS} entries per call, got {t.shape[0]}")
-    if device is not None and t.device != device:
-        t = t.to(device, non_blocking=True)
-    return t
-
-
-_DEFAULT_CHECKS: dict[tuple[str, str, torch.device], Check] = {}
-
-
-@torch.compiler.assume_constant_result
-def _default_mode() -> str:
-    """The process default check mode, a constant to torch.compile (it reads module globals)."""
-    return validate.default_check()
-
-
-def _mode(check: object) -> str:
-    return validate.check_mode(_default_mode() if check is None else check)
-
-
-def _record(errors: object) -> object:
-    """The record tensor an op's schema takes (an ErrorBuffer's tensor; None stays None)."""
-    return errors.tensor if isinstance(errors, ErrorBuffer) else errors
-
-
-def check_for(op: str, device: torch.device, check: object, errors: object) -> Check:
-    """The Check of one call: the mode, and in guard mode the record (the device's default
-    buffer when `errors` is None), validated like the stores' `errors`."""
-    mode = _mode(check)
-    if errors is None and torch.compiler.is_compiling():   # no cache mutation inside a trace
-        return Check(op, mode, default_errors(device).tensor if mode == "guard" else None)
-    if errors is None:
-        key = (op, mode, device)
-        chk = _DEFAULT_CHECKS.get(key)
-        if chk is None:
-            chk = _DEFAULT_CHECKS[key] = Check(op, mode, default_errors(device).tensor if mode == "guard" else None)
-        return chk
-    record = errors.tensor if isinstance(errors, ErrorBuffer) else errors
-    if not (isinstance(record, torch.Tensor) and record.dtype == torch.int64 and record.shape == (NUM_SLOTS,)):
-        raise TypeError(f"errors must be a kvwrite.ErrorBuffer or None, got {type(errors).__name__}")
-    if record.device != device:
-        raise ValueError(f"errors is on {record.device} but the {op} runs on {device}")
-    return Check(op, mode, record if mode == "guard" else None)
+# move_rows is a gather then a copy_pages, each on the backend the call asked for.
+MOVE_IMPLS = tuple((b, "kvwrite.ops.pages:move") for b in ("torch", "triton", "cpu", "cuda"))
 
 
 # --- copy_pages ------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Units:
-    """How a pool's pages are counted by copy_pages: unit u is rows [(u % factor) * rows, +rows)
+    """How a pool's pages are counted by a page copy: unit u is rows [(u % factor) * rows, +rows)
     of page u // factor; the pool has `count` units."""
 
     factor: int
@@ -129,20 +57,25 @@ class CopyPages:
     def n(self) -> int:
         return self.src_pages.shape[0]
 
+    @property
+    def locs(self) -> Locs:
+        """The dst pages as the call's addressing (dispatch reads its device and count)."""
+        return Locs(self.dst_pages)
+
 
 def page_units(src: torch.Tensor, dst: torch.Tensor) -> tuple[Units, Units]:
     """(src, dst) units of canonical pools whose page sizes differ by an integer factor, else a
     GeometryError."""
     ps, pd = src.shape[1], dst.shape[1]
     if ps % pd and pd % ps:
-        raise GeometryError(f"src pages hold {ps} rows and dst pages {pd}: copy_pages needs one to be "
+        raise GeometryError(f"src pages hold {ps} rows and dst pages {pd}: {OP_COPY} needs one to be "
                             f"a whole multiple of the other (pages are counted in units of the smaller)")
     unit = min(ps, pd)
     return (Units(ps // unit, unit, src.shape[0] * (ps // unit)),
             Units(pd // unit, unit, dst.shape[0] * (pd // unit)))
 
 
-def same_rows(src: torch.Tensor, dst: torch.Tensor, what: str = "copy_pages") -> None:
+def same_rows(src: torch.Tensor, dst: torch.Tensor, what: str = OP_COPY) -> None:
     """GeometryError unless two pools `[pages, rows, ...]` have one row shape and dtype."""
     if src.dtype != dst.dtype:
         raise GeometryError(f"{what}: src rows are {src.dtype} but dst rows are {dst.dtype}; pages move "
@@ -152,33 +85,32 @@ def same_rows(src: torch.Tensor, dst: torch.Tensor, what: str = "copy_pages") ->
                             f"{list(dst.shape[2:])}; pages move as they are, so the row shapes must match")
 
 
-def prepare_copy_pages(src, dst, src_pages, dst_pages, check, errors, op: str = OP_COPY) -> CopyPages:
-    """Validate a same-device copy_pages call (errors name the argument)."""
-    validate.tensor("src", src, dtypes=POOL_DTYPES)
-    validate.tensor("dst", dst, dtypes=POOL_DTYPES)
-    same_rows(src, dst, op)
-    s, d = canonical_pool("src", src), canonical_pool("dst", dst)
-    su, du = page_units(s, d)
-    device = dst.device
-    sp, dp = _index("src_pages", src_pages, device), _index("dst_pages", dst_pages, device)
-    if sp.shape[0] != dp.shape[0]:
-        raise ValueError(f"src_pages and dst_pages must pair up one to one, got {sp.shape[0]} and {dp.shape[0]} entries")
-    return CopyPages(s, d, sp, dp, su, du, check_for(op, device, check, errors))
+@spec.rule("page_pools")
+def _page_pools(env: dict, v: dict) -> None:
+    """src and dst: one row shape and dtype, page sizes a whole multiple of one another."""
+    same_rows(v["src"], v["dst"])
+    page_units(canonical_pool("src", v["src"]), canonical_pool("dst", v["dst"]))
 
 
-def _copy_pages_py(src, dst, src_pages, dst_pages, check, errors, backend) -> None:
-    """The Python implementation of torch.ops.kvwrite.copy_pages."""
-    a = prepare_copy_pages(src, dst, src_pages, dst_pages, check, errors)
-    if a.n:
-        dispatch(OP_COPY, COPY_IMPLS, backend, dst.device, a)
+def _build_copy(v: dict, env: dict, locs: Locs, chk: Check) -> CopyPages:
+    s, d = canonical_pool("src", v["src"]), canonical_pool("dst", v["dst"])
+    return CopyPages(s, d, v["src_pages"], locs.loc, *page_units(s, d), chk)
 
 
-def _copy_pages_fake(src, dst, src_pages, dst_pages, check, errors, backend) -> None:
-    prepare_copy_pages(src, dst, src_pages, dst_pages, _library.fake_check(check, errors), errors)
+TAIL = (spec.CHECK, spec.ERRORS, spec.BACKEND)
+IDS = validate.LOC_DTYPES
+COPY_SPEC = spec.Op(
+    OP_COPY,
+    args=(spec.T("src", None, POOL_DTYPES), spec.cache("dst", None, POOL_DTYPES), spec.T("src_pages", "N", IDS),
+          spec.Arg("dst_pages", role="addressing"), *TAIL),
+    checks=("src", spec.pool("src", bind=False), "dst", spec.pool("dst"), _page_pools, "src_pages",
+            spec.pairs("src_pages", "dst_pages")),
+    build=_build_copy, impls=COPY_IMPLS, page_table=False, loc="dst_pages", claims="pairs", table_tail=False)
 
 
-_library.define(OP_COPY, "(Tensor src, Tensor(a!) dst, Tensor src_pages, Tensor dst_pages, str check, "
-                         "Tensor(b!)? errors, str backend) -> ()", _copy_pages_py, _copy_pages_fake)
+def _to(t: object, device: torch.device) -> object:
+    """An index tensor on the pools' device (ids on the host for a GPU pool are moved)."""
+    return t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) and t.device != device else t
 
 
 def copy_pages(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor,
@@ -198,31 +130,29 @@ def copy_pages(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, ds
     and dst may be one pool when no page is both read and written by the call (`move_rows`
     reads every source first).
     """
-    if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor) and src.device != dst.device:
-        return _copy_across(src, dst, src_pages, dst_pages, check, errors, backend)
-    if torch.compiler.is_compiling():   # the fake validates; guard finds its buffer when it runs
-        return torch.ops.kvwrite.copy_pages(src, dst, src_pages, dst_pages, _mode(check), _record(errors), backend)
-    a = prepare_copy_pages(src, dst, src_pages, dst_pages, check, errors)
-    if a.n:
-        dispatch(OP_COPY, COPY_IMPLS, backend, dst.device, a)
+    if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor):
+        device = dst.device
+        if src.device != device:
+            return _copy_across(src, dst, src_pages, dst_pages, check, errors, backend)
+        src_pages, dst_pages = _to(src_pages, device), _to(dst_pages, device)
+    COPY_SPEC.entry(src, dst, src_pages, dst_pages, check, errors, backend)
 
 
 def _copy_across(src, dst, src_pages, dst_pages, check, errors, backend, op: str = OP_COPY) -> None:
-    """copy_pages between devices: the ids are checked (torch, on the GPU side's record), then
+    """The page copy between devices: the ids are checked (torch, on the GPU side's record), then
     the src units are gathered into a staging buffer, moved (asynchronously from/to pinned host
-    memory), and scattered into dst; each step is a same-device copy_pages of checked ids."""
+    memory), and scattered into dst; each step is a same-device page copy of checked ids."""
     from kvwrite.reference.pages import checked_pairs
 
-    validate.tensor("src", src, dtypes=POOL_DTYPES)
-    validate.tensor("dst", dst, dtypes=POOL_DTYPES)
-    same_rows(src, dst, op)
     s, d = canonical_pool("src", src), canonical_pool("dst", dst)
+    same_rows(src, dst, op)
     su, du = page_units(s, d)
     side = dst.device if dst.device.type != "cpu" else src.device   # where the record lives
-    chk = check_for(op, side, check, errors)
-    sp, dp = _index("src_pages", src_pages, side), _index("dst_pages", dst_pages, side)
-    if sp.shape[0] != dp.shape[0]:
-        raise ValueError(f"src_pages and dst_pages must pair up one to one, got {sp.shape[0]} and {dp.shape[0]} entries")
+    sp = validate.tensor("src_pages", _to(src_pages, side), ndim=1, dtypes=validate.LOC_DTYPES)
+    dp = _to(dst_pages, side)
+    spec.pairs("src_pages", "dst_pages")({"N": sp.shape[0]}, {"dst_pages": dp})
+    locs, chk = prepare(op, side, sp.shape[0], dp, None, 0, 1, check, errors, "dst_pages")
+    sp, dp = validate.loc("src_pages", sp, sp.shape[0], side), locs.loc
     n = sp.shape[0]
     if n == 0:
         return
@@ -263,19 +193,15 @@ class Gather:
     check: Check
 
 
-def prepare_gather(cache, loc, check, errors, out=None, op: str = OP_GATHER) -> Gather:
-    c = canonical_pool("cache", cache)
-    device = c.device
-    n = loc.positions.shape[0] if isinstance(loc, PageTable) else (
-        loc.shape[0] if isinstance(loc, torch.Tensor) and loc.dim() == 1 else -1)
-    if n < 0:
+@spec.rule("gather_out")
+def _gather_out(env: dict, v: dict) -> None:
+    """out: one row of the cache's row shape per loc, rows `[heads, feat]` runs; binds N."""
+    loc, cache, out = v["loc"], v["cache"], v["out"]
+    if not (isinstance(loc, torch.Tensor) and loc.dim() == 1):
         validate.tensor("loc", loc, ndim=1)
-    row_shape = tuple(cache.shape[2:])
-    if out is None:
-        out = torch.empty((n, *row_shape), dtype=c.dtype, device=device)
-    else:
-        validate.tensor("out", out, dtypes=(c.dtype,), device=device)
-        validate.shape("out", out, (n, *row_shape), "tokens, the cache's row shape")
+    n = env["N"] = loc.shape[0]
+    validate.shape("out", out, (n, *cache.shape[2:]), "tokens, the cache's row shape")
+    c = canonical_pool("cache", cache)
     try:
         o = out.view(n, c.shape[2], c.shape[3])
     except RuntimeError:
@@ -283,30 +209,27 @@ def prepare_gather(cache, loc, check, errors, out=None, op: str = OP_GATHER) -> 
                          f"{c.shape[3]}]), got strides {out.stride()}") from None
     if c.shape[2] > 1 and o.stride(1) != c.shape[3]:
         raise ValueError(f"out rows must be contiguous, got strides {out.stride()}")
-    geometry = cache_geometry("cache", c.shape[0], c.shape[1])
-    locs, chk = prepare(op, device, n, loc, None, 0, 1, check, errors)
-    return Gather(c, o, geometry, locs, chk), out
 
 
-def _table(loc, batch_indices, kv_indices, kv_indptr) -> object:
-    return loc if batch_indices is None else PageTable(batch_indices, loc, kv_indices, kv_indptr)
+def _build_gather(v: dict, env: dict, locs: Locs, chk: Check) -> Gather:
+    c = canonical_pool("cache", v["cache"])
+    return Gather(c, v["out"].view(locs.n, c.shape[2], c.shape[3]), env["geometry"], locs, chk)
 
 
-def _gather_py(cache, loc, out, check, errors, backend, batch_indices, kv_indices, kv_indptr) -> None:
-    """The Python implementation of torch.ops.kvwrite.gather."""
-    a, _ = prepare_gather(cache, _table(loc, batch_indices, kv_indices, kv_indptr), check, errors, out)
-    if a.locs.n:
-        dispatch(OP_GATHER, GATHER_IMPLS, backend, cache.device, a)
+GATHER_SPEC = spec.Op(
+    OP_GATHER,
+    args=(spec.T("cache", None, POOL_DTYPES), spec.LOC, spec.cache("out", None, ("=cache",)), *TAIL),
+    checks=("cache", spec.pool("cache"), spec.geometry("cache"), "out", _gather_out),
+    build=_build_gather, impls=GATHER_IMPLS, claims="read")
 
 
-def _gather_fake(cache, loc, out, check, errors, backend, batch_indices, kv_indices, kv_indptr) -> None:
-    prepare_gather(cache, _table(loc, batch_indices, kv_indices, kv_indptr),
-                   _library.fake_check(check, errors), errors, out)
-
-
-_library.define(OP_GATHER, "(Tensor cache, Tensor loc, Tensor(a!) out, str check, Tensor(b!)? errors, "
-                           "str backend, Tensor? batch_indices, Tensor? kv_indices, Tensor? kv_indptr) -> ()",
-                _gather_py, _gather_fake)
+def _rows_out(cache: object, loc: object) -> torch.Tensor:
+    """A new `[N, ...]` output of the cache's row shape and dtype (a bad argument: its error)."""
+    pos = loc.positions if isinstance(loc, PageTable) else loc
+    if not (isinstance(cache, torch.Tensor) and isinstance(pos, torch.Tensor) and pos.dim() == 1):
+        canonical_pool("cache", cache)
+        validate.tensor("loc", pos, ndim=1)
+    return cache.new_empty((pos.shape[0], *cache.shape[2:]))
 
 
 def gather(cache: torch.Tensor, loc: torch.Tensor | PageTable, *, check: str | None = None,
@@ -320,18 +243,9 @@ def gather(cache: torch.Tensor, loc: torch.Tensor | PageTable, *, check: str | N
     reported like a store's (a zero row in guard mode); "off" gives a zero row for negative locs
     and does not check the upper bound on a GPU. `out`: write into this `[N, ...]` tensor.
     """
-    if torch.compiler.is_compiling():
-        t = loc if isinstance(loc, PageTable) else None
-        pos = t.positions if t else loc
-        if out is None:
-            out = cache.new_empty((pos.shape[0], *cache.shape[2:]))
-        torch.ops.kvwrite.gather(cache, pos, out, _mode(check), _record(errors), backend,
-                                 t.batch_indices if t else None, t.kv_indices if t else None,
-                                 t.kv_indptr if t else None)
-        return out
-    a, out = prepare_gather(cache, loc, check, errors, out)
-    if a.locs.n:
-        dispatch(OP_GATHER, GATHER_IMPLS, backend, a.cache.device, a)
+    if out is None:
+        out = _rows_out(cache, loc)
+    GATHER_SPEC.entry(cache, loc, out, check, errors, backend)
     return out
 
 
@@ -352,49 +266,28 @@ class SlotMapping:
     def n(self) -> int:
         return self.positions.shape[0]
 
-
-def prepare_slot_mapping(block_table, batch_indices, positions, geometry, check, errors, out=None) -> SlotMapping:
-    if not isinstance(geometry, PageGeometry):
-        raise TypeError(f"geometry must be a kvwrite.PageGeometry (the pool's page size and pages), "
-                        f"got {type(geometry).__name__}")
-    bt = validate.tensor("block_table", block_table, ndim=2, dtypes=validate.LOC_DTYPES)
-    device = bt.device
-    b = _index("batch_indices", batch_indices)
-    p = _index("positions", positions)
-    for name, t in (("batch_indices", b), ("positions", p)):
-        if t.device != device:
-            raise ValueError(f"{name} is on {t.device} but block_table is on {device}")
-    if b.shape[0] != p.shape[0]:
-        raise ValueError(f"batch_indices and positions must have one entry per token, got "
-                         f"{b.shape[0]} and {p.shape[0]}")
-    if out is None:
-        out = torch.empty(p.shape[0], dtype=torch.int64, device=device)
-    else:
-        validate.tensor("out", out, ndim=1, dtypes=(torch.int64,), device=device)
-        validate.shape("out", out, (p.shape[0],), "one int64 slot per token")
-        if out.shape[0] > 1 and out.stride(0) != 1:
-            raise ValueError(f"out must be contiguous, got stride {out.stride(0)}")
-    return SlotMapping(bt, b, p, out, geometry, check_for(OP_SLOTS, device, check, errors))
+    @property
+    def locs(self) -> Locs:
+        """The positions as the call's addressing (dispatch reads its device and count)."""
+        return Locs(self.positions)
 
 
-def _slot_mapping_py(block_table, batch_indices, positions, out, page_size, num_pages, check, errors,
-                     backend) -> None:
-    """The Python implementation of torch.ops.kvwrite.slot_mapping."""
-    g = PageGeometry.from_pool(num_pages, page_size)
-    a = prepare_slot_mapping(block_table, batch_indices, positions, g, check, errors, out)
-    if a.n:
-        dispatch(OP_SLOTS, SLOTS_IMPLS, backend, block_table.device, a)
+@spec.rule("slot_geometry")
+def _slot_geometry(env: dict, v: dict) -> None:
+    env["geometry"] = PageGeometry.from_pool(v["num_pages"], v["page_size"])
 
 
-def _slot_mapping_fake(block_table, batch_indices, positions, out, page_size, num_pages, check, errors,
-                       backend) -> None:
-    prepare_slot_mapping(block_table, batch_indices, positions, PageGeometry.from_pool(num_pages, page_size),
-                         _library.fake_check(check, errors), errors, out)
+def _build_slots(v: dict, env: dict, locs: Locs, chk: Check) -> SlotMapping:
+    return SlotMapping(v["block_table"], v["batch_indices"], locs.loc, v["out"], env["geometry"], chk)
 
 
-_library.define(OP_SLOTS, "(Tensor block_table, Tensor batch_indices, Tensor positions, Tensor(a!) out, "
-                          "int page_size, int num_pages, str check, Tensor(b!)? errors, str backend) -> ()",
-                _slot_mapping_py, _slot_mapping_fake)
+SLOTS_SPEC = spec.Op(
+    OP_SLOTS,
+    args=(spec.T("block_table", "B W", IDS), spec.T("batch_indices", "N", IDS), spec.Arg("positions", role="addressing"),
+          spec.cache("out", "N", (torch.int64,), what="one int64 slot per token"), spec.option("page_size", "int"),
+          spec.option("num_pages", "int"), *TAIL),
+    checks=("block_table", "batch_indices", spec.pairs("batch_indices", "positions"), "out", _slot_geometry),
+    build=_build_slots, impls=SLOTS_IMPLS, page_table=False, loc="positions", claims="read", table_tail=False)
 
 
 def slot_mapping(block_table: torch.Tensor, batch_indices: torch.Tensor, positions: torch.Tensor,
@@ -411,33 +304,54 @@ def slot_mapping(block_table: torch.Tensor, batch_indices: torch.Tensor, positio
     "off" lets such a page through (the store that takes the slot checks it). `out`: write the
     slots into this int64 `[N]` tensor.
     """
-    if torch.compiler.is_compiling():
-        if out is None:
-            out = positions.new_empty(positions.shape, dtype=torch.int64)
-        torch.ops.kvwrite.slot_mapping(block_table, batch_indices, positions, out, geometry.pool_page_size,
-                                       geometry.num_pages, _mode(check), _record(errors), backend)
-        return out
-    a = prepare_slot_mapping(block_table, batch_indices, positions, geometry, check, errors, out)
-    if a.n:
-        dispatch(OP_SLOTS, SLOTS_IMPLS, backend, a.block_table.device, a)
-    return a.out
+    if not isinstance(geometry, PageGeometry):
+        raise TypeError(f"geometry must be a kvwrite.PageGeometry (the pool's page size and pages), "
+                        f"got {type(geometry).__name__}")
+    if out is None:
+        t = validate.tensor("positions", positions)
+        out = t.new_empty(t.shape[:1], dtype=torch.int64)
+    SLOTS_SPEC.entry(block_table, batch_indices, positions, out, geometry.pool_page_size, geometry.num_pages,
+                     check, errors, backend)
+    return out
 
 
 # --- move_rows -------------------------------------------------------------------------------------
 
-def _move_locs(cache, src_loc, dst_loc) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The canonical pool and the validated (src, dst) locs of a move_rows call."""
-    c = canonical_pool("cache", cache)
-    s = _index("src_loc", src_loc, c.device)
-    d = _index("dst_loc", dst_loc, c.device)
-    if s.shape[0] != d.shape[0]:
-        raise ValueError(f"src_loc and dst_loc must pair up one to one, got {s.shape[0]} and {d.shape[0]} entries")
-    return c, s, d
+@dataclass(slots=True, eq=False)
+class MoveRows:
+    """A validated move_rows: `cache` canonical `[pages, rows, H, F]`; `locs` the dst locs."""
+
+    cache: torch.Tensor
+    src_loc: torch.Tensor
+    geometry: PageGeometry
+    locs: Locs
+    check: Check
+    backend: str
 
 
-def _move_rows_fake(cache, src_loc, dst_loc, check, errors, backend) -> None:
-    _move_locs(cache, src_loc, dst_loc)
-    validate.check_mode(check)
+def _build_move(v: dict, env: dict, locs: Locs, chk: Check) -> MoveRows:
+    return MoveRows(canonical_pool("cache", v["cache"]), v["src_loc"], env["geometry"], locs, chk, v["backend"])
+
+
+MOVE_SPEC = spec.Op(
+    OP_MOVE,
+    args=(spec.cache("cache", None, POOL_DTYPES), spec.T("src_loc", "N", IDS), spec.Arg("dst_loc", role="addressing"),
+          *TAIL),
+    checks=("cache", spec.pool("cache"), spec.geometry("cache"), "src_loc", spec.pairs("src_loc", "dst_loc")),
+    build=_build_move, impls=MOVE_IMPLS, page_table=False, loc="dst_loc", claims="pairs", table_tail=False)
+
+
+def move(a: MoveRows) -> None:
+    """move_rows on the call's backend: the source rows gathered (bad ones reported), then copied
+    as one-row units to the dst locs (a bad source is not moved)."""
+    c, s, n = a.cache, a.src_loc, a.src_loc.shape[0]
+    rows = Gather(c, c.new_empty((n, c.shape[2], c.shape[3])), a.geometry, Locs(s), a.check)
+    dispatch(OP_GATHER, GATHER_IMPLS, a.backend, c.device, rows)
+    capacity = a.geometry.capacity
+    ids = torch.where((s >= 0) & (s < capacity), torch.arange(n, device=c.device), -1)
+    pairs = CopyPages(rows.out.unsqueeze(1), c, ids, a.locs.loc, Units(1, 1, n), Units(c.shape[1], 1, capacity),
+                      a.check)
+    dispatch(OP_COPY, COPY_IMPLS, a.backend, c.device, pairs)
 
 
 def move_rows(cache: torch.Tensor, src_loc: torch.Tensor, dst_loc: torch.Tensor, *,
@@ -446,26 +360,7 @@ def move_rows(cache: torch.Tensor, src_loc: torch.Tensor, dst_loc: torch.Tensor,
     """Token-granular moves inside one pool `[pages, rows, ...]`: row `dst_loc[i]` takes the row
     that was at `src_loc[i]` (every source row is read before any row is written, as
     `cache[dst] = cache[src]`). A -1 on either side skips the pair; bad locs are reported (op
-    "move_rows") and their pair skipped. Runs as a gather then a copy_pages of one-row units."""
-    if torch.compiler.is_compiling():
-        return torch.ops.kvwrite.move_rows(cache, src_loc, dst_loc, _mode(check), _record(errors), backend)
-    _move_rows(cache, src_loc, dst_loc, check, errors, backend)
-
-
-def _move_rows(cache, src_loc, dst_loc, check, errors, backend) -> None:
-    """The implementation of move_rows (and of torch.ops.kvwrite.move_rows)."""
-    c, s, d = _move_locs(cache, src_loc, dst_loc)
-    device, n = c.device, s.shape[0]
-    if n == 0:
-        return
-    rows, _ = prepare_gather(cache, s, check, errors, op=OP_MOVE)
-    dispatch(OP_GATHER, GATHER_IMPLS, backend, device, rows)
-    capacity = c.shape[0] * c.shape[1]
-    ok = (s >= 0) & (s < capacity)        # a bad source is reported by the gather, and not moved
-    ids = torch.where(ok, torch.arange(n, device=device), -1)
-    a = prepare_copy_pages(rows.out.unsqueeze(1), c, ids, d, check, errors, op=OP_MOVE)
-    dispatch(OP_COPY, COPY_IMPLS, backend, device, a)
-
-
-_library.define(OP_MOVE, "(Tensor(a!) cache, Tensor src_loc, Tensor dst_loc, str check, Tensor(b!)? errors, "
-                         "str backend) -> ()", _move_rows, _move_rows_fake)
+    "move_rows") and their pair skipped. Runs as a gather then a page copy of one-row units."""
+    if isinstance(cache, torch.Tensor):
+        src_loc, dst_loc = _to(src_loc, cache.device), _to(dst_loc, cache.device)
+    MOVE_SPEC.entry(cache, src_loc, dst_loc, check, errors, backend)

@@ -2,7 +2,9 @@
 
 q is rotated in place for every token whose position is valid (whatever its loc: padding, another
 DCP rank's, a bad loc); k is normed, rotated and stored with v (`store_kv`'s formats, int8 / fp8
-static or dynamic scales); for MLA k_pe is rotated and stored with kv_c (`store_mla`'s formats).
+static or dynamic scales); for MLA k_pe is rotated and stored with kv_c (`store_mla`'s formats):
+each op is declared on the op spec (`kvwrite.ops.spec`) with its store's arguments and rules, plus
+the rotation's (q, positions, the cos/sin cache).
 Positions are checked against the cos/sin cache: outside [0, max_position) is a KIND_POSITION
 error in assert / guard; in every mode such a token is not written and its q left as it was, and
 the cache is never read out of bounds. Exact arithmetic and rounding: `kvwrite.reference.rope`.
@@ -13,21 +15,23 @@ from dataclasses import dataclass
 
 import torch
 
-from kvwrite import _ext, validate
-from kvwrite.errors import ErrorBuffer, op_code
-from kvwrite.ops import _library
-from kvwrite.ops._common import dispatch, impls, record
-from kvwrite.facts import FMT_SAME, QUANT_STATIC
-from kvwrite.ops.kv import KVStore, prepare_store_kv
-from kvwrite.ops.mla import FORMATS, StoreMLA, prepare_store_mla
+from kvwrite import validate
+from kvwrite.errors import ErrorBuffer
+from kvwrite.facts import (FMT_E4M3, FMT_E5M2, FMT_INT8, KV_LAYOUTS, QUANT_COPY, QUANT_HEAD, QUANT_STATIC,
+                           QUANT_TOKEN)
+from kvwrite.ops import kv, mla, spec
+from kvwrite.ops._common import Check, Locs, impls
+from kvwrite.ops.kv import KVStore
+from kvwrite.ops.mla import StoreMLA
 
 OP_KV = "rope_store_kv"
 OP_MLA = "rope_store_mla"
-MAX_HEAD_DIM = 1024
+MAX_HEAD_DIM = 1024   # csrc/kvwrite/rope_store.h ROPE_MAX_DIM
 KV_IMPLS = impls("rope:rope_store_kv", "rope_store:launch_kv", "rope_store_kv")
 MLA_IMPLS = impls("rope:rope_store_mla", "rope_store:launch_mla", "rope_store_mla")
-# every store_mla kv_cache_dtype (fp8_ds_mla options included), and "fp8" for "fp8_e4m3"
-MLA_FORMATS = {"fp8": "fp8_e4m3", **{name: name for name in FORMATS}}
+# The K/V formats the fused kernels store: copy, static fp8 / int8, dynamic int8 / fp8.
+KV_QUANTS = (QUANT_COPY, QUANT_STATIC, QUANT_TOKEN, QUANT_HEAD)
+KV_FMTS = (FMT_E4M3, FMT_E5M2, FMT_INT8)
 
 
 class _Fused:
@@ -70,137 +74,93 @@ class RopeStoreMLA(_Fused):
     store: StoreMLA
 
 
-# The direct call of the cpu kernel (a call whose tensors the C++ checks accept, CPU tensors,
-# backend "auto"/"cpu", check off/guard): no Python validation, the same kernel and bytes as
-# the dispatched path. Anything the C++ checks refuse goes the Python way (named errors).
-_FAST_BACKENDS = ("auto", "cpu")
-_FAST_CHECKS = {"off": 0}   # guard: the Python path, with the duplicate-row pre-pass (ops.claims)
-_CANONICAL = {"NHD": lambda c: c, "HND": lambda c: c.transpose(1, 2)}
-_OP_KV_CODE = op_code(OP_KV)
+# --- the rotation's checks (C++ twins: csrc/api.h `rule`) -----------------------------------------
 
-
-def _fast_kv(*args) -> None:
-    global _FAST_KV
-    _FAST_KV = torch.ops.kvwrite_ext.rope_store_kv.default._op
-    _FAST_KV(*args)
-
-
-_FAST_KV = _fast_kv
-
-
-def _rope_args(positions, q, head_dim, n, cos_sin_cache, rotary_dim, device, q_name):
-    positions = validate.tensor("positions", positions, ndim=1, dtypes=validate.LOC_DTYPES, device=device)
-    if positions.shape[0] != n:
-        raise ValueError(f"positions must have one entry per token ({n}), got {positions.shape[0]}")
-    if n > 1 and positions.stride(0) != 1:
-        raise ValueError(f"positions must be contiguous, got stride {positions.stride(0)}")
-    cos_sin = validate.tensor("cos_sin_cache", cos_sin_cache, ndim=2,
-                              dtypes=tuple({torch.float32, q.dtype}), device=device)
-    if cos_sin.shape[0] < 1:
+def _rotary(env: dict, rotary_dim: int, head_dim: int, head: str) -> None:
+    """At least one position; rotary_dim even, in [2, head_dim]; head_dim within the kernels' rows."""
+    if env["M"] < 1:
         raise ValueError("cos_sin_cache must have at least one position")
-    width = cos_sin.shape[1]
+    if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim:
+        raise ValueError(f"rotary_dim must be even and in [2, {head} head_dim={head_dim}], got {rotary_dim}")
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"{head} head_dim must be at most {MAX_HEAD_DIM}, got {head_dim}")
+
+
+@spec.rule("rope_dims D")
+def _kv_dims(env: dict, v: dict) -> None:
+    """cos_sin_cache `[max_position >= 1, rotary_dim]`; rotary_dim even, <= k's head_dim."""
+    width, rotary_dim = env["C"], v["rotary_dim"]
     if rotary_dim is None:
         rotary_dim = width
-    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int):
+    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, (int, torch.SymInt)):
         raise TypeError(f"rotary_dim must be an int, got {type(rotary_dim).__name__}")
     if rotary_dim != width:
         raise ValueError(f"cos_sin_cache must be [max_position, rotary_dim={rotary_dim}] (cos half, "
-                         f"then sin half), got {list(cos_sin.shape)}")
-    if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim:
-        raise ValueError(f"rotary_dim must be even and in [2, {q_name} head_dim={head_dim}], got {rotary_dim}")
-    if head_dim > MAX_HEAD_DIM:
-        raise ValueError(f"{q_name} head_dim must be at most {MAX_HEAD_DIM}, got {head_dim}")
-    return positions, cos_sin, rotary_dim
+                         f"then sin half), got {list(v['cos_sin_cache'].shape)}")
+    _rotary(env, width, env["D"], "k")
 
 
-def _weight(name, w, d, dtype, device):
-    if w is None:
-        return None
-    w = validate.tensor(name, w, ndim=1, dtypes=tuple({torch.float32, dtype}), device=device)
-    validate.shape(name, w, (d,), "head_dim")
-    return w if w.dtype == torch.float32 and w.stride(0) == 1 else w.float().contiguous()
+@spec.rule("rope_dims R")
+def _mla_dims(env: dict, v: dict) -> None:
+    """cos_sin_cache `[max_position >= 1, R]`: the whole k_pe rotates."""
+    _rotary(env, env["R"], env["R"], "k_pe")
 
 
-def prepare_rope_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, loc, is_neox,
-                          rotary_dim, q_norm_weight, k_norm_weight, norm_eps, layout, k_scale,
-                          v_scale, k_scale_cache, v_scale_cache, check, errors, loc_map, dcp_rank,
-                          dcp_size) -> RopeStoreKV:
-    validate.choice("layout", layout, ("NHD", "HND"))
-    store = prepare_store_kv(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors,
-                             loc_map, dcp_rank, dcp_size, k_scale_cache, v_scale_cache, op=OP_KV)
-    if store.quant == QUANT_STATIC and store.fmt == FMT_SAME:
-        raise TypeError(f"k_cache: rope_store_kv stores no {store.k_cache.dtype} cache")
-    n, _, d = store.k.shape
-    device = store.k.device
-    q = validate.tensor("q", q, ndim=3, dtypes=(store.k.dtype,), device=device)
-    validate.shape("q", q, (n, None, d), "tokens as k, q heads, head_dim as k")
-    positions, cos_sin, rotary_dim = _rope_args(positions, q, d, n, cos_sin_cache, rotary_dim,
-                                                device, "k")
-    if not isinstance(is_neox, bool):
-        raise TypeError(f"is_neox must be a bool, got {type(is_neox).__name__}")
-    if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)) or not norm_eps >= 0:
-        raise ValueError(f"norm_eps must be a float >= 0, got {norm_eps!r}")
-    qw = _weight("q_norm_weight", q_norm_weight, d, q.dtype, device)
-    kw = _weight("k_norm_weight", k_norm_weight, d, q.dtype, device)
-    return RopeStoreKV(q, positions, cos_sin, rotary_dim, is_neox, qw, kw, float(norm_eps), store)
+@spec.rule("rope_args")
+def _rope_args(env: dict, v: dict) -> None:
+    """is_neox a bool; norm_eps (the K/V op's) a float >= 0."""
+    if not isinstance(v["is_neox"], bool):
+        raise TypeError(f"is_neox must be a bool, got {type(v['is_neox']).__name__}")
+    eps = v.get("norm_eps", 0.0)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, torch.SymFloat)) or not eps >= 0:
+        raise ValueError(f"norm_eps must be a float >= 0, got {eps!r}")
 
 
-def prepare_rope_store_mla(positions, q_pe, kv_c, k_pe, cos_sin_cache, kv_cache, loc, is_neox,
-                           kv_cache_dtype, scale, check, errors, loc_map, dcp_rank, dcp_size,
-                           scale_cache=None, global_scale=None) -> RopeStoreMLA:
-    fmt = validate.choice("kv_cache_dtype", kv_cache_dtype, tuple(MLA_FORMATS))
-    store = prepare_store_mla(kv_c, k_pe, kv_cache, loc, MLA_FORMATS[fmt], scale, check,
-                              errors, loc_map, dcp_rank, dcp_size, scale_cache, global_scale)
-    store = StoreMLA(**{**store.__dict__, "check": _op_check(store.check, OP_MLA)})
-    n, r = store.k_pe.shape
-    device = store.k_pe.device
-    q_pe = validate.tensor("q_pe", q_pe, ndim=3, dtypes=(store.k_pe.dtype,), device=device)
-    validate.shape("q_pe", q_pe, (n, None, r), "tokens as k_pe, q heads, rope_dim as k_pe")
-    positions, cos_sin, rotary_dim = _rope_args(positions, q_pe, r, n, cos_sin_cache, None,
-                                                device, "k_pe")
-    if not isinstance(is_neox, bool):
-        raise TypeError(f"is_neox must be a bool, got {type(is_neox).__name__}")
-    return RopeStoreMLA(q_pe, positions, cos_sin, rotary_dim, is_neox, store)
+@spec.rule("rope_kv_format")
+def _kv_format(env: dict, v: dict) -> None:
+    """The K/V formats the fused kernels have (any other is refused)."""
+    if env["quant"] not in KV_QUANTS or (env["quant"] != QUANT_COPY and env["fmt"] not in KV_FMTS):
+        raise TypeError(f"k_cache: {OP_KV} stores no {env['k_cache']} cache")
 
 
-def _traced(check, errors, traced: bool):
-    """The check a traced call validates with: as the fake kernels, guard without a buffer as "off"
-    (the default buffer is found when the op runs)."""
-    return _library.fake_check(validate.check_mode(check), errors) if traced else check
+def _f32(w: torch.Tensor | None) -> torch.Tensor | None:
+    """A norm weight as the kernels read it (fp32; one in the input dtype converted)."""
+    return w if w is None or w.dtype == torch.float32 else w.float()
 
 
-def _tensor(errors):
-    return errors.tensor if isinstance(errors, ErrorBuffer) else errors
+# --- rope_store_kv ------------------------------------------------------------------------------
+
+def _build_kv(v: dict, env: dict, locs: Locs, chk: Check) -> RopeStoreKV:
+    return RopeStoreKV(v["q"], v["positions"], v["cos_sin_cache"], env["C"], v["is_neox"],
+                       _f32(v["q_norm_weight"]), _f32(v["k_norm_weight"]), float(v["norm_eps"]),
+                       kv._build(v, env, locs, chk))
 
 
-def _op_check(chk, op):
-    from kvwrite.ops._common import Check
-
-    return Check(op, chk.mode, chk.errors)
-
-
-@torch.library.custom_op("kvwrite::rope_store_kv",
-                         mutates_args=("q", "k_cache", "v_cache", "k_scale_cache", "v_scale_cache", "errors"))
-def _rope_store_kv_op(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      loc: torch.Tensor, is_neox: bool, rotary_dim: int | None,
-                      q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
-                      norm_eps: float, layout: str, k_scale: torch.Tensor | None,
-                      v_scale: torch.Tensor | None, k_scale_cache: torch.Tensor | None,
-                      v_scale_cache: torch.Tensor | None, check: str | None,
-                      errors: torch.Tensor | None, loc_map: torch.Tensor | None, dcp_rank: int,
-                      dcp_size: int, backend: str) -> None:
-    a = prepare_rope_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, loc, is_neox,
-                              rotary_dim, q_norm_weight, k_norm_weight, norm_eps, layout, k_scale,
-                              v_scale, k_scale_cache, v_scale_cache, check, errors, loc_map,
-                              dcp_rank, dcp_size)
-    if a.locs.n:
-        dispatch(OP_KV, KV_IMPLS, backend, k.device, a)
-
-
-@_rope_store_kv_op.register_fake
-def _(*args) -> None:
-    return None
+POSITIONS = spec.T("positions", "N", validate.LOC_DTYPES, what="one position per token")
+CACHE_DIMS = "num_pages, pool_page_size, H, D"
+KV_SPEC = spec.Op(
+    OP_KV,
+    args=(POSITIONS,
+          spec.T("q", "N Hq D", ("=k",), mutable=True, what="tokens as k, q heads, head_dim as k"),
+          spec.T("k", "N H D", validate.FLOAT_INPUTS),
+          spec.T("v", "N H Dv", ("=k",), what="tokens, heads as k, head_dim_v"),
+          spec.T("cos_sin_cache", "M C", (torch.float32, "=k"), what="max_position, rotary_dim"),
+          spec.cache("k_cache", "P S H D", ("=k", *spec.FP8, torch.int8), binds="P S", layout=True,
+                     what=CACHE_DIMS),
+          spec.cache("v_cache", "P S H Dv", ("=k_cache",), layout=True, what=CACHE_DIMS),
+          spec.LOC, spec.option("is_neox", "bool"), spec.option("rotary_dim", "int?"),
+          spec.opt("q_norm_weight", "D", (torch.float32, "=k"), what="head_dim"),
+          spec.opt("k_norm_weight", "D", (torch.float32, "=k"), what="head_dim"),
+          spec.option("norm_eps", "float"), spec.option("layout"),
+          spec.opt("k_scale", "scale H", role="scale"), spec.opt("v_scale", "scale H", role="scale"),
+          spec.opt("k_scale_cache", mutable=True, role="cache"),
+          spec.opt("v_scale_cache", mutable=True, role="cache"),
+          spec.CHECK, spec.ERRORS, spec.LOC_MAP, *spec.DCP, spec.BACKEND,
+          spec.option("quant_rule", "str?", default=None)),
+    checks=("k", "v", spec.choice("layout", KV_LAYOUTS[:2]), "k_cache", "v_cache", spec.geometry("k_cache"),
+            kv._quant, _kv_format, "k_scale", "v_scale", "q", "positions", "cos_sin_cache", _kv_dims,
+            "q_norm_weight", "k_norm_weight", _rope_args),
+    build=_build_kv, impls=KV_IMPLS)
 
 
 def rope_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -212,69 +172,45 @@ def rope_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                   v_scale: torch.Tensor | None = None, k_scale_cache: torch.Tensor | None = None,
                   v_scale_cache: torch.Tensor | None = None, check: str | None = None,
                   errors: ErrorBuffer | None = None, loc_map: torch.Tensor | None = None,
-                  dcp_rank: int = 0, dcp_size: int = 1, backend: str = "auto") -> None:
+                  dcp_rank: int = 0, dcp_size: int = 1, backend: str = "auto",
+                  quant_rule: str = "rne") -> None:
     """Rotate q `[N, Hq, D]` in place and store rotated k `[N, H, D]` with v `[N, H, Dv]` at `loc`.
 
     `positions` int32/int64 `[N]`; `cos_sin_cache` `[max_position, rotary_dim]` (cos half, then
     sin half; fp32 or the input dtype); `rotary_dim` (default: the cache's width, even, <= D)
     rotates the first rotary_dim elements of each head, neox halves (`is_neox=True`) or GPT-J
-    interleaved pairs. `q_norm_weight` / `k_norm_weight` `[D]`: RMS-norm each head first
-    (`norm_eps`). Rounding: once, to the input dtype, after norm + rotation in fp32 (exact order in
-    `kvwrite.reference.rope`); the stored k is that rounded k, stored as `store_kv` stores it.
-    Caches and `layout`, `k_scale`/`v_scale` (static fp8/int8), `k_scale_cache`/`v_scale_cache`
-    (dynamic int8/fp8, `[pages, pool_page_size]` or `[pages, pool_page_size, H]`), `check`,
-    `errors`, `loc_map`, `dcp_rank`/`dcp_size`: as in `store_kv`. A position outside
-    [0, max_position) is a KIND_POSITION error (assert/guard); that token is never written and
-    its q is left as it was (every mode). k and v are not modified.
+    interleaved pairs. `q_norm_weight` / `k_norm_weight` `[D]` (fp32 or the input dtype): RMS-norm
+    each head first (`norm_eps`). Rounding: once, to the input dtype, after norm + rotation in fp32
+    (exact order in `kvwrite.reference.rope`); the stored k is that rounded k, stored as the K/V
+    store stores it. Caches and `layout` ("NHD" | "HND"), `k_scale`/`v_scale` (static fp8/int8),
+    `k_scale_cache`/`v_scale_cache` (dynamic int8/fp8, `[pages, pool_page_size]` or
+    `[pages, pool_page_size, H]`) and `quant_rule`, `check`, `errors`, `loc` (a PageTable too),
+    `loc_map`, `dcp_rank`/`dcp_size`: as in `store_kv`. A position outside [0, max_position) is a
+    KIND_POSITION error (assert/guard); that token is never written and its q is left as it was
+    (every mode). k and v are not modified.
     """
-    if (_ext.LOADED and backend in _FAST_BACKENDS and k_scale_cache is None and v_scale_cache is None
-            and type(dcp_rank) is int and type(dcp_size) is int and isinstance(loc, torch.Tensor)
-            and isinstance(cos_sin_cache, torch.Tensor) and loc.device.type == "cpu"
-            and (rotary_dim is None or rotary_dim == cos_sin_cache.shape[-1])
-            and layout in _CANONICAL and not torch.compiler.is_compiling()):
-        mode = validate.DEFAULT_CHECK if check is None else check
-        code = _FAST_CHECKS.get(mode) if type(mode) is str else None
-        if code is not None:
-            canon = _CANONICAL[layout]
-            try:  # the C++ kernel's own checks run before any write
-                return _FAST_KV(positions, q, k, v, cos_sin_cache, canon(k_cache), canon(v_cache),
-                                k_scale, v_scale, q_norm_weight, k_norm_weight, norm_eps, is_neox,
-                                loc, loc_map, record(errors, mode, k), dcp_rank, dcp_size, code,
-                                _OP_KV_CODE)
-            except Exception:  # what they refuse, the Python path names (or runs: bf16 weights)
-                pass
-    traced = torch.compiler.is_compiling()
-    a = prepare_rope_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, loc, is_neox,
-                              rotary_dim, q_norm_weight, k_norm_weight, norm_eps, layout, k_scale,
-                              v_scale, k_scale_cache, v_scale_cache, _traced(check, errors, traced),
-                              errors, loc_map, dcp_rank, dcp_size)
-    if traced:
-        torch.ops.kvwrite.rope_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, loc,
-                                        is_neox, rotary_dim, q_norm_weight, k_norm_weight,
-                                        float(norm_eps), layout, k_scale, v_scale, k_scale_cache,
-                                        v_scale_cache, check, _tensor(errors), loc_map, dcp_rank,
-                                        dcp_size, backend)
-    elif a.locs.n:
-        dispatch(OP_KV, KV_IMPLS, backend, a.q.device, a)
+    return KV_SPEC.entry(positions, q, k, v, cos_sin_cache, k_cache, v_cache, loc, is_neox, rotary_dim,
+                         q_norm_weight, k_norm_weight, norm_eps, layout, k_scale, v_scale, k_scale_cache,
+                         v_scale_cache, check, errors, loc_map, dcp_rank, dcp_size, backend,
+                         None if quant_rule == "rne" else quant_rule)
 
 
-@torch.library.custom_op("kvwrite::rope_store_mla", mutates_args=("q_pe", "kv_cache", "scale_cache", "errors"))
-def _rope_store_mla_op(positions: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,
-                       k_pe: torch.Tensor, cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor,
-                       loc: torch.Tensor, is_neox: bool, kv_cache_dtype: str,
-                       scale: torch.Tensor | None, check: str | None, errors: torch.Tensor | None,
-                       loc_map: torch.Tensor | None, dcp_rank: int, dcp_size: int, backend: str,
-                       scale_cache: torch.Tensor | None, global_scale: torch.Tensor | None) -> None:
-    a = prepare_rope_store_mla(positions, q_pe, kv_c, k_pe, cos_sin_cache, kv_cache, loc, is_neox,
-                               kv_cache_dtype, scale, check, errors, loc_map, dcp_rank, dcp_size,
-                               scale_cache, global_scale)
-    if a.locs.n:
-        dispatch(OP_MLA, MLA_IMPLS, backend, kv_c.device, a)
+# --- rope_store_mla -----------------------------------------------------------------------------
+
+def _build_mla(v: dict, env: dict, locs: Locs, chk: Check) -> RopeStoreMLA:
+    return RopeStoreMLA(v["q_pe"], v["positions"], v["cos_sin_cache"], env["R"], v["is_neox"],
+                        mla._build(v, env, locs, chk))
 
 
-@_rope_store_mla_op.register_fake
-def _(*args) -> None:
-    return None
+MLA_SPEC = spec.Op(
+    OP_MLA,
+    args=(POSITIONS,
+          spec.T("q_pe", "N Hq R", ("=kv_c",), mutable=True, what="tokens as k_pe, q heads, rope_dim as k_pe"),
+          *mla.SPEC.args[:2],
+          spec.T("cos_sin_cache", "M R", (torch.float32, "=kv_c"), what="max_position, rope_dim of k_pe"),
+          *mla.SPEC.args[2:3], spec.LOC, spec.option("is_neox", "bool"), *mla.SPEC.args[4:]),
+    checks=(*mla.SPEC.checks, "q_pe", "positions", "cos_sin_cache", _mla_dims, _rope_args),
+    build=_build_mla, impls=MLA_IMPLS)
 
 
 def rope_store_mla(positions: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,
@@ -287,19 +223,11 @@ def rope_store_mla(positions: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tens
                    global_scale: torch.Tensor | None = None) -> None:
     """Rotate q_pe `[N, Hq, R]` in place and store the row of kv_c `[N, L]` and rotated k_pe
     `[N, R]` at `loc`. `cos_sin_cache` `[max_position, R]`; `is_neox` False = GPT-J pairs
-    (DeepSeek's default). `kv_cache_dtype`: every `store_mla` format — "auto", "fp8" (= "fp8_e4m3",
+    (DeepSeek's default). `kv_cache_dtype`: every MLA store format — "auto", "fp8" (= "fp8_e4m3",
     per-tensor `scale`), "fp8_e5m2", "fp8_ds_mla", "nvfp4" (`scale_cache`, optional
     `global_scale`). The rotated k_pe is rounded once to the input dtype (fp32 rotation, no fma),
-    then stored exactly as `store_mla` stores a k_pe. Positions, checks, `loc_map`, DCP: as in
-    `rope_store_kv`. kv_c and k_pe are not modified."""
-    traced = torch.compiler.is_compiling()
-    a = prepare_rope_store_mla(positions, q_pe, kv_c, k_pe, cos_sin_cache, kv_cache, loc, is_neox,
-                               kv_cache_dtype, scale, _traced(check, errors, traced), errors, loc_map,
-                               dcp_rank, dcp_size, scale_cache, global_scale)
-    if traced:
-        torch.ops.kvwrite.rope_store_mla(positions, q_pe, kv_c, k_pe, cos_sin_cache, kv_cache, loc,
-                                         is_neox, kv_cache_dtype, scale, check, _tensor(errors),
-                                         loc_map, dcp_rank, dcp_size, backend, scale_cache,
-                                         global_scale)
-    elif a.locs.n:
-        dispatch(OP_MLA, MLA_IMPLS, backend, a.q.device, a)
+    then stored exactly as `store_mla` stores a k_pe. Positions, checks, `loc_map`, DCP: as for
+    the K/V op above. kv_c and k_pe are not modified."""
+    return MLA_SPEC.entry(positions, q_pe, kv_c, k_pe, cos_sin_cache, kv_cache, loc, is_neox,
+                          "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype, scale, check, errors,
+                          loc_map, dcp_rank, dcp_size, backend, scale_cache, global_scale)

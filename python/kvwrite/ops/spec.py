@@ -11,6 +11,10 @@ tensor after its check, unless listed in `Arg.binds` (bound from the tensor firs
 pages and rows). "*" is any size, "D/2" a bound letter divided by 2, "512" a size; "scale" /
 "scale H" is a dequant scale `[]`, `[1]` (or `[H]`). `Arg.layout`: the dims are the canonical
 `[pages, rows, H, ...]`; a call with layout "HND" checks (and names) dims 1 and 2 swapped.
+
+Page moves: `Op.loc` names the addressing argument (dst pages / locs), `Op.claims` the duplicate
+pre-pass ("rows", "pairs" of a page move, "read": none), `Op.table_tail` whether the schema ends
+with the page-table tensors; `pool(name)` checks a pool `[pages, rows, ...]` of any rank.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from kvwrite import _ext, validate
 from kvwrite.addressing import TABLE_ARGS, page_table, prepare as prepare_addressing
 from kvwrite.errors import ErrorBuffer, op_code
 from kvwrite.ops import _library
-from kvwrite.ops._common import NATIVE, cache_geometry, dispatch, record
+from kvwrite.ops._common import NATIVE, cache_geometry, canonical_pool, dispatch, record
 from kvwrite.pagetable import PageTable
 
 NO_DEFAULT = object()
@@ -121,6 +125,28 @@ def geometry(name: str, pages: str = "P", rows: str = "S") -> Callable:
     return check
 
 
+def pool(name: str, bind: bool = True) -> Callable:
+    """A check: `name` is a pool `[pages, rows, ...]` (any rank >= 2, its view `[pages, rows,
+    heads, feat]`); binds its pages and rows to P and S (`bind`)."""
+    @rule(f"pool {name}" + (" P S" if bind else ""))
+    def check(env: dict, v: dict) -> None:
+        c = canonical_pool(name, v[name])
+        if bind:
+            env["P"], env["S"] = c.shape[0], c.shape[1]
+    return check
+
+
+def pairs(first: str, second: str) -> Callable:
+    """A check: 1-D `second` has one entry per entry of `first` (which bound N)."""
+    @rule(f"pairs {second}")
+    def check(env: dict, v: dict) -> None:
+        t = v[second]
+        if isinstance(t, torch.Tensor) and t.dim() == 1 and t.shape[0] != env["N"]:
+            raise ValueError(f"{first} and {second} must pair up one to one, got {env['N']} and "
+                             f"{t.shape[0]} entries")
+    return check
+
+
 # Env names the C++ rules read or write beside the letters and the arguments' dtypes.
 RULE_SLOTS = ("N", "P", "S", "B", "W", "D", "Dv", "L", "R", "layout", "fmt", "cache_dtype", "quant", "rule")
 
@@ -192,12 +218,15 @@ class Op:
     dcp_page: bool = False      # DCP shards whole pages (DeepSeek V4 pools)
     page_table: bool = True     # its kernels take page-table addressing
     aliases: dict = field(default_factory=dict)   # schema name -> the name errors use
+    loc: str = "loc"            # the addressing argument (its rows / dst pages)
+    claims: str = "rows"        # the duplicate pre-pass: "rows", "pairs" (page moves), "read" (none)
+    table_tail: bool = True     # the schema ends with the page-table tensors
     doc: str = ""
     overload: object = field(default=None, init=False)
     _native: object = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        self.all_args = tuple(self.args) + TABLE
+        self.all_args = tuple(self.args) + (TABLE if self.table_tail else ())
         self.names = tuple(a.name for a in self.all_args)
         self.code = op_code(self.name)
         if not self.checks:
@@ -241,7 +270,7 @@ class Op:
             lines.append(f"T {a.name} {int(a.type.endswith('?'))} {int(a.layout)} {int(a.last_contiguous)} "
                          f"{ndim} {','.join(dims) or '-'} {dtypes} {','.join(a.binds.split()) or '-'}")
         head = [f"args {' '.join(self.names)}", f"slots {' '.join(slots)}",
-                f"op {self.code} {int(self.dcp_page)} {int(self.page_table)}"]
+                f"op {self.code} {int(self.dcp_page)} {int(self.page_table)}", f"loc {self.loc} {self.claims}"]
         return "\n".join(head + lines)
 
     # --- derived: schema --------------------------------------------------------------------
@@ -289,11 +318,10 @@ class Op:
         return env
 
     def prepare(self, args: tuple, check: object = NO_DEFAULT, aliases: dict | None = None,
-                call: str | None = None, op: str | None = None) -> object:
+                call: str | None = None) -> object:
         """Validate a call (schema-order arguments) and build the call object. An adapter's
-        `aliases` (schema name -> the engine's) and `call` (its function) name its errors; `op`:
-        the op the call records as (a fused op that stores through this one)."""
-        op = self.name if op is None else op
+        `aliases` (schema name -> the engine's) and `call` (its function) name its errors."""
+        op = self.name
         if len(args) < len(self.names):   # the dispatcher leaves trailing defaults out
             args = (*args, *(a.default for a in self.all_args[len(args):]))
         v = dict(zip(self.names, args))
@@ -301,10 +329,12 @@ class Op:
             v["check"] = check
         try:
             env = self.match(v, aliases)
-            loc = page_table(op, v["loc"], v["batch_indices"], v["kv_indices"], v["kv_indptr"])
+            loc = v[self.loc]
+            if self.table_tail:
+                loc = page_table(op, loc, v["batch_indices"], v["kv_indices"], v["kv_indptr"])
             locs, chk = prepare_addressing(op, env["device"], env["N"], loc, v.get("loc_map"),
                                            v.get("dcp_rank", 0), v.get("dcp_size", 1), v["check"],
-                                           v["errors"], (aliases or self.aliases).get("loc", "loc"))
+                                           v["errors"], (aliases or self.aliases).get(self.loc, self.loc))
         except (TypeError, ValueError) as exc:
             if call is None:
                 raise
@@ -347,8 +377,11 @@ class Op:
         tail, as the public function takes them (loc may be a PageTable, errors an ErrorBuffer,
         check None = the process default)."""
         names = self.names
-        i_loc, i_check, i_errors, i_backend = (names.index(n) for n in ("loc", "check", "errors", "backend"))
-        ints = tuple(i for i, a in enumerate(self.args) if a.type == "int")
+        i_loc, i_check, i_errors, i_backend = (names.index(n) for n in (self.loc, "check", "errors", "backend"))
+        table = self.table_tail
+        # scalars the C++ path takes only as their own type (the schema would convert a bool)
+        scalars = tuple((i, int if a.type == "int" else float) for i, a in enumerate(self.args)
+                        if a.type in ("int", "float"))
         overload, impl, prepare = self.overload, self.impl, self.prepare
         call = overload._op   # the C++ builtin behind the OpOverload (one frame less)
         default_check = validate.default_check
@@ -362,7 +395,7 @@ class Op:
             if type(errors) is ErrorBuffer:
                 args[i_errors] = errors = errors.tensor
             loc = args[i_loc]
-            if type(loc) is PageTable:
+            if table and type(loc) is PageTable:
                 args[i_loc] = loc.positions
                 args += (loc.batch_indices, loc.kv_indices, loc.kv_indptr)
             if torch.compiler.is_compiling():
@@ -370,7 +403,7 @@ class Op:
                 # buffer when the op runs
                 return overload(*args)
             if (args[i_backend] in NATIVE and self.native()
-                    and all(type(args[i]) is int for i in ints)):
+                    and all(type(args[i]) is t for i, t in scalars)):
                 if errors is None and check == "guard" and isinstance(args[0], torch.Tensor):
                     args[i_errors] = record(None, check, args[0])
                 try:
