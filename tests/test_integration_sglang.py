@@ -367,7 +367,7 @@ def test_v4_fused_stores_are_kvwrites_dsv4_stores(qenv):
     fp8 = mods.DeepSeekV4SingleKVPool(layout="v41", page_bytes=IPAGE * 528)
     fp8.set_key_buffer_fused(0, loc, x)
     assert pool.own == [1] and fp8.own == [0]
-    assert qenv.state.fallbacks == {"dsv4_fused_v4": 1, "dsv4_fused_v41": 1}
+    assert qenv.state.fallbacks == {"dsv4_fused_v4_rope": 1, "dsv4_fused_v41": 1}
     idx = mods.DeepSeekV4IndexerPool()
     want = idx.index_k_with_scale_buffer[0].clone()
     k = torch.randn(3, 128, device=DEVICE).bfloat16()

@@ -308,8 +308,9 @@ def _dsv4_fused(original: Callable, backend: str, state: Installed) -> Callable:
             adapters.set_dsv4_v41_fp4_key_buffer(buf, loc, cache_k, self.page_size, freqs_cis,
                                                  interleaved=V41_FP4_LAYOUTS[layout], check=mode, errors=errors,
                                                  backend=backend)
-        else:    # V4.1 fp8 layouts (no kvwrite record), a padded fp4 page
-            return _fallback(state, f"dsv4_fused_{layout}", original, self, layer_id, loc, cache_k, freqs_cis)
+        else:    # V4.1 fp8 layouts (no kvwrite record), a padded fp4 page, V4 with RoPE (SGLang refuses it)
+            why = f"dsv4_fused_{layout}{'_rope' if freqs_cis is not None else ''}"
+            return _fallback(state, why, original, self, layer_id, loc, cache_k, freqs_cis)
         _after(errors, buf)
     return _routed(fused, original)
 
