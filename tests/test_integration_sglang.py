@@ -483,3 +483,21 @@ def test_guard_catches_a_bad_fp4_store_loc_without_touching_other_bytes(monkeypa
         else:
             buf[1, 8 * 288:9 * 288] = before[1, 8 * 288:9 * 288]
         assert torch.equal(buf, before)     # nothing else
+
+
+def test_the_new_adapters_name_a_bad_argument_before_writing():
+    buf = _random_bytes(2, IPAGE * V41_FP4_TOKEN)
+    before = buf.clone()
+    x, loc = torch.randn(2, 512, device=DEVICE).bfloat16(), torch.tensor([1, 2], device=DEVICE)
+    with pytest.raises(ValueError, match=r"kv_buffer must be contiguous \[num_pages, page_size \* 288\]"):
+        adapters.set_dsv4_v41_fp4_key_buffer(buf[:, :-32], loc, x, IPAGE, backend="torch")
+    with pytest.raises(ValueError, match=r"freqs_cis must be \[N, 32\] complex64 or \[N, 64\] fp32"):
+        adapters.set_dsv4_v41_fp4_key_buffer(buf, loc, x, IPAGE, torch.ones(2, 32, device=DEVICE), backend="torch")
+    idx = _random_bytes(2, IPAGE * 68)
+    with pytest.raises(ValueError, match=r"k_fp4 must be int8/uint8 \[N, 64\]"):
+        adapters.set_fp4_index_k_buffer(idx, loc, torch.zeros(2, 128, dtype=torch.int8, device=DEVICE), torch.zeros(2, dtype=torch.int32, device=DEVICE),
+                                        IPAGE, backend="torch")
+    with pytest.raises(ValueError, match=r"k_sf must hold one int32 of four ue8m0 bytes per token \(2\)"):
+        adapters.set_fp4_index_k_buffer(idx, loc, torch.zeros(2, 64, dtype=torch.int8, device=DEVICE), torch.zeros(3, dtype=torch.int32, device=DEVICE),
+                                        IPAGE, backend="torch")
+    assert torch.equal(buf, before)
