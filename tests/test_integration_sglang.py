@@ -479,7 +479,8 @@ def test_guard_catches_a_bad_fp4_store_loc_without_touching_other_bytes(monkeypa
             first = 0 if bad == 40 else 1      # a duplicate: the first writer (token 0) kept
             assert torch.equal(buf[1, 8 * 64:9 * 64], payload[first].view(torch.uint8))
             assert torch.equal(buf[1, IPAGE * 64 + 32:IPAGE * 64 + 36], sf[first:first + 1].view(torch.uint8))
-            buf[1, 8 * 64:9 * 64], buf[1, IPAGE * 64 + 32:IPAGE * 64 + 36] = before[1, 8 * 64:9 * 64], before[1, IPAGE * 64 + 32:IPAGE * 64 + 36]
+            for part in (slice(8 * 64, 9 * 64), slice(IPAGE * 64 + 32, IPAGE * 64 + 36)):
+                buf[1, part] = before[1, part]
         else:
             buf[1, 8 * 288:9 * 288] = before[1, 8 * 288:9 * 288]
         assert torch.equal(buf, before)     # nothing else
@@ -495,9 +496,9 @@ def test_the_new_adapters_name_a_bad_argument_before_writing():
         adapters.set_dsv4_v41_fp4_key_buffer(buf, loc, x, IPAGE, torch.ones(2, 32, device=DEVICE), backend="torch")
     idx = _random_bytes(2, IPAGE * 68)
     with pytest.raises(ValueError, match=r"k_fp4 must be int8/uint8 \[N, 64\]"):
-        adapters.set_fp4_index_k_buffer(idx, loc, torch.zeros(2, 128, dtype=torch.int8, device=DEVICE), torch.zeros(2, dtype=torch.int32, device=DEVICE),
-                                        IPAGE, backend="torch")
+        adapters.set_fp4_index_k_buffer(idx, loc, torch.zeros(2, 128, dtype=torch.int8, device=DEVICE),
+                                        torch.zeros(2, dtype=torch.int32, device=DEVICE), IPAGE, backend="torch")
     with pytest.raises(ValueError, match=r"k_sf must hold one int32 of four ue8m0 bytes per token \(2\)"):
-        adapters.set_fp4_index_k_buffer(idx, loc, torch.zeros(2, 64, dtype=torch.int8, device=DEVICE), torch.zeros(3, dtype=torch.int32, device=DEVICE),
-                                        IPAGE, backend="torch")
+        adapters.set_fp4_index_k_buffer(idx, loc, torch.zeros(2, 64, dtype=torch.int8, device=DEVICE),
+                                        torch.zeros(3, dtype=torch.int32, device=DEVICE), IPAGE, backend="torch")
     assert torch.equal(buf, before)
