@@ -502,3 +502,18 @@ def test_the_new_adapters_name_a_bad_argument_before_writing():
         adapters.set_fp4_index_k_buffer(idx, loc, torch.zeros(2, 64, dtype=torch.int8, device=DEVICE),
                                         torch.zeros(3, dtype=torch.int32, device=DEVICE), IPAGE, backend="torch")
     assert torch.equal(buf, before)
+
+
+def test_a_store_of_no_tokens_writes_nothing(qenv):
+    """SGLang calls its stores with 0 tokens (an idle batch): the byte-copy routes take them."""
+    idx = qenv.mods[hook.DSV4_POOLS].DeepSeekV4IndexerPool(fp4=True)
+    before = idx.index_k_with_scale_buffer[0].clone()
+    none = torch.zeros(0, dtype=torch.int64, device=DEVICE)
+    idx.set_index_fp4(0, none, torch.zeros(0, 128, device=DEVICE).bfloat16())
+    assert torch.equal(idx.index_k_with_scale_buffer[0], before)
+    buf = _random_bytes(3, IPAGE * 132)
+    before = buf.clone()
+    qenv.mods[hook.INDEX_K].SetKAndS.execute(pool=types.SimpleNamespace(index_page_size=IPAGE), buf=buf, loc=none,
+                                             index_k=torch.zeros(0, 128, device=DEVICE).to(torch.float8_e4m3fn),
+                                             index_k_scale=torch.zeros(0, device=DEVICE))
+    assert torch.equal(buf, before)

@@ -31,6 +31,8 @@ Where kvwrite differs from SGLang (and why):
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kvwrite import validate
@@ -264,7 +266,8 @@ def _bytes(name: str, t: torch.Tensor, n: int) -> torch.Tensor:
     t = validate.tensor(name, t)
     if t.dim() == 1:
         t = t.unsqueeze(1)
-    return t.contiguous().view(torch.uint8).reshape(n, -1)
+    width = (t.numel() // n if n else math.prod(t.shape[1:])) * t.element_size()     # 0 tokens too
+    return t.contiguous().view(torch.uint8).reshape(n, width)
 
 
 def set_index_k_scale_buffer(index_buffer: torch.Tensor, loc: torch.Tensor, index_k: torch.Tensor,
