@@ -25,6 +25,15 @@ Where kvwrite differs from SGLang (and why):
   write out of bounds. Off mode skips negative locs. SGLang's Triton/CUDA stores turn loc -1
   into a write one row before the buffer; its torch paths (`buffer[loc] = x`, the CPU engine)
   write loc -1 into the buffer's last row, as Python indexing wraps it.
+- DeepSeek V4.1 fp4 records with `freqs_cis` (`set_dsv4_v41_fp4_key_buffer`): the RoPE tail is
+  rotated with each product and sum rounded to fp32, as SGLang's torch `rope_tail` does; its CUDA
+  kernel may contract them into FMAs (a different bf16 only where that moves the fp32 result
+  across a bf16 rounding boundary). NaN / inf: SGLang's kernel leaves them unhandled, kvwrite
+  stores its special-value rule (`kvwrite.reference.dsv4_fp4`).
+- The fp4 indexer (`set_fp4_index_k_buffer`) copies SGLang's own quantised bytes: kvwrite's
+  `store_dsv4_indexer_k(fmt="mxfp4")` writes the same layout but a zero code keeps its sign
+  (SGLang: 0x0), the scale floor is max(amax, 1e-4) / 6 (SGLang: max(amax / 6, 1e-4)) and ties go
+  to even (SGLang's c4 pools: toward zero).
 - NaN into an fp8 pool: kvwrite stores the format's positive NaN code (0x7F for e4m3fn and
   e5m2); SGLang's `.to(fp8)` keeps the NaN's sign bit, so a negative NaN (what 0/0 gives on
   x86, and any NaN coming from bf16) is stored as 0xFF.
