@@ -13,6 +13,7 @@ import kvwrite
 from conftest import DEVICE
 from kvwrite import validate
 from kvwrite.compat import sglang as adapters
+from kvwrite.errors import DuplicateWrite
 from kvwrite.integrations import guard as guard_mod
 from kvwrite.integrations import sglang as hook
 
@@ -172,22 +173,40 @@ class CompressStatePool:
 
 
 class DeepSeekV4SingleKVPool:
-    def __init__(self, layout="v4"):
+    def __init__(self, layout="v4", page_bytes=None):
         from kvwrite.facts import kv_page_bytes
         self.page_size, self.start_layer, self.kv_layout, self.own = IPAGE, 0, layout, []
-        self.kv_buffer = [_random_bytes(3, kv_page_bytes(IPAGE)) for _ in range(LAYERS)]
+        page_bytes = page_bytes or (kv_page_bytes(IPAGE) if layout == "v4" else IPAGE * V41_FP4_TOKEN)
+        self.kv_buffer = [_random_bytes(3, page_bytes) for _ in range(LAYERS)]
 
     def set_key_buffer_fused(self, layer_id, loc, cache_k, freqs_cis=None):
         self.own.append(layer_id)        # SGLang's JIT store_cache
 
 
 class DeepSeekV4IndexerPool:
-    def __init__(self):
-        self.page_size, self.start_layer, self.use_fp4_indexer = IPAGE, 0, False
-        self.index_k_with_scale_buffer = [_random_bytes(3, IPAGE * 132) for _ in range(LAYERS)]
+    def __init__(self, fp4=False, rne=False):
+        self.page_size, self.start_layer, self.use_fp4_indexer, self.index_k_rne = IPAGE, 0, fp4, rne
+        self.uses_aiter_fp4_layout, self.own = False, []
+        self.index_k_with_scale_buffer = [_random_bytes(3, IPAGE * (68 if fp4 else 132)) for _ in range(LAYERS)]
 
     def set_index_fused(self, layer_id, loc, cache_k):
         raise AssertionError("SGLang's own fused index store ran")
+
+    def set_index_fp4(self, layer_id, loc, cache_k):
+        self.own.append(layer_id)        # SGLang's store_fp4_index_k_cache (or the HIP split store)
+
+
+V41_FP4_TOKEN = 288     # FlashMLA V41_FP4: 256 bytes of e2m1 + 32 e4m3 scales a token
+
+
+def fake_fp4_quantiser(x, rne=False):
+    """Stands in for SGLang's `quantize_fp4_indexer_tensor` (the route copies its bytes): payload
+    int8 [N, 64] and int32 [N] of four scale bytes, derived from x (and rne) so each token differs."""
+    n = x.shape[0]
+    base = (x.float().abs().sum(-1) * 16).to(torch.int64) + (7 if rne else 0)
+    payload = ((base[:, None] + torch.arange(64, device=x.device)) % 256).to(torch.uint8).view(torch.int8)
+    sf = (((base[:, None] + torch.arange(4, device=x.device) * 3) % 200) + 20).to(torch.uint8)
+    return payload, sf.contiguous().view(torch.int32).reshape(n)
 
 
 @pytest.fixture
@@ -204,6 +223,9 @@ def qenv(monkeypatch, env):
         DeepSeekV4IndexerPool=type("DeepSeekV4IndexerPool", (DeepSeekV4IndexerPool,), {}))
     mods[hook.DSV4_POOLS].DeepSeekV4SingleKVPool.set_key_buffer_fused = DeepSeekV4SingleKVPool.set_key_buffer_fused
     mods[hook.DSV4_POOLS].DeepSeekV4IndexerPool.set_index_fused = DeepSeekV4IndexerPool.set_index_fused
+    mods[hook.DSV4_POOLS].DeepSeekV4IndexerPool.set_index_fp4 = DeepSeekV4IndexerPool.set_index_fp4
+    mods[hook.DSV4_FP4_INDEX] = types.SimpleNamespace(__name__=hook.DSV4_FP4_INDEX,
+                                                      quantize_fp4_indexer_tensor=fake_fp4_quantiser)
     hook.install(lambda name: mods[name] if name in mods else (_ for _ in ()).throw(ImportError(name)),
                  backend="torch", state=env.state)
     env.mods = mods
@@ -312,7 +334,9 @@ def test_report_lists_every_route_and_what_stays_sglangs(qenv):
                   "CompressStatePool.set_state_by_state_loc", "MLATokenToKVPool._scatter_mla_rows",
                   "DeepSeekV4SingleKVPool.set_key_buffer_fused", "DeepSeekV4IndexerPool.set_index_fused"):
         assert route in text.split("not routed")[0]
-    assert "set_index_fp4" in text and "vectorized_5d" in text
+    assert "DeepSeekV4IndexerPool.set_index_fp4" in text.split("not routed")[0]
+    not_routed = text.split("not routed")[1]
+    assert "vectorized_5d" in not_routed and "v41, v41_new" in not_routed and "set_index_fp4 on HIP" in not_routed
 
 
 def test_strided_page_major_views_stay_sglangs(env):
@@ -339,9 +363,11 @@ def test_v4_fused_stores_are_kvwrites_dsv4_stores(qenv):
     kvwrite.store_dsv4_kv(x, want, loc, page_size=IPAGE, backend="torch")
     pool.set_key_buffer_fused(1, loc, x)
     assert torch.equal(pool.kv_buffer[1], want) and pool.own == []
-    pool.set_key_buffer_fused(1, loc, x, freqs_cis=torch.ones(3, 64))
-    mods.DeepSeekV4SingleKVPool(layout="v41").set_key_buffer_fused(0, loc, x)
-    assert pool.own == [1] and qenv.state.fallbacks == {"dsv4_fused_not_v4": 2}
+    pool.set_key_buffer_fused(1, loc, x, freqs_cis=torch.ones(3, 64))     # no in-kernel RoPE in V4
+    fp8 = mods.DeepSeekV4SingleKVPool(layout="v41", page_bytes=IPAGE * 528)
+    fp8.set_key_buffer_fused(0, loc, x)
+    assert pool.own == [1] and fp8.own == [0]
+    assert qenv.state.fallbacks == {"dsv4_fused_v4_rope": 1, "dsv4_fused_v41": 1}
     idx = mods.DeepSeekV4IndexerPool()
     want = idx.index_k_with_scale_buffer[0].clone()
     k = torch.randn(3, 128, device=DEVICE).bfloat16()
@@ -361,3 +387,133 @@ def test_a_duplicated_index_k_loc_keeps_the_first_writers_key_and_scale(monkeypa
                                                  loc=torch.tensor([40, 41, 40], device=DEVICE), index_k=k, index_k_scale=s)
     assert torch.equal(buf[1, 8 * 128:9 * 128], k[0].view(torch.uint8))
     assert torch.equal(buf[1, IPAGE * 128 + 32:IPAGE * 128 + 36], s[0:1].view(torch.uint8))
+
+
+def _v41_fp4_reference(x, loc, freqs=None):
+    """SGLang's V4.1 fp4 store as the route must write it: (rotated) x, kvwrite's nvfp4_v41 record
+    on a block-split buffer of 3 pages."""
+    if freqs is not None:     # pairs (2i, 2i + 1) times complex freqs, rounded to x's dtype
+        t = torch.view_as_complex(x[:, 448:].float().unflatten(-1, (-1, 2)).contiguous())
+        x = torch.cat([x[:, :448], torch.view_as_real(t * freqs).flatten(-2).to(x.dtype)], -1)
+    return x
+
+
+@pytest.mark.parametrize("layout", ["v41_fp4", "v41_fp4_new"])
+@pytest.mark.parametrize("rope", [False, True])
+def test_v41_fp4_fused_store_is_kvwrites_nvfp4_v41_record(qenv, layout, rope):
+    """V4.1 fp4 pools: set_key_buffer_fused writes kvwrite's nvfp4_v41 records (block-split, or each
+    token's 256 data bytes then its 32 scales for v41_fp4_new), every other byte unchanged; with
+    freqs_cis the RoPE tail is rotated first."""
+    pool = qenv.mods[hook.DSV4_POOLS].DeepSeekV4SingleKVPool(layout=layout)
+    before = pool.kv_buffer[1].clone()
+    # bf16 values and bf16-exact cos / sin: every rotation product exact in fp32
+    x = torch.randn(3, 512, device=DEVICE).bfloat16()
+    ang = torch.rand(3, 32, device=DEVICE) * 6
+    freqs = torch.complex(ang.cos().bfloat16().float(), ang.sin().bfloat16().float()) if rope else None
+    loc = torch.tensor([3, 70, -1], device=DEVICE)
+    pool.set_key_buffer_fused(1, loc, x, freqs)
+    split = torch.zeros(3, IPAGE * V41_FP4_TOKEN, dtype=torch.uint8, device=DEVICE)
+    kvwrite.store_dsv4_kv_fp4(_v41_fp4_reference(x, loc, freqs), split, loc, fmt="nvfp4_v41", page_size=IPAGE,
+                              backend="torch")
+    want = before.clone()
+    for l in (3, 70):
+        p, o = divmod(l, IPAGE)
+        data, scale = split[p, o * 256:(o + 1) * 256], split[p, IPAGE * 256 + o * 32:IPAGE * 256 + (o + 1) * 32]
+        if layout == "v41_fp4":
+            want[p, o * 256:(o + 1) * 256], want[p, IPAGE * 256 + o * 32:IPAGE * 256 + (o + 1) * 32] = data, scale
+        else:
+            want[p, o * 288:o * 288 + 256], want[p, o * 288 + 256:(o + 1) * 288] = data, scale
+    assert torch.equal(pool.kv_buffer[1], want) and pool.own == []
+    assert qenv.state.calls == {f"set_key_buffer_fused ({layout}{', RoPE' if rope else ''})": 1}
+
+
+def test_a_padded_v41_fp4_page_stays_sglangs(qenv):
+    pool = qenv.mods[hook.DSV4_POOLS].DeepSeekV4SingleKVPool(layout="v41_fp4", page_bytes=IPAGE * V41_FP4_TOKEN + 256)
+    pool.set_key_buffer_fused(0, torch.tensor([1], device=DEVICE), torch.randn(1, 512, device=DEVICE).bfloat16())
+    assert pool.own == [0] and qenv.state.fallbacks == {"dsv4_fused_v41_fp4": 1}
+
+
+@pytest.mark.parametrize("rne", [False, True])
+def test_fp4_index_store_copies_sglangs_quantised_bytes(qenv, rne):
+    """set_index_fp4: SGLang's quantiser (with the pool's index_k_rne), its payload at (loc % page)
+    * 64 and its four scale bytes after the page's payloads, every other byte unchanged."""
+    idx = qenv.mods[hook.DSV4_POOLS].DeepSeekV4IndexerPool(fp4=True, rne=rne)
+    before = idx.index_k_with_scale_buffer[1].clone()
+    k = torch.randn(3, 128, device=DEVICE).bfloat16()
+    loc = torch.tensor([5, 75, -1], device=DEVICE)
+    idx.set_index_fp4(1, loc, k)
+    payload, sf = fake_fp4_quantiser(k, rne)
+    want = before.clone()
+    for i, l in enumerate((5, 75)):
+        p, o = divmod(l, IPAGE)
+        want[p, o * 64:(o + 1) * 64] = payload[i].view(torch.uint8)
+        want[p, IPAGE * 64 + o * 4:IPAGE * 64 + o * 4 + 4] = sf[i:i + 1].view(torch.uint8)
+    assert torch.equal(idx.index_k_with_scale_buffer[1], want) and idx.own == []
+    hip = qenv.mods[hook.DSV4_POOLS].DeepSeekV4IndexerPool(fp4=True)
+    hip.uses_aiter_fp4_layout, hip.index_k_with_scale_buffer = True, None
+    hip.set_index_fp4(0, loc, k)
+    assert hip.own == [0] and qenv.state.fallbacks == {"index_fp4_hip_split_layout": 1}
+
+
+@pytest.mark.parametrize("bad", [3 * IPAGE, 3 * IPAGE + 1000 * IPAGE, -7, 40])
+def test_guard_catches_a_bad_fp4_store_loc_without_touching_other_bytes(monkeypatch, qenv, bad):
+    """Guard on the two new routes: a loc past the end, a page >= pages, -7, a duplicate (of token
+    1's loc 40): raised naming the layer; only the good token's bytes written."""
+    monkeypatch.setattr(validate, "DEFAULT_CHECK", "guard")
+    mods = qenv.mods[hook.DSV4_POOLS]
+    idx, kv = mods.DeepSeekV4IndexerPool(fp4=True), mods.DeepSeekV4SingleKVPool(layout="v41_fp4_new")
+    idx.start_layer = kv.start_layer = 4
+    hook.register_pool(idx), hook.register_pool(kv)
+    loc = torch.tensor([bad, 40], device=DEVICE)
+    k, x = torch.randn(2, 128, device=DEVICE).bfloat16(), torch.randn(2, 512, device=DEVICE).bfloat16()
+    for pool, store, name, buf in ((idx, lambda: idx.set_index_fp4(4, loc, k), "index-K", idx.index_k_with_scale_buffer[0]),
+                                    (kv, lambda: kv.set_key_buffer_fused(0, loc, x), "KV", kv.kv_buffer[0])):
+        before = buf.clone()
+        err = DuplicateWrite if bad == 40 else kvwrite.OutOfBoundsWrite
+        with pytest.raises(err, match=rf"layer DeepSeekV4\w+ layer 4 {name}\)"):
+            store()
+        changed = (buf != before).any(-1).nonzero().flatten().tolist()
+        assert changed == [1]       # page 1 (loc 40) only
+        if pool is idx:
+            payload, sf = fake_fp4_quantiser(k)
+            first = 0 if bad == 40 else 1      # a duplicate: the first writer (token 0) kept
+            assert torch.equal(buf[1, 8 * 64:9 * 64], payload[first].view(torch.uint8))
+            assert torch.equal(buf[1, IPAGE * 64 + 32:IPAGE * 64 + 36], sf[first:first + 1].view(torch.uint8))
+            for part in (slice(8 * 64, 9 * 64), slice(IPAGE * 64 + 32, IPAGE * 64 + 36)):
+                buf[1, part] = before[1, part]
+        else:
+            buf[1, 8 * 288:9 * 288] = before[1, 8 * 288:9 * 288]
+        assert torch.equal(buf, before)     # nothing else
+
+
+def test_the_new_adapters_name_a_bad_argument_before_writing():
+    buf = _random_bytes(2, IPAGE * V41_FP4_TOKEN)
+    before = buf.clone()
+    x, loc = torch.randn(2, 512, device=DEVICE).bfloat16(), torch.tensor([1, 2], device=DEVICE)
+    with pytest.raises(ValueError, match=r"kv_buffer must be contiguous \[num_pages, page_size \* 288\]"):
+        adapters.set_dsv4_v41_fp4_key_buffer(buf[:, :-32], loc, x, IPAGE, backend="torch")
+    with pytest.raises(ValueError, match=r"freqs_cis must be \[N, 32\] complex64 or \[N, 64\] fp32"):
+        adapters.set_dsv4_v41_fp4_key_buffer(buf, loc, x, IPAGE, torch.ones(2, 32, device=DEVICE), backend="torch")
+    idx = _random_bytes(2, IPAGE * 68)
+    with pytest.raises(ValueError, match=r"k_fp4 must be int8/uint8 \[N, 64\]"):
+        adapters.set_fp4_index_k_buffer(idx, loc, torch.zeros(2, 128, dtype=torch.int8, device=DEVICE),
+                                        torch.zeros(2, dtype=torch.int32, device=DEVICE), IPAGE, backend="torch")
+    with pytest.raises(ValueError, match=r"k_sf must hold one int32 of four ue8m0 bytes per token \(2\)"):
+        adapters.set_fp4_index_k_buffer(idx, loc, torch.zeros(2, 64, dtype=torch.int8, device=DEVICE),
+                                        torch.zeros(3, dtype=torch.int32, device=DEVICE), IPAGE, backend="torch")
+    assert torch.equal(buf, before)
+
+
+def test_a_store_of_no_tokens_writes_nothing(qenv):
+    """SGLang calls its stores with 0 tokens (an idle batch): the byte-copy routes take them."""
+    idx = qenv.mods[hook.DSV4_POOLS].DeepSeekV4IndexerPool(fp4=True)
+    before = idx.index_k_with_scale_buffer[0].clone()
+    none = torch.zeros(0, dtype=torch.int64, device=DEVICE)
+    idx.set_index_fp4(0, none, torch.zeros(0, 128, device=DEVICE).bfloat16())
+    assert torch.equal(idx.index_k_with_scale_buffer[0], before)
+    buf = _random_bytes(3, IPAGE * 132)
+    before = buf.clone()
+    qenv.mods[hook.INDEX_K].SetKAndS.execute(pool=types.SimpleNamespace(index_page_size=IPAGE), buf=buf, loc=none,
+                                             index_k=torch.zeros(0, 128, device=DEVICE).to(torch.float8_e4m3fn),
+                                             index_k_scale=torch.zeros(0, device=DEVICE))
+    assert torch.equal(buf, before)

@@ -14,14 +14,21 @@ of a DSATokenToKVPool with DeepSeek-V3.2's shapes (index_head_dim 128, 64-token 
 pack), its c4 indexer pool (DeepSeekV4IndexerPool, `set_index_k_scale_buffer`), the same two
 pools' fused stores of bf16 input (`set_key_buffer_fused`, `set_index_fused`: SGLang's JIT
 store_cache, replaced on CPU by SGLang's Triton port of it; values that need no fp8 rounding),
-and V4's c4 compress state (CompressStatePool, ring 8, head_dim 512, `set_state_by_state_loc`);
+the V4.1 fp4 KV pools (DeepSeekV4SingleKVPool of layout v41_fp4 and v41_fp4_new, `set_key_buffer_fused`,
+with and without in-kernel RoPE: SGLang's writer is CUDA only, the CPU reference is SGLang's V4.1
+oracle `quantize_k_cache_v41_fp4` (after its `rope_tail`) written at the kernel's addresses), the
+fp4 indexer (DeepSeekV4IndexerPool, `set_index_fp4`, index_k_rne off and on: SGLang's Triton
+quantiser and store), and V4's c4 compress state (CompressStatePool, ring 8, head_dim 512,
+`set_state_by_state_loc`);
 a DCP-sharded MLA pool (DCP 2, rank 1: widened locs). Their
 buffers are views into a larger backing tensor (2 pages before, 1002 after), so what SGLang's
 own Triton store does with a bad loc lands in memory this script owns and is counted. Then, in guard
 mode, one store per fault gets one bad loc (token 0): one past the last row, a page 1000 past
 the end, -7, and a loc duplicated from token 1: caught or not, the error text (it names the
 layer), and whether any byte other than the good rows changed; and what the same store does in
-SGLang without the hook. Usage (sglang env): python bench/peers/sglang_pools.py [--json F]
+SGLang without the hook. Last, SGLang's fp4 indexer bytes against kvwrite's own MXFP4 indexer
+store on the same keys (why that route keeps SGLang's quantiser). Usage (sglang env):
+python bench/peers/sglang_pools.py [--json F] [--only NAME-PART]
 """
 from __future__ import annotations
 
@@ -85,16 +92,62 @@ def quantised_pools():
     # CPU): SGLang's own Triton port of those kernels (its ROCm path, `triton_fused_store_cache`) is
     # the reference here, fed values that need no rounding (the interpreter's fp8 rounding is not
     # the hardware's; kvwrite's rounding is tested against torch's elsewhere).
-    from sglang.kernels.ops.kvcache.triton_store_cache import triton_fused_store_cache
-    v4.fused_store_cache = lambda input, cache, indices, *, page_size, type, layout=None, freqs_cis=None: \
-        triton_fused_store_cache(input, cache, indices, page_size=page_size, type=type)
+    v4.fused_store_cache = fused_store_cache_cpu
     yield "DeepSeek V4 KV pages, fused store (bf16 in, SGLang's store_cache)", lambda: v4.DeepSeekV4SingleKVPool(
         size=2 * V4_PAGE, dtype=torch.float8_e4m3fn, qk_nope_head_dim=448, qk_rope_head_dim=64, **common), "dsv4_fused"
     yield "DeepSeek V4 c4 indexer, fused store (bf16 in, SGLang's store_cache)", lambda: v4.DeepSeekV4IndexerPool(
         size=2 * V4_PAGE, dtype=torch.float8_e4m3fn, index_head_dim=128, use_fp4_indexer=False, **common), "index_fused"
+    # V4.1 fp4 pools (SingleKVPool of layout v41_fp4 / v41_fp4_new): SGLang's writer is the same
+    # CUDA JIT store_cache; on CPU, SGLang's V4.1 FP4 oracle (`quantize_k_cache_v41_fp4`, what its
+    # store tests check the kernel against; `rope_tail` first with freqs_cis) at the kernel's addresses
+    v41 = dict(size=2 * V4_PAGE, dtype=torch.float8_e4m3fn, qk_nope_head_dim=448, qk_rope_head_dim=64, **common)
+    yield "DeepSeek V4.1 KV fp4 (SingleKVPool v41_fp4, fused store; SGLang's V4.1 oracle)", \
+        lambda: v4.DeepSeekV4SingleKVPool(kv_layout="v41_fp4", **v41), "v41_fp4"
+    yield "DeepSeek V4.1 KV fp4 interleaved (SingleKVPool v41_fp4_new, fused store; SGLang's V4.1 oracle)", \
+        lambda: v4.DeepSeekV4SingleKVPool(kv_layout="v41_fp4_new", **v41), "v41_fp4"
+    yield "DeepSeek V4.1 KV fp4 with in-kernel RoPE (v41_fp4, freqs_cis; SGLang's rope_tail + V4.1 oracle)", \
+        lambda: v4.DeepSeekV4SingleKVPool(kv_layout="v41_fp4", **v41), "v41_fp4_rope"
+    # the fp4 indexer (set_index_fp4: SGLang's Triton quantiser and store kernel, run by the interpreter)
+    for rne, which in ((False, "c4: threshold rounding"), (True, "low-ratio: index_k_rne")):
+        yield f"DeepSeek V4 fp4 indexer (IndexerPool set_index_fp4, {which})", \
+            lambda rne=rne: fp4_indexer(v4.DeepSeekV4IndexerPool(size=2 * V4_PAGE, dtype=torch.float8_e4m3fn,
+                                                               index_head_dim=128, use_fp4_indexer=True, **common), rne), \
+            "index_fp4"
     yield "DeepSeek V4 c4 compress state (ring 8, head_dim 512, fp32)", lambda: CompressStatePool(
         size=2 * V4_PAGE, ring_size=8, overlap=True, head_dim=512, dtype=torch.float32, device="cpu",
         enable_memory_saver=False, ratio=4, swa_page_size=V4_PAGE), "state"
+
+
+def fp4_indexer(pool, rne: bool):
+    pool.index_k_rne = rne
+    return pool
+
+
+def fused_store_cache_cpu(input, cache, indices, *, page_size, type, layout=None, freqs_cis=None):
+    """SGLang's `fused_store_cache` on CPU: its Triton port (`triton_fused_store_cache`, its ROCm
+    path) for the V4 layout and the indexer; for the V4.1 fp4 layouts, SGLang's V4.1 oracle bytes
+    written where the CUDA kernel writes them (unchecked: a bad loc lands where the kernel's
+    address arithmetic puts it, here inside the backing tensor around the buffer)."""
+    from sglang.kernels.ops.attention.dsv4.kv_layout import KVLayout
+    from sglang.kernels.ops.kvcache.triton_store_cache import triton_fused_store_cache
+    layout = KVLayout.parse(layout or "v4")
+    if layout is KVLayout.V4:
+        assert freqs_cis is None
+        return triton_fused_store_cache(input, cache, indices, page_size=page_size, type=type)
+    assert layout.is_fp4, f"no CPU stand-in for SGLang's {layout} store"
+    from sglang.srt.layers.attention.dsv4.dsv41_sparse import rope_tail
+    from sglang.test.kernels.deepseek_v4.dsv41_kv_quant_reference import quantize_k_cache_v41_fp4
+    x = rope_tail(input, freqs_cis, 64) if freqs_cis is not None else input
+    rec = quantize_k_cache_v41_fp4(x.view(-1, 1, 512), page_bytes=288)      # one 288-byte record a token
+    data_stride, scale_base, scale_stride = layout.row_addressing(page_size)
+    flat = cache.as_strided((cache.untyped_storage().nbytes(),), (1,), 0)   # the whole backing
+    loc = indices.to(torch.int64)
+    page, slot = torch.div(loc, page_size, rounding_mode="floor"), loc % page_size
+    base = cache.storage_offset() + page * cache.stride(0)
+    for at, part in ((base + slot * data_stride, rec[:, :256]), (base + scale_base + slot * scale_stride, rec[:, 256:])):
+        addr = at[:, None] + torch.arange(part.shape[1])
+        ok = (addr >= 0) & (addr < flat.numel())      # outside the process's backing: not emulated
+        flat[addr[ok]] = part[ok]
 
 
 def _index_bufs(pool) -> list:
@@ -112,7 +165,7 @@ def widen(pool, kind: str) -> None:
         pool.kv_score_buffer.kv_score = back[BEFORE:BEFORE + t.shape[0]]
         pool._kvw_backing = [back]
         return
-    bufs = _index_bufs(pool) if kind in ("index_k", "index_fused") else pool.kv_buffer
+    bufs = _index_bufs(pool) if kind in ("index_k", "index_fused", "index_fp4") else pool.kv_buffer
     pool._kvw_backing = []
     for i, t in enumerate(bufs):
         back = torch.zeros(t.shape[0] + BEFORE + AFTER, t.shape[1], dtype=t.dtype)
@@ -222,6 +275,16 @@ def quantised_store(pool, kind: str, layer: int, loc: torch.Tensor, gen: torch.G
         pool.set_key_buffer_fused(layer, loc[keep].contiguous(), x[keep].contiguous())
     elif kind == "index_fused":
         pool.set_index_fused(layer, loc[keep].contiguous(), exact(N, 128, 128, gen).bfloat16()[keep].contiguous())
+    elif kind == "index_fp4":       # SGLang quantises on both sides: random bf16 keys
+        pool.set_index_fp4(layer, loc[keep].contiguous(), torch.randn(N, 128, generator=gen).bfloat16()[keep].contiguous())
+    elif kind in ("v41_fp4", "v41_fp4_rope"):
+        x = torch.randn(N, 512, generator=gen).bfloat16()
+        freqs = None
+        if kind == "v41_fp4_rope":      # per-token freqs_cis [N, 32] complex64: polar(1, position * inv_freq)
+            pos = torch.randint(0, 65536, (N, 1), generator=gen).float()
+            inv = 1.0 / 10000 ** (torch.arange(0, 64, 2).float() / 64)
+            freqs = torch.polar(torch.ones(N, 32), pos * inv)[keep].contiguous()
+        pool.set_key_buffer_fused(layer, loc[keep].contiguous(), x[keep].contiguous(), freqs)
     else:
         from sglang.srt.mem_cache.deepseek_v4_compress_state import KVAndScore
         v = torch.randn(N, pool.last_dim, generator=gen)
@@ -266,12 +329,55 @@ def main() -> int:
         every = [e for e in every if args.only in e[0]]
     for name, plain, kind in every:
         run_pool(out, name, plain, kind, hook, validate)
+    if not args.only or "fp4 indexer" in args.only:
+        out["fp4_indexer_vs_kvwrite_mxfp4"] = fp4_indexer_formats()
     validate.DEFAULT_CHECK = "off"
     out["report"] = hook.report()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
     return 0
+
+
+def fp4_indexer_formats() -> dict:
+    """Why set_index_fp4 keeps SGLang's quantiser: SGLang's fp4 index-K store against kvwrite's own
+    MXFP4 indexer store (`store_dsv4_indexer_k(fmt="mxfp4")`, the same page layout) on the same
+    keys: random bf16 DeepSeek V4 keys [256, 128], and keys built to avoid the three differences
+    (no negative value rounding to a zero code, every 32-value group's amax >= 6e-4, no e2m1 tie)."""
+    import kvwrite
+    from kvwrite.reference.dsv4 import read_dsv4_indexer_k
+    from sglang.kernels.ops.kvcache.dsv4_fp4_index_k_cache import store_fp4_index_k_cache
+    g = torch.Generator().manual_seed(5)
+    n, pages = 256, 4
+    mags = torch.tensor([0.5, 1.0, 1.5, 2.0, 3.0, 4.0])       # e2m1 magnitudes other than 0 and 6 (no tie)
+    q = mags[torch.randint(0, len(mags), (n, 4, 32), generator=g)] * torch.where(
+        torch.rand(n, 4, 32, generator=g) < 0.5, -1.0, 1.0)
+    q[:, :, 0] = 6.0                                            # amax 6 * 2^e: scale 2^e exactly
+    clean = (q * torch.exp2(torch.randint(-8, 4, (n, 4, 1), generator=g).float())).view(n, 128)
+    res = {}
+    for what, keys in (("random bf16", torch.randn(n, 128, generator=g)), ("no zero code, amax >= 6e-4, no tie", clean)):
+        keys = keys.bfloat16()
+        loc = torch.randperm(pages * V4_PAGE, generator=g)[:n]
+        mine = torch.zeros(pages, V4_PAGE * 68, dtype=torch.uint8)
+        kvwrite.store_dsv4_indexer_k(keys, mine, loc, page_size=V4_PAGE, fmt="mxfp4", check="assert")
+        for rne in (False, True):
+            theirs = torch.zeros_like(mine)
+            store_fp4_index_k_cache(keys, theirs, loc, page_size=V4_PAGE, rne=rne)
+            payload = slice(0, V4_PAGE * 64)
+            a, b = mine[:, payload].reshape(-1), theirs[:, payload].reshape(-1)
+            nib = torch.stack([a & 15, a >> 4, b & 15, b >> 4], -1)
+            differ = (nib[:, :2] != nib[:, 2:])
+            signed_zero = differ & (nib[:, :2] == 8) & (nib[:, 2:] == 0)
+            vm = read_dsv4_indexer_k(mine, loc, page_size=V4_PAGE, fmt="mxfp4")
+            vt = read_dsv4_indexer_k(theirs, loc, page_size=V4_PAGE, fmt="mxfp4")
+            res[f"{what}, rne={rne}"] = r = dict(
+                tokens_byte_equal=int((mine.view(pages, V4_PAGE, -1) == theirs.view(pages, V4_PAGE, -1)).all(-1).sum()),
+                tokens=n, payload_nibbles_differing=int(differ.sum()),
+                of_which_kvwrite_minus_zero_sglang_zero=int(signed_zero.sum()),
+                scale_bytes_differing=int((mine[:, V4_PAGE * 64:] != theirs[:, V4_PAGE * 64:]).sum()),
+                decoded_values_differing=int((vm != vt).sum()))
+            print(f"fp4 indexer, kvwrite mxfp4 vs SGLang, {what}, rne={rne}: {r}")
+    return res
 
 
 def run_pool(out: dict, name: str, plain, kind: str | None, hook, validate) -> None:

@@ -25,11 +25,22 @@ Where kvwrite differs from SGLang (and why):
   write out of bounds. Off mode skips negative locs. SGLang's Triton/CUDA stores turn loc -1
   into a write one row before the buffer; its torch paths (`buffer[loc] = x`, the CPU engine)
   write loc -1 into the buffer's last row, as Python indexing wraps it.
+- DeepSeek V4.1 fp4 records with `freqs_cis` (`set_dsv4_v41_fp4_key_buffer`): the RoPE tail is
+  rotated with each product and sum rounded to fp32, as SGLang's torch `rope_tail` does; its CUDA
+  kernel may contract them into FMAs (a different bf16 only where that moves the fp32 result
+  across a bf16 rounding boundary). NaN / inf: SGLang's kernel leaves them unhandled, kvwrite
+  stores its special-value rule (`kvwrite.reference.dsv4_fp4`).
+- The fp4 indexer (`set_fp4_index_k_buffer`) copies SGLang's own quantised bytes: kvwrite's
+  `store_dsv4_indexer_k(fmt="mxfp4")` writes the same layout but a zero code keeps its sign
+  (SGLang: 0x0), the scale floor is max(amax, 1e-4) / 6 (SGLang: max(amax / 6, 1e-4)) and ties go
+  to even (SGLang's c4 pools: toward zero).
 - NaN into an fp8 pool: kvwrite stores the format's positive NaN code (0x7F for e4m3fn and
   e5m2); SGLang's `.to(fp8)` keeps the NaN's sign bit, so a negative NaN (what 0/0 gives on
   x86, and any NaN coming from bf16) is stored as 0xFF.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -41,8 +52,9 @@ from kvwrite.ops.indexer_k import row_bytes, store_indexer_k
 from kvwrite.ops.kv import store_kv
 from kvwrite.ops.mla import store_mla
 
-__all__ = ["move_kv_cache", "set_dsv4_key_buffer", "set_index_k_buffer", "set_index_k_scale_buffer",
-           "set_kv_buffer", "set_mla_kv_buffer", "store_page_parts"]
+__all__ = ["move_kv_cache", "set_dsv4_key_buffer", "set_dsv4_v41_fp4_key_buffer", "set_fp4_index_k_buffer",
+           "set_index_k_buffer", "set_index_k_scale_buffer", "set_kv_buffer", "set_mla_kv_buffer",
+           "store_page_parts"]
 
 INDEX_HEAD_DIM = 128     # SGLang's NSA indexer: head_dim 128, one fp32 scale per 128 values
 INDEX_BLOCK = 128
@@ -263,7 +275,8 @@ def _bytes(name: str, t: torch.Tensor, n: int) -> torch.Tensor:
     t = validate.tensor(name, t)
     if t.dim() == 1:
         t = t.unsqueeze(1)
-    return t.contiguous().view(torch.uint8).reshape(n, -1)
+    width = (t.numel() // n if n else math.prod(t.shape[1:])) * t.element_size()     # 0 tokens too
+    return t.contiguous().view(torch.uint8).reshape(n, width)
 
 
 def set_index_k_scale_buffer(index_buffer: torch.Tensor, loc: torch.Tensor, index_k: torch.Tensor,
@@ -306,6 +319,80 @@ def set_dsv4_key_buffer(kv_buffer: torch.Tensor, loc: torch.Tensor, k_nope_fp8: 
     store_page_parts(kv_buffer, loc, ((torch.cat([nope, rope], 1), 0, DATA_ROW),
                                       (scales, page_size * DATA_ROW, SCALE_ROW)),
                      page_size, check=check, errors=errors, backend=backend)
+
+
+FP4_INDEX_PAYLOAD = 64    # SGLang's fp4 index-K slot: 64 bytes of e2m1 (128 values), then 4 ue8m0 bytes
+
+
+def set_fp4_index_k_buffer(index_buffer: torch.Tensor, loc: torch.Tensor, k_fp4: torch.Tensor,
+                           k_sf: torch.Tensor, page_size: int, *, check: str | None = None,
+                           errors: ErrorBuffer | None = None, backend: str = "auto") -> None:
+    """DeepSeek V4's fp4 index-K cache (`DeepSeekV4IndexerPool.set_index_fp4`, SGLang's
+    `store_fp4_index_k_cache`): keys SGLang's `quantize_fp4_indexer_tensor` has quantised
+    (`k_fp4` int8/uint8 `[N, 64]` packed e2m1, `k_sf` int32 `[N]`: four ue8m0 bytes, group j in
+    bits 8j..8j+7) copied byte for byte into the uint8 page buffer `[num_pages, page_size * 68]`
+    (a page: page_size * 64 payload bytes, then page_size * 4 scale bytes, the int32's bytes in
+    memory order, as SGLang's kernel stores them). `store_page_parts`: bounds-checked against
+    num_pages * page_size locs."""
+    n = validate.tensor("k_fp4", k_fp4, ndim=2).shape[0]
+    if k_fp4.shape[1] != FP4_INDEX_PAYLOAD or k_fp4.dtype not in (torch.int8, torch.uint8):
+        raise ValueError(f"k_fp4 must be int8/uint8 [N, {FP4_INDEX_PAYLOAD}], got {k_fp4.dtype} {list(k_fp4.shape)}")
+    sf = validate.tensor("k_sf", k_sf, dtypes=(torch.int32,))
+    if sf.numel() != n:
+        raise ValueError(f"k_sf must hold one int32 of four ue8m0 bytes per token ({n}), got {list(sf.shape)}")
+    store_page_parts(index_buffer, loc, ((_bytes("k_fp4", k_fp4, n), 0, FP4_INDEX_PAYLOAD),
+                                         (_bytes("k_sf", sf, n), page_size * FP4_INDEX_PAYLOAD, 4)),
+                     page_size, check=check, errors=errors, backend=backend)
+
+
+def _rope_tail(cache_k: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """`cache_k` `[N, 512]` with its last 64 values rotated by the per-token `freqs_cis` (`[N, 32]`
+    complex or `[N, 64]` fp32, real / imag interleaved): pairs (2i, 2i + 1) as complex numbers
+    times freqs_cis[i], every product and sum rounded to fp32, then to cache_k's dtype (SGLang's
+    V4.1 store rotates, rounds to the input dtype, then quantises)."""
+    from kvwrite.facts import NOPE, ROPE
+
+    f = validate.tensor("freqs_cis", freqs_cis)
+    if f.is_complex():
+        f = torch.view_as_real(f).flatten(-2)
+    if f.dim() != 2 or f.shape != (cache_k.shape[0], ROPE) or f.dtype != torch.float32:
+        raise ValueError(f"freqs_cis must be [N, {ROPE // 2}] complex64 or [N, {ROPE}] fp32 for cache_k "
+                         f"{list(cache_k.shape)}, got {f.dtype} {list(freqs_cis.shape)}")
+    tail = cache_k[:, NOPE:].float()
+    x, y, c, s = tail[:, 0::2], tail[:, 1::2], f[:, 0::2], f[:, 1::2]
+    rotated = torch.stack((x * c - y * s, x * s + y * c), -1).flatten(-2)
+    return torch.cat([cache_k[:, :NOPE], rotated.to(cache_k.dtype)], -1)
+
+
+def set_dsv4_v41_fp4_key_buffer(kv_buffer: torch.Tensor, loc: torch.Tensor, cache_k: torch.Tensor,
+                                page_size: int, freqs_cis: torch.Tensor | None = None, *,
+                                interleaved: bool = False, check: str | None = None,
+                                errors: ErrorBuffer | None = None, backend: str = "auto") -> None:
+    """`DeepSeekV4SingleKVPool.set_key_buffer_fused` of a V4.1 fp4 pool (SGLang's JIT
+    `fused_store_cache(type="flashmla", layout=V41_FP4 / V41_FP4_NEW)`): `cache_k` `[N, 512]`
+    quantised into the 288-byte FlashMLA V41_FP4 record, `kvwrite.store_dsv4_kv_fp4(fmt=
+    "nvfp4_v41")` (the same encoding: e4m3(clamp(amax / 6, 2^-9)) per 16 values, e2m1 of x over
+    the rounded scale, ties to even, the sign kept on a zero code). Block-split (`V41_FP4`): a page
+    is page_size data rows of 256 bytes, then page_size scale rows of 32, no padding (page_size *
+    288 bytes). `interleaved` (`V41_FP4_NEW`): each token's 256 data bytes, then its 32 scales: the
+    buffer is viewed as one-token pages (errors then name the loc as the page). `freqs_cis`: the
+    RoPE tail is rotated first (`_rope_tail`), as SGLang's in-kernel RoPE does."""
+    from kvwrite.facts import FP4_RECORDS
+    from kvwrite.ops.dsv4_fp4 import store_dsv4_kv_fp4
+
+    page_size = require_positive_int("page_size", page_size)
+    buf = validate.tensor("kv_buffer", kv_buffer, ndim=2, dtypes=(torch.uint8,))
+    token = FP4_RECORDS["nvfp4_v41"].token_bytes
+    if buf.shape[1] != page_size * token or not buf.is_contiguous():
+        raise ValueError(f"kv_buffer must be contiguous [num_pages, page_size * {token}] = [*, {page_size * token}] "
+                         f"(unpadded V4.1 fp4 pages), got {list(buf.shape)}")
+    k = validate.tensor("cache_k", cache_k, ndim=2)
+    if freqs_cis is not None:
+        k = _rope_tail(k, freqs_cis)
+    if interleaved:
+        buf, page_size = buf.view(-1, token), 1
+    store_dsv4_kv_fp4(k, buf, loc, fmt="nvfp4_v41", page_size=page_size, check=check, errors=errors,
+                      backend=backend)
 
 
 def move_kv_cache(k_buffer, v_buffer, tgt_loc: torch.Tensor, src_loc: torch.Tensor, *,

@@ -25,6 +25,18 @@ own dtype handling, so every attention backend that writes through a pool is rou
   `kvwrite.store_dsv4_kv`, `DeepSeekV4IndexerPool.set_index_fused` (fp8 indexer) ->
   `kvwrite.store_dsv4_indexer_k(fmt="fp8")` (same formats: byte-equal to SGLang's Triton port of
   those kernels wherever x / scale needs no rounding; the rounding itself is kvwrite's RNE);
+  `set_key_buffer_fused` of the V4.1 fp4 layouts (`v41_fp4` block-split, `v41_fp4_new`
+  interleaved; with `freqs_cis`, the RoPE tail rotated in torch and rounded to the input dtype
+  first, as SGLang's kernel does) -> `kvwrite.store_dsv4_kv_fp4(fmt="nvfp4_v41")`
+  (`compat.sglang.set_dsv4_v41_fp4_key_buffer`; the same encoding as SGLang's kernel and its
+  V4.1 oracle, byte-equal to the oracle; NaN / inf, which SGLang's kernel does not handle, aside);
+- DeepSeek V4's fp4 indexer: `DeepSeekV4IndexerPool.set_index_fp4` (CUDA / Triton layout, both
+  `index_k_rne` settings) -> SGLang's own `quantize_fp4_indexer_tensor`, then its bytes through
+  `compat.sglang.set_fp4_index_k_buffer` (a bounds-checked byte copy). Not kvwrite's
+  `store_dsv4_indexer_k(fmt="mxfp4")`: same page layout, but SGLang stores a zero code without
+  its sign (kvwrite keeps it: -0 is 0x8), floors the scale as max(amax / 6, 1e-4) (kvwrite:
+  max(amax, 1e-4) / 6: other bytes for a 32-value group with amax < 6e-4) and, with
+  `index_k_rne` off (its c4 pools), rounds ties toward zero;
 - DeepSeek V4 compress state: `CompressStatePool.set_state_by_state_loc` -> `kvwrite.store_rows`
   (a -1 state loc skipped; SGLang writes it into the sentinel row, then clears that row: the
   same pool).
@@ -61,6 +73,7 @@ INDEX_K = "sglang.kernels.ops.kvcache.dsa_index_k_cache"
 DSV4_KV = "sglang.kernels.ops.kvcache.dsv4_main_kv_store"
 DSV4_POOLS = "sglang.srt.mem_cache.deepseek_v4_memory_pool"
 DSV4_STATE = "sglang.srt.mem_cache.deepseek_v4_compress_state"
+DSV4_FP4_INDEX = "sglang.kernels.ops.kvcache.dsv4_fp4_index_k_cache"
 INDEX_K_ROUTE = Route(INDEX_K, "SetKAndS.execute", "set_index_k_scale_buffer", None, 0)
 DSV4_KV_ROUTE = Route(DSV4_KV, "SetKAndS.execute", "set_dsv4_key_buffer", None, 0)
 STATE_ROUTE = Route(DSV4_STATE, "CompressStatePool.set_state_by_state_loc", "store_rows", None, 0)
@@ -72,10 +85,16 @@ NOT_ROUTED = {
     "Unified pools (UnifiedMHATokenToKVPool / UnifiedMLATokenToKVPool: page-major strided views of one "
     "shared buffer)": "kvwrite routes contiguous per-layer buffers only; these writes stay SGLang's",
     "dsa_index_k_cache.SetKAndS (ROCm preshuffled index-K)": "tiled key layout: no kvwrite layout",
-    "DeepSeekV4SingleKVPool.set_key_buffer_fused of the V4.1 layouts (v41, v41_fp4, with in-kernel "
-    "RoPE)": "V4.1 records are not wired to kvwrite's store_dsv4_kv_fp4 here",
-    "DeepSeekV4IndexerPool.set_index_fp4": "SGLang's fp4 index-K kernel: not wired to "
-                                           "store_dsv4_indexer_k(fmt='mxfp4')",
+    "DeepSeekV4SingleKVPool.set_key_buffer_fused of the V4.1 fp8 layouts (v41, v41_new: 512 e4m3 + 16 "
+    "ue8m0, one per 32 values)": "no kvwrite record for the V4.1 fp8 encoding (kvwrite's V4.1 record is "
+    "the fp4 one, nvfp4_v41)",
+    "DeepSeekV4SingleKVPool.set_key_buffer_fused of a V4.1 fp4 pool with padded pages (page_size * 288 "
+    "not a multiple of 256)": "kvwrite's FP4 records have no page padding",
+    "DeepSeekV4IndexerPool.set_index_fp4 on HIP (aiter's split payload / scale buffers, page8)":
+        "a transposed layout: no kvwrite layout",
+    "DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused / _fused_norm_rope (the SWA cache)":
+        "SGLang calls fused_store_cache / fused_k_norm_rope_flashmla on the buffer directly, "
+        "not through a pool method the hook patches",
     "DeepSeekV4UniformFP8KVPool.set_key_buffer_fused": "an indexed assignment (bounds-checked by torch itself)",
 }
 
@@ -261,17 +280,37 @@ DSV4_FUSED_ROUTE = Route(DSV4_POOLS, "DeepSeekV4SingleKVPool.set_key_buffer_fuse
 INDEX_FUSED_ROUTE = Route(DSV4_POOLS, "DeepSeekV4IndexerPool.set_index_fused", "store_dsv4_indexer_k", None, 0)
 
 
+V41_FP4_LAYOUTS = {"v41_fp4": False, "v41_fp4_new": True}     # SGLang's KVLayout value -> interleaved
+
+
 def _dsv4_fused(original: Callable, backend: str, state: Installed) -> Callable:
-    """`DeepSeekV4SingleKVPool.set_key_buffer_fused(layer_id, loc, cache_k, freqs_cis=None)`."""
+    """`DeepSeekV4SingleKVPool.set_key_buffer_fused(layer_id, loc, cache_k, freqs_cis=None)`: the V4
+    layout -> `store_dsv4_kv`; the V4.1 fp4 layouts (with or without in-kernel RoPE) ->
+    `compat.sglang.set_dsv4_v41_fp4_key_buffer`; the V4.1 fp8 layouts stay SGLang's."""
+    from kvwrite.compat import sglang as adapters
+    from kvwrite.facts import FP4_RECORDS
     from kvwrite.ops.dsv4 import store_dsv4_kv
+
+    token = FP4_RECORDS["nvfp4_v41"].token_bytes
 
     def fused(self, layer_id, loc, cache_k, freqs_cis=None):
         buf = self.kv_buffer[layer_id]
-        if freqs_cis is not None or getattr(self.kv_layout, "value", self.kv_layout) != "v4" or not _row_layout(buf, 2):
-            return _fallback(state, "dsv4_fused_not_v4", original, self, layer_id, loc, cache_k, freqs_cis)
-        _count(state, "set_key_buffer_fused")
-        mode, errors = _errors(buf, DSV4_FUSED_ROUTE)
-        store_dsv4_kv(cache_k, buf, loc, page_size=self.page_size, check=mode, errors=errors, backend=backend)
+        layout = str(getattr(self.kv_layout, "value", self.kv_layout))
+        if not _row_layout(buf, 2):
+            return _fallback(state, "dsv4_fused_not_contiguous", original, self, layer_id, loc, cache_k, freqs_cis)
+        if layout == "v4" and freqs_cis is None:
+            _count(state, "set_key_buffer_fused")
+            mode, errors = _errors(buf, DSV4_FUSED_ROUTE)
+            store_dsv4_kv(cache_k, buf, loc, page_size=self.page_size, check=mode, errors=errors, backend=backend)
+        elif layout in V41_FP4_LAYOUTS and buf.shape[1] == self.page_size * token:
+            _count(state, f"set_key_buffer_fused ({layout}{', RoPE' if freqs_cis is not None else ''})")
+            mode, errors = _errors(buf, DSV4_FUSED_ROUTE)
+            adapters.set_dsv4_v41_fp4_key_buffer(buf, loc, cache_k, self.page_size, freqs_cis,
+                                                 interleaved=V41_FP4_LAYOUTS[layout], check=mode, errors=errors,
+                                                 backend=backend)
+        else:    # V4.1 fp8 layouts (no kvwrite record), a padded fp4 page, V4 with RoPE (SGLang refuses it)
+            why = f"dsv4_fused_{layout}{'_rope' if freqs_cis is not None else ''}"
+            return _fallback(state, why, original, self, layer_id, loc, cache_k, freqs_cis)
         _after(errors, buf)
     return _routed(fused, original)
 
@@ -291,6 +330,30 @@ def _index_fused(original: Callable, backend: str, state: Installed) -> Callable
                              backend=backend)
         _after(errors, buf)
     return _routed(fused, original)
+
+
+INDEX_FP4_ROUTE = Route(DSV4_POOLS, "DeepSeekV4IndexerPool.set_index_fp4", "set_fp4_index_k_buffer", None, 0)
+
+
+def _index_fp4(original: Callable, backend: str, state: Installed, import_module: Callable) -> Callable:
+    """`DeepSeekV4IndexerPool.set_index_fp4(layer_id, loc, cache_k)` (the CUDA / Triton layout):
+    SGLang's own quantiser (`quantize_fp4_indexer_tensor`, the pool's `index_k_rne`), then its bytes
+    through `compat.sglang.set_fp4_index_k_buffer`; the HIP split layout stays SGLang's."""
+    from kvwrite.compat import sglang as adapters
+
+    def fp4(self, layer_id, loc, cache_k):
+        bufs = getattr(self, "index_k_with_scale_buffer", None)
+        buf = bufs[layer_id - self.start_layer] if bufs is not None else None
+        if getattr(self, "uses_aiter_fp4_layout", False) or not _row_layout(buf, 2):
+            return _fallback(state, "index_fp4_hip_split_layout", original, self, layer_id, loc, cache_k)
+        k_fp4, k_sf = import_module(DSV4_FP4_INDEX).quantize_fp4_indexer_tensor(
+            cache_k.contiguous(), rne=bool(getattr(self, "index_k_rne", False)))
+        _count(state, "set_index_fp4")
+        mode, errors = _errors(buf, INDEX_FP4_ROUTE)
+        adapters.set_fp4_index_k_buffer(buf, loc, k_fp4, k_sf, self.page_size, check=mode, errors=errors,
+                                        backend=backend)
+        _after(errors, buf)
+    return _routed(fp4, original)
 
 
 def register_pool(pool: Any) -> None:
@@ -365,6 +428,8 @@ def install(import_module: Callable[[str], Any] = importlib.import_module, backe
             (DSV4_POOLS, "DeepSeekV4SingleKVPool", "__init__", _init),
             (DSV4_POOLS, "DeepSeekV4SingleKVPool", "set_key_buffer_fused", lambda f: _dsv4_fused(f, backend, state)),
             (DSV4_POOLS, "DeepSeekV4IndexerPool", "set_index_fused", lambda f: _index_fused(f, backend, state)),
+            (DSV4_POOLS, "DeepSeekV4IndexerPool", "set_index_fp4",
+             lambda f: _index_fp4(f, backend, state, import_module)),
             (DSV4_POOLS, "DeepSeekV4IndexerPool", "__init__", _init)):
         try:
             module = import_module(name)
