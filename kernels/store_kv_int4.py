@@ -10,7 +10,7 @@ blocks that are masked out. bf16 rounding is bit arithmetic (the interpreter's c
 import triton
 import triton.language as tl
 
-from kvwrite.kernels._common import claim_rows, daz
+from kvwrite.kernels._common import block_tokens, claim_rows, daz
 from kvwrite.kernels.store_mla import _bf16_bits
 
 IN_F16 = tl.constexpr(1)
@@ -119,16 +119,6 @@ def store_kv_int4_kernel(
 _IN = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 
-def block_tokens(n: int, row_elems: int) -> int:
-    """BLOCK_T: about 1K elements a program on a GPU (the butterfly keeps a tile's values live:
-    4K-element tiles need 80-92 registers, 1K stay under 64 with no spill); under the
-    interpreter as few programs as memory allows."""
-    from kvwrite.backend import triton_interpreting
-
-    per = 65536 if triton_interpreting() else 1024
-    return max(1, min(triton.next_power_of_2(max(n, 1)), per // max(row_elems, 1), 256))
-
-
 def launch(a) -> None:
     """Launch store_kv_int4_kernel for a validated `kvwrite.ops.kv.KVStore` (QUANT_INT4)."""
     from kvwrite import facts
@@ -137,7 +127,9 @@ def launch(a) -> None:
     n, h, dk = a.k.shape
     dv = a.v.shape[2]
     h_pad, dk_pad, dv_pad = (triton.next_power_of_2(x) for x in (h, dk, dv))
-    block_t = block_tokens(n, h_pad * max(dk_pad, dv_pad))
+    # about 1K elements a program on a GPU: the butterfly keeps a tile's values live (4K-element
+    # tiles need 80-92 registers, 1K stay under 64 with no spill)
+    block_t = block_tokens(n, h_pad * max(dk_pad, dv_pad), gpu_elems=1024)
     ksc, vsc = a.k_scale_cache, a.v_scale_cache
     run(store_kv_int4_kernel, (triton.cdiv(n, block_t),), a,
         k_ptr=a.k, v_ptr=a.v, kc_ptr=a.k_cache, vc_ptr=a.v_cache, ksc_ptr=ksc, vsc_ptr=vsc,

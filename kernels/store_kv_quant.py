@@ -8,7 +8,7 @@ token, writes the fp32 scale to the scale cache row the codes go to, and stores 
 import triton
 import triton.language as tl
 
-from kvwrite.kernels._common import claim_rows
+from kvwrite.kernels._common import block_tokens, claim_rows
 from kvwrite.kernels._quant import abs_for_scale, dynamic_scale, quant_code
 
 QUANT_STATIC = tl.constexpr(1)
@@ -74,15 +74,6 @@ def store_kv_quant_kernel(
     _quant_side(v_ptr, vc_ptr, vs_ptr, vsc_ptr, tok, write, page, offset, num_heads, v_sn, v_sh,
                 vc_sp, vc_so, vc_sh, vs_sh, vsc_sp, vsc_so, vsc_sh, DV, H_PAD, DV_PAD, QUANT, FMT,
                 RULE, QMAX, FMAX, MANT, EMIN)
-
-
-def block_tokens(n: int, row_elems: int) -> int:
-    """BLOCK_T: about 4K elements a program on a GPU; under the interpreter as few programs as
-    memory allows (≈0.45 ms a program)."""
-    from kvwrite.backend import triton_interpreting
-
-    per = 65536 if triton_interpreting() else 4096
-    return max(1, min(triton.next_power_of_2(max(n, 1)), per // max(row_elems, 1), 256))
 
 
 def launch(a) -> None:
