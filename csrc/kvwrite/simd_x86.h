@@ -442,7 +442,8 @@ struct Fp8Table {
   bool built = false, ok = false;
   alignas(16) uint8_t base[16], theta[16];
   int16_t zstep = 0;  // STEP * Z
-  uint8_t k = 0, kf = 0;  // K; KF = STEP * (W - Z - 1): E8 - 1 < KF flags a subnormal-range binade
+  uint8_t k = 0, kf = 0;  // K; KF = STEP * (W - Z - 1), 1..127: 1 <= E8 <= KF flags a subnormal-range binade
+  float r = 0.0f;         // RN(1 / |s|): the arithmetic lanes' reciprocal for the blocks the table declines
 };
 
 template <class F>
@@ -466,6 +467,7 @@ inline void fp8_table_build(Fp8Table& t, float s) {
   }
   if (w < 3 || elow < 1 || w > 200) return;
   const int z = (elow - 1 < w - 3) ? elow - 1 : w - 3;
+  if (STEP * (255 - z) < 255) return;  // E = 255 (NaN, inf) must saturate E8 (the run's flag)
   const int k = STEP * (w - z);
   uint8_t T[128];
   for (int m = 0; m < 128; ++m) {
@@ -489,6 +491,8 @@ inline void fp8_table_build(Fp8Table& t, float s) {
   t.zstep = int16_t(STEP * z);
   t.k = uint8_t(k);
   t.kf = uint8_t(STEP * (w - z - 1));
+  if (t.kf < 1 || t.kf > 127) return;
+  t.r = 1.0f / as;
   t.ok = true;
 }
 
@@ -508,54 +512,90 @@ inline Fp8Table* fp8_table_cache() {
   return cache;
 }
 
-// The 32-element blocks from src that table t does not code (a binade Z < E < W, or E = 255).
+// E8 = STEP * (E - Z) of 32 bf16 elements (two loads), saturated to [0, 255] (pack order).
 template <class F>
-KVW_AVX2 bool fp8_table_block_off(const Fp8Table& t, const uint16_t* src) {
+KVW_AVX2 __m256i fp8_table_e8(const Fp8Table& t, __m256i l0, __m256i l1) {
   const __m256i emask = _mm256_set1_epi16(0x7F80), zstep = _mm256_set1_epi16(t.zstep);
-  const __m256i v0 = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)), emask);
-  const __m256i v1 = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16)), emask);
-  if (_mm256_movemask_epi8(_mm256_or_si256(_mm256_cmpeq_epi16(v0, emask), _mm256_cmpeq_epi16(v1, emask))) != 0) return true;
-  const __m256i e8 = _mm256_packus_epi16(_mm256_sub_epi16(_mm256_srli_epi16(v0, 7 - F::mant), zstep),
-                                         _mm256_sub_epi16(_mm256_srli_epi16(v1, 7 - F::mant), zstep));
-  const __m256i u = _mm256_sub_epi8(e8, _mm256_set1_epi8(1));
-  return _mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_max_epu8(u, _mm256_set1_epi8(char(t.kf))), u)) != -1;
+  return _mm256_packus_epi16(_mm256_sub_epi16(_mm256_srli_epi16(_mm256_and_si256(l0, emask), 7 - F::mant), zstep),
+                             _mm256_sub_epi16(_mm256_srli_epi16(_mm256_and_si256(l1, emask), 7 - F::mant), zstep));
 }
 
-// fp8 codes of a bf16 row of n elements (n % 32 == 0) by table t (divisor s): false where the row
-// holds a block the table does not code (a binade in fp8's subnormal range, a NaN or an inf); the
-// caller then rewrites those blocks (fp8_table_block_off) by the arithmetic lanes.
+// A 32-element block the table declined, again by the arithmetic lanes: fp8_bf16_run's
+// arithmetic (|x| clamped to RN(max |s|), x / |s| by div_cr8 with the table's reciprocal) with
+// the codes read by grid_codes8_k (no subnormal product: no MXCSR dependence and no denormal
+// assist, the block being one of small codes) and NaN lanes set from the raw bits. Out of line:
+// the table loop stays small.
 template <class F>
-KVW_AVX2 bool fp8_bf16_table_run(const Fp8Table& t, float s, const uint16_t* __restrict__ src, int n,
+__attribute__((noinline, cold)) KVW_AVX2_FN void fp8_table_redo(const Fp8Table& t, float s, const uint16_t* src,
+                                                                 char* dst) {
+  const float as = s < 0 ? -s : s;
+  const __m256 vs = _mm256_set1_ps(as), vr = _mm256_set1_ps(t.r), vmax = _mm256_set1_ps(fp8_max<F>() * as);
+  __m256i l0, l1;
+  __m256 x[4];
+  load_bf16x32(src, l0, l1, x);
+  __m256i c[4];
+  for (int k = 0; k < 4; ++k) c[k] = grid_codes8_k<F::mant, F::emin>(div_cr8(_mm256_min_ps(vmax, abs8(x[k])), vs, vr));
+  const __m256i smask = _mm256_set1_epi8(char(0x80)), am = _mm256_set1_epi16(0x7FFF), inf = _mm256_set1_epi16(0x7F80);
+  const __m256i sign = _mm256_xor_si256(_mm256_and_si256(_mm256_packs_epi16(l0, l1), smask),
+                                        _mm256_set1_epi8(char(s < 0 ? 0x80 : 0)));
+  const __m256i nan = _mm256_packs_epi16(_mm256_cmpgt_epi16(_mm256_and_si256(l0, am), inf),
+                                         _mm256_cmpgt_epi16(_mm256_and_si256(l1, am), inf));
+  const __m256i b = _mm256_or_si256(pack_codes32<false>(c[0], c[1], c[2], c[3]), sign);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), in_order(_mm256_blendv_epi8(b, _mm256_set1_epi8(0x7F), nan)));
+}
+
+// fp8 codes of a bf16 row of n elements (n % 32 == 0) by table t (divisor s), 64 blocks of 32 a
+// step. A block the table does not code is rewritten by fp8_table_redo after its step: one
+// holding a binade in fp8's subnormal range (1 <= E8 <= KF: one signed compare on E8 + 127, its
+// byte mask kept per block), and, where the step's E8 max says so, one with E8 = 255 (E = 255: a
+// NaN or an inf; also a quotient past 2^23, which the table codes as well). Integer lanes only:
+// no MXCSR dependence.
+template <class F>
+KVW_AVX2 void fp8_bf16_table_run(const Fp8Table& t, float s, const uint16_t* __restrict__ src, int n,
                                  char* __restrict__ dst) {
   constexpr uint8_t CMAX = F::mant == 3 ? 0x7E : 0x7B;
   const __m256i base = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(t.base)));
   const __m256i theta = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(t.theta)));
-  const __m256i emask = _mm256_set1_epi16(0x7F80), mmask = _mm256_set1_epi16(0x7F), zstep = _mm256_set1_epi16(t.zstep);
+  const __m256i mmask = _mm256_set1_epi16(0x7F), ones = _mm256_set1_epi8(char(0xFF));
   const __m256i k = _mm256_set1_epi8(char(t.k)), cmax = _mm256_set1_epi8(char(CMAX)), seven = _mm256_set1_epi8(7);
-  const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1), smask = _mm256_set1_epi8(char(0x80));
+  const __m256i low4 = _mm256_set1_epi8(0x0F), smask = _mm256_set1_epi8(char(0x80));
   const __m256i flip = _mm256_set1_epi8(char(s < 0 ? 0x80 : 0));
-  __m256i emax = _mm256_setzero_si256(), fmin = _mm256_set1_epi8(char(0xFF));
-  for (int j = 0; j < n; j += 32) {
-    const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j));
-    const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j + 16));
-    const __m256i v0 = _mm256_and_si256(l0, emask), v1 = _mm256_and_si256(l1, emask);
-    emax = _mm256_max_epu16(emax, _mm256_max_epu16(v0, v1));
-    const __m256i e8 = _mm256_packus_epi16(_mm256_sub_epi16(_mm256_srli_epi16(v0, 7 - F::mant), zstep),
-                                           _mm256_sub_epi16(_mm256_srli_epi16(v1, 7 - F::mant), zstep));
-    const __m256i m = _mm256_packus_epi16(_mm256_and_si256(l0, mmask), _mm256_and_si256(l1, mmask));
-    const __m256i g = _mm256_and_si256(_mm256_srli_epi16(m, 3), low4);
-    const __m256i c = _mm256_add_epi8(_mm256_shuffle_epi8(base, g),
-                                      _mm256_cmpgt_epi8(_mm256_shuffle_epi8(theta, g), _mm256_and_si256(m, seven)));
-    const __m256i code = _mm256_min_epu8(_mm256_subs_epu8(_mm256_adds_epu8(e8, c), k), cmax);
-    fmin = _mm256_min_epu8(fmin, _mm256_sub_epi8(e8, one));
-    const __m256i sign = _mm256_xor_si256(_mm256_and_si256(_mm256_packs_epi16(l0, l1), smask), flip);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), in_order(_mm256_or_si256(code, sign)));
+  const __m256i bias = _mm256_set1_epi8(127), sublim = _mm256_set1_epi8(char(t.kf - 128));  // E8 + 127 < KF - 128
+  for (int j0 = 0; j0 < n; j0 += 2048) {
+    const int nb = (n - j0 < 2048 ? n - j0 : 2048) / 32;
+    uint32_t flags[64], any = 0;
+    __m256i e8max = _mm256_setzero_si256();
+    for (int b = 0; b < nb; ++b) {
+      const uint16_t* x = src + j0 + 32 * b;
+      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
+      const __m256i e8 = fp8_table_e8<F>(t, l0, l1);
+      const __m256i m = _mm256_packus_epi16(_mm256_and_si256(l0, mmask), _mm256_and_si256(l1, mmask));
+      const __m256i g = _mm256_and_si256(_mm256_srli_epi16(m, 3), low4);
+      const __m256i c = _mm256_add_epi8(_mm256_shuffle_epi8(base, g),
+                                        _mm256_cmpgt_epi8(_mm256_shuffle_epi8(theta, g), _mm256_and_si256(m, seven)));
+      const __m256i code = _mm256_min_epu8(_mm256_subs_epu8(_mm256_adds_epu8(e8, c), k), cmax);
+      const __m256i sign = _mm256_xor_si256(_mm256_and_si256(_mm256_packs_epi16(l0, l1), smask), flip);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j0 + 32 * b), in_order(_mm256_or_si256(code, sign)));
+      e8max = _mm256_max_epu8(e8max, e8);
+      flags[b] = uint32_t(_mm256_movemask_epi8(_mm256_cmpgt_epi8(sublim, _mm256_add_epi8(e8, bias))));
+      any |= flags[b];
+    }
+    if (__builtin_expect(_mm256_movemask_epi8(_mm256_cmpeq_epi8(e8max, ones)) != 0, 0)) {
+      for (int b = 0; b < nb; ++b) {
+        const uint16_t* x = src + j0 + 32 * b;
+        const __m256i e8 = fp8_table_e8<F>(t, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)),
+                                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16)));
+        flags[b] |= uint32_t(_mm256_movemask_epi8(_mm256_cmpeq_epi8(e8, ones)));
+        any |= flags[b];
+      }
+    }
+    if (__builtin_expect(any == 0, 1)) continue;
+    for (int b = 0; b < nb; ++b)
+      if (flags[b] != 0) fp8_table_redo<F>(t, s, src + j0 + 32 * b, dst + j0 + 32 * b);
   }
-  const bool special = _mm256_movemask_epi8(_mm256_cmpeq_epi16(emax, emask)) != 0;
-  const __m256i kf = _mm256_set1_epi8(char(t.kf));
-  const bool subnormal = _mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_max_epu8(fmin, kf), fmin)) != -1;
-  return !special && !subnormal;
 }
+
 // nvfp4_blocks8_avx2 for bf16 rows, streaming: each block's raw |x| max as 16-bit lanes (a max
 // tree over the 8 blocks' loads), the eight scales as there, then |x| / d by div_cr8 with d's
 // reciprocal, |x| first clamped to RN(6 d) (whose quotient codes as 6, as every larger one: no
