@@ -62,7 +62,8 @@ __attribute__((target("avx2,f16c,fma"))) long check_div(int abits) {
   return bad;
 }
 
-// fp8_bf16_run<F> (and int8_bf16_run on the rows without NaN / inf) over every bf16 pattern.
+// fp8_bf16_run<F> (its DYN lanes on their domain, and int8_bf16_run on the rows without NaN / inf)
+// over every bf16 pattern.
 template <class F>
 long check_bf16_run(const char* what, const std::vector<float>& scales) {
   std::vector<uint16_t> x(65536);
@@ -75,6 +76,15 @@ long check_bf16_run(const char* what, const std::vector<float>& scales) {
     for (int i = 0; i < 65536; ++i) {
       const uint8_t want = fp8_bits<F>(daz(bf16_to_float(x[i])) / s);
       if (uint8_t(out[i]) != want && bad++ < 4) std::printf("%s s=%a: %04x gives %02x, scalar %02x\n", what, s, i, uint8_t(out[i]), want);
+    }
+    if (s > 0) {  // the DYN lanes on their domain: finite |x| <= max * s (1 + 2^-23), a dynamic scale's row
+      fp8_bf16_run<F, true>(x.data(), 65536, s, out.data());
+      for (int i = 0; i < 65536; ++i) {
+        const float v = bf16_to_float(x[i]);
+        if (!(std::fabs(double(v)) <= double(fp8_max<F>()) * s * (1.0 + 0x1p-23))) continue;
+        const uint8_t want = fp8_bits<F>(daz(v) / s);
+        if (uint8_t(out[i]) != want && bad++ < 4) std::printf("%s DYN s=%a: %04x gives %02x, scalar %02x\n", what, s, i, uint8_t(out[i]), want);
+      }
     }
     if constexpr (std::is_same<F, E4M3>::value) {  // int8 on the finite patterns (|x| < 0x7F80)
       const Quantizer<Int8Fmt> q(s, RULE_RNE);
@@ -110,13 +120,31 @@ long check_nvfp4_bf16() {
         const float* gp = gl == 0.0f ? nullptr : &gl;
         std::vector<char> b1(n / 2), s1(n / 16), b2(n / 2), s2(n / 16);
         for (int h = 0; h < n / 128; ++h) nvfp4_run<DType::BF16>(x.data(), h * 128, 8, gp, b1.data() + h * 64, s1.data() + h * 8, fl);
+        for (int k0 = 0, nb = 28; k0 < n / 16; k0 += nb, nb = nb == 28 ? 61 : 28) {  // runs of 28 and 61 blocks (partial groups)
+          const int m = n / 16 - k0 < nb ? n / 16 - k0 : nb;
+          std::vector<char> b3(m * 8), s3(m);
+          nvfp4_run<DType::BF16>(x.data(), k0 * 16, m, gp, b3.data(), s3.data(), fl);
+          for (int i = 0; i < m * 8; ++i) bad += b3[i] != b1[k0 * 8 + i];
+          for (int i = 0; i < m; ++i) bad += s3[i] != s1[k0 + i];
+        }
         for (int k = 0; k < n / 16; ++k)
           nvfp4_block([&](int e) { return load_float<DType::BF16>(x.data(), k * 16 + e); }, gp, b2.data() + k * 8, s2.data() + k, fl);
         for (int i = 0; i < n / 2; ++i) bad += b1[i] != b2[i];
         for (int i = 0; i < n / 16; ++i) bad += s1[i] != s2[i];
       }
   }
-  std::printf("nvfp4 bf16 lanes: %ld bytes differ\n", bad);
+  for (const float s : {1.0f, 0.5f, 0x1p-100f, 0x1p100f, 0x1p-3f, 0x1p-127f, 3.0f, 0x1p-101f}) {  // e2m1_run (MXFP4 scales)
+    std::vector<char> b1(n / 2);
+    for (int k0 = 0; k0 < n; k0 += 32) {
+      bool nan = false;
+      for (int e = k0; e < k0 + 32; ++e) nan = nan || (x[e] & 0x7FFF) > 0x7F80;
+      bad += e2m1_run<DType::BF16>(x.data(), k0, 32, s, b1.data() + k0 / 2) != nan;
+    }
+    for (int j = 0; j < n / 2; ++j)
+      bad += uint8_t(b1[j]) != (e2m1_code(load_quant<DType::BF16>(x.data(), 2 * j) / s) |
+                                (e2m1_code(load_quant<DType::BF16>(x.data(), 2 * j + 1) / s) << 4));
+  }
+  std::printf("nvfp4 bf16 lanes, e2m1 runs: %ld bytes differ\n", bad);
   return bad;
 }
 

@@ -239,21 +239,33 @@ KVW_HD void quant_block_e4m3(const void* src, i64 start, int n, float scale, cha
 #if KVW_SIMD_X86
 // Host, bf16: the e4m3 codes of `tiles` consecutive tiles of `tile` elements from src + start
 // (tile % 32 == 0, tiles <= 16), each by its own scale: every tile's amax first, then every
-// scale (`scale_of(amax)`) and its reciprocal, then the codes (fp8_bf16_run), so no tile's
-// codes wait on its own division chain. Scales go to `scales` (fp32). False (nothing decided)
-// where the lanes do not apply: the caller's generic loop then writes the tiles.
+// scale (`scale_of(amax)`, at least RN(amax / 448): a dynamic scale) and its reciprocal, then the
+// codes (fp8_bf16_run; its DYN lanes for a tile without NaN or inf), so no tile's codes wait on
+// its own division chain. Scales go to `scales` (fp32). False (nothing decided) where the lanes
+// do not apply: the caller's generic loop then writes the tiles.
 template <class ScaleOf>
 inline bool e4m3_tiles_bf16(const void* src, i64 start, int tiles, int tile, ScaleOf&& scale_of, char* dst,
                             float* scales, int noftz) {
   if (tiles > 16 || tile % 32 != 0 || !simd_ok() || (noftz < 0 ? !ftz_clear() : noftz == 0)) return false;
   const uint16_t* x = static_cast<const uint16_t*>(src) + start;
   float rc[16];
-  for (int w = 0; w < tiles; ++w) scales[w] = scale_of(block_amax<DType::BF16>(src, start + i64(w) * tile, tile));
+  uint32_t special = 0;  // tiles holding a NaN or an inf
+  for (int w = 0; w < tiles; ++w) {
+    const float a = bf16_policy_amax(bf16_absmax_raw(x + w * tile, tile));
+    special |= uint32_t(a < 0.0f) << w;
+    scales[w] = scale_of(a < 0.0f ? block_amax<DType::BF16>(src, start + i64(w) * tile, tile) : a);
+  }
   for (int w = 0; w < tiles; ++w) {
     if (!cr_div_ok(scales[w])) return false;
     rc[w] = 1.0f / scales[w];
   }
-  for (int w = 0; w < tiles; ++w) fp8_bf16_run<E4M3>(x + w * tile, tile, scales[w], dst + i64(w) * tile, rc[w]);
+  for (int w = 0; w < tiles; ++w) {
+    if ((special >> w) & 1) {
+      fp8_bf16_run<E4M3>(x + w * tile, tile, scales[w], dst + i64(w) * tile, rc[w]);
+    } else {
+      fp8_bf16_run<E4M3, true>(x + w * tile, tile, scales[w], dst + i64(w) * tile, rc[w]);
+    }
+  }
   return true;
 }
 #endif

@@ -72,6 +72,12 @@ KVW_ITEM KVW_HD void fp4_block(const char* kv, i64 row, int b, char* data, char*
 // The RoPE part of token i (64 values from `src`) as bf16 at `dst`.
 template <int FMT, DType IN>
 KVW_HD void fp4_rope_part(const void* src, i64 start, char* dst) {
+#if !defined(__CUDA_ARCH__)
+  if constexpr (IN == DType::BF16) {  // host: the bf16 bits as they are, one copy
+    memcpy(dst, static_cast<const uint16_t*>(src) + start, 2 * size_t(FP4Rec<FMT>::rope));
+    return;
+  }
+#endif
   for (int j = 0; j < FP4Rec<FMT>::rope; ++j) store_le(dst + 2 * j, bf16_bits<IN>(src, start + j), 2);
 }
 
