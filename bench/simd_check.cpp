@@ -4,7 +4,8 @@
 // fp8_bits / e2m1_code; the streaming bf16 lanes: div_cr8 (x * RN(1/s) with one FMA correction)
 // against the division for every (8-bit x mantissa, 24-bit s mantissa) pair and for 11-bit (fp16)
 // x mantissas too, and fp8_bf16_run / int8_bf16_run over every bf16 pattern for a spread of
-// scales, the static-scale code tables and the NVFP4 bf16 lanes (`simd_check bf16`: these alone,
+// scales, the static-scale code tables, the NVFP4 / MXFP4 bf16 lanes (e2m1 by 16-bit compares)
+// (`simd_check bf16`: these alone,
 // about a minute). Not part of `make test` (about a minute
 // per format on one core):
 //   g++ -O2 -ffp-contract=off -fno-trapping-math -std=c++17 bench/simd_check.cpp -o /tmp/simd_check && /tmp/simd_check
@@ -17,6 +18,7 @@
 
 #include "../csrc/kvwrite/kv_quant.h"
 #include "../csrc/kvwrite/nvfp4.h"
+#include "../csrc/kvwrite/store_dsv4_fp4.h"
 
 using namespace kvwrite;
 
@@ -144,7 +146,35 @@ long check_nvfp4_bf16() {
       bad += uint8_t(b1[j]) != (e2m1_code(load_quant<DType::BF16>(x.data(), 2 * j) / s) |
                                 (e2m1_code(load_quant<DType::BF16>(x.data(), 2 * j + 1) / s) << 4));
   }
-  std::printf("nvfp4 bf16 lanes, e2m1 runs: %ld bytes differ\n", bad);
+  for (const float mul : {1.0f, 1e-30f, 3e20f, 0.37f, 1e-38f}) {  // MXFP4 blocks (the DeepSeek V4 record's rule)
+    for (int i = 0; i < n; ++i) x[i] = uint16_t(float_to_bits(bf16_to_float(uint16_t(i)) * mul) >> 16);
+    for (int k0 = 0, nb = 8; k0 < n / 32; k0 += nb, nb = nb == 8 ? 6 : 8) {
+      const int m = n / 32 - k0 < nb ? n / 32 - k0 : nb;
+      char b3[128], s3[8];
+      const uint32_t left = mxfp4_blocks8_bf16(x.data() + 32 * k0, m, b3, s3);
+      for (int b = 0; b < m; ++b) {
+        uint32_t amax = 0;
+        bool special = false;  // a NaN or an inf
+        for (int e = 0; e < 32; ++e) {
+          amax = std::max(amax, abs_bits<DType::BF16>(x.data(), 32 * (k0 + b) + e));
+          special = special || (x[32 * (k0 + b) + e] & 0x7FFF) >= 0x7F80;
+        }
+        const int byte = mx_scale_byte(bits_to_float(amax));
+        if ((left >> b) & 1) {  // left to the caller: only where the rule says so
+          bad += !(special || byte < 27 || byte > 227);
+          continue;
+        }
+        bad += uint8_t(s3[b]) != uint8_t(byte);
+        const float sv = mx_byte_value(byte);
+        for (int j = 0; j < 16; ++j) {
+          const int e = 32 * (k0 + b) + 2 * j;
+          bad += uint8_t(b3[16 * b + j]) != (e2m1_code(load_quant<DType::BF16>(x.data(), e) / sv) |
+                                             (e2m1_code(load_quant<DType::BF16>(x.data(), e + 1) / sv) << 4));
+        }
+      }
+    }
+  }
+  std::printf("nvfp4 bf16 lanes, e2m1 runs, mxfp4 blocks: %ld bytes differ\n", bad);
   return bad;
 }
 

@@ -322,6 +322,14 @@ KVW_AVX2 __m256i e2m1_store16_bf16(__m256i l, __m256i a, const __m256i (&t)[7], 
   return nan;
 }
 
+// The thresholds of a power of two s = 2^(e - 127) (e in [27, 227]): those of s = 1
+// (e2m1_bf16_thresholds), moved up by s's binade on the exponent bits.
+KVW_AVX2 void e2m1_pow2_thresholds(int e, __m256i (&t)[7]) {
+  static constexpr int16_t T1[7] = {0x3E80, 0x3F3F, 0x3FA0, 0x3FDF, 0x4020, 0x405F, 0x40A0};
+  const __m256i up = _mm256_set1_epi16(int16_t((e - 127) * 128));
+  for (int k = 0; k < 7; ++k) t[k] = _mm256_add_epi16(_mm256_set1_epi16(T1[k]), up);
+}
+
 // e2m1 codes of n elements (a multiple of 16) from `start` divided by s (> 0), packed; whether
 // any element was NaN. bf16 by a power of two s in [2^-100, 2^100] (an MXFP4 scale): by 16-bit
 // compares (e2m1_bf16_thresholds).
@@ -330,11 +338,8 @@ KVW_AVX2 bool e2m1_run_avx2(const void* src, i64 start, int n, float s, char* by
   if constexpr (IN == DType::BF16) {
     const uint32_t sb = float_to_bits(s);
     if ((sb & 0x807FFFFFu) == 0 && sb >= (27u << 23) && sb <= (227u << 23)) {
-      // the thresholds of s = 1 (e2m1_bf16_thresholds), moved up by s's binade on the exponent bits
-      static constexpr int16_t T1[7] = {0x3E80, 0x3F3F, 0x3FA0, 0x3FDF, 0x4020, 0x405F, 0x40A0};
-      const __m256i up = _mm256_set1_epi16(int16_t((int(sb >> 23) - 127) * 128));
       __m256i t[7];
-      for (int k = 0; k < 7; ++k) t[k] = _mm256_add_epi16(_mm256_set1_epi16(T1[k]), up);
+      e2m1_pow2_thresholds(int(sb >> 23), t);
       const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
                                             0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
       const uint16_t* x = static_cast<const uint16_t*>(src) + start;
@@ -762,6 +767,49 @@ KVW_AVX2 void nvfp4_codes8_bf16(const uint16_t* src, int nb, const uint32_t (&th
     for (int k = 0; k < 7; ++k) t[k] = _mm256_set1_epi32(int(th[k][b]));
     e2m1_store16_bf16(l, _mm256_and_si256(l, _mm256_set1_epi16(0x7FFF)), t, pick, bytes + 8 * b);
   }
+}
+
+// MXFP4 of nb <= 8 bf16 blocks of 32 from src (the DeepSeek V4 record's rule: ue8m0 scale byte
+// e = exponent(amax) - 3 + (mantissa(amax) >= 0x7C3B7), clamped to [0, 255], amax the policy max;
+// codes e2m1(x / 2^(e - 127))): the eight scale bytes in one vector, then each block's codes by
+// 16-bit compares (e2m1_pow2_thresholds). Returns the mask of blocks left unwritten (a NaN or an
+// inf, or e outside [27, 227]): the caller writes those by the scalar rule.
+KVW_AVX2 uint32_t mxfp4_blocks8_bf16(const uint16_t* src, int nb, char* bytes, char* scales) {
+  __m256i a[8];
+  const __m256i am = _mm256_set1_epi16(0x7FFF);
+  for (int b = 0; b < 8; ++b)
+    a[b] = b >= nb ? _mm256_setzero_si256()
+                   : _mm256_max_epu16(_mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32 * b)), am),
+                                      _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32 * b + 16)), am));
+  __m256i t[4];
+  for (int k = 0; k < 4; ++k)
+    t[k] = _mm256_max_epu16(_mm256_unpacklo_epi16(a[2 * k], a[2 * k + 1]), _mm256_unpackhi_epi16(a[2 * k], a[2 * k + 1]));
+  const __m256i u0 = _mm256_max_epu16(_mm256_unpacklo_epi32(t[0], t[1]), _mm256_unpackhi_epi32(t[0], t[1]));
+  const __m256i u1 = _mm256_max_epu16(_mm256_unpacklo_epi32(t[2], t[3]), _mm256_unpackhi_epi32(t[2], t[3]));
+  const __m256i w = _mm256_max_epu16(_mm256_unpacklo_epi64(u0, u1), _mm256_unpackhi_epi64(u0, u1));
+  const __m256i raw = _mm256_cvtepu16_epi32(_mm_max_epu16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+  const __m256i bits = _mm256_and_si256(_mm256_slli_epi32(raw, 16), _mm256_cmpgt_epi32(raw, _mm256_set1_epi32(0x7F)));
+  __m256i e = _mm256_sub_epi32(_mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(3)),
+                               _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFF)), _mm256_set1_epi32(0x7C3B6)));
+  e = _mm256_min_epi32(_mm256_max_epi32(e, _mm256_setzero_si256()), _mm256_set1_epi32(255));
+  const __m256i off = _mm256_or_si256(_mm256_cmpgt_epi32(raw, _mm256_set1_epi32(0x7F7F)),
+                                      _mm256_or_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(27), e), _mm256_cmpgt_epi32(e, _mm256_set1_epi32(227))));
+  const uint32_t left = uint32_t(_mm256_movemask_ps(_mm256_castsi256_ps(off))) & ((1u << nb) - 1);
+  alignas(32) int32_t el[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(el), e);
+  const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  for (int b = 0; b < nb; ++b) {
+    if ((left >> b) & 1) continue;
+    __m256i th[7];
+    e2m1_pow2_thresholds(el[b], th);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32 * b + 16 * h));
+      e2m1_store16_bf16(l, _mm256_and_si256(l, am), th, pick, bytes + 16 * b + 8 * h);
+    }
+    scales[b] = char(el[b]);
+  }
+  return left;
 }
 
 // nblocks consecutive NVFP4 blocks from src + start (bytes: 8 a block, scales: 1 a block), eight
