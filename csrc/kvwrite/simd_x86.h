@@ -479,6 +479,30 @@ KVW_AVX2 uint32_t bf16_absmax_raw(const uint16_t* p, int n) {
   return 0x7FFFu & ~uint32_t(_mm_cvtsi128_si32(_mm_minpos_epu16(h)));
 }
 
+// The max of each of 8 vectors' 16-bit lanes (unsigned), as the 32-bit lanes of one vector
+// (lane b: vector b): a transposing max tree.
+KVW_AVX2 __m256i hmax16x8(const __m256i (&a)[8]) {
+  __m256i t[4];
+  for (int k = 0; k < 4; ++k)  // vectors 2k, 2k+1 alternate
+    t[k] = _mm256_max_epu16(_mm256_unpacklo_epi16(a[2 * k], a[2 * k + 1]), _mm256_unpackhi_epi16(a[2 * k], a[2 * k + 1]));
+  const __m256i u0 = _mm256_max_epu16(_mm256_unpacklo_epi32(t[0], t[1]), _mm256_unpackhi_epi32(t[0], t[1]));
+  const __m256i u1 = _mm256_max_epu16(_mm256_unpacklo_epi32(t[2], t[3]), _mm256_unpackhi_epi32(t[2], t[3]));
+  const __m256i w = _mm256_max_epu16(_mm256_unpacklo_epi64(u0, u1), _mm256_unpackhi_epi64(u0, u1));  // 0..7 a half
+  return _mm256_cvtepu16_epi32(_mm_max_epu16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+}
+
+// bf16_absmax_raw of 8 runs of n elements (n % 16 == 0; run k from p + k * stride) into raw[8]:
+// the runs' loads interleaved, one max tree for the eight.
+KVW_AVX2 void bf16_absmax_raw8(const uint16_t* p, i64 stride, int n, uint32_t* raw) {
+  const __m256i m = _mm256_set1_epi16(0x7FFF);
+  __m256i a[8];
+  for (int k = 0; k < 8; ++k) a[k] = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + k * stride)), m);
+  for (int j = 16; j < n; j += 16)
+    for (int k = 0; k < 8; ++k)
+      a[k] = _mm256_max_epu16(a[k], _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + k * stride + j)), m));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(raw), hmax16x8(a));
+}
+
 // Dynamic scales max(amax / qmax, floor) and their reciprocals RN(1 / s) for 8 runs at once from
 // their bf16_absmax_raw bits (the same correctly rounded fp32 operations as the scalar
 // dynamic_scale, two divisions for 8 runs): false where a run holds a NaN / inf or a scale
@@ -687,13 +711,7 @@ KVW_AVX2 bool nvfp4_blocks8_bf16(const uint16_t* src, const float* global, char*
     l[b] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16 * b));
     a[b] = _mm256_and_si256(l[b], am);
   }
-  __m256i t[4];
-  for (int k = 0; k < 4; ++k)  // blocks 2k, 2k+1 alternate
-    t[k] = _mm256_max_epu16(_mm256_unpacklo_epi16(a[2 * k], a[2 * k + 1]), _mm256_unpackhi_epi16(a[2 * k], a[2 * k + 1]));
-  const __m256i u0 = _mm256_max_epu16(_mm256_unpacklo_epi32(t[0], t[1]), _mm256_unpackhi_epi32(t[0], t[1]));
-  const __m256i u1 = _mm256_max_epu16(_mm256_unpacklo_epi32(t[2], t[3]), _mm256_unpackhi_epi32(t[2], t[3]));
-  const __m256i w = _mm256_max_epu16(_mm256_unpacklo_epi64(u0, u1), _mm256_unpackhi_epi64(u0, u1));  // b0..b7 a half
-  const __m256i raw = _mm256_cvtepu16_epi32(_mm_max_epu16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+  const __m256i raw = hmax16x8(a);
   if (_mm256_movemask_epi8(_mm256_cmpgt_epi32(raw, _mm256_set1_epi32(0x7F7F))) != 0) return false;
   const __m256 amax = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(raw, 16), _mm256_cmpgt_epi32(raw, _mm256_set1_epi32(0x7F))));
   __m256 s = _mm256_max_ps(_mm256_div_ps(amax, _mm256_set1_ps(6.0f)), _mm256_set1_ps(floor));
@@ -739,13 +757,7 @@ KVW_AVX2 bool nvfp4_scales8_bf16(const uint16_t* src, int nb, float floor, uint3
   const __m256i am = _mm256_set1_epi16(0x7FFF);
   for (int b = 0; b < 8; ++b)
     a[b] = b < nb ? _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16 * b)), am) : _mm256_setzero_si256();
-  __m256i t[4];
-  for (int k = 0; k < 4; ++k)  // blocks 2k, 2k+1 alternate
-    t[k] = _mm256_max_epu16(_mm256_unpacklo_epi16(a[2 * k], a[2 * k + 1]), _mm256_unpackhi_epi16(a[2 * k], a[2 * k + 1]));
-  const __m256i u0 = _mm256_max_epu16(_mm256_unpacklo_epi32(t[0], t[1]), _mm256_unpackhi_epi32(t[0], t[1]));
-  const __m256i u1 = _mm256_max_epu16(_mm256_unpacklo_epi32(t[2], t[3]), _mm256_unpackhi_epi32(t[2], t[3]));
-  const __m256i w = _mm256_max_epu16(_mm256_unpacklo_epi64(u0, u1), _mm256_unpackhi_epi64(u0, u1));  // b0..b7 a half
-  const __m256i raw = _mm256_cvtepu16_epi32(_mm_max_epu16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+  const __m256i raw = hmax16x8(a);
   if (_mm256_movemask_epi8(_mm256_cmpgt_epi32(raw, _mm256_set1_epi32(0x7F7F))) != 0) return false;
   const __m256 amax = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(raw, 16), _mm256_cmpgt_epi32(raw, _mm256_set1_epi32(0x7F))));
   const __m256 s = _mm256_max_ps(_mm256_div_ps(amax, _mm256_set1_ps(6.0f)), _mm256_set1_ps(floor));
@@ -781,13 +793,7 @@ KVW_AVX2 uint32_t mxfp4_blocks8_bf16(const uint16_t* src, int nb, char* bytes, c
     a[b] = b >= nb ? _mm256_setzero_si256()
                    : _mm256_max_epu16(_mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32 * b)), am),
                                       _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32 * b + 16)), am));
-  __m256i t[4];
-  for (int k = 0; k < 4; ++k)
-    t[k] = _mm256_max_epu16(_mm256_unpacklo_epi16(a[2 * k], a[2 * k + 1]), _mm256_unpackhi_epi16(a[2 * k], a[2 * k + 1]));
-  const __m256i u0 = _mm256_max_epu16(_mm256_unpacklo_epi32(t[0], t[1]), _mm256_unpackhi_epi32(t[0], t[1]));
-  const __m256i u1 = _mm256_max_epu16(_mm256_unpacklo_epi32(t[2], t[3]), _mm256_unpackhi_epi32(t[2], t[3]));
-  const __m256i w = _mm256_max_epu16(_mm256_unpacklo_epi64(u0, u1), _mm256_unpackhi_epi64(u0, u1));
-  const __m256i raw = _mm256_cvtepu16_epi32(_mm_max_epu16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+  const __m256i raw = hmax16x8(a);
   const __m256i bits = _mm256_and_si256(_mm256_slli_epi32(raw, 16), _mm256_cmpgt_epi32(raw, _mm256_set1_epi32(0x7F)));
   __m256i e = _mm256_sub_epi32(_mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(3)),
                                _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFF)), _mm256_set1_epi32(0x7C3B6)));

@@ -91,7 +91,7 @@ inline bool quant_kv_side_bf16(const KVQuantSide& s, int H, i64 i, char* dst, co
     for (; h + 8 <= H; h += 8) {  // eight heads' scales in one vector
       uint32_t raw[8];
       float sc[8], rc[8];
-      for (int k = 0; k < 8; ++k) raw[k] = bf16_absmax_raw(src + (h + k) * s.s_head, s.D);
+      bf16_absmax_raw8(src + h * s.s_head, s.s_head, s.D, raw);
       if (!dynamic_scales8(raw, quant_max<F>(), DYN_SCALE_FLOOR, sc, rc)) return false;
       for (int k = 0; k < 8; ++k) {
         store_scale(scales, row, h + k, sc[k]);
