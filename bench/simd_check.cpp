@@ -4,7 +4,8 @@
 // fp8_bits / e2m1_code; the streaming bf16 lanes: div_cr8 (x * RN(1/s) with one FMA correction)
 // against the division for every (8-bit x mantissa, 24-bit s mantissa) pair and for 11-bit (fp16)
 // x mantissas too, and fp8_bf16_run / int8_bf16_run over every bf16 pattern for a spread of
-// scales, the static-scale code tables and the NVFP4 bf16 lanes (`simd_check bf16`: these alone,
+// scales, the static-scale code tables, the NVFP4 / MXFP4 bf16 lanes (e2m1 by 16-bit compares)
+// (`simd_check bf16`: these alone,
 // about a minute). Not part of `make test` (about a minute
 // per format on one core):
 //   g++ -O2 -ffp-contract=off -fno-trapping-math -std=c++17 bench/simd_check.cpp -o /tmp/simd_check && /tmp/simd_check
@@ -17,6 +18,7 @@
 
 #include "../csrc/kvwrite/kv_quant.h"
 #include "../csrc/kvwrite/nvfp4.h"
+#include "../csrc/kvwrite/store_dsv4_fp4.h"
 
 using namespace kvwrite;
 
@@ -62,7 +64,8 @@ __attribute__((target("avx2,f16c,fma"))) long check_div(int abits) {
   return bad;
 }
 
-// fp8_bf16_run<F> (and int8_bf16_run on the rows without NaN / inf) over every bf16 pattern.
+// fp8_bf16_run<F> (its DYN lanes on their domain, and int8_bf16_run on the rows without NaN / inf)
+// over every bf16 pattern.
 template <class F>
 long check_bf16_run(const char* what, const std::vector<float>& scales) {
   std::vector<uint16_t> x(65536);
@@ -75,6 +78,15 @@ long check_bf16_run(const char* what, const std::vector<float>& scales) {
     for (int i = 0; i < 65536; ++i) {
       const uint8_t want = fp8_bits<F>(daz(bf16_to_float(x[i])) / s);
       if (uint8_t(out[i]) != want && bad++ < 4) std::printf("%s s=%a: %04x gives %02x, scalar %02x\n", what, s, i, uint8_t(out[i]), want);
+    }
+    if (s > 0) {  // the DYN lanes on their domain: finite |x| <= max * s (1 + 2^-23), a dynamic scale's row
+      fp8_bf16_run<F, true>(x.data(), 65536, s, out.data());
+      for (int i = 0; i < 65536; ++i) {
+        const float v = bf16_to_float(x[i]);
+        if (!(std::fabs(double(v)) <= double(fp8_max<F>()) * s * (1.0 + 0x1p-23))) continue;
+        const uint8_t want = fp8_bits<F>(daz(v) / s);
+        if (uint8_t(out[i]) != want && bad++ < 4) std::printf("%s DYN s=%a: %04x gives %02x, scalar %02x\n", what, s, i, uint8_t(out[i]), want);
+      }
     }
     if constexpr (std::is_same<F, E4M3>::value) {  // int8 on the finite patterns (|x| < 0x7F80)
       const Quantizer<Int8Fmt> q(s, RULE_RNE);
@@ -110,13 +122,59 @@ long check_nvfp4_bf16() {
         const float* gp = gl == 0.0f ? nullptr : &gl;
         std::vector<char> b1(n / 2), s1(n / 16), b2(n / 2), s2(n / 16);
         for (int h = 0; h < n / 128; ++h) nvfp4_run<DType::BF16>(x.data(), h * 128, 8, gp, b1.data() + h * 64, s1.data() + h * 8, fl);
+        for (int k0 = 0, nb = 28; k0 < n / 16; k0 += nb, nb = nb == 28 ? 61 : 28) {  // runs of 28 and 61 blocks (partial groups)
+          const int m = n / 16 - k0 < nb ? n / 16 - k0 : nb;
+          std::vector<char> b3(m * 8), s3(m);
+          nvfp4_run<DType::BF16>(x.data(), k0 * 16, m, gp, b3.data(), s3.data(), fl);
+          for (int i = 0; i < m * 8; ++i) bad += b3[i] != b1[k0 * 8 + i];
+          for (int i = 0; i < m; ++i) bad += s3[i] != s1[k0 + i];
+        }
         for (int k = 0; k < n / 16; ++k)
           nvfp4_block([&](int e) { return load_float<DType::BF16>(x.data(), k * 16 + e); }, gp, b2.data() + k * 8, s2.data() + k, fl);
         for (int i = 0; i < n / 2; ++i) bad += b1[i] != b2[i];
         for (int i = 0; i < n / 16; ++i) bad += s1[i] != s2[i];
       }
   }
-  std::printf("nvfp4 bf16 lanes: %ld bytes differ\n", bad);
+  for (const float s : {1.0f, 0.5f, 0x1p-100f, 0x1p100f, 0x1p-3f, 0x1p-127f, 3.0f, 0x1p-101f}) {  // e2m1_run (MXFP4 scales)
+    std::vector<char> b1(n / 2);
+    for (int k0 = 0; k0 < n; k0 += 32) {
+      bool nan = false;
+      for (int e = k0; e < k0 + 32; ++e) nan = nan || (x[e] & 0x7FFF) > 0x7F80;
+      bad += e2m1_run<DType::BF16>(x.data(), k0, 32, s, b1.data() + k0 / 2) != nan;
+    }
+    for (int j = 0; j < n / 2; ++j)
+      bad += uint8_t(b1[j]) != (e2m1_code(load_quant<DType::BF16>(x.data(), 2 * j) / s) |
+                                (e2m1_code(load_quant<DType::BF16>(x.data(), 2 * j + 1) / s) << 4));
+  }
+  for (const float mul : {1.0f, 1e-30f, 3e20f, 0.37f, 1e-38f}) {  // MXFP4 blocks (the DeepSeek V4 record's rule)
+    for (int i = 0; i < n; ++i) x[i] = uint16_t(float_to_bits(bf16_to_float(uint16_t(i)) * mul) >> 16);
+    for (int k0 = 0, nb = 8; k0 < n / 32; k0 += nb, nb = nb == 8 ? 6 : 8) {
+      const int m = n / 32 - k0 < nb ? n / 32 - k0 : nb;
+      char b3[128], s3[8];
+      const uint32_t left = mxfp4_blocks8_bf16(x.data() + 32 * k0, m, b3, s3);
+      for (int b = 0; b < m; ++b) {
+        uint32_t amax = 0;
+        bool special = false;  // a NaN or an inf
+        for (int e = 0; e < 32; ++e) {
+          amax = std::max(amax, abs_bits<DType::BF16>(x.data(), 32 * (k0 + b) + e));
+          special = special || (x[32 * (k0 + b) + e] & 0x7FFF) >= 0x7F80;
+        }
+        const int byte = mx_scale_byte(bits_to_float(amax));
+        if ((left >> b) & 1) {  // left to the caller: only where the rule says so
+          bad += !(special || byte < 27 || byte > 227);
+          continue;
+        }
+        bad += uint8_t(s3[b]) != uint8_t(byte);
+        const float sv = mx_byte_value(byte);
+        for (int j = 0; j < 16; ++j) {
+          const int e = 32 * (k0 + b) + 2 * j;
+          bad += uint8_t(b3[16 * b + j]) != (e2m1_code(load_quant<DType::BF16>(x.data(), e) / sv) |
+                                             (e2m1_code(load_quant<DType::BF16>(x.data(), e + 1) / sv) << 4));
+        }
+      }
+    }
+  }
+  std::printf("nvfp4 bf16 lanes, e2m1 runs, mxfp4 blocks: %ld bytes differ\n", bad);
   return bad;
 }
 

@@ -181,19 +181,13 @@ KVW_HD void quant_run(const void* __restrict__ src, i64 start, int n, float scal
 #if KVW_SIMD_X86
 // quant_run for a static scale (the same divisor for every token of a call) on an AVX2 host:
 // bf16 rows of whole 32-element blocks by the divisor's code table (fp8_bf16_table_run, `cache`
-// from fp8_table_cache), else (or where the row falls back) quant_run.
+// from fp8_table_cache), else quant_run.
 template <DType IN, class F>
 inline void quant_run_static(const void* src, i64 start, int n, float scale, char* dst, Fp8Table* cache, int noftz) {
   if constexpr (IN == DType::BF16 && !F::fnuz) {
     if (cache != nullptr && n % 32 == 0 && n >= 32) {
       const Fp8Table* t = fp8_table_for<F>(cache, scale);
-      const uint16_t* x = static_cast<const uint16_t*>(src) + start;
-      if (t != nullptr) {
-        if (fp8_bf16_table_run<F>(*t, scale, x, n, dst)) return;
-        for (int j = 0; j < n; j += 32)  // the blocks the table does not code, again
-          if (fp8_table_block_off<F>(*t, x + j)) quant_run<IN, F>(src, start + j, 32, scale, dst + j, noftz);
-        return;
-      }
+      if (t != nullptr) return fp8_bf16_table_run<F>(*t, scale, static_cast<const uint16_t*>(src) + start, n, dst);
     }
   }
   quant_run<IN, F>(src, start, n, scale, dst, noftz);
@@ -208,7 +202,8 @@ inline Fp8Table* static_fp8_tables() {
 #endif
 
 // quant_run over H heads of D elements (head h from start + h * s_head with scale[h * scale_step],
-// codes at dst + h * dst_step): on an AVX2 host one call for all heads (bf16: quant_run_static).
+// codes at dst + h * dst_step): on an AVX2 host one call for all heads (bf16: quant_run_static;
+// one scale for every head: one table look-up, and one run where the heads are contiguous).
 template <DType IN, class F>
 KVW_HD void quant_heads(const void* src, i64 start, i64 s_head, int H, int D, const float* scale, i64 scale_step,
                         char* dst, i64 dst_step) {
@@ -217,6 +212,15 @@ KVW_HD void quant_heads(const void* src, i64 start, i64 s_head, int H, int D, co
     return fp8_heads_avx2<IN, F>(src, start, s_head, H, D, scale, scale_step, dst, dst_step);
   if (IN == DType::BF16 && D >= 32 && simd_ok()) {
     Fp8Table* cache = static_fp8_tables<IN, F>();
+    if constexpr (IN == DType::BF16 && !F::fnuz) {
+      const Fp8Table* t = scale_step == 0 && D % 32 == 0 ? fp8_table_for<F>(cache, scale[0]) : nullptr;
+      if (t != nullptr) {
+        const uint16_t* x = static_cast<const uint16_t*>(src) + start;
+        if (s_head == D && dst_step == D) return fp8_bf16_table_run<F>(*t, scale[0], x, H * D, dst);
+        for (int h = 0; h < H; ++h) fp8_bf16_table_run<F>(*t, scale[0], x + h * s_head, D, dst + h * dst_step);
+        return;
+      }
+    }
     const int noftz = cache != nullptr && D % 32 == 0 ? -1 : ftz_clear();  // tables: read where a block needs it
     for (int h = 0; h < H; ++h)
       quant_run_static<IN, F>(src, start + h * s_head, D, scale[h * scale_step], dst + h * dst_step, cache, noftz);
@@ -235,21 +239,33 @@ KVW_HD void quant_block_e4m3(const void* src, i64 start, int n, float scale, cha
 #if KVW_SIMD_X86
 // Host, bf16: the e4m3 codes of `tiles` consecutive tiles of `tile` elements from src + start
 // (tile % 32 == 0, tiles <= 16), each by its own scale: every tile's amax first, then every
-// scale (`scale_of(amax)`) and its reciprocal, then the codes (fp8_bf16_run), so no tile's
-// codes wait on its own division chain. Scales go to `scales` (fp32). False (nothing decided)
-// where the lanes do not apply: the caller's generic loop then writes the tiles.
+// scale (`scale_of(amax)`, at least RN(amax / 448): a dynamic scale) and its reciprocal, then the
+// codes (fp8_bf16_run; its DYN lanes for a tile without NaN or inf), so no tile's codes wait on
+// its own division chain. Scales go to `scales` (fp32). False (nothing decided) where the lanes
+// do not apply: the caller's generic loop then writes the tiles.
 template <class ScaleOf>
 inline bool e4m3_tiles_bf16(const void* src, i64 start, int tiles, int tile, ScaleOf&& scale_of, char* dst,
                             float* scales, int noftz) {
   if (tiles > 16 || tile % 32 != 0 || !simd_ok() || (noftz < 0 ? !ftz_clear() : noftz == 0)) return false;
   const uint16_t* x = static_cast<const uint16_t*>(src) + start;
   float rc[16];
-  for (int w = 0; w < tiles; ++w) scales[w] = scale_of(block_amax<DType::BF16>(src, start + i64(w) * tile, tile));
+  uint32_t special = 0;  // tiles holding a NaN or an inf
+  for (int w = 0; w < tiles; ++w) {
+    const float a = bf16_policy_amax(bf16_absmax_raw(x + w * tile, tile));
+    special |= uint32_t(a < 0.0f) << w;
+    scales[w] = scale_of(a < 0.0f ? block_amax<DType::BF16>(src, start + i64(w) * tile, tile) : a);
+  }
   for (int w = 0; w < tiles; ++w) {
     if (!cr_div_ok(scales[w])) return false;
     rc[w] = 1.0f / scales[w];
   }
-  for (int w = 0; w < tiles; ++w) fp8_bf16_run<E4M3>(x + w * tile, tile, scales[w], dst + i64(w) * tile, rc[w]);
+  for (int w = 0; w < tiles; ++w) {
+    if ((special >> w) & 1) {
+      fp8_bf16_run<E4M3>(x + w * tile, tile, scales[w], dst + i64(w) * tile, rc[w]);
+    } else {
+      fp8_bf16_run<E4M3, true>(x + w * tile, tile, scales[w], dst + i64(w) * tile, rc[w]);
+    }
+  }
   return true;
 }
 #endif

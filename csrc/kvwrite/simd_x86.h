@@ -284,10 +284,73 @@ KVW_AVX2 void nvfp4_blocks8_avx2(const void* src, i64 start, const float* global
   }
 }
 
+// ---- e2m1 codes of bf16 inputs by 16-bit compares ---------------------------------------------
+// e2m1_code(RN(x / d)) counts the boundaries B = .25, .75, 1.25, 1.75, 2.5, 3.5, 5 below |y|
+// (ties to the even code: > for .25, 1.25, 2.5, 5; >= for the others). Where d has at most 4
+// significant bits (an e4m3 value, a power of two) and x is a bf16 (8), B d is exact in fp32 and
+// in bf16, and x - B d, when not 0, is at least 2^-9 of B d: far above half an ulp of the
+// quotient, so RN(x / d) > B <=> |x| > B d, and = B only where |x| = B d. The code is then the
+// number of thresholds T = bits(B d) >> 16 (T - 1 for the >= boundaries) that |x|'s 16 bits
+// exceed: seven signed 16-bit compares for 16 elements, no division (fp32 subnormal inputs, read
+// as +-0 by the scalar code, lie below every threshold; inf above all: 6, as saturation gives).
+
+// The seven thresholds of eight divisors d (lanes; d > 0 normal with <= 4 significant bits and
+// 5 d finite, or 0: every threshold 0x7F80, no finite |x| above it: the sign alone), each as
+// a 16-bit pair in th[k][lane].
+KVW_AVX2 void e2m1_bf16_thresholds(__m256 d, uint32_t (&th)[7][8]) {
+  static constexpr float B[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+  const __m256 dd = _mm256_blendv_ps(d, _mm256_set1_ps(__builtin_inff()), _mm256_cmp_ps(d, _mm256_setzero_ps(), _CMP_EQ_OQ));
+  for (int k = 0; k < 7; ++k) {
+    __m256i t = _mm256_srli_epi32(_mm256_castps_si256(_mm256_mul_ps(_mm256_set1_ps(B[k]), dd)), 16);
+    if (k & 1) t = _mm256_sub_epi32(t, _mm256_set1_epi32(1));  // >=: above T - 1
+    _mm256_store_si256(reinterpret_cast<__m256i*>(th[k]), _mm256_or_si256(t, _mm256_slli_epi32(t, 16)));
+  }
+}
+
+// The e2m1 codes of 16 bf16 elements (l: the raw load, a: l & 0x7FFF) against thresholds t
+// (broadcast pairs), sign as bit 3, packed two a byte (element 2j low) into 8 bytes at `bytes`.
+// NANS: NaN lanes (a > 0x7F80) get code 0 (their mask is returned); else there are none.
+template <bool NANS = false>
+KVW_AVX2 __m256i e2m1_store16_bf16(__m256i l, __m256i a, const __m256i (&t)[7], __m256i pick, char* bytes) {
+  __m256i m = _mm256_cmpgt_epi16(a, t[0]);
+  for (int k = 1; k < 7; ++k) m = _mm256_add_epi16(m, _mm256_cmpgt_epi16(a, t[k]));
+  __m256i p = _mm256_sub_epi16(_mm256_and_si256(_mm256_srli_epi16(l, 12), _mm256_set1_epi16(8)), m);
+  const __m256i nan = NANS ? _mm256_cmpgt_epi16(a, _mm256_set1_epi16(0x7F80)) : _mm256_setzero_si256();
+  if constexpr (NANS) p = _mm256_andnot_si256(nan, p);
+  p = _mm256_shuffle_epi8(_mm256_or_si256(p, _mm256_srli_epi32(p, 12)), pick);
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(bytes), _mm_unpacklo_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1)));
+  return nan;
+}
+
+// The thresholds of a power of two s = 2^(e - 127) (e in [27, 227]): those of s = 1
+// (e2m1_bf16_thresholds), moved up by s's binade on the exponent bits.
+KVW_AVX2 void e2m1_pow2_thresholds(int e, __m256i (&t)[7]) {
+  static constexpr int16_t T1[7] = {0x3E80, 0x3F3F, 0x3FA0, 0x3FDF, 0x4020, 0x405F, 0x40A0};
+  const __m256i up = _mm256_set1_epi16(int16_t((e - 127) * 128));
+  for (int k = 0; k < 7; ++k) t[k] = _mm256_add_epi16(_mm256_set1_epi16(T1[k]), up);
+}
+
 // e2m1 codes of n elements (a multiple of 16) from `start` divided by s (> 0), packed; whether
-// any element was NaN.
+// any element was NaN. bf16 by a power of two s in [2^-100, 2^100] (an MXFP4 scale): by 16-bit
+// compares (e2m1_bf16_thresholds).
 template <DType IN>
 KVW_AVX2 bool e2m1_run_avx2(const void* src, i64 start, int n, float s, char* bytes) {
+  if constexpr (IN == DType::BF16) {
+    const uint32_t sb = float_to_bits(s);
+    if ((sb & 0x807FFFFFu) == 0 && sb >= (27u << 23) && sb <= (227u << 23)) {
+      __m256i t[7];
+      e2m1_pow2_thresholds(int(sb >> 23), t);
+      const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                            0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+      const uint16_t* x = static_cast<const uint16_t*>(src) + start;
+      __m256i nan = _mm256_setzero_si256();
+      for (int j = 0; j < n; j += 16) {
+        const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + j));
+        nan = _mm256_or_si256(nan, e2m1_store16_bf16<true>(l, _mm256_and_si256(l, _mm256_set1_epi16(0x7FFF)), t, pick, bytes + j / 2));
+      }
+      return !_mm256_testz_si256(nan, nan);
+    }
+  }
   bool nan = false;
   for (int j = 0; j < n; j += 16) {
     const __m256 x0 = load8_daz<IN>(src, start + j), x1 = load8_daz<IN>(src, start + j + 8);
@@ -340,30 +403,44 @@ KVW_AVX2 __m256i pack_codes32(__m256i c0, __m256i c1, __m256i c2, __m256i c3) {
 KVW_AVX2 __m256i in_order(__m256i b) { return _mm256_permute4x64_epi64(b, 0xD8); }
 
 // fp8 codes (format F, not fnuz) of x / s for n elements of a bf16 row (s: cr_div_ok; MXCSR.FTZ
-// clear: ftz_clear), 32 at a time; returns how many were done (a multiple of 32). The magnitude is grid_codes8 (NOFTZ) of
-// |x| / |s| with |x| first clamped to C = RN(max * |s|): C / |s| rounds to within an ulp of max,
-// which codes as max, so every |x| >= C saturates as the scalar clamp does and no quotient
-// overflows (NaN is kept by the min: its code packs to 0xFF). The sign byte is the input's sign
-// (xor the divisor's), packed from the raw bf16 halves; 0xFF (a NaN) becomes the NaN code 0x7F.
-template <class F>
+// clear: ftz_clear), 32 at a time; returns how many were done (a multiple of 32). The magnitude
+// is grid_codes8 (NOFTZ) of |x| / |s| with |x| first clamped to C = RN(max * |s|): C / |s| rounds
+// to within an ulp of max, which codes as max, so every |x| >= C saturates as the scalar clamp
+// does and no quotient overflows (NaN is kept by the min: its code packs to 0xFF). The sign byte
+// is the input's sign (xor the divisor's), packed from the raw bf16 halves; 0xFF (a NaN) becomes
+// the NaN code 0x7F. DYN: a dynamic scale's row (s = max(RN(amax / m), floor) or a power of two
+// at least amax / m, m <= max, amax the row's max |x|, no NaN or inf in the row): every |x| / s
+// rounds to at most max (amax / RN(amax / m) <= m (1 + 2^-23)), so neither the clamp nor the NaN
+// code applies; |x| is taken on the 16-bit halves, s > 0.
+template <class F, bool DYN = false>
 KVW_AVX2 int fp8_bf16_run(const uint16_t* __restrict__ src, int n, float s, char* __restrict__ dst, float r = 0.0f) {
   static_assert(!F::fnuz, "fnuz keeps the generic lanes");
   const float as = s < 0 ? -s : s;  // r: RN(1 / |s|) when the caller has it (0: computed here)
   const __m256 vs = _mm256_set1_ps(as), vr = _mm256_set1_ps(r != 0.0f ? r : 1.0f / as);
   const __m256 vmax = _mm256_set1_ps(fp8_max<F>() * as);
   const __m256i smask = _mm256_set1_epi8(char(0x80)), flip = _mm256_set1_epi8(char(s < 0 ? 0x80 : 0));
-  const __m256i ones = _mm256_set1_epi8(char(0xFF));
+  const __m256i ones = _mm256_set1_epi8(char(0xFF)), am = _mm256_set1_epi16(0x7FFF), z = _mm256_setzero_si256();
   int j = 0;
   for (; j + 32 <= n; j += 32) {
-    __m256i l0, l1;
-    __m256 x[4];
-    load_bf16x32(src + j, l0, l1, x);
     __m256i c[4];
-    for (int k = 0; k < 4; ++k)
-      c[k] = grid_codes8<F::mant, F::emin, true>(div_cr8(_mm256_min_ps(vmax, abs8(x[k])), vs, vr));
-    const __m256i sign = _mm256_xor_si256(_mm256_and_si256(_mm256_packs_epi16(l0, l1), smask), flip);
-    __m256i b = _mm256_or_si256(pack_codes32<false>(c[0], c[1], c[2], c[3]), sign);
-    b = _mm256_xor_si256(b, _mm256_and_si256(_mm256_cmpeq_epi8(b, ones), smask));
+    const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j));
+    const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j + 16));
+    if constexpr (DYN) {
+      const __m256i a0 = _mm256_and_si256(l0, am), a1 = _mm256_and_si256(l1, am);
+      const __m256 x[4] = {_mm256_castsi256_ps(_mm256_unpacklo_epi16(z, a0)), _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, a0)),
+                           _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, a1)), _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, a1))};
+      for (int k = 0; k < 4; ++k) c[k] = grid_codes8<F::mant, F::emin, true>(div_cr8(x[k], vs, vr));
+    } else {
+      const __m256 x[4] = {_mm256_castsi256_ps(_mm256_unpacklo_epi16(z, l0)), _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, l0)),
+                           _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, l1)), _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, l1))};
+      for (int k = 0; k < 4; ++k)
+        c[k] = grid_codes8<F::mant, F::emin, true>(div_cr8(_mm256_min_ps(vmax, abs8(x[k])), vs, vr));
+    }
+    __m256i b = _mm256_or_si256(pack_codes32<false>(c[0], c[1], c[2], c[3]), _mm256_and_si256(_mm256_packs_epi16(l0, l1), smask));
+    if constexpr (!DYN) {
+      b = _mm256_xor_si256(b, flip);
+      b = _mm256_xor_si256(b, _mm256_and_si256(_mm256_cmpeq_epi8(b, ones), smask));
+    }
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), in_order(b));
   }
   return j;
@@ -402,6 +479,30 @@ KVW_AVX2 uint32_t bf16_absmax_raw(const uint16_t* p, int n) {
   return 0x7FFFu & ~uint32_t(_mm_cvtsi128_si32(_mm_minpos_epu16(h)));
 }
 
+// The max of each of 8 vectors' 16-bit lanes (unsigned), as the 32-bit lanes of one vector
+// (lane b: vector b): a transposing max tree.
+KVW_AVX2 __m256i hmax16x8(const __m256i (&a)[8]) {
+  __m256i t[4];
+  for (int k = 0; k < 4; ++k)  // vectors 2k, 2k+1 alternate
+    t[k] = _mm256_max_epu16(_mm256_unpacklo_epi16(a[2 * k], a[2 * k + 1]), _mm256_unpackhi_epi16(a[2 * k], a[2 * k + 1]));
+  const __m256i u0 = _mm256_max_epu16(_mm256_unpacklo_epi32(t[0], t[1]), _mm256_unpackhi_epi32(t[0], t[1]));
+  const __m256i u1 = _mm256_max_epu16(_mm256_unpacklo_epi32(t[2], t[3]), _mm256_unpackhi_epi32(t[2], t[3]));
+  const __m256i w = _mm256_max_epu16(_mm256_unpacklo_epi64(u0, u1), _mm256_unpackhi_epi64(u0, u1));  // 0..7 a half
+  return _mm256_cvtepu16_epi32(_mm_max_epu16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+}
+
+// bf16_absmax_raw of 8 runs of n elements (n % 16 == 0; run k from p + k * stride) into raw[8]:
+// the runs' loads interleaved, one max tree for the eight.
+KVW_AVX2 void bf16_absmax_raw8(const uint16_t* p, i64 stride, int n, uint32_t* raw) {
+  const __m256i m = _mm256_set1_epi16(0x7FFF);
+  __m256i a[8];
+  for (int k = 0; k < 8; ++k) a[k] = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + k * stride)), m);
+  for (int j = 16; j < n; j += 16)
+    for (int k = 0; k < 8; ++k)
+      a[k] = _mm256_max_epu16(a[k], _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + k * stride + j)), m));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(raw), hmax16x8(a));
+}
+
 // Dynamic scales max(amax / qmax, floor) and their reciprocals RN(1 / s) for 8 runs at once from
 // their bf16_absmax_raw bits (the same correctly rounded fp32 operations as the scalar
 // dynamic_scale, two divisions for 8 runs): false where a run holds a NaN / inf or a scale
@@ -430,19 +531,21 @@ inline float bf16_policy_amax(uint32_t raw) {
 // all normal in the format, code(E, m) = T[m] + STEP * (E - W), saturated at the format's max
 // (2x doubles a correctly rounded fp32 quotient exactly and moves a normal fp8 code up by one
 // binade, STEP = 2^MANT codes). A group of 8 consecutive mantissas spans under 1/16 of a binade,
-// less than one fp8 step, so T[8g + lo] = T[8g] + (lo >= theta[g]): two 16-byte tables, looked
-// up 32 lanes at a time by pshufb. With E8 = STEP * (E - Z) (packus saturates to [0, 255]),
-// code = min((E8 + base[g] - (lo < theta[g])) -sat K, max), K = STEP * (W - Z): binades E <= Z
-// (all below the format's smallest code) give 0; a row with a binade Z < E < W (quotients in
-// fp8's subnormal range) or E = 255 (NaN, inf) goes to the arithmetic lanes instead. The table is
+// less than one fp8 step, so T[m] = T[8g] + (m > thr[g]) (thr[g] = 8g + theta[g] - 1, theta[g]
+// the first low 3 bits with a step, 8: none): two 16-byte tables, looked up 32 lanes at a time
+// by pshufb. With E8 = STEP * (E - Z) (packus saturates to [0, 255]),
+// code = min((E8 + base[g] + (m > thr[g])) -sat K, max), K = STEP * (W - Z): binades E <= Z
+// (all below the format's smallest code) give 0; a block with a binade Z < E < W (quotients in
+// fp8's subnormal range) or E = 255 (NaN, inf) is redone by the arithmetic lanes. The table is
 // built from the scalar fp8_bits and checked against it where it is built (fp8_table_build); a
 // table that fails a check is not used. Integer lanes only: no MXCSR dependence.
 struct Fp8Table {
   uint32_t bits = 0;  // the divisor's bits
   bool built = false, ok = false;
-  alignas(16) uint8_t base[16], theta[16];
+  alignas(16) uint8_t base[16], thr[16];  // base[g] = T[8g]; thr[g]: the last mantissa of group g coded T[8g]
   int16_t zstep = 0;  // STEP * Z
-  uint8_t k = 0, kf = 0;  // K; KF = STEP * (W - Z - 1): E8 - 1 < KF flags a subnormal-range binade
+  uint8_t k = 0, kf = 0;  // K; KF = STEP * (W - Z - 1), 1..127: 1 <= E8 <= KF flags a subnormal-range binade
+  float r = 0.0f;         // RN(1 / |s|): the arithmetic lanes' reciprocal for the blocks the table declines
 };
 
 template <class F>
@@ -466,6 +569,7 @@ inline void fp8_table_build(Fp8Table& t, float s) {
   }
   if (w < 3 || elow < 1 || w > 200) return;
   const int z = (elow - 1 < w - 3) ? elow - 1 : w - 3;
+  if (STEP * (255 - z) < 255) return;  // E = 255 (NaN, inf) must saturate E8 (the run's flag)
   const int k = STEP * (w - z);
   uint8_t T[128];
   for (int m = 0; m < 128; ++m) {
@@ -477,8 +581,8 @@ inline void fp8_table_build(Fp8Table& t, float s) {
     if (T[8 * g + 7] - b > 1) return;
     int th = 8;
     for (int lo = 7; lo >= 1; --lo) th = T[8 * g + lo] != b ? lo : th;
-    t.base[g] = uint8_t(b + 1);
-    t.theta[g] = uint8_t(th);
+    t.base[g] = b;
+    t.thr[g] = uint8_t(8 * g + th - 1);
   }
   // the binade rule where it applies (a check of the construction, not of the arithmetic)
   for (int e = w; e < w + 24 && e < 255; e += 5)
@@ -489,6 +593,8 @@ inline void fp8_table_build(Fp8Table& t, float s) {
   t.zstep = int16_t(STEP * z);
   t.k = uint8_t(k);
   t.kf = uint8_t(STEP * (w - z - 1));
+  if (t.kf < 1 || t.kf > 127) return;
+  t.r = 1.0f / as;
   t.ok = true;
 }
 
@@ -508,54 +614,89 @@ inline Fp8Table* fp8_table_cache() {
   return cache;
 }
 
-// The 32-element blocks from src that table t does not code (a binade Z < E < W, or E = 255).
+// E8 = STEP * (E - Z) of 32 bf16 elements (two loads), saturated to [0, 255] (pack order).
 template <class F>
-KVW_AVX2 bool fp8_table_block_off(const Fp8Table& t, const uint16_t* src) {
+KVW_AVX2 __m256i fp8_table_e8(const Fp8Table& t, __m256i l0, __m256i l1) {
   const __m256i emask = _mm256_set1_epi16(0x7F80), zstep = _mm256_set1_epi16(t.zstep);
-  const __m256i v0 = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)), emask);
-  const __m256i v1 = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16)), emask);
-  if (_mm256_movemask_epi8(_mm256_or_si256(_mm256_cmpeq_epi16(v0, emask), _mm256_cmpeq_epi16(v1, emask))) != 0) return true;
-  const __m256i e8 = _mm256_packus_epi16(_mm256_sub_epi16(_mm256_srli_epi16(v0, 7 - F::mant), zstep),
-                                         _mm256_sub_epi16(_mm256_srli_epi16(v1, 7 - F::mant), zstep));
-  const __m256i u = _mm256_sub_epi8(e8, _mm256_set1_epi8(1));
-  return _mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_max_epu8(u, _mm256_set1_epi8(char(t.kf))), u)) != -1;
+  return _mm256_packus_epi16(_mm256_sub_epi16(_mm256_srli_epi16(_mm256_and_si256(l0, emask), 7 - F::mant), zstep),
+                             _mm256_sub_epi16(_mm256_srli_epi16(_mm256_and_si256(l1, emask), 7 - F::mant), zstep));
 }
 
-// fp8 codes of a bf16 row of n elements (n % 32 == 0) by table t (divisor s): false where the row
-// holds a block the table does not code (a binade in fp8's subnormal range, a NaN or an inf); the
-// caller then rewrites those blocks (fp8_table_block_off) by the arithmetic lanes.
+// A 32-element block the table declined, again by the arithmetic lanes: fp8_bf16_run's
+// arithmetic (|x| clamped to RN(max |s|), x / |s| by div_cr8 with the table's reciprocal) with
+// the codes read by grid_codes8_k (no subnormal product: no MXCSR dependence and no denormal
+// assist, the block being one of small codes) and NaN lanes set from the raw bits. Out of line:
+// the table loop stays small.
 template <class F>
-KVW_AVX2 bool fp8_bf16_table_run(const Fp8Table& t, float s, const uint16_t* __restrict__ src, int n,
+__attribute__((noinline, cold)) KVW_AVX2_FN void fp8_table_redo(const Fp8Table& t, float s, const uint16_t* src,
+                                                                 char* dst) {
+  const float as = s < 0 ? -s : s;
+  const __m256 vs = _mm256_set1_ps(as), vr = _mm256_set1_ps(t.r), vmax = _mm256_set1_ps(fp8_max<F>() * as);
+  __m256i l0, l1;
+  __m256 x[4];
+  load_bf16x32(src, l0, l1, x);
+  __m256i c[4];
+  for (int k = 0; k < 4; ++k) c[k] = grid_codes8_k<F::mant, F::emin>(div_cr8(_mm256_min_ps(vmax, abs8(x[k])), vs, vr));
+  const __m256i smask = _mm256_set1_epi8(char(0x80)), am = _mm256_set1_epi16(0x7FFF), inf = _mm256_set1_epi16(0x7F80);
+  const __m256i sign = _mm256_xor_si256(_mm256_and_si256(_mm256_packs_epi16(l0, l1), smask),
+                                        _mm256_set1_epi8(char(s < 0 ? 0x80 : 0)));
+  const __m256i nan = _mm256_packs_epi16(_mm256_cmpgt_epi16(_mm256_and_si256(l0, am), inf),
+                                         _mm256_cmpgt_epi16(_mm256_and_si256(l1, am), inf));
+  const __m256i b = _mm256_or_si256(pack_codes32<false>(c[0], c[1], c[2], c[3]), sign);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), in_order(_mm256_blendv_epi8(b, _mm256_set1_epi8(0x7F), nan)));
+}
+
+// fp8 codes of a bf16 row of n elements (n % 32 == 0) by table t (divisor s), 64 blocks of 32 a
+// step. A block the table does not code is rewritten by fp8_table_redo after its step: one
+// holding a binade in fp8's subnormal range (1 <= E8 <= KF: one signed compare on E8 + 127, its
+// byte mask kept per block), and, where the step's E8 max says so, one with E8 = 255 (E = 255: a
+// NaN or an inf; also a quotient past 2^23, which the table codes as well). Integer lanes only:
+// no MXCSR dependence.
+template <class F>
+KVW_AVX2 void fp8_bf16_table_run(const Fp8Table& t, float s, const uint16_t* __restrict__ src, int n,
                                  char* __restrict__ dst) {
   constexpr uint8_t CMAX = F::mant == 3 ? 0x7E : 0x7B;
   const __m256i base = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(t.base)));
-  const __m256i theta = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(t.theta)));
-  const __m256i emask = _mm256_set1_epi16(0x7F80), mmask = _mm256_set1_epi16(0x7F), zstep = _mm256_set1_epi16(t.zstep);
-  const __m256i k = _mm256_set1_epi8(char(t.k)), cmax = _mm256_set1_epi8(char(CMAX)), seven = _mm256_set1_epi8(7);
-  const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1), smask = _mm256_set1_epi8(char(0x80));
+  const __m256i thr = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(t.thr)));
+  const __m256i mmask = _mm256_set1_epi16(0x7F), ones = _mm256_set1_epi8(char(0xFF));
+  const __m256i k = _mm256_set1_epi8(char(t.k)), cmax = _mm256_set1_epi8(char(CMAX));
+  const __m256i low4 = _mm256_set1_epi8(0x0F), smask = _mm256_set1_epi8(char(0x80));
   const __m256i flip = _mm256_set1_epi8(char(s < 0 ? 0x80 : 0));
-  __m256i emax = _mm256_setzero_si256(), fmin = _mm256_set1_epi8(char(0xFF));
-  for (int j = 0; j < n; j += 32) {
-    const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j));
-    const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j + 16));
-    const __m256i v0 = _mm256_and_si256(l0, emask), v1 = _mm256_and_si256(l1, emask);
-    emax = _mm256_max_epu16(emax, _mm256_max_epu16(v0, v1));
-    const __m256i e8 = _mm256_packus_epi16(_mm256_sub_epi16(_mm256_srli_epi16(v0, 7 - F::mant), zstep),
-                                           _mm256_sub_epi16(_mm256_srli_epi16(v1, 7 - F::mant), zstep));
-    const __m256i m = _mm256_packus_epi16(_mm256_and_si256(l0, mmask), _mm256_and_si256(l1, mmask));
-    const __m256i g = _mm256_and_si256(_mm256_srli_epi16(m, 3), low4);
-    const __m256i c = _mm256_add_epi8(_mm256_shuffle_epi8(base, g),
-                                      _mm256_cmpgt_epi8(_mm256_shuffle_epi8(theta, g), _mm256_and_si256(m, seven)));
-    const __m256i code = _mm256_min_epu8(_mm256_subs_epu8(_mm256_adds_epu8(e8, c), k), cmax);
-    fmin = _mm256_min_epu8(fmin, _mm256_sub_epi8(e8, one));
-    const __m256i sign = _mm256_xor_si256(_mm256_and_si256(_mm256_packs_epi16(l0, l1), smask), flip);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), in_order(_mm256_or_si256(code, sign)));
+  const __m256i bias = _mm256_set1_epi8(127), sublim = _mm256_set1_epi8(char(t.kf - 128));  // E8 + 127 < KF - 128
+  for (int j0 = 0; j0 < n; j0 += 2048) {
+    const int nb = (n - j0 < 2048 ? n - j0 : 2048) / 32;
+    uint32_t flags[64], any = 0;
+    __m256i e8max = _mm256_setzero_si256();
+    for (int b = 0; b < nb; ++b) {
+      const uint16_t* x = src + j0 + 32 * b;
+      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
+      const __m256i e8 = fp8_table_e8<F>(t, l0, l1);
+      const __m256i m = _mm256_packus_epi16(_mm256_and_si256(l0, mmask), _mm256_and_si256(l1, mmask));
+      const __m256i g = _mm256_and_si256(_mm256_srli_epi16(m, 3), low4);
+      const __m256i c = _mm256_sub_epi8(_mm256_shuffle_epi8(base, g), _mm256_cmpgt_epi8(m, _mm256_shuffle_epi8(thr, g)));
+      const __m256i code = _mm256_min_epu8(_mm256_subs_epu8(_mm256_adds_epu8(e8, c), k), cmax);
+      const __m256i sign = _mm256_xor_si256(_mm256_and_si256(_mm256_packs_epi16(l0, l1), smask), flip);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j0 + 32 * b), in_order(_mm256_or_si256(code, sign)));
+      e8max = _mm256_max_epu8(e8max, e8);
+      flags[b] = uint32_t(_mm256_movemask_epi8(_mm256_cmpgt_epi8(sublim, _mm256_add_epi8(e8, bias))));
+      any |= flags[b];
+    }
+    if (__builtin_expect(_mm256_movemask_epi8(_mm256_cmpeq_epi8(e8max, ones)) != 0, 0)) {
+      for (int b = 0; b < nb; ++b) {
+        const uint16_t* x = src + j0 + 32 * b;
+        const __m256i e8 = fp8_table_e8<F>(t, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)),
+                                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16)));
+        flags[b] |= uint32_t(_mm256_movemask_epi8(_mm256_cmpeq_epi8(e8, ones)));
+        any |= flags[b];
+      }
+    }
+    if (__builtin_expect(any == 0, 1)) continue;
+    for (int b = 0; b < nb; ++b)
+      if (flags[b] != 0) fp8_table_redo<F>(t, s, src + j0 + 32 * b, dst + j0 + 32 * b);
   }
-  const bool special = _mm256_movemask_epi8(_mm256_cmpeq_epi16(emax, emask)) != 0;
-  const __m256i kf = _mm256_set1_epi8(char(t.kf));
-  const bool subnormal = _mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_max_epu8(fmin, kf), fmin)) != -1;
-  return !special && !subnormal;
 }
+
 // nvfp4_blocks8_avx2 for bf16 rows, streaming: each block's raw |x| max as 16-bit lanes (a max
 // tree over the 8 blocks' loads), the eight scales as there, then |x| / d by div_cr8 with d's
 // reciprocal, |x| first clamped to RN(6 d) (whose quotient codes as 6, as every larger one: no
@@ -570,19 +711,15 @@ KVW_AVX2 bool nvfp4_blocks8_bf16(const uint16_t* src, const float* global, char*
     l[b] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16 * b));
     a[b] = _mm256_and_si256(l[b], am);
   }
-  __m256i t[4];
-  for (int k = 0; k < 4; ++k)  // blocks 2k, 2k+1 alternate
-    t[k] = _mm256_max_epu16(_mm256_unpacklo_epi16(a[2 * k], a[2 * k + 1]), _mm256_unpackhi_epi16(a[2 * k], a[2 * k + 1]));
-  const __m256i u0 = _mm256_max_epu16(_mm256_unpacklo_epi32(t[0], t[1]), _mm256_unpackhi_epi32(t[0], t[1]));
-  const __m256i u1 = _mm256_max_epu16(_mm256_unpacklo_epi32(t[2], t[3]), _mm256_unpackhi_epi32(t[2], t[3]));
-  const __m256i w = _mm256_max_epu16(_mm256_unpacklo_epi64(u0, u1), _mm256_unpackhi_epi64(u0, u1));  // b0..b7 a half
-  const __m256i raw = _mm256_cvtepu16_epi32(_mm_max_epu16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+  const __m256i raw = hmax16x8(a);
   if (_mm256_movemask_epi8(_mm256_cmpgt_epi32(raw, _mm256_set1_epi32(0x7F7F))) != 0) return false;
   const __m256 amax = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(raw, 16), _mm256_cmpgt_epi32(raw, _mm256_set1_epi32(0x7F))));
   __m256 s = _mm256_max_ps(_mm256_div_ps(amax, _mm256_set1_ps(6.0f)), _mm256_set1_ps(floor));
   if (global != nullptr) s = _mm256_div_ps(s, _mm256_set1_ps(global[0]));
   const __m256i code = fp8_codes8<E4M3>(s);
   __m256 d = e4m3_values8(code);
+  const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
   if (global != nullptr) d = _mm256_mul_ps(d, _mm256_set1_ps(global[0]));
   const __m256 zero = _mm256_cmp_ps(d, _mm256_setzero_ps(), _CMP_EQ_OQ);
   const __m256 inrange = _mm256_and_ps(_mm256_cmp_ps(d, _mm256_set1_ps(9.094947017729282e-13f), _CMP_GE_OQ),
@@ -591,8 +728,6 @@ KVW_AVX2 bool nvfp4_blocks8_bf16(const uint16_t* src, const float* global, char*
   const __m256 r = _mm256_andnot_ps(zero, _mm256_div_ps(_mm256_set1_ps(1.0f), d));
   const __m256 cap = _mm256_mul_ps(d, _mm256_set1_ps(6.0f));
   const __m256i z = _mm256_setzero_si256(), smask = _mm256_set1_epi16(int16_t(0x8000));
-  const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
   for (int b = 0; b < 8; ++b) {
     const __m256i bi = _mm256_set1_epi32(b);
     const __m256 db = _mm256_permutevar8x32_ps(d, bi), rb = _mm256_permutevar8x32_ps(r, bi);
@@ -612,12 +747,99 @@ KVW_AVX2 bool nvfp4_blocks8_bf16(const uint16_t* src, const float* global, char*
   return true;
 }
 
+// NVFP4 bf16 blocks without a global scale in two phases (d is then an e4m3 value: the codes by
+// 16-bit compares, e2m1_bf16_thresholds), so a run overlaps one group's scale chain (max tree,
+// division, e4m3 code and value, thresholds) with the previous group's codes.
+// Phase 1: the scales of nb <= 8 blocks from src: false (nothing written) where a block holds a
+// NaN or an inf; else the e4m3 scale codes to `scales` and the thresholds to th.
+KVW_AVX2 bool nvfp4_scales8_bf16(const uint16_t* src, int nb, float floor, uint32_t (&th)[7][8], char* scales) {
+  __m256i a[8];
+  const __m256i am = _mm256_set1_epi16(0x7FFF);
+  for (int b = 0; b < 8; ++b)
+    a[b] = b < nb ? _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16 * b)), am) : _mm256_setzero_si256();
+  const __m256i raw = hmax16x8(a);
+  if (_mm256_movemask_epi8(_mm256_cmpgt_epi32(raw, _mm256_set1_epi32(0x7F7F))) != 0) return false;
+  const __m256 amax = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(raw, 16), _mm256_cmpgt_epi32(raw, _mm256_set1_epi32(0x7F))));
+  const __m256 s = _mm256_max_ps(_mm256_div_ps(amax, _mm256_set1_ps(6.0f)), _mm256_set1_ps(floor));
+  const __m256i code = fp8_codes8<E4M3>(s);
+  e2m1_bf16_thresholds(e4m3_values8(code), th);
+  alignas(32) int32_t cl[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(cl), code);
+  for (int b = 0; b < nb; ++b) scales[b] = char(cl[b]);
+  return true;
+}
+
+// Phase 2: the packed e2m1 codes of nb <= 8 blocks from src by their thresholds.
+KVW_AVX2 void nvfp4_codes8_bf16(const uint16_t* src, int nb, const uint32_t (&th)[7][8], char* bytes) {
+  const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  for (int b = 0; b < nb; ++b) {
+    const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16 * b));
+    __m256i t[7];
+    for (int k = 0; k < 7; ++k) t[k] = _mm256_set1_epi32(int(th[k][b]));
+    e2m1_store16_bf16(l, _mm256_and_si256(l, _mm256_set1_epi16(0x7FFF)), t, pick, bytes + 8 * b);
+  }
+}
+
+// MXFP4 of nb <= 8 bf16 blocks of 32 from src (the DeepSeek V4 record's rule: ue8m0 scale byte
+// e = exponent(amax) - 3 + (mantissa(amax) >= 0x7C3B7), clamped to [0, 255], amax the policy max;
+// codes e2m1(x / 2^(e - 127))): the eight scale bytes in one vector, then each block's codes by
+// 16-bit compares (e2m1_pow2_thresholds). Returns the mask of blocks left unwritten (a NaN or an
+// inf, or e outside [27, 227]): the caller writes those by the scalar rule.
+KVW_AVX2 uint32_t mxfp4_blocks8_bf16(const uint16_t* src, int nb, char* bytes, char* scales) {
+  __m256i a[8];
+  const __m256i am = _mm256_set1_epi16(0x7FFF);
+  for (int b = 0; b < 8; ++b)
+    a[b] = b >= nb ? _mm256_setzero_si256()
+                   : _mm256_max_epu16(_mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32 * b)), am),
+                                      _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32 * b + 16)), am));
+  const __m256i raw = hmax16x8(a);
+  const __m256i bits = _mm256_and_si256(_mm256_slli_epi32(raw, 16), _mm256_cmpgt_epi32(raw, _mm256_set1_epi32(0x7F)));
+  __m256i e = _mm256_sub_epi32(_mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(3)),
+                               _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFF)), _mm256_set1_epi32(0x7C3B6)));
+  e = _mm256_min_epi32(_mm256_max_epi32(e, _mm256_setzero_si256()), _mm256_set1_epi32(255));
+  const __m256i off = _mm256_or_si256(_mm256_cmpgt_epi32(raw, _mm256_set1_epi32(0x7F7F)),
+                                      _mm256_or_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(27), e), _mm256_cmpgt_epi32(e, _mm256_set1_epi32(227))));
+  const uint32_t left = uint32_t(_mm256_movemask_ps(_mm256_castsi256_ps(off))) & ((1u << nb) - 1);
+  alignas(32) int32_t el[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(el), e);
+  const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  for (int b = 0; b < nb; ++b) {
+    if ((left >> b) & 1) continue;
+    __m256i th[7];
+    e2m1_pow2_thresholds(el[b], th);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32 * b + 16 * h));
+      e2m1_store16_bf16(l, _mm256_and_si256(l, am), th, pick, bytes + 16 * b + 8 * h);
+    }
+    scales[b] = char(el[b]);
+  }
+  return left;
+}
+
 // nblocks consecutive NVFP4 blocks from src + start (bytes: 8 a block, scales: 1 a block), eight
 // at a time (bf16: nvfp4_blocks8_bf16 first). `noftz` is unused (kept for the callers).
 template <DType IN>
 KVW_AVX2 void nvfp4_run_avx2(const void* src, i64 start, int nblocks, const float* global, char* bytes, char* scales,
                              float floor = 0.0f, int noftz = -1) {
   (void)noftz;
+  if (IN == DType::BF16 && global == nullptr) {  // the two phases, one group ahead
+    const uint16_t* x = static_cast<const uint16_t*>(src) + start;
+    alignas(32) uint32_t th[2][7][8];
+    bool ok = nblocks > 0 && nvfp4_scales8_bf16(x, nblocks < 8 ? nblocks : 8, floor, th[0], scales);
+    for (int b0 = 0, g = 0; b0 < nblocks; b0 += 8, ++g) {
+      const int nb = nblocks - b0 < 8 ? nblocks - b0 : 8, n1 = nblocks - b0 - 8;
+      const bool next = n1 > 0 && nvfp4_scales8_bf16(x + 16 * (b0 + 8), n1 < 8 ? n1 : 8, floor, th[(g + 1) & 1], scales + b0 + 8);
+      if (ok) {
+        nvfp4_codes8_bf16(x + 16 * b0, nb, th[g & 1], bytes + 8 * b0);
+      } else {
+        for (int b = b0; b < b0 + nb; ++b) nvfp4_block_avx2<IN>(src, start + 16 * b, global, bytes + 8 * b, scales + b, floor);
+      }
+      ok = next;
+    }
+    return;
+  }
   int b = 0;
   const bool bf16 = IN == DType::BF16;
   for (; b + 8 <= nblocks; b += 8) {

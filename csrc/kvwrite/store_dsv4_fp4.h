@@ -69,9 +69,32 @@ KVW_ITEM KVW_HD void fp4_block(const char* kv, i64 row, int b, char* data, char*
   }
 }
 
+// Host, MXFP4 bf16 rows: the record's blocks eight at a time (mxfp4_blocks8_bf16), the blocks it
+// leaves by fp4_block.
+template <int FMT>
+inline void fp4_mx_blocks_host(const char* kv, i64 row, char* data, char* scales) {
+#if KVW_SIMD_X86
+  using R = FP4Rec<FMT>;
+  const uint16_t* x = reinterpret_cast<const uint16_t*>(kv) + row;
+  for (int b0 = 0; b0 < R::blocks; b0 += 8) {
+    uint32_t left = mxfp4_blocks8_bf16(x + b0 * R::block, R::blocks - b0 < 8 ? R::blocks - b0 : 8,
+                                       data + b0 * (R::block / 2), scales + b0);
+    for (; left != 0; left &= left - 1) fp4_block<FMT, DType::BF16>(kv, row, b0 + __builtin_ctz(left), data, scales);
+  }
+#else
+  (void)kv, (void)row, (void)data, (void)scales;
+#endif
+}
+
 // The RoPE part of token i (64 values from `src`) as bf16 at `dst`.
 template <int FMT, DType IN>
 KVW_HD void fp4_rope_part(const void* src, i64 start, char* dst) {
+#if !defined(__CUDA_ARCH__)
+  if constexpr (IN == DType::BF16) {  // host: the bf16 bits as they are, one copy
+    memcpy(dst, static_cast<const uint16_t*>(src) + start, 2 * size_t(FP4Rec<FMT>::rope));
+    return;
+  }
+#endif
   for (int j = 0; j < FP4Rec<FMT>::rope; ++j) store_le(dst + 2 * j, bf16_bits<IN>(src, start + j), 2);
 }
 
@@ -109,11 +132,16 @@ KVW_HD void store_dsv4_fp4_token(const StoreDSV4FP4Params& p, i64 i, int lane, i
   char* data = r.write ? p.cache.data_at(r.row) : nullptr;
   char* scales = !r.write ? nullptr : R::mx ? data + R::quant / 2 : p.cache.scale_at(r.row);
 #if !defined(__CUDA_ARCH__)
-  if (nlanes == 1 && !R::mx) {  // host: eight blocks a vector (nvfp4_run)
+  constexpr bool MX_LANES = R::mx && IN == DType::BF16;  // MXFP4: the AVX2 lanes of bf16 rows
+  if (nlanes == 1 && (!R::mx || (MX_LANES && simd_ok()))) {  // host: eight blocks a vector
     for (int h = 0; h < nq; ++h) rope_head<IN>(p.rope, pos, p.rope.q, i * p.rope.q_sn + h * p.rope.q_sh, p.rope.q,
                                                i * p.rope.q_sn + h * p.rope.q_sh, R::rope, nullptr);
     if (!r.write) return;
-    nvfp4_run<IN>(p.kv, i * p.kv_sn, R::blocks, nullptr, data, scales, R::floor);
+    if constexpr (MX_LANES) {
+      fp4_mx_blocks_host<FMT>(p.kv, i * p.kv_sn, data, scales);
+    } else {
+      nvfp4_run<IN>(p.kv, i * p.kv_sn, R::blocks, nullptr, data, scales, R::floor);
+    }
     if (R::rope) fp4_rope_item<FMT, IN, ROPED>(p, i, pos, data);
     return;
   }
