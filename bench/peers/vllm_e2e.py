@@ -238,25 +238,31 @@ def run_child(model: Path, mode: str, fault: str) -> subprocess.CompletedProcess
 
 def perf_in_process(llm, plugin, ops, rounds: int) -> dict:
     """tokens/s of vLLM's own writer and of the plugin in guard mode, alternating in one engine
-    (the writer the CPU backend calls is swapped between rounds; the shared machine's load
-    changes hit both alike)."""
+    (the plugin is uninstalled / installed between rounds: vLLM's own kernel and Python names
+    back, then kvwrite's routes; the shared machine's load changes hit both alike)."""
     import statistics
     from vllm import SamplingParams
     from kvwrite import validate
-    own = plugin.STATE.originals["vllm._custom_ops.cpu_attn_reshape_and_cache"][2]
-    routed = ops.cpu_attn_reshape_and_cache
+
+    def use(variant: str) -> None:
+        if variant == "vllm":
+            plugin.uninstall()
+            validate.DEFAULT_CHECK = "off"
+        else:
+            validate.DEFAULT_CHECK = "guard"
+            plugin.install()
+            plugin.sync_mode()
     perf = SamplingParams(max_tokens=PERF_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
     prompts = [{"prompt_token_ids": [3 + i, 7, 11 + i, 13, 17]} for i in range(PERF_PROMPTS)]
     tps = {"vllm": [], "guard": []}
     cpu_ms = {"vllm": [], "guard": []}      # process CPU time per generated token (all threads)
     for _ in range(2):                                           # warm-up, both writers
-        for variant in (own, routed):
-            ops.cpu_attn_reshape_and_cache = variant
+        for variant in ("vllm", "guard"):
+            use(variant)
             llm.generate(prompts, perf, use_tqdm=False)
     for _ in range(rounds):
         for variant in ("vllm", "guard"):
-            ops.cpu_attn_reshape_and_cache = own if variant == "vllm" else routed
-            validate.DEFAULT_CHECK = "off" if variant == "vllm" else "guard"
+            use(variant)
             t, c = time.perf_counter(), time.process_time()
             llm.generate(prompts, perf, use_tqdm=False)
             tokens = PERF_PROMPTS * PERF_TOKENS
@@ -269,7 +275,7 @@ def perf_in_process(llm, plugin, ops, rounds: int) -> dict:
                 guard_over_vllm_median_of_pairs=round(statistics.median(ratios), 3),
                 cpu_ms_per_token=cpu_ms, guard_cpu_over_vllm_cpu_median_of_pairs=round(statistics.median(cpu_ratios), 3),
                 shape=f"{PERF_PROMPTS} prompts x {PERF_TOKENS} tokens per round, enforce_eager",
-                guard_steps_checked=plugin.guard().step)
+                guard_steps_checked=plugin.guard().step, plugin_calls_last_round=plugin.STATE.total_calls())
 
 
 def perf(model: Path, rounds: int, out: Path | None) -> int:
