@@ -183,6 +183,21 @@ class DeepSeekV4SingleKVPool:
         self.own.append(layer_id)        # SGLang's JIT store_cache
 
 
+class DeepSeekV4TokenToKVPool:
+    """V4's hybrid pool as the SWA radix path sees it: its SWA sub-pool, the SWA page size, the
+    stage's first layer, an optional request window (a ring buffer no pool owns)."""
+
+    def __init__(self, swa_kv_pool, swa_page_size=IPAGE, request_window=None, stage_start=2):
+        self.swa_kv_pool, self.swa_page_size, self.request_window = swa_kv_pool, swa_page_size, request_window
+        self.kv_layout, self._stage_start, self.own = swa_kv_pool.kv_layout, stage_start, []
+
+    def _swa_local_layer_id(self, layer_id):
+        return layer_id - self._stage_start
+
+    def set_swa_key_buffer_radix_fused(self, layer_id, swa_loc, cache_k):
+        self.own.append(layer_id)        # SGLang's fused_store_cache on the raw buffer
+
+
 class DeepSeekV4IndexerPool:
     def __init__(self, fp4=False, rne=False):
         self.page_size, self.start_layer, self.use_fp4_indexer, self.index_k_rne = IPAGE, 0, fp4, rne
@@ -220,8 +235,11 @@ def qenv(monkeypatch, env):
     mods[hook.POOLS], mods[hook.RUNNER] = env.pools, env.runner      # already patched: install skips them
     mods[hook.DSV4_POOLS] = types.SimpleNamespace(
         __name__=hook.DSV4_POOLS, DeepSeekV4SingleKVPool=type("DeepSeekV4SingleKVPool", (DeepSeekV4SingleKVPool,), {}),
-        DeepSeekV4IndexerPool=type("DeepSeekV4IndexerPool", (DeepSeekV4IndexerPool,), {}))
+        DeepSeekV4IndexerPool=type("DeepSeekV4IndexerPool", (DeepSeekV4IndexerPool,), {}),
+        DeepSeekV4TokenToKVPool=type("DeepSeekV4TokenToKVPool", (DeepSeekV4TokenToKVPool,), {}))
     mods[hook.DSV4_POOLS].DeepSeekV4SingleKVPool.set_key_buffer_fused = DeepSeekV4SingleKVPool.set_key_buffer_fused
+    mods[hook.DSV4_POOLS].DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused = \
+        DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused
     mods[hook.DSV4_POOLS].DeepSeekV4IndexerPool.set_index_fused = DeepSeekV4IndexerPool.set_index_fused
     mods[hook.DSV4_POOLS].DeepSeekV4IndexerPool.set_index_fp4 = DeepSeekV4IndexerPool.set_index_fp4
     mods[hook.DSV4_FP4_INDEX] = types.SimpleNamespace(__name__=hook.DSV4_FP4_INDEX,
@@ -375,6 +393,26 @@ def test_v4_fused_stores_are_kvwrites_dsv4_stores(qenv):
     idx.set_index_fused(0, loc, k)
     assert torch.equal(idx.index_k_with_scale_buffer[0], want)
     assert qenv.state.calls == {"set_key_buffer_fused": 1, "set_index_fused": 1}
+
+
+def test_v4_swa_radix_fused_store_is_its_pools_routed_store(qenv):
+    """The SWA cache's radix-path store (SGLang calls fused_store_cache on the SWA pool's buffer):
+    the SWA pool's routed set_key_buffer_fused at the stage-local layer, bytes as store_dsv4_kv and
+    no other byte; a request window's ring buffer or another physical page size stays SGLang's."""
+    mods = qenv.mods[hook.DSV4_POOLS]
+    swa = mods.DeepSeekV4SingleKVPool()
+    pool = mods.DeepSeekV4TokenToKVPool(swa)
+    want = [b.clone() for b in swa.kv_buffer]
+    x = torch.randn(3, 512, device=DEVICE).bfloat16()
+    loc = torch.tensor([5, 33, -1], device=DEVICE)
+    kvwrite.store_dsv4_kv(x, want[1], loc, page_size=IPAGE, backend="torch")
+    pool.set_swa_key_buffer_radix_fused(3, loc, x)                       # layer 3 = SWA-local layer 1
+    assert all(torch.equal(a, b) for a, b in zip(swa.kv_buffer, want)) and pool.own == [] and swa.own == []
+    assert qenv.state.calls == {"set_key_buffer_fused": 1}
+    mods.DeepSeekV4TokenToKVPool(swa, request_window=object()).set_swa_key_buffer_radix_fused(3, loc, x)
+    mods.DeepSeekV4TokenToKVPool(swa, swa_page_size=4 * IPAGE).set_swa_key_buffer_radix_fused(3, loc, x)
+    assert qenv.state.fallbacks == {"swa_radix_fused_not_a_pool_buffer": 2}
+    assert all(torch.equal(a, b) for a, b in zip(swa.kv_buffer, want))
 
 
 def test_a_duplicated_index_k_loc_keeps_the_first_writers_key_and_scale(monkeypatch, qenv):

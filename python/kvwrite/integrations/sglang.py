@@ -22,7 +22,9 @@ own dtype handling, so every attention backend that writes through a pool is rou
   `kvwrite.compat.sglang.set_dsv4_key_buffer`;
 - DeepSeek V4's fused stores (SGLang's JIT `store_cache`, bf16 in, quantised in the kernel):
   `DeepSeekV4SingleKVPool.set_key_buffer_fused` of the V4 layout (without in-kernel RoPE) ->
-  `kvwrite.store_dsv4_kv`, `DeepSeekV4IndexerPool.set_index_fused` (fp8 indexer) ->
+  `kvwrite.store_dsv4_kv` (and `DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused`, the SWA
+  cache's radix-path store: its SWA pool's `set_key_buffer_fused`), `DeepSeekV4IndexerPool
+  .set_index_fused` (fp8 indexer) ->
   `kvwrite.store_dsv4_indexer_k(fmt="fp8")` (same formats: byte-equal to SGLang's Triton port of
   those kernels wherever x / scale needs no rounding; the rounding itself is kvwrite's RNE);
   `set_key_buffer_fused` of the V4.1 fp4 layouts (`v41_fp4` block-split, `v41_fp4_new`
@@ -92,9 +94,11 @@ NOT_ROUTED = {
     "not a multiple of 256)": "kvwrite's FP4 records have no page padding",
     "DeepSeekV4IndexerPool.set_index_fp4 on HIP (aiter's split payload / scale buffers, page8)":
         "a transposed layout: no kvwrite layout",
-    "DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused / _fused_norm_rope (the SWA cache)":
-        "SGLang calls fused_store_cache / fused_k_norm_rope_flashmla on the buffer directly, "
-        "not through a pool method the hook patches",
+    "DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused_norm_rope (the SWA cache, RMSNorm + "
+    "RoPE in SGLang's fused kernel)": "no kvwrite store fuses the norm",
+    "DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused into a request window's ring buffer, a "
+    "uniform-FP8 SWA pool, or a physical page size other than the SWA page size": "SGLang calls "
+    "fused_store_cache on a buffer no pool method owns",
     "DeepSeekV4UniformFP8KVPool.set_key_buffer_fused": "an indexed assignment (bounds-checked by torch itself)",
 }
 
@@ -315,6 +319,22 @@ def _dsv4_fused(original: Callable, backend: str, state: Installed) -> Callable:
     return _routed(fused, original)
 
 
+def _swa_radix_fused(original: Callable, state: Installed) -> Callable:
+    """`DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused(layer_id, swa_loc, cache_k)` (V4's
+    SWA cache): SGLang's own fused store on its SWA pool's buffer, with that pool's page size and
+    layout, is that pool's `set_key_buffer_fused` (routed above); a request window's ring buffer,
+    a uniform-FP8 pool or another physical page size stays SGLang's."""
+    def fused(self, layer_id, swa_loc, cache_k):
+        pool = getattr(self, "swa_kv_pool", None)
+        own = next((c for c in type(pool).__mro__ if "set_key_buffer_fused" in vars(c)), None)
+        if (getattr(self, "request_window", None) is not None or pool is None
+                or own is None or own.__name__ != "DeepSeekV4SingleKVPool"
+                or pool.page_size != self.swa_page_size or str(pool.kv_layout) != str(self.kv_layout)):
+            return _fallback(state, "swa_radix_fused_not_a_pool_buffer", original, self, layer_id, swa_loc, cache_k)
+        return pool.set_key_buffer_fused(self._swa_local_layer_id(layer_id), swa_loc, cache_k)
+    return _routed(fused, original)
+
+
 def _index_fused(original: Callable, backend: str, state: Installed) -> Callable:
     """`DeepSeekV4IndexerPool.set_index_fused(layer_id, loc, cache_k)` (fp8 indexer)."""
     from kvwrite.ops.dsv4 import store_dsv4_indexer_k
@@ -427,6 +447,8 @@ def install(import_module: Callable[[str], Any] = importlib.import_module, backe
             (DSV4_STATE, "CompressStatePool", "__init__", _init),
             (DSV4_POOLS, "DeepSeekV4SingleKVPool", "__init__", _init),
             (DSV4_POOLS, "DeepSeekV4SingleKVPool", "set_key_buffer_fused", lambda f: _dsv4_fused(f, backend, state)),
+            (DSV4_POOLS, "DeepSeekV4TokenToKVPool", "set_swa_key_buffer_radix_fused",
+             lambda f: _swa_radix_fused(f, state)),
             (DSV4_POOLS, "DeepSeekV4IndexerPool", "set_index_fused", lambda f: _index_fused(f, backend, state)),
             (DSV4_POOLS, "DeepSeekV4IndexerPool", "set_index_fp4",
              lambda f: _index_fp4(f, backend, state, import_module)),
