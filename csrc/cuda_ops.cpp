@@ -317,7 +317,11 @@ struct CudaRun {
 };
 // the engines' operators (engines.h) on the CUDA kernels
 const bool ENGINES_CUDA = [] {
-  engines::runner(c10::DeviceType::CUDA) = {&store_kv_cuda, &claim_rows_cuda};
+  engines::runner(c10::DeviceType::CUDA) = {[](const StoreKVParams& p, int64_t check, c10::Device d) {
+                                               const c10::cuda::CUDAGuard guard(d);
+                                               check_launch(launch_store_kv(p, int(check), c10::cuda::getCurrentCUDAStream()));
+                                             },
+                                             &claim_rows_cuda};
   return true;
 }();
 }  // namespace kvwrite

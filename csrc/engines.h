@@ -31,11 +31,10 @@ namespace engines {
 using OptT = std::optional<at::Tensor>;
 
 // The raw kernels of one device (filled by the translation unit that has them: ops.cpp for the
-// CPU, cuda_ops.cpp for CUDA).
+// CPU, cuda_ops.cpp for CUDA): store_kv on ready params (no tensor views, no re-validation: the
+// route checked the common case), and the duplicate-row pre-pass.
 struct Runner {
-  void (*store_kv)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&,
-                   const OptT&, const at::Tensor&, const OptT&, const OptT&, int64_t, int64_t, int64_t, int64_t,
-                   const OptT&, const OptT&, const OptT&) = nullptr;
+  void (*store_kv)(const StoreKVParams&, int64_t check, c10::Device) = nullptr;
   at::Tensor (*claim_rows)(const at::Tensor&, const OptT&, const OptT&, int64_t, int64_t, int64_t, int64_t,
                            const OptT&, const OptT&, const OptT&, int64_t, int64_t, bool) = nullptr;
 };
@@ -68,14 +67,33 @@ inline OptT guard_row(const at::Tensor& cache) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
   auto it = s.rows.find(cache.data_ptr());
-  if (it == s.rows.end() || it->second.first != cache.sizes().vec()) return std::nullopt;
+  if (it == s.rows.end() || c10::IntArrayRef(it->second.first) != cache.sizes()) return std::nullopt;
   return it->second.second;
 }
 
+// One cache of the engine as the kernel sees it: pages x rows x heads x feat strides (elements).
+struct CacheView {
+  int64_t pages, rows, heads, feat;
+  PagedCache paged;
+};
+
+// [P, S, H, D] with any strides, last dim dense (vLLM's flash layout, and the value cache of its CPU
+// attention as a transposed [P, H, S, D]).
+inline CacheView psh(const at::Tensor& c, int d_page, int d_row, int d_head) {
+  CacheView v{c.size(d_page), c.size(d_row), c.size(d_head), c.size(3), {}};
+  v.paged.base = static_cast<char*>(c.data_ptr());
+  v.paged.stride_page = c.stride(d_page);
+  v.paged.stride_entry = c.stride(d_row);
+  v.paged.stride_head = c.stride(d_head);
+  v.paged.pool_page_size = v.rows;
+  v.paged.elem_size = int(c.element_size());
+  return v;
+}
+
 // The common call of a vLLM K/V writer: key/value [N, H, D] in the caches' dtype, last dim
-// dense, int64 slots [N] on the same device; `kc` / `vc` the canonical [P, S, H, D(, 1)] views.
+// dense, int64 slots [N] on the same device, caches of the same pages and rows.
 inline bool common_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& kc, const at::Tensor& vc,
-                      const at::Tensor& slots) {
+                      const CacheView& k, const CacheView& v, const at::Tensor& slots) {
   const auto dt = key.scalar_type();
   if (dt != at::kBFloat16 && dt != at::kHalf && dt != at::kFloat) return false;
   if (value.scalar_type() != dt || kc.scalar_type() != dt || vc.scalar_type() != dt) return false;
@@ -84,37 +102,62 @@ inline bool common_kv(const at::Tensor& key, const at::Tensor& value, const at::
   if (value.device() != dev || kc.device() != dev || vc.device() != dev || slots.device() != dev) return false;
   const int64_t n = key.size(0);
   if (value.size(0) != n || slots.size(0) != n || n > api::MAX_TOKENS) return false;
-  if (key.stride(2) != 1 || value.stride(2) != 1 || slots.stride(0) != 1) return false;
-  return kc.size(2) == key.size(1) && kc.size(3) == key.size(2) && vc.size(2) == value.size(1) &&
-         vc.size(3) == value.size(2) && kc.size(0) == vc.size(0) && kc.size(1) == vc.size(1);
+  if (key.stride(2) != 1 || value.stride(2) != 1 || (n > 1 && slots.stride(0) != 1)) return false;
+  return k.heads == key.size(1) && k.feat == key.size(2) && v.heads == value.size(1) && v.feat == value.size(2) &&
+         k.pages == v.pages && k.rows == v.rows;
 }
 
-// Run store_kv on the canonical views; false: Python runs the call.
+inline DType dt_of(at::ScalarType t) {
+  return t == at::kBFloat16 ? DType::BF16 : t == at::kHalf ? DType::F16 : DType::F32;
+}
+
+inline KVSide side(const at::Tensor& x, const CacheView& c) {
+  KVSide s;
+  s.src = static_cast<const char*>(x.data_ptr());
+  s.s_tok = x.stride(0);
+  s.s_head = x.stride(1);
+  s.cache = c.paged;
+  s.D = int(x.size(2));
+  return s;
+}
+
+// Run store_kv; false: Python runs the call.
 inline bool store(const at::Tensor& key, const at::Tensor& value, const at::Tensor& kc, const at::Tensor& vc,
-                  const at::Tensor& slots, const at::Tensor& cache) {
+                  const CacheView& k, const CacheView& v, const at::Tensor& slots) {
   const int want = state().device.load(std::memory_order_relaxed);
   if (want != ANY_DEVICE && want != int(key.device().type())) return false;
   const Runner& r = runner(key.device().type());
-  if (!r.store_kv || !common_kv(key, value, kc, vc, slots)) return false;
+  if (!r.store_kv || !common_kv(key, value, kc, vc, k, v, slots)) return false;
   const int check = state().check.load(std::memory_order_relaxed);
   OptT errors;
-  if (check == CHECK_GUARD && !(errors = guard_row(cache))) return false;
-  if (key.size(0) == 0) return true;
+  if (check == CHECK_GUARD && !(errors = guard_row(kc))) return false;
+  const int64_t n = key.size(0);
+  if (n == 0) return true;
   at::Tensor loc = slots;
-  if (check != CHECK_OFF && key.size(0) > 1 && api::claims_on().load(std::memory_order_relaxed)) {
+  if (check != CHECK_OFF && n > 1 && api::claims_on().load(std::memory_order_relaxed)) {
     at::Tensor out = r.claim_rows(loc, std::nullopt, errors, 0, 1, check, 0, std::nullopt, std::nullopt, std::nullopt,
-                                  kc.size(0) * kc.size(1), kc.size(1), false);
+                                  k.pages * k.rows, k.rows, false);
     if (out.numel() != 0) loc = out;
   }
-  r.store_kv(key, value, kc, vc, std::nullopt, std::nullopt, loc, std::nullopt, errors, 0, 1, check, 0, std::nullopt,
-             std::nullopt, std::nullopt);
+  StoreKVParams p;
+  p.in_dtype = p.cache_dtype = dt_of(key.scalar_type());
+  p.k = side(key, k);
+  p.v = side(value, v);
+  p.H = int(key.size(1));
+  p.locs.loc = loc.data_ptr();
+  p.locs.n = n;
+  p.locs.errors = errors ? errors->data_ptr<int64_t>() : nullptr;
+  p.locs.capacity = k.pages * k.rows;
+  p.locs.pool_page_size = k.rows;
+  r.store_kv(p, check, key.device());
   return true;
 }
 
 inline bool auto_dtype(const c10::IValue& v) { return v.isString() && v.toStringRef() == "auto"; }
 
 // `_C::cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, isa, k_scale,
-// v_scale, kv_cache_dtype)`: caches [P, H, S, D], the key tile of a (page, head) column-major.
+// v_scale, kv_cache_dtype)`: caches [P, H, S, D]; the key tile of a (page, head) is column-major
+// (feature d of row s at d * S + s: a split head dim of width 1, feature stride S).
 inline bool cpu_attn(torch::jit::Stack& s, size_t at) {
   const c10::IValue* a = &s[at];
   if (!a[0].isTensor() || !a[1].isTensor() || !a[2].isTensor() || !a[3].isTensor() || !a[4].isTensor()) return false;
@@ -125,10 +168,11 @@ inline bool cpu_attn(torch::jit::Stack& s, size_t at) {
   if (k.dim() != 4 || v.dim() != 4 || k.sizes() != v.sizes() || k.stride(3) != 1 || k.stride(2) != k.size(3) ||
       v.stride(3) != 1)
     return false;
-  const at::Tensor kc = k.as_strided({k.size(0), k.size(2), k.size(1), k.size(3), 1},
-                                     {k.stride(0), 1, k.stride(1), k.size(2), 1});
-  return store(a[0].toTensor(), a[1].toTensor(), kc, v.transpose(1, 2),
-               a[4].toTensor(), k);
+  CacheView kv = psh(k, 0, 2, 1);
+  kv.paged.stride_entry = 1;
+  kv.paged.split = 1;
+  kv.paged.stride_split = k.size(2);
+  return store(a[0].toTensor(), a[1].toTensor(), k, v, kv, psh(v, 0, 2, 1), a[4].toTensor());
 }
 
 // `_C_cache_ops::reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping,
@@ -139,7 +183,7 @@ inline bool flash(torch::jit::Stack& s, size_t at) {
   if (!auto_dtype(a[5])) return false;
   const at::Tensor &k = a[2].toTensor(), &v = a[3].toTensor();
   if (k.dim() != 4 || v.dim() != 4 || k.stride(3) != 1 || v.stride(3) != 1) return false;
-  return store(a[0].toTensor(), a[1].toTensor(), k, v, a[4].toTensor(), k);
+  return store(a[0].toTensor(), a[1].toTensor(), k, v, psh(k, 0, 1, 2), psh(v, 0, 1, 2), a[4].toTensor());
 }
 
 using Fast = bool (*)(torch::jit::Stack&, size_t);

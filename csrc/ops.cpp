@@ -641,7 +641,10 @@ struct CpuRun {
 };
 // the engines' operators (engines.h) on the CPU kernels
 const bool ENGINES_CPU = [] {
-  engines::runner(c10::DeviceType::CPU) = {&store_kv_cpu, &claim_rows_cpu};
+  engines::runner(c10::DeviceType::CPU) = {[](const StoreKVParams& p, int64_t check, c10::Device) {
+                                              KVW_RUN_CPU(dispatch_store_kv, p, check);
+                                            },
+                                            &claim_rows_cpu};
   return true;
 }();
 }  // namespace kvwrite
