@@ -184,18 +184,28 @@ class DeepSeekV4SingleKVPool:
 
 
 class DeepSeekV4TokenToKVPool:
-    """V4's hybrid pool as the SWA radix path sees it: its SWA sub-pool, the SWA page size, the
-    stage's first layer, an optional request window (a ring buffer no pool owns)."""
+    """V4's hybrid pool as the SWA stores see it: its SWA sub-pool, the SWA page size, the stage's
+    first layer, an optional request window (a ring buffer no pool owns), a uniform-FP8 flag."""
 
-    def __init__(self, swa_kv_pool, swa_page_size=IPAGE, request_window=None, stage_start=2):
+    def __init__(self, swa_kv_pool, swa_page_size=IPAGE, request_window=None, stage_start=2, uniform_fp8=False):
         self.swa_kv_pool, self.swa_page_size, self.request_window = swa_kv_pool, swa_page_size, request_window
         self.kv_layout, self._stage_start, self.own = swa_kv_pool.kv_layout, stage_start, []
+        self.uniform_fp8 = uniform_fp8
 
     def _swa_local_layer_id(self, layer_id):
         return layer_id - self._stage_start
 
+    def get_swa_raw_buffer(self, layer_id):
+        if self.request_window is not None:
+            return self.request_window[self._swa_local_layer_id(layer_id)]
+        return self.swa_kv_pool.kv_buffer[self._swa_local_layer_id(layer_id)]
+
     def set_swa_key_buffer_radix_fused(self, layer_id, swa_loc, cache_k):
         self.own.append(layer_id)        # SGLang's fused_store_cache on the raw buffer
+
+    def set_swa_key_buffer_radix_fused_norm_rope(self, layer_id, swa_loc, kv, kv_weight, eps, freqs_cis,
+                                                 positions, q=None):
+        self.own.append(layer_id)        # SGLang's fused_k_norm_rope_flashmla
 
 
 class DeepSeekV4IndexerPool:
@@ -238,8 +248,8 @@ def qenv(monkeypatch, env):
         DeepSeekV4IndexerPool=type("DeepSeekV4IndexerPool", (DeepSeekV4IndexerPool,), {}),
         DeepSeekV4TokenToKVPool=type("DeepSeekV4TokenToKVPool", (DeepSeekV4TokenToKVPool,), {}))
     mods[hook.DSV4_POOLS].DeepSeekV4SingleKVPool.set_key_buffer_fused = DeepSeekV4SingleKVPool.set_key_buffer_fused
-    mods[hook.DSV4_POOLS].DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused = \
-        DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused
+    for attr in ("set_swa_key_buffer_radix_fused", "set_swa_key_buffer_radix_fused_norm_rope"):
+        setattr(mods[hook.DSV4_POOLS].DeepSeekV4TokenToKVPool, attr, getattr(DeepSeekV4TokenToKVPool, attr))
     mods[hook.DSV4_POOLS].DeepSeekV4IndexerPool.set_index_fused = DeepSeekV4IndexerPool.set_index_fused
     mods[hook.DSV4_POOLS].DeepSeekV4IndexerPool.set_index_fp4 = DeepSeekV4IndexerPool.set_index_fp4
     mods[hook.DSV4_FP4_INDEX] = types.SimpleNamespace(__name__=hook.DSV4_FP4_INDEX,
@@ -395,10 +405,10 @@ def test_v4_fused_stores_are_kvwrites_dsv4_stores(qenv):
     assert qenv.state.calls == {"set_key_buffer_fused": 1, "set_index_fused": 1}
 
 
-def test_v4_swa_radix_fused_store_is_its_pools_routed_store(qenv):
-    """The SWA cache's radix-path store (SGLang calls fused_store_cache on the SWA pool's buffer):
-    the SWA pool's routed set_key_buffer_fused at the stage-local layer, bytes as store_dsv4_kv and
-    no other byte; a request window's ring buffer or another physical page size stays SGLang's."""
+def test_v4_swa_radix_fused_store_writes_the_swa_buffer(qenv):
+    """The SWA cache's radix-path store (SGLang's fused_store_cache on `get_swa_raw_buffer`): the SWA
+    pool's buffer at the stage-local layer, or a request window's ring buffer, bytes as
+    store_dsv4_kv and no other byte; another physical page size or a uniform-FP8 pool stays SGLang's."""
     mods = qenv.mods[hook.DSV4_POOLS]
     swa = mods.DeepSeekV4SingleKVPool()
     pool = mods.DeepSeekV4TokenToKVPool(swa)
@@ -408,11 +418,71 @@ def test_v4_swa_radix_fused_store_is_its_pools_routed_store(qenv):
     kvwrite.store_dsv4_kv(x, want[1], loc, page_size=IPAGE, backend="torch")
     pool.set_swa_key_buffer_radix_fused(3, loc, x)                       # layer 3 = SWA-local layer 1
     assert all(torch.equal(a, b) for a, b in zip(swa.kv_buffer, want)) and pool.own == [] and swa.own == []
-    assert qenv.state.calls == {"set_key_buffer_fused": 1}
-    mods.DeepSeekV4TokenToKVPool(swa, request_window=object()).set_swa_key_buffer_radix_fused(3, loc, x)
+    ring = [_random_bytes(2, swa.kv_buffer[0].shape[1]) for _ in range(LAYERS)]
+    ring_want = [b.clone() for b in ring]
+    kvwrite.store_dsv4_kv(x, ring_want[0], loc, page_size=IPAGE, backend="torch")
+    mods.DeepSeekV4TokenToKVPool(swa, request_window=ring).set_swa_key_buffer_radix_fused(2, loc, x)
+    assert all(torch.equal(a, b) for a, b in zip(ring, ring_want))
+    assert qenv.state.calls == {"set_swa_key_buffer_radix_fused": 2}
     mods.DeepSeekV4TokenToKVPool(swa, swa_page_size=4 * IPAGE).set_swa_key_buffer_radix_fused(3, loc, x)
-    assert qenv.state.fallbacks == {"swa_radix_fused_not_a_pool_buffer": 2}
+    mods.DeepSeekV4TokenToKVPool(swa, uniform_fp8=True).set_swa_key_buffer_radix_fused(3, loc, x)
+    assert qenv.state.fallbacks == {"swa_radix_fused_v4": 2}
     assert all(torch.equal(a, b) for a, b in zip(swa.kv_buffer, want))
+
+
+def _norm_rope_statement(kv, weight, eps, freqs_cis, positions):
+    """SGLang's fused K norm + RoPE restated: fp32 RMSNorm times the weight, then the last 64 values
+    as 32 complex numbers times freqs_cis[position]."""
+    x = torch.nn.functional.rms_norm(kv.float(), (kv.shape[-1],), weight.float(), eps)
+    rope = torch.view_as_complex(x[:, 448:].reshape(-1, 32, 2).contiguous()) * freqs_cis[positions.long()]
+    return torch.cat([x[:, :448], torch.view_as_real(rope).flatten(-2)], -1)
+
+
+@pytest.mark.parametrize("layout", ["v4", "v41_fp4"])
+def test_v4_swa_norm_rope_store_norms_ropes_and_stores(qenv, layout):
+    """SGLang's DeepSeek V4 SWA store (`set_swa_key_buffer_radix_fused_norm_rope`, RMSNorm + RoPE +
+    store in one kernel): routed, the bytes those of store_dsv4_kv (V4: from the fp32 normed and
+    roped values) or of the V4.1 fp4 record (normed values rounded to bf16, rotated, rounded again),
+    no other byte; the HIP query RoPE stays SGLang's."""
+    mods = qenv.mods[hook.DSV4_POOLS]
+    swa = mods.DeepSeekV4SingleKVPool(layout=layout)
+    pool = mods.DeepSeekV4TokenToKVPool(swa)
+    gen = torch.Generator().manual_seed(5)
+    kv = (torch.randn(4, 512, generator=gen) * 3).bfloat16().to(DEVICE)
+    weight = (torch.rand(512, generator=gen) + 0.5).bfloat16().to(DEVICE)
+    freqs = torch.polar(torch.ones(40, 32), torch.rand(40, 32, generator=gen) * 6.3).to(DEVICE)
+    positions = torch.tensor([0, 7, 39, 12], device=DEVICE, dtype=torch.int32)
+    loc = torch.tensor([5, 33, -1, 70], device=DEVICE)
+    want = [b.clone() for b in swa.kv_buffer]
+    rows = _norm_rope_statement(kv, weight, 1e-6, freqs, positions)
+    if layout == "v4":
+        kvwrite.store_dsv4_kv(rows, want[1], loc, page_size=IPAGE, backend="torch")
+    else:       # the V4.1 branch rounds the normed values before the rotation
+        normed = torch.nn.functional.rms_norm(kv.float(), (512,), weight.float(), 1e-6).bfloat16()
+        rope = torch.view_as_complex(normed[:, 448:].float().reshape(-1, 32, 2).contiguous()) * freqs[positions.long()]
+        rows = torch.cat([normed[:, :448], torch.view_as_real(rope).flatten(-2).bfloat16()], -1)
+        kvwrite.store_dsv4_kv_fp4(rows, want[1], loc, fmt="nvfp4_v41", page_size=IPAGE, backend="torch")
+    pool.set_swa_key_buffer_radix_fused_norm_rope(3, loc, kv, weight, 1e-6, freqs, positions)
+    assert all(torch.equal(a, b) for a, b in zip(swa.kv_buffer, want)) and pool.own == []
+    assert qenv.state.calls == {"set_swa_key_buffer_radix_fused_norm_rope": 1}
+    pool.set_swa_key_buffer_radix_fused_norm_rope(3, loc, kv, weight, 1e-6, freqs, positions, q=kv[:, None])
+    assert pool.own == [3] and qenv.state.fallbacks == {"swa_norm_rope_q": 1}
+
+
+def test_v4_swa_norm_rope_store_guard_catches_a_bad_swa_loc(monkeypatch, qenv):
+    monkeypatch.setattr(validate, "DEFAULT_CHECK", "guard")
+    mods = qenv.mods[hook.DSV4_POOLS]
+    swa = mods.DeepSeekV4SingleKVPool()
+    pool = mods.DeepSeekV4TokenToKVPool(swa)
+    before = [b.clone() for b in swa.kv_buffer]
+    kv = torch.randn(2, 512, device=DEVICE).bfloat16()
+    freqs = torch.polar(torch.ones(8, 32), torch.zeros(8, 32)).to(DEVICE)
+    with pytest.raises(kvwrite.OutOfBoundsWrite) as e:
+        pool.set_swa_key_buffer_radix_fused_norm_rope(3, torch.tensor([3 * IPAGE, -1], device=DEVICE), kv,
+                                                      torch.ones(512, device=DEVICE), 1e-6, freqs,
+                                                      torch.tensor([1, 2], device=DEVICE))
+    assert e.value.token_index == 0 and e.value.loc == 3 * IPAGE
+    assert all(torch.equal(a, b) for a, b in zip(swa.kv_buffer, before))
 
 
 def test_a_duplicated_index_k_loc_keeps_the_first_writers_key_and_scale(monkeypatch, qenv):

@@ -331,6 +331,8 @@ def main() -> int:
         run_pool(out, name, plain, kind, hook, validate)
     if not args.only or "fp4 indexer" in args.only:
         out["fp4_indexer_vs_kvwrite_mxfp4"] = fp4_indexer_formats()
+    if not args.only or "norm" in args.only:
+        out["v4_swa_norm_rope"] = swa_norm_rope(hook, validate)
     validate.DEFAULT_CHECK = "off"
     out["report"] = hook.report()
     if args.json:
@@ -377,6 +379,73 @@ def fp4_indexer_formats() -> dict:
                 scale_bytes_differing=int((mine[:, V4_PAGE * 64:] != theirs[:, V4_PAGE * 64:]).sum()),
                 decoded_values_differing=int((vm != vt).sum()))
             print(f"fp4 indexer, kvwrite mxfp4 vs SGLang, {what}, rne={rne}: {r}")
+    return res
+
+
+def v4_token_pool():
+    """SGLang's DeepSeekV4TokenToKVPool (V4 layout, SWA pages of 64, layers of ratios 4 / 128 / 4) on
+    CPU, with the runtime configuration it reads published as a launch would (flashmla backend,
+    no speculative decoding, fp8 indexer)."""
+    import sglang.srt.mem_cache.deepseek_v4_memory_pool as v4
+    ns = types.SimpleNamespace
+    v4.get_spec = lambda: ns(speculative_algorithm=None, speculative_num_draft_tokens=0)
+    v4.get_exec = lambda: ns(kernel=ns(dsv4_attn_backend="flashmla", enable_deepseek_v4_fp4_indexer=False),
+                             features=ns(enable_encoder_swa_bounded_replay=False))
+    return v4.DeepSeekV4TokenToKVPool(
+        max_num_reqs=4, swa_size=256, c4_size=256, c128_size=256, c4_state_pool_size=16, c128_state_pool_size=16,
+        page_size=256, swa_page_size=V4_PAGE, dtype=torch.float8_e4m3fn, c4_state_dtype=torch.float32,
+        c128_state_dtype=torch.float32, qk_nope_head_dim=448, qk_rope_head_dim=64, indexer_head_dim=128,
+        layer_num=LAYERS, device="cpu", enable_memory_saver=False, compression_ratios=[4, 128, 4], unified_fp8=False)
+
+
+def swa_norm_rope(hook, validate) -> dict:
+    """DeepSeek V4's SWA store (`set_swa_key_buffer_radix_fused_norm_rope`, what SGLang's V4 attention
+    calls for every SWA write: RMSNorm + RoPE + FlashMLA store in one CUDA JIT kernel, which does not
+    run on CPU) on the real pool class with the hook: the routed bytes against kvwrite's store of the
+    norm + RoPE restated in torch (fp32, the kernel's order of operations), no other byte changed, and
+    the four faults in guard mode. SGLang alone: not runnable here (CUDA only)."""
+    import kvwrite
+    hook.install()                 # before the pool is built: its SWA buffers are registered by layer
+    pool = v4_token_pool()
+    g = torch.Generator().manual_seed(11)
+    kv = (torch.randn(N, 512, generator=g) * 2).bfloat16()
+    weight = (torch.rand(512, generator=g) + 0.5).bfloat16()
+    inv = 1.0 / 10000 ** (torch.arange(0, 64, 2).float() / 64)
+    freqs = torch.polar(torch.ones(4096, 32), torch.arange(4096).float()[:, None] * inv)   # the full table
+    positions = torch.randint(0, 4096, (N,), generator=g)
+    x = torch.nn.functional.rms_norm(kv.float(), (512,), weight.float(), 1e-6)
+    rope = torch.view_as_complex(x[:, 448:].reshape(-1, 32, 2).contiguous()) * freqs[positions]
+    rows_fp32 = torch.cat([x[:, :448], torch.view_as_real(rope).flatten(-2)], -1)
+    layer, res = 1, {}
+    nrows = pool.get_swa_raw_buffer(layer).shape[0] * V4_PAGE
+
+    def call(loc):
+        pool.set_swa_key_buffer_radix_fused_norm_rope(layer_id=layer, swa_loc=loc, kv=kv, kv_weight=weight, eps=1e-6,
+                                                      freqs_cis=freqs, positions=positions)
+
+    hook.STATE.calls.clear()
+    for fault in (None,) + FAULTS:
+        validate.DEFAULT_CHECK = "off" if fault is None else "guard"
+        buf = pool.get_swa_raw_buffer(layer)
+        buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=g))
+        loc = torch.randperm(nrows - V4_PAGE, generator=g)[:N] + V4_PAGE
+        if fault is not None:
+            loc[0] = bad_loc(fault, loc, nrows)
+        want = buf.clone()
+        keep = torch.arange(N) != (1 if fault == "duplicate" else 0) if fault else torch.ones(N, dtype=torch.bool)
+        kvwrite.store_dsv4_kv(rows_fp32[keep], want, loc[keep], page_size=V4_PAGE, check="off", backend="torch")
+        err = None
+        try:
+            call(loc.to(torch.int32))
+        except Exception as exc:  # noqa: BLE001 - recorded
+            err = f"{type(exc).__name__}: {exc}"[:400]
+        res[fault or "good"] = r = dict(error=err, caught=err is not None and ("OutOfBounds" in err or "Duplicate" in err),
+                                       bytes_differing_from_expected=int((buf != want).sum()))
+        print(f"V4 SWA norm+RoPE store, {fault or 'good rows'}: {json.dumps(r)[:300]}")
+    res["routed_calls"] = dict(hook.STATE.calls)
+    res["fallbacks"] = dict(hook.STATE.fallbacks)
+    hook.uninstall()
+    validate.DEFAULT_CHECK = "off"
     return res
 
 

@@ -52,8 +52,8 @@ from kvwrite.ops.indexer_k import row_bytes, store_indexer_k
 from kvwrite.ops.kv import store_kv
 from kvwrite.ops.mla import store_mla
 
-__all__ = ["move_kv_cache", "set_dsv4_key_buffer", "set_dsv4_v41_fp4_key_buffer", "set_fp4_index_k_buffer",
-           "set_index_k_buffer", "set_index_k_scale_buffer", "set_kv_buffer", "set_mla_kv_buffer",
+__all__ = ["move_kv_cache", "set_dsv4_key_buffer", "set_dsv4_norm_rope_key_buffer", "set_dsv4_v41_fp4_key_buffer",
+           "set_fp4_index_k_buffer", "set_index_k_buffer", "set_index_k_scale_buffer", "set_kv_buffer", "set_mla_kv_buffer",
            "store_page_parts"]
 
 INDEX_HEAD_DIM = 128     # SGLang's NSA indexer: head_dim 128, one fp32 scale per 128 values
@@ -349,7 +349,7 @@ def _rope_tail(cache_k: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     """`cache_k` `[N, 512]` with its last 64 values rotated by the per-token `freqs_cis` (`[N, 32]`
     complex or `[N, 64]` fp32, real / imag interleaved): pairs (2i, 2i + 1) as complex numbers
     times freqs_cis[i], every product and sum rounded to fp32, then to cache_k's dtype (SGLang's
-    V4.1 store rotates, rounds to the input dtype, then quantises)."""
+    V4.1 store rotates, rounds to the input dtype, then quantises; an fp32 cache_k stays fp32)."""
     from kvwrite.facts import NOPE, ROPE
 
     f = validate.tensor("freqs_cis", freqs_cis)
@@ -362,6 +362,49 @@ def _rope_tail(cache_k: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     x, y, c, s = tail[:, 0::2], tail[:, 1::2], f[:, 0::2], f[:, 1::2]
     rotated = torch.stack((x * c - y * s, x * s + y * c), -1).flatten(-2)
     return torch.cat([cache_k[:, :NOPE], rotated.to(cache_k.dtype)], -1)
+
+
+def _rms_norm(kv: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """fp32 `kv * rsqrt(mean(kv^2) + eps) * weight` over the last dim, as SGLang's fused K norm
+    computes it (fp32 registers, not rounded to the input dtype)."""
+    x = kv.float()
+    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) / x.shape[-1] + eps) * weight.float()
+
+
+def set_dsv4_norm_rope_key_buffer(kv_buffer: torch.Tensor, loc: torch.Tensor, kv: torch.Tensor,
+                                  kv_weight: torch.Tensor, eps: float, freqs_cis: torch.Tensor,
+                                  positions: torch.Tensor, page_size: int, *, layout: str = "v4",
+                                  check: str | None = None, errors: ErrorBuffer | None = None,
+                                  backend: str = "auto") -> None:
+    """`DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused_norm_rope` (SGLang's JIT
+    `fused_k_norm_rope_flashmla`): RMSNorm of `kv` `[N, 512]` with `kv_weight` `[512]`, RoPE of its
+    last 64 values by `freqs_cis[positions]` (the full `[max_pos, 32]` complex64 table), then the
+    `layout` record at `loc`. "v4": the norm and the rotation stay fp32 and `store_dsv4_kv`
+    quantises the NoPE values and rounds the RoPE values from fp32, as the fused kernel does from
+    its registers; "v41_fp4" / "v41_fp4_new": the normed values rounded to kv's dtype, rotated,
+    rounded again, then the V4.1 fp4 record (`set_dsv4_v41_fp4_key_buffer`), as SGLang's V4.1
+    branch. The fp32 norm is torch's reduction order and rsqrt, not the kernel's: a value that
+    lands on an fp8 / bf16 rounding boundary can differ. A position outside `freqs_cis` is torch's
+    index error (SGLang's kernel reads past the table)."""
+    from kvwrite.ops.dsv4 import store_dsv4_kv
+
+    x = validate.tensor("kv", kv, ndim=2)
+    w = validate.tensor("kv_weight", kv_weight, ndim=1, device=x.device)
+    if w.shape[0] != x.shape[-1]:
+        raise ValueError(f"kv_weight must be [{x.shape[-1]}] (one weight per kv value), got {list(w.shape)}")
+    pos = validate.tensor("positions", positions, ndim=1, dtypes=(torch.int32, torch.int64), device=x.device)
+    if pos.shape[0] != x.shape[0]:
+        raise ValueError(f"positions must have one entry per kv row ({x.shape[0]}), got {list(pos.shape)}")
+    rows = validate.tensor("freqs_cis", freqs_cis, ndim=2, device=x.device)[pos.long()]
+    normed = _rms_norm(x, w, float(eps))
+    if layout == "v4":
+        store_dsv4_kv(_rope_tail(normed, rows), kv_buffer, loc, page_size=page_size, check=check, errors=errors,
+                      backend=backend)
+    elif layout in ("v41_fp4", "v41_fp4_new"):
+        set_dsv4_v41_fp4_key_buffer(kv_buffer, loc, normed.to(x.dtype), page_size, rows,
+                                    interleaved=layout == "v41_fp4_new", check=check, errors=errors, backend=backend)
+    else:
+        raise ValueError(f"layout must be 'v4', 'v41_fp4' or 'v41_fp4_new', got {layout!r}")
 
 
 def set_dsv4_v41_fp4_key_buffer(kv_buffer: torch.Tensor, loc: torch.Tensor, cache_k: torch.Tensor,

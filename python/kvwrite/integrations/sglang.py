@@ -23,7 +23,8 @@ own dtype handling, so every attention backend that writes through a pool is rou
 - DeepSeek V4's fused stores (SGLang's JIT `store_cache`, bf16 in, quantised in the kernel):
   `DeepSeekV4SingleKVPool.set_key_buffer_fused` of the V4 layout (without in-kernel RoPE) ->
   `kvwrite.store_dsv4_kv` (and `DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused`, the SWA
-  cache's radix-path store: its SWA pool's `set_key_buffer_fused`), `DeepSeekV4IndexerPool
+  cache's radix-path store into `get_swa_raw_buffer`: its SWA pool's buffer or a request window's
+  ring buffer), `DeepSeekV4IndexerPool
   .set_index_fused` (fp8 indexer) ->
   `kvwrite.store_dsv4_indexer_k(fmt="fp8")` (same formats: byte-equal to SGLang's Triton port of
   those kernels wherever x / scale needs no rounding; the rounding itself is kvwrite's RNE);
@@ -32,6 +33,10 @@ own dtype handling, so every attention backend that writes through a pool is rou
   first, as SGLang's kernel does) -> `kvwrite.store_dsv4_kv_fp4(fmt="nvfp4_v41")`
   (`compat.sglang.set_dsv4_v41_fp4_key_buffer`; the same encoding as SGLang's kernel and its
   V4.1 oracle, byte-equal to the oracle; NaN / inf, which SGLang's kernel does not handle, aside);
+- DeepSeek V4's SWA store with the norm fused (`DeepSeekV4TokenToKVPool
+  .set_swa_key_buffer_radix_fused_norm_rope`, what SGLang's V4 attention calls for its SWA writes:
+  RMSNorm + RoPE + store in one CUDA kernel) -> `compat.sglang.set_dsv4_norm_rope_key_buffer` (the
+  norm and the rotation in fp32 torch, then `store_dsv4_kv` / the V4.1 fp4 record);
 - DeepSeek V4's fp4 indexer: `DeepSeekV4IndexerPool.set_index_fp4` (CUDA / Triton layout, both
   `index_k_rne` settings) -> SGLang's own `quantize_fp4_indexer_tensor`, then its bytes through
   `compat.sglang.set_fp4_index_k_buffer` (a bounds-checked byte copy). Not kvwrite's
@@ -94,11 +99,11 @@ NOT_ROUTED = {
     "not a multiple of 256)": "kvwrite's FP4 records have no page padding",
     "DeepSeekV4IndexerPool.set_index_fp4 on HIP (aiter's split payload / scale buffers, page8)":
         "a transposed layout: no kvwrite layout",
-    "DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused_norm_rope (the SWA cache, RMSNorm + "
-    "RoPE in SGLang's fused kernel)": "no kvwrite store fuses the norm",
-    "DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused into a request window's ring buffer, a "
-    "uniform-FP8 SWA pool, or a physical page size other than the SWA page size": "SGLang calls "
-    "fused_store_cache on a buffer no pool method owns",
+    "DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused(_norm_rope) into a uniform-FP8 SWA pool, a "
+    "V4.1 fp8 layout, or a buffer whose pages are not swa_page_size": "no kvwrite record for it",
+    "DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused_norm_rope with q (HIP: the query RoPE fused "
+    "into the K store)": "kvwrite's store does not rotate the query heads",
+    "DeepSeekV4TokenToKVPool.set_unified_key_buffer_radix_fused_norm_rope": "a unified pool (see above)",
     "DeepSeekV4UniformFP8KVPool.set_key_buffer_fused": "an indexed assignment (bounds-checked by torch itself)",
 }
 
@@ -287,51 +292,96 @@ INDEX_FUSED_ROUTE = Route(DSV4_POOLS, "DeepSeekV4IndexerPool.set_index_fused", "
 V41_FP4_LAYOUTS = {"v41_fp4": False, "v41_fp4_new": True}     # SGLang's KVLayout value -> interleaved
 
 
-def _dsv4_fused(original: Callable, backend: str, state: Installed) -> Callable:
-    """`DeepSeekV4SingleKVPool.set_key_buffer_fused(layer_id, loc, cache_k, freqs_cis=None)`: the V4
-    layout -> `store_dsv4_kv`; the V4.1 fp4 layouts (with or without in-kernel RoPE) ->
-    `compat.sglang.set_dsv4_v41_fp4_key_buffer`; the V4.1 fp8 layouts stay SGLang's."""
+def _dsv4_target(buf: Any, page_size: int, layout: str) -> bool:
+    """A V4 buffer kvwrite's records fill: contiguous pages of the V4 layout (FlashMLA's padded
+    584-byte rows) or of an unpadded V4.1 fp4 layout."""
+    from kvwrite.facts import FP4_RECORDS, kv_page_bytes
+
+    if not _row_layout(buf, 2):
+        return False
+    if layout == "v4":
+        return buf.shape[1] == kv_page_bytes(page_size)
+    return layout in V41_FP4_LAYOUTS and buf.shape[1] == page_size * FP4_RECORDS["nvfp4_v41"].token_bytes
+
+
+def _store_dsv4(buf, loc, cache_k, page_size: int, layout: str, freqs_cis, backend: str) -> None:
+    """SGLang's JIT `fused_store_cache(type="flashmla")` into a `_dsv4_target` buffer: the V4 layout
+    -> `store_dsv4_kv`; the V4.1 fp4 layouts (with or without in-kernel RoPE) ->
+    `compat.sglang.set_dsv4_v41_fp4_key_buffer`."""
     from kvwrite.compat import sglang as adapters
-    from kvwrite.facts import FP4_RECORDS
     from kvwrite.ops.dsv4 import store_dsv4_kv
 
-    token = FP4_RECORDS["nvfp4_v41"].token_bytes
+    mode, errors = _errors(buf, DSV4_FUSED_ROUTE)
+    if layout == "v4":
+        store_dsv4_kv(cache_k, buf, loc, page_size=page_size, check=mode, errors=errors, backend=backend)
+    else:
+        adapters.set_dsv4_v41_fp4_key_buffer(buf, loc, cache_k, page_size, freqs_cis,
+                                             interleaved=V41_FP4_LAYOUTS[layout], check=mode, errors=errors,
+                                             backend=backend)
+    _after(errors, buf)
 
+
+def _layout(pool: Any) -> str:
+    return str(getattr(pool.kv_layout, "value", pool.kv_layout))
+
+
+def _dsv4_fused(original: Callable, backend: str, state: Installed) -> Callable:
+    """`DeepSeekV4SingleKVPool.set_key_buffer_fused(layer_id, loc, cache_k, freqs_cis=None)`: the V4
+    and V4.1 fp4 layouts (`_store_dsv4`); the V4.1 fp8 layouts stay SGLang's."""
     def fused(self, layer_id, loc, cache_k, freqs_cis=None):
-        buf = self.kv_buffer[layer_id]
-        layout = str(getattr(self.kv_layout, "value", self.kv_layout))
-        if not _row_layout(buf, 2):
-            return _fallback(state, "dsv4_fused_not_contiguous", original, self, layer_id, loc, cache_k, freqs_cis)
-        if layout == "v4" and freqs_cis is None:
-            _count(state, "set_key_buffer_fused")
-            mode, errors = _errors(buf, DSV4_FUSED_ROUTE)
-            store_dsv4_kv(cache_k, buf, loc, page_size=self.page_size, check=mode, errors=errors, backend=backend)
-        elif layout in V41_FP4_LAYOUTS and buf.shape[1] == self.page_size * token:
-            _count(state, f"set_key_buffer_fused ({layout}{', RoPE' if freqs_cis is not None else ''})")
-            mode, errors = _errors(buf, DSV4_FUSED_ROUTE)
-            adapters.set_dsv4_v41_fp4_key_buffer(buf, loc, cache_k, self.page_size, freqs_cis,
-                                                 interleaved=V41_FP4_LAYOUTS[layout], check=mode, errors=errors,
-                                                 backend=backend)
-        else:    # V4.1 fp8 layouts (no kvwrite record), a padded fp4 page, V4 with RoPE (SGLang refuses it)
+        buf, layout = self.kv_buffer[layer_id], _layout(self)
+        if not _dsv4_target(buf, self.page_size, layout) or (layout == "v4" and freqs_cis is not None):
+            # V4.1 fp8 layouts (no kvwrite record), a padded fp4 page, V4 with RoPE (SGLang refuses it)
             why = f"dsv4_fused_{layout}{'_rope' if freqs_cis is not None else ''}"
             return _fallback(state, why, original, self, layer_id, loc, cache_k, freqs_cis)
-        _after(errors, buf)
+        _count(state, "set_key_buffer_fused" + (f" ({layout}{', RoPE' if freqs_cis is not None else ''})"
+                                                 if layout != "v4" else ""))
+        _store_dsv4(buf, loc, cache_k, self.page_size, layout, freqs_cis, backend)
     return _routed(fused, original)
 
 
-def _swa_radix_fused(original: Callable, state: Installed) -> Callable:
+def _swa_buffer(pool: Any, layer_id: int):
+    """(buffer, layout) of V4's SWA cache for `layer_id` as SGLang's SWA stores write it (its SWA
+    pool's buffer, or a request window's ring buffer: `get_swa_raw_buffer`, pages of
+    `swa_page_size`), or None where kvwrite has no record for it (a uniform-FP8 pool, V4.1 fp8)."""
+    if getattr(pool, "uniform_fp8", False):
+        return None
+    buf, layout = pool.get_swa_raw_buffer(layer_id), _layout(pool)
+    return (buf, layout) if _dsv4_target(buf, pool.swa_page_size, layout) else None
+
+
+def _swa_radix_fused(original: Callable, backend: str, state: Installed) -> Callable:
     """`DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused(layer_id, swa_loc, cache_k)` (V4's
-    SWA cache): SGLang's own fused store on its SWA pool's buffer, with that pool's page size and
-    layout, is that pool's `set_key_buffer_fused` (routed above); a request window's ring buffer,
-    a uniform-FP8 pool or another physical page size stays SGLang's."""
+    SWA cache: SGLang's fused_store_cache on `get_swa_raw_buffer`) -> `_store_dsv4`."""
     def fused(self, layer_id, swa_loc, cache_k):
-        pool = getattr(self, "swa_kv_pool", None)
-        own = next((c for c in type(pool).__mro__ if "set_key_buffer_fused" in vars(c)), None)
-        if (getattr(self, "request_window", None) is not None or pool is None
-                or own is None or own.__name__ != "DeepSeekV4SingleKVPool"
-                or pool.page_size != self.swa_page_size or str(pool.kv_layout) != str(self.kv_layout)):
-            return _fallback(state, "swa_radix_fused_not_a_pool_buffer", original, self, layer_id, swa_loc, cache_k)
-        return pool.set_key_buffer_fused(self._swa_local_layer_id(layer_id), swa_loc, cache_k)
+        target = _swa_buffer(self, layer_id)
+        if target is None:
+            return _fallback(state, f"swa_radix_fused_{_layout(self)}", original, self, layer_id, swa_loc, cache_k)
+        _count(state, "set_swa_key_buffer_radix_fused")
+        _store_dsv4(target[0], swa_loc, cache_k, self.swa_page_size, target[1], None, backend)
+    return _routed(fused, original)
+
+
+def _swa_norm_rope(original: Callable, backend: str, state: Installed) -> Callable:
+    """`DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused_norm_rope(layer_id, swa_loc, kv,
+    kv_weight, eps, freqs_cis, positions, q=None)` (the SWA store of SGLang's DeepSeek V4 attention:
+    RMSNorm + RoPE + store in one kernel) -> `compat.sglang.set_dsv4_norm_rope_key_buffer`; the
+    query RoPE fused into it (HIP only) stays SGLang's."""
+    from kvwrite.compat import sglang as adapters
+
+    def fused(self, layer_id, swa_loc, kv, kv_weight, eps, freqs_cis, positions, q=None):
+        target = None if q is not None else _swa_buffer(self, layer_id)
+        if target is None:
+            why = "swa_norm_rope_q" if q is not None else f"swa_norm_rope_{_layout(self)}"
+            return _fallback(state, why, original, self, layer_id, swa_loc, kv, kv_weight, eps, freqs_cis,
+                             positions, **({} if q is None else {"q": q}))
+        buf, layout = target
+        _count(state, "set_swa_key_buffer_radix_fused_norm_rope")
+        mode, errors = _errors(buf, DSV4_FUSED_ROUTE)
+        adapters.set_dsv4_norm_rope_key_buffer(buf, swa_loc, kv, kv_weight, eps, freqs_cis, positions,
+                                               self.swa_page_size, layout=layout, check=mode, errors=errors,
+                                               backend=backend)
+        _after(errors, buf)
     return _routed(fused, original)
 
 
@@ -448,7 +498,9 @@ def install(import_module: Callable[[str], Any] = importlib.import_module, backe
             (DSV4_POOLS, "DeepSeekV4SingleKVPool", "__init__", _init),
             (DSV4_POOLS, "DeepSeekV4SingleKVPool", "set_key_buffer_fused", lambda f: _dsv4_fused(f, backend, state)),
             (DSV4_POOLS, "DeepSeekV4TokenToKVPool", "set_swa_key_buffer_radix_fused",
-             lambda f: _swa_radix_fused(f, state)),
+             lambda f: _swa_radix_fused(f, backend, state)),
+            (DSV4_POOLS, "DeepSeekV4TokenToKVPool", "set_swa_key_buffer_radix_fused_norm_rope",
+             lambda f: _swa_norm_rope(f, backend, state)),
             (DSV4_POOLS, "DeepSeekV4IndexerPool", "set_index_fused", lambda f: _index_fused(f, backend, state)),
             (DSV4_POOLS, "DeepSeekV4IndexerPool", "set_index_fp4",
              lambda f: _index_fp4(f, backend, state, import_module)),
