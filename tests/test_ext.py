@@ -200,15 +200,20 @@ def compare_with_reference(backend, store_fn, pool, check):
 MLA_FORMATS = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "fp8_ds_mla": torch.uint8}
 
 
+def _pool_case(draw) -> dict:
+    """The fields every store case draws: input dtype, pool shape, tokens, strided input, check, seed."""
+    return dict(dtype=draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16])),
+                pps=draw(st.sampled_from([1, 16, 64])), pages=draw(st.integers(1, 4)), n=draw(st.integers(0, 70)),
+                strided=draw(st.booleans()), check=draw(st.sampled_from(["off", "assert", "guard"])),
+                seed=draw(st.integers(0, 2**16)))
+
+
 @st.composite
 def mla_cases(draw):
     fmt = draw(st.sampled_from(sorted(MLA_FORMATS)))
     lora = draw(st.sampled_from([512, 128, 256] if fmt == "fp8_ds_mla" else [512, 16, 33]))
     return dict(fmt=fmt, lora=lora, rope=draw(st.sampled_from([64, 8, 3])),
-                dtype=draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16])),
-                pps=draw(st.sampled_from([1, 16, 64])), pages=draw(st.integers(1, 4)), n=draw(st.integers(0, 70)),
-                strided=draw(st.booleans()), map_dcp=draw(st.booleans()),
-                check=draw(st.sampled_from(["off", "assert", "guard"])), seed=draw(st.integers(0, 2**16)))
+                map_dcp=draw(st.booleans()), **_pool_case(draw))
 
 
 @pytest.mark.parametrize("backend", EXT)
@@ -244,10 +249,7 @@ def test_store_mla_matches_reference(backend, c):
 def indexer_cases(draw):
     qbs = draw(st.sampled_from([128, 64, 32]))
     return dict(qbs=qbs, d=qbs * draw(st.sampled_from([1, 2, 4])), ue8m0=draw(st.booleans()),
-                dtype=draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16])),
-                pps=draw(st.sampled_from([1, 16, 64])), pages=draw(st.integers(1, 4)), n=draw(st.integers(0, 70)),
-                strided=draw(st.booleans()), use_map=draw(st.booleans()),
-                check=draw(st.sampled_from(["off", "assert", "guard"])), seed=draw(st.integers(0, 2**16)))
+                use_map=draw(st.booleans()), **_pool_case(draw))
 
 
 @pytest.mark.parametrize("backend", EXT)

@@ -10,34 +10,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
 import torch
+
+from kvwrite.bench.timing import cpu_median_us
 
 H, D, BS = 8, 128, 16
 NUM_BLOCKS = 4096
 
 
-def timeit(fn, elems: int, min_time: float = 0.15, repeats: int = 7) -> float:
-    """Median ns per element of `fn()` over `repeats` batches of at least `min_time` s."""
-    fn()
-    loops = 1
-    while True:
-        t = time.perf_counter()
-        for _ in range(loops):
-            fn()
-        if time.perf_counter() - t >= min_time / 4:
-            break
-        loops *= 2
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(loops):
-            fn()
-        times.append((time.perf_counter() - t) / loops)
-    return statistics.median(times) * 1e9 / elems
+def timeit(fn, elems: int) -> float:
+    """Median ns per element of `fn()` (kvwrite's own CPU timer, `kvwrite.bench.timing`)."""
+    return cpu_median_us(fn, min_time=0.15) * 1e3 / elems
 
 
 def main() -> int:

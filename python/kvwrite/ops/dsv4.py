@@ -39,6 +39,7 @@ from kvwrite.facts import (  # noqa: F401  (the formats' facts, re-exported)
 from kvwrite.geometry import PageGeometry, require_positive_int
 from kvwrite.ops import spec
 from kvwrite.ops._common import Check, Locs, impls
+from kvwrite.ops.indexer_k import StoreIndexerK
 
 OP_KV = "store_dsv4_kv"
 OP_INDEXER = "store_dsv4_indexer_k"
@@ -97,17 +98,10 @@ def store_dsv4_kv(kv: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, *,
 # --- store_dsv4_indexer_k --------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class StoreDSV4IndexerK:
-    """A validated store_dsv4_indexer_k call (field names of `ops.indexer_k.StoreIndexerK`, so
-    the fp8 rows run its reference and Triton kernel unchanged)."""
+class StoreDSV4IndexerK(StoreIndexerK):
+    """A validated store_dsv4_indexer_k call (a StoreIndexerK, so the fp8 rows run its reference and
+    Triton kernel unchanged)."""
 
-    k: torch.Tensor
-    cache: torch.Tensor
-    quant_block_size: int
-    ue8m0: bool
-    geometry: PageGeometry
-    locs: Locs
-    check: Check
     fmt: str = "fp8"
 
     @property

@@ -23,6 +23,15 @@ class Resolved:
     table: dict[int, torch.Tensor] | None = None   # page-table context record slots -> [N]
 
 
+def _bounded(live: torch.Tensor, bad: torch.Tensor, index: torch.Tensor, limit, checking: bool):
+    """(bad, write) once `index` of the live tokens is checked against [0, limit): checking, an index
+    outside is bad and not written; off, only a negative index (padding) is skipped."""
+    if not checking:
+        return bad, live & (index >= 0)
+    oob = live & ((index < 0) | (index >= limit))
+    return bad | oob, live & ~oob
+
+
 def _floordiv(x: torch.Tensor, d: int) -> torch.Tensor:
     return torch.div(x, d, rounding_mode="floor")
 
@@ -57,12 +66,7 @@ def resolve_table(locs: Locs, capacity: int, check: Check, pool_page_size: int) 
     live = live & ok
     page = indices[slot.clamp(0, max(n_table - 1, 0))] if n_table else torch.full_like(slot, -1)
     page = torch.where(live, page, -1)
-    if checking:
-        oob = live & ((page < 0) | (page >= num_pages))
-        bad = bad | oob
-        write = live & ~oob
-    else:
-        write = live & (page >= 0)
+    bad, write = _bounded(live, bad, page, num_pages, checking)
     is_batch, is_page = kind == _e.KIND_BATCH, kind == _e.KIND_TABLE_PAGE
     target = torch.where(is_batch, b, torch.where(is_page, page, slot))
     limit = torch.where(is_batch, n_batch, torch.where(is_page, num_pages, hi))
@@ -103,12 +107,7 @@ def resolve(locs: Locs, capacity: int, check: Check, pool_page_size: int = 1) ->
     elif locs.dcp_size > 1:
         live = live & ((row < 0) | (row % locs.dcp_size == locs.dcp_rank))
         row = torch.where(row >= 0, torch.div(row, locs.dcp_size, rounding_mode="floor"), row)
-    if checking:
-        oob = live & ((row < 0) | (row >= capacity))
-        bad = bad | oob
-        write = live & ~oob
-    else:
-        write = live & (row >= 0)
+    bad, write = _bounded(live, bad, row, capacity, checking)
     n_map = locs.loc_map.shape[0] if locs.loc_map is not None else 0
     target = torch.where(kind == KIND_LOC_MAP, loc, row)
     limit = torch.where(kind == KIND_LOC_MAP, torch.full_like(loc, n_map), torch.full_like(loc, capacity))

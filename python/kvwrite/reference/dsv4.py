@@ -40,23 +40,33 @@ def quantize_kv(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([nope, rope], dim=-1), _exponent_byte(scale)
 
 
+def page_regions(cache: torch.Tensor, pps: int, data: int, scale: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of a page-split cache: each page's `pps` data rows of `data` bytes `[pages, pps, data]`,
+    then its `pps` scale rows of `scale` bytes `[pages, pps, scale]` (any page padding after)."""
+    pages = cache.shape[0]
+    return (cache[:, :pps * data].view(pages, pps, data),
+            cache[:, pps * data:pps * (data + scale)].view(pages, pps, scale))
+
+
 def kv_regions(cache: torch.Tensor, pps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Views of a KV cache: data rows `[pages, pps, 576]`, scale rows `[pages, pps, 8]`."""
-    pages = cache.shape[0]
-    data = cache[:, :pps * DATA_ROW].view(pages, pps, DATA_ROW)
-    scales = cache[:, pps * DATA_ROW:pps * (DATA_ROW + SCALE_ROW)].view(pages, pps, SCALE_ROW)
-    return data, scales
+    return page_regions(cache, pps, DATA_ROW, SCALE_ROW)
+
+
+def _store(a, x: torch.Tensor, quantize, data: int, scale: int) -> None:
+    """Quantise the rows of `x` that `a` writes and put them (and their scales) at their locs."""
+    idx, page, offset = resolve_and_check(a.locs, a.geometry, a.check)
+    if not idx.numel():
+        return
+    rows, scales = quantize(x[idx])
+    data_rows, scale_rows = page_regions(a.cache, a.geometry.pool_page_size, data, scale)
+    data_rows[page, offset] = rows
+    scale_rows[page, offset, :scales.shape[-1]] = scales   # a pad byte is never written
 
 
 def store_dsv4_kv(a) -> None:
     """`a`: kvwrite.ops.dsv4.StoreDSV4KV."""
-    idx, page, offset = resolve_and_check(a.locs, a.geometry, a.check)
-    if not idx.numel():
-        return
-    rows, scales = quantize_kv(a.kv[idx])
-    data, scale_rows = kv_regions(a.cache, a.geometry.pool_page_size)
-    data[page, offset] = rows
-    scale_rows[page, offset, :TILES] = scales   # the pad byte is never written
+    _store(a, a.kv, quantize_kv, DATA_ROW, SCALE_ROW)
 
 
 def _read_locs(cache: torch.Tensor, loc: torch.Tensor, pps: int) -> tuple[torch.Tensor, ...]:
@@ -100,21 +110,13 @@ def quantize_mxfp4(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def mxfp4_regions(cache: torch.Tensor, pps: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
-    pages = cache.shape[0]
-    data = cache[:, :pps * (d // 2)].view(pages, pps, d // 2)
-    scales = cache[:, pps * (d // 2):].view(pages, pps, d // MXFP4_BLOCK)
-    return data, scales
+    return page_regions(cache, pps, d // 2, d // MXFP4_BLOCK)
 
 
 def store_dsv4_indexer_k(a) -> None:
     """`a`: kvwrite.ops.dsv4.StoreDSV4IndexerK with fmt "mxfp4" (fp8 runs reference.indexer_k)."""
-    idx, page, offset = resolve_and_check(a.locs, a.geometry, a.check)
-    if not idx.numel():
-        return
-    packed, scales = quantize_mxfp4(a.k[idx])
-    data, scale_rows = mxfp4_regions(a.cache, a.geometry.pool_page_size, a.k.shape[1])
-    data[page, offset] = packed
-    scale_rows[page, offset] = scales
+    d = a.k.shape[1]
+    _store(a, a.k, quantize_mxfp4, d // 2, d // MXFP4_BLOCK)
 
 
 def read_dsv4_indexer_k(cache: torch.Tensor, loc: torch.Tensor, *, head_dim: int = 128,
