@@ -99,6 +99,16 @@ def main(out: Path) -> None:
                   f" bytes differing from the good-rows-only result {v['sglang_alone']['bytes_differing_from_good_rows_only']}"
                   + (f" ({v['sglang_alone']['bytes_changed_outside_the_buffer']} outside the pool's buffer)"
                      if "bytes_changed_outside_the_buffer" in v["sglang_alone"] else "") + " |")
+        n = p.get("v4_swa_norm_rope")
+        if n:
+            print("\nDeepSeek V4's SWA store with the fused RMSNorm + RoPE "
+                  "(`DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused_norm_rope`, SGLang's CUDA-only kernel; "
+                  "the real pool class, kvwrite's bytes against its store of the norm + RoPE restated in torch):")
+            for k, v in n.items():
+                if isinstance(v, dict) and "caught" in v:
+                    print(f"- {k}: {'caught' if v['caught'] else 'no error'}; bytes differing from the expected "
+                          f"{v['bytes_differing_from_expected']}")
+            print(f"- routed calls {n['routed_calls']}, fallbacks {n['fallbacks']}")
         print(f"\n{p.get('report', '')}")
     else:
         print("not run")
