@@ -1,4 +1,6 @@
 """kvwrite: fast, bounds-checked stores of K/V into paged KV-cache pools."""
+from types import ModuleType as _ModuleType
+
 from kvwrite.backend import BackendUnavailable, backends
 from kvwrite.errors import ErrorBuffer, OutOfBoundsWrite, default_errors
 from kvwrite.geometry import GeometryError, PageGeometry
@@ -26,17 +28,6 @@ from kvwrite.config import (KVCacheConfigurator, KVPool, ModelSpec, ParallelSpec
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "BackendUnavailable", "ErrorBuffer", "GeometryError", "OutOfBoundsWrite", "PageGeometry",
-    "backends", "default_errors", "store_kv", "store_kv_head_major",
-    "dequant_ds_mla", "read_indexer_k", "store_indexer_k", "store_mla",
-    "AllocatorExhausted", "KVCacheConfigurator", "KVPool", "ModelSpec", "PagedAllocator", "ParallelSpec",
-    "PoolPlan", "VariantPlanner", "presets", "register_variant",
-    "dequant_nvfp4", "store_kv_nvfp4",
-    "compressed_loc", "dequant_dsv4_kv", "read_dsv4_indexer_k", "state_loc", "store_dsv4_indexer_k",
-    "store_dsv4_kv", "store_rows",
-    "PageTable",
-    "dequant_kv", "dequant_kv_int4", "rope_store_kv", "rope_store_mla",
-    "copy_pages", "gather", "move_rows", "slot_mapping",
-    "dequant_dsv4_kv_fp4", "rope_store_dsv4_kv_fp4", "store_dsv4_kv_fp4",
-]
+# the public names are what this module imports (no second list to keep in step)
+__all__ = sorted(name for name, value in globals().items()
+                 if not name.startswith("_") and not isinstance(value, _ModuleType))
