@@ -174,9 +174,10 @@ class CompressStatePool:
 
 class DeepSeekV4SingleKVPool:
     def __init__(self, layout="v4", page_bytes=None):
-        from kvwrite.facts import kv_page_bytes
+        from kvwrite.facts import kv_page_bytes, v41_fp8_page_bytes
         self.page_size, self.start_layer, self.kv_layout, self.own = IPAGE, 0, layout, []
-        page_bytes = page_bytes or (kv_page_bytes(IPAGE) if layout == "v4" else IPAGE * V41_FP4_TOKEN)
+        page_bytes = page_bytes or {"v4": kv_page_bytes(IPAGE), "v41": v41_fp8_page_bytes(IPAGE),
+                                    "v41_new": v41_fp8_page_bytes(IPAGE, True)}.get(layout, IPAGE * V41_FP4_TOKEN)
         self.kv_buffer = [_random_bytes(3, page_bytes) for _ in range(LAYERS)]
 
     def set_key_buffer_fused(self, layer_id, loc, cache_k, freqs_cis=None):
@@ -364,7 +365,7 @@ def test_report_lists_every_route_and_what_stays_sglangs(qenv):
         assert route in text.split("not routed")[0]
     assert "DeepSeekV4IndexerPool.set_index_fp4" in text.split("not routed")[0]
     not_routed = text.split("not routed")[1]
-    assert "vectorized_5d" in not_routed and "v41, v41_new" in not_routed and "set_index_fp4 on HIP" in not_routed
+    assert "vectorized_5d" in not_routed and "uniform-FP8" in not_routed and "set_index_fp4 on HIP" in not_routed
 
 
 def test_strided_page_major_views_stay_sglangs(env):
@@ -381,8 +382,8 @@ def test_strided_page_major_views_stay_sglangs(env):
 
 def test_v4_fused_stores_are_kvwrites_dsv4_stores(qenv):
     """SGLang's JIT store_cache entries of the V4 pools: kvwrite's store_dsv4_kv /
-    store_dsv4_indexer_k on the layer's buffer (every other byte unchanged); V4.1 layouts and
-    in-kernel RoPE stay SGLang's."""
+    store_dsv4_indexer_k on the layer's buffer (every other byte unchanged); the uniform-FP8 layout
+    and in-kernel RoPE on V4 stay SGLang's."""
     mods = qenv.mods[hook.DSV4_POOLS]
     pool = mods.DeepSeekV4SingleKVPool()
     want = pool.kv_buffer[1].clone()
@@ -392,10 +393,10 @@ def test_v4_fused_stores_are_kvwrites_dsv4_stores(qenv):
     pool.set_key_buffer_fused(1, loc, x)
     assert torch.equal(pool.kv_buffer[1], want) and pool.own == []
     pool.set_key_buffer_fused(1, loc, x, freqs_cis=torch.ones(3, 64))     # no in-kernel RoPE in V4
-    fp8 = mods.DeepSeekV4SingleKVPool(layout="v41", page_bytes=IPAGE * 528)
-    fp8.set_key_buffer_fused(0, loc, x)
-    assert pool.own == [1] and fp8.own == [0]
-    assert qenv.state.fallbacks == {"dsv4_fused_v4_rope": 1, "dsv4_fused_v41": 1}
+    uniform = mods.DeepSeekV4SingleKVPool(layout="uniform_fp8", page_bytes=IPAGE * 512)
+    uniform.set_key_buffer_fused(0, loc, x)
+    assert pool.own == [1] and uniform.own == [0]
+    assert qenv.state.fallbacks == {"dsv4_fused_v4_rope": 1, "dsv4_fused_uniform_fp8": 1}
     idx = mods.DeepSeekV4IndexerPool()
     want = idx.index_k_with_scale_buffer[0].clone()
     k = torch.randn(3, 128, device=DEVICE).bfloat16()
@@ -438,7 +439,7 @@ def _norm_rope_statement(kv, weight, eps, freqs_cis, positions):
     return torch.cat([x[:, :448], torch.view_as_real(rope).flatten(-2)], -1)
 
 
-@pytest.mark.parametrize("layout", ["v4", "v41_fp4"])
+@pytest.mark.parametrize("layout", ["v4", "v41_fp4", "v41"])
 def test_v4_swa_norm_rope_store_norms_ropes_and_stores(qenv, layout):
     """SGLang's DeepSeek V4 SWA store (`set_swa_key_buffer_radix_fused_norm_rope`, RMSNorm + RoPE +
     store in one kernel): routed, the bytes those of store_dsv4_kv (V4: from the fp32 normed and
@@ -461,7 +462,15 @@ def test_v4_swa_norm_rope_store_norms_ropes_and_stores(qenv, layout):
         normed = torch.nn.functional.rms_norm(kv.float(), (512,), weight.float(), 1e-6).bfloat16()
         rope = torch.view_as_complex(normed[:, 448:].float().reshape(-1, 32, 2).contiguous()) * freqs[positions.long()]
         rows = torch.cat([normed[:, :448], torch.view_as_real(rope).flatten(-2).bfloat16()], -1)
-        kvwrite.store_dsv4_kv_fp4(rows, want[1], loc, fmt="nvfp4_v41", page_size=IPAGE, backend="torch")
+        if layout == "v41_fp4":
+            kvwrite.store_dsv4_kv_fp4(rows, want[1], loc, fmt="nvfp4_v41", page_size=IPAGE, backend="torch")
+        else:
+            data, scales = _v41_fp8_record(rows)
+            for i, l in enumerate(loc.tolist()):
+                if l >= 0:
+                    p, o = divmod(l, IPAGE)
+                    want[1][p, o * 512:(o + 1) * 512] = data[i]
+                    want[1][p, IPAGE * 512 + o * 16:IPAGE * 512 + (o + 1) * 16] = scales[i]
     pool.set_swa_key_buffer_radix_fused_norm_rope(3, loc, kv, weight, 1e-6, freqs, positions)
     assert all(torch.equal(a, b) for a, b in zip(swa.kv_buffer, want)) and pool.own == []
     assert qenv.state.calls == {"set_swa_key_buffer_radix_fused_norm_rope": 1}
@@ -533,6 +542,51 @@ def test_v41_fp4_fused_store_is_kvwrites_nvfp4_v41_record(qenv, layout, rope):
             want[p, o * 288:o * 288 + 256], want[p, o * 288 + 256:(o + 1) * 288] = data, scale
     assert torch.equal(pool.kv_buffer[1], want) and pool.own == []
     assert qenv.state.calls == {f"set_key_buffer_fused ({layout}{', RoPE' if rope else ''})": 1}
+
+
+def _v41_fp8_record(x):
+    """SGLang's V4.1 fp8 record restated: per 32 values scale = 2^ceil(log2(max(amax / 448, 1e-4))),
+    e4m3 of x / scale, the scale's ue8m0 byte (exponent + 127)."""
+    v = x.float().view(-1, 16, 32)
+    scale = torch.exp2(torch.ceil(torch.log2(torch.clamp_min(v.abs().amax(-1) / 448, 1e-4))))
+    data = (v / scale[..., None]).to(torch.float8_e4m3fn).view(torch.uint8).view(-1, 512)
+    return data, (torch.log2(scale).to(torch.int32) + 127).to(torch.uint8)
+
+
+@pytest.mark.parametrize("layout", ["v41", "v41_new"])
+@pytest.mark.parametrize("rope", [False, True])
+def test_v41_fp8_fused_store_writes_sglangs_record(qenv, layout, rope):
+    """V4.1 fp8 pools: set_key_buffer_fused writes the 528-byte record (512 e4m3, 16 ue8m0; block-split
+    pages padded to 512 bytes, or each token's data then its scales for v41_new), every other byte
+    unchanged; with freqs_cis the RoPE tail is rotated first; a bad loc is caught in guard mode."""
+    pool = qenv.mods[hook.DSV4_POOLS].DeepSeekV4SingleKVPool(layout=layout)
+    before = pool.kv_buffer[1].clone()
+    x = (torch.randn(3, 512, device=DEVICE) * torch.logspace(-3, 2, 16, device=DEVICE).repeat_interleave(32)).bfloat16()
+    x[1, :32] = 0                                   # the 1e-4 floor
+    ang = torch.rand(3, 32, device=DEVICE) * 6
+    freqs = torch.complex(ang.cos().bfloat16().float(), ang.sin().bfloat16().float()) if rope else None
+    loc = torch.tensor([3, 70, -1], device=DEVICE)
+    pool.set_key_buffer_fused(1, loc, x, freqs)
+    data, scales = _v41_fp8_record(_v41_fp4_reference(x, loc, freqs))
+    want = before.clone()
+    for i, l in enumerate((3, 70)):
+        p, o = divmod(l, IPAGE)
+        at, sat = (o * 512, IPAGE * 512 + o * 16) if layout == "v41" else (o * 528, o * 528 + 512)
+        want[p, at:at + 512], want[p, sat:sat + 16] = data[i], scales[i]
+    assert torch.equal(pool.kv_buffer[1], want) and pool.own == []
+    assert qenv.state.calls == {f"set_key_buffer_fused ({layout}{', RoPE' if rope else ''})": 1}
+
+
+def test_v41_fp8_store_guard_catches_a_bad_loc(monkeypatch, qenv):
+    monkeypatch.setattr(validate, "DEFAULT_CHECK", "guard")
+    pool = qenv.mods[hook.DSV4_POOLS].DeepSeekV4SingleKVPool(layout="v41")
+    x = torch.randn(2, 512, device=DEVICE).bfloat16()
+    want = pool.kv_buffer[1].clone()
+    adapters.set_dsv4_v41_fp8_key_buffer(want, torch.tensor([5], device=DEVICE), x[:1], IPAGE, check="off")
+    with pytest.raises(kvwrite.OutOfBoundsWrite) as e:
+        pool.set_key_buffer_fused(1, torch.tensor([5, 3 * IPAGE], device=DEVICE), x)
+    assert e.value.token_index == 1 and e.value.loc == 3 * IPAGE
+    assert torch.equal(pool.kv_buffer[1], want)     # the good token written, no other byte
 
 
 def test_a_padded_v41_fp4_page_stays_sglangs(qenv):

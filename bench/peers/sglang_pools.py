@@ -97,16 +97,16 @@ def quantised_pools():
         size=2 * V4_PAGE, dtype=torch.float8_e4m3fn, qk_nope_head_dim=448, qk_rope_head_dim=64, **common), "dsv4_fused"
     yield "DeepSeek V4 c4 indexer, fused store (bf16 in, SGLang's store_cache)", lambda: v4.DeepSeekV4IndexerPool(
         size=2 * V4_PAGE, dtype=torch.float8_e4m3fn, index_head_dim=128, use_fp4_indexer=False, **common), "index_fused"
-    # V4.1 fp4 pools (SingleKVPool of layout v41_fp4 / v41_fp4_new): SGLang's writer is the same
-    # CUDA JIT store_cache; on CPU, SGLang's V4.1 FP4 oracle (`quantize_k_cache_v41_fp4`, what its
-    # store tests check the kernel against; `rope_tail` first with freqs_cis) at the kernel's addresses
+    # V4.1 pools (SingleKVPool of layout v41_fp4 / v41_fp4_new, v41 / v41_new): SGLang's writer is the
+    # same CUDA JIT store_cache; on CPU, SGLang's V4.1 oracles (`quantize_k_cache_v41_fp4` /
+    # `quantize_k_cache_v41`, what its store tests check the kernel against; `rope_tail` first with
+    # freqs_cis) at the kernel's addresses
     v41 = dict(size=2 * V4_PAGE, dtype=torch.float8_e4m3fn, qk_nope_head_dim=448, qk_rope_head_dim=64, **common)
-    yield "DeepSeek V4.1 KV fp4 (SingleKVPool v41_fp4, fused store; SGLang's V4.1 oracle)", \
-        lambda: v4.DeepSeekV4SingleKVPool(kv_layout="v41_fp4", **v41), "v41_fp4"
-    yield "DeepSeek V4.1 KV fp4 interleaved (SingleKVPool v41_fp4_new, fused store; SGLang's V4.1 oracle)", \
-        lambda: v4.DeepSeekV4SingleKVPool(kv_layout="v41_fp4_new", **v41), "v41_fp4"
-    yield "DeepSeek V4.1 KV fp4 with in-kernel RoPE (v41_fp4, freqs_cis; SGLang's rope_tail + V4.1 oracle)", \
-        lambda: v4.DeepSeekV4SingleKVPool(kv_layout="v41_fp4", **v41), "v41_fp4_rope"
+    for what, split, interleaved in (("fp4", "v41_fp4", "v41_fp4_new"), ("fp8", "v41", "v41_new")):
+        for layout, kind, how in ((split, "v41", "fused store"), (interleaved, "v41", "interleaved, fused store"),
+                                  (split, "v41_rope", "fused store with in-kernel RoPE, freqs_cis")):
+            yield f"DeepSeek V4.1 KV {what} (SingleKVPool {layout}, {how}; SGLang's V4.1 oracle)", \
+                lambda layout=layout: v4.DeepSeekV4SingleKVPool(kv_layout=layout, **v41), kind
     # the fp4 indexer (set_index_fp4: SGLang's Triton quantiser and store kernel, run by the interpreter)
     for rne, which in ((False, "c4: threshold rounding"), (True, "low-ratio: index_k_rne")):
         yield f"DeepSeek V4 fp4 indexer (IndexerPool set_index_fp4, {which})", \
@@ -134,17 +134,20 @@ def fused_store_cache_cpu(input, cache, indices, *, page_size, type, layout=None
     if layout is KVLayout.V4:
         assert freqs_cis is None
         return triton_fused_store_cache(input, cache, indices, page_size=page_size, type=type)
-    assert layout.is_fp4, f"no CPU stand-in for SGLang's {layout} store"
     from sglang.srt.layers.attention.dsv4.dsv41_sparse import rope_tail
-    from sglang.test.kernels.deepseek_v4.dsv41_kv_quant_reference import quantize_k_cache_v41_fp4
+    from sglang.test.kernels.deepseek_v4.dsv41_kv_quant_reference import (quantize_k_cache_v41,
+                                                                          quantize_k_cache_v41_fp4)
+    assert layout.encoding in (KVLayout.V41, KVLayout.V41_FP4), f"no CPU stand-in for SGLang's {layout} store"
+    oracle = quantize_k_cache_v41_fp4 if layout.is_fp4 else quantize_k_cache_v41
     x = rope_tail(input, freqs_cis, 64) if freqs_cis is not None else input
-    rec = quantize_k_cache_v41_fp4(x.view(-1, 1, 512), page_bytes=288)      # one 288-byte record a token
+    rec = oracle(x.view(-1, 1, 512), page_bytes=layout.bytes_per_token)     # one record a token
+    db = layout.data_bytes
     data_stride, scale_base, scale_stride = layout.row_addressing(page_size)
     flat = cache.as_strided((cache.untyped_storage().nbytes(),), (1,), 0)   # the whole backing
     loc = indices.to(torch.int64)
     page, slot = torch.div(loc, page_size, rounding_mode="floor"), loc % page_size
     base = cache.storage_offset() + page * cache.stride(0)
-    for at, part in ((base + slot * data_stride, rec[:, :256]), (base + scale_base + slot * scale_stride, rec[:, 256:])):
+    for at, part in ((base + slot * data_stride, rec[:, :db]), (base + scale_base + slot * scale_stride, rec[:, db:])):
         addr = at[:, None] + torch.arange(part.shape[1])
         ok = (addr >= 0) & (addr < flat.numel())      # outside the process's backing: not emulated
         flat[addr[ok]] = part[ok]
@@ -277,10 +280,10 @@ def quantised_store(pool, kind: str, layer: int, loc: torch.Tensor, gen: torch.G
         pool.set_index_fused(layer, loc[keep].contiguous(), exact(N, 128, 128, gen).bfloat16()[keep].contiguous())
     elif kind == "index_fp4":       # SGLang quantises on both sides: random bf16 keys
         pool.set_index_fp4(layer, loc[keep].contiguous(), torch.randn(N, 128, generator=gen).bfloat16()[keep].contiguous())
-    elif kind in ("v41_fp4", "v41_fp4_rope"):
+    elif kind in ("v41", "v41_rope"):
         x = torch.randn(N, 512, generator=gen).bfloat16()
         freqs = None
-        if kind == "v41_fp4_rope":      # per-token freqs_cis [N, 32] complex64: polar(1, position * inv_freq)
+        if kind == "v41_rope":      # per-token freqs_cis [N, 32] complex64: polar(1, position * inv_freq)
             pos = torch.randint(0, 65536, (N, 1), generator=gen).float()
             inv = 1.0 / 10000 ** (torch.arange(0, 64, 2).float() / 64)
             freqs = torch.polar(torch.ones(N, 32), pos * inv)[keep].contiguous()

@@ -202,6 +202,19 @@ FP8_BLOCK = 128             # indexer values per fp32 scale ("fp8")
 MXFP4_BLOCK = 32            # indexer values per ue8m0 scale ("mxfp4")
 INDEXER_FMT_CODE = {"fp8": 0, "mxfp4": 1}
 RATIOS = (4, 128)           # the compressed caches of V4
+# DeepSeek-V4.1's fp8 record (SGLang's V41 / V41_NEW layouts): all 512 values e4m3, one ue8m0 scale
+# per 32, 2^ceil(log2(max(amax / 448, 1e-4))); a page is its data rows then its scale rows, padded
+# to a multiple of 512 bytes (V41_NEW: each token's data then its scales, no padding)
+V41_FP8_GROUP = 32
+V41_FP8_SCALES = KV_DIM // V41_FP8_GROUP      # 16
+V41_FP8_TOKEN = KV_DIM + V41_FP8_SCALES       # 528 bytes
+V41_FP8_PAGE_ALIGN = KV_DIM
+
+
+def v41_fp8_page_bytes(pool_page_size: int, interleaved: bool = False) -> int:
+    """Bytes of one V4.1 fp8 page: pool_page_size * 528, block-split pages padded to 512 (64 -> 33792)."""
+    raw = require_positive_int("page_size", pool_page_size) * V41_FP8_TOKEN
+    return raw if interleaved else -(-raw // V41_FP8_PAGE_ALIGN) * V41_FP8_PAGE_ALIGN
 
 
 def kv_page_bytes(pool_page_size: int) -> int:

@@ -30,6 +30,9 @@ Where kvwrite differs from SGLang (and why):
   kernel may contract them into FMAs (a different bf16 only where that moves the fp32 result
   across a bf16 rounding boundary). NaN / inf: SGLang's kernel leaves them unhandled, kvwrite
   stores its special-value rule (`kvwrite.reference.dsv4_fp4`).
+- DeepSeek V4.1 fp8 records (`set_dsv4_v41_fp8_key_buffer`): quantised in torch
+  (`kvwrite.reference.dsv4.quantize_v41_fp8`), then a bounds-checked byte copy; NaN / inf:
+  kvwrite's special-value rule (SGLang's oracle turns a non-finite amax into the ue8m0 NaN byte).
 - The fp4 indexer (`set_fp4_index_k_buffer`) copies SGLang's own quantised bytes: kvwrite's
   `store_dsv4_indexer_k(fmt="mxfp4")` writes the same layout but a zero code keeps its sign
   (SGLang: 0x0), the scale floor is max(amax, 1e-4) / 6 (SGLang: max(amax / 6, 1e-4)) and ties go
@@ -53,7 +56,7 @@ from kvwrite.ops.kv import store_kv
 from kvwrite.ops.mla import store_mla
 
 __all__ = ["move_kv_cache", "set_dsv4_key_buffer", "set_dsv4_norm_rope_key_buffer", "set_dsv4_v41_fp4_key_buffer",
-           "set_fp4_index_k_buffer", "set_index_k_buffer", "set_index_k_scale_buffer", "set_kv_buffer", "set_mla_kv_buffer",
+           "set_dsv4_v41_fp8_key_buffer", "set_fp4_index_k_buffer", "set_index_k_buffer", "set_index_k_scale_buffer", "set_kv_buffer", "set_mla_kv_buffer",
            "store_page_parts"]
 
 INDEX_HEAD_DIM = 128     # SGLang's NSA indexer: head_dim 128, one fp32 scale per 128 values
@@ -400,11 +403,12 @@ def set_dsv4_norm_rope_key_buffer(kv_buffer: torch.Tensor, loc: torch.Tensor, kv
     if layout == "v4":
         store_dsv4_kv(_rope_tail(normed, rows), kv_buffer, loc, page_size=page_size, check=check, errors=errors,
                       backend=backend)
-    elif layout in ("v41_fp4", "v41_fp4_new"):
-        set_dsv4_v41_fp4_key_buffer(kv_buffer, loc, normed.to(x.dtype), page_size, rows,
-                                    interleaved=layout == "v41_fp4_new", check=check, errors=errors, backend=backend)
+    elif layout in V41_LAYOUTS:
+        write, interleaved = V41_LAYOUTS[layout]
+        write(kv_buffer, loc, normed.to(x.dtype), page_size, rows, interleaved=interleaved, check=check,
+              errors=errors, backend=backend)
     else:
-        raise ValueError(f"layout must be 'v4', 'v41_fp4' or 'v41_fp4_new', got {layout!r}")
+        raise ValueError(f"layout must be 'v4' or one of {sorted(V41_LAYOUTS)}, got {layout!r}")
 
 
 def set_dsv4_v41_fp4_key_buffer(kv_buffer: torch.Tensor, loc: torch.Tensor, cache_k: torch.Tensor,
@@ -438,6 +442,41 @@ def set_dsv4_v41_fp4_key_buffer(kv_buffer: torch.Tensor, loc: torch.Tensor, cach
                       backend=backend)
 
 
+def set_dsv4_v41_fp8_key_buffer(kv_buffer: torch.Tensor, loc: torch.Tensor, cache_k: torch.Tensor,
+                                page_size: int, freqs_cis: torch.Tensor | None = None, *,
+                                interleaved: bool = False, check: str | None = None,
+                                errors: ErrorBuffer | None = None, backend: str = "auto") -> None:
+    """`DeepSeekV4SingleKVPool.set_key_buffer_fused` of a V4.1 fp8 pool (SGLang's JIT
+    `fused_store_cache(type="flashmla", layout=V41 / V41_NEW)`): `cache_k` `[N, 512]` quantised into
+    the 528-byte record (`kvwrite.reference.dsv4.quantize_v41_fp8`: e4m3 over a ue8m0 scale per 32
+    values, in torch: kvwrite has no kernel for this record yet), its bytes then written by
+    `store_page_parts` (bounds-checked, -1 skipped). Block-split (`V41`): a page is page_size data
+    rows of 512 bytes, then page_size scale rows of 16, padded to a multiple of 512; `interleaved`
+    (`V41_NEW`): each token's 512 data bytes then its 16 scales (the buffer viewed as one-token
+    pages: errors then name the loc as the page). `freqs_cis`: the RoPE tail rotated first
+    (`_rope_tail`), as SGLang's in-kernel RoPE."""
+    from kvwrite.facts import KV_DIM, V41_FP8_SCALES, V41_FP8_TOKEN, v41_fp8_page_bytes
+    from kvwrite.reference.dsv4 import quantize_v41_fp8
+
+    page_size = require_positive_int("page_size", page_size)
+    buf = validate.tensor("kv_buffer", kv_buffer, ndim=2, dtypes=(torch.uint8,))
+    want = v41_fp8_page_bytes(page_size, interleaved)
+    if buf.shape[1] != want or not buf.is_contiguous():
+        raise ValueError(f"kv_buffer must be contiguous [num_pages, {want}] (V4.1 fp8 pages of {page_size} tokens"
+                         f"{', interleaved' if interleaved else ''}), got {list(buf.shape)}")
+    k = validate.tensor("cache_k", cache_k, ndim=2, device=buf.device)
+    if k.shape[1] != KV_DIM:
+        raise ValueError(f"cache_k must be [N, {KV_DIM}], got {list(k.shape)}")
+    if freqs_cis is not None:
+        k = _rope_tail(k, freqs_cis)
+    data, scales = quantize_v41_fp8(k)
+    if interleaved:     # a token's record is one 528-byte row
+        parts, buf, page_size = ((torch.cat([data, scales], 1), 0, V41_FP8_TOKEN),), buf.view(-1, V41_FP8_TOKEN), 1
+    else:
+        parts = ((data, 0, KV_DIM), (scales, page_size * KV_DIM, V41_FP8_SCALES))
+    store_page_parts(buf, loc, parts, page_size, check=check, errors=errors, backend=backend)
+
+
 def move_kv_cache(k_buffer, v_buffer, tgt_loc: torch.Tensor, src_loc: torch.Tensor, *,
                   check: str | None = None, errors: ErrorBuffer | None = None, backend: str = "auto") -> None:
     """`MHATokenToKVPool.move_kv_cache(tgt_loc, src_loc)`: in every layer's K and V buffer
@@ -458,3 +497,8 @@ def move_kv_cache(k_buffer, v_buffer, tgt_loc: torch.Tensor, src_loc: torch.Tens
             bufs.append(b)
     for b in bufs:
         move_rows(b.unsqueeze(1), src_loc, tgt_loc, check=check, errors=errors, backend=backend)
+
+
+# SGLang's V4.1 KVLayout values -> (their kvwrite writer, interleaved)
+V41_LAYOUTS = {"v41_fp4": (set_dsv4_v41_fp4_key_buffer, False), "v41_fp4_new": (set_dsv4_v41_fp4_key_buffer, True),
+               "v41": (set_dsv4_v41_fp8_key_buffer, False), "v41_new": (set_dsv4_v41_fp8_key_buffer, True)}

@@ -33,10 +33,12 @@ own dtype handling, so every attention backend that writes through a pool is rou
   first, as SGLang's kernel does) -> `kvwrite.store_dsv4_kv_fp4(fmt="nvfp4_v41")`
   (`compat.sglang.set_dsv4_v41_fp4_key_buffer`; the same encoding as SGLang's kernel and its
   V4.1 oracle, byte-equal to the oracle; NaN / inf, which SGLang's kernel does not handle, aside);
+  the V4.1 fp8 layouts (`v41`, `v41_new`: 512 e4m3 + 16 ue8m0 a token) ->
+  `compat.sglang.set_dsv4_v41_fp8_key_buffer` (quantised in torch, then a bounds-checked byte copy);
 - DeepSeek V4's SWA store with the norm fused (`DeepSeekV4TokenToKVPool
   .set_swa_key_buffer_radix_fused_norm_rope`, what SGLang's V4 attention calls for its SWA writes:
   RMSNorm + RoPE + store in one CUDA kernel) -> `compat.sglang.set_dsv4_norm_rope_key_buffer` (the
-  norm and the rotation in fp32 torch, then `store_dsv4_kv` / the V4.1 fp4 record);
+  norm and the rotation in fp32 torch, then `store_dsv4_kv` / the V4.1 records);
 - DeepSeek V4's fp4 indexer: `DeepSeekV4IndexerPool.set_index_fp4` (CUDA / Triton layout, both
   `index_k_rne` settings) -> SGLang's own `quantize_fp4_indexer_tensor`, then its bytes through
   `compat.sglang.set_fp4_index_k_buffer` (a bounds-checked byte copy). Not kvwrite's
@@ -92,15 +94,12 @@ NOT_ROUTED = {
     "Unified pools (UnifiedMHATokenToKVPool / UnifiedMLATokenToKVPool: page-major strided views of one "
     "shared buffer)": "kvwrite routes contiguous per-layer buffers only; these writes stay SGLang's",
     "dsa_index_k_cache.SetKAndS (ROCm preshuffled index-K)": "tiled key layout: no kvwrite layout",
-    "DeepSeekV4SingleKVPool.set_key_buffer_fused of the V4.1 fp8 layouts (v41, v41_new: 512 e4m3 + 16 "
-    "ue8m0, one per 32 values)": "no kvwrite record for the V4.1 fp8 encoding (kvwrite's V4.1 record is "
-    "the fp4 one, nvfp4_v41)",
     "DeepSeekV4SingleKVPool.set_key_buffer_fused of a V4.1 fp4 pool with padded pages (page_size * 288 "
     "not a multiple of 256)": "kvwrite's FP4 records have no page padding",
     "DeepSeekV4IndexerPool.set_index_fp4 on HIP (aiter's split payload / scale buffers, page8)":
         "a transposed layout: no kvwrite layout",
-    "DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused(_norm_rope) into a uniform-FP8 SWA pool, a "
-    "V4.1 fp8 layout, or a buffer whose pages are not swa_page_size": "no kvwrite record for it",
+    "DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused(_norm_rope) into a uniform-FP8 SWA pool, or a "
+    "buffer whose pages are not swa_page_size": "no kvwrite record for it",
     "DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused_norm_rope with q (HIP: the query RoPE fused "
     "into the K store)": "kvwrite's store does not rotate the query heads",
     "DeepSeekV4TokenToKVPool.set_unified_key_buffer_radix_fused_norm_rope": "a unified pool (see above)",
@@ -289,35 +288,35 @@ DSV4_FUSED_ROUTE = Route(DSV4_POOLS, "DeepSeekV4SingleKVPool.set_key_buffer_fuse
 INDEX_FUSED_ROUTE = Route(DSV4_POOLS, "DeepSeekV4IndexerPool.set_index_fused", "store_dsv4_indexer_k", None, 0)
 
 
-V41_FP4_LAYOUTS = {"v41_fp4": False, "v41_fp4_new": True}     # SGLang's KVLayout value -> interleaved
-
-
 def _dsv4_target(buf: Any, page_size: int, layout: str) -> bool:
     """A V4 buffer kvwrite's records fill: contiguous pages of the V4 layout (FlashMLA's padded
-    584-byte rows) or of an unpadded V4.1 fp4 layout."""
-    from kvwrite.facts import FP4_RECORDS, kv_page_bytes
+    584-byte rows), of an unpadded V4.1 fp4 layout, or of a V4.1 fp8 layout."""
+    from kvwrite.compat.sglang import V41_LAYOUTS
+    from kvwrite.facts import FP4_RECORDS, kv_page_bytes, v41_fp8_page_bytes
 
     if not _row_layout(buf, 2):
         return False
     if layout == "v4":
         return buf.shape[1] == kv_page_bytes(page_size)
-    return layout in V41_FP4_LAYOUTS and buf.shape[1] == page_size * FP4_RECORDS["nvfp4_v41"].token_bytes
+    if layout in ("v41", "v41_new"):
+        return buf.shape[1] == v41_fp8_page_bytes(page_size, V41_LAYOUTS[layout][1])
+    return layout in V41_LAYOUTS and buf.shape[1] == page_size * FP4_RECORDS["nvfp4_v41"].token_bytes
 
 
 def _store_dsv4(buf, loc, cache_k, page_size: int, layout: str, freqs_cis, backend: str) -> None:
     """SGLang's JIT `fused_store_cache(type="flashmla")` into a `_dsv4_target` buffer: the V4 layout
-    -> `store_dsv4_kv`; the V4.1 fp4 layouts (with or without in-kernel RoPE) ->
-    `compat.sglang.set_dsv4_v41_fp4_key_buffer`."""
-    from kvwrite.compat import sglang as adapters
+    -> `store_dsv4_kv`; the V4.1 layouts (fp4 and fp8, with or without in-kernel RoPE) -> their
+    `compat.sglang.V41_LAYOUTS` writer."""
+    from kvwrite.compat.sglang import V41_LAYOUTS
     from kvwrite.ops.dsv4 import store_dsv4_kv
 
     mode, errors = _errors(buf, DSV4_FUSED_ROUTE)
     if layout == "v4":
         store_dsv4_kv(cache_k, buf, loc, page_size=page_size, check=mode, errors=errors, backend=backend)
     else:
-        adapters.set_dsv4_v41_fp4_key_buffer(buf, loc, cache_k, page_size, freqs_cis,
-                                             interleaved=V41_FP4_LAYOUTS[layout], check=mode, errors=errors,
-                                             backend=backend)
+        write, interleaved = V41_LAYOUTS[layout]
+        write(buf, loc, cache_k, page_size, freqs_cis, interleaved=interleaved, check=mode, errors=errors,
+              backend=backend)
     _after(errors, buf)
 
 
@@ -327,11 +326,11 @@ def _layout(pool: Any) -> str:
 
 def _dsv4_fused(original: Callable, backend: str, state: Installed) -> Callable:
     """`DeepSeekV4SingleKVPool.set_key_buffer_fused(layer_id, loc, cache_k, freqs_cis=None)`: the V4
-    and V4.1 fp4 layouts (`_store_dsv4`); the V4.1 fp8 layouts stay SGLang's."""
+    and V4.1 layouts (`_store_dsv4`)."""
     def fused(self, layer_id, loc, cache_k, freqs_cis=None):
         buf, layout = self.kv_buffer[layer_id], _layout(self)
         if not _dsv4_target(buf, self.page_size, layout) or (layout == "v4" and freqs_cis is not None):
-            # V4.1 fp8 layouts (no kvwrite record), a padded fp4 page, V4 with RoPE (SGLang refuses it)
+            # a padded V4.1 fp4 page, uniform fp8, V4 with RoPE (SGLang refuses it)
             why = f"dsv4_fused_{layout}{'_rope' if freqs_cis is not None else ''}"
             return _fallback(state, why, original, self, layer_id, loc, cache_k, freqs_cis)
         _count(state, "set_key_buffer_fused" + (f" ({layout}{', RoPE' if freqs_cis is not None else ''})"
@@ -343,7 +342,7 @@ def _dsv4_fused(original: Callable, backend: str, state: Installed) -> Callable:
 def _swa_buffer(pool: Any, layer_id: int):
     """(buffer, layout) of V4's SWA cache for `layer_id` as SGLang's SWA stores write it (its SWA
     pool's buffer, or a request window's ring buffer: `get_swa_raw_buffer`, pages of
-    `swa_page_size`), or None where kvwrite has no record for it (a uniform-FP8 pool, V4.1 fp8)."""
+    `swa_page_size`), or None where kvwrite has no record for it (a uniform-FP8 pool)."""
     if getattr(pool, "uniform_fp8", False):
         return None
     buf, layout = pool.get_swa_raw_buffer(layer_id), _layout(pool)

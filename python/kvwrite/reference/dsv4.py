@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kvwrite.facts import (AMAX_FLOOR, DATA_ROW, KV_DIM, MXFP4_BLOCK, NOPE, SCALE_ROW, TILE,
+from kvwrite.facts import (AMAX_FLOOR, DATA_ROW, KV_DIM, MXFP4_BLOCK, NOPE, SCALE_ROW, TILE, V41_FP8_GROUP,
                               TILES, indexer_pool_page_size, kv_pool_page_size)
 from kvwrite.reference._locs import resolve_and_check
 from kvwrite.reference.indexer_k import read_indexer_k, ue8m0
@@ -46,6 +46,17 @@ def page_regions(cache: torch.Tensor, pps: int, data: int, scale: int) -> tuple[
     pages = cache.shape[0]
     return (cache[:, :pps * data].view(pages, pps, data),
             cache[:, pps * data:pps * (data + scale)].view(pages, pps, scale))
+
+
+def quantize_v41_fp8(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 bytes `[N, 512]`, ue8m0 bytes `[N, 16]`) of DeepSeek-V4.1's fp8 record: one scale per
+    32 values, 2^ceil(log2(max(amax / 448, 1e-4))) (the floor after the division, unlike the V4
+    record's); special values as the other quantised stores (finite amax, NaN -> 0x7F)."""
+    n = kv.shape[0]
+    x = kv.float().reshape(n, KV_DIM // V41_FP8_GROUP, V41_FP8_GROUP)
+    scale = ue8m0(torch.clamp(finite_amax(x) / 448.0, min=AMAX_FLOOR))
+    data = quantize_fp8(x, scale[..., None], torch.float8_e4m3fn).view(torch.uint8).reshape(n, KV_DIM)
+    return data, _exponent_byte(scale)
 
 
 def kv_regions(cache: torch.Tensor, pps: int) -> tuple[torch.Tensor, torch.Tensor]:
