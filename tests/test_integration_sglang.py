@@ -369,8 +369,8 @@ def test_report_lists_every_route_and_what_stays_sglangs(qenv):
 
 
 def test_strided_page_major_views_stay_sglangs(env):
-    """SGLang's unified pools hand `_store_kv_layer` / `_scatter_mla_rows` page-major strided views
-    of one shared buffer: not kvwrite's row layout, so SGLang's own write runs."""
+    """Views whose rows are not dense (strided heads, page-major 4-D views) are not kvwrite's row
+    layout: SGLang's own write runs."""
     pool = env.pools.MHATokenToKVPool()
     pool.k_buffer = [torch.zeros(SIZE + PAGE, 4, 16, device=DEVICE)[:, ::2] for _ in range(LAYERS)]
     pool._store_kv_layer(0, torch.tensor([9]), torch.ones(1, 2, 16), torch.ones(1, 2, 16))
@@ -679,3 +679,31 @@ def test_a_store_of_no_tokens_writes_nothing(qenv):
                                              index_k=torch.zeros(0, 128, device=DEVICE).to(torch.float8_e4m3fn),
                                              index_k_scale=torch.zeros(0, device=DEVICE))
     assert torch.equal(buf, before)
+
+
+def test_unified_pools_token_major_views_are_routed(env):
+    """SGLang's unified pools hand `_store_kv_layer` / `_scatter_mla_rows` token-major views of one
+    shared buffer (dense rows, a whole entry apart): routed, bytes as on contiguous buffers, and no
+    byte of the shared buffer outside the written rows changes."""
+    entry = 2 * 2 * 16 + 8                          # K row, V row and 8 elements of another sub-pool a slot
+    shared = torch.randn(SIZE + PAGE, entry, device=DEVICE).bfloat16()
+    pool = env.pools.MHATokenToKVPool()
+    pool.k_buffer = [shared[:, :32].view(-1, 2, 16)] * LAYERS
+    pool.v_buffer = [shared[:, 32:64].view(-1, 2, 16)] * LAYERS
+    want = shared.clone()
+    k, v = torch.randn(3, 2, 16, device=DEVICE).bfloat16(), torch.randn(3, 2, 16, device=DEVICE).bfloat16()
+    loc = torch.tensor([9, 33, 17], device=DEVICE)
+    kb, vb = want[:, :32].contiguous().view(-1, 2, 16), want[:, 32:64].contiguous().view(-1, 2, 16)
+    adapters.set_kv_buffer(kb, vb, loc, k, v, PAGE, backend="torch")
+    want[:, :32], want[:, 32:64] = kb.view(-1, 32), vb.view(-1, 32)
+    pool._store_kv_layer(0, loc, k, v)
+    assert torch.equal(shared, want) and pool.own == [] and env.state.calls == {"set_kv_buffer": 1}
+    mla = env.pools.MLATokenToKVPool()
+    shared = torch.randn(SIZE + PAGE, 40, device=DEVICE).bfloat16()
+    want = shared.clone()
+    nope, rope = torch.randn(3, 1, 16, device=DEVICE).bfloat16(), torch.randn(3, 1, 8, device=DEVICE).bfloat16()
+    rows = want[:, 8:32].contiguous().view(-1, 1, 24)
+    adapters.set_mla_kv_buffer(rows, loc, nope, rope, PAGE, backend="torch")
+    want[:, 8:32] = rows.view(-1, 24)
+    mla._scatter_mla_rows(shared[:, 8:32].view(-1, 1, 24), loc, nope, rope)
+    assert torch.equal(shared, want)

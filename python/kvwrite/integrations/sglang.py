@@ -7,7 +7,8 @@ starts (its schedulers are spawned: a `sitecustomize` on their PYTHONPATH instal
 own dtype handling, so every attention backend that writes through a pool is routed:
 - MHA: `MHATokenToKVPool._store_kv_layer` (the NHD path every `set_kv_buffer` of an MHA pool
   ends in; SWA pools translate full->SWA locs and write through an MHA pool, so SWA layers are
-  routed too) -> `kvwrite.compat.sglang.set_kv_buffer`;
+  routed too; the unified pools' token-major views of one shared buffer as well) ->
+  `kvwrite.compat.sglang.set_kv_buffer`;
 - MLA: `MLATokenToKVPool._scatter_mla_rows` (plain, fp8 and DSA fp8 rows: SGLang has already
   quantised them, kvwrite copies the bytes) -> `kvwrite.compat.sglang.set_mla_kv_buffer`; under
   DCP (a sharded pool: widened locs) with this rank's `dcp_rank` / `dcp_size` (SGLang's
@@ -91,8 +92,8 @@ NOT_ROUTED = {
     "MLATokenToKVPool, DCP-sharded writes without rope (qk_rope_head_dim 0)": "SGLang's no-rope kernel "
         "ignores DCP (writes the widened loc unsharded); kvwrite's sharded store would write other rows",
     "MLATokenToKVPool.set_kv_buffer": "an indexed assignment (bounds-checked by torch itself)",
-    "Unified pools (UnifiedMHATokenToKVPool / UnifiedMLATokenToKVPool: page-major strided views of one "
-    "shared buffer)": "kvwrite routes contiguous per-layer buffers only; these writes stay SGLang's",
+    "Page-major 4-D strided views (PageMajorMHATokenToKVPool, not constructible in SGLang 0.5.23)":
+        "kvwrite routes per-layer buffers of dense rows (contiguous, or a unified pool's token-major view)",
     "dsa_index_k_cache.SetKAndS (ROCm preshuffled index-K)": "tiled key layout: no kvwrite layout",
     "DeepSeekV4SingleKVPool.set_key_buffer_fused of a V4.1 fp4 pool with padded pages (page_size * 288 "
     "not a multiple of 256)": "kvwrite's FP4 records have no page padding",
@@ -146,7 +147,7 @@ def _store_kv_layer(original: Callable, backend: str, state: Installed) -> Calla
     def store(self, layer_idx, loc, cache_k, cache_v):
         if getattr(self, "kv_cache_layout", None) == "vectorized_5d":
             return _fallback(state, "vectorized_5d", original, self, layer_idx, loc, cache_k, cache_v)
-        if not (_row_layout(self.k_buffer[layer_idx], 3) and _row_layout(self.v_buffer[layer_idx], 3)):
+        if not (_row_layout(self.k_buffer[layer_idx], 3, True) and _row_layout(self.v_buffer[layer_idx], 3, True)):
             return _fallback(state, "mha_page_major_views", original, self, layer_idx, loc, cache_k, cache_v)
         _count(state, "set_kv_buffer")
         kb, vb = self.k_buffer[layer_idx], self.v_buffer[layer_idx]
@@ -169,10 +170,16 @@ def _routed(fn: Callable, original: Any) -> Callable:
     return fn
 
 
-def _row_layout(t: Any, ndim: int) -> bool:
-    """A buffer in SGLang's standard per-layer layout: contiguous `ndim`-D rows (the unified
-    pools' page-major strided views are not)."""
-    return isinstance(t, torch.Tensor) and t.dim() == ndim and t.is_contiguous()
+def _row_layout(t: Any, ndim: int, strided_rows: bool = False) -> bool:
+    """A buffer in SGLang's standard per-layer layout: contiguous `ndim`-D rows; `strided_rows`: or
+    dense rows at any row stride (the unified pools' token-major views of one shared buffer, a
+    layer's rows one whole entry apart). Other strided views (page-major 4-D) are not."""
+    if not isinstance(t, torch.Tensor) or t.dim() != ndim:
+        return False
+    if not strided_rows or t.is_contiguous():
+        return t.is_contiguous()
+    row = t[0]
+    return row.is_contiguous() and t.stride(0) >= row.numel()
 
 
 def _fallback(state: Installed, why: str, original: Callable, *args, **kwargs):
@@ -204,7 +211,7 @@ def _scatter_mla_rows(original: Callable, backend: str, state: Installed) -> Cal
     from kvwrite.compat import sglang as adapters
 
     def scatter(self, dst_buffer, loc, cache_k_nope, cache_k_rope):
-        if not _row_layout(dst_buffer, 3):
+        if not _row_layout(dst_buffer, 3, True):
             return _fallback(state, "mla_page_major_views", original, self, dst_buffer, loc, cache_k_nope, cache_k_rope)
         rope = cache_k_rope if cache_k_rope is not None and cache_k_rope.numel() > 0 else \
             cache_k_nope.reshape(cache_k_nope.shape[0], -1)[:, :0]
