@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
 from kvwrite.backend import triton_interpreting
 from kvwrite.errors import OutOfBoundsWrite, op_code
+from kvwrite.kernels._common import DCP_PAGE, Addr
 
 
 class KernelAssertion(OutOfBoundsWrite):
@@ -24,37 +26,22 @@ def tiles(n_tokens: int, n_cols: int) -> tuple[int, int]:
     return block_t, block_c
 
 
-def loc_args(a) -> dict:
-    """Keyword arguments of `resolve_locs` / `check_or_record` for a validated call `a`."""
-    locs, chk = a.locs, a.check
-    dummy = locs.loc
-    return dict(
-        loc_ptr=locs.loc,
-        loc_map_ptr=locs.loc_map if locs.loc_map is not None else dummy,
-        err_ptr=chk.errors if chk.errors is not None else dummy,
-        n_tokens=locs.n,
-        capacity=a.geometry.capacity,
-        pool_page_size=a.geometry.pool_page_size,
-        map_len=locs.loc_map.shape[0] if locs.loc_map is not None else 0,
-        dcp_rank=locs.dcp_rank,
-        dcp_size=locs.dcp_size,
-        HAS_MAP=locs.loc_map is not None,
-        HAS_DCP=(2 if locs.dcp_page else 1) if locs.dcp_size > 1 else 0,  # 2: _common.DCP_PAGE
-        CHECK=chk.code,
-        OP=op_code(chk.op),
-        **table_args(locs),
-    )
-
-
-def table_args(locs) -> dict:
-    """The page-table kwargs of a kernel (`claim_rows`' pt_* and HAS_TABLE), only in page-table
-    mode: kernels default them to off."""
+def addr(a) -> Addr:
+    """The addressing descriptor of a validated call `a` (its `locs`, `geometry`, `check`)."""
+    locs, geo = a.locs, a.geometry
     t = getattr(locs, "table", None)
-    if t is None:
-        return {}
-    return dict(pt_batch_ptr=t.batch_indices, pt_indices_ptr=t.kv_indices,
-                pt_indptr_ptr=t.kv_indptr, pt_num_batches=t.num_batches,
-                pt_num_indices=t.kv_indices.shape[0], HAS_TABLE=True)
+    m = locs.loc_map
+    dcp = (DCP_PAGE if locs.dcp_page else 1) if locs.dcp_size > 1 else 0
+    return Addr(locs.loc, m, a.check.errors, locs.n, geo.capacity, geo.pool_page_size,
+                m.shape[0] if m is not None else 0, locs.dcp_rank, locs.dcp_size, tl.constexpr(dcp),
+                *((t.batch_indices, t.kv_indices, t.kv_indptr, t.num_batches, t.kv_indices.shape[0])
+                  if t is not None else (None, None, None, 0, 0)))
+
+
+def loc_args(a) -> dict:
+    """A store kernel's addressing keyword arguments: the descriptor `addr` and the check
+    constexprs (CHECK, OP)."""
+    return dict(addr=addr(a), CHECK=a.check.code, OP=op_code(a.check.op))
 
 
 def num_warps(constexprs: dict) -> int:

@@ -7,7 +7,7 @@ widest of 4 / 2 / 1 bytes dividing the row's layout), so fp8 and quantised pools
 import triton
 import triton.language as tl
 
-from kvwrite.kernels._common import (CHECK_OFF, OFF_BOUND, check_or_record, claim_rows, end_call,
+from kvwrite.kernels._common import (CHECK_OFF, OFF_BOUND, check_or_record, claim_tile, end_call,
                                      record_table)
 
 
@@ -54,20 +54,11 @@ def copy_pages_kernel(src_ptr, dst_ptr, sid_ptr, did_ptr, err_ptr, n_pairs, src_
 
 
 @triton.jit
-def gather_kernel(cache_ptr, out_ptr, loc_ptr, err_ptr, loc_map_ptr, n_tokens, capacity,
-                  pool_page_size, map_len, dcp_rank, dcp_size, heads, feat, c_sp, c_sr, c_sh, o_sn,
-                  HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr, CHECK: tl.constexpr, OP: tl.constexpr,
-                  BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-                  pt_batch_ptr=None, pt_indices_ptr=None, pt_indptr_ptr=None, pt_num_batches=0,
-                  pt_num_indices=0, HAS_TABLE: tl.constexpr = False):
+def gather_kernel(cache_ptr, out_ptr, addr, heads, feat, c_sp, c_sr, c_sh, o_sn,
+                  CHECK: tl.constexpr, OP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     """Program (t, c): BLOCK_T tokens, columns [c * BLOCK_C, ...) of the [heads * feat] row; a
     token not read (padding, skipped, bad) gets a zero row."""
-    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    page, offset, write = claim_rows(loc_ptr, tok, n_tokens, loc_map_ptr, map_len, dcp_rank,
-                                     dcp_size, capacity, pool_page_size, err_ptr, HAS_MAP,
-                                     HAS_DCP, CHECK, OP, tl.program_id(1) == 0, pt_batch_ptr,
-                                     pt_indices_ptr, pt_indptr_ptr, pt_num_batches,
-                                     pt_num_indices, HAS_TABLE)
+    tok, page, offset, write = claim_tile(addr, BLOCK_T, CHECK, OP)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < heads * feat
     h = (cols // feat).to(tl.int64)
@@ -75,7 +66,7 @@ def gather_kernel(cache_ptr, out_ptr, loc_ptr, err_ptr, loc_map_ptr, n_tokens, c
     base = page * c_sp + offset * c_sr
     x = tl.load(cache_ptr + base[:, None] + (h * c_sh + f)[None, :], mask=write[:, None] & cmask[None, :],
                 other=0)
-    tmask = tok < n_tokens
+    tmask = tok < addr.n_tokens
     tl.store(out_ptr + tok.to(tl.int64)[:, None] * o_sn + cols[None, :], x,
              mask=tmask[:, None] & cmask[None, :])
 
