@@ -176,6 +176,16 @@ def check_or_record(err_ptr, tok, loc, bad, target, limit, kind, pool_page_size,
 
 
 @triton.jit
+def floor_divmod(x, n):
+    """(x // n, x % n) rounded to minus infinity whatever the integer division rounds to (a
+    negative position lies on a negative page)."""
+    q = x // n
+    r = x - q * n
+    neg = r < 0
+    return tl.where(neg, q - 1, q), tl.where(neg, r + n, r)
+
+
+@triton.jit
 def resolve_table(a, tok, tmask, CHECK: tl.constexpr):
     """Page-table addressing (FlashInfer's): token i writes row positions[i] % page_size of page
     kv_indices[kv_indptr[b] + positions[i] // page_size], b = batch_indices[i] (floor division;
@@ -198,11 +208,7 @@ def resolve_table(a, tok, tmask, CHECK: tl.constexpr):
     n_table = a.num_indices
     pos = tl.load(a.loc + tok, mask=tmask, other=0).to(tl.int64)
     b = tl.load(a.batch_indices + tok, mask=tmask, other=0).to(tl.int64)
-    q = pos // pool_page_size
-    r = pos - q * pool_page_size
-    neg = r < 0  # floor division whatever the integer division rounds to
-    q = tl.where(neg, q - 1, q)
-    r = tl.where(neg, r + pool_page_size, r)
+    q, r = floor_divmod(pos, pool_page_size)
     in_batch = (b >= 0) & (b < n_batch)
     bad = tl.zeros_like(pos) != 0
     kind = tl.zeros_like(pos) + _KIND_TABLE_PAGE

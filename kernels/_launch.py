@@ -77,21 +77,25 @@ def is_copy(constexprs: dict) -> bool:
     return constexprs.get("QUANT") is False or constexprs.get("MODE", -1) == 0
 
 
-def launch(kernel, grid, a, **kwargs) -> None:
-    """Launch with the assert variant built in debug mode (a device assert on a GPU). Under the
-    interpreter a fired assert becomes a KernelAssertion carrying the first bad token. On a GPU
-    the launch runs on the tensors' device (Triton launches on the current one)."""
+def launch(kernel, grid, a, reference=None, options=None, device=None, check_first=False,
+           **kwargs) -> None:
+    """Launch with the assert variant built in debug mode (a device assert on a GPU), on
+    `device` (default: the locs'; Triton launches on the current one) with `options`
+    (default: `num_warps` of the constexprs; kernels/compile_check.py compiles the same).
+    Under the interpreter a fired assert becomes a KernelAssertion carrying the first bad token,
+    from `reference` (raises the call's OutOfBoundsWrite; default: the loc check of `a`);
+    `check_first`: run `reference` before the kernel (no program writes on a bad call)."""
     if not triton_interpreting():
-        kwargs["num_warps"] = num_warps(kwargs)
-        device = a.locs.loc.device
+        kwargs.update(options if options is not None else {"num_warps": num_warps(kwargs)})
+        device = device if device is not None else a.locs.loc.device
         if device.type == "cuda" and device.index != torch.cuda.current_device():
             with torch.cuda.device(device):
-                _launch(kernel, grid, a, kwargs)
+                _launch(kernel, grid, a, kwargs, reference, check_first)
             return
-    _launch(kernel, grid, a, kwargs)
+    _launch(kernel, grid, a, kwargs, reference, check_first)
 
 
-def _launch(kernel, grid, a, kwargs: dict) -> None:
+def _launch(kernel, grid, a, kwargs: dict, reference, check_first: bool) -> None:
     """`launch` on the current device."""
     if a.check.mode != "assert":
         kernel[grid](**kwargs)
@@ -99,22 +103,35 @@ def _launch(kernel, grid, a, kwargs: dict) -> None:
     if not triton_interpreting():
         kernel[grid](**kwargs, debug=True)
         return
+    reference = reference or (lambda: _check_locs(a))
+    if check_first:
+        _as_kernel_assertion(reference, None)
     try:
         kernel[grid](**kwargs)
     except Exception as exc:
         if "kvwrite: store loc outside the pool" not in str(exc):
             raise
-        from kvwrite.reference import _locs
-
-        r = _locs.resolve(a.locs, a.geometry.capacity, a.check, a.geometry.pool_page_size)
-        try:
-            _locs.check(r, a.geometry, a.check)
-        except OutOfBoundsWrite as err:
-            raise KernelAssertion(err.op, err.token_index, err.loc, err.page, err.num_pages,
-                                  err.pool_page_size, err.count, err.kind, err.target,
-                                  err.limit, batch=err.batch, position=err.position,
-                                  table_slot=err.table_slot, table_page=err.table_page) from exc
+        _as_kernel_assertion(reference, exc)
         raise
+
+
+def _check_locs(a) -> None:
+    """The reference loc check of a validated store `a` (raises its OutOfBoundsWrite)."""
+    from kvwrite.reference import _locs
+
+    r = _locs.resolve(a.locs, a.geometry.capacity, a.check, a.geometry.pool_page_size)
+    _locs.check(r, a.geometry, a.check)
+
+
+def _as_kernel_assertion(reference, cause) -> None:
+    """Run `reference`; its OutOfBoundsWrite is raised again as a KernelAssertion."""
+    try:
+        reference()
+    except OutOfBoundsWrite as err:
+        raise KernelAssertion(err.op, err.token_index, err.loc, err.page, err.num_pages,
+                              err.pool_page_size, err.count, err.kind, err.target, err.limit,
+                              batch=err.batch, position=err.position, table_slot=err.table_slot,
+                              table_page=err.table_page) from cause
 
 
 # (finite max, mantissa bits, smallest normal exponent) of each fp8 storage format.

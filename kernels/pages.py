@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from kvwrite.kernels._common import (CHECK_OFF, OFF_BOUND, check_or_record, claim_tile, end_call,
-                                     record_table)
+                                     floor_divmod, record_table)
 
 
 @triton.jit
@@ -83,11 +83,7 @@ def slot_mapping_kernel(table_ptr, batch_ptr, pos_ptr, out_ptr, err_ptr, n_token
     b = tl.load(batch_ptr + tok, mask=tmask, other=-1).to(tl.int64)
     pos = tl.load(pos_ptr + tok, mask=tmask, other=-1).to(tl.int64)
     live = tmask & (b != -1) & (pos != -1)
-    blk = pos // page_size
-    off = pos - blk * page_size
-    neg = off < 0   # floor division whatever the integer division rounds to
-    blk = tl.where(neg, blk - 1, blk)
-    off = tl.where(neg, off + page_size, off)
+    blk, off = floor_divmod(pos, page_size)
     in_row = (b >= 0) & (b < rows)
     in_width = (blk >= 0) & (blk < width)
     bad_row = live & (in_row == 0)
@@ -133,41 +129,10 @@ def _words(t, word: int):
     return v, [s * es // word for s in t.stride()[:3]]
 
 
-def _run(kernel, grid, a, reference, device=None, **kwargs) -> None:
-    """Launch (the assert variant in debug mode: a device assert on a GPU). Under the
-    interpreter, assert mode first runs the reference check, so a bad id raises (as a
-    KernelAssertion) before any program has copied its pair; the kernel's own assert backs it."""
-    import torch
-
-    from kvwrite.backend import triton_interpreting
-    from kvwrite.kernels._launch import KernelAssertion
-    from kvwrite.errors import OutOfBoundsWrite
-    from kvwrite.kernels._launch import num_warps
-
-    if not triton_interpreting():
-        kwargs["num_warps"] = num_warps(kwargs)   # as kernels/compile_check.py compiles it
-        if device is not None and device.type == "cuda" and device.index != torch.cuda.current_device():
-            with torch.cuda.device(device):       # Triton launches on the current device
-                return _run(kernel, grid, a, reference, None, **kwargs)
-    if a.check.mode != "assert":
-        kernel[grid](**kwargs)
-        return
-    if not triton_interpreting():
-        kernel[grid](**kwargs, debug=True)
-        return
-    try:
-        reference()
-    except OutOfBoundsWrite as err:
-        raise KernelAssertion(err.op, err.token_index, err.loc, err.page, err.num_pages,
-                              err.pool_page_size, err.count, err.kind, err.target, err.limit,
-                              batch=err.batch, position=err.position, table_slot=err.table_slot,
-                              table_page=err.table_page) from None
-    kernel[grid](**kwargs)
-
-
 def copy_pages(a) -> None:
     """Launch copy_pages_kernel for a validated `kvwrite.ops.pages.CopyPages`."""
     from kvwrite.errors import op_code
+    from kvwrite.kernels._launch import launch
     from kvwrite.reference.pages import check_pairs
 
     s, d = a.src, a.dst
@@ -190,14 +155,13 @@ def copy_pages(a) -> None:
                   src_factor=a.src_units.factor, dst_factor=a.dst_units.factor, unit_rows=rows,
                   n_runs=runs, heads=heads, feat=feat, s_sp=ss[0], s_sr=ss[1], s_sh=ss[2], d_sp=ds[0], d_sr=ds[1],
                   d_sh=ds[2], CHECK=a.check.code, OP=op_code(a.check.op), BLOCK_T=block_t, BLOCK_C=block_c)
-    _run(copy_pages_kernel, grid, a,
-         lambda: check_pairs(a.src_pages, a.dst_pages, a.src_units, a.dst_units, a.check), d.device, **kwargs)
+    launch(copy_pages_kernel, grid, a, lambda: check_pairs(a.src_pages, a.dst_pages, a.src_units, a.dst_units,
+                                                           a.check), device=d.device, check_first=True, **kwargs)
 
 
 def gather(a) -> None:
     """Launch gather_kernel for a validated `kvwrite.ops.pages.Gather`."""
-    from kvwrite.kernels._launch import loc_args, tiles
-    from kvwrite.reference import _locs
+    from kvwrite.kernels._launch import launch, loc_args, tiles
 
     c, o = a.cache, a.out
     es = c.element_size()
@@ -209,30 +173,25 @@ def gather(a) -> None:
     n, h = a.locs.n, c.shape[2]
     block_t, block_c = tiles(n, h * feat)
     grid = (triton.cdiv(n, block_t), triton.cdiv(h * feat, block_c))
-    args = loc_args(a)
-
-    def reference():
-        r = _locs.resolve(a.locs, a.geometry.capacity, a.check, a.geometry.pool_page_size)
-        _locs.check(r, a.geometry, a.check)
-
-    _run(gather_kernel, grid, a, reference, c.device, cache_ptr=cv, out_ptr=ov, heads=h, feat=feat,
-         c_sp=cs[0], c_sr=cs[1], c_sh=cs[2], o_sn=os_[0], BLOCK_T=block_t, BLOCK_C=block_c, **args)
+    launch(gather_kernel, grid, a, check_first=True, cache_ptr=cv, out_ptr=ov, heads=h, feat=feat,
+           c_sp=cs[0], c_sr=cs[1], c_sh=cs[2], o_sn=os_[0], BLOCK_T=block_t, BLOCK_C=block_c, **loc_args(a))
 
 
 def slot_mapping(a) -> None:
     """Launch slot_mapping_kernel for a validated `kvwrite.ops.pages.SlotMapping`."""
     from kvwrite.errors import op_code
+    from kvwrite.kernels._launch import launch
     from kvwrite.reference import pages as ref
 
     n = a.n
     block = min(triton.next_power_of_2(max(n, 1)), 1024)
     bt = a.block_table
     err = a.check.errors if a.check.errors is not None else a.out
-    _run(slot_mapping_kernel, (triton.cdiv(n, block),), a, lambda: ref.slot_mapping(a), bt.device,
-         table_ptr=bt, batch_ptr=a.batch_indices, pos_ptr=a.positions, out_ptr=a.out, err_ptr=err,
-         n_tokens=n, rows=bt.shape[0], width=bt.shape[1], t_sr=bt.stride(0) if bt.shape[0] > 1 else 0,
-         page_size=a.geometry.pool_page_size, num_pages=a.geometry.num_pages, CHECK=a.check.code,
-         OP=op_code(a.check.op), BLOCK=block)
+    launch(slot_mapping_kernel, (triton.cdiv(n, block),), a, lambda: ref.slot_mapping(a), device=bt.device,
+           check_first=True, table_ptr=bt, batch_ptr=a.batch_indices, pos_ptr=a.positions, out_ptr=a.out,
+           err_ptr=err, n_tokens=n, rows=bt.shape[0], width=bt.shape[1],
+           t_sr=bt.stride(0) if bt.shape[0] > 1 else 0, page_size=a.geometry.pool_page_size,
+           num_pages=a.geometry.num_pages, CHECK=a.check.code, OP=op_code(a.check.op), BLOCK=block)
 
 
 def variants():

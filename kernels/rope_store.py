@@ -362,37 +362,20 @@ def compile_options(constexprs: dict) -> dict:
 
 
 def _run(kernel, grid, a, **kwargs) -> None:
-    """Launch (fp fusion off; assert variants in debug mode on a GPU). Under the interpreter a
-    fired assert becomes a KernelAssertion carrying the first bad token, positions included."""
-    from kvwrite.backend import triton_interpreting
-    from kvwrite.errors import OutOfBoundsWrite
-    from kvwrite.kernels._launch import KernelAssertion
+    """`kernels._launch.launch` with this family's options (fp fusion off); under the interpreter
+    a fired assert names the first bad token, positions included."""
+    from kvwrite.kernels._launch import launch
 
-    opts = compile_options(kwargs)
-    kwargs.update(num_warps=opts["num_warps"], enable_fp_fusion=False)
-    if a.check.mode != "assert":
-        kernel[grid](**kwargs)
-        return
-    if not triton_interpreting():
-        kernel[grid](**kwargs, debug=True)
-        return
-    try:
-        kernel[grid](**kwargs)
-    except Exception as exc:
-        if "kvwrite: store loc outside the pool" not in str(exc):
-            raise
-        from kvwrite.reference import _locs
-        from kvwrite.reference.rope import resolve_with_positions
+    options = {k: v for k, v in compile_options(kwargs).items() if k != "copy"}
+    launch(kernel, grid, a, lambda: check_with_positions(a), options=options, **kwargs)
 
-        r, _ = resolve_with_positions(a)
-        try:
-            _locs.check(r, a.geometry, a.check)
-        except OutOfBoundsWrite as err:
-            raise KernelAssertion(err.op, err.token_index, err.loc, err.page, err.num_pages,
-                                  err.pool_page_size, err.count, err.kind, err.target,
-                                  err.limit, batch=err.batch, position=err.position,
-                                  table_slot=err.table_slot, table_page=err.table_page) from exc
-        raise
+
+def check_with_positions(a) -> None:
+    """The reference check of a validated fused RoPE store `a`, its positions included."""
+    from kvwrite.reference import _locs
+    from kvwrite.reference.rope import resolve_with_positions
+
+    _locs.check(resolve_with_positions(a)[0], a.geometry, a.check)
 
 
 def launch_kv(a) -> None:

@@ -123,28 +123,20 @@ def launch(a) -> None:
 
 def launch_rope(a) -> None:
     """Launch store_dsv4_fp4_kernel (FUSED_ROPE) for a validated `kvwrite.ops.dsv4_fp4.RopeStoreDSV4KVFP4`."""
-    from kvwrite.kernels._launch import KernelAssertion, launch as run, loc_args, tiles
+    from kvwrite.kernels._launch import launch as run, loc_args, tiles
+    from kvwrite.kernels.rope_store import check_with_positions
 
     s = a.store
     n = s.kv.shape[0]
     block_t, _ = tiles(n, 512)
     q = a.q if a.q is not None else s.kv.new_empty((n, 0, s.record.rope))
-    try:   # fp fusion off: the rotation rounds each product (kvwrite.reference.rope)
-        run(store_dsv4_fp4_kernel, (triton.cdiv(n, block_t),), s, pos_ptr=a.positions, kv_ptr=s.kv,
-            kv16_ptr=_bits(s.kv), cs_ptr=_bits(a.cos_sin), q_ptr=_bits(q), cache_ptr=s.cache,
-            max_pos=a.cos_sin.shape[0], kv_sn=s.kv.stride(0), cs_sn=a.cos_sin.stride(0),
-            q_sn=q.stride(0), q_sh=q.stride(1), n_q_heads=q.shape[1], cache_sp=s.cache.stride(0),
-            IN=_in_code(s.kv.dtype), CS_IN=_in_code(a.cos_sin.dtype), BLOCK_T=block_t,
-            FUSED_ROPE=True, enable_fp_fusion=False, **record_constexprs(s.record), **loc_args(s))
-    except Exception as exc:   # the interpreter's assert: name the first bad token, positions included
-        if s.check.mode != "assert" or not (isinstance(exc, KernelAssertion)
-                                            or "kvwrite: store loc outside the pool" in str(exc)):
-            raise
-        from kvwrite.reference import _locs
-        from kvwrite.reference.rope import resolve_with_positions
-
-        _locs.check(resolve_with_positions(a)[0], s.geometry, s.check)
-        raise
+    # fp fusion off: the rotation rounds each product (kvwrite.reference.rope)
+    run(store_dsv4_fp4_kernel, (triton.cdiv(n, block_t),), a, lambda: check_with_positions(a),
+        pos_ptr=a.positions, kv_ptr=s.kv, kv16_ptr=_bits(s.kv), cs_ptr=_bits(a.cos_sin), q_ptr=_bits(q),
+        cache_ptr=s.cache, max_pos=a.cos_sin.shape[0], kv_sn=s.kv.stride(0), cs_sn=a.cos_sin.stride(0),
+        q_sn=q.stride(0), q_sh=q.stride(1), n_q_heads=q.shape[1], cache_sp=s.cache.stride(0),
+        IN=_in_code(s.kv.dtype), CS_IN=_in_code(a.cos_sin.dtype), BLOCK_T=block_t,
+        FUSED_ROPE=True, enable_fp_fusion=False, **record_constexprs(s.record), **loc_args(s))
 
 
 def variants():
