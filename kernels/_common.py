@@ -1,7 +1,10 @@
-"""Device functions every kvwrite Triton kernel shares: loc resolution and guard records.
+"""Device functions every kvwrite Triton kernel shares: addressing and guard records.
 
-`resolve_locs` is the one place that implements padding, SWA translation, DCP sharding and the
-bounds check; `resolve_table` the page-table addressing (batch, position -> page, row); `check_or_record` asserts or writes the packed-min record described in `kvwrite.errors`.
+`Addr` is a store's addressing, one kernel argument; `claim_tile` / `claim_rows` / `claim` the
+prologue that turns it into (page, offset, write). `resolve_locs` is the one place that
+implements padding, SWA translation, DCP sharding and the bounds check; `resolve_table` the
+page-table addressing (batch, position -> page, row); `check_or_record` asserts or writes the
+packed-min record described in `kvwrite.errors`.
 """
 from typing import NamedTuple
 
