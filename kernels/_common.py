@@ -279,8 +279,8 @@ def claim(a, tok, CHECK: tl.constexpr, OP: tl.constexpr, record, pos_ok=None, po
             a, tok, tmask, CHECK)
     else:
         loc, row, write, bad, target, limit, kind = resolve_locs(a, tok, tmask, CHECK)
-        page = row // a.page_size
-        offset = row % a.page_size
+        if pos_ok is not None:  # (page, offset) here, as the fused stores were tuned with
+            page, offset = row // a.page_size, row % a.page_size
     if pos_ok is not None:
         write = write & pos_ok
         if CHECK != CHECK_OFF:
@@ -292,6 +292,8 @@ def claim(a, tok, CHECK: tl.constexpr, OP: tl.constexpr, record, pos_ok=None, po
     check_or_record(a.errors, tok, loc, bad, target, limit, kind, a.page_size, OP, CHECK, record)
     if a.kv_indices is not None:
         record_table(a.errors, tok, bad, batch, tpos, slot, tpage, CHECK, record)
+    elif pos_ok is None:  # after the record: the division's results are not live across it
+        page, offset = row // a.page_size, row % a.page_size
     return page, offset, write
 
 
@@ -308,8 +310,10 @@ def claim_rows(a, tok, CHECK: tl.constexpr, OP: tl.constexpr, record):
 def claim_tile(a, BLOCK_T: tl.constexpr, CHECK: tl.constexpr, OP: tl.constexpr):
     """The prologue of program (t, c, ...) of a store: tokens [t * BLOCK_T, ...) claimed
     (`claim_rows`), column program 0 owning their record. Returns (tok, page, offset, write)."""
-    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    page, offset, write = claim_rows(a, tok, CHECK, OP, tl.program_id(1) == 0)
+    pid_t = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    page, offset, write = claim_rows(a, tok, CHECK, OP, pid_c == 0)
     return tok, page, offset, write
 
 
