@@ -1,8 +1,13 @@
-"""Device functions every kvwrite Triton kernel shares: loc resolution and guard records.
+"""Device functions every kvwrite Triton kernel shares: addressing and guard records.
 
-`resolve_locs` is the one place that implements padding, SWA translation, DCP sharding and the
-bounds check; `resolve_table` the page-table addressing (batch, position -> page, row); `check_or_record` asserts or writes the packed-min record described in `kvwrite.errors`.
+`Addr` is a store's addressing, one kernel argument; `claim_tile` / `claim_rows` / `claim` the
+prologue that turns it into (page, offset, write). `resolve_locs` is the one place that
+implements padding, SWA translation, DCP sharding and the bounds check; `resolve_table` the
+page-table addressing (batch, position -> page, row); `check_or_record` asserts or writes the
+packed-min record described in `kvwrite.errors`.
 """
+from typing import NamedTuple
+
 import triton
 import triton.language as tl
 
@@ -16,10 +21,31 @@ def block_tokens(n: int, row_elems: int, gpu_elems: int = 4096) -> int:
     per = 65536 if triton_interpreting() else gpu_elems
     return max(1, min(triton.next_power_of_2(max(n, 1)), per // max(row_elems, 1), 256))
 
+class Addr(NamedTuple):
+    """One store's addressing, one kernel argument (like FlashInfer's paged_kv_t): where its
+    tokens go and the record of the ones that cannot. A None member is a compile-time None (the
+    feature is off); `dcp` is a constexpr. Built by `kernels._launch.addr` from a validated call."""
+    loc: object              # int tensor [n]: the tokens' locs (page-table mode: positions)
+    loc_map: object          # SWA loc -> row map, or None
+    errors: object           # the guard record (kvwrite.errors), or None (off / assert)
+    n_tokens: int
+    capacity: int            # rows of the local pool
+    page_size: int           # the pool's rows a page
+    map_len: int             # loc_map's length (0 without one)
+    dcp_rank: int
+    dcp_size: int
+    dcp: object              # tl.constexpr: 0 no DCP, 1 per token, DCP_PAGE per page
+    batch_indices: object    # page table (kvwrite.PageTable), or None: loc addressing
+    kv_indices: object
+    kv_indptr: object
+    num_batches: int
+    num_indices: int
+
+
 CHECK_OFF = tl.constexpr(0)
 CHECK_ASSERT = tl.constexpr(1)
 CHECK_GUARD = tl.constexpr(2)
-DCP_PAGE = tl.constexpr(2)  # HAS_DCP value of page-granular DCP sharding (0 none, 1 per token)
+DCP_PAGE = tl.constexpr(2)  # Addr.dcp of page-granular DCP sharding (0 none, 1 per token)
 # Off mode under the interpreter also skips a row past the pool (like the cpu backend): there a
 # store past the cache tensor writes host memory. Compiled for a GPU it is False: no cost.
 OFF_BOUND = tl.constexpr(triton_interpreting())
@@ -38,6 +64,7 @@ _KIND_LOC_MAP = tl.constexpr(_e.KIND_LOC_MAP)
 _KIND_BATCH = tl.constexpr(_e.KIND_BATCH)
 _KIND_TABLE_SLOT = tl.constexpr(_e.KIND_TABLE_SLOT)
 _KIND_TABLE_PAGE = tl.constexpr(_e.KIND_TABLE_PAGE)
+_KIND_POSITION = tl.constexpr(_e.KIND_POSITION)
 _BATCH = tl.constexpr(_e.BATCH)
 _POSITION = tl.constexpr(_e.POSITION)
 _TABLE_SLOT = tl.constexpr(_e.TABLE_SLOT)
@@ -49,19 +76,17 @@ _EMPTY = tl.constexpr(_e.EMPTY)
 
 
 @triton.jit
-def resolve_locs(loc_ptr, tok, tmask, loc_map_ptr, map_len, dcp_rank, dcp_size, capacity,
-                 HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr, CHECK: tl.constexpr,
-                 pool_page_size=1):
-    """Map each token's loc to the local row it writes.
+def resolve_locs(a, tok, tmask, CHECK: tl.constexpr):
+    """Map each token's loc to the local row it writes (`a`: the call's `Addr`).
 
     Composition order (the reference `kvwrite.reference._locs.resolve` mirrors it):
       1. padding: loc == -1 is skipped;
-      2. SWA (HAS_MAP): loc must lie in [0, map_len) (else KIND_LOC_MAP; skipped in off mode
+      2. SWA (a.loc_map): loc must lie in [0, map_len) (else KIND_LOC_MAP; skipped in off mode
          too, so loc_map is never read out of bounds), then row = loc_map[loc]; a mapped -1 is
          skipped;
-      3. DCP (HAS_DCP): the (mapped) virtual row belongs to rank row % dcp_size and lives at
-         local row row // dcp_size; other ranks' tokens are skipped. HAS_DCP == DCP_PAGE
-         (DeepSeek V4 stores) shards by page instead: virtual page p = row // pool_page_size
+      3. DCP (a.dcp): the (mapped) virtual row belongs to rank row % dcp_size and lives at
+         local row row // dcp_size; other ranks' tokens are skipped. a.dcp == DCP_PAGE
+         (DeepSeek V4 stores) shards by page instead: virtual page p = row // page_size
          belongs to rank p % dcp_size as its local page p // dcp_size;
       4. bounds: the local row must lie in [0, capacity) (else KIND_POOL; off mode skips only
          negative rows and does not check the upper bound, except under the interpreter:
@@ -69,37 +94,37 @@ def resolve_locs(loc_ptr, tok, tmask, loc_map_ptr, map_len, dcp_rank, dcp_size, 
     Returns (loc, row, write, bad, target, limit, kind): `write` masks the tokens to store,
     `bad` the out-of-range ones (never written); the record keeps the caller's virtual `loc`.
     """
-    loc = tl.load(loc_ptr + tok, mask=tmask, other=-1).to(tl.int64)
+    loc = tl.load(a.loc + tok, mask=tmask, other=-1).to(tl.int64)
     bad = tl.zeros_like(loc) != 0
     kind = tl.zeros_like(loc) + _KIND_POOL
     live = tmask & (loc != -1)
     row = loc
-    if HAS_MAP:
-        in_map = (loc >= 0) & (loc < map_len)
+    if a.loc_map is not None:
+        in_map = (loc >= 0) & (loc < a.map_len)
         if CHECK != CHECK_OFF:
             bad = live & (in_map == 0)
             kind = tl.where(bad, _KIND_LOC_MAP, kind)
         live = live & in_map  # off mode too: never read loc_map out of bounds, skip the token
-        row = tl.load(loc_map_ptr + loc, mask=live, other=-1).to(tl.int64)
+        row = tl.load(a.loc_map + loc, mask=live, other=-1).to(tl.int64)
         live = live & (row != -1)
-    if HAS_DCP == DCP_PAGE:
-        vpage = row // pool_page_size
-        live = live & ((row < 0) | (vpage % dcp_size == dcp_rank))
-        row = tl.where(row >= 0, (vpage // dcp_size) * pool_page_size + row % pool_page_size, row)
-    elif HAS_DCP:
-        owned = (row < 0) | (row % dcp_size == dcp_rank)
+    if a.dcp == DCP_PAGE:
+        vpage = row // a.page_size
+        live = live & ((row < 0) | (vpage % a.dcp_size == a.dcp_rank))
+        row = tl.where(row >= 0, (vpage // a.dcp_size) * a.page_size + row % a.page_size, row)
+    elif a.dcp:
+        owned = (row < 0) | (row % a.dcp_size == a.dcp_rank)
         live = live & owned
-        row = tl.where(row >= 0, row // dcp_size, row)
+        row = tl.where(row >= 0, row // a.dcp_size, row)
     if CHECK == CHECK_OFF:
         write = live & (row >= 0)
         if OFF_BOUND:
-            write = write & (row < capacity)
+            write = write & (row < a.capacity)
     else:
-        oob = live & ((row < 0) | (row >= capacity))
+        oob = live & ((row < 0) | (row >= a.capacity))
         bad = bad | oob
         write = live & (oob == 0)
     target = tl.where(kind == _KIND_LOC_MAP, loc, row)
-    limit = tl.where(kind == _KIND_LOC_MAP, map_len, capacity)
+    limit = tl.where(kind == _KIND_LOC_MAP, a.map_len, a.capacity)
     return loc, row, write, bad, target, limit, kind
 
 
@@ -154,11 +179,21 @@ def check_or_record(err_ptr, tok, loc, bad, target, limit, kind, pool_page_size,
 
 
 @triton.jit
-def resolve_table(pos_ptr, bidx_ptr, table_ptr, indptr_ptr, tok, tmask, n_batch, n_table,
-                  capacity, pool_page_size, CHECK: tl.constexpr):
+def floor_divmod(x, n):
+    """(x // n, x % n) rounded to minus infinity whatever the integer division rounds to (a
+    negative position lies on a negative page)."""
+    q = x // n
+    r = x - q * n
+    neg = r < 0
+    return tl.where(neg, q - 1, q), tl.where(neg, r + n, r)
+
+
+@triton.jit
+def resolve_table(a, tok, tmask, CHECK: tl.constexpr):
     """Page-table addressing (FlashInfer's): token i writes row positions[i] % page_size of page
     kv_indices[kv_indptr[b] + positions[i] // page_size], b = batch_indices[i] (floor division;
-    page_size = pool_page_size). The reference `kvwrite.reference._locs.resolve_table` mirrors it.
+    page_size = the pool's; `a.loc` holds the positions). The reference
+    `kvwrite.reference._locs.resolve_table` mirrors it.
 
       1. batch: b must lie in [0, n_batch) (else KIND_BATCH); off mode skips such a token too,
          so kv_indptr is never read out of bounds;
@@ -171,13 +206,12 @@ def resolve_table(pos_ptr, bidx_ptr, table_ptr, indptr_ptr, tok, tmask, n_batch,
     Returns (position, loc, page, offset, write, bad, target, limit, kind, batch, slot,
     table_page); `loc` is the row a KIND_TABLE_PAGE token would have written (else -1).
     """
-    pos = tl.load(pos_ptr + tok, mask=tmask, other=0).to(tl.int64)
-    b = tl.load(bidx_ptr + tok, mask=tmask, other=0).to(tl.int64)
-    q = pos // pool_page_size
-    r = pos - q * pool_page_size
-    neg = r < 0  # floor division whatever the integer division rounds to
-    q = tl.where(neg, q - 1, q)
-    r = tl.where(neg, r + pool_page_size, r)
+    pool_page_size = a.page_size
+    n_batch = a.num_batches
+    n_table = a.num_indices
+    pos = tl.load(a.loc + tok, mask=tmask, other=0).to(tl.int64)
+    b = tl.load(a.batch_indices + tok, mask=tmask, other=0).to(tl.int64)
+    q, r = floor_divmod(pos, pool_page_size)
     in_batch = (b >= 0) & (b < n_batch)
     bad = tl.zeros_like(pos) != 0
     kind = tl.zeros_like(pos) + _KIND_TABLE_PAGE
@@ -185,20 +219,20 @@ def resolve_table(pos_ptr, bidx_ptr, table_ptr, indptr_ptr, tok, tmask, n_batch,
         bad = tmask & (in_batch == 0)
         kind = tl.where(bad, _KIND_BATCH, kind)
     live = tmask & in_batch
-    start = tl.load(indptr_ptr + b, mask=live, other=0).to(tl.int64)
+    start = tl.load(a.kv_indptr + b, mask=live, other=0).to(tl.int64)
     slot = start + q
     ok = (slot >= 0) & (slot < n_table)
     hi = tl.zeros_like(pos) + n_table
     if CHECK != CHECK_OFF:
-        end = tl.load(indptr_ptr + b + 1, mask=live, other=0).to(tl.int64)
+        end = tl.load(a.kv_indptr + b + 1, mask=live, other=0).to(tl.int64)
         hi = tl.minimum(end, hi)
         ok = ok & (slot >= start) & (slot < hi)
         bad_slot = live & (ok == 0)
         bad = bad | bad_slot
         kind = tl.where(bad_slot, _KIND_TABLE_SLOT, kind)
     live = live & ok
-    page = tl.load(table_ptr + slot, mask=live, other=-1).to(tl.int64)
-    num_pages = capacity // pool_page_size
+    page = tl.load(a.kv_indices + slot, mask=live, other=-1).to(tl.int64)
+    num_pages = a.capacity // pool_page_size
     if CHECK == CHECK_OFF:
         write = live & (page >= 0)
         if OFF_BOUND:
@@ -233,35 +267,54 @@ def record_table(err_ptr, tok, bad, batch, position, slot, page, CHECK: tl.const
 
 
 @triton.jit
-def claim_rows(loc_ptr, tok, n_tokens, loc_map_ptr, map_len, dcp_rank, dcp_size, capacity,
-               pool_page_size, err_ptr, HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr,
-               CHECK: tl.constexpr, OP: tl.constexpr, record, pt_batch_ptr=None,
-               pt_indices_ptr=None, pt_indptr_ptr=None, pt_num_batches=0, pt_num_indices=0,
-               HAS_TABLE: tl.constexpr = False):
-    """Every store kernel's prologue, called once per program: resolve the tokens' locs, assert
-    or record the bad ones (`record`: this program owns the record for its tokens; every
-    program counts itself in the record's DONE, see `end_call`), and return (page, offset,
-    write).
-    HAS_TABLE: page-table addressing (`resolve_table`; `loc_ptr` holds the positions) instead
-    of locs (`resolve_locs`)."""
-    tmask = tok < n_tokens
-    if HAS_TABLE:
-        pos, loc, page, offset, write, bad, target, limit, kind, batch, slot, tpage = resolve_table(
-            loc_ptr, pt_batch_ptr, pt_indices_ptr, pt_indptr_ptr, tok, tmask, pt_num_batches,
-            pt_num_indices, capacity, pool_page_size, CHECK)
-        check_or_record(err_ptr, tok, loc, bad, target, limit, kind, pool_page_size, OP, CHECK,
-                        record)
-        record_table(err_ptr, tok, bad, batch, pos, slot, tpage, CHECK, record)
+def claim(a, tok, CHECK: tl.constexpr, OP: tl.constexpr, record, pos_ok=None, pos=None, max_pos=0):
+    """Resolve the tokens' addresses (`a.kv_indices`: page table, `resolve_table`; else locs,
+    `resolve_locs`), assert or record the bad ones (`record`: this program owns the record for
+    its tokens) and return (page, offset, write). With `pos_ok` (the fused RoPE stores) a
+    position outside [0, max_pos) is a KIND_POSITION error, never written (every mode; the
+    reference `resolve_with_positions`)."""
+    tmask = tok < a.n_tokens
+    if a.kv_indices is not None:
+        tpos, loc, page, offset, write, bad, target, limit, kind, batch, slot, tpage = resolve_table(
+            a, tok, tmask, CHECK)
     else:
-        loc, row, write, bad, target, limit, kind = resolve_locs(
-            loc_ptr, tok, tmask, loc_map_ptr, map_len, dcp_rank, dcp_size, capacity,
-            HAS_MAP, HAS_DCP, CHECK, pool_page_size)
-        check_or_record(err_ptr, tok, loc, bad, target, limit, kind, pool_page_size, OP, CHECK,
-                        record)
-        page = row // pool_page_size
-        offset = row % pool_page_size
-    end_call(err_ptr, CHECK)
+        loc, row, write, bad, target, limit, kind = resolve_locs(a, tok, tmask, CHECK)
+        if pos_ok is not None:  # (page, offset) here, as the fused stores were tuned with
+            page, offset = row // a.page_size, row % a.page_size
+    if pos_ok is not None:
+        write = write & pos_ok
+        if CHECK != CHECK_OFF:
+            bad_pos = tmask & (pos_ok == 0)
+            bad = bad | bad_pos
+            kind = tl.where(bad_pos, _KIND_POSITION, kind)
+            target = tl.where(bad_pos, pos, target)
+            limit = tl.where(bad_pos, max_pos, limit)
+    check_or_record(a.errors, tok, loc, bad, target, limit, kind, a.page_size, OP, CHECK, record)
+    if a.kv_indices is not None:
+        record_table(a.errors, tok, bad, batch, tpos, slot, tpage, CHECK, record)
+    elif pos_ok is None:  # after the record: the division's results are not live across it
+        page, offset = row // a.page_size, row % a.page_size
     return page, offset, write
+
+
+@triton.jit
+def claim_rows(a, tok, CHECK: tl.constexpr, OP: tl.constexpr, record):
+    """Every store kernel's prologue, called once per program: `claim`, then count the program
+    in the record's DONE (`end_call`)."""
+    page, offset, write = claim(a, tok, CHECK, OP, record)
+    end_call(a.errors, CHECK)
+    return page, offset, write
+
+
+@triton.jit
+def claim_tile(a, BLOCK_T: tl.constexpr, CHECK: tl.constexpr, OP: tl.constexpr):
+    """The prologue of program (t, c, ...) of a store: tokens [t * BLOCK_T, ...) claimed
+    (`claim_rows`), column program 0 owning their record. Returns (tok, page, offset, write)."""
+    pid_t = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    page, offset, write = claim_rows(a, tok, CHECK, OP, pid_c == 0)
+    return tok, page, offset, write
 
 
 # The special-value policy of every quantising op (README "Special values"; the torch twin is

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
 from kvwrite.backend import triton_interpreting
 from kvwrite.errors import OutOfBoundsWrite, op_code
+from kvwrite.kernels._common import DCP_PAGE, Addr
 
 
 class KernelAssertion(OutOfBoundsWrite):
@@ -24,37 +26,22 @@ def tiles(n_tokens: int, n_cols: int) -> tuple[int, int]:
     return block_t, block_c
 
 
-def loc_args(a) -> dict:
-    """Keyword arguments of `resolve_locs` / `check_or_record` for a validated call `a`."""
-    locs, chk = a.locs, a.check
-    dummy = locs.loc
-    return dict(
-        loc_ptr=locs.loc,
-        loc_map_ptr=locs.loc_map if locs.loc_map is not None else dummy,
-        err_ptr=chk.errors if chk.errors is not None else dummy,
-        n_tokens=locs.n,
-        capacity=a.geometry.capacity,
-        pool_page_size=a.geometry.pool_page_size,
-        map_len=locs.loc_map.shape[0] if locs.loc_map is not None else 0,
-        dcp_rank=locs.dcp_rank,
-        dcp_size=locs.dcp_size,
-        HAS_MAP=locs.loc_map is not None,
-        HAS_DCP=(2 if locs.dcp_page else 1) if locs.dcp_size > 1 else 0,  # 2: _common.DCP_PAGE
-        CHECK=chk.code,
-        OP=op_code(chk.op),
-        **table_args(locs),
-    )
-
-
-def table_args(locs) -> dict:
-    """The page-table kwargs of a kernel (`claim_rows`' pt_* and HAS_TABLE), only in page-table
-    mode: kernels default them to off."""
+def addr(a) -> Addr:
+    """The addressing descriptor of a validated call `a` (its `locs`, `geometry`, `check`)."""
+    locs, geo = a.locs, a.geometry
     t = getattr(locs, "table", None)
-    if t is None:
-        return {}
-    return dict(pt_batch_ptr=t.batch_indices, pt_indices_ptr=t.kv_indices,
-                pt_indptr_ptr=t.kv_indptr, pt_num_batches=t.num_batches,
-                pt_num_indices=t.kv_indices.shape[0], HAS_TABLE=True)
+    m = locs.loc_map
+    dcp = (DCP_PAGE if locs.dcp_page else 1) if locs.dcp_size > 1 else 0
+    return Addr(locs.loc, m, a.check.errors, locs.n, geo.capacity, geo.pool_page_size,
+                m.shape[0] if m is not None else 0, locs.dcp_rank, locs.dcp_size, tl.constexpr(dcp),
+                *((t.batch_indices, t.kv_indices, t.kv_indptr, t.num_batches, t.kv_indices.shape[0])
+                  if t is not None else (None, None, None, 0, 0)))
+
+
+def loc_args(a) -> dict:
+    """A store kernel's addressing keyword arguments: the descriptor `addr` and the check
+    constexprs (CHECK, OP)."""
+    return dict(addr=addr(a), CHECK=a.check.code, OP=op_code(a.check.op))
 
 
 def num_warps(constexprs: dict) -> int:
@@ -90,21 +77,25 @@ def is_copy(constexprs: dict) -> bool:
     return constexprs.get("QUANT") is False or constexprs.get("MODE", -1) == 0
 
 
-def launch(kernel, grid, a, **kwargs) -> None:
-    """Launch with the assert variant built in debug mode (a device assert on a GPU). Under the
-    interpreter a fired assert becomes a KernelAssertion carrying the first bad token. On a GPU
-    the launch runs on the tensors' device (Triton launches on the current one)."""
+def launch(kernel, grid, a, reference=None, options=None, device=None, check_first=False,
+           **kwargs) -> None:
+    """Launch with the assert variant built in debug mode (a device assert on a GPU), on
+    `device` (default: the locs'; Triton launches on the current one) with `options`
+    (default: `num_warps` of the constexprs; kernels/compile_check.py compiles the same).
+    Under the interpreter a fired assert becomes a KernelAssertion carrying the first bad token,
+    from `reference` (raises the call's OutOfBoundsWrite; default: the loc check of `a`);
+    `check_first`: run `reference` before the kernel (no program writes on a bad call)."""
     if not triton_interpreting():
-        kwargs["num_warps"] = num_warps(kwargs)
-        device = a.locs.loc.device
+        kwargs.update(options if options is not None else {"num_warps": num_warps(kwargs)})
+        device = device if device is not None else a.locs.loc.device
         if device.type == "cuda" and device.index != torch.cuda.current_device():
             with torch.cuda.device(device):
-                _launch(kernel, grid, a, kwargs)
+                _launch(kernel, grid, a, kwargs, reference, check_first)
             return
-    _launch(kernel, grid, a, kwargs)
+    _launch(kernel, grid, a, kwargs, reference, check_first)
 
 
-def _launch(kernel, grid, a, kwargs: dict) -> None:
+def _launch(kernel, grid, a, kwargs: dict, reference, check_first: bool) -> None:
     """`launch` on the current device."""
     if a.check.mode != "assert":
         kernel[grid](**kwargs)
@@ -112,22 +103,35 @@ def _launch(kernel, grid, a, kwargs: dict) -> None:
     if not triton_interpreting():
         kernel[grid](**kwargs, debug=True)
         return
+    reference = reference or (lambda: _check_locs(a))
+    if check_first:
+        _as_kernel_assertion(reference, None)
     try:
         kernel[grid](**kwargs)
     except Exception as exc:
         if "kvwrite: store loc outside the pool" not in str(exc):
             raise
-        from kvwrite.reference import _locs
-
-        r = _locs.resolve(a.locs, a.geometry.capacity, a.check, a.geometry.pool_page_size)
-        try:
-            _locs.check(r, a.geometry, a.check)
-        except OutOfBoundsWrite as err:
-            raise KernelAssertion(err.op, err.token_index, err.loc, err.page, err.num_pages,
-                                  err.pool_page_size, err.count, err.kind, err.target,
-                                  err.limit, batch=err.batch, position=err.position,
-                                  table_slot=err.table_slot, table_page=err.table_page) from exc
+        _as_kernel_assertion(reference, exc)
         raise
+
+
+def _check_locs(a) -> None:
+    """The reference loc check of a validated store `a` (raises its OutOfBoundsWrite)."""
+    from kvwrite.reference import _locs
+
+    r = _locs.resolve(a.locs, a.geometry.capacity, a.check, a.geometry.pool_page_size)
+    _locs.check(r, a.geometry, a.check)
+
+
+def _as_kernel_assertion(reference, cause) -> None:
+    """Run `reference`; its OutOfBoundsWrite is raised again as a KernelAssertion."""
+    try:
+        reference()
+    except OutOfBoundsWrite as err:
+        raise KernelAssertion(err.op, err.token_index, err.loc, err.page, err.num_pages,
+                              err.pool_page_size, err.count, err.kind, err.target, err.limit,
+                              batch=err.batch, position=err.position, table_slot=err.table_slot,
+                              table_page=err.table_page) from cause
 
 
 # (finite max, mantissa bits, smallest normal exponent) of each fp8 storage format.

@@ -29,55 +29,71 @@ _PTR = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
         torch.int64: "i64", torch.uint8: "u8", torch.int16: "i16", torch.int8: "i8"}
 
 
-def signature(kernel, pointers: dict[str, torch.dtype], constexprs: dict) -> dict[str, str]:
+# A variant names its addressing as flags and dtypes (the descriptor's members are not kernel
+# arguments): loc_ptr (int64; int32 positions with a page table), loc_map_ptr (with HAS_MAP),
+# HAS_DCP (0 / 1 / DCP_PAGE) and HAS_TABLE (int32 tables, as FlashInfer's); the guard record
+# (int64) exists in guard mode only, as a launch passes it (`kernels._launch.addr`).
+ADDR_KEYS = ("loc_ptr", "loc_map_ptr", "err_ptr", "HAS_MAP", "HAS_DCP", "HAS_TABLE")
+
+
+def addr_signature(pointers: dict, constexprs: dict):
+    """(signature, constexpr members) of the `addr` argument (an `Addr` of type strings, as a
+    launch specialises it: None members and `dcp` constexpr, every scalar int32)."""
+    from kvwrite.kernels._common import Addr
+
+    ptr = lambda key, default, on: "*" + _PTR[pointers.get(key, default)] if on else "constexpr"  # noqa: E731
+    table = bool(constexprs.get("HAS_TABLE"))
+    sig = Addr(loc=ptr("loc_ptr", torch.int64, True),
+               loc_map=ptr("loc_map_ptr", torch.int32, constexprs.get("HAS_MAP")),
+               errors=ptr("err_ptr", torch.int64, constexprs.get("CHECK") == CHECKS["guard"]),
+               n_tokens="i32", capacity="i32", page_size="i32", map_len="i32", dcp_rank="i32",
+               dcp_size="i32", dcp="constexpr", batch_indices=ptr("", torch.int32, table),
+               kv_indices=ptr("", torch.int32, table), kv_indptr=ptr("", torch.int32, table),
+               num_batches="i32", num_indices="i32")
+    values = {"dcp": int(constexprs.get("HAS_DCP", 0))}
+    return sig, {j: values.get(f) for j, (f, t) in enumerate(zip(Addr._fields, sig)) if t == "constexpr"}
+
+
+def signature(kernel, pointers: dict[str, torch.dtype], constexprs: dict) -> dict:
     """Triton signature as a launch specialises it: pointers by dtype; constexprs (the variant's,
     then the kernel's own defaults: `KX: tl.constexpr = 0`); an argument a launch leaves at its
-    default None is a constexpr None; every other scalar int32 (a launch passes Python ints that
-    fit in 32 bits: tokens, capacities, strides)."""
+    default None is a constexpr None; `addr` the descriptor (`addr_signature`); every other
+    scalar int32 (a launch passes Python ints that fit in 32 bits: tokens, strides)."""
     sig = {}
     for p in kernel.params:
         name = p.name
-        if name in constexprs or p.is_constexpr or (name not in pointers and p.has_default
-                                                    and p.default is None):
+        if name == "addr":
+            sig[name] = addr_signature(pointers, constexprs)[0]
+        elif name in constexprs or p.is_constexpr or (name not in pointers and p.has_default
+                                                      and p.default is None):
             sig[name] = "constexpr"
         elif name in pointers:
             sig[name] = "*" + _PTR[pointers[name]]
         else:
             sig[name] = "i32"
-    missing = set(pointers) - set(kernel.arg_names)
+    missing = set(pointers) - set(kernel.arg_names) - set(ADDR_KEYS)
     if missing:
         raise KeyError(f"{kernel.__name__} has no arguments {missing}")
     return sig
 
 
 def launch_constexprs(kernel, pointers: dict, constexprs: dict) -> dict:
-    """The variant's constexprs plus what a launch that omits an argument fixes: a constexpr's
-    default, and None for a None-defaulted pointer (e.g. the page-table pointers)."""
-    out = dict(constexprs)
-    for p in kernel.params:
+    """The variant's constexprs (less its addressing flags) plus what a launch fixes: a
+    constexpr's default, None for a None-defaulted pointer, and the descriptor's constexpr
+    members (keyed by their path)."""
+    out = {k: v for k, v in constexprs.items() if k not in ADDR_KEYS}
+    for i, p in enumerate(kernel.params):
         if p.name in out or p.name in pointers:
             continue
-        if p.is_constexpr:
+        if p.name == "addr":
+            out.update({(i, j): v for j, v in addr_signature(pointers, constexprs)[1].items()})
+        elif p.is_constexpr:
             if not p.has_default:
                 raise KeyError(f"{kernel.__name__}: the variant sets no constexpr {p.name}")
             out[p.name] = p.default
         elif p.has_default and p.default is None:
             out[p.name] = None
     return out
-
-
-# Page-table kwargs every store kernel takes (kernels/_common.claim_rows), off unless a variant
-# sets HAS_TABLE: variants() that predate them compile unchanged.
-TABLE_POINTERS = {"pt_batch_ptr": torch.int32, "pt_indices_ptr": torch.int32,
-                  "pt_indptr_ptr": torch.int32}
-
-
-def with_table_defaults(kernel, pointers: dict, constexprs: dict) -> tuple[dict, dict]:
-    """The table pointers' dtypes where a variant addresses by page table (HAS_TABLE); without
-    one a launch omits them (None constexprs, `launch_constexprs`)."""
-    if "HAS_TABLE" not in kernel.arg_names or not constexprs.get("HAS_TABLE"):
-        return pointers, constexprs
-    return {**TABLE_POINTERS, **pointers}, constexprs
 
 
 # Integer arguments that are strides (k_sn, kc_sp, ks_sh, ...): a real launch passes multiples of
@@ -91,12 +107,17 @@ _REGS = re.compile(r"Used (\d+) registers")
 _SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
-def aligned_attrs(kernel, pointers: dict, constexprs: dict) -> dict:
-    """tt.divisibility=16 on every pointer, stride and zero-defaulted integer argument (what a
-    launch specialises)."""
-    return {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)
-            if p.name not in constexprs and (p.name in pointers or _STRIDE.search(p.name)
-                                             or (p.has_default and p.default == 0))}
+def aligned_attrs(kernel, pointers: dict, constexprs: dict, addr_sig=None) -> dict:
+    """tt.divisibility=16 on every pointer (`addr_sig`'s members too), stride and zero-defaulted
+    integer argument (what a launch specialises)."""
+    div = [["tt.divisibility", 16]]
+    attrs = {(i,): div for i, p in enumerate(kernel.params)
+             if p.name not in constexprs and p.name != "addr" and (
+                 p.name in pointers or _STRIDE.search(p.name) or (p.has_default and p.default == 0))}
+    if addr_sig is not None:
+        i = kernel.arg_names.index("addr")
+        attrs.update({(i, j): div for j, t in enumerate(addr_sig) if t.startswith("*")})
+    return attrs
 
 
 def ptxas_usage(log: str) -> dict:
@@ -134,15 +155,15 @@ def compile_variant(kernel, pointers, constexprs, cc: int) -> dict:
     from triton.compiler import ASTSource
     import triton
 
-    pointers, constexprs = with_table_defaults(kernel, pointers, constexprs)
+    addressing = constexprs
     constexprs = launch_constexprs(kernel, pointers, constexprs)
     # a family's own launch options (kernels/rope_store.py: warps, fp fusion off), else the shared ones
     module = sys.modules.get(getattr(getattr(kernel, "fn", None), "__module__", ""), None)
     own = getattr(module, "compile_options", None)
     options = dict(own(constexprs)) if own else {"num_warps": num_warps(constexprs), "copy": is_copy(constexprs)}
     copy = options.pop("copy")
-    src = ASTSource(kernel, signature(kernel, pointers, constexprs), constexprs,
-                    aligned_attrs(kernel, pointers, constexprs))
+    sig = signature(kernel, pointers, addressing)
+    src = ASTSource(kernel, sig, constexprs, aligned_attrs(kernel, pointers, constexprs, sig.get("addr")))
     debug = constexprs.get("CHECK") == CHECKS["assert"]
     start = time.perf_counter()
     log = io.StringIO()

@@ -7,8 +7,8 @@ widest of 4 / 2 / 1 bytes dividing the row's layout), so fp8 and quantised pools
 import triton
 import triton.language as tl
 
-from kvwrite.kernels._common import (CHECK_OFF, OFF_BOUND, check_or_record, claim_rows, end_call,
-                                     record_table)
+from kvwrite.kernels._common import (CHECK_OFF, OFF_BOUND, check_or_record, claim_tile, end_call,
+                                     floor_divmod, record_table)
 
 
 @triton.jit
@@ -54,20 +54,11 @@ def copy_pages_kernel(src_ptr, dst_ptr, sid_ptr, did_ptr, err_ptr, n_pairs, src_
 
 
 @triton.jit
-def gather_kernel(cache_ptr, out_ptr, loc_ptr, err_ptr, loc_map_ptr, n_tokens, capacity,
-                  pool_page_size, map_len, dcp_rank, dcp_size, heads, feat, c_sp, c_sr, c_sh, o_sn,
-                  HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr, CHECK: tl.constexpr, OP: tl.constexpr,
-                  BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-                  pt_batch_ptr=None, pt_indices_ptr=None, pt_indptr_ptr=None, pt_num_batches=0,
-                  pt_num_indices=0, HAS_TABLE: tl.constexpr = False):
+def gather_kernel(cache_ptr, out_ptr, addr, heads, feat, c_sp, c_sr, c_sh, o_sn,
+                  CHECK: tl.constexpr, OP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     """Program (t, c): BLOCK_T tokens, columns [c * BLOCK_C, ...) of the [heads * feat] row; a
     token not read (padding, skipped, bad) gets a zero row."""
-    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    page, offset, write = claim_rows(loc_ptr, tok, n_tokens, loc_map_ptr, map_len, dcp_rank,
-                                     dcp_size, capacity, pool_page_size, err_ptr, HAS_MAP,
-                                     HAS_DCP, CHECK, OP, tl.program_id(1) == 0, pt_batch_ptr,
-                                     pt_indices_ptr, pt_indptr_ptr, pt_num_batches,
-                                     pt_num_indices, HAS_TABLE)
+    tok, page, offset, write = claim_tile(addr, BLOCK_T, CHECK, OP)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < heads * feat
     h = (cols // feat).to(tl.int64)
@@ -75,7 +66,7 @@ def gather_kernel(cache_ptr, out_ptr, loc_ptr, err_ptr, loc_map_ptr, n_tokens, c
     base = page * c_sp + offset * c_sr
     x = tl.load(cache_ptr + base[:, None] + (h * c_sh + f)[None, :], mask=write[:, None] & cmask[None, :],
                 other=0)
-    tmask = tok < n_tokens
+    tmask = tok < addr.n_tokens
     tl.store(out_ptr + tok.to(tl.int64)[:, None] * o_sn + cols[None, :], x,
              mask=tmask[:, None] & cmask[None, :])
 
@@ -92,11 +83,7 @@ def slot_mapping_kernel(table_ptr, batch_ptr, pos_ptr, out_ptr, err_ptr, n_token
     b = tl.load(batch_ptr + tok, mask=tmask, other=-1).to(tl.int64)
     pos = tl.load(pos_ptr + tok, mask=tmask, other=-1).to(tl.int64)
     live = tmask & (b != -1) & (pos != -1)
-    blk = pos // page_size
-    off = pos - blk * page_size
-    neg = off < 0   # floor division whatever the integer division rounds to
-    blk = tl.where(neg, blk - 1, blk)
-    off = tl.where(neg, off + page_size, off)
+    blk, off = floor_divmod(pos, page_size)
     in_row = (b >= 0) & (b < rows)
     in_width = (blk >= 0) & (blk < width)
     bad_row = live & (in_row == 0)
@@ -142,41 +129,10 @@ def _words(t, word: int):
     return v, [s * es // word for s in t.stride()[:3]]
 
 
-def _run(kernel, grid, a, reference, device=None, **kwargs) -> None:
-    """Launch (the assert variant in debug mode: a device assert on a GPU). Under the
-    interpreter, assert mode first runs the reference check, so a bad id raises (as a
-    KernelAssertion) before any program has copied its pair; the kernel's own assert backs it."""
-    import torch
-
-    from kvwrite.backend import triton_interpreting
-    from kvwrite.kernels._launch import KernelAssertion
-    from kvwrite.errors import OutOfBoundsWrite
-    from kvwrite.kernels._launch import num_warps
-
-    if not triton_interpreting():
-        kwargs["num_warps"] = num_warps(kwargs)   # as kernels/compile_check.py compiles it
-        if device is not None and device.type == "cuda" and device.index != torch.cuda.current_device():
-            with torch.cuda.device(device):       # Triton launches on the current device
-                return _run(kernel, grid, a, reference, None, **kwargs)
-    if a.check.mode != "assert":
-        kernel[grid](**kwargs)
-        return
-    if not triton_interpreting():
-        kernel[grid](**kwargs, debug=True)
-        return
-    try:
-        reference()
-    except OutOfBoundsWrite as err:
-        raise KernelAssertion(err.op, err.token_index, err.loc, err.page, err.num_pages,
-                              err.pool_page_size, err.count, err.kind, err.target, err.limit,
-                              batch=err.batch, position=err.position, table_slot=err.table_slot,
-                              table_page=err.table_page) from None
-    kernel[grid](**kwargs)
-
-
 def copy_pages(a) -> None:
     """Launch copy_pages_kernel for a validated `kvwrite.ops.pages.CopyPages`."""
     from kvwrite.errors import op_code
+    from kvwrite.kernels._launch import launch
     from kvwrite.reference.pages import check_pairs
 
     s, d = a.src, a.dst
@@ -199,14 +155,13 @@ def copy_pages(a) -> None:
                   src_factor=a.src_units.factor, dst_factor=a.dst_units.factor, unit_rows=rows,
                   n_runs=runs, heads=heads, feat=feat, s_sp=ss[0], s_sr=ss[1], s_sh=ss[2], d_sp=ds[0], d_sr=ds[1],
                   d_sh=ds[2], CHECK=a.check.code, OP=op_code(a.check.op), BLOCK_T=block_t, BLOCK_C=block_c)
-    _run(copy_pages_kernel, grid, a,
-         lambda: check_pairs(a.src_pages, a.dst_pages, a.src_units, a.dst_units, a.check), d.device, **kwargs)
+    launch(copy_pages_kernel, grid, a, lambda: check_pairs(a.src_pages, a.dst_pages, a.src_units, a.dst_units,
+                                                           a.check), device=d.device, check_first=True, **kwargs)
 
 
 def gather(a) -> None:
     """Launch gather_kernel for a validated `kvwrite.ops.pages.Gather`."""
-    from kvwrite.kernels._launch import loc_args, tiles
-    from kvwrite.reference import _locs
+    from kvwrite.kernels._launch import launch, loc_args, tiles
 
     c, o = a.cache, a.out
     es = c.element_size()
@@ -218,30 +173,25 @@ def gather(a) -> None:
     n, h = a.locs.n, c.shape[2]
     block_t, block_c = tiles(n, h * feat)
     grid = (triton.cdiv(n, block_t), triton.cdiv(h * feat, block_c))
-    args = loc_args(a)
-
-    def reference():
-        r = _locs.resolve(a.locs, a.geometry.capacity, a.check, a.geometry.pool_page_size)
-        _locs.check(r, a.geometry, a.check)
-
-    _run(gather_kernel, grid, a, reference, c.device, cache_ptr=cv, out_ptr=ov, heads=h, feat=feat,
-         c_sp=cs[0], c_sr=cs[1], c_sh=cs[2], o_sn=os_[0], BLOCK_T=block_t, BLOCK_C=block_c, **args)
+    launch(gather_kernel, grid, a, check_first=True, cache_ptr=cv, out_ptr=ov, heads=h, feat=feat,
+           c_sp=cs[0], c_sr=cs[1], c_sh=cs[2], o_sn=os_[0], BLOCK_T=block_t, BLOCK_C=block_c, **loc_args(a))
 
 
 def slot_mapping(a) -> None:
     """Launch slot_mapping_kernel for a validated `kvwrite.ops.pages.SlotMapping`."""
     from kvwrite.errors import op_code
+    from kvwrite.kernels._launch import launch
     from kvwrite.reference import pages as ref
 
     n = a.n
     block = min(triton.next_power_of_2(max(n, 1)), 1024)
     bt = a.block_table
     err = a.check.errors if a.check.errors is not None else a.out
-    _run(slot_mapping_kernel, (triton.cdiv(n, block),), a, lambda: ref.slot_mapping(a), bt.device,
-         table_ptr=bt, batch_ptr=a.batch_indices, pos_ptr=a.positions, out_ptr=a.out, err_ptr=err,
-         n_tokens=n, rows=bt.shape[0], width=bt.shape[1], t_sr=bt.stride(0) if bt.shape[0] > 1 else 0,
-         page_size=a.geometry.pool_page_size, num_pages=a.geometry.num_pages, CHECK=a.check.code,
-         OP=op_code(a.check.op), BLOCK=block)
+    launch(slot_mapping_kernel, (triton.cdiv(n, block),), a, lambda: ref.slot_mapping(a), device=bt.device,
+           check_first=True, table_ptr=bt, batch_ptr=a.batch_indices, pos_ptr=a.positions, out_ptr=a.out,
+           err_ptr=err, n_tokens=n, rows=bt.shape[0], width=bt.shape[1],
+           t_sr=bt.stride(0) if bt.shape[0] > 1 else 0, page_size=a.geometry.pool_page_size,
+           num_pages=a.geometry.num_pages, CHECK=a.check.code, OP=op_code(a.check.op), BLOCK=block)
 
 
 def variants():

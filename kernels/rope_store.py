@@ -19,15 +19,12 @@ c >= C rotates q_pe head c - C in place.
 import triton
 import triton.language as tl
 
-from kvwrite import errors as _e
-from kvwrite.kernels._common import (CHECK_OFF, check_or_record, end_call, fp8_quant,
-                                     record_table, resolve_locs, resolve_table, store_le_bytes)
+from kvwrite.kernels._common import claim, end_call, fp8_quant, store_le_bytes
 from kvwrite.kernels._nvfp4 import store_blocks
 from kvwrite.kernels._quant import abs_for_scale, dynamic_scale, quant_code
 from kvwrite.kernels.store_mla import _RAW_ROPE, _bf16_bits, _ds_mla_tile
 from kvwrite import facts as _mla
 
-_KIND_POSITION = tl.constexpr(_e.KIND_POSITION)
 _COPY = tl.constexpr(_mla.MODE_COPY)
 _FP8 = tl.constexpr(_mla.MODE_FP8)
 _DS_MLA = tl.constexpr(_mla.MODE_DS_MLA)
@@ -109,37 +106,6 @@ def _positions(pos_ptr, tok, tmask, max_pos):
 
 
 @triton.jit
-def _claim(loc_ptr, pos, pos_ok, tok, n_tokens, loc_map_ptr, map_len, dcp_rank, dcp_size,
-           capacity, pool_page_size, max_pos, err_ptr, HAS_MAP: tl.constexpr,
-           HAS_DCP: tl.constexpr, CHECK: tl.constexpr, OP: tl.constexpr, record, pt_batch_ptr,
-           pt_indices_ptr, pt_indptr_ptr, pt_num_batches, pt_num_indices, HAS_TABLE: tl.constexpr):
-    """`claim_rows` with the position check folded in (reference `resolve_with_positions`): a
-    position outside [0, max_pos) is a KIND_POSITION error, never written (every mode)."""
-    tmask = tok < n_tokens
-    if HAS_TABLE:
-        tpos, loc, page, offset, write, bad, target, limit, kind, batch, slot, tpage = resolve_table(
-            loc_ptr, pt_batch_ptr, pt_indices_ptr, pt_indptr_ptr, tok, tmask, pt_num_batches,
-            pt_num_indices, capacity, pool_page_size, CHECK)
-    else:
-        loc, row, write, bad, target, limit, kind = resolve_locs(
-            loc_ptr, tok, tmask, loc_map_ptr, map_len, dcp_rank, dcp_size, capacity,
-            HAS_MAP, HAS_DCP, CHECK, pool_page_size)
-        page = row // pool_page_size
-        offset = row % pool_page_size
-    write = write & pos_ok
-    if CHECK != CHECK_OFF:
-        bad_pos = tmask & (pos_ok == 0)
-        bad = bad | bad_pos
-        kind = tl.where(bad_pos, _KIND_POSITION, kind)
-        target = tl.where(bad_pos, pos, target)
-        limit = tl.where(bad_pos, max_pos, limit)
-    check_or_record(err_ptr, tok, loc, bad, target, limit, kind, pool_page_size, OP, CHECK, record)
-    if HAS_TABLE:
-        record_table(err_ptr, tok, bad, batch, tpos, slot, tpage, CHECK, record)
-    return page, offset, write
-
-
-@triton.jit
 def _rotate_q(q_ptr, head, tok, ok, pos, cs_ptr, cs_sn, qw_ptr, eps, q_sn, q_sh,
               D: tl.constexpr, R: tl.constexpr, NEOX: tl.constexpr, NORM: tl.constexpr,
               IN: tl.constexpr, CS_IN: tl.constexpr, BLOCK_D: tl.constexpr, LOG2P: tl.constexpr):
@@ -193,8 +159,7 @@ def _quant_store(x, mask, dst, scale, FMT: tl.constexpr, RULE: tl.constexpr, FMA
 @triton.jit
 def rope_store_kv_kernel(
     pos_ptr, q_ptr, k_ptr, v_ptr, cs_ptr, qw_ptr, kw_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
-    ksc_ptr, vsc_ptr, loc_ptr, err_ptr, loc_map_ptr,
-    n_tokens, max_pos, eps, capacity, pool_page_size, map_len, dcp_rank, dcp_size,
+    ksc_ptr, vsc_ptr, addr, max_pos, eps,
     q_sn, q_sh, k_sn, k_sh, v_sn, v_sh, cs_sn,
     kc_sp, kc_so, kc_sh, vc_sp, vc_so, vc_sh, ks_sh, vs_sh,
     ksc_sp, ksc_so, ksc_sh, vsc_sp, vsc_so, vsc_sh,
@@ -202,32 +167,23 @@ def rope_store_kv_kernel(
     NEOX: tl.constexpr, Q_NORM: tl.constexpr, K_NORM: tl.constexpr, IN: tl.constexpr,
     CS_IN: tl.constexpr, QUANT: tl.constexpr, FMT: tl.constexpr, QMAX: tl.constexpr,
     RULE: tl.constexpr, FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr,
-    HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr, CHECK: tl.constexpr, OP: tl.constexpr,
+    CHECK: tl.constexpr, OP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, LOG2P: tl.constexpr,
-    pt_batch_ptr=None, pt_indices_ptr=None, pt_indptr_ptr=None, pt_num_batches=0,
-    pt_num_indices=0, HAS_TABLE: tl.constexpr = False,
 ):
     """QUANT (kvwrite.facts): 0 copy, 1 static scale (fp8 / int8), 2 dynamic per token
     (program HQ owns every kv head: two passes, amax then codes), 3 dynamic per token-head."""
     pid_t = tl.program_id(0)
     j = tl.program_id(1)
     tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    tmask = tok < n_tokens
+    tmask = tok < addr.n_tokens
     pos, pos_ok = _positions(pos_ptr, tok, tmask, max_pos)
     if j < HQ:
         if CHECK == 1:  # assert: every program checks before it writes (q is written too)
-            _claim(loc_ptr, pos, pos_ok, tok, n_tokens, loc_map_ptr, map_len, dcp_rank, dcp_size,
-                   capacity, pool_page_size, max_pos, err_ptr, HAS_MAP, HAS_DCP, CHECK, OP, False,
-                   pt_batch_ptr, pt_indices_ptr, pt_indptr_ptr, pt_num_batches, pt_num_indices,
-                   HAS_TABLE)
+            claim(addr, tok, CHECK, OP, False, pos_ok, pos, max_pos)
         _rotate_q(q_ptr, j, tok, pos_ok, pos, cs_ptr, cs_sn, qw_ptr, eps, q_sn, q_sh, D, R, NEOX,
                   Q_NORM, IN, CS_IN, BLOCK_D, LOG2P)
     else:
-        page, offset, write = _claim(loc_ptr, pos, pos_ok, tok, n_tokens, loc_map_ptr, map_len,
-                                     dcp_rank, dcp_size, capacity, pool_page_size, max_pos,
-                                     err_ptr, HAS_MAP, HAS_DCP, CHECK, OP, j == HQ, pt_batch_ptr,
-                                     pt_indices_ptr, pt_indptr_ptr, pt_num_batches,
-                                     pt_num_indices, HAS_TABLE)
+        page, offset, write = claim(addr, tok, CHECK, OP, j == HQ, pos_ok, pos, max_pos)
         t64 = tok.to(tl.int64)
         w = write[:, None]
         cols = tl.arange(0, BLOCK_D)[None, :]
@@ -282,42 +238,32 @@ def rope_store_kv_kernel(
                     vs = vs[:, None]
                 _quant_store(kr, mask, kdst, ks, FMT, RULE, FMAX, MANT, EMIN)
                 _quant_store(vx, vmask, vdst, vs, FMT, RULE, FMAX, MANT, EMIN)
-    end_call(err_ptr, CHECK)  # guard: every program counts itself in the record's call
+    end_call(addr.errors, CHECK)  # guard: every program counts itself in the record's call
 
 
 @triton.jit
 def rope_store_mla_kernel(
     pos_ptr, q_ptr, c_ptr, c16_ptr, pe_ptr, cs_ptr, cache_ptr, scale_ptr, sc_ptr, g_ptr,
-    loc_ptr, err_ptr, loc_map_ptr,
-    n_tokens, max_pos, capacity, pool_page_size, map_len, dcp_rank, dcp_size,
+    addr, max_pos,
     q_sn, q_sh, c_sn, pe_sn, cs_sn, cache_sp, cache_so, sc_sp, sc_so, n_row_programs,
     HQ: tl.constexpr, L: tl.constexpr, R: tl.constexpr, NEOX: tl.constexpr, IN: tl.constexpr,
     CS_IN: tl.constexpr, MODE: tl.constexpr, FMAX: tl.constexpr, MANT: tl.constexpr,
     EMIN: tl.constexpr, HAS_GLOBAL: tl.constexpr, FLAGS: tl.constexpr,
-    HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr, CHECK: tl.constexpr, OP: tl.constexpr,
+    CHECK: tl.constexpr, OP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
-    pt_batch_ptr=None, pt_indices_ptr=None, pt_indptr_ptr=None, pt_num_batches=0,
-    pt_num_indices=0, HAS_TABLE: tl.constexpr = False,
 ):
     pid_t = tl.program_id(0)
     c = tl.program_id(1)
     tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    tmask = tok < n_tokens
+    tmask = tok < addr.n_tokens
     pos, pos_ok = _positions(pos_ptr, tok, tmask, max_pos)
     if c >= n_row_programs:
         if CHECK == 1:  # assert: every program checks before it writes (q is written too)
-            _claim(loc_ptr, pos, pos_ok, tok, n_tokens, loc_map_ptr, map_len, dcp_rank, dcp_size,
-                   capacity, pool_page_size, max_pos, err_ptr, HAS_MAP, HAS_DCP, CHECK, OP, False,
-                   pt_batch_ptr, pt_indices_ptr, pt_indptr_ptr, pt_num_batches, pt_num_indices,
-                   HAS_TABLE)
+            claim(addr, tok, CHECK, OP, False, pos_ok, pos, max_pos)
         _rotate_q(q_ptr, c - n_row_programs, tok, pos_ok, pos, cs_ptr, cs_sn, q_ptr, 0.0, q_sn,
                   q_sh, R, R, NEOX, False, IN, CS_IN, BLOCK_R, 0)
     else:
-        page, offset, write = _claim(loc_ptr, pos, pos_ok, tok, n_tokens, loc_map_ptr, map_len,
-                                     dcp_rank, dcp_size, capacity, pool_page_size, max_pos,
-                                     err_ptr, HAS_MAP, HAS_DCP, CHECK, OP, c == 0, pt_batch_ptr,
-                                     pt_indices_ptr, pt_indptr_ptr, pt_num_batches,
-                                     pt_num_indices, HAS_TABLE)
+        page, offset, write = claim(addr, tok, CHECK, OP, c == 0, pos_ok, pos, max_pos)
         t64 = tok.to(tl.int64)
         row_base = page * cache_sp + offset * cache_so
         cs_base = pos * cs_sn
@@ -330,12 +276,12 @@ def rope_store_mla_kernel(
                 rmask = write[:, None] & (rc < R)
                 val, own = _rope_vals(pe_ptr, (t64 * pe_sn)[:, None], rc, rmask, cs_ptr,
                                       cs_base[:, None], 1.0, pe_ptr, R, NEOX, False, IN, CS_IN)
-                addr = row_base[:, None] + (L + (L // _TILE) * 4) + 2 * rc
+                rope_at = row_base[:, None] + (L + (L // _TILE) * 4) + 2 * rc
                 if _RAW_ROPE & FLAGS:  # the rounded input dtype's own 16 bits (bf16 / fp16)
                     rb = own.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
                 else:
                     rb = _bf16_bits(val)
-                store_le_bytes(cache_ptr, addr, rb, rmask, 2)
+                store_le_bytes(cache_ptr, rope_at, rb, rmask, 2)
         elif MODE == _COPY or MODE == _FP8:
             cols = (c * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
             w = write[:, None]
@@ -367,7 +313,7 @@ def rope_store_mla_kernel(
             scale_off = (page * sc_sp + offset * sc_so)[:, None] + blocks[None, :]
             store_blocks(x_even, x_odd, g, cache_ptr, byte_off, sc_ptr, scale_off, mask,
                          HAS_GLOBAL)
-    end_call(err_ptr, CHECK)  # guard: every program counts itself in the record's call
+    end_call(addr.errors, CHECK)  # guard: every program counts itself in the record's call
 
 
 # ---- host side -------------------------------------------------------------------------------
@@ -416,37 +362,20 @@ def compile_options(constexprs: dict) -> dict:
 
 
 def _run(kernel, grid, a, **kwargs) -> None:
-    """Launch (fp fusion off; assert variants in debug mode on a GPU). Under the interpreter a
-    fired assert becomes a KernelAssertion carrying the first bad token, positions included."""
-    from kvwrite.backend import triton_interpreting
-    from kvwrite.errors import OutOfBoundsWrite
-    from kvwrite.kernels._launch import KernelAssertion
+    """`kernels._launch.launch` with this family's options (fp fusion off); under the interpreter
+    a fired assert names the first bad token, positions included."""
+    from kvwrite.kernels._launch import launch
 
-    opts = compile_options(kwargs)
-    kwargs.update(num_warps=opts["num_warps"], enable_fp_fusion=False)
-    if a.check.mode != "assert":
-        kernel[grid](**kwargs)
-        return
-    if not triton_interpreting():
-        kernel[grid](**kwargs, debug=True)
-        return
-    try:
-        kernel[grid](**kwargs)
-    except Exception as exc:
-        if "kvwrite: store loc outside the pool" not in str(exc):
-            raise
-        from kvwrite.reference import _locs
-        from kvwrite.reference.rope import resolve_with_positions
+    options = {k: v for k, v in compile_options(kwargs).items() if k != "copy"}
+    launch(kernel, grid, a, lambda: check_with_positions(a), options=options, **kwargs)
 
-        r, _ = resolve_with_positions(a)
-        try:
-            _locs.check(r, a.geometry, a.check)
-        except OutOfBoundsWrite as err:
-            raise KernelAssertion(err.op, err.token_index, err.loc, err.page, err.num_pages,
-                                  err.pool_page_size, err.count, err.kind, err.target,
-                                  err.limit, batch=err.batch, position=err.position,
-                                  table_slot=err.table_slot, table_page=err.table_page) from exc
-        raise
+
+def check_with_positions(a) -> None:
+    """The reference check of a validated fused RoPE store `a`, its positions included."""
+    from kvwrite.reference import _locs
+    from kvwrite.reference.rope import resolve_with_positions
+
+    _locs.check(resolve_with_positions(a)[0], a.geometry, a.check)
 
 
 def launch_kv(a) -> None:
@@ -575,7 +504,6 @@ def variants():
                               HAS_MAP=extras, HAS_DCP=extras, CHECK=check, OP=op_code("rope_store_kv"),
                               BLOCK_T=4, BLOCK_D=128, BLOCK_DV=128, LOG2P=7)
             if table:
-                pointers.update(pt_batch_ptr=i32, pt_indices_ptr=i32, pt_indptr_ptr=i32)
                 constexprs["HAS_TABLE"] = True
             name = (f"kv:{str(dtype)[6:]}->{str(cache)[6:]}/q{quant}r{rule}{'+neox' if neox else '+gptj'}{rot}"
                     f"{'+norm' if norm else ''}{'+map+dcp' if extras else ''}{'+table' if table else ''}")

@@ -9,7 +9,7 @@ divisions by `tl.div_rn`: bit-identical to the reference on every backend.
 import triton
 import triton.language as tl
 
-from kvwrite.kernels._common import claim_rows, daz, finite_abs, fp8_quant, store_le_bytes
+from kvwrite.kernels._common import claim_tile, daz, finite_abs, fp8_quant, store_le_bytes
 from kvwrite.kernels._nvfp4 import e2m1_code
 from kvwrite.kernels.store_mla import _bf16_bits
 from kvwrite import facts as _d
@@ -33,18 +33,11 @@ def _ue8m0_bits(amax, FMAX: tl.constexpr):
 
 @triton.jit
 def store_dsv4_kv_kernel(
-    kv_ptr, cache_ptr, loc_ptr, err_ptr, loc_map_ptr,
-    n_tokens, capacity, pool_page_size, map_len, dcp_rank, dcp_size,
-    kv_sn, cache_sp,
-    HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr, CHECK: tl.constexpr, OP: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    kv_ptr, cache_ptr, addr, kv_sn, cache_sp,
+    CHECK: tl.constexpr, OP: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
+    tok, page, offset, write = claim_tile(addr, BLOCK_T, CHECK, OP)
     w = tl.program_id(1)
-    tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    page, offset, write = claim_rows(loc_ptr, tok, n_tokens, loc_map_ptr, map_len, dcp_rank,
-                                     dcp_size, capacity, pool_page_size, err_ptr, HAS_MAP,
-                                     HAS_DCP, CHECK, OP, w == 0)
     page_base = page * cache_sp
     row_base = page_base + offset * _DATA_ROW
     q = tl.arange(0, _TILE)
@@ -56,27 +49,20 @@ def store_dsv4_kv_kernel(
         bits = _ue8m0_bits(tl.max(finite_abs(xf), axis=1), 448.0)   # special values: README
         code = fp8_quant(xf, bits.to(tl.float32, bitcast=True)[:, None], 448.0, 3, -6)
         tl.store(cache_ptr + row_base[:, None] + cols[None, :], code.to(tl.uint8), mask=mask)
-        scale_addr = page_base + pool_page_size * _DATA_ROW + offset * _SCALE_ROW + w
+        scale_addr = page_base + addr.page_size * _DATA_ROW + offset * _SCALE_ROW + w
         tl.store(cache_ptr + scale_addr, ((bits >> 23) & 0xFF).to(tl.uint8), mask=write)
     else:
-        addr = row_base[:, None] + _NOPE + 2 * q[None, :]
-        store_le_bytes(cache_ptr, addr, _bf16_bits(x), mask, 2)
+        rope_at = row_base[:, None] + _NOPE + 2 * q[None, :]
+        store_le_bytes(cache_ptr, rope_at, _bf16_bits(x), mask, 2)
 
 
 @triton.jit
 def store_dsv4_mxfp4_kernel(
-    k_ptr, cache_ptr, loc_ptr, err_ptr, loc_map_ptr,
-    n_tokens, capacity, pool_page_size, map_len, dcp_rank, dcp_size,
-    k_sn, cache_sp,
-    D: tl.constexpr, HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr, CHECK: tl.constexpr,
-    OP: tl.constexpr, BLOCK_T: tl.constexpr,
+    k_ptr, cache_ptr, addr, k_sn, cache_sp,
+    D: tl.constexpr, CHECK: tl.constexpr, OP: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
+    tok, page, offset, write = claim_tile(addr, BLOCK_T, CHECK, OP)
     b = tl.program_id(1)
-    tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    page, offset, write = claim_rows(loc_ptr, tok, n_tokens, loc_map_ptr, map_len, dcp_rank,
-                                     dcp_size, capacity, pool_page_size, err_ptr, HAS_MAP,
-                                     HAS_DCP, CHECK, OP, b == 0)
     page_base = page * cache_sp
     j = tl.arange(0, _MX // 2)
     mask = write[:, None]
@@ -93,26 +79,18 @@ def store_dsv4_mxfp4_kernel(
     bits = tl.where(nan, 0x7F800000, bits)
     dst = page_base + offset * (D // 2) + b * (_MX // 2)
     tl.store(cache_ptr + dst[:, None] + j[None, :], packed.to(tl.uint8), mask=mask)
-    scale_addr = page_base + pool_page_size * (D // 2) + offset * (D // _MX) + b
+    scale_addr = page_base + addr.page_size * (D // 2) + offset * (D // _MX) + b
     tl.store(cache_ptr + scale_addr, ((bits >> 23) & 0xFF).to(tl.uint8), mask=write)
 
 
 @triton.jit
 def store_rows_kernel(
-    src_ptr, pool_ptr, loc_ptr, err_ptr, loc_map_ptr,
-    n_tokens, capacity, pool_page_size, map_len, dcp_rank, dcp_size,
-    src_sn, pool_sr, W,
-    HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr, CHECK: tl.constexpr, OP: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    src_ptr, pool_ptr, addr, src_sn, pool_sr, W,
+    CHECK: tl.constexpr, OP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    page, offset, write = claim_rows(loc_ptr, tok, n_tokens, loc_map_ptr, map_len, dcp_rank,
-                                     dcp_size, capacity, pool_page_size, err_ptr, HAS_MAP,
-                                     HAS_DCP, CHECK, OP, pid_c == 0)
-    row = page * pool_page_size + offset
-    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    tok, page, offset, write = claim_tile(addr, BLOCK_T, CHECK, OP)
+    row = page * addr.page_size + offset
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = write[:, None] & (cols < W)[None, :]
     x = tl.load(src_ptr + tok.to(tl.int64)[:, None] * src_sn + cols[None, :], mask=mask)
     tl.store(pool_ptr + (row * pool_sr)[:, None] + cols[None, :], x, mask=mask)

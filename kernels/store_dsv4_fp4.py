@@ -9,9 +9,9 @@ bits (the reference's rule), codes of x / 2**n. Bit-identical to the reference o
 import triton
 import triton.language as tl
 
-from kvwrite.kernels._common import claim_rows, daz, end_call, finite_abs, fp8_bits, store_le_bytes
+from kvwrite.kernels._common import claim, claim_rows, daz, end_call, finite_abs, fp8_bits, store_le_bytes
 from kvwrite.kernels._nvfp4 import _element_codes, e2m1_code, e4m3_value
-from kvwrite.kernels.rope_store import _bits, _claim, _in_code, _positions, _rope_vals, _rotate_q
+from kvwrite.kernels.rope_store import _bits, _in_code, _positions, _rope_vals, _rotate_q
 from kvwrite.kernels.store_mla import _bf16_bits
 
 _MX_MANT_HALF = tl.constexpr(0x7C3B7)   # kvwrite.reference.dsv4_fp4.MX_MANT_HALF
@@ -68,14 +68,11 @@ def _bases(page, offset, cache_sp, pool_page_size, QUANT: tl.constexpr, DATA_ROW
 
 @triton.jit
 def store_dsv4_fp4_kernel(
-    kv_ptr, cache_ptr, loc_ptr, err_ptr, loc_map_ptr,
-    n_tokens, capacity, pool_page_size, map_len, dcp_rank, dcp_size,
-    kv_sn, cache_sp,
+    kv_ptr, cache_ptr, addr, kv_sn, cache_sp,
     QUANT: tl.constexpr, BLOCK: tl.constexpr, NBP: tl.constexpr, UE8M0: tl.constexpr,
     FLOOR: tl.constexpr, ROPE: tl.constexpr, DATA_ROW: tl.constexpr, SCALE_ROW: tl.constexpr,
     INLINE: tl.constexpr, ROPE_AT: tl.constexpr,
-    HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr, CHECK: tl.constexpr, OP: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    CHECK: tl.constexpr, OP: tl.constexpr, BLOCK_T: tl.constexpr,
     pos_ptr=None, kv16_ptr=None, cs_ptr=None, q_ptr=None, max_pos=0, cs_sn=0, q_sn=0, q_sh=0,
     n_q_heads=0, IN: tl.constexpr = 0, CS_IN: tl.constexpr = 0, FUSED_ROPE: tl.constexpr = False,
 ):
@@ -84,15 +81,11 @@ def store_dsv4_fp4_kernel(
     positions are bad tokens."""
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     if FUSED_ROPE:
-        pos, pos_ok = _positions(pos_ptr, tok, tok < n_tokens, max_pos)
-        page, offset, write = _claim(loc_ptr, pos, pos_ok, tok, n_tokens, loc_map_ptr, map_len, dcp_rank,
-                                     dcp_size, capacity, pool_page_size, max_pos, err_ptr, HAS_MAP, HAS_DCP,
-                                     CHECK, OP, True, loc_ptr, loc_ptr, loc_ptr, 0, 0, False)
+        pos, pos_ok = _positions(pos_ptr, tok, tok < addr.n_tokens, max_pos)
+        page, offset, write = claim(addr, tok, CHECK, OP, True, pos_ok, pos, max_pos)
     else:
-        page, offset, write = claim_rows(loc_ptr, tok, n_tokens, loc_map_ptr, map_len, dcp_rank,
-                                         dcp_size, capacity, pool_page_size, err_ptr, HAS_MAP,
-                                         HAS_DCP, CHECK, OP, True)
-    row_base, scale_base = _bases(page, offset, cache_sp, pool_page_size, QUANT, DATA_ROW, SCALE_ROW, INLINE)
+        page, offset, write = claim_rows(addr, tok, CHECK, OP, True)
+    row_base, scale_base = _bases(page, offset, cache_sp, addr.page_size, QUANT, DATA_ROW, SCALE_ROW, INLINE)
     _store_blocks(kv_ptr, cache_ptr, tok, write, row_base, scale_base, kv_sn, QUANT, BLOCK, NBP, UE8M0, FLOOR)
     if ROPE > 0:
         r = tl.arange(0, ROPE)[None, :]
@@ -107,7 +100,7 @@ def store_dsv4_fp4_kernel(
         for h in range(n_q_heads):
             _rotate_q(q_ptr, h, tok, pos_ok, pos, cs_ptr, cs_sn, q_ptr, 0.0, q_sn, q_sh, ROPE, ROPE, False,
                       False, IN, CS_IN, ROPE, 0)
-        end_call(err_ptr, CHECK)  # guard: every program counts itself in the record's call
+        end_call(addr.errors, CHECK)  # guard: every program counts itself in the record's call
 
 
 def record_constexprs(rec) -> dict:
@@ -130,28 +123,20 @@ def launch(a) -> None:
 
 def launch_rope(a) -> None:
     """Launch store_dsv4_fp4_kernel (FUSED_ROPE) for a validated `kvwrite.ops.dsv4_fp4.RopeStoreDSV4KVFP4`."""
-    from kvwrite.kernels._launch import KernelAssertion, launch as run, loc_args, tiles
+    from kvwrite.kernels._launch import launch as run, loc_args, tiles
+    from kvwrite.kernels.rope_store import check_with_positions
 
     s = a.store
     n = s.kv.shape[0]
     block_t, _ = tiles(n, 512)
     q = a.q if a.q is not None else s.kv.new_empty((n, 0, s.record.rope))
-    try:   # fp fusion off: the rotation rounds each product (kvwrite.reference.rope)
-        run(store_dsv4_fp4_kernel, (triton.cdiv(n, block_t),), s, pos_ptr=a.positions, kv_ptr=s.kv,
-            kv16_ptr=_bits(s.kv), cs_ptr=_bits(a.cos_sin), q_ptr=_bits(q), cache_ptr=s.cache,
-            max_pos=a.cos_sin.shape[0], kv_sn=s.kv.stride(0), cs_sn=a.cos_sin.stride(0),
-            q_sn=q.stride(0), q_sh=q.stride(1), n_q_heads=q.shape[1], cache_sp=s.cache.stride(0),
-            IN=_in_code(s.kv.dtype), CS_IN=_in_code(a.cos_sin.dtype), BLOCK_T=block_t,
-            FUSED_ROPE=True, enable_fp_fusion=False, **record_constexprs(s.record), **loc_args(s))
-    except Exception as exc:   # the interpreter's assert: name the first bad token, positions included
-        if s.check.mode != "assert" or not (isinstance(exc, KernelAssertion)
-                                            or "kvwrite: store loc outside the pool" in str(exc)):
-            raise
-        from kvwrite.reference import _locs
-        from kvwrite.reference.rope import resolve_with_positions
-
-        _locs.check(resolve_with_positions(a)[0], s.geometry, s.check)
-        raise
+    # fp fusion off: the rotation rounds each product (kvwrite.reference.rope)
+    run(store_dsv4_fp4_kernel, (triton.cdiv(n, block_t),), a, lambda: check_with_positions(a),
+        pos_ptr=a.positions, kv_ptr=s.kv, kv16_ptr=_bits(s.kv), cs_ptr=_bits(a.cos_sin), q_ptr=_bits(q),
+        cache_ptr=s.cache, max_pos=a.cos_sin.shape[0], kv_sn=s.kv.stride(0), cs_sn=a.cos_sin.stride(0),
+        q_sn=q.stride(0), q_sh=q.stride(1), n_q_heads=q.shape[1], cache_sp=s.cache.stride(0),
+        IN=_in_code(s.kv.dtype), CS_IN=_in_code(a.cos_sin.dtype), BLOCK_T=block_t,
+        FUSED_ROPE=True, enable_fp_fusion=False, **record_constexprs(s.record), **loc_args(s))
 
 
 def variants():

@@ -7,7 +7,7 @@ fp32 scale (layout in `kvwrite.ops.indexer_k`). The indexer cache is addressed b
 import triton
 import triton.language as tl
 
-from kvwrite.kernels._common import claim_rows, finite_abs, fp8_quant, store_le_bytes
+from kvwrite.kernels._common import claim_tile, finite_abs, fp8_quant, store_le_bytes
 from kvwrite import facts as _ik
 
 _AMAX_FLOOR = tl.constexpr(_ik.AMAX_FLOOR)
@@ -15,23 +15,13 @@ _AMAX_FLOOR = tl.constexpr(_ik.AMAX_FLOOR)
 
 @triton.jit
 def store_indexer_k_kernel(
-    k_ptr, cache_ptr, loc_ptr, err_ptr, loc_map_ptr,
-    n_tokens, capacity, pool_page_size, map_len, dcp_rank, dcp_size,
+    k_ptr, cache_ptr, addr,
     k_sn, cache_sp, page_data_bytes,
     D: tl.constexpr, QBS: tl.constexpr, BLOCK_Q: tl.constexpr, UE8M0: tl.constexpr,
-    HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr, CHECK: tl.constexpr, OP: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    pt_batch_ptr=None, pt_indices_ptr=None, pt_indptr_ptr=None, pt_num_batches=0,
-    pt_num_indices=0, HAS_TABLE: tl.constexpr = False,
+    CHECK: tl.constexpr, OP: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
+    tok, page, offset, write = claim_tile(addr, BLOCK_T, CHECK, OP)
     blk = tl.program_id(1)
-    tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    page, offset, write = claim_rows(loc_ptr, tok, n_tokens, loc_map_ptr, map_len, dcp_rank,
-                                     dcp_size, capacity, pool_page_size, err_ptr, HAS_MAP,
-                                     HAS_DCP, CHECK, OP, blk == 0, pt_batch_ptr,
-                                     pt_indices_ptr, pt_indptr_ptr, pt_num_batches,
-                                     pt_num_indices, HAS_TABLE)
     page_base = page * cache_sp
     q = tl.arange(0, BLOCK_Q)
     cols = blk * QBS + q

@@ -8,7 +8,7 @@ d % X (X = the KX / VX constexpr, 0 = an unsplit row; `kvwrite.ops.kv_head_major
 import triton
 import triton.language as tl
 
-from kvwrite.kernels._common import claim_rows, fp8_quant
+from kvwrite.kernels._common import claim_tile, fp8_quant
 
 
 @triton.jit
@@ -34,27 +34,16 @@ def _store_rows(src_ptr, dst_ptr, scale_ptr, tok, write, row_base, cols, ncols,
 
 @triton.jit
 def store_kv_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, loc_ptr, ks_ptr, vs_ptr, err_ptr, loc_map_ptr,
-    n_tokens, num_heads, capacity, pool_page_size, map_len, dcp_rank, dcp_size,
+    k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, addr, num_heads,
     k_sn, k_sh, v_sn, v_sh,
     kc_sp, kc_so, kc_sh, vc_sp, vc_so, vc_sh, ks_sh, vs_sh,
     DK: tl.constexpr, DV: tl.constexpr, QUANT: tl.constexpr, FMAX: tl.constexpr,
     MANT: tl.constexpr, EMIN: tl.constexpr,
-    HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr, CHECK: tl.constexpr, OP: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    pt_batch_ptr=None, pt_indices_ptr=None, pt_indptr_ptr=None, pt_num_batches=0,
-    pt_num_indices=0, HAS_TABLE: tl.constexpr = False,
+    CHECK: tl.constexpr, OP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
     kc_sx=0, vc_sx=0, KX: tl.constexpr = 0, VX: tl.constexpr = 0,
 ):
-    pid_t = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    page, offset, write = claim_rows(loc_ptr, tok, n_tokens, loc_map_ptr, map_len, dcp_rank,
-                                     dcp_size, capacity, pool_page_size, err_ptr, HAS_MAP,
-                                     HAS_DCP, CHECK, OP, pid_c == 0, pt_batch_ptr,
-                                     pt_indices_ptr, pt_indptr_ptr, pt_num_batches,
-                                     pt_num_indices, HAS_TABLE)
-    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    tok, page, offset, write = claim_tile(addr, BLOCK_T, CHECK, OP)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     _store_rows(k_ptr, kc_ptr, ks_ptr, tok, write, page * kc_sp + offset * kc_so, cols,
                 num_heads * DK, k_sn, k_sh, kc_sh, ks_sh, kc_sx, DK, QUANT, FMAX, MANT, EMIN, KX)
     _store_rows(v_ptr, vc_ptr, vs_ptr, tok, write, page * vc_sp + offset * vc_so, cols,
@@ -128,8 +117,7 @@ def variants():
             store = torch.uint8 if quant else cache
             pointers = dict(k_ptr=dtype, v_ptr=dtype, kc_ptr=store, vc_ptr=store, loc_ptr=torch.int32,
                             ks_ptr=torch.float32 if quant else dtype, vs_ptr=torch.float32 if quant else dtype,
-                            err_ptr=torch.int64, loc_map_ptr=torch.int32, pt_batch_ptr=torch.int32,
-                            pt_indices_ptr=torch.int32, pt_indptr_ptr=torch.int32)
+                            err_ptr=torch.int64)
             constexprs = dict(DK=128, DV=128, QUANT=quant, **fp8_constexprs(cache), HAS_MAP=False,
                               HAS_DCP=False, CHECK=check, OP=0, BLOCK_T=4, BLOCK_C=1024, HAS_TABLE=True)
             yield f"{str(dtype)[6:]}->{str(cache)[6:]}+table", store_kv_kernel, pointers, constexprs

@@ -10,7 +10,7 @@ blocks that are masked out. bf16 rounding is bit arithmetic (the interpreter's c
 import triton
 import triton.language as tl
 
-from kvwrite.kernels._common import block_tokens, claim_rows, daz
+from kvwrite.kernels._common import block_tokens, claim_tile, daz
 from kvwrite.kernels.store_mla import _bf16_bits
 
 IN_F16 = tl.constexpr(1)
@@ -94,22 +94,14 @@ def _int4_side(src_ptr, dst_ptr, sc_ptr, signs_ptr, tok, write, page, offset, nu
 
 @triton.jit
 def store_kv_int4_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, loc_ptr, ksc_ptr, vsc_ptr, ksg_ptr, vsg_ptr, err_ptr, loc_map_ptr,
-    n_tokens, num_heads, capacity, pool_page_size, map_len, dcp_rank, dcp_size,
+    k_ptr, v_ptr, kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, ksg_ptr, vsg_ptr, addr, num_heads,
     k_sn, k_sh, v_sn, v_sh, kc_sp, kc_so, kc_sh, vc_sp, vc_so, vc_sh,
     ksc_sp, ksc_so, ksc_sh, vsc_sp, vsc_so, vsc_sh,
     DK: tl.constexpr, DV: tl.constexpr, LOG_BK: tl.constexpr, LOG_BV: tl.constexpr, H_PAD: tl.constexpr,
     DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, IN: tl.constexpr,
-    HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr, CHECK: tl.constexpr, OP: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    pt_batch_ptr=None, pt_indices_ptr=None, pt_indptr_ptr=None, pt_num_batches=0,
-    pt_num_indices=0, HAS_TABLE: tl.constexpr = False,
+    CHECK: tl.constexpr, OP: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    page, offset, write = claim_rows(loc_ptr, tok, n_tokens, loc_map_ptr, map_len, dcp_rank,
-                                     dcp_size, capacity, pool_page_size, err_ptr, HAS_MAP,
-                                     HAS_DCP, CHECK, OP, True, pt_batch_ptr, pt_indices_ptr,
-                                     pt_indptr_ptr, pt_num_batches, pt_num_indices, HAS_TABLE)
+    tok, page, offset, write = claim_tile(addr, BLOCK_T, CHECK, OP)
     _int4_side(k_ptr, kc_ptr, ksc_ptr, ksg_ptr, tok, write, page, offset, num_heads, k_sn, k_sh,
                kc_sp, kc_so, kc_sh, ksc_sp, ksc_so, ksc_sh, DK, LOG_BK, H_PAD, DK_PAD, BLOCK_T, IN)
     _int4_side(v_ptr, vc_ptr, vsc_ptr, vsg_ptr, tok, write, page, offset, num_heads, v_sn, v_sh,

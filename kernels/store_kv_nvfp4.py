@@ -7,7 +7,7 @@ with different cache strides. The NVFP4 arithmetic is `kernels/_nvfp4.py`.
 import triton
 import triton.language as tl
 
-from kvwrite.kernels._common import claim_rows
+from kvwrite.kernels._common import claim_tile
 from kvwrite.kernels._nvfp4 import store_blocks
 
 
@@ -33,26 +33,15 @@ def _store_heads(src_ptr, dst_ptr, sc_ptr, g, tok, write, dst_base, sc_base, blo
 
 @triton.jit
 def store_kv_nvfp4_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, kg_ptr, vg_ptr, loc_ptr, err_ptr, loc_map_ptr,
-    n_tokens, num_heads, capacity, pool_page_size, map_len, dcp_rank, dcp_size,
+    k_ptr, v_ptr, kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, kg_ptr, vg_ptr, addr, num_heads,
     k_sn, k_sh, v_sn, v_sh,
     kc_sp, kc_so, kc_sh, vc_sp, vc_so, vc_sh,
     ksc_sp, ksc_so, ksc_sh, vsc_sp, vsc_so, vsc_sh,
     DK: tl.constexpr, DV: tl.constexpr, K_GLOBAL: tl.constexpr, V_GLOBAL: tl.constexpr,
-    HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr, CHECK: tl.constexpr, OP: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr,
-    pt_batch_ptr=None, pt_indices_ptr=None, pt_indptr_ptr=None, pt_num_batches=0,
-    pt_num_indices=0, HAS_TABLE: tl.constexpr = False,
+    CHECK: tl.constexpr, OP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    page, offset, write = claim_rows(loc_ptr, tok, n_tokens, loc_map_ptr, map_len, dcp_rank,
-                                     dcp_size, capacity, pool_page_size, err_ptr, HAS_MAP,
-                                     HAS_DCP, CHECK, OP, pid_c == 0, pt_batch_ptr,
-                                     pt_indices_ptr, pt_indptr_ptr, pt_num_batches,
-                                     pt_num_indices, HAS_TABLE)
-    blocks = pid_c * BLOCK_B + tl.arange(0, BLOCK_B)
+    tok, page, offset, write = claim_tile(addr, BLOCK_T, CHECK, OP)
+    blocks = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     kg = tl.load(kg_ptr).to(tl.float32) if K_GLOBAL else 1.0
     vg = tl.load(vg_ptr).to(tl.float32) if V_GLOBAL else 1.0
     _store_heads(k_ptr, kc_ptr, ksc_ptr, kg, tok, write, page * kc_sp + offset * kc_so,

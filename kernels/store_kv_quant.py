@@ -8,7 +8,7 @@ token, writes the fp32 scale to the scale cache row the codes go to, and stores 
 import triton
 import triton.language as tl
 
-from kvwrite.kernels._common import block_tokens, claim_rows
+from kvwrite.kernels._common import block_tokens, claim_tile
 from kvwrite.kernels._quant import abs_for_scale, dynamic_scale, quant_code
 
 QUANT_STATIC = tl.constexpr(1)
@@ -51,23 +51,15 @@ def _quant_side(src_ptr, dst_ptr, scale_ptr, sc_ptr, tok, write, page, offset, n
 
 @triton.jit
 def store_kv_quant_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, loc_ptr, ks_ptr, vs_ptr, ksc_ptr, vsc_ptr, err_ptr, loc_map_ptr,
-    n_tokens, num_heads, capacity, pool_page_size, map_len, dcp_rank, dcp_size,
+    k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, ksc_ptr, vsc_ptr, addr, num_heads,
     k_sn, k_sh, v_sn, v_sh, kc_sp, kc_so, kc_sh, vc_sp, vc_so, vc_sh, ks_sh, vs_sh,
     ksc_sp, ksc_so, ksc_sh, vsc_sp, vsc_so, vsc_sh,
     DK: tl.constexpr, DV: tl.constexpr, H_PAD: tl.constexpr, DK_PAD: tl.constexpr,
     DV_PAD: tl.constexpr, QUANT: tl.constexpr, FMT: tl.constexpr, RULE: tl.constexpr,
     QMAX: tl.constexpr, FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr,
-    HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr, CHECK: tl.constexpr, OP: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    pt_batch_ptr=None, pt_indices_ptr=None, pt_indptr_ptr=None, pt_num_batches=0,
-    pt_num_indices=0, HAS_TABLE: tl.constexpr = False,
+    CHECK: tl.constexpr, OP: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    page, offset, write = claim_rows(loc_ptr, tok, n_tokens, loc_map_ptr, map_len, dcp_rank,
-                                     dcp_size, capacity, pool_page_size, err_ptr, HAS_MAP,
-                                     HAS_DCP, CHECK, OP, True, pt_batch_ptr, pt_indices_ptr,
-                                     pt_indptr_ptr, pt_num_batches, pt_num_indices, HAS_TABLE)
+    tok, page, offset, write = claim_tile(addr, BLOCK_T, CHECK, OP)
     _quant_side(k_ptr, kc_ptr, ks_ptr, ksc_ptr, tok, write, page, offset, num_heads, k_sn, k_sh,
                 kc_sp, kc_so, kc_sh, ks_sh, ksc_sp, ksc_so, ksc_sh, DK, H_PAD, DK_PAD, QUANT, FMT,
                 RULE, QMAX, FMAX, MANT, EMIN)

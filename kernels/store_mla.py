@@ -8,7 +8,7 @@ Every cache byte of fp8 formats is written as a byte (sm_80 has no e4m3 type).
 import triton
 import triton.language as tl
 
-from kvwrite.kernels._common import claim_rows, finite_abs, fp8_quant, store_le_bytes
+from kvwrite.kernels._common import claim_tile, finite_abs, fp8_quant, store_le_bytes
 from kvwrite import facts as _mla
 
 _COPY = tl.constexpr(_mla.MODE_COPY)
@@ -90,24 +90,14 @@ def _ds_mla_tile(c_ptr, pe_ptr, dst_ptr, tok, write, row_base, tile, c_sn, pe_sn
 
 @triton.jit
 def store_mla_kernel(
-    c_ptr, pe_ptr, cache_ptr, loc_ptr, scale_ptr, err_ptr, loc_map_ptr,
-    n_tokens, capacity, pool_page_size, map_len, dcp_rank, dcp_size,
+    c_ptr, pe_ptr, cache_ptr, scale_ptr, addr,
     c_sn, pe_sn, cache_sp, cache_so,
     L: tl.constexpr, R: tl.constexpr, MODE: tl.constexpr, FMAX: tl.constexpr,
     MANT: tl.constexpr, EMIN: tl.constexpr,
-    HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr, CHECK: tl.constexpr, OP: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    pt_batch_ptr=None, pt_indices_ptr=None, pt_indptr_ptr=None, pt_num_batches=0,
-    pt_num_indices=0, HAS_TABLE: tl.constexpr = False,
+    CHECK: tl.constexpr, OP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
+    tok, page, offset, write = claim_tile(addr, BLOCK_T, CHECK, OP)
     pid_c = tl.program_id(1)
-    tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    page, offset, write = claim_rows(loc_ptr, tok, n_tokens, loc_map_ptr, map_len, dcp_rank,
-                                     dcp_size, capacity, pool_page_size, err_ptr, HAS_MAP,
-                                     HAS_DCP, CHECK, OP, pid_c == 0, pt_batch_ptr,
-                                     pt_indices_ptr, pt_indptr_ptr, pt_num_batches,
-                                     pt_num_indices, HAS_TABLE)
     row_base = page * cache_sp + offset * cache_so
     if (MODE & 15) == _DS_MLA:
         _ds_mla_tile(c_ptr, pe_ptr, cache_ptr, tok, write, row_base, pid_c, c_sn, pe_sn, L, R,
@@ -186,8 +176,7 @@ def variants():
                    pointers, constexprs)
         # page-table addressing (kvwrite.PageTable), int32 tables
         pointers = dict(c_ptr=bf16, pe_ptr=bf16, cache_ptr=bf16, loc_ptr=torch.int32, scale_ptr=bf16,
-                        err_ptr=torch.int64, loc_map_ptr=torch.int32, pt_batch_ptr=torch.int32,
-                        pt_indices_ptr=torch.int32, pt_indptr_ptr=torch.int32)
+                        err_ptr=torch.int64)
         constexprs = dict(L=512, R=64, MODE=_mla.MODE_COPY, **fp8_constexprs(bf16), HAS_MAP=False,
                           HAS_DCP=False, CHECK=check, OP=op_code("store_mla"), BLOCK_T=4, BLOCK_C=1024,
                           HAS_TABLE=True)

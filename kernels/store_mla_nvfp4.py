@@ -7,7 +7,7 @@ arithmetic is `kernels/_nvfp4.py`.
 import triton
 import triton.language as tl
 
-from kvwrite.kernels._common import claim_rows
+from kvwrite.kernels._common import claim_tile
 from kvwrite.kernels._nvfp4 import store_blocks
 
 
@@ -22,24 +22,13 @@ def _load_concat(c_ptr, pe_ptr, t64, cols, mask, c_sn, pe_sn, L: tl.constexpr, R
 
 @triton.jit
 def store_mla_nvfp4_kernel(
-    c_ptr, pe_ptr, cache_ptr, sc_ptr, g_ptr, loc_ptr, err_ptr, loc_map_ptr,
-    n_tokens, capacity, pool_page_size, map_len, dcp_rank, dcp_size,
+    c_ptr, pe_ptr, cache_ptr, sc_ptr, g_ptr, addr,
     c_sn, pe_sn, cache_sp, cache_so, sc_sp, sc_so,
     L: tl.constexpr, R: tl.constexpr, HAS_GLOBAL: tl.constexpr,
-    HAS_MAP: tl.constexpr, HAS_DCP: tl.constexpr, CHECK: tl.constexpr, OP: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr,
-    pt_batch_ptr=None, pt_indices_ptr=None, pt_indptr_ptr=None, pt_num_batches=0,
-    pt_num_indices=0, HAS_TABLE: tl.constexpr = False,
+    CHECK: tl.constexpr, OP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    page, offset, write = claim_rows(loc_ptr, tok, n_tokens, loc_map_ptr, map_len, dcp_rank,
-                                     dcp_size, capacity, pool_page_size, err_ptr, HAS_MAP,
-                                     HAS_DCP, CHECK, OP, pid_c == 0, pt_batch_ptr,
-                                     pt_indices_ptr, pt_indptr_ptr, pt_num_batches,
-                                     pt_num_indices, HAS_TABLE)
-    blocks = (pid_c * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
+    tok, page, offset, write = claim_tile(addr, BLOCK_T, CHECK, OP)
+    blocks = (tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
     i = tl.arange(0, 8).to(tl.int64)
     mask = write[:, None] & (blocks < (L + R) // 16)[None, :]
     cols = (blocks * 16)[None, :, None] + 2 * i[None, None, :]
