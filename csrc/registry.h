@@ -126,27 +126,30 @@ Tensor claim_rows(const Tensor& loc, const OptTensor& loc_map, const OptTensor& 
 #define KVW_TAIL_NO_TABLE "Tensor loc, Tensor? loc_map, Tensor(z!)? errors, int dcp_rank, int dcp_size, int check, int op"
 #define KVW_TAIL KVW_TAIL_NO_TABLE ", Tensor? batch_indices=None, Tensor? kv_indices=None, Tensor? kv_indptr=None"
 
+// Schema fragments several ops share: the K/V pair and its caches, the fused RoPE stores' head.
+#define KVW_KV "Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+#define KVW_ROPE "Tensor positions, Tensor(c!) q, Tensor k, Tensor v, Tensor cos_sin, " \
+                 "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k_scale, Tensor? v_scale, "
+#define KVW_NORM "Tensor? q_norm_weight, Tensor? k_norm_weight, float eps, bool is_neox, "
+
 // The op table: X(op, binding, schema). `Bind<&maker>::table`: the maker's arguments plus the
 // page table; `::no_table`: the same tail, tables rejected (the V4 stores and store_rows);
 // `::plain`: the maker's arguments alone.
 #define KVW_OPS(X)                                                                                                     \
-  X(store_kv, reg::Bind<&store_kv_params>::table,                                                                      \
-    "(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k_scale, Tensor? v_scale, " KVW_TAIL         \
-    ") -> ()")                                                                                                         \
+  X(store_kv, reg::Bind<&store_kv_params>::table, "(" KVW_KV "Tensor? k_scale, Tensor? v_scale, " KVW_TAIL ") -> ()")  \
   X(store_kv_quant, reg::Bind<&store_kv_quant_params>::table,                                                          \
-    "(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k_scale, Tensor? v_scale, "                 \
-    "Tensor(c!)? k_scale_cache, Tensor(d!)? v_scale_cache, int quant, int rule, " KVW_TAIL ") -> ()")                 \
+    "(" KVW_KV "Tensor? k_scale, Tensor? v_scale, Tensor(c!)? k_scale_cache, Tensor(d!)? v_scale_cache, int quant, "  \
+    "int rule, " KVW_TAIL ") -> ()")                                                                                   \
   X(store_kv_int4, reg::Bind<&store_kv_int4_params>::table,                                                            \
-    "(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) k_scale_cache, "                         \
-    "Tensor(d!) v_scale_cache, " KVW_TAIL ") -> ()")                                                                   \
+    "(" KVW_KV "Tensor(c!) k_scale_cache, Tensor(d!) v_scale_cache, " KVW_TAIL ") -> ()")                              \
+  X(store_kv_nvfp4, reg::Bind<&store_kv_nvfp4_params>::table,                                                          \
+    "(" KVW_KV "Tensor(c!) k_scale_cache, Tensor(d!) v_scale_cache, Tensor? k_global_scale, "                         \
+    "Tensor? v_global_scale, " KVW_TAIL ") -> ()")                                                                     \
   X(store_mla, reg::Bind<&store_mla_params>::table,                                                                    \
-    "(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor? scale, Tensor(b!)? scale_cache, "                        \
-    "Tensor? global_scale, int mode, " KVW_TAIL ") -> ()")                                                             \
+    "(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor? scale, Tensor(b!)? scale_cache, Tensor? global_scale, "  \
+    "int mode, " KVW_TAIL ") -> ()")                                                                                   \
   X(store_indexer_k, reg::Bind<&store_indexer_k_params>::table,                                                        \
     "(Tensor k, Tensor(a!) cache, int quant_block_size, bool ue8m0, " KVW_TAIL ") -> ()")                              \
-  X(store_kv_nvfp4, reg::Bind<&store_kv_nvfp4_params>::table,                                                          \
-    "(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) k_scale_cache, "                         \
-    "Tensor(d!) v_scale_cache, Tensor? k_global_scale, Tensor? v_global_scale, " KVW_TAIL ") -> ()")                  \
   X(store_dsv4_kv, reg::Bind<&store_dsv4_kv_params>::no_table,                                                         \
     "(Tensor kv, Tensor(a!) cache, int pool_page_size, " KVW_TAIL ") -> ()")                                           \
   X(store_dsv4_indexer_k, reg::Bind<&store_dsv4_indexer_k_params>::no_table,                                           \
@@ -157,14 +160,10 @@ Tensor claim_rows(const Tensor& loc, const OptTensor& loc_map, const OptTensor& 
   X(rope_store_dsv4_kv_fp4, reg::Bind<&rope_store_dsv4_fp4_params>::plain,                                             \
     "(Tensor positions, Tensor kv, Tensor cos_sin, Tensor(b!)? q, Tensor(a!) cache, int pool_page_size, int fmt, "    \
     KVW_TAIL_NO_TABLE ") -> ()")                                                                                       \
-  X(rope_store_kv, reg::Bind<&rope_store_kv_params>::table,                                                            \
-    "(Tensor positions, Tensor(c!) q, Tensor k, Tensor v, Tensor cos_sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "   \
-    "Tensor? k_scale, Tensor? v_scale, Tensor? q_norm_weight, Tensor? k_norm_weight, float eps, bool is_neox, "       \
-    KVW_TAIL ") -> ()")                                                                                                \
+  X(rope_store_kv, reg::Bind<&rope_store_kv_params>::table, "(" KVW_ROPE KVW_NORM KVW_TAIL ") -> ()")                  \
   X(rope_store_kv_quant, reg::Bind<&rope_store_kv_quant_params>::table,                                                \
-    "(Tensor positions, Tensor(c!) q, Tensor k, Tensor v, Tensor cos_sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "   \
-    "Tensor? k_scale, Tensor? v_scale, Tensor(d!)? k_scale_cache, Tensor(e!)? v_scale_cache, int quant, int rule, "   \
-    "Tensor? q_norm_weight, Tensor? k_norm_weight, float eps, bool is_neox, " KVW_TAIL ") -> ()")                     \
+    "(" KVW_ROPE "Tensor(d!)? k_scale_cache, Tensor(e!)? v_scale_cache, int quant, int rule, " KVW_NORM KVW_TAIL       \
+    ") -> ()")                                                                                                         \
   X(rope_store_mla, reg::Bind<&rope_store_mla_params>::table,                                                          \
     "(Tensor positions, Tensor(c!) q_pe, Tensor kv_c, Tensor k_pe, Tensor cos_sin, Tensor(a!) kv_cache, "             \
     "Tensor? scale, Tensor(b!)? scale_cache, Tensor? global_scale, int mode, bool is_neox, " KVW_TAIL ") -> ()")      \
