@@ -16,7 +16,7 @@ __global__ void claim_check_kernel(const ClaimParams p) {
   if (i < p.a.n) claim_check<CHECK>(p, i);
 }
 
-cudaError_t launch_claim_rows(const ClaimParams& p, int check, cudaStream_t stream) {
+cudaError_t launch(const ClaimParams& p, int check, cudaStream_t stream) {
   const i64 slots = p.mask + 1;
   cudaError_t err = cudaMemsetAsync(p.keys, 0xFF, size_t(slots) * sizeof(i64), stream);  // FREE_ROW
   if (err == cudaSuccess) err = cudaMemsetAsync(p.first, 0xFF, size_t(slots) * sizeof(uint32_t), stream);

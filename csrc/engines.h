@@ -34,7 +34,7 @@ using OptT = std::optional<at::Tensor>;
 // CPU, cuda_ops.cpp for CUDA): store_kv on ready params (no tensor views, no re-validation: the
 // route checked the common case), and the duplicate-row pre-pass.
 struct Runner {
-  void (*store_kv)(const StoreKVParams&, int64_t check, c10::Device) = nullptr;
+  void (*store_kv)(const StoreKVParams&, int64_t check, const at::Tensor& ref) = nullptr;  // ref: the key
   at::Tensor (*claim_rows)(const at::Tensor&, const OptT&, const OptT&, int64_t, int64_t, int64_t, int64_t,
                            const OptT&, const OptT&, const OptT&, int64_t, int64_t, bool) = nullptr;
 };
@@ -149,7 +149,7 @@ inline bool store(const at::Tensor& key, const at::Tensor& value, const at::Tens
   p.locs.errors = errors ? errors->data_ptr<int64_t>() : nullptr;
   p.locs.capacity = k.pages * k.rows;
   p.locs.pool_page_size = k.rows;
-  r.store_kv(p, check, key.device());
+  r.store_kv(p, check, key);
   return true;
 }
 

@@ -20,7 +20,7 @@ __global__ void __launch_bounds__(KVW_BLOCK_THREADS, KVW_MIN_BLOCKS) copy_pages_
                        int(threadIdx.x), int(blockDim.x));
 }
 
-cudaError_t launch_copy_pages(const CopyPagesParams& p, int check, cudaStream_t stream) {
+cudaError_t launch(const CopyPagesParams& p, int check, cudaStream_t stream) {
   if (p.n == 0) return cudaSuccess;
   with_check(check, [&](auto c) {
     with_vec(p.vec, [&](auto v) {
@@ -34,10 +34,6 @@ cudaError_t launch_copy_pages(const CopyPagesParams& p, int check, cudaStream_t 
   return cudaGetLastError();
 }
 
-cudaError_t launch_gather(const GatherParams& p, int check, cudaStream_t stream) {
-  return launch_tokens(p, check, stream, KVW_DISPATCH(dispatch_gather));
-}
-
 template <int CHECK>
 __global__ void __launch_bounds__(KVW_BLOCK_THREADS, KVW_MIN_BLOCKS) slot_mapping_kernel(const SlotMappingParams p) {
   const i64 i = i64(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -47,7 +43,7 @@ __global__ void __launch_bounds__(KVW_BLOCK_THREADS, KVW_MIN_BLOCKS) slot_mappin
   }
 }
 
-cudaError_t launch_slot_mapping(const SlotMappingParams& p, int check, cudaStream_t stream) {
+cudaError_t launch(const SlotMappingParams& p, int check, cudaStream_t stream) {
   if (p.n == 0) return cudaSuccess;
   with_check(check, [&](auto c) {
     slot_mapping_kernel<c.value><<<ceil_div(p.n, KVW_BLOCK_THREADS), KVW_BLOCK_THREADS, 0, stream>>>(p);
@@ -56,3 +52,5 @@ cudaError_t launch_slot_mapping(const SlotMappingParams& p, int check, cudaStrea
 }
 
 }  // namespace kvwrite
+
+KVW_LAUNCH(GatherParams)

@@ -39,6 +39,17 @@ inline void check_same_device(const Tensor& ref, const Tensor& t, const char* na
               ref.device());
 }
 
+// A side's source rows x [tokens, heads, D] (D contiguous): the fields every *Side shares.
+template <class Side>
+Side source_rows(const Tensor& x) {
+  Side s;
+  s.src = static_cast<const char*>(x.data_ptr());
+  s.s_tok = x.stride(0);
+  s.s_head = x.stride(1);
+  s.D = int(x.size(2));
+  return s;
+}
+
 // A canonical [pages, pool_page_size, heads, feat] cache view (feat contiguous), or
 // [pages, pool_page_size, heads, feat / X, X] (a split head dim, X contiguous).
 inline PagedCache paged(const Tensor& c, const char* name) {
@@ -156,12 +167,8 @@ inline KVSide kv_side(const Tensor& x, const Tensor& cache, const OptTensor& sca
   TORCH_CHECK(cache.size(2) == x.size(1) && feat == x.size(2), "kvwrite: ", name,
               " cache shape does not match its rows");
   check_same_device(x, cache, "cache");
-  KVSide s;
-  s.src = static_cast<const char*>(x.data_ptr());
-  s.s_tok = x.stride(0);
-  s.s_head = x.stride(1);
+  KVSide s = source_rows<KVSide>(x);
   s.cache = paged(cache, name);
-  s.D = int(x.size(2));
   if (scale.has_value()) {
     TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->numel() >= 1, "kvwrite: ", name, " scale must be fp32");
     check_same_device(x, *scale, "scale");
@@ -299,13 +306,9 @@ inline NVFP4Side nvfp4_side(const Tensor& x, const Tensor& values, const Tensor&
               "kvwrite: ", name, " NVFP4 cache shapes do not match its rows");
   check_same_device(x, values, "cache");
   check_same_device(x, scales, "scale cache");
-  NVFP4Side s;
-  s.src = static_cast<const char*>(x.data_ptr());
-  s.s_tok = x.stride(0);
-  s.s_head = x.stride(1);
+  NVFP4Side s = source_rows<NVFP4Side>(x);
   s.values = paged(values, name);
   s.scales = paged(scales, name);
-  s.D = int(x.size(2));
   if (global.has_value()) {
     TORCH_CHECK(global->scalar_type() == at::kFloat && global->numel() == 1, "kvwrite: global scales are fp32 [1]");
     check_same_device(x, *global, "global scale");
@@ -345,12 +348,8 @@ inline KVQuantSide kv_quant_side(const Tensor& x, const Tensor& cache, const Opt
   TORCH_CHECK(cache.dim() == 4 && cache.size(2) == x.size(1) && cache.size(3) == x.size(2) && cache.element_size() == 1,
               "kvwrite: ", name, " must be a 1-byte [pages, rows, heads, dim] cache matching its rows");
   check_same_device(x, cache, "cache");
-  KVQuantSide s;
-  s.src = static_cast<const char*>(x.data_ptr());
-  s.s_tok = x.stride(0);
-  s.s_head = x.stride(1);
+  KVQuantSide s = source_rows<KVQuantSide>(x);
   s.cache = paged(cache, name);
-  s.D = int(x.size(2));
   if (scale.has_value()) {
     TORCH_CHECK(scale->scalar_type() == at::kFloat && (scale->numel() == 1 || scale->numel() == x.size(1)) &&
                     (scale->numel() <= 1 || scale->stride(-1) == 1),

@@ -3,8 +3,9 @@
 // callers. Every V4 store shards whole pages under DCP (LocArgs::dcp_page).
 #pragma once
 
-#include "kvwrite/store_dsv4.h"
-#include "kvwrite/store_dsv4_fp4.h"
+#include <variant>
+
+#include "bodies.h"
 #include "params.h"
 #include "params_rope.h"
 
@@ -120,18 +121,32 @@ inline StoreDSV4FP4Params store_dsv4_fp4_params(const Tensor& kv, const Tensor& 
 
 // rope_store_dsv4_kv_fp4: the store's parameters plus the GPT-J rotation of the 64 RoPE values
 // (cos_sin [max_position, 64]) and of q [n, Hq, 64] in place (none: zero heads).
-inline StoreDSV4FP4Params rope_store_dsv4_fp4_params(const Tensor& positions, const Tensor& kv, const Tensor& cos_sin,
+inline RopeStoreDSV4FP4Params rope_store_dsv4_fp4_params(const Tensor& positions, const Tensor& kv, const Tensor& cos_sin,
                                                      const OptTensor& q, const Tensor& cache, int64_t pool_page_size,
                                                      int64_t fmt, const Tensor& loc, const OptTensor& loc_map,
                                                      const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size,
                                                      int64_t check, int64_t op) {
   TORCH_CHECK(fmt == 0 || fmt == 2, "kvwrite: the fused RoPE store takes fmt 0 (nvfp4) or 2 (mxfp4)");
-  StoreDSV4FP4Params p =
-      store_dsv4_fp4_params(kv, cache, pool_page_size, fmt, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  RopeStoreDSV4FP4Params p{
+      store_dsv4_fp4_params(kv, cache, pool_page_size, fmt, loc, loc_map, errors, dcp_rank, dcp_size, check, op)};
   const Tensor qt = q.has_value() ? *q : kv.new_empty({kv.size(0), 0, DSV4_ROPE});
   p.rope = rope_args(positions, qt, cos_sin, c10::nullopt, c10::nullopt, 0.0, false, kv, DSV4_ROPE);
   TORCH_CHECK(p.rope.R == DSV4_ROPE, "kvwrite: cos_sin must be [max_position, 64]");
   return p;
+}
+
+// store_dsv4_indexer_k: fmt 0, fp8 rows (store_indexer_k's body, 128-value blocks, whole pages
+// under DCP); 1: mxfp4 rows.
+inline std::variant<StoreIndexerKParams, StoreMXFP4Params> store_dsv4_indexer_k_params(
+    const Tensor& k, const Tensor& cache, int64_t pool_page_size, int64_t fmt, bool ue8m0, const Tensor& loc,
+    const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op) {
+  if (fmt == 0) {
+    StoreIndexerKParams p =
+        store_indexer_k_params(k, cache, 128, ue8m0, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+    p.locs.dcp_page = true;
+    return p;
+  }
+  return store_mxfp4_params(k, cache, pool_page_size, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
 }
 
 // The V4 stores take locs only: no page-table addressing.

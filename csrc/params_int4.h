@@ -23,13 +23,9 @@ inline Int4Side int4_side(const Tensor& x, const Tensor& cache, const Tensor& sc
               "kvwrite: ", name, " scale cache must be fp32 [pages, rows, heads]");
   check_same_device(x, cache, "cache");
   check_same_device(x, scales, "scale cache");
-  Int4Side s;
-  s.src = static_cast<const char*>(x.data_ptr());
-  s.s_tok = x.stride(0);
-  s.s_head = x.stride(1);
+  Int4Side s = source_rows<Int4Side>(x);
   s.cache = paged(cache, name);
   s.scales = paged(scales.unsqueeze(-1), name);
-  s.D = int(d);
   return s;
 }
 

@@ -1,10 +1,4 @@
-// rope_store_kv into int8 / dynamic-scale caches: the CUDA launcher (as rope_store_kv.cu).
+// rope_store_kv into int8 / dynamic-scale caches (as rope_store_kv.cu).
 #include "tokens.cuh"
 
-namespace kvwrite {
-
-cudaError_t launch_rope_store_kv_quant(const RopeStoreKVQuantParams& p, int check, cudaStream_t stream) {
-  return launch_tokens<true>(p, check, stream, KVW_DISPATCH(dispatch_rope_store_kv_quant));
-}
-
-}  // namespace kvwrite
+KVW_LAUNCH(RopeStoreKVQuantParams)

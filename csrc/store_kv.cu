@@ -1,11 +1,4 @@
-// store_kv CUDA launcher (kernel: tokens.cuh; per-token body: kvwrite/store_kv.h, shared with
-// the CPU kernel in ops.cpp).
+// store_kv's kernels (per-token body: kvwrite/store_kv.h, shared with the CPU in ops.cpp).
 #include "tokens.cuh"
 
-namespace kvwrite {
-
-cudaError_t launch_store_kv(const StoreKVParams& p, int check, cudaStream_t stream) {
-  return launch_tokens(p, check, stream, KVW_DISPATCH(dispatch_store_kv));
-}
-
-}  // namespace kvwrite
+KVW_LAUNCH(StoreKVParams)

@@ -1,17 +1,11 @@
-// The per-token CUDA kernels and their one launcher, shared by every csrc/*.cu store: a .cu
-// file is its family's launchers, each `launch_tokens(p, check, stream, KVW_DISPATCH(dispatch_x))`.
+// The per-token CUDA kernels and their one launcher template, shared by every csrc/*.cu store: a
+// .cu file is its family's explicit instantiations, `KVW_LAUNCH(Params)` (bodies: bodies.h).
 // Included by .cu files only (nvcc); launch.h has the plain C++ signatures.
 #pragma once
 
 #include "launch.h"
 
 namespace kvwrite {
-
-// A call's locs (overloaded where the params nest them: the fused RoPE stores).
-template <class P>
-KVW_HD const LocArgs& locs_of(const P& p) {
-  return p.locs;
-}
 
 // `group` threads per token, blockDim.x / group tokens per block; tokens past the last skip.
 template <class Token, class P>
@@ -30,14 +24,13 @@ __global__ void __launch_bounds__(KVW_BLOCK_THREADS, KVW_MIN_BLOCKS) block_token
   end_block<Token>(locs_of(p).errors);
 }
 
-// One launch on `stream` (no host sync): `dispatch(p, check, f)` calls f(TypeTag<Token>, work
-// items per token) for the call's runtime check mode and formats. BARRIER: block_token_kernel.
-template <bool BARRIER = false, class P, class Dispatch>
-cudaError_t launch_tokens(const P& p, int check, cudaStream_t stream, Dispatch&& dispatch) {
+// One launch on `stream` (no host sync) of the Token that dispatch(p, check, ...) picks.
+template <class P>
+cudaError_t launch(const P& p, int check, cudaStream_t stream) {
   dispatch(p, check, [&](auto token, i64 work) {
     using Token = typename decltype(token)::type;
     const LaunchShape g = launch_shape(locs_of(p).n, work);
-    if constexpr (BARRIER) {
+    if constexpr (BARRIER<Token, P>) {
       block_token_kernel<Token, P><<<g.blocks, g.threads, 0, stream>>>(p, g.group);
     } else {
       token_kernel<Token, P><<<g.blocks, g.threads, 0, stream>>>(p, g.group);
@@ -46,7 +39,7 @@ cudaError_t launch_tokens(const P& p, int check, cudaStream_t stream, Dispatch&&
   return cudaGetLastError();
 }
 
-// A family's dispatch function template as the callable launch_tokens takes.
-#define KVW_DISPATCH(fn) [](const auto& q, int c, auto&& f) { fn(q, c, f); }
-
 }  // namespace kvwrite
+
+// The launcher of one params type (an explicit instantiation: its kernels compile in this unit).
+#define KVW_LAUNCH(P) template cudaError_t kvwrite::launch<kvwrite::P>(const kvwrite::P&, int, cudaStream_t);
