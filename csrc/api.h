@@ -2,7 +2,7 @@
 // by the op's spec (kvwrite/ops/spec.py, `Op.program()`, handed over once when the extension
 // loads through kvwrite_ext::set_program). The generic matcher below runs the spec's checks
 // (shape letters unified across tensors, dtypes, devices, the addressing tail) as predicates;
-// then the op's launcher (the op list, `ops<R>()`) calls the raw kernel for backend "cpu" / "cuda".
+// then the op's launcher (the op list, `Launch<R>::ops()`) calls the raw kernel for backend "cpu" / "cuda".
 //
 // Every call the matcher refuses, and every call this file does not run itself (backend "torch" /
 // "triton" / the other device's, guard mode without an errors tensor, a CPU assert whose pre-scan
@@ -519,49 +519,7 @@ struct Launch {
     if (c.e("layout") != 2) return cv(c, x);
     return x.as_strided({x.size(0), x.size(2), x.size(1), x.size(3), 1}, {x.stride(0), 1, x.stride(1), x.size(2), 1});
   }
-  // copy / static fp8: the store_kv kernel; int8 and dynamic scales: store_kv_quant's; int4 its own.
-  static void store_kv(Call& c, const Tail& t) {
-    const int64_t quant = c.e("quant");
-    if (quant == 4) {
-      R::store_kv_int4(c.t("k"), c.t("v"), cv(c, c.t("k_cache")), cv(c, c.t("v_cache")), c.t("k_scale_cache"),
-                       c.t("v_scale_cache"), KVW_TAIL_ARGS);
-      return;
-    }
-    if (quant == 0 || (quant == 1 && c.e("k_cache") != int64_t(at::kChar))) {
-      R::store_kv(c.t("k"), c.t("v"), cvk(c, c.t("k_cache")), cv(c, c.t("v_cache")), c.opt("k_scale"), c.opt("v_scale"),
-                  KVW_TAIL_ARGS);
-      return;
-    }
-    auto sc = [&](const char* n) -> std::optional<at::Tensor> {
-      auto s = c.opt(n);
-      return s && s->dim() == 2 ? std::optional<at::Tensor>(s->unsqueeze(-1)) : s;
-    };
-    R::store_kv_quant(c.t("k"), c.t("v"), cv(c, c.t("k_cache")), cv(c, c.t("v_cache")), c.opt("k_scale"),
-                      c.opt("v_scale"), sc("k_scale_cache"), sc("v_scale_cache"), quant, c.e("rule"), KVW_TAIL_ARGS);
-  }
-  static void store_kv_head_major(Call& c, const Tail& t) {  // store_kv on the split-head-dim views
-    R::store_kv(c.t("key"), c.t("value"), c.t("key_cache").permute({0, 3, 1, 2, 4}),
-                c.t("value_cache").permute({0, 3, 1, 2}).unsqueeze(-1), c.opt("k_scale"), c.opt("v_scale"),
-                KVW_TAIL_ARGS);
-  }
-  static void store_mla(Call& c, const Tail& t) {
-    R::store_mla(c.t("kv_c"), c.t("k_pe"), c.t("kv_cache"), c.opt("scale"), c.opt("scale_cache"),
-                 c.opt("global_scale"), c.e("fmt"), KVW_TAIL_ARGS);
-  }
-  static void store_indexer_k(Call& c, const Tail& t) {
-    R::store_indexer_k(c.t("k"), c.t("cache"), c.v("quant_block_size").toInt(), !c.none("scale_fmt"), KVW_TAIL_ARGS);
-  }
-  static void store_kv_nvfp4(Call& c, const Tail& t) {
-    R::store_kv_nvfp4(c.t("k"), c.t("v"), cv(c, c.t("k_cache")), cv(c, c.t("v_cache")), cv(c, c.t("k_scale_cache")),
-                      cv(c, c.t("v_scale_cache")), c.opt("k_global_scale"), c.opt("v_global_scale"), KVW_TAIL_ARGS);
-  }
-  static void store_dsv4_kv(Call& c, const Tail& t) { R::store_dsv4_kv(c.t("kv"), c.t("cache"), c.e("S"), KVW_TAIL_ARGS); }
-  static void store_dsv4_indexer_k(Call& c, const Tail& t) {
-    R::store_dsv4_indexer_k(c.t("k"), c.t("cache"), c.e("S"), c.e("fmt"), !c.none("scale_fmt"), KVW_TAIL_ARGS);
-  }
-  static void store_rows(Call& c, const Tail& t) { R::store_rows(c.t("src"), c.t("pool"), KVW_TAIL_ARGS); }
-  // The fused RoPE stores: norm weights as fp32; copy / static fp8 formats run rope_store_kv, int8
-  // and dynamic scales rope_store_kv_quant.
+  // The fused RoPE stores' norm weights as fp32.
   static std::optional<at::Tensor> fp32(Call& c, const char* n) {
     auto w = c.opt(n);
     return w && w->scalar_type() != at::kFloat ? std::optional<at::Tensor>(w->to(at::kFloat)) : w;
@@ -570,28 +528,11 @@ struct Launch {
     auto s = c.opt(n);
     return s && s->dim() == 2 ? std::optional<at::Tensor>(s->unsqueeze(-1)) : s;
   }
-  static void rope_store_kv(Call& c, const Tail& t) {
-    const int64_t quant = c.e("quant");
-    const at::Tensor &pos = c.t("positions"), &q = c.t("q"), &k = c.t("k"), &v = c.t("v"), &cs = c.t("cos_sin_cache");
-    const at::Tensor kc = cv(c, c.t("k_cache")), vc = cv(c, c.t("v_cache"));
-    const auto qw = fp32(c, "q_norm_weight"), kw = fp32(c, "k_norm_weight");
-    const double eps = c.v("norm_eps").toDouble();
-    if (quant == 0 || (quant == 1 && c.e("k_cache") != int64_t(at::kChar)))
-      return R::rope_store_kv(pos, q, k, v, cs, kc, vc, c.opt("k_scale"), c.opt("v_scale"), qw, kw, eps,
-                              c.v("is_neox").toBool(), KVW_TAIL_ARGS);
-    R::rope_store_kv_quant(pos, q, k, v, cs, kc, vc, c.opt("k_scale"), c.opt("v_scale"), rows_view(c, "k_scale_cache"),
-                           rows_view(c, "v_scale_cache"), quant, c.e("rule"), qw, kw, eps, c.v("is_neox").toBool(),
-                           KVW_TAIL_ARGS);
-  }
-  // The page moves: pools as [pages, rows, heads, feat] views (ops._common.canonical_pool).
+  // A page move's pool as its [pages, rows, heads, feat] view (ops._common.canonical_pool).
   static at::Tensor pool4(const at::Tensor& x) {
     if (x.dim() == 2) return x.unsqueeze(-1).unsqueeze(-1);
     if (x.dim() == 3) return x.unsqueeze(2);
     return x.dim() == 4 ? x : x.view({x.size(0), x.size(1), x.size(2), -1});
-  }
-  static void gather(Call& c, const Tail& t) {
-    const at::Tensor cache = pool4(c.t("cache"));
-    R::gather(cache, c.t("out").view({c.e("N"), cache.size(2), cache.size(3)}), KVW_TAIL_ARGS);
   }
   // Pair i of a move reads gathered row i, or nothing (-1) when src[i] is outside [0, capacity).
   static at::Tensor live_ids(const at::Tensor& src, int64_t capacity) {
@@ -601,50 +542,95 @@ struct Launch {
     for (int64_t i = 0; i < ids.size(0); ++i) p[i] = p[i] >= 0 && p[i] < capacity ? i : -1;
     return ids;
   }
-  // move_rows (ops.pages.move): the source rows gathered first, then copied as one-row units.
-  static void move_rows(Call& c, const Tail& t) {
-    const at::Tensor cache = pool4(c.t("cache")), src = c.t("src_loc");
-    const int64_t n = src.size(0), capacity = cache.size(0) * cache.size(1);
-    const at::Tensor rows = at::empty({n, 1, cache.size(2), cache.size(3)}, cache.options());
-    R::gather(cache, rows.squeeze(1), src, std::nullopt, t.errors, 0, 1, t.check, t.op, std::nullopt, std::nullopt,
-              std::nullopt);
-    R::copy_pages(rows, cache, live_ids(src, capacity), t.loc, t.errors, t.check, t.op);
-  }
-  static void slot_mapping(Call& c, const Tail& t) {
-    R::slot_mapping(c.t("block_table"), c.t("batch_indices"), t.loc, c.t("out"), c.v("page_size").toInt(),
-                    c.v("num_pages").toInt(), t.errors, t.check, t.op);
-  }
-  static void copy_pages(Call& c, const Tail& t) {
-    R::copy_pages(pool4(c.t("src")), pool4(c.t("dst")), c.t("src_pages"), t.loc, t.errors, t.check, t.op);
-  }
-  static void rope_store_mla(Call& c, const Tail& t) {
-    R::rope_store_mla(c.t("positions"), c.t("q_pe"), c.t("kv_c"), c.t("k_pe"), c.t("cos_sin_cache"), c.t("kv_cache"),
-                      c.opt("scale"), c.opt("scale_cache"), c.opt("global_scale"), c.e("fmt"), c.v("is_neox").toBool(),
-                      KVW_TAIL_ARGS);
+  using Fn = void (*)(Call&, const Tail&);
+  // The ops with a C++ kernel, each with its launcher (the op's arguments -> the raw kernel's): the
+  // one place an op is listed on this side.
+  static const std::unordered_map<std::string, Fn>& ops() {
+    static const std::unordered_map<std::string, Fn> m = {
+      // copy / static fp8: the store_kv kernel; int8 and dynamic scales: store_kv_quant's; int4 its own.
+      {"kvwrite::store_kv", [](Call& c, const Tail& t) {
+        const int64_t quant = c.e("quant");
+        const at::Tensor vc = cv(c, c.t("v_cache"));
+        if (quant == 4)
+          return R::store_kv_int4(c.t("k"), c.t("v"), cv(c, c.t("k_cache")), vc, c.t("k_scale_cache"),
+                                  c.t("v_scale_cache"), KVW_TAIL_ARGS);
+        if (quant == 0 || (quant == 1 && c.e("k_cache") != int64_t(at::kChar)))
+          return R::store_kv(c.t("k"), c.t("v"), cvk(c, c.t("k_cache")), vc, c.opt("k_scale"), c.opt("v_scale"),
+                             KVW_TAIL_ARGS);
+        R::store_kv_quant(c.t("k"), c.t("v"), cv(c, c.t("k_cache")), vc, c.opt("k_scale"), c.opt("v_scale"),
+                          rows_view(c, "k_scale_cache"), rows_view(c, "v_scale_cache"), quant, c.e("rule"),
+                          KVW_TAIL_ARGS);
+      }},
+      {"kvwrite::store_kv_head_major", [](Call& c, const Tail& t) {  // store_kv on the split-head-dim views
+        R::store_kv(c.t("key"), c.t("value"), c.t("key_cache").permute({0, 3, 1, 2, 4}),
+                    c.t("value_cache").permute({0, 3, 1, 2}).unsqueeze(-1), c.opt("k_scale"), c.opt("v_scale"),
+                    KVW_TAIL_ARGS);
+      }},
+      {"kvwrite::store_mla", [](Call& c, const Tail& t) {
+        R::store_mla(c.t("kv_c"), c.t("k_pe"), c.t("kv_cache"), c.opt("scale"), c.opt("scale_cache"),
+                     c.opt("global_scale"), c.e("fmt"), KVW_TAIL_ARGS);
+      }},
+      {"kvwrite::store_indexer_k", [](Call& c, const Tail& t) {
+        R::store_indexer_k(c.t("k"), c.t("cache"), c.v("quant_block_size").toInt(), !c.none("scale_fmt"),
+                           KVW_TAIL_ARGS);
+      }},
+      {"kvwrite::store_kv_nvfp4", [](Call& c, const Tail& t) {
+        R::store_kv_nvfp4(c.t("k"), c.t("v"), cv(c, c.t("k_cache")), cv(c, c.t("v_cache")), cv(c, c.t("k_scale_cache")),
+                          cv(c, c.t("v_scale_cache")), c.opt("k_global_scale"), c.opt("v_global_scale"), KVW_TAIL_ARGS);
+      }},
+      {"kvwrite::store_dsv4_kv", [](Call& c, const Tail& t) {
+        R::store_dsv4_kv(c.t("kv"), c.t("cache"), c.e("S"), KVW_TAIL_ARGS);
+      }},
+      {"kvwrite::store_dsv4_indexer_k", [](Call& c, const Tail& t) {
+        R::store_dsv4_indexer_k(c.t("k"), c.t("cache"), c.e("S"), c.e("fmt"), !c.none("scale_fmt"), KVW_TAIL_ARGS);
+      }},
+      {"kvwrite::store_rows", [](Call& c, const Tail& t) { R::store_rows(c.t("src"), c.t("pool"), KVW_TAIL_ARGS); }},
+      // The fused RoPE stores: norm weights as fp32; copy / static fp8 formats run rope_store_kv, int8
+      // and dynamic scales rope_store_kv_quant.
+      {"kvwrite::rope_store_kv", [](Call& c, const Tail& t) {
+        const int64_t quant = c.e("quant");
+        const at::Tensor &pos = c.t("positions"), &q = c.t("q"), &k = c.t("k"), &v = c.t("v");
+        const at::Tensor &cs = c.t("cos_sin_cache"), kc = cv(c, c.t("k_cache")), vc = cv(c, c.t("v_cache"));
+        const auto qw = fp32(c, "q_norm_weight"), kw = fp32(c, "k_norm_weight");
+        const double eps = c.v("norm_eps").toDouble();
+        const bool neox = c.v("is_neox").toBool();
+        if (quant == 0 || (quant == 1 && c.e("k_cache") != int64_t(at::kChar)))
+          return R::rope_store_kv(pos, q, k, v, cs, kc, vc, c.opt("k_scale"), c.opt("v_scale"), qw, kw, eps, neox,
+                                  KVW_TAIL_ARGS);
+        R::rope_store_kv_quant(pos, q, k, v, cs, kc, vc, c.opt("k_scale"), c.opt("v_scale"),
+                               rows_view(c, "k_scale_cache"), rows_view(c, "v_scale_cache"), quant, c.e("rule"), qw,
+                               kw, eps, neox, KVW_TAIL_ARGS);
+      }},
+      {"kvwrite::rope_store_mla", [](Call& c, const Tail& t) {
+        R::rope_store_mla(c.t("positions"), c.t("q_pe"), c.t("kv_c"), c.t("k_pe"), c.t("cos_sin_cache"),
+                          c.t("kv_cache"), c.opt("scale"), c.opt("scale_cache"), c.opt("global_scale"), c.e("fmt"),
+                          c.v("is_neox").toBool(), KVW_TAIL_ARGS);
+      }},
+      {"kvwrite::copy_pages", [](Call& c, const Tail& t) {
+        R::copy_pages(pool4(c.t("src")), pool4(c.t("dst")), c.t("src_pages"), t.loc, t.errors, t.check, t.op);
+      }},
+      {"kvwrite::gather", [](Call& c, const Tail& t) {
+        const at::Tensor cache = pool4(c.t("cache"));
+        R::gather(cache, c.t("out").view({c.e("N"), cache.size(2), cache.size(3)}), KVW_TAIL_ARGS);
+      }},
+      // move_rows (ops.pages.move): the source rows gathered first, then copied as one-row units.
+      {"kvwrite::move_rows", [](Call& c, const Tail& t) {
+        const at::Tensor cache = pool4(c.t("cache")), src = c.t("src_loc");
+        const int64_t n = src.size(0), capacity = cache.size(0) * cache.size(1);
+        const at::Tensor rows = at::empty({n, 1, cache.size(2), cache.size(3)}, cache.options());
+        R::gather(cache, rows.squeeze(1), src, std::nullopt, t.errors, 0, 1, t.check, t.op, std::nullopt, std::nullopt,
+                  std::nullopt);
+        R::copy_pages(rows, cache, live_ids(src, capacity), t.loc, t.errors, t.check, t.op);
+      }},
+      {"kvwrite::slot_mapping", [](Call& c, const Tail& t) {
+        R::slot_mapping(c.t("block_table"), c.t("batch_indices"), t.loc, c.t("out"), c.v("page_size").toInt(),
+                        c.v("num_pages").toInt(), t.errors, t.check, t.op);
+      }},
+    };
+    return m;
   }
 };
 
-// The ops with a C++ kernel: the one place an op is listed on this side.
-template <class R>
-const std::unordered_map<std::string, void (*)(Call&, const Tail&)>& ops() {
-  static const std::unordered_map<std::string, void (*)(Call&, const Tail&)> m = {
-      {"kvwrite::store_kv", &Launch<R>::store_kv},
-      {"kvwrite::store_kv_head_major", &Launch<R>::store_kv_head_major},
-      {"kvwrite::store_mla", &Launch<R>::store_mla},
-      {"kvwrite::store_indexer_k", &Launch<R>::store_indexer_k},
-      {"kvwrite::store_kv_nvfp4", &Launch<R>::store_kv_nvfp4},
-      {"kvwrite::store_dsv4_kv", &Launch<R>::store_dsv4_kv},
-      {"kvwrite::store_dsv4_indexer_k", &Launch<R>::store_dsv4_indexer_k},
-      {"kvwrite::store_rows", &Launch<R>::store_rows},
-      {"kvwrite::rope_store_kv", &Launch<R>::rope_store_kv},
-      {"kvwrite::rope_store_mla", &Launch<R>::rope_store_mla},
-      {"kvwrite::copy_pages", &Launch<R>::copy_pages},
-      {"kvwrite::gather", &Launch<R>::gather},
-      {"kvwrite::move_rows", &Launch<R>::move_rows},
-      {"kvwrite::slot_mapping", &Launch<R>::slot_mapping},
-  };
-  return m;
-}
 
 // The duplicate-row pre-pass (kvwrite/claims.h, kvwrite/ops/claims.py) of every op in assert /
 // guard mode, before its launcher: the store then runs on its result (guard: bad and duplicate
@@ -686,7 +672,7 @@ bool run_here(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     // a page move's (src, dst) pairs: the Python pre-pass (kvwrite.reference.claims.unique_pairs)
     if (t->check != CHECK_OFF && p->claims == 'p' && c.e("N") >= 2) return false;
     if (t->check != CHECK_OFF && p->claims == 'r') claim<R>(c, *t);
-    ops<R>().at(name)(c, *t);
+    Launch<R>::ops().at(name)(c, *t);
   }
   return true;
 }
@@ -713,7 +699,7 @@ void boxed(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 
 template <class R>
 void register_ops(torch::Library& m) {
-  for (const auto& kv : ops<R>()) m.impl(kv.first.substr(9).c_str(), torch::CppFunction::makeFromBoxedFunction<&boxed<R>>());
+  for (const auto& kv : Launch<R>::ops()) m.impl(kv.first.substr(9).c_str(), torch::CppFunction::makeFromBoxedFunction<&boxed<R>>());
 }
 
 }  // namespace api

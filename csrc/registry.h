@@ -147,31 +147,33 @@ Tensor claim_rows(const Tensor& loc, const OptTensor& loc_map, const OptTensor& 
     "Tensor? v_global_scale, " KVW_TAIL ") -> ()")                                                                     \
   X(store_mla, reg::Bind<&store_mla_params>::table,                                                                    \
     "(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor? scale, Tensor(b!)? scale_cache, Tensor? global_scale, "  \
-    "int mode, " KVW_TAIL ") -> ()")                                                                                   \
+    "int kernel_mode, " KVW_TAIL ") -> ()")                                                                            \
   X(store_indexer_k, reg::Bind<&store_indexer_k_params>::table,                                                        \
     "(Tensor k, Tensor(a!) cache, int quant_block_size, bool ue8m0, " KVW_TAIL ") -> ()")                              \
   X(store_dsv4_kv, reg::Bind<&store_dsv4_kv_params>::no_table,                                                         \
     "(Tensor kv, Tensor(a!) cache, int pool_page_size, " KVW_TAIL ") -> ()")                                           \
   X(store_dsv4_indexer_k, reg::Bind<&store_dsv4_indexer_k_params>::no_table,                                           \
-    "(Tensor k, Tensor(a!) cache, int pool_page_size, int fmt, bool ue8m0, " KVW_TAIL ") -> ()")                       \
+    "(Tensor k, Tensor(a!) cache, int pool_page_size, int fmt_code, bool ue8m0, " KVW_TAIL ") -> ()")                  \
   X(store_rows, reg::Bind<&store_rows_params>::no_table, "(Tensor src, Tensor(a!) pool, " KVW_TAIL ") -> ()")          \
   X(store_dsv4_kv_fp4, reg::Bind<&store_dsv4_fp4_params>::plain,                                                       \
-    "(Tensor kv, Tensor(a!) cache, int pool_page_size, int fmt, " KVW_TAIL_NO_TABLE ") -> ()")                         \
+    "(Tensor kv, Tensor(a!) cache, int pool_page_size, int fmt_code, " KVW_TAIL_NO_TABLE ") -> ()")                    \
   X(rope_store_dsv4_kv_fp4, reg::Bind<&rope_store_dsv4_fp4_params>::plain,                                             \
-    "(Tensor positions, Tensor kv, Tensor cos_sin, Tensor(b!)? q, Tensor(a!) cache, int pool_page_size, int fmt, "    \
+    "(Tensor positions, Tensor kv, Tensor cos_sin, Tensor(b!)? q, Tensor(a!) cache, "                                  \
+    "int pool_page_size, int fmt_code, "                                                                               \
     KVW_TAIL_NO_TABLE ") -> ()")                                                                                       \
   X(rope_store_kv, reg::Bind<&rope_store_kv_params>::table, "(" KVW_ROPE KVW_NORM KVW_TAIL ") -> ()")                  \
   X(rope_store_kv_quant, reg::Bind<&rope_store_kv_quant_params>::table,                                                \
     "(" KVW_ROPE "Tensor(d!)? k_scale_cache, Tensor(e!)? v_scale_cache, int quant, int rule, " KVW_NORM KVW_TAIL       \
     ") -> ()")                                                                                                         \
   X(rope_store_mla, reg::Bind<&rope_store_mla_params>::table,                                                          \
-    "(Tensor positions, Tensor(c!) q_pe, Tensor kv_c, Tensor k_pe, Tensor cos_sin, Tensor(a!) kv_cache, "             \
-    "Tensor? scale, Tensor(b!)? scale_cache, Tensor? global_scale, int mode, bool is_neox, " KVW_TAIL ") -> ()")      \
+    "(Tensor positions, Tensor(c!) q, Tensor kv_c, Tensor k_pe, Tensor cos_sin, Tensor(a!) kv_cache, "                 \
+    "Tensor? scale, Tensor(b!)? scale_cache, Tensor? global_scale, int kernel_mode, bool is_neox, "                    \
+    KVW_TAIL ") -> ()")                                                                                                \
   X(copy_pages, reg::Bind<&copy_pages_params>::plain,                                                                  \
     "(Tensor src, Tensor(a!) dst, Tensor src_pages, Tensor dst_pages, Tensor(z!)? errors, int check, int op) -> ()")  \
   X(gather, reg::Bind<&gather_params>::table, "(Tensor cache, Tensor(a!) out, " KVW_TAIL ") -> ()")                    \
   X(slot_mapping, reg::Bind<&slot_mapping_params>::plain,                                                              \
-    "(Tensor block_table, Tensor batch_indices, Tensor positions, Tensor(a!) out, int page_size, int num_pages, "     \
+    "(Tensor block_table, Tensor batch_indices, Tensor positions, Tensor(a!) out, int pool_page_size, int num_pages, " \
     "Tensor(z!)? errors, int check, int op) -> ()")                                                                    \
   X(claim_rows, reg::claim_rows,                                                                                       \
     "(Tensor loc, Tensor? loc_map, Tensor(z!)? errors, int dcp_rank, int dcp_size, int check, int op, "               \

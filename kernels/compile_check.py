@@ -18,11 +18,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-FAMILIES = ("store_kv", "store_mla", "store_indexer_k", "store_kv_nvfp4", "store_mla_nvfp4",
-            "store_dsv4", "pages", "store_kv_quant", "rope_store", "store_dsv4_fp4", "store_kv_int4")
+# Every kernel module that lists its variants (`def variants()`): a new kernel file is checked
+# without being named here.
+FAMILIES = tuple(sorted(p.stem for p in Path(__file__).resolve().parent.glob("*.py")
+                        if re.search(r"^def variants\(", p.read_text(), re.M)))
 CHECKS = {"off": 0, "assert": 1, "guard": 2}
 _PTR = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
         torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5", torch.int32: "i32",

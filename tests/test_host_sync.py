@@ -95,11 +95,12 @@ def _patch_launches(record: list[str]):
     except ImportError:
         pass
 
-    def ext_run(a, name, *args):
-        locs = a.locs
-        t = getattr(locs, "table", None)
-        extra = [locs.loc, locs.loc_map, a.check.errors] + ([] if t is None else
-                                                             [t.batch_indices, t.kv_indices, t.kv_indptr])
+    def ext_run(a, name, *args, tail=True):
+        extra = [a.check.errors]
+        if tail:
+            locs = a.locs
+            t = getattr(locs, "table", None)
+            extra += [locs.loc, locs.loc_map] + ([] if t is None else [t.batch_indices, t.kv_indices, t.kv_indptr])
         check_tensors(f"cuda {name}", list(args) + extra)
         record.append(f"launch cuda {name}")
 
@@ -113,11 +114,12 @@ def _patch_launches(record: list[str]):
         return locs
 
     _ext.claim_rows = ext_claim
+    ext_reason = _ext.unavailable_reason("cpu")   # loaded: the raw kernels' schemas name their arguments
     _ext.LOADED = False   # the Python host path (the C++ op's host code reads metadata only)
     real = backends.unavailable_reason
 
     def unavailable(backend, device):
-        if device.type == "cuda" and backend in ("triton", "cuda", "torch"):
+        if device.type == "cuda" and (backend in ("triton", "torch") or (backend == "cuda" and ext_reason is None)):
             return None
         return real(backend, device)
 

@@ -15,6 +15,7 @@ mtimes changed, e.g. after a git checkout). `kvwrite build` prebuilds with progr
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib
 import os
@@ -332,103 +333,43 @@ def _run(a, name: str, *args, tail: bool = True) -> None:
         raise err from exc
 
 
-def store_kv(a) -> None:
-    """`a`: kvwrite.ops.kv.KVStore (canonical [pages, pool_page_size, H, D] cache views)."""
-    _run(a, "store_kv", a.k, a.v, a.k_cache, a.v_cache, a.k_scale, a.v_scale)
+# ---- the raw kernels' runners: `kvwrite._ext:<raw op>` in an op's backend table -------------
+
+_RAW: dict[str, tuple[tuple[str, ...], bool]] = {}
 
 
-def store_kv_quant(a) -> None:
-    """`a`: kvwrite.ops.kv.KVStore (static int8 or dynamic scales; canonical caches)."""
-    static = a.quant == facts.QUANT_STATIC
-    _run(a, "store_kv_quant", a.k, a.v, a.k_cache, a.v_cache, a.k_scale if static else None,
-         a.v_scale if static else None, None if static else a.k_scale_cache,
-         None if static else a.v_scale_cache, a.quant, a.rule)
+def _raw_args(name: str) -> tuple[tuple[str, ...], bool]:
+    """kvwrite_ext::<name>'s arguments before its tail (schema names, csrc/registry.h) and whether
+    that tail is a store's (loc, ..., check, op[, page table]) rather than a page move's."""
+    got = _RAW.get(name)
+    if got is None:
+        names = [a.name for a in getattr(torch.ops.kvwrite_ext, name).default._schema.arguments]
+        tail = "loc" in names
+        got = _RAW[name] = (tuple(names[:names.index("loc" if tail else "errors")]), tail)
+    return got
 
 
-def store_kv_int4(a) -> None:
-    """`a`: kvwrite.ops.kv.KVStore in the int4 format (canonical caches, [P, S, H] scale caches)."""
-    _run(a, "store_kv_int4", a.k, a.v, a.k_cache, a.v_cache, a.k_scale_cache, a.v_scale_cache)
+def _arg(a, name: str, op: str):
+    """Raw argument `name` of validated call `a`: its field or property, else that of the store a
+    fused call wraps, else its geometry's (pool_page_size, num_pages)."""
+    for obj in (a, getattr(a, "store", None), getattr(a, "geometry", None)):
+        if obj is not None and hasattr(obj, name):
+            return getattr(obj, name)
+    raise AttributeError(f"{type(a).__name__} has no {name!r} for kvwrite_ext::{op}")
 
 
-def store_mla(a) -> None:
-    """`a`: kvwrite.ops.mla.StoreMLA (`kv_cache` `[pages, pool_page_size, row]`; nvfp4 also
-    `scale_cache` `[pages, pool_page_size, (L+R)/16]` and an optional `global_scale`)."""
-    _run(a, "store_mla", a.kv_c, a.k_pe, a.kv_cache, a.scale, getattr(a, "scale_cache", None),
-         getattr(a, "global_scale", None), a.format.kernel_mode)
+def run(name: str, a) -> None:
+    """Run kvwrite_ext::<name> on validated call `a`, each argument read from `a` by its schema
+    name (no per-op wrapper: the raw schema is the one list of a kernel's arguments)."""
+    args, tail = _raw_args(name)
+    _run(a, name, *(_arg(a, n, name) for n in args), tail=tail)
 
 
-def store_indexer_k(a) -> None:
-    """`a`: kvwrite.ops.indexer_k.StoreIndexerK (uint8 `[pages, page bytes]` cache)."""
-    _run(a, "store_indexer_k", a.k, a.cache, a.quant_block_size, a.ue8m0)
-
-
-def store_kv_nvfp4(a) -> None:
-    """`a`: kvwrite.ops.nvfp4.StoreKVNVFP4 (canonical [pages, pool_page_size, H, *] caches)."""
-    _run(a, "store_kv_nvfp4", a.k, a.v, a.k_cache, a.v_cache, a.k_scale_cache, a.v_scale_cache,
-         a.k_global_scale, a.v_global_scale)
-
-
-def store_dsv4_kv(a) -> None:
-    """`a`: kvwrite.ops.dsv4.StoreDSV4KV (uint8 `[pages, kv_page_bytes]` cache)."""
-    _run(a, "store_dsv4_kv", a.kv, a.cache, a.geometry.pool_page_size)
-
-
-def store_dsv4_indexer_k(a) -> None:
-    """`a`: kvwrite.ops.dsv4.StoreDSV4IndexerK (fp8 or mxfp4 rows)."""
-    _run(a, "store_dsv4_indexer_k", a.k, a.cache, a.geometry.pool_page_size, a.fmt_code, a.ue8m0)
-
-
-def store_dsv4_kv_fp4(a) -> None:
-    """`a`: kvwrite.ops.dsv4_fp4.StoreDSV4KVFP4 (uint8 `[pages, pps * token_bytes]` cache)."""
-    _run(a, "store_dsv4_kv_fp4", a.kv, a.cache, a.geometry.pool_page_size, a.record.code)
-
-
-def rope_store_dsv4_kv_fp4(a) -> None:
-    """`a`: kvwrite.ops.dsv4_fp4.RopeStoreDSV4KVFP4 (its `store` a StoreDSV4KVFP4)."""
-    s = a.store
-    _run(s, "rope_store_dsv4_kv_fp4", a.positions, s.kv, a.cos_sin, a.q, s.cache, s.geometry.pool_page_size,
-         s.record.code)
-
-
-def store_rows(a) -> None:
-    """`a`: kvwrite.ops.dsv4.StoreRows."""
-    _run(a, "store_rows", a.src, a.pool)
-
-
-def copy_pages(a) -> None:
-    """`a`: kvwrite.ops.pages.CopyPages (canonical [pages, rows, heads, feat] pools)."""
-    _run(a, "copy_pages", a.src, a.dst, a.src_pages, a.dst_pages, tail=False)
-
-
-def gather(a) -> None:
-    """`a`: kvwrite.ops.pages.Gather (canonical cache, [n, heads, feat] out)."""
-    _run(a, "gather", a.cache, a.out)
-
-
-def slot_mapping(a) -> None:
-    """`a`: kvwrite.ops.pages.SlotMapping."""
-    _run(a, "slot_mapping", a.block_table, a.batch_indices, a.positions, a.out, a.geometry.pool_page_size,
-         a.geometry.num_pages, tail=False)
-
-
-def rope_store_kv(a) -> None:
-    """`a`: kvwrite.ops.rope.RopeStoreKV: copy / static fp8 K/V stores (`rope_store_kv`), int8
-    and dynamic-scale ones (`rope_store_kv_quant`, store_kv_quant's row writers)."""
-    s = a.store
-    if s.quant == facts.QUANT_COPY or (s.quant == facts.QUANT_STATIC and s.fmt != facts.FMT_INT8):
-        _run(a, "rope_store_kv", a.positions, a.q, s.k, s.v, a.cos_sin, s.k_cache, s.v_cache,
-             s.k_scale, s.v_scale, a.q_norm_weight, a.k_norm_weight, a.eps, a.is_neox)
-        return
-    _run(a, "rope_store_kv_quant", a.positions, a.q, s.k, s.v, a.cos_sin, s.k_cache, s.v_cache,
-         s.k_scale, s.v_scale, s.k_scale_cache, s.v_scale_cache, s.quant, s.rule,
-         a.q_norm_weight, a.k_norm_weight, a.eps, a.is_neox)
-
-
-def rope_store_mla(a) -> None:
-    """`a`: kvwrite.ops.rope.RopeStoreMLA (every store_mla format)."""
-    s = a.store
-    _run(a, "rope_store_mla", a.positions, a.q, s.kv_c, s.k_pe, a.cos_sin, s.kv_cache, s.scale,
-         s.scale_cache, s.global_scale, s.format.kernel_mode, a.is_neox)
+def __getattr__(name: str):
+    """`_ext.<raw op>`: its runner (the backend tables name `kvwrite._ext:<raw op>`)."""
+    if name.startswith("_"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return functools.partial(run, name)
 
 
 def claim_rows(locs, geometry, chk):

@@ -41,6 +41,10 @@ class StoreDSV4KVFP4(StoreDSV4KV):
 
     record: FP4Record
 
+    @property
+    def fmt_code(self) -> int:
+        return self.record.code
+
 
 def _pages(env: dict, v: dict) -> None:
     fmt = env["fmt"] = validate.choice("fmt", v["fmt"], FP4_FMTS)

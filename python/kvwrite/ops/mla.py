@@ -46,6 +46,10 @@ class StoreMLA:
     scale_cache: torch.Tensor | None = None     # nvfp4: e4m3 [pages, pool_page_size, (L + R)/16]
     global_scale: torch.Tensor | None = None    # nvfp4: optional fp32 [] / [1]
 
+    @property
+    def kernel_mode(self) -> int:
+        return self.format.kernel_mode
+
 
 @spec.rule("mla_format")
 def _format(env: dict, v: dict) -> None:

@@ -28,6 +28,7 @@ OP_KV = "rope_store_kv"
 OP_MLA = "rope_store_mla"
 MAX_HEAD_DIM = 1024   # csrc/kvwrite/rope_store.h ROPE_MAX_DIM
 KV_IMPLS = impls("rope:rope_store_kv", "rope_store:launch_kv", "rope_store_kv")
+KV_QUANT_IMPLS = impls("rope:rope_store_kv", "rope_store:launch_kv", "rope_store_kv_quant")
 MLA_IMPLS = impls("rope:rope_store_mla", "rope_store:launch_mla", "rope_store_mla")
 # The K/V formats the fused kernels store: copy, static fp8 / int8, dynamic int8 / fp8.
 KV_QUANTS = (QUANT_COPY, QUANT_STATIC, QUANT_TOKEN, QUANT_HEAD)
@@ -136,6 +137,12 @@ def _build_kv(v: dict, env: dict, locs: Locs, chk: Check) -> RopeStoreKV:
                        kv._build(v, env, locs, chk))
 
 
+def _kv_impls(a: RopeStoreKV) -> tuple:
+    """store_kv's formats: copy / static fp8 on rope_store_kv's C++ kernel, the rest on
+    rope_store_kv_quant's (store_kv_quant's row writers)."""
+    return KV_IMPLS if kv.format_impls(a.store) is kv.IMPLS else KV_QUANT_IMPLS
+
+
 POSITIONS = spec.T("positions", "N", validate.LOC_DTYPES, what="one position per token")
 CACHE_DIMS = "num_pages, pool_page_size, H, D"
 KV_SPEC = spec.Op(
@@ -160,7 +167,7 @@ KV_SPEC = spec.Op(
     checks=("k", "v", spec.choice("layout", KV_LAYOUTS[:2]), "k_cache", "v_cache", spec.geometry("k_cache"),
             kv._quant, _kv_format, "k_scale", "v_scale", "q", "positions", "cos_sin_cache", _kv_dims,
             "q_norm_weight", "k_norm_weight", _rope_args),
-    build=_build_kv, impls=KV_IMPLS)
+    build=_build_kv, impls=_kv_impls)
 
 
 def rope_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
