@@ -707,3 +707,11 @@ def test_unified_pools_token_major_views_are_routed(env):
     want[:, 8:32] = rows.view(-1, 24)
     mla._scatter_mla_rows(shared[:, 8:32].view(-1, 1, 24), loc, nope, rope)
     assert torch.equal(shared, want)
+
+
+def test_guard_fail_policy_is_refused_for_sglang(monkeypatch):
+    """Failing single requests is vLLM's hook only: SGLang's guard names the policies it has."""
+    monkeypatch.setenv(hook.POLICY_ENV, "fail")
+    monkeypatch.setattr(hook, "GUARD", None)
+    with pytest.raises(ValueError, match=r"KVWRITE_SGLANG_GUARD must be one of \('raise', 'log'\) for SGLang"):
+        hook.guard()

@@ -368,6 +368,51 @@ def test_guard_log_policy_counts_and_keeps_serving(monkeypatch, state):
         plugin.new_guard()
 
 
+def test_guard_fail_policy_fails_only_the_requests_that_wrote_badly(monkeypatch, state):
+    """KVWRITE_VLLM_GUARD=fail: the step goes on; the request whose token wrote out of bounds goes
+    to the scheduler's error path (vLLM ends it with FINISHED_ERROR) and the others keep running; a
+    layer with more bad writes than its record names fails every request of that step."""
+    monkeypatch.setenv(plugin.POLICY_ENV, "fail")
+    g = plugin.new_guard()
+    monkeypatch.setattr(plugin, "GUARD", g)
+    monkeypatch.setattr(validate, "DEFAULT_CHECK", "guard")
+    runner = runner_env(state)
+
+    class Scheduler:   # the parts of vLLM's scheduler the hook touches
+        def __init__(self):
+            self.requests, self.grammar_compile_error_reqs, self.ended = dict.fromkeys("abc"), set(), []
+
+        def update_from_output(self, out):
+            self.ended.append(set(self.grammar_compile_error_reqs))
+            self.grammar_compile_error_reqs.clear()
+            return out
+
+    plugin.hook_runners({"vllm.v1.core.sched.scheduler": types.SimpleNamespace(Scheduler=Scheduler)}, state)
+    sched = Scheduler()
+    bad = 4 * 8 + 3                                           # one past the last block
+    before = {n: c.clone() for n, c in runner.caches.items()}
+    assert runner.execute_model(["a", "b"], [2, 1], [[0, 1, bad], [0, 1, bad]]) == "output"
+    assert sched.update_from_output("out") == "out" and sched.ended[-1] == {"b"}
+    assert len(g.faults) == 2 and all("request b" in str(e) for e in g.faults)
+    twin = before["model.layers.0.attn"]
+    key = torch.ones(3, 2, 8, device=DEVICE)
+    adapters.cpu_attn_reshape_and_cache(key, key, *kv_views(twin), torch.tensor([0, 1, -1], device=DEVICE),
+                                        "vec", backend="torch")
+    assert torch.equal(runner.caches["model.layers.0.attn"], twin)   # the good rows, no other byte
+    runner.execute_model(["a", "c"], [1, 1], [[2, 3], [2, 3]])
+    sched.update_from_output("out")
+    assert sched.ended[-1] == set()                           # a clean step fails nobody
+    runner.execute_model(["a", "c"], [1, 1], [[-7, bad], [4, 5]])
+    sched.update_from_output("out")
+    assert sched.ended[-1] == {"a", "c"}                      # two bad writes, one named: the whole step
+    runner.execute_model(["a", "b", "c"], [1, 1, 1], [[8, 9, 9], [8, 9, 10]])
+    sched.update_from_output("out")
+    assert sched.ended[-1] == {"b", "c"}                      # a duplicated row: its writer and the first's
+    runner.parallel_config = types.SimpleNamespace(world_size=2)
+    with pytest.raises(ValueError, match="one worker per engine"):
+        plugin.register_runner(runner)
+
+
 def test_namespace_mismatch_is_refused_with_both_numbers(monkeypatch, state, fresh_guard):
     """vLLM #47056: slot_mapping encoded with blocks of 16, the cache tensor has pages of 4 (and
     as many pages as the allocator has blocks): refused at the first store into it."""

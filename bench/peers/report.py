@@ -85,6 +85,15 @@ def main(out: Path) -> None:
                   f"{rec.get('bytes_changed_outside_good_rows', '-')} | "
                   f"{(vl['error'] or 'no error')[:160]}; bytes outside: {vrec.get('bytes_changed_outside_good_rows', '-')}; "
                   f"tokens equal to clean: {vl['tokens_equal_to_clean']} |")
+        if e.get("fail_policy"):
+            print("\nKVWRITE_VLLM_GUARD=fail (the request that wrote the fault ends with vLLM's error, the "
+                  "others finish, the same engine serves every prompt again):\n")
+            print("| fault | finish reasons | others equal to clean | served again, equal to clean | "
+                  "bytes outside the good rows |\n|---|---|---|---|---|")
+            for f, row in e["fail_policy"].items():
+                rec = row.get("record") or {}
+                print(f"| {f} | {row['error'] or row['finish_reasons']} | {row['others_equal_to_clean']} | "
+                      f"{row['served_again_equal_to_clean']} | {rec.get('bytes_changed_outside_good_rows', '-')} |")
     else:
         print("not run")
     p = load(out, "sglang-pools.json")

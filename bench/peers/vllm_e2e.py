@@ -9,6 +9,9 @@ Runs (one subprocess each, engine and worker in-process: VLLM_ENABLE_V1_MULTIPRO
   guard     the plugin (entry point `vllm.general_plugins`) with KVWRITE_CHECK=guard;
   compiled  as guard, without enforce_eager (vLLM's torch.compile path on CPU);
   nostore   control: vLLM's writer replaced by a no-op (nothing stored);
+  fail      as guard with KVWRITE_VLLM_GUARD=fail, one planted fault (FAIL_FAULTS): the request
+            that wrote it ends with vLLM's error, the others finish as in the clean run, and the
+            same engine then serves every prompt again;
   faults    each of FAULTS, with kvwrite (guard) and without (off): the writer vLLM's CPU
             attention backend calls (`vllm._custom_ops.cpu_attn_reshape_and_cache`, kvwrite's
             routed store or vLLM's own) is wrapped after the engine starts, and one store (layer
@@ -160,6 +163,11 @@ def child(model: str, mode: str, fault: str) -> dict:
     try:
         res = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         out["tokens"] = [list(r.outputs[0].token_ids) for r in res]
+        out["finish_reasons"] = [r.outputs[0].finish_reason for r in res]
+        if mode == "fail":   # the same engine serves on (the planted store is past)
+            again = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+            out["tokens_after"] = [list(r.outputs[0].token_ids) for r in again]
+            out["guard_faults"] = [str(e)[:300] for e in plugin.guard().faults]
     except Exception as exc:  # noqa: BLE001  (a fault run must fail with kvwrite's error)
         cause = exc
         while cause.__cause__ is not None and type(cause).__name__ not in KVWRITE_ERRORS:
@@ -181,8 +189,9 @@ def child(model: str, mode: str, fault: str) -> dict:
     return out
 
 
+FAIL_FAULTS = ("past_end", "block_ge", "negative", "duplicate")
 RUNS = [("off", "none"), ("guard", "none"), ("compiled", "none"), ("nostore", "none")] + \
-       [(m, f) for f in FAULTS for m in ("guard", "off")]
+       [(m, f) for f in FAULTS for m in ("guard", "off")] + [("fail", f) for f in FAIL_FAULTS]
 
 
 def main() -> int:
@@ -228,7 +237,8 @@ def main() -> int:
 def run_child(model: Path, mode: str, fault: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
                KVWRITE_VLLM_PLUGIN="0" if mode in ("off", "nostore") else "1",
-               KVWRITE_CHECK="guard" if mode in ("guard", "compiled", "perfmix") else "off",
+               KVWRITE_CHECK="guard" if mode in ("guard", "compiled", "perfmix", "fail") else "off",
+               KVWRITE_VLLM_GUARD="fail" if mode == "fail" else "raise",
                VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
                # perfmix: one thread, so CPU time is the work (not OpenMP spin-waiting under load)
                OMP_NUM_THREADS="1" if mode == "perfmix" else "2")
@@ -308,6 +318,17 @@ def summarize(results: dict) -> dict:
                          tokens_equal_to_clean=same(off.get("tokens"), kv.get("tokens"))),
             without_kvwrite=dict(error=vl.get("error"), record=vl.get("fault_record"),
                                  tokens_equal_to_clean=same(off.get("tokens"), vl.get("tokens"))))
+    fail = {}
+    for f in FAIL_FAULTS:
+        r = g(f"fail:{f}")
+        reasons = r.get("finish_reasons") or []
+        kept = [i for i, x in enumerate(reasons) if x != "error"]
+        fail[f] = dict(error=r.get("error"), finish_reasons=reasons,
+                       failed_requests=[i for i, x in enumerate(reasons) if x == "error"],
+                       others_equal_to_clean=same([(off.get("tokens") or [])[i] for i in kept if off.get("tokens")],
+                                                  [(r.get("tokens") or [])[i] for i in kept if r.get("tokens")]),
+                       served_again_equal_to_clean=same(off.get("tokens"), r.get("tokens_after")),
+                       faults_logged=len(r.get("guard_faults") or []), record=r.get("fault_record"))
     perf_off, perf_guard = off.get("tokens_per_s"), g("guard:none").get("tokens_per_s")
     return dict(
         prompts=len(PROMPTS), max_tokens=MAX_TOKENS, block_size=BLOCK_SIZE,
@@ -318,7 +339,7 @@ def summarize(results: dict) -> dict:
         tokens_per_s=dict(off=perf_off, guard=perf_guard,
                           guard_over_off=round(perf_guard / perf_off, 3) if perf_off and perf_guard else None,
                           shape=f"{PERF_PROMPTS} prompts x {PERF_TOKENS} tokens, best of 2"),
-        faults=table, results=results)
+        faults=table, fail_policy=fail, results=results)
 
 
 if __name__ == "__main__":

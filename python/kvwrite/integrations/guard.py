@@ -4,8 +4,9 @@ Each store records a bad write into the row of the cache it writes (picked by th
 data_ptr, registered with the layer's name when the engine allocates its KV cache): no host read
 and no allocation inside a store, so CUDA-graph capture and torch.compile see only the kvwrite
 op. `StepGuard.check()` reads every row in one host read per device after the engine's step and
-raises (policy "raise") or logs and counts (policy "log") each bad write, its message naming the
-step, the layer and (through the engine's `context`) the request. `check_namespace` refuses a
+raises (policy "raise"), logs and counts (policy "log") or also fails the requests that made it
+(policy "fail": the engine ends them with an error and keeps serving the others) each bad write,
+its message naming the step, the layer and (through the engine's `context`) the request. `check_namespace` refuses a
 cache whose pages do not hold the slots its slot_mapping encodes (vLLM #47056).
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-POLICIES = ("raise", "log")
+POLICIES = ("raise", "log", "fail")
 
 
 @dataclass(frozen=True)
@@ -63,11 +64,11 @@ class _Row:
 
 class StepGuard:
     """Guard mode for an engine: one record row per registered cache, read once per step.
-    `engine` names it in messages; `policy_env` (raise | log) picks what a bad write does;
-    errors are logged on `logger`."""
+    `engine` names it in messages; `policy_env` picks what a bad write does, one of `policies`
+    (those the engine's hooks implement); errors are logged on `logger`."""
 
     def __init__(self, engine: str = "engine", policy_env: str = "KVWRITE_GUARD",
-                 logger: str = "kvwrite") -> None:
+                 logger: str = "kvwrite", policies: tuple = POLICIES) -> None:
         self.engine, self.policy_env, self.log = engine, policy_env, logging.getLogger(logger)
         self.layers: dict[tuple[str, int], LayerInfo] = {}
         self.names: list[str] = ["(a cache kvwrite was not told about)"]
@@ -76,9 +77,10 @@ class StepGuard:
         self.stepped = False     # a step hook reads the records: stores do not
         self.step = 0
         self.faults: list[Any] = []
+        self.failed: set[str] = set()   # policy "fail": requests the engine is to end with an error
         self.policy = os.environ.get(policy_env, "raise")
-        if self.policy not in POLICIES:
-            raise ValueError(f"{policy_env} must be one of {POLICIES}, got {self.policy!r}")
+        if self.policy not in policies:
+            raise ValueError(f"{policy_env} must be one of {policies} for {engine}, got {self.policy!r}")
 
     def register(self, caches: dict[str, torch.Tensor], block_size: dict[str, int] | None = None,
                  rows: dict[str, int] | None = None) -> None:
@@ -153,9 +155,13 @@ class StepGuard:
             err.args = (f"kvwrite guard ({self.engine}, layer {err.layer}): {err}",)
             raise err
 
-    def check(self, context: Callable[[int], str] | None = None) -> list:
+    def check(self, context: Callable[[int], str] | None = None,
+              requests: Callable[[int | None], list[str]] | None = None) -> list:
         """Read every record once (one host read per device); a bad write is raised (policy
-        "raise") or logged and counted ("log"), its message naming step, layer and request."""
+        "raise") or logged and counted ("log", "fail"), its message naming step, layer and
+        request. Policy "fail" adds the requests that made it to `failed` (`requests(token)`: the
+        token's request; `requests(None)`: all of the step's, when a layer recorded more bad writes
+        than the one it names or the record names no token)."""
         from kvwrite.errors import COUNT, ErrorBuffer, decode
 
         found = []
@@ -173,6 +179,8 @@ class StepGuard:
                 err.layer, err.step = layer, self.step
                 err.args = (f"kvwrite guard ({where}): {err}",)
                 found.append(err)
+                if self.policy == "fail" and requests is not None:
+                    self.failed.update(_requests_of(err, slots[COUNT], requests))
         self.step += 1
         for err in found:
             self.faults.append(err)
@@ -180,6 +188,22 @@ class StepGuard:
         if found and self.policy == "raise":
             raise found[0]
         return found
+
+    def take_failed(self) -> set[str]:
+        """The requests failed since the last call (policy "fail"), for the engine to end."""
+        out, self.failed = self.failed, set()
+        return out
+
+
+def _requests_of(err: Any, count: int, requests: Callable[[int | None], list[str]]) -> list[str]:
+    """The requests a recorded bad write leaves without a K/V row: its token's (and, for a
+    duplicated row, the first writer's, whose row went elsewhere); all of the step's when the
+    record counted more bad writes than it names or names no token."""
+    token = getattr(err, "token_index", None)
+    if count != 1 or token is None:
+        return requests(None)
+    first = getattr(err, "first_token", None)
+    return requests(token) + ([] if first is None else requests(first))
 
 
 def forget_native_rows() -> None:

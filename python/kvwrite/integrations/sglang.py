@@ -123,7 +123,7 @@ def guard() -> StepGuard:
     """The process's StepGuard for SGLang."""
     global GUARD
     if GUARD is None:
-        GUARD = StepGuard("SGLang", POLICY_ENV, "kvwrite.sglang")
+        GUARD = StepGuard("SGLang", POLICY_ENV, "kvwrite.sglang", policies=("raise", "log"))
     return GUARD
 
 

@@ -25,7 +25,10 @@ allocates its KV cache: no host read, no allocation inside a store, so CUDA-grap
 torch.compile see only the kvwrite op); the buffer is read once per engine step, after the model
 runner's `execute_model`, and a bad write raises `kvwrite.OutOfBoundsWrite` naming the step, the
 layer, the request, the token, the slot and the block (`KVWRITE_VLLM_GUARD=raise`, the default),
-or is logged and counted while vLLM keeps serving (`KVWRITE_VLLM_GUARD=log`; `GUARD.faults`).
+or is logged and counted while vLLM keeps serving (`KVWRITE_VLLM_GUARD=log`; `GUARD.faults`), or
+also fails the requests that made it (`KVWRITE_VLLM_GUARD=fail`: vLLM's scheduler ends them after
+that step with its retryable request error, FINISHED_ERROR / HTTP 500, and keeps serving the
+others; one worker per engine, as the scheduler reads the guard of its own process).
 When vLLM allocates its KV cache the plugin also checks each layer's namespace: the block size
 the slot_mapping is encoded with against the page size and pages of the cache tensor the
 backend writes (vLLM #47056): a mismatch is refused with both numbers (`NamespaceMismatch`),
@@ -98,6 +101,8 @@ NOT_STORES = ("swap_blocks", "swap_blocks_batch", "convert_fp8", "gather_and_may
 NATIVE = ("cpu_attn_reshape_and_cache", "reshape_and_cache_flash")
 # Model-runner classes whose steps the guard checks and whose KV caches it registers.
 RUNNERS = (("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),)
+# The scheduler that ends the requests the guard failed (KVWRITE_VLLM_GUARD=fail).
+SCHEDULERS = (("vllm.v1.core.sched.scheduler", "Scheduler"),)
 
 
 GUARD: StepGuard | None = None   # made on first use (reads POLICY_ENV then)
@@ -313,14 +318,33 @@ def override_ops(adapters: Any, backend: str, state: Installed) -> None:
             state.skipped[f"torch.ops.{ns}.{op}"] = "writes a cache but kvwrite has no adapter for it"
 
 
-def hook_runners(modules: dict[str, Any], state: Installed) -> None:
-    """Wrap the runner classes' `initialize_kv_cache` (register the caches, namespace facts) and
-    `execute_model` (the guard's per-step read)."""
-    for mod_name, cls_name in RUNNERS:
+def _hookable(modules: dict[str, Any], classes: tuple) -> list:
+    out = []
+    for mod_name, cls_name in classes:
         module = modules.get(mod_name)
         cls = getattr(module, cls_name, None) if module is not None else None
-        if cls is None or getattr(cls, "_kvwrite_hooked", False):
-            continue
+        if cls is not None and not vars(cls).get("_kvwrite_hooked", False):
+            out.append(cls)
+    return out
+
+
+def hook_runners(modules: dict[str, Any], state: Installed) -> None:
+    """Wrap the runner classes' `initialize_kv_cache` (register the caches, namespace facts) and
+    `execute_model` (the guard's per-step read), and the scheduler's `update_from_output` (it ends
+    the requests the guard failed with vLLM's retryable error, FINISHED_ERROR)."""
+    for cls in _hookable(modules, SCHEDULERS):
+        update = cls.update_from_output
+
+        def update_from_output(self, *args, __update=update, **kwargs):
+            failed = GUARD.take_failed() if GUARD is not None else ()
+            if failed:   # vLLM ends these after this step's tokens (its own error path)
+                self.grammar_compile_error_reqs.update(r for r in failed if r in self.requests)
+            return __update(self, *args, **kwargs)
+
+        cls.update_from_output = update_from_output
+        cls._kvwrite_hooked = True
+        state.hooks.append((cls, "update_from_output", update))
+    for cls in _hookable(modules, RUNNERS):
         init, execute = cls.initialize_kv_cache, cls.execute_model
 
         def initialize_kv_cache(self, *args, __init=init, **kwargs):
@@ -336,12 +360,12 @@ def hook_runners(modules: dict[str, Any], state: Installed) -> None:
             out = __execute(self, *args, **kwargs)
             from kvwrite import validate
             if validate.DEFAULT_CHECK == "guard":
-                g.check(request_context(self))
+                g.check(request_context(self), step_requests(self))
             return out
 
         cls.initialize_kv_cache, cls.execute_model = initialize_kv_cache, execute_model
         cls._kvwrite_hooked = True
-        state.hooks.append((cls, init, execute))
+        state.hooks += [(cls, "initialize_kv_cache", init), (cls, "execute_model", execute)]
 
 
 def register_runner(runner: Any) -> None:
@@ -362,6 +386,10 @@ def register_runner(runner: Any) -> None:
                 caches[name], block_size[name] = kv, bs
                 rows[name] = cfg.num_blocks * group.kv_cache_spec.block_size
     g = guard()
+    world = getattr(getattr(runner, "parallel_config", None), "world_size", 1)
+    if g.policy == "fail" and world != 1:
+        raise ValueError(f"{POLICY_ENV}=fail ends requests through the scheduler of the worker's own process: "
+                         f"it needs one worker per engine (this engine has {world}); use raise or log")
     g.register(caches, block_size, rows)
     from kvwrite import validate
     from kvwrite.compat import vllm as adapters
@@ -391,19 +419,36 @@ def check_at_startup(g: StepGuard, caches: dict[str, torch.Tensor], ctx: dict) -
             check_namespace(info, kv, route)
 
 
+def _step_batch(runner: Any) -> tuple[list[str], list[int]]:
+    """The runner's current batch: its request ids and their first tokens (plus the end)."""
+    try:
+        n = runner.input_batch.num_reqs
+        return list(runner.input_batch.req_ids[:n]), [int(x) for x in runner.query_start_loc.np[:n + 1]]
+    except Exception:   # a runner without these fields: the layer and step still name the write
+        return [], []
+
+
+def _request_of(ids: list[str], starts: list[int], token: int) -> int | None:
+    i = bisect.bisect_right(starts, token) - 1
+    return i if 0 <= i < len(ids) else None
+
+
 def request_context(runner: Any) -> Callable[[int], str]:
     """token index -> ", request <id> (token t of its step)" from the runner's current batch."""
     def context(token: int) -> str:
-        try:
-            n = runner.input_batch.num_reqs
-            starts = [int(x) for x in runner.query_start_loc.np[:n + 1]]
-            i = bisect.bisect_right(starts, token) - 1
-            if 0 <= i < n:
-                return f", request {runner.input_batch.req_ids[i]} (its token {token - starts[i]} of this step)"
-        except Exception:   # a runner without these fields: the layer and step still name the write
-            pass
-        return ""
+        ids, starts = _step_batch(runner)
+        i = _request_of(ids, starts, token)
+        return "" if i is None else f", request {ids[i]} (its token {token - starts[i]} of this step)"
     return context
+
+
+def step_requests(runner: Any) -> Callable[[int | None], list[str]]:
+    """token index -> [the id of the request it belongs to]; None -> every request of the step."""
+    def requests(token: int | None) -> list[str]:
+        ids, starts = _step_batch(runner)
+        i = None if token is None else _request_of(ids, starts, token)
+        return ids if i is None else [ids[i]]
+    return requests
 
 
 def install(import_module: Callable[[str], Any] = importlib.import_module,
@@ -469,8 +514,8 @@ def uninstall(state: Installed | None = None) -> None:
             for attr, value in list(getattr(module, "__dict__", {}).items()):
                 if id(value) in back:
                     setattr(module, attr, back[id(value)])
-    for cls, init, execute in state.hooks:
-        cls.initialize_kv_cache, cls.execute_model = init, execute
+    for cls, attr, original in state.hooks:
+        setattr(cls, attr, original)
         cls._kvwrite_hooked = False
     if state.finder is not None and state.finder in sys.meta_path:
         sys.meta_path.remove(state.finder)
