@@ -1,6 +1,6 @@
 """Host cost per call at N = 1 against the op-spec host-cost targets (CPU, one thread; ratios from
 interleaved runs): every public op (stores, fused RoPE stores, page moves) vs store_kv, each adapter vs the op it wraps, assert vs off, a
-PageTable loc vs a plain loc. `python -m kvwrite.bench.spec_host [min_time]` prints a table."""
+PageTable loc vs a plain loc; and the head-major layout against NHD at N=256. `python -m kvwrite.bench.spec_host [min_time]` prints a table."""
 from __future__ import annotations
 
 import sys
@@ -73,7 +73,24 @@ def cases() -> list[tuple[str, object, str, object, float]]:
          lambda: flashinfer.append_paged_kv_cache(k, v, pt.batch_indices, pt.positions, (kc, vc), pt.kv_indices,
                                                   pt.kv_indptr, last),
          "store_kv PageTable", lambda: kvwrite.store_kv(k, v, kc, vc, pt), 1.2),
+        *head_major_cases(g),
     ]
+
+
+def head_major_cases(g: torch.Generator) -> list:
+    """vLLM's head-major caches (key [P, H, D/x, S, x], value [P, H, D, S]) against the NHD store
+    at N=256 on the cpu backend: 256 tokens at random rows, then at consecutive rows (a prefill)."""
+    bf, n, (pages, rows, h, d, x) = torch.bfloat16, 256, (64, 16, 8, 128, 8)
+    k, v = torch.randn(n, h, d, generator=g).to(bf), torch.randn(n, h, d, generator=g).to(bf)
+    kc, vc = torch.zeros(pages, rows, h, d, dtype=bf), torch.zeros(pages, rows, h, d, dtype=bf)
+    hk, hv = torch.zeros(pages, h, d // x, rows, x, dtype=bf), torch.zeros(pages, h, d, rows, dtype=bf)
+    out = []
+    for what, loc in (("random rows", torch.randperm(pages * rows, generator=g)[:n]), ("consecutive rows",
+                                                                                       torch.arange(n))):
+        out.append((f"store_kv_head_major N=256 {what}, cpu",
+                    lambda loc=loc: kvwrite.store_kv_head_major(k, v, hk, hv, loc, backend="cpu"),
+                    "store_kv N=256", lambda loc=loc: kvwrite.store_kv(k, v, kc, vc, loc, backend="cpu"), 4.0))
+    return out
 
 
 def main(min_time: float = 0.2) -> None:
