@@ -310,7 +310,13 @@ class FakeRunner:
         for name, sm in zip(self.names, slots):
             key = torch.ones(len(sm), 2, 8, device=DEVICE)
             self.store(key, key, *kv_views(self.caches[name]), torch.tensor(sm, device=DEVICE), "vec")
+        return self.make_output()
+
+    def make_output(self):
         return "output"
+
+    def sample_tokens(self, grammar_output):   # async scheduling: the step's output comes from here
+        return self.async_output
 
 
 def runner_env(state, **kw):
@@ -369,47 +375,49 @@ def test_guard_log_policy_counts_and_keeps_serving(monkeypatch, state):
 
 
 def test_guard_fail_policy_fails_only_the_requests_that_wrote_badly(monkeypatch, state):
-    """KVWRITE_VLLM_GUARD=fail: the step goes on; the request whose token wrote out of bounds goes
-    to the scheduler's error path (vLLM ends it with FINISHED_ERROR) and the others keep running; a
-    layer with more bad writes than its record names fails every request of that step."""
+    """KVWRITE_VLLM_GUARD=fail: the step goes on; the request whose token wrote out of bounds rides
+    on the runner's output to the scheduler, whose error path (vLLM: FINISHED_ERROR) ends it, and the
+    others keep running; a layer with more bad writes than its record names fails every request of
+    that step; a duplicated row fails both writers; async scheduling's output (sample_tokens) too."""
     monkeypatch.setenv(plugin.POLICY_ENV, "fail")
     g = plugin.new_guard()
     monkeypatch.setattr(plugin, "GUARD", g)
     monkeypatch.setattr(validate, "DEFAULT_CHECK", "guard")
     runner = runner_env(state)
+    runner.make_output = lambda: types.SimpleNamespace(sampled_token_ids=[])
 
     class Scheduler:   # the parts of vLLM's scheduler the hook touches
         def __init__(self):
             self.requests, self.grammar_compile_error_reqs, self.ended = dict.fromkeys("abc"), set(), []
 
-        def update_from_output(self, out):
+        def update_from_output(self, scheduler_output, model_runner_output):
             self.ended.append(set(self.grammar_compile_error_reqs))
             self.grammar_compile_error_reqs.clear()
-            return out
+            return model_runner_output
 
     plugin.hook_runners({"vllm.v1.core.sched.scheduler": types.SimpleNamespace(Scheduler=Scheduler)}, state)
     sched = Scheduler()
+    step_out = lambda s, out: s.update_from_output(None, out) and s.ended[-1]  # noqa: E731
+    step = lambda *a: step_out(sched, runner.execute_model(*a))  # noqa: E731
     bad = 4 * 8 + 3                                           # one past the last block
     before = {n: c.clone() for n, c in runner.caches.items()}
-    assert runner.execute_model(["a", "b"], [2, 1], [[0, 1, bad], [0, 1, bad]]) == "output"
-    assert sched.update_from_output("out") == "out" and sched.ended[-1] == {"b"}
+    assert step(["a", "b"], [2, 1], [[0, 1, bad], [0, 1, bad]]) == {"b"}
     assert len(g.faults) == 2 and all("request b" in str(e) for e in g.faults)
     twin = before["model.layers.0.attn"]
     key = torch.ones(3, 2, 8, device=DEVICE)
     adapters.cpu_attn_reshape_and_cache(key, key, *kv_views(twin), torch.tensor([0, 1, -1], device=DEVICE),
                                         "vec", backend="torch")
     assert torch.equal(runner.caches["model.layers.0.attn"], twin)   # the good rows, no other byte
-    runner.execute_model(["a", "c"], [1, 1], [[2, 3], [2, 3]])
-    sched.update_from_output("out")
-    assert sched.ended[-1] == set()                           # a clean step fails nobody
-    runner.execute_model(["a", "c"], [1, 1], [[-7, bad], [4, 5]])
-    sched.update_from_output("out")
-    assert sched.ended[-1] == {"a", "c"}                      # two bad writes, one named: the whole step
-    runner.execute_model(["a", "b", "c"], [1, 1, 1], [[8, 9, 9], [8, 9, 10]])
-    sched.update_from_output("out")
-    assert sched.ended[-1] == {"b", "c"}                      # a duplicated row: its writer and the first's
-    runner.parallel_config = types.SimpleNamespace(world_size=2)
-    with pytest.raises(ValueError, match="one worker per engine"):
+    assert step(["a", "c"], [1, 1], [[2, 3], [2, 3]]) == set()          # a clean step fails nobody
+    assert step(["a", "c"], [1, 1], [[-7, bad], [4, 5]]) == {"a", "c"}  # two bad writes, one named
+    assert step(["a", "b", "c"], [1, 1, 1], [[8, 9, 9], [8, 9, 10]]) == {"b", "c"}   # a duplicated row
+    # async scheduling: execute_model returns nothing, the failed ids ride on sample_tokens' output
+    runner.make_output = lambda: None
+    assert runner.execute_model(["a", "b"], [1, 1], [[11, bad], [11, 12]]) is None
+    runner.async_output = types.SimpleNamespace(get_output=lambda: types.SimpleNamespace(sampled_token_ids=[]))
+    assert step_out(sched, runner.sample_tokens(None).get_output()) == {"b"}
+    runner.parallel_config = types.SimpleNamespace(pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="one pipeline stage"):
         plugin.register_runner(runner)
 
 

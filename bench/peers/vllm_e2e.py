@@ -12,6 +12,9 @@ Runs (one subprocess each, engine and worker in-process: VLLM_ENABLE_V1_MULTIPRO
   fail      as guard with KVWRITE_VLLM_GUARD=fail, one planted fault (FAIL_FAULTS): the request
             that wrote it ends with vLLM's error, the others finish as in the clean run, and the
             same engine then serves every prompt again;
+  failmp    the same in vLLM's multiprocess engine (VLLM_ENABLE_V1_MULTIPROCESSING=1, vLLM's
+            default): the fault is planted in the engine-core process by a `sitecustomize` on its
+            PYTHONPATH (MP_SITE), which writes the fault record to a file;
   faults    each of FAULTS, with kvwrite (guard) and without (off): the writer vLLM's CPU
             attention backend calls (`vllm._custom_ops.cpu_attn_reshape_and_cache`, kvwrite's
             routed store or vLLM's own) is wrapped after the engine starts, and one store (layer
@@ -153,7 +156,7 @@ def child(model: str, mode: str, fault: str) -> dict:
     planter = None
     if mode == "nostore":
         ops.cpu_attn_reshape_and_cache = lambda *a, **k: None
-    elif fault != "namespace" and mode != "perfmix":
+    elif fault != "namespace" and mode not in ("perfmix", "failmp"):
         planter = Planter(ops, fault, first_wins=mode != "off")
     if mode == "perfmix":
         return perf_in_process(llm, plugin, ops, int(fault))
@@ -164,7 +167,7 @@ def child(model: str, mode: str, fault: str) -> dict:
         res = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         out["tokens"] = [list(r.outputs[0].token_ids) for r in res]
         out["finish_reasons"] = [r.outputs[0].finish_reason for r in res]
-        if mode == "fail":   # the same engine serves on (the planted store is past)
+        if mode in ("fail", "failmp"):   # the same engine serves on (the planted store is past)
             again = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
             out["tokens_after"] = [list(r.outputs[0].token_ids) for r in again]
             out["guard_faults"] = [str(e)[:300] for e in plugin.guard().faults]
@@ -174,6 +177,9 @@ def child(model: str, mode: str, fault: str) -> dict:
             cause = cause.__cause__
         out["error"] = f"{type(cause).__name__}: {cause}"[:1500]
     out["fault_record"] = planter.record if planter is not None else record
+    if mode == "failmp" and os.path.isfile(os.environ["KVWRITE_E2E_RECORD"]):   # the engine core's
+        with open(os.environ["KVWRITE_E2E_RECORD"]) as f:
+            out["fault_record"] = json.load(f)
     out["calls"] = {**plugin.STATE.calls, **{f"{q} (C++)": n for q, n in plugin.STATE.native_calls().items()}}
     if mode in ("off", "guard") and fault == "none" and out["tokens"]:
         perf = SamplingParams(max_tokens=PERF_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
@@ -191,7 +197,52 @@ def child(model: str, mode: str, fault: str) -> dict:
 
 FAIL_FAULTS = ("past_end", "block_ge", "negative", "duplicate")
 RUNS = [("off", "none"), ("guard", "none"), ("compiled", "none"), ("nostore", "none")] + \
-       [(m, f) for f in FAULTS for m in ("guard", "off")] + [("fail", f) for f in FAIL_FAULTS]
+       [(m, f) for f in FAULTS for m in ("guard", "off")] + [("fail", f) for f in FAIL_FAULTS] + \
+       [("failmp", f) for f in ("past_end", "duplicate")]
+# failmp: in every process of the child's engine, once kvwrite's plugin registers the runner's
+# caches (the engine core), wrap vLLM's CPU writer with Planter; the record goes to a file.
+MP_SITE = """import importlib.abc, importlib.util, json, os, sys
+
+
+class _Hook(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "kvwrite.integrations.vllm":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        inner = spec.loader
+
+        class Loader(importlib.abc.Loader):
+            def create_module(self, s):
+                return inner.create_module(s)
+
+            def exec_module(self, module):
+                inner.exec_module(module)
+                register = module.register_runner
+
+                def register_runner(runner):
+                    register(runner)
+                    sys.path.insert(0, os.environ["KVWRITE_E2E_BENCH"])
+                    import vllm._custom_ops as ops
+                    import vllm_e2e
+
+                    class FilePlanter(vllm_e2e.Planter):
+                        def __call__(self, *a, **k):
+                            try:
+                                return super().__call__(*a, **k)
+                            finally:
+                                if self.record:
+                                    with open(os.environ["KVWRITE_E2E_RECORD"], "w") as f:
+                                        json.dump(self.record, f)
+                    FilePlanter(ops, os.environ["KVWRITE_E2E_FAULT"], first_wins=True)
+                module.register_runner = register_runner
+        spec.loader = Loader()
+        return spec
+
+
+if os.environ.get("KVWRITE_E2E_FAULT"):
+    sys.meta_path.insert(0, _Hook())
+"""
 
 
 def main() -> int:
@@ -224,6 +275,8 @@ def main() -> int:
             results[key] = dict(mode=mode, fault=fault, error=f"process died (rc {proc.returncode}"
                                 f"{', SIGSEGV' if proc.returncode == -11 else ''}): " + " | ".join(fatal)[:600])
         results[key]["wall_s"] = round(time.time() - t, 1)
+        if mode == "failmp":   # the worker process's guard logs with vLLM's logger
+            results[key]["faults_logged_stderr"] = (proc.stdout + proc.stderr).count("kvwrite guard (")
         brief = {k: results[key].get(k) for k in ("error", "fault_record", "tokens_per_s", "wall_s")}
         brief["tokens_equal_to_off"] = same(results.get("off:none", {}).get("tokens"), results[key].get("tokens"))
         print(key, json.dumps(brief)[:900], flush=True)
@@ -235,13 +288,22 @@ def main() -> int:
 
 
 def run_child(model: Path, mode: str, fault: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1" if mode == "failmp" else "0",
                KVWRITE_VLLM_PLUGIN="0" if mode in ("off", "nostore") else "1",
-               KVWRITE_CHECK="guard" if mode in ("guard", "compiled", "perfmix", "fail") else "off",
-               KVWRITE_VLLM_GUARD="fail" if mode == "fail" else "raise",
+               KVWRITE_CHECK="guard" if mode in ("guard", "compiled", "perfmix", "fail", "failmp") else "off",
+               KVWRITE_VLLM_GUARD="fail" if mode in ("fail", "failmp") else "raise",
                VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
                # perfmix: one thread, so CPU time is the work (not OpenMP spin-waiting under load)
                OMP_NUM_THREADS="1" if mode == "perfmix" else "2")
+    if mode == "failmp":
+        site = model.parent / "mp_site"
+        site.mkdir(exist_ok=True)
+        (site / "sitecustomize.py").write_text(MP_SITE)
+        record = site / f"record-{fault}.json"
+        record.unlink(missing_ok=True)
+        env.update(KVWRITE_E2E_FAULT=fault, KVWRITE_E2E_RECORD=str(record),
+                   KVWRITE_E2E_BENCH=str(Path(__file__).resolve().parent),
+                   PYTHONPATH=os.pathsep.join([str(site)] + [p for p in [env.get("PYTHONPATH")] if p]))
     return subprocess.run([sys.executable, __file__, "--child", str(model), mode, fault], env=env,
                           capture_output=True, text=True, timeout=1200)
 
@@ -319,8 +381,8 @@ def summarize(results: dict) -> dict:
             without_kvwrite=dict(error=vl.get("error"), record=vl.get("fault_record"),
                                  tokens_equal_to_clean=same(off.get("tokens"), vl.get("tokens"))))
     fail = {}
-    for f in FAIL_FAULTS:
-        r = g(f"fail:{f}")
+    for key in [k for k in results if k.split(":")[0] in ("fail", "failmp")]:
+        r, f = g(key), key
         reasons = r.get("finish_reasons") or []
         kept = [i for i, x in enumerate(reasons) if x != "error"]
         fail[f] = dict(error=r.get("error"), finish_reasons=reasons,
@@ -328,7 +390,8 @@ def summarize(results: dict) -> dict:
                        others_equal_to_clean=same([(off.get("tokens") or [])[i] for i in kept if off.get("tokens")],
                                                   [(r.get("tokens") or [])[i] for i in kept if r.get("tokens")]),
                        served_again_equal_to_clean=same(off.get("tokens"), r.get("tokens_after")),
-                       faults_logged=len(r.get("guard_faults") or []), record=r.get("fault_record"))
+                       faults_logged=len(r.get("guard_faults") or []) or r.get("faults_logged_stderr"),
+                       record=r.get("fault_record"))
     perf_off, perf_guard = off.get("tokens_per_s"), g("guard:none").get("tokens_per_s")
     return dict(
         prompts=len(PROMPTS), max_tokens=MAX_TOKENS, block_size=BLOCK_SIZE,

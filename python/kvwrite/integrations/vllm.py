@@ -26,9 +26,9 @@ torch.compile see only the kvwrite op); the buffer is read once per engine step,
 runner's `execute_model`, and a bad write raises `kvwrite.OutOfBoundsWrite` naming the step, the
 layer, the request, the token, the slot and the block (`KVWRITE_VLLM_GUARD=raise`, the default),
 or is logged and counted while vLLM keeps serving (`KVWRITE_VLLM_GUARD=log`; `GUARD.faults`), or
-also fails the requests that made it (`KVWRITE_VLLM_GUARD=fail`: vLLM's scheduler ends them after
-that step with its retryable request error, FINISHED_ERROR / HTTP 500, and keeps serving the
-others; one worker per engine, as the scheduler reads the guard of its own process).
+also fails the requests that made it (`KVWRITE_VLLM_GUARD=fail`: their ids ride on the runner's
+output to vLLM's scheduler, which ends them after that step with its retryable request error,
+FINISHED_ERROR / HTTP 500, and keeps serving the others; one pipeline stage).
 When vLLM allocates its KV cache the plugin also checks each layer's namespace: the block size
 the slot_mapping is encoded with against the page size and pages of the cache tensor the
 backend writes (vLLM #47056): a mismatch is refused with both numbers (`NamespaceMismatch`),
@@ -42,6 +42,7 @@ cache.
 from __future__ import annotations
 
 import bisect
+import copy
 import importlib
 import importlib.abc
 import logging
@@ -336,7 +337,8 @@ def hook_runners(modules: dict[str, Any], state: Installed) -> None:
         update = cls.update_from_output
 
         def update_from_output(self, *args, __update=update, **kwargs):
-            failed = GUARD.take_failed() if GUARD is not None else ()
+            out = args[1] if len(args) > 1 else kwargs.get("model_runner_output")
+            failed = getattr(out, FAILED_ATTR, None)
             if failed:   # vLLM ends these after this step's tokens (its own error path)
                 self.grammar_compile_error_reqs.update(r for r in failed if r in self.requests)
             return __update(self, *args, **kwargs)
@@ -345,7 +347,7 @@ def hook_runners(modules: dict[str, Any], state: Installed) -> None:
         cls._kvwrite_hooked = True
         state.hooks.append((cls, "update_from_output", update))
     for cls in _hookable(modules, RUNNERS):
-        init, execute = cls.initialize_kv_cache, cls.execute_model
+        init, execute, sample = cls.initialize_kv_cache, cls.execute_model, getattr(cls, "sample_tokens", None)
 
         def initialize_kv_cache(self, *args, __init=init, **kwargs):
             out = __init(self, *args, **kwargs)
@@ -361,11 +363,43 @@ def hook_runners(modules: dict[str, Any], state: Installed) -> None:
             from kvwrite import validate
             if validate.DEFAULT_CHECK == "guard":
                 g.check(request_context(self), step_requests(self))
+                return carry_failed(out, g)
             return out
+
+        def sample_tokens(self, *args, __sample=sample, **kwargs):   # async scheduling's output
+            return carry_failed(__sample(self, *args, **kwargs), guard())
 
         cls.initialize_kv_cache, cls.execute_model = initialize_kv_cache, execute_model
         cls._kvwrite_hooked = True
         state.hooks += [(cls, "initialize_kv_cache", init), (cls, "execute_model", execute)]
+        if sample is not None:
+            cls.sample_tokens = sample_tokens
+            state.hooks.append((cls, "sample_tokens", sample))
+
+
+FAILED_ATTR = "kvwrite_failed"   # on a ModelRunnerOutput: the request ids the guard failed
+
+
+def carry_failed(out: Any, g: StepGuard) -> Any:
+    """The runner's output with the requests the guard failed (policy "fail") attached for the
+    scheduler: it travels with the output to the engine core (pickled with it when the worker is
+    another process). Kept for the next output while the runner returns none (async scheduling)."""
+    if not g.failed or out is None:
+        return out
+    if hasattr(out, "sampled_token_ids"):           # a ModelRunnerOutput (a copy: it may be shared)
+        out = copy.copy(out)
+        setattr(out, FAILED_ATTR, sorted(g.take_failed()))
+        return out
+    get = getattr(out, "get_output", None)          # an AsyncModelRunnerOutput: on its result
+    if callable(get):
+        failed = sorted(g.take_failed())
+
+        def get_output(__get=get):
+            res = copy.copy(__get())
+            setattr(res, FAILED_ATTR, failed)
+            return res
+        out.get_output = get_output
+    return out
 
 
 def register_runner(runner: Any) -> None:
@@ -386,10 +420,10 @@ def register_runner(runner: Any) -> None:
                 caches[name], block_size[name] = kv, bs
                 rows[name] = cfg.num_blocks * group.kv_cache_spec.block_size
     g = guard()
-    world = getattr(getattr(runner, "parallel_config", None), "world_size", 1)
-    if g.policy == "fail" and world != 1:
-        raise ValueError(f"{POLICY_ENV}=fail ends requests through the scheduler of the worker's own process: "
-                         f"it needs one worker per engine (this engine has {world}); use raise or log")
+    stages = getattr(getattr(runner, "parallel_config", None), "pipeline_parallel_size", 1)
+    if g.policy == "fail" and stages != 1:
+        raise ValueError(f"{POLICY_ENV}=fail hands the failed requests to the scheduler with the last pipeline "
+                         f"stage's output: it needs one pipeline stage (this engine has {stages}); use raise or log")
     g.register(caches, block_size, rows)
     from kvwrite import validate
     from kvwrite.compat import vllm as adapters
