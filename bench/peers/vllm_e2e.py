@@ -201,47 +201,31 @@ RUNS = [("off", "none"), ("guard", "none"), ("compiled", "none"), ("nostore", "n
        [("failmp", f) for f in ("past_end", "duplicate")]
 # failmp: in every process of the child's engine, once kvwrite's plugin registers the runner's
 # caches (the engine core), wrap vLLM's CPU writer with Planter; the record goes to a file.
-MP_SITE = """import importlib.abc, importlib.util, json, os, sys
-
-
-class _Hook(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != "kvwrite.integrations.vllm":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        inner = spec.loader
-
-        class Loader(importlib.abc.Loader):
-            def create_module(self, s):
-                return inner.create_module(s)
-
-            def exec_module(self, module):
-                inner.exec_module(module)
-                register = module.register_runner
-
-                def register_runner(runner):
-                    register(runner)
-                    sys.path.insert(0, os.environ["KVWRITE_E2E_BENCH"])
-                    import vllm._custom_ops as ops
-                    import vllm_e2e
-
-                    class FilePlanter(vllm_e2e.Planter):
-                        def __call__(self, *a, **k):
-                            try:
-                                return super().__call__(*a, **k)
-                            finally:
-                                if self.record:
-                                    with open(os.environ["KVWRITE_E2E_RECORD"], "w") as f:
-                                        json.dump(self.record, f)
-                    FilePlanter(ops, os.environ["KVWRITE_E2E_FAULT"], first_wins=True)
-                module.register_runner = register_runner
-        spec.loader = Loader()
-        return spec
-
+MP_SITE = """import json, os, sys
 
 if os.environ.get("KVWRITE_E2E_FAULT"):
-    sys.meta_path.insert(0, _Hook())
+    from kvwrite.integrations.imports import when_imported
+
+    def _plant(module):
+        register = module.register_runner
+
+        def register_runner(runner):
+            register(runner)
+            sys.path.insert(0, os.environ["KVWRITE_E2E_BENCH"])
+            import vllm._custom_ops as ops
+            import vllm_e2e
+
+            class FilePlanter(vllm_e2e.Planter):
+                def __call__(self, *a, **k):
+                    try:
+                        return super().__call__(*a, **k)
+                    finally:
+                        if self.record:
+                            with open(os.environ["KVWRITE_E2E_RECORD"], "w") as f:
+                                json.dump(self.record, f)
+            FilePlanter(ops, os.environ["KVWRITE_E2E_FAULT"], first_wins=True)
+        module.register_runner = register_runner
+    when_imported("kvwrite.integrations.vllm", _plant)
 """
 
 

@@ -553,30 +553,9 @@ if os.environ.get("KVWRITE_SGLANG", "1") != "0":
 
 def install_when_imported() -> None:
     """Install as soon as SGLang's pool module is imported (or now, if it is)."""
-    if POOLS in sys.modules:
-        install()
-        return
-    import importlib.abc
-    import importlib.util
+    from kvwrite.integrations.imports import when_imported
 
-    class Finder(importlib.abc.MetaPathFinder):
-        def find_spec(self, fullname, path, target=None):
-            if fullname != POOLS:
-                return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(fullname)
-            loader = spec.loader
-
-            class Loader(importlib.abc.Loader):
-                def create_module(self, spec):
-                    return loader.create_module(spec)
-
-                def exec_module(self, module):
-                    loader.exec_module(module)
-                    install()
-            spec.loader = Loader()
-            return spec
-    sys.meta_path.insert(0, Finder())
+    when_imported(POOLS, lambda module: install())
 
 
 def main(argv: list[str] | None = None) -> None:
