@@ -519,6 +519,11 @@ struct Launch {
     if (c.e("layout") != 2) return cv(c, x);
     return x.as_strided({x.size(0), x.size(2), x.size(1), x.size(3), 1}, {x.stride(0), 1, x.stride(1), x.size(2), 1});
   }
+  // Formats store_kv's and rope_store_kv's plain kernels take (copy, static fp8); the others run
+  // their _quant kernels (int8 and dynamic scales).
+  static bool plain_kv(Call& c) {
+    return c.e("quant") == 0 || (c.e("quant") == 1 && c.e("k_cache") != int64_t(at::kChar));
+  }
   // The fused RoPE stores' norm weights as fp32.
   static std::optional<at::Tensor> fp32(Call& c, const char* n) {
     auto w = c.opt(n);
@@ -547,14 +552,14 @@ struct Launch {
   // one place an op is listed on this side.
   static const std::unordered_map<std::string, Fn>& ops() {
     static const std::unordered_map<std::string, Fn> m = {
-      // copy / static fp8: the store_kv kernel; int8 and dynamic scales: store_kv_quant's; int4 its own.
+      // plain_kv formats: the store_kv kernel; int8 and dynamic scales: store_kv_quant's; int4 its own.
       {"kvwrite::store_kv", [](Call& c, const Tail& t) {
         const int64_t quant = c.e("quant");
         const at::Tensor vc = cv(c, c.t("v_cache"));
         if (quant == 4)
           return R::store_kv_int4(c.t("k"), c.t("v"), cv(c, c.t("k_cache")), vc, c.t("k_scale_cache"),
                                   c.t("v_scale_cache"), KVW_TAIL_ARGS);
-        if (quant == 0 || (quant == 1 && c.e("k_cache") != int64_t(at::kChar)))
+        if (plain_kv(c))
           return R::store_kv(c.t("k"), c.t("v"), cvk(c, c.t("k_cache")), vc, c.opt("k_scale"), c.opt("v_scale"),
                              KVW_TAIL_ARGS);
         R::store_kv_quant(c.t("k"), c.t("v"), cv(c, c.t("k_cache")), vc, c.opt("k_scale"), c.opt("v_scale"),
@@ -585,8 +590,6 @@ struct Launch {
         R::store_dsv4_indexer_k(c.t("k"), c.t("cache"), c.e("S"), c.e("fmt"), !c.none("scale_fmt"), KVW_TAIL_ARGS);
       }},
       {"kvwrite::store_rows", [](Call& c, const Tail& t) { R::store_rows(c.t("src"), c.t("pool"), KVW_TAIL_ARGS); }},
-      // The fused RoPE stores: norm weights as fp32; copy / static fp8 formats run rope_store_kv, int8
-      // and dynamic scales rope_store_kv_quant.
       {"kvwrite::rope_store_kv", [](Call& c, const Tail& t) {
         const int64_t quant = c.e("quant");
         const at::Tensor &pos = c.t("positions"), &q = c.t("q"), &k = c.t("k"), &v = c.t("v");
@@ -594,7 +597,7 @@ struct Launch {
         const auto qw = fp32(c, "q_norm_weight"), kw = fp32(c, "k_norm_weight");
         const double eps = c.v("norm_eps").toDouble();
         const bool neox = c.v("is_neox").toBool();
-        if (quant == 0 || (quant == 1 && c.e("k_cache") != int64_t(at::kChar)))
+        if (plain_kv(c))
           return R::rope_store_kv(pos, q, k, v, cs, kc, vc, c.opt("k_scale"), c.opt("v_scale"), qw, kw, eps, neox,
                                   KVW_TAIL_ARGS);
         R::rope_store_kv_quant(pos, q, k, v, cs, kc, vc, c.opt("k_scale"), c.opt("v_scale"),

@@ -18,12 +18,14 @@ import contextlib
 import functools
 import hashlib
 import importlib
+import operator
 import os
 import shutil
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -335,41 +337,51 @@ def _run(a, name: str, *args, tail: bool = True) -> None:
 
 # ---- the raw kernels' runners: `kvwrite._ext:<raw op>` in an op's backend table -------------
 
-_RAW: dict[str, tuple[tuple[str, ...], bool]] = {}
+_RAW: dict[tuple[str, type], tuple[Callable, bool]] = {}
+_RUNNERS: dict[str, Callable] = {}
 
 
-def _raw_args(name: str) -> tuple[tuple[str, ...], bool]:
-    """kvwrite_ext::<name>'s arguments before its tail (schema names, csrc/registry.h) and whether
-    that tail is a store's (loc, ..., check, op[, page table]) rather than a page move's."""
-    got = _RAW.get(name)
-    if got is None:
-        names = [a.name for a in getattr(torch.ops.kvwrite_ext, name).default._schema.arguments]
-        tail = "loc" in names
-        got = _RAW[name] = (tuple(names[:names.index("loc" if tail else "errors")]), tail)
-    return got
-
-
-def _arg(a, name: str, op: str):
-    """Raw argument `name` of validated call `a`: its field or property, else that of the store a
-    fused call wraps, else its geometry's (pool_page_size, num_pages)."""
-    for obj in (a, getattr(a, "store", None), getattr(a, "geometry", None)):
+def _getter(cls: type, a, name: str, op: str) -> Callable:
+    """How raw argument `name` is read from a `cls` call: its field or property, else that of
+    the store a fused call wraps, else its geometry's (pool_page_size, num_pages)."""
+    for path in ("", "store.", "geometry.", "store.geometry."):
+        obj = a
+        for part in path.split(".")[:-1]:
+            obj = getattr(obj, part, None)
         if obj is not None and hasattr(obj, name):
-            return getattr(obj, name)
-    raise AttributeError(f"{type(a).__name__} has no {name!r} for kvwrite_ext::{op}")
+            return operator.attrgetter(path + name)
+    raise AttributeError(f"{cls.__name__} has no {name!r} for kvwrite_ext::{op}")
+
+
+def _raw_args(name: str, a) -> tuple[Callable, bool]:
+    """Reads kvwrite_ext::<name>'s arguments before its tail (schema names, csrc/registry.h) from a
+    call like `a` (resolved once per call type), and whether that tail is a store's (loc, ...,
+    check, op[, page table]) rather than a page move's."""
+    key = (name, type(a))
+    got = _RAW.get(key)
+    if got is None:
+        names = [x.name for x in getattr(torch.ops.kvwrite_ext, name).default._schema.arguments]
+        tail = "loc" in names
+        getters = [_getter(type(a), a, n, name) for n in names[:names.index("loc" if tail else "errors")]]
+        got = _RAW[key] = (lambda call: [g(call) for g in getters], tail)
+    return got
 
 
 def run(name: str, a) -> None:
     """Run kvwrite_ext::<name> on validated call `a`, each argument read from `a` by its schema
     name (no per-op wrapper: the raw schema is the one list of a kernel's arguments)."""
-    args, tail = _raw_args(name)
-    _run(a, name, *(_arg(a, n, name) for n in args), tail=tail)
+    args, tail = _raw_args(name, a)
+    _run(a, name, *args(a), tail=tail)
 
 
 def __getattr__(name: str):
     """`_ext.<raw op>`: its runner (the backend tables name `kvwrite._ext:<raw op>`)."""
     if name.startswith("_"):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return functools.partial(run, name)
+    runner = _RUNNERS.get(name)
+    if runner is None:
+        runner = _RUNNERS[name] = functools.partial(run, name)
+    return runner
 
 
 def claim_rows(locs, geometry, chk):

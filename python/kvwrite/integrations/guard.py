@@ -11,6 +11,7 @@ cache whose pages do not hold the slots its slot_mapping encodes (vLLM #47056).
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import weakref
@@ -155,16 +156,15 @@ class StepGuard:
             err.args = (f"kvwrite guard ({self.engine}, layer {err.layer}): {err}",)
             raise err
 
-    def check(self, context: Callable[[int], str] | None = None,
-              requests: Callable[[int | None], list[str]] | None = None) -> list:
+    def check(self, batch: Callable[[], tuple[list[str], list[int]]] | None = None) -> list:
         """Read every record once (one host read per device); a bad write is raised (policy
         "raise") or logged and counted ("log", "fail"), its message naming step, layer and
-        request. Policy "fail" adds the requests that made it to `failed` (`requests(token)`: the
-        token's request; `requests(None)`: all of the step's, when a layer recorded more bad writes
-        than the one it names or the record names no token)."""
+        request. `batch()`: the step's request ids and their first tokens (plus the end), read
+        only when a record holds a bad write. Policy "fail" adds the requests it leaves without a
+        K/V row to `failed` (`_requests_of`)."""
         from kvwrite.errors import COUNT, ErrorBuffer, decode
 
-        found = []
+        found, step = [], None
         for device, rec in self.records.items():
             values = rec.tolist()
             for row, slots in enumerate(values):
@@ -172,15 +172,18 @@ class StepGuard:
                     continue
                 err = decode(slots)
                 ErrorBuffer.reset(self.rows[device][row])
+                if step is None:
+                    step = StepBatch(*batch()) if batch is not None else StepBatch([], [])
                 layer = self.names[row] if row < len(self.names) else "?"
                 where = f"{self.engine} step {self.step}, layer {layer}"
-                if context is not None and err.token_index is not None:
-                    where += context(err.token_index)
+                i = step.request_of(getattr(err, "token_index", None))
+                if i is not None:
+                    where += f", request {step.ids[i]} (its token {err.token_index - step.starts[i]} of this step)"
                 err.layer, err.step = layer, self.step
                 err.args = (f"kvwrite guard ({where}): {err}",)
                 found.append(err)
-                if self.policy == "fail" and requests is not None:
-                    self.failed.update(_requests_of(err, slots[COUNT], requests))
+                if self.policy == "fail":
+                    self.failed.update(_requests_of(err, slots[COUNT], step))
         self.step += 1
         for err in found:
             self.faults.append(err)
@@ -195,15 +198,29 @@ class StepGuard:
         return out
 
 
-def _requests_of(err: Any, count: int, requests: Callable[[int | None], list[str]]) -> list[str]:
+@dataclass(frozen=True)
+class StepBatch:
+    """An engine step's requests: their ids and first tokens (`starts`, one more: the end)."""
+
+    ids: list[str]
+    starts: list[int]
+
+    def request_of(self, token: int | None) -> int | None:
+        """The index of the request token `token` belongs to (None: no such token)."""
+        if token is None:
+            return None
+        i = bisect.bisect_right(self.starts, token) - 1
+        return i if 0 <= i < len(self.ids) else None
+
+
+def _requests_of(err: Any, count: int, step: StepBatch) -> list[str]:
     """The requests a recorded bad write leaves without a K/V row: its token's (and, for a
     duplicated row, the first writer's, whose row went elsewhere); all of the step's when the
-    record counted more bad writes than it names or names no token."""
-    token = getattr(err, "token_index", None)
-    if count != 1 or token is None:
-        return requests(None)
-    first = getattr(err, "first_token", None)
-    return requests(token) + ([] if first is None else requests(first))
+    record counted more bad writes than it names or names no request."""
+    mine = [step.request_of(getattr(err, "token_index", None)), step.request_of(getattr(err, "first_token", None))]
+    if count != 1 or mine[0] is None:
+        return list(step.ids)
+    return [step.ids[i] for i in mine if i is not None]
 
 
 def forget_native_rows() -> None:

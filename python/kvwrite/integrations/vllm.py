@@ -41,7 +41,6 @@ cache.
 """
 from __future__ import annotations
 
-import bisect
 import copy
 import importlib
 import importlib.abc
@@ -362,7 +361,7 @@ def hook_runners(modules: dict[str, Any], state: Installed) -> None:
             out = __execute(self, *args, **kwargs)
             from kvwrite import validate
             if validate.DEFAULT_CHECK == "guard":
-                g.check(request_context(self), step_requests(self))
+                g.check(lambda: step_batch(self))
                 return carry_failed(out, g)
             return out
 
@@ -453,36 +452,13 @@ def check_at_startup(g: StepGuard, caches: dict[str, torch.Tensor], ctx: dict) -
             check_namespace(info, kv, route)
 
 
-def _step_batch(runner: Any) -> tuple[list[str], list[int]]:
+def step_batch(runner: Any) -> tuple[list[str], list[int]]:
     """The runner's current batch: its request ids and their first tokens (plus the end)."""
     try:
         n = runner.input_batch.num_reqs
         return list(runner.input_batch.req_ids[:n]), [int(x) for x in runner.query_start_loc.np[:n + 1]]
     except Exception:   # a runner without these fields: the layer and step still name the write
         return [], []
-
-
-def _request_of(ids: list[str], starts: list[int], token: int) -> int | None:
-    i = bisect.bisect_right(starts, token) - 1
-    return i if 0 <= i < len(ids) else None
-
-
-def request_context(runner: Any) -> Callable[[int], str]:
-    """token index -> ", request <id> (token t of its step)" from the runner's current batch."""
-    def context(token: int) -> str:
-        ids, starts = _step_batch(runner)
-        i = _request_of(ids, starts, token)
-        return "" if i is None else f", request {ids[i]} (its token {token - starts[i]} of this step)"
-    return context
-
-
-def step_requests(runner: Any) -> Callable[[int | None], list[str]]:
-    """token index -> [the id of the request it belongs to]; None -> every request of the step."""
-    def requests(token: int | None) -> list[str]:
-        ids, starts = _step_batch(runner)
-        i = None if token is None else _request_of(ids, starts, token)
-        return ids if i is None else [ids[i]]
-    return requests
 
 
 def install(import_module: Callable[[str], Any] = importlib.import_module,
