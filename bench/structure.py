@@ -3,7 +3,9 @@
 - glue: non-blank lines of python/kvwrite/**.py outside reference/, config/, cli/, bench/,
   compat/, plus csrc/* code files outside csrc/kvwrite/ (README excluded).
 - places: for a store, every block of code lines (runs no more than 3 lines apart) that name it
-  (`store_indexer_k`, `StoreIndexerK`, `STORE_INDEXER_K`) in python/kvwrite, kernels/ and csrc/,
+  (`store_indexer_k`, `StoreIndexerK`, `STORE_INDEXER_K`, and the derived C++ / Triton names
+  `store_indexer_k_params`, `StoreIndexerKParams`, `dispatch_store_indexer_k`, `..._kernel`,
+  `...Token`; a C++ `#include` is a line of code) in python/kvwrite, kernels/ and csrc/,
   plus each file named after it or its family (e.g. ops/indexer_k.py) as one place. Its users
   (compat/, config/, integrations/, cli/, bench/), generated docs and tests are left out (tests
   are one place by the issue's count, added by hand).
@@ -39,8 +41,18 @@ def glue() -> dict[str, int]:
 
 
 def _names(op: str) -> re.Pattern:
-    camel = "".join(w.capitalize() for w in op.split("_"))
-    return re.compile(rf"\b({op}|{camel}|{op.upper()})\b")
+    """The op's names and the C++ / Triton names derived from them (`store_indexer_k_params`,
+    `StoreIndexerKParams`, `dispatch_store_indexer_k`, `store_indexer_k_kernel`, `...Token`)."""
+    camel = "".join(w.capitalize() if w.islower() else w for w in op.split("_"))
+    camel = camel.replace("Kv", "KV").replace("Mla", "MLA").replace("Dsv4", "DSV4").replace("Nvfp4", "NVFP4")
+    return re.compile(rf"(?<![A-Za-z0-9_])(?:dispatch_)?({op}|{camel}|{op.upper()})"
+                      rf"(?:_params|Params|Token|_kernel)?(?![A-Za-z0-9_])")
+
+
+def _comment(line: str, suffix: str) -> bool:
+    """A comment line (C++ preprocessor lines such as #include are code)."""
+    s = line.lstrip()
+    return s.startswith(("//", "*")) or (s.startswith("#") and suffix == ".py")
 
 
 def _family(op: str) -> str:
@@ -58,7 +70,7 @@ def places(op: str) -> dict[str, int]:
     out = {}
     for p in _files():
         hits = [i for i, line in enumerate(p.read_text().splitlines())
-                if pat.search(line) and not line.lstrip().startswith(("#", "//", "*"))]
+                if pat.search(line) and not _comment(line, p.suffix)]
         blocks = sum(1 for j, i in enumerate(hits) if j == 0 or i - hits[j - 1] > 3)
         if p.stem in (op, family) or p.stem.endswith("_" + family):
             blocks = max(blocks, 1)

@@ -20,10 +20,12 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <string>
 #include <unordered_map>
@@ -34,6 +36,7 @@
 #include "params_dsv4.h"
 #include "params_int4.h"
 #include "params_rope.h"
+#include "registry.h"
 
 namespace kvwrite {
 namespace api {
@@ -78,6 +81,14 @@ struct Step {
   std::vector<std::string> words;  // a rule: its name and arguments
 };
 
+// Where the generic launcher finds one argument of the op's raw kernel (spec.Op.raw_sources): the
+// addressing tail's field ('t', TAIL_FIELDS), the op's argument ('a'; 'l': a cache in its
+// canonical layout view; 'n': whether it is given), an env slot ('e'; 'b': as a bool).
+struct Source {
+  char kind;
+  int index;
+};
+
 // An op's spec, parsed once (format: kvwrite.ops.spec.Op.program).
 struct Program {
   std::string name;
@@ -89,6 +100,10 @@ struct Program {
   char claims = 'r';             // the duplicate pre-pass: 'r' rows, 'p' page pairs, 'n' none (a gather)
   std::vector<Step> steps;
   std::optional<c10::OperatorHandle> python;
+  // The raw kernel an op without a hand-written launcher runs (`raw <op> <source>...`, its index
+  // in raw_names()) and where each of its arguments comes from.
+  int raw_index = -1;
+  std::vector<Source> sources;
 
   int arg(const std::string& n) const {
     auto it = arg_index.find(n);
@@ -157,6 +172,11 @@ inline Program parse(const std::string& name, const std::string& text) {
       if (w[8] != "-")
         for (const std::string& b : split(w[8], ',')) s.binds.push_back(p.slot(b));
       p.steps.push_back(std::move(s));
+    } else if (w[0] == "raw") {
+      const auto& raws = raw_names();
+      p.raw_index = int(std::find(raws.begin(), raws.end(), w[1]) - raws.begin());
+      TORCH_CHECK(p.raw_index < int(raws.size()), "kvwrite: ", name, "'s raw kernel ", w[1], " is not a kvwrite_ext op");
+      for (size_t i = 2; i < w.size(); ++i) p.sources.push_back({w[i][0], std::stoi(w[i].substr(1))});
     } else if (w[0] == "R") {
       Step s;
       s.kind = 'R';
@@ -177,11 +197,27 @@ inline std::mutex& programs_lock() {
   return m;
 }
 
+// The ops whose kernels api.h registers itself (hand-written launchers, Launch<R>::ops) and the
+// registrations of one op's generic kernel per device (register_ops adds its device's).
+inline std::set<std::string>& launched_by_hand() {
+  static std::set<std::string> s;
+  return s;
+}
+inline std::vector<void (*)(const std::string&)>& registrars() {
+  static std::vector<void (*)(const std::string&)> r;
+  return r;
+}
+
 inline void set_program(c10::string_view name, c10::string_view text) {
   auto p = std::make_shared<Program>(parse(std::string(name), std::string(text)));
   p->python = c10::Dispatcher::singleton().findSchemaOrThrow(("kvwrite::" + p->name + "_py").c_str(), "");
+  const std::string full = "kvwrite::" + p->name;
+  const bool generic = p->raw_index >= 0 && !launched_by_hand().count(full);
   std::lock_guard<std::mutex> g(programs_lock());
-  programs()["kvwrite::" + p->name] = std::move(p);
+  programs()[full] = std::move(p);
+  static std::set<std::string> registered;
+  if (generic && registered.insert(full).second)
+    for (auto reg : registrars()) reg(full);
 }
 
 inline std::shared_ptr<const Program> find_program(const std::string& name) {
@@ -533,12 +569,6 @@ struct Launch {
     auto s = c.opt(n);
     return s && s->dim() == 2 ? std::optional<at::Tensor>(s->unsqueeze(-1)) : s;
   }
-  // A page move's pool as its [pages, rows, heads, feat] view (ops._common.canonical_pool).
-  static at::Tensor pool4(const at::Tensor& x) {
-    if (x.dim() == 2) return x.unsqueeze(-1).unsqueeze(-1);
-    if (x.dim() == 3) return x.unsqueeze(2);
-    return x.dim() == 4 ? x : x.view({x.size(0), x.size(1), x.size(2), -1});
-  }
   // Pair i of a move reads gathered row i, or nothing (-1) when src[i] is outside [0, capacity).
   static at::Tensor live_ids(const at::Tensor& src, int64_t capacity) {
     if (!src.is_cpu()) return at::where(src.ge(0).logical_and_(src.lt(capacity)), at::arange(src.size(0), src.options()), -1);
@@ -548,8 +578,9 @@ struct Launch {
     return ids;
   }
   using Fn = void (*)(Call&, const Tail&);
-  // The ops with a C++ kernel, each with its launcher (the op's arguments -> the raw kernel's): the
-  // one place an op is listed on this side.
+  // The ops whose arguments do not map onto one raw kernel by name, each with its launcher (a
+  // format picks the raw kernel, or the caches need other views); every other op with a program
+  // runs its raw kernel through `run_raw`.
   static const std::unordered_map<std::string, Fn>& ops() {
     static const std::unordered_map<std::string, Fn> m = {
       // plain_kv formats: the store_kv kernel; int8 and dynamic scales: store_kv_quant's; int4 its own.
@@ -571,25 +602,6 @@ struct Launch {
                     c.t("value_cache").permute({0, 3, 1, 2}).unsqueeze(-1), c.opt("k_scale"), c.opt("v_scale"),
                     KVW_TAIL_ARGS);
       }},
-      {"kvwrite::store_mla", [](Call& c, const Tail& t) {
-        R::store_mla(c.t("kv_c"), c.t("k_pe"), c.t("kv_cache"), c.opt("scale"), c.opt("scale_cache"),
-                     c.opt("global_scale"), c.e("fmt"), KVW_TAIL_ARGS);
-      }},
-      {"kvwrite::store_indexer_k", [](Call& c, const Tail& t) {
-        R::store_indexer_k(c.t("k"), c.t("cache"), c.v("quant_block_size").toInt(), !c.none("scale_fmt"),
-                           KVW_TAIL_ARGS);
-      }},
-      {"kvwrite::store_kv_nvfp4", [](Call& c, const Tail& t) {
-        R::store_kv_nvfp4(c.t("k"), c.t("v"), cv(c, c.t("k_cache")), cv(c, c.t("v_cache")), cv(c, c.t("k_scale_cache")),
-                          cv(c, c.t("v_scale_cache")), c.opt("k_global_scale"), c.opt("v_global_scale"), KVW_TAIL_ARGS);
-      }},
-      {"kvwrite::store_dsv4_kv", [](Call& c, const Tail& t) {
-        R::store_dsv4_kv(c.t("kv"), c.t("cache"), c.e("S"), KVW_TAIL_ARGS);
-      }},
-      {"kvwrite::store_dsv4_indexer_k", [](Call& c, const Tail& t) {
-        R::store_dsv4_indexer_k(c.t("k"), c.t("cache"), c.e("S"), c.e("fmt"), !c.none("scale_fmt"), KVW_TAIL_ARGS);
-      }},
-      {"kvwrite::store_rows", [](Call& c, const Tail& t) { R::store_rows(c.t("src"), c.t("pool"), KVW_TAIL_ARGS); }},
       {"kvwrite::rope_store_kv", [](Call& c, const Tail& t) {
         const int64_t quant = c.e("quant");
         const at::Tensor &pos = c.t("positions"), &q = c.t("q"), &k = c.t("k"), &v = c.t("v");
@@ -604,18 +616,6 @@ struct Launch {
                                rows_view(c, "k_scale_cache"), rows_view(c, "v_scale_cache"), quant, c.e("rule"), qw,
                                kw, eps, neox, KVW_TAIL_ARGS);
       }},
-      {"kvwrite::rope_store_mla", [](Call& c, const Tail& t) {
-        R::rope_store_mla(c.t("positions"), c.t("q_pe"), c.t("kv_c"), c.t("k_pe"), c.t("cos_sin_cache"),
-                          c.t("kv_cache"), c.opt("scale"), c.opt("scale_cache"), c.opt("global_scale"), c.e("fmt"),
-                          c.v("is_neox").toBool(), KVW_TAIL_ARGS);
-      }},
-      {"kvwrite::copy_pages", [](Call& c, const Tail& t) {
-        R::copy_pages(pool4(c.t("src")), pool4(c.t("dst")), c.t("src_pages"), t.loc, t.errors, t.check, t.op);
-      }},
-      {"kvwrite::gather", [](Call& c, const Tail& t) {
-        const at::Tensor cache = pool4(c.t("cache"));
-        R::gather(cache, c.t("out").view({c.e("N"), cache.size(2), cache.size(3)}), KVW_TAIL_ARGS);
-      }},
       // move_rows (ops.pages.move): the source rows gathered first, then copied as one-row units.
       {"kvwrite::move_rows", [](Call& c, const Tail& t) {
         const at::Tensor cache = pool4(c.t("cache")), src = c.t("src_loc");
@@ -625,15 +625,50 @@ struct Launch {
                   std::nullopt);
         R::copy_pages(rows, cache, live_ids(src, capacity), t.loc, t.errors, t.check, t.op);
       }},
-      {"kvwrite::slot_mapping", [](Call& c, const Tail& t) {
-        R::slot_mapping(c.t("block_table"), c.t("batch_indices"), t.loc, c.t("out"), c.v("page_size").toInt(),
-                        c.v("num_pages").toInt(), t.errors, t.check, t.op);
-      }},
     };
     return m;
   }
 };
 
+
+// The tail's fields by index: loc, loc_map, errors, dcp_rank, dcp_size, check, op, the page table
+// (spec.TAIL_FIELDS).
+inline c10::IValue tail_field(const Tail& t, int i) {
+  switch (i) {
+    case 0: return t.loc;
+    case 1: return t.loc_map;
+    case 2: return t.errors;
+    case 3: return t.dcp_rank;
+    case 4: return t.dcp_size;
+    case 5: return t.check;
+    case 6: return t.op;
+    case 7: return t.batch_indices;
+    case 8: return t.kv_indices;
+    default: return t.kv_indptr;
+  }
+}
+
+// The generic launcher: the op's raw kernel with each argument from its source (resolve_raw).
+template <class R>
+void run_raw(Call& c, const Tail& t) {
+  std::vector<c10::IValue> s;
+  s.reserve(c.p.sources.size());
+  for (const Source& src : c.p.sources) {
+    switch (src.kind) {
+      case 't': s.push_back(tail_field(t, src.index)); break;
+      case 'l': {
+        const auto x = c.a[src.index].toOptional<at::Tensor>();
+        s.emplace_back(x ? std::optional<at::Tensor>(Launch<R>::cv(c, *x)) : std::nullopt);
+        break;
+      }
+      case 'n': s.emplace_back(!c.a[src.index].isNone()); break;
+      case 'e': s.emplace_back(c.env[src.index]); break;
+      case 'b': s.emplace_back(c.env[src.index] != 0); break;
+      default: s.push_back(c.a[src.index]);
+    }
+  }
+  R::boxed(size_t(c.p.raw_index), s);
+}
 
 // The duplicate-row pre-pass (kvwrite/claims.h, kvwrite/ops/claims.py) of every op in assert /
 // guard mode, before its launcher: the store then runs on its result (guard: bad and duplicate
@@ -675,7 +710,15 @@ bool run_here(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     // a page move's (src, dst) pairs: the Python pre-pass (kvwrite.reference.claims.unique_pairs)
     if (t->check != CHECK_OFF && p->claims == 'p' && c.e("N") >= 2) return false;
     if (t->check != CHECK_OFF && p->claims == 'r') claim<R>(c, *t);
-    Launch<R>::ops().at(name)(c, *t);
+    const auto& hand = Launch<R>::ops();
+    const auto it = hand.find(name);
+    if (it != hand.end()) {
+      it->second(c, *t);
+    } else if (p->raw_index >= 0) {
+      run_raw<R>(c, *t);
+    } else {
+      return false;
+    }
   }
   return true;
 }
@@ -700,9 +743,22 @@ void boxed(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   py.callBoxed(stack);
 }
 
+// One op's generic kernel on R's dispatch key, registered when its program arrives (set_program).
+template <class R>
+void register_generic(const std::string& op) {
+  static std::vector<std::unique_ptr<torch::Library>> libs;  // alive as long as the registrations
+  const c10::DispatchKey key = std::string(R::NAME) == "cuda" ? c10::DispatchKey::CUDA : c10::DispatchKey::CPU;
+  libs.push_back(std::make_unique<torch::Library>(torch::Library::IMPL, "kvwrite", key, __FILE__, __LINE__));
+  libs.back()->impl(op.substr(9).c_str(), torch::CppFunction::makeFromBoxedFunction<&boxed<R>>());
+}
+
 template <class R>
 void register_ops(torch::Library& m) {
-  for (const auto& kv : Launch<R>::ops()) m.impl(kv.first.substr(9).c_str(), torch::CppFunction::makeFromBoxedFunction<&boxed<R>>());
+  for (const auto& kv : Launch<R>::ops()) {
+    launched_by_hand().insert(kv.first);
+    m.impl(kv.first.substr(9).c_str(), torch::CppFunction::makeFromBoxedFunction<&boxed<R>>());
+  }
+  registrars().push_back(&register_generic<R>);
 }
 
 }  // namespace api

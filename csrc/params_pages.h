@@ -8,6 +8,13 @@
 
 namespace kvwrite {
 
+// A pool of any rank >= 2 as its [pages, rows, heads, feat] view (ops._common.canonical_pool).
+inline Tensor pool4(const Tensor& x) {
+  if (x.dim() == 2) return x.unsqueeze(-1).unsqueeze(-1);
+  if (x.dim() == 3) return x.unsqueeze(2);
+  return x.dim() == 4 ? x : x.view({x.size(0), x.size(1), x.size(2), -1});
+}
+
 inline UnitPool unit_pool(const Tensor& t, i64 factor, const char* name) {
   TORCH_CHECK(t.dim() == 4 && (t.size(3) <= 1 || t.stride(3) == 1), "kvwrite: ", name,
               " must be a canonical [pages, rows, heads, feat] view, feat contiguous");
@@ -43,9 +50,11 @@ inline i64* errors_ptr(const OptTensor& errors, const Tensor& ref, int64_t check
   return p;
 }
 
-inline CopyPagesParams copy_pages_params(const Tensor& src, const Tensor& dst, const Tensor& src_pages,
+inline CopyPagesParams copy_pages_params(const Tensor& src_pool, const Tensor& dst_pool, const Tensor& src_pages,
                                          const Tensor& dst_pages, const OptTensor& errors, int64_t check,
                                          int64_t op) {
+  TORCH_CHECK(src_pool.dim() >= 2 && dst_pool.dim() >= 2, "kvwrite: src and dst must be [pages, rows, ...] pools");
+  const Tensor src = pool4(src_pool), dst = pool4(dst_pool);
   TORCH_CHECK(src.dim() == 4 && dst.dim() == 4 && src.scalar_type() == dst.scalar_type() &&
                   src.size(2) == dst.size(2) && src.size(3) == dst.size(3),
               "kvwrite: src and dst must be [pages, rows, heads, feat] pools of one row shape and dtype");
@@ -79,9 +88,12 @@ inline CopyPagesParams copy_pages_params(const Tensor& src, const Tensor& dst, c
   return p;
 }
 
-inline GatherParams gather_params(const Tensor& cache, const Tensor& out, const Tensor& loc, const OptTensor& loc_map,
-                                  const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size, int64_t check,
-                                  int64_t op) {
+inline GatherParams gather_params(const Tensor& pool, const Tensor& out_rows, const Tensor& loc,
+                                  const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank,
+                                  int64_t dcp_size, int64_t check, int64_t op) {
+  TORCH_CHECK(pool.dim() >= 2 && out_rows.dim() == pool.dim() - 1,
+              "kvwrite: gather needs a [pages, rows, ...] cache and [n, ...] out rows of its row shape");
+  const Tensor cache = pool4(pool), out = out_rows.view({out_rows.size(0), cache.size(2), cache.size(3)});
   TORCH_CHECK(cache.dim() == 4 && out.dim() == 3 && out.scalar_type() == cache.scalar_type() &&
                   out.size(1) == cache.size(2) && out.size(2) == cache.size(3) &&
                   (out.size(2) <= 1 || out.stride(2) == 1) && (out.size(1) <= 1 || out.stride(1) == out.size(2)),

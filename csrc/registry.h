@@ -8,9 +8,12 @@
 
 #include <torch/library.h>
 
+#include <string>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <variant>
+#include <vector>
 
 #include "bodies.h"
 #include "params.h"
@@ -187,13 +190,45 @@ inline void define_ops(torch::Library& m) {
 #undef KVW_DEF
 }
 
-// One device's raw kernels by op name: what api::register_ops<R> calls (R::NAME, R::store_kv...).
+// A typed raw kernel called with its arguments as IValues (schema order): the generic launcher
+// of api.h (`Program::raw`), no dispatcher on the way.
+template <class Ret, class... A, size_t... I>
+void call_unboxed(Ret (*f)(A...), std::vector<c10::IValue>& s, std::index_sequence<I...>) {
+  f(s[I].template to<std::decay_t<A>>()...);
+}
+template <class Ret, class... A>
+void call_unboxed(Ret (*f)(A...), std::vector<c10::IValue>& s) {
+  TORCH_CHECK(s.size() == sizeof...(A), "kvwrite: a raw kernel takes ", sizeof...(A), " arguments, got ", s.size());
+  call_unboxed(f, s, std::index_sequence_for<A...>{});
+}
+
+// The raw ops' names in KVW_OPS order (Raw<Dev>::boxed's index).
+inline const std::vector<std::string>& raw_names() {
+  static const std::vector<std::string> names = {
+#define KVW_NAME(op, bind, schema) #op,
+      KVW_OPS(KVW_NAME)
+#undef KVW_NAME
+  };
+  return names;
+}
+
+// One device's raw kernels by op name: what api::register_ops<R> calls (R::NAME, R::store_kv...),
+// and by index into raw_names() with IValue arguments (R::boxed).
 template <class Dev>
 struct Raw {
   static constexpr const char* NAME = Dev::NAME;
 #define KVW_RAW(op, bind, schema) static constexpr auto op = &bind<Dev>;
   KVW_OPS(KVW_RAW)
 #undef KVW_RAW
+  using Boxed = void (*)(std::vector<c10::IValue>&);
+  static void boxed(size_t i, std::vector<c10::IValue>& s) {
+    static const Boxed fns[] = {
+#define KVW_BOXED(op, bind, schema) [](std::vector<c10::IValue>& s) { call_unboxed(&bind<Dev>, s); },
+        KVW_OPS(KVW_BOXED)
+#undef KVW_BOXED
+    };
+    fns[i](s);
+  }
 };
 
 // The registrations of one device (TORCH_LIBRARY_IMPL(kvwrite_ext, <key>)).

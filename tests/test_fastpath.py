@@ -154,6 +154,34 @@ def test_good_calls_run_in_cpp_and_match_the_reference():
     assert torch.equal(errs.tensor[:owner], ref_errs.tensor[:owner]) and errs.error().loc == 99
 
 
+def test_every_op_with_a_cpp_kernel_runs_its_good_calls_there():
+    """The host-cost table's good call of every op (hand-written launchers and the generic one,
+    `run_raw`, which reads the raw kernel's arguments by name) runs in C++: nothing is handed to
+    the Python twin; the ops without a C++ launcher are the ones spec.Op says have none."""
+    from kvwrite.bench import spec_host
+    from kvwrite.ops import spec
+
+    forwarded = dict(_library.FORWARDED)
+    for _, fn, _, base, _ in spec_host.cases():
+        fn()
+        base()
+    assert _library.FORWARDED == forwarded
+    no_kernel = {n for n, op in spec.OPS.items() if not op.native()}
+    assert no_kernel == {n for n, op in spec.OPS.items() if op.program() is None}
+
+
+def test_a_raw_argument_without_a_source_is_refused(monkeypatch):
+    """The generic launcher's sources are resolved from the declaration: a raw kernel's argument
+    that is neither the tail, an argument, an env slot nor in raw_args is an error naming it."""
+    from kvwrite.ops import spec
+
+    op = spec.OPS["store_indexer_k"]
+    assert "raw store_indexer_k" in op.program()
+    monkeypatch.setattr(op, "raw_args", {"quant_block_size": "a:quant_block_size"})
+    with pytest.raises(ValueError, match="store_indexer_k: no value for argument 'ue8m0' of its raw kernel"):
+        op.program()
+
+
 def test_other_backends_go_to_the_python_implementation():
     k, v, kc, vc = _kv()
     ref_k, ref_v = kc.clone(), vc.clone()

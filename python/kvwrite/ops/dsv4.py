@@ -81,7 +81,7 @@ KV_SPEC = spec.Op(
                  what=f"tokens, {NOPE} NoPE + {ROPE} RoPE values"),
           spec.cache("cache", "P B", (torch.uint8,)), spec.LOC, spec.option("page_size", "int?"), *TAIL),
     checks=("kv", "cache", _kv_pages, spec.geometry("cache")),
-    build=_build_kv, impls=KV_IMPLS, dcp_page=True, page_table=False)
+    build=_build_kv, impls=KV_IMPLS, dcp_page=True, page_table=False, raw_args={"pool_page_size": "e:S"})
 
 
 def store_dsv4_kv(kv: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, *,
@@ -144,7 +144,8 @@ INDEXER_SPEC = spec.Op(
     args=(spec.T("k", "N D", validate.FLOAT_INPUTS), spec.cache("cache", "P B", (torch.uint8,)), spec.LOC,
           spec.option("page_size", "int?"), spec.option("fmt"), spec.option("scale_fmt", "str?"), *TAIL),
     checks=("k", _indexer_fmt, "cache", _indexer_pages, spec.geometry("cache")), aliases={"k": "index_k"},
-    build=_build_indexer, impls=_indexer_impls, dcp_page=True, page_table=False)
+    build=_build_indexer, impls=_indexer_impls, dcp_page=True, page_table=False, raw="store_dsv4_indexer_k",
+    raw_args={"pool_page_size": "e:S", "fmt_code": "e:fmt", "ue8m0": "n:scale_fmt"})
 
 
 def store_dsv4_indexer_k(index_k: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, *,

@@ -68,7 +68,7 @@ SPEC = spec.Op(
           spec.LOC, spec.option("quant_block_size", "int"), spec.option("scale_fmt", "str?"),
           spec.CHECK, spec.ERRORS, spec.LOC_MAP, *spec.DCP, spec.BACKEND),
     checks=("k", _block, "cache", _pages, spec.geometry("cache")),
-    build=_build, impls=IMPLS)
+    build=_build, impls=IMPLS, raw_args={"ue8m0": "n:scale_fmt"})
 _OP = SPEC.overload
 _CALL = _OP._op
 

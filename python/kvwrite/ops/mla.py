@@ -108,7 +108,7 @@ SPEC = spec.Op(
           spec.opt("global_scale", "scale", role="scale", default=None)),
     checks=("kv_c", "k_pe", _format, "kv_cache", spec.geometry("kv_cache"), _scales, "scale",
             "scale_cache", "global_scale"),
-    build=_build, impls=format_impls)
+    build=_build, impls=format_impls, raw="store_mla", raw_args={"kernel_mode": "e:fmt"})
 def store_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, loc: torch.Tensor,
               *, kv_cache_dtype: str = "auto", scale: torch.Tensor | None = None,
               check: str | None = None, errors: ErrorBuffer | None = None,

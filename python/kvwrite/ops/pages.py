@@ -287,7 +287,8 @@ SLOTS_SPEC = spec.Op(
           spec.cache("out", "N", (torch.int64,), what="one int64 slot per token"), spec.option("page_size", "int"),
           spec.option("num_pages", "int"), *TAIL),
     checks=("block_table", "batch_indices", spec.pairs("batch_indices", "positions"), "out", _slot_geometry),
-    build=_build_slots, impls=SLOTS_IMPLS, page_table=False, loc="positions", claims="read", table_tail=False)
+    build=_build_slots, impls=SLOTS_IMPLS, page_table=False, loc="positions", claims="read", table_tail=False,
+    raw_args={"pool_page_size": "a:page_size"})
 
 
 def slot_mapping(block_table: torch.Tensor, batch_indices: torch.Tensor, positions: torch.Tensor,

@@ -217,7 +217,7 @@ MLA_SPEC = spec.Op(
           spec.T("cos_sin_cache", "M R", (torch.float32, "=kv_c"), what="max_position, rope_dim of k_pe"),
           *mla.SPEC.args[2:3], spec.LOC, spec.option("is_neox", "bool"), *mla.SPEC.args[4:]),
     checks=(*mla.SPEC.checks, "q_pe", "positions", "cos_sin_cache", _mla_dims, _rope_args),
-    build=_build_mla, impls=MLA_IMPLS)
+    build=_build_mla, impls=MLA_IMPLS, raw_args={"q": "a:q_pe", "cos_sin": "a:cos_sin_cache", "kernel_mode": "e:fmt"})
 
 
 def rope_store_mla(positions: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,

@@ -147,6 +147,8 @@ def pairs(first: str, second: str) -> Callable:
     return check
 
 
+# The addressing tail of the raw kernels, in order (csrc/api.h `tail_field`).
+TAIL_FIELDS = ("loc", "loc_map", "errors", "dcp_rank", "dcp_size", "check", "op", *TABLE_ARGS)
 # Env names the C++ rules read or write beside the letters and the arguments' dtypes.
 RULE_SLOTS = ("N", "P", "S", "B", "W", "D", "Dv", "L", "R", "layout", "fmt", "cache_dtype", "quant", "rule")
 
@@ -221,6 +223,12 @@ class Op:
     loc: str = "loc"            # the addressing argument (its rows / dst pages)
     claims: str = "rows"        # the duplicate pre-pass: "rows", "pairs" (page moves), "read" (none)
     table_tail: bool = True     # the schema ends with the page-table tensors
+    # The raw kernel (kvwrite_ext::<raw>) the C++ fast path runs (default: the table's "cpu"
+    # entry `kvwrite._ext:<raw>`) and, for a raw argument that is not the op's argument, the env
+    # slot or the argument of another name it is read from: {raw name: "e:slot" | "a:arg" |
+    # "n:arg" (whether arg is given)}. The tail (loc ... page table) needs no entry.
+    raw: str | None = None
+    raw_args: dict = field(default_factory=dict)
     doc: str = ""
     overload: object = field(default=None, init=False)
     _native: object = field(default=None, init=False)
@@ -271,7 +279,47 @@ class Op:
                          f"{ndim} {','.join(dims) or '-'} {dtypes} {','.join(a.binds.split()) or '-'}")
         head = [f"args {' '.join(self.names)}", f"slots {' '.join(slots)}",
                 f"op {self.code} {int(self.dcp_page)} {int(self.page_table)}", f"loc {self.loc} {self.claims}"]
-        return "\n".join(head + lines)
+        raw = self.raw_sources(slots)
+        return "\n".join(head + lines + ([f"raw {' '.join(raw)}"] if raw else []))
+
+    def raw_kernel(self) -> str | None:
+        """The kvwrite_ext op the C++ fast path runs (csrc/api.h `run_raw`), or None."""
+        if self.raw is not None or callable(self.impls):
+            return self.raw
+        target = dict(self.impls).get("cpu", "")
+        return target.split(":")[1] if target.startswith("kvwrite._ext:") else None
+
+    def raw_sources(self, slots: list) -> list[str] | None:
+        """The raw kernel and where the C++ fast path finds each of its arguments, by name: the
+        tail's field (`t<i>`), the op's argument (`a<i>`, a layout cache `l<i>`), `raw_args`' env
+        slot (`e<i>`, `b<i>` as a bool) or given-ness of an argument (`n<i>`); None without a raw
+        kernel, before the extension is loaded, or when the kernel of the backend table does not
+        take the op's arguments by name (its C++ launcher is written by hand: csrc/api.h Launch).
+        A declared `raw` / `raw_args` that leaves an argument without a value is an error."""
+        raw = self.raw_kernel()
+        kernel = getattr(torch.ops.kvwrite_ext, raw, None) if raw and _ext.LOADED else None
+        if kernel is None:
+            return None
+        by_name, out = {a.name: a for a in self.all_args}, [raw]
+        for a in kernel.default._schema.arguments:
+            name = "loc" if a.name == self.loc else a.name
+            if a.name not in self.raw_args and (name in TAIL_FIELDS[:7] or (name in TABLE_ARGS and self.table_tail)):
+                out.append(f"t{TAIL_FIELDS.index(name)}")
+                continue
+            kind, _, what = self.raw_args.get(a.name, f"a:{a.name}").partition(":")
+            if kind == "a" and what not in by_name and what in slots:
+                kind = "e"
+            if kind == "e" and what in slots:
+                out.append(f"{'b' if str(a.type) == 'bool' else 'e'}{slots.index(what)}")
+            elif kind in ("a", "n") and what in by_name:
+                kind = "l" if kind == "a" and by_name[what].layout else kind
+                out.append(f"{kind}{self.names.index(what)}")
+            elif self.raw is None and not self.raw_args:
+                return None
+            else:
+                raise ValueError(f"{self.name}: no value for argument {a.name!r} of its raw kernel {raw} "
+                                 f"(spec.Op.raw_args)")
+        return out
 
     # --- derived: schema --------------------------------------------------------------------
     def schema(self) -> str:
