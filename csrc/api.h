@@ -31,6 +31,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "expr.h"
 #include "kvwrite/claims.h"
 #include "params.h"
 #include "params_dsv4.h"
@@ -41,7 +42,7 @@
 namespace kvwrite {
 namespace api {
 
-constexpr int64_t UNBOUND = INT64_MIN;
+using expr::UNBOUND;  // an env slot not bound yet
 constexpr int64_t MAX_TOKENS = (int64_t(1) << 31) - 1;  // kvwrite.errors.MAX_TOKENS
 
 inline std::vector<std::string> split(const std::string& s, char sep) {
@@ -70,7 +71,8 @@ struct Dim {
   int64_t lit = -1;
 };
 
-// One step of an op's checks: a tensor ('T'), a dequant scale ('S'), a rule ('R').
+// One step of an op's checks: a tensor ('T'), a dequant scale ('S'), a built-in rule ('R'), an
+// expression rule ('X', expr.h).
 struct Step {
   char kind = 'T';
   int arg = -1, name_slot = -1, heads = -1, ndim = -1;
@@ -79,6 +81,7 @@ struct Step {
   std::vector<at::ScalarType> dtypes;
   std::vector<int> dtype_slots, binds;
   std::vector<std::string> words;  // a rule: its name and arguments
+  expr::Rule expr;                 // an expression rule
 };
 
 // Where the generic launcher finds one argument of the op's raw kernel (spec.Op.raw_sources): the
@@ -177,6 +180,15 @@ inline Program parse(const std::string& name, const std::string& text) {
       p.raw_index = int(std::find(raws.begin(), raws.end(), w[1]) - raws.begin());
       TORCH_CHECK(p.raw_index < int(raws.size()), "kvwrite: ", name, "'s raw kernel ", w[1], " is not a kvwrite_ext op");
       for (size_t i = 2; i < w.size(); ++i) p.sources.push_back({w[i][0], std::stoi(w[i].substr(1))});
+    } else if (w[0] == "X") {
+      Step s;
+      s.kind = 'X';
+      s.expr = expr::compile(line.substr(2), {[&p](const std::string& n) { return p.arg(n); },
+                                              [&p](const std::string& n) {
+                                                auto it = p.slot_index.find(n);
+                                                return it == p.slot_index.end() ? -1 : it->second;
+                                              }});
+      p.steps.push_back(std::move(s));
     } else if (w[0] == "R") {
       Step s;
       s.kind = 'R';
@@ -344,31 +356,7 @@ inline bool rule(const std::vector<std::string>& w, Call& c) {
     return false;
   }
   if (r == "geometry") return c.e(w[1]) >= 1 && c.e(w[2]) >= 1;
-  // store_kv's layouts (NHD 0, HND 1, cpu_attn 2: vLLM's CPU attention caches, each (page, head)
-  // key tile contiguous and read column-major; plain and fp8 caches only), viewed by Launch::cv.
-  if (r == "native_layout") {
-    if (c.e("layout") < 2) return true;
-    const at::Tensor& kc = c.t("k_cache");
-    return (kc.size(2) <= 1 || kc.size(3) <= 1 || kc.stride(2) == kc.size(3)) && c.none("k_scale_cache") &&
-           c.e("k_cache") != int64_t(at::kChar);
-  }
   if (r == "kv_quant") return kv_quant(c);
-  if (r == "kv_widths") {  // ops.kv._widths: a uint8 (int4) cache holds D / 2 bytes a head
-    const c10::IValue& kc = c.v("k_cache");
-    const bool i4 = kc.isTensor() && kc.toTensor().scalar_type() == at::kByte;
-    const int64_t d = c.e("D"), dv = c.e("Dv");
-    if (i4 && (d % 2 || dv % 2 || std::max(d, dv) > INT4_MAX_DIM)) return false;
-    c.e("Dk") = i4 ? d / 2 : d;
-    c.e("Dvk") = i4 ? dv / 2 : dv;
-    return true;
-  }
-  if (r == "kv_scales") return is_fp8(c.e(w[1])) ? !c.none("k_scale") && !c.none("v_scale")  // fp8: both
-                                                 : c.none("k_scale") && c.none("v_scale");
-  if (r == "split_x") {  // ops.kv_head_major._split_x: key cache [P, H, D / x, S, x], x = 16 bytes
-    const at::Tensor& kc = c.t("key_cache");
-    const int64_t x = 16 / int64_t(c10::elementSize(kc.scalar_type())), d = c.e("D");
-    return d % x == 0 && kc.size(2) == d / x && kc.size(4) == x;
-  }
   if (r == "mla_format") {
     const c10::IValue& v = c.v("kv_cache_dtype");
     if (!v.isString()) return false;
@@ -394,18 +382,6 @@ inline bool rule(const std::vector<std::string>& w, Call& c) {
     c.e("B") = (c.e("L") + c.e("R")) / NVFP4_BLOCK;
     return !c.none("scale_cache");
   }
-  if (r == "nvfp4_heads") return c.e("D") % NVFP4_BLOCK == 0 && c.e("Dv") % NVFP4_BLOCK == 0;
-  if (r == "indexer_block") {
-    const c10::IValue& q = c.v("quant_block_size");
-    const c10::IValue& f = c.v("scale_fmt");
-    if (!q.isInt() || q.toInt() <= 0 || c.e("D") % q.toInt()) return false;
-    return f.isNone() || (f.isString() && f.toStringRef() == "ue8m0");
-  }
-  if (r == "indexer_pages") {
-    const int64_t d = c.e("D"), per = d + (d / c.v("quant_block_size").toInt()) * 4, b = c.e("B");
-    if (b == 0 || b % per) return false;
-    return c.e("S") = b / per, true;
-  }
   if (r == "dsv4_kv_pages") {
     const c10::IValue& ps = c.v("page_size");
     const int64_t b = c.e("B");
@@ -420,31 +396,6 @@ inline bool rule(const std::vector<std::string>& w, Call& c) {
     }
     return c.e("S") = pps, dsv4_kv_page_bytes(pps) == b;
   }
-  if (r == "dsv4_indexer_fmt") {
-    const c10::IValue& f = c.v("fmt");
-    const c10::IValue& sf = c.v("scale_fmt");
-    if (!f.isString() || (f.toStringRef() != "fp8" && f.toStringRef() != "mxfp4")) return false;
-    const bool fp8 = f.toStringRef() == "fp8";
-    const int64_t block = fp8 ? 128 : DSV4_MXFP4_BLOCK, d = c.e("D");
-    c.e("fmt") = fp8 ? 0 : 1;
-    if (d == 0 || d % block) return false;
-    if (!sf.isNone() && !(sf.isString() && sf.toStringRef() == "ue8m0")) return false;
-    return fp8 || sf.isNone();
-  }
-  if (r == "dsv4_indexer_pages") {
-    const int64_t d = c.e("D"), b = c.e("B");
-    const int64_t per = c.e("fmt") == 0 ? d + (d / 128) * 4 : d / 2 + d / DSV4_MXFP4_BLOCK;
-    const c10::IValue& ps = c.v("page_size");
-    if (ps.isInt()) return ps.toInt() >= 1 && ps.toInt() * per == b && (c.e("S") = ps.toInt(), true);
-    if (!ps.isNone() || b == 0 || b % per) return false;
-    return c.e("S") = b / per, true;
-  }
-  if (r == "rows_overlap") {
-    const at::Tensor& pool = c.t("pool");
-    if (pool.size(0) > 1 && pool.size(1) > 0 && pool.stride(0) < pool.size(1)) return false;
-    c.e("P") = pool.size(0);
-    return c.e("S") = 1, true;
-  }
   // The fused RoPE stores (ops.rope `_kv_dims`, `_mla_dims`, `_rope_args`, `_kv_format`).
   if (r == "rope_dims") {
     const at::Tensor& cs = c.t("cos_sin_cache");
@@ -455,11 +406,6 @@ inline bool rule(const std::vector<std::string>& w, Call& c) {
   }
   if (r == "rope_args")
     return c.v("is_neox").isBool() && (c.p.arg("norm_eps") < 0 || c.v("norm_eps").toDouble() >= 0);
-  if (r == "rope_kv_format") {
-    const int64_t q = c.e("quant"), dt = c.e("k_cache");
-    return q >= 0 && q <= 3 &&
-           (q == 0 || dt == int64_t(at::kChar) || dt == int64_t(at::kFloat8_e4m3fn) || dt == int64_t(at::kFloat8_e5m2));
-  }
   // The page moves (ops.spec `pool`, `pairs`; ops.pages `_page_pools`, `_slot_geometry`, `_gather_out`).
   if (r == "pool") {
     const at::Tensor& t = c.t(w[1]);
@@ -478,7 +424,6 @@ inline bool rule(const std::vector<std::string>& w, Call& c) {
       if (s.size(i) != d.size(i)) return false;
     return s.size(1) % d.size(1) == 0 || d.size(1) % s.size(1) == 0;
   }
-  if (r == "slot_geometry") return c.v("page_size").toInt() >= 1 && c.v("num_pages").toInt() >= 1;
   if (r == "gather_out") {
     const c10::IValue& loc = c.v("loc");
     const at::Tensor &cache = c.t("cache"), &out = c.t("out");
@@ -703,7 +648,7 @@ bool run_here(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const c10::IValue& backend = c.v("backend");
   if (!backend.isString() || (backend.toStringRef() != "auto" && backend.toStringRef() != R::NAME)) return false;
   for (const Step& s : p->steps)
-    if (!(s.kind == 'R' ? rule(s.words, c) : match_tensor(s, c))) return false;
+    if (!(s.kind == 'R' ? rule(s.words, c) : s.kind == 'X' ? s.expr(c.a, c.env) : match_tensor(s, c))) return false;
   std::optional<Tail> t = addressing(c);
   if (!t) return false;
   if (c.e("N") > 0) {

@@ -170,6 +170,94 @@ def test_every_op_with_a_cpp_kernel_runs_its_good_calls_there():
     assert no_kernel == {n for n, op in spec.OPS.items() if op.program() is None}
 
 
+def _variants():
+    """Good calls of the formats and layouts the expression rules (spec.rule(expr=...)) decide:
+    (name, fn(backend), the tensors it writes)."""
+    from kvwrite.ops.dsv4 import kv_page_bytes
+
+    g = torch.Generator().manual_seed(1)
+    bf, u8, e4 = torch.bfloat16, torch.uint8, torch.float8_e4m3fn
+    rnd = lambda *s: torch.randn(*s, generator=g).to(bf)  # noqa: E731
+    loc = torch.tensor([5, -1, 17])
+    k, v, one = rnd(3, 2, 32), rnd(3, 2, 32), torch.tensor(0.05)
+    z = lambda *s, dt=bf: torch.zeros(*s, dtype=dt)  # noqa: E731
+    out = []
+    for layout, shape in (("NHD", (4, 8, 2, 32)), ("HND", (4, 2, 8, 32)), ("cpu_attn", (4, 2, 8, 32))):
+        kc, vc = z(*shape), z(*shape)
+        out.append((f"store_kv {layout}", lambda b, kc=kc, vc=vc, layout=layout:
+                    kvwrite.store_kv(k, v, kc, vc, loc, layout=layout, backend=b), [kc, vc]))
+    f32 = torch.float32
+    kc, vc, ks, vs = z(4, 8, 2, 16, dt=u8), z(4, 8, 2, 16, dt=u8), z(4, 8, 2, dt=f32), z(4, 8, 2, dt=f32)
+    out.append(("store_kv int4", lambda b: kvwrite.store_kv(k, v, kc, vc, loc, k_scale_cache=ks, v_scale_cache=vs,
+                                                            quant_rule="vllm", backend=b), [kc, vc, ks, vs]))
+    hk, hv = z(4, 2, 4, 8, 8), z(4, 2, 32, 8)
+    out.append(("store_kv_head_major bf16", lambda b: kvwrite.store_kv_head_major(k, v, hk, hv, loc, backend=b),
+                [hk, hv]))
+    fk, fv = z(4, 2, 2, 8, 16, dt=e4), z(4, 2, 32, 8, dt=e4)
+    out.append(("store_kv_head_major fp8", lambda b: kvwrite.store_kv_head_major(
+        k, v, fk, fv, loc, k_scale=one, v_scale=one, backend=b), [fk, fv]))
+    for layout in ("NHD", "HND"):
+        nv = [z(4, 8, 2, 16, dt=u8), z(4, 8, 2, 16, dt=u8), z(4, 8, 2, 2, dt=e4), z(4, 8, 2, 2, dt=e4)]
+        if layout == "HND":
+            nv = [t.transpose(1, 2).contiguous() for t in nv]
+        out.append((f"store_kv_nvfp4 {layout}", lambda b, nv=nv, layout=layout:
+                    kvwrite.store_kv_nvfp4(k, v, *nv, loc, layout=layout, backend=b), nv))
+    ik = rnd(3, 128)
+    for qbs, fmt in ((128, None), (64, "ue8m0")):
+        ic = z(4, 8 * (128 + 128 // qbs * 4), dt=u8)
+        out.append((f"store_indexer_k qbs={qbs} {fmt}", lambda b, ic=ic, qbs=qbs, fmt=fmt: kvwrite.store_indexer_k(
+            ik, ic, loc, quant_block_size=qbs, scale_fmt=fmt, backend=b), [ic]))
+    for fmt, sf, page_size, row in (("fp8", "ue8m0", None, 132), ("mxfp4", None, 8, 68)):
+        dc = z(4, 8 * row, dt=u8)
+        out.append((f"store_dsv4_indexer_k {fmt}", lambda b, dc=dc, fmt=fmt, sf=sf, ps=page_size:
+                    kvwrite.store_dsv4_indexer_k(ik, dc, loc, fmt=fmt, scale_fmt=sf, page_size=ps, backend=b), [dc]))
+    dkv, dcache = rnd(3, 512), z(4, kv_page_bytes(8), dt=u8)
+    out.append(("store_dsv4_kv", lambda b: kvwrite.store_dsv4_kv(dkv, dcache, loc, backend=b), [dcache]))
+    src, pool = rnd(3, 64), z(32, 64)
+    out.append(("store_rows", lambda b: kvwrite.store_rows(src, pool, loc, backend=b), [pool]))
+    pos, q, cs = torch.tensor([1, 2, 3]), rnd(3, 4, 32), rnd(8, 32)
+    for what, caches, kw in (("copy", (z(4, 8, 2, 32), z(4, 8, 2, 32)), {}),
+                             ("int8 per token", (z(4, 8, 2, 32, dt=torch.int8), z(4, 8, 2, 32, dt=torch.int8)),
+                              {"k_scale_cache": z(4, 8, dt=f32), "v_scale_cache": z(4, 8, dt=f32)})):
+        out.append((f"rope_store_kv {what}", lambda b, c=caches, kw=kw: kvwrite.rope_store_kv(
+            pos, q.clone(), k, v, cs, *c, loc, backend=b, **kw), [*caches, *kw.values()]))
+    table, batch = torch.tensor([[3, 1], [0, 2]]), torch.tensor([0, 1, 1])
+    out.append(("slot_mapping", lambda b: [kvwrite.slot_mapping(table, batch, torch.tensor([1, 9, 2]),
+                                                                 kvwrite.PageGeometry(8, 4), backend=b)], []))
+    return out
+
+
+@pytest.mark.parametrize("case", _variants(), ids=lambda c: c[0])
+def test_every_format_the_expression_rules_decide_runs_in_cpp(case):
+    """Each format / layout of the ops whose checks are expressions runs in C++ (no call handed
+    to Python) and writes the torch reference's bytes."""
+    _, fn, written = case
+    forwarded = dict(_library.FORWARDED)
+    got = fn("cpu")
+    assert _library.FORWARDED == forwarded
+    want_written = [t.clone() for t in written]
+    for t in written:
+        t.zero_()
+    want = fn("torch")
+    for t, w in zip(written, want_written):
+        assert torch.equal(t.view(torch.uint8), w.view(torch.uint8))
+    if got is not None:
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_an_expression_rule_naming_nothing_known_is_refused_when_the_spec_arrives():
+    """csrc/expr.h compiles a rule when the program is sent: an unknown name, argument or a
+    syntax error is an error there (naming the text), never a per-call surprise."""
+    from kvwrite.ops import spec
+
+    text = spec.OPS["store_rows"].program()
+    for bad, why in (("X S + nonsense > 0", "nonsense, not an env slot or local"),
+                     ("X $nothing == 1", r"\$nothing, not an argument"), ("X (S > 0", r"expected '\)'")):
+        with pytest.raises(RuntimeError, match=why):
+            torch.ops.kvwrite_ext.set_program("store_rows", text + "\n" + bad)
+    spec.send_programs()
+
+
 def test_a_raw_argument_without_a_source_is_refused(monkeypatch):
     """The generic launcher's sources are resolved from the declaration: a raw kernel's argument
     that is neither the tail, an argument, an env slot nor in raw_args is an error naming it."""

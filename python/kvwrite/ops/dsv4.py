@@ -109,7 +109,9 @@ class StoreDSV4IndexerK(StoreIndexerK):
         return INDEXER_FMT_CODE[self.fmt]
 
 
-@spec.rule("dsv4_indexer_fmt")
+@spec.rule(expr=f"$fmt == 'fp8' || $fmt == 'mxfp4'; fmt = $fmt == 'fp8' ? {INDEXER_FMT_CODE['fp8']} : "
+                f"{INDEXER_FMT_CODE['mxfp4']}; block = $fmt == 'fp8' ? {FP8_BLOCK} : {MXFP4_BLOCK}; "
+                "D != 0 && D % block == 0; $scale_fmt == None || ($scale_fmt == 'ue8m0' && $fmt == 'fp8')")
 def _indexer_fmt(env: dict, v: dict) -> None:
     fmt = env["fmt"] = validate.choice("fmt", v["fmt"], INDEXER_FMTS)
     block = FP8_BLOCK if fmt == "fp8" else MXFP4_BLOCK
@@ -123,7 +125,9 @@ def _indexer_fmt(env: dict, v: dict) -> None:
         raise ValueError("scale_fmt applies to fmt='fp8' only (mxfp4 scales are always ue8m0)")
 
 
-@spec.rule("dsv4_indexer_pages")
+@spec.rule(expr=f"per = $fmt == 'fp8' ? D + D / {FP8_BLOCK} * 4 : D / 2 + D / {MXFP4_BLOCK}; "
+                "$page_size == None ? B != 0 && B % per == 0 : isint($page_size) && $page_size >= 1 && "
+                "$page_size * per == B; S = $page_size == None ? B / per : $page_size")
 def _indexer_pages(env: dict, v: dict) -> None:
     env["S"] = indexer_pool_page_size("cache", env["B"], env["D"], env["fmt"], v["page_size"])
 
@@ -177,7 +181,8 @@ class StoreRows:
 ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.int32, torch.int64)
 
 
-@spec.rule("rows_overlap")
+@spec.rule(expr="!(size($pool, 0) > 1 && size($pool, 1) > 0 && stride($pool, 0) < size($pool, 1)); "
+                "P = size($pool, 0); S = 1")
 def _no_overlap(env: dict, v: dict) -> None:
     pool = v["pool"]
     if pool.shape[0] > 1 and pool.shape[1] > 0 and pool.stride(0) < pool.shape[1]:

@@ -39,7 +39,8 @@ class StoreIndexerK:
     check: Check
 
 
-@spec.rule("indexer_block")
+@spec.rule(expr="isint($quant_block_size) && $quant_block_size > 0; D % $quant_block_size == 0; "
+                "$scale_fmt == None || $scale_fmt == 'ue8m0'")
 def _block(env: dict, v: dict) -> None:
     """quant_block_size divides D; scale_fmt; the page holds whole tokens (letters P, S)."""
     qbs = require_positive_int("quant_block_size", v["quant_block_size"])
@@ -49,7 +50,7 @@ def _block(env: dict, v: dict) -> None:
         raise ValueError(f"scale_fmt must be one of {SCALE_FMTS}, got {v['scale_fmt']!r}")
 
 
-@spec.rule("indexer_pages")
+@spec.rule(expr="per = D + D / $quant_block_size * 4; B > 0 && B % per == 0; S = B / per")
 def _pages(env: dict, v: dict) -> None:
     env["S"] = pool_page_size("cache", env["B"], env["D"], v["quant_block_size"])
 

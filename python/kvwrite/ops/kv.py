@@ -83,7 +83,9 @@ def canonical_key(cache: torch.Tensor, layout: str) -> torch.Tensor:
     return cache.as_strided((pages, rows, h, d, 1), (cache.stride(0), 1, cache.stride(1), rows, 1))
 
 
-@spec.rule("native_layout")  # C++: the same test (api.h), plus cpu_attn's plain / fp8-only rule
+# C++: the same test, plus cpu_attn's plain / fp8-only rule (quant_rule says why)
+@spec.rule(expr=f"layout < {LAYOUTS.index('cpu_attn')} || ((size($k_cache, 2) <= 1 || size($k_cache, 3) <= 1 || "
+                "stride($k_cache, 2) == size($k_cache, 3)) && none($k_scale_cache) && k_cache != int8)")
 def _cpu_attn_key(env: dict, v: dict) -> None:
     """layout "cpu_attn": each (page, head) key tile is one contiguous run (read column-major)."""
     kc = v["k_cache"]
@@ -111,7 +113,8 @@ def _dynamic(env: dict, v: dict) -> int:
     return QUANT_HEAD if ksc.dim() == 3 else QUANT_TOKEN
 
 
-@spec.rule("kv_widths")
+@spec.rule(expr=f"i4 = dtype($k_cache) == uint8; !i4 || (D % 2 == 0 && Dv % 2 == 0 && D <= {INT4_MAX_DIM} && "
+                f"Dv <= {INT4_MAX_DIM}); Dk = i4 ? D / 2 : D; Dvk = i4 ? Dv / 2 : Dv")
 def _widths(env: dict, v: dict) -> None:
     """The caches' last dims Dk / Dvk: D and Dv, halved for a uint8 cache (int4: two codes a
     byte; even head dims of at most INT4_MAX_DIM)."""

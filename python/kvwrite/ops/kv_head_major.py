@@ -29,7 +29,8 @@ def canonical_head_major(key_cache: torch.Tensor, value_cache: torch.Tensor) -> 
     return key_cache.permute(0, 3, 1, 2, 4), value_cache.permute(0, 3, 1, 2).unsqueeze(-1)
 
 
-@spec.rule("split_x")
+@spec.rule(expr="x = 16 / itemsize($key_cache); D % x == 0 && size($key_cache, 2) == D / x && "
+                "size($key_cache, 4) == x")
 def _split_x(env: dict, v: dict) -> None:
     """The key cache's innermost dim is x = 16 bytes of its dtype, and D a multiple of it."""
     x, d = split_x(env["key_cache"]), env["D"]
@@ -39,7 +40,8 @@ def _split_x(env: dict, v: dict) -> None:
                    f"num_blocks, H, head_dim / x, block_size, x = {x}")
 
 
-@spec.rule("kv_scales key_cache")
+@spec.rule(expr="fp8 = key_cache == float8_e4m3fn || key_cache == float8_e5m2 || key_cache == float8_e4m3fnuz; "
+                "fp8 ? !none($k_scale) && !none($v_scale) : none($k_scale) && none($v_scale)")
 def _scales(env: dict, v: dict) -> None:
     """fp8 caches take both scales; other caches none."""
     dtype = env["key_cache"]

@@ -47,7 +47,7 @@ def global_scale(name: str, t: object, device: torch.device) -> torch.Tensor | N
     return None if t is None else validate.scale(name, t, None, device)
 
 
-@spec.rule("nvfp4_heads")
+@spec.rule(expr=f"D % {BLOCK} == 0 && Dv % {BLOCK} == 0")
 def _head_dims(env: dict, v: dict) -> None:
     head_dim("k", env["D"])
     head_dim("v", env["Dv"])

@@ -272,7 +272,7 @@ class SlotMapping:
         return Locs(self.positions)
 
 
-@spec.rule("slot_geometry")
+@spec.rule(expr="isint($page_size) && $page_size >= 1 && isint($num_pages) && $num_pages >= 1")
 def _slot_geometry(env: dict, v: dict) -> None:
     env["geometry"] = PageGeometry.from_pool(v["num_pages"], v["page_size"])
 

@@ -117,7 +117,8 @@ def _rope_args(env: dict, v: dict) -> None:
         raise ValueError(f"norm_eps must be a float >= 0, got {eps!r}")
 
 
-@spec.rule("rope_kv_format")
+@spec.rule(expr=f"quant >= {min(KV_QUANTS)} && quant <= {max(KV_QUANTS)}; quant == {QUANT_COPY} || k_cache == int8 || "
+                "k_cache == float8_e4m3fn || k_cache == float8_e5m2")
 def _kv_format(env: dict, v: dict) -> None:
     """The K/V formats the fused kernels have (any other is refused)."""
     if env["quant"] not in KV_QUANTS or (env["quant"] != QUANT_COPY and env["fmt"] not in KV_FMTS):

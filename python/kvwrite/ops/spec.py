@@ -99,12 +99,13 @@ BACKEND = Arg("backend", "str", role="option")
 TABLE = tuple(Arg(n, "Tensor?", role="addressing", default=None) for n in TABLE_ARGS)
 
 
-def rule(cpp: str) -> Callable:
-    """Name an op's check for the C++ matcher (csrc/api.h `rule`: the same check as a predicate;
-    a refused call is then explained by the Python check). A check without one keeps the op on
-    the Python path."""
+def rule(cpp: str | None = None, *, expr: str | None = None) -> Callable:
+    """Give an op's check its C++ twin for the matcher (a refused call is then explained by the
+    Python check): `expr`, the check as an expression the matcher evaluates (csrc/expr.h; an op's
+    own checks), or `cpp`, a rule built into csrc/api.h `rule` (checks that loop or read a table).
+    A check without either keeps the op on the Python path."""
     def wrap(fn: Callable) -> Callable:
-        fn.cpp = cpp
+        fn.cpp, fn.expr = cpp, expr
         return fn
     return wrap
 
@@ -255,9 +256,12 @@ class Op:
         lines = []
         for c in self.checks:
             if callable(c):
-                if getattr(c, "cpp", None) is None:
+                if getattr(c, "expr", None) is not None:
+                    lines.append(f"X {c.expr}")
+                elif getattr(c, "cpp", None) is not None:
+                    lines.append(f"R {c.cpp}")
+                else:
                     return None
-                lines.append(f"R {c.cpp}")
                 continue
             a = by_name[c]
             dtypes = ",".join(_dtype_name(d) for d in a.dtypes) or "-"

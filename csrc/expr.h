@@ -1,0 +1,330 @@
+// An op's own checks as expressions (`spec.rule(expr=...)`): the C++ matcher evaluates the text
+// the declaration gives next to its Python check, so a new op writes no C++ rule. Statements are
+// separated by `;`; `name = expr` binds an env slot (or a local), any other statement must be
+// non-zero or the call goes to Python (which raises the named error).
+//
+//   D % $quant_block_size == 0; per = D + D / $quant_block_size * 4; B % per == 0; S = B / per
+//
+// Names: `$arg` an argument's value (int, bool, str, None), `name` an env slot (a shape letter,
+// a tensor argument's dtype) or a local; literals: integers, 'str', None, dtype names (int8 ...).
+// Functions: none($x), isint($x), size($t, i), stride($t, i), dim($t), dtype($t), itemsize($t). Operators
+// (C precedence): ?: || && == != < <= > >= + - * / % unary ! -. An int op on a str / None, a
+// division by 0 or an unbound slot fails the rule (never throws per call).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+#include <c10/util/Exception.h>
+
+#include <cctype>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace kvwrite {
+namespace expr {
+
+constexpr int64_t UNBOUND = INT64_MIN;
+
+// A value: an integer (bools too), a string, or None.
+struct Val {
+  enum Kind { INT, STR, NONE } kind = INT;
+  int64_t i = 0;
+  const std::string* s = nullptr;
+};
+
+// A node: 'i' literal int, 's' literal str, 'N' None, 'a' argument, 'e' env slot, 'l' local,
+// 'f' function (name in str), 'u' unary (op in str), 'b' binary (op in str), '?' conditional,
+// '=' assignment (to kids[0]).
+struct Node {
+  char kind = 'i';
+  int64_t i = 0;
+  std::string str;
+  std::vector<Node> kids;
+};
+
+// What a compiled expression reads: the call's arguments and env, and its locals.
+struct Scope {
+  at::ArrayRef<c10::IValue> args;
+  std::vector<int64_t>& env;
+  std::vector<int64_t> locals;
+};
+
+// The names an expression may use (the op's program): argument index / env slot by name.
+struct Names {
+  std::function<int(const std::string&)> arg, slot;
+  std::vector<std::string> locals;
+};
+
+inline std::optional<int64_t> dtype_code(const std::string& n) {
+  static const std::pair<const char*, at::ScalarType> types[] = {
+      {"float32", at::kFloat}, {"float16", at::kHalf}, {"bfloat16", at::kBFloat16}, {"uint8", at::kByte},
+      {"int8", at::kChar}, {"int32", at::kInt}, {"int64", at::kLong}, {"float8_e4m3fn", at::kFloat8_e4m3fn},
+      {"float8_e5m2", at::kFloat8_e5m2}, {"float8_e4m3fnuz", at::kFloat8_e4m3fnuz}};
+  for (const auto& t : types)
+    if (n == t.first) return int64_t(t.second);
+  return std::nullopt;
+}
+
+class Parser {
+ public:
+  Parser(const std::string& text, Names& names) : t_(text), names_(names) {}
+
+  std::vector<Node> statements() {
+    std::vector<Node> out;
+    while (skip(), pos_ < t_.size()) {
+      out.push_back(assignment());
+      if (!eat(";")) break;
+    }
+    skip();
+    TORCH_CHECK(pos_ == t_.size(), "kvwrite: bad rule expression at '", t_.substr(pos_), "' in: ", t_);
+    return out;
+  }
+
+ private:
+  Node assignment() {
+    const size_t start = pos_;
+    std::string name = ident();
+    if (!name.empty() && eat("=") && peek() != '=') {
+      Node n{'=', 0, "", {target(name), conditional()}};
+      return n;
+    }
+    pos_ = start;
+    return conditional();
+  }
+  Node target(const std::string& name) {
+    if (names_.slot(name) >= 0) return Node{'e', names_.slot(name)};
+    for (size_t i = 0; i < names_.locals.size(); ++i)
+      if (names_.locals[i] == name) return Node{'l', int64_t(i)};
+    names_.locals.push_back(name);
+    return Node{'l', int64_t(names_.locals.size() - 1)};
+  }
+  Node conditional() {
+    Node c = binary(0);
+    if (!eat("?")) return c;
+    Node a = conditional();
+    TORCH_CHECK(eat(":"), "kvwrite: expected ':' in rule: ", t_);
+    return Node{'?', 0, "", {c, a, conditional()}};
+  }
+  static int prec(const std::string& op) {
+    static const std::vector<std::vector<std::string>> levels = {
+        {"||"}, {"&&"}, {"==", "!="}, {"<=", ">=", "<", ">"}, {"+", "-"}, {"*", "/", "%"}};
+    for (size_t l = 0; l < levels.size(); ++l)
+      for (const auto& o : levels[l])
+        if (o == op) return int(l);
+    return -1;
+  }
+  std::string op_here() {
+    skip();
+    for (const char* o : {"||", "&&", "==", "!=", "<=", ">=", "<", ">", "+", "-", "*", "/", "%"})
+      if (t_.compare(pos_, std::char_traits<char>::length(o), o) == 0) return o;
+    return "";
+  }
+  Node binary(int min) {
+    Node lhs = unary();
+    for (std::string op = op_here(); !op.empty() && prec(op) >= min; op = op_here()) {
+      pos_ += op.size();
+      lhs = Node{'b', 0, op, {lhs, binary(prec(op) + 1)}};
+    }
+    return lhs;
+  }
+  Node unary() {
+    if (eat("!")) return Node{'u', 0, "!", {unary()}};
+    if (eat("-")) return Node{'u', 0, "-", {unary()}};
+    return primary();
+  }
+  Node primary() {
+    skip();
+    if (eat("(")) {
+      Node n = conditional();
+      TORCH_CHECK(eat(")"), "kvwrite: expected ')' in rule: ", t_);
+      return n;
+    }
+    if (pos_ < t_.size() && std::isdigit(static_cast<unsigned char>(t_[pos_]))) {
+      size_t end = pos_;
+      while (end < t_.size() && std::isdigit(static_cast<unsigned char>(t_[end]))) ++end;
+      Node n{'i', std::stoll(t_.substr(pos_, end - pos_))};
+      pos_ = end;
+      return n;
+    }
+    if (eat("'")) {
+      const size_t end = t_.find('\'', pos_);
+      TORCH_CHECK(end != std::string::npos, "kvwrite: unterminated string in rule: ", t_);
+      Node n{'s', 0, t_.substr(pos_, end - pos_)};
+      pos_ = end + 1;
+      return n;
+    }
+    const bool arg = eat("$");
+    const std::string name = ident();
+    TORCH_CHECK(!name.empty(), "kvwrite: expected a name at '", t_.substr(pos_), "' in rule: ", t_);
+    if (arg) {
+      TORCH_CHECK(names_.arg(name) >= 0, "kvwrite: rule names $", name, ", not an argument: ", t_);
+      return Node{'a', names_.arg(name)};
+    }
+    if (eat("(")) {
+      Node f{'f', 0, name};
+      while (!eat(")")) {
+        f.kids.push_back(conditional());
+        eat(",");
+        TORCH_CHECK(pos_ < t_.size(), "kvwrite: unterminated call in rule: ", t_);
+      }
+      return f;
+    }
+    if (name == "None") return Node{'N'};
+    if (auto d = dtype_code(name)) return Node{'i', *d};
+    return target_read(name);
+  }
+  Node target_read(const std::string& name) {
+    for (size_t i = 0; i < names_.locals.size(); ++i)
+      if (names_.locals[i] == name) return Node{'l', int64_t(i)};
+    TORCH_CHECK(names_.slot(name) >= 0, "kvwrite: rule names ", name, ", not an env slot or local: ", t_);
+    return Node{'e', names_.slot(name)};
+  }
+  std::string ident() {
+    skip();
+    size_t end = pos_;
+    while (end < t_.size() && (std::isalnum(static_cast<unsigned char>(t_[end])) || t_[end] == '_')) ++end;
+    if (end == pos_ || std::isdigit(static_cast<unsigned char>(t_[pos_]))) return "";
+    std::string s = t_.substr(pos_, end - pos_);
+    pos_ = end;
+    return s;
+  }
+  void skip() {
+    while (pos_ < t_.size() && std::isspace(static_cast<unsigned char>(t_[pos_]))) ++pos_;
+  }
+  char peek() {
+    skip();
+    return pos_ < t_.size() ? t_[pos_] : '\0';
+  }
+  bool eat(const char* s) {
+    skip();
+    const size_t n = std::char_traits<char>::length(s);
+    if (t_.compare(pos_, n, s) != 0) return false;
+    pos_ += n;
+    return true;
+  }
+
+  const std::string& t_;
+  Names& names_;
+  size_t pos_ = 0;
+};
+
+inline std::optional<Val> eval(const Node& n, Scope& s);
+
+inline std::optional<int64_t> int_of(const Node& n, Scope& s) {
+  const auto v = eval(n, s);
+  if (!v || v->kind != Val::INT) return std::nullopt;
+  return v->i;
+}
+
+inline std::optional<Val> num(int64_t i) { return Val{Val::INT, i}; }
+
+inline std::optional<Val> call(const Node& n, Scope& s) {
+  const std::string& f = n.str;
+  if (n.kids.empty() || n.kids[0].kind != 'a') return std::nullopt;
+  const c10::IValue& v = s.args[n.kids[0].i];
+  if (f == "none") return num(v.isNone());
+  if (f == "isint") return num(v.isInt());
+  if (!v.isTensor()) return std::nullopt;
+  const at::Tensor& t = v.toTensor();
+  if (f == "dim") return num(t.dim());
+  if (f == "dtype") return num(int64_t(t.scalar_type()));
+  if (f == "itemsize") return num(int64_t(t.element_size()));
+  if (n.kids.size() != 2) return std::nullopt;
+  const auto i = int_of(n.kids[1], s);
+  if (!i || *i < -t.dim() || *i >= t.dim()) return std::nullopt;
+  if (f == "size") return num(t.size(*i));
+  if (f == "stride") return num(t.stride(*i));
+  return std::nullopt;
+}
+
+inline std::optional<Val> eval(const Node& n, Scope& s) {
+  switch (n.kind) {
+    case 'i': return num(n.i);
+    case 's': return Val{Val::STR, 0, &n.str};
+    case 'N': return Val{Val::NONE};
+    case 'e': return s.env[n.i] == UNBOUND ? std::nullopt : num(s.env[n.i]);
+    case 'l': return num(s.locals[n.i]);
+    case 'a': {
+      const c10::IValue& v = s.args[n.i];
+      if (v.isInt()) return num(v.toInt());
+      if (v.isBool()) return num(v.toBool());
+      if (v.isNone()) return Val{Val::NONE};
+      if (v.isString()) return Val{Val::STR, 0, &v.toStringRef()};
+      return std::nullopt;
+    }
+    case 'f': return call(n, s);
+    case '?': {
+      const auto c = int_of(n.kids[0], s);
+      if (!c) return std::nullopt;
+      return eval(n.kids[*c ? 1 : 2], s);
+    }
+    case '=': {
+      const auto v = int_of(n.kids[1], s);
+      if (!v) return std::nullopt;
+      (n.kids[0].kind == 'e' ? s.env : s.locals)[n.kids[0].i] = *v;
+      return num(1);
+    }
+    case 'u': {
+      const auto v = int_of(n.kids[0], s);
+      if (!v) return std::nullopt;
+      return num(n.str == "!" ? !*v : -*v);
+    }
+    default: break;
+  }
+  const std::string& op = n.str;  // binary
+  if (op == "&&" || op == "||") {
+    const auto a = int_of(n.kids[0], s);
+    if (!a) return std::nullopt;
+    if ((op == "&&") != bool(*a)) return num(*a != 0);
+    const auto b = int_of(n.kids[1], s);
+    return b ? num(*b != 0) : std::nullopt;
+  }
+  const auto a = eval(n.kids[0], s), b = eval(n.kids[1], s);
+  if (!a || !b) return std::nullopt;
+  if (op == "==" || op == "!=") {
+    bool eq = a->kind == b->kind;
+    if (eq && a->kind == Val::INT) eq = a->i == b->i;
+    if (eq && a->kind == Val::STR) eq = *a->s == *b->s;
+    return num(eq == (op == "=="));
+  }
+  if (a->kind != Val::INT || b->kind != Val::INT) return std::nullopt;
+  const int64_t x = a->i, y = b->i;
+  if ((op == "/" || op == "%") && y == 0) return std::nullopt;
+  if (op == "<") return num(x < y);
+  if (op == "<=") return num(x <= y);
+  if (op == ">") return num(x > y);
+  if (op == ">=") return num(x >= y);
+  if (op == "+") return num(x + y);
+  if (op == "-") return num(x - y);
+  if (op == "*") return num(x * y);
+  if (op == "/") return num(x / y);
+  return num(x % y);
+}
+
+// A compiled rule: its statements and the number of locals they use.
+struct Rule {
+  std::vector<Node> statements;
+  size_t locals = 0;
+
+  bool operator()(at::ArrayRef<c10::IValue> args, std::vector<int64_t>& env) const {
+    Scope s{args, env, std::vector<int64_t>(locals, 0)};
+    for (const Node& st : statements) {
+      const auto v = eval(st, s);
+      if (!v || v->kind != Val::INT || v->i == 0) return false;
+    }
+    return true;
+  }
+};
+
+inline Rule compile(const std::string& text, Names names) {
+  Rule r;
+  r.statements = Parser(text, names).statements();
+  r.locals = names.locals.size();
+  return r;
+}
+
+}  // namespace expr
+}  // namespace kvwrite
