@@ -1,4 +1,4 @@
-// The CUDA device policy of registry.h and its registrations: the launchers of csrc/*.cu on the
+// The CUDA device policy of registry.h and its registrations: the launchers of the .cu units on the
 // current stream under the call's device guard. No host sync; CUDA-graph safe.
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>

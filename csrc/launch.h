@@ -1,4 +1,5 @@
-// The CUDA launchers (csrc/*.cu): plain C++ signatures, no torch headers on either side.
+// The CUDA launchers (csrc/pages.cu, csrc/claims.cu and the generated per-op units): plain C++
+// signatures, no torch headers on either side.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -14,8 +15,9 @@
 namespace kvwrite {
 
 // Enqueues the call's kernel(s) on `stream` (no host sync) and returns cudaGetLastError(). The
-// per-token ops: the one template of tokens.cuh, instantiated by each op's .cu file (rope ops:
-// p.scratch holds [n, row] device rows of the rotated k / k_pe).
+// per-token ops: the one template of tokens.cuh, instantiated per params type by the unit the
+// build generates from its KVW_BODY line (rope ops: p.scratch holds [n, row] device rows of the
+// rotated k / k_pe).
 template <class P>
 cudaError_t launch(const P& p, int check, cudaStream_t stream);
 // Their own kernels: page moves (csrc/pages.cu), the duplicate-row pre-pass (csrc/claims.cu).

@@ -1,6 +1,7 @@
-// Page-move CUDA kernels (copy_pages, gather, slot_mapping) and their launchers. The per-item
-// bodies (kvwrite/pages.h) are shared with the CPU kernels in ops.cpp.
-#include "tokens.cuh"
+// Page-move CUDA kernels (copy_pages, slot_mapping) and their launchers; gather is a per-token
+// body (KVW_BODY in kvwrite/pages.h: its generated unit gather_params.cu). The per-item bodies
+// (kvwrite/pages.h) are shared with the CPU kernels in ops.cpp.
+#include "launch.h"
 
 namespace kvwrite {
 
@@ -52,5 +53,3 @@ cudaError_t launch(const SlotMappingParams& p, int check, cudaStream_t stream) {
 }
 
 }  // namespace kvwrite
-
-KVW_LAUNCH(GatherParams)

@@ -77,10 +77,12 @@ print("OK")
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-2000:]
 
 
-def test_kernel_sources_keep_torch_out_of_cu_files_and_headers():
-    """The .cu files, tokens.cuh and csrc/kvwrite/*.h compile without torch (fast nvcc builds);
-    every .cu launches through tokens.cuh or defines its own kernels."""
-    files = list(CSRC.glob("*.cu")) + list(CSRC.glob("*.cuh")) + list((CSRC / "kvwrite").glob("*.h"))
+def test_kernel_sources_keep_torch_out_of_cu_files_and_headers(tmp_path):
+    """The .cu files (hand-written and generated), tokens.cuh and csrc/kvwrite/*.h compile without
+    torch (fast nvcc builds); every .cu launches through tokens.cuh or defines its own kernels."""
+    units = _ext.launch_units(CSRC, tmp_path)
+    assert units
+    files = (list(CSRC.glob("*.cu")) + units + list(CSRC.glob("*.cuh")) + list((CSRC / "kvwrite").glob("*.h")))
     assert files
     for f in files:
         text = f.read_text()
@@ -103,20 +105,95 @@ def test_setup_py_aot_extension_uses_the_jit_sources_and_flags(monkeypatch):
     exts, cmdclass = _ext.aot_extension(CSRC)
     (ext,) = exts
     assert ext.name == "kvwrite._C" and "build_ext" in cmdclass
-    want = {str(p.relative_to(CSRC.parent)) for p in _ext.sources(CSRC, cfg["with_cuda"])}
+    want = {str(p.relative_to(CSRC.parent)) for p in _ext.sources(CSRC, cfg["with_cuda"], _ext.aot_units_dir(CSRC))}
     assert set(ext.sources) == want and "csrc/ops.cpp" in want
     assert any(s.endswith(".cu") for s in want) == cfg["with_cuda"]
+    # the generated units go to <repo>/build/kvwrite-units (relative, as setup.py needs them)
+    assert all(s.startswith(("csrc/", "build/kvwrite-units/")) for s in want), want
     assert "-DKVWRITE_PYTHON_MODULE" in ext.extra_compile_args["cxx"]
+
+
+def _body_uses(root: Path) -> dict[str, str]:
+    """{params type: header} of the `KVW_BODY(P, fn)` lines of csrc/kvwrite/*.h, read here
+    independently of the generator (line starts only: not the #define, not comments)."""
+    out = {}
+    for h in sorted((root / "kvwrite").glob("*.h")):
+        for line in h.read_text().splitlines():
+            m = re.match(r"\s*KVW_BODY\((\w+),", line)
+            if m:
+                out[m.group(1)] = h.name
+    return out
+
+
+def test_every_body_gets_one_generated_launch_unit_and_generation_is_idempotent(tmp_path):
+    """One CUDA unit per params type with a KVW_BODY, `KVW_LAUNCH(P)` of exactly that type (the
+    launcher's instantiation is derived from the body line, so a body without a launch cannot
+    exist), distinct names (the JIT build names objects by file name), none from csrc/; a second
+    run rewrites nothing (ninja keeps the objects) and a unit of a type gone is removed."""
+    uses = _body_uses(CSRC)
+    assert {"StoreKVParams", "RopeStoreKVQuantParams", "GatherParams", "RopeStoreDSV4FP4Params"} <= set(uses)
+    assert _ext.bodies(CSRC) == uses
+    units = _ext.launch_units(CSRC, tmp_path)
+    assert [u.parent for u in units] == [tmp_path] * len(units) and len(units) == len(uses)
+    launched = {}
+    for u in units:
+        text = u.read_text()
+        (p,) = re.findall(r"^KVW_LAUNCH\((\w+)\)$", text, re.M)
+        launched[p] = u.name
+        assert u.name == _ext.unit_name(p) and '#include "tokens.cuh"' in text
+        assert text.startswith("// Generated") and f"kvwrite/{uses[p]}" in text.splitlines()[0]
+    assert set(launched) == set(uses)
+    assert _ext.unit_name("StoreIndexerKParams") == "store_indexer_k_params.cu"
+    assert _ext.unit_name("RopeStoreKVQuantParams") == "rope_store_kv_quant_params.cu"
+    assert not {u.name for u in units} & {p.name for p in CSRC.glob("*.cu")}
+    readme = (CSRC / "README.md").read_text()   # names every unit (compile times, file table)
+    assert [u.name for u in units if f"`{u.name}`" not in readme] == []
+    # no hand-written instantiation is left: csrc/ only defines KVW_LAUNCH (tokens.cuh)
+    for f in list(CSRC.glob("*.cu")) + list(CSRC.glob("*.cuh")) + list(CSRC.glob("*.h")):
+        assert not re.search(r"^\s*KVW_LAUNCH\(", f.read_text(), re.M), f.name
+
+    stamp = {u: (u.stat().st_mtime_ns, u.read_text()) for u in units}
+    os.utime(units[0], ns=(1, 1))   # an old mtime survives a rerun: the file is not rewritten
+    stamp[units[0]] = (1, stamp[units[0]][1])
+    stale = tmp_path / "store_gone_params.cu"
+    stale.write_text("// a unit of a removed type\n")
+    assert _ext.launch_units(CSRC, tmp_path) == units
+    assert {u: (u.stat().st_mtime_ns, u.read_text()) for u in units} == stamp
+    assert not stale.exists()
+
+
+def test_a_new_body_header_gets_its_unit_and_a_duplicate_body_is_an_error(tmp_path):
+    """The derivation itself: a KVW_BODY line in a new header is all a new store adds (the
+    #define and comments do not count); the same type twice is refused."""
+    root = tmp_path / "csrc"
+    (root / "kvwrite").mkdir(parents=True)
+    (root / "kvwrite" / "dispatch.h").write_text("#define KVW_BODY(P, fn) \\\n  void dispatch();\n")
+    (root / "kvwrite" / "store_new.h").write_text(
+        "// KVW_BODY(NotThisParams, x) in a comment\nnamespace kvwrite {\n"
+        "KVW_BODY(StoreNewParams, dispatch_store_new)\n  KVW_BODY( StoreNewFP8Params , dispatch_store_new_fp8<true>)\n}\n")
+    units = _ext.launch_units(root, tmp_path / "units")
+    assert [u.name for u in units] == ["store_new_fp8_params.cu", "store_new_params.cu"]
+    assert "KVW_LAUNCH(StoreNewParams)" in units[1].read_text()
+    assert sorted(p.name for p in root.rglob("*")) == ["dispatch.h", "kvwrite", "store_new.h"]  # csrc/ untouched
+    assert [s.name for s in _ext.sources(root, False)] == ["ops.cpp"]
+    (root / "kvwrite" / "other.h").write_text("KVW_BODY(StoreNewParams, dispatch_again)\n")
+    with pytest.raises(RuntimeError, match="twice"):
+        _ext.launch_units(root, tmp_path / "units")
+    with pytest.raises(ValueError):
+        _ext.sources(root, True)
 
 
 @pytest.mark.skipif(_ext.find_cuda_home() is None, reason="no CUDA toolkit")
 def test_store_kv_ptx_check_modes_are_template_specialisations(tmp_path):
-    """PTX of store_kv.cu for sm_90 (≈2 s): `off` kernels carry no check code, `assert` kernels
-    a device assert, `guard` kernels the atomics of the record; 16-byte copies are v4 accesses."""
+    """PTX of store_kv's generated unit for sm_90 (≈2 s): `off` kernels carry no check code,
+    `assert` kernels a device assert, `guard` kernels the atomics of the record; 16-byte copies
+    are v4 accesses."""
     nvcc = os.path.join(_ext.find_cuda_home(), "bin", "nvcc")
     ptx = tmp_path / "store_kv.ptx"
+    _ext.launch_units(CSRC, tmp_path / "units")
+    unit = tmp_path / "units" / _ext.unit_name("StoreKVParams")
     out = subprocess.run([nvcc, "-ptx", "-arch=sm_90", "-std=c++20", "--expt-relaxed-constexpr", "-O3",
-                          f"-I{CSRC}", str(CSRC / "store_kv.cu"), "-o", str(ptx)],
+                          f"-I{CSRC}", str(unit), "-o", str(ptx)],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     text = ptx.read_text()

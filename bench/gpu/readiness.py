@@ -10,7 +10,7 @@
             >= 0x7FFF8000 in the bf16 rope paths (fp8_ds_mla, DeepSeek V4) without a device
             assert (subprocess: an assert would kill the CUDA context)
   devices   tensors on cuda:1 while cuda:0 is current run on cuda:1 (two GPUs; else skipped)
-  ptx       the AOT arch flags embed PTX of the newest arch: a store_kv.cu fatbin of sm_80 SASS +
+  ptx       the AOT arch flags embed PTX of the newest arch: a store_kv unit fatbin of sm_80 SASS +
             compute_80 PTX loads on this (newer) GPU through the driver's PTX JIT, while sm_80
             SASS alone does not ("no kernel image")
 
@@ -347,7 +347,7 @@ def _nvcc_fatbin(src: Path, gencode: list[str], out: Path) -> tuple[bool, str]:
     from kvwrite import _ext
 
     nvcc = os.path.join(_ext.find_cuda_home() or "/usr/local/cuda", "bin", "nvcc")
-    cmd = [nvcc, "-fatbin", "-std=c++20", "-O3", "--expt-relaxed-constexpr", f"-I{src.parent}",
+    cmd = [nvcc, "-fatbin", "-std=c++20", "-O3", "--expt-relaxed-constexpr", f"-I{_ext.csrc_dir()}",
            *gencode, str(src), "-o", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     return r.returncode == 0, r.stderr[-800:]
@@ -375,9 +375,10 @@ def check_ptx() -> None:
         aot = [f for f in cpp_extension._get_cuda_arch_flags() if f.startswith("-gencode")]
         os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0"
         sass_only = [f for f in cpp_extension._get_cuda_arch_flags() if f.startswith("-gencode")]
-        src = _ext.csrc_dir() / "store_kv.cu"
         cap = torch.cuda.get_device_capability()
         with tempfile.TemporaryDirectory() as tmp:
+            units = _ext.launch_units(_ext.csrc_dir(), Path(tmp) / "units")
+            src = next(u for u in units if u.name == _ext.unit_name("StoreKVParams"))
             results = {}
             for name, flags in (("sass+ptx", aot), ("sass_only", sass_only)):
                 fb = Path(tmp) / f"{name}.fatbin"

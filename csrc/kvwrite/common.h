@@ -1,7 +1,7 @@
 // kvwrite C++/CUDA kernels: shared basics (host + device).
 //
 // Every header under csrc/kvwrite/ is plain C++ that nvcc and the host compiler both accept:
-// the functions are KVW_HD (__host__ __device__ under nvcc), so the CUDA kernels (csrc/*.cu) and
+// the functions are KVW_HD (__host__ __device__ under nvcc), so the CUDA kernels (.cu units) and
 // the CPU kernels (csrc/ops.cpp) run the same addressing, loc resolution, checks and quantisation.
 // No torch header is included here.
 #pragma once

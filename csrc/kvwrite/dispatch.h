@@ -75,3 +75,12 @@ inline LaunchShape launch_shape(i64 n_tokens, i64 work_per_token, int threads = 
 }
 
 }  // namespace kvwrite
+
+// An op's body, declared at the end of the header that defines its params type P and body
+// dispatcher fn (inside namespace kvwrite): `KVW_BODY(StoreKVParams, dispatch_store_kv)` adds
+// the overload dispatch(p, check, f) that the CPU policy (ops.cpp) and the CUDA launcher template
+// (tokens.cuh) call. The build derives one CUDA unit per use, `KVW_LAUNCH(P)` (kvwrite._ext
+// launch_units: a KVW_BODY line at the start of a line in a csrc/kvwrite/*.h header).
+#define KVW_BODY(P, fn) \
+  template <class F>    \
+  void dispatch(const P& p, int check, F&& f) { fn(p, check, f); }

@@ -135,4 +135,7 @@ void dispatch_store_kv_int4(const StoreKVInt4Params& p, int check, F&& f) {
   });
 }
 
+// The body by params type (KVW_BODY, dispatch.h): the build derives one CUDA unit per line.
+KVW_BODY(StoreKVInt4Params, dispatch_store_kv_int4)
+
 }  // namespace kvwrite

@@ -232,4 +232,7 @@ KVW_HD void slot_token(const SlotMappingParams& p, i64 i) {
   on_bad<CHECK>(p.errors, v);
 }
 
+// The body by params type (KVW_BODY, dispatch.h): the build derives one CUDA unit per line.
+KVW_BODY(GatherParams, dispatch_gather)
+
 }  // namespace kvwrite

@@ -468,4 +468,9 @@ void dispatch_rope_store_mla(const RopeStoreMLAParams& p, int check, F&& f) {
 
 KVW_HD const LocArgs& locs_of(const RopeStoreMLAParams& p) { return p.mla.locs; }
 
+// The body by params type (KVW_BODY, dispatch.h): the build derives one CUDA unit per line.
+KVW_BODY(RopeStoreKVParams, dispatch_rope_store_kv)
+KVW_BODY(RopeStoreKVQuantParams, dispatch_rope_store_kv_quant)
+KVW_BODY(RopeStoreMLAParams, dispatch_rope_store_mla)
+
 }  // namespace kvwrite

@@ -169,4 +169,9 @@ void dispatch_store_rows(const StoreRowsParams& p, int check, F&& f) {
   });
 }
 
+// The body by params type (KVW_BODY, dispatch.h): the build derives one CUDA unit per line.
+KVW_BODY(StoreDSV4KVParams, dispatch_store_dsv4_kv)
+KVW_BODY(StoreMXFP4Params, dispatch_store_mxfp4)
+KVW_BODY(StoreRowsParams, dispatch_store_rows)
+
 }  // namespace kvwrite

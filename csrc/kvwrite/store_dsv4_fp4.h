@@ -36,6 +36,9 @@ struct StoreDSV4FP4Params {
   RopeArgs rope;    // rope_store_dsv4_kv_fp4: GPT-J rotation of the RoPE part (R = 64), q in place
 };
 
+// rope_store_dsv4_kv_fp4: the same params with its rotation (ROPED bodies).
+struct RopeStoreDSV4FP4Params : StoreDSV4FP4Params {};
+
 // The block quantiser as a call of its own on the device (scalar arguments: the kernel's
 // parameter struct stays in parameter space): inlined into the token loop, the NVFP4 block's 16
 // values spilled beside the loop's state (sm_80 / sm_90, bf16).
@@ -182,5 +185,9 @@ void dispatch_store_dsv4_fp4(const StoreDSV4FP4Params& p, int check, F&& f) {
   };
   with_check(check, [&](auto c) { with_float_dtype(p.in_dtype, [&](auto in) { fmts(c, in); }); });
 }
+
+// The body by params type (KVW_BODY, dispatch.h): the build derives one CUDA unit per line.
+KVW_BODY(StoreDSV4FP4Params, dispatch_store_dsv4_fp4<false>)
+KVW_BODY(RopeStoreDSV4FP4Params, dispatch_store_dsv4_fp4<true>)
 
 }  // namespace kvwrite

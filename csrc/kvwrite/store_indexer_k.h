@@ -89,4 +89,7 @@ void dispatch_store_indexer_k(const StoreIndexerKParams& p, int check, F&& f) {
   });
 }
 
+// The body by params type (KVW_BODY, dispatch.h): the build derives one CUDA unit per line.
+KVW_BODY(StoreIndexerKParams, dispatch_store_indexer_k)
+
 }  // namespace kvwrite

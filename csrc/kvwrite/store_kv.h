@@ -201,4 +201,7 @@ void dispatch_store_kv(const StoreKVParams& p, int check, F&& f) {
   });
 }
 
+// The body by params type (KVW_BODY, dispatch.h): the build derives one CUDA unit per line.
+KVW_BODY(StoreKVParams, dispatch_store_kv)
+
 }  // namespace kvwrite

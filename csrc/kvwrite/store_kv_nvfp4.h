@@ -92,4 +92,7 @@ void dispatch_store_kv_nvfp4(const StoreKVNVFP4Params& p, int check, F&& f) {
   });
 }
 
+// The body by params type (KVW_BODY, dispatch.h): the build derives one CUDA unit per line.
+KVW_BODY(StoreKVNVFP4Params, dispatch_store_kv_nvfp4)
+
 }  // namespace kvwrite

@@ -204,4 +204,7 @@ void dispatch_store_kv_quant(const StoreKVQuantParams& p, int check, Fn&& f) {
   });
 }
 
+// The body by params type (KVW_BODY, dispatch.h): the build derives one CUDA unit per line.
+KVW_BODY(StoreKVQuantParams, dispatch_store_kv_quant)
+
 }  // namespace kvwrite

@@ -270,4 +270,7 @@ void dispatch_store_mla(const StoreMLAParams& p, int check, F&& f) {
   });
 }
 
+// The body by params type (KVW_BODY, dispatch.h): the build derives one CUDA unit per line.
+KVW_BODY(StoreMLAParams, dispatch_store_mla)
+
 }  // namespace kvwrite

@@ -1,4 +1,0 @@
-// rope_store_mla (as rope_store_kv.cu).
-#include "tokens.cuh"
-
-KVW_LAUNCH(RopeStoreMLAParams)
