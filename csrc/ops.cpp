@@ -83,7 +83,6 @@ void assert_prescan(const LocArgs& a) {
 // not a measured crossover: on the shared 2-core dev VM the 2-thread runs are dominated by
 // OpenMP scheduling stalls (even torch's contiguous copy), so no threshold could be measured.
 // KVWRITE_CPU_PARALLEL_BYTES overrides the threshold (read once).
-constexpr int64_t QUANT_WEIGHT = 8;
 int64_t parallel_bytes() {
   static const int64_t v = [] {
     const char* e = std::getenv("KVWRITE_CPU_PARALLEL_BYTES");
@@ -97,51 +96,6 @@ int64_t parallel_bytes() {
 int64_t grain_for(int64_t token_bytes) {
   const int64_t cost = std::max<int64_t>(1, token_bytes);
   return std::max<int64_t>(GRAIN, (parallel_bytes() + cost - 1) / cost);
-}
-
-// Weighted bytes one token moves (read + write).
-int64_t token_bytes(const StoreKVParams& p) {
-  const int64_t es = dtype_size(p.in_dtype), quant = p.cache_dtype != p.in_dtype;
-  return int64_t(p.H) * (p.k.D + p.v.D) * (quant ? (es + 1) * QUANT_WEIGHT : 2 * es);
-}
-int64_t token_bytes(const StoreMLAParams& p) {
-  const int64_t es = dtype_size(p.in_dtype);
-  return int64_t(p.L + p.R) * (p.mode == MLA_COPY ? 2 * es : (es + 1) * QUANT_WEIGHT);
-}
-int64_t token_bytes(const StoreIndexerKParams& p) {
-  return int64_t(p.cache.D) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT;
-}
-int64_t token_bytes(const StoreKVNVFP4Params& p) {
-  return int64_t(p.H) * (p.k.D + p.v.D) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT;
-}
-int64_t token_bytes(const StoreDSV4KVParams& p) {  // DeepSeek V4
-  return int64_t(DSV4_NOPE + DSV4_ROPE) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT;
-}
-int64_t token_bytes(const StoreMXFP4Params& p) { return int64_t(p.D) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT; }
-int64_t token_bytes(const StoreDSV4FP4Params& p) {
-  return int64_t(DSV4_NOPE + DSV4_ROPE) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT;
-}
-int64_t token_bytes(const StoreRowsParams& p) { return 2 * p.row_bytes; }
-int64_t token_bytes(const GatherParams& p) { return 2 * p.heads * p.head_bytes; }  // page moves
-int64_t token_bytes(const StoreKVInt4Params& p) {  // store_kv's int4 format
-  return int64_t(p.H) * (p.k.D + p.v.D) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT;
-}
-int64_t token_bytes(const StoreKVQuantParams& p) {  // store_kv_quant
-  return int64_t(p.H) * (p.k.D + p.v.D) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT;
-}
-// The fused RoPE stores: the store's bytes plus the rotation of q's heads and of k (k_pe).
-int64_t token_bytes(const RopeStoreKVParams& p) {
-  return token_bytes(p.kv) + int64_t(p.rope.Hq + p.kv.H) * p.kv.k.D * dtype_size(p.kv.in_dtype) * QUANT_WEIGHT;
-}
-int64_t token_bytes(const RopeStoreKVQuantParams& p) {
-  return token_bytes(p.kv) + int64_t(p.rope.Hq + p.kv.H) * p.kv.k.D * dtype_size(p.kv.in_dtype) * QUANT_WEIGHT;
-}
-int64_t token_bytes(const RopeStoreMLAParams& p) {
-  return token_bytes(p.mla) + int64_t(p.rope.Hq + 1) * p.mla.R * dtype_size(p.mla.in_dtype) * QUANT_WEIGHT;
-}
-int64_t token_bytes(const RopeStoreDSV4FP4Params& p) {
-  return token_bytes(static_cast<const StoreDSV4FP4Params&>(p)) +
-         int64_t(p.rope.Hq) * DSV4_ROPE * dtype_size(p.in_dtype) * QUANT_WEIGHT;
 }
 
 // One counter for every rope op and instantiation: the id keys rope_head_host's per-thread cos/sin

@@ -74,6 +74,10 @@ inline LaunchShape launch_shape(i64 n_tokens, i64 work_per_token, int threads = 
   return LaunchShape{ceil_div(n_tokens, per_block), threads, group};
 }
 
+// The CPU runner's cost of a token (token_bytes, next to each body): bytes read + written, a
+// quantised byte counted QUANT_WEIGHT times (it costs that much more compute; ops.cpp).
+constexpr i64 QUANT_WEIGHT = 8;
+
 }  // namespace kvwrite
 
 // An op's body, declared at the end of the header that defines its params type P and body

@@ -232,7 +232,9 @@ KVW_HD void slot_token(const SlotMappingParams& p, i64 i) {
   on_bad<CHECK>(p.errors, v);
 }
 
-// The body by params type (KVW_BODY, dispatch.h): the build derives one CUDA unit per line.
+// The bytes a token moves (the CPU runner's grain, ops.cpp) and the body by params type (KVW_BODY,
+// dispatch.h: the build derives one CUDA unit per line).
+inline i64 token_bytes(const GatherParams& p) { return 2 * p.heads * p.head_bytes; }
 KVW_BODY(GatherParams, dispatch_gather)
 
 }  // namespace kvwrite

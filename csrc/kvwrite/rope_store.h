@@ -468,7 +468,18 @@ void dispatch_rope_store_mla(const RopeStoreMLAParams& p, int check, F&& f) {
 
 KVW_HD const LocArgs& locs_of(const RopeStoreMLAParams& p) { return p.mla.locs; }
 
-// The body by params type (KVW_BODY, dispatch.h): the build derives one CUDA unit per line.
+// The bytes a token moves (the CPU runner's grain, ops.cpp) and the body by params type (KVW_BODY,
+// dispatch.h: the build derives one CUDA unit per line).
+// the store's bytes plus the rotation of q's heads and of k (k_pe)
+inline i64 token_bytes(const RopeStoreKVParams& p) {
+  return token_bytes(p.kv) + i64(p.rope.Hq + p.kv.H) * p.kv.k.D * dtype_size(p.kv.in_dtype) * QUANT_WEIGHT;
+}
+inline i64 token_bytes(const RopeStoreKVQuantParams& p) {
+  return token_bytes(p.kv) + i64(p.rope.Hq + p.kv.H) * p.kv.k.D * dtype_size(p.kv.in_dtype) * QUANT_WEIGHT;
+}
+inline i64 token_bytes(const RopeStoreMLAParams& p) {
+  return token_bytes(p.mla) + i64(p.rope.Hq + 1) * p.mla.R * dtype_size(p.mla.in_dtype) * QUANT_WEIGHT;
+}
 KVW_BODY(RopeStoreKVParams, dispatch_rope_store_kv)
 KVW_BODY(RopeStoreKVQuantParams, dispatch_rope_store_kv_quant)
 KVW_BODY(RopeStoreMLAParams, dispatch_rope_store_mla)

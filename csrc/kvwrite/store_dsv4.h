@@ -169,7 +169,13 @@ void dispatch_store_rows(const StoreRowsParams& p, int check, F&& f) {
   });
 }
 
-// The body by params type (KVW_BODY, dispatch.h): the build derives one CUDA unit per line.
+// The bytes a token moves (the CPU runner's grain, ops.cpp) and the body by params type (KVW_BODY,
+// dispatch.h: the build derives one CUDA unit per line).
+inline i64 token_bytes(const StoreDSV4KVParams& p) {
+  return i64(DSV4_NOPE + DSV4_ROPE) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT;
+}
+inline i64 token_bytes(const StoreMXFP4Params& p) { return i64(p.D) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT; }
+inline i64 token_bytes(const StoreRowsParams& p) { return 2 * p.row_bytes; }
 KVW_BODY(StoreDSV4KVParams, dispatch_store_dsv4_kv)
 KVW_BODY(StoreMXFP4Params, dispatch_store_mxfp4)
 KVW_BODY(StoreRowsParams, dispatch_store_rows)

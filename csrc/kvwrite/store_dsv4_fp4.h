@@ -186,7 +186,15 @@ void dispatch_store_dsv4_fp4(const StoreDSV4FP4Params& p, int check, F&& f) {
   with_check(check, [&](auto c) { with_float_dtype(p.in_dtype, [&](auto in) { fmts(c, in); }); });
 }
 
-// The body by params type (KVW_BODY, dispatch.h): the build derives one CUDA unit per line.
+// The bytes a token moves (the CPU runner's grain, ops.cpp) and the body by params type (KVW_BODY,
+// dispatch.h: the build derives one CUDA unit per line).
+inline i64 token_bytes(const StoreDSV4FP4Params& p) {
+  return i64(DSV4_NOPE + DSV4_ROPE) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT;
+}
+inline i64 token_bytes(const RopeStoreDSV4FP4Params& p) {  // + the rotation of q's heads
+  return token_bytes(static_cast<const StoreDSV4FP4Params&>(p)) +
+         i64(p.rope.Hq) * DSV4_ROPE * dtype_size(p.in_dtype) * QUANT_WEIGHT;
+}
 KVW_BODY(StoreDSV4FP4Params, dispatch_store_dsv4_fp4<false>)
 KVW_BODY(RopeStoreDSV4FP4Params, dispatch_store_dsv4_fp4<true>)
 

@@ -89,7 +89,11 @@ void dispatch_store_indexer_k(const StoreIndexerKParams& p, int check, F&& f) {
   });
 }
 
-// The body by params type (KVW_BODY, dispatch.h): the build derives one CUDA unit per line.
+// The bytes a token moves (the CPU runner's grain, ops.cpp) and the body by params type (KVW_BODY,
+// dispatch.h: the build derives one CUDA unit per line).
+inline i64 token_bytes(const StoreIndexerKParams& p) {
+  return i64(p.cache.D) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT;
+}
 KVW_BODY(StoreIndexerKParams, dispatch_store_indexer_k)
 
 }  // namespace kvwrite

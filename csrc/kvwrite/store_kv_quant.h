@@ -204,7 +204,11 @@ void dispatch_store_kv_quant(const StoreKVQuantParams& p, int check, Fn&& f) {
   });
 }
 
-// The body by params type (KVW_BODY, dispatch.h): the build derives one CUDA unit per line.
+// The bytes a token moves (the CPU runner's grain, ops.cpp) and the body by params type (KVW_BODY,
+// dispatch.h: the build derives one CUDA unit per line).
+inline i64 token_bytes(const StoreKVQuantParams& p) {
+  return i64(p.H) * (p.k.D + p.v.D) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT;
+}
 KVW_BODY(StoreKVQuantParams, dispatch_store_kv_quant)
 
 }  // namespace kvwrite
