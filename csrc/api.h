@@ -33,10 +33,6 @@
 
 #include "expr.h"
 #include "kvwrite/claims.h"
-#include "params.h"
-#include "params_dsv4.h"
-#include "params_int4.h"
-#include "params_rope.h"
 #include "registry.h"
 
 namespace kvwrite {

@@ -8,11 +8,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
-#include "kvwrite/store_indexer_k.h"
-#include "kvwrite/store_kv.h"
-#include "kvwrite/store_kv_quant.h"
-#include "kvwrite/store_kv_nvfp4.h"
-#include "kvwrite/store_mla.h"
+#include "bodies.h"  // every body header: its params type
 
 namespace kvwrite {
 

@@ -5,7 +5,6 @@
 
 #include <variant>
 
-#include "bodies.h"
 #include "params.h"
 #include "params_rope.h"
 

@@ -3,7 +3,6 @@
 // checks guard the raw kernel against a direct call.
 #pragma once
 
-#include "kvwrite/kv_int4.h"
 #include "params.h"
 
 namespace kvwrite {

@@ -3,7 +3,6 @@
 // heads, feat] pools, index tensors on the pools' device); these checks guard direct callers.
 #pragma once
 
-#include "kvwrite/pages.h"
 #include "params.h"
 
 namespace kvwrite {

@@ -3,7 +3,6 @@
 // guard direct callers.
 #pragma once
 
-#include "kvwrite/rope_store.h"
 #include "params.h"
 
 namespace kvwrite {

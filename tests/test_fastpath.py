@@ -18,6 +18,8 @@ import torch
 
 import kvwrite
 import test_api
+import test_dsv4
+import test_dsv4_fp4
 import test_indexer_k
 import test_mla
 import test_nvfp4
@@ -62,7 +64,18 @@ def _mla_nvfp4_case(over):
     return kvwrite.store_mla, [a["kv_c"], a["k_pe"], a["kv_cache"], torch.tensor([0, 1])], kw, caches
 
 
+def _dsv4_case(fn, page_bytes):
+    def case(over):
+        a = dict(kv=torch.randn(2, 512), cache=torch.zeros(3, page_bytes, dtype=torch.uint8), loc=torch.tensor([0, 5]))
+        a.update(over)
+        return fn, [a["kv"], a["cache"], a["loc"]], {k: v for k, v in a.items() if k not in ("kv", "cache", "loc")}, \
+            [a["cache"]]
+    return case
+
+
 CASES = ([("store_kv", _store_kv_case, c) for c in test_api.BAD]
+         + [("store_dsv4_kv", _dsv4_case(kvwrite.store_dsv4_kv, 2880), c) for c in test_dsv4.BAD]
+         + [("store_dsv4_kv_fp4", _dsv4_case(kvwrite.store_dsv4_kv_fp4, 1536), c) for c in test_dsv4_fp4.BAD]
          + [("store_mla", _store_mla_case, c) for c in test_mla.BAD]
          + [("store_indexer_k", _indexer_case, c) for c in test_indexer_k.BAD]
          + [("store_kv_nvfp4", _nvfp4_case, c) for c in test_nvfp4.BAD]
@@ -93,7 +106,8 @@ def _schema_call(op: str, fn, args, kw):
         value, t = call[arg.name], str(arg.type)
         ok = {"Tensor": isinstance(value, torch.Tensor), "Optional[Tensor]": value is None or isinstance(value, torch.Tensor),
               "int": type(value) is int, "str": type(value) is str,
-              "Optional[str]": value is None or type(value) is str}[t]
+              "Optional[str]": value is None or type(value) is str,
+              "Optional[int]": value is None or type(value) is int}[t]
         if not ok:
             return None
     # Only the schema's arguments: the Python function may take more (e.g. store_kv's per-token
@@ -213,6 +227,14 @@ def _variants():
                     kvwrite.store_dsv4_indexer_k(ik, dc, loc, fmt=fmt, scale_fmt=sf, page_size=ps, backend=b), [dc]))
     dkv, dcache = rnd(3, 512), z(4, kv_page_bytes(8), dt=u8)
     out.append(("store_dsv4_kv", lambda b: kvwrite.store_dsv4_kv(dkv, dcache, loc, backend=b), [dcache]))
+    from kvwrite.facts import FP4_RECORDS
+    for fmt, rec in FP4_RECORDS.items():
+        fc = z(4, 8 * rec.token_bytes, dt=u8)
+        out.append((f"store_dsv4_kv_fp4 {fmt}", lambda b, fc=fc, fmt=fmt: kvwrite.store_dsv4_kv_fp4(
+            dkv, fc, loc, fmt=fmt, page_size=8 if fmt == "mxfp4" else None, backend=b), [fc]))
+    rc, rq, rcs = z(4, 8 * FP4_RECORDS["nvfp4"].token_bytes, dt=u8), rnd(3, 2, 64), rnd(8, 64).float()
+    out.append(("rope_store_dsv4_kv_fp4 nvfp4", lambda b: kvwrite.rope_store_dsv4_kv_fp4(
+        torch.tensor([1, 2, 3]), dkv, rcs, rc, loc, q=rq.clone(), backend=b), [rc]))
     src, pool = rnd(3, 64), z(32, 64)
     out.append(("store_rows", lambda b: kvwrite.store_rows(src, pool, loc, backend=b), [pool]))
     pos, q, cs = torch.tensor([1, 2, 3]), rnd(3, 4, 32), rnd(8, 32)

@@ -63,8 +63,8 @@ KVW_LAUNCH({p})
 
 
 def unit_name(params: str) -> str:
-    """The generated CUDA unit of a params type: its snake case (StoreIndexerKParams ->
-    store_indexer_k_params.cu, RopeStoreDSV4FP4Params -> rope_store_dsv4_fp4_params.cu)."""
+    """The generated CUDA unit of a params type: its snake case (StoreKVParams ->
+    store_kv_params.cu, RopeStoreDSV4FP4Params -> rope_store_dsv4_fp4_params.cu)."""
     snake = re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", params).lower()
     return f"{snake}.cu"
 

@@ -29,6 +29,7 @@ def cases() -> list[tuple[str, object, str, object, float]]:
     nv = [torch.zeros(16, 16, 8, w, dtype=dt) for w, dt in ((64, torch.uint8),) * 2 + ((8, torch.float8_e4m3fn),) * 2]
     dkv, dcache = rnd(1, 512), torch.zeros(16, kv_page_bytes(16), dtype=torch.uint8)
     src, pool = rnd(1, 64), torch.zeros(64, 64, dtype=bf)
+    fp4 = torch.zeros(16, 16 * 384, dtype=torch.uint8)   # DeepSeek V4 nvfp4 records
     pt = kvwrite.PageTable(torch.tensor([0]), torch.tensor([5]), torch.tensor([3, 1]), torch.tensor([0, 2]))
     last, moved = torch.tensor([5]), torch.tensor([6])
     i8 = [torch.zeros(16, 16, 8, 128, dtype=torch.int8) for _ in range(2)]
@@ -51,6 +52,9 @@ def cases() -> list[tuple[str, object, str, object, float]]:
         ("store_dsv4_kv", lambda: kvwrite.store_dsv4_kv(dkv, dcache, loc), "store_kv", base, 2.0),
         ("store_dsv4_indexer_k", lambda: kvwrite.store_dsv4_indexer_k(ik, icache, loc), "store_kv", base, 2.0),
         ("store_rows", lambda: kvwrite.store_rows(src, pool, loc), "store_kv", base, 2.0),
+        ("store_dsv4_kv_fp4", lambda: kvwrite.store_dsv4_kv_fp4(dkv, fp4, loc), "store_kv", base, 2.0),
+        ("rope_store_dsv4_kv_fp4", lambda: kvwrite.rope_store_dsv4_kv_fp4(pos, dkv, cos_sin_pe, fp4, loc),
+         "store_kv", base, 2.0),
         ("store_kv PageTable", lambda: kvwrite.store_kv(k, v, kc, vc, pt), "store_kv", base, 2.0),
         ("store_kv_head_major", lambda: kvwrite.store_kv_head_major(k, v, *hm, loc), "store_kv", base, 2.0),
         ("rope_store_kv", lambda: kvwrite.rope_store_kv(pos, q, k, v, cos_sin, kc, vc, loc), "store_kv", base, 2.0),

@@ -125,9 +125,7 @@ def _indexer_fmt(env: dict, v: dict) -> None:
         raise ValueError("scale_fmt applies to fmt='fp8' only (mxfp4 scales are always ue8m0)")
 
 
-@spec.rule(expr=f"per = $fmt == 'fp8' ? D + D / {FP8_BLOCK} * 4 : D / 2 + D / {MXFP4_BLOCK}; "
-                "$page_size == None ? B != 0 && B % per == 0 : isint($page_size) && $page_size >= 1 && "
-                "$page_size * per == B; S = $page_size == None ? B / per : $page_size")
+@spec.rule(expr=spec.records_per_page(f"$fmt == 'fp8' ? D + D / {FP8_BLOCK} * 4 : D / 2 + D / {MXFP4_BLOCK}"))
 def _indexer_pages(env: dict, v: dict) -> None:
     env["S"] = indexer_pool_page_size("cache", env["B"], env["D"], env["fmt"], v["page_size"])
 

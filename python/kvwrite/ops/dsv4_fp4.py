@@ -32,6 +32,7 @@ from kvwrite.ops.dsv4 import StoreDSV4KV
 
 OP = "store_dsv4_kv_fp4"
 IMPLS = impls("dsv4_fp4:store_dsv4_kv_fp4", "store_dsv4_fp4:launch", "store_dsv4_kv_fp4")
+RAW_ARGS = {"pool_page_size": "e:S", "fmt_code": "e:fmt"}   # the C++ rule's page size and record code
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,8 @@ class StoreDSV4KVFP4(StoreDSV4KV):
         return self.record.code
 
 
+@spec.rule(expr=f"fmt = {spec.switch('fmt', {f: r.code for f, r in FP4_RECORDS.items()})}; fmt >= 0; "
+                + spec.records_per_page(spec.switch("fmt", {f: r.token_bytes for f, r in FP4_RECORDS.items()})))
 def _pages(env: dict, v: dict) -> None:
     fmt = env["fmt"] = validate.choice("fmt", v["fmt"], FP4_FMTS)
     env["S"] = fp4_pool_page_size("cache", env["B"], fmt, v["page_size"])
@@ -62,7 +65,7 @@ SPEC = spec.Op(
           spec.cache("cache", "P B", (torch.uint8,)), spec.LOC, spec.option("page_size", "int?"),
           spec.option("fmt"), spec.CHECK, spec.ERRORS, spec.LOC_MAP, *spec.DCP, spec.BACKEND),
     checks=("kv", "cache", _pages, spec.geometry("cache")),
-    build=_build, impls=IMPLS, dcp_page=True, page_table=False)
+    build=_build, impls=IMPLS, dcp_page=True, page_table=False, raw_args=RAW_ARGS)
 
 
 def store_dsv4_kv_fp4(kv: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, *, fmt: str = "nvfp4",
@@ -109,6 +112,7 @@ class RopeStoreDSV4KVFP4:
         return self.store.geometry
 
 
+@spec.rule(expr=" && ".join(f"$fmt != '{f}'" for f in FP4_FMTS if f not in ROPE_FMTS))
 def _rope_fmt(env: dict, v: dict) -> None:
     if v["fmt"] in FP4_FMTS and v["fmt"] not in ROPE_FMTS:
         raise ValueError(f"fmt={v['fmt']!r} quantises the RoPE values with the rest: the fused RoPE store takes "
@@ -129,7 +133,7 @@ ROPE_SPEC = spec.Op(
           spec.cache("cache", "P B", (torch.uint8,)), spec.LOC, spec.option("page_size", "int?"),
           spec.option("fmt"), spec.CHECK, spec.ERRORS, spec.LOC_MAP, *spec.DCP, spec.BACKEND),
     checks=("positions", "kv", "cos_sin", "q", _rope_fmt, "cache", _pages, spec.geometry("cache")),
-    build=_build_rope, impls=ROPE_IMPLS, dcp_page=True, page_table=False)
+    build=_build_rope, impls=ROPE_IMPLS, dcp_page=True, page_table=False, raw_args=RAW_ARGS)
 
 
 def rope_store_dsv4_kv_fp4(positions: torch.Tensor, kv: torch.Tensor, cos_sin: torch.Tensor,

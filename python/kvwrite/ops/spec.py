@@ -110,6 +110,18 @@ def rule(cpp: str | None = None, *, expr: str | None = None) -> Callable:
     return wrap
 
 
+def switch(name: str, values: dict) -> str:
+    """An expression (csrc/expr.h): the int `values` gives the str argument `name`, -1 for any other."""
+    return " : ".join([f"${name} == '{k}' ? {v}" for k, v in values.items()] + ["-1"])
+
+
+def records_per_page(per: str) -> str:
+    """An expression: S = the records of `per` bytes (an expression) in a page of B bytes, and
+    page_size of them when given (facts.records_per_page)."""
+    return (f"per = {per}; per > 0; $page_size == None ? B != 0 && B % per == 0 : isint($page_size) && "
+            "$page_size >= 1 && $page_size * per == B; S = $page_size == None ? B / per : $page_size")
+
+
 def choice(name: str, options: tuple) -> Callable:
     """A check: argument `name` is one of `options` (stored in the env under its name)."""
     @rule(f"choice {name} {','.join(options)}")
