@@ -311,10 +311,6 @@ constexpr MLAFormat MLA_FORMATS[] = {
     {"nvfp4", MLA_NVFP4, int64_t(at::kByte)},
 };
 
-inline int64_t dsv4_kv_page_bytes(int64_t pps) {
-  return ceil_div(pps * (DSV4_DATA_ROW + DSV4_SCALE_ROW), DSV4_DATA_ROW) * DSV4_DATA_ROW;
-}
-
 // ops.kv._quant: store_kv's format (quant 0 copy, 1 static, 2 per token, 3 per token-head) and
 // quant_rule (0 rne, 1 vllm). The scale caches' shapes are the kernel's params checks (a refusal
 // there, before any write, hands the call to Python like a refused rule).
@@ -377,20 +373,6 @@ inline bool rule(const std::vector<std::string>& w, Call& c) {
     if (mode != MLA_NVFP4) return c.none("scale_cache") && c.none("global_scale");
     c.e("B") = (c.e("L") + c.e("R")) / NVFP4_BLOCK;
     return !c.none("scale_cache");
-  }
-  if (r == "dsv4_kv_pages") {
-    const c10::IValue& ps = c.v("page_size");
-    const int64_t b = c.e("B");
-    int64_t pps = std::max<int64_t>(1, (b - DSV4_DATA_ROW) / (DSV4_DATA_ROW + DSV4_SCALE_ROW));
-    if (ps.isInt()) {
-      pps = ps.toInt();
-      if (pps < 1) return false;
-    } else if (!ps.isNone()) {
-      return false;
-    } else {
-      while (dsv4_kv_page_bytes(pps) < b) ++pps;
-    }
-    return c.e("S") = pps, dsv4_kv_page_bytes(pps) == b;
   }
   // The fused RoPE stores (ops.rope `_kv_dims`, `_mla_dims`, `_rope_args`, `_kv_format`).
   if (r == "rope_dims") {

@@ -184,17 +184,18 @@ def test_every_op_with_a_cpp_kernel_runs_its_good_calls_there():
     assert no_kernel == {n for n, op in spec.OPS.items() if op.program() is None}
 
 
-def _variants():
+def _variants(dev: str = "cpu"):
     """Good calls of the formats and layouts the expression rules (spec.rule(expr=...)) decide:
     (name, fn(backend), the tensors it writes)."""
     from kvwrite.ops.dsv4 import kv_page_bytes
 
     g = torch.Generator().manual_seed(1)
+    T = lambda x: torch.tensor(x, device=dev)  # noqa: E731
     bf, u8, e4 = torch.bfloat16, torch.uint8, torch.float8_e4m3fn
-    rnd = lambda *s: torch.randn(*s, generator=g).to(bf)  # noqa: E731
-    loc = torch.tensor([5, -1, 17])
-    k, v, one = rnd(3, 2, 32), rnd(3, 2, 32), torch.tensor(0.05)
-    z = lambda *s, dt=bf: torch.zeros(*s, dtype=dt)  # noqa: E731
+    rnd = lambda *s: torch.randn(*s, generator=g).to(dev, bf)  # noqa: E731
+    loc = T([5, -1, 17])
+    k, v, one = rnd(3, 2, 32), rnd(3, 2, 32), T(0.05)
+    z = lambda *s, dt=bf: torch.zeros(*s, dtype=dt, device=dev)  # noqa: E731
     out = []
     for layout, shape in (("NHD", (4, 8, 2, 32)), ("HND", (4, 2, 8, 32)), ("cpu_attn", (4, 2, 8, 32))):
         kc, vc = z(*shape), z(*shape)
@@ -234,28 +235,33 @@ def _variants():
             dkv, fc, loc, fmt=fmt, page_size=8 if fmt == "mxfp4" else None, backend=b), [fc]))
     rc, rq, rcs = z(4, 8 * FP4_RECORDS["nvfp4"].token_bytes, dt=u8), rnd(3, 2, 64), rnd(8, 64).float()
     out.append(("rope_store_dsv4_kv_fp4 nvfp4", lambda b: kvwrite.rope_store_dsv4_kv_fp4(
-        torch.tensor([1, 2, 3]), dkv, rcs, rc, loc, q=rq.clone(), backend=b), [rc]))
+        T([1, 2, 3]), dkv, rcs, rc, loc, q=rq.clone(), backend=b), [rc]))
     src, pool = rnd(3, 64), z(32, 64)
     out.append(("store_rows", lambda b: kvwrite.store_rows(src, pool, loc, backend=b), [pool]))
-    pos, q, cs = torch.tensor([1, 2, 3]), rnd(3, 4, 32), rnd(8, 32)
+    pos, q, cs = T([1, 2, 3]), rnd(3, 4, 32), rnd(8, 32)
     for what, caches, kw in (("copy", (z(4, 8, 2, 32), z(4, 8, 2, 32)), {}),
                              ("int8 per token", (z(4, 8, 2, 32, dt=torch.int8), z(4, 8, 2, 32, dt=torch.int8)),
                               {"k_scale_cache": z(4, 8, dt=f32), "v_scale_cache": z(4, 8, dt=f32)})):
         out.append((f"rope_store_kv {what}", lambda b, c=caches, kw=kw: kvwrite.rope_store_kv(
             pos, q.clone(), k, v, cs, *c, loc, backend=b, **kw), [*caches, *kw.values()]))
-    table, batch = torch.tensor([[3, 1], [0, 2]]), torch.tensor([0, 1, 1])
-    out.append(("slot_mapping", lambda b: [kvwrite.slot_mapping(table, batch, torch.tensor([1, 9, 2]),
+    table, batch = T([[3, 1], [0, 2]]), T([0, 1, 1])
+    out.append(("slot_mapping", lambda b: [kvwrite.slot_mapping(table, batch, T([1, 9, 2]),
                                                                  kvwrite.PageGeometry(8, 4), backend=b)], []))
     return out
 
 
-@pytest.mark.parametrize("case", _variants(), ids=lambda c: c[0])
-def test_every_format_the_expression_rules_decide_runs_in_cpp(case):
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and _ext.unavailable_reason("cuda") is None else [])
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("i", range(len(_variants())), ids=[c[0] for c in _variants()])
+def test_every_format_the_expression_rules_decide_runs_in_cpp(i, dev):
     """Each format / layout of the ops whose checks are expressions runs in C++ (no call handed
-    to Python) and writes the torch reference's bytes."""
-    _, fn, written = case
+    to Python; on a GPU the kernels registered when the specs arrived) and writes the torch
+    reference's bytes."""
+    _, fn, written = _variants(dev)[i]
     forwarded = dict(_library.FORWARDED)
-    got = fn("cpu")
+    got = fn(dev)
     assert _library.FORWARDED == forwarded
     want_written = [t.clone() for t in written]
     for t in written:

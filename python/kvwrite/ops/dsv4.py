@@ -65,7 +65,10 @@ class StoreDSV4KV:
     check: Check
 
 
-@spec.rule("dsv4_kv_pages")
+# the smallest page size whose page holds B bytes (kv_page_bytes is increasing), or page_size
+@spec.rule(expr=f"$page_size == None || (isint($page_size) && $page_size >= 1); pps = $page_size == None ? "
+                f"((B + {PAGE_ALIGN - 1}) / {PAGE_ALIGN} - 1) * {PAGE_ALIGN} / {TOKEN_BYTES} + 1 : $page_size; "
+                f"(pps * {TOKEN_BYTES} + {PAGE_ALIGN - 1}) / {PAGE_ALIGN} * {PAGE_ALIGN} == B; S = pps")
 def _kv_pages(env: dict, v: dict) -> None:
     env["S"] = kv_pool_page_size("cache", env["B"], v["page_size"])
 
