@@ -574,8 +574,11 @@ inline c10::IValue tail_field(const Tail& t, int i) {
 // The generic launcher: the op's raw kernel with each argument from its source (resolve_raw).
 template <class R>
 void run_raw(Call& c, const Tail& t) {
-  std::vector<c10::IValue> s;
-  s.reserve(c.p.sources.size());
+  thread_local std::vector<c10::IValue> s;  // no allocation per call; no tensor held past it
+  struct Clear {
+    std::vector<c10::IValue>& v;
+    ~Clear() { v.clear(); }
+  } clear{s};
   for (const Source& src : c.p.sources) {
     switch (src.kind) {
       case 't': s.push_back(tail_field(t, src.index)); break;

@@ -16,6 +16,7 @@
 #include <ATen/core/ivalue.h>
 #include <c10/util/Exception.h>
 
+#include <array>
 #include <cctype>
 #include <functional>
 #include <memory>
@@ -36,7 +37,7 @@ struct Val {
 };
 
 // A node: 'i' literal int, 's' literal str, 'N' None, 'a' argument, 'e' env slot, 'l' local,
-// 'f' function (name in str), 'u' unary (op in str), 'b' binary (op in str), '?' conditional,
+// 'f' function, 'u' unary, 'b' binary (each its code in i: op_code / fn_code), '?' conditional,
 // '=' assignment (to kids[0]).
 struct Node {
   char kind = 'i';
@@ -45,11 +46,13 @@ struct Node {
   std::vector<Node> kids;
 };
 
+constexpr size_t MAX_LOCALS = 8;
+
 // What a compiled expression reads: the call's arguments and env, and its locals.
 struct Scope {
   at::ArrayRef<c10::IValue> args;
   std::vector<int64_t>& env;
-  std::vector<int64_t> locals;
+  std::array<int64_t, MAX_LOCALS> locals{};
 };
 
 // The names an expression may use (the op's program): argument index / env slot by name.
@@ -66,6 +69,23 @@ inline std::optional<int64_t> dtype_code(const std::string& n) {
   for (const auto& t : types)
     if (n == t.first) return int64_t(t.second);
   return std::nullopt;
+}
+
+// Operators and functions as one-char codes, decoded once when a rule compiles.
+inline char op_code(const std::string& op) {
+  static const std::pair<const char*, char> ops[] = {{"||", '|'}, {"&&", '&'}, {"==", '='}, {"!=", '!'},
+                                                     {"<=", 'l'}, {">=", 'g'}, {"<", '<'},  {">", '>'},
+                                                     {"+", '+'},  {"-", '-'},  {"*", '*'},  {"/", '/'}, {"%", '%'}};
+  for (const auto& o : ops)
+    if (op == o.first) return o.second;
+  return 0;
+}
+inline char fn_code(const std::string& f) {
+  static const std::pair<const char*, char> fns[] = {{"none", 'n'}, {"isint", 'i'}, {"dim", 'd'}, {"dtype", 't'},
+                                                     {"itemsize", 's'}, {"size", 'S'}, {"stride", 'T'}};
+  for (const auto& x : fns)
+    if (f == x.first) return x.second;
+  return 0;
 }
 
 class Parser {
@@ -99,6 +119,7 @@ class Parser {
     for (size_t i = 0; i < names_.locals.size(); ++i)
       if (names_.locals[i] == name) return Node{'l', int64_t(i)};
     names_.locals.push_back(name);
+    TORCH_CHECK(names_.locals.size() <= MAX_LOCALS, "kvwrite: more than ", MAX_LOCALS, " locals in rule: ", t_);
     return Node{'l', int64_t(names_.locals.size() - 1)};
   }
   Node conditional() {
@@ -126,13 +147,13 @@ class Parser {
     Node lhs = unary();
     for (std::string op = op_here(); !op.empty() && prec(op) >= min; op = op_here()) {
       pos_ += op.size();
-      lhs = Node{'b', 0, op, {lhs, binary(prec(op) + 1)}};
+      lhs = Node{'b', op_code(op), "", {lhs, binary(prec(op) + 1)}};
     }
     return lhs;
   }
   Node unary() {
-    if (eat("!")) return Node{'u', 0, "!", {unary()}};
-    if (eat("-")) return Node{'u', 0, "-", {unary()}};
+    if (eat("!")) return Node{'u', '!', "", {unary()}};
+    if (eat("-")) return Node{'u', '-', "", {unary()}};
     return primary();
   }
   Node primary() {
@@ -164,7 +185,8 @@ class Parser {
       return Node{'a', names_.arg(name)};
     }
     if (eat("(")) {
-      Node f{'f', 0, name};
+      Node f{'f', fn_code(name)};
+      TORCH_CHECK(f.i != 0, "kvwrite: rule calls ", name, ", not a function: ", t_);
       while (!eat(")")) {
         f.kids.push_back(conditional());
         eat(",");
@@ -222,22 +244,18 @@ inline std::optional<int64_t> int_of(const Node& n, Scope& s) {
 inline std::optional<Val> num(int64_t i) { return Val{Val::INT, i}; }
 
 inline std::optional<Val> call(const Node& n, Scope& s) {
-  const std::string& f = n.str;
   if (n.kids.empty() || n.kids[0].kind != 'a') return std::nullopt;
   const c10::IValue& v = s.args[n.kids[0].i];
-  if (f == "none") return num(v.isNone());
-  if (f == "isint") return num(v.isInt());
+  if (n.i == 'n') return num(v.isNone());
+  if (n.i == 'i') return num(v.isInt());
   if (!v.isTensor()) return std::nullopt;
   const at::Tensor& t = v.toTensor();
-  if (f == "dim") return num(t.dim());
-  if (f == "dtype") return num(int64_t(t.scalar_type()));
-  if (f == "itemsize") return num(int64_t(t.element_size()));
-  if (n.kids.size() != 2) return std::nullopt;
-  const auto i = int_of(n.kids[1], s);
+  if (n.i == 'd') return num(t.dim());
+  if (n.i == 't') return num(int64_t(t.scalar_type()));
+  if (n.i == 's') return num(int64_t(t.element_size()));
+  const auto i = n.kids.size() == 2 ? int_of(n.kids[1], s) : std::nullopt;
   if (!i || *i < -t.dim() || *i >= t.dim()) return std::nullopt;
-  if (f == "size") return num(t.size(*i));
-  if (f == "stride") return num(t.stride(*i));
-  return std::nullopt;
+  return num(n.i == 'S' ? t.size(*i) : t.stride(*i));
 }
 
 inline std::optional<Val> eval(const Node& n, Scope& s) {
@@ -264,53 +282,53 @@ inline std::optional<Val> eval(const Node& n, Scope& s) {
     case '=': {
       const auto v = int_of(n.kids[1], s);
       if (!v) return std::nullopt;
-      (n.kids[0].kind == 'e' ? s.env : s.locals)[n.kids[0].i] = *v;
+      if (n.kids[0].kind == 'e') s.env[n.kids[0].i] = *v;
+      else s.locals[n.kids[0].i] = *v;
       return num(1);
     }
     case 'u': {
       const auto v = int_of(n.kids[0], s);
       if (!v) return std::nullopt;
-      return num(n.str == "!" ? !*v : -*v);
+      return num(n.i == '!' ? !*v : -*v);
     }
     default: break;
   }
-  const std::string& op = n.str;  // binary
-  if (op == "&&" || op == "||") {
+  const char op = char(n.i);  // binary
+  if (op == '&' || op == '|') {
     const auto a = int_of(n.kids[0], s);
     if (!a) return std::nullopt;
-    if ((op == "&&") != bool(*a)) return num(*a != 0);
+    if ((op == '&') != bool(*a)) return num(*a != 0);
     const auto b = int_of(n.kids[1], s);
     return b ? num(*b != 0) : std::nullopt;
   }
   const auto a = eval(n.kids[0], s), b = eval(n.kids[1], s);
   if (!a || !b) return std::nullopt;
-  if (op == "==" || op == "!=") {
+  if (op == '=' || op == '!') {
     bool eq = a->kind == b->kind;
     if (eq && a->kind == Val::INT) eq = a->i == b->i;
     if (eq && a->kind == Val::STR) eq = *a->s == *b->s;
-    return num(eq == (op == "=="));
+    return num(eq == (op == '='));
   }
   if (a->kind != Val::INT || b->kind != Val::INT) return std::nullopt;
   const int64_t x = a->i, y = b->i;
-  if ((op == "/" || op == "%") && y == 0) return std::nullopt;
-  if (op == "<") return num(x < y);
-  if (op == "<=") return num(x <= y);
-  if (op == ">") return num(x > y);
-  if (op == ">=") return num(x >= y);
-  if (op == "+") return num(x + y);
-  if (op == "-") return num(x - y);
-  if (op == "*") return num(x * y);
-  if (op == "/") return num(x / y);
-  return num(x % y);
+  switch (op) {
+    case '<': return num(x < y);
+    case 'l': return num(x <= y);
+    case '>': return num(x > y);
+    case 'g': return num(x >= y);
+    case '+': return num(x + y);
+    case '-': return num(x - y);
+    case '*': return num(x * y);
+    default: return y == 0 ? std::nullopt : num(op == '/' ? x / y : x % y);
+  }
 }
 
-// A compiled rule: its statements and the number of locals they use.
+// A compiled rule: its statements.
 struct Rule {
   std::vector<Node> statements;
-  size_t locals = 0;
 
   bool operator()(at::ArrayRef<c10::IValue> args, std::vector<int64_t>& env) const {
-    Scope s{args, env, std::vector<int64_t>(locals, 0)};
+    Scope s{args, env};
     for (const Node& st : statements) {
       const auto v = eval(st, s);
       if (!v || v->kind != Val::INT || v->i == 0) return false;
@@ -320,10 +338,7 @@ struct Rule {
 };
 
 inline Rule compile(const std::string& text, Names names) {
-  Rule r;
-  r.statements = Parser(text, names).statements();
-  r.locals = names.locals.size();
-  return r;
+  return Rule{Parser(text, names).statements()};
 }
 
 }  // namespace expr

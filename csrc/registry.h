@@ -194,7 +194,7 @@ inline void define_ops(torch::Library& m) {
 // of api.h (`Program::raw`), no dispatcher on the way.
 template <class Ret, class... A, size_t... I>
 void call_unboxed(Ret (*f)(A...), std::vector<c10::IValue>& s, std::index_sequence<I...>) {
-  f(s[I].template to<std::decay_t<A>>()...);
+  f(std::move(s[I]).template to<std::decay_t<A>>()...);
 }
 template <class Ret, class... A>
 void call_unboxed(Ret (*f)(A...), std::vector<c10::IValue>& s) {
