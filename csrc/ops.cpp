@@ -206,7 +206,8 @@ struct Cpu {
     if ((!p.k.cache.split && !p.v.cache.split) || p.cache_dtype != p.in_dtype) return run<StoreKVParams>(p, check, ref);
     const LocArgs& a = p.locs;
     if (check == CHECK_ASSERT) assert_prescan(a);
-    thread_local std::vector<std::pair<i64, i64>> order;  // (local row, token): N pairs, reused
+    thread_local std::vector<std::pair<i64, i64>> reused;  // (local row, token): N pairs
+    auto& order = reused;  // this thread's vector, also in the lambdas the worker threads run
     order.clear();
     with_check(int(check), [&](auto c) {  // resolve (and record, guard) in token order as before
       for (i64 i = 0; i < a.n; ++i) {

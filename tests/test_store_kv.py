@@ -208,6 +208,26 @@ print("NOT REACHED")
     assert "assert" in (out.stderr + out.stdout).lower(), out.stderr[-2000:]
 
 
+@pytest.mark.skipif("cpu" not in BACKENDS or DEVICE.type != "cpu", reason="the cpu backend's threads")
+def test_head_major_grouped_store_splits_pages_over_threads():
+    """Enough tokens for several parallel chunks (two threads): each chunk stores the pages that
+    start in it, reading the one (row, token) order the calling thread built."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        gen = torch.Generator().manual_seed(5)
+        bf, n, (pages, rows, h, d, x) = torch.bfloat16, 1024, (128, 16, 4, 64, 8)
+        k, v = torch.randn(n, h, d, generator=gen).to(bf), torch.randn(n, h, d, generator=gen).to(bf)
+        loc = torch.randperm(pages * rows, generator=gen)[:n]
+        out = {}
+        for b in ("cpu", "torch"):
+            out[b] = (torch.zeros(pages, h, d // x, rows, x, dtype=bf), torch.zeros(pages, h, d, rows, dtype=bf))
+            kvwrite.store_kv_head_major(k, v, *out[b], loc, backend=b)
+        assert all(torch.equal(a, b) for a, b in zip(out["cpu"], out["torch"]))
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("check", ["off", "guard"])
