@@ -210,8 +210,10 @@ print("NOT REACHED")
 
 @pytest.mark.skipif("cpu" not in BACKENDS or DEVICE.type != "cpu", reason="the cpu backend's threads")
 def test_head_major_grouped_store_splits_pages_over_threads():
-    """Enough tokens for several parallel chunks (two threads): each chunk stores the pages that
-    start in it, reading the one (row, token) order the calling thread built."""
+    """Enough tokens for several parallel_for chunks at two threads: each chunk stores the pages
+    that start in it, reading the one (row, token) order the calling thread built. (The chunks
+    run on threads only where the extension is built with OpenMP; the JIT build today is not, so
+    here they run one after another: the page split is what this checks.)"""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
