@@ -197,6 +197,38 @@ struct Cpu {
     dispatch(p, int(check), [&](auto token, i64) { run_tokens<typename decltype(token)::type>(p, check); });
   }
 
+  // store_kv into a split head dim (vLLM's head-major caches), plain copy: the tokens grouped by
+  // page and stored page by page, head by head. A token scatters each value element to its own
+  // 32-byte span (S rows apart); a page's tokens share those spans, so grouped they hit lines
+  // already in L1, and tokens at consecutive rows share one store per feature (copy_page_head_host).
+  // Other stores (unsplit, fp8): the per-token path.
+  static void run(StoreKVParams p, int64_t check, const Tensor& ref) {
+    if ((!p.k.cache.split && !p.v.cache.split) || p.cache_dtype != p.in_dtype) return run<StoreKVParams>(p, check, ref);
+    const LocArgs& a = p.locs;
+    if (check == CHECK_ASSERT) assert_prescan(a);
+    thread_local std::vector<std::pair<i64, i64>> reused;  // (local row, token): N pairs
+    auto& order = reused;  // this thread's vector, also in the lambdas the worker threads run
+    order.clear();
+    with_check(int(check), [&](auto c) {  // resolve (and record, guard) in token order as before
+      for (i64 i = 0; i < a.n; ++i) {
+        const Resolved r = resolve_checked<c.value>(a, i, true);
+        if (r.write) order.emplace_back(r.row, i);
+      }
+    });
+    // by row, then token: a page's tokens adjacent, a duplicated row's tokens in call order (the last wins)
+    if (!std::is_sorted(order.begin(), order.end())) std::sort(order.begin(), order.end());
+    const i64 n = i64(order.size()), pps = p.k.cache.pool_page_size;
+    const auto page = [&](i64 j) { return page_of(order[size_t(j)].first, pps); };
+    at::parallel_for(0, n, grain_for(token_bytes(p)), [&](int64_t b, int64_t e) {
+      while (b > 0 && b < n && page(b) == page(b - 1)) ++b;  // a chunk owns the pages starting in it
+      for (i64 g = b, end; g < e; g = end) {
+        for (end = g + 1; end < n && page(end) == page(g); ++end) {}
+        for (int h = 0; h < p.H; ++h) copy_page_head_host(p, h, order.data() + g, end - g);
+      }
+    });
+    if (check == CHECK_GUARD && a.errors != nullptr) a.errors[slot::EPOCH] += 1;  // the next call's epoch
+  }
+
   static void run(const CopyPagesParams& p, int64_t check, const Tensor&) {
     if (check == CHECK_ASSERT) {
       i64 local[slot::NUM_SLOTS];

@@ -206,3 +206,77 @@ print("NOT REACHED")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and "NOT REACHED" not in out.stdout
     assert "assert" in (out.stderr + out.stdout).lower(), out.stderr[-2000:]
+
+
+@pytest.mark.skipif("cpu" not in BACKENDS or DEVICE.type != "cpu", reason="the cpu backend's threads")
+def test_head_major_grouped_store_splits_pages_over_threads():
+    """Enough tokens for several parallel_for chunks at two threads: each chunk stores the pages
+    that start in it, reading the one (row, token) order the calling thread built. (The chunks
+    run on threads only where the extension is built with OpenMP; the JIT build today is not, so
+    here they run one after another: the page split is what this checks.)"""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        gen = torch.Generator().manual_seed(5)
+        bf, n, (pages, rows, h, d, x) = torch.bfloat16, 1024, (128, 16, 4, 64, 8)
+        k, v = torch.randn(n, h, d, generator=gen).to(bf), torch.randn(n, h, d, generator=gen).to(bf)
+        loc = torch.randperm(pages * rows, generator=gen)[:n]
+        out = {}
+        for b in ("cpu", "torch"):
+            out[b] = (torch.zeros(pages, h, d // x, rows, x, dtype=bf), torch.zeros(pages, h, d, rows, dtype=bf))
+            kvwrite.store_kv_head_major(k, v, *out[b], loc, backend=b)
+        assert all(torch.equal(a, b) for a, b in zip(out["cpu"], out["torch"]))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("check", ["off", "guard"])
+def test_head_major_many_tokens_per_page(backend, dtype, check):
+    """store_kv_head_major with many tokens per page (the CPU store groups a call's tokens by page
+    and moves 2-byte values by runs of consecutive rows): random token order, runs of 1 to 20
+    consecutive rows across page ends, padding, a loc_map; off: duplicate rows (the later token
+    wins); guard: locs outside loc_map (recorded, skipped). Bytes against the torch reference."""
+    gen = torch.Generator().manual_seed(11)
+    pages, pps, h, d = 6, 16, 2, 64
+    cap, x = pages * pps, 16 // torch.empty((), dtype=dtype).element_size()
+    perm = torch.randperm(cap, generator=gen)
+    rows = torch.cat([torch.arange(10, 30), torch.arange(40, 43), torch.arange(50, 52), torch.arange(64, 72),
+                      perm[:40]])
+    rows = torch.unique(rows)  # distinct rows
+    rows = rows[torch.randperm(len(rows), generator=gen)]
+    rows = torch.cat([rows, rows[torch.randperm(len(rows), generator=gen)[:12]]])  # 12 duplicate rows, later
+    rows = rows[torch.randperm(len(rows), generator=gen)]
+    loc_map = torch.randperm(cap, generator=gen)  # loc -> row
+    loc = torch.argsort(loc_map)[rows]
+    n = len(loc)
+    loc[torch.randperm(n, generator=gen)[:6]] = -1
+    kept = loc.clone()
+    if check == "off":  # the reference runs on the last writer of each row
+        seen = set()
+        for i in reversed(range(n)):
+            r = int(loc_map[loc[i]]) if loc[i] >= 0 else -1
+            if r in seen:
+                kept[i] = -1
+            seen.add(r)
+    else:  # distinct rows, a few locs past loc_map
+        first = {}
+        for i in range(n):
+            if loc[i] >= 0 and first.setdefault(int(loc_map[loc[i]]), i) != i:
+                loc[i] = kept[i] = -1
+        bad = torch.nonzero(loc >= 0).flatten()[torch.randperm(int((loc >= 0).sum()), generator=gen)[:4]]
+        loc[bad] = cap + 5
+        kept[bad] = -1
+    k = torch.randn(n, h, d, generator=gen).to(dtype).to(DEVICE)
+    v = torch.randn(n, h, d, generator=gen).to(dtype).to(DEVICE)
+    pool = CanaryBuffer({"k": ((pages, h, d // x, pps, x), dtype), "v": ((pages, h, d, pps), dtype)}, seed=5)
+    original, want = pool.raw.clone(), pool.clone()
+    lm = loc_map.to(DEVICE)
+    kvwrite.store_kv_head_major(k, v, want["k"], want["v"], kept.to(DEVICE), loc_map=lm, check="off", backend="torch")
+    errs = kvwrite.ErrorBuffer(DEVICE)
+    kvwrite.store_kv_head_major(k, v, pool["k"], pool["v"], loc.to(DEVICE), loc_map=lm, check=check, errors=errs,
+                                backend=backend)
+    assert_same_bytes(pool, want, original)
+    err = errs.error()
+    assert (err is None) if check == "off" else (err.count == 4 and err.token_index == int(bad.min()))

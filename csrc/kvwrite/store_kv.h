@@ -3,6 +3,11 @@
 #pragma once
 
 #include <type_traits>
+#include <utility>
+#if !defined(__CUDACC__) && defined(__SSE2__)  // host-only SSE2 transposes (scatter_rows2)
+#define KVW_SSE2_ROWS 1
+#include <emmintrin.h>
+#endif
 
 #include "dispatch.h"
 #include "fp8.h"
@@ -80,6 +85,85 @@ inline void copy_split_head(const PagedCache& c, char* dst, const char* src, int
     for (int r = 0; r < runs; ++r) memcpy(dst + r * step, src + i64(r) * run, size_t(run));
   if (runs * c.split < D)
     memcpy(dst + runs * step, src + i64(runs) * c.split * es, size_t(D - runs * c.split) * es);
+}
+
+// Host, the page-grouped CPU store of a split head dim (ops.cpp): head h of side `s` of token i
+// to local row `row`.
+inline void copy_head_host(const KVSide& s, int es, int h, i64 i, i64 row) {
+  char* dst = s.cache.row_ptr(row) + s.cache.in_row(h, 0);
+  const char* src = s.src + (i * s.s_tok + h * s.s_head) * es;
+  if (s.cache.split) copy_split_head(s.cache, dst, src, s.D, es);
+  else memcpy(dst, src, size_t(s.D) * es);
+}
+
+// Store n (2..16, even) bytes as at most two overlapping stores within [dst, dst + n).
+inline void store_small(char* dst, const char* src, int n) {
+  if (n >= 8) { memcpy(dst, src, 8); memcpy(dst + n - 8, src + n - 8, 8); }
+  else if (n >= 4) { memcpy(dst, src, 4); memcpy(dst + n - 4, src + n - 4, 4); }
+  else memcpy(dst, src, 2);
+}
+
+// 2-byte value elements of k (2..8) tokens at consecutive rows (rows 2 bytes apart, features `step`
+// bytes apart): 8x8 transposes, so each feature takes one k * 2-byte store instead of k.
+inline void scatter_rows2(char* dst, i64 step, const char* const* src, int k, int D) {
+  alignas(16) char t[8][16];
+  for (int d = 0; d < D; d += 8, dst += 8 * step) {
+#if defined(KVW_SSE2_ROWS)
+    __m128i x[8], a[8], b[8];
+    for (int j = 0; j < 8; ++j)
+      x[j] = j < k ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(src[j] + 2 * d)) : _mm_setzero_si128();
+    for (int j = 0; j < 8; j += 2) {
+      a[j] = _mm_unpacklo_epi16(x[j], x[j + 1]);
+      a[j + 1] = _mm_unpackhi_epi16(x[j], x[j + 1]);
+    }
+    for (int j = 0; j < 8; j += 4)
+      for (int q = 0; q < 2; ++q) {
+        b[j + 2 * q] = _mm_unpacklo_epi32(a[j + q], a[j + q + 2]);
+        b[j + 2 * q + 1] = _mm_unpackhi_epi32(a[j + q], a[j + q + 2]);
+      }
+    for (int e = 0; e < 8; e += 2) {  // b[e / 2] holds rows 0-3 of features e, e + 1; b[4 + e / 2] rows 4-7
+      const __m128i lo = _mm_unpacklo_epi64(b[e / 2], b[4 + e / 2]), hi = _mm_unpackhi_epi64(b[e / 2], b[4 + e / 2]);
+      if (k == 8) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + e * step), lo);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (e + 1) * step), hi);
+        continue;
+      }
+      _mm_store_si128(reinterpret_cast<__m128i*>(t[e]), lo);
+      _mm_store_si128(reinterpret_cast<__m128i*>(t[e + 1]), hi);
+    }
+    if (k == 8) continue;
+#else
+    for (int j = 0; j < k; ++j)
+      for (int e = 0; e < 8; ++e) memcpy(t[e] + 2 * j, src[j] + 2 * (d + e), 2);
+#endif
+    for (int e = 0; e < 8; ++e) store_small(dst + e * step, t[e], 2 * k);
+  }
+}
+
+// Host plain copy of head h of one page's tokens g[0, m) ((local row, token), sorted by row, then
+// token). A 2-byte value cache with a row stride of one element (vLLM's [P, H, D, S]) goes by runs
+// of up to 8 tokens at consecutive rows (scatter_rows2); a duplicated row: its last token's bytes.
+inline void copy_page_head_host(const StoreKVParams& p, int h, const std::pair<i64, i64>* g, i64 m) {
+  const int es = dtype_size(p.in_dtype);
+  for (i64 j = 0; j < m; ++j) copy_head_host(p.k, es, h, g[j].second, g[j].first);
+  const KVSide& v = p.v;
+  if (!(v.cache.split == 1 && es == 2 && v.cache.stride_entry == 1 && v.D % 8 == 0)) {
+    for (i64 j = 0; j < m; ++j) copy_head_host(v, es, h, g[j].second, g[j].first);
+    return;
+  }
+  for (i64 j = 0; j < m;) {
+    const char* src[8];
+    const i64 row = g[j].first;
+    int k = 0;
+    for (; j < m && k < 8; ++j) {
+      if (j + 1 < m && g[j + 1].first == g[j].first) continue;  // a later token writes this row
+      if (g[j].first != row + k) break;
+      src[k++] = v.src + (g[j].second * v.s_tok + h * v.s_head) * es;
+    }
+    char* dst = v.cache.row_ptr(row) + v.cache.in_row(h, 0);
+    if (k == 1) scatter_elems<2>(dst, v.cache.stride_split * es, src[0], v.D);
+    else scatter_rows2(dst, v.cache.stride_split * es, src, k, v.D);
+  }
 }
 #endif
 
