@@ -49,17 +49,6 @@ inline std::vector<std::string> split(const std::string& s, char sep) {
   return out;
 }
 
-inline std::optional<at::ScalarType> scalar_type(const std::string& name) {
-  static const std::unordered_map<std::string, at::ScalarType> types = {
-      {"float32", at::kFloat}, {"float16", at::kHalf}, {"bfloat16", at::kBFloat16}, {"float64", at::kDouble},
-      {"uint8", at::kByte}, {"int8", at::kChar}, {"int16", at::kShort}, {"int32", at::kInt}, {"int64", at::kLong},
-      {"bool", at::kBool}, {"float8_e4m3fn", at::kFloat8_e4m3fn}, {"float8_e5m2", at::kFloat8_e5m2},
-      {"float8_e4m3fnuz", at::kFloat8_e4m3fnuz}};
-  auto it = types.find(name);
-  if (it == types.end()) return std::nullopt;
-  return it->second;
-}
-
 // One dim of a tensor's shape spec: a letter (env slot, divided by div), a literal size, or any.
 struct Dim {
   int slot = -1;
@@ -163,7 +152,7 @@ inline Program parse(const std::string& name, const std::string& text) {
           if (d[0] == '=') {
             s.dtype_slots.push_back(p.slot(d.substr(1)));
           } else {
-            auto t = scalar_type(d);
+            auto t = expr::scalar_type(d);
             TORCH_CHECK(t.has_value(), "kvwrite: unknown dtype ", d, " in the spec of ", name);
             s.dtypes.push_back(*t);
           }

@@ -61,13 +61,15 @@ struct Names {
   std::vector<std::string> locals;
 };
 
-inline std::optional<int64_t> dtype_code(const std::string& n) {
+// A dtype by its torch name (the spec's dtypes, a rule's dtype literals).
+inline std::optional<at::ScalarType> scalar_type(const std::string& n) {
   static const std::pair<const char*, at::ScalarType> types[] = {
-      {"float32", at::kFloat}, {"float16", at::kHalf}, {"bfloat16", at::kBFloat16}, {"uint8", at::kByte},
-      {"int8", at::kChar}, {"int32", at::kInt}, {"int64", at::kLong}, {"float8_e4m3fn", at::kFloat8_e4m3fn},
-      {"float8_e5m2", at::kFloat8_e5m2}, {"float8_e4m3fnuz", at::kFloat8_e4m3fnuz}};
+      {"float32", at::kFloat}, {"float16", at::kHalf}, {"bfloat16", at::kBFloat16}, {"float64", at::kDouble},
+      {"uint8", at::kByte}, {"int8", at::kChar}, {"int16", at::kShort}, {"int32", at::kInt}, {"int64", at::kLong},
+      {"bool", at::kBool}, {"float8_e4m3fn", at::kFloat8_e4m3fn}, {"float8_e5m2", at::kFloat8_e5m2},
+      {"float8_e4m3fnuz", at::kFloat8_e4m3fnuz}};
   for (const auto& t : types)
-    if (n == t.first) return int64_t(t.second);
+    if (n == t.first) return t.second;
   return std::nullopt;
 }
 
@@ -195,7 +197,7 @@ class Parser {
       return f;
     }
     if (name == "None") return Node{'N'};
-    if (auto d = dtype_code(name)) return Node{'i', *d};
+    if (auto d = scalar_type(name)) return Node{'i', int64_t(*d)};
     return target_read(name);
   }
   Node target_read(const std::string& name) {
