@@ -281,25 +281,6 @@ inline bool is_fp8(int64_t t) {
   return t == int64_t(at::kFloat8_e4m3fn) || t == int64_t(at::kFloat8_e5m2) || t == int64_t(at::kFloat8_e4m3fnuz);
 }
 
-// ops.mla.FORMATS: name -> kernel mode (with the fp8_ds_mla option bits), cache dtype (-1: the
-// input's).
-struct MLAFormat {
-  const char* name;
-  int mode;
-  int64_t cache_dtype;
-};
-constexpr MLAFormat MLA_FORMATS[] = {
-    {"auto", MLA_COPY, -1},
-    {"fp8_e4m3", MLA_FP8, int64_t(at::kFloat8_e4m3fn)},
-    {"fp8_e5m2", MLA_FP8, int64_t(at::kFloat8_e5m2)},
-    {"fp8_e4m3fnuz", MLA_FP8, int64_t(at::kFloat8_e4m3fnuz)},
-    {"fp8_ds_mla", MLA_DS_MLA, int64_t(at::kByte)},
-    {"fp8_ds_mla+pow2", MLA_DS_MLA | DS_MLA_POW2, int64_t(at::kByte)},
-    {"fp8_ds_mla+input", MLA_DS_MLA | DS_MLA_RAW_ROPE, int64_t(at::kByte)},
-    {"fp8_ds_mla+pow2+input", MLA_DS_MLA | DS_MLA_POW2 | DS_MLA_RAW_ROPE, int64_t(at::kByte)},
-    {"nvfp4", MLA_NVFP4, int64_t(at::kByte)},
-};
-
 // ops.kv._quant: store_kv's format (quant 0 copy, 1 static, 2 per token, 3 per token-head) and
 // quant_rule (0 rne, 1 vllm). The scale caches' shapes are the kernel's params checks (a refusal
 // there, before any write, hands the call to Python like a refused rule).
@@ -338,31 +319,6 @@ inline bool rule(const std::vector<std::string>& w, Call& c) {
   }
   if (r == "geometry") return c.e(w[1]) >= 1 && c.e(w[2]) >= 1;
   if (r == "kv_quant") return kv_quant(c);
-  if (r == "mla_format") {
-    const c10::IValue& v = c.v("kv_cache_dtype");
-    if (!v.isString()) return false;
-    const int64_t L = c.e("L"), R = c.e("R");
-    for (const MLAFormat& f : MLA_FORMATS) {
-      if (v.toStringRef() != f.name) continue;
-      const int mode = f.mode & MLA_MODE_MASK;
-      if (mode == MLA_NVFP4 && (L + R) % NVFP4_BLOCK) return false;
-      if (mode == MLA_DS_MLA && L % DS_MLA_TILE) return false;
-      if ((f.mode & DS_MLA_RAW_ROPE) && c.e("kv_c") != int64_t(at::kBFloat16) && c.e("kv_c") != int64_t(at::kHalf))
-        return false;
-      c.e("fmt") = f.mode;
-      c.e("cache_dtype") = f.cache_dtype < 0 ? c.e("kv_c") : f.cache_dtype;
-      c.e("W") = mode == MLA_DS_MLA ? L + (L / DS_MLA_TILE) * 4 + 2 * R : mode == MLA_NVFP4 ? (L + R) / 2 : L + R;
-      return true;
-    }
-    return false;
-  }
-  if (r == "mla_scales") {
-    const int64_t mode = c.e("fmt") & MLA_MODE_MASK;
-    if ((mode == MLA_FP8) == c.none("scale")) return false;
-    if (mode != MLA_NVFP4) return c.none("scale_cache") && c.none("global_scale");
-    c.e("B") = (c.e("L") + c.e("R")) / NVFP4_BLOCK;
-    return !c.none("scale_cache");
-  }
   // The fused RoPE stores (ops.rope `_kv_dims`, `_mla_dims`, `_rope_args`, `_kv_format`).
   if (r == "rope_dims") {
     const at::Tensor& cs = c.t("cos_sin_cache");

@@ -228,7 +228,17 @@ def _variants(dev: str = "cpu"):
                     kvwrite.store_dsv4_indexer_k(ik, dc, loc, fmt=fmt, scale_fmt=sf, page_size=ps, backend=b), [dc]))
     dkv, dcache = rnd(3, 512), z(4, kv_page_bytes(8), dt=u8)
     out.append(("store_dsv4_kv", lambda b: kvwrite.store_dsv4_kv(dkv, dcache, loc, backend=b), [dcache]))
-    from kvwrite.facts import FP4_RECORDS
+    from kvwrite.facts import FP4_RECORDS, MLA_FORMATS
+    kv_c, k_pe = rnd(3, 128), rnd(3, 64)
+    for name, f in MLA_FORMATS.items():
+        mc = z(4, 8, f.row_width(128, 64), dt=f.cache_dtype(bf))
+        kw = {"scale": one} if f.takes_scale else {}
+        written = [mc]
+        if f.takes_scale_cache:
+            kw["scale_cache"] = z(4, 8, (128 + 64) // 16, dt=e4)
+            written.append(kw["scale_cache"])
+        out.append((f"store_mla {name}", lambda b, mc=mc, name=name, kw=kw: kvwrite.store_mla(
+            kv_c, k_pe, mc, loc, kv_cache_dtype=name, backend=b, **kw), written))
     for fmt, rec in FP4_RECORDS.items():
         fc = z(4, 8 * rec.token_bytes, dt=u8)
         out.append((f"store_dsv4_kv_fp4 {fmt}", lambda b, fc=fc, fmt=fmt: kvwrite.store_dsv4_kv_fp4(

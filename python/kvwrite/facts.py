@@ -6,7 +6,7 @@ The C++ extension reads the op list when it loads (`_ext.ON_LOAD`: `set_op_names
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -128,40 +128,48 @@ DS_MLA_ROPES = {"bf16": 0, "input": DS_MLA_RAW_ROPE}
 
 def ds_mla_row_bytes(kv_lora_rank: int, rope_dim: int) -> int:
     """Bytes of one fp8_ds_mla row: L e4m3 latent bytes, L/128 fp32 tile scales, R bf16 rope."""
-    return kv_lora_rank + (kv_lora_rank // DS_MLA_TILE) * 4 + 2 * rope_dim
+    return dims_expr(DS_MLA_WIDTH, kv_lora_rank, rope_dim)
 
 
-def _nvfp4_dims(kv_lora_rank: int, rope_dim: int) -> str | None:
-    if (kv_lora_rank + rope_dim) % NVFP4_BLOCK:
-        return (f"kv_cache_dtype='nvfp4' needs kv_lora_rank + rope_dim to be a multiple of "
-                f"{NVFP4_BLOCK}, got {kv_lora_rank} + {rope_dim}")
-    return None
+DS_MLA_WIDTH = f"L + L / {DS_MLA_TILE} * 4 + 2 * R"
 
 
-def _ds_mla_dims(kv_lora_rank: int, rope_dim: int) -> str | None:
-    if kv_lora_rank % DS_MLA_TILE:
-        return (f"kv_cache_dtype='fp8_ds_mla' needs kv_c's last dim (kv_lora_rank) to be a multiple "
-                f"of {DS_MLA_TILE}, got {kv_lora_rank}")
-    return None
+def dims_expr(text: str, L: int, R: int) -> int:
+    """An integer expression of L, R in the syntax of the C++ matcher's rules (csrc/expr.h; `/` and
+    `%` on non-negative ints): the formats' row widths and dims rules, written once for both."""
+    return int(eval(text.replace("/", "//"), {"__builtins__": {}}, {"L": L, "R": R}))  # noqa: S307
 
 
 @dataclass(frozen=True)
 class MLAFormat:
-    """One `kv_cache_dtype`: how its cache looks and which kernel mode writes it."""
+    """One `kv_cache_dtype`: how its cache looks and which kernel mode writes it. `width` and
+    `rule` are expressions of L (kv_lora_rank) and R (rope_dim) that the Python checks evaluate
+    and the C++ matcher compiles (kvwrite.ops.mla)."""
 
     name: str
     mode: int
-    cache_dtype: Callable[[torch.dtype], torch.dtype]   # input dtype -> cache dtype
-    row_width: Callable[[int, int], int]                 # (L, R) -> cache row, in cache elements
+    cache: Optional[torch.dtype]   # the cache dtype; None: the input's
+    width: str                     # the cache row, in cache elements
     takes_scale: bool = False
-    dims: Callable[[int, int], Optional[str]] = lambda L, R: None   # error text or None
-    takes_scale_cache: bool = False                                  # nvfp4: scale_cache, global_scale
-    flags: int = 0                                                   # fp8_ds_mla: DS_MLA_* bits
+    rule: str = ""                 # the dims rule ("" none) and its message ({L}, {R} filled in)
+    rule_message: str = ""
+    takes_scale_cache: bool = False   # nvfp4: scale_cache, global_scale
+    flags: int = 0                    # fp8_ds_mla: DS_MLA_* bits
 
     @property
     def kernel_mode(self) -> int:
         """The mode the kernels take: MODE_* with the format's option bits."""
         return self.mode | self.flags
+
+    def cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return dtype if self.cache is None else self.cache
+
+    def row_width(self, L: int, R: int) -> int:
+        return dims_expr(self.width, L, R)
+
+    def dims(self, L: int, R: int) -> Optional[str]:
+        """The dims rule's message when (L, R) breaks it, else None."""
+        return None if not self.rule or dims_expr(self.rule, L, R) else self.rule_message.format(L=L, R=R)
 
 
 def ds_mla_format(scale: str = "exact", rope: str = "bf16") -> str:
@@ -173,18 +181,19 @@ def ds_mla_format(scale: str = "exact", rope: str = "bf16") -> str:
     return "fp8_ds_mla" + ("+pow2" if scale == "pow2" else "") + ("+input" if rope == "input" else "")
 
 
-_CONCAT = lambda L, R: L + R  # noqa: E731
+_DS_MLA_RULE = (f"L % {DS_MLA_TILE} == 0", "kv_cache_dtype='fp8_ds_mla' needs kv_c's last dim (kv_lora_rank) to "
+                f"be a multiple of {DS_MLA_TILE}, got {{L}}")
 MLA_FORMATS: dict[str, MLAFormat] = {f.name: f for f in (
-    MLAFormat("auto", MODE_COPY, lambda dtype: dtype, _CONCAT),
-    MLAFormat("fp8_e4m3", MODE_FP8, lambda dtype: torch.float8_e4m3fn, _CONCAT, takes_scale=True),
-    MLAFormat("fp8_e5m2", MODE_FP8, lambda dtype: torch.float8_e5m2, _CONCAT, takes_scale=True),
-    MLAFormat("fp8_e4m3fnuz", MODE_FP8, lambda dtype: torch.float8_e4m3fnuz, _CONCAT,
-              takes_scale=True),
-    *(MLAFormat(ds_mla_format(sc, rp), MODE_DS_MLA, lambda dtype: torch.uint8, ds_mla_row_bytes,
-                dims=_ds_mla_dims, flags=DS_MLA_SCALES[sc] | DS_MLA_ROPES[rp])
+    MLAFormat("auto", MODE_COPY, None, "L + R"),
+    MLAFormat("fp8_e4m3", MODE_FP8, torch.float8_e4m3fn, "L + R", takes_scale=True),
+    MLAFormat("fp8_e5m2", MODE_FP8, torch.float8_e5m2, "L + R", takes_scale=True),
+    MLAFormat("fp8_e4m3fnuz", MODE_FP8, torch.float8_e4m3fnuz, "L + R", takes_scale=True),
+    *(MLAFormat(ds_mla_format(sc, rp), MODE_DS_MLA, torch.uint8, DS_MLA_WIDTH,
+                rule=_DS_MLA_RULE[0], rule_message=_DS_MLA_RULE[1], flags=DS_MLA_SCALES[sc] | DS_MLA_ROPES[rp])
       for sc in DS_MLA_SCALES for rp in DS_MLA_ROPES),
-    MLAFormat("nvfp4", MODE_NVFP4, lambda dtype: torch.uint8, lambda L, R: (L + R) // 2,
-              dims=_nvfp4_dims, takes_scale_cache=True),
+    MLAFormat("nvfp4", MODE_NVFP4, torch.uint8, "(L + R) / 2", rule=f"(L + R) % {NVFP4_BLOCK} == 0",
+              rule_message=f"kv_cache_dtype='nvfp4' needs kv_lora_rank + rope_dim to be a multiple of "
+                           f"{NVFP4_BLOCK}, got {{L}} + {{R}}", takes_scale_cache=True),
 )}
 
 # --- DeepSeek V4 (layouts on kvwrite.ops.dsv4) -------------------------------------------------

@@ -51,7 +51,23 @@ class StoreMLA:
         return self.format.kernel_mode
 
 
-@spec.rule("mla_format")
+def _by_format(values: list) -> str:
+    """An expression: the value (an expression) of the call's format, by its index f in FORMATS."""
+    return " : ".join(f"f == {i} ? ({x})" for i, x in enumerate(values)) + " : -1"
+
+
+# The C++ twin, built from the table: the format's index f, its kernel mode, dims rule (and the raw
+# rope's 16-bit input), cache dtype and row width W.
+_FORMAT_EXPR = "; ".join([
+    f"f = {spec.switch('kv_cache_dtype', {n: i for i, n in enumerate(FORMATS)})}", "f >= 0",
+    f"fmt = {_by_format([f.kernel_mode for f in FORMATS.values()])}",
+    _by_format([f.rule or 1 for f in FORMATS.values()]),
+    _by_format(["kv_c == bfloat16 || kv_c == float16" if f.flags & DS_MLA_RAW_ROPE else 1 for f in FORMATS.values()]),
+    f"cache_dtype = {_by_format(['kv_c' if f.cache is None else str(f.cache)[6:] for f in FORMATS.values()])}",
+    f"W = {_by_format([f.width for f in FORMATS.values()])}"])
+
+
+@spec.rule(expr=_FORMAT_EXPR)
 def _format(env: dict, v: dict) -> None:
     """kv_cache_dtype: its dims rule, cache dtype and row width (letter W)."""
     name = validate.choice("kv_cache_dtype", v["kv_cache_dtype"], tuple(FORMATS))
@@ -65,7 +81,16 @@ def _format(env: dict, v: dict) -> None:
     env.update(fmt=name, cache_dtype=fmt.cache_dtype(env["kv_c"]), W=fmt.row_width(env["L"], env["R"]))
 
 
-@spec.rule("mla_scales")
+def _modes(flag: str) -> str:
+    """An expression: whether the call's kernel mode (env fmt, option bits off) takes `flag`."""
+    modes = sorted({f.mode for f in FORMATS.values() if getattr(f, flag)})
+    assert all(getattr(f, flag) == (f.mode in modes) for f in FORMATS.values()), flag   # a mode's property
+    return " || ".join(f"fmt % {DS_MLA_POW2} == {m}" for m in modes) or "0"
+
+
+@spec.rule(expr=f"ts = {_modes('takes_scale')}; ts ? !none($scale) : none($scale); nv = {_modes('takes_scale_cache')}; "
+                f"nv ? !none($scale_cache) : none($scale_cache) && none($global_scale); "
+                f"B = nv ? (L + R) / {NVFP4_BLOCK} : 0")
 def _scales(env: dict, v: dict) -> None:
     """The per-tensor scale (fp8 formats) and nvfp4's scale_cache / global_scale."""
     fmt = FORMATS[env["fmt"]]
