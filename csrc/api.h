@@ -319,14 +319,7 @@ inline bool rule(const std::vector<std::string>& w, Call& c) {
   }
   if (r == "geometry") return c.e(w[1]) >= 1 && c.e(w[2]) >= 1;
   if (r == "kv_quant") return kv_quant(c);
-  // The fused RoPE stores (ops.rope `_kv_dims`, `_mla_dims`, `_rope_args`, `_kv_format`).
-  if (r == "rope_dims") {
-    const at::Tensor& cs = c.t("cos_sin_cache");
-    const int64_t width = cs.size(1), d = c.e(w[1]);
-    const int rd = c.p.arg("rotary_dim");
-    if (rd >= 0 && !c.a[rd].isNone() && !(c.a[rd].isInt() && c.a[rd].toInt() == width)) return false;
-    return cs.size(0) >= 1 && width >= 2 && width % 2 == 0 && width <= d && d <= ROPE_MAX_DIM;
-  }
+  // The fused RoPE stores' is_neox / norm_eps (ops.rope `_rope_args`; a float).
   if (r == "rope_args")
     return c.v("is_neox").isBool() && (c.p.arg("norm_eps") < 0 || c.v("norm_eps").toDouble() >= 0);
   // The page moves (ops.spec `pool`, `pairs`; ops.pages `_page_pools`, `_slot_geometry`, `_gather_out`).

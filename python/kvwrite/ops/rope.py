@@ -75,7 +75,7 @@ class RopeStoreMLA(_Fused):
     store: StoreMLA
 
 
-# --- the rotation's checks (C++ twins: csrc/api.h `rule`) -----------------------------------------
+# --- the rotation's checks (C++ twins: their expressions, csrc/api.h `rule` for rope_args) -------
 
 def _rotary(env: dict, rotary_dim: int, head_dim: int, head: str) -> None:
     """At least one position; rotary_dim even, in [2, head_dim]; head_dim within the kernels' rows."""
@@ -87,7 +87,14 @@ def _rotary(env: dict, rotary_dim: int, head_dim: int, head: str) -> None:
         raise ValueError(f"{head} head_dim must be at most {MAX_HEAD_DIM}, got {head_dim}")
 
 
-@spec.rule("rope_dims D")
+def _rotary_expr(head_dim: str) -> str:
+    """_rotary's C++ twin: w the rotary width of cos_sin_cache `[M, w]`, `head_dim` a letter."""
+    return (f"w = size($cos_sin_cache, 1); size($cos_sin_cache, 0) >= 1 && w >= 2 && w % 2 == 0 && "
+            f"w <= {head_dim} && {head_dim} <= {MAX_HEAD_DIM}")
+
+
+@spec.rule(expr="$rotary_dim == None || (isint($rotary_dim) && $rotary_dim == size($cos_sin_cache, 1)); "
+                + _rotary_expr("D"))
 def _kv_dims(env: dict, v: dict) -> None:
     """cos_sin_cache `[max_position >= 1, rotary_dim]`; rotary_dim even, <= k's head_dim."""
     width, rotary_dim = env["C"], v["rotary_dim"]
@@ -101,7 +108,7 @@ def _kv_dims(env: dict, v: dict) -> None:
     _rotary(env, width, env["D"], "k")
 
 
-@spec.rule("rope_dims R")
+@spec.rule(expr=_rotary_expr("R"))
 def _mla_dims(env: dict, v: dict) -> None:
     """cos_sin_cache `[max_position >= 1, R]`: the whole k_pe rotates."""
     _rotary(env, env["R"], env["R"], "k_pe")
