@@ -19,7 +19,6 @@
 #include <array>
 #include <cctype>
 #include <functional>
-#include <memory>
 #include <optional>
 #include <string>
 #include <vector>

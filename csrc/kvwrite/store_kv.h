@@ -180,8 +180,7 @@ KVW_HD void copy_side(const KVSide& s, int H, int es, i64 i, i64 row, int lane, 
     return;
   }
   if (nlanes == 1) {
-    for (int h = 0; h < H; ++h)
-      copy_split_head(s.cache, dst + s.cache.in_row(h, 0), src + h * s.s_head * es, s.D, es);
+    for (int h = 0; h < H; ++h) copy_head_host(s, es, h, i, row);
     return;
   }
 #endif

@@ -5,6 +5,7 @@ The C++ extension reads the op list when it loads (`_ext.ON_LOAD`: `set_op_names
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -134,6 +135,7 @@ def ds_mla_row_bytes(kv_lora_rank: int, rope_dim: int) -> int:
 DS_MLA_WIDTH = f"L + L / {DS_MLA_TILE} * 4 + 2 * R"
 
 
+@functools.lru_cache(maxsize=1024)   # the callers' few (format, L, R): no eval per store call
 def dims_expr(text: str, L: int, R: int) -> int:
     """An integer expression of L, R in the syntax of the C++ matcher's rules (csrc/expr.h; `/` and
     `%` on non-negative ints): the formats' row widths and dims rules, written once for both."""
