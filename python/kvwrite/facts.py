@@ -135,11 +135,16 @@ def ds_mla_row_bytes(kv_lora_rank: int, rope_dim: int) -> int:
 DS_MLA_WIDTH = f"L + L / {DS_MLA_TILE} * 4 + 2 * R"
 
 
-@functools.lru_cache(maxsize=1024)   # the callers' few (format, L, R): no eval per store call
+@functools.lru_cache(maxsize=None)   # the formats' few texts: compiled once, not per call
+def _dims_code(text: str):
+    return compile(text.replace("/", "//"), "<dims_expr>", "eval")
+
+
 def dims_expr(text: str, L: int, R: int) -> int:
     """An integer expression of L, R in the syntax of the C++ matcher's rules (csrc/expr.h; `/` and
-    `%` on non-negative ints): the formats' row widths and dims rules, written once for both."""
-    return int(eval(text.replace("/", "//"), {"__builtins__": {}}, {"L": L, "R": R}))  # noqa: S307
+    `%` on non-negative ints): the formats' row widths and dims rules, written once for both
+    (L, R may be SymInts while tracing)."""
+    return int(eval(_dims_code(text), {"__builtins__": {}}, {"L": L, "R": R}))  # noqa: S307
 
 
 @dataclass(frozen=True)
