@@ -56,8 +56,8 @@ struct Dim {
   int64_t lit = -1;
 };
 
-// One step of an op's checks: a tensor ('T'), a dequant scale ('S'), a built-in rule ('R'), an
-// expression rule ('X', expr.h).
+// One step of an op's checks: a tensor ('T'), a dequant scale ('S'), an expression rule ('X',
+// expr.h: every op rule, the spec's generic ones too).
 struct Step {
   char kind = 'T';
   int arg = -1, name_slot = -1, heads = -1, ndim = -1;
@@ -65,8 +65,7 @@ struct Step {
   std::vector<Dim> dims;
   std::vector<at::ScalarType> dtypes;
   std::vector<int> dtype_slots, binds;
-  std::vector<std::string> words;  // a rule: its name and arguments
-  expr::Rule expr;                 // an expression rule
+  expr::Rule expr;  // an expression rule
 };
 
 // Where the generic launcher finds one argument of the op's raw kernel (spec.Op.raw_sources): the
@@ -174,11 +173,8 @@ inline Program parse(const std::string& name, const std::string& text) {
                                                 return it == p.slot_index.end() ? -1 : it->second;
                                               }});
       p.steps.push_back(std::move(s));
-    } else if (w[0] == "R") {
-      Step s;
-      s.kind = 'R';
-      s.words.assign(w.begin() + 1, w.end());
-      p.steps.push_back(std::move(s));
+    } else {
+      TORCH_CHECK(false, "kvwrite: ", name, "'s program has an unknown line: ", line);
     }
   }
   return p;
@@ -275,81 +271,6 @@ inline bool match_tensor(const Step& s, Call& c) {
   for (size_t i = 0; i < s.dims.size(); ++i)
     if (s.dims[i].slot >= 0 && s.dims[i].div == 1 && c.env[s.dims[i].slot] == UNBOUND) c.env[s.dims[i].slot] = canon(i);
   return true;
-}
-
-inline bool is_fp8(int64_t t) {
-  return t == int64_t(at::kFloat8_e4m3fn) || t == int64_t(at::kFloat8_e5m2) || t == int64_t(at::kFloat8_e4m3fnuz);
-}
-
-// ops.kv._quant: store_kv's format (quant 0 copy, 1 static, 2 per token, 3 per token-head) and
-// quant_rule (0 rne, 1 vllm). The scale caches' shapes are the kernel's params checks (a refusal
-// there, before any write, hands the call to Python like a refused rule).
-inline bool kv_quant(Call& c) {
-  const c10::IValue& name = c.v("quant_rule");
-  if (!name.isNone() && !(name.isString() && (name.toStringRef() == "rne" || name.toStringRef() == "vllm")))
-    return false;
-  c.e("rule") = !name.isNone() && name.toStringRef() == "vllm";
-  const int64_t dt = c.e("k_cache");
-  const bool int8 = dt == int64_t(at::kChar), scales = !c.none("k_scale") && !c.none("v_scale");
-  const auto ks = c.opt("k_scale_cache"), vs = c.opt("v_scale_cache");
-  if (dt == int64_t(at::kByte)) {  // int4 (ops.kv._int4): per-token-head scale caches, no static scales
-    c.e("quant") = 4;
-    return ks && vs && ks->dim() == 3 && vs->dim() == 3 && c.none("k_scale") && c.none("v_scale") &&
-           c.e("layout") < 2 && (name.isNone() || c.e("rule") == 1);
-  }
-  if (!ks && !vs) {
-    c.e("quant") = int8 || is_fp8(dt) ? 1 : 0;
-    return c.e("rule") == 0 && (c.e("quant") ? scales : c.none("k_scale") && c.none("v_scale"));
-  }
-  if (!ks || !vs || !c.none("k_scale") || !c.none("v_scale") || ks->sizes() != vs->sizes()) return false;
-  c.e("quant") = ks->dim() == 3 ? 3 : 2;
-  return (int8 || dt == int64_t(at::kFloat8_e4m3fn) || dt == int64_t(at::kFloat8_e5m2)) && ks->dim() >= 2;
-}
-
-// The op rules (the C++ side of the spec's named checks: `spec.rule("name")`), as predicates.
-inline bool rule(const std::vector<std::string>& w, Call& c) {
-  const std::string& r = w[0];
-  if (r == "choice") {  // choice <arg> <opt,opt,...>: the option's index into the env
-    const c10::IValue& v = c.v(w[1]);
-    if (!v.isString()) return false;
-    const auto opts = split(w[2], ',');
-    for (size_t i = 0; i < opts.size(); ++i)
-      if (v.toStringRef() == opts[i]) return c.e(w[1]) = int64_t(i), true;
-    return false;
-  }
-  if (r == "geometry") return c.e(w[1]) >= 1 && c.e(w[2]) >= 1;
-  if (r == "kv_quant") return kv_quant(c);
-  // The fused RoPE stores' is_neox / norm_eps (ops.rope `_rope_args`; a float).
-  if (r == "rope_args")
-    return c.v("is_neox").isBool() && (c.p.arg("norm_eps") < 0 || c.v("norm_eps").toDouble() >= 0);
-  // The page moves (ops.spec `pool`, `pairs`; ops.pages `_page_pools`, `_slot_geometry`, `_gather_out`).
-  if (r == "pool") {
-    const at::Tensor& t = c.t(w[1]);
-    if (t.dim() < 2 || t.size(0) < 1 || t.size(1) < 1) return false;
-    if (w.size() > 3) c.e(w[2]) = t.size(0), c.e(w[3]) = t.size(1);
-    return true;
-  }
-  if (r == "pairs") {
-    const c10::IValue& v = c.v(w[1]);
-    return v.isTensor() && v.toTensor().dim() == 1 && v.toTensor().size(0) == c.e("N");
-  }
-  if (r == "page_pools") {
-    const at::Tensor &s = c.t("src"), &d = c.t("dst");
-    if (s.scalar_type() != d.scalar_type() || s.dim() != d.dim()) return false;
-    for (int64_t i = 2; i < s.dim(); ++i)
-      if (s.size(i) != d.size(i)) return false;
-    return s.size(1) % d.size(1) == 0 || d.size(1) % s.size(1) == 0;
-  }
-  if (r == "gather_out") {
-    const c10::IValue& loc = c.v("loc");
-    const at::Tensor &cache = c.t("cache"), &out = c.t("out");
-    if (!loc.isTensor() || loc.toTensor().dim() != 1 || out.dim() != cache.dim() - 1) return false;
-    c.e("N") = loc.toTensor().size(0);
-    for (int64_t i = 0; i < out.dim(); ++i)
-      if (out.size(i) != (i ? cache.size(i + 1) : c.e("N"))) return false;
-    return true;
-  }
-  return false;  // a rule this build does not know: Python runs the call
 }
 
 // The addressing tail (ops._common.prepare + kvwrite.pagetable.table), as predicates.
@@ -567,7 +488,7 @@ bool run_here(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const c10::IValue& backend = c.v("backend");
   if (!backend.isString() || (backend.toStringRef() != "auto" && backend.toStringRef() != R::NAME)) return false;
   for (const Step& s : p->steps)
-    if (!(s.kind == 'R' ? rule(s.words, c) : s.kind == 'X' ? s.expr(c.a, c.env) : match_tensor(s, c))) return false;
+    if (!(s.kind == 'X' ? s.expr(c.a, c.env) : match_tensor(s, c))) return false;
   std::optional<Tail> t = addressing(c);
   if (!t) return false;
   if (c.e("N") > 0) {

@@ -5,11 +5,12 @@
 //
 //   D % $quant_block_size == 0; per = D + D / $quant_block_size * 4; B % per == 0; S = B / per
 //
-// Names: `$arg` an argument's value (int, bool, str, None), `name` an env slot (a shape letter,
-// a tensor argument's dtype) or a local; literals: integers, 'str', None, dtype names (int8 ...).
-// Functions: none($x), isint($x), size($t, i), stride($t, i), dim($t), dtype($t), itemsize($t). Operators
-// (C precedence): ?: || && == != < <= > >= + - * / % unary ! -. An int op on a str / None, a
-// division by 0 or an unbound slot fails the rule (never throws per call).
+// Names: `$arg` an argument's value (int, bool, float, str, None), `name` an env slot (a shape
+// letter, a tensor argument's dtype) or a local; literals: integers, 'str', None, dtype names (int8 ...).
+// Functions: none($x), isint($x), isbool($x), size($t, i), stride($t, i), dim($t), dtype($t),
+// itemsize($t), same_sizes($a, i, $b, j) (a's dims from i on equal b's from j on). Operators
+// (C precedence): ?: || && == != < <= > >= + - * / % unary ! -; a float only compares. An int op
+// on a str / None / float, a division by 0 or an unbound slot fails the rule (never throws per call).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -28,11 +29,12 @@ namespace expr {
 
 constexpr int64_t UNBOUND = INT64_MIN;
 
-// A value: an integer (bools too), a string, or None.
+// A value: an integer (bools too), a float, a string, or None.
 struct Val {
-  enum Kind { INT, STR, NONE } kind = INT;
+  enum Kind { INT, FLOAT, STR, NONE } kind = INT;
   int64_t i = 0;
   const std::string* s = nullptr;
+  double f = 0;
 };
 
 // A node: 'i' literal int, 's' literal str, 'N' None, 'a' argument, 'e' env slot, 'l' local,
@@ -82,8 +84,9 @@ inline char op_code(const std::string& op) {
   return 0;
 }
 inline char fn_code(const std::string& f) {
-  static const std::pair<const char*, char> fns[] = {{"none", 'n'}, {"isint", 'i'}, {"dim", 'd'}, {"dtype", 't'},
-                                                     {"itemsize", 's'}, {"size", 'S'}, {"stride", 'T'}};
+  static const std::pair<const char*, char> fns[] = {{"none", 'n'}, {"isint", 'i'}, {"isbool", 'b'}, {"dim", 'd'},
+                                                     {"dtype", 't'}, {"itemsize", 's'}, {"size", 'S'},
+                                                     {"stride", 'T'}, {"same_sizes", '#'}};
   for (const auto& x : fns)
     if (f == x.first) return x.second;
   return 0;
@@ -244,19 +247,49 @@ inline std::optional<int64_t> int_of(const Node& n, Scope& s) {
 
 inline std::optional<Val> num(int64_t i) { return Val{Val::INT, i}; }
 
+// same_sizes($a, i, $b, j): a and b have as many dims from i and from j on, and equal sizes there.
+inline std::optional<Val> same_sizes(const at::Tensor& a, const Node& n, Scope& s) {
+  if (n.kids.size() != 4 || n.kids[2].kind != 'a' || !s.args[n.kids[2].i].isTensor()) return std::nullopt;
+  const at::Tensor& b = s.args[n.kids[2].i].toTensor();
+  const auto i = int_of(n.kids[1], s), j = int_of(n.kids[3], s);
+  if (!i || !j || *i < 0 || *j < 0 || *i > a.dim() || *j > b.dim() || a.dim() - *i != b.dim() - *j)
+    return num(0);
+  for (int64_t k = 0; *i + k < a.dim(); ++k)
+    if (a.size(*i + k) != b.size(*j + k)) return num(0);
+  return num(1);
+}
+
 inline std::optional<Val> call(const Node& n, Scope& s) {
   if (n.kids.empty() || n.kids[0].kind != 'a') return std::nullopt;
   const c10::IValue& v = s.args[n.kids[0].i];
   if (n.i == 'n') return num(v.isNone());
   if (n.i == 'i') return num(v.isInt());
+  if (n.i == 'b') return num(v.isBool());
   if (!v.isTensor()) return std::nullopt;
   const at::Tensor& t = v.toTensor();
+  if (n.i == '#') return same_sizes(t, n, s);
   if (n.i == 'd') return num(t.dim());
   if (n.i == 't') return num(int64_t(t.scalar_type()));
   if (n.i == 's') return num(int64_t(t.element_size()));
   const auto i = n.kids.size() == 2 ? int_of(n.kids[1], s) : std::nullopt;
   if (!i || *i < -t.dim() || *i >= t.dim()) return std::nullopt;
   return num(n.i == 'S' ? t.size(*i) : t.stride(*i));
+}
+
+// A comparison with a float operand (as Python compares int and float); no float arithmetic.
+inline std::optional<Val> compare(const Val& a, const Val& b, char op) {
+  if ((a.kind != Val::INT && a.kind != Val::FLOAT) || (b.kind != Val::INT && b.kind != Val::FLOAT))
+    return op == '!' ? num(1) : op == '=' ? num(0) : std::nullopt;
+  const double x = a.kind == Val::FLOAT ? a.f : double(a.i), y = b.kind == Val::FLOAT ? b.f : double(b.i);
+  switch (op) {
+    case '=': return num(x == y);
+    case '!': return num(x != y);
+    case '<': return num(x < y);
+    case 'l': return num(x <= y);
+    case '>': return num(x > y);
+    case 'g': return num(x >= y);
+    default: return std::nullopt;
+  }
 }
 
 inline std::optional<Val> eval(const Node& n, Scope& s) {
@@ -270,6 +303,7 @@ inline std::optional<Val> eval(const Node& n, Scope& s) {
       const c10::IValue& v = s.args[n.i];
       if (v.isInt()) return num(v.toInt());
       if (v.isBool()) return num(v.toBool());
+      if (v.isDouble()) return Val{Val::FLOAT, 0, nullptr, v.toDouble()};
       if (v.isNone()) return Val{Val::NONE};
       if (v.isString()) return Val{Val::STR, 0, &v.toStringRef()};
       return std::nullopt;
@@ -304,6 +338,7 @@ inline std::optional<Val> eval(const Node& n, Scope& s) {
   }
   const auto a = eval(n.kids[0], s), b = eval(n.kids[1], s);
   if (!a || !b) return std::nullopt;
+  if (a->kind == Val::FLOAT || b->kind == Val::FLOAT) return compare(*a, *b, op);
   if (op == '=' || op == '!') {
     bool eq = a->kind == b->kind;
     if (eq && a->kind == Val::INT) eq = a->i == b->i;

@@ -254,6 +254,27 @@ def _variants(dev: str = "cpu"):
                               {"k_scale_cache": z(4, 8, dt=f32), "v_scale_cache": z(4, 8, dt=f32)})):
         out.append((f"rope_store_kv {what}", lambda b, c=caches, kw=kw: kvwrite.rope_store_kv(
             pos, q.clone(), k, v, cs, *c, loc, backend=b, **kw), [*caches, *kw.values()]))
+    i8 = torch.int8
+    for what, dt, kw in (("fp8 static", e4, {"k_scale": one, "v_scale": one}),
+                         ("int8 static", i8, {"k_scale": one, "v_scale": one}),
+                         ("int8 per token", i8, {"k_scale_cache": z(4, 8, dt=f32), "v_scale_cache": z(4, 8, dt=f32)}),
+                         ("int8 per token-head vllm", i8, {"k_scale_cache": z(4, 8, 2, dt=f32),
+                                                           "v_scale_cache": z(4, 8, 2, dt=f32), "quant_rule": "vllm"})):
+        caches = (z(4, 8, 2, 32, dt=dt), z(4, 8, 2, 32, dt=dt))
+        scales = [t for n, t in kw.items() if n.endswith("cache")]
+        out.append((f"store_kv {what}", lambda b, c=caches, kw=kw: kvwrite.store_kv(k, v, *c, loc, backend=b, **kw),
+                    [*caches, *scales]))
+    nw = torch.rand(32, generator=g).to(dev)
+    rk = (z(4, 8, 2, 32), z(4, 8, 2, 32))
+    out.append(("rope_store_kv norm", lambda b: kvwrite.rope_store_kv(
+        pos, q.clone(), k, v, cs, *rk, loc, q_norm_weight=nw, k_norm_weight=nw, norm_eps=1e-5, backend=b), list(rk)))
+    mc, qpe = z(4, 8, 192), rnd(3, 4, 64)
+    out.append(("rope_store_mla", lambda b: kvwrite.rope_store_mla(pos, qpe.clone(), kv_c, k_pe, rcs[:, :64].to(bf), mc,
+                                                                  loc, is_neox=True, backend=b), [mc]))
+    src4, dst8 = rnd(4, 8, 2, 32), z(8, 4, 2, 32)
+    out.append(("copy_pages 8 -> 4 rows a page", lambda b: kvwrite.copy_pages(src4, dst8, T([0, 3]), T([5, 1]),
+                                                                             backend=b), [dst8]))
+    out.append(("gather", lambda b: [kvwrite.gather(src4, loc, backend=b)], []))
     table, batch = T([[3, 1], [0, 2]]), T([0, 1, 1])
     out.append(("slot_mapping", lambda b: [kvwrite.slot_mapping(table, batch, T([1, 9, 2]),
                                                                  kvwrite.PageGeometry(8, 4), backend=b)], []))

@@ -68,6 +68,8 @@ class KVStore:
     rule: int = RULE_RNE
 
 
+_CPU_ATTN = LAYOUTS.index("cpu_attn")  # layouts below it are [pages, rows, heads, feat] views
+
 def canonical(cache: torch.Tensor, layout: str) -> torch.Tensor:
     """[pages, rows, H, D] view of an NHD or HND paged cache (and of a "cpu_attn" value cache)."""
     return cache if layout == "NHD" else cache.transpose(1, 2)
@@ -84,7 +86,7 @@ def canonical_key(cache: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 # C++: the same test, plus cpu_attn's plain / fp8-only rule (quant_rule says why)
-@spec.rule(expr=f"layout < {LAYOUTS.index('cpu_attn')} || ((size($k_cache, 2) <= 1 || size($k_cache, 3) <= 1 || "
+@spec.rule(expr=f"layout < {_CPU_ATTN} || ((size($k_cache, 2) <= 1 || size($k_cache, 3) <= 1 || "
                 "stride($k_cache, 2) == size($k_cache, 3)) && none($k_scale_cache) && k_cache != int8)")
 def _cpu_attn_key(env: dict, v: dict) -> None:
     """layout "cpu_attn": each (page, head) key tile is one contiguous run (read column-major)."""
@@ -155,7 +157,19 @@ def _int4(env: dict, v: dict) -> None:
     env.update(quant=QUANT_INT4, rule=RULE_VLLM, fmt=FMT_INT4)
 
 
-@spec.rule("kv_quant")
+@spec.rule(expr=(  # the same decisions, for the C++ matcher (int4's shapes: `_int4`, `_widths`)
+    "i4 = k_cache == uint8; dyn = !none($k_scale_cache) || !none($v_scale_cache); "
+    "static = !none($k_scale) || !none($v_scale); both = !none($k_scale_cache) && !none($v_scale_cache); "
+    "q8 = k_cache == int8 || k_cache == float8_e4m3fn || k_cache == float8_e5m2; "
+    f"rule = $quant_rule == None ? (i4 ? {RULE_VLLM} : {RULE_RNE}) : i4 && $quant_rule != 'vllm' ? -1 : "
+    + spec.switch("quant_rule", RULES) + "; rule >= 0; "
+    f"quant = i4 ? {QUANT_INT4} : dyn ? (dim($k_scale_cache) == 3 ? {QUANT_HEAD} : {QUANT_TOKEN}) : "
+    f"q8 || k_cache == float8_e4m3fnuz ? {QUANT_STATIC} : {QUANT_COPY}; "
+    f"!i4 || (!static && both && dim($k_scale_cache) == 3 && dim($v_scale_cache) == 3 && layout < {_CPU_ATTN}); "
+    "i4 || !dyn || (!static && both && q8 && dim($k_scale_cache) >= 2 && "
+    "same_sizes($k_scale_cache, 0, $v_scale_cache, 0)); "
+    f"i4 || dyn || (rule == {RULE_RNE} && (quant ? !none($k_scale) && !none($v_scale) : !static)); "
+    f"layout < {_CPU_ATTN} || (quant <= {QUANT_STATIC} && k_cache != int8)"))
 def _quant(env: dict, v: dict) -> None:
     """The format: copy (no scales), static (fp8 / int8 cache with both scales), dynamic (both
     scale caches) or int4 (a uint8 cache, `_int4`); `quant_rule` only for dynamic scales;

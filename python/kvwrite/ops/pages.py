@@ -85,7 +85,8 @@ def same_rows(src: torch.Tensor, dst: torch.Tensor, what: str = OP_COPY) -> None
                             f"{list(dst.shape[2:])}; pages move as they are, so the row shapes must match")
 
 
-@spec.rule("page_pools")
+@spec.rule(expr="dtype($src) == dtype($dst) && dim($src) == dim($dst) && same_sizes($src, 2, $dst, 2); "
+           "size($src, 1) % size($dst, 1) == 0 || size($dst, 1) % size($src, 1) == 0")
 def _page_pools(env: dict, v: dict) -> None:
     """src and dst: one row shape and dtype, page sizes a whole multiple of one another."""
     same_rows(v["src"], v["dst"])
@@ -193,7 +194,8 @@ class Gather:
     check: Check
 
 
-@spec.rule("gather_out")
+@spec.rule(expr="dim($loc) == 1; N = size($loc, 0); dim($out) == dim($cache) - 1 && size($out, 0) == N && "
+           "same_sizes($out, 1, $cache, 2)")
 def _gather_out(env: dict, v: dict) -> None:
     """out: one row of the cache's row shape per loc, rows `[heads, feat]` runs; binds N."""
     loc, cache, out = v["loc"], v["cache"], v["out"]

@@ -75,7 +75,7 @@ class RopeStoreMLA(_Fused):
     store: StoreMLA
 
 
-# --- the rotation's checks (C++ twins: their expressions, csrc/api.h `rule` for rope_args) -------
+# --- the rotation's checks (C++ twins: their expressions) -------------------------------------
 
 def _rotary(env: dict, rotary_dim: int, head_dim: int, head: str) -> None:
     """At least one position; rotary_dim even, in [2, head_dim]; head_dim within the kernels' rows."""
@@ -114,12 +114,17 @@ def _mla_dims(env: dict, v: dict) -> None:
     _rotary(env, env["R"], env["R"], "k_pe")
 
 
-@spec.rule("rope_args")
-def _rope_args(env: dict, v: dict) -> None:
-    """is_neox a bool; norm_eps (the K/V op's) a float >= 0."""
+@spec.rule(expr="isbool($is_neox)")
+def _neox(env: dict, v: dict) -> None:
+    """is_neox a bool."""
     if not isinstance(v["is_neox"], bool):
         raise TypeError(f"is_neox must be a bool, got {type(v['is_neox']).__name__}")
-    eps = v.get("norm_eps", 0.0)
+
+
+@spec.rule(expr="!isbool($norm_eps) && $norm_eps >= 0")
+def _norm_eps(env: dict, v: dict) -> None:
+    """norm_eps (the K/V op's RMS norm) a float >= 0."""
+    eps = v["norm_eps"]
     if isinstance(eps, bool) or not isinstance(eps, (int, float, torch.SymFloat)) or not eps >= 0:
         raise ValueError(f"norm_eps must be a float >= 0, got {eps!r}")
 
@@ -174,7 +179,7 @@ KV_SPEC = spec.Op(
           spec.option("quant_rule", "str?", default=None)),
     checks=("k", "v", spec.choice("layout", KV_LAYOUTS[:2]), "k_cache", "v_cache", spec.geometry("k_cache"),
             kv._quant, _kv_format, "k_scale", "v_scale", "q", "positions", "cos_sin_cache", _kv_dims,
-            "q_norm_weight", "k_norm_weight", _rope_args),
+            "q_norm_weight", "k_norm_weight", _neox, _norm_eps),
     build=_build_kv, impls=_kv_impls)
 
 
@@ -224,7 +229,7 @@ MLA_SPEC = spec.Op(
           *mla.SPEC.args[:2],
           spec.T("cos_sin_cache", "M R", (torch.float32, "=kv_c"), what="max_position, rope_dim of k_pe"),
           *mla.SPEC.args[2:3], spec.LOC, spec.option("is_neox", "bool"), *mla.SPEC.args[4:]),
-    checks=(*mla.SPEC.checks, "q_pe", "positions", "cos_sin_cache", _mla_dims, _rope_args),
+    checks=(*mla.SPEC.checks, "q_pe", "positions", "cos_sin_cache", _mla_dims, _neox),
     build=_build_mla, impls=MLA_IMPLS, raw_args={"q": "a:q_pe", "cos_sin": "a:cos_sin_cache", "kernel_mode": "e:fmt"})
 
 

@@ -99,13 +99,12 @@ BACKEND = Arg("backend", "str", role="option")
 TABLE = tuple(Arg(n, "Tensor?", role="addressing", default=None) for n in TABLE_ARGS)
 
 
-def rule(cpp: str | None = None, *, expr: str | None = None) -> Callable:
-    """Give an op's check its C++ twin for the matcher (a refused call is then explained by the
-    Python check): `expr`, the check as an expression the matcher evaluates (csrc/expr.h; an op's
-    own checks), or `cpp`, a rule built into csrc/api.h `rule` (checks that loop or read a table).
-    A check without either keeps the op on the Python path."""
+def rule(expr: str) -> Callable:
+    """Give an op's check its C++ twin for the matcher: the check as an expression (csrc/expr.h)
+    the matcher evaluates; a call it refuses goes to Python, whose check names the error. A check
+    without one keeps the op on the Python path."""
     def wrap(fn: Callable) -> Callable:
-        fn.cpp, fn.expr = cpp, expr
+        fn.expr = expr
         return fn
     return wrap
 
@@ -124,7 +123,7 @@ def records_per_page(per: str) -> str:
 
 def choice(name: str, options: tuple) -> Callable:
     """A check: argument `name` is one of `options` (stored in the env under its name)."""
-    @rule(f"choice {name} {','.join(options)}")
+    @rule(f"{name} = {switch(name, dict(zip(options, range(len(options)))))}; {name} >= 0")
     def check(env: dict, v: dict) -> None:
         env[name] = validate.choice(name, v[name], options)
     return check
@@ -132,7 +131,7 @@ def choice(name: str, options: tuple) -> Callable:
 
 def geometry(name: str, pages: str = "P", rows: str = "S") -> Callable:
     """A check: the pool geometry from the letters the cache `name` bound."""
-    @rule(f"geometry {pages} {rows}")
+    @rule(f"{pages} >= 1 && {rows} >= 1")
     def check(env: dict, v: dict) -> None:
         env["geometry"] = cache_geometry(name, env[pages], env[rows])
     return check
@@ -141,7 +140,8 @@ def geometry(name: str, pages: str = "P", rows: str = "S") -> Callable:
 def pool(name: str, bind: bool = True) -> Callable:
     """A check: `name` is a pool `[pages, rows, ...]` (any rank >= 2, its view `[pages, rows,
     heads, feat]`); binds its pages and rows to P and S (`bind`)."""
-    @rule(f"pool {name}" + (" P S" if bind else ""))
+    @rule(f"dim(${name}) >= 2 && size(${name}, 0) >= 1 && size(${name}, 1) >= 1"
+          + (f"; P = size(${name}, 0); S = size(${name}, 1)" if bind else ""))
     def check(env: dict, v: dict) -> None:
         c = canonical_pool(name, v[name])
         if bind:
@@ -151,7 +151,7 @@ def pool(name: str, bind: bool = True) -> Callable:
 
 def pairs(first: str, second: str) -> Callable:
     """A check: 1-D `second` has one entry per entry of `first` (which bound N)."""
-    @rule(f"pairs {second}")
+    @rule(f"dim(${second}) == 1 && size(${second}, 0) == N")
     def check(env: dict, v: dict) -> None:
         t = v[second]
         if isinstance(t, torch.Tensor) and t.dim() == 1 and t.shape[0] != env["N"]:
@@ -162,7 +162,7 @@ def pairs(first: str, second: str) -> Callable:
 
 # The addressing tail of the raw kernels, in order (csrc/api.h `tail_field`).
 TAIL_FIELDS = ("loc", "loc_map", "errors", "dcp_rank", "dcp_size", "check", "op", *TABLE_ARGS)
-# Env names the C++ rules read or write beside the letters and the arguments' dtypes.
+# Env names the rule expressions read or write beside the letters and the arguments' dtypes.
 RULE_SLOTS = ("N", "P", "S", "B", "W", "D", "Dv", "L", "R", "layout", "fmt", "cache_dtype", "quant", "rule")
 
 
@@ -270,8 +270,6 @@ class Op:
             if callable(c):
                 if getattr(c, "expr", None) is not None:
                     lines.append(f"X {c.expr}")
-                elif getattr(c, "cpp", None) is not None:
-                    lines.append(f"R {c.cpp}")
                 else:
                     return None
                 continue
