@@ -123,6 +123,15 @@ inline LocArgs loc_args(const Tensor& loc, const OptTensor& loc_map, const OptTe
   return a;
 }
 
+// The locs of a store of one row of `x` a token into `cache` ([pages, pool_page_size, ...]).
+inline LocArgs cache_locs(const Tensor& x, const Tensor& cache, const Tensor& loc, const OptTensor& loc_map,
+                          const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op) {
+  LocArgs a = loc_args(loc, loc_map, errors, dcp_rank, dcp_size, check, op, cache.size(0) * cache.size(1),
+                       cache.size(1), x);
+  TORCH_CHECK(a.n == x.size(0), "kvwrite: loc must have one entry per token");
+  return a;
+}
+
 // Page-table addressing (kvwrite.PageTable): `a.loc` already holds the positions.
 inline void set_table(LocArgs& a, const OptTensor& batch_indices, const OptTensor& kv_indices,
                       const OptTensor& kv_indptr, const Tensor& ref) {

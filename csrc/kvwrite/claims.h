@@ -135,6 +135,12 @@ __device__ inline void claim_check(const ClaimParams& p, i64 i) {
 #ifdef KVW_HOST
 #include "../host.h"
 
+#define KVW_OPS_CLAIMS(X) \
+  X(claim_rows, reg::claim_rows, \
+    "(Tensor loc, Tensor? loc_map, Tensor(z!)? errors, int dcp_rank, int dcp_size, int check, int op, " \
+    "Tensor? batch_indices, Tensor? kv_indices, Tensor? kv_indptr, int capacity, int pool_page_size, " \
+    "bool dcp_page) -> Tensor")
+
 namespace kvwrite {
 
 // claim_rows' addressing on either device.
@@ -168,10 +174,4 @@ Tensor claim_rows(const Tensor& loc, const OptTensor& loc_map, const OptTensor& 
 }  // namespace reg
 
 }  // namespace kvwrite
-
-#define KVW_OPS_CLAIMS(X) \
-  X(claim_rows, reg::claim_rows, \
-    "(Tensor loc, Tensor? loc_map, Tensor(z!)? errors, int dcp_rank, int dcp_size, int check, int op, " \
-    "Tensor? batch_indices, Tensor? kv_indices, Tensor? kv_indptr, int capacity, int pool_page_size, " \
-    "bool dcp_page) -> Tensor")
 #endif  // KVW_HOST

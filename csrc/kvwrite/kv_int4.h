@@ -149,6 +149,10 @@ KVW_BODY(StoreKVInt4Params, dispatch_store_kv_int4)
 #ifdef KVW_HOST
 #include "../host.h"
 
+#define KVW_OPS_KV_INT4(X) \
+  X(store_kv_int4, reg::Bind<&store_kv_int4_params>::table, \
+    "(" KVW_KV "Tensor(c!) k_scale_cache, Tensor(d!) v_scale_cache, " KVW_TAIL ") -> ()")
+
 namespace kvwrite {
 
 // One side: rows x [n, H, D], uint8 codes [pages, rows, H, D / 2], fp32 scales [pages, rows, H].
@@ -186,15 +190,9 @@ inline StoreKVInt4Params store_kv_int4_params(const Tensor& k, const Tensor& v, 
   p.k = int4_side(k, k_cache, k_scale_cache, "k_cache");
   p.v = int4_side(v, v_cache, v_scale_cache, "v_cache");
   p.H = int(k.size(1));
-  p.locs = loc_args(loc, loc_map, errors, dcp_rank, dcp_size, check, op, k_cache.size(0) * k_cache.size(1),
-                    k_cache.size(1), k);
-  TORCH_CHECK(p.locs.n == k.size(0), "kvwrite: loc must have one entry per token");
+  p.locs = cache_locs(k, k_cache, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
   return p;
 }
 
 }  // namespace kvwrite
-
-#define KVW_OPS_KV_INT4(X) \
-  X(store_kv_int4, reg::Bind<&store_kv_int4_params>::table, \
-    "(" KVW_KV "Tensor(c!) k_scale_cache, Tensor(d!) v_scale_cache, " KVW_TAIL ") -> ()")
 #endif  // KVW_HOST

@@ -245,6 +245,14 @@ KVW_BODY(GatherParams, dispatch_gather)
 #ifdef KVW_HOST
 #include "../host.h"
 
+#define KVW_OPS_PAGES(X) \
+  X(copy_pages, reg::Bind<&copy_pages_params>::plain, \
+    "(Tensor src, Tensor(a!) dst, Tensor src_pages, Tensor dst_pages, Tensor(z!)? errors, int check, int op) -> ()") \
+  X(gather, reg::Bind<&gather_params>::table, "(Tensor cache, Tensor(a!) out, " KVW_TAIL ") -> ()") \
+  X(slot_mapping, reg::Bind<&slot_mapping_params>::plain, \
+    "(Tensor block_table, Tensor batch_indices, Tensor positions, Tensor(a!) out, int pool_page_size, int num_pages, " \
+    "Tensor(z!)? errors, int check, int op) -> ()")
+
 namespace kvwrite {
 
 // A pool of any rank >= 2 as its [pages, rows, heads, feat] view (ops._common.canonical_pool).
@@ -388,12 +396,4 @@ inline SlotMappingParams slot_mapping_params(const Tensor& block_table, const Te
 }
 
 }  // namespace kvwrite
-
-#define KVW_OPS_PAGES(X) \
-  X(copy_pages, reg::Bind<&copy_pages_params>::plain, \
-    "(Tensor src, Tensor(a!) dst, Tensor src_pages, Tensor dst_pages, Tensor(z!)? errors, int check, int op) -> ()") \
-  X(gather, reg::Bind<&gather_params>::table, "(Tensor cache, Tensor(a!) out, " KVW_TAIL ") -> ()") \
-  X(slot_mapping, reg::Bind<&slot_mapping_params>::plain, \
-    "(Tensor block_table, Tensor batch_indices, Tensor positions, Tensor(a!) out, int pool_page_size, int num_pages, " \
-    "Tensor(z!)? errors, int check, int op) -> ()")
 #endif  // KVW_HOST

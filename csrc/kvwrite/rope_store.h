@@ -496,6 +496,16 @@ KVW_BODY(RopeStoreMLAParams, dispatch_rope_store_mla)
                  "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k_scale, Tensor? v_scale, "
 #define KVW_NORM "Tensor? q_norm_weight, Tensor? k_norm_weight, float eps, bool is_neox, "
 
+#define KVW_OPS_ROPE_STORE(X) \
+  X(rope_store_kv, reg::Bind<&rope_store_kv_params>::table, "(" KVW_ROPE KVW_NORM KVW_TAIL ") -> ()") \
+  X(rope_store_kv_quant, reg::Bind<&rope_store_kv_quant_params>::table, \
+    "(" KVW_ROPE "Tensor(d!)? k_scale_cache, Tensor(e!)? v_scale_cache, int quant, int rule, " KVW_NORM KVW_TAIL \
+    ") -> ()") \
+  X(rope_store_mla, reg::Bind<&rope_store_mla_params>::table, \
+    "(Tensor positions, Tensor(c!) q, Tensor kv_c, Tensor k_pe, Tensor cos_sin, Tensor(a!) kv_cache, " \
+    "Tensor? scale, Tensor(b!)? scale_cache, Tensor? global_scale, int kernel_mode, bool is_neox, " \
+    KVW_TAIL ") -> ()")
+
 namespace kvwrite {
 
 inline RopeArgs rope_args(const Tensor& positions, const Tensor& q, const Tensor& cos_sin, const OptTensor& q_w,
@@ -597,7 +607,7 @@ inline RopeStoreMLAParams rope_store_mla_params(const Tensor& positions, const T
   return p;
 }
 
-// A token's scratch row (registry.h HAS_SCRATCH): its rotated heads in the input dtype.
+// A token's scratch row (host.h HAS_SCRATCH): its rotated heads in the input dtype.
 inline ScratchRow scratch_row(const RopeStoreKVParams& p) {
   return {i64(p.kv.H) * p.kv.k.D, dtype_size(p.kv.in_dtype)};
 }
@@ -607,14 +617,4 @@ inline ScratchRow scratch_row(const RopeStoreKVQuantParams& p) {
 inline ScratchRow scratch_row(const RopeStoreMLAParams& p) { return {p.mla.R, dtype_size(p.mla.in_dtype)}; }
 
 }  // namespace kvwrite
-
-#define KVW_OPS_ROPE_STORE(X) \
-  X(rope_store_kv, reg::Bind<&rope_store_kv_params>::table, "(" KVW_ROPE KVW_NORM KVW_TAIL ") -> ()") \
-  X(rope_store_kv_quant, reg::Bind<&rope_store_kv_quant_params>::table, \
-    "(" KVW_ROPE "Tensor(d!)? k_scale_cache, Tensor(e!)? v_scale_cache, int quant, int rule, " KVW_NORM KVW_TAIL \
-    ") -> ()") \
-  X(rope_store_mla, reg::Bind<&rope_store_mla_params>::table, \
-    "(Tensor positions, Tensor(c!) q, Tensor kv_c, Tensor k_pe, Tensor cos_sin, Tensor(a!) kv_cache, " \
-    "Tensor? scale, Tensor(b!)? scale_cache, Tensor? global_scale, int kernel_mode, bool is_neox, " \
-    KVW_TAIL ") -> ()")
 #endif  // KVW_HOST

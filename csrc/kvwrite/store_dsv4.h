@@ -188,6 +188,13 @@ KVW_BODY(StoreRowsParams, dispatch_store_rows)
 #ifdef KVW_HOST
 #include "../host.h"
 
+#define KVW_OPS_STORE_DSV4(X) \
+  X(store_dsv4_kv, reg::Bind<&store_dsv4_kv_params>::no_table, \
+    "(Tensor kv, Tensor(a!) cache, int pool_page_size, " KVW_TAIL ") -> ()") \
+  X(store_dsv4_indexer_k, reg::Bind<&store_dsv4_indexer_k_params>::no_table, \
+    "(Tensor k, Tensor(a!) cache, int pool_page_size, int fmt_code, bool ue8m0, " KVW_TAIL ") -> ()") \
+  X(store_rows, reg::Bind<&store_rows_params>::no_table, "(Tensor src, Tensor(a!) pool, " KVW_TAIL ") -> ()")
+
 namespace kvwrite {
 
 inline SplitPage split_page(const Tensor& cache, int64_t pool_page_size, int data_row, int scale_row,
@@ -292,11 +299,4 @@ inline std::variant<StoreIndexerKParams, StoreMXFP4Params> store_dsv4_indexer_k_
 }
 
 }  // namespace kvwrite
-
-#define KVW_OPS_STORE_DSV4(X) \
-  X(store_dsv4_kv, reg::Bind<&store_dsv4_kv_params>::no_table, \
-    "(Tensor kv, Tensor(a!) cache, int pool_page_size, " KVW_TAIL ") -> ()") \
-  X(store_dsv4_indexer_k, reg::Bind<&store_dsv4_indexer_k_params>::no_table, \
-    "(Tensor k, Tensor(a!) cache, int pool_page_size, int fmt_code, bool ue8m0, " KVW_TAIL ") -> ()") \
-  X(store_rows, reg::Bind<&store_rows_params>::no_table, "(Tensor src, Tensor(a!) pool, " KVW_TAIL ") -> ()")
 #endif  // KVW_HOST

@@ -205,6 +205,14 @@ KVW_BODY(RopeStoreDSV4FP4Params, dispatch_store_dsv4_fp4<true>)
 #ifdef KVW_HOST
 #include "../host.h"
 
+#define KVW_OPS_STORE_DSV4_FP4(X) \
+  X(store_dsv4_kv_fp4, reg::Bind<&store_dsv4_fp4_params>::plain, \
+    "(Tensor kv, Tensor(a!) cache, int pool_page_size, int fmt_code, " KVW_TAIL_NO_TABLE ") -> ()") \
+  X(rope_store_dsv4_kv_fp4, reg::Bind<&rope_store_dsv4_fp4_params>::plain, \
+    "(Tensor positions, Tensor kv, Tensor cos_sin, Tensor(b!)? q, Tensor(a!) cache, " \
+    "int pool_page_size, int fmt_code, " \
+    KVW_TAIL_NO_TABLE ") -> ()")
+
 namespace kvwrite {
 
 inline StoreDSV4FP4Params store_dsv4_fp4_params(const Tensor& kv, const Tensor& cache, int64_t pool_page_size,
@@ -245,12 +253,4 @@ inline RopeStoreDSV4FP4Params rope_store_dsv4_fp4_params(const Tensor& positions
 }
 
 }  // namespace kvwrite
-
-#define KVW_OPS_STORE_DSV4_FP4(X) \
-  X(store_dsv4_kv_fp4, reg::Bind<&store_dsv4_fp4_params>::plain, \
-    "(Tensor kv, Tensor(a!) cache, int pool_page_size, int fmt_code, " KVW_TAIL_NO_TABLE ") -> ()") \
-  X(rope_store_dsv4_kv_fp4, reg::Bind<&rope_store_dsv4_fp4_params>::plain, \
-    "(Tensor positions, Tensor kv, Tensor cos_sin, Tensor(b!)? q, Tensor(a!) cache, " \
-    "int pool_page_size, int fmt_code, " \
-    KVW_TAIL_NO_TABLE ") -> ()")
 #endif  // KVW_HOST

@@ -103,6 +103,10 @@ KVW_BODY(StoreIndexerKParams, dispatch_store_indexer_k)
 #ifdef KVW_HOST
 #include "../host.h"
 
+#define KVW_OPS_STORE_INDEXER_K(X) \
+  X(store_indexer_k, reg::Bind<&store_indexer_k_params>::table, \
+    "(Tensor k, Tensor(a!) cache, int quant_block_size, bool ue8m0, " KVW_TAIL ") -> ()")
+
 namespace kvwrite {
 
 inline StoreIndexerKParams store_indexer_k_params(const Tensor& k, const Tensor& cache, int64_t qbs, bool ue8m0,
@@ -135,8 +139,4 @@ inline StoreIndexerKParams store_indexer_k_params(const Tensor& k, const Tensor&
 }
 
 }  // namespace kvwrite
-
-#define KVW_OPS_STORE_INDEXER_K(X) \
-  X(store_indexer_k, reg::Bind<&store_indexer_k_params>::table, \
-    "(Tensor k, Tensor(a!) cache, int quant_block_size, bool ue8m0, " KVW_TAIL ") -> ()")
 #endif  // KVW_HOST

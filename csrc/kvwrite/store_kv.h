@@ -299,6 +299,9 @@ KVW_BODY(StoreKVParams, dispatch_store_kv)
 #ifdef KVW_HOST
 #include "../host.h"
 
+#define KVW_OPS_STORE_KV(X) \
+  X(store_kv, reg::Bind<&store_kv_params>::table, "(" KVW_KV "Tensor? k_scale, Tensor? v_scale, " KVW_TAIL ") -> ()")
+
 namespace kvwrite {
 
 inline KVSide kv_side(const Tensor& x, const Tensor& cache, const OptTensor& scale, const char* name) {
@@ -334,18 +337,13 @@ inline StoreKVParams store_kv_params(const Tensor& k, const Tensor& v, const Ten
               "kvwrite: the cache dtype must equal the input dtype, or be fp8 with k_scale/v_scale");
   p.k = kv_side(k, k_cache, quant ? k_scale : std::nullopt, "k_cache");
   p.v = kv_side(v, v_cache, quant ? v_scale : std::nullopt, "v_cache");
+  p.H = int(k.size(1));
   TORCH_CHECK(v.size(0) == k.size(0) && v.size(1) == k.size(1) && v_cache.size(0) == k_cache.size(0) &&
                   v_cache.size(1) == k_cache.size(1),
               "kvwrite: k/v and their caches must agree on tokens, heads, pages and rows");
-  p.H = int(k.size(1));
-  p.locs = loc_args(loc, loc_map, errors, dcp_rank, dcp_size, check, op,
-                    k_cache.size(0) * k_cache.size(1), k_cache.size(1), k);
-  TORCH_CHECK(p.locs.n == k.size(0), "kvwrite: loc must have one entry per token");
+  p.locs = cache_locs(k, k_cache, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
   return p;
 }
 
 }  // namespace kvwrite
-
-#define KVW_OPS_STORE_KV(X) \
-  X(store_kv, reg::Bind<&store_kv_params>::table, "(" KVW_KV "Tensor? k_scale, Tensor? v_scale, " KVW_TAIL ") -> ()")
 #endif  // KVW_HOST

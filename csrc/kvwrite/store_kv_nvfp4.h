@@ -106,6 +106,11 @@ KVW_BODY(StoreKVNVFP4Params, dispatch_store_kv_nvfp4)
 #ifdef KVW_HOST
 #include "../host.h"
 
+#define KVW_OPS_STORE_KV_NVFP4(X) \
+  X(store_kv_nvfp4, reg::Bind<&store_kv_nvfp4_params>::table, \
+    "(" KVW_KV "Tensor(c!) k_scale_cache, Tensor(d!) v_scale_cache, Tensor? k_global_scale, " \
+    "Tensor? v_global_scale, " KVW_TAIL ") -> ()")
+
 namespace kvwrite {
 
 inline NVFP4Side nvfp4_side(const Tensor& x, const Tensor& values, const Tensor& scales, const OptTensor& global,
@@ -143,19 +148,12 @@ inline StoreKVNVFP4Params store_kv_nvfp4_params(const Tensor& k, const Tensor& v
   p.in_dtype = dtype_of(k);
   p.k = nvfp4_side(k, k_cache, k_scale_cache, k_global, "k_cache");
   p.v = nvfp4_side(v, v_cache, v_scale_cache, v_global, "v_cache");
+  p.H = int(k.size(1));
   TORCH_CHECK(v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == k_cache.size(1),
               "kvwrite: the K and V caches must have the same pages and rows");
-  p.H = int(k.size(1));
-  p.locs = loc_args(loc, loc_map, errors, dcp_rank, dcp_size, check, op, k_cache.size(0) * k_cache.size(1),
-                    k_cache.size(1), k);
-  TORCH_CHECK(p.locs.n == k.size(0), "kvwrite: loc must have one entry per token");
+  p.locs = cache_locs(k, k_cache, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
   return p;
 }
 
 }  // namespace kvwrite
-
-#define KVW_OPS_STORE_KV_NVFP4(X) \
-  X(store_kv_nvfp4, reg::Bind<&store_kv_nvfp4_params>::table, \
-    "(" KVW_KV "Tensor(c!) k_scale_cache, Tensor(d!) v_scale_cache, Tensor? k_global_scale, " \
-    "Tensor? v_global_scale, " KVW_TAIL ") -> ()")
 #endif  // KVW_HOST

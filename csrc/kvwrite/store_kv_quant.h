@@ -218,6 +218,11 @@ KVW_BODY(StoreKVQuantParams, dispatch_store_kv_quant)
 #ifdef KVW_HOST
 #include "../host.h"
 
+#define KVW_OPS_STORE_KV_QUANT(X) \
+  X(store_kv_quant, reg::Bind<&store_kv_quant_params>::table, \
+    "(" KVW_KV "Tensor? k_scale, Tensor? v_scale, Tensor(c!)? k_scale_cache, Tensor(d!)? v_scale_cache, int quant, " \
+    "int rule, " KVW_TAIL ") -> ()")
+
 namespace kvwrite {
 
 // store_kv_quant: canonical [pages, pool_page_size, H, D] int8 / fp8 caches (read as bytes),
@@ -276,23 +281,16 @@ inline StoreKVQuantParams store_kv_quant_params(const Tensor& k, const Tensor& v
   p.rule = int(rule);
   p.k = kv_quant_side(k, k_cache, dyn ? std::nullopt : k_scale, dyn ? k_scale_cache : std::nullopt, "k_cache");
   p.v = kv_quant_side(v, v_cache, dyn ? std::nullopt : v_scale, dyn ? v_scale_cache : std::nullopt, "v_cache");
+  p.H = int(k.size(1));
   TORCH_CHECK(v.size(0) == k.size(0) && v.size(1) == k.size(1) && v_cache.size(0) == k_cache.size(0) &&
                   v_cache.size(1) == k_cache.size(1),
               "kvwrite: k/v and their caches must agree on tokens, heads, pages and rows");
   if (dyn) TORCH_CHECK(k_scale_cache->size(2) == v_scale_cache->size(2), "kvwrite: k/v scale caches must match");
   TORCH_CHECK(!dyn || k_scale_cache->size(2) == (quant == QUANT_HEAD ? k.size(1) : 1),
               "kvwrite: the scale caches' last dim must be 1 (per token) or H (per token-head)");
-  p.H = int(k.size(1));
-  p.locs = loc_args(loc, loc_map, errors, dcp_rank, dcp_size, check, op, k_cache.size(0) * k_cache.size(1),
-                    k_cache.size(1), k);
-  TORCH_CHECK(p.locs.n == k.size(0), "kvwrite: loc must have one entry per token");
+  p.locs = cache_locs(k, k_cache, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
   return p;
 }
 
 }  // namespace kvwrite
-
-#define KVW_OPS_STORE_KV_QUANT(X) \
-  X(store_kv_quant, reg::Bind<&store_kv_quant_params>::table, \
-    "(" KVW_KV "Tensor? k_scale, Tensor? v_scale, Tensor(c!)? k_scale_cache, Tensor(d!)? v_scale_cache, int quant, " \
-    "int rule, " KVW_TAIL ") -> ()")
 #endif  // KVW_HOST

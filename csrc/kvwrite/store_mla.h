@@ -285,6 +285,11 @@ KVW_BODY(StoreMLAParams, dispatch_store_mla)
 #ifdef KVW_HOST
 #include "../host.h"
 
+#define KVW_OPS_STORE_MLA(X) \
+  X(store_mla, reg::Bind<&store_mla_params>::table, \
+    "(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor? scale, Tensor(b!)? scale_cache, Tensor? global_scale, " \
+    "int kernel_mode, " KVW_TAIL ") -> ()")
+
 namespace kvwrite {
 
 inline StoreMLAParams store_mla_params(const Tensor& kv_c, const Tensor& k_pe, const Tensor& kv_cache,
@@ -343,16 +348,9 @@ inline StoreMLAParams store_mla_params(const Tensor& kv_c, const Tensor& k_pe, c
     TORCH_CHECK(p.mode == MLA_DS_MLA && p.cache_dtype == DType::U8 && p.L % DS_MLA_TILE == 0,
                 "kvwrite: fp8_ds_mla needs a uint8 kv_cache and L % 128 == 0");
   }
-  p.locs = loc_args(loc, loc_map, errors, dcp_rank, dcp_size, check, op, kv_cache.size(0) * kv_cache.size(1),
-                    kv_cache.size(1), kv_c);
-  TORCH_CHECK(p.locs.n == kv_c.size(0), "kvwrite: loc must have one entry per token");
+  p.locs = cache_locs(kv_c, kv_cache, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
   return p;
 }
 
 }  // namespace kvwrite
-
-#define KVW_OPS_STORE_MLA(X) \
-  X(store_mla, reg::Bind<&store_mla_params>::table, \
-    "(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor? scale, Tensor(b!)? scale_cache, Tensor? global_scale, " \
-    "int kernel_mode, " KVW_TAIL ") -> ()")
 #endif  // KVW_HOST
