@@ -173,6 +173,10 @@ constexpr bool HAS_SCRATCH<P, std::void_t<decltype(P::scratch)>> = true;
 struct ScratchRow {
   i64 elems, elem_bytes;
 };
+// The fused RoPE stores (ROPED<P> = true beside each): the CPU policy checks a token's position
+// with its loc (resolve_rope) and keys its cos/sin row to the call (ops.cpp run_tokens).
+template <class P>
+constexpr bool ROPED = false;
 
 namespace reg {
 

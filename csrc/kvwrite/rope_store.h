@@ -616,5 +616,13 @@ inline ScratchRow scratch_row(const RopeStoreKVQuantParams& p) {
 }
 inline ScratchRow scratch_row(const RopeStoreMLAParams& p) { return {p.mla.R, dtype_size(p.mla.in_dtype)}; }
 
+// Fused RoPE stores (host.h ROPED): the CPU checks a token's position with its loc.
+template <>
+constexpr bool ROPED<RopeStoreKVParams> = true;
+template <>
+constexpr bool ROPED<RopeStoreKVQuantParams> = true;
+template <>
+constexpr bool ROPED<RopeStoreMLAParams> = true;
+
 }  // namespace kvwrite
 #endif  // KVW_HOST

@@ -252,5 +252,9 @@ inline RopeStoreDSV4FP4Params rope_store_dsv4_fp4_params(const Tensor& positions
   return p;
 }
 
+// A fused RoPE store (host.h ROPED): the CPU checks a token's position with its loc.
+template <>
+constexpr bool ROPED<RopeStoreDSV4FP4Params> = true;
+
 }  // namespace kvwrite
 #endif  // KVW_HOST
