@@ -85,7 +85,7 @@ def bodies(root: Path) -> dict[str, str]:
 
 def op_tables(root: Path) -> dict[str, str]:
     """{csrc/kvwrite header: its op table macro}, by header name: `KVW_OPS_<HEADER>`, the header's
-    file name in capitals (store_indexer_k.h: KVW_OPS_STORE_INDEXER_K), one per header."""
+    file name in capitals (store_new.h: KVW_OPS_STORE_NEW), one per header."""
     found: dict[str, str] = {}
     for h in sorted((root / "kvwrite").glob("*.h")):
         names = _OPS.findall(h.read_text())
