@@ -105,11 +105,6 @@ inline uint64_t next_rope_call() {
   return ++calls;
 }
 
-// The fused RoPE stores: a token's position is checked with its loc (resolve_rope).
-template <class P>
-constexpr bool ROPED = std::is_same_v<P, RopeStoreKVParams> || std::is_same_v<P, RopeStoreKVQuantParams> ||
-                       std::is_same_v<P, RopeStoreMLAParams> || std::is_same_v<P, RopeStoreDSV4FP4Params>;
-
 // Run the per-token functor `Token` over every token of `p` (in parallel above the threshold),
 // after the assert pre-scan; guard mode then advances the record's epoch. Bodies with scratch
 // rows (the fused RoPE stores): each parallel chunk rotates its tokens' k (k_pe) into one reused,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -79,16 +80,34 @@ print("OK")
 
 def test_kernel_sources_keep_torch_out_of_cu_files_and_headers(tmp_path):
     """The .cu files (hand-written and generated), tokens.cuh and csrc/kvwrite/*.h compile without
-    torch (fast nvcc builds); every .cu launches through tokens.cuh or defines its own kernels."""
+    torch (fast nvcc builds): a body header's host code (params maker, op rows) sits in its
+    `#ifdef KVW_HOST` section only; every .cu launches through tokens.cuh or defines its own
+    kernels."""
     units = _ext.launch_units(CSRC, tmp_path)
     assert units
-    files = (list(CSRC.glob("*.cu")) + units + list(CSRC.glob("*.cuh")) + list((CSRC / "kvwrite").glob("*.h")))
+    files = (list(CSRC.glob("*.cu")) + units + list(CSRC.glob("*.cuh")) + list((CSRC / "kvwrite").glob("*.h"))
+             + [tmp_path / _ext.OPS_HEADER])
     assert files
+    host = re.compile(r"^#ifdef KVW_HOST\n.*?^#endif  // KVW_HOST\n", re.M | re.S)
     for f in files:
         text = f.read_text()
         assert not re.search(r"#include\s*[<\"](torch|ATen|c10)/", text), f"{f.name} includes torch"
+        device = re.sub(r"//.*", "", host.sub("", text))   # code outside the host section
+        assert not re.search(r"host\.h|TORCH_CHECK|\bTensor\b|KVW_HOST", device), f"{f.name}: host code outside KVW_HOST"
         if f.suffix == ".cu":
             assert "__global__" in text or '#include "tokens.cuh"' in text, f.name
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+def test_body_headers_compile_without_torch(tmp_path):
+    """Every body header as a CUDA unit sees it (kvw_ops.h via bodies.h, no KVW_HOST): C++ without
+    a torch include path (the host compiler's view of a .cu file's host side)."""
+    gen = _ext.ops_header(CSRC, tmp_path).parent
+    src = tmp_path / "bodies.cpp"
+    src.write_text('#include "bodies.h"\n')
+    res = subprocess.run(["c++", "-std=c++17", "-fsyntax-only", f"-I{CSRC}", f"-I{gen}", str(src)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
 
 
 def test_setup_py_aot_extension_uses_the_jit_sources_and_flags(monkeypatch):
@@ -111,6 +130,10 @@ def test_setup_py_aot_extension_uses_the_jit_sources_and_flags(monkeypatch):
     # the generated units go to <repo>/build/kvwrite-units (relative, as setup.py needs them)
     assert all(s.startswith(("csrc/", "build/kvwrite-units/")) for s in want), want
     assert "-DKVWRITE_PYTHON_MODULE" in ext.extra_compile_args["cxx"]
+    # the host units see the body headers' host sections, the CUDA units do not; both find kvw_ops.h
+    assert "-DKVW_HOST" in ext.extra_compile_args["cxx"] and "-DKVW_HOST" not in ext.extra_compile_args["nvcc"]
+    gen = _ext.aot_units_dir(CSRC)
+    assert str(gen) in ext.include_dirs and (gen / _ext.OPS_HEADER).is_file()
 
 
 def _body_uses(root: Path) -> dict[str, str]:
@@ -175,12 +198,37 @@ def test_a_new_body_header_gets_its_unit_and_a_duplicate_body_is_an_error(tmp_pa
     assert [u.name for u in units] == ["store_new_fp8_params.cu", "store_new_params.cu"]
     assert "KVW_LAUNCH(StoreNewParams)" in units[1].read_text()
     assert sorted(p.name for p in root.rglob("*")) == ["dispatch.h", "kvwrite", "store_new.h"]  # csrc/ untouched
+    assert (tmp_path / "units" / _ext.OPS_HEADER).read_text().count('#include "kvwrite/store_new.h"') == 1
     assert [s.name for s in _ext.sources(root, False)] == ["ops.cpp"]
     (root / "kvwrite" / "other.h").write_text("KVW_BODY(StoreNewParams, dispatch_again)\n")
     with pytest.raises(RuntimeError, match="twice"):
         _ext.launch_units(root, tmp_path / "units")
     with pytest.raises(ValueError):
         _ext.sources(root, True)
+
+
+def test_the_op_table_and_the_body_includes_are_generated_from_the_headers(tmp_path):
+    """kvw_ops.h: the #include of every header with a body or an op table and KVW_OPS(X), each
+    header's `KVW_OPS_<HEADER>` in header-name order (a new op adds its header alone); a table
+    named after another header is refused; csrc/ keeps no hand-written list of either."""
+    root = tmp_path / "csrc"
+    (root / "kvwrite").mkdir(parents=True)
+    (root / "kvwrite" / "store_b.h").write_text(
+        "KVW_BODY(StoreBParams, dispatch_store_b)\n#ifdef KVW_HOST\n#define KVW_OPS_STORE_B(X) X(store_b, x, \"()\")\n#endif\n")
+    (root / "kvwrite" / "moves.h").write_text("#ifdef KVW_HOST\n#define KVW_OPS_MOVES(X) X(move, y, \"()\")\n#endif\n")
+    (root / "kvwrite" / "helper.h").write_text("// KVW_OPS_HELPER(X) is not defined here\n")
+    text = _ext.ops_header(root, tmp_path / "gen").read_text()
+    assert re.findall(r'^#include "(.*)"$', text, re.M) == ["kvwrite/moves.h", "kvwrite/store_b.h"]
+    assert re.findall(r"KVW_OPS_\w+", text) == ["KVW_OPS_MOVES", "KVW_OPS_STORE_B"]
+    (root / "kvwrite" / "store_c.h").write_text("#define KVW_OPS_STORE_B(X)\n")
+    with pytest.raises(RuntimeError, match="KVW_OPS_STORE_C"):
+        _ext.ops_header(root, tmp_path / "gen")
+    # the real tree: every header with a body has its table; no list of either is left in csrc/
+    tables = _ext.op_tables(CSRC)
+    assert set(_ext.bodies(CSRC).values()) <= set(tables) and "claims.h" in tables
+    for f in list(CSRC.glob("*.h")) + list(CSRC.glob("*.cpp")):
+        assert not re.search(r'#include "kvwrite/store_|^#define KVW_OPS\(', f.read_text(), re.M), f.name
+    assert not list(CSRC.glob("params*.h"))
 
 
 @pytest.mark.skipif(_ext.find_cuda_home() is None, reason="no CUDA toolkit")
@@ -193,7 +241,7 @@ def test_store_kv_ptx_check_modes_are_template_specialisations(tmp_path):
     _ext.launch_units(CSRC, tmp_path / "units")
     unit = tmp_path / "units" / _ext.unit_name("StoreKVParams")
     out = subprocess.run([nvcc, "-ptx", "-arch=sm_90", "-std=c++20", "--expt-relaxed-constexpr", "-O3",
-                          f"-I{CSRC}", str(unit), "-o", str(ptx)],
+                          f"-I{CSRC}", f"-I{unit.parent}", str(unit), "-o", str(ptx)],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     text = ptx.read_text()
@@ -269,8 +317,6 @@ def test_a_finished_build_is_loaded_without_recompiling(tmp_path):
     out = _ext.build_dir(CSRC, _ext.build_config())
     built = {p: p.stat().st_mtime_ns for p in out.iterdir() if p.suffix in (".o", ".so")}
     assert built and (out / _ext.STAMP).is_file()
-    import shutil
-
     copy = tmp_path / "csrc"
     shutil.copytree(CSRC, copy)
     code = (f"from pathlib import Path; from kvwrite import _ext; _ext.csrc_dir = lambda: Path({str(copy)!r}); "

@@ -75,14 +75,15 @@ def _demangle(names: list[str]) -> dict[str, str]:
     return dict(zip(names, out)) if len(out) == len(names) else {n: n for n in names}
 
 
-def _compile(cu: Path) -> list[dict]:
-    """One nvcc call (device code only) for both archs; one row per (kernel, arch)."""
+def _compile(cu: Path, gen: Path) -> list[dict]:
+    """One nvcc call (device code only) for both archs; one row per (kernel, arch). `gen`: the
+    generated kvw_ops.h (`_units`)."""
     with tempfile.TemporaryDirectory() as tmp:
         gencode = []
         for a in ARCHS:
             gencode += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
         cmd = [NVCC, "-fatbin", *gencode, "-O3", "--expt-relaxed-constexpr", "-std=c++17",
-               "-Xptxas", "-v", "--keep", "--keep-dir", tmp, "-I", str(CSRC), str(cu),
+               "-Xptxas", "-v", "--keep", "--keep-dir", tmp, "-I", str(CSRC), "-I", str(gen), str(cu),
                "-o", os.path.join(tmp, cu.stem + ".fatbin")]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert res.returncode == 0, res.stderr[-3000:]
@@ -104,24 +105,24 @@ def _compile(cu: Path) -> list[dict]:
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
 
-def _sources(cu: Path) -> list[Path]:
-    """`cu` and every csrc/ header it includes, transitively (`#include "..."`)."""
+def _sources(cu: Path, gen: Path) -> list[Path]:
+    """`cu` and every csrc/ (or generated) header it includes, transitively (`#include "..."`)."""
     seen, todo = {cu}, [cu]
     while todo:
         f = todo.pop()
         for name in _INCLUDE.findall(f.read_text()):
-            dep = next((d / name for d in (f.parent, CSRC) if (d / name).is_file()), None)
+            dep = next((d / name for d in (f.parent, CSRC, gen) if (d / name).is_file()), None)
             if dep is not None and dep not in seen:
                 seen.add(dep)
                 todo.append(dep)
     return sorted(seen)
 
 
-def _key(cu: Path, nvcc_version: str) -> str:
+def _key(cu: Path, gen: Path, nvcc_version: str) -> str:
     """Hash of what one translation unit compiles from (its includes, nvcc, the flags' version):
     a change elsewhere in csrc/ (the host-only api.h, ops.cpp) recompiles nothing."""
     h = hashlib.sha256()
-    for f in _sources(cu):
+    for f in _sources(cu, gen):
         h.update((f.relative_to(CSRC).as_posix() if f.is_relative_to(CSRC) else f.name).encode())
         h.update(f.read_bytes())
     h.update(nvcc_version.encode())
@@ -129,19 +130,19 @@ def _key(cu: Path, nvcc_version: str) -> str:
     return h.hexdigest()[:16]
 
 
-def _compile_cached(cu: Path, nvcc_version: str) -> list[dict]:
-    cache = ROOT / "build" / "static_gpu" / f"{cu.stem}-{_key(cu, nvcc_version)}.json"
+def _compile_cached(cu: Path, gen: Path, nvcc_version: str) -> list[dict]:
+    cache = ROOT / "build" / "static_gpu" / f"{cu.stem}-{_key(cu, gen, nvcc_version)}.json"
     if cache.is_file():
         return json.loads(cache.read_text())
-    rows = _compile(cu)
+    rows = _compile(cu, gen)
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps(rows, indent=1))
     return rows
 
 
 def _units(tmp: Path) -> list[Path]:
-    """The CUDA units of the build: the hand-written csrc/*.cu and the generated ones (into `tmp`:
-    a worker's own directory, the cache is keyed by content)."""
+    """The CUDA units of the build: the hand-written csrc/*.cu and the generated ones (into `tmp`,
+    with the kvw_ops.h they all include: a worker's own directory, the cache is keyed by content)."""
     return sorted(CSRC.glob("*.cu")) + _ext.launch_units(CSRC, tmp)
 
 
@@ -154,7 +155,8 @@ def units(tmp_path_factory) -> list[Path]:
 def kernels(units) -> list[dict]:
     version = subprocess.run([NVCC, "--version"], capture_output=True, text=True).stdout
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        return [r for part in pool.map(lambda cu: _compile_cached(cu, version), units) for r in part]
+        gen = next(u.parent for u in units if u.parent != CSRC)
+        return [r for part in pool.map(lambda cu: _compile_cached(cu, gen, version), units) for r in part]
 
 
 # Kernels known to spill, each named with its bound (to be tuned, not hidden): the fused RoPE +

@@ -348,7 +348,7 @@ def _nvcc_fatbin(src: Path, gencode: list[str], out: Path) -> tuple[bool, str]:
 
     nvcc = os.path.join(_ext.find_cuda_home() or "/usr/local/cuda", "bin", "nvcc")
     cmd = [nvcc, "-fatbin", "-std=c++20", "-O3", "--expt-relaxed-constexpr", f"-I{_ext.csrc_dir()}",
-           *gencode, str(src), "-o", str(out)]
+           f"-I{src.parent}", *gencode, str(src), "-o", str(out)]   # src.parent: its kvw_ops.h
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     return r.returncode == 0, r.stderr[-800:]
 

@@ -128,3 +128,50 @@ __device__ inline void claim_check(const ClaimParams& p, i64 i) {
 #endif
 
 }  // namespace kvwrite
+
+// The host side (KVW_HOST: ops.cpp, cuda_ops.cpp; never a CUDA unit): claim_rows' addressing and
+// binding (the pre-pass on either device: Dev::run(ClaimParams)) and its row of the op table
+// (registry.h).
+#ifdef KVW_HOST
+#include "../host.h"
+
+#define KVW_OPS_CLAIMS(X) \
+  X(claim_rows, reg::claim_rows, \
+    "(Tensor loc, Tensor? loc_map, Tensor(z!)? errors, int dcp_rank, int dcp_size, int check, int op, " \
+    "Tensor? batch_indices, Tensor? kv_indices, Tensor? kv_indptr, int capacity, int pool_page_size, " \
+    "bool dcp_page) -> Tensor")
+
+namespace kvwrite {
+
+// claim_rows' addressing on either device.
+inline LocArgs claim_locs(const Tensor& loc, const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank,
+                          int64_t dcp_size, int64_t check, int64_t op, const OptTensor& batch_indices,
+                          const OptTensor& kv_indices, const OptTensor& kv_indptr, int64_t capacity,
+                          int64_t pool_page_size, bool dcp_page) {
+  TORCH_CHECK(check == CHECK_ASSERT || check == CHECK_GUARD, "kvwrite: claim_rows runs in assert or guard mode");
+  TORCH_CHECK(capacity >= 1 && pool_page_size >= 1, "kvwrite: claim_rows needs a pool");
+  LocArgs a = loc_args(loc, loc_map, errors, dcp_rank, dcp_size, check, op, capacity, pool_page_size, loc);
+  set_table(a, batch_indices, kv_indices, kv_indptr, loc);
+  a.dcp_page = dcp_page;
+  return a;
+}
+
+namespace reg {
+
+// The duplicate-row pre-pass of a store in assert / guard mode: the loc the store runs on (guard),
+// or an empty tensor (the store runs on its own loc); see Dev::run.
+template <class Dev>
+Tensor claim_rows(const Tensor& loc, const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank,
+                  int64_t dcp_size, int64_t check, int64_t op, const OptTensor& batch_indices,
+                  const OptTensor& kv_indices, const OptTensor& kv_indptr, int64_t capacity, int64_t pool_page_size,
+                  bool dcp_page) {
+  ClaimParams p;
+  p.a = claim_locs(loc, loc_map, errors, dcp_rank, dcp_size, check, op, batch_indices, kv_indices, kv_indptr, capacity,
+                   pool_page_size, dcp_page);
+  return Dev::run(p, check, loc);
+}
+
+}  // namespace reg
+
+}  // namespace kvwrite
+#endif  // KVW_HOST

@@ -199,3 +199,62 @@ KVW_BODY(StoreDSV4FP4Params, dispatch_store_dsv4_fp4<false>)
 KVW_BODY(RopeStoreDSV4FP4Params, dispatch_store_dsv4_fp4<true>)
 
 }  // namespace kvwrite
+
+// The host side (KVW_HOST: ops.cpp, cuda_ops.cpp; never a CUDA unit): tensors -> the V4 FP4 stores'
+// params and their op table rows (registry.h).
+#ifdef KVW_HOST
+#include "../host.h"
+
+#define KVW_OPS_STORE_DSV4_FP4(X) \
+  X(store_dsv4_kv_fp4, reg::Bind<&store_dsv4_fp4_params>::plain, \
+    "(Tensor kv, Tensor(a!) cache, int pool_page_size, int fmt_code, " KVW_TAIL_NO_TABLE ") -> ()") \
+  X(rope_store_dsv4_kv_fp4, reg::Bind<&rope_store_dsv4_fp4_params>::plain, \
+    "(Tensor positions, Tensor kv, Tensor cos_sin, Tensor(b!)? q, Tensor(a!) cache, " \
+    "int pool_page_size, int fmt_code, " \
+    KVW_TAIL_NO_TABLE ") -> ()")
+
+namespace kvwrite {
+
+inline StoreDSV4FP4Params store_dsv4_fp4_params(const Tensor& kv, const Tensor& cache, int64_t pool_page_size,
+                                                int64_t fmt, const Tensor& loc, const OptTensor& loc_map,
+                                                const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size,
+                                                int64_t check, int64_t op) {
+  TORCH_CHECK(kv.dim() == 2 && kv.size(1) == DSV4_NOPE + DSV4_ROPE && kv.stride(1) == 1,
+              "kvwrite: kv must be [N, 512], contiguous in its last dim");
+  TORCH_CHECK(fmt >= 0 && fmt <= 2, "kvwrite: fmt must be 0 (nvfp4), 1 (nvfp4_v41) or 2 (mxfp4)");
+  TORCH_CHECK(pool_page_size >= 1 && cache.dim() == 2 && cache.size(1) == pool_page_size * fp4_token_bytes(int(fmt)),
+              "kvwrite: the FP4 record page does not hold pool_page_size tokens");
+  check_same_device(kv, cache, "cache");
+  const int token = fp4_token_bytes(int(fmt)), scale_row = fmt == 2 ? 0 : 32;
+  StoreDSV4FP4Params p;
+  p.kv = static_cast<const char*>(kv.data_ptr());
+  p.kv_sn = kv.stride(0);
+  p.in_dtype = dtype_of(kv);
+  p.fmt = int(fmt);
+  paged_locs(p, kv, cache, pool_page_size, token - scale_row, scale_row, loc, loc_map, errors, dcp_rank, dcp_size,
+             check, op);
+  return p;
+}
+
+// rope_store_dsv4_kv_fp4: the store's parameters plus the GPT-J rotation of the 64 RoPE values
+// (cos_sin [max_position, 64]) and of q [n, Hq, 64] in place (none: zero heads).
+inline RopeStoreDSV4FP4Params rope_store_dsv4_fp4_params(const Tensor& positions, const Tensor& kv, const Tensor& cos_sin,
+                                                     const OptTensor& q, const Tensor& cache, int64_t pool_page_size,
+                                                     int64_t fmt, const Tensor& loc, const OptTensor& loc_map,
+                                                     const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size,
+                                                     int64_t check, int64_t op) {
+  TORCH_CHECK(fmt == 0 || fmt == 2, "kvwrite: the fused RoPE store takes fmt 0 (nvfp4) or 2 (mxfp4)");
+  RopeStoreDSV4FP4Params p{
+      store_dsv4_fp4_params(kv, cache, pool_page_size, fmt, loc, loc_map, errors, dcp_rank, dcp_size, check, op)};
+  const Tensor qt = q.has_value() ? *q : kv.new_empty({kv.size(0), 0, DSV4_ROPE});
+  p.rope = rope_args(positions, qt, cos_sin, c10::nullopt, c10::nullopt, 0.0, false, kv, DSV4_ROPE);
+  TORCH_CHECK(p.rope.R == DSV4_ROPE, "kvwrite: cos_sin must be [max_position, 64]");
+  return p;
+}
+
+// A fused RoPE store (host.h ROPED): the CPU checks a token's position with its loc.
+template <>
+constexpr bool ROPED<RopeStoreDSV4FP4Params> = true;
+
+}  // namespace kvwrite
+#endif  // KVW_HOST

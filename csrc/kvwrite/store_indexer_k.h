@@ -97,3 +97,46 @@ inline i64 token_bytes(const StoreIndexerKParams& p) {
 KVW_BODY(StoreIndexerKParams, dispatch_store_indexer_k)
 
 }  // namespace kvwrite
+
+// The host side (KVW_HOST: ops.cpp, cuda_ops.cpp; never a CUDA unit): tensors ->
+// StoreIndexerKParams and its op table row (registry.h).
+#ifdef KVW_HOST
+#include "../host.h"
+
+#define KVW_OPS_STORE_INDEXER_K(X) \
+  X(store_indexer_k, reg::Bind<&store_indexer_k_params>::table, \
+    "(Tensor k, Tensor(a!) cache, int quant_block_size, bool ue8m0, " KVW_TAIL ") -> ()")
+
+namespace kvwrite {
+
+inline StoreIndexerKParams store_indexer_k_params(const Tensor& k, const Tensor& cache, int64_t qbs, bool ue8m0,
+                                                  const Tensor& loc, const OptTensor& loc_map,
+                                                  const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size,
+                                                  int64_t check, int64_t op) {
+  TORCH_CHECK(k.dim() == 2 && (k.size(1) <= 1 || k.stride(1) == 1), "kvwrite: k must be [N, D], contiguous in D");
+  TORCH_CHECK(qbs > 0 && k.size(1) % qbs == 0, "kvwrite: D must be a multiple of quant_block_size");
+  TORCH_CHECK(cache.dim() == 2 && cache.scalar_type() == at::kByte && (cache.size(1) <= 1 || cache.stride(1) == 1),
+              "kvwrite: the indexer cache must be a uint8 [pages, page bytes] tensor");
+  check_same_device(k, cache, "cache");
+  const int64_t d = k.size(1), per_token = d + (d / qbs) * 4;
+  TORCH_CHECK(cache.size(1) % per_token == 0 && cache.size(1) > 0,
+              "kvwrite: the indexer cache page is not a whole number of tokens");
+  StoreIndexerKParams p;
+  p.k = static_cast<const char*>(k.data_ptr());
+  p.k_sn = k.stride(0);
+  p.qbs = int(qbs);
+  p.ue8m0 = ue8m0;
+  p.in_dtype = dtype_of(k);
+  p.cache.base = static_cast<char*>(cache.data_ptr());
+  p.cache.stride_page = cache.stride(0);
+  p.cache.pool_page_size = cache.size(1) / per_token;
+  p.cache.D = int(d);
+  p.cache.blocks = int(d / qbs);
+  p.locs = loc_args(loc, loc_map, errors, dcp_rank, dcp_size, check, op, cache.size(0) * p.cache.pool_page_size,
+                    p.cache.pool_page_size, k);
+  TORCH_CHECK(p.locs.n == k.size(0), "kvwrite: loc must have one entry per token");
+  return p;
+}
+
+}  // namespace kvwrite
+#endif  // KVW_HOST

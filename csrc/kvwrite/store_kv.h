@@ -293,3 +293,57 @@ inline i64 token_bytes(const StoreKVParams& p) {
 KVW_BODY(StoreKVParams, dispatch_store_kv)
 
 }  // namespace kvwrite
+
+// The host side (KVW_HOST: ops.cpp, cuda_ops.cpp; never a CUDA unit): tensors -> StoreKVParams and
+// its op table row (registry.h).
+#ifdef KVW_HOST
+#include "../host.h"
+
+#define KVW_OPS_STORE_KV(X) \
+  X(store_kv, reg::Bind<&store_kv_params>::table, "(" KVW_KV "Tensor? k_scale, Tensor? v_scale, " KVW_TAIL ") -> ()")
+
+namespace kvwrite {
+
+inline KVSide kv_side(const Tensor& x, const Tensor& cache, const OptTensor& scale, const char* name) {
+  TORCH_CHECK(x.dim() == 3 && (x.size(2) <= 1 || x.stride(2) == 1), "kvwrite: ", name,
+              " must be [tokens, heads, dim], contiguous in dim");
+  const int64_t feat = cache.dim() == 5 ? cache.size(3) * cache.size(4) : cache.size(3);
+  TORCH_CHECK(cache.size(2) == x.size(1) && feat == x.size(2), "kvwrite: ", name,
+              " cache shape does not match its rows");
+  check_same_device(x, cache, "cache");
+  KVSide s = source_rows<KVSide>(x);
+  s.cache = paged(cache, name);
+  if (scale.has_value()) {
+    TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->numel() >= 1, "kvwrite: ", name, " scale must be fp32");
+    check_same_device(x, *scale, "scale");
+    s.scale = scale->data_ptr<float>();
+    s.scale_stride = scale->numel() > 1 ? 1 : 0;
+  }
+  return s;
+}
+
+inline StoreKVParams store_kv_params(const Tensor& k, const Tensor& v, const Tensor& k_cache,
+                                     const Tensor& v_cache, const OptTensor& k_scale,
+                                     const OptTensor& v_scale, const Tensor& loc,
+                                     const OptTensor& loc_map, const OptTensor& errors,
+                                     int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op) {
+  StoreKVParams p;
+  p.in_dtype = dtype_of(k);
+  p.cache_dtype = dtype_of(k_cache);
+  TORCH_CHECK(v.scalar_type() == k.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "kvwrite: k/v and k_cache/v_cache must share dtypes");
+  const bool quant = is_fp8(p.cache_dtype);
+  TORCH_CHECK(quant ? (k_scale.has_value() && v_scale.has_value()) : p.cache_dtype == p.in_dtype,
+              "kvwrite: the cache dtype must equal the input dtype, or be fp8 with k_scale/v_scale");
+  p.k = kv_side(k, k_cache, quant ? k_scale : std::nullopt, "k_cache");
+  p.v = kv_side(v, v_cache, quant ? v_scale : std::nullopt, "v_cache");
+  p.H = int(k.size(1));
+  TORCH_CHECK(v.size(0) == k.size(0) && v.size(1) == k.size(1) && v_cache.size(0) == k_cache.size(0) &&
+                  v_cache.size(1) == k_cache.size(1),
+              "kvwrite: k/v and their caches must agree on tokens, heads, pages and rows");
+  p.locs = cache_locs(k, k_cache, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  return p;
+}
+
+}  // namespace kvwrite
+#endif  // KVW_HOST

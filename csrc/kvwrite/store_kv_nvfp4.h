@@ -100,3 +100,60 @@ inline i64 token_bytes(const StoreKVNVFP4Params& p) {
 KVW_BODY(StoreKVNVFP4Params, dispatch_store_kv_nvfp4)
 
 }  // namespace kvwrite
+
+// The host side (KVW_HOST: ops.cpp, cuda_ops.cpp; never a CUDA unit): tensors -> StoreKVNVFP4Params
+// and its op table row (registry.h).
+#ifdef KVW_HOST
+#include "../host.h"
+
+#define KVW_OPS_STORE_KV_NVFP4(X) \
+  X(store_kv_nvfp4, reg::Bind<&store_kv_nvfp4_params>::table, \
+    "(" KVW_KV "Tensor(c!) k_scale_cache, Tensor(d!) v_scale_cache, Tensor? k_global_scale, " \
+    "Tensor? v_global_scale, " KVW_TAIL ") -> ()")
+
+namespace kvwrite {
+
+inline NVFP4Side nvfp4_side(const Tensor& x, const Tensor& values, const Tensor& scales, const OptTensor& global,
+                            const char* name) {
+  TORCH_CHECK(x.dim() == 3 && (x.size(2) <= 1 || x.stride(2) == 1) && x.size(2) % NVFP4_BLOCK == 0,
+              "kvwrite: ", name, " rows must be [tokens, heads, D], D a multiple of 16, contiguous in D");
+  TORCH_CHECK(values.scalar_type() == at::kByte && scales.scalar_type() == at::kFloat8_e4m3fn,
+              "kvwrite: NVFP4 caches are uint8 values and float8_e4m3fn scales");
+  TORCH_CHECK(values.size(2) == x.size(1) && values.size(3) * 2 == x.size(2) && scales.size(2) == x.size(1) &&
+                  scales.size(3) * NVFP4_BLOCK == x.size(2) && scales.size(0) == values.size(0) &&
+                  scales.size(1) == values.size(1),
+              "kvwrite: ", name, " NVFP4 cache shapes do not match its rows");
+  check_same_device(x, values, "cache");
+  check_same_device(x, scales, "scale cache");
+  NVFP4Side s = source_rows<NVFP4Side>(x);
+  s.values = paged(values, name);
+  s.scales = paged(scales, name);
+  if (global.has_value()) {
+    TORCH_CHECK(global->scalar_type() == at::kFloat && global->numel() == 1, "kvwrite: global scales are fp32 [1]");
+    check_same_device(x, *global, "global scale");
+    s.global = global->data_ptr<float>();
+  }
+  return s;
+}
+
+inline StoreKVNVFP4Params store_kv_nvfp4_params(const Tensor& k, const Tensor& v, const Tensor& k_cache,
+                                               const Tensor& v_cache, const Tensor& k_scale_cache,
+                                               const Tensor& v_scale_cache, const OptTensor& k_global,
+                                               const OptTensor& v_global, const Tensor& loc,
+                                               const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank,
+                                               int64_t dcp_size, int64_t check, int64_t op) {
+  TORCH_CHECK(v.scalar_type() == k.scalar_type() && v.size(0) == k.size(0) && v.size(1) == k.size(1),
+              "kvwrite: k and v must share dtype, tokens and heads");
+  StoreKVNVFP4Params p;
+  p.in_dtype = dtype_of(k);
+  p.k = nvfp4_side(k, k_cache, k_scale_cache, k_global, "k_cache");
+  p.v = nvfp4_side(v, v_cache, v_scale_cache, v_global, "v_cache");
+  p.H = int(k.size(1));
+  TORCH_CHECK(v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == k_cache.size(1),
+              "kvwrite: the K and V caches must have the same pages and rows");
+  p.locs = cache_locs(k, k_cache, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  return p;
+}
+
+}  // namespace kvwrite
+#endif  // KVW_HOST

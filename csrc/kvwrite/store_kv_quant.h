@@ -212,3 +212,85 @@ inline i64 token_bytes(const StoreKVQuantParams& p) {
 KVW_BODY(StoreKVQuantParams, dispatch_store_kv_quant)
 
 }  // namespace kvwrite
+
+// The host side (KVW_HOST: ops.cpp, cuda_ops.cpp; never a CUDA unit): tensors -> StoreKVQuantParams
+// and its op table row (registry.h).
+#ifdef KVW_HOST
+#include "../host.h"
+
+#define KVW_OPS_STORE_KV_QUANT(X) \
+  X(store_kv_quant, reg::Bind<&store_kv_quant_params>::table, \
+    "(" KVW_KV "Tensor? k_scale, Tensor? v_scale, Tensor(c!)? k_scale_cache, Tensor(d!)? v_scale_cache, int quant, " \
+    "int rule, " KVW_TAIL ") -> ()")
+
+namespace kvwrite {
+
+// store_kv_quant: canonical [pages, pool_page_size, H, D] int8 / fp8 caches (read as bytes),
+// static fp32 scales ([], [1] or [H]) or dynamic fp32 scale caches [pages, pool_page_size, 1 or H].
+inline KVQuantSide kv_quant_side(const Tensor& x, const Tensor& cache, const OptTensor& scale,
+                                 const OptTensor& scale_cache, const char* name) {
+  TORCH_CHECK(x.dim() == 3 && (x.size(2) <= 1 || x.stride(2) == 1), "kvwrite: ", name,
+              " must be [tokens, heads, dim], contiguous in dim");
+  TORCH_CHECK(cache.dim() == 4 && cache.size(2) == x.size(1) && cache.size(3) == x.size(2) && cache.element_size() == 1,
+              "kvwrite: ", name, " must be a 1-byte [pages, rows, heads, dim] cache matching its rows");
+  check_same_device(x, cache, "cache");
+  KVQuantSide s = source_rows<KVQuantSide>(x);
+  s.cache = paged(cache, name);
+  if (scale.has_value()) {
+    TORCH_CHECK(scale->scalar_type() == at::kFloat && (scale->numel() == 1 || scale->numel() == x.size(1)) &&
+                    (scale->numel() <= 1 || scale->stride(-1) == 1),
+                "kvwrite: ", name, " static scale must be fp32 [], [1] or [H]");
+    check_same_device(x, *scale, "scale");
+    s.scale = scale->data_ptr<float>();
+    s.scale_stride = scale->numel() > 1 ? 1 : 0;
+  } else {
+    TORCH_CHECK(scale_cache.has_value(), "kvwrite: ", name, " needs a static scale or a scale cache");
+    const Tensor& c = *scale_cache;
+    TORCH_CHECK(c.scalar_type() == at::kFloat && c.dim() == 3 && c.size(0) == cache.size(0) &&
+                    c.size(1) == cache.size(1) && (c.size(2) == 1 || c.size(2) == x.size(1)),
+                "kvwrite: ", name, " scale cache must be fp32 [pages, rows, 1 or H]");
+    check_same_device(x, c, "scale cache");
+    s.scales = paged(c.unsqueeze(-1), name);
+  }
+  return s;
+}
+
+inline StoreKVQuantParams store_kv_quant_params(const Tensor& k, const Tensor& v, const Tensor& k_cache,
+                                               const Tensor& v_cache, const OptTensor& k_scale,
+                                               const OptTensor& v_scale, const OptTensor& k_scale_cache,
+                                               const OptTensor& v_scale_cache, int64_t quant, int64_t rule,
+                                               const Tensor& loc, const OptTensor& loc_map, const OptTensor& errors,
+                                               int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op) {
+  TORCH_CHECK(v.scalar_type() == k.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "kvwrite: k/v and k_cache/v_cache must share dtypes");
+  TORCH_CHECK(quant >= QUANT_STATIC && quant <= QUANT_HEAD && (rule == RULE_RNE || rule == RULE_VLLM),
+              "kvwrite: bad quant mode or rule");
+  const bool dyn = quant != QUANT_STATIC;
+  TORCH_CHECK(dyn ? (k_scale_cache.has_value() && v_scale_cache.has_value())
+                  : (k_scale.has_value() && v_scale.has_value()),
+              "kvwrite: store_kv_quant needs k/v scales (static) or k/v scale caches (dynamic)");
+  StoreKVQuantParams p;
+  p.in_dtype = dtype_of(k);
+  switch (k_cache.scalar_type()) {
+    case at::kChar: p.fmt = FMT_INT8; break;
+    case at::kFloat8_e4m3fn: p.fmt = FMT_E4M3; break;
+    case at::kFloat8_e5m2: p.fmt = FMT_E5M2; break;
+    default: TORCH_CHECK(false, "kvwrite: store_kv_quant caches must be int8, float8_e4m3fn or float8_e5m2");
+  }
+  p.quant = int(quant);
+  p.rule = int(rule);
+  p.k = kv_quant_side(k, k_cache, dyn ? std::nullopt : k_scale, dyn ? k_scale_cache : std::nullopt, "k_cache");
+  p.v = kv_quant_side(v, v_cache, dyn ? std::nullopt : v_scale, dyn ? v_scale_cache : std::nullopt, "v_cache");
+  p.H = int(k.size(1));
+  TORCH_CHECK(v.size(0) == k.size(0) && v.size(1) == k.size(1) && v_cache.size(0) == k_cache.size(0) &&
+                  v_cache.size(1) == k_cache.size(1),
+              "kvwrite: k/v and their caches must agree on tokens, heads, pages and rows");
+  if (dyn) TORCH_CHECK(k_scale_cache->size(2) == v_scale_cache->size(2), "kvwrite: k/v scale caches must match");
+  TORCH_CHECK(!dyn || k_scale_cache->size(2) == (quant == QUANT_HEAD ? k.size(1) : 1),
+              "kvwrite: the scale caches' last dim must be 1 (per token) or H (per token-head)");
+  p.locs = cache_locs(k, k_cache, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  return p;
+}
+
+}  // namespace kvwrite
+#endif  // KVW_HOST

@@ -279,3 +279,78 @@ inline i64 token_bytes(const StoreMLAParams& p) {
 KVW_BODY(StoreMLAParams, dispatch_store_mla)
 
 }  // namespace kvwrite
+
+// The host side (KVW_HOST: ops.cpp, cuda_ops.cpp; never a CUDA unit): tensors -> StoreMLAParams and
+// its op table row (registry.h).
+#ifdef KVW_HOST
+#include "../host.h"
+
+#define KVW_OPS_STORE_MLA(X) \
+  X(store_mla, reg::Bind<&store_mla_params>::table, \
+    "(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor? scale, Tensor(b!)? scale_cache, Tensor? global_scale, " \
+    "int kernel_mode, " KVW_TAIL ") -> ()")
+
+namespace kvwrite {
+
+inline StoreMLAParams store_mla_params(const Tensor& kv_c, const Tensor& k_pe, const Tensor& kv_cache,
+                                       const OptTensor& scale, const OptTensor& scale_cache,
+                                       const OptTensor& global_scale, int64_t mode, const Tensor& loc,
+                                       const OptTensor& loc_map, const OptTensor& errors, int64_t dcp_rank,
+                                       int64_t dcp_size, int64_t check, int64_t op) {
+  TORCH_CHECK(kv_c.dim() == 2 && k_pe.dim() == 2 && k_pe.size(0) == kv_c.size(0) &&
+                  k_pe.scalar_type() == kv_c.scalar_type(),
+              "kvwrite: kv_c [N, L] and k_pe [N, R] must share tokens and dtype");
+  TORCH_CHECK((kv_c.size(1) <= 1 || kv_c.stride(1) == 1) && (k_pe.size(1) <= 1 || k_pe.stride(1) == 1),
+              "kvwrite: kv_c and k_pe must be contiguous in their last dim");
+  check_same_device(kv_c, k_pe, "k_pe");
+  check_same_device(kv_c, kv_cache, "kv_cache");
+  StoreMLAParams p;
+  p.kv_c = static_cast<const char*>(kv_c.data_ptr());
+  p.k_pe = static_cast<const char*>(k_pe.data_ptr());
+  p.c_sn = kv_c.stride(0);
+  p.pe_sn = k_pe.stride(0);
+  p.L = int(kv_c.size(1));
+  p.R = int(k_pe.size(1));
+  p.cache = paged_rows(kv_cache, "kv_cache");
+  p.in_dtype = dtype_of(kv_c);
+  p.cache_dtype = dtype_of(kv_cache);
+  p.mode = int(mode) & MLA_MODE_MASK;
+  p.ds_flags = p.mode == MLA_DS_MLA ? int(mode) & ~MLA_MODE_MASK : 0;
+  TORCH_CHECK(!(p.ds_flags & DS_MLA_RAW_ROPE) || p.in_dtype == DType::BF16 || p.in_dtype == DType::F16,
+              "kvwrite: fp8_ds_mla with the rope's own bits needs bf16/fp16 inputs");
+  const int64_t width = p.mode == MLA_DS_MLA ? p.L + (p.L / DS_MLA_TILE) * 4 + 2 * p.R
+                        : p.mode == MLA_NVFP4 ? (p.L + p.R) / 2 : p.L + p.R;
+  TORCH_CHECK(kv_cache.size(2) == width, "kvwrite: kv_cache rows must be ", width, " wide for mode ", mode);
+  if (p.mode == MLA_COPY) {
+    TORCH_CHECK(p.cache_dtype == p.in_dtype, "kvwrite: kv_cache must have the input dtype");
+  } else if (p.mode == MLA_FP8) {
+    TORCH_CHECK(is_fp8(p.cache_dtype), "kvwrite: kv_cache must be fp8");
+    TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kFloat && scale->numel() == 1,
+                "kvwrite: fp8 store_mla needs a per-tensor fp32 scale");
+    check_same_device(kv_c, *scale, "scale");
+    p.scale = scale->data_ptr<float>();
+  } else if (p.mode == MLA_NVFP4) {
+    TORCH_CHECK(p.cache_dtype == DType::U8 && (p.L + p.R) % NVFP4_BLOCK == 0 && scale_cache.has_value() &&
+                    scale_cache->scalar_type() == at::kFloat8_e4m3fn && scale_cache->dim() == 3 &&
+                    scale_cache->size(0) == kv_cache.size(0) && scale_cache->size(1) == kv_cache.size(1) &&
+                    scale_cache->size(2) * NVFP4_BLOCK == p.L + p.R,
+                "kvwrite: nvfp4 store_mla needs a uint8 kv_cache [pages, rows, (L+R)/2] and an e4m3 "
+                "scale_cache [pages, rows, (L+R)/16]");
+    check_same_device(kv_c, *scale_cache, "scale_cache");
+    p.scale_cache = paged_rows(*scale_cache, "scale_cache");
+    if (global_scale.has_value()) {
+      TORCH_CHECK(global_scale->scalar_type() == at::kFloat && global_scale->numel() == 1,
+                  "kvwrite: global_scale must be fp32 [1]");
+      check_same_device(kv_c, *global_scale, "global_scale");
+      p.global = global_scale->data_ptr<float>();
+    }
+  } else {
+    TORCH_CHECK(p.mode == MLA_DS_MLA && p.cache_dtype == DType::U8 && p.L % DS_MLA_TILE == 0,
+                "kvwrite: fp8_ds_mla needs a uint8 kv_cache and L % 128 == 0");
+  }
+  p.locs = cache_locs(kv_c, kv_cache, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
+  return p;
+}
+
+}  // namespace kvwrite
+#endif  // KVW_HOST

@@ -1,0 +1,262 @@
+// The host side every op shares (torch): tensors -> the params fields common to the ops, the
+// binding reg::Bind (params maker -> page table -> device policy) and the schema fragments.
+// Included by each body header's host section (`#ifdef KVW_HOST`: the host units ops.cpp and
+// cuda_ops.cpp, built with -DKVW_HOST), which holds that op's params maker and its
+// `KVW_OPS_<HEADER>` rows (registry.h). The Python layer (kvwrite.ops.*) has already validated
+// every argument with named errors; the checks here only guard direct callers.
+#pragma once
+
+#ifdef __CUDACC__
+#error "host.h is host code (torch): the CUDA units see the body headers without KVW_HOST"
+#endif
+
+#include <optional>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <variant>
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include "kvwrite/locs.h"
+#include "kvwrite/paged.h"
+
+namespace kvwrite {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+inline DType dtype_of(const Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::F32;
+    case at::kHalf: return DType::F16;
+    case at::kBFloat16: return DType::BF16;
+    case at::kByte: return DType::U8;
+    case at::kFloat8_e4m3fn: return DType::E4M3;
+    case at::kFloat8_e5m2: return DType::E5M2;
+    case at::kFloat8_e4m3fnuz: return DType::E4M3FNUZ;
+    default: TORCH_CHECK(false, "kvwrite: unsupported dtype ", t.scalar_type());
+  }
+}
+
+inline bool is_fp8(DType t) { return t == DType::E4M3 || t == DType::E5M2 || t == DType::E4M3FNUZ; }
+
+inline void check_same_device(const Tensor& ref, const Tensor& t, const char* name) {
+  TORCH_CHECK(t.device() == ref.device(), "kvwrite: ", name, " is on ", t.device(), " but the inputs are on ",
+              ref.device());
+}
+
+// A side's source rows x [tokens, heads, D] (D contiguous): the fields every *Side shares.
+template <class Side>
+Side source_rows(const Tensor& x) {
+  Side s;
+  s.src = static_cast<const char*>(x.data_ptr());
+  s.s_tok = x.stride(0);
+  s.s_head = x.stride(1);
+  s.D = int(x.size(2));
+  return s;
+}
+
+// A canonical [pages, pool_page_size, heads, feat] cache view (feat contiguous), or
+// [pages, pool_page_size, heads, feat / X, X] (a split head dim, X contiguous).
+inline PagedCache paged(const Tensor& c, const char* name) {
+  TORCH_CHECK(c.dim() == 4 || c.dim() == 5, "kvwrite: ", name, " must be a 4-D [pages, rows, heads, feat] view");
+  TORCH_CHECK(c.size(c.dim() - 1) <= 1 || c.stride(c.dim() - 1) == 1, "kvwrite: ", name,
+              " must be contiguous in its last dim");
+  PagedCache p;
+  if (c.dim() == 5) {
+    p.split = int(c.size(4));
+    p.stride_split = c.stride(3);
+  }
+  p.base = static_cast<char*>(c.data_ptr());
+  p.stride_page = c.stride(0);
+  p.stride_entry = c.stride(1);
+  p.stride_head = c.stride(2);
+  p.pool_page_size = c.size(1);
+  p.elem_size = int(c.element_size());
+  return p;
+}
+
+// A [pages, pool_page_size, row] cache (one head).
+inline PagedCache paged_rows(const Tensor& c, const char* name) {
+  TORCH_CHECK(c.dim() == 3, "kvwrite: ", name, " must be a 3-D [pages, rows, row] tensor");
+  return paged(c.unsqueeze(2), name);
+}
+
+inline LocArgs loc_args(const Tensor& loc, const OptTensor& loc_map, const OptTensor& errors,
+                        int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op,
+                        int64_t capacity, int64_t pool_page_size, const Tensor& ref) {
+  TORCH_CHECK(loc.dim() == 1 && (loc.scalar_type() == at::kInt || loc.scalar_type() == at::kLong),
+              "kvwrite: loc must be a 1-D int32/int64 tensor");
+  TORCH_CHECK(loc.numel() <= 1 || loc.stride(0) == 1, "kvwrite: loc must be contiguous");
+  TORCH_CHECK(dcp_size >= 1 && 0 <= dcp_rank && dcp_rank < dcp_size, "kvwrite: bad dcp_rank/dcp_size");
+  TORCH_CHECK(0 <= check && check <= 2, "kvwrite: check must be 0, 1 or 2");
+  check_same_device(ref, loc, "loc");
+  LocArgs a;
+  a.loc = loc.data_ptr();
+  a.loc64 = loc.scalar_type() == at::kLong;
+  a.n = loc.size(0);
+  if (loc_map.has_value()) {
+    const Tensor& m = *loc_map;
+    TORCH_CHECK(m.dim() == 1 && (m.scalar_type() == at::kInt || m.scalar_type() == at::kLong) &&
+                    (m.numel() <= 1 || m.stride(0) == 1),
+                "kvwrite: loc_map must be a contiguous 1-D int32/int64 tensor");
+    check_same_device(ref, m, "loc_map");
+    a.loc_map = m.data_ptr();
+    a.map64 = m.scalar_type() == at::kLong;
+    a.map_len = m.size(0);
+  }
+  if (errors.has_value()) {
+    const Tensor& e = *errors;
+    TORCH_CHECK(e.scalar_type() == at::kLong && e.dim() == 1 && e.size(0) == slot::NUM_SLOTS && e.is_contiguous(),
+                "kvwrite: errors must be a contiguous int64[16] ErrorBuffer tensor");
+    check_same_device(ref, e, "errors");
+    a.errors = e.data_ptr<int64_t>();
+  }
+  TORCH_CHECK(check != CHECK_GUARD || a.errors != nullptr, "kvwrite: check=guard needs an errors buffer");
+  a.dcp_rank = dcp_rank;
+  a.dcp_size = dcp_size;
+  a.capacity = capacity;
+  a.pool_page_size = pool_page_size;
+  a.op = int(op);
+  return a;
+}
+
+// The locs of a store of one row of `x` a token into `cache` ([pages, pool_page_size, ...]).
+inline LocArgs cache_locs(const Tensor& x, const Tensor& cache, const Tensor& loc, const OptTensor& loc_map,
+                          const OptTensor& errors, int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op) {
+  LocArgs a = loc_args(loc, loc_map, errors, dcp_rank, dcp_size, check, op, cache.size(0) * cache.size(1),
+                       cache.size(1), x);
+  TORCH_CHECK(a.n == x.size(0), "kvwrite: loc must have one entry per token");
+  return a;
+}
+
+// Page-table addressing (kvwrite.PageTable): `a.loc` already holds the positions.
+inline void set_table(LocArgs& a, const OptTensor& batch_indices, const OptTensor& kv_indices,
+                      const OptTensor& kv_indptr, const Tensor& ref) {
+  if (!batch_indices.has_value()) {
+    TORCH_CHECK(!kv_indices.has_value() && !kv_indptr.has_value(),
+                "kvwrite: kv_indices/kv_indptr need batch_indices");
+    return;
+  }
+  TORCH_CHECK(kv_indices.has_value() && kv_indptr.has_value(),
+              "kvwrite: page-table addressing needs batch_indices, kv_indices and kv_indptr");
+  TORCH_CHECK(a.loc_map == nullptr && a.dcp_size == 1, "kvwrite: a page table does not combine with loc_map or DCP");
+  const Tensor* ts[] = {&*batch_indices, &*kv_indices, &*kv_indptr};
+  const char* names[] = {"batch_indices", "kv_indices", "kv_indptr"};
+  for (int j = 0; j < 3; ++j) {
+    const Tensor& t = *ts[j];
+    TORCH_CHECK(t.dim() == 1 && (t.scalar_type() == at::kInt || t.scalar_type() == at::kLong) &&
+                    (t.numel() <= 1 || t.stride(0) == 1),
+                "kvwrite: ", names[j], " must be a contiguous 1-D int32/int64 tensor");
+    check_same_device(ref, t, names[j]);
+  }
+  TORCH_CHECK(batch_indices->size(0) == a.n, "kvwrite: batch_indices must have one entry per token");
+  TORCH_CHECK(kv_indptr->size(0) >= 1, "kvwrite: kv_indptr must have batch_size + 1 >= 1 entries");
+  a.batch = batch_indices->data_ptr();
+  a.batch64 = batch_indices->scalar_type() == at::kLong;
+  a.table = kv_indices->data_ptr();
+  a.table64 = kv_indices->scalar_type() == at::kLong;
+  a.n_table = kv_indices->size(0);
+  a.indptr = kv_indptr->data_ptr();
+  a.indptr64 = kv_indptr->scalar_type() == at::kLong;
+  a.n_batch = kv_indptr->size(0) - 1;
+}
+
+// The fused RoPE stores (kvwrite/rope_store.h) rotate k (k_pe) into scratch rows, then store them:
+// a row holds one token's rotated heads in the input dtype (scratch_row(p), beside each).
+template <class P, class = void>
+constexpr bool HAS_SCRATCH = false;
+template <class P>
+constexpr bool HAS_SCRATCH<P, std::void_t<decltype(P::scratch)>> = true;
+struct ScratchRow {
+  i64 elems, elem_bytes;
+};
+// The fused RoPE stores (ROPED<P> = true beside each): the CPU policy checks a token's position
+// with its loc (resolve_rope) and keys its cos/sin row to the call (ops.cpp run_tokens).
+template <class P>
+constexpr bool ROPED = false;
+
+namespace reg {
+
+template <class T>
+struct IsVariant : std::false_type {};
+template <class... T>
+struct IsVariant<std::variant<T...>> : std::true_type {};
+
+inline const Tensor* tensor_ptr(const Tensor& t) { return &t; }
+template <class T>
+const Tensor* tensor_ptr(const T&) {
+  return nullptr;
+}
+template <class... A>
+const Tensor& first_tensor(const A&... a) {
+  const Tensor* t = nullptr;
+  ((t = t != nullptr ? t : tensor_ptr(a)), ...);
+  return *t;
+}
+
+// The params' locs to address by a page table (locs_of is const: the params are ours to change).
+template <class P>
+LocArgs& locs_to_set(P& p) {
+  return const_cast<LocArgs&>(locs_of(p));
+}
+
+// An op whose params `Make` builds from its arguments, which end with the common `..., check, op`
+// (one params type, or a std::variant of the types a format argument picks between).
+template <auto Make, class Sig = decltype(Make)>
+struct Bind;
+template <auto Make, class Made, class... A>
+struct Bind<Make, Made (*)(A...)> {
+  template <class Dev, class Table>
+  static void run(const Table& table, const A&... a) {
+    static_assert(std::is_same_v<std::decay_t<std::tuple_element_t<sizeof...(A) - 2, std::tuple<A...>>>, int64_t>,
+                  "a params maker's arguments end with check, op");
+    const int64_t check = std::get<sizeof...(A) - 2>(std::forward_as_tuple(a...));
+    const Tensor& ref = first_tensor(a...);
+    Made made = Make(a...);
+    const auto go = [&](auto& p) {
+      table(p, ref);
+      Dev::run(p, check, ref);
+    };
+    if constexpr (IsVariant<Made>::value) {
+      std::visit(go, made);
+    } else {
+      go(made);
+    }
+  }
+  // the tail's page table (batch_indices, kv_indices, kv_indptr: kvwrite.PageTable)
+  template <class Dev>
+  static void table(A... a, const OptTensor& batch_indices, const OptTensor& kv_indices, const OptTensor& kv_indptr) {
+    run<Dev>([&](auto& p, const Tensor& ref) { set_table(locs_to_set(p), batch_indices, kv_indices, kv_indptr, ref); },
+             a...);
+  }
+  // the same tail for a store without page tables (the DeepSeek V4 stores): rejected when given
+  template <class Dev>
+  static void no_table(A... a, const OptTensor& batch_indices, const OptTensor& kv_indices,
+                       const OptTensor& kv_indptr) {
+    run<Dev>(
+        [&](auto&, const Tensor&) {
+          TORCH_CHECK(!batch_indices.has_value() && !kv_indices.has_value() && !kv_indptr.has_value(),
+                      "kvwrite: the DeepSeek V4 stores take no page table");
+        },
+        a...);
+  }
+  // no table arguments
+  template <class Dev>
+  static void plain(A... a) {
+    run<Dev>([](auto&, const Tensor&) {}, a...);
+  }
+};
+
+}  // namespace reg
+
+}  // namespace kvwrite
+
+// Every store ends with the same tail: loc, loc_map, errors, dcp_rank, dcp_size, check, op.
+// Page-table addressing (kvwrite.PageTable: loc = positions) adds the three optional tables.
+#define KVW_TAIL_NO_TABLE "Tensor loc, Tensor? loc_map, Tensor(z!)? errors, int dcp_rank, int dcp_size, int check, int op"
+#define KVW_TAIL KVW_TAIL_NO_TABLE ", Tensor? batch_indices=None, Tensor? kv_indices=None, Tensor? kv_indptr=None"
+// The K/V pair and its caches (store_kv and its formats).
+#define KVW_KV "Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
