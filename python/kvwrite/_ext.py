@@ -204,7 +204,10 @@ def build_config() -> dict:
     # values are unchanged, rounding is still IEEE round-to-nearest-even).
     # -DKVW_HOST: the host units (ops.cpp, cuda_ops.cpp) see each body header's host section (its
     # params maker and op table rows); nvcc never gets these flags, so the CUDA units do not.
-    cflags = (["-O3", "-ffp-contract=off", "-fno-trapping-math", "-DKVW_HOST"]
+    # -fopenmp (compile and link): at::parallel_for (ATen/ParallelOpenMP.h) uses torch's intra-op
+    # threads only in a unit compiled with OpenMP; without it every CPU kernel ran on one thread.
+    # The loader reuses the libgomp.so.1 torch already loaded (one OpenMP runtime).
+    cflags = (["-O3", "-ffp-contract=off", "-fno-trapping-math", "-DKVW_HOST", "-fopenmp"]
               + (["-DKVWRITE_WITH_CUDA"] if with_cuda else []))
     # The JIT build runs where it is built: -march=native lets the quantisation loops vectorise
     # (AVX2/AVX-512: about 4x on fp8 codes); the ahead-of-time build stays generic.
@@ -212,7 +215,7 @@ def build_config() -> dict:
     nvflags = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
     archs = os.environ.get("TORCH_CUDA_ARCH_LIST") or default_arch_list()
     return dict(with_cuda=with_cuda, cuda_home=cuda_home, includes=includes, cflags=cflags, jit_cflags=jit_cflags,
-                nvflags=nvflags, archs=archs)
+                nvflags=nvflags, archs=archs, ldflags=["-fopenmp"])
 
 
 def build_dir(root: Path, cfg: dict) -> Path:
@@ -268,7 +271,8 @@ def aot_extension(root: Path):
     ops_header(root, gen)
     srcs = [str(s.relative_to(root.parent)) for s in sources(root, cfg["with_cuda"], gen)]
     flags = {"cxx": cfg["cflags"] + ["-DKVWRITE_PYTHON_MODULE"], "nvcc": cfg["nvflags"]}
-    ext = kind("kvwrite._C", srcs, include_dirs=[str(root), str(gen)] + cfg["includes"], extra_compile_args=flags)
+    ext = kind("kvwrite._C", srcs, include_dirs=[str(root), str(gen)] + cfg["includes"], extra_compile_args=flags,
+               extra_link_args=cfg["ldflags"])
     return [ext], {"build_ext": cpp_extension.BuildExtension}
 
 
@@ -323,6 +327,7 @@ def build(verbose: bool | None = None) -> tuple[Path, float]:
         cpp_extension.load(
             name=EXT_NAME, sources=[str(s) for s in sources(root, cfg["with_cuda"], gen)],
             extra_cflags=cfg["cflags"] + cfg["jit_cflags"], extra_cuda_cflags=cfg["nvflags"],
+            extra_ldflags=cfg["ldflags"],
             extra_include_paths=[str(root), str(gen)] + cfg["includes"], build_directory=str(out),
             with_cuda=cfg["with_cuda"], is_python_module=False, verbose=verbose)
         seconds = time.perf_counter() - t0
