@@ -171,6 +171,14 @@ void bench_memcpy_scatter(at::TensorList src, at::TensorList dst, const Tensor& 
   });
 }
 
+// How many threads one of the CPU kernels' parallel regions runs on (`n` items, grain 1): torch's
+// intra-op threads when the build has OpenMP, else 1 (tests/test_ext_build.py, `kvwrite env`).
+int64_t cpu_threads(int64_t n) {
+  std::atomic<int64_t> seen{0};
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) { seen.fetch_or(int64_t(1) << (at::get_thread_num() & 63)); });
+  return __builtin_popcountll(uint64_t(seen.load()));
+}
+
 // Page moves (kvwrite/pages.h). Assert mode: every bad id or loc is recorded (into the scratch
 // buffer kvwrite._ext passes) and the call throws before anything is written.
 [[noreturn]] void throw_assert(const char* op, const i64* rec, i64 count) {
@@ -321,6 +329,7 @@ TORCH_LIBRARY(kvwrite_ext, m) {
   m.def("bench_memcpy_scatter(Tensor[] src, Tensor(a!)[] dst, Tensor loc) -> ()");
   m.def("set_program(str name, str program) -> ()", &kvwrite::api::set_program);
   m.def("set_claims(bool on) -> ()", [](bool on) { kvwrite::api::claims_on() = on; });
+  m.def("cpu_threads(int n) -> int", &kvwrite::cpu_threads);
   m.def("set_op_names(str[] names) -> ()", [](std::vector<std::string> names) { kvwrite::op_names() = std::move(names); });
   kvwrite::engines::define(m);
 }

@@ -134,6 +134,24 @@ def test_setup_py_aot_extension_uses_the_jit_sources_and_flags(monkeypatch):
     assert "-DKVW_HOST" in ext.extra_compile_args["cxx"] and "-DKVW_HOST" not in ext.extra_compile_args["nvcc"]
     gen = _ext.aot_units_dir(CSRC)
     assert str(gen) in ext.include_dirs and (gen / _ext.OPS_HEADER).is_file()
+    # OpenMP in the host units and the link, as the JIT build (at::parallel_for's threads)
+    assert "-fopenmp" in ext.extra_compile_args["cxx"] and "-fopenmp" in ext.extra_link_args
+
+
+def test_the_cpu_kernels_run_on_torchs_intra_op_threads():
+    """A CPU kernel's parallel region (at::parallel_for in ops.cpp) uses torch's intra-op threads:
+    the extension is built with OpenMP (without it, ATen runs every region on the calling thread)."""
+    import torch
+
+    assert _ext.unavailable_reason("cpu") is None
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.ops.kvwrite_ext.cpu_threads(1 << 12) == 2
+        torch.set_num_threads(1)
+        assert torch.ops.kvwrite_ext.cpu_threads(1 << 12) == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 def _body_uses(root: Path) -> dict[str, str]:
@@ -378,3 +396,4 @@ def test_kvwrite_build_cli_prebuilds():
                          text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "kernels ready in" in res.stdout and str(_ext.build_dir(CSRC, _ext.build_config())) in res.stdout
+    assert "intra-op thread(s)" in res.stdout

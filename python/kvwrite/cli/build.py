@@ -38,6 +38,10 @@ def run(args: argparse.Namespace) -> int:
         msg = str(exc).strip().splitlines()
         print(f"kvwrite build: failed ({exc.__class__.__name__}: {msg[-1] if msg else ''})", file=sys.stderr)
         return 1
+    import torch
+
     kernels = "CPU + CUDA" if cfg["with_cuda"] else "CPU"
-    print(f"kvwrite build: {kernels} kernels ready in {out} ({seconds:.1f} s)")
+    threads = torch.ops.kvwrite_ext.cpu_threads(1 << 12)
+    print(f"kvwrite build: {kernels} kernels ready in {out} ({seconds:.1f} s); a large CPU call runs on "
+          f"{threads} of torch's {torch.get_num_threads()} intra-op thread(s)")
     return 0
