@@ -55,8 +55,9 @@ def main() -> None:
                 torch.set_num_threads(th)
                 t[th] = best_us(f, args.reps)
             print(f"| {name} | {n} | {t[1]:.1f} | {t[args.threads]:.1f} | {t[1] / t[args.threads]:.2f}x |")
-    torch.set_num_threads(args.threads)
-    print(f"a parallel region of the CPU kernels ran on {torch.ops.kvwrite_ext.cpu_threads(1 << 12)} thread(s)")
+    if hasattr(torch.ops.kvwrite_ext, "cpu_threads"):  # builds before 2026-12-06 ran one thread
+        torch.set_num_threads(args.threads)
+        print(f"a parallel region of the CPU kernels ran on {torch.ops.kvwrite_ext.cpu_threads(1 << 12)} thread(s)")
 
 
 if __name__ == "__main__":
