@@ -16,8 +16,9 @@ def cases(n: int, g: torch.Generator) -> dict:
     k, v = torch.randn(n, h, d, generator=g).to(bf), torch.randn(n, h, d, generator=g).to(bf)
     loc = torch.randperm(pages * rows, generator=g)[:n]
     z = lambda dt, *s: torch.zeros(pages, rows, *s, dtype=dt)  # noqa: E731
-    kc, vc, f8, i8 = (z(bf, h, d), z(bf, h, d), [z(torch.float8_e4m3fn, h, d)] * 2, [z(torch.int8, h, d)] * 2)
-    sc, one = [z(torch.float32, h)] * 2, torch.tensor(0.05)
+    kc, vc = z(bf, h, d), z(bf, h, d)
+    f8, i8 = [z(torch.float8_e4m3fn, h, d) for _ in "kv"], [z(torch.int8, h, d) for _ in "kv"]
+    sc, one = [z(torch.float32, h) for _ in "kv"], torch.tensor(0.05)
     kv_c, k_pe = torch.randn(n, 512, generator=g).to(bf), torch.randn(n, 64, generator=g).to(bf)
     mla = z(torch.uint8, 656)
     return {"store_kv bf16": lambda: kvwrite.store_kv(k, v, kc, vc, loc),
