@@ -110,22 +110,9 @@ def test_loc_map_and_dcp_match_reference_including_the_record(backend, c):
     scales = dict(k_scale=torch.tensor([0.3], device=DEVICE), v_scale=torch.tensor([0.7], device=DEVICE)) if c["fp8"] else {}
     shape = (c["pages"], c["pps"], h, d)
     pool = CanaryBuffer({"k_cache": (shape, cache), "v_cache": (shape, cache)}, seed=c["seed"])
-    ref, original = pool.clone(), pool.raw.clone()
-    errs, ref_errs = kvwrite.ErrorBuffer(DEVICE), kvwrite.ErrorBuffer(DEVICE)
     kw = dict(loc_map=loc_map, dcp_rank=c["rank"], dcp_size=c["dcp"], check=check, **scales)
-    raised = []
-    for b, p, e in ((backend, pool, errs), ("torch", ref, ref_errs)):
-        try:
-            store(b, k, v, p["k_cache"], p["v_cache"], loc, errors=e, **kw)
-        except kvwrite.OutOfBoundsWrite as exc:
-            raised.append((exc.token_index, exc.loc, exc.target, exc.limit, exc.kind, exc.count))
-    if check == "assert" and raised:
-        assert len(raised) == 2 and raised[0] == raised[1]
-        assert torch.equal(pool.raw[pool.canary_mask()], original[pool.canary_mask()])
-        return
-    assert not raised
-    assert_same_bytes(pool, ref, original)
-    assert torch.equal(errs.tensor.cpu(), ref_errs.tensor.cpu())
+    compare_with_reference(
+        backend, lambda b, p, e: store(b, k, v, p["k_cache"], p["v_cache"], loc, errors=e, **kw), pool, check)
 
 
 @pytest.mark.parametrize("backend", EXT)

@@ -174,6 +174,15 @@ def test_rope_store_kv_bad_positions_and_locs(backend, mode):
 MLA_FORMATS = ["auto", "fp8", "fp8_e5m2", "fp8_ds_mla", "nvfp4"]
 
 
+def mla_inputs(gen, n, hq, L, R, max_pos, dtype):
+    """rope_store_mla's inputs: kv_c [n, L], k_pe [n, R], q_pe [n, hq, R], a cos/sin cache, positions."""
+    kv_c = (torch.randn(n, L, generator=gen) * 2).to(dtype)
+    k_pe = (torch.randn(n, R, generator=gen) * 2).to(dtype)
+    q_pe = (torch.randn(n, hq, R, generator=gen) * 2).to(dtype)
+    ang = torch.rand(max_pos, R // 2, generator=gen) * 6
+    return kv_c, k_pe, q_pe, torch.cat([ang.cos(), ang.sin()], -1), torch.randint(0, max_pos, (n,), generator=gen)
+
+
 @pytest.mark.parametrize("backend", IMPLEMENTED)
 @pytest.mark.parametrize("fmt", MLA_FORMATS)
 @pytest.mark.parametrize("check", ["off", "guard"])
@@ -181,12 +190,7 @@ def test_rope_store_mla_matches_unfused(backend, fmt, check):
     n, hq, L, R, pps, num_pages, max_pos = 7, 3, 128, 32, 4, 4, 40
     dtype = torch.bfloat16
     gen = torch.Generator().manual_seed(11)
-    kv_c = (torch.randn(n, L, generator=gen) * 2).to(dtype)
-    k_pe = (torch.randn(n, R, generator=gen) * 2).to(dtype)
-    q_pe = (torch.randn(n, hq, R, generator=gen) * 2).to(dtype)
-    ang = torch.rand(max_pos, R // 2, generator=gen) * 6
-    cs = torch.cat([ang.cos(), ang.sin()], -1)
-    pos = torch.randint(0, max_pos, (n,), generator=gen)
+    kv_c, k_pe, q_pe, cs, pos = mla_inputs(gen, n, hq, L, R, max_pos, dtype)
     loc = paged_locs(n, num_pages * pps, pps, gen, 0.25)
     name = {"fp8": "fp8_e4m3"}.get(fmt, fmt)
     fm = kvwrite.ops.mla.FORMATS[name]
@@ -347,12 +351,7 @@ def test_rope_store_mla_kernels_match_reference(backend, fmt, variant, check):
     n, hq, L, R, pps, num_pages, max_pos = 6, 2, 128, 16, 4, 3, 20
     gen = torch.Generator().manual_seed(7)
     dtype = torch.float16 if variant == "dcp" else torch.bfloat16
-    kv_c = (torch.randn(n, L, generator=gen) * 2).to(dtype)
-    k_pe = (torch.randn(n, R, generator=gen) * 2).to(dtype)
-    q_pe = (torch.randn(n, hq, R, generator=gen) * 2).to(dtype)
-    ang = torch.rand(max_pos, R // 2, generator=gen) * 6
-    cs = torch.cat([ang.cos(), ang.sin()], -1)
-    pos = torch.randint(0, max_pos, (n,), generator=gen)
+    kv_c, k_pe, q_pe, cs, pos = mla_inputs(gen, n, hq, L, R, max_pos, dtype)
     if check == "guard":
         pos[4] = -1
     name = {"fp8": "fp8_e4m3"}.get(fmt, fmt)

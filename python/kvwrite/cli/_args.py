@@ -77,34 +77,22 @@ def positive_ints(text: str) -> tuple[int, ...]:
     return items
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be >= 1")
-    return value
+def _number(parse: Callable, kind: str, ok: Callable, want: str) -> Callable:
+    """An argparse type: `parse(text)` (else "is not <kind>"), then `ok(value)` (else "must be <want>")."""
+    def convert(text: str):
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {kind}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{text!r}: must be {want}")
+        return value
+    return convert
 
 
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be >= 0")
-    return value
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number > 0")
-    return value
+positive_int = _number(int, "an integer", lambda v: v >= 1, ">= 1")
+non_negative_int = _number(int, "an integer", lambda v: v >= 0, ">= 0")
+positive_float = _number(float, "a number", lambda v: 0 < v < float("inf"), "a finite number > 0")
 
 
 def writable_dir(path: Path) -> Path:
