@@ -446,7 +446,7 @@ class Op:
                         if a.type in ("int", "float"))
         overload, impl, prepare = self.overload, self.impl, self.prepare
         call = overload._op   # the C++ builtin behind the OpOverload (one frame less)
-        default_check = validate.default_check
+        default_check, compiling, native = validate.default_check, torch.compiler.is_compiling, self.native
 
         def entry(*args):
             args = list(args)
@@ -460,12 +460,15 @@ class Op:
             if table and type(loc) is PageTable:
                 args[i_loc] = loc.positions
                 args += (loc.batch_indices, loc.kv_indices, loc.kv_indptr)
-            if torch.compiler.is_compiling():
+            if compiling():
                 # the fake kernel validates; guard without a buffer finds the device's default
                 # buffer when the op runs
                 return overload(*args)
-            if (args[i_backend] in NATIVE and self.native()
-                    and all(type(args[i]) is t for i, t in scalars)):
+            fast = args[i_backend] in NATIVE and native()
+            for i, t in scalars:  # a loop, not all(...): no generator per call
+                if type(args[i]) is not t:
+                    fast = False
+            if fast:
                 if errors is None and check == "guard" and isinstance(args[0], torch.Tensor):
                     args[i_errors] = record(None, check, args[0])
                 try:
