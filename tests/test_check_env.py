@@ -72,6 +72,16 @@ def test_guard_exit_report_is_silent_once_checked():
     assert r.returncode == 0 and "kvwrite:" not in r.stderr, r.stderr
 
 
+def test_guard_exit_report_is_silent_for_a_record_already_raised():
+    script = SCRIPT + ("try:\n    kvwrite.default_errors('cpu').raise_if_any()\n"
+                       "except kvwrite.OutOfBoundsWrite as e:\n    print('CAUGHT', e.token_index)\n")
+    r = run("guard", script=script)
+    assert r.returncode == 0 and "CAUGHT 1" in r.stdout and "kvwrite:" not in r.stderr, r.stderr
+    # a bad write after the read is new: reported at exit
+    r = run("guard", script=script + SCRIPT.split("\n", 1)[1])
+    assert r.returncode == 0 and "never checked" in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("value", ["on", "1", "guard,assert"])
 def test_bad_value_is_a_clear_error(value):
     r = run(value)

@@ -256,6 +256,7 @@ class ErrorBuffer:
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.tensor = torch.empty(NUM_SLOTS, dtype=torch.int64, device=device)
+        self.read: list[int] | None = None   # the slots as error() last read them
         self.reset()
 
     @property
@@ -273,7 +274,8 @@ class ErrorBuffer:
         `stream` too when given (the stream the guarded stores ran on, if another)."""
         if stream is not None:
             stream.synchronize()
-        return decode(self.tensor.tolist())
+        self.read = self.tensor.tolist()
+        return decode(self.read)
 
     def raise_if_any(self, stream: torch.cuda.Stream | None = None) -> None:
         """Raise OutOfBoundsWrite if any guarded store skipped a write since the last reset.
@@ -370,12 +372,16 @@ def report_default_errors(stream=None) -> int:
     """Write every per-device default record that holds a bad write to `stream` (stderr), with
     the full message; return how many did. Registered with atexit when the first default buffer
     is made, so a guard-mode run (e.g. `KVWRITE_CHECK=guard`) that never asked its default
-    record still reports what it skipped when the interpreter exits."""
+    record still reports what it skipped when the interpreter exits. A record the program read
+    (`error()`, `raise_if_any()`) and that has not changed since is not repeated."""
     stream = sys.stderr if stream is None else stream
     found = 0
     for device, buf in list(_default.items()):
         try:
+            seen = buf.read
             err = buf.error()
+            if buf.read == seen:
+                continue
         except Exception as exc:  # a device already torn down at exit: say so, do not hide it
             print(f"kvwrite: could not read the guard record on {device} at exit: {exc}",
                   file=stream)
