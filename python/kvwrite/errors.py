@@ -254,9 +254,10 @@ class ErrorBuffer:
     graph: every replay clears it first (a per-replay record). Made before the capture, it
     accumulates over replays until `reset()`."""
 
+    read: list[int] | None = None   # the slots as error() last read them (the exit report's "seen")
+
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.tensor = torch.empty(NUM_SLOTS, dtype=torch.int64, device=device)
-        self.read: list[int] | None = None   # the slots as error() last read them
         self.reset()
 
     @property
