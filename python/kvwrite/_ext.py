@@ -30,7 +30,6 @@ from typing import Callable
 
 import torch
 
-from kvwrite import facts
 
 DEFAULT_ARCHS = "8.0;9.0"
 EXT_NAME = "kvwrite_ext"
@@ -377,8 +376,6 @@ def _load() -> str | None:
         if reason is None and not _has_ops():
             reason = "the extension loaded but registered no kvwrite_ext ops"
         _state["reason"] = reason
-        if reason is None:
-            torch.ops.kvwrite_ext.set_op_names(list(facts.OPS))   # the C++ messages' op names
         global LOADED
         LOADED = reason is None and torch._C._dispatch_has_kernel_for_dispatch_key("kvwrite::store_kv", "CPU")
         if LOADED:

@@ -1,7 +1,7 @@
 """The facts every layer reads: the op list (op codes of the guard record) and the cache formats'
 constants. It sits below ops/, kernels/ and reference/ (it imports only geometry and validate),
 so the kernels and the reference take their formats from here, never from `kvwrite.ops`.
-The C++ extension reads the op list when it loads (`_ext.ON_LOAD`: `set_op_names`).
+The C++ extension gets the op list with the ops' programs (`ops.spec.send_programs`).
 """
 from __future__ import annotations
 
@@ -15,26 +15,18 @@ from kvwrite import validate
 from kvwrite.geometry import require_positive_int
 
 # --- ops ----------------------------------------------------------------------------------------
-# Op codes (the index), recorded so a shared error buffer tells which op failed. Append only.
-OPS = (
-    "store_kv",
-    "store_mla",
-    "store_indexer_k",
-    "store_kv_nvfp4",
-    "rope_store_kv",
-    "rope_store_mla",
-    "store_dsv4_kv",
-    "store_dsv4_indexer_k",
-    "store_rows",
-    "copy_pages",
-    "gather",
-    "slot_mapping",
-    "move_rows",
-    "store_kv_head_major",
-    "store_dsv4_kv_fp4",
-    "rope_store_dsv4_kv_fp4",
-)
+# Op codes (the index), recorded so a shared error buffer tells which op failed. Each op's
+# declaration (`ops.spec.Op`) appends its name when it is made, so a new op is named nowhere
+# else; the codes follow the declarations' import order (one process writes and reads a record).
+OPS: list[str] = []
 READ_OPS = ("gather",)   # ops whose bad loc is a read (the message says "reads")
+
+
+def declare_op(name: str) -> int:
+    """The op code of a newly declared op (appended once; a re-declaration keeps its code)."""
+    if name not in OPS:
+        OPS.append(name)
+    return OPS.index(name)
 
 
 def op_code(name: str) -> int:

@@ -25,7 +25,9 @@ import torch
 
 from kvwrite import _ext, validate
 from kvwrite.addressing import TABLE_ARGS, page_table, prepare as prepare_addressing
-from kvwrite.errors import ErrorBuffer, op_code
+from kvwrite.errors import ErrorBuffer
+from kvwrite import facts
+from kvwrite.facts import declare_op
 from kvwrite.ops import _library
 from kvwrite.ops._common import NATIVE, cache_geometry, canonical_pool, dispatch, record
 from kvwrite.pagetable import PageTable
@@ -249,7 +251,7 @@ class Op:
     def __post_init__(self) -> None:
         self.all_args = tuple(self.args) + (TABLE if self.table_tail else ())
         self.names = tuple(a.name for a in self.all_args)
-        self.code = op_code(self.name)
+        self.code = declare_op(self.name)
         if not self.checks:
             self.checks = tuple(a.name for a in self.args if a.type.startswith("Tensor")
                                 and a.role not in ("addressing", "check"))
@@ -486,7 +488,9 @@ class Op:
 
 
 def send_programs() -> None:
-    """Hand every op's program to the loaded extension (its C++ kernels run nothing without)."""
+    """Hand the op names (the C++ messages' op codes) and every op's program to the loaded
+    extension (its C++ kernels run nothing without)."""
+    torch.ops.kvwrite_ext.set_op_names(list(facts.OPS))
     for op in OPS.values():
         text = op.program()
         if text is not None and hasattr(torch.ops.kvwrite_ext, "set_program"):
