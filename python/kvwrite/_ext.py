@@ -380,7 +380,8 @@ def _load() -> str | None:
         if reason is None:
             torch.ops.kvwrite_ext.set_op_names(list(facts.OPS))   # the C++ messages' op names
         global LOADED
-        LOADED = reason is None and torch._C._dispatch_has_kernel_for_dispatch_key("kvwrite::store_kv", "CPU")
+        # the public ops' kernels (csrc/api.h) are registered as their programs arrive (ON_LOAD)
+        LOADED = reason is None and hasattr(torch.ops.kvwrite_ext, "set_program")
         if LOADED:
             for hook in ON_LOAD:
                 hook()
