@@ -2,7 +2,8 @@
 // by the op's spec (kvwrite/ops/spec.py, `Op.program()`, handed over once when the extension
 // loads through kvwrite_ext::set_program). The generic matcher below runs the spec's checks
 // (shape letters unified across tensors, dtypes, devices, the addressing tail) as predicates;
-// then the op's launcher (the op list, `Launch<R>::ops()`) calls the raw kernel for backend "cpu" / "cuda".
+// then the generic launcher `run_raw` calls the raw kernel of the call's format (`pick_raw`) for
+// backend "cpu" / "cuda". No op has a launcher of its own.
 //
 // Every call the matcher refuses, and every call this file does not run itself (backend "torch" /
 // "triton" / the other device's, guard mode without an errors tensor, a CPU assert whose pre-scan
@@ -12,9 +13,6 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/arange.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/where.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <c10/util/Exception.h>
@@ -69,11 +67,20 @@ struct Step {
 };
 
 // Where the generic launcher finds one argument of the op's raw kernel (spec.Op.raw_sources): the
-// addressing tail's field ('t', TAIL_FIELDS), the op's argument ('a'; 'l': a cache in its
-// canonical layout view; 'n': whether it is given), an env slot ('e'; 'b': as a bool).
+// addressing tail's field ('t', TAIL_FIELDS), the op's argument ('a'; a cache in a view
+// `cache_view` makes: 'l' layout, 'k' key layout, 'h' head-major; 'n': whether it is given), an
+// env slot ('e'; 'b': as a bool).
 struct Source {
   char kind;
   int index;
+};
+
+// One raw kernel of an op (`raw <op> <source>... [if <expr>]`, a spec.Format): its index in
+// raw_names(), its arguments' sources and the condition on the call that picks it (none: any).
+struct RawCall {
+  int index = -1;
+  std::vector<Source> sources;
+  std::optional<expr::Rule> when;
 };
 
 // An op's spec, parsed once (format: kvwrite.ops.spec.Op.program).
@@ -87,10 +94,8 @@ struct Program {
   char claims = 'r';             // the duplicate pre-pass: 'r' rows, 'p' page pairs, 'n' none (a gather)
   std::vector<Step> steps;
   std::optional<c10::OperatorHandle> python;
-  // The raw kernel an op without a hand-written launcher runs (`raw <op> <source>...`, its index
-  // in raw_names()) and where each of its arguments comes from.
-  int raw_index = -1;
-  std::vector<Source> sources;
+  std::vector<RawCall> raws;  // in the spec's order: the first whose condition holds runs
+  int layout = -1;            // the env slot of the caches' layout (cache_view), -1 without one
 
   int arg(const std::string& n) const {
     auto it = arg_index.find(n);
@@ -106,6 +111,11 @@ struct Program {
 inline Program parse(const std::string& name, const std::string& text) {
   Program p;
   p.name = name;
+  const expr::Names names{[&p](const std::string& n) { return p.arg(n); },
+                          [&p](const std::string& n) {
+                            auto it = p.slot_index.find(n);
+                            return it == p.slot_index.end() ? -1 : it->second;
+                          }};
   for (const std::string& line : split(text, '\n')) {
     const auto w = split(line, ' ');
     if (w.empty()) continue;
@@ -159,24 +169,26 @@ inline Program parse(const std::string& name, const std::string& text) {
       if (w[8] != "-")
         for (const std::string& b : split(w[8], ',')) s.binds.push_back(p.slot(b));
       p.steps.push_back(std::move(s));
-    } else if (w[0] == "raw") {
+    } else if (w[0] == "raw") {  // raw <op> <source>... [if <expr>]: the condition compiled once, here
+      const size_t cond = line.find(" if ");
+      const auto r = split(line.substr(0, cond), ' ');
       const auto& raws = raw_names();
-      p.raw_index = int(std::find(raws.begin(), raws.end(), w[1]) - raws.begin());
-      TORCH_CHECK(p.raw_index < int(raws.size()), "kvwrite: ", name, "'s raw kernel ", w[1], " is not a kvwrite_ext op");
-      for (size_t i = 2; i < w.size(); ++i) p.sources.push_back({w[i][0], std::stoi(w[i].substr(1))});
+      RawCall rc;
+      rc.index = int(std::find(raws.begin(), raws.end(), r[1]) - raws.begin());
+      TORCH_CHECK(rc.index < int(raws.size()), "kvwrite: ", name, "'s raw kernel ", r[1], " is not a kvwrite_ext op");
+      for (size_t i = 2; i < r.size(); ++i) rc.sources.push_back({r[i][0], std::stoi(r[i].substr(1))});
+      if (cond != std::string::npos) rc.when = expr::compile(line.substr(cond + 4), names);
+      p.raws.push_back(std::move(rc));
     } else if (w[0] == "X") {
       Step s;
       s.kind = 'X';
-      s.expr = expr::compile(line.substr(2), {[&p](const std::string& n) { return p.arg(n); },
-                                              [&p](const std::string& n) {
-                                                auto it = p.slot_index.find(n);
-                                                return it == p.slot_index.end() ? -1 : it->second;
-                                              }});
+      s.expr = expr::compile(line.substr(2), names);
       p.steps.push_back(std::move(s));
     } else {
       TORCH_CHECK(false, "kvwrite: ", name, "'s program has an unknown line: ", line);
     }
   }
+  p.layout = names.slot("layout");
   return p;
 }
 
@@ -190,12 +202,7 @@ inline std::mutex& programs_lock() {
   return m;
 }
 
-// The ops whose kernels api.h registers itself (hand-written launchers, Launch<R>::ops) and the
-// registrations of one op's generic kernel per device (register_ops adds its device's).
-inline std::set<std::string>& launched_by_hand() {
-  static std::set<std::string> s;
-  return s;
-}
+// The registrations of one op's generic kernel per device (register_ops adds its device's).
 inline std::vector<void (*)(const std::string&)>& registrars() {
   static std::vector<void (*)(const std::string&)> r;
   return r;
@@ -205,7 +212,7 @@ inline void set_program(c10::string_view name, c10::string_view text) {
   auto p = std::make_shared<Program>(parse(std::string(name), std::string(text)));
   p->python = c10::Dispatcher::singleton().findSchemaOrThrow(("kvwrite::" + p->name + "_py").c_str(), "");
   const std::string full = "kvwrite::" + p->name;
-  const bool generic = p->raw_index >= 0 && !launched_by_hand().count(full);
+  const bool generic = !p->raws.empty();
   std::lock_guard<std::mutex> g(programs_lock());
   programs()[full] = std::move(p);
   static std::set<std::string> registered;
@@ -319,100 +326,6 @@ inline std::optional<Tail> addressing(Call& c) {
   return t;
 }
 
-// The raw kernels' common tail: loc, loc_map, errors, dcp_rank, dcp_size, check, op, page table.
-#define KVW_TAIL_ARGS \
-  t.loc, t.loc_map, t.errors, t.dcp_rank, t.dcp_size, t.check, t.op, t.batch_indices, t.kv_indices, t.kv_indptr
-
-// ---- the op list: each op's launcher maps its arguments to the raw kernel's ------------------
-//
-// `R` is the device policy: R::NAME ("cpu" / "cuda") and the raw kernels R::store_kv(...) etc.
-// (the kvwrite_ext signatures: canonical cache views, coded check and op, the common tail).
-
-template <class R>
-struct Launch {
-  static at::Tensor cv(Call& c, const at::Tensor& x) { return c.e("layout") >= 1 ? x.transpose(1, 2) : x; }
-  // The key cache's canonical view: cpu_attn's column-major (page, head) tile is a split head dim
-  // [P, S, H, D, 1] with feature stride S (ops.kv.canonical_key).
-  static at::Tensor cvk(Call& c, const at::Tensor& x) {
-    if (c.e("layout") != 2) return cv(c, x);
-    return x.as_strided({x.size(0), x.size(2), x.size(1), x.size(3), 1}, {x.stride(0), 1, x.stride(1), x.size(2), 1});
-  }
-  // Formats store_kv's and rope_store_kv's plain kernels take (copy, static fp8); the others run
-  // their _quant kernels (int8 and dynamic scales).
-  static bool plain_kv(Call& c) {
-    return c.e("quant") == 0 || (c.e("quant") == 1 && c.e("k_cache") != int64_t(at::kChar));
-  }
-  // The fused RoPE stores' norm weights as fp32.
-  static std::optional<at::Tensor> fp32(Call& c, const char* n) {
-    auto w = c.opt(n);
-    return w && w->scalar_type() != at::kFloat ? std::optional<at::Tensor>(w->to(at::kFloat)) : w;
-  }
-  static std::optional<at::Tensor> rows_view(Call& c, const char* n) {  // [P, S] scale caches as [P, S, 1]
-    auto s = c.opt(n);
-    return s && s->dim() == 2 ? std::optional<at::Tensor>(s->unsqueeze(-1)) : s;
-  }
-  // Pair i of a move reads gathered row i, or nothing (-1) when src[i] is outside [0, capacity).
-  static at::Tensor live_ids(const at::Tensor& src, int64_t capacity) {
-    if (!src.is_cpu()) return at::where(src.ge(0).logical_and_(src.lt(capacity)), at::arange(src.size(0), src.options()), -1);
-    at::Tensor ids = src.to(at::kLong, false, true);  // a copy
-    int64_t* p = ids.data_ptr<int64_t>();
-    for (int64_t i = 0; i < ids.size(0); ++i) p[i] = p[i] >= 0 && p[i] < capacity ? i : -1;
-    return ids;
-  }
-  using Fn = void (*)(Call&, const Tail&);
-  // The ops whose arguments do not map onto one raw kernel by name, each with its launcher (a
-  // format picks the raw kernel, or the caches need other views); every other op with a program
-  // runs its raw kernel through `run_raw`.
-  static const std::unordered_map<std::string, Fn>& ops() {
-    static const std::unordered_map<std::string, Fn> m = {
-      // plain_kv formats: the store_kv kernel; int8 and dynamic scales: store_kv_quant's; int4 its own.
-      {"kvwrite::store_kv", [](Call& c, const Tail& t) {
-        const int64_t quant = c.e("quant");
-        const at::Tensor vc = cv(c, c.t("v_cache"));
-        if (quant == 4)
-          return R::store_kv_int4(c.t("k"), c.t("v"), cv(c, c.t("k_cache")), vc, c.t("k_scale_cache"),
-                                  c.t("v_scale_cache"), KVW_TAIL_ARGS);
-        if (plain_kv(c))
-          return R::store_kv(c.t("k"), c.t("v"), cvk(c, c.t("k_cache")), vc, c.opt("k_scale"), c.opt("v_scale"),
-                             KVW_TAIL_ARGS);
-        R::store_kv_quant(c.t("k"), c.t("v"), cv(c, c.t("k_cache")), vc, c.opt("k_scale"), c.opt("v_scale"),
-                          rows_view(c, "k_scale_cache"), rows_view(c, "v_scale_cache"), quant, c.e("rule"),
-                          KVW_TAIL_ARGS);
-      }},
-      {"kvwrite::store_kv_head_major", [](Call& c, const Tail& t) {  // store_kv on the split-head-dim views
-        R::store_kv(c.t("key"), c.t("value"), c.t("key_cache").permute({0, 3, 1, 2, 4}),
-                    c.t("value_cache").permute({0, 3, 1, 2}).unsqueeze(-1), c.opt("k_scale"), c.opt("v_scale"),
-                    KVW_TAIL_ARGS);
-      }},
-      {"kvwrite::rope_store_kv", [](Call& c, const Tail& t) {
-        const int64_t quant = c.e("quant");
-        const at::Tensor &pos = c.t("positions"), &q = c.t("q"), &k = c.t("k"), &v = c.t("v");
-        const at::Tensor &cs = c.t("cos_sin_cache"), kc = cv(c, c.t("k_cache")), vc = cv(c, c.t("v_cache"));
-        const auto qw = fp32(c, "q_norm_weight"), kw = fp32(c, "k_norm_weight");
-        const double eps = c.v("norm_eps").toDouble();
-        const bool neox = c.v("is_neox").toBool();
-        if (plain_kv(c))
-          return R::rope_store_kv(pos, q, k, v, cs, kc, vc, c.opt("k_scale"), c.opt("v_scale"), qw, kw, eps, neox,
-                                  KVW_TAIL_ARGS);
-        R::rope_store_kv_quant(pos, q, k, v, cs, kc, vc, c.opt("k_scale"), c.opt("v_scale"),
-                               rows_view(c, "k_scale_cache"), rows_view(c, "v_scale_cache"), quant, c.e("rule"), qw,
-                               kw, eps, neox, KVW_TAIL_ARGS);
-      }},
-      // move_rows (ops.pages.move): the source rows gathered first, then copied as one-row units.
-      {"kvwrite::move_rows", [](Call& c, const Tail& t) {
-        const at::Tensor cache = pool4(c.t("cache")), src = c.t("src_loc");
-        const int64_t n = src.size(0), capacity = cache.size(0) * cache.size(1);
-        const at::Tensor rows = at::empty({n, 1, cache.size(2), cache.size(3)}, cache.options());
-        R::gather(cache, rows.squeeze(1), src, std::nullopt, t.errors, 0, 1, t.check, t.op, std::nullopt, std::nullopt,
-                  std::nullopt);
-        R::copy_pages(rows, cache, live_ids(src, capacity), t.loc, t.errors, t.check, t.op);
-      }},
-    };
-    return m;
-  }
-};
-
-
 // The tail's fields by index: loc, loc_map, errors, dcp_rank, dcp_size, check, op, the page table
 // (spec.TAIL_FIELDS).
 inline c10::IValue tail_field(const Tail& t, int i) {
@@ -430,20 +343,41 @@ inline c10::IValue tail_field(const Tail& t, int i) {
   }
 }
 
-// The generic launcher: the op's raw kernel with each argument from its source (resolve_raw).
+// A cache argument as its raw kernel views it: 'l' the canonical [pages, rows, H, D] view of an
+// NHD / HND cache (ops.kv.canonical), 'k' the key cache's: cpu_attn's column-major (page, head)
+// tile as a split head dim [P, S, H, D, 1] of feature stride S (ops.kv.canonical_key), 'h' a
+// head-major cache's split-head-dim view, key 5-D, value 4-D (ops.kv_head_major.canonical_head_major).
+inline at::Tensor cache_view(char kind, const Call& c, const at::Tensor& x) {
+  if (kind == 'h') return x.dim() == 5 ? x.permute({0, 3, 1, 2, 4}) : x.permute({0, 3, 1, 2}).unsqueeze(-1);
+  const int64_t layout = c.p.layout < 0 ? 0 : c.env[c.p.layout];
+  if (kind == 'k' && layout == 2)
+    return x.as_strided({x.size(0), x.size(2), x.size(1), x.size(3), 1}, {x.stride(0), 1, x.stride(1), x.size(2), 1});
+  return layout >= 1 ? x.transpose(1, 2) : x;
+}
+
+// The raw kernel of a call's format: the first whose condition holds (none: Python runs it).
+inline const RawCall* pick_raw(Call& c) {
+  for (const RawCall& r : c.p.raws)
+    if (!r.when || (*r.when)(c.a, c.env)) return &r;
+  return nullptr;
+}
+
+// The generic launcher: raw kernel `r` with each argument from its source (spec.Op.raw_sources).
 template <class R>
-void run_raw(Call& c, const Tail& t) {
+void run_raw(Call& c, const Tail& t, const RawCall& r) {
   thread_local std::vector<c10::IValue> s;  // no allocation per call; no tensor held past it
   struct Clear {
     std::vector<c10::IValue>& v;
     ~Clear() { v.clear(); }
   } clear{s};
-  for (const Source& src : c.p.sources) {
+  for (const Source& src : r.sources) {
     switch (src.kind) {
       case 't': s.push_back(tail_field(t, src.index)); break;
-      case 'l': {
+      case 'l':
+      case 'k':
+      case 'h': {
         const auto x = c.a[src.index].toOptional<at::Tensor>();
-        s.emplace_back(x ? std::optional<at::Tensor>(Launch<R>::cv(c, *x)) : std::nullopt);
+        s.emplace_back(x ? std::optional<at::Tensor>(cache_view(src.kind, c, *x)) : std::nullopt);
         break;
       }
       case 'n': s.emplace_back(!c.a[src.index].isNone()); break;
@@ -452,7 +386,7 @@ void run_raw(Call& c, const Tail& t) {
       default: s.push_back(c.a[src.index]);
     }
   }
-  R::boxed(size_t(c.p.raw_index), s);
+  R::boxed(size_t(r.index), s);
 }
 
 // The duplicate-row pre-pass (kvwrite/claims.h, kvwrite/ops/claims.py) of every op in assert /
@@ -490,20 +424,13 @@ bool run_here(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   for (const Step& s : p->steps)
     if (!(s.kind == 'X' ? s.expr(c.a, c.env) : match_tensor(s, c))) return false;
   std::optional<Tail> t = addressing(c);
-  if (!t) return false;
+  const RawCall* raw = t ? pick_raw(c) : nullptr;
+  if (!raw) return false;
   if (c.e("N") > 0) {
     // a page move's (src, dst) pairs: the Python pre-pass (kvwrite.reference.claims.unique_pairs)
     if (t->check != CHECK_OFF && p->claims == 'p' && c.e("N") >= 2) return false;
     if (t->check != CHECK_OFF && p->claims == 'r') claim<R>(c, *t);
-    const auto& hand = Launch<R>::ops();
-    const auto it = hand.find(name);
-    if (it != hand.end()) {
-      it->second(c, *t);
-    } else if (p->raw_index >= 0) {
-      run_raw<R>(c, *t);
-    } else {
-      return false;
-    }
+    run_raw<R>(c, *t, *raw);
   }
   return true;
 }
@@ -537,12 +464,9 @@ void register_generic(const std::string& op) {
   libs.back()->impl(op.substr(9).c_str(), torch::CppFunction::makeFromBoxedFunction<&boxed<R>>());
 }
 
+// R's device: every op's kernel is registered when its program arrives (register_generic).
 template <class R>
-void register_ops(torch::Library& m) {
-  for (const auto& kv : Launch<R>::ops()) {
-    launched_by_hand().insert(kv.first);
-    m.impl(kv.first.substr(9).c_str(), torch::CppFunction::makeFromBoxedFunction<&boxed<R>>());
-  }
+void register_ops(torch::Library&) {
   registrars().push_back(&register_generic<R>);
 }
 

@@ -15,8 +15,12 @@
 #include <type_traits>
 #include <utility>
 #include <variant>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/where.h>
 #include <c10/util/Exception.h>
 
 #include "kvwrite/locs.h"
@@ -178,6 +182,17 @@ struct ScratchRow {
 template <class P>
 constexpr bool ROPED = false;
 
+// Tensors a params maker made for its kernel (a norm weight as fp32), alive until the kernel was
+// enqueued (reg::Bind::run lets go; on a GPU the caching allocator orders their reuse on the stream).
+inline std::vector<Tensor>& held() {
+  thread_local std::vector<Tensor> h;
+  return h;
+}
+inline Tensor hold(Tensor t) {
+  held().push_back(t);
+  return t;
+}
+
 namespace reg {
 
 template <class T>
@@ -215,6 +230,9 @@ struct Bind<Make, Made (*)(A...)> {
                   "a params maker's arguments end with check, op");
     const int64_t check = std::get<sizeof...(A) - 2>(std::forward_as_tuple(a...));
     const Tensor& ref = first_tensor(a...);
+    struct Release {
+      ~Release() { held().clear(); }
+    } release;
     Made made = Make(a...);
     const auto go = [&](auto& p) {
       table(p, ref);

@@ -83,7 +83,13 @@ def _spec_section(op) -> list[str]:
     lines = [f"#### `{op.name}`", ""]
     if op.doc:
         lines += [" ".join(op.doc.split()), ""]
-    if isinstance(op.impls, tuple):
+    formats = op.formats
+    if len(formats) > 1:
+        lines += ["Formats (the first whose condition holds): " + "; ".join(
+            f"`{f.when.expr if f.when else 'any other'}`: backends "
+            + ", ".join(f"`{b}`" for b, _ in f.impls) + f" (C++: `kvwrite_ext::{op.raw_kernel(f)}`)"
+            for f in formats) + ".", ""]
+    elif isinstance(op.impls, tuple):
         lines += ["Backends: " + ", ".join(f"`{b}`" for b, _ in op.impls) + ".", ""]
     else:
         lines += ["Backends: chosen per call by `" + getattr(op.impls, "__name__", "impls") +

@@ -275,6 +275,9 @@ def _variants(dev: str = "cpu"):
     out.append(("copy_pages 8 -> 4 rows a page", lambda b: kvwrite.copy_pages(src4, dst8, T([0, 3]), T([5, 1]),
                                                                              backend=b), [dst8]))
     out.append(("gather", lambda b: [kvwrite.gather(src4, loc, backend=b)], []))
+    moved = z(4, 8, 2, 32)
+    out.append(("move_rows", lambda b: kvwrite.move_rows(moved.copy_(src4), T([1, 30, 7]), T([9, 1, 31]), backend=b),
+                [moved]))
     table, batch = T([[3, 1], [0, 2]]), T([0, 1, 1])
     out.append(("slot_mapping", lambda b: [kvwrite.slot_mapping(table, batch, T([1, 9, 2]),
                                                                  kvwrite.PageGeometry(8, 4), backend=b)], []))
@@ -305,16 +308,57 @@ def test_every_format_the_expression_rules_decide_runs_in_cpp(i, dev):
 
 
 def test_an_expression_rule_naming_nothing_known_is_refused_when_the_spec_arrives():
-    """csrc/expr.h compiles a rule when the program is sent: an unknown name, argument or a
-    syntax error is an error there (naming the text), never a per-call surprise."""
+    """csrc/expr.h compiles a rule, and a raw line's condition, when the program is sent: an
+    unknown name, argument or a syntax error is an error there (naming the text), never a
+    per-call surprise."""
     from kvwrite.ops import spec
 
     text = spec.OPS["store_rows"].program()
+    raw = next(line for line in text.splitlines() if line.startswith("raw "))
     for bad, why in (("X S + nonsense > 0", "nonsense, not an env slot or local"),
-                     ("X $nothing == 1", r"\$nothing, not an argument"), ("X (S > 0", r"expected '\)'")):
+                     ("X $nothing == 1", r"\$nothing, not an argument"), ("X (S > 0", r"expected '\)'"),
+                     (raw + " if nonsense > 0", "nonsense, not an env slot or local"),
+                     (raw.replace("raw store_rows", "raw store_nothing"), "raw kernel store_nothing is not")):
         with pytest.raises(RuntimeError, match=why):
             torch.ops.kvwrite_ext.set_program("store_rows", text + "\n" + bad)
     spec.send_programs()
+
+
+def test_a_format_choice_is_declared_once():
+    """store_kv's and rope_store_kv's plain-or-quantised choice is one declaration (ops.kv.plain):
+    each program has a raw line a format, in the formats' order, with that format's condition;
+    csrc/api.h names no op (no launcher of its own)."""
+    import re
+
+    from kvwrite.ops import kv, spec
+
+    for name, kernels in (("store_kv", ["store_kv_int4", "store_kv", "store_kv_quant"]),
+                          ("rope_store_kv", ["rope_store_kv", "rope_store_kv_quant"])):
+        op = spec.OPS[name]
+        raws = [line for line in op.program().splitlines() if line.startswith("raw ")]
+        assert [line.split()[1] for line in raws] == kernels
+        assert [line.partition(" if ")[2] or None for line in raws] == [f.when and f.when.expr for f in op.formats]
+    assert spec.OPS["rope_store_kv"].formats[0].when is kv.plain is spec.OPS["store_kv"].formats[1].when
+    code = [line for line in (_ext.csrc_dir() / "api.h").read_text().splitlines() if not line.lstrip().startswith("//")]
+    assert not [line for line in code if re.search(r'"kvwrite::\w+"', line)]
+
+
+def test_a_call_no_raw_line_takes_goes_to_python():
+    """pick_raw: when no raw line's condition holds the C++ kernel runs nothing and hands the
+    call, unchanged, to the Python implementation."""
+    from kvwrite.ops import spec
+
+    k, v, kc, vc = _kv()
+    text = spec.OPS["store_kv"].program()
+    never = "\n".join(line.partition(" if ")[0] + " if 0" if line.startswith("raw ") else line
+                      for line in text.splitlines())
+    n0 = _library.FORWARDED.get("store_kv", 0)
+    try:
+        torch.ops.kvwrite_ext.set_program("store_kv", never)
+        torch.ops.kvwrite.store_kv(*_op_args(k, v, kc, vc, torch.tensor([0, 5, 9])))
+    finally:
+        spec.send_programs()
+    assert _library.FORWARDED["store_kv"] == n0 + 1 and torch.equal(kc.view(-1, 2, 16)[[0, 5, 9]], k)
 
 
 def test_a_raw_argument_without_a_source_is_refused(monkeypatch):
@@ -327,6 +371,73 @@ def test_a_raw_argument_without_a_source_is_refused(monkeypatch):
     monkeypatch.setattr(op, "raw_args", {"quant_block_size": "a:quant_block_size"})
     with pytest.raises(ValueError, match="store_indexer_k: no value for argument 'ue8m0' of its raw kernel"):
         op.program()
+
+
+def _raw_path_cases():
+    """The calls the C++ side once ran through launchers of their own, each on caches carved out of
+    one canary buffer: (name, fn(buffer, loc, **call keywords), {cache: (shape, dtype)})."""
+    g = torch.Generator().manual_seed(3)
+    bf, u8, e4, i8, f32 = torch.bfloat16, torch.uint8, torch.float8_e4m3fn, torch.int8, torch.float32
+    rnd = lambda *s: torch.randn(*s, generator=g).to(bf)  # noqa: E731
+    one = torch.tensor(0.05)
+    k, v, pos, q, cs = rnd(4, 2, 32), rnd(4, 2, 32), torch.tensor([1, 2, 3, 0]), rnd(4, 3, 32), rnd(8, 32)
+    nw = torch.rand(32, generator=g).to(bf)
+    kv4 = lambda dt, d=32: {"kc": ((4, 8, 2, d), dt), "vc": ((4, 8, 2, d), dt)}  # noqa: E731
+    scales = lambda *s: {"k_scale_cache": (s, f32), "v_scale_cache": (s, f32)}  # noqa: E731
+    int4, tok, head = {**kv4(u8, 16), **scales(4, 8, 2)}, {**kv4(i8), **scales(4, 8)}, {**kv4(e4), **scales(4, 8, 2)}
+
+    def given(buf, names):   # the scale caches a case's buffer holds
+        return {n: buf[n] for n in names if n in buf.specs}
+
+    def store(**kw):
+        return lambda buf, loc, **c: kvwrite.store_kv(k, v, buf["kc"], buf["vc"], loc, **given(buf, scales()), **kw,
+                                                      **c)
+
+    def rope(**kw):
+        return lambda buf, loc, **c: kvwrite.rope_store_kv(pos, q.clone(), k, v, cs, buf["kc"], buf["vc"], loc,
+                                                           **given(buf, scales()), **kw, **c)
+
+    return [
+        ("store_kv int4", store(quant_rule="vllm"), int4),
+        ("store_kv cpu_attn", store(layout="cpu_attn"), {"kc": ((4, 2, 8, 32), bf), "vc": ((4, 2, 8, 32), bf)}),
+        ("store_kv int8 per token [P, S] scales", store(), tok),
+        ("store_kv_head_major fp8", lambda buf, loc, **c: kvwrite.store_kv_head_major(
+            k, v, buf["hk"], buf["hv"], loc, k_scale=one, v_scale=one, **c),
+         {"hk": ((4, 2, 2, 8, 16), e4), "hv": ((4, 2, 32, 8), e4)}),
+        ("rope_store_kv int8 per token [P, S] scales", rope(), tok),
+        ("rope_store_kv e4m3 per token-head vllm", rope(quant_rule="vllm"), head),
+        ("rope_store_kv bf16 norm weights", rope(q_norm_weight=nw, k_norm_weight=nw, norm_eps=1e-5), kv4(bf)),
+        ("move_rows", lambda buf, loc, **c: kvwrite.move_rows(buf["pool"], torch.tensor([1, 30, 7, 9]), loc, **c),
+         {"pool": ((4, 8, 2, 32), bf)}),
+    ]
+
+
+@pytest.mark.parametrize("check", ["off", "guard"])
+@pytest.mark.parametrize("i", range(len(_raw_path_cases())), ids=[c[0] for c in _raw_path_cases()])
+def test_raw_paths_write_the_references_bytes_and_no_canary(i, check):
+    """Each format that picks another raw kernel or cache view (int4, cpu_attn's key tiles, [P, S]
+    scale caches, head-major views, the _quant RoPE store, norm weights in the input dtype, the
+    move_rows raw op) runs in C++ and writes the torch reference's bytes and guard record (a loc
+    past the pool in guard mode), no byte around the caches touched."""
+    from helpers import CanaryBuffer, assert_same_bytes
+
+    name, fn, caches = _raw_path_cases()[i]
+    buf = CanaryBuffer(caches, seed=i, device=torch.device("cpu"))
+    for n, (_, dt) in caches.items():   # finite values where a store or move reads the pool
+        if dt.is_floating_point and dt.itemsize > 1:
+            buf[n].copy_(torch.randn(buf[n].shape))
+    original, ref = buf.raw.clone(), buf.clone()
+    errs, ref_errs = kvwrite.ErrorBuffer(), kvwrite.ErrorBuffer()
+    loc = torch.tensor([5, -1, 17, 64 if check == "guard" else 3])
+    forwarded = dict(_library.FORWARDED)
+    fn(buf, loc, backend="cpu", check=check, errors=errs)
+    pairs = name == "move_rows" and check != "off"   # a page move's pairs: the Python pre-pass
+    assert (_library.FORWARDED == forwarded) != pairs
+    fn(ref, loc, backend="torch", check=check, errors=ref_errs)
+    assert_same_bytes(buf, ref, original)
+    owner = kvwrite.errors.OWNER
+    assert torch.equal(errs.tensor[:owner], ref_errs.tensor[:owner])
+    assert (errs.error() is not None) == (check == "guard")
 
 
 def test_other_backends_go_to_the_python_implementation():

@@ -251,7 +251,9 @@ KVW_BODY(GatherParams, dispatch_gather)
   X(gather, reg::Bind<&gather_params>::table, "(Tensor cache, Tensor(a!) out, " KVW_TAIL ") -> ()") \
   X(slot_mapping, reg::Bind<&slot_mapping_params>::plain, \
     "(Tensor block_table, Tensor batch_indices, Tensor positions, Tensor(a!) out, int pool_page_size, int num_pages, " \
-    "Tensor(z!)? errors, int check, int op) -> ()")
+    "Tensor(z!)? errors, int check, int op) -> ()") \
+  X(move_rows, run_move_rows, \
+    "(Tensor(a!) cache, Tensor src_loc, Tensor dst_loc, Tensor(z!)? errors, int check, int op) -> ()")
 
 namespace kvwrite {
 
@@ -393,6 +395,28 @@ inline SlotMappingParams slot_mapping_params(const Tensor& block_table, const Te
   p.errors = errors_ptr(errors, block_table, check);
   p.op = int(op);
   return p;
+}
+
+// move_rows (ops.pages.move): row dst_loc[i] of the pool takes the row at src_loc[i]. The source
+// rows are gathered first (bad ones reported), then copied as one-row units; pair i reads gathered
+// row i, or nothing (-1) when src_loc[i] is outside [0, capacity).
+template <class Dev>
+void run_move_rows(const Tensor& pool, const Tensor& src_loc, const Tensor& dst_loc, const OptTensor& errors,
+                   int64_t check, int64_t op) {
+  const Tensor cache = pool4(pool);
+  const int64_t n = src_loc.size(0), capacity = cache.size(0) * cache.size(1);
+  const Tensor rows = at::empty({n, 1, cache.size(2), cache.size(3)}, cache.options());
+  reg::Bind<&gather_params>::table<Dev>(cache, rows.squeeze(1), src_loc, std::nullopt, errors, 0, 1, check, op,
+                                         std::nullopt, std::nullopt, std::nullopt);
+  Tensor live;
+  if (src_loc.is_cpu()) {
+    live = src_loc.to(at::kLong, false, true);  // a copy
+    int64_t* p = live.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) p[i] = p[i] >= 0 && p[i] < capacity ? i : -1;
+  } else {
+    live = at::where(src_loc.ge(0).logical_and_(src_loc.lt(capacity)), at::arange(n, src_loc.options()), -1);
+  }
+  reg::Bind<&copy_pages_params>::plain<Dev>(rows, cache, live, dst_loc, errors, check, op);
 }
 
 }  // namespace kvwrite

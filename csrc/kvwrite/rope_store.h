@@ -544,10 +544,10 @@ inline RopeArgs rope_args(const Tensor& positions, const Tensor& q, const Tensor
   for (int j = 0; j < 2; ++j) {
     if (!ws[j]->has_value()) continue;
     const Tensor& w = **ws[j];
-    TORCH_CHECK(w.dim() == 1 && w.size(0) == D && w.scalar_type() == at::kFloat && (D <= 1 || w.stride(0) == 1),
-                "kvwrite: norm weights must be contiguous fp32 [D]");
+    TORCH_CHECK(w.dim() == 1 && w.size(0) == D && at::isFloatingType(w.scalar_type()) && (D <= 1 || w.stride(0) == 1),
+                "kvwrite: norm weights must be contiguous float [D]");
     check_same_device(ref, w, "norm weight");
-    *dst[j] = w.data_ptr<float>();
+    *dst[j] = (w.scalar_type() == at::kFloat ? w : hold(w.to(at::kFloat))).data_ptr<float>();
   }
   TORCH_CHECK(eps >= 0, "kvwrite: norm_eps must be >= 0");
   r.eps = float(eps);

@@ -225,8 +225,12 @@ KVW_BODY(StoreKVQuantParams, dispatch_store_kv_quant)
 
 namespace kvwrite {
 
+// The heads of a dynamic scale cache [pages, pool_page_size] (per token: 1) or [pages,
+// pool_page_size, 1 or H].
+inline int64_t scale_heads(const Tensor& c) { return c.dim() == 2 ? 1 : c.size(2); }
+
 // store_kv_quant: canonical [pages, pool_page_size, H, D] int8 / fp8 caches (read as bytes),
-// static fp32 scales ([], [1] or [H]) or dynamic fp32 scale caches [pages, pool_page_size, 1 or H].
+// static fp32 scales ([], [1] or [H]) or dynamic fp32 scale caches (scale_heads).
 inline KVQuantSide kv_quant_side(const Tensor& x, const Tensor& cache, const OptTensor& scale,
                                  const OptTensor& scale_cache, const char* name) {
   TORCH_CHECK(x.dim() == 3 && (x.size(2) <= 1 || x.stride(2) == 1), "kvwrite: ", name,
@@ -246,11 +250,11 @@ inline KVQuantSide kv_quant_side(const Tensor& x, const Tensor& cache, const Opt
   } else {
     TORCH_CHECK(scale_cache.has_value(), "kvwrite: ", name, " needs a static scale or a scale cache");
     const Tensor& c = *scale_cache;
-    TORCH_CHECK(c.scalar_type() == at::kFloat && c.dim() == 3 && c.size(0) == cache.size(0) &&
-                    c.size(1) == cache.size(1) && (c.size(2) == 1 || c.size(2) == x.size(1)),
-                "kvwrite: ", name, " scale cache must be fp32 [pages, rows, 1 or H]");
+    TORCH_CHECK(c.scalar_type() == at::kFloat && (c.dim() == 2 || c.dim() == 3) && c.size(0) == cache.size(0) &&
+                    c.size(1) == cache.size(1) && (scale_heads(c) == 1 || scale_heads(c) == x.size(1)),
+                "kvwrite: ", name, " scale cache must be fp32 [pages, rows], [pages, rows, 1] or [pages, rows, H]");
     check_same_device(x, c, "scale cache");
-    s.scales = paged(c.unsqueeze(-1), name);
+    s.scales = paged(c.dim() == 2 ? c.unsqueeze(-1).unsqueeze(-1) : c.unsqueeze(-1), name);
   }
   return s;
 }
@@ -285,8 +289,9 @@ inline StoreKVQuantParams store_kv_quant_params(const Tensor& k, const Tensor& v
   TORCH_CHECK(v.size(0) == k.size(0) && v.size(1) == k.size(1) && v_cache.size(0) == k_cache.size(0) &&
                   v_cache.size(1) == k_cache.size(1),
               "kvwrite: k/v and their caches must agree on tokens, heads, pages and rows");
-  if (dyn) TORCH_CHECK(k_scale_cache->size(2) == v_scale_cache->size(2), "kvwrite: k/v scale caches must match");
-  TORCH_CHECK(!dyn || k_scale_cache->size(2) == (quant == QUANT_HEAD ? k.size(1) : 1),
+  const int64_t heads = dyn ? scale_heads(*k_scale_cache) : 0;
+  if (dyn) TORCH_CHECK(heads == scale_heads(*v_scale_cache), "kvwrite: k/v scale caches must match");
+  TORCH_CHECK(!dyn || heads == (quant == QUANT_HEAD ? k.size(1) : 1),
               "kvwrite: the scale caches' last dim must be 1 (per token) or H (per token-head)");
   p.locs = cache_locs(k, k_cache, loc, loc_map, errors, dcp_rank, dcp_size, check, op);
   return p;

@@ -377,7 +377,8 @@ def _load() -> str | None:
             reason = "the extension loaded but registered no kvwrite_ext ops"
         _state["reason"] = reason
         global LOADED
-        LOADED = reason is None and torch._C._dispatch_has_kernel_for_dispatch_key("kvwrite::store_kv", "CPU")
+        # the public ops' kernels (csrc/api.h) are registered as their programs arrive (ON_LOAD)
+        LOADED = reason is None and hasattr(torch.ops.kvwrite_ext, "set_program")
         if LOADED:
             for hook in ON_LOAD:
                 hook()

@@ -208,14 +208,23 @@ def _build(v: dict, env: dict, locs: Locs, chk: Check) -> KVStore:
                    _scale_view(v["k_scale_cache"]), _scale_view(v["v_scale_cache"]), env["rule"])
 
 
-def format_impls(a: KVStore) -> tuple:
-    """The kernels of a call's format: store_kv's for copy / static fp8, int4's, else
-    store_kv_quant's."""
-    if a.quant == QUANT_INT4:
-        return INT4_IMPLS
-    return IMPLS if a.quant == QUANT_COPY or (a.quant == QUANT_STATIC and a.fmt != FMT_INT8) else QUANT_IMPLS
+@spec.when(f"quant == {QUANT_INT4}")
+def int4(env: dict) -> bool:
+    """An int4 (uint8) cache: store_kv_int4's kernels."""
+    return env["quant"] == QUANT_INT4
 
 
+@spec.when(f"quant == {QUANT_COPY} || (quant == {QUANT_STATIC} && k_cache != int8)")
+def plain(env: dict) -> bool:
+    """Copy and static fp8: the plain kernels (store_kv's, rope_store_kv's); int8 and dynamic
+    scales run the _quant kernels."""
+    return env["quant"] == QUANT_COPY or (env["quant"] == QUANT_STATIC and env["k_cache"] != torch.int8)
+
+
+# The formats, the first whose condition holds: int4, plain (the key cache in its own view:
+# cpu_attn's column-major tiles), else store_kv_quant's (scale caches [P, S] or [P, S, H]).
+FORMATS = (spec.Format(INT4_IMPLS, int4), spec.Format(IMPLS, plain, raw_args={"k_cache": "k:k_cache"}),
+           spec.Format(QUANT_IMPLS))
 CACHE_DIMS = "num_pages, pool_page_size, H, "
 SPEC = spec.Op(
     OP,
@@ -232,7 +241,7 @@ SPEC = spec.Op(
           spec.option("quant_rule", "str?", default=None)),
     checks=("k", "v", spec.choice("layout", LAYOUTS), _widths, "k_cache", "v_cache", spec.geometry("k_cache"),
             _cpu_attn_key, _quant, "k_scale", "v_scale"),
-    build=_build, impls=format_impls)
+    build=_build, impls=FORMATS)
 _OP = SPEC.overload
 _CALL = _OP._op  # the C++ builtin behind the OpOverload (pool.store binds it)
 

@@ -69,7 +69,8 @@ SPEC = spec.Op(
           spec.CHECK, spec.ERRORS, spec.LOC_MAP, *spec.DCP, spec.BACKEND),
     checks=("key", "value", "key_cache", _split_x, "value_cache", spec.geometry("key_cache"), _scales,
             "k_scale", "v_scale"),
-    build=_build, impls=IMPLS)
+    build=_build, impls=IMPLS,
+    raw_args={"k": "a:key", "v": "a:value", "k_cache": "h:key_cache", "v_cache": "h:value_cache"})
 
 
 def store_kv_head_major(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,

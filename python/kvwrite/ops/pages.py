@@ -341,7 +341,8 @@ MOVE_SPEC = spec.Op(
     args=(spec.cache("cache", None, POOL_DTYPES), spec.T("src_loc", "N", IDS), spec.Arg("dst_loc", role="addressing"),
           *TAIL),
     checks=("cache", spec.pool("cache"), spec.geometry("cache"), "src_loc", spec.pairs("src_loc", "dst_loc")),
-    build=_build_move, impls=MOVE_IMPLS, page_table=False, loc="dst_loc", claims="pairs", table_tail=False)
+    build=_build_move, impls=MOVE_IMPLS, page_table=False, loc="dst_loc", claims="pairs", table_tail=False,
+    raw="move_rows")
 
 
 def move(a: MoveRows) -> None:

@@ -111,6 +111,26 @@ def rule(expr: str) -> Callable:
     return wrap
 
 
+def when(expr: str) -> Callable:
+    """A format's condition: a predicate of the call's env (it picks the format's backend table in
+    Python) with its C++ twin `expr` (csrc/expr.h: it picks the format's raw kernel in C++, compiled
+    when the spec arrives)."""
+    return rule(expr)
+
+
+@dataclass(frozen=True)
+class Format:
+    """One format of an op: its backend table (or a callable of the call object picking one), the
+    condition that picks it (`when`; None: any call; an op runs its first format whose condition
+    holds), and the raw kernel the C++ fast path runs for it (default: the table's "cpu" entry)
+    with the sources of its arguments (`Op.raw_args`)."""
+
+    impls: object
+    when: Callable | None = None
+    raw: str | None = None
+    raw_args: dict = field(default_factory=dict)
+
+
 def switch(name: str, values: dict) -> str:
     """An expression (csrc/expr.h): the int `values` gives the str argument `name`, -1 for any other."""
     return " : ".join([f"${name} == '{k}' ? {v}" for k, v in values.items()] + ["-1"])
@@ -224,8 +244,8 @@ class Op:
     """One op. `checks`: the validation in order, argument names (matched by `_match`) and
     callables `(env, values)` for the op's own rules; default: every tensor argument that is not
     addressing. `build(values, env, locs, check)` makes the validated call object the
-    implementations take. `impls`: a (backend, "module:function") table, or a callable of the
-    call object that picks one (per format)."""
+    implementations take. `impls`: a (backend, "module:function") table, a callable of the
+    call object that picks one, or the op's `Format`s (each with its condition and raw kernel)."""
 
     name: str
     args: tuple
@@ -241,7 +261,9 @@ class Op:
     # The raw kernel (kvwrite_ext::<raw>) the C++ fast path runs (default: the table's "cpu"
     # entry `kvwrite._ext:<raw>`) and, for a raw argument that is not the op's argument, the env
     # slot or the argument of another name it is read from: {raw name: "e:slot" | "a:arg" |
-    # "n:arg" (whether arg is given)}. The tail (loc ... page table) needs no entry.
+    # "n:arg" (whether arg is given) | "k:arg" (a key cache's view, cpu_attn's included) |
+    # "h:arg" (a head-major cache's view)}. The tail (loc ... page table) needs no entry. An op
+    # of several formats declares them in its `Format`s instead.
     raw: str | None = None
     raw_args: dict = field(default_factory=dict)
     doc: str = ""
@@ -295,42 +317,54 @@ class Op:
                          f"{ndim} {','.join(dims) or '-'} {dtypes} {','.join(a.binds.split()) or '-'}")
         head = [f"args {' '.join(self.names)}", f"slots {' '.join(slots)}",
                 f"op {self.code} {int(self.dcp_page)} {int(self.page_table)}", f"loc {self.loc} {self.claims}"]
-        raw = self.raw_sources(slots)
-        return "\n".join(head + lines + ([f"raw {' '.join(raw)}"] if raw else []))
+        raws = [self.raw_sources(slots, f) for f in self.formats]
+        if None in raws:   # a format without a raw kernel: every call goes to Python
+            raws = []
+        return "\n".join(head + lines + [f"raw {' '.join(r)}" + (f" if {f.when.expr}" if f.when else "")
+                                          for r, f in zip(raws, self.formats)])
 
-    def raw_kernel(self) -> str | None:
-        """The kvwrite_ext op the C++ fast path runs (csrc/api.h `run_raw`), or None."""
-        if self.raw is not None or callable(self.impls):
-            return self.raw
-        target = dict(self.impls).get("cpu", "")
+    @property
+    def formats(self) -> tuple:
+        """The op's formats: its `Format`s, or one of its backend table with `raw` / `raw_args`."""
+        if isinstance(self.impls, tuple) and self.impls and isinstance(self.impls[0], Format):
+            return self.impls
+        return (Format(self.impls, None, self.raw, self.raw_args),)
+
+    @staticmethod
+    def raw_kernel(f: Format) -> str | None:
+        """The kvwrite_ext op the C++ fast path runs for format `f` (csrc/api.h `run_raw`), or None."""
+        if f.raw is not None or callable(f.impls):
+            return f.raw
+        target = dict(f.impls).get("cpu", "")
         return target.split(":")[1] if target.startswith("kvwrite._ext:") else None
 
-    def raw_sources(self, slots: list) -> list[str] | None:
-        """The raw kernel and where the C++ fast path finds each of its arguments, by name: the
-        tail's field (`t<i>`), the op's argument (`a<i>`, a layout cache `l<i>`), `raw_args`' env
-        slot (`e<i>`, `b<i>` as a bool) or given-ness of an argument (`n<i>`); None without a raw
-        kernel, before the extension is loaded, or when the kernel of the backend table does not
-        take the op's arguments by name (its C++ launcher is written by hand: csrc/api.h Launch).
-        A declared `raw` / `raw_args` that leaves an argument without a value is an error."""
-        raw = self.raw_kernel()
+    def raw_sources(self, slots: list, f: Format) -> list[str] | None:
+        """Format `f`'s raw kernel and where the C++ fast path finds each of its arguments, by
+        name: the tail's field (`t<i>`), the op's argument (`a<i>`; a cache's view: `l<i>` of a
+        layout cache, `k<i>` / `h<i>` as `raw_args` says), `raw_args`' env slot (`e<i>`, `b<i>`
+        as a bool) or given-ness of an argument (`n<i>`); None without a raw kernel, before the
+        extension is loaded, or when the kernel of the backend table does not take the op's
+        arguments by name. A declared `raw` / `raw_args` that leaves an argument without a value
+        is an error."""
+        raw = self.raw_kernel(f)
         kernel = getattr(torch.ops.kvwrite_ext, raw, None) if raw and _ext.LOADED else None
         if kernel is None:
             return None
         by_name, out = {a.name: a for a in self.all_args}, [raw]
         for a in kernel.default._schema.arguments:
             name = "loc" if a.name == self.loc else a.name
-            if a.name not in self.raw_args and (name in TAIL_FIELDS[:7] or (name in TABLE_ARGS and self.table_tail)):
+            if a.name not in f.raw_args and (name in TAIL_FIELDS[:7] or (name in TABLE_ARGS and self.table_tail)):
                 out.append(f"t{TAIL_FIELDS.index(name)}")
                 continue
-            kind, _, what = self.raw_args.get(a.name, f"a:{a.name}").partition(":")
+            kind, _, what = f.raw_args.get(a.name, f"a:{a.name}").partition(":")
             if kind == "a" and what not in by_name and what in slots:
                 kind = "e"
             if kind == "e" and what in slots:
                 out.append(f"{'b' if str(a.type) == 'bool' else 'e'}{slots.index(what)}")
-            elif kind in ("a", "n") and what in by_name:
+            elif kind in ("a", "n", "k", "h") and what in by_name:
                 kind = "l" if kind == "a" and by_name[what].layout else kind
                 out.append(f"{kind}{self.names.index(what)}")
-            elif self.raw is None and not self.raw_args:
+            elif f.raw is None and not f.raw_args:
                 return None
             else:
                 raise ValueError(f"{self.name}: no value for argument {a.name!r} of its raw kernel {raw} "
@@ -385,6 +419,10 @@ class Op:
                 call: str | None = None) -> object:
         """Validate a call (schema-order arguments) and build the call object. An adapter's
         `aliases` (schema name -> the engine's) and `call` (its function) name its errors."""
+        return self._prepare(args, check, aliases, call)[0]
+
+    def _prepare(self, args: tuple, check: object, aliases: dict | None, call: str | None) -> tuple:
+        """`prepare`'s call object and the env it was built from (which picks the format)."""
         op = self.name
         if len(args) < len(self.names):   # the dispatcher leaves trailing defaults out
             args = (*args, *(a.default for a in self.all_args[len(args):]))
@@ -405,17 +443,21 @@ class Op:
             raise type(exc)(f"{call}: {exc}") from None
         if self.dcp_page:
             locs.dcp_page = True
-        return self.build(v, env, locs, chk)
+        return self.build(v, env, locs, chk), env
 
-    def table(self, a: object) -> tuple:
-        return self.impls(a) if callable(self.impls) else self.impls
+    def table(self, a: object, env: dict) -> tuple:
+        """The backend table of call `a`: its format's (the first whose condition holds on `env`)."""
+        impls = self.impls
+        if type(impls) is tuple and impls and type(impls[0]) is Format:
+            impls = next(f.impls for f in impls if f.when is None or f.when(env))
+        return impls(a) if callable(impls) else impls
 
     # --- derived: the kernels of torch.ops.kvwrite.<op> ---------------------------------------
     def impl(self, *args) -> None:
         """The Python implementation: validate, then run the backend's implementation."""
-        a = self.prepare(args)
+        a, env = self._prepare(args, NO_DEFAULT, None, None)
         if a.locs.n:
-            dispatch(self.name, self.table(a), args[self.names.index("backend")], a.locs.loc.device, a)
+            dispatch(self.name, self.table(a, env), args[self.names.index("backend")], a.locs.loc.device, a)
 
     def fake(self, *args) -> None:
         """Validation only: the same errors while tracing and for meta tensors."""
@@ -446,7 +488,7 @@ class Op:
         # scalars the C++ path takes only as their own type (the schema would convert a bool)
         scalars = tuple((i, int if a.type == "int" else float) for i, a in enumerate(self.args)
                         if a.type in ("int", "float"))
-        overload, impl, prepare = self.overload, self.impl, self.prepare
+        overload, impl, prepare, prepared = self.overload, self.impl, self.prepare, self._prepare
         call = overload._op   # the C++ builtin behind the OpOverload (one frame less)
         default_check, compiling, native = validate.default_check, torch.compiler.is_compiling, self.native
 
@@ -480,9 +522,9 @@ class Op:
                     raise
             if aliases is None:
                 return impl(*args, *(None,) * (len(names) - len(args)))
-            a = prepare(tuple(args) + (None,) * (len(names) - len(args)), NO_DEFAULT, aliases, call_name)
+            a, env = prepared(tuple(args) + (None,) * (len(names) - len(args)), NO_DEFAULT, aliases, call_name)
             if a.locs.n:
-                dispatch(self.name, self.table(a), args[i_backend], a.locs.loc.device, a)
+                dispatch(self.name, self.table(a, env), args[i_backend], a.locs.loc.device, a)
 
         return entry
 
