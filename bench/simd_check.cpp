@@ -1,4 +1,4 @@
-// Exhaustive check of the cpu backend's AVX2 conversions (csrc/kvwrite/simd_x86.h) against the
+// Exhaustive check of the cpu backend's AVX2 / AVX-512 conversions (csrc/kvwrite/simd_x86.h, simd_avx512.h) against the
 // scalar code every backend shares: every one of the 2^32 fp32 bit patterns through fp8_codes8
 // (both variants) for e4m3 / e5m2 / e4m3fnuz and through e2m1_codes8 (divisor 1), compared with
 // fp8_bits / e2m1_code; the streaming bf16 lanes: div_cr8 (x * RN(1/s) with one FMA correction)
@@ -7,11 +7,14 @@
 // scales, the static-scale code tables, the NVFP4 / MXFP4 bf16 lanes (e2m1 by 16-bit compares)
 // (`simd_check bf16`: these alone,
 // about a minute). Not part of `make test` (about a minute
-// per format on one core):
+// per format on one core). It checks the lanes simd_level() picks (AVX-512 where the CPU has it):
+// run it again with KVWRITE_CPU_SIMD=avx2 for the AVX2 lanes:
 //   g++ -O2 -ffp-contract=off -fno-trapping-math -std=c++17 bench/simd_check.cpp -o /tmp/simd_check && /tmp/simd_check
+//   KVWRITE_CPU_SIMD=avx2 /tmp/simd_check
 #include <cstdio>
 
 #include <cmath>
+#include <algorithm>
 #include <random>
 #include <string>
 #include <vector>
@@ -90,13 +93,13 @@ long check_bf16_run(const char* what, const std::vector<float>& scales) {
     }
     if constexpr (std::is_same<F, E4M3>::value) {  // int8 on the finite patterns (|x| < 0x7F80)
       const Quantizer<Int8Fmt> q(s, RULE_RNE);
-      for (int base = 0; base < 65536; base += 32) {
+      for (int base = 0; base < 65536; base += 64) {  // 64: one step of the AVX-512 lanes
         bool finite = true;
-        for (int j = 0; j < 32; ++j)  // int8_bf16_run's domain: |x / s| < 2^31 (a dynamic scale's rows)
+        for (int j = 0; j < 64; ++j)  // int8_bf16_run's domain: |x / s| < 2^31 (a dynamic scale's rows)
           finite = finite && (x[base + j] & 0x7FFF) < 0x7F80 && std::fabs(bf16_to_float(x[base + j]) / s) < 1e9f;
         if (!finite) continue;
-        int8_bf16_run(x.data() + base, 32, s, out.data() + base);
-        for (int j = 0; j < 32; ++j) {
+        int8_bf16_run(x.data() + base, 64, s, out.data() + base);
+        for (int j = 0; j < 64; ++j) {
           const int i = base + j;
           const uint8_t want = q(load_quant<DType::BF16>(x.data(), i));
           if (uint8_t(out[i]) != want && bad++ < 4) std::printf("int8 s=%a: %04x gives %02x, scalar %02x\n", s, i, uint8_t(out[i]), want);
@@ -178,9 +181,28 @@ long check_nvfp4_bf16() {
   return bad;
 }
 
-int main(int argc, char** argv) {
-  if (!simd_ok()) { std::printf("no AVX2 + F16C + FMA here\n"); return 0; }
+// bf16_absmax_raw (the max of the |x| bits) over runs of every length n % 16 == 0 up to 256 from
+// every offset of a shuffled copy of all bf16 patterns.
+long check_absmax() {
+  std::vector<uint16_t> x(65536 + 256);
+  std::mt19937 g(1);
+  for (int i = 0; i < int(x.size()); ++i) x[i] = uint16_t(i);
+  std::shuffle(x.begin(), x.end(), g);
   long bad = 0;
+  for (int n = 16; n <= 256; n += 16)
+    for (int at = 0; at + n <= int(x.size()); at += 61) {
+      uint32_t want = 0;
+      for (int j = 0; j < n; ++j) want = (x[at + j] & 0x7FFFu) > want ? x[at + j] & 0x7FFFu : want;
+      bad += bf16_absmax_raw(x.data() + at, n) != want;
+    }
+  std::printf("bf16_absmax_raw: %ld runs differ\n", bad);
+  return bad;
+}
+
+int main(int argc, char** argv) {
+  if (!simd_ok()) { std::printf("the portable loops are in use (no AVX2 + F16C + FMA, or KVWRITE_CPU_SIMD=0)\n"); return 0; }
+  std::printf("lanes: %s (KVWRITE_CPU_SIMD=avx2 checks the AVX2 ones)\n", simd_level() == 2 ? "AVX-512" : "AVX2");
+  long bad = check_absmax();
   const bool bf16_only = argc > 1 && std::string(argv[1]) == "bf16";  // `simd_check bf16`: the bf16 lanes alone
   if (!bf16_only) bad += check_fp8<E4M3, false>("e4m3") + check_fp8<E4M3, true>("e4m3 noftz") + check_fp8<E5M2, false>("e5m2") +
              check_fp8<E5M2, true>("e5m2 noftz") + check_fp8<E4M3FNUZ, false>("e4m3fnuz") +

@@ -10,6 +10,7 @@
 #define KVW_SIMD_X86 1
 #include <immintrin.h>
 #include <cstdlib>
+#include <cstring>
 #define KVW_AVX2_FN __attribute__((target("avx2,f16c,fma")))
 #define KVW_AVX2 KVW_AVX2_FN inline
 #else
@@ -19,14 +20,24 @@
 namespace kvwrite {
 
 #if KVW_SIMD_X86
-// AVX2 + F16C + FMA present and not switched off by KVWRITE_CPU_SIMD=0 (read once). Like the
-// scalar code, the lanes assume the default MXCSR (round to nearest even), as torch runs.
-inline bool simd_ok() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
-                         __builtin_cpu_supports("fma") &&
-                         !(std::getenv("KVWRITE_CPU_SIMD") && std::getenv("KVWRITE_CPU_SIMD")[0] == '0');
-  return ok;
+// The host lanes in use, read once: 2 AVX-512 (F, BW, VL, DQ, VBMI; simd_avx512.h), 1 AVX2 +
+// F16C + FMA (this file), 0 the portable loops: the best this CPU has, capped by
+// KVWRITE_CPU_SIMD = 0 / avx2 / avx512 (unset or any other value: the best). Like the scalar
+// code, the lanes assume the default MXCSR (round to nearest even), as torch runs.
+inline int simd_level() {
+  static const int level = [] {
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+    const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                        __builtin_cpu_supports("avx512vbmi");
+    const char* e = std::getenv("KVWRITE_CPU_SIMD");
+    const int cap = e == nullptr ? 2 : e[0] == '0' ? 0 : std::strcmp(e, "avx2") == 0 ? 1 : 2;
+    const int best = avx512 ? 2 : avx2 ? 1 : 0;
+    return best < cap ? best : cap;
+  }();
+  return level;
 }
+inline bool simd_ok() { return simd_level() >= 1; }
 
 // Eight elements from src + i as fp32, as stored (no daz).
 template <DType IN>
@@ -413,7 +424,7 @@ KVW_AVX2 __m256i in_order(__m256i b) { return _mm256_permute4x64_epi64(b, 0xD8);
 // rounds to at most max (amax / RN(amax / m) <= m (1 + 2^-23)), so neither the clamp nor the NaN
 // code applies; |x| is taken on the 16-bit halves, s > 0.
 template <class F, bool DYN = false>
-KVW_AVX2 int fp8_bf16_run(const uint16_t* __restrict__ src, int n, float s, char* __restrict__ dst, float r = 0.0f) {
+KVW_AVX2 int fp8_bf16_run_avx2(const uint16_t* __restrict__ src, int n, float s, char* __restrict__ dst, float r = 0.0f) {
   static_assert(!F::fnuz, "fnuz keeps the generic lanes");
   const float as = s < 0 ? -s : s;  // r: RN(1 / |s|) when the caller has it (0: computed here)
   const __m256 vs = _mm256_set1_ps(as), vr = _mm256_set1_ps(r != 0.0f ? r : 1.0f / as);
@@ -449,7 +460,7 @@ KVW_AVX2 int fp8_bf16_run(const uint16_t* __restrict__ src, int n, float s, char
 // int8 codes RNE(x / s) (the rne rule) of a bf16 row without NaN or +-inf and with |x / s| < 2^31
 // (a dynamic scale's row: |x| <= amax, the caller checked its raw max): the signed packs
 // saturate to [-128, 127] as the clamp does.
-KVW_AVX2 int int8_bf16_run(const uint16_t* __restrict__ src, int n, float s, char* __restrict__ dst, float r = 0.0f) {
+KVW_AVX2 int int8_bf16_run_avx2(const uint16_t* __restrict__ src, int n, float s, char* __restrict__ dst, float r = 0.0f) {
   const __m256 vs = _mm256_set1_ps(s), vr = _mm256_set1_ps(r != 0.0f ? r : 1.0f / s);  // r: RN(1 / s) or 0
   int j = 0;
   for (; j + 32 <= n; j += 32) {
@@ -464,7 +475,7 @@ KVW_AVX2 int int8_bf16_run(const uint16_t* __restrict__ src, int n, float s, cha
 }
 
 // Max of the |x| bits (bf16 x & 0x7FFF, NaN and inf included) over n elements, n a multiple of 16.
-KVW_AVX2 uint32_t bf16_absmax_raw(const uint16_t* p, int n) {
+KVW_AVX2 uint32_t bf16_absmax_raw_avx2(const uint16_t* p, int n) {
   const __m256i m = _mm256_set1_epi16(0x7FFF);
   __m256i a = _mm256_setzero_si256(), b = a;
   int j = 0;
@@ -493,7 +504,7 @@ KVW_AVX2 __m256i hmax16x8(const __m256i (&a)[8]) {
 
 // bf16_absmax_raw of 8 runs of n elements (n % 16 == 0; run k from p + k * stride) into raw[8]:
 // the runs' loads interleaved, one max tree for the eight.
-KVW_AVX2 void bf16_absmax_raw8(const uint16_t* p, i64 stride, int n, uint32_t* raw) {
+KVW_AVX2 void bf16_absmax_raw8_avx2(const uint16_t* p, i64 stride, int n, uint32_t* raw) {
   const __m256i m = _mm256_set1_epi16(0x7FFF);
   __m256i a[8];
   for (int k = 0; k < 8; ++k) a[k] = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + k * stride)), m);
@@ -543,6 +554,7 @@ struct Fp8Table {
   uint32_t bits = 0;  // the divisor's bits
   bool built = false, ok = false;
   alignas(16) uint8_t base[16], thr[16];  // base[g] = T[8g]; thr[g]: the last mantissa of group g coded T[8g]
+  alignas(64) uint8_t code[128];  // T itself (the AVX-512 lanes look it up in one vpermi2b)
   int16_t zstep = 0;  // STEP * Z
   uint8_t k = 0, kf = 0;  // K; KF = STEP * (W - Z - 1), 1..127: 1 <= E8 <= KF flags a subnormal-range binade
   float r = 0.0f;         // RN(1 / |s|): the arithmetic lanes' reciprocal for the blocks the table declines
@@ -571,7 +583,7 @@ inline void fp8_table_build(Fp8Table& t, float s) {
   const int z = (elow - 1 < w - 3) ? elow - 1 : w - 3;
   if (STEP * (255 - z) < 255) return;  // E = 255 (NaN, inf) must saturate E8 (the run's flag)
   const int k = STEP * (w - z);
-  uint8_t T[128];
+  uint8_t* T = t.code;
   for (int m = 0; m < 128; ++m) {
     T[m] = fp8_mag_code<F>(w, m, as);
     if (T[m] > k || T[m] >= CMAX) return;
@@ -653,7 +665,7 @@ __attribute__((noinline, cold)) KVW_AVX2_FN void fp8_table_redo(const Fp8Table& 
 // NaN or an inf; also a quotient past 2^23, which the table codes as well). Integer lanes only:
 // no MXCSR dependence.
 template <class F>
-KVW_AVX2 void fp8_bf16_table_run(const Fp8Table& t, float s, const uint16_t* __restrict__ src, int n,
+KVW_AVX2 void fp8_bf16_table_run_avx2(const Fp8Table& t, float s, const uint16_t* __restrict__ src, int n,
                                  char* __restrict__ dst) {
   constexpr uint8_t CMAX = F::mant == 3 ? 0x7E : 0x7B;
   const __m256i base = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(t.base)));
@@ -851,7 +863,10 @@ KVW_AVX2 void nvfp4_run_avx2(const void* src, i64 start, int nblocks, const floa
 }
 
 #else
+inline int simd_level() { return 0; }
 inline bool simd_ok() { return false; }
 #endif
 
 }  // namespace kvwrite
+
+#include "simd_avx512.h"

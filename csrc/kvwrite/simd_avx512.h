@@ -1,0 +1,177 @@
+// Host x86 AVX-512 lanes (F, BW, VL, DQ, VBMI) for the quantised stores' hottest bf16 loops: the
+// AVX2 lanes' arithmetic (simd_x86.h) 64 elements a step, selected at run time (simd_level() == 2)
+// by the dispatchers at the end of this file, which keep the AVX2 names the stores call. Same
+// correctly rounded fp32 operations lane for lane, so the same bytes (bench/simd_check.cpp runs
+// both levels). Zen 4 runs a 512-bit op as two 256-bit halves: the gain is fewer instructions
+// (byte tables by vpermi2b, compares into masks), not wider ALUs.
+#pragma once
+
+#include "simd_x86.h"
+
+#if KVW_SIMD_X86
+#define KVW_AVX512_FN __attribute__((target("avx2,f16c,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")))
+#define KVW_AVX512 KVW_AVX512_FN inline
+
+namespace kvwrite {
+
+inline bool simd512_ok() { return simd_level() >= 2; }
+
+// packs/packus of two 32-lane word vectors leave the bytes in "pack order": qword 2k holds the
+// first vector's elements 8k..8k+7, qword 2k + 1 the second's; this puts them in element order.
+KVW_AVX512 __m512i in_order64(__m512i b) {
+  return _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), b);
+}
+
+// 64 bf16 elements from p as four fp32 vectors in unpack order (load_bf16x32's, per 128-bit lane)
+// from the two raw loads l0, l1.
+KVW_AVX512 void widen_bf16x64(__m512i l0, __m512i l1, __m512 (&x)[4]) {
+  const __m512i z = _mm512_setzero_si512();
+  x[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, l0));
+  x[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, l0));
+  x[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, l1));
+  x[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, l1));
+}
+
+KVW_AVX512 __m512 div_cr16(__m512 x, __m512 s, __m512 r) {  // div_cr8's correctly rounded x / s
+  const __m512 q = _mm512_mul_ps(x, r);
+  return _mm512_fmadd_ps(_mm512_fnmadd_ps(q, s, x), r, q);
+}
+
+// grid_codes8<MANT, EMIN, true> (NOFTZ: MXCSR.FTZ clear) of sixteen magnitudes.
+template <int MANT, int EMIN>
+KVW_AVX512 __m512i grid_codes16_noftz(__m512 ax) {
+  constexpr int drop = 23 - MANT, bias = 1 - EMIN;  // m = 2^(binade + drop), binade >= EMIN; r * 2^(bias - 127)
+  const __m512i eb = _mm512_max_epi32(_mm512_and_si512(_mm512_castps_si512(ax), _mm512_set1_epi32(0x7F800000)),
+                                      _mm512_set1_epi32((EMIN + 127) << 23));
+  const __m512 m = _mm512_castsi512_ps(_mm512_add_epi32(eb, _mm512_set1_epi32(drop << 23)));
+  const __m512 r = _mm512_mul_ps(_mm512_sub_ps(_mm512_add_ps(ax, m), m), _mm512_castsi512_ps(_mm512_set1_epi32(bias << 23)));
+  return _mm512_srli_epi32(_mm512_castps_si512(r), drop);
+}
+
+// fp8_bf16_run_avx2, 64 elements a step (the rest by the AVX2 lanes); returns how many were done.
+template <class F, bool DYN>
+KVW_AVX512 int fp8_bf16_run_512(const uint16_t* __restrict__ src, int n, float s, char* __restrict__ dst, float r) {
+  const float as = s < 0 ? -s : s;
+  const __m512 vs = _mm512_set1_ps(as), vr = _mm512_set1_ps(r != 0.0f ? r : 1.0f / as);
+  const __m512 vmax = _mm512_set1_ps(fp8_max<F>() * as);
+  const __m512i smask = _mm512_set1_epi8(char(0x80)), flip = _mm512_set1_epi8(char(s < 0 ? 0x80 : 0));
+  const __m512i am = _mm512_set1_epi16(0x7FFF), nan = _mm512_set1_epi8(0x7F);
+  int j = 0;
+  for (; j + 64 <= n; j += 64) {
+    const __m512i l0 = _mm512_loadu_si512(src + j), l1 = _mm512_loadu_si512(src + j + 32);
+    __m512 x[4];
+    widen_bf16x64(_mm512_and_si512(l0, am), _mm512_and_si512(l1, am), x);  // |x|
+    __m512i c[4];
+    for (int k = 0; k < 4; ++k)
+      c[k] = grid_codes16_noftz<F::mant, F::emin>(div_cr16(DYN ? x[k] : _mm512_min_ps(vmax, x[k]), vs, vr));
+    const __m512i code = _mm512_packus_epi16(_mm512_packus_epi32(c[0], c[1]), _mm512_packus_epi32(c[2], c[3]));
+    __m512i b = _mm512_ternarylogic_epi32(code, _mm512_packs_epi16(l0, l1), smask, 0xF8);  // code | (sign & 0x80)
+    if constexpr (!DYN) {  // the divisor's sign; a NaN (0xFF) -> 0x7F
+      b = _mm512_xor_si512(b, flip);
+      b = _mm512_mask_blend_epi8(_mm512_cmpeq_epi8_mask(b, _mm512_set1_epi8(char(0xFF))), b, nan);
+    }
+    _mm512_storeu_si512(dst + j, in_order64(b));
+  }
+  return j + fp8_bf16_run_avx2<F, DYN>(src + j, n - j, s, dst + j, r);
+}
+
+// int8_bf16_run_avx2, 64 elements a step.
+KVW_AVX512 int int8_bf16_run_512(const uint16_t* __restrict__ src, int n, float s, char* __restrict__ dst, float r) {
+  const __m512 vs = _mm512_set1_ps(s), vr = _mm512_set1_ps(r != 0.0f ? r : 1.0f / s);
+  int j = 0;
+  for (; j + 64 <= n; j += 64) {
+    __m512 x[4];
+    widen_bf16x64(_mm512_loadu_si512(src + j), _mm512_loadu_si512(src + j + 32), x);
+    __m512i c[4];
+    for (int k = 0; k < 4; ++k) c[k] = _mm512_cvtps_epi32(div_cr16(x[k], vs, vr));
+    _mm512_storeu_si512(dst + j, in_order64(_mm512_packs_epi16(_mm512_packs_epi32(c[0], c[1]), _mm512_packs_epi32(c[2], c[3]))));
+  }
+  return j + int8_bf16_run_avx2(src + j, n - j, s, dst + j, r);
+}
+
+// bf16_absmax_raw_avx2: the max of the |x| bits over n elements (n % 16 == 0), 64 a step.
+KVW_AVX512 uint32_t bf16_absmax_raw_512(const uint16_t* p, int n) {
+  const __m512i m = _mm512_set1_epi16(0x7FFF);
+  __m512i a = _mm512_setzero_si512(), b = a;
+  int j = 0;
+  for (; j + 64 <= n; j += 64) {
+    a = _mm512_max_epu16(a, _mm512_and_si512(_mm512_loadu_si512(p + j), m));
+    b = _mm512_max_epu16(b, _mm512_and_si512(_mm512_loadu_si512(p + j + 32), m));
+  }
+  for (; j < n; j += 16)  // masked loads read nothing past the run
+    a = _mm512_max_epu16(a, _mm512_and_si512(_mm512_maskz_loadu_epi16(0xFFFFu, p + j), m));
+  a = _mm512_max_epu16(a, b);
+  const __m256i f = _mm256_max_epu16(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
+  const __m128i h = _mm_xor_si128(_mm_max_epu16(_mm256_castsi256_si128(f), _mm256_extracti128_si256(f, 1)), _mm_set1_epi16(-1));
+  return 0x7FFFu & ~uint32_t(_mm_cvtsi128_si32(_mm_minpos_epu16(h)));
+}
+
+// fp8_bf16_table_run_avx2, 64 elements a step (n % 64 == 0; else the AVX2 lanes): the code of a
+// binade-W mantissa by one 128-entry byte lookup (vpermi2b on m's 7 bits: Fp8Table::code), the
+// flags as 64-bit masks; a flagged 32-element half is redone by fp8_table_redo.
+template <class F>
+KVW_AVX512 void fp8_bf16_table_run_512(const Fp8Table& t, float s, const uint16_t* __restrict__ src, int n,
+                                       char* __restrict__ dst) {
+  if (n % 64 != 0) return fp8_bf16_table_run_avx2<F>(t, s, src, n, dst);
+  constexpr uint8_t CMAX = F::mant == 3 ? 0x7E : 0x7B;
+  const __m512i tab0 = _mm512_loadu_si512(t.code), tab1 = _mm512_loadu_si512(t.code + 64);
+  const __m512i emask = _mm512_set1_epi16(0x7F80), zstep = _mm512_set1_epi16(t.zstep), mmask = _mm512_set1_epi16(0x7F);
+  const __m512i k = _mm512_set1_epi8(char(t.k)), cmax = _mm512_set1_epi8(char(CMAX)), one = _mm512_set1_epi8(1);
+  const __m512i kf = _mm512_set1_epi8(char(t.kf)), smask = _mm512_set1_epi8(char(0x80));
+  const __m512i flip = _mm512_set1_epi8(char(s < 0 ? 0x80 : 0));
+  // E8 = STEP * (E - Z), saturated to [0, 255], pack order
+  const auto e8_of = [&](__m512i l0, __m512i l1) KVW_AVX512_FN {
+    return _mm512_packus_epi16(_mm512_sub_epi16(_mm512_srli_epi16(_mm512_and_si512(l0, emask), 7 - F::mant), zstep),
+                               _mm512_sub_epi16(_mm512_srli_epi16(_mm512_and_si512(l1, emask), 7 - F::mant), zstep));
+  };
+  for (int j0 = 0; j0 < n; j0 += 4096) {
+    const int nb = (n - j0 < 4096 ? n - j0 : 4096) / 64;
+    uint64_t flags[64], any = 0;
+    __m512i e8max = _mm512_setzero_si512();
+    for (int b = 0; b < nb; ++b) {
+      const __m512i l0 = _mm512_loadu_si512(src + j0 + 64 * b), l1 = _mm512_loadu_si512(src + j0 + 64 * b + 32);
+      const __m512i e8 = e8_of(l0, l1);
+      const __m512i m = _mm512_packus_epi16(_mm512_and_si512(l0, mmask), _mm512_and_si512(l1, mmask));
+      const __m512i c = _mm512_permutex2var_epi8(tab0, m, tab1);
+      const __m512i code = _mm512_min_epu8(_mm512_subs_epu8(_mm512_adds_epu8(e8, c), k), cmax);
+      const __m512i sign = _mm512_xor_si512(_mm512_and_si512(_mm512_packs_epi16(l0, l1), smask), flip);
+      _mm512_storeu_si512(dst + j0 + 64 * b, in_order64(_mm512_or_si512(code, sign)));
+      e8max = _mm512_max_epu8(e8max, e8);
+      flags[b] = _mm512_cmplt_epu8_mask(_mm512_sub_epi8(e8, one), kf);  // 1 <= E8 <= KF
+      any |= flags[b];
+    }
+    if (__builtin_expect(_mm512_cmpeq_epi8_mask(e8max, _mm512_set1_epi8(char(0xFF))) != 0, 0)) {
+      for (int b = 0; b < nb; ++b) {
+        const uint16_t* x = src + j0 + 64 * b;
+        flags[b] |= _mm512_cmpeq_epi8_mask(e8_of(_mm512_loadu_si512(x), _mm512_loadu_si512(x + 32)), _mm512_set1_epi8(char(0xFF)));
+        any |= flags[b];
+      }
+    }
+    if (__builtin_expect(any == 0, 1)) continue;
+    for (int b = 0; b < nb; ++b)  // pack order: the even qwords are the first half's bytes
+      for (int h = 0; h < 2; ++h)
+        if (flags[b] & (0x00FF00FF00FF00FFull << (8 * h))) fp8_table_redo<F>(t, s, src + j0 + 64 * b + 32 * h, dst + j0 + 64 * b + 32 * h);
+  }
+}
+
+// ---- Dispatchers: the AVX-512 lanes where simd_level() says so, else the AVX2 ones -------------
+template <class F, bool DYN = false>
+inline int fp8_bf16_run(const uint16_t* __restrict__ src, int n, float s, char* __restrict__ dst, float r = 0.0f) {
+  return simd512_ok() ? fp8_bf16_run_512<F, DYN>(src, n, s, dst, r) : fp8_bf16_run_avx2<F, DYN>(src, n, s, dst, r);
+}
+inline int int8_bf16_run(const uint16_t* __restrict__ src, int n, float s, char* __restrict__ dst, float r = 0.0f) {
+  return simd512_ok() ? int8_bf16_run_512(src, n, s, dst, r) : int8_bf16_run_avx2(src, n, s, dst, r);
+}
+inline uint32_t bf16_absmax_raw(const uint16_t* p, int n) {
+  return simd512_ok() ? bf16_absmax_raw_512(p, n) : bf16_absmax_raw_avx2(p, n);
+}
+inline void bf16_absmax_raw8(const uint16_t* p, i64 stride, int n, uint32_t* raw) {  // AVX2: 512 bits gave nothing
+  bf16_absmax_raw8_avx2(p, stride, n, raw);
+}
+template <class F>
+inline void fp8_bf16_table_run(const Fp8Table& t, float s, const uint16_t* __restrict__ src, int n, char* __restrict__ dst) {
+  return simd512_ok() ? fp8_bf16_table_run_512<F>(t, s, src, n, dst) : fp8_bf16_table_run_avx2<F>(t, s, src, n, dst);
+}
+
+}  // namespace kvwrite
+#endif
