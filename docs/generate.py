@@ -89,11 +89,8 @@ def _spec_section(op) -> list[str]:
             f"`{f.when.expr if f.when else 'any other'}`: backends "
             + ", ".join(f"`{b}`" for b, _ in f.impls) + f" (C++: `kvwrite_ext::{op.raw_kernel(f)}`)"
             for f in formats) + ".", ""]
-    elif isinstance(op.impls, tuple):
-        lines += ["Backends: " + ", ".join(f"`{b}`" for b, _ in op.impls) + ".", ""]
     else:
-        lines += ["Backends: chosen per call by `" + getattr(op.impls, "__name__", "impls") +
-                  "` (per format; see the backend table below).", ""]
+        lines += ["Backends: " + ", ".join(f"`{b}`" for b, _ in op.impls) + ".", ""]
     lines += ["| argument | type | role | dims | dtypes | written |", "|---|---|---|---|---|---|"]
     return lines + args_doc(op) + [""]
 

@@ -139,8 +139,16 @@ def _build_indexer(v: dict, env: dict, locs: Locs, chk: Check) -> StoreDSV4Index
                              v["scale_fmt"] == "ue8m0", env["geometry"], locs, chk, fmt)
 
 
-def _indexer_impls(a) -> tuple[tuple[str, str], ...]:
-    return INDEXER_FP8_IMPLS if a.fmt == "fp8" else INDEXER_MXFP4_IMPLS
+@spec.when(f"fmt == {INDEXER_FMT_CODE['fp8']}")
+def _indexer_fp8(env: dict) -> bool:
+    return env["fmt"] == "fp8"
+
+
+_INDEXER_RAW = dict(raw="store_dsv4_indexer_k",
+                    raw_args={"pool_page_size": "e:S", "fmt_code": "e:fmt", "ue8m0": "n:scale_fmt"})
+# fp8 and mxfp4 run their own Python-path kernels; the C++ fast path one raw kernel for both.
+INDEXER_FORMATS = (spec.Format(INDEXER_FP8_IMPLS, _indexer_fp8, **_INDEXER_RAW),
+                   spec.Format(INDEXER_MXFP4_IMPLS, **_INDEXER_RAW))
 
 
 # The public function names its input `index_k`; the schema's `k` (errors say index_k).
@@ -149,8 +157,7 @@ INDEXER_SPEC = spec.Op(
     args=(spec.T("k", "N D", validate.FLOAT_INPUTS), spec.cache("cache", "P B", (torch.uint8,)), spec.LOC,
           spec.option("page_size", "int?"), spec.option("fmt"), spec.option("scale_fmt", "str?"), *TAIL),
     checks=("k", _indexer_fmt, "cache", _indexer_pages, spec.geometry("cache")), aliases={"k": "index_k"},
-    build=_build_indexer, impls=_indexer_impls, dcp_page=True, page_table=False, raw="store_dsv4_indexer_k",
-    raw_args={"pool_page_size": "e:S", "fmt_code": "e:fmt", "ue8m0": "n:scale_fmt"})
+    build=_build_indexer, impls=INDEXER_FORMATS, dcp_page=True, page_table=False)
 
 
 def store_dsv4_indexer_k(index_k: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, *,

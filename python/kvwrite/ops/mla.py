@@ -113,9 +113,14 @@ def _build(v: dict, env: dict, locs: Locs, chk: Check) -> StoreMLA:
                     locs, chk, v["scale_cache"], v["global_scale"])
 
 
-def format_impls(a: StoreMLA) -> tuple:
-    """The backends of a call: the NVFP4 row has its own kernels."""
-    return NVFP4_IMPLS if a.format.mode == MODE_NVFP4 else IMPLS
+@spec.when(f"fmt % {DS_MLA_POW2} == {MODE_NVFP4}")
+def nvfp4_row(env: dict) -> bool:
+    """The NVFP4 row has its own Python-path kernels (the C++ fast path runs store_mla for all)."""
+    return FORMATS[env["fmt"]].mode == MODE_NVFP4
+
+
+RAW_ARGS = {"kernel_mode": "e:fmt"}
+ROWS = (spec.Format(NVFP4_IMPLS, nvfp4_row, raw_args=RAW_ARGS), spec.Format(IMPLS, raw_args=RAW_ARGS))
 
 
 SPEC = spec.Op(
@@ -133,7 +138,7 @@ SPEC = spec.Op(
           spec.opt("global_scale", "scale", role="scale", default=None)),
     checks=("kv_c", "k_pe", _format, "kv_cache", spec.geometry("kv_cache"), _scales, "scale",
             "scale_cache", "global_scale"),
-    build=_build, impls=format_impls, raw="store_mla", raw_args={"kernel_mode": "e:fmt"})
+    build=_build, impls=ROWS)
 def store_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, loc: torch.Tensor,
               *, kv_cache_dtype: str = "auto", scale: torch.Tensor | None = None,
               check: str | None = None, errors: ErrorBuffer | None = None,

@@ -120,12 +120,11 @@ def when(expr: str) -> Callable:
 
 @dataclass(frozen=True)
 class Format:
-    """One format of an op: its backend table (or a callable of the call object picking one), the
-    condition that picks it (`when`; None: any call; an op runs its first format whose condition
-    holds), and the raw kernel the C++ fast path runs for it (default: the table's "cpu" entry)
-    with the sources of its arguments (`Op.raw_args`)."""
+    """One format of an op: its backend table, the condition that picks it (`when`; None: any
+    call; an op runs its first format whose condition holds), and the raw kernel the C++ fast
+    path runs for it (default: the table's "cpu" entry) with its arguments' sources (`Op.raw_args`)."""
 
-    impls: object
+    impls: tuple
     when: Callable | None = None
     raw: str | None = None
     raw_args: dict = field(default_factory=dict)
@@ -244,8 +243,8 @@ class Op:
     """One op. `checks`: the validation in order, argument names (matched by `_match`) and
     callables `(env, values)` for the op's own rules; default: every tensor argument that is not
     addressing. `build(values, env, locs, check)` makes the validated call object the
-    implementations take. `impls`: a (backend, "module:function") table, a callable of the
-    call object that picks one, or the op's `Format`s (each with its condition and raw kernel)."""
+    implementations take. `impls`: a (backend, "module:function") table, or the op's `Format`s
+    (each with its condition, backend table and raw kernel)."""
 
     name: str
     args: tuple
@@ -320,8 +319,10 @@ class Op:
         raws = [self.raw_sources(slots, f) for f in self.formats]
         if None in raws:   # a format without a raw kernel: every call goes to Python
             raws = []
-        return "\n".join(head + lines + [f"raw {' '.join(r)}" + (f" if {f.when.expr}" if f.when else "")
-                                          for r, f in zip(raws, self.formats)])
+        raw = [(r, f.when) for r, f in zip(raws, self.formats)]
+        while len(raw) >= 2 and raw[-2][0] == raw[-1][0] and raw[-1][1] is None:
+            del raw[-2]    # formats that differ in Python only: one unconditioned C++ line
+        return "\n".join(head + lines + [f"raw {' '.join(r)}" + (f" if {w.expr}" if w else "") for r, w in raw])
 
     @property
     def formats(self) -> tuple:
@@ -333,7 +334,7 @@ class Op:
     @staticmethod
     def raw_kernel(f: Format) -> str | None:
         """The kvwrite_ext op the C++ fast path runs for format `f` (csrc/api.h `run_raw`), or None."""
-        if f.raw is not None or callable(f.impls):
+        if f.raw is not None:
             return f.raw
         target = dict(f.impls).get("cpu", "")
         return target.split(":")[1] if target.startswith("kvwrite._ext:") else None
@@ -445,19 +446,19 @@ class Op:
             locs.dcp_page = True
         return self.build(v, env, locs, chk), env
 
-    def table(self, a: object, env: dict) -> tuple:
-        """The backend table of call `a`: its format's (the first whose condition holds on `env`)."""
+    def table(self, env: dict) -> tuple:
+        """The backend table of a call: its format's (the first whose condition holds on `env`)."""
         impls = self.impls
-        if type(impls) is tuple and impls and type(impls[0]) is Format:
+        if type(impls[0]) is Format:
             impls = next(f.impls for f in impls if f.when is None or f.when(env))
-        return impls(a) if callable(impls) else impls
+        return impls
 
     # --- derived: the kernels of torch.ops.kvwrite.<op> ---------------------------------------
     def impl(self, *args) -> None:
         """The Python implementation: validate, then run the backend's implementation."""
         a, env = self._prepare(args, NO_DEFAULT, None, None)
         if a.locs.n:
-            dispatch(self.name, self.table(a, env), args[self.names.index("backend")], a.locs.loc.device, a)
+            dispatch(self.name, self.table(env), args[self.names.index("backend")], a.locs.loc.device, a)
 
     def fake(self, *args) -> None:
         """Validation only: the same errors while tracing and for meta tensors."""
@@ -524,7 +525,7 @@ class Op:
                 return impl(*args, *(None,) * (len(names) - len(args)))
             a, env = prepared(tuple(args) + (None,) * (len(names) - len(args)), NO_DEFAULT, aliases, call_name)
             if a.locs.n:
-                dispatch(self.name, self.table(a, env), args[i_backend], a.locs.loc.device, a)
+                dispatch(self.name, self.table(env), args[i_backend], a.locs.loc.device, a)
 
         return entry
 
