@@ -144,11 +144,8 @@ def _indexer_fp8(env: dict) -> bool:
     return env["fmt"] == "fp8"
 
 
-_INDEXER_RAW = dict(raw="store_dsv4_indexer_k",
-                    raw_args={"pool_page_size": "e:S", "fmt_code": "e:fmt", "ue8m0": "n:scale_fmt"})
 # fp8 and mxfp4 run their own Python-path kernels; the C++ fast path one raw kernel for both.
-INDEXER_FORMATS = (spec.Format(INDEXER_FP8_IMPLS, _indexer_fp8, **_INDEXER_RAW),
-                   spec.Format(INDEXER_MXFP4_IMPLS, **_INDEXER_RAW))
+INDEXER_FORMATS = (spec.Format(INDEXER_FP8_IMPLS, _indexer_fp8), spec.Format(INDEXER_MXFP4_IMPLS))
 
 
 # The public function names its input `index_k`; the schema's `k` (errors say index_k).
@@ -157,7 +154,8 @@ INDEXER_SPEC = spec.Op(
     args=(spec.T("k", "N D", validate.FLOAT_INPUTS), spec.cache("cache", "P B", (torch.uint8,)), spec.LOC,
           spec.option("page_size", "int?"), spec.option("fmt"), spec.option("scale_fmt", "str?"), *TAIL),
     checks=("k", _indexer_fmt, "cache", _indexer_pages, spec.geometry("cache")), aliases={"k": "index_k"},
-    build=_build_indexer, impls=INDEXER_FORMATS, dcp_page=True, page_table=False)
+    build=_build_indexer, impls=INDEXER_FORMATS, dcp_page=True, page_table=False, raw="store_dsv4_indexer_k",
+    raw_args={"pool_page_size": "e:S", "fmt_code": "e:fmt", "ue8m0": "n:scale_fmt"})
 
 
 def store_dsv4_indexer_k(index_k: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, *,

@@ -119,8 +119,7 @@ def nvfp4_row(env: dict) -> bool:
     return FORMATS[env["fmt"]].mode == MODE_NVFP4
 
 
-RAW_ARGS = {"kernel_mode": "e:fmt"}
-ROWS = (spec.Format(NVFP4_IMPLS, nvfp4_row, raw_args=RAW_ARGS), spec.Format(IMPLS, raw_args=RAW_ARGS))
+ROWS = (spec.Format(NVFP4_IMPLS, nvfp4_row), spec.Format(IMPLS))
 
 
 SPEC = spec.Op(
@@ -138,7 +137,7 @@ SPEC = spec.Op(
           spec.opt("global_scale", "scale", role="scale", default=None)),
     checks=("kv_c", "k_pe", _format, "kv_cache", spec.geometry("kv_cache"), _scales, "scale",
             "scale_cache", "global_scale"),
-    build=_build, impls=ROWS)
+    build=_build, impls=ROWS, raw_args={"kernel_mode": "e:fmt"})
 def store_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, loc: torch.Tensor,
               *, kv_cache_dtype: str = "auto", scale: torch.Tensor | None = None,
               check: str | None = None, errors: ErrorBuffer | None = None,

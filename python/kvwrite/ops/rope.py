@@ -152,8 +152,7 @@ def _build_kv(v: dict, env: dict, locs: Locs, chk: Check) -> RopeStoreKV:
 
 # store_kv's formats (no int4): copy / static fp8 on rope_store_kv's kernels, the rest on
 # rope_store_kv_quant's (store_kv_quant's row writers).
-ROPE_ARGS = {"cos_sin": "a:cos_sin_cache", "eps": "a:norm_eps"}
-KV_FORMATS = (spec.Format(KV_IMPLS, kv.plain, raw_args=ROPE_ARGS), spec.Format(KV_QUANT_IMPLS, raw_args=ROPE_ARGS))
+KV_FORMATS = (spec.Format(KV_IMPLS, kv.plain), spec.Format(KV_QUANT_IMPLS))
 
 
 POSITIONS = spec.T("positions", "N", validate.LOC_DTYPES, what="one position per token")
@@ -180,7 +179,7 @@ KV_SPEC = spec.Op(
     checks=("k", "v", spec.choice("layout", KV_LAYOUTS[:2]), "k_cache", "v_cache", spec.geometry("k_cache"),
             kv._quant, _kv_format, "k_scale", "v_scale", "q", "positions", "cos_sin_cache", _kv_dims,
             "q_norm_weight", "k_norm_weight", _neox, _norm_eps),
-    build=_build_kv, impls=KV_FORMATS)
+    build=_build_kv, impls=KV_FORMATS, raw_args={"cos_sin": "a:cos_sin_cache", "eps": "a:norm_eps"})
 
 
 def rope_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

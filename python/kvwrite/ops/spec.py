@@ -18,7 +18,7 @@ with the page-table tensors; `pool(name)` checks a pool `[pages, rows, ...]` of 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -27,7 +27,6 @@ from kvwrite import _ext, validate
 from kvwrite.addressing import TABLE_ARGS, page_table, prepare as prepare_addressing
 from kvwrite.errors import ErrorBuffer
 from kvwrite import facts
-from kvwrite.facts import declare_op
 from kvwrite.ops import _library
 from kvwrite.ops._common import NATIVE, cache_geometry, canonical_pool, dispatch, record
 from kvwrite.pagetable import PageTable
@@ -262,7 +261,7 @@ class Op:
     # slot or the argument of another name it is read from: {raw name: "e:slot" | "a:arg" |
     # "n:arg" (whether arg is given) | "k:arg" (a key cache's view, cpu_attn's included) |
     # "h:arg" (a head-major cache's view)}. The tail (loc ... page table) needs no entry. An op
-    # of several formats declares them in its `Format`s instead.
+    # of several formats declares them in its `Format`s; these are then every format's defaults.
     raw: str | None = None
     raw_args: dict = field(default_factory=dict)
     doc: str = ""
@@ -272,7 +271,9 @@ class Op:
     def __post_init__(self) -> None:
         self.all_args = tuple(self.args) + (TABLE if self.table_tail else ())
         self.names = tuple(a.name for a in self.all_args)
-        self.code = declare_op(self.name)
+        # its declared formats (one of its backend table when `impls` is a table)
+        self.declared = self.impls if type(self.impls[0]) is Format else (Format(self.impls),)
+        self.code = facts.declare_op(self.name)
         if not self.checks:
             self.checks = tuple(a.name for a in self.args if a.type.startswith("Tensor")
                                 and a.role not in ("addressing", "check"))
@@ -326,10 +327,9 @@ class Op:
 
     @property
     def formats(self) -> tuple:
-        """The op's formats: its `Format`s, or one of its backend table with `raw` / `raw_args`."""
-        if isinstance(self.impls, tuple) and self.impls and isinstance(self.impls[0], Format):
-            return self.impls
-        return (Format(self.impls, None, self.raw, self.raw_args),)
+        """The op's formats with the op's `raw` / `raw_args` as their defaults (the C++ side's)."""
+        return tuple(replace(f, raw=f.raw or self.raw, raw_args={**self.raw_args, **f.raw_args})
+                     for f in self.declared)
 
     @staticmethod
     def raw_kernel(f: Format) -> str | None:
@@ -448,10 +448,7 @@ class Op:
 
     def table(self, env: dict) -> tuple:
         """The backend table of a call: its format's (the first whose condition holds on `env`)."""
-        impls = self.impls
-        if type(impls[0]) is Format:
-            impls = next(f.impls for f in impls if f.when is None or f.when(env))
-        return impls
+        return next(f.impls for f in self.declared if f.when is None or f.when(env))
 
     # --- derived: the kernels of torch.ops.kvwrite.<op> ---------------------------------------
     def impl(self, *args) -> None:
