@@ -111,6 +111,28 @@ long check_bf16_run(const char* what, const std::vector<float>& scales) {
   return bad;
 }
 
+// 2^16 bf16 values in blocks of `block`: block k's amax is amax_mul * d (d = scale(c), c cycling
+// over [c0, c1)), the rest the e2m1 rounding thresholds B d and their bf16 neighbours, zeros and
+// subnormals, random signs: every scale's ties and near-ties.
+template <class Scale>
+std::vector<uint16_t> fp4_threshold_rows(int block, Scale scale, int c0, int c1, float amax_mul) {
+  static constexpr float B[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+  std::vector<uint16_t> x(1 << 16);
+  std::mt19937 g(5);
+  for (int k = 0; k * block < int(x.size()); ++k) {
+    const float d = scale(c0 + k % (c1 - c0));
+    const uint16_t sign = uint16_t((g() & 1) << 15);
+    x[k * block] = uint16_t(sign | float_to_bits(amax_mul * d) >> 16);
+    for (int e = 1; e < block; ++e) {
+      const uint32_t r = g();
+      const uint16_t t = uint16_t(float_to_bits(B[r % 7] * d) >> 16);
+      const uint16_t v = (r >> 3) % 8 == 0 ? uint16_t((r >> 6) & 0x7F) : uint16_t(t + int((r >> 3) % 3) - 1);
+      x[k * block + e] = uint16_t(v | ((r >> 10) & 1) << 15);
+    }
+  }
+  return x;
+}
+
 // nvfp4_run on bf16 rows (nvfp4_blocks8_bf16, or the generic lanes for a group it declines)
 // against the scalar nvfp4_block, every bf16 pattern, scaled so block scales land anywhere, with
 // and without global scales and the V4.1 floor.
@@ -118,8 +140,11 @@ long check_nvfp4_bf16() {
   const int n = 1 << 16;
   std::vector<uint16_t> x(n);
   long bad = 0;
-  for (const float mul : {1.0f, 1e-30f, 3e20f, 0.37f}) {
+  std::vector<uint16_t> thr = fp4_threshold_rows(16, [](int c) { return e4m3_to_float(uint8_t(c)); }, 1, 127, 6.0f);
+  for (const float mul : {1.0f, 1e-30f, 3e20f, 0.37f, -1.0f, 0.0f}) {  // -1: shuffled patterns, 0: thresholds
     for (int i = 0; i < n; ++i) x[i] = uint16_t(float_to_bits(bf16_to_float(uint16_t(i)) * mul) >> 16);
+    if (mul == -1.0f) std::shuffle(x.begin(), x.end(), std::mt19937(3));
+    if (mul == 0.0f) std::copy(thr.begin(), thr.begin() + n, x.begin());
     for (const float gl : {0.0f, 0.5f, 1e-30f, 3.7f, 1e-3f})
       for (const float fl : {0.0f, 1.0f / 512}) {
         const float* gp = gl == 0.0f ? nullptr : &gl;
@@ -149,8 +174,11 @@ long check_nvfp4_bf16() {
       bad += uint8_t(b1[j]) != (e2m1_code(load_quant<DType::BF16>(x.data(), 2 * j) / s) |
                                 (e2m1_code(load_quant<DType::BF16>(x.data(), 2 * j + 1) / s) << 4));
   }
-  for (const float mul : {1.0f, 1e-30f, 3e20f, 0.37f, 1e-38f}) {  // MXFP4 blocks (the DeepSeek V4 record's rule)
+  thr = fp4_threshold_rows(32, [](int e) { return bits_to_float(uint32_t(e) << 23); }, 1, 255, 8.0f);
+  for (const float mul : {1.0f, 1e-30f, 3e20f, 0.37f, 1e-38f, -1.0f, 0.0f}) {  // MXFP4 blocks (the DeepSeek V4 record's rule)
     for (int i = 0; i < n; ++i) x[i] = uint16_t(float_to_bits(bf16_to_float(uint16_t(i)) * mul) >> 16);
+    if (mul == -1.0f) std::shuffle(x.begin(), x.end(), std::mt19937(4));
+    if (mul == 0.0f) std::copy(thr.begin(), thr.begin() + n, x.begin());
     for (int k0 = 0, nb = 8; k0 < n / 32; k0 += nb, nb = nb == 8 ? 6 : 8) {
       const int m = n / 32 - k0 < nb ? n / 32 - k0 : nb;
       char b3[128], s3[8];

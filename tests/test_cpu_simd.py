@@ -190,3 +190,125 @@ def test_store_kv_dynamic_bf16_lanes(cache, per_head):
 
     run(call, {"k": ((pages, 16, heads, dim), cache), "v": ((pages, 16, heads, dim), cache),
                "ks": (sshape, torch.float32), "vs": (sshape, torch.float32)})
+
+
+# The FP4 bf16 lanes (NVFP4 blocks of 16 with e4m3 scales, MXFP4 blocks of 32 with ue8m0 scales):
+# each block's amax fixes its scale d exactly (6 d for NVFP4: every e4m3 code; a power of two for
+# MXFP4), the other elements sit on the e2m1 rounding thresholds B d (the ties .25 .75 1.25 1.75
+# 2.5 3.5 5) and one bf16 step either side, with both signs, among zeros, bf16 subnormals and
+# random values; blocks that are all zero, all subnormal, or hold a NaN or an inf; scales that
+# underflow to 0. Runs of blocks that are not a multiple of the lanes' eight.
+_E2M1_TIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def _bf16_neighbours(x: torch.Tensor) -> torch.Tensor:
+    """x (bf16-exact fp32 values > 0) and its bf16 neighbours below and above, as fp32."""
+    bits = x.to(torch.bfloat16).view(torch.int16).to(torch.int32)
+    near = torch.stack([bits - 1, bits, bits + 1], -1).to(torch.int16).view(torch.bfloat16)
+    return near.float().flatten()
+
+
+def fp4_threshold_blocks(scales: torch.Tensor, amax_of, block: int, g: torch.Generator) -> torch.Tensor:
+    """One block of `block` bf16 values per scale d: element 0 = +-amax_of(d), the rest drawn from
+    the thresholds B d and their bf16 neighbours, 0, -0, bf16 subnormals and N(0, d), random signs."""
+    out = []
+    sub = torch.tensor([0x0001, 0x0040, 0x007F], dtype=torch.int16).view(torch.bfloat16).float()
+    for d in scales.tolist():
+        cand = torch.cat([_bf16_neighbours(torch.tensor(_E2M1_TIES) * d), torch.tensor([0.0, -0.0]), sub,
+                          torch.randn(8, generator=g) * d])
+        pick = cand[torch.randint(0, cand.numel(), (block - 1,), generator=g)]
+        sign = torch.where(torch.rand(block - 1, generator=g) < 0.5, -1.0, 1.0)
+        first = amax_of(d) * (1.0 if torch.rand(1, generator=g).item() < 0.5 else -1.0)
+        out.append(torch.cat([torch.tensor([first]), pick * sign]))
+    return torch.stack(out).to(torch.bfloat16)
+
+
+def e4m3_values() -> torch.Tensor:
+    """Every positive finite e4m3 value (subnormals included)."""
+    v = torch.arange(1, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    return v[torch.isfinite(v)]
+
+
+def fp4_special_blocks(block: int) -> torch.Tensor:
+    """All zero, all -0, all bf16 subnormal, a NaN, +inf, -inf, a scale that rounds to 0, a huge
+    amax (e4m3 saturates), blocks of `block` values as bf16."""
+    rows = torch.zeros(8, block)
+    rows[1] = -0.0
+    rows[2] = torch.tensor([0x0001, 0x8040 - 0x10000], dtype=torch.int16).view(torch.bfloat16).float().repeat(block // 2)
+    rows[3] = 1.0
+    rows[3, 3] = float("nan")
+    rows[4] = -0.5
+    rows[4, 5] = float("inf")
+    rows[5, 1] = -float("inf")
+    rows[6] = 1e-5 * torch.linspace(-1, 1, block)   # amax / 6 below e4m3's smallest step: d = 0
+    rows[7] = 3e38 * torch.linspace(-1, 1, block)
+    return rows.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("heads,dim", [(5, 48), (1, 16), (3, 80), (8, 128)])
+@pytest.mark.parametrize("strided", [False, True])
+def test_store_kv_nvfp4_bf16_lanes_thresholds(heads, dim, strided):
+    g = torch.Generator().manual_seed(9)
+    d = e4m3_values()
+    blocks = torch.cat([fp4_threshold_blocks(d, lambda s: 6 * s, 16, g), fp4_special_blocks(16)])
+    per_token = heads * dim // 16
+    n = -(-blocks.shape[0] // per_token)
+    rows = torch.cat([blocks, blocks[: n * per_token - blocks.shape[0]]]).reshape(n, heads, dim)
+    if strided:   # heads not contiguous: runs of dim / 16 blocks a head
+        rows = torch.cat([rows, rows], -1)[..., :dim]
+    k, v = rows, rows.flip(0)
+    loc = torch.randperm(n + 8, generator=g)[:n]
+    pages = -(-(n + 8) // 16)
+
+    def call(p, b):
+        kvwrite.store_kv_nvfp4(k, v, p["k"], p["v"], p["ks"], p["vs"], loc, backend=b)
+
+    run(call, {"k": ((pages, 16, heads, dim // 2), torch.uint8),
+               "v": ((pages, 16, heads, dim // 2), torch.uint8),
+               "ks": ((pages, 16, heads, dim // 16), torch.float8_e4m3fn),
+               "vs": ((pages, 16, heads, dim // 16), torch.float8_e4m3fn)})
+
+
+@pytest.mark.parametrize("lora,rope", [(512, 64), (48, 16)])
+def test_store_mla_nvfp4_bf16_lanes_thresholds(lora, rope):
+    g = torch.Generator().manual_seed(10)
+    blocks = torch.cat([fp4_threshold_blocks(e4m3_values(), lambda s: 6 * s, 16, g), fp4_special_blocks(16)])
+    per_token = (lora + rope) // 16
+    n = -(-blocks.shape[0] // per_token)
+    x = torch.cat([blocks, blocks[: n * per_token - blocks.shape[0]]]).reshape(n, lora + rope)
+    kv_c, k_pe = x[:, :lora], x[:, lora:]
+    loc = torch.randperm(n + 4, generator=g)[:n]
+    pages = -(-(n + 4) // 16)
+
+    def call(p, b):
+        kvwrite.store_mla(kv_c, k_pe, p["c"], loc, kv_cache_dtype="nvfp4", scale_cache=p["s"], backend=b)
+
+    run(call, {"c": ((pages, 16, (lora + rope) // 2), torch.uint8),
+               "s": ((pages, 16, (lora + rope) // 16), torch.float8_e4m3fn)})
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4_v41", "mxfp4"])
+def test_store_dsv4_fp4_bf16_lanes_thresholds(fmt):
+    """The V4 records: 28 NVFP4 blocks (three groups of eight and four), V4.1's 32 (scale floored
+    at 2^-9), 14 MXFP4 blocks (eight and six); MXFP4 amax 2^j: scale 2^(j - 1), every exponent
+    byte the lanes take and the ones they leave to the scalar rule."""
+    from kvwrite.facts import FP4_RECORDS
+    rec = FP4_RECORDS[fmt]
+    g = torch.Generator().manual_seed(11)
+    if fmt == "mxfp4":
+        scales = 2.0 ** torch.arange(-110, 120, 3, dtype=torch.float64)
+        blocks = fp4_threshold_blocks(scales.float(), lambda s: 8 * s, 32, g)
+    else:
+        blocks = fp4_threshold_blocks(e4m3_values(), lambda s: 6 * s, 16, g)
+    blocks = torch.cat([blocks, fp4_special_blocks(rec.block)])
+    per_token = rec.quant // rec.block
+    n = -(-blocks.shape[0] // per_token)
+    quant = torch.cat([blocks, blocks[: n * per_token - blocks.shape[0]]]).reshape(n, rec.quant)
+    kv = torch.cat([quant, torch.randn(n, 512 - rec.quant, generator=g).to(torch.bfloat16)], 1)
+    loc = torch.randperm(n + 4, generator=g)[:n]
+    pages = n + 4
+
+    def call(p, b):
+        kvwrite.store_dsv4_kv_fp4(kv, p["c"], loc, fmt=fmt, backend=b)
+
+    run(call, {"c": ((pages, rec.token_bytes), torch.uint8)})

@@ -84,7 +84,7 @@ template <DType IN>
 KVW_HD void nvfp4_run(const void* src, i64 start, int nblocks, const float* global, char* bytes, char* scales,
                       float floor = 0.0f, int noftz = -1) {
 #if KVW_SIMD_X86
-  if (simd_ok()) return nvfp4_run_avx2<IN>(src, start, nblocks, global, bytes, scales, floor, noftz);
+  if (simd_ok()) return nvfp4_run_simd<IN>(src, start, nblocks, global, bytes, scales, floor, noftz);
 #else
   (void)noftz;
 #endif

@@ -175,3 +175,5 @@ inline void fp8_bf16_table_run(const Fp8Table& t, float s, const uint16_t* __res
 
 }  // namespace kvwrite
 #endif
+
+#include "simd_avx512_fp4.h"

@@ -793,26 +793,33 @@ KVW_AVX2 void nvfp4_codes8_bf16(const uint16_t* src, int nb, const uint32_t (&th
   }
 }
 
-// MXFP4 of nb <= 8 bf16 blocks of 32 from src (the DeepSeek V4 record's rule: ue8m0 scale byte
-// e = exponent(amax) - 3 + (mantissa(amax) >= 0x7C3B7), clamped to [0, 255], amax the policy max;
-// codes e2m1(x / 2^(e - 127))): the eight scale bytes in one vector, then each block's codes by
-// 16-bit compares (e2m1_pow2_thresholds). Returns the mask of blocks left unwritten (a NaN or an
-// inf, or e outside [27, 227]): the caller writes those by the scalar rule.
-KVW_AVX2 uint32_t mxfp4_blocks8_bf16(const uint16_t* src, int nb, char* bytes, char* scales) {
+// The MXFP4 scale bytes of eight blocks (the DeepSeek V4 record's rule: ue8m0 e = exponent(amax)
+// - 3 + (mantissa(amax) >= 0x7C3B7), clamped to [0, 255], amax the policy max) from their raw |x|
+// maxima (lanes) into e; returns the mask of the first nb blocks left to the scalar rule (a NaN
+// or an inf, or e outside [27, 227]).
+KVW_AVX2 uint32_t mxfp4_scales8(__m256i raw, int nb, __m256i& e) {
+  const __m256i bits = _mm256_and_si256(_mm256_slli_epi32(raw, 16), _mm256_cmpgt_epi32(raw, _mm256_set1_epi32(0x7F)));
+  e = _mm256_sub_epi32(_mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(3)),
+                       _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFF)), _mm256_set1_epi32(0x7C3B6)));
+  e = _mm256_min_epi32(_mm256_max_epi32(e, _mm256_setzero_si256()), _mm256_set1_epi32(255));
+  const __m256i off = _mm256_or_si256(_mm256_cmpgt_epi32(raw, _mm256_set1_epi32(0x7F7F)),
+                                      _mm256_or_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(27), e), _mm256_cmpgt_epi32(e, _mm256_set1_epi32(227))));
+  return uint32_t(_mm256_movemask_ps(_mm256_castsi256_ps(off))) & ((1u << nb) - 1);
+}
+
+// MXFP4 of nb <= 8 bf16 blocks of 32 from src (codes e2m1(x / 2^(e - 127))): the eight scale
+// bytes in one vector (mxfp4_scales8), then each block's codes by 16-bit compares
+// (e2m1_pow2_thresholds). Returns the mask of blocks left unwritten: the caller writes those by
+// the scalar rule.
+KVW_AVX2 uint32_t mxfp4_blocks8_avx2(const uint16_t* src, int nb, char* bytes, char* scales) {
   __m256i a[8];
   const __m256i am = _mm256_set1_epi16(0x7FFF);
   for (int b = 0; b < 8; ++b)
     a[b] = b >= nb ? _mm256_setzero_si256()
                    : _mm256_max_epu16(_mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32 * b)), am),
                                       _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32 * b + 16)), am));
-  const __m256i raw = hmax16x8(a);
-  const __m256i bits = _mm256_and_si256(_mm256_slli_epi32(raw, 16), _mm256_cmpgt_epi32(raw, _mm256_set1_epi32(0x7F)));
-  __m256i e = _mm256_sub_epi32(_mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(3)),
-                               _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFF)), _mm256_set1_epi32(0x7C3B6)));
-  e = _mm256_min_epi32(_mm256_max_epi32(e, _mm256_setzero_si256()), _mm256_set1_epi32(255));
-  const __m256i off = _mm256_or_si256(_mm256_cmpgt_epi32(raw, _mm256_set1_epi32(0x7F7F)),
-                                      _mm256_or_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(27), e), _mm256_cmpgt_epi32(e, _mm256_set1_epi32(227))));
-  const uint32_t left = uint32_t(_mm256_movemask_ps(_mm256_castsi256_ps(off))) & ((1u << nb) - 1);
+  __m256i e;
+  const uint32_t left = mxfp4_scales8(hmax16x8(a), nb, e);
   alignas(32) int32_t el[8];
   _mm256_store_si256(reinterpret_cast<__m256i*>(el), e);
   const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,

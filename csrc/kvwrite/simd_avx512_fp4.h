@@ -1,0 +1,209 @@
+// Host x86 AVX-512 lanes of the FP4 stores on bf16 rows (NVFP4 blocks of 16 with e4m3 scales, no
+// global scale: store_kv_nvfp4, store_mla nvfp4, the DeepSeek V4 / V4.1 NVFP4 records; MXFP4 blocks
+// of 32 with ue8m0 scales: the V4 MXFP4 record), 64 elements a step, selected at run time
+// (simd_level() == 2) by the dispatchers at the end; else the AVX2 lanes (simd_x86.h).
+//
+// e2m1 codes without thresholds a block: the AVX2 lanes count the seven thresholds T = B d below
+// |x| (16-bit compares; e2m1_bf16_thresholds says why that is the scalar RN(x / d) rule). With
+// d = (1 + m / 8) 2^(E_d - 127) (an e4m3 value: m 3 bits; a power of two: m = 0) the thresholds
+// lie in the six binades E_d - 2 .. E_d + 3, at most two in one binade, at the same mantissas
+// for every E_d. So with r = clamp(E - (E_d - 3), 0, 7) (E: |x|'s exponent byte; 0: below every
+// threshold, 7: above all) code = base[m, r] + (M > t1[m, r]) + (M > t2[m, r]) (M: |x|'s 7
+// mantissa bits): three 64-entry byte lookups (vpermb) and two byte compares for 64 elements.
+#pragma once
+
+#include "simd_avx512.h"
+
+#if KVW_SIMD_X86
+namespace kvwrite {
+
+// The byte tables: by idx = m << 3 | r the base code and the two mantissa thresholds (doubled: the
+// lanes compare M << 1, which the bf16 word shifted left by one leaves in its low byte; 254:
+// never passed); by an e4m3 scale code c the block's E_d - 3 (255 for d = 0: r = 0, every code the
+// sign alone) and m << 3. Built once from the threshold rule in fp32 (exact: B d, |x| have at most
+// 8 significant bits); `ok` false where the two-thresholds-a-binade shape does not hold (never:
+// the lanes then stay AVX2).
+struct E2m1Lut {
+  alignas(64) uint8_t base[64], t1[64], t2[64], eb[128], mx[128];
+  bool ok = true;
+};
+
+inline uint32_t e2m1_count(float x, float d) {  // the number of thresholds B d below x (x, d > 0)
+  static constexpr float B[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+  uint32_t c = 0;
+  for (int k = 0; k < 7; ++k) c += (k & 1) ? x >= B[k] * d : x > B[k] * d;
+  return c;
+}
+
+inline E2m1Lut e2m1_lut_build() {
+  E2m1Lut t;
+  for (int m = 0; m < 8; ++m)
+    for (int r = 0; r < 8; ++r) {
+      const float d = 1.0f + float(m) / 8.0f;  // E_d = 127: the binade of r is 124 + r
+      uint32_t c[128];
+      for (int M = 0; M < 128; ++M) c[M] = e2m1_count(bf16_to_float(uint16_t((124 + r) << 7 | M)), d);
+      const int i = m << 3 | r;
+      int th[2] = {127, 127}, n = 0;
+      for (int M = 1; M < 128; ++M)
+        if (c[M] != c[M - 1]) n < 2 ? void(th[n++] = M - 1) : void(t.ok = false);
+      t.base[i] = uint8_t(c[0]);
+      t.t1[i] = uint8_t(2 * th[0]);
+      t.t2[i] = uint8_t(2 * th[1]);
+      for (int M = 0; M < 128; ++M) t.ok = t.ok && c[M] == c[0] + (M > th[0]) + (M > th[1]);
+    }
+  t.ok = t.ok && t.base[7] == 7 && t.base[0] == 0;  // r = 7: above every threshold; r = 0: below
+  for (int c = 0; c < 128; ++c) {
+    const uint32_t b = float_to_bits(e4m3_to_float(uint8_t(c)));
+    t.eb[c] = c == 0 ? 255 : c == 0x7F ? 0 : uint8_t((b >> 23) - 3);
+    t.mx[c] = uint8_t((b >> 17) & 0x38);
+    t.ok = t.ok && (c == 0x7F || (b & 0x1FFFFu) == 0);  // at most 4 significant bits
+  }
+  return t;
+}
+
+inline const E2m1Lut& e2m1_lut() {
+  static const E2m1Lut t = e2m1_lut_build();
+  return t;
+}
+
+// Bytes 0, 1, ..., 63 (the index vectors below are built from it).
+struct Iota64 {
+  alignas(64) uint8_t v[64];
+  constexpr Iota64() : v() {
+    for (int j = 0; j < 64; ++j) v[j] = uint8_t(j);
+  }
+};
+inline constexpr Iota64 IOTA64{};
+
+// Byte j = j / G + first (G a power of two): spreads a per-block byte over its block's lanes.
+template <int G>
+KVW_AVX512 __m512i block_idx(int first) {
+  constexpr int s = __builtin_ctz(G);
+  const __m512i j = _mm512_and_si512(_mm512_srli_epi16(_mm512_load_si512(IOTA64.v), s), _mm512_set1_epi8(char(0xFF >> s)));
+  return _mm512_add_epi8(j, _mm512_set1_epi8(char(first)));
+}
+
+// The loops' constants in registers: the tables, the byte indices, the block spreads.
+struct Fp4Consts {
+  __m512i base, t1, t2, eb0, eb1, mx0, mx1, lo, hi, b16[2], b32[4];
+  KVW_AVX512_FN explicit Fp4Consts(const E2m1Lut& t)
+      : base(_mm512_load_si512(t.base)), t1(_mm512_load_si512(t.t1)), t2(_mm512_load_si512(t.t2)),
+        eb0(_mm512_load_si512(t.eb)), eb1(_mm512_load_si512(t.eb + 64)), mx0(_mm512_load_si512(t.mx)),
+        mx1(_mm512_load_si512(t.mx + 64)),
+        lo(_mm512_add_epi8(_mm512_load_si512(IOTA64.v), _mm512_load_si512(IOTA64.v))),  // byte 2j: the words' low bytes
+        hi(_mm512_add_epi8(lo, _mm512_set1_epi8(1))), b16{block_idx<16>(0), block_idx<16>(4)},
+        b32{block_idx<32>(0), block_idx<32>(2), block_idx<32>(4), block_idx<32>(6)} {}
+};
+
+// The e2m1 codes of 64 bf16 elements (two loads; element order, sign as bit 3) for the per-lane
+// E_d - 3 (eb) and m << 3 (mx), then two codes a byte: 32 bytes in the low bytes of the words.
+KVW_AVX512 __m512i e2m1_pack64(__m512i l0, __m512i l1, __m512i eb, __m512i mx, const Fp4Consts& k) {
+  const __m512i d0 = _mm512_add_epi16(l0, l0), d1 = _mm512_add_epi16(l1, l1);  // |x| << 1
+  const __m512i e = _mm512_permutex2var_epi8(d0, k.hi, d1), m2 = _mm512_permutex2var_epi8(d0, k.lo, d1);
+  const __m512i idx = _mm512_or_si512(_mm512_min_epu8(_mm512_subs_epu8(e, eb), _mm512_set1_epi8(7)), mx);
+  const __m512i one = _mm512_set1_epi8(1);
+  __m512i c = _mm512_permutexvar_epi8(idx, k.base);
+  c = _mm512_mask_add_epi8(c, _mm512_cmpgt_epu8_mask(m2, _mm512_permutexvar_epi8(idx, k.t1)), c, one);
+  c = _mm512_mask_add_epi8(c, _mm512_cmpgt_epu8_mask(m2, _mm512_permutexvar_epi8(idx, k.t2)), c, one);
+  const __mmask64 sign = _mm512_kunpackd(__mmask64(_mm512_movepi16_mask(l1)), __mmask64(_mm512_movepi16_mask(l0)));
+  c = _mm512_mask_add_epi8(c, sign, c, _mm512_set1_epi8(8));
+  return _mm512_maddubs_epi16(c, _mm512_set1_epi16(0x1001));  // even + 16 odd
+}
+
+KVW_AVX512 __mmask32 words_mask(int n) { return n >= 32 ? ~__mmask32(0) : n <= 0 ? 0 : (__mmask32(1) << n) - 1; }
+KVW_AVX512 __mmask64 bytes_mask(int n) { return n >= 64 ? ~__mmask64(0) : n <= 0 ? 0 : (__mmask64(1) << n) - 1; }
+
+// Lane-wise: lane 2i of the result the max of a's lanes (2i, 2i + 1) for i < 2, lanes 2, 3 b's.
+KVW_AVX512 __m512i max_lane_pairs(__m512i a, __m512i b) {
+  return _mm512_max_epu16(_mm512_shuffle_i64x2(a, b, 0x88), _mm512_shuffle_i64x2(a, b, 0xDD));
+}
+
+// The maxima of the eight 128-bit lanes of p (blocks 0-3) and q (blocks 4-7), 16-bit unsigned,
+// as 8 dwords in block order, shifted right by one (the lanes hold |x| << 1: the result is raw |x|).
+KVW_AVX512 __m256i lane_max8(__m512i p, __m512i q) {
+  const __m512i r = _mm512_max_epu16(_mm512_unpacklo_epi64(p, q), _mm512_unpackhi_epi64(p, q));  // lane i: b_i, b_(i+4)
+  const __m512i s = _mm512_max_epu16(r, _mm512_shuffle_epi32(r, _MM_PERM_CDAB));
+  const __m512i t = _mm512_max_epu16(s, _mm512_srli_epi32(s, 16));
+  const __m512i g = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0), t);
+  return _mm256_srli_epi32(_mm256_slli_epi32(_mm512_castsi512_si256(g), 16), 17);
+}
+
+// NVFP4 of nb <= 8 bf16 blocks of 16 from src, no global scale: false (nothing written) where a
+// block holds a NaN or an inf. The scales as nvfp4_scales8_bf16 (amax by a lane max tree), the
+// codes four blocks a step by e2m1_pack64.
+__attribute__((always_inline)) KVW_AVX512 bool nvfp4_group_512(const uint16_t* src, int nb, float floor, const Fp4Consts& k, char* bytes, char* scales) {
+  __m512i l[4], d[4];
+  for (int j = 0; j < 4; ++j) {
+    l[j] = _mm512_maskz_loadu_epi16(words_mask(16 * nb - 32 * j), src + 32 * j);
+    d[j] = _mm512_add_epi16(l[j], l[j]);
+  }
+  const __m256i raw = lane_max8(max_lane_pairs(d[0], d[1]), max_lane_pairs(d[2], d[3]));
+  if (_mm256_movemask_epi8(_mm256_cmpgt_epi32(raw, _mm256_set1_epi32(0x7F7F))) != 0) return false;
+  const __m256 amax = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(raw, 16), _mm256_cmpgt_epi32(raw, _mm256_set1_epi32(0x7F))));
+  const __m256 s = _mm256_max_ps(_mm256_div_ps(amax, _mm256_set1_ps(6.0f)), _mm256_set1_ps(floor));
+  const __m128i code = _mm256_cvtepi32_epi8(grid_codes8_k<3, -6>(_mm256_min_ps(s, _mm256_set1_ps(448.0f))));
+  if (nb == 8) {
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(scales), code);
+  } else {
+    _mm_mask_storeu_epi8(scales, __mmask16((1u << nb) - 1), code);
+  }
+  const __m512i c = _mm512_castsi128_si512(code);
+  const __m512i eb = _mm512_permutex2var_epi8(k.eb0, c, k.eb1), mx = _mm512_permutex2var_epi8(k.mx0, c, k.mx1);
+  __m512i w[2];
+  for (int h = 0; h < 2; ++h)
+    w[h] = e2m1_pack64(l[2 * h], l[2 * h + 1], _mm512_permutexvar_epi8(k.b16[h], eb), _mm512_permutexvar_epi8(k.b16[h], mx), k);
+  const __m512i out = _mm512_permutex2var_epi8(w[0], k.lo, w[1]);
+  if (nb == 8) {
+    _mm512_storeu_si512(bytes, out);
+  } else {
+    _mm512_mask_storeu_epi8(bytes, bytes_mask(8 * nb), out);
+  }
+  return true;
+}
+
+// nvfp4_run_avx2 for bf16 rows without a global scale, eight blocks a group (a group holding a NaN
+// or an inf: nvfp4_block_avx2 block by block).
+KVW_AVX512 void nvfp4_run_512(const uint16_t* x, int nblocks, char* bytes, char* scales, float floor) {
+  const Fp4Consts k(e2m1_lut());
+  for (int b0 = 0; b0 < nblocks; b0 += 8) {
+    const int nb = nblocks - b0 < 8 ? nblocks - b0 : 8;
+    if (nvfp4_group_512(x + 16 * b0, nb, floor, k, bytes + 8 * b0, scales + b0)) continue;
+    for (int b = b0; b < b0 + nb; ++b) nvfp4_block_avx2<DType::BF16>(x, 16 * b, nullptr, bytes + 8 * b, scales + b, floor);
+  }
+}
+
+// mxfp4_blocks8_avx2, 64 elements a step: the eight blocks' raw maxima by a lane max tree, their
+// scale bytes by mxfp4_scales8, the codes (d = 2^(e - 127): E_d - 3 = e - 3, m = 0) by
+// e2m1_pack64. Blocks it leaves (the mask returned) may hold any bytes: the caller rewrites them.
+KVW_AVX512 uint32_t mxfp4_blocks8_512(const uint16_t* src, int nb, char* bytes, char* scales) {
+  const Fp4Consts k(e2m1_lut());
+  __m512i l[8], p[4];
+  for (int b = 0; b < 8; ++b) l[b] = _mm512_maskz_loadu_epi16(b < nb ? ~__mmask32(0) : 0, src + 32 * b);
+  for (int j = 0; j < 4; ++j)
+    p[j] = max_lane_pairs(_mm512_add_epi16(l[2 * j], l[2 * j]), _mm512_add_epi16(l[2 * j + 1], l[2 * j + 1]));
+  __m256i e;
+  const uint32_t left = mxfp4_scales8(lane_max8(max_lane_pairs(p[0], p[1]), max_lane_pairs(p[2], p[3])), nb, e);
+  _mm_mask_storeu_epi8(scales, __mmask16(((1u << nb) - 1) & ~left), _mm256_cvtepi32_epi8(e));
+  const __m512i eb = _mm512_castsi128_si512(_mm256_cvtepi32_epi8(_mm256_sub_epi32(e, _mm256_set1_epi32(3))));
+  __m512i w[4];
+  for (int h = 0; h < 4; ++h)
+    w[h] = e2m1_pack64(l[2 * h], l[2 * h + 1], _mm512_permutexvar_epi8(k.b32[h], eb), _mm512_setzero_si512(), k);
+  for (int h = 0; h < 2; ++h)
+    _mm512_mask_storeu_epi8(bytes + 64 * h, bytes_mask(16 * nb - 64 * h), _mm512_permutex2var_epi8(w[2 * h], k.lo, w[2 * h + 1]));
+  return left;
+}
+
+// ---- Dispatchers: the AVX-512 lanes where simd_level() says so (and they apply), else AVX2 ----
+template <DType IN>
+inline void nvfp4_run_simd(const void* src, i64 start, int nblocks, const float* global, char* bytes, char* scales,
+                           float floor = 0.0f, int noftz = -1) {
+  if (IN == DType::BF16 && global == nullptr && simd512_ok() && e2m1_lut().ok)
+    return nvfp4_run_512(static_cast<const uint16_t*>(src) + start, nblocks, bytes, scales, floor);
+  nvfp4_run_avx2<IN>(src, start, nblocks, global, bytes, scales, floor, noftz);
+}
+inline uint32_t mxfp4_blocks8_bf16(const uint16_t* src, int nb, char* bytes, char* scales) {
+  return simd512_ok() && e2m1_lut().ok ? mxfp4_blocks8_512(src, nb, bytes, scales) : mxfp4_blocks8_avx2(src, nb, bytes, scales);
+}
+
+}  // namespace kvwrite
+#endif
