@@ -182,7 +182,7 @@ long check_nvfp4_bf16() {
     for (int k0 = 0, nb = 8; k0 < n / 32; k0 += nb, nb = nb == 8 ? 6 : 8) {
       const int m = n / 32 - k0 < nb ? n / 32 - k0 : nb;
       char b3[128], s3[8];
-      const uint32_t left = mxfp4_blocks8_bf16(x.data() + 32 * k0, m, b3, s3);
+      const uint64_t left = mxfp4_run_bf16(x.data() + 32 * k0, m, b3, s3);
       for (int b = 0; b < m; ++b) {
         uint32_t amax = 0;
         bool special = false;  // a NaN or an inf

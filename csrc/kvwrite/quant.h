@@ -247,26 +247,28 @@ template <class ScaleOf>
 inline bool e4m3_tiles_bf16(const void* src, i64 start, int tiles, int tile, ScaleOf&& scale_of, char* dst,
                             float* scales, int noftz) {
   if (tiles > 16 || tile % 32 != 0 || !simd_ok() || (noftz < 0 ? !ftz_clear() : noftz == 0)) return false;
-  const uint16_t* x = static_cast<const uint16_t*>(src) + start;
-  float rc[16];
-  uint32_t special = 0;  // tiles holding a NaN or an inf
-  for (int w = 0; w < tiles; ++w) {
-    const float a = bf16_policy_amax(bf16_absmax_raw(x + w * tile, tile));
-    special |= uint32_t(a < 0.0f) << w;
-    scales[w] = scale_of(a < 0.0f ? block_amax<DType::BF16>(src, start + i64(w) * tile, tile) : a);
-  }
-  for (int w = 0; w < tiles; ++w) {
-    if (!cr_div_ok(scales[w])) return false;
-    rc[w] = 1.0f / scales[w];
-  }
-  for (int w = 0; w < tiles; ++w) {
-    if ((special >> w) & 1) {
-      fp8_bf16_run<E4M3>(x + w * tile, tile, scales[w], dst + i64(w) * tile, rc[w]);
-    } else {
-      fp8_bf16_run<E4M3, true>(x + w * tile, tile, scales[w], dst + i64(w) * tile, rc[w]);
+  return with_lanes([&](auto l) {  // the level once a call of the tile loop
+    const uint16_t* x = static_cast<const uint16_t*>(src) + start;
+    float rc[16];
+    uint32_t special = 0;  // tiles holding a NaN or an inf
+    for (int w = 0; w < tiles; ++w) {
+      const float a = bf16_policy_amax(l.bf16_absmax_raw(x + w * tile, tile));
+      special |= uint32_t(a < 0.0f) << w;
+      scales[w] = scale_of(a < 0.0f ? block_amax<DType::BF16>(src, start + i64(w) * tile, tile) : a);
     }
-  }
-  return true;
+    for (int w = 0; w < tiles; ++w) {
+      if (!cr_div_ok(scales[w])) return false;
+      rc[w] = 1.0f / scales[w];
+    }
+    for (int w = 0; w < tiles; ++w) {
+      if ((special >> w) & 1) {
+        l.template fp8_bf16_run<E4M3>(x + w * tile, tile, scales[w], dst + i64(w) * tile, rc[w]);
+      } else {
+        l.template fp8_bf16_run<E4M3, true>(x + w * tile, tile, scales[w], dst + i64(w) * tile, rc[w]);
+      }
+    }
+    return true;
+  });
 }
 #endif
 

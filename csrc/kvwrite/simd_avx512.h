@@ -154,16 +154,42 @@ KVW_AVX512 void fp8_bf16_table_run_512(const Fp8Table& t, float s, const uint16_
   }
 }
 
-// ---- Dispatchers: the AVX-512 lanes where simd_level() says so, else the AVX2 ones -------------
+// ---- The lanes of one level, chosen once for a loop of runs ------------------------------------
+// Lanes<2>: AVX-512, Lanes<1>: AVX2. with_lanes(f) calls f(Lanes<L>{}) at the level simd_level()
+// picks: a token's tile or head loop reads the level once and calls one level's lanes directly
+// (inlined where the build allows), not a dispatcher per run.
+template <int L>
+struct Lanes {
+  template <class F, bool DYN = false>
+  static int fp8_bf16_run(const uint16_t* __restrict__ src, int n, float s, char* __restrict__ dst, float r = 0.0f) {
+    if constexpr (L == 2) return fp8_bf16_run_512<F, DYN>(src, n, s, dst, r);
+    return fp8_bf16_run_avx2<F, DYN>(src, n, s, dst, r);
+  }
+  static int int8_bf16_run(const uint16_t* __restrict__ src, int n, float s, char* __restrict__ dst, float r = 0.0f) {
+    if constexpr (L == 2) return int8_bf16_run_512(src, n, s, dst, r);
+    return int8_bf16_run_avx2(src, n, s, dst, r);
+  }
+  static uint32_t bf16_absmax_raw(const uint16_t* p, int n) {
+    if constexpr (L == 2) return bf16_absmax_raw_512(p, n);
+    return bf16_absmax_raw_avx2(p, n);
+  }
+};
+
+template <class Body>
+inline decltype(auto) with_lanes(Body&& body) {
+  return simd512_ok() ? body(Lanes<2>{}) : body(Lanes<1>{});
+}
+
+// ---- Dispatchers for single runs: the AVX-512 lanes where simd_level() says so, else AVX2 -----
 template <class F, bool DYN = false>
 inline int fp8_bf16_run(const uint16_t* __restrict__ src, int n, float s, char* __restrict__ dst, float r = 0.0f) {
-  return simd512_ok() ? fp8_bf16_run_512<F, DYN>(src, n, s, dst, r) : fp8_bf16_run_avx2<F, DYN>(src, n, s, dst, r);
+  return with_lanes([&](auto l) { return l.template fp8_bf16_run<F, DYN>(src, n, s, dst, r); });
 }
 inline int int8_bf16_run(const uint16_t* __restrict__ src, int n, float s, char* __restrict__ dst, float r = 0.0f) {
-  return simd512_ok() ? int8_bf16_run_512(src, n, s, dst, r) : int8_bf16_run_avx2(src, n, s, dst, r);
+  return with_lanes([&](auto l) { return l.int8_bf16_run(src, n, s, dst, r); });
 }
 inline uint32_t bf16_absmax_raw(const uint16_t* p, int n) {
-  return simd512_ok() ? bf16_absmax_raw_512(p, n) : bf16_absmax_raw_avx2(p, n);
+  return with_lanes([&](auto l) { return l.bf16_absmax_raw(p, n); });
 }
 inline void bf16_absmax_raw8(const uint16_t* p, i64 stride, int n, uint32_t* raw) {  // AVX2: 512 bits gave nothing
   bf16_absmax_raw8_avx2(p, stride, n, raw);

@@ -175,8 +175,7 @@ KVW_AVX512 void nvfp4_run_512(const uint16_t* x, int nblocks, char* bytes, char*
 // mxfp4_blocks8_avx2, 64 elements a step: the eight blocks' raw maxima by a lane max tree, their
 // scale bytes by mxfp4_scales8, the codes (d = 2^(e - 127): E_d - 3 = e - 3, m = 0) by
 // e2m1_pack64. Blocks it leaves (the mask returned) may hold any bytes: the caller rewrites them.
-KVW_AVX512 uint32_t mxfp4_blocks8_512(const uint16_t* src, int nb, char* bytes, char* scales) {
-  const Fp4Consts k(e2m1_lut());
+KVW_AVX512 uint32_t mxfp4_blocks8_512(const uint16_t* src, int nb, char* bytes, char* scales, const Fp4Consts& k) {
   __m512i l[8], p[4];
   for (int b = 0; b < 8; ++b) l[b] = _mm512_maskz_loadu_epi16(b < nb ? ~__mmask32(0) : 0, src + 32 * b);
   for (int j = 0; j < 4; ++j)
@@ -193,6 +192,14 @@ KVW_AVX512 uint32_t mxfp4_blocks8_512(const uint16_t* src, int nb, char* bytes, 
   return left;
 }
 
+KVW_AVX512 uint64_t mxfp4_run_512(const uint16_t* x, int nblocks, char* bytes, char* scales) {
+  const Fp4Consts k(e2m1_lut());
+  uint64_t left = 0;
+  for (int b0 = 0; b0 < nblocks; b0 += 8)
+    left |= uint64_t(mxfp4_blocks8_512(x + 32 * b0, nblocks - b0 < 8 ? nblocks - b0 : 8, bytes + 16 * b0, scales + b0, k)) << b0;
+  return left;
+}
+
 // ---- Dispatchers: the AVX-512 lanes where simd_level() says so (and they apply), else AVX2 ----
 template <DType IN>
 inline void nvfp4_run_simd(const void* src, i64 start, int nblocks, const float* global, char* bytes, char* scales,
@@ -201,8 +208,11 @@ inline void nvfp4_run_simd(const void* src, i64 start, int nblocks, const float*
     return nvfp4_run_512(static_cast<const uint16_t*>(src) + start, nblocks, bytes, scales, floor);
   nvfp4_run_avx2<IN>(src, start, nblocks, global, bytes, scales, floor, noftz);
 }
-inline uint32_t mxfp4_blocks8_bf16(const uint16_t* src, int nb, char* bytes, char* scales) {
-  return simd512_ok() && e2m1_lut().ok ? mxfp4_blocks8_512(src, nb, bytes, scales) : mxfp4_blocks8_avx2(src, nb, bytes, scales);
+// MXFP4 of nblocks <= 64 bf16 blocks of 32 from x, eight at a time; returns the mask of blocks left
+// to the scalar rule (mxfp4_blocks8_avx2's).
+inline uint64_t mxfp4_run_bf16(const uint16_t* x, int nblocks, char* bytes, char* scales) {
+  const bool wide = simd512_ok() && e2m1_lut().ok;
+  return wide ? mxfp4_run_512(x, nblocks, bytes, scales) : mxfp4_run_avx2(x, nblocks, bytes, scales);
 }
 
 }  // namespace kvwrite

@@ -837,6 +837,13 @@ KVW_AVX2 uint32_t mxfp4_blocks8_avx2(const uint16_t* src, int nb, char* bytes, c
   return left;
 }
 
+KVW_AVX2 uint64_t mxfp4_run_avx2(const uint16_t* x, int nblocks, char* bytes, char* scales) {
+  uint64_t left = 0;
+  for (int b0 = 0; b0 < nblocks; b0 += 8)
+    left |= uint64_t(mxfp4_blocks8_avx2(x + 32 * b0, nblocks - b0 < 8 ? nblocks - b0 : 8, bytes + 16 * b0, scales + b0)) << b0;
+  return left;
+}
+
 // nblocks consecutive NVFP4 blocks from src + start (bytes: 8 a block, scales: 1 a block), eight
 // at a time (bf16: nvfp4_blocks8_bf16 first). `noftz` is unused (kept for the callers).
 template <DType IN>

@@ -72,18 +72,15 @@ KVW_ITEM KVW_HD void fp4_block(const char* kv, i64 row, int b, char* data, char*
   }
 }
 
-// Host, MXFP4 bf16 rows: the record's blocks eight at a time (mxfp4_blocks8_bf16), the blocks it
+// Host, MXFP4 bf16 rows: the record's blocks eight at a time (mxfp4_run_bf16), the blocks it
 // leaves by fp4_block.
 template <int FMT>
 inline void fp4_mx_blocks_host(const char* kv, i64 row, char* data, char* scales) {
 #if KVW_SIMD_X86
   using R = FP4Rec<FMT>;
   const uint16_t* x = reinterpret_cast<const uint16_t*>(kv) + row;
-  for (int b0 = 0; b0 < R::blocks; b0 += 8) {
-    uint32_t left = mxfp4_blocks8_bf16(x + b0 * R::block, R::blocks - b0 < 8 ? R::blocks - b0 : 8,
-                                       data + b0 * (R::block / 2), scales + b0);
-    for (; left != 0; left &= left - 1) fp4_block<FMT, DType::BF16>(kv, row, b0 + __builtin_ctz(left), data, scales);
-  }
+  for (uint64_t left = mxfp4_run_bf16(x, R::blocks, data, scales); left != 0; left &= left - 1)
+    fp4_block<FMT, DType::BF16>(kv, row, __builtin_ctzll(left), data, scales);
 #else
   (void)kv, (void)row, (void)data, (void)scales;
 #endif

@@ -60,54 +60,56 @@ inline bool quant_kv_side_bf16(const KVQuantSide& s, int H, i64 i, char* dst, co
   if (QUANT == QUANT_STATIC || s.cache.split || s.D % 32 != 0 || !simd_ok()) return false;
   const uint16_t* src = reinterpret_cast<const uint16_t*>(s.src) + i * s.s_tok;
   if (!I8 && !ftz_clear()) return false;
-  const auto codes = [&](const uint16_t* x, int n, float sc, float rc, char* out) {
-    if constexpr (I8) {
-      int8_bf16_run(x, n, sc, out, rc);
-    } else {
-      fp8_bf16_run<F, true>(x, n, sc, out, rc);  // a dynamic scale's row
-    }
-  };
-  const auto run = [&](int h, float sc, float rc) { codes(src + h * s.s_head, s.D, sc, rc, dst + s.cache.in_row(h, 0)); };
-  if constexpr (QUANT == QUANT_TOKEN) {
-    const bool whole = s.s_head == s.D && s.cache.in_row(1, 0) == s.D;  // heads back to back: one run
-    uint32_t raw = 0;
-    for (int h = 0; h < (whole ? 1 : H); ++h) {
-      const uint32_t r = bf16_absmax_raw(src + h * s.s_head, whole ? H * s.D : s.D);
-      raw = r > raw ? r : raw;
-    }
-    const float amax = bf16_policy_amax(raw);
-    if (amax < 0.0f) return false;
-    const float sc = dynamic_scale<F>(amax);
-    if (!cr_div_ok(sc)) return false;
-    store_scale(scales, row, 0, sc);
-    const float rc = 1.0f / sc;
-    if (whole) {
-      codes(src, H * s.D, sc, rc, dst);
-      return true;
-    }
-    for (int h = 0; h < H; ++h) run(h, sc, rc);
-  } else {
-    int h = 0;
-    for (; h + 8 <= H; h += 8) {  // eight heads' scales in one vector
-      uint32_t raw[8];
-      float sc[8], rc[8];
-      bf16_absmax_raw8(src + h * s.s_head, s.s_head, s.D, raw);
-      if (!dynamic_scales8(raw, quant_max<F>(), DYN_SCALE_FLOOR, sc, rc)) return false;
-      for (int k = 0; k < 8; ++k) {
-        store_scale(scales, row, h + k, sc[k]);
-        run(h + k, sc[k], rc[k]);
+  return with_lanes([&](auto l) {  // the level once a token side
+    const auto codes = [&](const uint16_t* x, int n, float sc, float rc, char* out) {
+      if constexpr (I8) {
+        l.int8_bf16_run(x, n, sc, out, rc);
+      } else {
+        l.template fp8_bf16_run<F, true>(x, n, sc, out, rc);  // a dynamic scale's row
       }
-    }
-    for (; h < H; ++h) {
-      const float amax = bf16_policy_amax(bf16_absmax_raw(src + h * s.s_head, s.D));
+    };
+    const auto run = [&](int h, float sc, float rc) { codes(src + h * s.s_head, s.D, sc, rc, dst + s.cache.in_row(h, 0)); };
+    if constexpr (QUANT == QUANT_TOKEN) {
+      const bool whole = s.s_head == s.D && s.cache.in_row(1, 0) == s.D;  // heads back to back: one run
+      uint32_t raw = 0;
+      for (int h = 0; h < (whole ? 1 : H); ++h) {
+        const uint32_t r = l.bf16_absmax_raw(src + h * s.s_head, whole ? H * s.D : s.D);
+        raw = r > raw ? r : raw;
+      }
+      const float amax = bf16_policy_amax(raw);
       if (amax < 0.0f) return false;
       const float sc = dynamic_scale<F>(amax);
       if (!cr_div_ok(sc)) return false;
-      store_scale(scales, row, h, sc);
-      run(h, sc, 1.0f / sc);
+      store_scale(scales, row, 0, sc);
+      const float rc = 1.0f / sc;
+      if (whole) {
+        codes(src, H * s.D, sc, rc, dst);
+        return true;
+      }
+      for (int h = 0; h < H; ++h) run(h, sc, rc);
+    } else {
+      int h = 0;
+      for (; h + 8 <= H; h += 8) {  // eight heads' scales in one vector
+        uint32_t raw[8];
+        float sc[8], rc[8];
+        bf16_absmax_raw8(src + h * s.s_head, s.s_head, s.D, raw);
+        if (!dynamic_scales8(raw, quant_max<F>(), DYN_SCALE_FLOOR, sc, rc)) return false;
+        for (int k = 0; k < 8; ++k) {
+          store_scale(scales, row, h + k, sc[k]);
+          run(h + k, sc[k], rc[k]);
+        }
+      }
+      for (; h < H; ++h) {
+        const float amax = bf16_policy_amax(l.bf16_absmax_raw(src + h * s.s_head, s.D));
+        if (amax < 0.0f) return false;
+        const float sc = dynamic_scale<F>(amax);
+        if (!cr_div_ok(sc)) return false;
+        store_scale(scales, row, h, sc);
+        run(h, sc, 1.0f / sc);
+      }
     }
-  }
-  return true;
+    return true;
+  });
 }
 #endif
 
