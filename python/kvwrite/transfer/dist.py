@@ -1,15 +1,7 @@
-"""Page transfers between processes over torch.distributed (gloo on CPU, NCCL on GPUs): the
-pages of a prefill worker's pool sent into a decode worker's pool (`transport="nixl"`, the
-default where NIXL is installed: `kvwrite.transfer.dist_nixl`; below, the torch path).
-
-`send_pages(cache, pages, dst)` on one rank pairs with `recv_pages(cache, pages, src)` on the
-other. Before any page moves, both sides exchange what they hold (dtype, row shape, page size,
-layout, loc_space_scale, how many buffers and pages) and check their page ids against their own
-pool; when the geometries differ both ranks raise GeometryError, when a page id is bad both ranks
-raise (the bad side an OutOfBoundsWrite naming the id, the peer a ValueError naming the rank).
-Then each buffer's pages are staged with copy_pages (checked), sent as one tensor, and scattered
-on the receiving side with copy_pages.
-"""
+"""`send_pages` / `recv_pages`: page transfers over torch.distributed (`transport="nixl"`, the
+default where NIXL is installed: `kvwrite.transfer.dist_nixl`; below, the torch path). Both ranks
+exchange their PageSpec and check their ids before any page moves, and raise together when either
+refuses; then each buffer's pages are staged with copy_pages, sent as one tensor and scattered."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass

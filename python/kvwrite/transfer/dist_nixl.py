@@ -1,12 +1,6 @@
-"""`send_pages` / `recv_pages` with `transport="nixl"`: the same call pair and the same refusals
-as the torch.distributed path, the page bytes moved by one NIXL WRITE into the receiver's pool.
-
-torch.distributed carries the handshake only (layouts, page ids, each side's NIXL metadata);
-the process's `KVAgent` registers each pool once (keyed by its buffers' memory) and loads a
-peer's metadata when it changes. Page sizes bridge as in `KVAgent` (ids count units of the
-smaller page); the side whose id is bad raises TransferPageError, the other a ValueError naming
-it.
-"""
+"""`send_pages` / `recv_pages` with `transport="nixl"`: the torch path's call pair and refusals,
+the handshake (layouts, page ids, NIXL metadata) over torch.distributed, the page bytes moved by
+one NIXL WRITE; the process's `KVAgent` registers each pool once (keyed by its buffers' memory)."""
 from __future__ import annotations
 
 import dataclasses
