@@ -134,9 +134,9 @@ def routed(name: str, adapter: Callable, backend: str, state: Installed, route: 
         errors = g.errors_for(cache, route or ROUTES[1], device)
         adapter(*args, check="guard", errors=errors, backend=backend, **kwargs)
         if g.stepped and route is not None and route.adapter in NATIVE and isinstance(cache, torch.Tensor):
-            native_guard_row(cache, errors.tensor)   # the C++ route's next stores record there too
+            torch.ops.kvwrite_ext.engine_guard_row(cache, errors.tensor)   # the C++ route's next stores too
         if not g.stepped:
-            g.raise_now(errors, cache) if isinstance(cache, torch.Tensor) else _raise_plain(errors)
+            g.raise_now(errors, cache)
 
     write.__name__ = name
     write.__qualname__ = f"kvwrite.integrations.vllm.{name}"
@@ -145,13 +145,6 @@ def routed(name: str, adapter: Callable, backend: str, state: Installed, route: 
     write = torch.compiler.disable(write)
     write.__wrapped_adapter__ = adapter
     return write
-
-
-def _raise_plain(errors) -> None:
-    err = errors.error()
-    if err is not None:
-        errors.reset()
-        raise err
 
 
 def _under(name: str, prefix: str) -> bool:
@@ -214,11 +207,6 @@ def sync_mode(backend: str | None = None) -> None:
     backend = backend or os.environ.get(BACKEND_ENV, "auto")
     device = {"auto": -1, "cpu": 0, "cuda": 1}.get(backend, -2)   # c10::DeviceType; -1 any, -2 none
     torch.ops.kvwrite_ext.engine_mode(validate.CHECK_MODES[validate.DEFAULT_CHECK], device)
-
-
-def native_guard_row(cache: torch.Tensor, row: torch.Tensor) -> None:
-    """Guard mode: the C++ routes record stores into `cache` in `row` (its layer's record row)."""
-    torch.ops.kvwrite_ext.engine_guard_row(cache, row)
 
 
 def override_ops(adapters: Any, backend: str, state: Installed) -> None:
