@@ -70,9 +70,9 @@ def store_dsv4_kv(kv: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, *,
                   errors: ErrorBuffer | None = None, loc_map: torch.Tensor | None = None,
                   dcp_rank: int = 0, dcp_size: int = 1, backend: str = "auto") -> None:
     """Quantise token i's `kv[i]` `[512]` (448 NoPE then 64 RoPE; bf16/fp16/fp32, may be strided
-    along tokens) into the FlashMLA MODEL1 page format (module doc) at `loc[i]` (-1 = padding).
+    along tokens) into the FlashMLA MODEL1 page format (`kvwrite.reference.dsv4`) at `loc[i]` (-1 = padding).
     `page_size`: tokens per page of this cache (checked against its page bytes; None derives it).
-    `loc_map` (full -> SWA loc) as in `store_kv`; DCP shards whole pages (module doc)."""
+    `loc_map` (full -> SWA loc) as in `store_kv`; DCP shards whole pages (also there)."""
     return KV_SPEC.entry(kv, cache, loc, page_size, check, errors, loc_map, dcp_rank, dcp_size, backend)
 
 
@@ -143,7 +143,7 @@ def store_dsv4_indexer_k(index_k: torch.Tensor, cache: torch.Tensor, loc: torch.
                          dcp_rank: int = 0, dcp_size: int = 1, backend: str = "auto") -> None:
     """Quantise token i's indexer key `index_k[i]` `[D]` into the c4 indexer cache at `loc[i]`
     (a c4 loc; -1 = padding). `fmt` "fp8" (D % 128 == 0; `scale_fmt="ue8m0"`: vLLM's
-    power-of-two scale) or "mxfp4" (D % 32 == 0); page layouts in the module doc. `page_size`
+    power-of-two scale) or "mxfp4" (D % 32 == 0); page layouts in `kvwrite.reference.dsv4`. `page_size`
     checked against the page bytes (None derives it); DCP shards whole pages."""
     return INDEXER_SPEC.entry(index_k, cache, loc, page_size, fmt, scale_fmt, check, errors, loc_map,
                               dcp_rank, dcp_size, backend)

@@ -59,7 +59,7 @@ def store_dsv4_kv_fp4(kv: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, 
                       dcp_rank: int = 0, dcp_size: int = 1, backend: str = "auto") -> None:
     """Quantise token i's `kv[i]` `[512]` (448 NoPE then 64 RoPE; bf16/fp16/fp32, may be strided
     along tokens) into the FP4 record `fmt` ("nvfp4" 384 bytes, "nvfp4_v41" 288, "mxfp4" 368;
-    module doc) at `loc[i]` (-1 = padding). `page_size`: tokens per page (checked against the page
+    `kvwrite.reference.dsv4_fp4`) at `loc[i]` (-1 = padding). `page_size`: tokens per page (checked against the page
     bytes; None derives it). `loc_map`, DCP and `check` as `store_dsv4_kv`. Read back with
     `kvwrite.dequant_dsv4_kv_fp4`."""
     return SPEC.entry(kv, cache, loc, page_size, fmt, check, errors, loc_map, dcp_rank, dcp_size, backend)

@@ -241,7 +241,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     fp8 and int8 caches take fp32 `k_scale`/`v_scale` (`[]`, `[1]` or `[H]`): stored =
     saturate(x / scale). Dynamic per-token / per-token-head int8 / fp8 caches take
     `k_scale_cache`/`v_scale_cache` fp32 `[pages, pool_page_size]` or `[pages, pool_page_size, H]`
-    instead; `quant_rule` ("rne" | "vllm") picks how their codes round (module doc).
+    instead; `quant_rule` ("rne" | "vllm") picks how their codes round (`kvwrite.reference.kv_quant`).
     int4 (vLLM's INT4_PER_TOKEN_HEAD): uint8 caches `[pages, pool_page_size, H, D / 2]` with fp32
     `k_scale_cache`/`v_scale_cache` `[pages, pool_page_size, H]` (rotated, asymmetric 4-bit codes,
     the zero point in the scale's low mantissa bits: `kvwrite.reference.kv_int4`;

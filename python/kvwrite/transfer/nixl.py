@@ -107,7 +107,7 @@ def peer_name(blob: bytes) -> str:
 
 
 class KVAgent:
-    """This process's NIXL agent and the pools it registered (see the module docstring)."""
+    """This process's NIXL agent and the pools it registered (usage: docs/transfer.md)."""
 
     def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",), check: str | None = None) -> None:
         api = nixl_api()
