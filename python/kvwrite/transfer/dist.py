@@ -14,7 +14,7 @@ from kvwrite import validate
 from kvwrite.errors import KIND_DST_PAGE, KIND_SRC_PAGE, OutOfBoundsWrite
 from kvwrite.geometry import GeometryError, PageGeometry
 from kvwrite.ops.pages import copy_pages
-from kvwrite.transfer.handshake import exchange, refusal, settle
+from kvwrite.transfer.handshake import agree
 from kvwrite.transfer.layout import cache_buffers
 from kvwrite.transfer.nixl import available, nixl_api
 
@@ -69,11 +69,8 @@ def _handshake(cache, pages, peer, group, geometry, layout, sending: bool):
         spec = spec_of(bufs, ids.shape[0], geometry, layout)
     except (ValueError, TypeError, OutOfBoundsWrite) as exc:
         local = exc
-    rank = dist.get_rank()
-    theirs = exchange({"rank": rank, "spec": None if spec is None else asdict(spec), "refusal": refusal(local)},
-                      peer, group, first=sending)
-    settle(local, theirs)
-    mine, other = asdict(spec), theirs["spec"]
+    theirs = agree(local, {"spec": None if spec is None else asdict(spec)}, peer, group, sending)
+    rank, mine, other = dist.get_rank(), asdict(spec), theirs["spec"]
     diff = [f"{k}: rank {rank} has {mine[k]!r}, rank {theirs['rank']} has {other[k]!r}"
             for k in mine if _norm(mine[k]) != _norm(other[k])]
     if diff:
