@@ -23,8 +23,8 @@ DCP: these stores shard by page (SGLang's sharded V4 pools): virtual page p = lo
 pool_page_size lives on rank p % dcp_size as local page p // dcp_size (the resolver's page mode,
 `Locs.dcp_page`); other ranks' tokens are skipped.
 
-Error bounds of the readers, for an input x of a tile whose
-scale is s (a power of two, s >= max(amax, 1e-4) / 448, s < 2 * max(amax, 1e-4) / 448):
+Error bounds of the readers, for an input x of a tile whose scale is s (a power of two,
+s >= max(amax, 1e-4) / 448, s < 2 * max(amax, 1e-4) / 448):
   - KV NoPE (e4m3, 3 mantissa bits): |x - x'| <= max(|x| * 2**-4, s * 2**-10) (half an ulp at
     x's binade; e4m3 subnormal step 2**-9 s). Since x / s <= 448 no value saturates.
   - KV RoPE (bf16): |x - x'| <= |x| * 2**-8.
