@@ -53,13 +53,9 @@ def unavailable_reason(backend: str, device: torch.device) -> str | None:
                 return "triton runs CPU tensors only under the interpreter (set TRITON_INTERPRET=1 before importing triton)"
             return _triton_import_error()
         return f"device type {dev} is not supported"
-    if backend == "cpu":
-        return None if dev == "cpu" and _extension_reason("cpu") is None else (
-            f"the cpu backend runs CPU tensors, not {dev}" if dev != "cpu" else _extension_reason("cpu"))
-    if backend == "cuda":
-        return None if dev == "cuda" and _extension_reason("cuda") is None else (
-            f"the cuda backend runs CUDA tensors, not {dev}" if dev != "cuda" else _extension_reason("cuda"))
-    return None
+    # cpu / cuda: the extension's kernels, on their own device type only
+    return f"the {backend} backend runs {backend.upper()} tensors, not {dev}" if dev != backend else \
+        _extension_reason(dev)
 
 
 def backends(device: torch.device | str = "cpu") -> dict[str, str | None]:

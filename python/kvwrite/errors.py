@@ -210,16 +210,12 @@ class IncompleteRecord(OutOfBoundsWrite):
 
     def __init__(self, count: int, detail: str) -> None:
         self.detail = detail
-        RuntimeError.__init__(self, self._incomplete(count, detail))
+        RuntimeError.__init__(self, f"kvwrite guard record: {count} bad token(s) counted but the record is "
+                                    f"incomplete ({detail}): a guarded store is still writing it; read the record "
+                                    f"after the stream that ran the store (ErrorBuffer.raise_if_any(stream=that_stream))")
         self.op, self.token_index, self.loc, self.page, self.num_pages = None, None, None, None, None
         self.pool_page_size, self.count, self.kind, self.target, self.limit = None, count, None, None, None
         self.batch = self.position = self.table_slot = self.table_page = None
-
-    @staticmethod
-    def _incomplete(count: int, detail: str) -> str:
-        return (f"kvwrite guard record: {count} bad token(s) counted but the record is incomplete "
-                f"({detail}): a guarded store is still writing it; read the record after the "
-                f"stream that ran the store (ErrorBuffer.raise_if_any(stream=that_stream))")
 
 
 def _unpack(lo: int, hi: int) -> int:

@@ -33,7 +33,7 @@ def op_code(name: str) -> int:
     return OPS.index(name)
 
 
-# --- store_kv: copy, fp8, int8, dynamic scales (kvwrite.ops.kv has the formulas) ---------
+# --- store_kv: copy, fp8, int8, dynamic scales (kvwrite.reference.kv_quant has the formulas) ---------
 KV_LAYOUTS = ("NHD", "HND", "cpu_attn")
 # How K/V reach the cache (the kernels' QUANT constexpr / template parameter).
 QUANT_COPY = 0     # cache in the input dtype
@@ -195,7 +195,7 @@ MLA_FORMATS: dict[str, MLAFormat] = {f.name: f for f in (
                            f"{NVFP4_BLOCK}, got {{L}} + {{R}}", takes_scale_cache=True),
 )}
 
-# --- DeepSeek V4 (layouts on kvwrite.ops.dsv4) -------------------------------------------------
+# --- DeepSeek V4 (layouts on kvwrite.reference.dsv4) -------------------------------------------------
 NOPE = 448                  # e4m3 values a row
 ROPE = 64                   # bf16 values a row
 KV_DIM = NOPE + ROPE        # 512 input values a token
@@ -285,7 +285,7 @@ def records_per_page(name: str, page_bytes: int, per: int, page_size: object, ab
     return page_bytes // per
 
 
-# --- DeepSeek V4 FP4 KV records (layouts on kvwrite.ops.dsv4_fp4) --------------------------------
+# --- DeepSeek V4 FP4 KV records (layouts on kvwrite.reference.dsv4_fp4) --------------------------------
 E2M1_MAX = 6.0
 V41_SCALE_FLOOR = 2.0 ** -9   # nvfp4_v41: e4m3 block scale = e4m3(max(amax / 6, 2**-9))
 

@@ -1,17 +1,6 @@
-"""Page-table addressing (FlashInfer's convention) as a `loc` for every store op.
-
-`PageTable(batch_indices, positions, kv_indices, kv_indptr)` passed where an op takes `loc`:
-token i writes row `positions[i] % page_size` of page `kv_indices[kv_indptr[b] + positions[i] //
-page_size]`, b = `batch_indices[i]` (floor division; page_size is the cache's pool_page_size).
-The kernels resolve it in their prologue (kernels/_common.resolve_table, csrc/kvwrite/locs.h,
-reference/_locs.resolve_table); nothing is precomputed in torch.
-
-check="assert"/"guard" catch, each with its own record kind (kvwrite.errors): a batch index
-outside [0, len(kv_indptr) - 1) (KIND_BATCH); a page-table slot outside batch b's slots
-[kv_indptr[b], kv_indptr[b + 1]) or outside kv_indices (KIND_TABLE_SLOT); a page outside the
-pool (KIND_TABLE_PAGE). check="off" never reads kv_indptr / kv_indices out of bounds: a token
-whose batch index or slot would do so is skipped, as is a negative page.
-"""
+"""Page-table addressing (FlashInfer's CSR convention) as a `loc` for every store op, resolved in
+each backend's kernel prologue (kernels/_common.resolve_table, csrc/kvwrite/locs.h,
+reference/_locs.resolve_table); the rule and its checks: docs/checks.md, "Page tables"."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -3,7 +3,7 @@ argument and what was expected, and all of them run before any kernel."""
 from __future__ import annotations
 
 import os
-from typing import Callable, Iterable, Sequence, TypeVar
+from typing import Iterable, Sequence
 
 import torch
 
@@ -82,40 +82,6 @@ def shape(name: str, t: torch.Tensor, expected: Sequence[int | None], what: str)
             return
     want = ", ".join("*" if e is None else str(e) for e in expected)
     raise ValueError(f"{name} must have shape [{want}] ({what}), got {list(dims)}")
-
-
-T = TypeVar("T")
-_MEMO: dict = {}
-_MEMO_MAX = 1024
-
-
-def facts(*tensors: object) -> tuple | None:
-    """Everything `tensor()` and `shape()` look at (type, shape, strides, dtype, device) of each
-    argument, as a hashable key for `memo`; None if any argument is not a tensor."""
-    key = []
-    for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            return None
-        key.append((type(t), t.shape, t.stride(), t.dtype, t.device))
-    return tuple(key)
-
-
-def memo(key: tuple | None, check: Callable[[], T]) -> T:
-    """`check()`, run only the first time `key` (built from `facts` plus every other input of
-    the check) is seen: a check raises on bad arguments, so only passing calls are remembered,
-    and a call whose key matches one that passed would pass every check again. Not used while
-    torch.compile traces (the checks then run on fake tensors each time)."""
-    if key is None or torch.compiler.is_compiling():
-        return check()
-    try:
-        return _MEMO[key]
-    except KeyError:
-        pass
-    value = check()
-    if len(_MEMO) >= _MEMO_MAX:
-        _MEMO.clear()
-    _MEMO[key] = value
-    return value
 
 
 def loc(name: str, t: object, n: int, device: torch.device) -> torch.Tensor:

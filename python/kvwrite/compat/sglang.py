@@ -309,7 +309,7 @@ def set_dsv4_key_buffer(kv_buffer: torch.Tensor, loc: torch.Tensor, k_nope_fp8: 
     """SGLang's DeepSeek V4 `SetKAndS` (`DeepSeekV4SingleKVPool.set_key_buffer`, the SWA, c4 and
     c128 pools): a quantised pack (`k_nope_fp8` e4m3 `[N, 448]`, `k_rope_bf16` `[N, 64]`,
     `scale_k_nope_ue8m0` uint8 `[N, 7]`) copied into the FlashMLA MODEL1 page
-    (`kvwrite.ops.dsv4`: 576-byte data rows, then 8-byte scale rows whose pad byte is not
+    (`kvwrite.reference.dsv4`: 576-byte data rows, then 8-byte scale rows whose pad byte is not
     written). `store_page_parts`: bounds-checked against num_pages * page_size locs."""
     from kvwrite.facts import DATA_ROW, NOPE, ROPE, SCALE_ROW, TILES
 

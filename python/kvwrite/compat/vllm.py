@@ -493,7 +493,7 @@ def reshape_and_cache_flash_per_token_quant(key: torch.Tensor, value: torch.Tens
     """kvwrite's own per-token / per-token-head dynamic-quant flash cache write in vLLM's
     argument order: key/value `[N, H, D]` into int8 / fp8 caches `[num_blocks, block_size, H, D]`
     with fp32 scale caches `[num_blocks, block_size]` (per token) or `[num_blocks, block_size, H]`
-    (per token-head). kvwrite's formula (`kvwrite.ops.kv`): scale = max(absmax / QMAX,
+    (per token-head). kvwrite's formula (`kvwrite.reference.kv_quant`): scale = max(absmax / QMAX,
     1e-6), stored = x / scale (correctly rounded division), int8 rounded to nearest even and
     saturated. vLLM's own store (`triton_reshape_and_cache_flash_per_token_head_quant`, above)
     multiplies by the fp32 reciprocal and rounds int8 half away from zero: its codes differ by

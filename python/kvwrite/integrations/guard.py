@@ -1,14 +1,6 @@
-"""Guard mode inside an engine: one record row per registered cache, read once per engine step.
-
-Each store records a bad write into the row of the cache it writes (picked by the cache tensor's
-data_ptr, registered with the layer's name when the engine allocates its KV cache): no host read
-and no allocation inside a store, so CUDA-graph capture and torch.compile see only the kvwrite
-op. `StepGuard.check()` reads every row in one host read per device after the engine's step and
-raises (policy "raise"), logs and counts (policy "log") or also fails the requests that made it
-(policy "fail": the engine ends them with an error and keeps serving the others) each bad write,
-its message naming the step, the layer and (through the engine's `context`) the request. `check_namespace` refuses a
-cache whose pages do not hold the slots its slot_mapping encodes (vLLM #47056).
-"""
+"""Guard mode inside an engine (`StepGuard`): one record row per registered cache, written by its
+stores with no host read, read once per engine step; and `check_namespace`, vLLM #47056's check.
+Behaviour and policies: docs/engines.md."""
 from __future__ import annotations
 
 import bisect
@@ -146,14 +138,15 @@ class StepGuard:
         info = self.layers.get((cache.device.type, cache.data_ptr()))
         return self.names[0] if info is None else self.names[info.row]
 
-    def raise_now(self, errors, cache: torch.Tensor) -> None:
+    def raise_now(self, errors, cache: Any) -> None:
         """Without a step hook: read `errors` right after the store (a host read per store) and
-        raise its error with the layer named."""
+        raise its error, with the layer named when `cache` is a tensor."""
         err = errors.error()
         if err is not None:
             errors.reset()
-            err.layer = self.layer_of(cache)
-            err.args = (f"kvwrite guard ({self.engine}, layer {err.layer}): {err}",)
+            if isinstance(cache, torch.Tensor):
+                err.layer = self.layer_of(cache)
+                err.args = (f"kvwrite guard ({self.engine}, layer {err.layer}): {err}",)
             raise err
 
     def check(self, batch: Callable[[], tuple[list[str], list[int]]] | None = None) -> list:

@@ -1,61 +1,13 @@
 """SGLang on kvwrite's bounds-checked stores, without changing SGLang's code.
 
-`python -m kvwrite.integrations.sglang <sglang launch_server args>` runs
-`sglang.launch_server` with the hook installed in the launcher and in every process SGLang
-starts (its schedulers are spawned: a `sitecustomize` on their PYTHONPATH installs it there).
-`install()` patches SGLang's memory-pool classes at their physical-write methods, after SGLang's
-own dtype handling, so every attention backend that writes through a pool is routed:
-- MHA: `MHATokenToKVPool._store_kv_layer` (the NHD path every `set_kv_buffer` of an MHA pool
-  ends in; SWA pools translate full->SWA locs and write through an MHA pool, so SWA layers are
-  routed too; the unified pools' token-major views of one shared buffer as well) ->
-  `kvwrite.compat.sglang.set_kv_buffer`;
-- MLA: `MLATokenToKVPool._scatter_mla_rows` (plain, fp8 and DSA fp8 rows: SGLang has already
-  quantised them, kvwrite copies the bytes) -> `kvwrite.compat.sglang.set_mla_kv_buffer`; under
-  DCP (a sharded pool: widened locs) with this rank's `dcp_rank` / `dcp_size` (SGLang's
-  `get_parallel()`), kvwrite keeping `loc % dcp_size == dcp_rank` at row `loc // dcp_size` as
-  SGLang's sharded kernel does;
-- DSA index-K: SGLang's `dsa_index_k_cache.SetKAndS.execute` (what
-  `DSATokenToKVPool.set_index_k_scale_buffer` and DeepSeek V4's `DeepSeekV4IndexerPool
-  .set_index_k_scale_buffer` call with keys SGLang has quantised) ->
-  `kvwrite.compat.sglang.set_index_k_scale_buffer` (a bounds-checked byte copy of key and scale);
-- DeepSeek V4 KV pages: `dsv4_main_kv_store.SetKAndS.execute` (`DeepSeekV4SingleKVPool
-  .set_key_buffer`: the SWA, c4 and c128 pools' quantised packs) ->
-  `kvwrite.compat.sglang.set_dsv4_key_buffer`;
-- DeepSeek V4's fused stores (SGLang's JIT `store_cache`, bf16 in, quantised in the kernel):
-  `DeepSeekV4SingleKVPool.set_key_buffer_fused` of the V4 layout (without in-kernel RoPE) ->
-  `kvwrite.store_dsv4_kv` (and `DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused`, the SWA
-  cache's radix-path store into `get_swa_raw_buffer`: its SWA pool's buffer or a request window's
-  ring buffer), `DeepSeekV4IndexerPool
-  .set_index_fused` (fp8 indexer) ->
-  `kvwrite.store_dsv4_indexer_k(fmt="fp8")` (same formats: byte-equal to SGLang's Triton port of
-  those kernels wherever x / scale needs no rounding; the rounding itself is kvwrite's RNE);
-  `set_key_buffer_fused` of the V4.1 fp4 layouts (`v41_fp4` block-split, `v41_fp4_new`
-  interleaved; with `freqs_cis`, the RoPE tail rotated in torch and rounded to the input dtype
-  first, as SGLang's kernel does) -> `kvwrite.store_dsv4_kv_fp4(fmt="nvfp4_v41")`
-  (`compat.sglang.set_dsv4_v41_fp4_key_buffer`; the same encoding as SGLang's kernel and its
-  V4.1 oracle, byte-equal to the oracle; NaN / inf, which SGLang's kernel does not handle, aside);
-  the V4.1 fp8 layouts (`v41`, `v41_new`: 512 e4m3 + 16 ue8m0 a token) ->
-  `compat.sglang.set_dsv4_v41_fp8_key_buffer` (quantised in torch, then a bounds-checked byte copy);
-- DeepSeek V4's SWA store with the norm fused (`DeepSeekV4TokenToKVPool
-  .set_swa_key_buffer_radix_fused_norm_rope`, what SGLang's V4 attention calls for its SWA writes:
-  RMSNorm + RoPE + store in one CUDA kernel) -> `compat.sglang.set_dsv4_norm_rope_key_buffer` (the
-  norm and the rotation in fp32 torch, then `store_dsv4_kv` / the V4.1 records);
-- DeepSeek V4's fp4 indexer: `DeepSeekV4IndexerPool.set_index_fp4` (CUDA / Triton layout, both
-  `index_k_rne` settings) -> SGLang's own `quantize_fp4_indexer_tensor`, then its bytes through
-  `compat.sglang.set_fp4_index_k_buffer` (a bounds-checked byte copy). Not kvwrite's
-  `store_dsv4_indexer_k(fmt="mxfp4")`: same page layout, but SGLang stores a zero code without
-  its sign (kvwrite keeps it: -0 is 0x8), floors the scale as max(amax / 6, 1e-4) (kvwrite:
-  max(amax, 1e-4) / 6: other bytes for a 32-value group with amax < 6e-4) and, with
-  `index_k_rne` off (its c4 pools), rounds ties toward zero;
-- DeepSeek V4 compress state: `CompressStatePool.set_state_by_state_loc` -> `kvwrite.store_rows`
-  (a -1 state loc skipped; SGLang writes it into the sentinel row, then clears that row: the
-  same pool).
-What stays SGLang's own (listed by `report()` with the reason): see NOT_ROUTED.
-
-Guard mode (`KVWRITE_CHECK=guard`) as in the vLLM plugin (`kvwrite.integrations.guard`): each
-pool's buffers are registered with their layer ids when the pool is built, stores record into
-their layer's row, and the records are read once per `ModelRunner.forward` (raise or, with
-`KVWRITE_SGLANG_GUARD=log`, log and count). `KVWRITE_SGLANG=0` leaves SGLang untouched.
+`python -m kvwrite.integrations.sglang <sglang launch_server args>` runs `sglang.launch_server`
+with the hook installed in the launcher and in every process SGLang spawns (a `sitecustomize` on
+their PYTHONPATH). `install()` patches SGLang's pool classes at their physical-write methods,
+after SGLang's own dtype handling (the table in `install`: MHA / MLA rows, DSA and DeepSeek V4
+index-K, V4 KV pages and fused stores, V4 compress state), onto `kvwrite.compat.sglang`'s
+adapters and kvwrite's stores; what stays SGLang's, and why, is NOT_ROUTED. Guard mode as in the
+vLLM plugin (`KVWRITE_SGLANG_GUARD=raise | log`, records read once per `ModelRunner.forward`);
+`KVWRITE_SGLANG=0` leaves SGLang untouched. Routes, formats and differences: docs/engines.md.
 """
 from __future__ import annotations
 
@@ -127,18 +79,17 @@ def guard() -> StepGuard:
     return GUARD
 
 
-def _errors(buffer: torch.Tensor, route: Route):
-    """(check mode, errors) for one store: the layer's record row in guard mode."""
+def _store(state: Installed, key: str, buf: torch.Tensor, route: Route, write: Callable, *args, **kwargs) -> None:
+    """Count call `key` and run `write(*args, **kwargs)` in the check mode, guard mode recording into
+    `buf`'s layer row (read right after the store when no step hook reads it: pool code on its own)."""
     from kvwrite import validate
 
+    _count(state, key)
     mode = validate.DEFAULT_CHECK
-    return mode, (guard().errors_for(buffer, route) if mode == "guard" else None)
-
-
-def _after(errors, buffer: torch.Tensor) -> None:
-    """Without a step hook (pool code run on its own) the record is read after the store."""
+    errors = guard().errors_for(buf, route) if mode == "guard" else None
+    write(*args, check=mode, errors=errors, **kwargs)
     if errors is not None and not guard().stepped:
-        guard().raise_now(errors, buffer)
+        guard().raise_now(errors, buf)
 
 
 def _store_kv_layer(original: Callable, backend: str, state: Installed) -> Callable:
@@ -149,16 +100,13 @@ def _store_kv_layer(original: Callable, backend: str, state: Installed) -> Calla
             return _fallback(state, "vectorized_5d", original, self, layer_idx, loc, cache_k, cache_v)
         if not (_row_layout(self.k_buffer[layer_idx], 3, True) and _row_layout(self.v_buffer[layer_idx], 3, True)):
             return _fallback(state, "mha_page_major_views", original, self, layer_idx, loc, cache_k, cache_v)
-        _count(state, "set_kv_buffer")
         kb, vb = self.k_buffer[layer_idx], self.v_buffer[layer_idx]
         fp8 = self.store_dtype != self.dtype
         if fp8:    # cache_k / cache_v arrive viewed as store_dtype (uint8): the fp8 bytes
             cache_k, cache_v = cache_k.view(self.dtype), cache_v.view(self.dtype)
-        mode, errors = _errors(kb, MHA_ROUTE)
-        adapters.set_kv_buffer(kb.view(kb.shape[0], -1, cache_k.shape[-1]), vb.view(vb.shape[0], -1, cache_v.shape[-1]),
-                               loc, cache_k, cache_v, self.page_size, dtype=self.dtype if fp8 else None,
-                               check=mode, errors=errors, backend=backend)
-        _after(errors, kb)
+        _store(state, "set_kv_buffer", kb, MHA_ROUTE, adapters.set_kv_buffer, kb.view(kb.shape[0], -1,
+               cache_k.shape[-1]), vb.view(vb.shape[0], -1, cache_v.shape[-1]), loc, cache_k, cache_v, self.page_size,
+               dtype=self.dtype if fp8 else None, backend=backend)
     return _routed(store, original)
 
 
@@ -215,21 +163,16 @@ def _scatter_mla_rows(original: Callable, backend: str, state: Installed) -> Cal
             return _fallback(state, "mla_page_major_views", original, self, dst_buffer, loc, cache_k_nope, cache_k_rope)
         rope = cache_k_rope if cache_k_rope is not None and cache_k_rope.numel() > 0 else \
             cache_k_nope.reshape(cache_k_nope.shape[0], -1)[:, :0]
-        dcp_size, dcp_rank = 1, 0
+        dcp_size, dcp_rank, key = 1, 0, "set_mla_kv_buffer"
         if not (getattr(self, "write_loc_is_dcp_resolved", True) or getattr(self, "dcp_replicated", False)
                 or _dcp_span(self) == 1):
             if rope.shape[-1] == 0:    # SGLang's no-rope kernel ignores DCP: kvwrite would not write the same rows
                 return _fallback(state, "mla_dcp_sharded_norope", original, self, dst_buffer, loc, cache_k_nope,
                                  cache_k_rope)
-            dcp_size, dcp_rank = _dcp_span(self), _dcp_rank()
-            _count(state, "set_mla_kv_buffer (DCP-sharded)")
-        else:
-            _count(state, "set_mla_kv_buffer")
-        mode, errors = _errors(dst_buffer, MLA_ROUTE)
-        adapters.set_mla_kv_buffer(_half_words(dst_buffer), loc, _half_words(cache_k_nope), _half_words(rope),
-                                   self.page_size, check=mode, errors=errors, dcp_rank=dcp_rank, dcp_size=dcp_size,
-                                   backend=backend)
-        _after(errors, dst_buffer)
+            dcp_size, dcp_rank, key = _dcp_span(self), _dcp_rank(), key + " (DCP-sharded)"
+        _store(state, key, dst_buffer, MLA_ROUTE, adapters.set_mla_kv_buffer, _half_words(dst_buffer), loc,
+               _half_words(cache_k_nope), _half_words(rope), self.page_size, dcp_rank=dcp_rank, dcp_size=dcp_size,
+               backend=backend)
     return _routed(scatter, original)
 
 
@@ -248,11 +191,8 @@ def _index_k_execute(original: Any, backend: str, state: Installed) -> classmeth
         a = dict(zip(("pool", "loc", "index_k", "index_k_scale"), args), **kwargs)
         if not _row_layout(buf, 2):
             return _fallback(state, "index_k_not_contiguous", original.__get__(None, cls), *args, buf=buf, **kwargs)
-        _count(state, "set_index_k_scale_buffer")
-        mode, errors = _errors(buf, INDEX_K_ROUTE)
-        adapters.set_index_k_scale_buffer(buf, a["loc"], a["index_k"], a["index_k_scale"], a["pool"].index_page_size,
-                                          check=mode, errors=errors, backend=backend)
-        _after(errors, buf)
+        _store(state, "set_index_k_scale_buffer", buf, INDEX_K_ROUTE, adapters.set_index_k_scale_buffer, buf,
+               a["loc"], a["index_k"], a["index_k_scale"], a["pool"].index_page_size, backend=backend)
     return classmethod(_routed(execute, original))
 
 
@@ -265,16 +205,14 @@ def _dsv4_kv_execute(original: Any, backend: str, state: Installed) -> classmeth
         pack, buf = a["nope_fp8_rope_bf16_pack"], a["buf"]
         if not _row_layout(buf, 2):
             return _fallback(state, "dsv4_kv_not_contiguous", original.__get__(None, cls), *args, **kwargs)
-        _count(state, "set_dsv4_key_buffer")
-        mode, errors = _errors(buf, DSV4_KV_ROUTE)
-        adapters.set_dsv4_key_buffer(buf, a["loc"], pack.k_nope_fp8, pack.k_rope_bf16, pack.scale_k_nope_ue8m0,
-                                     a["pool"].page_size, check=mode, errors=errors, backend=backend)
-        _after(errors, buf)
+        _store(state, "set_dsv4_key_buffer", buf, DSV4_KV_ROUTE, adapters.set_dsv4_key_buffer, buf, a["loc"],
+               pack.k_nope_fp8, pack.k_rope_bf16, pack.scale_k_nope_ue8m0, a["pool"].page_size, backend=backend)
     return classmethod(_routed(execute, original))
 
 
 def _set_state(original: Callable, backend: str, state: Installed) -> Callable:
-    """`CompressStatePool.set_state_by_state_loc(state_loc, value)`: rows of the kv+score buffer."""
+    """`CompressStatePool.set_state_by_state_loc(state_loc, value)`: rows of the kv+score buffer (a -1
+    state loc skipped; SGLang writes it into its sentinel row, then clears that row)."""
     from kvwrite.ops.dsv4 import store_rows
 
     def set_state(self, state_loc, value):
@@ -282,12 +220,11 @@ def _set_state(original: Callable, backend: str, state: Installed) -> Callable:
         if not _row_layout(buf, 2):
             return _fallback(state, "state_not_contiguous", original, self, state_loc, value)
         src = value.kv_score if hasattr(value, "kv_score") else value
-        _count(state, "set_state_by_state_loc")
-        mode, errors = _errors(buf, STATE_ROUTE)
-        store_rows(src.reshape(-1, buf.shape[-1]), buf, state_loc.reshape(-1), check=mode, errors=errors,
-                   backend=backend)
-        self.kv_score_buffer[-1].clear()     # SGLang's sentinel row, as its own store leaves it
-        _after(errors, buf)
+        def write(*args, **kwargs):
+            store_rows(*args, **kwargs)
+            self.kv_score_buffer[-1].clear()     # SGLang's sentinel row, as its own store leaves it
+        _store(state, "set_state_by_state_loc", buf, STATE_ROUTE, write, src.reshape(-1, buf.shape[-1]), buf,
+               state_loc.reshape(-1), backend=backend)
     return _routed(set_state, original)
 
 
@@ -310,21 +247,21 @@ def _dsv4_target(buf: Any, page_size: int, layout: str) -> bool:
     return layout in V41_LAYOUTS and buf.shape[1] == page_size * FP4_RECORDS["nvfp4_v41"].token_bytes
 
 
-def _store_dsv4(buf, loc, cache_k, page_size: int, layout: str, freqs_cis, backend: str) -> None:
+def _store_dsv4(state: Installed, key: str, buf, loc, cache_k, page_size: int, layout: str, freqs_cis,
+                backend: str) -> None:
     """SGLang's JIT `fused_store_cache(type="flashmla")` into a `_dsv4_target` buffer: the V4 layout
     -> `store_dsv4_kv`; the V4.1 layouts (fp4 and fp8, with or without in-kernel RoPE) -> their
     `compat.sglang.V41_LAYOUTS` writer."""
     from kvwrite.compat.sglang import V41_LAYOUTS
     from kvwrite.ops.dsv4 import store_dsv4_kv
 
-    mode, errors = _errors(buf, DSV4_FUSED_ROUTE)
     if layout == "v4":
-        store_dsv4_kv(cache_k, buf, loc, page_size=page_size, check=mode, errors=errors, backend=backend)
+        _store(state, key, buf, DSV4_FUSED_ROUTE, store_dsv4_kv, cache_k, buf, loc, page_size=page_size,
+               backend=backend)
     else:
         write, interleaved = V41_LAYOUTS[layout]
-        write(buf, loc, cache_k, page_size, freqs_cis, interleaved=interleaved, check=mode, errors=errors,
-              backend=backend)
-    _after(errors, buf)
+        _store(state, key, buf, DSV4_FUSED_ROUTE, write, buf, loc, cache_k, page_size, freqs_cis,
+               interleaved=interleaved, backend=backend)
 
 
 def _layout(pool: Any) -> str:
@@ -340,9 +277,9 @@ def _dsv4_fused(original: Callable, backend: str, state: Installed) -> Callable:
             # a padded V4.1 fp4 page, uniform fp8, V4 with RoPE (SGLang refuses it)
             why = f"dsv4_fused_{layout}{'_rope' if freqs_cis is not None else ''}"
             return _fallback(state, why, original, self, layer_id, loc, cache_k, freqs_cis)
-        _count(state, "set_key_buffer_fused" + (f" ({layout}{', RoPE' if freqs_cis is not None else ''})"
-                                                 if layout != "v4" else ""))
-        _store_dsv4(buf, loc, cache_k, self.page_size, layout, freqs_cis, backend)
+        key = "set_key_buffer_fused" + (f" ({layout}{', RoPE' if freqs_cis is not None else ''})"
+                                        if layout != "v4" else "")
+        _store_dsv4(state, key, buf, loc, cache_k, self.page_size, layout, freqs_cis, backend)
     return _routed(fused, original)
 
 
@@ -363,8 +300,8 @@ def _swa_radix_fused(original: Callable, backend: str, state: Installed) -> Call
         target = _swa_buffer(self, layer_id)
         if target is None:
             return _fallback(state, f"swa_radix_fused_{_layout(self)}", original, self, layer_id, swa_loc, cache_k)
-        _count(state, "set_swa_key_buffer_radix_fused")
-        _store_dsv4(target[0], swa_loc, cache_k, self.swa_page_size, target[1], None, backend)
+        _store_dsv4(state, "set_swa_key_buffer_radix_fused", target[0], swa_loc, cache_k, self.swa_page_size,
+                    target[1], None, backend)
     return _routed(fused, original)
 
 
@@ -382,13 +319,15 @@ def _swa_norm_rope(original: Callable, backend: str, state: Installed) -> Callab
             return _fallback(state, why, original, self, layer_id, swa_loc, kv, kv_weight, eps, freqs_cis,
                              positions, **({} if q is None else {"q": q}))
         buf, layout = target
-        _count(state, "set_swa_key_buffer_radix_fused_norm_rope")
-        mode, errors = _errors(buf, DSV4_FUSED_ROUTE)
-        adapters.set_dsv4_norm_rope_key_buffer(buf, swa_loc, kv, kv_weight, eps, freqs_cis, positions,
-                                               self.swa_page_size, layout=layout, check=mode, errors=errors,
-                                               backend=backend)
-        _after(errors, buf)
+        _store(state, "set_swa_key_buffer_radix_fused_norm_rope", buf, DSV4_FUSED_ROUTE,
+               adapters.set_dsv4_norm_rope_key_buffer, buf, swa_loc, kv, kv_weight, eps, freqs_cis, positions,
+               self.swa_page_size, layout=layout, backend=backend)
     return _routed(fused, original)
+
+
+def _index_buffer(pool: Any, layer_id: int):
+    bufs = getattr(pool, "index_k_with_scale_buffer", None)
+    return bufs[layer_id - pool.start_layer] if bufs is not None else None
 
 
 def _index_fused(original: Callable, backend: str, state: Installed) -> Callable:
@@ -396,15 +335,11 @@ def _index_fused(original: Callable, backend: str, state: Installed) -> Callable
     from kvwrite.ops.dsv4 import store_dsv4_indexer_k
 
     def fused(self, layer_id, loc, cache_k):
-        bufs = getattr(self, "index_k_with_scale_buffer", None)
-        buf = bufs[layer_id - self.start_layer] if bufs is not None else None
+        buf = _index_buffer(self, layer_id)
         if getattr(self, "use_fp4_indexer", False) or not _row_layout(buf, 2):
             return _fallback(state, "index_fused_not_fp8", original, self, layer_id, loc, cache_k)
-        _count(state, "set_index_fused")
-        mode, errors = _errors(buf, INDEX_FUSED_ROUTE)
-        store_dsv4_indexer_k(cache_k, buf, loc, page_size=self.page_size, fmt="fp8", check=mode, errors=errors,
-                             backend=backend)
-        _after(errors, buf)
+        _store(state, "set_index_fused", buf, INDEX_FUSED_ROUTE, store_dsv4_indexer_k, cache_k, buf, loc,
+               page_size=self.page_size, fmt="fp8", backend=backend)
     return _routed(fused, original)
 
 
@@ -418,17 +353,13 @@ def _index_fp4(original: Callable, backend: str, state: Installed, import_module
     from kvwrite.compat import sglang as adapters
 
     def fp4(self, layer_id, loc, cache_k):
-        bufs = getattr(self, "index_k_with_scale_buffer", None)
-        buf = bufs[layer_id - self.start_layer] if bufs is not None else None
+        buf = _index_buffer(self, layer_id)
         if getattr(self, "uses_aiter_fp4_layout", False) or not _row_layout(buf, 2):
             return _fallback(state, "index_fp4_hip_split_layout", original, self, layer_id, loc, cache_k)
         k_fp4, k_sf = import_module(DSV4_FP4_INDEX).quantize_fp4_indexer_tensor(
             cache_k.contiguous(), rne=bool(getattr(self, "index_k_rne", False)))
-        _count(state, "set_index_fp4")
-        mode, errors = _errors(buf, INDEX_FP4_ROUTE)
-        adapters.set_fp4_index_k_buffer(buf, loc, k_fp4, k_sf, self.page_size, check=mode, errors=errors,
-                                        backend=backend)
-        _after(errors, buf)
+        _store(state, "set_index_fp4", buf, INDEX_FP4_ROUTE, adapters.set_fp4_index_k_buffer, buf, loc, k_fp4, k_sf,
+               self.page_size, backend=backend)
     return _routed(fp4, original)
 
 

@@ -1,49 +1,17 @@
-"""vLLM general plugin: every KV-cache write of the running vLLM on kvwrite's bounds-checked stores.
+"""vLLM general plugin (`kvwrite = kvwrite.integrations.vllm:register`, group `vllm.general_plugins`):
+every KV-cache write of the running vLLM on kvwrite's bounds-checked stores.
 
-Registered as `kvwrite = kvwrite.integrations.vllm:register` in the `vllm.general_plugins`
-entry-point group, so every vLLM process (engine core, workers) loads it. `register()` routes
-vLLM's cache writers to `kvwrite.compat.vllm`'s adapters (same arguments), three ways, so that no
-backend's store goes around kvwrite whatever the import order:
-- the Python names in `vllm._custom_ops` and the Triton writer's module (ROUTES);
-- the same functions where a module bound them at import (`from vllm._custom_ops import
-  reshape_and_cache_flash` in fa_utils / flash_attn, `triton_reshape_and_cache_flash` in
-  triton_attn / rocm_attn / ...): already-imported `vllm.*` modules are rebound now, later ones
-  as they are imported (a `sys.meta_path` hook);
-- the kernels of the torch operators (`torch.ops._C_cache_ops.reshape_and_cache_flash`, which
-  FlashInfer, FlexAttention, b12x, HPC and ROCm AITER call directly; OP_ROUTES) for every device
-  key vLLM registered them on (torch.library registrations, not Python attributes).
-The operators of NATIVE get a C++ kernel (csrc/engines.h): vLLM's common call ("auto" caches)
-runs on kvwrite's raw store with no Python frame, every other call on the Python adapter; their
-Python wrappers in `vllm._custom_ops` (which only call the operator) are then left as they are.
-A startup log line ("vllm.kvwrite" logger) lists what is routed, and what is not and why; the
-`_C_cache_ops` operators that write a cache but have no kvwrite adapter are named there.
-
-`KVWRITE_CHECK` (off | assert | guard) picks the check mode as everywhere in kvwrite. Guard mode
-inside vLLM (`StepGuard`): each store records a bad slot into its layer's row of one device
-buffer (the row is picked from the cache's data_ptr, registered with the layer name when vLLM
-allocates its KV cache: no host read, no allocation inside a store, so CUDA-graph capture and
-torch.compile see only the kvwrite op); the buffer is read once per engine step, after the model
-runner's `execute_model`, and a bad write raises `kvwrite.OutOfBoundsWrite` naming the step, the
-layer, the request, the token, the slot and the block (`KVWRITE_VLLM_GUARD=raise`, the default),
-or is logged and counted while vLLM keeps serving (`KVWRITE_VLLM_GUARD=log`; `GUARD.faults`), or
-also fails the requests that made it (`KVWRITE_VLLM_GUARD=fail`: their ids ride on the runner's
-output to vLLM's scheduler, which ends them after that step with its retryable request error,
-FINISHED_ERROR / HTTP 500, and keeps serving the others; one pipeline stage).
-When vLLM allocates its KV cache the plugin also checks each layer's namespace: the block size
-the slot_mapping is encoded with against the page size and pages of the cache tensor the
-backend writes (vLLM #47056): a mismatch is refused with both numbers (`NamespaceMismatch`),
-right then for the CPU attention backend (STARTUP_LAYOUTS), else at the first store into that
-cache.
-
-`KVWRITE_VLLM_PLUGIN=0` leaves vLLM untouched; `KVWRITE_VLLM_BACKEND` picks kvwrite's backend
-("auto" by default). The vLLM version (for behaviour that changed between releases, see
-`kvwrite.compat.vllm.VLLM_VERSION`) is taken from the running vLLM.
+`register()` routes vLLM's cache writers to `kvwrite.compat.vllm`'s adapters three ways, whatever
+the import order: their Python names (ROUTES), the names modules bound at import (rebound now and
+by an import hook) and the kernels of their torch operators (OP_ROUTES; NATIVE ones in C++,
+csrc/engines.h). Guard mode (`StepGuard`, read once per engine step; `KVWRITE_VLLM_GUARD=raise |
+log | fail`) and the namespace check (vLLM #47056) are `kvwrite.integrations.guard`'s. Behaviour,
+environment variables and figures: docs/engines.md.
 """
 from __future__ import annotations
 
 import copy
 import importlib
-import importlib.abc
 import logging
 import os
 import re
@@ -55,6 +23,7 @@ import torch
 
 from kvwrite.integrations.guard import (NamespaceMismatch, Route, StepGuard,  # noqa: F401 (re-exported)
                                         check_namespace)
+from kvwrite.integrations.imports import ImportHook
 
 ENABLE_ENV = "KVWRITE_VLLM_PLUGIN"
 BACKEND_ENV = "KVWRITE_VLLM_BACKEND"
@@ -165,9 +134,9 @@ def routed(name: str, adapter: Callable, backend: str, state: Installed, route: 
         errors = g.errors_for(cache, route or ROUTES[1], device)
         adapter(*args, check="guard", errors=errors, backend=backend, **kwargs)
         if g.stepped and route is not None and route.adapter in NATIVE and isinstance(cache, torch.Tensor):
-            native_guard_row(cache, errors.tensor)   # the C++ route's next stores record there too
+            torch.ops.kvwrite_ext.engine_guard_row(cache, errors.tensor)   # the C++ route's next stores too
         if not g.stepped:
-            g.raise_now(errors, cache) if isinstance(cache, torch.Tensor) else _raise_plain(errors)
+            g.raise_now(errors, cache)
 
     write.__name__ = name
     write.__qualname__ = f"kvwrite.integrations.vllm.{name}"
@@ -178,60 +147,23 @@ def routed(name: str, adapter: Callable, backend: str, state: Installed, route: 
     return write
 
 
-def _raise_plain(errors) -> None:
-    err = errors.error()
-    if err is not None:
-        errors.reset()
-        raise err
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
 
 
-def rebind(modules: dict[str, Any], state: Installed, prefix: str = "vllm") -> None:
-    """Replace, in every module under `prefix`, the names bound to a routed original."""
-    if not state.routed:
-        return
-    for mod_name, module in list(modules.items()):
-        if module is None or not (mod_name == prefix or mod_name.startswith(prefix + ".")):
+def rebind(modules: dict[str, Any], state: Installed, prefix: str = "vllm", swap: dict | None = None) -> None:
+    """Replace, in every module under `prefix`, the names bound to a routed original (`swap`:
+    id(value) -> its replacement; default the routed writers, recorded in `state.rebound`)."""
+    table = state.routed if swap is None else swap
+    for mod_name, module in list(modules.items()) if table else ():
+        if module is None or not _under(mod_name, prefix):
             continue
         for attr, value in list(getattr(module, "__dict__", {}).items()):
-            new = state.routed.get(id(value))
+            new = table.get(id(value))
             if new is not None and new is not value:
                 setattr(module, attr, new)
-                state.rebound.append(f"{mod_name}.{attr}")
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    """Rebinds routed writers in `prefix.*` modules as they are imported; patches runner classes."""
-
-    def __init__(self, state: Installed, prefix: str) -> None:
-        self.state, self.prefix = state, prefix
-        self.busy: set[str] = set()
-
-    def find_spec(self, fullname, path, target=None):
-        if not (fullname == self.prefix or fullname.startswith(self.prefix + ".")) or fullname in self.busy:
-            return None
-        self.busy.add(fullname)
-        try:
-            from importlib.util import find_spec
-            spec = find_spec(fullname)
-        except (ImportError, ValueError):
-            spec = None
-        finally:
-            self.busy.discard(fullname)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return None
-        loader, state, prefix = spec.loader, self.state, self.prefix
-
-        class Loader(importlib.abc.Loader):
-            def create_module(self, spec):
-                return loader.create_module(spec)
-
-            def exec_module(self, module):
-                loader.exec_module(module)
-                rebind({module.__name__: module}, state, prefix)
-                hook_runners({module.__name__: module}, state)
-
-        spec.loader = Loader()
-        return spec
+                if swap is None:
+                    state.rebound.append(f"{mod_name}.{attr}")
 
 
 def _has_native() -> bool:
@@ -275,11 +207,6 @@ def sync_mode(backend: str | None = None) -> None:
     backend = backend or os.environ.get(BACKEND_ENV, "auto")
     device = {"auto": -1, "cpu": 0, "cuda": 1}.get(backend, -2)   # c10::DeviceType; -1 any, -2 none
     torch.ops.kvwrite_ext.engine_mode(validate.CHECK_MODES[validate.DEFAULT_CHECK], device)
-
-
-def native_guard_row(cache: torch.Tensor, row: torch.Tensor) -> None:
-    """Guard mode: the C++ routes record stores into `cache` in `row` (its layer's record row)."""
-    torch.ops.kvwrite_ext.engine_guard_row(cache, row)
 
 
 def override_ops(adapters: Any, backend: str, state: Installed) -> None:
@@ -507,7 +434,10 @@ def install(import_module: Callable[[str], Any] = importlib.import_module,
     rebind(modules, state, prefix)
     hook_runners(modules, state)
     if state.finder is None:
-        state.finder = _Finder(state, prefix)
+        def imported(module):
+            rebind({module.__name__: module}, state, prefix)
+            hook_runners({module.__name__: module}, state)
+        state.finder = ImportHook(lambda name: _under(name, prefix), imported)
         sys.meta_path.insert(0, state.finder)
     return state
 
@@ -519,11 +449,7 @@ def uninstall(state: Installed | None = None) -> None:
     back = {id(state.routed[id(orig)]): orig for _, _, orig in state.originals.values()}
     for module, attr, original in state.originals.values():
         setattr(module, attr, original)
-    for mod_name, module in list(sys.modules.items()):
-        if module is not None and (mod_name == state.prefix or mod_name.startswith(state.prefix + ".")):
-            for attr, value in list(getattr(module, "__dict__", {}).items()):
-                if id(value) in back:
-                    setattr(module, attr, back[id(value)])
+    rebind(sys.modules, state, state.prefix, back)
     for cls, attr, original in state.hooks:
         setattr(cls, attr, original)
         cls._kvwrite_hooked = False

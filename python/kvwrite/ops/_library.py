@@ -1,21 +1,9 @@
-"""The torch op library `kvwrite`: the public ops `torch.ops.kvwrite.<op>`.
-
-Each op's schema is defined here, at import, so the ops exist (for torch.compile, for direct
-calls) before the C++ extension — built lazily on first use — is loaded:
-
-- `kvwrite::<op>`: CompositeExplicitAutograd kernel = the Python implementation (validation in
-  kvwrite.ops.*, dispatch to the torch / triton / cpu / cuda backend); a fake kernel (Meta) so
-  torch.compile(fullgraph=True) traces it; it runs the Python validation, so a traced call and a
-  call on meta tensors fail with the same errors as an eager one. Once the extension is loaded it adds the CPU and CUDA
-  kernels (csrc/api.h): the same validation, the same errors, in C++, then the kernel. Those
-  kernels hand every call they do not run themselves (backend "torch"/"triton", guard mode
-  without an errors tensor, assert mode on the CPU, errors that quote a Python repr) to
-- `kvwrite::<op>_py`: the same Python implementation under another name (the C++ kernel calls
-  it through the dispatcher; it is not meant to be called directly).
-
-No Autograd / ADInplaceOrView Python kernels sit in front (unlike torch.library.custom_op), so
-an eager call of the C++ op pays only the dispatcher.
-"""
+"""The torch op library `kvwrite`, defined at import so the ops exist before the lazily built C++
+extension loads: `kvwrite::<op>` (Python kernel: validation and dispatch; a fake kernel running the
+same validation for torch.compile; the extension adds its CPU / CUDA kernels, csrc/api.h) and
+`kvwrite::<op>_py`, the same Python kernel, where the C++ kernels forward every call they do not
+run themselves. No Autograd / ADInplaceOrView Python kernels in front (unlike
+torch.library.custom_op): an eager call of the C++ op pays only the dispatcher."""
 from __future__ import annotations
 
 from typing import Callable

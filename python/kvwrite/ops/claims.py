@@ -1,18 +1,7 @@
-"""Duplicate-row detection for every store and page move, in one place: `claim` runs in
-`ops._common.dispatch` before the backend's implementation (and the C++ fast path runs the same
-pre-pass in `csrc/api.h`), in assert and guard mode only; off mode never reaches it.
-
-It resolves the call's destination rows once (loc, loc_map, DCP, page table; a page move's dst
-pages), keeps the lowest token of each row and, in guard mode, records the later ones (and the
-out-of-range ones) as `KIND_DUPLICATE` / out-of-range errors and hands the store a scratch loc
-with every token not to write set to the padding -1; assert mode fails on a duplicate. A new
-store gets it by going through `dispatch` with a call object that has `locs`, `geometry` and
-`check` (the spec's `Op` does), and through `csrc/api.h`'s `run_here` for its C++ kernel.
-
-Implementations: the `cpu` and `cuda` backends run the extension's `claim_rows` (a hash of
-2N..4N slots; `csrc/kvwrite/claims.h`), the `torch` and `triton` backends and page moves the
-torch twin `kvwrite.reference.claims` (a stable sort). Neither syncs with the host in guard mode.
-"""
+"""Duplicate-row detection for every store and page move, in assert and guard mode: `claim` runs
+in `ops._common.dispatch` before the backend's implementation (the C++ fast path: the same
+pre-pass in `csrc/api.h`), the extension's `claim_rows` on cpu / cuda, `kvwrite.reference.claims`
+elsewhere. Rules, record and cost: docs/checks.md, "Duplicate rows"."""
 from __future__ import annotations
 
 import contextlib

@@ -1,28 +1,6 @@
 """DeepSeek V4 caches: FlashMLA MODEL1 sparse-fp8 KV pages, the c4 indexer cache (fp8 / MXFP4),
 compressed- and state-loc rules, and the compress-state row store.
-
-KV pages (SWA, c4 and c128 caches alike), uint8 `[num_pages, kv_page_bytes(pool_page_size)]`.
-Page p holds its pool_page_size *data rows* of 576 bytes first (row o at byte o*576: 448 NoPE
-values in e4m3, then 64 RoPE values in bf16), then its pool_page_size *scale rows* of 8 bytes
-(row o at byte pool_page_size*576 + o*8: 7 ue8m0 bytes, one per 64 NoPE values, and 1 pad byte),
-then padding up to a multiple of 576 bytes. The pad scale byte and the page padding are never
-written. Per 64-value tile: scale = max(amax, 1e-4) / 448 rounded up to a power of two (ue8m0:
-the fp32 exponent, +1 when the mantissa is non-zero), value = saturate(x / scale) in e4m3, the
-stored byte is the scale's biased exponent. RoPE is cast to bf16 (nearest even).
-
-Indexer cache (c4 layers), uint8 `[num_pages, pool_page_size * indexer_row_bytes(D, fmt)]`,
-page-major like `kvwrite.store_indexer_k`:
-  - "fp8": D e4m3 bytes per row for the whole page, then one fp32 scale per 128 values and row;
-    scale = max(amax, 1e-4) / 448 stored as it is (SGLang), `scale_fmt="ue8m0"` rounds it up to
-    a power of two (vLLM). 132 bytes a row for D = 128.
-  - "mxfp4": D/2 bytes of packed e2m1 per row for the whole page (even element in the low
-    nibble), then D/32 ue8m0 bytes per row; per 32 values scale = max(amax, 1e-4) / 6 rounded up
-    to a power of two, value = e2m1(x / scale) (nearest, ties to the even code). 68 bytes a row
-    for D = 128.
-
-DCP: these stores shard by page (SGLang's sharded V4 pools): virtual page p = loc //
-pool_page_size lives on rank p % dcp_size as local page p // dcp_size (the resolver's page mode,
-`Locs.dcp_page`); other ranks' tokens are skipped.
+Formats (KV pages, indexer cache, DCP by page): `kvwrite.reference.dsv4`.
 """
 from __future__ import annotations
 
@@ -92,9 +70,9 @@ def store_dsv4_kv(kv: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, *,
                   errors: ErrorBuffer | None = None, loc_map: torch.Tensor | None = None,
                   dcp_rank: int = 0, dcp_size: int = 1, backend: str = "auto") -> None:
     """Quantise token i's `kv[i]` `[512]` (448 NoPE then 64 RoPE; bf16/fp16/fp32, may be strided
-    along tokens) into the FlashMLA MODEL1 page format (module doc) at `loc[i]` (-1 = padding).
+    along tokens) into the FlashMLA MODEL1 page format (`kvwrite.reference.dsv4`) at `loc[i]` (-1 = padding).
     `page_size`: tokens per page of this cache (checked against its page bytes; None derives it).
-    `loc_map` (full -> SWA loc) as in `store_kv`; DCP shards whole pages (module doc)."""
+    `loc_map` (full -> SWA loc) as in `store_kv`; DCP shards whole pages (also there)."""
     return KV_SPEC.entry(kv, cache, loc, page_size, check, errors, loc_map, dcp_rank, dcp_size, backend)
 
 
@@ -165,7 +143,7 @@ def store_dsv4_indexer_k(index_k: torch.Tensor, cache: torch.Tensor, loc: torch.
                          dcp_rank: int = 0, dcp_size: int = 1, backend: str = "auto") -> None:
     """Quantise token i's indexer key `index_k[i]` `[D]` into the c4 indexer cache at `loc[i]`
     (a c4 loc; -1 = padding). `fmt` "fp8" (D % 128 == 0; `scale_fmt="ue8m0"`: vLLM's
-    power-of-two scale) or "mxfp4" (D % 32 == 0); page layouts in the module doc. `page_size`
+    power-of-two scale) or "mxfp4" (D % 32 == 0); page layouts in `kvwrite.reference.dsv4`. `page_size`
     checked against the page bytes (None derives it); DCP shards whole pages."""
     return INDEXER_SPEC.entry(index_k, cache, loc, page_size, fmt, scale_fmt, check, errors, loc_map,
                               dcp_rank, dcp_size, backend)

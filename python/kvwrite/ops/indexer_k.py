@@ -1,11 +1,5 @@
-"""`store_indexer_k`: the DSA (DeepSeek V3.2 sparse attention) indexer key cache store.
-
-Cache: uint8 `[num_pages, pool_page_size * (D + D/qbs * 4)]`, page-major. Page p holds
-`pool_page_size * D` e4m3 bytes (token-major: row o at byte o*D), then `pool_page_size * D/qbs`
-fp32 scales (row o's block b at byte pool_page_size*D + (o*D/qbs + b)*4). Each block of qbs
-values has scale = max(amax, 1e-4) / 448 (`scale_fmt="ue8m0"`: rounded up to a power of two)
-and is stored as fp8(x / scale).
-"""
+"""`store_indexer_k`: the DSA (DeepSeek V3.2 sparse attention) indexer key cache store (cache layout:
+`kvwrite.reference.indexer_k`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -80,8 +74,8 @@ def store_indexer_k(k: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, *,
                     loc_map: torch.Tensor | None = None, dcp_rank: int = 0, dcp_size: int = 1,
                     backend: str = "auto") -> None:
     """Quantise token i's indexer key `k[i]` `[D]` per `quant_block_size` block to e4m3 and
-    store it with its fp32 scales at `loc[i]` (-1 = padding, skipped); see the module doc for
-    the page layout. `scale_fmt="ue8m0"` rounds each scale up to a power of two.
+    store it with its fp32 scales at `loc[i]` (-1 = padding, skipped); see `kvwrite.reference.indexer_k`
+    for the page layout. `scale_fmt="ue8m0"` rounds each scale up to a power of two.
     The pool page size is `cache.shape[1] // (D + D/qbs*4)`. `loc_map` translates as in
     `store_kv`; `dcp_rank` / `dcp_size` as in `store_kv`: a cache sharded over the DCP ranks
     (vLLM's) keeps virtual loc v at row v // dcp_size on rank v % dcp_size; SGLang's replicated

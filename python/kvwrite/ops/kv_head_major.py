@@ -1,12 +1,9 @@
 """`store_kv_head_major`: store_kv into vLLM's legacy head-major paged layout.
 
-key_cache `[num_pages, H, D / x, page_size, x]` (x = 16 bytes / cache element size: one 16-byte
-vector of a head's features per token), value_cache `[num_pages, H, D, page_size]`. Both are
-the canonical store_kv cache `[pages, rows, H, D]` with a split head-dim stride: feature d at
-`(d // X) * stride_x + d % X`, viewed as `[pages, rows, H, D / X, X]` (X = x for the key, 1 for
-the value). Every backend's store_kv kernel takes that view (Triton KX/VX, csrc
-`PagedCache::split`, the torch reference by indexing), so this is store_kv's kernel under its
-own declaration (its caches' shapes), with store_kv's addressing (loc_map, DCP, page tables).
+key_cache `[num_pages, H, D / x, page_size, x]` (x = 16 bytes / cache element size), value_cache
+`[num_pages, H, D, page_size]`: store_kv's canonical cache with a split head dim (a view
+`[pages, rows, H, D / X, X]`, X = x for the key, 1 for the value) that every backend's store_kv
+kernel takes, so this is store_kv's kernel and addressing under its own declaration.
 """
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""`rope_store_kv` / `rope_store_mla`: RoPE (+ q/k RMS norm) fused with the paged K/V store.
-
-q is rotated in place for every token whose position is valid (whatever its loc: padding, another
-DCP rank's, a bad loc); k is normed, rotated and stored with v (`store_kv`'s formats, int8 / fp8
-static or dynamic scales); for MLA k_pe is rotated and stored with kv_c (`store_mla`'s formats):
-each op is declared on the op spec (`kvwrite.ops.spec`) with its store's arguments and rules, plus
-the rotation's (q, positions, the cos/sin cache).
-Positions are checked against the cos/sin cache: outside [0, max_position) is a KIND_POSITION
-error in assert / guard; in every mode such a token is not written and its q left as it was, and
-the cache is never read out of bounds. Exact arithmetic and rounding: `kvwrite.reference.rope`.
+"""`rope_store_kv` / `rope_store_mla`: RoPE (+ q/k RMS norm) fused with the paged K/V store, each
+declared with its store's arguments and rules (`store_kv`'s formats, `store_mla`'s) plus the
+rotation's (q, positions, the cos/sin cache). Exact arithmetic and rounding: `kvwrite.reference.rope`.
 """
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""One definition per op (`Op`): its arguments (role, shape letters, dtypes, mutability, optional),
-its addressing, its checks and its implementations. Derived from it, not written per op: the
-torch.library schema and registration (the page-table tensors and the error buffer included),
-the Python validation (`Op.prepare`: one matcher, shape letters unified across tensors, one
-message format, memoised per argument facts), the fake kernel (the same validation), backend
-dispatch and the public call (`Op.entry`: C++ fast path, Python path, torch.compile path).
+"""One definition per op (`Op`: arguments, addressing, checks, implementations), from which the
+schema, validation (`Op.prepare`), fake kernel, dispatch and public call (`Op.entry`) are derived
+(docs/architecture.md, layer 3).
 
 Shape letters (`Arg.dims`): "N H D" binds N, H, D from the first tensor that names them; a later
 tensor must match. A letter not bound yet shows as `*` in the message and is bound from the

@@ -1,7 +1,30 @@
 """Reference DeepSeek V4 stores (KV pages, MXFP4 indexer rows, state rows) and their readers.
 
-Formats in `kvwrite.ops.dsv4`. Error bounds of the readers, for an input x of a tile whose
-scale is s (a power of two, s >= max(amax, 1e-4) / 448, s < 2 * max(amax, 1e-4) / 448):
+KV pages (SWA, c4 and c128 caches alike), uint8 `[num_pages, kv_page_bytes(pool_page_size)]`.
+Page p holds its pool_page_size *data rows* of 576 bytes first (row o at byte o*576: 448 NoPE
+values in e4m3, then 64 RoPE values in bf16), then its pool_page_size *scale rows* of 8 bytes
+(row o at byte pool_page_size*576 + o*8: 7 ue8m0 bytes, one per 64 NoPE values, and 1 pad byte),
+then padding up to a multiple of 576 bytes. The pad scale byte and the page padding are never
+written. Per 64-value tile: scale = max(amax, 1e-4) / 448 rounded up to a power of two (ue8m0:
+the fp32 exponent, +1 when the mantissa is non-zero), value = saturate(x / scale) in e4m3, the
+stored byte is the scale's biased exponent. RoPE is cast to bf16 (nearest even).
+
+Indexer cache (c4 layers), uint8 `[num_pages, pool_page_size * indexer_row_bytes(D, fmt)]`,
+page-major like `kvwrite.store_indexer_k`:
+  - "fp8": D e4m3 bytes per row for the whole page, then one fp32 scale per 128 values and row;
+    scale = max(amax, 1e-4) / 448 stored as it is (SGLang), `scale_fmt="ue8m0"` rounds it up to
+    a power of two (vLLM). 132 bytes a row for D = 128.
+  - "mxfp4": D/2 bytes of packed e2m1 per row for the whole page (even element in the low
+    nibble), then D/32 ue8m0 bytes per row; per 32 values scale = max(amax, 1e-4) / 6 rounded up
+    to a power of two, value = e2m1(x / scale) (nearest, ties to the even code). 68 bytes a row
+    for D = 128.
+
+DCP: these stores shard by page (SGLang's sharded V4 pools): virtual page p = loc //
+pool_page_size lives on rank p % dcp_size as local page p // dcp_size (the resolver's page mode,
+`Locs.dcp_page`); other ranks' tokens are skipped.
+
+Error bounds of the readers, for an input x of a tile whose scale is s (a power of two,
+s >= max(amax, 1e-4) / 448, s < 2 * max(amax, 1e-4) / 448):
   - KV NoPE (e4m3, 3 mantissa bits): |x - x'| <= max(|x| * 2**-4, s * 2**-10) (half an ulp at
     x's binade; e4m3 subnormal step 2**-9 s). Since x / s <= 448 no value saturates.
   - KV RoPE (bf16): |x - x'| <= |x| * 2**-8.

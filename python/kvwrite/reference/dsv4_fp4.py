@@ -1,6 +1,20 @@
 """Reference DeepSeek V4 FP4 KV records (`store_dsv4_kv_fp4`) and their decoder.
 
-Records (`kvwrite.facts.FP4_RECORDS`; byte layouts in `kvwrite.ops.dsv4_fp4`):
+Byte layouts, uint8 `[num_pages, pool_page_size * token_bytes]`, no page padding:
+  - "nvfp4", 384 bytes a token (FlashInfer `nvfp4_quantize_append_sparse_mla_cache`, SGLang's
+    NVFP4 V4 pool, vLLM `nvfp4_fi_ds_mla`): page p holds its pool_page_size data rows of 352
+    bytes (row o at o*352: 224 bytes of packed e2m1 for the 448 NoPE values, then the 64 RoPE
+    values as bf16), then its scale rows of 32 bytes (row o at pool_page_size*352 + o*32: 28
+    e4m3 block scales, one per 16 NoPE values, then 4 pad bytes, never written).
+  - "nvfp4_v41", 288 bytes (DeepSeek-V4.1, vLLM PR #57344): data rows of 256 bytes (all 512
+    values packed e2m1), then scale rows of 32 e4m3 bytes (one per 16 values, scale floored at
+    2**-9).
+  - "mxfp4", 368 bytes (SGLang `--kv-cache-dtype fp4_e2m1`): one row per token at o*368: 224
+    bytes of packed e2m1 NoPE, 14 ue8m0 scales (one per 32 values) + 2 pad bytes, 128 bytes of
+    bf16 RoPE.
+Packed e2m1: element 2j in the low nibble of byte j. DCP shards whole pages, as the other V4 stores.
+
+Encodings (`kvwrite.facts.FP4_RECORDS`):
   - "nvfp4" (384 bytes, FlashInfer / SGLang / vLLM `nvfp4_fi_ds_mla`): the 448 NoPE values in
     NVFP4 blocks of 16 (`kvwrite.reference.nvfp4`, global scale 1: e4m3 scale = e4m3(amax / 6),
     code = e2m1(x / scale)), the 64 RoPE values as bf16.

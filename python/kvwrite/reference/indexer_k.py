@@ -1,4 +1,11 @@
-"""Reference DSA indexer-K store and its reader."""
+"""Reference DSA indexer-K store and its reader.
+
+Cache: uint8 `[num_pages, pool_page_size * (D + D/qbs * 4)]`, page-major. Page p holds
+`pool_page_size * D` e4m3 bytes (token-major: row o at byte o*D), then `pool_page_size * D/qbs`
+fp32 scales (row o's block b at byte pool_page_size*D + (o*D/qbs + b)*4). Each block of qbs
+values has scale = max(amax, 1e-4) / 448 (`scale_fmt="ue8m0"`: rounded up to a power of two)
+and is stored as fp8(x / scale).
+"""
 from __future__ import annotations
 
 import torch

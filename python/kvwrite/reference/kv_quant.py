@@ -1,5 +1,30 @@
 """Reference int8 / fp8 K/V stores with static or dynamic (per-token, per-token-head) scales, and
-`dequant_kv`, their reader. The formulas are on `kvwrite.ops.kv`."""
+`dequant_kv`, their reader: the definition of store_kv's formats.
+
+Formats (the quant mode `kvwrite.facts.QUANT_*`, picked from the cache dtype and the scales):
+copy (a cache in the input dtype), static (an fp8 or int8 cache with fp32 `k_scale`/`v_scale`),
+dynamic per token / per token-head (an int8 / e4m3fn / e5m2 cache with fp32 scale caches
+`k_scale_cache`/`v_scale_cache`, vLLM's per-token-quant caches), int4 (QUANT_INT4: a uint8 cache
+`[pages, pps, H, D / 2]` with per-token-head scale caches, vLLM's INT4_PER_TOKEN_HEAD; formulas
+on `kvwrite.reference.kv_int4`). Copy and static fp8 run the store_kv kernels; int8 and dynamic
+scales the store_kv_quant kernels (`kernels/store_kv_quant.py`, device functions
+`kernels/_quant.py`, C++ `csrc/kvwrite/store_kv_quant.h`, `kv_quant.h`); int4 its own
+(`kernels/store_kv_int4.py`, `csrc/kvwrite/kv_int4.h`).
+
+Per token (or token-head) over the values x (fp32 of the input dtype):
+    scale  = max(amax(|x|) / QMAX, 1e-6)       fp32 division; QMAX 127 (int8), 448 (e4m3fn), 57344 (e5m2)
+    stored = saturate(RNE(x / scale))          fp32 division (not a multiply by 1/scale), then
+                                               round to nearest even: int8 clamped to [-128, 127],
+                                               fp8 by the shared fp8 rounding (saturating at its max)
+Static int8 / fp8: the same with the given fp32 scale ([], [1] or [H]). dequant: code * scale.
+Amax is taken over the finite values (NaN / +-inf do not count; they are then coded as the
+special-value policy says: NaN -> int8 0 / the fp8 NaN code, +-inf -> +-max).
+
+`quant_rule="vllm"` (dynamic modes only) is vLLM's per-token-head store instead:
+    stored = saturate(x * (1 / scale))         1 / scale rounded to fp32 first; int8: the fp32
+                                               sum x * (1 / scale) +- 0.5 (half away from zero)
+                                               clamped to [-128, 127], then truncated
+"""
 from __future__ import annotations
 
 import torch

@@ -15,7 +15,7 @@ Exactly where rounding happens (every backend reproduces this bit for bit):
      (written in place) and the k that is stored.
   5. The stored k (and v, unrotated) then goes to the cache exactly as `store_kv` would store that
      k: copied, or quantised (static fp8/int8 scale or dynamic per-token / per-token-head scale,
-     `kvwrite.ops.kv`). So fused == "rope in torch, then store", bit for bit.
+     `kvwrite.reference.kv_quant`). So fused == "rope in torch, then store", bit for bit.
 For MLA, k_pe' (step 4) is stored by `store_mla`'s format with kv_c, the same way.
 """
 from __future__ import annotations

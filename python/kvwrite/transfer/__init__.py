@@ -1,13 +1,6 @@
-"""Page transfers between processes: a prefill worker's pool pages into a decode worker's pool.
-
-Two transports, one set of checks (the layouts of both pools compared, every page id checked
-against both pools before anything moves):
-- `KVAgent` (`kvwrite.transfer.nixl`): NIXL, when installed (`pip install 'kvwrite[nixl]'`); one
-  agent a process, pools registered once, one-sided WRITE/READ of the page bytes, page sizes
-  bridged where the rows are the same.
-- `send_pages` / `recv_pages` (`kvwrite.transfer.dist`): torch.distributed (gloo / NCCL), the
-  fallback; `transport="nixl"` runs the same call pair on NIXL.
-"""
+"""Page transfers between processes, both pools checked before anything moves: `KVAgent` (NIXL,
+`kvwrite.transfer.nixl`) and `send_pages` / `recv_pages` (torch.distributed, `kvwrite.transfer.dist`).
+How to use them, and figures: docs/transfer.md."""
 from kvwrite.transfer.descriptors import DescriptorOutsidePool, PoolAddresses, Region, pair_descs
 from kvwrite.transfer.dist import PageSpec, recv_pages, send_pages, spec_of
 from kvwrite.transfer.layout import BufferLayout, Bridge, PoolLayout, bridge, kvpool_layout, tensors_layout

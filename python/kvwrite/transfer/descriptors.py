@@ -1,12 +1,6 @@
-"""Transfer descriptors: the only place page addresses are computed.
-
-A `PoolAddresses` binds a `PoolLayout` to the memory regions registered for its buffers (its
-own, or the ones a peer published). `pair_descs` turns checked page-unit pairs into NIXL
-descriptor arrays (`[n, 3]` of address, length, device id), one span per buffer segment and
-unit, contiguous runs on both sides merged into one descriptor. Every span is checked against
-its region before the arrays are returned: a descriptor outside either pool cannot be made,
-whatever the page ids, the check mode or the caller.
-"""
+"""Transfer descriptors, the only place page addresses are computed: `PoolAddresses` binds a
+`PoolLayout` to its registered regions, `pair_descs` turns checked page-unit pairs into NIXL
+descriptors (contiguous runs merged), every span checked against its region first."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,15 +1,7 @@
-"""Page transfers between processes over torch.distributed (gloo on CPU, NCCL on GPUs): the
-pages of a prefill worker's pool sent into a decode worker's pool (`transport="nixl"`, the
-default where NIXL is installed: `kvwrite.transfer.dist_nixl`; below, the torch path).
-
-`send_pages(cache, pages, dst)` on one rank pairs with `recv_pages(cache, pages, src)` on the
-other. Before any page moves, both sides exchange what they hold (dtype, row shape, page size,
-layout, loc_space_scale, how many buffers and pages) and check their page ids against their own
-pool; when the geometries differ both ranks raise GeometryError, when a page id is bad both ranks
-raise (the bad side an OutOfBoundsWrite naming the id, the peer a ValueError naming the rank).
-Then each buffer's pages are staged with copy_pages (checked), sent as one tensor, and scattered
-on the receiving side with copy_pages.
-"""
+"""`send_pages` / `recv_pages`: page transfers over torch.distributed (`transport="nixl"`, the
+default where NIXL is installed: `kvwrite.transfer.dist_nixl`; below, the torch path). Both ranks
+exchange their PageSpec and check their ids before any page moves, and raise together when either
+refuses; then each buffer's pages are staged with copy_pages, sent as one tensor and scattered."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -22,7 +14,7 @@ from kvwrite import validate
 from kvwrite.errors import KIND_DST_PAGE, KIND_SRC_PAGE, OutOfBoundsWrite
 from kvwrite.geometry import GeometryError, PageGeometry
 from kvwrite.ops.pages import copy_pages
-from kvwrite.transfer.handshake import exchange, refusal, settle
+from kvwrite.transfer.handshake import agree
 from kvwrite.transfer.layout import cache_buffers
 from kvwrite.transfer.nixl import available, nixl_api
 
@@ -77,11 +69,8 @@ def _handshake(cache, pages, peer, group, geometry, layout, sending: bool):
         spec = spec_of(bufs, ids.shape[0], geometry, layout)
     except (ValueError, TypeError, OutOfBoundsWrite) as exc:
         local = exc
-    rank = dist.get_rank()
-    theirs = exchange({"rank": rank, "spec": None if spec is None else asdict(spec), "refusal": refusal(local)},
-                      peer, group, first=sending)
-    settle(local, theirs)
-    mine, other = asdict(spec), theirs["spec"]
+    theirs = agree(local, {"spec": None if spec is None else asdict(spec)}, peer, group, sending)
+    rank, mine, other = dist.get_rank(), asdict(spec), theirs["spec"]
     diff = [f"{k}: rank {rank} has {mine[k]!r}, rank {theirs['rank']} has {other[k]!r}"
             for k in mine if _norm(mine[k]) != _norm(other[k])]
     if diff:

@@ -1,12 +1,6 @@
-"""`send_pages` / `recv_pages` with `transport="nixl"`: the same call pair and the same refusals
-as the torch.distributed path, the page bytes moved by one NIXL WRITE into the receiver's pool.
-
-torch.distributed carries the handshake only (layouts, page ids, each side's NIXL metadata);
-the process's `KVAgent` registers each pool once (keyed by its buffers' memory) and loads a
-peer's metadata when it changes. Page sizes bridge as in `KVAgent` (ids count units of the
-smaller page); the side whose id is bad raises TransferPageError, the other a ValueError naming
-it.
-"""
+"""`send_pages` / `recv_pages` with `transport="nixl"`: the torch path's call pair and refusals,
+the handshake (layouts, page ids, NIXL metadata) over torch.distributed, the page bytes moved by
+one NIXL WRITE; the process's `KVAgent` registers each pool once (keyed by its buffers' memory)."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,7 +14,7 @@ import torch.distributed as dist
 from kvwrite import validate
 from kvwrite.errors import KIND_SRC_PAGE
 from kvwrite.geometry import GeometryError
-from kvwrite.transfer.handshake import exchange, refusal, settle
+from kvwrite.transfer.handshake import agree
 from kvwrite.transfer.layout import PoolLayout, bridge, cache_buffers, tensors_layout
 from kvwrite.transfer.nixl import KVAgent, TransferFailed, peer_name
 from kvwrite.transfer.pages import TransferPageError, check_pairs
@@ -90,12 +84,9 @@ def handoff(cache, pages, peer: int, group, geometry, layout: str, sending: bool
         meta = agent.metadata()
     except (ValueError, TypeError) as exc:
         local = exc
-    rank = dist.get_rank()
-    tag = uuid.uuid4().hex.encode() if sending else None
-    theirs = exchange({"rank": rank, "refusal": refusal(local), "layout": None if lay is None else lay.to_dict(),
-                       "pool": name, "meta": meta, "pages": None if ids is None else ids.tolist(), "tag": tag},
-                      peer, group, first=sending)
-    settle(local, theirs)
+    rank, tag = dist.get_rank(), uuid.uuid4().hex.encode() if sending else None
+    theirs = agree(local, {"layout": None if lay is None else lay.to_dict(), "pool": name, "meta": meta,
+                           "pages": None if ids is None else ids.tolist(), "tag": tag}, peer, group, sending)
     other = PoolLayout.from_dict(theirs["layout"])
     me, them = f"rank {rank}", f"rank {theirs['rank']}"
     src, dst = (lay, other) if sending else (other, lay)

@@ -20,16 +20,16 @@ def exchange(mine: dict, peer: int, group, first: bool) -> dict:
     return box[0]
 
 
-def refusal(exc: Exception | None) -> tuple[str, str] | None:
-    """What a rank tells its peer about its own refusal (None: it agrees)."""
-    return None if exc is None else (type(exc).__name__, str(exc))
-
-
-def settle(local: Exception | None, theirs: dict) -> None:
-    """Raise this rank's own refusal, else the peer's (a GeometryError stays one), else nothing."""
+def agree(local: Exception | None, mine: dict, peer: int, group, sending: bool) -> dict:
+    """Exchange `mine` (with this rank and its refusal `local`, None: it agrees) with `peer`; raise
+    this rank's own refusal, else the peer's (a GeometryError stays one); else the peer's dict."""
+    mine = {"rank": dist.get_rank(), "refusal": None if local is None else (type(local).__name__, str(local)),
+            **mine}
+    theirs = exchange(mine, peer, group, first=sending)
     if local is not None:
         raise local
     if theirs["refusal"] is not None:
         kind, msg = theirs["refusal"]
         cls = GeometryError if kind == "GeometryError" else ValueError
         raise cls(f"page transfer refused by rank {theirs['rank']} (the peer), nothing was moved: {kind}: {msg}")
+    return theirs

@@ -1,13 +1,6 @@
-"""The geometry a pool publishes for page transfers, and the comparison of two of them.
-
-A `PoolLayout` says everything the peer needs to address this pool's pages without trusting
-anything else: per buffer its dtype, format, row shape and how a page's bytes are laid out
-(`segments`: a page is the concatenation of per-segment row arrays, e.g. one for NHD rows, one
-per head for HND, rows then scales for the DSA indexer's page-major pages), and the pool's
-page_size, loc_space_scale, pool_page_size, num_pages and KV heads per rank. `bridge(src, dst)`
-compares two layouts: equal rows with page sizes that divide give a `Bridge` (pages counted in
-units of the smaller page, as `kvwrite.copy_pages` counts them), anything else a GeometryError.
-"""
+"""The geometry a pool publishes for page transfers (`PoolLayout`: per buffer its dtype, format,
+row shape and page segments; the page-size namespace), and `bridge(src, dst)`, the comparison of
+two: equal rows with page sizes that divide (units of the smaller page), else a GeometryError."""
 from __future__ import annotations
 
 import math

@@ -1,16 +1,7 @@
-"""Page transfers on NIXL: one agent per process, its pools registered once, their geometry
-published with the agent's metadata, every transfer checked against both pools.
-
-    agent = KVAgent("prefill-0")
-    agent.register_pool(kv_pool)                  # or agent.register("kv", tensors, geometry=...)
-    blob = agent.metadata()                       # ship to the peer (any control plane)
-    peer = agent.add_peer(peer_blob)              # the peer's NIXL metadata and pool layouts
-    agent.write_pages(peer, src_pages, dst_pages, pool="kv", notify=b"req-7")   # or read_pages
-
-Page ids count units of the smaller page when the two pools' pages differ (`copy_pages`'s
-rule); `check` is the page-id check mode. NIXL moves the page bytes directly between the
-registered buffers (no staging copy); contiguous runs become one descriptor.
-"""
+"""Page transfers on NIXL: one `KVAgent` per process, its pools registered once, their layouts
+published with the agent's metadata, every transfer checked against both pools (`check_pairs`,
+`bridge`, `pair_descs`) before NIXL moves the bytes between the registered buffers. Usage:
+docs/transfer.md."""
 from __future__ import annotations
 
 import dataclasses
@@ -116,7 +107,7 @@ def peer_name(blob: bytes) -> str:
 
 
 class KVAgent:
-    """This process's NIXL agent and the pools it registered (see the module docstring)."""
+    """This process's NIXL agent and the pools it registered (usage: docs/transfer.md)."""
 
     def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",), check: str | None = None) -> None:
         api = nixl_api()

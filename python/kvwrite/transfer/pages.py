@@ -1,11 +1,6 @@
-"""Page ids of a transfer, checked against both pools before any descriptor is built.
-
-The rules are `kvwrite.copy_pages`'s (`kvwrite.reference.pages.resolve_pairs`): ids count units
-of the smaller page; a -1 on either side skips the pair (padding); "assert" raises on the first
-bad id, "guard" skips the bad pairs and records them (as copy_pages records, KIND_SRC_PAGE /
-KIND_DST_PAGE) and "off" skips negative ids only. The raised error names the side, the agent,
-the pool and the id.
-"""
+"""Page ids of a transfer, checked against both pools before any descriptor is built, by
+`kvwrite.copy_pages`'s rules (`kvwrite.reference.pages.resolve_pairs`; "off" still refuses an id
+past either pool); the raised error names the side, the agent, the pool and the id."""
 from __future__ import annotations
 
 from dataclasses import dataclass
