@@ -168,15 +168,6 @@ inline void set_table(LocArgs& a, const OptTensor& batch_indices, const OptTenso
   a.n_batch = kv_indptr->size(0) - 1;
 }
 
-// The fused RoPE stores (kvwrite/rope_store.h) rotate k (k_pe) into scratch rows, then store them:
-// a row holds one token's rotated heads in the input dtype (scratch_row(p), beside each).
-template <class P, class = void>
-constexpr bool HAS_SCRATCH = false;
-template <class P>
-constexpr bool HAS_SCRATCH<P, std::void_t<decltype(P::scratch)>> = true;
-struct ScratchRow {
-  i64 elems, elem_bytes;
-};
 // The fused RoPE stores (ROPED<P> = true beside each): the CPU policy checks a token's position
 // with its loc (resolve_rope) and keys its cos/sin row to the call (ops.cpp run_tokens).
 template <class P>

@@ -15,11 +15,17 @@
 namespace kvwrite {
 
 // Enqueues the call's kernel(s) on `stream` (no host sync) and returns cudaGetLastError(). The
-// per-token ops: the one template of tokens.cuh, instantiated per params type by the unit the
-// build generates from its KVW_BODY line (rope ops: p.scratch holds [n, row] device rows of the
-// rotated k / k_pe).
+// per-token ops: the one template of tokens.cuh, instantiated per params type and check mode by
+// the units the build generates from its KVW_BODY line (rope ops: p.scratch holds [n, row] device
+// rows of the rotated k / k_pe); `launch` picks the mode's unit at run time.
+template <class P, int C>
+cudaError_t launch_check(const P& p, cudaStream_t stream);
 template <class P>
-cudaError_t launch(const P& p, int check, cudaStream_t stream);
+cudaError_t launch(const P& p, int check, cudaStream_t stream) {
+  cudaError_t err = cudaSuccess;
+  with_check(check, [&](auto c) { err = launch_check<P, c.value>(p, stream); });
+  return err;
+}
 // Their own kernels: page moves (csrc/pages.cu), the duplicate-row pre-pass (csrc/claims.cu).
 cudaError_t launch(const CopyPagesParams& p, int check, cudaStream_t stream);
 cudaError_t launch(const SlotMappingParams& p, int check, cudaStream_t stream);

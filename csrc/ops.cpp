@@ -1,6 +1,7 @@
 // The kvwrite_ext op library: its schemas (registry.h's table) and the CPU device policy. The CPU
 // kernels run the same header bodies as the CUDA kernels, one token per iteration of
-// at::parallel_for; kvwrite's backend="cpu".
+// at::parallel_for (the per-token loops compile in the generated units of tokens_cpu.h);
+// kvwrite's backend="cpu".
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -14,6 +15,7 @@
 
 #include "api.h"
 #include "engines.h"
+#include "launch_cpu.h"
 #include "registry.h"
 
 namespace kvwrite {
@@ -105,11 +107,10 @@ inline uint64_t next_rope_call() {
   return ++calls;
 }
 
-// Run the per-token functor `Token` over every token of `p` (in parallel above the threshold),
-// after the assert pre-scan; guard mode then advances the record's epoch. Bodies with scratch
-// rows (the fused RoPE stores): each parallel chunk rotates its tokens' k (k_pe) into one reused,
-// cache-hot row, then stores that row.
-template <class Token, class P>
+// Run every token of `p` (in parallel above the threshold; the loop over a chunk: run_range, in
+// the generated unit of P and the mode), after the assert pre-scan; guard mode then advances the
+// record's epoch.
+template <class P>
 void run_tokens(P p, int64_t check) {
   const LocArgs& a = locs_of(p);
   if constexpr (ROPED<P>) p.rope.call = next_rope_call();  // keys rope_head_host's cos/sin row to this call
@@ -124,18 +125,8 @@ void run_tokens(P p, int64_t check) {
       assert_prescan(a);
     }
   }
-  at::parallel_for(0, a.n, grain_for(token_bytes(p)), [&](int64_t b, int64_t e) {
-    if constexpr (HAS_SCRATCH<P>) {
-      const ScratchRow r = scratch_row(p);
-      std::vector<uint64_t> row(size_t(r.elems * r.elem_bytes + 7) / 8);
-      P q = p;
-      q.scratch = reinterpret_cast<char*>(row.data());
-      q.scratch_sn = 0;
-      for (int64_t i = b; i < e; ++i) Token{}(q, i, true, 0, 1);
-    } else {
-      for (int64_t i = b; i < e; ++i) Token{}(p, i, 0, 1);
-    }
-  });
+  at::parallel_for(0, a.n, grain_for(token_bytes(p)),
+                   [&](int64_t b, int64_t e) { run_range(p, int(check), b, e); });
   if (check == CHECK_GUARD && a.errors != nullptr) a.errors[slot::EPOCH] += 1;  // the next call's epoch
 }
 
@@ -197,7 +188,7 @@ struct Cpu {
   static void run(P p, int64_t check, const Tensor&) {
     // the rope stores' copy unit from an aligned scratch row (dispatch reads its address; never read)
     if constexpr (HAS_SCRATCH<P>) p.scratch = reinterpret_cast<char*>(uintptr_t(64));
-    dispatch(p, int(check), [&](auto token, i64) { run_tokens<typename decltype(token)::type>(p, check); });
+    run_tokens(p, check);
   }
 
   // store_kv into a split head dim (vLLM's head-major caches), plain copy: the tokens grouped by

@@ -166,29 +166,31 @@ def _body_uses(root: Path) -> dict[str, str]:
     return out
 
 
-def test_every_body_gets_one_generated_launch_unit_and_generation_is_idempotent(tmp_path):
-    """One CUDA unit per params type with a KVW_BODY, `KVW_LAUNCH(P)` of exactly that type (the
-    launcher's instantiation is derived from the body line, so a body without a launch cannot
-    exist), distinct names (the JIT build names objects by file name), none from csrc/; a second
-    run rewrites nothing (ninja keeps the objects) and a unit of a type gone is removed."""
+def test_every_body_gets_one_generated_launch_unit_per_check_mode_and_generation_is_idempotent(tmp_path):
+    """Three CUDA units per params type with a KVW_BODY, one per check mode, `KVW_LAUNCH(P, C)` of
+    exactly that type and mode (the launcher's instantiation is derived from the body line, so a
+    body without a launch cannot exist), distinct names (the JIT build names objects by file
+    name), none from csrc/; a second run rewrites nothing (ninja keeps the objects) and a unit of
+    a type gone is removed."""
     uses = _body_uses(CSRC)
     assert {"StoreKVParams", "RopeStoreKVQuantParams", "GatherParams", "RopeStoreDSV4FP4Params"} <= set(uses)
     assert _ext.bodies(CSRC) == uses
     units = _ext.launch_units(CSRC, tmp_path)
-    assert [u.parent for u in units] == [tmp_path] * len(units) and len(units) == len(uses)
-    launched = {}
+    assert [u.parent for u in units] == [tmp_path] * len(units) and len(units) == 3 * len(uses)
+    launched = set()
     for u in units:
         text = u.read_text()
-        (p,) = re.findall(r"^KVW_LAUNCH\((\w+)\)$", text, re.M)
-        launched[p] = u.name
-        assert u.name == _ext.unit_name(p) and '#include "tokens.cuh"' in text
+        ((p, check),) = re.findall(r"^KVW_LAUNCH\((\w+), (CHECK_\w+)\)$", text, re.M)
+        mode = check.removeprefix("CHECK_").lower()
+        launched.add((p, mode))
+        assert u.name == _ext.unit_name(p, mode) and '#include "tokens.cuh"' in text
         assert text.startswith("// Generated") and f"kvwrite/{uses[p]}" in text.splitlines()[0]
-    assert set(launched) == set(uses)
-    assert _ext.unit_name("StoreIndexerKParams") == "store_indexer_k_params.cu"
-    assert _ext.unit_name("RopeStoreKVQuantParams") == "rope_store_kv_quant_params.cu"
+    assert launched == {(p, m) for p in uses for m in ("off", "assert", "guard")}
+    assert _ext.unit_name("StoreIndexerKParams", "off") == "store_indexer_k_params_off.cu"
+    assert _ext.unit_name("RopeStoreKVQuantParams", "guard") == "rope_store_kv_quant_params_guard.cu"
     assert not {u.name for u in units} & {p.name for p in CSRC.glob("*.cu")}
-    readme = (CSRC / "README.md").read_text()   # names every unit (compile times, file table)
-    assert [u.name for u in units if f"`{u.name}`" not in readme] == []
+    readme = (CSRC / "README.md").read_text()   # names every params type's units (file table)
+    assert [p for p in uses if f"`{_ext.unit_name(p, 'off').removesuffix('_off.cu')}`" not in readme] == []
     # no hand-written instantiation is left: csrc/ only defines KVW_LAUNCH (tokens.cuh)
     for f in list(CSRC.glob("*.cu")) + list(CSRC.glob("*.cuh")) + list(CSRC.glob("*.h")):
         assert not re.search(r"^\s*KVW_LAUNCH\(", f.read_text(), re.M), f.name
@@ -213,16 +215,17 @@ def test_a_new_body_header_gets_its_unit_and_a_duplicate_body_is_an_error(tmp_pa
         "// KVW_BODY(NotThisParams, x) in a comment\nnamespace kvwrite {\n"
         "KVW_BODY(StoreNewParams, dispatch_store_new)\n  KVW_BODY( StoreNewFP8Params , dispatch_store_new_fp8<true>)\n}\n")
     units = _ext.launch_units(root, tmp_path / "units")
-    assert [u.name for u in units] == ["store_new_fp8_params.cu", "store_new_params.cu"]
-    assert "KVW_LAUNCH(StoreNewParams)" in units[1].read_text()
+    assert [u.name for u in units] == [f"store_new{t}_params_{m}.cu" for t in ("_fp8", "")
+                                       for m in ("assert", "guard", "off")]
+    assert "KVW_LAUNCH(StoreNewParams, CHECK_GUARD)" in units[4].read_text()
     assert sorted(p.name for p in root.rglob("*")) == ["dispatch.h", "kvwrite", "store_new.h"]  # csrc/ untouched
     assert (tmp_path / "units" / _ext.OPS_HEADER).read_text().count('#include "kvwrite/store_new.h"') == 1
-    assert [s.name for s in _ext.sources(root, False)] == ["ops.cpp"]
+    cpu = [s.name for s in _ext.sources(root, False, tmp_path / "units")]
+    assert cpu == ["ops.cpp"] + [f"store_new{t}_params_{m}.cpp" for t in ("_fp8", "") for m in ("assert", "guard", "off")]
+    assert "KVW_CPU_RUN(StoreNewParams, CHECK_OFF)" in (tmp_path / "units" / cpu[-1]).read_text()
     (root / "kvwrite" / "other.h").write_text("KVW_BODY(StoreNewParams, dispatch_again)\n")
     with pytest.raises(RuntimeError, match="twice"):
         _ext.launch_units(root, tmp_path / "units")
-    with pytest.raises(ValueError):
-        _ext.sources(root, True)
 
 
 def test_the_op_table_and_the_body_includes_are_generated_from_the_headers(tmp_path):
@@ -251,31 +254,34 @@ def test_the_op_table_and_the_body_includes_are_generated_from_the_headers(tmp_p
 
 @pytest.mark.skipif(_ext.find_cuda_home() is None, reason="no CUDA toolkit")
 def test_store_kv_ptx_check_modes_are_template_specialisations(tmp_path):
-    """PTX of store_kv's generated unit for sm_90 (≈2 s): `off` kernels carry no check code,
+    """PTX of store_kv's three generated units for sm_90 (≈6 s), each holding its own mode's
+    kernels only: `off` kernels carry no check code,
     `assert` kernels a device assert, `guard` kernels the atomics of the record; 16-byte copies
     are v4 accesses."""
     nvcc = os.path.join(_ext.find_cuda_home(), "bin", "nvcc")
     ptx = tmp_path / "store_kv.ptx"
     _ext.launch_units(CSRC, tmp_path / "units")
-    unit = tmp_path / "units" / _ext.unit_name("StoreKVParams")
-    out = subprocess.run([nvcc, "-ptx", "-arch=sm_90", "-std=c++20", "--expt-relaxed-constexpr", "-O3",
-                          f"-I{CSRC}", f"-I{unit.parent}", str(unit), "-o", str(ptx)],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    text = ptx.read_text()
-    starts = [m.start() for m in re.finditer(r"\.entry\s", text)]
-    assert len(starts) >= 30
-    seen = set()
-    for a, b in zip(starts, starts[1:] + [len(text)]):
-        body = text[a:b]
-        name = body.split()[1].split("(")[0]
-        check = int(re.search(r"TokenILi(\d)E", name).group(1))
-        seen.add(check)
-        assert ("__assertfail" in body) == (check == 1), name
-        assert ("atom.global" in body) == (check == 2), name
-        if re.search(r"EvLi16EEEE", name):  # the 16-byte copy variant
-            assert ".v4." in body, name
-    assert seen == {0, 1, 2}
+    seen, entries = set(), 0
+    for mode in ("off", "assert", "guard"):
+        unit = tmp_path / "units" / _ext.unit_name("StoreKVParams", mode)
+        out = subprocess.run([nvcc, "-ptx", "-arch=sm_90", "-std=c++20", "--expt-relaxed-constexpr", "-O3",
+                              f"-I{CSRC}", f"-I{unit.parent}", str(unit), "-o", str(ptx)],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        text = ptx.read_text()
+        starts = [m.start() for m in re.finditer(r"\.entry\s", text)]
+        entries += len(starts)
+        for a, b in zip(starts, starts[1:] + [len(text)]):
+            body = text[a:b]
+            name = body.split()[1].split("(")[0]
+            check = int(re.search(r"TokenILi(\d)E", name).group(1))
+            assert check == ("off", "assert", "guard").index(mode), (mode, name)  # the unit's own mode only
+            seen.add(check)
+            assert ("__assertfail" in body) == (check == 1), name
+            assert ("atom.global" in body) == (check == 2), name
+            if re.search(r"EvLi16EEEE", name):  # the 16-byte copy variant
+                assert ".v4." in body, name
+    assert entries >= 30 and seen == {0, 1, 2}
 
 
 def test_gpu_less_machine_builds_only_the_cpu_kernels(monkeypatch):
@@ -288,13 +294,14 @@ def test_gpu_less_machine_builds_only_the_cpu_kernels(monkeypatch):
     assert _ext.build_config()["with_cuda"] == bool(torch.version.cuda and _ext.find_cuda_home())
 
 
-def test_cpu_only_torch_builds_only_the_cpu_kernels(monkeypatch):
-    """A torch without CUDA: no toolkit is looked for and only ops.cpp (schemas + CPU kernels)
-    is compiled (checked by hand with a CPU-only build: the CUDA key then has no kernel)."""
+def test_cpu_only_torch_builds_only_the_cpu_kernels(monkeypatch, tmp_path):
+    """A torch without CUDA: no toolkit is looked for and only the host units (ops.cpp: schemas +
+    CPU policy, and the generated CPU units of tokens_cpu.h) are compiled (checked by hand with a CPU-only build: the CUDA key then has no kernel)."""
     monkeypatch.setattr(torch.version, "cuda", None)
     cfg = _ext.build_config()
     assert not cfg["with_cuda"] and "-DKVWRITE_WITH_CUDA" not in cfg["cflags"]
-    assert [s.name for s in _ext.sources(CSRC, cfg["with_cuda"])] == ["ops.cpp"]
+    srcs = [s.name for s in _ext.sources(CSRC, cfg["with_cuda"], tmp_path)]
+    assert srcs[0] == "ops.cpp" and all(s.endswith(".cpp") for s in srcs) and "cuda_ops.cpp" not in srcs
 
 
 def test_failed_build_is_reported_and_auto_falls_back_once():

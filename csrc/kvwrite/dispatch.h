@@ -74,6 +74,16 @@ inline LaunchShape launch_shape(i64 n_tokens, i64 work_per_token, int threads = 
   return LaunchShape{ceil_div(n_tokens, per_block), threads, group};
 }
 
+// The fused RoPE stores (kvwrite/rope_store.h) rotate k (k_pe) into scratch rows, then store them:
+// a row holds one token's rotated heads in the input dtype (scratch_row(p), beside each).
+template <class P, class = void>
+constexpr bool HAS_SCRATCH = false;
+template <class P>
+constexpr bool HAS_SCRATCH<P, std::void_t<decltype(P::scratch)>> = true;
+struct ScratchRow {
+  i64 elems, elem_bytes;
+};
+
 // The CPU runner's cost of a token (token_bytes, next to each body): bytes read + written, a
 // quantised byte counted QUANT_WEIGHT times (it costs that much more compute; ops.cpp).
 constexpr i64 QUANT_WEIGHT = 8;
@@ -82,9 +92,10 @@ constexpr i64 QUANT_WEIGHT = 8;
 
 // An op's body, declared at the end of the header that defines its params type P and body
 // dispatcher fn (inside namespace kvwrite): `KVW_BODY(StoreKVParams, dispatch_store_kv)` adds
-// the overload dispatch(p, check, f) that the CPU policy (ops.cpp) and the CUDA launcher template
-// (tokens.cuh) call. The build derives one CUDA unit per use, `KVW_LAUNCH(P)` (kvwrite._ext
-// launch_units: a KVW_BODY line at the start of a line in a csrc/kvwrite/*.h header).
+// the overload dispatch(p, check, f) that the CPU runner (tokens_cpu.h) and the CUDA launcher
+// (tokens.cuh) call. The build derives six units per use, one per device and check mode:
+// `KVW_CPU_RUN(P, C)` and `KVW_LAUNCH(P, C)` (kvwrite._ext.launch_units: a KVW_BODY line at the
+// start of a line in a csrc/kvwrite/*.h header).
 #define KVW_BODY(P, fn) \
   template <class F>    \
   void dispatch(const P& p, int check, F&& f) { fn(p, check, f); }

@@ -136,7 +136,7 @@ void dispatch_store_kv_int4(const StoreKVInt4Params& p, int check, F&& f) {
 }
 
 // The bytes a token moves (the CPU runner's grain, ops.cpp) and the body by params type (KVW_BODY,
-// dispatch.h: the build derives one CUDA unit per line).
+// dispatch.h: the build derives its units from each line).
 inline i64 token_bytes(const StoreKVInt4Params& p) {
   return i64(p.H) * (p.k.D + p.v.D) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT;
 }

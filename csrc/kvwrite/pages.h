@@ -233,7 +233,7 @@ KVW_HD void slot_token(const SlotMappingParams& p, i64 i) {
 }
 
 // The bytes a token moves (the CPU runner's grain, ops.cpp) and the body by params type (KVW_BODY,
-// dispatch.h: the build derives one CUDA unit per line).
+// dispatch.h: the build derives its units from each line).
 inline i64 token_bytes(const GatherParams& p) { return 2 * p.heads * p.head_bytes; }
 KVW_BODY(GatherParams, dispatch_gather)
 

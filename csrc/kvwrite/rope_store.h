@@ -468,8 +468,17 @@ void dispatch_rope_store_mla(const RopeStoreMLAParams& p, int check, F&& f) {
 
 KVW_HD const LocArgs& locs_of(const RopeStoreMLAParams& p) { return p.mla.locs; }
 
+// A token's scratch row (dispatch.h HAS_SCRATCH): its rotated heads in the input dtype.
+inline ScratchRow scratch_row(const RopeStoreKVParams& p) {
+  return {i64(p.kv.H) * p.kv.k.D, dtype_size(p.kv.in_dtype)};
+}
+inline ScratchRow scratch_row(const RopeStoreKVQuantParams& p) {
+  return {i64(p.kv.H) * p.kv.k.D, dtype_size(p.kv.in_dtype)};
+}
+inline ScratchRow scratch_row(const RopeStoreMLAParams& p) { return {p.mla.R, dtype_size(p.mla.in_dtype)}; }
+
 // The bytes a token moves (the CPU runner's grain, ops.cpp) and the body by params type (KVW_BODY,
-// dispatch.h: the build derives one CUDA unit per line).
+// dispatch.h: the build derives its units from each line).
 // the store's bytes plus the rotation of q's heads and of k (k_pe)
 inline i64 token_bytes(const RopeStoreKVParams& p) {
   return token_bytes(p.kv) + i64(p.rope.Hq + p.kv.H) * p.kv.k.D * dtype_size(p.kv.in_dtype) * QUANT_WEIGHT;
@@ -606,15 +615,6 @@ inline RopeStoreMLAParams rope_store_mla_params(const Tensor& positions, const T
   TORCH_CHECK(p.rope.R == p.mla.R, "kvwrite: rope_store_mla rotates the whole k_pe: cos_sin_cache must be R wide");
   return p;
 }
-
-// A token's scratch row (host.h HAS_SCRATCH): its rotated heads in the input dtype.
-inline ScratchRow scratch_row(const RopeStoreKVParams& p) {
-  return {i64(p.kv.H) * p.kv.k.D, dtype_size(p.kv.in_dtype)};
-}
-inline ScratchRow scratch_row(const RopeStoreKVQuantParams& p) {
-  return {i64(p.kv.H) * p.kv.k.D, dtype_size(p.kv.in_dtype)};
-}
-inline ScratchRow scratch_row(const RopeStoreMLAParams& p) { return {p.mla.R, dtype_size(p.mla.in_dtype)}; }
 
 // Fused RoPE stores (host.h ROPED): the CPU checks a token's position with its loc.
 template <>

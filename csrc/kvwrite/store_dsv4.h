@@ -170,7 +170,7 @@ void dispatch_store_rows(const StoreRowsParams& p, int check, F&& f) {
 }
 
 // The bytes a token moves (the CPU runner's grain, ops.cpp) and the body by params type (KVW_BODY,
-// dispatch.h: the build derives one CUDA unit per line).
+// dispatch.h: the build derives its units from each line).
 inline i64 token_bytes(const StoreDSV4KVParams& p) {
   return i64(DSV4_NOPE + DSV4_ROPE) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT;
 }

@@ -90,7 +90,7 @@ void dispatch_store_indexer_k(const StoreIndexerKParams& p, int check, F&& f) {
 }
 
 // The bytes a token moves (the CPU runner's grain, ops.cpp) and the body by params type (KVW_BODY,
-// dispatch.h: the build derives one CUDA unit per line).
+// dispatch.h: the build derives its units from each line).
 inline i64 token_bytes(const StoreIndexerKParams& p) {
   return i64(p.cache.D) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT;
 }

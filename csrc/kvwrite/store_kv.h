@@ -285,7 +285,7 @@ void dispatch_store_kv(const StoreKVParams& p, int check, F&& f) {
 }
 
 // The bytes a token moves (the CPU runner's grain, ops.cpp) and the body by params type (KVW_BODY,
-// dispatch.h: the build derives one CUDA unit per line).
+// dispatch.h: the build derives its units from each line).
 inline i64 token_bytes(const StoreKVParams& p) {
   const i64 es = dtype_size(p.in_dtype), quant = p.cache_dtype != p.in_dtype;
   return i64(p.H) * (p.k.D + p.v.D) * (quant ? (es + 1) * QUANT_WEIGHT : 2 * es);

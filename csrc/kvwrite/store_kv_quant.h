@@ -140,6 +140,7 @@ KVW_HD void quant_kv_side(const KVQuantSide& s, int rule, int H, i64 i, i64 row,
 
 template <int CHECK, DType IN, class F, int QUANT>
 struct StoreKVQuantToken {
+  static constexpr int check = CHECK;
   KVW_HD void operator()(const StoreKVQuantParams& p, i64 i, int lane, int nlanes) const {
 #if !defined(__CUDA_ARCH__)
     const i64 ahead = nlanes == 1 ? prefetch_row(p.locs, i + PREFETCH_AHEAD) : -1;
@@ -207,7 +208,7 @@ void dispatch_store_kv_quant(const StoreKVQuantParams& p, int check, Fn&& f) {
 }
 
 // The bytes a token moves (the CPU runner's grain, ops.cpp) and the body by params type (KVW_BODY,
-// dispatch.h: the build derives one CUDA unit per line).
+// dispatch.h: the build derives its units from each line).
 inline i64 token_bytes(const StoreKVQuantParams& p) {
   return i64(p.H) * (p.k.D + p.v.D) * (dtype_size(p.in_dtype) + 1) * QUANT_WEIGHT;
 }

@@ -271,7 +271,7 @@ void dispatch_store_mla(const StoreMLAParams& p, int check, F&& f) {
 }
 
 // The bytes a token moves (the CPU runner's grain, ops.cpp) and the body by params type (KVW_BODY,
-// dispatch.h: the build derives one CUDA unit per line).
+// dispatch.h: the build derives its units from each line).
 inline i64 token_bytes(const StoreMLAParams& p) {
   const i64 es = dtype_size(p.in_dtype);
   return i64(p.L + p.R) * (p.mode == MLA_COPY ? 2 * es : (es + 1) * QUANT_WEIGHT);

@@ -1,0 +1,41 @@
+// The CPU per-token loop, the host twin of tokens.cuh: included by the units the build generates,
+// one per `KVW_BODY(Params, ...)` line and check mode (kvwrite._ext.launch_units: `#include
+// "tokens_cpu.h"` + `KVW_CPU_RUN(Params, mode)`, e.g. store_kv_params_guard.cpp). No torch: the
+// threads, the assert pre-scan and the guard epoch are the policy's (ops.cpp run_tokens).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "launch_cpu.h"
+
+namespace kvwrite {
+
+// The Token that dispatch(p, C, ...) picks over tokens [begin, end): the tokens of the other check
+// modes are never instantiated here, so a unit compiles one mode's kernels. Bodies with scratch
+// rows (the fused RoPE stores) rotate each token's k (k_pe) into one reused, cache-hot row, then
+// store that row.
+template <class P, int C>
+void run_range(const P& p, i64 begin, i64 end) {
+  dispatch(p, C, [&](auto token, i64) {
+    using Token = typename decltype(token)::type;
+    if constexpr (Token::check != C) {
+    } else if constexpr (HAS_SCRATCH<P>) {
+      const ScratchRow r = scratch_row(p);
+      std::vector<uint64_t> row(size_t(r.elems * r.elem_bytes + 7) / 8);
+      P q = p;
+      q.scratch = reinterpret_cast<char*>(row.data());
+      q.scratch_sn = 0;
+      for (i64 i = begin; i < end; ++i) Token{}(q, i, true, 0, 1);
+    } else {
+      for (i64 i = begin; i < end; ++i) Token{}(p, i, 0, 1);
+    }
+  });
+}
+
+}  // namespace kvwrite
+
+// The CPU loop of one params type in one check mode (an explicit instantiation). Written by the
+// generated units only.
+#define KVW_CPU_RUN(P, C) \
+  template void kvwrite::run_range<kvwrite::P, kvwrite::C>(const kvwrite::P&, kvwrite::i64, kvwrite::i64);
