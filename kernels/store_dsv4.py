@@ -1,6 +1,6 @@
 """DeepSeek V4 stores: FlashMLA MODEL1 KV pages, MXFP4 indexer rows, compress-state rows.
 
-Formats in `kvwrite.ops.dsv4`. store_dsv4_kv: program (t, w) owns BLOCK_T tokens and work item w
+Formats in `kvwrite.reference.dsv4`. store_dsv4_kv: program (t, w) owns BLOCK_T tokens and work item w
 of their rows: w < 7 is NoPE tile w (64 e4m3 bytes + its ue8m0 byte), w == 7 the 64 bf16 RoPE
 values. MXFP4 indexer: program (t, b) owns 32-value block b. store_rows: program (t, c) copies
 column tile c of the rows. Every quantised byte is built by bit arithmetic (fp8_bits, e2m1_code),

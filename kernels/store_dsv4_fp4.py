@@ -1,4 +1,4 @@
-"""DeepSeek V4 FP4 KV records (`store_dsv4_kv_fp4`; formats in `kvwrite.ops.dsv4_fp4`).
+"""DeepSeek V4 FP4 KV records (`store_dsv4_kv_fp4`; formats in `kvwrite.reference.dsv4_fp4`).
 
 A program owns BLOCK_T tokens and every block of their rows: the quantised values as [T, NBP,
 BLOCK/2] tensors of even and odd elements (NBP: the record's block count rounded up to a power

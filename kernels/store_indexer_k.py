@@ -1,7 +1,7 @@
 """DSA indexer-K store: per-block e4m3 quantisation into the page-major indexer cache.
 
 Program (t, b) owns BLOCK_T tokens and quant block b: it writes the block's e4m3 bytes and its
-fp32 scale (layout in `kvwrite.ops.indexer_k`). The indexer cache is addressed by the virtual loc
+fp32 scale (layout in `kvwrite.reference.indexer_k`). The indexer cache is addressed by the virtual loc
 (optional SWA loc_map, no DCP sharding).
 """
 import triton
