@@ -22,6 +22,7 @@
 #include "../csrc/kvwrite/kv_quant.h"
 #include "../csrc/kvwrite/nvfp4.h"
 #include "../csrc/kvwrite/store_dsv4_fp4.h"
+#include "../csrc/kvwrite/store_dsv4.h"
 
 using namespace kvwrite;
 
@@ -261,6 +262,31 @@ long check_nvfp4_bf16() {
           bad += uint8_t(b3[16 * b + j]) != (e2m1_code(load_quant<DType::BF16>(x.data(), e) / sv) |
                                              (e2m1_code(load_quant<DType::BF16>(x.data(), e + 1) / sv) << 4));
         }
+      }
+    }
+  }
+  thr = fp4_threshold_rows(32, [](int e) { return bits_to_float(uint32_t(e) << 23); }, 100, 254, 6.0f);  // amax 6 d: d exact
+  for (const float mul : {1.0f, 1e-30f, 3e20f, 1e-6f, -1.0f, 0.0f}) {  // the V4 indexer's MXFP4 blocks (dsv4_scale)
+    for (int i = 0; i < n; ++i) x[i] = uint16_t(float_to_bits(bf16_to_float(uint16_t(i)) * mul) >> 16);
+    if (mul == -1.0f) std::shuffle(x.begin(), x.end(), std::mt19937(8));
+    if (mul == 0.0f) std::copy(thr.begin(), thr.begin() + n, x.begin());
+    for (int k0 = 0, r = 0; k0 < n / 32; k0 += RUNS[r % 8], ++r) {
+      const int m = std::min(n / 32 - k0, std::min(RUNS[r % 8], 64));
+      std::vector<char> b3(16 * m), s3(m);
+      uint64_t left = 0;
+      if (!mxfp4_ceil_run_bf16(x.data() + 32 * k0, m, b3.data(), s3.data(), left)) break;  // not the AVX-512 level
+      for (int b = 0; b < m; ++b) {
+        const i64 at = 32 * i64(k0 + b);
+        bool special = false;
+        for (int e = 0; e < 32; ++e) special = special || (x[at + e] & 0x7FFF) >= 0x7F80;
+        if ((left >> b) & 1) {  // left to the caller: a NaN or an inf only
+          bad += !special;
+          continue;
+        }
+        const float sv = dsv4_scale(block_amax<DType::BF16>(x.data(), at, 32), 6.0f);
+        char want[16];
+        bad += special + e2m1_run<DType::BF16>(x.data(), at, 32, sv, want) + (s3[b] != ue8m0_byte(sv));
+        for (int j = 0; j < 16; ++j) bad += b3[16 * b + j] != want[j];
       }
     }
   }

@@ -365,3 +365,25 @@ def test_store_mla_nvfp4_arith_lanes_thresholds(dtype, glob):
                           global_scale=gt, backend=b)
 
     run(call, {"c": ((pages, 16, 288), torch.uint8), "s": ((pages, 16, 36), torch.float8_e4m3fn)})
+
+
+@pytest.mark.parametrize("d", [128, 64])
+def test_store_dsv4_indexer_mxfp4_lanes_thresholds(d):
+    """The V4 indexer's MXFP4 rows (scale max(amax, 1e-4) / 6 rounded up to a power of two): amax
+    6 s (the scale s itself) and 4 s for s = 2^j, ties B s and their bf16 neighbours, the specials
+    (NaN / inf blocks left to the scalar rule), scales under the 1e-4 floor; 4 / 2 blocks a row."""
+    from kvwrite.ops.dsv4 import indexer_row_bytes
+    g = torch.Generator().manual_seed(14)
+    scales = (2.0 ** torch.arange(-20, 124, 1, dtype=torch.float64)).float()
+    blocks = torch.cat([fp4_threshold_blocks(scales, lambda s: 6 * s, 32, g),
+                        fp4_threshold_blocks(scales, lambda s: 4 * s, 32, g), fp4_special_blocks(32)])
+    per_token = d // 32
+    n = -(-blocks.shape[0] // per_token)
+    k = torch.cat([blocks, blocks[: n * per_token - blocks.shape[0]]]).reshape(n, d)
+    loc = torch.randperm(n + 8, generator=g)[:n]
+    pages = -(-(n + 8) // 64)
+
+    def call(p, b):
+        kvwrite.store_dsv4_indexer_k(k, p["c"], loc, fmt="mxfp4", backend=b)
+
+    run(call, {"c": ((pages, 64 * indexer_row_bytes(d, "mxfp4")), torch.uint8)})

@@ -280,31 +280,46 @@ KVW_AVX512 void nvfp4_arith_run_512(const void* src, i64 start, int nblocks, con
 // A global scale the arithmetic lanes take: finite, positive and normal.
 inline bool global_ok(const float* g) { return g == nullptr || (*g >= 1.1754943508222875e-38f && *g <= 3.4028234663852886e38f); }
 
+// The DeepSeek V4 indexer's scale bytes (dsv4_scale: max(amax, 1e-4) / 6 rounded up to a power of
+// two, the same fp32 division) of eight blocks from their raw |x| maxima into e (in [111, 253]:
+// the e2m1 tables' range); returns the mask of the first nb blocks holding a NaN or an inf (left
+// to the scalar rule).
+KVW_AVX512 uint32_t mxfp4_ceil_scales8(__m256i raw, int nb, __m256i& e) {
+  const __m256 amax = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(raw, 16), _mm256_cmpgt_epi32(raw, _mm256_set1_epi32(0x7F))));
+  const __m256 s = _mm256_div_ps(_mm256_max_ps(amax, _mm256_set1_ps(1e-4f)), _mm256_set1_ps(6.0f));
+  e = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(s), _mm256_set1_epi32(0x7FFFFF)), 23);
+  return uint32_t(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(raw, _mm256_set1_epi32(0x7F7F))))) & ((1u << nb) - 1);
+}
+
 // mxfp4_blocks8_avx2, 64 elements a step: the eight blocks' raw maxima by a lane max tree, their
-// scale bytes by mxfp4_scales8, the codes (d = 2^(e - 127): E_d - 3 = e - 3, m = 0) by
-// e2m1_pack64. Blocks it leaves (the mask returned) may hold any bytes: the caller rewrites them.
+// scale bytes by mxfp4_scales8 (CEIL: the indexer's mxfp4_ceil_scales8), the codes (d = 2^(e -
+// 127): E_d - 3 = e - 3, m = 0) by e2m1_pack64. Blocks it leaves (the mask returned) may hold any
+// bytes: the caller rewrites them.
+template <bool CEIL = false>
 KVW_AVX512 uint32_t mxfp4_blocks8_512(const uint16_t* src, int nb, char* bytes, char* scales, const Fp4Consts& k) {
   __m512i l[8], p[4];
   for (int b = 0; b < 8; ++b) l[b] = _mm512_maskz_loadu_epi16(b < nb ? ~__mmask32(0) : 0, src + 32 * b);
   for (int j = 0; j < 4; ++j)
     p[j] = max_lane_pairs(_mm512_add_epi16(l[2 * j], l[2 * j]), _mm512_add_epi16(l[2 * j + 1], l[2 * j + 1]));
   __m256i e;
-  const uint32_t left = mxfp4_scales8(lane_max8(max_lane_pairs(p[0], p[1]), max_lane_pairs(p[2], p[3])), nb, e);
+  const __m256i raw = lane_max8(max_lane_pairs(p[0], p[1]), max_lane_pairs(p[2], p[3]));
+  const uint32_t left = CEIL ? mxfp4_ceil_scales8(raw, nb, e) : mxfp4_scales8(raw, nb, e);
   _mm_mask_storeu_epi8(scales, __mmask16(((1u << nb) - 1) & ~left), _mm256_cvtepi32_epi8(e));
   const __m512i eb = _mm512_castsi128_si512(_mm256_cvtepi32_epi8(_mm256_sub_epi32(e, _mm256_set1_epi32(3))));
   __m512i w[4];
-  for (int h = 0; h < 4; ++h)
-    w[h] = e2m1_pack64(l[2 * h], l[2 * h + 1], _mm512_permutexvar_epi8(k.b32[h], eb), _mm512_setzero_si512(), k);
+  for (int h = 0; h < 4; ++h)  // the steps holding blocks
+    w[h] = 2 * h < nb ? e2m1_pack64(l[2 * h], l[2 * h + 1], _mm512_permutexvar_epi8(k.b32[h], eb), _mm512_setzero_si512(), k) : _mm512_setzero_si512();
   for (int h = 0; h < 2; ++h)
     _mm512_mask_storeu_epi8(bytes + 64 * h, bytes_mask(16 * nb - 64 * h), _mm512_permutex2var_epi8(w[2 * h], k.lo, w[2 * h + 1]));
   return left;
 }
 
+template <bool CEIL = false>
 KVW_AVX512 uint64_t mxfp4_run_512(const uint16_t* x, int nblocks, char* bytes, char* scales) {
   const Fp4Consts k(e2m1_lut());
   uint64_t left = 0;
   for (int b0 = 0; b0 < nblocks; b0 += 8)
-    left |= uint64_t(mxfp4_blocks8_512(x + 32 * b0, nblocks - b0 < 8 ? nblocks - b0 : 8, bytes + 16 * b0, scales + b0, k)) << b0;
+    left |= uint64_t(mxfp4_blocks8_512<CEIL>(x + 32 * b0, nblocks - b0 < 8 ? nblocks - b0 : 8, bytes + 16 * b0, scales + b0, k)) << b0;
   return left;
 }
 
@@ -322,6 +337,14 @@ inline void nvfp4_run_simd(const void* src, i64 start, int nblocks, const float*
 inline uint64_t mxfp4_run_bf16(const uint16_t* x, int nblocks, char* bytes, char* scales) {
   const bool wide = simd512_ok() && e2m1_lut().ok;
   return wide ? mxfp4_run_512(x, nblocks, bytes, scales) : mxfp4_run_avx2(x, nblocks, bytes, scales);
+}
+
+// The indexer's MXFP4 blocks (dsv4_scale's power-of-two scales) of nblocks <= 64 bf16 blocks of 32
+// from x: mxfp4_run_512<true> where the AVX-512 lanes apply (true); false: nothing written.
+inline bool mxfp4_ceil_run_bf16(const uint16_t* x, int nblocks, char* bytes, char* scales, uint64_t& left) {
+  if (!simd512_ok() || !e2m1_lut().ok) return false;
+  left = mxfp4_run_512<true>(x, nblocks, bytes, scales);
+  return true;
 }
 
 }  // namespace kvwrite
