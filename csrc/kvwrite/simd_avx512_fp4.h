@@ -1,7 +1,8 @@
 // Host x86 AVX-512 lanes of the FP4 stores on bf16 rows (NVFP4 blocks of 16 with e4m3 scales, no
 // global scale: store_kv_nvfp4, store_mla nvfp4, the DeepSeek V4 / V4.1 NVFP4 records; MXFP4 blocks
-// of 32 with ue8m0 scales: the V4 MXFP4 record), 64 elements a step, selected at run time
-// (simd_level() == 2) by the dispatchers at the end; else the AVX2 lanes (simd_x86.h).
+// of 32 with ue8m0 scales: the V4 MXFP4 record and the V4 indexer), 64 elements a step, and NVFP4
+// by arithmetic (a global scale, fp16 / fp32 rows), selected at run time (simd_level() == 2) by the
+// dispatchers at the end; else the AVX2 lanes (simd_x86.h).
 //
 // e2m1 codes without thresholds a block: the AVX2 lanes count the seven thresholds T = B d below
 // |x| (16-bit compares; e2m1_bf16_thresholds says why that is the scalar RN(x / d) rule). With
@@ -142,54 +143,59 @@ KVW_AVX512 __m512i lane_max16(const __m512i (&p)[4]) {
   return _mm512_srli_epi32(_mm512_and_si512(g, _mm512_set1_epi32(0xFFFF)), 1);
 }
 
-// NVFP4 of nb <= 4 NH bf16 blocks of 16 from src (NH <= 4 steps of 64 elements), no global scale:
-// false (nothing written) where a block holds a NaN or an inf. The scales as nvfp4_scales8_bf16
-// (amax by a lane max tree; s = amax / 6 by div_cr16: exact for bf16 amax where s is normal, and
-// below 2^-120 any error leaves the code 0 and max(s, floor) the floor), up to sixteen in one
-// vector, the codes four blocks a step by e2m1_pack64.
-template <int NH>
-__attribute__((always_inline)) KVW_AVX512 bool nvfp4_group_512(const uint16_t* src, int nb, float floor, const Fp4Consts& k, char* bytes, char* scales) {
-  constexpr int nh = NH;
-  __m512i l[8], p[4];
-  for (int j = 0; j < 8; ++j) l[j] = j < 2 * nh ? _mm512_maskz_loadu_epi16(words_mask(16 * nb - 32 * j), src + 32 * j) : _mm512_setzero_si512();
-  for (int j = 0; j < 4; ++j)
-    p[j] = j < nh ? max_lane_pairs(_mm512_add_epi16(l[2 * j], l[2 * j]), _mm512_add_epi16(l[2 * j + 1], l[2 * j + 1])) : _mm512_setzero_si512();
+// Phase 1 of nvfp4_run_512: the scales of nb <= 16 bf16 blocks from src, no global scale: false
+// (nothing written) where a block holds a NaN or an inf; else the e4m3 codes to `scales` and each
+// block's E_d - 3 and m << 3 (bytes 0..15 of eb, mx).
+__attribute__((always_inline)) KVW_AVX512 bool nvfp4_scales16_512(const uint16_t* src, int nb, float floor, const Fp4Consts& k, char* scales, __m512i& eb, __m512i& mx) {
+  __m512i p[4];
+  for (int j = 0; j < 4; ++j) {
+    p[j] = _mm512_setzero_si512();
+    if (4 * j >= nb) continue;  // no blocks in this step
+    const __m512i a = _mm512_maskz_loadu_epi16(words_mask(16 * nb - 64 * j), src + 64 * j);
+    const __m512i b = _mm512_maskz_loadu_epi16(words_mask(16 * nb - 64 * j - 32), src + 64 * j + 32);
+    p[j] = max_lane_pairs(_mm512_add_epi16(a, a), _mm512_add_epi16(b, b));
+  }
   const __m512i raw = lane_max16(p);
   if (_mm512_cmpgt_epi32_mask(raw, _mm512_set1_epi32(0x7F7F)) != 0) return false;
   const __m512 amax = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(_mm512_cmpgt_epi32_mask(raw, _mm512_set1_epi32(0x7F)), raw, 16));
-  const __m512 s = _mm512_max_ps(div_cr16(amax, _mm512_set1_ps(6.0f), _mm512_set1_ps(1.0f / 6)), _mm512_set1_ps(floor));
+  const __m512 s = _mm512_max_ps(_mm512_div_ps(amax, _mm512_set1_ps(6.0f)), _mm512_set1_ps(floor));
   const __m128i code = _mm512_cvtepi32_epi8(grid_codes16_k<3, -6>(_mm512_min_ps(s, _mm512_set1_ps(448.0f))));
   _mm_mask_storeu_epi8(scales, __mmask16((1u << nb) - 1), code);
   const __m512i c = _mm512_castsi128_si512(code);
-  const __m512i eb = _mm512_permutex2var_epi8(k.eb0, c, k.eb1), mx = _mm512_permutex2var_epi8(k.mx0, c, k.mx1);
-  __m512i w[4];
-  for (int h = 0; h < 4; ++h)
-    w[h] = h < nh ? e2m1_pack64(l[2 * h], l[2 * h + 1], _mm512_permutexvar_epi8(k.b16[h], eb), _mm512_permutexvar_epi8(k.b16[h], mx), k) : _mm512_setzero_si512();
-  for (int h = 0; h < (nh + 1) / 2; ++h)
-    _mm512_mask_storeu_epi8(bytes + 64 * h, bytes_mask(8 * nb - 64 * h), _mm512_permutex2var_epi8(w[2 * h], k.lo, w[2 * h + 1]));
+  eb = _mm512_permutex2var_epi8(k.eb0, c, k.eb1);
+  mx = _mm512_permutex2var_epi8(k.mx0, c, k.mx1);
   return true;
 }
 
-// nvfp4_group_512 of a run's last nb < 16 blocks (out of line: the run's loop stays small).
-__attribute__((noinline)) KVW_AVX512 bool nvfp4_tail_512(const uint16_t* src, int nb, float floor, const Fp4Consts& k, char* bytes, char* scales) {
-  switch ((nb + 3) / 4) {
-    case 1: return nvfp4_group_512<1>(src, nb, floor, k, bytes, scales);
-    case 2: return nvfp4_group_512<2>(src, nb, floor, k, bytes, scales);
-    case 3: return nvfp4_group_512<3>(src, nb, floor, k, bytes, scales);
-    default: return nvfp4_group_512<4>(src, nb, floor, k, bytes, scales);
+// Phase 2: the packed codes of nb <= 16 blocks from src by phase 1's eb, mx.
+__attribute__((always_inline)) KVW_AVX512 void nvfp4_codes16_512(const uint16_t* src, int nb, __m512i eb, __m512i mx, const Fp4Consts& k, char* bytes) {
+  __m512i w[4];
+  for (int h = 0; h < 4; ++h) {
+    w[h] = _mm512_setzero_si512();
+    if (4 * h >= nb) continue;  // no blocks in this step
+    const __m512i l0 = _mm512_maskz_loadu_epi16(words_mask(16 * nb - 64 * h), src + 64 * h);
+    const __m512i l1 = _mm512_maskz_loadu_epi16(words_mask(16 * nb - 64 * h - 32), src + 64 * h + 32);
+    w[h] = e2m1_pack64(l0, l1, _mm512_permutexvar_epi8(k.b16[h], eb), _mm512_permutexvar_epi8(k.b16[h], mx), k);
   }
+  for (int h = 0; h < 2; ++h)
+    if (8 * h < nb) _mm512_mask_storeu_epi8(bytes + 64 * h, bytes_mask(8 * nb - 64 * h), _mm512_permutex2var_epi8(w[2 * h], k.lo, w[2 * h + 1]));
 }
 
-// nvfp4_run_avx2 for bf16 rows without a global scale, sixteen blocks a group (a group holding a
-// NaN or an inf: nvfp4_block_avx2 block by block).
+// nvfp4_run_avx2 for bf16 rows without a global scale, sixteen blocks a group in two phases, one
+// group ahead (a group holding a NaN or an inf: nvfp4_block_avx2 block by block).
 KVW_AVX512 void nvfp4_run_512(const uint16_t* x, int nblocks, char* bytes, char* scales, float floor) {
   const Fp4Consts k(e2m1_lut());
+  __m512i eb, mx, eb1 = _mm512_setzero_si512(), mx1 = eb1;
+  bool ok = nblocks > 0 && nvfp4_scales16_512(x, nblocks < 16 ? nblocks : 16, floor, k, scales, eb, mx);
   for (int b0 = 0; b0 < nblocks; b0 += 16) {
-    const int nb = nblocks - b0 < 16 ? nblocks - b0 : 16;
-    const bool ok = nb == 16 ? nvfp4_group_512<4>(x + 16 * b0, nb, floor, k, bytes + 8 * b0, scales + b0)
-                  : nvfp4_tail_512(x + 16 * b0, nb, floor, k, bytes + 8 * b0, scales + b0);
-    if (ok) continue;
-    for (int b = b0; b < b0 + nb; ++b) nvfp4_block_avx2<DType::BF16>(x, 16 * b, nullptr, bytes + 8 * b, scales + b, floor);
+    const int nb = nblocks - b0 < 16 ? nblocks - b0 : 16, n1 = nblocks - b0 - 16;
+    const bool next = n1 > 0 && nvfp4_scales16_512(x + 16 * (b0 + 16), n1 < 16 ? n1 : 16, floor, k, scales + b0 + 16, eb1, mx1);
+    if (ok) {
+      nvfp4_codes16_512(x + 16 * b0, nb, eb, mx, k, bytes + 8 * b0);
+    } else {
+      for (int b = b0; b < b0 + nb; ++b) nvfp4_block_avx2<DType::BF16>(x, 16 * b, nullptr, bytes + 8 * b, scales + b, floor);
+    }
+    ok = next, eb = eb1, mx = mx1;
   }
 }
 
