@@ -143,18 +143,22 @@ KVW_AVX512 __m512i lane_max16(const __m512i (&p)[4]) {
   return _mm512_srli_epi32(_mm512_and_si512(g, _mm512_set1_epi32(0xFFFF)), 1);
 }
 
+// Step h (64 elements) of nb <= 16 blocks of 16 from src as two loads; false where it holds no
+// block (masked: nothing past the run is read).
+__attribute__((always_inline)) KVW_AVX512 bool step_loads(const uint16_t* src, int nb, int h, __m512i& l0, __m512i& l1) {
+  if (4 * h >= nb) return false;
+  l0 = _mm512_maskz_loadu_epi16(words_mask(16 * nb - 64 * h), src + 64 * h);
+  l1 = _mm512_maskz_loadu_epi16(words_mask(16 * nb - 64 * h - 32), src + 64 * h + 32);
+  return true;
+}
+
 // Phase 1 of nvfp4_run_512: the scales of nb <= 16 bf16 blocks from src, no global scale: false
 // (nothing written) where a block holds a NaN or an inf; else the e4m3 codes to `scales` and each
 // block's E_d - 3 and m << 3 (bytes 0..15 of eb, mx).
 __attribute__((always_inline)) KVW_AVX512 bool nvfp4_scales16_512(const uint16_t* src, int nb, float floor, const Fp4Consts& k, char* scales, __m512i& eb, __m512i& mx) {
-  __m512i p[4];
-  for (int j = 0; j < 4; ++j) {
-    p[j] = _mm512_setzero_si512();
-    if (4 * j >= nb) continue;  // no blocks in this step
-    const __m512i a = _mm512_maskz_loadu_epi16(words_mask(16 * nb - 64 * j), src + 64 * j);
-    const __m512i b = _mm512_maskz_loadu_epi16(words_mask(16 * nb - 64 * j - 32), src + 64 * j + 32);
-    p[j] = max_lane_pairs(_mm512_add_epi16(a, a), _mm512_add_epi16(b, b));
-  }
+  __m512i p[4], a, b;
+  for (int j = 0; j < 4; ++j)
+    p[j] = step_loads(src, nb, j, a, b) ? max_lane_pairs(_mm512_add_epi16(a, a), _mm512_add_epi16(b, b)) : _mm512_setzero_si512();
   const __m512i raw = lane_max16(p);
   if (_mm512_cmpgt_epi32_mask(raw, _mm512_set1_epi32(0x7F7F)) != 0) return false;
   const __m512 amax = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(_mm512_cmpgt_epi32_mask(raw, _mm512_set1_epi32(0x7F)), raw, 16));
@@ -169,14 +173,11 @@ __attribute__((always_inline)) KVW_AVX512 bool nvfp4_scales16_512(const uint16_t
 
 // Phase 2: the packed codes of nb <= 16 blocks from src by phase 1's eb, mx.
 __attribute__((always_inline)) KVW_AVX512 void nvfp4_codes16_512(const uint16_t* src, int nb, __m512i eb, __m512i mx, const Fp4Consts& k, char* bytes) {
-  __m512i w[4];
-  for (int h = 0; h < 4; ++h) {
-    w[h] = _mm512_setzero_si512();
-    if (4 * h >= nb) continue;  // no blocks in this step
-    const __m512i l0 = _mm512_maskz_loadu_epi16(words_mask(16 * nb - 64 * h), src + 64 * h);
-    const __m512i l1 = _mm512_maskz_loadu_epi16(words_mask(16 * nb - 64 * h - 32), src + 64 * h + 32);
-    w[h] = e2m1_pack64(l0, l1, _mm512_permutexvar_epi8(k.b16[h], eb), _mm512_permutexvar_epi8(k.b16[h], mx), k);
-  }
+  __m512i w[4], l0, l1;
+  for (int h = 0; h < 4; ++h)
+    w[h] = step_loads(src, nb, h, l0, l1)
+               ? e2m1_pack64(l0, l1, _mm512_permutexvar_epi8(k.b16[h], eb), _mm512_permutexvar_epi8(k.b16[h], mx), k)
+               : _mm512_setzero_si512();
   for (int h = 0; h < 2; ++h)
     if (8 * h < nb) _mm512_mask_storeu_epi8(bytes + 64 * h, bytes_mask(8 * nb - 64 * h), _mm512_permutex2var_epi8(w[2 * h], k.lo, w[2 * h + 1]));
 }
