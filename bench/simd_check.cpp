@@ -22,6 +22,7 @@
 #include "../csrc/kvwrite/kv_quant.h"
 #include "../csrc/kvwrite/nvfp4.h"
 #include "../csrc/kvwrite/store_dsv4_fp4.h"
+#include "../csrc/kvwrite/store_dsv4.h"
 
 using namespace kvwrite;
 
@@ -133,6 +134,65 @@ std::vector<uint16_t> fp4_threshold_rows(int block, Scale scale, int c0, int c1,
   return x;
 }
 
+// Run lengths in blocks: every partial group of the 8- and 16-block lanes and whole ones.
+static constexpr int RUNS[8] = {28, 61, 16, 1, 5, 9, 13, 32};
+
+// nvfp4_run<IN> (the arithmetic lanes: fp16 / fp32 rows, global scales) against the scalar
+// nvfp4_block over the rows x (elements as IN's bits), runs of RUNS blocks, with and without
+// global scales (ones the lanes decline too: subnormal, negative, huge, inf, NaN) and the V4.1 floor.
+template <DType IN, class T>
+long check_nvfp4_rows(const char* what, const std::vector<T>& x) {
+  const int nbk = int(x.size()) / 16;
+  long bad = 0;
+  for (const float gl : {0.0f, 0.5f, 1e-30f, 3.7f, 1e-3f, 0.37f, 1e-40f, -2.0f, 3e38f, INFINITY, NAN})
+    for (const float fl : {0.0f, 1.0f / 512}) {
+      const float* gp = gl == 0.0f ? nullptr : &gl;
+      std::vector<char> b1(nbk * 8), s1(nbk), b2(nbk * 8), s2(nbk);
+      for (int k0 = 0, r = 0; k0 < nbk; k0 += RUNS[r % 8], ++r) {
+        const int m = nbk - k0 < RUNS[r % 8] ? nbk - k0 : RUNS[r % 8];
+        nvfp4_run<IN>(x.data(), i64(k0) * 16, m, gp, b1.data() + k0 * 8, s1.data() + k0, fl);
+      }
+      for (int k = 0; k < nbk; ++k)
+        nvfp4_block([&](int e) { return load_float<IN>(x.data(), k * 16 + e); }, gp, b2.data() + k * 8, s2.data() + k, fl);
+      long d = 0;
+      for (int i = 0; i < nbk * 8; ++i) d += b1[i] != b2[i];
+      for (int i = 0; i < nbk; ++i) d += s1[i] != s2[i];
+      if (d != 0 && bad < 4) std::printf("%s g=%g floor=%g: %ld bytes differ\n", what, gl, fl, d);
+      bad += d;
+    }
+  return bad;
+}
+
+__attribute__((target("f16c"))) uint16_t float_to_half(float f) { return _cvtss_sh(f, 0); }  // RNE
+
+// check_nvfp4_rows over fp16 and fp32 rows: every fp16 pattern (in order, shuffled, and scaled so
+// block scales land anywhere), the bf16 threshold rows (every e4m3 scale's ties) widened, and as
+// fp32 one ulp either side of each tie.
+long check_nvfp4_fp16_fp32() {
+  const int n = 1 << 16;
+  std::vector<uint16_t> thr = fp4_threshold_rows(16, [](int c) { return e4m3_to_float(uint8_t(c)); }, 1, 127, 6.0f);
+  std::vector<uint16_t> h(n);
+  std::vector<float> f(n);
+  long bad = 0;
+  for (const float mul : {1.0f, 1e-3f, 3e-5f, -1.0f}) {  // -1: shuffled
+    for (int i = 0; i < n; ++i) h[i] = mul == -1.0f ? uint16_t(i) : float_to_half(half_to_float(uint16_t(i)) * mul);
+    if (mul == -1.0f) std::shuffle(h.begin(), h.end(), std::mt19937(6));
+    bad += check_nvfp4_rows<DType::F16>("nvfp4 fp16", h);
+  }
+  for (int i = 0; i < n; ++i) h[i] = float_to_half(bf16_to_float(thr[i]));  // ties representable in fp16
+  bad += check_nvfp4_rows<DType::F16>("nvfp4 fp16 ties", h);
+  std::mt19937 g(7);
+  for (const float mul : {1.0f, 1e-30f, 3e20f, 0.0f}) {  // 0: random fp32 patterns
+    for (int i = 0; i < n; ++i) {
+      const uint32_t r = g();
+      f[i] = mul == 0.0f ? bits_to_float(r) : bits_to_float((float_to_bits(bf16_to_float(thr[i])) + (r % 3) - 1)) * mul;
+    }
+    bad += check_nvfp4_rows<DType::F32>("nvfp4 fp32", f);
+  }
+  std::printf("nvfp4 fp16 / fp32 lanes, global scales: %ld bytes differ\n", bad);
+  return bad;
+}
+
 // nvfp4_run on bf16 rows (nvfp4_blocks8_bf16, or the generic lanes for a group it declines)
 // against the scalar nvfp4_block, every bf16 pattern, scaled so block scales land anywhere, with
 // and without global scales and the V4.1 floor.
@@ -145,13 +205,13 @@ long check_nvfp4_bf16() {
     for (int i = 0; i < n; ++i) x[i] = uint16_t(float_to_bits(bf16_to_float(uint16_t(i)) * mul) >> 16);
     if (mul == -1.0f) std::shuffle(x.begin(), x.end(), std::mt19937(3));
     if (mul == 0.0f) std::copy(thr.begin(), thr.begin() + n, x.begin());
-    for (const float gl : {0.0f, 0.5f, 1e-30f, 3.7f, 1e-3f})
+    for (const float gl : {0.0f, 0.5f, 1e-30f, 3.7f, 1e-3f, 0.37f, 1e-40f, -2.0f, 3e38f, INFINITY, NAN})
       for (const float fl : {0.0f, 1.0f / 512}) {
         const float* gp = gl == 0.0f ? nullptr : &gl;
         std::vector<char> b1(n / 2), s1(n / 16), b2(n / 2), s2(n / 16);
         for (int h = 0; h < n / 128; ++h) nvfp4_run<DType::BF16>(x.data(), h * 128, 8, gp, b1.data() + h * 64, s1.data() + h * 8, fl);
-        for (int k0 = 0, nb = 28; k0 < n / 16; k0 += nb, nb = nb == 28 ? 61 : 28) {  // runs of 28 and 61 blocks (partial groups)
-          const int m = n / 16 - k0 < nb ? n / 16 - k0 : nb;
+        for (int k0 = 0, r = 0; k0 < n / 16; k0 += RUNS[r % 8], ++r) {  // runs of 1 .. 61 blocks (partial groups)
+          const int m = n / 16 - k0 < RUNS[r % 8] ? n / 16 - k0 : RUNS[r % 8];
           std::vector<char> b3(m * 8), s3(m);
           nvfp4_run<DType::BF16>(x.data(), k0 * 16, m, gp, b3.data(), s3.data(), fl);
           for (int i = 0; i < m * 8; ++i) bad += b3[i] != b1[k0 * 8 + i];
@@ -205,6 +265,31 @@ long check_nvfp4_bf16() {
       }
     }
   }
+  thr = fp4_threshold_rows(32, [](int e) { return bits_to_float(uint32_t(e) << 23); }, 100, 254, 6.0f);  // amax 6 d: d exact
+  for (const float mul : {1.0f, 1e-30f, 3e20f, 1e-6f, -1.0f, 0.0f}) {  // the V4 indexer's MXFP4 blocks (dsv4_scale)
+    for (int i = 0; i < n; ++i) x[i] = uint16_t(float_to_bits(bf16_to_float(uint16_t(i)) * mul) >> 16);
+    if (mul == -1.0f) std::shuffle(x.begin(), x.end(), std::mt19937(8));
+    if (mul == 0.0f) std::copy(thr.begin(), thr.begin() + n, x.begin());
+    for (int k0 = 0, r = 0; k0 < n / 32; k0 += RUNS[r % 8], ++r) {
+      const int m = std::min(n / 32 - k0, std::min(RUNS[r % 8], 64));
+      std::vector<char> b3(16 * m), s3(m);
+      uint64_t left = 0;
+      if (!mxfp4_ceil_run_bf16(x.data() + 32 * k0, m, b3.data(), s3.data(), left)) break;  // not the AVX-512 level
+      for (int b = 0; b < m; ++b) {
+        const i64 at = 32 * i64(k0 + b);
+        bool special = false;
+        for (int e = 0; e < 32; ++e) special = special || (x[at + e] & 0x7FFF) >= 0x7F80;
+        if ((left >> b) & 1) {  // left to the caller: a NaN or an inf only
+          bad += !special;
+          continue;
+        }
+        const float sv = dsv4_scale(block_amax<DType::BF16>(x.data(), at, 32), 6.0f);
+        char want[16];
+        bad += special + e2m1_run<DType::BF16>(x.data(), at, 32, sv, want) + (s3[b] != ue8m0_byte(sv));
+        for (int j = 0; j < 16; ++j) bad += b3[16 * b + j] != want[j];
+      }
+    }
+  }
   std::printf("nvfp4 bf16 lanes, e2m1 runs, mxfp4 blocks: %ld bytes differ\n", bad);
   return bad;
 }
@@ -242,7 +327,7 @@ int main(int argc, char** argv) {
   std::mt19937 g(0);
   for (int k = 0; k < 2000; ++k) scales.push_back(bits_to_float((g() & 0x807FFFFFu) | (uint32_t(87 + g() % 80) << 23)));
   bad += check_bf16_run<E4M3>("e4m3 bf16 lanes", scales) + check_bf16_run<E5M2>("e5m2 bf16 lanes", scales);
-  bad += check_nvfp4_bf16();
+  bad += check_nvfp4_bf16() + check_nvfp4_fp16_fp32();
   {  // the static-scale code tables (fp8_bf16_table_run, blocks it declines by the arithmetic lanes)
     std::vector<uint16_t> x(65536);
     for (int i = 0; i < 65536; ++i) x[i] = uint16_t(i);

@@ -33,6 +33,23 @@ def run(call, specs: dict) -> None:
     assert_same_bytes(pool, ref, original)
 
 
+def run_store_kv_nvfp4(k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor, glob: float | None = None) -> None:
+    """store_kv_nvfp4 of k, v ([n, heads, dim]) at loc into pools of 16-token pages (8 slots to
+    spare), global scale glob on both sides (None: none), cpu against torch."""
+    n, heads, dim = k.shape
+    pages = -(-(n + 8) // 16)
+    gt = None if glob is None else torch.tensor([glob])
+
+    def call(p, b):
+        kvwrite.store_kv_nvfp4(k, v, p["k"], p["v"], p["ks"], p["vs"], loc, k_global_scale=gt,
+                               v_global_scale=gt, backend=b)
+
+    run(call, {"k": ((pages, 16, heads, dim // 2), torch.uint8),
+               "v": ((pages, 16, heads, dim // 2), torch.uint8),
+               "ks": ((pages, 16, heads, dim // 16), torch.float8_e4m3fn),
+               "vs": ((pages, 16, heads, dim // 16), torch.float8_e4m3fn)})
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("cache", FP8)
 @pytest.mark.parametrize("dim", [128, 40])   # 40: one 32-wide block and an 8-element tail
@@ -85,17 +102,7 @@ def test_store_kv_nvfp4_every_pattern(dtype, g):
     v = (k.float() * torch.logspace(-4, 4, k.shape[0])[:, None, None]).to(dtype)
     n = k.shape[0]
     loc = torch.randperm(n + 8, generator=torch.Generator().manual_seed(3))[:n]
-    pages = -(-(n + 8) // 16)
-    glob = None if g is None else torch.tensor([g])
-
-    def call(p, b):
-        kvwrite.store_kv_nvfp4(k, v, p["k"], p["v"], p["ks"], p["vs"], loc, k_global_scale=glob,
-                               v_global_scale=glob, backend=b)
-
-    run(call, {"k": ((pages, 16, heads, dim // 2), torch.uint8),
-               "v": ((pages, 16, heads, dim // 2), torch.uint8),
-               "ks": ((pages, 16, heads, dim // 16), torch.float8_e4m3fn),
-               "vs": ((pages, 16, heads, dim // 16), torch.float8_e4m3fn)})
+    run_store_kv_nvfp4(k, v, loc, g)
 
 
 @pytest.mark.parametrize("lora,rope", [(512, 64), (40, 24)])   # 40 + 24: a block straddles both
@@ -256,17 +263,7 @@ def test_store_kv_nvfp4_bf16_lanes_thresholds(heads, dim, strided):
     rows = torch.cat([blocks, blocks[: n * per_token - blocks.shape[0]]]).reshape(n, heads, dim)
     if strided:   # heads not contiguous: runs of dim / 16 blocks a head
         rows = torch.cat([rows, rows], -1)[..., :dim]
-    k, v = rows, rows.flip(0)
-    loc = torch.randperm(n + 8, generator=g)[:n]
-    pages = -(-(n + 8) // 16)
-
-    def call(p, b):
-        kvwrite.store_kv_nvfp4(k, v, p["k"], p["v"], p["ks"], p["vs"], loc, backend=b)
-
-    run(call, {"k": ((pages, 16, heads, dim // 2), torch.uint8),
-               "v": ((pages, 16, heads, dim // 2), torch.uint8),
-               "ks": ((pages, 16, heads, dim // 16), torch.float8_e4m3fn),
-               "vs": ((pages, 16, heads, dim // 16), torch.float8_e4m3fn)})
+    run_store_kv_nvfp4(rows, rows.flip(0), torch.randperm(n + 8, generator=g)[:n])
 
 
 @pytest.mark.parametrize("lora,rope", [(512, 64), (48, 16)])
@@ -312,3 +309,81 @@ def test_store_dsv4_fp4_bf16_lanes_thresholds(fmt):
         kvwrite.store_dsv4_kv_fp4(kv, p["c"], loc, fmt=fmt, backend=b)
 
     run(call, {"c": ((pages, rec.token_bytes), torch.uint8)})
+
+
+def fp4_arith_blocks(dtype: torch.dtype, glob: float | None, g: torch.Generator) -> torch.Tensor:
+    """Blocks of 16 for the arithmetic NVFP4 lanes (a global scale, fp16 / fp32 rows): per e4m3
+    value v the block amax 6 v g and the ties B RN(v g) as `dtype` with their `dtype` neighbours
+    (one unit of the last place either side), 0, -0, subnormals; then the special blocks."""
+    gs = 1.0 if glob is None else glob
+    ibits = torch.int32 if dtype == torch.float32 else torch.int16
+    sub = torch.tensor([1, 0x40, 0x7F], dtype=ibits).view(dtype).float()
+    out = []
+    for d in e4m3_values().tolist():
+        dd = torch.tensor(d, dtype=torch.float32) * torch.tensor(gs, dtype=torch.float32)
+        ties = (torch.tensor(_E2M1_TIES) * dd).to(dtype).view(ibits).to(torch.int64)
+        near = torch.stack([ties - 1, ties, ties + 1], -1).to(ibits).view(dtype).float().flatten()
+        cand = torch.cat([near, torch.tensor([0.0, -0.0]), sub])
+        pick = cand[torch.randint(0, cand.numel(), (15,), generator=g)]
+        sign = torch.where(torch.rand(15, generator=g) < 0.5, -1.0, 1.0)
+        out.append(torch.cat([(6 * dd).reshape(1), pick * sign]))
+    specials = fp4_special_blocks(16).float()
+    specials[2] = sub.repeat(6)[:16]   # subnormals of the row's own type (fp32: read as +-0)
+    return torch.cat([torch.stack(out), specials]).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("glob", [None, 0.37, 1e-30, 3e38, 1e-40])   # 3e38: d overflows, 1e-40: subnormal g
+@pytest.mark.parametrize("heads,dim", [(5, 48), (3, 80), (8, 128)])
+def test_store_kv_nvfp4_arith_lanes_thresholds(dtype, glob, heads, dim):
+    """The AVX-512 arithmetic NVFP4 lanes (sixteen blocks a group; groups they decline go to the
+    AVX2 lanes): ties and neighbours for every e4m3 scale, specials, runs of 15 / 64 blocks a
+    token and 3 / 5 a head (strided v), with and without a global scale."""
+    g = torch.Generator().manual_seed(12)
+    blocks = fp4_arith_blocks(dtype, glob, g)
+    per_token = heads * dim // 16
+    n = -(-blocks.shape[0] // per_token)
+    k = torch.cat([blocks, blocks[: n * per_token - blocks.shape[0]]]).reshape(n, heads, dim)
+    v = torch.cat([k, k], -1)[..., :dim].flip(0)   # heads not contiguous
+    run_store_kv_nvfp4(k, v, torch.randperm(n + 8, generator=g)[:n], glob)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("glob", [None, 0.37])
+def test_store_mla_nvfp4_arith_lanes_thresholds(dtype, glob):
+    """store_mla nvfp4 by the arithmetic lanes: 32 blocks of kv_c and 4 of k_pe a token."""
+    g = torch.Generator().manual_seed(13)
+    blocks = fp4_arith_blocks(dtype, glob, g)
+    n = -(-blocks.shape[0] // 36)
+    x = torch.cat([blocks, blocks[: n * 36 - blocks.shape[0]]]).reshape(n, 576)
+    loc = torch.randperm(n + 4, generator=g)[:n]
+    pages = -(-(n + 4) // 16)
+    gt = None if glob is None else torch.tensor([glob])
+
+    def call(p, b):
+        kvwrite.store_mla(x[:, :512], x[:, 512:], p["c"], loc, kv_cache_dtype="nvfp4", scale_cache=p["s"],
+                          global_scale=gt, backend=b)
+
+    run(call, {"c": ((pages, 16, 288), torch.uint8), "s": ((pages, 16, 36), torch.float8_e4m3fn)})
+
+
+@pytest.mark.parametrize("d", [128, 64])
+def test_store_dsv4_indexer_mxfp4_lanes_thresholds(d):
+    """The V4 indexer's MXFP4 rows (scale max(amax, 1e-4) / 6 rounded up to a power of two): amax
+    6 s (the scale s itself) and 4 s for s = 2^j, ties B s and their bf16 neighbours, the specials
+    (NaN / inf blocks left to the scalar rule), scales under the 1e-4 floor; 4 / 2 blocks a row."""
+    from kvwrite.ops.dsv4 import indexer_row_bytes
+    g = torch.Generator().manual_seed(14)
+    scales = (2.0 ** torch.arange(-20, 124, 1, dtype=torch.float64)).float()
+    blocks = torch.cat([fp4_threshold_blocks(scales, lambda s: 6 * s, 32, g),
+                        fp4_threshold_blocks(scales, lambda s: 4 * s, 32, g), fp4_special_blocks(32)])
+    per_token = d // 32
+    n = -(-blocks.shape[0] // per_token)
+    k = torch.cat([blocks, blocks[: n * per_token - blocks.shape[0]]]).reshape(n, d)
+    loc = torch.randperm(n + 8, generator=g)[:n]
+    pages = -(-(n + 8) // 64)
+
+    def call(p, b):
+        kvwrite.store_dsv4_indexer_k(k, p["c"], loc, fmt="mxfp4", backend=b)
+
+    run(call, {"c": ((pages, 64 * indexer_row_bytes(d, "mxfp4")), torch.uint8)})

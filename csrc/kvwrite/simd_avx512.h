@@ -48,6 +48,20 @@ KVW_AVX512 __m512i grid_codes16_noftz(__m512 ax) {
   return _mm512_srli_epi32(_mm512_castps_si512(r), drop);
 }
 
+// grid_codes8_k of sixteen magnitudes; `value`, where given, gets the rounded magnitudes (the
+// codes' values: t - m is exact).
+template <int MANT, int EMIN>
+KVW_AVX512 __m512i grid_codes16_k(__m512 ax, __m512* value = nullptr) {
+  constexpr int drop = 23 - MANT, bias = 1 - EMIN;
+  const __m512i eb = _mm512_max_epi32(_mm512_and_si512(_mm512_castps_si512(ax), _mm512_set1_epi32(0x7F800000)),
+                                      _mm512_set1_epi32((EMIN + 127) << 23));
+  const __m512i m = _mm512_add_epi32(eb, _mm512_set1_epi32(drop << 23));
+  const __m512 t = _mm512_add_ps(ax, _mm512_castsi512_ps(m));
+  if (value != nullptr) *value = _mm512_sub_ps(t, _mm512_castsi512_ps(m));
+  const __m512i k = _mm512_sub_epi32(_mm512_castps_si512(t), m);
+  return _mm512_add_epi32(k, _mm512_sub_epi32(_mm512_srli_epi32(eb, drop), _mm512_set1_epi32((128 - bias) << MANT)));
+}
+
 // fp8_bf16_run_avx2, 64 elements a step (the rest by the AVX2 lanes); returns how many were done.
 template <class F, bool DYN>
 KVW_AVX512 int fp8_bf16_run_512(const uint16_t* __restrict__ src, int n, float s, char* __restrict__ dst, float r) {

@@ -1,7 +1,8 @@
 // Host x86 AVX-512 lanes of the FP4 stores on bf16 rows (NVFP4 blocks of 16 with e4m3 scales, no
 // global scale: store_kv_nvfp4, store_mla nvfp4, the DeepSeek V4 / V4.1 NVFP4 records; MXFP4 blocks
-// of 32 with ue8m0 scales: the V4 MXFP4 record), 64 elements a step, selected at run time
-// (simd_level() == 2) by the dispatchers at the end; else the AVX2 lanes (simd_x86.h).
+// of 32 with ue8m0 scales: the V4 MXFP4 record and the V4 indexer), 64 elements a step, and NVFP4
+// by arithmetic (a global scale, fp16 / fp32 rows), selected at run time (simd_level() == 2) by the
+// dispatchers at the end; else the AVX2 lanes (simd_x86.h).
 //
 // e2m1 codes without thresholds a block: the AVX2 lanes count the seven thresholds T = B d below
 // |x| (16-bit compares; e2m1_bf16_thresholds says why that is the scalar RN(x / d) rule). With
@@ -85,13 +86,14 @@ KVW_AVX512 __m512i block_idx(int first) {
 
 // The loops' constants in registers: the tables, the byte indices, the block spreads.
 struct Fp4Consts {
-  __m512i base, t1, t2, eb0, eb1, mx0, mx1, lo, hi, b16[2], b32[4];
+  __m512i base, t1, t2, eb0, eb1, mx0, mx1, lo, hi, b16[4], b32[4];
   KVW_AVX512_FN explicit Fp4Consts(const E2m1Lut& t)
       : base(_mm512_load_si512(t.base)), t1(_mm512_load_si512(t.t1)), t2(_mm512_load_si512(t.t2)),
         eb0(_mm512_load_si512(t.eb)), eb1(_mm512_load_si512(t.eb + 64)), mx0(_mm512_load_si512(t.mx)),
         mx1(_mm512_load_si512(t.mx + 64)),
         lo(_mm512_add_epi8(_mm512_load_si512(IOTA64.v), _mm512_load_si512(IOTA64.v))),  // byte 2j: the words' low bytes
-        hi(_mm512_add_epi8(lo, _mm512_set1_epi8(1))), b16{block_idx<16>(0), block_idx<16>(4)},
+        hi(_mm512_add_epi8(lo, _mm512_set1_epi8(1))),
+        b16{block_idx<16>(0), block_idx<16>(4), block_idx<16>(8), block_idx<16>(12)},
         b32{block_idx<32>(0), block_idx<32>(2), block_idx<32>(4), block_idx<32>(6)} {}
 };
 
@@ -128,75 +130,203 @@ KVW_AVX512 __m256i lane_max8(__m512i p, __m512i q) {
   return _mm256_srli_epi32(_mm256_slli_epi32(_mm512_castsi512_si256(g), 16), 17);
 }
 
-// NVFP4 of nb <= 8 bf16 blocks of 16 from src, no global scale: false (nothing written) where a
-// block holds a NaN or an inf. The scales as nvfp4_scales8_bf16 (amax by a lane max tree), the
-// codes four blocks a step by e2m1_pack64.
-__attribute__((always_inline)) KVW_AVX512 bool nvfp4_group_512(const uint16_t* src, int nb, float floor, const Fp4Consts& k, char* bytes, char* scales) {
-  __m512i l[4], d[4];
-  for (int j = 0; j < 4; ++j) {
-    l[j] = _mm512_maskz_loadu_epi16(words_mask(16 * nb - 32 * j), src + 32 * j);
-    d[j] = _mm512_add_epi16(l[j], l[j]);
-  }
-  const __m256i raw = lane_max8(max_lane_pairs(d[0], d[1]), max_lane_pairs(d[2], d[3]));
-  if (_mm256_movemask_epi8(_mm256_cmpgt_epi32(raw, _mm256_set1_epi32(0x7F7F))) != 0) return false;
-  const __m256 amax = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(raw, 16), _mm256_cmpgt_epi32(raw, _mm256_set1_epi32(0x7F))));
-  const __m256 s = _mm256_max_ps(_mm256_div_ps(amax, _mm256_set1_ps(6.0f)), _mm256_set1_ps(floor));
-  const __m128i code = _mm256_cvtepi32_epi8(grid_codes8_k<3, -6>(_mm256_min_ps(s, _mm256_set1_ps(448.0f))));
-  if (nb == 8) {
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(scales), code);
-  } else {
-    _mm_mask_storeu_epi8(scales, __mmask16((1u << nb) - 1), code);
-  }
-  const __m512i c = _mm512_castsi128_si512(code);
-  const __m512i eb = _mm512_permutex2var_epi8(k.eb0, c, k.eb1), mx = _mm512_permutex2var_epi8(k.mx0, c, k.mx1);
-  __m512i w[2];
-  for (int h = 0; h < 2; ++h)
-    w[h] = e2m1_pack64(l[2 * h], l[2 * h + 1], _mm512_permutexvar_epi8(k.b16[h], eb), _mm512_permutexvar_epi8(k.b16[h], mx), k);
-  const __m512i out = _mm512_permutex2var_epi8(w[0], k.lo, w[1]);
-  if (nb == 8) {
-    _mm512_storeu_si512(bytes, out);
-  } else {
-    _mm512_mask_storeu_epi8(bytes, bytes_mask(8 * nb), out);
-  }
+// The maxima of the sixteen 128-bit lanes of p[0..3] (blocks 4j .. 4j + 3 in p[j]), 16-bit
+// unsigned, as 16 dwords in block order, shifted right by one (raw |x|, as lane_max8).
+KVW_AVX512 __m512i lane_max16(const __m512i (&p)[4]) {
+  __m512i r[2];
+  for (int h = 0; h < 2; ++h)  // lane i: qword 0 p[2h]'s, qword 1 p[2h + 1]'s four-word maxima
+    r[h] = _mm512_max_epu16(_mm512_unpacklo_epi64(p[2 * h], p[2 * h + 1]), _mm512_unpackhi_epi64(p[2 * h], p[2 * h + 1]));
+  const __m512 r0 = _mm512_castsi512_ps(r[0]), r1 = _mm512_castsi512_ps(r[1]);  // lane i, dword j: p[j]'s pair
+  const __m512i s = _mm512_max_epu16(_mm512_castps_si512(_mm512_shuffle_ps(r0, r1, 0x88)), _mm512_castps_si512(_mm512_shuffle_ps(r0, r1, 0xDD)));
+  const __m512i t = _mm512_max_epu16(s, _mm512_srli_epi32(s, 16));  // dword 4i + j: block 4j + i
+  const __m512i g = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), t);
+  return _mm512_srli_epi32(_mm512_and_si512(g, _mm512_set1_epi32(0xFFFF)), 1);
+}
+
+// Step h (64 elements) of nb <= 16 blocks of 16 from src as two loads; false where it holds no
+// block (masked: nothing past the run is read).
+__attribute__((always_inline)) KVW_AVX512 bool step_loads(const uint16_t* src, int nb, int h, __m512i& l0, __m512i& l1) {
+  if (4 * h >= nb) return false;
+  l0 = _mm512_maskz_loadu_epi16(words_mask(16 * nb - 64 * h), src + 64 * h);
+  l1 = _mm512_maskz_loadu_epi16(words_mask(16 * nb - 64 * h - 32), src + 64 * h + 32);
   return true;
 }
 
-// nvfp4_run_avx2 for bf16 rows without a global scale, eight blocks a group (a group holding a NaN
-// or an inf: nvfp4_block_avx2 block by block).
+// Phase 1 of nvfp4_run_512: the scales of nb <= 16 bf16 blocks from src, no global scale: false
+// (nothing written) where a block holds a NaN or an inf; else the e4m3 codes to `scales` and each
+// block's E_d - 3 and m << 3 (bytes 0..15 of eb, mx).
+__attribute__((always_inline)) KVW_AVX512 bool nvfp4_scales16_512(const uint16_t* src, int nb, float floor, const Fp4Consts& k, char* scales, __m512i& eb, __m512i& mx) {
+  __m512i p[4], a, b;
+  for (int j = 0; j < 4; ++j)
+    p[j] = step_loads(src, nb, j, a, b) ? max_lane_pairs(_mm512_add_epi16(a, a), _mm512_add_epi16(b, b)) : _mm512_setzero_si512();
+  const __m512i raw = lane_max16(p);
+  if (_mm512_cmpgt_epi32_mask(raw, _mm512_set1_epi32(0x7F7F)) != 0) return false;
+  const __m512 amax = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(_mm512_cmpgt_epi32_mask(raw, _mm512_set1_epi32(0x7F)), raw, 16));
+  const __m512 s = _mm512_max_ps(_mm512_div_ps(amax, _mm512_set1_ps(6.0f)), _mm512_set1_ps(floor));
+  const __m128i code = _mm512_cvtepi32_epi8(grid_codes16_k<3, -6>(_mm512_min_ps(s, _mm512_set1_ps(448.0f))));
+  _mm_mask_storeu_epi8(scales, __mmask16((1u << nb) - 1), code);
+  const __m512i c = _mm512_castsi128_si512(code);
+  eb = _mm512_permutex2var_epi8(k.eb0, c, k.eb1);
+  mx = _mm512_permutex2var_epi8(k.mx0, c, k.mx1);
+  return true;
+}
+
+// Phase 2: the packed codes of nb <= 16 blocks from src by phase 1's eb, mx.
+__attribute__((always_inline)) KVW_AVX512 void nvfp4_codes16_512(const uint16_t* src, int nb, __m512i eb, __m512i mx, const Fp4Consts& k, char* bytes) {
+  __m512i w[4], l0, l1;
+  for (int h = 0; h < 4; ++h)
+    w[h] = step_loads(src, nb, h, l0, l1)
+               ? e2m1_pack64(l0, l1, _mm512_permutexvar_epi8(k.b16[h], eb), _mm512_permutexvar_epi8(k.b16[h], mx), k)
+               : _mm512_setzero_si512();
+  for (int h = 0; h < 2; ++h)
+    if (8 * h < nb) _mm512_mask_storeu_epi8(bytes + 64 * h, bytes_mask(8 * nb - 64 * h), _mm512_permutex2var_epi8(w[2 * h], k.lo, w[2 * h + 1]));
+}
+
+// nvfp4_run_avx2 for bf16 rows without a global scale, sixteen blocks a group in two phases, one
+// group ahead (a group holding a NaN or an inf: nvfp4_block_avx2 block by block).
 KVW_AVX512 void nvfp4_run_512(const uint16_t* x, int nblocks, char* bytes, char* scales, float floor) {
   const Fp4Consts k(e2m1_lut());
-  for (int b0 = 0; b0 < nblocks; b0 += 8) {
-    const int nb = nblocks - b0 < 8 ? nblocks - b0 : 8;
-    if (nvfp4_group_512(x + 16 * b0, nb, floor, k, bytes + 8 * b0, scales + b0)) continue;
-    for (int b = b0; b < b0 + nb; ++b) nvfp4_block_avx2<DType::BF16>(x, 16 * b, nullptr, bytes + 8 * b, scales + b, floor);
+  __m512i eb, mx, eb1 = _mm512_setzero_si512(), mx1 = eb1;
+  bool ok = nblocks > 0 && nvfp4_scales16_512(x, nblocks < 16 ? nblocks : 16, floor, k, scales, eb, mx);
+  for (int b0 = 0; b0 < nblocks; b0 += 16) {
+    const int nb = nblocks - b0 < 16 ? nblocks - b0 : 16, n1 = nblocks - b0 - 16;
+    const bool next = n1 > 0 && nvfp4_scales16_512(x + 16 * (b0 + 16), n1 < 16 ? n1 : 16, floor, k, scales + b0 + 16, eb1, mx1);
+    if (ok) {
+      nvfp4_codes16_512(x + 16 * b0, nb, eb, mx, k, bytes + 8 * b0);
+    } else {
+      for (int b = b0; b < b0 + nb; ++b) nvfp4_block_avx2<DType::BF16>(x, 16 * b, nullptr, bytes + 8 * b, scales + b, floor);
+    }
+    ok = next, eb = eb1, mx = mx1;
   }
 }
 
+// ---- NVFP4 by arithmetic: a global scale, fp16 / fp32 rows ---------------------------------------
+// Sixteen elements from src + i as fp32 bits, as stored (no daz).
+template <DType IN>
+KVW_AVX512 __m512i load16_bits(const void* src, i64 i) {
+  if constexpr (IN == DType::F32) return _mm512_loadu_si512(static_cast<const float*>(src) + i);
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(src) + i));
+  if constexpr (IN == DType::F16) return _mm512_castps_si512(_mm512_cvtph_ps(h));
+  return _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+}
+
+// The lanes of |x| bits a that nvfp4_block divides: normal and finite, or +-inf (subnormals read
+// as +-0, NaN apart).
+KVW_AVX512 __mmask16 normal_or_inf16(__m512i a) {
+  return _mm512_cmple_epu32_mask(_mm512_sub_epi32(a, _mm512_set1_epi32(0x00800000)), _mm512_set1_epi32(0x7F000000));
+}
+
+// The max of each of 16 vectors' dword lanes (unsigned), as one vector (lane b: a[b]): a
+// transposing max tree.
+KVW_AVX512 __m512i hmax16x16(const __m512i (&a)[16]) {
+  __m512i t[8], u[4], w[2];
+  for (int k = 0; k < 8; ++k)  // lane i: a[2k], a[2k + 1] pairs (dwords 0 | 2, 1 | 3)
+    t[k] = _mm512_max_epu32(_mm512_unpacklo_epi32(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_epi32(a[2 * k], a[2 * k + 1]));
+  for (int k = 0; k < 4; ++k)  // lane i, dword j: a[4k + j]'s lane i
+    u[k] = _mm512_max_epu32(_mm512_unpacklo_epi64(t[2 * k], t[2 * k + 1]), _mm512_unpackhi_epi64(t[2 * k], t[2 * k + 1]));
+  for (int k = 0; k < 2; ++k)  // lanes 0, 1: u[2k] (lanes 0 | 1, 2 | 3), lanes 2, 3: u[2k + 1]
+    w[k] = _mm512_max_epu32(_mm512_shuffle_i64x2(u[2 * k], u[2 * k + 1], 0x88), _mm512_shuffle_i64x2(u[2 * k], u[2 * k + 1], 0xDD));
+  return _mm512_max_epu32(_mm512_shuffle_i64x2(w[0], w[1], 0x88), _mm512_shuffle_i64x2(w[0], w[1], 0xDD));
+}
+
+// nvfp4_block's e2m1 codes of the 16 elements from src + i for the divisor d (finite, >= 0),
+// packed (element 2j in the low nibble) into 8 bytes; whether any was NaN. |x| / d by the
+// division (the scalar quotient itself), clamped to 6 (inf: 6), grid_codes16_k; d == 0, subnormal
+// x: the sign alone; NaN: 0.
+template <DType IN>
+KVW_AVX512 bool e2m1_block16(const void* src, i64 i, float d, char* bytes) {
+  const __m512i x = load16_bits<IN>(src, i), a = _mm512_and_si512(x, _mm512_set1_epi32(0x7FFFFFFF));
+  const __mmask16 div = normal_or_inf16(a) & (d != 0.0f ? 0xFFFF : 0), num = _mm512_cmple_epu32_mask(a, _mm512_set1_epi32(0x7F800000));
+  const __m512 y = _mm512_maskz_div_ps(div, _mm512_castsi512_ps(a), _mm512_set1_ps(d));
+  const __m512i code = grid_codes16_k<1, 0>(_mm512_min_ps(y, _mm512_set1_ps(6.0f)));
+  const __m512i c = _mm512_maskz_ternarylogic_epi32(num, code, _mm512_srli_epi32(x, 28), _mm512_set1_epi32(8), 0xF8);  // code | (sign & 8)
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(bytes), _mm512_cvtepi64_epi8(_mm512_or_si512(c, _mm512_srli_epi64(c, 28))));
+  return num != 0xFFFF;
+}
+
+// NVFP4 of nb <= 16 blocks from src + start by the scalar arithmetic, sixteen scales in one
+// vector: amax (a transposing max tree of the policy |x|), s = max(amax / 6, floor) (/ g), the
+// e4m3 code of min(s, 448) and its value (grid_codes16_k), d = value (* g). g: null, or finite,
+// positive and normal (s >= 0: the code is its rounding, saturated). False (nothing written) where
+// some d is not finite: the caller takes the AVX2 lanes.
+template <DType IN>
+KVW_AVX512 bool nvfp4_arith16_512(const void* src, i64 start, int nb, const float* global, float floor, char* bytes, char* scales) {
+  __m512i a[16];
+  for (int b = 0; b < 16; ++b) {
+    a[b] = _mm512_setzero_si512();
+    if (b >= nb) continue;
+    const __m512i v = _mm512_and_si512(load16_bits<IN>(src, start + 16 * b), _mm512_set1_epi32(0x7FFFFFFF));
+    a[b] = _mm512_maskz_mov_epi32(normal_or_inf16(v) & _mm512_cmplt_epu32_mask(v, _mm512_set1_epi32(0x7F800000)), v);
+  }
+  __m512 s = _mm512_max_ps(_mm512_div_ps(_mm512_castsi512_ps(hmax16x16(a)), _mm512_set1_ps(6.0f)), _mm512_set1_ps(floor));
+  if (global != nullptr) s = _mm512_div_ps(s, _mm512_set1_ps(global[0]));
+  __m512 d;
+  __m512i code = grid_codes16_k<3, -6>(_mm512_min_ps(s, _mm512_set1_ps(448.0f)), &d);
+  if (global != nullptr) d = _mm512_mul_ps(d, _mm512_set1_ps(global[0]));
+  if (_mm512_cmp_ps_mask(d, _mm512_set1_ps(3.4028234663852886e38f), _CMP_NLE_UQ) != 0) return false;
+  alignas(64) float dl[16];
+  _mm512_store_ps(dl, d);
+  uint32_t nan = 0;
+  for (int b = 0; b < nb; ++b) nan |= uint32_t(e2m1_block16<IN>(src, start + 16 * b, dl[b], bytes + 8 * b)) << b;
+  code = _mm512_mask_mov_epi32(code, __mmask16(nan), _mm512_set1_epi32(0x7F));  // a NaN: the scale NaN
+  _mm_mask_storeu_epi8(scales, __mmask16((1u << nb) - 1), _mm512_cvtepi32_epi8(code));
+  return true;
+}
+
+// nvfp4_run_avx2 by nvfp4_arith16_512, sixteen blocks a group (a group it declines: the AVX2
+// lanes).
+template <DType IN>
+KVW_AVX512 void nvfp4_arith_run_512(const void* src, i64 start, int nblocks, const float* global, char* bytes, char* scales, float floor) {
+  for (int b0 = 0; b0 < nblocks; b0 += 16) {
+    const int nb = nblocks - b0 < 16 ? nblocks - b0 : 16;
+    if (!nvfp4_arith16_512<IN>(src, start + 16 * b0, nb, global, floor, bytes + 8 * b0, scales + b0))
+      nvfp4_run_avx2<IN>(src, start + 16 * b0, nb, global, bytes + 8 * b0, scales + b0, floor);
+  }
+}
+
+// A global scale the arithmetic lanes take: finite, positive and normal.
+inline bool global_ok(const float* g) { return g == nullptr || (*g >= 1.1754943508222875e-38f && *g <= 3.4028234663852886e38f); }
+
+// The DeepSeek V4 indexer's scale bytes (dsv4_scale: max(amax, 1e-4) / 6 rounded up to a power of
+// two, the same fp32 division) of eight blocks from their raw |x| maxima into e (in [111, 253]:
+// the e2m1 tables' range); returns the mask of the first nb blocks holding a NaN or an inf (left
+// to the scalar rule).
+KVW_AVX512 uint32_t mxfp4_ceil_scales8(__m256i raw, int nb, __m256i& e) {
+  const __m256 amax = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(raw, 16), _mm256_cmpgt_epi32(raw, _mm256_set1_epi32(0x7F))));
+  const __m256 s = _mm256_div_ps(_mm256_max_ps(amax, _mm256_set1_ps(1e-4f)), _mm256_set1_ps(6.0f));
+  e = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(s), _mm256_set1_epi32(0x7FFFFF)), 23);
+  return uint32_t(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(raw, _mm256_set1_epi32(0x7F7F))))) & ((1u << nb) - 1);
+}
+
 // mxfp4_blocks8_avx2, 64 elements a step: the eight blocks' raw maxima by a lane max tree, their
-// scale bytes by mxfp4_scales8, the codes (d = 2^(e - 127): E_d - 3 = e - 3, m = 0) by
-// e2m1_pack64. Blocks it leaves (the mask returned) may hold any bytes: the caller rewrites them.
+// scale bytes by mxfp4_scales8 (CEIL: the indexer's mxfp4_ceil_scales8), the codes (d = 2^(e -
+// 127): E_d - 3 = e - 3, m = 0) by e2m1_pack64. Blocks it leaves (the mask returned) may hold any
+// bytes: the caller rewrites them.
+template <bool CEIL = false>
 KVW_AVX512 uint32_t mxfp4_blocks8_512(const uint16_t* src, int nb, char* bytes, char* scales, const Fp4Consts& k) {
   __m512i l[8], p[4];
   for (int b = 0; b < 8; ++b) l[b] = _mm512_maskz_loadu_epi16(b < nb ? ~__mmask32(0) : 0, src + 32 * b);
   for (int j = 0; j < 4; ++j)
     p[j] = max_lane_pairs(_mm512_add_epi16(l[2 * j], l[2 * j]), _mm512_add_epi16(l[2 * j + 1], l[2 * j + 1]));
   __m256i e;
-  const uint32_t left = mxfp4_scales8(lane_max8(max_lane_pairs(p[0], p[1]), max_lane_pairs(p[2], p[3])), nb, e);
+  const __m256i raw = lane_max8(max_lane_pairs(p[0], p[1]), max_lane_pairs(p[2], p[3]));
+  const uint32_t left = CEIL ? mxfp4_ceil_scales8(raw, nb, e) : mxfp4_scales8(raw, nb, e);
   _mm_mask_storeu_epi8(scales, __mmask16(((1u << nb) - 1) & ~left), _mm256_cvtepi32_epi8(e));
   const __m512i eb = _mm512_castsi128_si512(_mm256_cvtepi32_epi8(_mm256_sub_epi32(e, _mm256_set1_epi32(3))));
   __m512i w[4];
-  for (int h = 0; h < 4; ++h)
-    w[h] = e2m1_pack64(l[2 * h], l[2 * h + 1], _mm512_permutexvar_epi8(k.b32[h], eb), _mm512_setzero_si512(), k);
+  for (int h = 0; h < 4; ++h)  // the steps holding blocks
+    w[h] = 2 * h < nb ? e2m1_pack64(l[2 * h], l[2 * h + 1], _mm512_permutexvar_epi8(k.b32[h], eb), _mm512_setzero_si512(), k) : _mm512_setzero_si512();
   for (int h = 0; h < 2; ++h)
     _mm512_mask_storeu_epi8(bytes + 64 * h, bytes_mask(16 * nb - 64 * h), _mm512_permutex2var_epi8(w[2 * h], k.lo, w[2 * h + 1]));
   return left;
 }
 
+template <bool CEIL = false>
 KVW_AVX512 uint64_t mxfp4_run_512(const uint16_t* x, int nblocks, char* bytes, char* scales) {
   const Fp4Consts k(e2m1_lut());
   uint64_t left = 0;
   for (int b0 = 0; b0 < nblocks; b0 += 8)
-    left |= uint64_t(mxfp4_blocks8_512(x + 32 * b0, nblocks - b0 < 8 ? nblocks - b0 : 8, bytes + 16 * b0, scales + b0, k)) << b0;
+    left |= uint64_t(mxfp4_blocks8_512<CEIL>(x + 32 * b0, nblocks - b0 < 8 ? nblocks - b0 : 8, bytes + 16 * b0, scales + b0, k)) << b0;
   return left;
 }
 
@@ -206,6 +336,7 @@ inline void nvfp4_run_simd(const void* src, i64 start, int nblocks, const float*
                            float floor = 0.0f, int noftz = -1) {
   if (IN == DType::BF16 && global == nullptr && simd512_ok() && e2m1_lut().ok)
     return nvfp4_run_512(static_cast<const uint16_t*>(src) + start, nblocks, bytes, scales, floor);
+  if (simd512_ok() && global_ok(global)) return nvfp4_arith_run_512<IN>(src, start, nblocks, global, bytes, scales, floor);
   nvfp4_run_avx2<IN>(src, start, nblocks, global, bytes, scales, floor, noftz);
 }
 // MXFP4 of nblocks <= 64 bf16 blocks of 32 from x, eight at a time; returns the mask of blocks left
@@ -213,6 +344,14 @@ inline void nvfp4_run_simd(const void* src, i64 start, int nblocks, const float*
 inline uint64_t mxfp4_run_bf16(const uint16_t* x, int nblocks, char* bytes, char* scales) {
   const bool wide = simd512_ok() && e2m1_lut().ok;
   return wide ? mxfp4_run_512(x, nblocks, bytes, scales) : mxfp4_run_avx2(x, nblocks, bytes, scales);
+}
+
+// The indexer's MXFP4 blocks (dsv4_scale's power-of-two scales) of nblocks <= 64 bf16 blocks of 32
+// from x: mxfp4_run_512<true> where the AVX-512 lanes apply (true); false: nothing written.
+inline bool mxfp4_ceil_run_bf16(const uint16_t* x, int nblocks, char* bytes, char* scales, uint64_t& left) {
+  if (!simd512_ok() || !e2m1_lut().ok) return false;
+  left = mxfp4_run_512<true>(x, nblocks, bytes, scales);
+  return true;
 }
 
 }  // namespace kvwrite

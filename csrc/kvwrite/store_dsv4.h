@@ -103,19 +103,33 @@ struct StoreMXFP4Params {
   LocArgs locs;
 };
 
-// Token i: lanes stride over its 32-value blocks.
+// Block b of token i into pool row `row`.
+template <DType IN>
+KVW_HD void store_mxfp4_block(const StoreMXFP4Params& p, i64 i, i64 row, int b) {
+  const i64 start = i * p.k_sn + i64(b) * DSV4_MXFP4_BLOCK;
+  const float s = dsv4_scale(block_amax<IN>(p.k, start, DSV4_MXFP4_BLOCK), 6.0f);
+  char* bytes = p.cache.data_at(row) + b * (DSV4_MXFP4_BLOCK / 2);
+  // special values (README): NaN -> code 0 and the block's scale byte 0xFF
+  const bool nan = e2m1_run<IN>(p.k, start, DSV4_MXFP4_BLOCK, s, bytes);
+  p.cache.scale_at(row)[b] = nan ? char(0xFF) : ue8m0_byte(s);
+}
+
+// Token i: lanes stride over its 32-value blocks (host, bf16: the AVX-512 lanes eight blocks at a
+// time, the blocks they leave by store_mxfp4_block).
 template <int CHECK, DType IN>
 KVW_HD void store_mxfp4_token(const StoreMXFP4Params& p, i64 i, int lane, int nlanes) {
   const Resolved r = resolve_checked<CHECK>(p.locs, i, lane == 0);
   if (!r.write) return;
-  for (int b = lane; b < p.D / DSV4_MXFP4_BLOCK; b += nlanes) {
-    const i64 start = i * p.k_sn + i64(b) * DSV4_MXFP4_BLOCK;
-    const float s = dsv4_scale(block_amax<IN>(p.k, start, DSV4_MXFP4_BLOCK), 6.0f);
-    char* bytes = p.cache.data_at(r.row) + b * (DSV4_MXFP4_BLOCK / 2);
-    // special values (README): NaN -> code 0 and the block's scale byte 0xFF
-    const bool nan = e2m1_run<IN>(p.k, start, DSV4_MXFP4_BLOCK, s, bytes);
-    p.cache.scale_at(r.row)[b] = nan ? char(0xFF) : ue8m0_byte(s);
+#if !defined(__CUDA_ARCH__) && KVW_SIMD_X86
+  uint64_t left = 0;
+  if (IN == DType::BF16 && nlanes == 1 && p.D <= 64 * DSV4_MXFP4_BLOCK &&
+      mxfp4_ceil_run_bf16(reinterpret_cast<const uint16_t*>(p.k) + i * p.k_sn, p.D / DSV4_MXFP4_BLOCK,
+                          p.cache.data_at(r.row), p.cache.scale_at(r.row), left)) {
+    for (; left != 0; left &= left - 1) store_mxfp4_block<IN>(p, i, r.row, __builtin_ctzll(left));
+    return;
   }
+#endif
+  for (int b = lane; b < p.D / DSV4_MXFP4_BLOCK; b += nlanes) store_mxfp4_block<IN>(p, i, r.row, b);
 }
 
 template <int CHECK, DType IN>
