@@ -286,7 +286,6 @@ def records_per_page(name: str, page_bytes: int, per: int, page_size: object, ab
 
 
 # --- DeepSeek V4 FP4 KV records (layouts on kvwrite.reference.dsv4_fp4) --------------------------------
-E2M1_MAX = 6.0
 V41_SCALE_FLOOR = 2.0 ** -9   # nvfp4_v41: e4m3 block scale = e4m3(max(amax / 6, 2**-9))
 
 

@@ -175,7 +175,7 @@ def _has_native() -> bool:
 _FALLBACKS: dict[str, Callable] = {}   # "ns::op" -> the Python writer its C++ route falls back to
 
 
-def _fallback_op(qual: str, fn: Callable, keys: list[str]) -> str:
+def _fallback_op(qual: str, fn: Callable) -> str:
     """The operator `kvwrite_engine::<ns>__<op>` (the schema of `qual`) running `fn`: what the C++
     route calls for a call off its fast path. Defined once per process; `fn` is looked up per call."""
     ns, op = qual.split("::")
@@ -228,7 +228,7 @@ def override_ops(adapters: Any, backend: str, state: Installed) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")   # "Overriding a previously registered kernel": intended
             if native and route.adapter in NATIVE:
-                py = _fallback_op(qual, fn, keys)
+                py = _fallback_op(qual, fn)
                 state.native[qual] = [torch.ops.kvwrite_ext.engine_route(qual, key, route.adapter, py)
                                       for key in keys]
             else:
