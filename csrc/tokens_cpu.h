@@ -1,6 +1,6 @@
 // The CPU per-token loop, the host twin of tokens.cuh: included by the units the build generates,
 // one per `KVW_BODY(Params, ...)` line and check mode (kvwrite._ext.launch_units: `#include
-// "tokens_cpu.h"` + `KVW_CPU_RUN(Params, mode)`, e.g. store_kv_params_guard.cpp). No torch: the
+// "tokens_cpu.h"` + `KVW_CPU_RUN(Params, mode)`, e.g. store_kv_params_guard_cpu.cpp). No torch: the
 // threads, the assert pre-scan and the guard epoch are the policy's (ops.cpp run_tokens).
 #pragma once
 

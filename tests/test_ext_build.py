@@ -191,6 +191,10 @@ def test_every_body_gets_one_generated_launch_unit_per_check_mode_and_generation
     assert not {u.name for u in units} & {p.name for p in CSRC.glob("*.cu")}
     readme = (CSRC / "README.md").read_text()   # names every params type's units (file table)
     assert [p for p in uses if f"`{_ext.unit_name(p, 'off').removesuffix('_off.cu')}`" not in readme] == []
+    # every source of the CUDA build has a stem of its own (setuptools names objects by stem: a .cu
+    # and a .cpp of one stem would overwrite each other's object in the ahead-of-time build)
+    stems = [f.stem for f in _ext.sources(CSRC, True, tmp_path)]
+    assert len(stems) == len(set(stems)) and len(stems) == 2 + len(list(CSRC.glob("*.cu"))) + 6 * len(uses)
     # no hand-written instantiation is left: csrc/ only defines KVW_LAUNCH (tokens.cuh)
     for f in list(CSRC.glob("*.cu")) + list(CSRC.glob("*.cuh")) + list(CSRC.glob("*.h")):
         assert not re.search(r"^\s*KVW_LAUNCH\(", f.read_text(), re.M), f.name
@@ -221,7 +225,7 @@ def test_a_new_body_header_gets_its_unit_and_a_duplicate_body_is_an_error(tmp_pa
     assert sorted(p.name for p in root.rglob("*")) == ["dispatch.h", "kvwrite", "store_new.h"]  # csrc/ untouched
     assert (tmp_path / "units" / _ext.OPS_HEADER).read_text().count('#include "kvwrite/store_new.h"') == 1
     cpu = [s.name for s in _ext.sources(root, False, tmp_path / "units")]
-    assert cpu == ["ops.cpp"] + [f"store_new{t}_params_{m}.cpp" for t in ("_fp8", "") for m in ("assert", "guard", "off")]
+    assert cpu == ["ops.cpp"] + [f"store_new{t}_params_{m}_cpu.cpp" for t in ("_fp8", "") for m in ("assert", "guard", "off")]
     assert "KVW_CPU_RUN(StoreNewParams, CHECK_OFF)" in (tmp_path / "units" / cpu[-1]).read_text()
     (root / "kvwrite" / "other.h").write_text("KVW_BODY(StoreNewParams, dispatch_again)\n")
     with pytest.raises(RuntimeError, match="twice"):

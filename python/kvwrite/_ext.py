@@ -73,9 +73,10 @@ CHECK_UNITS = {"off": "CHECK_OFF", "assert": "CHECK_ASSERT", "guard": "CHECK_GUA
 
 def unit_name(params: str, mode: str, suffix: str = ".cu") -> str:
     """The generated unit of a params type in one check mode: its snake case and the mode
-    (StoreKVParams, "off" -> store_kv_params_off.cu; the CPU twin store_kv_params_off.cpp)."""
+    (StoreKVParams, "off" -> store_kv_params_off.cu; the CPU twin store_kv_params_off_cpu.cpp: a
+    stem of its own, as setuptools names an object after its source's stem alone)."""
     snake = re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", params).lower()
-    return f"{snake}_{mode}{suffix}"
+    return f"{snake}_{mode}{'_cpu' if suffix == '.cpp' else ''}{suffix}"
 
 
 def bodies(root: Path) -> dict[str, str]:
