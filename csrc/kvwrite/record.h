@@ -125,17 +125,11 @@ __device__ inline void end_call(i64* err) {
   }
 }
 
-// A per-token functor's check mode (its `check` member), -1 if it does not say.
-template <class T, class = void>
-struct token_check : std::integral_constant<int, -1> {};
-template <class T>
-struct token_check<T, std::void_t<decltype(T::check)>> : std::integral_constant<int, T::check> {};
-
-// The end of a kernel's block: end_call in guard mode (compiled out of off / assert kernels).
+// The end of a kernel's block: end_call in guard mode (compiled out of off / assert kernels; every
+// Token states its mode as `check`, which the launcher also picks its unit by: tokens.cuh).
 template <class Token>
 __device__ inline void end_block(i64* err) {
-  constexpr int c = token_check<Token>::value;
-  if constexpr (c == CHECK_GUARD || c == -1) {
+  if constexpr (Token::check == CHECK_GUARD) {
     if (err != nullptr) end_call(err);
   }
 }
