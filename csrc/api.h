@@ -1,21 +1,14 @@
-// The public ops torch.ops.kvwrite.* on the extension's side: ONE boxed kernel for every op, fed
-// by the op's spec (kvwrite/ops/spec.py, `Op.program()`, handed over once when the extension
-// loads through kvwrite_ext::set_program). The generic matcher below runs the spec's checks
-// (shape letters unified across tensors, dtypes, devices, the addressing tail) as predicates;
-// then the generic launcher `run_raw` calls the raw kernel of the call's format (`pick_raw`) for
-// backend "cpu" / "cuda". No op has a launcher of its own.
-//
-// Every call the matcher refuses, and every call this file does not run itself (backend "torch" /
-// "triton" / the other device's, guard mode without an errors tensor, a CPU assert whose pre-scan
-// found a bad loc, a kernel error), goes unchanged to the Python implementation (the twin op
-// `kvwrite::<op>_py`), which raises the named error: one message producer, so the C++ and Python
-// texts are equal by construction. Only tensor metadata is read: no host sync, CUDA-graph safe.
+// The public ops torch.ops.kvwrite.* on the extension's side (csrc/README.md): ONE boxed kernel
+// for every op, fed by the op's spec (kvwrite/ops/spec.py `Op.program()`, sent through
+// kvwrite_ext::set_program). A call it refuses or does not run goes unchanged to the Python twin
+// `kvwrite::<op>_py`, which raises the named error. Only tensor metadata is read: no host sync.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <c10/util/Exception.h>
+#include <c10/util/ScopeExit.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -97,14 +90,14 @@ struct Program {
   std::vector<RawCall> raws;  // in the spec's order: the first whose condition holds runs
   int layout = -1;            // the env slot of the caches' layout (cache_view), -1 without one
 
-  int arg(const std::string& n) const {
-    auto it = arg_index.find(n);
-    return it == arg_index.end() ? -1 : it->second;
+  static int find(const std::unordered_map<std::string, int>& m, const std::string& n) {
+    auto it = m.find(n);
+    return it == m.end() ? -1 : it->second;
   }
+  int arg(const std::string& n) const { return find(arg_index, n); }
   int slot(const std::string& n) const {
-    auto it = slot_index.find(n);
-    TORCH_CHECK(it != slot_index.end(), "kvwrite: the spec of ", name, " has no slot ", n);
-    return it->second;
+    TORCH_CHECK(find(slot_index, n) >= 0, "kvwrite: the spec of ", name, " has no slot ", n);
+    return find(slot_index, n);
   }
 };
 
@@ -112,10 +105,7 @@ inline Program parse(const std::string& name, const std::string& text) {
   Program p;
   p.name = name;
   const expr::Names names{[&p](const std::string& n) { return p.arg(n); },
-                          [&p](const std::string& n) {
-                            auto it = p.slot_index.find(n);
-                            return it == p.slot_index.end() ? -1 : it->second;
-                          }};
+                          [&p](const std::string& n) { return Program::find(p.slot_index, n); }};
   for (const std::string& line : split(text, '\n')) {
     const auto w = split(line, ' ');
     if (w.empty()) continue;
@@ -192,20 +182,17 @@ inline Program parse(const std::string& name, const std::string& text) {
   return p;
 }
 
-// The programs by op name ("kvwrite::store_kv"), set when the extension loads.
-inline std::unordered_map<std::string, std::shared_ptr<const Program>>& programs() {
-  static std::unordered_map<std::string, std::shared_ptr<const Program>> m;
-  return m;
-}
-inline std::mutex& programs_lock() {
-  static std::mutex m;
-  return m;
-}
-
-// The registrations of one op's generic kernel per device (register_ops adds its device's).
-inline std::vector<void (*)(const std::string&)>& registrars() {
-  static std::vector<void (*)(const std::string&)> r;
-  return r;
+// The programs by op name ("kvwrite::store_kv"), set when the extension loads, and the devices'
+// registrations of an op's generic kernel (engines::impl_device adds its device's).
+struct Programs {
+  std::mutex mu;
+  std::unordered_map<std::string, std::shared_ptr<const Program>> by_name;
+  std::vector<void (*)(const std::string&)> registrars;
+  std::set<std::string> registered;
+};
+inline Programs& programs() {
+  static Programs p;
+  return p;
 }
 
 inline void set_program(c10::string_view name, c10::string_view text) {
@@ -213,17 +200,17 @@ inline void set_program(c10::string_view name, c10::string_view text) {
   p->python = c10::Dispatcher::singleton().findSchemaOrThrow(("kvwrite::" + p->name + "_py").c_str(), "");
   const std::string full = "kvwrite::" + p->name;
   const bool generic = !p->raws.empty();
-  std::lock_guard<std::mutex> g(programs_lock());
-  programs()[full] = std::move(p);
-  static std::set<std::string> registered;
-  if (generic && registered.insert(full).second)
-    for (auto reg : registrars()) reg(full);
+  Programs& all = programs();
+  std::lock_guard<std::mutex> g(all.mu);
+  all.by_name[full] = std::move(p);
+  if (generic && all.registered.insert(full).second)
+    for (auto reg : all.registrars) reg(full);
 }
 
 inline std::shared_ptr<const Program> find_program(const std::string& name) {
-  std::lock_guard<std::mutex> g(programs_lock());
-  auto it = programs().find(name);
-  return it == programs().end() ? nullptr : it->second;
+  std::lock_guard<std::mutex> g(programs().mu);
+  auto it = programs().by_name.find(name);
+  return it == programs().by_name.end() ? nullptr : it->second;
 }
 
 // A call being matched: its arguments (the stack slice), the env of letters and dtypes, the device.
@@ -326,23 +313,6 @@ inline std::optional<Tail> addressing(Call& c) {
   return t;
 }
 
-// The tail's fields by index: loc, loc_map, errors, dcp_rank, dcp_size, check, op, the page table
-// (spec.TAIL_FIELDS).
-inline c10::IValue tail_field(const Tail& t, int i) {
-  switch (i) {
-    case 0: return t.loc;
-    case 1: return t.loc_map;
-    case 2: return t.errors;
-    case 3: return t.dcp_rank;
-    case 4: return t.dcp_size;
-    case 5: return t.check;
-    case 6: return t.op;
-    case 7: return t.batch_indices;
-    case 8: return t.kv_indices;
-    default: return t.kv_indptr;
-  }
-}
-
 // A cache argument as its raw kernel views it: 'l' the canonical [pages, rows, H, D] view of an
 // NHD / HND cache (ops.kv.canonical), 'k' the key cache's: cpu_attn's column-major (page, head)
 // tile as a split head dim [P, S, H, D, 1] of feature stride S (ops.kv.canonical_key), 'h' a
@@ -362,17 +332,17 @@ inline const RawCall* pick_raw(Call& c) {
   return nullptr;
 }
 
-// The generic launcher: raw kernel `r` with each argument from its source (spec.Op.raw_sources).
-template <class R>
+// The generic launcher: raw kernel `r` with each argument from its source (spec.Op.raw_sources;
+// 't': the tail's fields in the order of spec.TAIL_FIELDS).
+template <class Dev>
 void run_raw(Call& c, const Tail& t, const RawCall& r) {
   thread_local std::vector<c10::IValue> s;  // no allocation per call; no tensor held past it
-  struct Clear {
-    std::vector<c10::IValue>& v;
-    ~Clear() { v.clear(); }
-  } clear{s};
+  const auto clear = c10::make_scope_exit([&] { s.clear(); });
+  const c10::IValue tail[] = {t.loc,   t.loc_map, t.errors,        t.dcp_rank,   t.dcp_size,
+                              t.check, t.op,      t.batch_indices, t.kv_indices, t.kv_indptr};
   for (const Source& src : r.sources) {
     switch (src.kind) {
-      case 't': s.push_back(tail_field(t, src.index)); break;
+      case 't': s.push_back(tail[src.index]); break;
       case 'l':
       case 'k':
       case 'h': {
@@ -386,7 +356,7 @@ void run_raw(Call& c, const Tail& t, const RawCall& r) {
       default: s.push_back(c.a[src.index]);
     }
   }
-  R::boxed(size_t(r.index), s);
+  Raw<Dev>::boxed(size_t(r.index), s);
 }
 
 // The duplicate-row pre-pass (kvwrite/claims.h, kvwrite/ops/claims.py) of every op in assert /
@@ -399,13 +369,13 @@ inline std::atomic<bool>& claims_on() {
   return on;
 }
 
-template <class R>
+template <class Dev>
 void claim(Call& c, Tail& t) {
   // one token writes one row: nothing to claim (its bad loc, if any, is the store's own check)
   if (!claims_on().load(std::memory_order_relaxed) || c.e("N") < 2) return;
   const int64_t pps = c.e("S"), pages = c.e("P");
   TORCH_CHECK(pps >= 1 && pages >= 1, "kvwrite: ", c.p.name, ": no pool geometry for the duplicate check");
-  at::Tensor out = R::claim_rows(t.loc, t.loc_map, t.errors, t.dcp_rank, t.dcp_size, t.check, t.op, t.batch_indices,
+  at::Tensor out = Raw<Dev>::claim_rows(t.loc, t.loc_map, t.errors, t.dcp_rank, t.dcp_size, t.check, t.op, t.batch_indices,
                                  t.kv_indices, t.kv_indptr, pages * pps, pps, c.p.dcp_page);
   if (out.numel() == 0) return;  // assert mode without a duplicate: the store's own checks
   t.loc = std::move(out);
@@ -413,14 +383,14 @@ void claim(Call& c, Tail& t) {
 }
 
 // Match the call against its spec and run it here; false: Python runs it.
-template <class R>
+template <class Dev>
 bool run_here(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const std::string& name = op.schema().name();
   const auto p = find_program(name);
   if (!p || p->args.size() != op.schema().arguments().size()) return false;
   Call c{*p, torch::jit::last(*stack, p->args.size()), std::vector<int64_t>(p->nslots, UNBOUND), std::nullopt};
   const c10::IValue& backend = c.v("backend");
-  if (!backend.isString() || (backend.toStringRef() != "auto" && backend.toStringRef() != R::NAME)) return false;
+  if (!backend.isString() || (backend.toStringRef() != "auto" && backend.toStringRef() != Dev::NAME)) return false;
   for (const Step& s : p->steps)
     if (!(s.kind == 'X' ? s.expr(c.a, c.env) : match_tensor(s, c))) return false;
   std::optional<Tail> t = addressing(c);
@@ -429,45 +399,41 @@ bool run_here(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (c.e("N") > 0) {
     // a page move's (src, dst) pairs: the Python pre-pass (kvwrite.reference.claims.unique_pairs)
     if (t->check != CHECK_OFF && p->claims == 'p' && c.e("N") >= 2) return false;
-    if (t->check != CHECK_OFF && p->claims == 'r') claim<R>(c, *t);
-    run_raw<R>(c, *t, *raw);
+    if (t->check != CHECK_OFF && p->claims == 'r') claim<Dev>(c, *t);
+    run_raw<Dev>(c, *t, *raw);
   }
   return true;
 }
 
-// The kernel of every public op for one dispatch key. A kernel error (a CPU assert's pre-scan,
-// which throws before any write) also goes to Python, which raises OutOfBoundsWrite.
-template <class R>
-void boxed(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+// Runs here() on the call: true (its arguments dropped) when it ran, false when it did not or
+// threw a c10::Error before any write (a CPU assert's pre-scan): the caller's Python twin runs it.
+template <class F>
+bool ran(const c10::OperatorHandle& op, torch::jit::Stack* stack, F&& here) {
   bool done = false;
   try {
-    done = run_here<R>(op, stack);
+    done = here();
   } catch (const c10::Error&) {
-    done = false;
   }
-  if (done) {
-    torch::jit::drop(*stack, op.schema().arguments().size());
-    return;
-  }
-  const auto p = find_program(op.schema().name());
-  const c10::OperatorHandle py =
-      p ? *p->python : c10::Dispatcher::singleton().findSchemaOrThrow((op.schema().name() + "_py").c_str(), "");
-  py.callBoxed(stack);
+  if (done) torch::jit::drop(*stack, op.schema().arguments().size());
+  return done;
 }
 
-// One op's generic kernel on R's dispatch key, registered when its program arrives (set_program).
-template <class R>
+// The kernel of every public op for one device.
+template <class Dev>
+void boxed(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  if (ran(op, stack, [&] { return run_here<Dev>(op, stack); })) return;
+  const auto p = find_program(op.schema().name());
+  (p ? *p->python : c10::Dispatcher::singleton().findSchemaOrThrow((op.schema().name() + "_py").c_str(), ""))
+      .callBoxed(stack);
+}
+
+// One op's generic kernel on Dev's dispatch key, registered when its program arrives (set_program).
+template <class Dev>
 void register_generic(const std::string& op) {
   static std::vector<std::unique_ptr<torch::Library>> libs;  // alive as long as the registrations
-  const c10::DispatchKey key = std::string(R::NAME) == "cuda" ? c10::DispatchKey::CUDA : c10::DispatchKey::CPU;
+  const auto key = Dev::TYPE == c10::DeviceType::CUDA ? c10::DispatchKey::CUDA : c10::DispatchKey::CPU;
   libs.push_back(std::make_unique<torch::Library>(torch::Library::IMPL, "kvwrite", key, __FILE__, __LINE__));
-  libs.back()->impl(op.substr(9).c_str(), torch::CppFunction::makeFromBoxedFunction<&boxed<R>>());
-}
-
-// R's device: every op's kernel is registered when its program arrives (register_generic).
-template <class R>
-void register_ops(torch::Library&) {
-  registrars().push_back(&register_generic<R>);
+  libs.back()->impl(op.substr(9).c_str(), torch::CppFunction::makeFromBoxedFunction<&boxed<Dev>>());
 }
 
 }  // namespace api

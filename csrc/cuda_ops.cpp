@@ -17,27 +17,19 @@ void check_launch(cudaError_t err) {
   TORCH_CHECK(err == cudaSuccess, "kvwrite: CUDA kernel launch failed: ", cudaGetErrorString(err));
 }
 
-// A call's tokens (or page pairs): none, no launch.
-template <class P>
-i64 items(const P& p) {
-  return locs_of(p).n;
-}
-i64 items(const CopyPagesParams& p) { return p.n; }
-i64 items(const SlotMappingParams& p) { return p.n; }
-
 struct Cuda {
   static constexpr const char* NAME = "cuda";
+  static constexpr c10::DeviceType TYPE = c10::DeviceType::CUDA;
 
   // The fused RoPE stores' rotated k (k_pe) goes through [n, row] scratch rows of the input dtype
   // (stream-ordered allocation: no host sync, capturable).
   template <class P>
   static void run(P p, int64_t check, const Tensor& ref) {
     const c10::cuda::CUDAGuard guard(ref.device());
-    if (items(p) == 0) return;
     Tensor scratch;
     if constexpr (HAS_SCRATCH<P>) {
       const ScratchRow r = scratch_row(p);
-      scratch = at::empty({items(p), r.elems * r.elem_bytes}, ref.options().dtype(at::kByte));
+      scratch = at::empty({locs_of(p).n, r.elems * r.elem_bytes}, ref.options().dtype(at::kByte));
       p.scratch = static_cast<char*>(scratch.data_ptr());
       p.scratch_sn = r.elems;
     }
@@ -61,20 +53,7 @@ struct Cuda {
   }
 };
 
-// the engines' operators (engines.h) on the CUDA kernels
-const bool ENGINES_CUDA = [] {
-  engines::runner(c10::DeviceType::CUDA) = {[](const StoreKVParams& p, int64_t check, const Tensor& ref) {
-                                               Cuda::run(p, check, ref);
-                                             },
-                                             Raw<Cuda>::claim_rows};
-  return true;
-}();
-
 }  // namespace
 }  // namespace kvwrite
 
-TORCH_LIBRARY_IMPL(kvwrite_ext, CUDA, m) { kvwrite::impl_ops<kvwrite::Cuda>(m); }
-
-// The public ops torch.ops.kvwrite.* for CUDA tensors: validation + dispatch in C++ (api.h),
-// the launchers above for backend "cuda" (assert mode: the device assert, as before).
-TORCH_LIBRARY_IMPL(kvwrite, CUDA, m) { kvwrite::api::register_ops<kvwrite::Raw<kvwrite::Cuda>>(m); }
+TORCH_LIBRARY_IMPL(kvwrite_ext, CUDA, m) { kvwrite::engines::impl_device<kvwrite::Cuda>(m); }

@@ -1,12 +1,8 @@
 // The engines' own cache operators on kvwrite's kernels without a Python frame: the vLLM plugin
-// points the kernel of `_C::cpu_attn_reshape_and_cache` / `_C_cache_ops::reshape_and_cache_flash`
-// at an EngineRoute (kvwrite.integrations.vllm), which runs vLLM's common call ("auto" caches in
-// the input dtype, int64 slots, the layout the engine documents) straight on the raw store_kv
-// kernel of the tensors' device. Every other call (fp8 caches, a shape or dtype off the common
-// case, a backend other than auto / the device's, guard mode for a cache whose record row is not
-// registered here, a CPU assert's pre-scan refusal) goes unchanged to the plugin's Python writer
-// (the op `kvwrite_engine::<name>`), which validates and raises the named error: one message
-// producer, as in api.h. Only tensor metadata is read: no host sync, CUDA-graph safe.
+// (kvwrite.integrations.vllm) points an engine operator's kernel at an EngineRoute, which runs
+// vLLM's common call ("auto" caches in the input dtype, int64 slots) straight on the raw store_kv
+// kernel of the tensors' device; every other call goes unchanged to the plugin's Python writer
+// (`kvwrite_engine::<name>`), which raises the named error, as in api.h.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -15,7 +11,9 @@
 #include <c10/core/DispatchKey.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -30,9 +28,8 @@ namespace engines {
 
 using OptT = std::optional<at::Tensor>;
 
-// The raw kernels of one device (filled by the translation unit that has them: ops.cpp for the
-// CPU, cuda_ops.cpp for CUDA): store_kv on ready params (no tensor views, no re-validation: the
-// route checked the common case), and the duplicate-row pre-pass.
+// The raw kernels of one device (impl_device): store_kv on ready params (no tensor views, no
+// re-validation: the route checked the common case), and the duplicate-row pre-pass.
 struct Runner {
   void (*store_kv)(const StoreKVParams&, int64_t check, const at::Tensor& ref) = nullptr;  // ref: the key
   at::Tensor (*claim_rows)(const at::Tensor&, const OptT&, const OptT&, int64_t, int64_t, int64_t, int64_t,
@@ -45,16 +42,17 @@ inline Runner& runner(c10::DeviceType d) {
 }
 
 constexpr int ANY_DEVICE = -1, NO_DEVICE = -2;
+struct EngineRoute;
 
-// The plugin's state: the check mode (KVWRITE_CHECK), the backend, and in guard mode each
-// registered cache's record row (by data_ptr; the cache's shape the Python side checked its
-// namespace for). Rows are cleared whenever the guard registers caches or grows its records.
+// The plugin's state: the check mode (KVWRITE_CHECK), the backend, the routes by handle, and in
+// guard mode each registered cache's record row (by data_ptr; the cache's shape the Python side
+// checked its namespace for). Rows are cleared whenever the guard registers caches or grows its records.
 struct State {
   std::atomic<int> check{CHECK_OFF};
   std::atomic<int> device{ANY_DEVICE};  // the device type the fast path runs on (backend "auto": any)
   std::mutex mu;
   std::unordered_map<const void*, std::pair<std::vector<int64_t>, at::Tensor>> rows;
-  std::map<int64_t, std::unique_ptr<torch::Library>> libs;
+  std::map<int64_t, std::pair<std::unique_ptr<torch::Library>, const EngineRoute*>> routes;
   int64_t next = 0;
 };
 
@@ -63,12 +61,19 @@ inline State& state() {
   return s;
 }
 
+// f(state) under its lock
+template <class F>
+auto locked(F&& f) {
+  std::lock_guard<std::mutex> lock(state().mu);
+  return f(state());
+}
+
 inline OptT guard_row(const at::Tensor& cache) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
-  auto it = s.rows.find(cache.data_ptr());
-  if (it == s.rows.end() || c10::IntArrayRef(it->second.first) != cache.sizes()) return std::nullopt;
-  return it->second.second;
+  return locked([&](State& s) -> OptT {
+    auto it = s.rows.find(cache.data_ptr());
+    if (it == s.rows.end() || c10::IntArrayRef(it->second.first) != cache.sizes()) return std::nullopt;
+    return it->second.second;
+  });
 }
 
 // One cache of the engine as the kernel sees it: pages x rows x heads x feat strides (elements).
@@ -107,23 +112,16 @@ inline bool common_kv(const at::Tensor& key, const at::Tensor& value, const at::
          k.pages == v.pages && k.rows == v.rows;
 }
 
-inline DType dt_of(at::ScalarType t) {
-  return t == at::kBFloat16 ? DType::BF16 : t == at::kHalf ? DType::F16 : DType::F32;
-}
-
 inline KVSide side(const at::Tensor& x, const CacheView& c) {
-  KVSide s;
-  s.src = static_cast<const char*>(x.data_ptr());
-  s.s_tok = x.stride(0);
-  s.s_head = x.stride(1);
+  KVSide s = source_rows<KVSide>(x);
   s.cache = c.paged;
-  s.D = int(x.size(2));
   return s;
 }
 
-// Run store_kv; false: Python runs the call.
-inline bool store(const at::Tensor& key, const at::Tensor& value, const at::Tensor& kc, const at::Tensor& vc,
-                  const CacheView& k, const CacheView& v, const at::Tensor& slots) {
+// Run store_kv of the call's (key, value, key_cache, value_cache, slots) `a`; false: Python runs it.
+inline bool store(const c10::IValue* a, const CacheView& k, const CacheView& v) {
+  const at::Tensor &key = a[0].toTensor(), &value = a[1].toTensor(), &kc = a[2].toTensor(), &vc = a[3].toTensor();
+  const at::Tensor& slots = a[4].toTensor();
   const int want = state().device.load(std::memory_order_relaxed);
   if (want != ANY_DEVICE && want != int(key.device().type())) return false;
   const Runner& r = runner(key.device().type());
@@ -140,7 +138,7 @@ inline bool store(const at::Tensor& key, const at::Tensor& value, const at::Tens
     if (out.numel() != 0) loc = out;
   }
   StoreKVParams p;
-  p.in_dtype = p.cache_dtype = dt_of(key.scalar_type());
+  p.in_dtype = p.cache_dtype = dtype_of(key);
   p.k = side(key, k);
   p.v = side(value, v);
   p.H = int(key.size(1));
@@ -158,9 +156,7 @@ inline bool auto_dtype(const c10::IValue& v) { return v.isString() && v.toString
 // `_C::cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, isa, k_scale,
 // v_scale, kv_cache_dtype)`: caches [P, H, S, D]; the key tile of a (page, head) is column-major
 // (feature d of row s at d * S + s: a split head dim of width 1, feature stride S).
-inline bool cpu_attn(torch::jit::Stack& s, size_t at) {
-  const c10::IValue* a = &s[at];
-  if (!a[0].isTensor() || !a[1].isTensor() || !a[2].isTensor() || !a[3].isTensor() || !a[4].isTensor()) return false;
+inline bool cpu_attn(const c10::IValue* a) {
   if (!a[5].isString() || !auto_dtype(a[8])) return false;
   const std::string& isa = a[5].toStringRef();
   if (isa != "vec" && isa != "vec16" && isa != "neon") return false;
@@ -172,29 +168,22 @@ inline bool cpu_attn(torch::jit::Stack& s, size_t at) {
   kv.paged.stride_entry = 1;
   kv.paged.split = 1;
   kv.paged.stride_split = k.size(2);
-  return store(a[0].toTensor(), a[1].toTensor(), k, v, kv, psh(v, 0, 2, 1), a[4].toTensor());
+  return store(a, kv, psh(v, 0, 2, 1));
 }
 
 // `_C_cache_ops::reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping,
 // kv_cache_dtype, k_scale, v_scale)`: caches [P, S, H, D] (any stride permutation, last dim dense).
-inline bool flash(torch::jit::Stack& s, size_t at) {
-  const c10::IValue* a = &s[at];
-  if (!a[0].isTensor() || !a[1].isTensor() || !a[2].isTensor() || !a[3].isTensor() || !a[4].isTensor()) return false;
+inline bool flash(const c10::IValue* a) {
   if (!auto_dtype(a[5])) return false;
   const at::Tensor &k = a[2].toTensor(), &v = a[3].toTensor();
   if (k.dim() != 4 || v.dim() != 4 || k.stride(3) != 1 || v.stride(3) != 1) return false;
-  return store(a[0].toTensor(), a[1].toTensor(), k, v, psh(k, 0, 1, 2), psh(v, 0, 1, 2), a[4].toTensor());
+  return store(a, psh(k, 0, 1, 2), psh(v, 0, 1, 2));
 }
 
-using Fast = bool (*)(torch::jit::Stack&, size_t);
+using Fast = bool (*)(const c10::IValue*);
 
-inline Fast fast_path(const std::string& kind) {
-  if (kind == "cpu_attn_reshape_and_cache") return &cpu_attn;
-  if (kind == "reshape_and_cache_flash") return &flash;
-  return nullptr;
-}
-
-// The kernel registered on the engine's operator: the fast path, else its Python writer.
+// The kernel registered on the engine's operator: the fast path (its first five arguments are
+// tensors), else its Python writer.
 struct EngineRoute final : c10::OperatorKernel {
   Fast fast;
   c10::OperatorHandle python;
@@ -202,32 +191,19 @@ struct EngineRoute final : c10::OperatorKernel {
   EngineRoute(Fast f, c10::OperatorHandle py) : fast(f), python(std::move(py)) {}
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
-    const size_t n = op.schema().arguments().size();
-    bool done = false;
-    try {
-      done = fast(*stack, stack->size() - n);
-    } catch (const c10::Error&) {
-      done = false;  // a CPU assert's pre-scan (nothing written): Python raises the named error
-    }
-    if (done) {
+    const c10::IValue* a = &(*stack)[stack->size() - op.schema().arguments().size()];
+    if (api::ran(op, stack, [&] { return std::all_of(a, a + 5, std::mem_fn(&c10::IValue::isTensor)) && fast(a); }))
       calls.fetch_add(1, std::memory_order_relaxed);
-      torch::jit::drop(*stack, n);
-      return;
-    }
-    python.callBoxed(stack);
+    else
+      python.callBoxed(stack);
   }
 };
-
-inline std::unordered_map<int64_t, EngineRoute*>& routes() {
-  static std::unordered_map<int64_t, EngineRoute*> m;
-  return m;
-}
 
 // kvwrite_ext::engine_route: point `qual`'s kernel for `key` at an EngineRoute of `kind` whose
 // fallback is the operator `python`; returns a handle (engine_unroute puts the old kernel back).
 inline int64_t route(const std::string& qual, const std::string& key, const std::string& kind,
                      const std::string& python) {
-  const Fast f = fast_path(kind);
+  const Fast f = kind == "cpu_attn_reshape_and_cache" ? &cpu_attn : kind == "reshape_and_cache_flash" ? &flash : nullptr;
   TORCH_CHECK(f, "kvwrite: no C++ route for ", kind);
   const auto sep = qual.find("::");
   TORCH_CHECK(sep != std::string::npos, "kvwrite: operator name without a namespace: ", qual);
@@ -235,60 +211,44 @@ inline int64_t route(const std::string& qual, const std::string& key, const std:
   auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, qual.substr(0, sep),
                                               c10::parseDispatchKey(key), __FILE__, __LINE__);
   auto kernel = std::make_unique<EngineRoute>(f, py);
-  EngineRoute* raw = kernel.get();
+  const EngineRoute* raw = kernel.get();
   lib->impl(qual.substr(sep + 2).c_str(), torch::CppFunction::makeFromBoxedFunctor(std::move(kernel)));
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
-  const int64_t h = s.next++;
-  s.libs[h] = std::move(lib);
-  routes()[h] = raw;
-  return h;
-}
-
-inline void unroute(int64_t h) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
-  routes().erase(h);
-  s.libs.erase(h);
-}
-
-inline int64_t calls(int64_t h) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
-  auto it = routes().find(h);
-  return it == routes().end() ? 0 : it->second->calls.load();
-}
-
-// check: CHECK_*; device: the c10::DeviceType the fast path may run on, ANY_DEVICE (backend
-// "auto") or NO_DEVICE (a Python backend: every call goes to Python)
-inline void set_mode(int64_t check, int64_t device) {
-  state().check = int(check);
-  state().device = int(device);
-}
-
-// guard mode: `cache`'s stores record into `row` (one row of the guard's records)
-inline void guard_row_set(const at::Tensor& cache, const at::Tensor& row) {
-  TORCH_CHECK(row.scalar_type() == at::kLong && row.dim() == 1 && row.size(0) == slot::NUM_SLOTS &&
-                  row.is_contiguous() && row.device() == cache.device(),
-              "kvwrite: engine_guard_row: a record row is an int64 [", slot::NUM_SLOTS, "] tensor on the cache's device");
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
-  s.rows[cache.data_ptr()] = {cache.sizes().vec(), row};
-}
-
-inline void guard_rows_clear() {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
-  s.rows.clear();
+  return locked([&](State& s) {
+    s.routes[s.next] = {std::move(lib), raw};
+    return s.next++;
+  });
 }
 
 inline void define(torch::Library& m) {
   m.def("engine_route(str qual, str key, str kind, str python) -> int", &route);
-  m.def("engine_unroute(int handle) -> ()", &unroute);
-  m.def("engine_calls(int handle) -> int", &calls);
-  m.def("engine_mode(int check, int device) -> ()", &set_mode);
-  m.def("engine_guard_row(Tensor cache, Tensor row) -> ()", &guard_row_set);
-  m.def("engine_guard_clear() -> ()", &guard_rows_clear);
+  m.def("engine_unroute(int handle) -> ()", [](int64_t h) { locked([&](State& s) { s.routes.erase(h); }); });
+  m.def("engine_calls(int handle) -> int", [](int64_t h) {
+    return locked([&](State& s) { return s.routes.count(h) ? s.routes[h].second->calls.load() : int64_t(0); });
+  });
+  // check: CHECK_*; device: the c10::DeviceType the fast path may run on, ANY_DEVICE (backend
+  // "auto") or NO_DEVICE (a Python backend: every call goes to Python)
+  m.def("engine_mode(int check, int device) -> ()", [](int64_t check, int64_t device) {
+    state().check = int(check);
+    state().device = int(device);
+  });
+  // guard mode: `cache`'s stores record into `row` (one row of the guard's records)
+  m.def("engine_guard_row(Tensor cache, Tensor row) -> ()", [](const at::Tensor& cache, const at::Tensor& row) {
+    TORCH_CHECK(row.scalar_type() == at::kLong && row.dim() == 1 && row.size(0) == slot::NUM_SLOTS &&
+                    row.is_contiguous() && row.device() == cache.device(),
+                "kvwrite: engine_guard_row: a record row is an int64 [", slot::NUM_SLOTS, "] tensor on the cache's device");
+    locked([&](State& s) { s.rows[cache.data_ptr()] = {cache.sizes().vec(), row}; });
+  });
+  m.def("engine_guard_clear() -> ()", [] { locked([](State& s) { s.rows.clear(); }); });
+}
+
+// A device policy's kernels (registry.h Raw<Dev>): the kvwrite_ext ops, the public ops' generic
+// kernel (api.h) and the engines' routes.
+template <class Dev>
+void impl_device(torch::Library& m) {
+  impl_ops<Dev>(m);
+  api::programs().registrars.push_back(&api::register_generic<Dev>);
+  runner(Dev::TYPE) = {[](const StoreKVParams& p, int64_t check, const at::Tensor& ref) { Dev::run(p, check, ref); },
+                       Raw<Dev>::claim_rows};
 }
 
 }  // namespace engines

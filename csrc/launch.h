@@ -22,7 +22,8 @@ template <class P, int C>
 cudaError_t launch_check(const P& p, cudaStream_t stream);
 template <class P>
 cudaError_t launch(const P& p, int check, cudaStream_t stream) {
-  cudaError_t err = cudaSuccess;
+  cudaError_t err = cudaSuccess;  // no tokens: no launch
+  if (locs_of(p).n == 0) return err;
   with_check(check, [&](auto c) { err = launch_check<P, c.value>(p, stream); });
   return err;
 }

@@ -37,24 +37,40 @@ i64 unpack(const i64* rec, int lo) {
   return i64((uint64_t(rec[lo + 1]) & 0xFFFFFFFFull) << 32 | (uint64_t(rec[lo]) & 0xFFFFFFFFull));
 }
 
-// Assert mode on the CPU: before any write, scan every token; record the bad ones (into
-// `errors` when the caller passed one, so kvwrite raises its OutOfBoundsWrite from it) and throw.
-// `resolve_i(i)`: token i's Resolved (rope ops fold their position check in).
+// An assert-mode scan's record: the caller's `errors` (kvwrite raises OutOfBoundsWrite from it),
+// else a local one.
+struct Scan {
+  i64 local[slot::NUM_SLOTS];
+  i64* rec;
+  i64 before;
+  explicit Scan(i64* errors) : rec(errors != nullptr ? errors : local) {
+    for (int s = 0; s < slot::NUM_SLOTS; ++s) local[s] = s == slot::COUNT ? 0 : EMPTY;
+    before = rec[slot::COUNT];
+  }
+  i64 bad() const { return rec[slot::COUNT] - before; }
+  // before any write, item(i) records item i if bad (one call: one epoch); true when one was
+  template <class Item>
+  bool scan(i64 n, Item&& item) {
+    const i64 epoch = rec[slot::EPOCH];
+    at::parallel_for(0, n, GRAIN, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) item(i);
+    });
+    rec[slot::EPOCH] = epoch + 1;
+    return bad() != 0;
+  }
+};
+
+// Assert mode on the CPU: record every bad token and throw before any write. `resolve_i(i)`: token
+// i's Resolved (rope ops fold their position check in).
 template <class Resolve>
 void assert_prescan_with(const LocArgs& a, Resolve&& resolve_i) {
-  i64 local[slot::NUM_SLOTS];
-  for (int s = 0; s < slot::NUM_SLOTS; ++s) local[s] = s == slot::COUNT ? 0 : EMPTY;
-  i64* rec = a.errors != nullptr ? a.errors : local;
-  const i64 before = rec[slot::COUNT];
-  const i64 epoch = rec[slot::EPOCH];
-  at::parallel_for(0, a.n, GRAIN, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      const Resolved r = resolve_i(i);
-      if (r.bad) record(rec, violation(a, i, r));
-    }
-  });
-  rec[slot::EPOCH] = epoch + 1;
-  if (rec[slot::COUNT] == before) return;
+  Scan s(a.errors);
+  const i64* rec = s.rec;
+  if (!s.scan(a.n, [&](i64 i) {
+        const Resolved r = resolve_i(i);
+        if (r.bad) record(s.rec, violation(a, i, r));
+      }))
+    return;
   const i64 token = rec[slot::META] >> 32, loc = unpack(rec, slot::LOC_LO);
   const i64 target = unpack(rec, slot::TARGET_LO), limit = unpack(rec, slot::LIMIT_LO);
   const int kind = int((rec[slot::META] & 0xFFFFFFFF) >> 8);
@@ -71,8 +87,13 @@ void assert_prescan_with(const LocArgs& a, Resolve&& resolve_i) {
     msg << " (local " << target << ") page " << (target >= 0 ? target / a.pool_page_size : -1) << ", pool has "
         << limit / a.pool_page_size << " pages of " << a.pool_page_size << " rows (capacity " << limit << ")";
   }
-  msg << "; " << rec[slot::COUNT] - before << " bad token(s)";
+  msg << "; " << s.bad() << " bad token(s)";
   TORCH_CHECK(false, msg.str());
+}
+
+// guard mode: the next call's epoch
+void next_epoch(i64* errors, int64_t check) {
+  if (check == CHECK_GUARD && errors != nullptr) errors[slot::EPOCH] += 1;
 }
 
 void assert_prescan(const LocArgs& a) {
@@ -127,7 +148,7 @@ void run_tokens(P p, int64_t check) {
   }
   at::parallel_for(0, a.n, grain_for(token_bytes(p)),
                    [&](int64_t b, int64_t e) { run_range(p, int(check), b, e); });
-  if (check == CHECK_GUARD && a.errors != nullptr) a.errors[slot::EPOCH] += 1;  // the next call's epoch
+  next_epoch(a.errors, check);
 }
 
 // The bench's floor: a plain per-row memcpy scatter, dst_j[loc[i]] = src_j[i] for each pair
@@ -183,6 +204,7 @@ int64_t cpu_threads(int64_t n) {
 // The CPU device policy of registry.h: a call's tokens on the host threads.
 struct Cpu {
   static constexpr const char* NAME = "cpu";
+  static constexpr c10::DeviceType TYPE = c10::DeviceType::CPU;
 
   template <class P>
   static void run(P p, int64_t check, const Tensor&) {
@@ -220,23 +242,16 @@ struct Cpu {
         for (int h = 0; h < p.H; ++h) copy_page_head_host(p, h, order.data() + g, end - g);
       }
     });
-    if (check == CHECK_GUARD && a.errors != nullptr) a.errors[slot::EPOCH] += 1;  // the next call's epoch
+    next_epoch(a.errors, check);
   }
 
   static void run(const CopyPagesParams& p, int64_t check, const Tensor&) {
-    if (check == CHECK_ASSERT) {
-      i64 local[slot::NUM_SLOTS];
-      for (int s = 0; s < slot::NUM_SLOTS; ++s) local[s] = s == slot::COUNT ? 0 : EMPTY;
-      i64* rec = p.errors != nullptr ? p.errors : local;
-      const i64 before = rec[slot::COUNT];
-      const i64 epoch = rec[slot::EPOCH];
-      for (i64 i = 0; i < p.n; ++i) {
-        const PairResolved r = resolve_pair<CHECK_ASSERT>(p, i);
-        if (r.bad) record(rec, pair_violation(p, i, r));
-      }
-      rec[slot::EPOCH] = epoch + 1;
-      if (rec[slot::COUNT] != before) throw_assert(op_name(p.op).c_str(), rec, rec[slot::COUNT] - before);
-    }
+    Scan s(p.errors);
+    if (check == CHECK_ASSERT && s.scan(p.n, [&](i64 i) {
+          const PairResolved r = resolve_pair<CHECK_ASSERT>(p, i);
+          if (r.bad) record(s.rec, pair_violation(p, i, r));
+        }))
+      throw_assert(op_name(p.op).c_str(), s.rec, s.bad());
     with_check(int(check), [&](auto c) {
       at::parallel_for(0, p.n, grain_for(2 * p.unit_bytes()), [&](int64_t b, int64_t e) {
         for (int64_t i = b; i < e; ++i) {
@@ -245,26 +260,20 @@ struct Cpu {
         }
       });
     });
-    if (check == CHECK_GUARD && p.errors != nullptr) p.errors[slot::EPOCH] += 1;  // the next call's epoch
+    next_epoch(p.errors, check);
   }
 
   static void run(SlotMappingParams p, int64_t check, const Tensor&) {
-    i64 local[slot::NUM_SLOTS];
-    i64 before = 0;
+    Scan s(p.errors);
     const bool asserting = check == CHECK_ASSERT;
-    if (asserting) {  // run as guard into a record, then throw (out is a fresh tensor)
-      for (int s = 0; s < slot::NUM_SLOTS; ++s) local[s] = s == slot::COUNT ? 0 : EMPTY;
-      if (p.errors == nullptr) p.errors = local;
-      before = p.errors[slot::COUNT];
-      check = CHECK_GUARD;
-    }
+    if (asserting) p.errors = s.rec, check = CHECK_GUARD;  // run as guard into a record, then throw
     with_check(int(check), [&](auto c) {
       at::parallel_for(0, p.n, grain_for(64), [&](int64_t b, int64_t e) {
         for (int64_t i = b; i < e; ++i) slot_token<c.value>(p, i);
       });
     });
-    if (check == CHECK_GUARD && p.errors != nullptr) p.errors[slot::EPOCH] += 1;  // the next call's epoch
-    if (asserting && p.errors[slot::COUNT] != before) throw_assert(op_name(p.op).c_str(), p.errors, p.errors[slot::COUNT] - before);
+    next_epoch(p.errors, check);
+    if (asserting && s.bad() != 0) throw_assert(op_name(p.op).c_str(), s.rec, s.bad());
   }
 
   // The duplicate-row pre-pass (kvwrite/claims.h) of a store in assert / guard mode. Guard: the
@@ -289,28 +298,16 @@ struct Cpu {
       return out;
     }
     if (claim_rows_host<CHECK_ASSERT>(p, nullptr, first.data()) == 0) return at::empty({0}, loc.options().dtype(at::kLong));
-    i64 local[slot::NUM_SLOTS];
-    for (int s = 0; s < slot::NUM_SLOTS; ++s) local[s] = s == slot::COUNT ? 0 : EMPTY;
-    i64* rec = p.a.errors != nullptr ? p.a.errors : local;
-    const i64 before = rec[slot::COUNT];
+    Scan s(p.a.errors);
     keys.assign(size_t(slots), FREE_ROW);
-    claim_rows_host<CHECK_ASSERT>(p, rec, first.data());
+    claim_rows_host<CHECK_ASSERT>(p, s.rec, first.data());
     std::ostringstream msg;
     msg << "kvwrite: two tokens of one call write the same row (check=assert): " << op_name(p.a.op) << ": token "
-        << (rec[slot::META] >> 32) << " row " << unpack(rec, slot::TARGET_LO) << "; " << rec[slot::COUNT] - before
+        << (s.rec[slot::META] >> 32) << " row " << unpack(s.rec, slot::TARGET_LO) << "; " << s.bad()
         << " bad or duplicate token(s)";
     TORCH_CHECK(false, msg.str());
   }
 };
-
-// the engines' operators (engines.h) on the CPU kernels
-const bool ENGINES_CPU = [] {
-  engines::runner(c10::DeviceType::CPU) = {[](const StoreKVParams& p, int64_t check, const Tensor& ref) {
-                                              Cpu::run(p, check, ref);
-                                            },
-                                            Raw<Cpu>::claim_rows};
-  return true;
-}();
 
 }  // namespace
 }  // namespace kvwrite
@@ -326,13 +323,9 @@ TORCH_LIBRARY(kvwrite_ext, m) {
 }
 
 TORCH_LIBRARY_IMPL(kvwrite_ext, CPU, m) {
-  kvwrite::impl_ops<kvwrite::Cpu>(m);
+  kvwrite::engines::impl_device<kvwrite::Cpu>(m);
   m.impl("bench_memcpy_scatter", &kvwrite::bench_memcpy_scatter);
 }
-
-// The public ops torch.ops.kvwrite.* (schemas defined in Python): the spec-fed kernel of api.h,
-// the kernels above for backend "cpu".
-TORCH_LIBRARY_IMPL(kvwrite, CPU, m) { kvwrite::api::register_ops<kvwrite::Raw<kvwrite::Cpu>>(m); }
 
 #ifdef KVWRITE_PYTHON_MODULE
 // The ahead-of-time build (setup.py) is the importable module kvwrite._C: importing it runs the

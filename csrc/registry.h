@@ -52,11 +52,10 @@ inline const std::vector<std::string>& raw_names() {
   return names;
 }
 
-// One device's raw kernels by op name: what api::register_ops<R> calls (R::NAME, R::store_kv...),
-// and by index into raw_names() with IValue arguments (R::boxed).
+// One device's raw kernels by op name (Raw<Dev>::claim_rows ...), and by index into raw_names()
+// with IValue arguments (Raw<Dev>::boxed: api.h's generic launcher).
 template <class Dev>
 struct Raw {
-  static constexpr const char* NAME = Dev::NAME;
 #define KVW_RAW(op, bind, schema) static constexpr auto op = &bind<Dev>;
   KVW_OPS(KVW_RAW)
 #undef KVW_RAW
