@@ -221,14 +221,10 @@ struct Call {
   std::optional<c10::Device> device;
 
   const c10::IValue& v(const std::string& n) const { return a[p.arg(n)]; }
-  const at::Tensor& t(const std::string& n) const { return v(n).toTensor(); }
   std::optional<at::Tensor> opt(const std::string& n) const { return v(n).toOptional<at::Tensor>(); }
   int64_t& e(const std::string& n) { return env[p.slot(n)]; }
-  bool none(const std::string& n) const { return v(n).isNone(); }
   bool on_device(const at::Tensor& t) const { return !device || t.device() == *device; }
 };
-
-inline bool contiguous_1d(const at::Tensor& t) { return t.dim() == 1 && (t.size(0) <= 1 || t.stride(0) == 1); }
 
 // validate.tensor + validate.shape of one tensor step, binding its letters (predicate).
 inline bool match_tensor(const Step& s, Call& c) {
@@ -275,7 +271,8 @@ struct Tail {
 };
 
 inline bool index_tensor(const std::optional<at::Tensor>& t, const Call& c) {
-  return !t || ((t->scalar_type() == at::kInt || t->scalar_type() == at::kLong) && contiguous_1d(*t) && c.on_device(*t));
+  return !t || ((t->scalar_type() == at::kInt || t->scalar_type() == at::kLong) && t->dim() == 1 &&
+                (t->size(0) <= 1 || t->stride(0) == 1) && c.on_device(*t));
 }
 
 inline std::optional<Tail> addressing(Call& c) {
@@ -375,8 +372,8 @@ void claim(Call& c, Tail& t) {
   if (!claims_on().load(std::memory_order_relaxed) || c.e("N") < 2) return;
   const int64_t pps = c.e("S"), pages = c.e("P");
   TORCH_CHECK(pps >= 1 && pages >= 1, "kvwrite: ", c.p.name, ": no pool geometry for the duplicate check");
-  at::Tensor out = Raw<Dev>::claim_rows(t.loc, t.loc_map, t.errors, t.dcp_rank, t.dcp_size, t.check, t.op, t.batch_indices,
-                                 t.kv_indices, t.kv_indptr, pages * pps, pps, c.p.dcp_page);
+  at::Tensor out = Raw<Dev>::claim_rows(t.loc, t.loc_map, t.errors, t.dcp_rank, t.dcp_size, t.check, t.op,
+                                        t.batch_indices, t.kv_indices, t.kv_indptr, pages * pps, pps, c.p.dcp_page);
   if (out.numel() == 0) return;  // assert mode without a duplicate: the store's own checks
   t.loc = std::move(out);
   t.batch_indices = t.kv_indices = t.kv_indptr = std::nullopt;

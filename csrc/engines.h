@@ -203,7 +203,8 @@ struct EngineRoute final : c10::OperatorKernel {
 // fallback is the operator `python`; returns a handle (engine_unroute puts the old kernel back).
 inline int64_t route(const std::string& qual, const std::string& key, const std::string& kind,
                      const std::string& python) {
-  const Fast f = kind == "cpu_attn_reshape_and_cache" ? &cpu_attn : kind == "reshape_and_cache_flash" ? &flash : nullptr;
+  const Fast f = kind == "cpu_attn_reshape_and_cache" ? &cpu_attn
+                 : kind == "reshape_and_cache_flash" ? &flash : nullptr;
   TORCH_CHECK(f, "kvwrite: no C++ route for ", kind);
   const auto sep = qual.find("::");
   TORCH_CHECK(sep != std::string::npos, "kvwrite: operator name without a namespace: ", qual);
@@ -235,7 +236,8 @@ inline void define(torch::Library& m) {
   m.def("engine_guard_row(Tensor cache, Tensor row) -> ()", [](const at::Tensor& cache, const at::Tensor& row) {
     TORCH_CHECK(row.scalar_type() == at::kLong && row.dim() == 1 && row.size(0) == slot::NUM_SLOTS &&
                     row.is_contiguous() && row.device() == cache.device(),
-                "kvwrite: engine_guard_row: a record row is an int64 [", slot::NUM_SLOTS, "] tensor on the cache's device");
+                "kvwrite: engine_guard_row: a record row is an int64 [", slot::NUM_SLOTS,
+                "] tensor on the cache's device");
     locked([&](State& s) { s.rows[cache.data_ptr()] = {cache.sizes().vec(), row}; });
   });
   m.def("engine_guard_clear() -> ()", [] { locked([](State& s) { s.rows.clear(); }); });

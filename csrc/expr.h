@@ -17,6 +17,7 @@
 #include <ATen/core/ivalue.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <array>
 #include <cctype>
 #include <functional>
@@ -38,7 +39,7 @@ struct Val {
 };
 
 // A node: 'i' literal int, 's' literal str, 'N' None, 'a' argument, 'e' env slot, 'l' local,
-// 'f' function, 'u' unary, 'b' binary (each its code in i: op_code / fn_code), '?' conditional,
+// 'f' function, 'u' unary, 'b' binary (each its code in i: BIN_OPS / fn_code), '?' conditional,
 // '=' assignment (to kids[0]).
 struct Node {
   char kind = 'i';
@@ -74,15 +75,16 @@ inline std::optional<at::ScalarType> scalar_type(const std::string& n) {
   return std::nullopt;
 }
 
-// Operators and functions as one-char codes, decoded once when a rule compiles.
-inline char op_code(const std::string& op) {
-  static const std::pair<const char*, char> ops[] = {{"||", '|'}, {"&&", '&'}, {"==", '='}, {"!=", '!'},
-                                                     {"<=", 'l'}, {">=", 'g'}, {"<", '<'},  {">", '>'},
-                                                     {"+", '+'},  {"-", '-'},  {"*", '*'},  {"/", '/'}, {"%", '%'}};
-  for (const auto& o : ops)
-    if (op == o.first) return o.second;
-  return 0;
-}
+// Binary operators (C precedence, lowest first) and functions as one-char codes, decoded once
+// when a rule compiles.
+struct BinOp {
+  const char* text;
+  char code;
+  int prec;
+};
+constexpr BinOp BIN_OPS[] = {{"||", '|', 0}, {"&&", '&', 1}, {"==", '=', 2}, {"!=", '!', 2}, {"<=", 'l', 3},
+                             {">=", 'g', 3}, {"<", '<', 3},  {">", '>', 3},  {"+", '+', 4},  {"-", '-', 4},
+                             {"*", '*', 5},  {"/", '/', 5},  {"%", '%', 5}};
 inline char fn_code(const std::string& f) {
   static const std::pair<const char*, char> fns[] = {{"none", 'n'}, {"isint", 'i'}, {"isbool", 'b'}, {"dim", 'd'},
                                                      {"dtype", 't'}, {"itemsize", 's'}, {"size", 'S'},
@@ -118,10 +120,13 @@ class Parser {
     pos_ = start;
     return conditional();
   }
+  int64_t local(const std::string& name) const {
+    const auto it = std::find(names_.locals.begin(), names_.locals.end(), name);
+    return it == names_.locals.end() ? -1 : it - names_.locals.begin();
+  }
   Node target(const std::string& name) {
     if (names_.slot(name) >= 0) return Node{'e', names_.slot(name)};
-    for (size_t i = 0; i < names_.locals.size(); ++i)
-      if (names_.locals[i] == name) return Node{'l', int64_t(i)};
+    if (local(name) >= 0) return Node{'l', local(name)};
     names_.locals.push_back(name);
     TORCH_CHECK(names_.locals.size() <= MAX_LOCALS, "kvwrite: more than ", MAX_LOCALS, " locals in rule: ", t_);
     return Node{'l', int64_t(names_.locals.size() - 1)};
@@ -133,25 +138,17 @@ class Parser {
     TORCH_CHECK(eat(":"), "kvwrite: expected ':' in rule: ", t_);
     return Node{'?', 0, "", {c, a, conditional()}};
   }
-  static int prec(const std::string& op) {
-    static const std::vector<std::vector<std::string>> levels = {
-        {"||"}, {"&&"}, {"==", "!="}, {"<=", ">=", "<", ">"}, {"+", "-"}, {"*", "/", "%"}};
-    for (size_t l = 0; l < levels.size(); ++l)
-      for (const auto& o : levels[l])
-        if (o == op) return int(l);
-    return -1;
-  }
-  std::string op_here() {
+  const BinOp* op_here() {
     skip();
-    for (const char* o : {"||", "&&", "==", "!=", "<=", ">=", "<", ">", "+", "-", "*", "/", "%"})
-      if (t_.compare(pos_, std::char_traits<char>::length(o), o) == 0) return o;
-    return "";
+    for (const BinOp& o : BIN_OPS)
+      if (t_.compare(pos_, std::char_traits<char>::length(o.text), o.text) == 0) return &o;
+    return nullptr;
   }
   Node binary(int min) {
     Node lhs = unary();
-    for (std::string op = op_here(); !op.empty() && prec(op) >= min; op = op_here()) {
-      pos_ += op.size();
-      lhs = Node{'b', op_code(op), "", {lhs, binary(prec(op) + 1)}};
+    for (const BinOp* op = op_here(); op != nullptr && op->prec >= min; op = op_here()) {
+      pos_ += std::char_traits<char>::length(op->text);
+      lhs = Node{'b', op->code, "", {lhs, binary(op->prec + 1)}};
     }
     return lhs;
   }
@@ -200,11 +197,7 @@ class Parser {
     }
     if (name == "None") return Node{'N'};
     if (auto d = scalar_type(name)) return Node{'i', int64_t(*d)};
-    return target_read(name);
-  }
-  Node target_read(const std::string& name) {
-    for (size_t i = 0; i < names_.locals.size(); ++i)
-      if (names_.locals[i] == name) return Node{'l', int64_t(i)};
+    if (local(name) >= 0) return Node{'l', local(name)};
     TORCH_CHECK(names_.slot(name) >= 0, "kvwrite: rule names ", name, ", not an env slot or local: ", t_);
     return Node{'e', names_.slot(name)};
   }
@@ -276,11 +269,8 @@ inline std::optional<Val> call(const Node& n, Scope& s) {
   return num(n.i == 'S' ? t.size(*i) : t.stride(*i));
 }
 
-// A comparison with a float operand (as Python compares int and float); no float arithmetic.
-inline std::optional<Val> compare(const Val& a, const Val& b, char op) {
-  if ((a.kind != Val::INT && a.kind != Val::FLOAT) || (b.kind != Val::INT && b.kind != Val::FLOAT))
-    return op == '!' ? num(1) : op == '=' ? num(0) : std::nullopt;
-  const double x = a.kind == Val::FLOAT ? a.f : double(a.i), y = b.kind == Val::FLOAT ? b.f : double(b.i);
+template <class T>
+std::optional<Val> compare(T x, T y, char op) {
   switch (op) {
     case '=': return num(x == y);
     case '!': return num(x != y);
@@ -290,6 +280,13 @@ inline std::optional<Val> compare(const Val& a, const Val& b, char op) {
     case 'g': return num(x >= y);
     default: return std::nullopt;
   }
+}
+
+// A comparison with a float operand (as Python compares int and float); no float arithmetic.
+inline std::optional<Val> compare(const Val& a, const Val& b, char op) {
+  if ((a.kind != Val::INT && a.kind != Val::FLOAT) || (b.kind != Val::INT && b.kind != Val::FLOAT))
+    return op == '!' ? num(1) : op == '=' ? num(0) : std::nullopt;
+  return compare(a.kind == Val::FLOAT ? a.f : double(a.i), b.kind == Val::FLOAT ? b.f : double(b.i), op);
 }
 
 inline std::optional<Val> eval(const Node& n, Scope& s) {
@@ -348,14 +345,12 @@ inline std::optional<Val> eval(const Node& n, Scope& s) {
   if (a->kind != Val::INT || b->kind != Val::INT) return std::nullopt;
   const int64_t x = a->i, y = b->i;
   switch (op) {
-    case '<': return num(x < y);
-    case 'l': return num(x <= y);
-    case '>': return num(x > y);
-    case 'g': return num(x >= y);
     case '+': return num(x + y);
     case '-': return num(x - y);
     case '*': return num(x * y);
-    default: return y == 0 ? std::nullopt : num(op == '/' ? x / y : x % y);
+    case '/': return y == 0 ? std::nullopt : num(x / y);
+    case '%': return y == 0 ? std::nullopt : num(x % y);
+    default: return compare(x, y, op);
   }
 }
 

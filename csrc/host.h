@@ -1,9 +1,6 @@
-// The host side every op shares (torch): tensors -> the params fields common to the ops, the
-// binding reg::Bind (params maker -> page table -> device policy) and the schema fragments.
-// Included by each body header's host section (`#ifdef KVW_HOST`: the host units ops.cpp and
-// cuda_ops.cpp, built with -DKVW_HOST), which holds that op's params maker and its
-// `KVW_OPS_<HEADER>` rows (registry.h). The Python layer (kvwrite.ops.*) has already validated
-// every argument with named errors; the checks here only guard direct callers.
+// The host side every op shares (torch; the body headers' `#ifdef KVW_HOST` sections, csrc/README.md):
+// the params fields common to the ops, the binding reg::Bind and the schema fragments. Python has
+// validated every argument with named errors; the checks here only guard direct callers.
 #pragma once
 
 #ifdef __CUDACC__
@@ -22,6 +19,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/where.h>
 #include <c10/util/Exception.h>
+#include <c10/util/ScopeExit.h>
 
 #include "kvwrite/locs.h"
 #include "kvwrite/paged.h"
@@ -88,6 +86,16 @@ inline PagedCache paged_rows(const Tensor& c, const char* name) {
   return paged(c.unsqueeze(2), name);
 }
 
+// An index tensor (loc_map, a page table's): a contiguous 1-D int32/int64 tensor on ref's device.
+inline const void* index_ptr(const Tensor& t, const char* name, const Tensor& ref, bool& is64) {
+  TORCH_CHECK(t.dim() == 1 && (t.scalar_type() == at::kInt || t.scalar_type() == at::kLong) &&
+                  (t.numel() <= 1 || t.stride(0) == 1),
+              "kvwrite: ", name, " must be a contiguous 1-D int32/int64 tensor");
+  check_same_device(ref, t, name);
+  is64 = t.scalar_type() == at::kLong;
+  return t.data_ptr();
+}
+
 inline LocArgs loc_args(const Tensor& loc, const OptTensor& loc_map, const OptTensor& errors,
                         int64_t dcp_rank, int64_t dcp_size, int64_t check, int64_t op,
                         int64_t capacity, int64_t pool_page_size, const Tensor& ref) {
@@ -102,14 +110,8 @@ inline LocArgs loc_args(const Tensor& loc, const OptTensor& loc_map, const OptTe
   a.loc64 = loc.scalar_type() == at::kLong;
   a.n = loc.size(0);
   if (loc_map.has_value()) {
-    const Tensor& m = *loc_map;
-    TORCH_CHECK(m.dim() == 1 && (m.scalar_type() == at::kInt || m.scalar_type() == at::kLong) &&
-                    (m.numel() <= 1 || m.stride(0) == 1),
-                "kvwrite: loc_map must be a contiguous 1-D int32/int64 tensor");
-    check_same_device(ref, m, "loc_map");
-    a.loc_map = m.data_ptr();
-    a.map64 = m.scalar_type() == at::kLong;
-    a.map_len = m.size(0);
+    a.loc_map = index_ptr(*loc_map, "loc_map", ref, a.map64);
+    a.map_len = loc_map->size(0);
   }
   if (errors.has_value()) {
     const Tensor& e = *errors;
@@ -147,24 +149,12 @@ inline void set_table(LocArgs& a, const OptTensor& batch_indices, const OptTenso
   TORCH_CHECK(kv_indices.has_value() && kv_indptr.has_value(),
               "kvwrite: page-table addressing needs batch_indices, kv_indices and kv_indptr");
   TORCH_CHECK(a.loc_map == nullptr && a.dcp_size == 1, "kvwrite: a page table does not combine with loc_map or DCP");
-  const Tensor* ts[] = {&*batch_indices, &*kv_indices, &*kv_indptr};
-  const char* names[] = {"batch_indices", "kv_indices", "kv_indptr"};
-  for (int j = 0; j < 3; ++j) {
-    const Tensor& t = *ts[j];
-    TORCH_CHECK(t.dim() == 1 && (t.scalar_type() == at::kInt || t.scalar_type() == at::kLong) &&
-                    (t.numel() <= 1 || t.stride(0) == 1),
-                "kvwrite: ", names[j], " must be a contiguous 1-D int32/int64 tensor");
-    check_same_device(ref, t, names[j]);
-  }
+  a.batch = index_ptr(*batch_indices, "batch_indices", ref, a.batch64);
+  a.table = index_ptr(*kv_indices, "kv_indices", ref, a.table64);
+  a.indptr = index_ptr(*kv_indptr, "kv_indptr", ref, a.indptr64);
   TORCH_CHECK(batch_indices->size(0) == a.n, "kvwrite: batch_indices must have one entry per token");
   TORCH_CHECK(kv_indptr->size(0) >= 1, "kvwrite: kv_indptr must have batch_size + 1 >= 1 entries");
-  a.batch = batch_indices->data_ptr();
-  a.batch64 = batch_indices->scalar_type() == at::kLong;
-  a.table = kv_indices->data_ptr();
-  a.table64 = kv_indices->scalar_type() == at::kLong;
   a.n_table = kv_indices->size(0);
-  a.indptr = kv_indptr->data_ptr();
-  a.indptr64 = kv_indptr->scalar_type() == at::kLong;
   a.n_batch = kv_indptr->size(0) - 1;
 }
 
@@ -191,22 +181,11 @@ struct IsVariant : std::false_type {};
 template <class... T>
 struct IsVariant<std::variant<T...>> : std::true_type {};
 
-inline const Tensor* tensor_ptr(const Tensor& t) { return &t; }
-template <class T>
-const Tensor* tensor_ptr(const T&) {
-  return nullptr;
-}
 template <class... A>
 const Tensor& first_tensor(const A&... a) {
   const Tensor* t = nullptr;
-  ((t = t != nullptr ? t : tensor_ptr(a)), ...);
+  ([&] { if constexpr (std::is_same_v<A, Tensor>) t = t != nullptr ? t : &a; }(), ...);
   return *t;
-}
-
-// The params' locs to address by a page table (locs_of is const: the params are ours to change).
-template <class P>
-LocArgs& locs_to_set(P& p) {
-  return const_cast<LocArgs&>(locs_of(p));
 }
 
 // An op whose params `Make` builds from its arguments, which end with the common `..., check, op`
@@ -221,9 +200,7 @@ struct Bind<Make, Made (*)(A...)> {
                   "a params maker's arguments end with check, op");
     const int64_t check = std::get<sizeof...(A) - 2>(std::forward_as_tuple(a...));
     const Tensor& ref = first_tensor(a...);
-    struct Release {
-      ~Release() { held().clear(); }
-    } release;
+    const auto release = c10::make_scope_exit([] { held().clear(); });
     Made made = Make(a...);
     const auto go = [&](auto& p) {
       table(p, ref);
@@ -238,8 +215,11 @@ struct Bind<Make, Made (*)(A...)> {
   // the tail's page table (batch_indices, kv_indices, kv_indptr: kvwrite.PageTable)
   template <class Dev>
   static void table(A... a, const OptTensor& batch_indices, const OptTensor& kv_indices, const OptTensor& kv_indptr) {
-    run<Dev>([&](auto& p, const Tensor& ref) { set_table(locs_to_set(p), batch_indices, kv_indices, kv_indptr, ref); },
-             a...);
+    run<Dev>(
+        [&](auto& p, const Tensor& ref) {  // locs_of is const: the params are ours to change
+          set_table(const_cast<LocArgs&>(locs_of(p)), batch_indices, kv_indices, kv_indptr, ref);
+        },
+        a...);
   }
   // the same tail for a store without page tables (the DeepSeek V4 stores): rejected when given
   template <class Dev>

@@ -15,9 +15,8 @@
 namespace kvwrite {
 
 // Enqueues the call's kernel(s) on `stream` (no host sync) and returns cudaGetLastError(). The
-// per-token ops: the one template of tokens.cuh, instantiated per params type and check mode by
-// the units the build generates from its KVW_BODY line (rope ops: p.scratch holds [n, row] device
-// rows of the rotated k / k_pe); `launch` picks the mode's unit at run time.
+// per-token ops: tokens.cuh's template, one generated unit per params type and check mode (rope
+// ops: p.scratch holds [n, row] device rows of the rotated k / k_pe).
 template <class P, int C>
 cudaError_t launch_check(const P& p, cudaStream_t stream);
 template <class P>

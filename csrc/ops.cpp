@@ -1,7 +1,4 @@
-// The kvwrite_ext op library: its schemas (registry.h's table) and the CPU device policy. The CPU
-// kernels run the same header bodies as the CUDA kernels, one token per iteration of
-// at::parallel_for (the per-token loops compile in the generated units of tokens_cpu.h);
-// kvwrite's backend="cpu".
+// The kvwrite_ext op library: its schemas (registry.h) and the CPU device policy (backend="cpu").
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -15,10 +12,15 @@
 
 #include "api.h"
 #include "engines.h"
-#include "launch_cpu.h"
 #include "registry.h"
 
 namespace kvwrite {
+
+// Runs tokens [begin, end) of `p` in check mode C on this thread (tokens_cpu.h; its instantiations
+// are the generated units', so no host unit compiles every op's kernels).
+template <class P, int C>
+void run_range(const P& p, i64 begin, i64 end);
+
 namespace {
 
 constexpr int64_t GRAIN = 64;  // tokens per parallel_for chunk
@@ -146,8 +148,9 @@ void run_tokens(P p, int64_t check) {
       assert_prescan(a);
     }
   }
-  at::parallel_for(0, a.n, grain_for(token_bytes(p)),
-                   [&](int64_t b, int64_t e) { run_range(p, int(check), b, e); });
+  at::parallel_for(0, a.n, grain_for(token_bytes(p)), [&](int64_t b, int64_t e) {
+    with_check(int(check), [&](auto c) { run_range<P, c.value>(p, b, e); });
+  });
   next_epoch(a.errors, check);
 }
 

@@ -1,6 +1,4 @@
-// Page-move CUDA kernels (copy_pages, slot_mapping) and their launchers; gather is a per-token
-// body (KVW_BODY in kvwrite/pages.h: its generated unit gather_params.cu). The per-item bodies
-// (kvwrite/pages.h) are shared with the CPU kernels in ops.cpp.
+// Page-move CUDA kernels (copy_pages, slot_mapping; their per-item bodies: kvwrite/pages.h).
 #include "launch.h"
 
 namespace kvwrite {

@@ -1,11 +1,7 @@
-// The raw ops of the kvwrite_ext library, each written once. KVW_OPS lists them: the op, its
-// binding (a function template over a device policy: tensors -> params (its maker) -> page table
-// -> Dev::run) and its schema. Each op's row and maker sit in the host section of its body header
-// (`KVW_OPS_<HEADER>(X)` under `#ifdef KVW_HOST`); the build generates KVW_OPS from those headers
-// (kvwrite._ext.ops_header: kvw_ops.h, by header name). From it come the schemas (define), each
-// device's registrations (impl<Dev>) and the raw kernels api.h calls (Raw<Dev>, by name). A device
-// policy (ops.cpp: Cpu, cuda_ops.cpp: Cuda) has NAME and `run(params, check, ref)`: ref is the
-// call's first tensor (every other tensor was checked to be on its device while building the params).
+// The raw ops of the kvwrite_ext library from KVW_OPS (kvw_ops.h: every body header's
+// `KVW_OPS_<HEADER>(X)` rows X(op, binding, schema)): the schemas, each device's registrations and
+// Raw<Dev>. A device policy (ops.cpp Cpu, cuda_ops.cpp Cuda) has NAME, TYPE and `run(params, check,
+// ref)`: ref is the call's first tensor (the others were checked to be on its device).
 #pragma once
 
 #ifndef KVW_HOST
@@ -32,14 +28,12 @@ inline void define_ops(torch::Library& m) {
 
 // A typed raw kernel called with its arguments as IValues (schema order): the generic launcher
 // of api.h (`Program::raw`), no dispatcher on the way.
-template <class Ret, class... A, size_t... I>
-void call_unboxed(Ret (*f)(A...), std::vector<c10::IValue>& s, std::index_sequence<I...>) {
-  f(std::move(s[I]).template to<std::decay_t<A>>()...);
-}
 template <class Ret, class... A>
 void call_unboxed(Ret (*f)(A...), std::vector<c10::IValue>& s) {
   TORCH_CHECK(s.size() == sizeof...(A), "kvwrite: a raw kernel takes ", sizeof...(A), " arguments, got ", s.size());
-  call_unboxed(f, s, std::index_sequence_for<A...>{});
+  [&]<size_t... I>(std::index_sequence<I...>) {
+    f(std::move(s[I]).template to<std::decay_t<A>>()...);
+  }(std::index_sequence_for<A...>{});
 }
 
 // The raw ops' names in KVW_OPS order (Raw<Dev>::boxed's index).

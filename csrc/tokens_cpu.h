@@ -1,13 +1,11 @@
-// The CPU per-token loop, the host twin of tokens.cuh: included by the units the build generates,
-// one per `KVW_BODY(Params, ...)` line and check mode (kvwrite._ext.launch_units: `#include
-// "tokens_cpu.h"` + `KVW_CPU_RUN(Params, mode)`, e.g. store_kv_params_guard_cpu.cpp). No torch: the
-// threads, the assert pre-scan and the guard epoch are the policy's (ops.cpp run_tokens).
+// The CPU per-token loop, the host twin of tokens.cuh, instantiated by the generated units
+// (csrc/README.md). No torch: threads, assert pre-scan and guard epoch are ops.cpp's.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
-#include "launch_cpu.h"
+#include "bodies.h"
 
 namespace kvwrite {
 
@@ -35,7 +33,6 @@ void run_range(const P& p, i64 begin, i64 end) {
 
 }  // namespace kvwrite
 
-// The CPU loop of one params type in one check mode (an explicit instantiation). Written by the
-// generated units only.
+// The CPU loop of one params type in one check mode (an explicit instantiation, generated units only).
 #define KVW_CPU_RUN(P, C) \
   template void kvwrite::run_range<kvwrite::P, kvwrite::C>(const kvwrite::P&, kvwrite::i64, kvwrite::i64);
