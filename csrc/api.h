@@ -47,8 +47,7 @@ struct Dim {
   int64_t lit = -1;
 };
 
-// One step of an op's checks: a tensor ('T'), a dequant scale ('S'), an expression rule ('X',
-// expr.h: every op rule, the spec's generic ones too).
+// One step of an op's checks: a tensor ('T'), a dequant scale ('S'), an expression rule ('X').
 struct Step {
   char kind = 'T';
   int arg = -1, name_slot = -1, heads = -1, ndim = -1;
@@ -59,17 +58,13 @@ struct Step {
   expr::Rule expr;  // an expression rule
 };
 
-// Where the generic launcher finds one argument of the op's raw kernel (spec.Op.raw_sources): the
-// addressing tail's field ('t', TAIL_FIELDS), the op's argument ('a'; a cache in a view
-// `cache_view` makes: 'l' layout, 'k' key layout, 'h' head-major; 'n': whether it is given), an
-// env slot ('e'; 'b': as a bool).
+// Where the generic launcher finds one argument of the op's raw kernel (spec.Op.raw_sources, run_raw).
 struct Source {
   char kind;
   int index;
 };
 
-// One raw kernel of an op (`raw <op> <source>... [if <expr>]`, a spec.Format): its index in
-// raw_names(), its arguments' sources and the condition on the call that picks it (none: any).
+// One raw kernel of an op (`raw <op> <source>... [if <expr>]`): its index in raw_names().
 struct RawCall {
   int index = -1;
   std::vector<Source> sources;
@@ -134,27 +129,18 @@ inline Program parse(const std::string& name, const std::string& text) {
         if (w[6] != "-") s.heads = p.slot(w[6]);
       } else if (w[6] != "-") {
         for (const std::string& tok : split(w[6], ',')) {
-          Dim d;
-          if (tok == "*") {
-          } else if (tok[0] == '#') {
-            d.lit = std::stoll(tok.substr(1));
-          } else {
-            const auto parts = split(tok, '/');
-            d.slot = p.slot(parts[0]);
-            if (parts.size() > 1) d.div = std::stoll(parts[1]);
-          }
-          s.dims.push_back(d);
+          const auto parts = split(tok, '/');
+          s.dims.push_back(tok == "*"      ? Dim{}
+                           : tok[0] == '#' ? Dim{-1, 1, std::stoll(tok.substr(1))}
+                                           : Dim{p.slot(parts[0]), parts.size() > 1 ? std::stoll(parts[1]) : 1});
         }
       }
       if (w[7] != "-")
         for (const std::string& d : split(w[7], ',')) {
-          if (d[0] == '=') {
-            s.dtype_slots.push_back(p.slot(d.substr(1)));
-          } else {
-            auto t = expr::scalar_type(d);
-            TORCH_CHECK(t.has_value(), "kvwrite: unknown dtype ", d, " in the spec of ", name);
-            s.dtypes.push_back(*t);
-          }
+          const auto t = expr::scalar_type(d);
+          TORCH_CHECK(d[0] == '=' || t, "kvwrite: unknown dtype ", d, " in the spec of ", name);
+          if (d[0] == '=') s.dtype_slots.push_back(p.slot(d.substr(1)));
+          else s.dtypes.push_back(*t);
         }
       if (w[8] != "-")
         for (const std::string& b : split(w[8], ',')) s.binds.push_back(p.slot(b));
@@ -170,10 +156,8 @@ inline Program parse(const std::string& name, const std::string& text) {
       if (cond != std::string::npos) rc.when = expr::compile(line.substr(cond + 4), names);
       p.raws.push_back(std::move(rc));
     } else if (w[0] == "X") {
-      Step s;
-      s.kind = 'X';
-      s.expr = expr::compile(line.substr(2), names);
-      p.steps.push_back(std::move(s));
+      p.steps.push_back(Step{'X'});
+      p.steps.back().expr = expr::compile(line.substr(2), names);
     } else {
       TORCH_CHECK(false, "kvwrite: ", name, "'s program has an unknown line: ", line);
     }
@@ -356,11 +340,8 @@ void run_raw(Call& c, const Tail& t, const RawCall& r) {
   Raw<Dev>::boxed(size_t(r.index), s);
 }
 
-// The duplicate-row pre-pass (kvwrite/claims.h, kvwrite/ops/claims.py) of every op in assert /
-// guard mode, before its launcher: the store then runs on its result (guard: bad and duplicate
-// tokens set to -1; a page table's rows as plain locs). A throw (CPU assert: a duplicate; a pool
-// the env does not name) hands the call to Python, which raises the named error.
-// On unless the bench switches it off for its baseline (kvwrite_ext::set_claims, ops.claims.disabled).
+// The duplicate-row pre-pass of every op in assert / guard mode (csrc/README.md): the store runs on
+// its result (a page table's rows as plain locs). Off only for the bench's baseline (set_claims).
 inline std::atomic<bool>& claims_on() {
   static std::atomic<bool> on{true};
   return on;
@@ -422,15 +403,6 @@ void boxed(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto p = find_program(op.schema().name());
   (p ? *p->python : c10::Dispatcher::singleton().findSchemaOrThrow((op.schema().name() + "_py").c_str(), ""))
       .callBoxed(stack);
-}
-
-// One op's generic kernel on Dev's dispatch key, registered when its program arrives (set_program).
-template <class Dev>
-void register_generic(const std::string& op) {
-  static std::vector<std::unique_ptr<torch::Library>> libs;  // alive as long as the registrations
-  const auto key = Dev::TYPE == c10::DeviceType::CUDA ? c10::DispatchKey::CUDA : c10::DispatchKey::CPU;
-  libs.push_back(std::make_unique<torch::Library>(torch::Library::IMPL, "kvwrite", key, __FILE__, __LINE__));
-  libs.back()->impl(op.substr(9).c_str(), torch::CppFunction::makeFromBoxedFunction<&boxed<Dev>>());
 }
 
 }  // namespace api

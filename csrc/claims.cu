@@ -4,16 +4,12 @@
 
 namespace kvwrite {
 
-template <int CHECK>
-__global__ void claim_insert_kernel(const ClaimParams p) {
+template <int CHECK, bool INSERT>
+__global__ void claim_kernel(const ClaimParams p) {
   const i64 i = i64(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < p.a.n) claim_insert<CHECK>(p, i);
-}
-
-template <int CHECK>
-__global__ void claim_check_kernel(const ClaimParams p) {
-  const i64 i = i64(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < p.a.n) claim_check<CHECK>(p, i);
+  if (i >= p.a.n) return;
+  if constexpr (INSERT) claim_insert<CHECK>(p, i);
+  else claim_check<CHECK>(p, i);
 }
 
 cudaError_t launch(const ClaimParams& p, int check, cudaStream_t stream) {
@@ -24,8 +20,8 @@ cudaError_t launch(const ClaimParams& p, int check, cudaStream_t stream) {
   const unsigned blocks = unsigned((p.a.n + KVW_BLOCK_THREADS - 1) / KVW_BLOCK_THREADS);
   with_check(check, [&](auto c) {
     if constexpr (c.value != CHECK_OFF) {
-      claim_insert_kernel<c.value><<<blocks, KVW_BLOCK_THREADS, 0, stream>>>(p);
-      claim_check_kernel<c.value><<<blocks, KVW_BLOCK_THREADS, 0, stream>>>(p);
+      claim_kernel<c.value, true><<<blocks, KVW_BLOCK_THREADS, 0, stream>>>(p);
+      claim_kernel<c.value, false><<<blocks, KVW_BLOCK_THREADS, 0, stream>>>(p);
     }
   });
   return cudaGetLastError();

@@ -1,5 +1,4 @@
-// The CUDA device policy of registry.h and its registrations: the launchers of the .cu units on the
-// current stream under the call's device guard. No host sync; CUDA-graph safe.
+// The CUDA device policy (csrc/README.md): the .cu units' launchers on the current stream.
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

@@ -85,14 +85,7 @@ struct CacheView {
 // [P, S, H, D] with any strides, last dim dense (vLLM's flash layout, and the value cache of its CPU
 // attention as a transposed [P, H, S, D]).
 inline CacheView psh(const at::Tensor& c, int d_page, int d_row, int d_head) {
-  CacheView v{c.size(d_page), c.size(d_row), c.size(d_head), c.size(3), {}};
-  v.paged.base = static_cast<char*>(c.data_ptr());
-  v.paged.stride_page = c.stride(d_page);
-  v.paged.stride_entry = c.stride(d_row);
-  v.paged.stride_head = c.stride(d_head);
-  v.paged.pool_page_size = v.rows;
-  v.paged.elem_size = int(c.element_size());
-  return v;
+  return {c.size(d_page), c.size(d_row), c.size(d_head), c.size(3), paged_dims(c, d_page, d_row, d_head)};
 }
 
 // The common call of a vLLM K/V writer: key/value [N, H, D] in the caches' dtype, last dim
@@ -243,12 +236,20 @@ inline void define(torch::Library& m) {
   m.def("engine_guard_clear() -> ()", [] { locked([](State& s) { s.rows.clear(); }); });
 }
 
-// A device policy's kernels (registry.h Raw<Dev>): the kvwrite_ext ops, the public ops' generic
-// kernel (api.h) and the engines' routes.
+// A device policy's kernels (registry.h Raw<Dev>): the kvwrite_ext ops, the public ops' kernel
+// (api.h) and the engines' routes.
 template <class Dev>
 void impl_device(torch::Library& m) {
-  impl_ops<Dev>(m);
-  api::programs().registrars.push_back(&api::register_generic<Dev>);
+#define KVW_IMPL(op, bind, schema) m.impl(#op, Raw<Dev>::op);
+  KVW_OPS(KVW_IMPL)
+#undef KVW_IMPL
+  // the public ops' kernel on Dev's dispatch key, registered when each op's program arrives
+  api::programs().registrars.push_back([](const std::string& op) {
+    static std::vector<std::unique_ptr<torch::Library>> libs;  // alive as long as the registrations
+    const auto key = Dev::TYPE == c10::DeviceType::CUDA ? c10::DispatchKey::CUDA : c10::DispatchKey::CPU;
+    libs.push_back(std::make_unique<torch::Library>(torch::Library::IMPL, "kvwrite", key, __FILE__, __LINE__));
+    libs.back()->impl(op.substr(9).c_str(), torch::CppFunction::makeFromBoxedFunction<&api::boxed<Dev>>());
+  });
   runner(Dev::TYPE) = {[](const StoreKVParams& p, int64_t check, const at::Tensor& ref) { Dev::run(p, check, ref); },
                        Raw<Dev>::claim_rows};
 }

@@ -113,10 +113,8 @@ class Parser {
   Node assignment() {
     const size_t start = pos_;
     std::string name = ident();
-    if (!name.empty() && eat("=") && peek() != '=') {
-      Node n{'=', 0, "", {target(name), conditional()}};
-      return n;
-    }
+    if (!name.empty() && eat("=") && (skip(), pos_ == t_.size() || t_[pos_] != '='))
+      return Node{'=', 0, "", {target(name), conditional()}};
     pos_ = start;
     return conditional();
   }
@@ -165,10 +163,9 @@ class Parser {
       return n;
     }
     if (pos_ < t_.size() && std::isdigit(static_cast<unsigned char>(t_[pos_]))) {
-      size_t end = pos_;
-      while (end < t_.size() && std::isdigit(static_cast<unsigned char>(t_[end]))) ++end;
-      Node n{'i', std::stoll(t_.substr(pos_, end - pos_))};
-      pos_ = end;
+      size_t digits = 0;
+      Node n{'i', std::stoll(t_.substr(pos_), &digits)};
+      pos_ += digits;
       return n;
     }
     if (eat("'")) {
@@ -212,10 +209,6 @@ class Parser {
   }
   void skip() {
     while (pos_ < t_.size() && std::isspace(static_cast<unsigned char>(t_[pos_]))) ++pos_;
-  }
-  char peek() {
-    skip();
-    return pos_ < t_.size() ? t_[pos_] : '\0';
   }
   bool eat(const char* s) {
     skip();
@@ -308,8 +301,7 @@ inline std::optional<Val> eval(const Node& n, Scope& s) {
     case 'f': return call(n, s);
     case '?': {
       const auto c = int_of(n.kids[0], s);
-      if (!c) return std::nullopt;
-      return eval(n.kids[*c ? 1 : 2], s);
+      return c ? eval(n.kids[*c ? 1 : 2], s) : std::nullopt;
     }
     case '=': {
       const auto v = int_of(n.kids[1], s);
@@ -320,8 +312,7 @@ inline std::optional<Val> eval(const Node& n, Scope& s) {
     }
     case 'u': {
       const auto v = int_of(n.kids[0], s);
-      if (!v) return std::nullopt;
-      return num(n.i == '!' ? !*v : -*v);
+      return v ? num(n.i == '!' ? !*v : -*v) : std::nullopt;
     }
     default: break;
   }

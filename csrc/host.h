@@ -30,16 +30,12 @@ using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 
 inline DType dtype_of(const Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return DType::F32;
-    case at::kHalf: return DType::F16;
-    case at::kBFloat16: return DType::BF16;
-    case at::kByte: return DType::U8;
-    case at::kFloat8_e4m3fn: return DType::E4M3;
-    case at::kFloat8_e5m2: return DType::E5M2;
-    case at::kFloat8_e4m3fnuz: return DType::E4M3FNUZ;
-    default: TORCH_CHECK(false, "kvwrite: unsupported dtype ", t.scalar_type());
-  }
+  static const std::pair<at::ScalarType, DType> types[] = {
+      {at::kFloat, DType::F32}, {at::kHalf, DType::F16}, {at::kBFloat16, DType::BF16}, {at::kByte, DType::U8},
+      {at::kFloat8_e4m3fn, DType::E4M3}, {at::kFloat8_e5m2, DType::E5M2}, {at::kFloat8_e4m3fnuz, DType::E4M3FNUZ}};
+  for (const auto& [st, dt] : types)
+    if (st == t.scalar_type()) return dt;
+  TORCH_CHECK(false, "kvwrite: unsupported dtype ", t.scalar_type());
 }
 
 inline bool is_fp8(DType t) { return t == DType::E4M3 || t == DType::E5M2 || t == DType::E4M3FNUZ; }
@@ -60,23 +56,26 @@ Side source_rows(const Tensor& x) {
   return s;
 }
 
+// The cache whose pages, rows and heads are dims (page, row, head) of `c` (feat: its last, dense).
+inline PagedCache paged_dims(const Tensor& c, int page, int row, int head) {
+  PagedCache p;
+  p.base = static_cast<char*>(c.data_ptr());
+  p.stride_page = c.stride(page);
+  p.stride_entry = c.stride(row);
+  p.stride_head = c.stride(head);
+  p.pool_page_size = c.size(row);
+  p.elem_size = int(c.element_size());
+  return p;
+}
+
 // A canonical [pages, pool_page_size, heads, feat] cache view (feat contiguous), or
 // [pages, pool_page_size, heads, feat / X, X] (a split head dim, X contiguous).
 inline PagedCache paged(const Tensor& c, const char* name) {
   TORCH_CHECK(c.dim() == 4 || c.dim() == 5, "kvwrite: ", name, " must be a 4-D [pages, rows, heads, feat] view");
   TORCH_CHECK(c.size(c.dim() - 1) <= 1 || c.stride(c.dim() - 1) == 1, "kvwrite: ", name,
               " must be contiguous in its last dim");
-  PagedCache p;
-  if (c.dim() == 5) {
-    p.split = int(c.size(4));
-    p.stride_split = c.stride(3);
-  }
-  p.base = static_cast<char*>(c.data_ptr());
-  p.stride_page = c.stride(0);
-  p.stride_entry = c.stride(1);
-  p.stride_head = c.stride(2);
-  p.pool_page_size = c.size(1);
-  p.elem_size = int(c.element_size());
+  PagedCache p = paged_dims(c, 0, 1, 2);
+  if (c.dim() == 5) p.split = int(c.size(4)), p.stride_split = c.stride(3);
   return p;
 }
 

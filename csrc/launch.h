@@ -1,5 +1,4 @@
-// The CUDA launchers (csrc/pages.cu, csrc/claims.cu and the generated per-op units): plain C++
-// signatures, no torch headers on either side.
+// The CUDA launchers' plain C++ signatures (no torch headers on either side).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -14,9 +13,8 @@
 
 namespace kvwrite {
 
-// Enqueues the call's kernel(s) on `stream` (no host sync) and returns cudaGetLastError(). The
-// per-token ops: tokens.cuh's template, one generated unit per params type and check mode (rope
-// ops: p.scratch holds [n, row] device rows of the rotated k / k_pe).
+// Enqueues the call's kernel(s) on `stream` (no host sync), returns cudaGetLastError(). Per-token
+// ops: tokens.cuh, a generated unit per params type and mode (rope: p.scratch, [n, row] rows).
 template <class P, int C>
 cudaError_t launch_check(const P& p, cudaStream_t stream);
 template <class P>

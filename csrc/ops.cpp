@@ -26,13 +26,9 @@ namespace {
 constexpr int64_t GRAIN = 64;  // tokens per parallel_for chunk
 
 // kvwrite.facts.OPS (op code -> name), handed over when the extension loads (set_op_names).
-std::vector<std::string>& op_names() {
-  static std::vector<std::string> names;
-  return names;
-}
+std::vector<std::string> op_names;
 std::string op_name(int op) {
-  const auto& names = op_names();
-  return op >= 0 && size_t(op) < names.size() ? names[op] : "op " + std::to_string(op);
+  return op >= 0 && size_t(op) < op_names.size() ? op_names[op] : "op " + std::to_string(op);
 }
 
 i64 unpack(const i64* rec, int lo) {
@@ -65,7 +61,7 @@ struct Scan {
 // Assert mode on the CPU: record every bad token and throw before any write. `resolve_i(i)`: token
 // i's Resolved (rope ops fold their position check in).
 template <class Resolve>
-void assert_prescan_with(const LocArgs& a, Resolve&& resolve_i) {
+void assert_prescan(const LocArgs& a, Resolve&& resolve_i) {
   Scan s(a.errors);
   const i64* rec = s.rec;
   if (!s.scan(a.n, [&](i64 i) {
@@ -98,16 +94,9 @@ void next_epoch(i64* errors, int64_t check) {
   if (check == CHECK_GUARD && errors != nullptr) errors[slot::EPOCH] += 1;
 }
 
-void assert_prescan(const LocArgs& a) {
-  assert_prescan_with(a, [&](i64 i) { return resolve<CHECK_ASSERT>(a, i); });
-}
-
-// Threads pay only above a size: a parallel region costs a few microseconds to start and join,
-// so a call runs on one thread unless it moves at least PARALLEL_BYTES (weighted: a quantised
-// byte counts QUANT_WEIGHT times, it costs that much more compute). 256 KiB is a chosen default,
-// not a measured crossover: on the shared 2-core dev VM the 2-thread runs are dominated by
-// OpenMP scheduling stalls (even torch's contiguous copy), so no threshold could be measured.
-// KVWRITE_CPU_PARALLEL_BYTES overrides the threshold (read once).
+// Threads pay only above a size (a parallel region costs microseconds): a call runs on one thread
+// unless it moves 256 KiB (token_bytes: a quantised byte weighs more), a chosen default, not a
+// measured crossover (the shared 2-core VM could not measure one); KVWRITE_CPU_PARALLEL_BYTES overrides it.
 int64_t parallel_bytes() {
   static const int64_t v = [] {
     const char* e = std::getenv("KVWRITE_CPU_PARALLEL_BYTES");
@@ -125,28 +114,23 @@ int64_t grain_for(int64_t token_bytes) {
 
 // One counter for every rope op and instantiation: the id keys rope_head_host's per-thread cos/sin
 // row, so two calls (of any op) must never share one (a per-template counter did: stale rows).
-inline uint64_t next_rope_call() {
-  static std::atomic<uint64_t> calls{0};
-  return ++calls;
-}
+std::atomic<uint64_t> rope_calls{0};
 
-// Run every token of `p` (in parallel above the threshold; the loop over a chunk: run_range, in
-// the generated unit of P and the mode), after the assert pre-scan; guard mode then advances the
-// record's epoch.
+// Run every token of `p`: the assert pre-scan, the chunks (run_range) in parallel above the threshold.
 template <class P>
 void run_tokens(P p, int64_t check) {
   const LocArgs& a = locs_of(p);
-  if constexpr (ROPED<P>) p.rope.call = next_rope_call();  // keys rope_head_host's cos/sin row to this call
+  if constexpr (ROPED<P>) p.rope.call = ++rope_calls;  // keys rope_head_host's cos/sin row to this call
   if (check == CHECK_ASSERT) {
-    if constexpr (ROPED<P>) {
-      assert_prescan_with(a, [&](i64 i) {
+    assert_prescan(a, [&](i64 i) {
+      if constexpr (ROPED<P>) {
         bool ok = false;
         const i64 pos = rope_position(p.rope, i, ok);
         return resolve_rope<CHECK_ASSERT>(a, p.rope, i, ok, pos);
-      });
-    } else {
-      assert_prescan(a);
-    }
+      } else {
+        return resolve<CHECK_ASSERT>(a, i);
+      }
+    });
   }
   at::parallel_for(0, a.n, grain_for(token_bytes(p)), [&](int64_t b, int64_t e) {
     with_check(int(check), [&](auto c) { run_range<P, c.value>(p, b, e); });
@@ -194,8 +178,7 @@ int64_t cpu_threads(int64_t n) {
   return __builtin_popcountll(uint64_t(seen.load()));
 }
 
-// Page moves (kvwrite/pages.h). Assert mode: every bad id or loc is recorded (into the scratch
-// buffer kvwrite._ext passes) and the call throws before anything is written.
+// Page moves (kvwrite/pages.h), assert mode: the bad ids or locs recorded, a throw before any write.
 [[noreturn]] void throw_assert(const char* op, const i64* rec, i64 count) {
   std::ostringstream msg;
   msg << "kvwrite: store loc outside the pool (check=assert): " << op << ": item " << (rec[slot::META] >> 32)
@@ -224,7 +207,7 @@ struct Cpu {
   static void run(StoreKVParams p, int64_t check, const Tensor& ref) {
     if ((!p.k.cache.split && !p.v.cache.split) || p.cache_dtype != p.in_dtype) return run<StoreKVParams>(p, check, ref);
     const LocArgs& a = p.locs;
-    if (check == CHECK_ASSERT) assert_prescan(a);
+    if (check == CHECK_ASSERT) assert_prescan(a, [&](i64 i) { return resolve<CHECK_ASSERT>(a, i); });
     thread_local std::vector<std::pair<i64, i64>> reused;  // (local row, token): N pairs
     auto& order = reused;  // this thread's vector, also in the lambdas the worker threads run
     order.clear();
@@ -279,10 +262,8 @@ struct Cpu {
     if (asserting && s.bad() != 0) throw_assert(op_name(p.op).c_str(), s.rec, s.bad());
   }
 
-  // The duplicate-row pre-pass (kvwrite/claims.h) of a store in assert / guard mode. Guard: the
-  // record takes the bad and duplicate tokens, the result is the loc the store runs on. Assert:
-  // an empty result (the store runs on its own loc), or, when two tokens share a row, the call's
-  // bad and duplicate tokens recorded into `errors` (kvwrite raises from it) and a throw.
+  // The duplicate-row pre-pass (kvwrite/claims.h). Guard: the loc the store runs on. Assert: an
+  // empty result (no duplicate), else the bad and duplicate tokens recorded and a throw.
   static Tensor run(ClaimParams p, int64_t check, const Tensor& loc) {
     const i64 slots = claim_slots(p.a.n);
     thread_local std::vector<i64> keys, first;  // reused: no allocation per call once warm
@@ -316,12 +297,14 @@ struct Cpu {
 }  // namespace kvwrite
 
 TORCH_LIBRARY(kvwrite_ext, m) {
-  kvwrite::define_ops(m);
+#define KVW_DEF(op, bind, schema) m.def(#op schema);
+  KVW_OPS(KVW_DEF)
+#undef KVW_DEF
   m.def("bench_memcpy_scatter(Tensor[] src, Tensor(a!)[] dst, Tensor loc) -> ()");
   m.def("set_program(str name, str program) -> ()", &kvwrite::api::set_program);
   m.def("set_claims(bool on) -> ()", [](bool on) { kvwrite::api::claims_on() = on; });
   m.def("cpu_threads(int n) -> int", &kvwrite::cpu_threads);
-  m.def("set_op_names(str[] names) -> ()", [](std::vector<std::string> names) { kvwrite::op_names() = std::move(names); });
+  m.def("set_op_names(str[] names) -> ()", [](std::vector<std::string> names) { kvwrite::op_names = std::move(names); });
   kvwrite::engines::define(m);
 }
 
@@ -331,8 +314,7 @@ TORCH_LIBRARY_IMPL(kvwrite_ext, CPU, m) {
 }
 
 #ifdef KVWRITE_PYTHON_MODULE
-// The ahead-of-time build (setup.py) is the importable module kvwrite._C: importing it runs the
-// registrations above. The JIT build is loaded with torch.ops.load_library instead.
+// The ahead-of-time build (setup.py): the module kvwrite._C, whose import runs the registrations.
 #include <Python.h>
 PyMODINIT_FUNC PyInit__C(void) {
   static PyModuleDef def = {PyModuleDef_HEAD_INIT, "_C", "kvwrite C++/CUDA kernels (torch.ops.kvwrite_ext)", -1, nullptr};

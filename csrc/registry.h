@@ -19,13 +19,6 @@
 
 namespace kvwrite {
 
-// The schemas (TORCH_LIBRARY(kvwrite_ext)).
-inline void define_ops(torch::Library& m) {
-#define KVW_DEF(op, bind, schema) m.def(#op schema);
-  KVW_OPS(KVW_DEF)
-#undef KVW_DEF
-}
-
 // A typed raw kernel called with its arguments as IValues (schema order): the generic launcher
 // of api.h (`Program::raw`), no dispatcher on the way.
 template <class Ret, class... A>
@@ -63,13 +56,5 @@ struct Raw {
     fns[i](s);
   }
 };
-
-// The registrations of one device (TORCH_LIBRARY_IMPL(kvwrite_ext, <key>)).
-template <class Dev>
-void impl_ops(torch::Library& m) {
-#define KVW_IMPL(op, bind, schema) m.impl(#op, Raw<Dev>::op);
-  KVW_OPS(KVW_IMPL)
-#undef KVW_IMPL
-}
 
 }  // namespace kvwrite

@@ -6,36 +6,27 @@
 
 namespace kvwrite {
 
-// `group` threads per token, blockDim.x / group tokens per block; tokens past the last skip.
+// `group` threads per token, blockDim.x / group tokens per block; tokens past the last skip, but
+// run a body with a block barrier (the fused RoPE stores) with `live` false.
 template <class Token, class P>
 __global__ void __launch_bounds__(KVW_BLOCK_THREADS, KVW_MIN_BLOCKS) token_kernel(const P p, int group) {
   const i64 i = i64(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
-  if (i < locs_of(p).n) Token{}(p, i, int(threadIdx.x % group), group);
+  if constexpr (BARRIER<Token, P>) {
+    Token{}(p, i, i < locs_of(p).n, int(threadIdx.x % group), group);
+  } else if (i < locs_of(p).n) {
+    Token{}(p, i, int(threadIdx.x % group), group);
+  }
   end_block<Token>(locs_of(p).errors);  // guard mode: the record's call epoch
 }
 
-// The same mapping for bodies with a block barrier (the fused RoPE stores): every thread runs
-// the body, `live` false past the last token.
-template <class Token, class P>
-__global__ void __launch_bounds__(KVW_BLOCK_THREADS, KVW_MIN_BLOCKS) block_token_kernel(const P p, int group) {
-  const i64 i = i64(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
-  Token{}(p, i, i < locs_of(p).n, int(threadIdx.x % group), group);
-  end_block<Token>(locs_of(p).errors);
-}
-
-// One launch on `stream` (no host sync) of the Token that dispatch(p, C, ...) picks: the tokens
-// of the other check modes are never instantiated here, so a unit compiles one mode's kernels.
+// One launch on `stream` (no host sync) of the Token that dispatch(p, C, ...) picks (of mode C only).
 template <class P, int C>
 cudaError_t launch_check(const P& p, cudaStream_t stream) {
   dispatch(p, C, [&](auto token, i64 work) {
     using Token = typename decltype(token)::type;
     if constexpr (Token::check == C) {
       const LaunchShape g = launch_shape(locs_of(p).n, work);
-      if constexpr (BARRIER<Token, P>) {
-        block_token_kernel<Token, P><<<g.blocks, g.threads, 0, stream>>>(p, g.group);
-      } else {
-        token_kernel<Token, P><<<g.blocks, g.threads, 0, stream>>>(p, g.group);
-      }
+      token_kernel<Token, P><<<g.blocks, g.threads, 0, stream>>>(p, g.group);
     }
   });
   return cudaGetLastError();

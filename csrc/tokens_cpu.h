@@ -9,10 +9,8 @@
 
 namespace kvwrite {
 
-// The Token that dispatch(p, C, ...) picks over tokens [begin, end): the tokens of the other check
-// modes are never instantiated here, so a unit compiles one mode's kernels. Bodies with scratch
-// rows (the fused RoPE stores) rotate each token's k (k_pe) into one reused, cache-hot row, then
-// store that row.
+// The Token that dispatch(p, C, ...) picks (of mode C only) over tokens [begin, end); the fused
+// RoPE stores rotate each token's k (k_pe) into one reused, cache-hot scratch row, then store it.
 template <class P, int C>
 void run_range(const P& p, i64 begin, i64 end) {
   dispatch(p, C, [&](auto token, i64) {
