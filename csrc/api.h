@@ -1,7 +1,5 @@
-// The public ops torch.ops.kvwrite.* on the extension's side (csrc/README.md): ONE boxed kernel
-// for every op, fed by the op's spec (kvwrite/ops/spec.py `Op.program()`, sent through
-// kvwrite_ext::set_program). A call it refuses or does not run goes unchanged to the Python twin
-// `kvwrite::<op>_py`, which raises the named error. Only tensor metadata is read: no host sync.
+// The public ops torch.ops.kvwrite.*: ONE boxed kernel for every op, fed by its spec (csrc/README.md);
+// a call it refuses or does not run goes unchanged to the Python twin `kvwrite::<op>_py`.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -64,7 +62,7 @@ struct Source {
   int index;
 };
 
-// One raw kernel of an op (`raw <op> <source>... [if <expr>]`): its index in raw_names().
+// One raw kernel of an op (`raw <op> <source>... [if <expr>]`): its index in RAW_NAMES.
 struct RawCall {
   int index = -1;
   std::vector<Source> sources;
@@ -117,14 +115,7 @@ inline Program parse(const std::string& name, const std::string& text) {
       p.loc_arg = w[1];
       p.claims = w[2] == "pairs" ? 'p' : w[2] == "read" ? 'n' : 'r';
     } else if (w[0] == "T" || w[0] == "S") {  // T arg optional layout lastc ndim dims dtypes binds
-      Step s;
-      s.kind = w[0][0];
-      s.arg = p.arg(w[1]);
-      s.name_slot = p.slot(w[1]);
-      s.optional = w[2] == "1";
-      s.layout = w[3] == "1";
-      s.last_contiguous = w[4] == "1";
-      s.ndim = std::stoi(w[5]);
+      Step s{w[0][0], p.arg(w[1]), p.slot(w[1]), -1, std::stoi(w[5]), w[2] == "1", w[3] == "1", w[4] == "1"};
       if (s.kind == 'S') {
         if (w[6] != "-") s.heads = p.slot(w[6]);
       } else if (w[6] != "-") {
@@ -148,10 +139,10 @@ inline Program parse(const std::string& name, const std::string& text) {
     } else if (w[0] == "raw") {  // raw <op> <source>... [if <expr>]: the condition compiled once, here
       const size_t cond = line.find(" if ");
       const auto r = split(line.substr(0, cond), ' ');
-      const auto& raws = raw_names();
       RawCall rc;
-      rc.index = int(std::find(raws.begin(), raws.end(), r[1]) - raws.begin());
-      TORCH_CHECK(rc.index < int(raws.size()), "kvwrite: ", name, "'s raw kernel ", r[1], " is not a kvwrite_ext op");
+      rc.index = int(std::find(std::begin(RAW_NAMES), std::end(RAW_NAMES), r[1]) - std::begin(RAW_NAMES));
+      TORCH_CHECK(rc.index < int(std::size(RAW_NAMES)), "kvwrite: ", name, "'s raw kernel ", r[1],
+                  " is not a kvwrite_ext op");
       for (size_t i = 2; i < r.size(); ++i) rc.sources.push_back({r[i][0], std::stoi(r[i].substr(1))});
       if (cond != std::string::npos) rc.when = expr::compile(line.substr(cond + 4), names);
       p.raws.push_back(std::move(rc));
@@ -342,15 +333,12 @@ void run_raw(Call& c, const Tail& t, const RawCall& r) {
 
 // The duplicate-row pre-pass of every op in assert / guard mode (csrc/README.md): the store runs on
 // its result (a page table's rows as plain locs). Off only for the bench's baseline (set_claims).
-inline std::atomic<bool>& claims_on() {
-  static std::atomic<bool> on{true};
-  return on;
-}
+inline std::atomic<bool> claims_on{true};
 
 template <class Dev>
 void claim(Call& c, Tail& t) {
   // one token writes one row: nothing to claim (its bad loc, if any, is the store's own check)
-  if (!claims_on().load(std::memory_order_relaxed) || c.e("N") < 2) return;
+  if (!claims_on.load(std::memory_order_relaxed) || c.e("N") < 2) return;
   const int64_t pps = c.e("S"), pages = c.e("P");
   TORCH_CHECK(pps >= 1 && pages >= 1, "kvwrite: ", c.p.name, ": no pool geometry for the duplicate check");
   at::Tensor out = Raw<Dev>::claim_rows(t.loc, t.loc_map, t.errors, t.dcp_rank, t.dcp_size, t.check, t.op,
@@ -364,8 +352,8 @@ void claim(Call& c, Tail& t) {
 template <class Dev>
 bool run_here(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const std::string& name = op.schema().name();
-  const auto p = find_program(name);
-  if (!p || p->args.size() != op.schema().arguments().size()) return false;
+  const auto p = find_program(name);  // registered when its program arrived
+  if (p->args.size() != op.schema().arguments().size()) return false;
   Call c{*p, torch::jit::last(*stack, p->args.size()), std::vector<int64_t>(p->nslots, UNBOUND), std::nullopt};
   const c10::IValue& backend = c.v("backend");
   if (!backend.isString() || (backend.toStringRef() != "auto" && backend.toStringRef() != Dev::NAME)) return false;
@@ -399,10 +387,8 @@ bool ran(const c10::OperatorHandle& op, torch::jit::Stack* stack, F&& here) {
 // The kernel of every public op for one device.
 template <class Dev>
 void boxed(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  if (ran(op, stack, [&] { return run_here<Dev>(op, stack); })) return;
-  const auto p = find_program(op.schema().name());
-  (p ? *p->python : c10::Dispatcher::singleton().findSchemaOrThrow((op.schema().name() + "_py").c_str(), ""))
-      .callBoxed(stack);
+  if (!ran(op, stack, [&] { return run_here<Dev>(op, stack); }))
+    find_program(op.schema().name())->python->callBoxed(stack);
 }
 
 }  // namespace api

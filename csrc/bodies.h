@@ -1,6 +1,4 @@
-// Every op's per-token body, for both devices (no torch, no CUDA headers): the body headers of
-// the generated kvw_ops.h (csrc/README.md), each ending with its `KVW_BODY(Params, dispatch_<op>)`
-// lines; in a host unit (KVW_HOST) each brings its host section too.
+// Every op's per-token body, for both devices: the body headers of the generated kvw_ops.h.
 #pragma once
 
 #include <type_traits>

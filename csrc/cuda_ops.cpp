@@ -4,10 +4,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include "api.h"
-#include "engines.h"
+#include "engines.h"  // api.h, registry.h
 #include "launch.h"
-#include "registry.h"
 
 namespace kvwrite {
 namespace {
@@ -20,8 +18,7 @@ struct Cuda {
   static constexpr const char* NAME = "cuda";
   static constexpr c10::DeviceType TYPE = c10::DeviceType::CUDA;
 
-  // The fused RoPE stores' rotated k (k_pe) goes through [n, row] scratch rows of the input dtype
-  // (stream-ordered allocation: no host sync, capturable).
+  // the fused RoPE stores' rotated k (k_pe) in [n, row] scratch rows (stream-ordered: capturable)
   template <class P>
   static void run(P p, int64_t check, const Tensor& ref) {
     const c10::cuda::CUDAGuard guard(ref.device());
@@ -35,8 +32,7 @@ struct Cuda {
     check_launch(launch(p, int(check), c10::cuda::getCurrentCUDAStream()));
   }
 
-  // The duplicate-row pre-pass (kvwrite/claims.h, csrc/claims.cu): guard returns the loc the
-  // store runs on; assert returns an empty tensor (a duplicate is a device assert).
+  // the duplicate-row pre-pass: guard's loc the store runs on; assert: empty (a device assert)
   static Tensor run(ClaimParams p, int64_t check, const Tensor& loc) {
     const c10::cuda::CUDAGuard guard(loc.device());
     const i64 slots = claim_slots(p.a.n);

@@ -1,8 +1,5 @@
-// The engines' own cache operators on kvwrite's kernels without a Python frame: the vLLM plugin
-// (kvwrite.integrations.vllm) points an engine operator's kernel at an EngineRoute, which runs
-// vLLM's common call ("auto" caches in the input dtype, int64 slots) straight on the raw store_kv
-// kernel of the tensors' device; every other call goes unchanged to the plugin's Python writer
-// (`kvwrite_engine::<name>`), which raises the named error, as in api.h.
+// The vLLM plugin's cache operators on kvwrite's store_kv kernels without a Python frame
+// (csrc/README.md): an EngineRoute runs vLLM's common call, any other goes to its Python writer.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -26,14 +23,11 @@
 namespace kvwrite {
 namespace engines {
 
-using OptT = std::optional<at::Tensor>;
-
 // The raw kernels of one device (impl_device): store_kv on ready params (no tensor views, no
 // re-validation: the route checked the common case), and the duplicate-row pre-pass.
 struct Runner {
   void (*store_kv)(const StoreKVParams&, int64_t check, const at::Tensor& ref) = nullptr;  // ref: the key
-  at::Tensor (*claim_rows)(const at::Tensor&, const OptT&, const OptT&, int64_t, int64_t, int64_t, int64_t,
-                           const OptT&, const OptT&, const OptT&, int64_t, int64_t, bool) = nullptr;
+  decltype(&reg::claim_rows<void>) claim_rows = nullptr;  // (one signature for every device)
 };
 
 inline Runner& runner(c10::DeviceType d) {
@@ -56,24 +50,13 @@ struct State {
   int64_t next = 0;
 };
 
-inline State& state() {
-  static State s;
-  return s;
-}
+inline State state;  // used at run time only
 
 // f(state) under its lock
 template <class F>
 auto locked(F&& f) {
-  std::lock_guard<std::mutex> lock(state().mu);
-  return f(state());
-}
-
-inline OptT guard_row(const at::Tensor& cache) {
-  return locked([&](State& s) -> OptT {
-    auto it = s.rows.find(cache.data_ptr());
-    if (it == s.rows.end() || c10::IntArrayRef(it->second.first) != cache.sizes()) return std::nullopt;
-    return it->second.second;
-  });
+  std::lock_guard<std::mutex> lock(state.mu);
+  return f(state);
 }
 
 // One cache of the engine as the kernel sees it: pages x rows x heads x feat strides (elements).
@@ -115,17 +98,23 @@ inline KVSide side(const at::Tensor& x, const CacheView& c) {
 inline bool store(const c10::IValue* a, const CacheView& k, const CacheView& v) {
   const at::Tensor &key = a[0].toTensor(), &value = a[1].toTensor(), &kc = a[2].toTensor(), &vc = a[3].toTensor();
   const at::Tensor& slots = a[4].toTensor();
-  const int want = state().device.load(std::memory_order_relaxed);
+  const int want = state.device.load(std::memory_order_relaxed);
   if (want != ANY_DEVICE && want != int(key.device().type())) return false;
   const Runner& r = runner(key.device().type());
   if (!r.store_kv || !common_kv(key, value, kc, vc, k, v, slots)) return false;
-  const int check = state().check.load(std::memory_order_relaxed);
-  OptT errors;
-  if (check == CHECK_GUARD && !(errors = guard_row(kc))) return false;
+  const int check = state.check.load(std::memory_order_relaxed);
+  OptTensor errors;  // guard mode: the key cache's registered record row
+  if (check == CHECK_GUARD) {
+    locked([&](State& s) {
+      auto it = s.rows.find(kc.data_ptr());
+      if (it != s.rows.end() && c10::IntArrayRef(it->second.first) == kc.sizes()) errors = it->second.second;
+    });
+    if (!errors) return false;
+  }
   const int64_t n = key.size(0);
   if (n == 0) return true;
   at::Tensor loc = slots;
-  if (check != CHECK_OFF && n > 1 && api::claims_on().load(std::memory_order_relaxed)) {
+  if (check != CHECK_OFF && n > 1 && api::claims_on.load(std::memory_order_relaxed)) {
     at::Tensor out = r.claim_rows(loc, std::nullopt, errors, 0, 1, check, 0, std::nullopt, std::nullopt, std::nullopt,
                                   k.pages * k.rows, k.rows, false);
     if (out.numel() != 0) loc = out;
@@ -222,8 +211,8 @@ inline void define(torch::Library& m) {
   // check: CHECK_*; device: the c10::DeviceType the fast path may run on, ANY_DEVICE (backend
   // "auto") or NO_DEVICE (a Python backend: every call goes to Python)
   m.def("engine_mode(int check, int device) -> ()", [](int64_t check, int64_t device) {
-    state().check = int(check);
-    state().device = int(device);
+    state.check = int(check);
+    state.device = int(device);
   });
   // guard mode: `cache`'s stores record into `row` (one row of the guard's records)
   m.def("engine_guard_row(Tensor cache, Tensor row) -> ()", [](const at::Tensor& cache, const at::Tensor& row) {

@@ -1,10 +1,8 @@
 // An op's own checks as expressions (`spec.rule(expr=...)`): the C++ matcher evaluates the text
 // the declaration gives next to its Python check, so a new op writes no C++ rule. Statements are
 // separated by `;`; `name = expr` binds an env slot (or a local), any other statement must be
-// non-zero or the call goes to Python (which raises the named error).
-//
+// non-zero or the call goes to Python (which raises the named error). For example
 //   D % $quant_block_size == 0; per = D + D / $quant_block_size * 4; B % per == 0; S = B / per
-//
 // Names: `$arg` an argument's value (int, bool, float, str, None), `name` an env slot (a shape
 // letter, a tensor argument's dtype) or a local; literals: integers, 'str', None, dtype names (int8 ...).
 // Functions: none($x), isint($x), isbool($x), size($t, i), stride($t, i), dim($t), dtype($t),
@@ -227,8 +225,7 @@ inline std::optional<Val> eval(const Node& n, Scope& s);
 
 inline std::optional<int64_t> int_of(const Node& n, Scope& s) {
   const auto v = eval(n, s);
-  if (!v || v->kind != Val::INT) return std::nullopt;
-  return v->i;
+  return v && v->kind == Val::INT ? std::optional<int64_t>(v->i) : std::nullopt;
 }
 
 inline std::optional<Val> num(int64_t i) { return Val{Val::INT, i}; }
@@ -306,8 +303,7 @@ inline std::optional<Val> eval(const Node& n, Scope& s) {
     case '=': {
       const auto v = int_of(n.kids[1], s);
       if (!v) return std::nullopt;
-      if (n.kids[0].kind == 'e') s.env[n.kids[0].i] = *v;
-      else s.locals[n.kids[0].i] = *v;
+      (n.kids[0].kind == 'e' ? s.env[n.kids[0].i] : s.locals[n.kids[0].i]) = *v;
       return num(1);
     }
     case 'u': {
@@ -351,10 +347,8 @@ struct Rule {
 
   bool operator()(at::ArrayRef<c10::IValue> args, std::vector<int64_t>& env) const {
     Scope s{args, env};
-    for (const Node& st : statements) {
-      const auto v = eval(st, s);
-      if (!v || v->kind != Val::INT || v->i == 0) return false;
-    }
+    for (const Node& st : statements)
+      if (const auto v = int_of(st, s); !v || *v == 0) return false;
     return true;
   }
 };

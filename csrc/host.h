@@ -1,6 +1,5 @@
-// The host side every op shares (torch; the body headers' `#ifdef KVW_HOST` sections, csrc/README.md):
-// the params fields common to the ops, the binding reg::Bind and the schema fragments. Python has
-// validated every argument with named errors; the checks here only guard direct callers.
+// The host side every op shares (torch): common params fields, the binding reg::Bind, the schema
+// fragments. Python has validated every argument; the checks here only guard direct callers.
 #pragma once
 
 #ifdef __CUDACC__
@@ -164,21 +163,13 @@ constexpr bool ROPED = false;
 
 // Tensors a params maker made for its kernel (a norm weight as fp32), alive until the kernel was
 // enqueued (reg::Bind::run lets go; on a GPU the caching allocator orders their reuse on the stream).
-inline std::vector<Tensor>& held() {
-  thread_local std::vector<Tensor> h;
-  return h;
-}
+inline thread_local std::vector<Tensor> held;
 inline Tensor hold(Tensor t) {
-  held().push_back(t);
+  held.push_back(t);
   return t;
 }
 
 namespace reg {
-
-template <class T>
-struct IsVariant : std::false_type {};
-template <class... T>
-struct IsVariant<std::variant<T...>> : std::true_type {};
 
 template <class... A>
 const Tensor& first_tensor(const A&... a) {
@@ -199,13 +190,13 @@ struct Bind<Make, Made (*)(A...)> {
                   "a params maker's arguments end with check, op");
     const int64_t check = std::get<sizeof...(A) - 2>(std::forward_as_tuple(a...));
     const Tensor& ref = first_tensor(a...);
-    const auto release = c10::make_scope_exit([] { held().clear(); });
+    const auto release = c10::make_scope_exit([] { held.clear(); });
     Made made = Make(a...);
     const auto go = [&](auto& p) {
       table(p, ref);
       Dev::run(p, check, ref);
     };
-    if constexpr (IsVariant<Made>::value) {
+    if constexpr (requires { std::variant_size<Made>::value; }) {
       std::visit(go, made);
     } else {
       go(made);
@@ -242,8 +233,7 @@ struct Bind<Make, Made (*)(A...)> {
 
 }  // namespace kvwrite
 
-// Every store ends with the same tail: loc, loc_map, errors, dcp_rank, dcp_size, check, op.
-// Page-table addressing (kvwrite.PageTable: loc = positions) adds the three optional tables.
+// Every store's tail (csrc/README.md); page-table addressing (loc = positions) adds three tables.
 #define KVW_TAIL_NO_TABLE "Tensor loc, Tensor? loc_map, Tensor(z!)? errors, int dcp_rank, int dcp_size, int check, int op"
 #define KVW_TAIL KVW_TAIL_NO_TABLE ", Tensor? batch_indices=None, Tensor? kv_indices=None, Tensor? kv_indptr=None"
 // The K/V pair and its caches (store_kv and its formats).

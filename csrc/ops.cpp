@@ -10,14 +10,11 @@
 #include <string>
 #include <vector>
 
-#include "api.h"
-#include "engines.h"
-#include "registry.h"
+#include "engines.h"  // api.h, registry.h
 
 namespace kvwrite {
 
-// Runs tokens [begin, end) of `p` in check mode C on this thread (tokens_cpu.h; its instantiations
-// are the generated units', so no host unit compiles every op's kernels).
+// Runs tokens [begin, end) of `p` in check mode C on this thread (tokens_cpu.h, generated units).
 template <class P, int C>
 void run_range(const P& p, i64 begin, i64 end);
 
@@ -35,8 +32,7 @@ i64 unpack(const i64* rec, int lo) {
   return i64((uint64_t(rec[lo + 1]) & 0xFFFFFFFFull) << 32 | (uint64_t(rec[lo]) & 0xFFFFFFFFull));
 }
 
-// An assert-mode scan's record: the caller's `errors` (kvwrite raises OutOfBoundsWrite from it),
-// else a local one.
+// An assert-mode scan's record: the caller's `errors` (kvwrite raises from it), else a local one.
 struct Scan {
   i64 local[slot::NUM_SLOTS];
   i64* rec;
@@ -97,46 +93,20 @@ void next_epoch(i64* errors, int64_t check) {
 // Threads pay only above a size (a parallel region costs microseconds): a call runs on one thread
 // unless it moves 256 KiB (token_bytes: a quantised byte weighs more), a chosen default, not a
 // measured crossover (the shared 2-core VM could not measure one); KVWRITE_CPU_PARALLEL_BYTES overrides it.
-int64_t parallel_bytes() {
-  static const int64_t v = [] {
+// The result: tokens per parallel_for chunk (which runs the whole range inline when it is not
+// larger than one grain) for a per-token cost of `token_bytes`.
+int64_t grain_for(int64_t token_bytes) {
+  static const int64_t bytes = [] {
     const char* e = std::getenv("KVWRITE_CPU_PARALLEL_BYTES");
     return e != nullptr && *e ? std::max<int64_t>(1, std::atoll(e)) : int64_t(256) << 10;
   }();
-  return v;
-}
-
-// Tokens per parallel_for chunk for a per-token cost of `token_bytes`: parallel_for runs the
-// whole range inline when it is not larger than one grain.
-int64_t grain_for(int64_t token_bytes) {
   const int64_t cost = std::max<int64_t>(1, token_bytes);
-  return std::max<int64_t>(GRAIN, (parallel_bytes() + cost - 1) / cost);
+  return std::max<int64_t>(GRAIN, (bytes + cost - 1) / cost);
 }
 
 // One counter for every rope op and instantiation: the id keys rope_head_host's per-thread cos/sin
 // row, so two calls (of any op) must never share one (a per-template counter did: stale rows).
 std::atomic<uint64_t> rope_calls{0};
-
-// Run every token of `p`: the assert pre-scan, the chunks (run_range) in parallel above the threshold.
-template <class P>
-void run_tokens(P p, int64_t check) {
-  const LocArgs& a = locs_of(p);
-  if constexpr (ROPED<P>) p.rope.call = ++rope_calls;  // keys rope_head_host's cos/sin row to this call
-  if (check == CHECK_ASSERT) {
-    assert_prescan(a, [&](i64 i) {
-      if constexpr (ROPED<P>) {
-        bool ok = false;
-        const i64 pos = rope_position(p.rope, i, ok);
-        return resolve_rope<CHECK_ASSERT>(a, p.rope, i, ok, pos);
-      } else {
-        return resolve<CHECK_ASSERT>(a, i);
-      }
-    });
-  }
-  at::parallel_for(0, a.n, grain_for(token_bytes(p)), [&](int64_t b, int64_t e) {
-    with_check(int(check), [&](auto c) { run_range<P, c.value>(p, b, e); });
-  });
-  next_epoch(a.errors, check);
-}
 
 // The bench's floor: a plain per-row memcpy scatter, dst_j[loc[i]] = src_j[i] for each pair
 // (rows contiguous, int64 loc in range: no checks beyond shapes), same threading policy.
@@ -180,11 +150,9 @@ int64_t cpu_threads(int64_t n) {
 
 // Page moves (kvwrite/pages.h), assert mode: the bad ids or locs recorded, a throw before any write.
 [[noreturn]] void throw_assert(const char* op, const i64* rec, i64 count) {
-  std::ostringstream msg;
-  msg << "kvwrite: store loc outside the pool (check=assert): " << op << ": item " << (rec[slot::META] >> 32)
-      << " index " << unpack(rec, slot::TARGET_LO) << " outside [0, " << unpack(rec, slot::LIMIT_LO) << "); " << count
-      << " bad item(s)";
-  TORCH_CHECK(false, msg.str());
+  TORCH_CHECK(false, "kvwrite: store loc outside the pool (check=assert): ", op, ": item ", rec[slot::META] >> 32,
+              " index ", unpack(rec, slot::TARGET_LO), " outside [0, ", unpack(rec, slot::LIMIT_LO), "); ", count,
+              " bad item(s)");
 }
 
 // The CPU device policy of registry.h: a call's tokens on the host threads.
@@ -192,11 +160,27 @@ struct Cpu {
   static constexpr const char* NAME = "cpu";
   static constexpr c10::DeviceType TYPE = c10::DeviceType::CPU;
 
+  // a call's tokens: the assert pre-scan, the chunks (run_range) in parallel above the threshold
   template <class P>
   static void run(P p, int64_t check, const Tensor&) {
     // the rope stores' copy unit from an aligned scratch row (dispatch reads its address; never read)
     if constexpr (HAS_SCRATCH<P>) p.scratch = reinterpret_cast<char*>(uintptr_t(64));
-    run_tokens(p, check);
+    const LocArgs& a = locs_of(p);
+    if constexpr (ROPED<P>) p.rope.call = ++rope_calls;  // keys rope_head_host's cos/sin row to this call
+    if (check == CHECK_ASSERT)
+      assert_prescan(a, [&](i64 i) {
+        if constexpr (ROPED<P>) {
+          bool ok = false;
+          const i64 pos = rope_position(p.rope, i, ok);
+          return resolve_rope<CHECK_ASSERT>(a, p.rope, i, ok, pos);
+        } else {
+          return resolve<CHECK_ASSERT>(a, i);
+        }
+      });
+    at::parallel_for(0, a.n, grain_for(token_bytes(p)), [&](int64_t b, int64_t e) {
+      with_check(int(check), [&](auto c) { run_range<P, c.value>(p, b, e); });
+    });
+    next_epoch(a.errors, check);
   }
 
   // store_kv into a split head dim (vLLM's head-major caches), plain copy: the tokens grouped by
@@ -285,11 +269,9 @@ struct Cpu {
     Scan s(p.a.errors);
     keys.assign(size_t(slots), FREE_ROW);
     claim_rows_host<CHECK_ASSERT>(p, s.rec, first.data());
-    std::ostringstream msg;
-    msg << "kvwrite: two tokens of one call write the same row (check=assert): " << op_name(p.a.op) << ": token "
-        << (s.rec[slot::META] >> 32) << " row " << unpack(s.rec, slot::TARGET_LO) << "; " << s.bad()
-        << " bad or duplicate token(s)";
-    TORCH_CHECK(false, msg.str());
+    TORCH_CHECK(false, "kvwrite: two tokens of one call write the same row (check=assert): ", op_name(p.a.op),
+                ": token ", s.rec[slot::META] >> 32, " row ", unpack(s.rec, slot::TARGET_LO), "; ", s.bad(),
+                " bad or duplicate token(s)");
   }
 };
 
@@ -302,7 +284,7 @@ TORCH_LIBRARY(kvwrite_ext, m) {
 #undef KVW_DEF
   m.def("bench_memcpy_scatter(Tensor[] src, Tensor(a!)[] dst, Tensor loc) -> ()");
   m.def("set_program(str name, str program) -> ()", &kvwrite::api::set_program);
-  m.def("set_claims(bool on) -> ()", [](bool on) { kvwrite::api::claims_on() = on; });
+  m.def("set_claims(bool on) -> ()", [](bool on) { kvwrite::api::claims_on = on; });
   m.def("cpu_threads(int n) -> int", &kvwrite::cpu_threads);
   m.def("set_op_names(str[] names) -> ()", [](std::vector<std::string> names) { kvwrite::op_names = std::move(names); });
   kvwrite::engines::define(m);

@@ -1,7 +1,5 @@
-// The raw ops of the kvwrite_ext library from KVW_OPS (kvw_ops.h: every body header's
-// `KVW_OPS_<HEADER>(X)` rows X(op, binding, schema)): the schemas, each device's registrations and
-// Raw<Dev>. A device policy (ops.cpp Cpu, cuda_ops.cpp Cuda) has NAME, TYPE and `run(params, check,
-// ref)`: ref is the call's first tensor (the others were checked to be on its device).
+// The raw ops of the kvwrite_ext library from KVW_OPS (csrc/README.md). A device policy (ops.cpp Cpu,
+// cuda_ops.cpp Cuda) has NAME, TYPE and `run(params, check, ref)`: ref is the call's first tensor.
 #pragma once
 
 #ifndef KVW_HOST
@@ -19,8 +17,7 @@
 
 namespace kvwrite {
 
-// A typed raw kernel called with its arguments as IValues (schema order): the generic launcher
-// of api.h (`Program::raw`), no dispatcher on the way.
+// A typed raw kernel called with its arguments as IValues (schema order; api.h run_raw), no dispatcher.
 template <class Ret, class... A>
 void call_unboxed(Ret (*f)(A...), std::vector<c10::IValue>& s) {
   TORCH_CHECK(s.size() == sizeof...(A), "kvwrite: a raw kernel takes ", sizeof...(A), " arguments, got ", s.size());
@@ -30,25 +27,21 @@ void call_unboxed(Ret (*f)(A...), std::vector<c10::IValue>& s) {
 }
 
 // The raw ops' names in KVW_OPS order (Raw<Dev>::boxed's index).
-inline const std::vector<std::string>& raw_names() {
-  static const std::vector<std::string> names = {
+inline const char* const RAW_NAMES[] = {
 #define KVW_NAME(op, bind, schema) #op,
-      KVW_OPS(KVW_NAME)
+    KVW_OPS(KVW_NAME)
 #undef KVW_NAME
-  };
-  return names;
-}
+};
 
-// One device's raw kernels by op name (Raw<Dev>::claim_rows ...), and by index into raw_names()
+// One device's raw kernels by op name (Raw<Dev>::claim_rows ...), and by index into RAW_NAMES
 // with IValue arguments (Raw<Dev>::boxed: api.h's generic launcher).
 template <class Dev>
 struct Raw {
 #define KVW_RAW(op, bind, schema) static constexpr auto op = &bind<Dev>;
   KVW_OPS(KVW_RAW)
 #undef KVW_RAW
-  using Boxed = void (*)(std::vector<c10::IValue>&);
   static void boxed(size_t i, std::vector<c10::IValue>& s) {
-    static const Boxed fns[] = {
+    static void (*const fns[])(std::vector<c10::IValue>&) = {
 #define KVW_BOXED(op, bind, schema) [](std::vector<c10::IValue>& s) { call_unboxed(&bind<Dev>, s); },
         KVW_OPS(KVW_BOXED)
 #undef KVW_BOXED
