@@ -270,12 +270,8 @@ def aot_extension(root: Path):
     """setup.py's ahead-of-time build (KVWRITE_BUILD_EXT=1): the module `kvwrite._C` from the same
     sources and flags as the JIT build (SASS of every listed arch plus PTX of the newest:
     `with_ptx`), and the BuildExtension command (ninja)."""
-    cpp_extension = _import_cpp_extension()
+    cpp_extension, cfg = _cpp_extension()
     root = Path(root)
-    cfg = build_config()
-    if cfg["with_cuda"]:
-        os.environ["CUDA_HOME"] = cfg["cuda_home"]
-        cpp_extension.CUDA_HOME = cfg["cuda_home"]
     os.environ["TORCH_CUDA_ARCH_LIST"] = with_ptx(os.environ.get("TORCH_CUDA_ARCH_LIST") or cfg["archs"])
     kind = cpp_extension.CUDAExtension if cfg["with_cuda"] else cpp_extension.CppExtension
     gen = aot_units_dir(root)
@@ -287,14 +283,14 @@ def aot_extension(root: Path):
     return [ext], {"build_ext": cpp_extension.BuildExtension}
 
 
-def _import_cpp_extension():
+def _cpp_extension() -> tuple:
     """torch.utils.cpp_extension with our CUDA_HOME (it guesses its own at import time, from the
-    nvcc on PATH, and warns when there is no GPU)."""
+    nvcc on PATH, and warns when there is no GPU), and the build's config (`build_config`)."""
     import logging
 
-    home = find_cuda_home() if torch.version.cuda else None
-    if home:
-        os.environ.setdefault("CUDA_HOME", home)
+    cfg = build_config()
+    if cfg["cuda_home"]:
+        os.environ.setdefault("CUDA_HOME", cfg["cuda_home"])
     log = logging.getLogger("torch.utils.cpp_extension")
     level = log.level
     log.setLevel(logging.ERROR)
@@ -302,23 +298,21 @@ def _import_cpp_extension():
         from torch.utils import cpp_extension
     finally:
         log.setLevel(level)
-    return cpp_extension
+    if cfg["with_cuda"]:
+        os.environ["CUDA_HOME"] = cfg["cuda_home"]
+        cpp_extension.CUDA_HOME = cfg["cuda_home"]
+    return cpp_extension, cfg
 
 
 def build(verbose: bool | None = None) -> tuple[Path, float]:
     """JIT-build (or reuse) the extension and load it into torch.ops; returns (dir, seconds)."""
-    cpp_extension = _import_cpp_extension()
-
+    cpp_extension, cfg = _cpp_extension()
     root = csrc_dir()
     if root is None:
         raise RuntimeError("csrc/ sources not found (install with KVWRITE_BUILD_EXT=1 for a prebuilt kvwrite._C)")
-    cfg = build_config()
     verbose = bool(int(os.environ.get("KVWRITE_EXT_VERBOSE", "0"))) if verbose is None else verbose
     out = build_dir(root, cfg)
     out.mkdir(parents=True, exist_ok=True)
-    if cfg["with_cuda"]:
-        os.environ["CUDA_HOME"] = cfg["cuda_home"]
-        cpp_extension.CUDA_HOME = cfg["cuda_home"]
     os.environ["TORCH_CUDA_ARCH_LIST"] = cfg["archs"]
     t0 = time.perf_counter()
     with _file_lock(out / "kvwrite.lock"):
@@ -376,7 +370,7 @@ def _load() -> str | None:
         reason = None
         if os.environ.get("KVWRITE_EXT", "1") == "0":
             reason = "disabled by KVWRITE_EXT=0"
-        elif not _has_ops():
+        elif not _has_kernel("CPU"):
             try:
                 _import_aot()
             except ImportError:
@@ -385,7 +379,7 @@ def _load() -> str | None:
                 except Exception as exc:  # no compiler, a failed build, ...
                     msg = str(exc).strip().splitlines()
                     reason = f"the extension could not be built ({exc.__class__.__name__}: {msg[-1] if msg else ''})"
-        if reason is None and not _has_ops():
+        if reason is None and not _has_kernel("CPU"):
             reason = "the extension loaded but registered no kvwrite_ext ops"
         _state["reason"] = reason
         global LOADED
@@ -402,10 +396,6 @@ def _has_kernel(key: str) -> bool:
         return torch._C._dispatch_has_kernel_for_dispatch_key("kvwrite_ext::store_kv", key)
     except RuntimeError:  # the op is not registered (yet)
         return False
-
-
-def _has_ops() -> bool:
-    return _has_kernel("CPU")
 
 
 def has_cuda_kernels() -> bool:
@@ -428,25 +418,15 @@ def unavailable_reason(device_type: str) -> str | None:
     return f"device type {device_type} is not supported"
 
 
-def _run(a, name: str, *args, tail: bool = True) -> None:
-    """Call torch.ops.kvwrite_ext.<name>(*args, <the shared loc/check tail>) for a validated call
-    `a` (`tail=False`: a page move's kernel, whose tail is errors, check, op). CPU assert mode:
-    the kernel throws before any write; we raise OutOfBoundsWrite with the record it filled."""
-    from kvwrite.errors import ErrorBuffer, op_code
+@contextlib.contextmanager
+def _record(chk, device: torch.device):
+    """The record a raw kernel fills: the call's, or in CPU assert mode (the kernel throws before any
+    write) a scratch one, whose error is raised instead."""
+    from kvwrite.errors import ErrorBuffer
 
-    chk = a.check
-    errors, scratch = chk.errors, None
-    if chk.mode == "assert" and args[0].device.type == "cpu":
-        scratch = ErrorBuffer("cpu")
-        errors = scratch.tensor
-    rest = (errors, chk.code, op_code(chk.op))
-    if tail:
-        locs = a.locs
-        t = getattr(locs, "table", None)
-        table = () if t is None else (t.batch_indices, t.kv_indices, t.kv_indptr)
-        rest = (locs.loc, locs.loc_map, errors, locs.dcp_rank, locs.dcp_size, *rest[1:], *table)
+    scratch = ErrorBuffer("cpu") if chk.mode == "assert" and device.type == "cpu" else None
     try:
-        getattr(torch.ops.kvwrite_ext, name)(*args, *rest)
+        yield chk.errors if scratch is None else scratch.tensor
     except RuntimeError as exc:
         err = scratch.error() if scratch is not None else None
         if err is None:
@@ -454,10 +434,25 @@ def _run(a, name: str, *args, tail: bool = True) -> None:
         raise err from exc
 
 
+def _run(a, name: str, *args, tail: bool = True) -> None:
+    """Call torch.ops.kvwrite_ext.<name>(*args, <the shared loc/check tail>) for a validated call
+    `a` (`tail=False`: a page move's kernel, whose tail is errors, check, op)."""
+    from kvwrite.errors import op_code
+
+    chk = a.check
+    with _record(chk, args[0].device) as errors:
+        rest = (errors, chk.code, op_code(chk.op))
+        if tail:
+            locs = a.locs
+            t = getattr(locs, "table", None)
+            table = () if t is None else (t.batch_indices, t.kv_indices, t.kv_indptr)
+            rest = (locs.loc, locs.loc_map, errors, locs.dcp_rank, locs.dcp_size, *rest[1:], *table)
+        getattr(torch.ops.kvwrite_ext, name)(*args, *rest)
+
+
 # ---- the raw kernels' runners: `kvwrite._ext:<raw op>` in an op's backend table -------------
 
 _RAW: dict[tuple[str, type], tuple[Callable, bool]] = {}
-_RUNNERS: dict[str, Callable] = {}
 
 
 def _getter(cls: type, a, name: str, op: str) -> Callable:
@@ -494,39 +489,27 @@ def run(name: str, a) -> None:
 
 
 def __getattr__(name: str):
-    """`_ext.<raw op>`: its runner (the backend tables name `kvwrite._ext:<raw op>`)."""
+    """`_ext.<raw op>`: its runner (the backend tables name `kvwrite._ext:<raw op>`; the lookup is
+    cached by `backend.implementation`)."""
     if name.startswith("_"):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    runner = _RUNNERS.get(name)
-    if runner is None:
-        runner = _RUNNERS[name] = functools.partial(run, name)
-    return runner
+    return functools.partial(run, name)
 
 
 def claim_rows(locs, geometry, chk):
     """The duplicate-row pre-pass of a store on the cpu / cuda backend (kvwrite.ops.claims):
-    the Locs the store runs on. CPU assert mode: a duplicate raises its error (from a scratch
-    record, as `_run`)."""
+    the Locs the store runs on (CPU assert mode: a duplicate raises its error, as `_run`)."""
     import dataclasses
 
     from kvwrite.addressing import Locs
-    from kvwrite.errors import ErrorBuffer, op_code
+    from kvwrite.errors import op_code
 
-    errors, scratch = chk.errors, None
-    if chk.mode == "assert" and locs.loc.device.type == "cpu":
-        scratch = ErrorBuffer("cpu")
-        errors = scratch.tensor
     t = locs.table
     table = (None, None, None) if t is None else (t.batch_indices, t.kv_indices, t.kv_indptr)
-    try:
+    with _record(chk, locs.loc.device) as errors:
         out = torch.ops.kvwrite_ext.claim_rows(locs.loc, locs.loc_map, errors, locs.dcp_rank, locs.dcp_size,
                                                chk.code, op_code(chk.op), *table, geometry.capacity,
                                                geometry.pool_page_size, locs.dcp_page)
-    except RuntimeError as exc:
-        err = scratch.error() if scratch is not None else None
-        if err is None:
-            raise
-        raise err from exc
     if out.numel() == 0:
         return locs
     return Locs(out) if t is not None else dataclasses.replace(locs, loc=out)

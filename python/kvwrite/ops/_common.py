@@ -7,7 +7,7 @@ import torch
 
 from kvwrite import backend as backends, validate
 from kvwrite.addressing import Check, Locs, prepare  # noqa: F401  (the ops' shared names)
-from kvwrite.errors import ErrorBuffer, default_errors
+from kvwrite.errors import default_errors
 from kvwrite.geometry import PageGeometry
 from kvwrite.ops.claims import claim
 
@@ -17,19 +17,30 @@ NATIVE = ("auto", "cpu", "cuda")
 _DEFAULT_RECORD: dict[torch.device, torch.Tensor] = {}
 
 
-def record(errors: object, check: object, ref: object) -> object:
-    """The `errors` argument of a C++ op call: an ErrorBuffer's tensor; in guard mode without
-    one, the default buffer of `ref`'s device (as `prepare` picks it); anything else unchanged
-    (the op validates it)."""
-    if errors is None:
-        if check != "guard":
-            return None
-        device = ref.device
-        t = _DEFAULT_RECORD.get(device)
-        if t is None:
-            t = _DEFAULT_RECORD[device] = default_errors(device).tensor
-        return t
-    return errors.tensor if isinstance(errors, ErrorBuffer) else errors
+def default_record(device: torch.device) -> torch.Tensor:
+    """The guard record of a C++ op call that passes none: the default buffer of the device (as
+    `prepare` picks it), without its lock."""
+    t = _DEFAULT_RECORD.get(device)
+    if t is None:
+        t = _DEFAULT_RECORD[device] = default_errors(device).tensor
+    return t
+
+
+class Fused:
+    """A fused call's loc resolution, check and geometry are those of the store it wraps (the
+    resolvers and the assert path read them from the call)."""
+
+    @property
+    def locs(self) -> Locs:
+        return self.store.locs
+
+    @property
+    def check(self) -> Check:
+        return self.store.check
+
+    @property
+    def geometry(self) -> PageGeometry:
+        return self.store.geometry
 
 
 def cache_geometry(name: str, num_pages: int, pool_page_size: int) -> PageGeometry:

@@ -10,9 +10,8 @@ import torch
 from kvwrite import validate
 from kvwrite.errors import ErrorBuffer
 from kvwrite.facts import FP4_FMTS, FP4_RECORDS, KV_DIM, NOPE, ROPE, FP4Record, fp4_pool_page_size
-from kvwrite.geometry import PageGeometry
 from kvwrite.ops import spec
-from kvwrite.ops._common import Check, Locs, impls
+from kvwrite.ops._common import Check, Fused, Locs, impls
 from kvwrite.ops.dsv4 import StoreDSV4KV
 
 OP = "store_dsv4_kv_fp4"
@@ -73,7 +72,7 @@ ROPE_FMTS = tuple(f for f, r in FP4_RECORDS.items() if r.rope)   # records with 
 
 
 @dataclass(frozen=True)
-class RopeStoreDSV4KVFP4:
+class RopeStoreDSV4KVFP4(Fused):
     """A validated rope_store_dsv4_kv_fp4 call: the store, then the GPT-J rotation (the field
     names `kvwrite.reference.rope` reads)."""
 
@@ -83,18 +82,6 @@ class RopeStoreDSV4KVFP4:
     q: torch.Tensor | None
     rotary_dim: int = ROPE
     is_neox: bool = False
-
-    @property
-    def locs(self) -> Locs:
-        return self.store.locs
-
-    @property
-    def check(self) -> Check:
-        return self.store.check
-
-    @property
-    def geometry(self) -> PageGeometry:
-        return self.store.geometry
 
 
 @spec.rule(expr=" && ".join(f"$fmt != '{f}'" for f in FP4_FMTS if f not in ROPE_FMTS))

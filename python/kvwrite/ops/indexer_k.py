@@ -64,8 +64,6 @@ SPEC = spec.Op(
           spec.CHECK, spec.ERRORS, spec.LOC_MAP, *spec.DCP, spec.BACKEND),
     checks=("k", _block, "cache", _pages, spec.geometry("cache")),
     build=_build, impls=IMPLS, raw_args={"ue8m0": "n:scale_fmt"})
-_OP = SPEC.overload
-_CALL = _OP._op
 
 
 def store_indexer_k(k: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, *,

@@ -220,8 +220,7 @@ SPEC = spec.Op(
     checks=("k", "v", spec.choice("layout", LAYOUTS), _widths, "k_cache", "v_cache", spec.geometry("k_cache"),
             _cpu_attn_key, _quant, "k_scale", "v_scale"),
     build=_build, impls=FORMATS)
-_OP = SPEC.overload
-_CALL = _OP._op  # the C++ builtin behind the OpOverload (pool.store binds it)
+_CALL = SPEC.overload._op  # the C++ builtin behind the OpOverload (pool.store binds it)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -76,8 +76,6 @@ SPEC = spec.Op(
     checks=("k", "v", _head_dims, spec.choice("layout", LAYOUTS[:2]), "k_cache", "v_cache", "k_scale_cache",
             "v_scale_cache", spec.geometry("k_cache"), "k_global_scale", "v_global_scale"),
     build=_build, impls=IMPLS)
-_OP = SPEC.overload
-_CALL = _OP._op
 
 
 def store_kv_nvfp4(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -13,7 +13,7 @@ from kvwrite.errors import ErrorBuffer
 from kvwrite.facts import (FMT_E4M3, FMT_E5M2, FMT_INT8, KV_LAYOUTS, QUANT_COPY, QUANT_HEAD, QUANT_STATIC,
                            QUANT_TOKEN)
 from kvwrite.ops import kv, mla, spec
-from kvwrite.ops._common import Check, Locs, impls
+from kvwrite.ops._common import Check, Fused, Locs, impls
 from kvwrite.ops.kv import KVStore
 from kvwrite.ops.mla import StoreMLA
 
@@ -28,25 +28,8 @@ KV_QUANTS = (QUANT_COPY, QUANT_STATIC, QUANT_TOKEN, QUANT_HEAD)
 KV_FMTS = (FMT_E4M3, FMT_E5M2, FMT_INT8)
 
 
-class _Fused:
-    """A fused call's loc resolution, check and geometry are those of the store it wraps (the
-    resolvers and the assert path read them from the call)."""
-
-    @property
-    def locs(self):
-        return self.store.locs
-
-    @property
-    def check(self):
-        return self.store.check
-
-    @property
-    def geometry(self):
-        return self.store.geometry
-
-
 @dataclass(frozen=True)
-class RopeStoreKV(_Fused):
+class RopeStoreKV(Fused):
     q: torch.Tensor
     positions: torch.Tensor
     cos_sin: torch.Tensor
@@ -59,7 +42,7 @@ class RopeStoreKV(_Fused):
 
 
 @dataclass(frozen=True)
-class RopeStoreMLA(_Fused):
+class RopeStoreMLA(Fused):
     q: torch.Tensor          # q_pe [N, Hq, R]
     positions: torch.Tensor
     cos_sin: torch.Tensor

@@ -25,7 +25,7 @@ from kvwrite.addressing import TABLE_ARGS, page_table, prepare as prepare_addres
 from kvwrite.errors import ErrorBuffer
 from kvwrite import facts
 from kvwrite.ops import _library
-from kvwrite.ops._common import NATIVE, cache_geometry, canonical_pool, dispatch, record
+from kvwrite.ops._common import NATIVE, cache_geometry, canonical_pool, default_record, dispatch
 from kvwrite.pagetable import PageTable
 
 NO_DEFAULT = object()
@@ -100,18 +100,15 @@ TABLE = tuple(Arg(n, "Tensor?", role="addressing", default=None) for n in TABLE_
 def rule(expr: str) -> Callable:
     """Give an op's check its C++ twin for the matcher: the check as an expression (csrc/expr.h)
     the matcher evaluates; a call it refuses goes to Python, whose check names the error. A check
-    without one keeps the op on the Python path."""
+    without one keeps the op on the Python path. As `when`: a format's condition, a predicate of
+    the call's env (it picks the backend table) whose twin picks the raw kernel in C++."""
     def wrap(fn: Callable) -> Callable:
         fn.expr = expr
         return fn
     return wrap
 
 
-def when(expr: str) -> Callable:
-    """A format's condition: a predicate of the call's env (it picks the format's backend table in
-    Python) with its C++ twin `expr` (csrc/expr.h: it picks the format's raw kernel in C++, compiled
-    when the spec arrives)."""
-    return rule(expr)
+when = rule
 
 
 @dataclass(frozen=True)
@@ -261,7 +258,6 @@ class Op:
     # of several formats declares them in its `Format`s; these are then every format's defaults.
     raw: str | None = None
     raw_args: dict = field(default_factory=dict)
-    doc: str = ""
     overload: object = field(default=None, init=False)
     _native: object = field(default=None, init=False)
 
@@ -414,13 +410,10 @@ class Op:
         return env
 
     def prepare(self, args: tuple, check: object = NO_DEFAULT, aliases: dict | None = None,
-                call: str | None = None) -> object:
-        """Validate a call (schema-order arguments) and build the call object. An adapter's
-        `aliases` (schema name -> the engine's) and `call` (its function) name its errors."""
-        return self._prepare(args, check, aliases, call)[0]
-
-    def _prepare(self, args: tuple, check: object, aliases: dict | None, call: str | None) -> tuple:
-        """`prepare`'s call object and the env it was built from (which picks the format)."""
+                call: str | None = None) -> tuple:
+        """Validate a call (schema-order arguments): the call object and the env it was built from
+        (which picks the format). An adapter's `aliases` (schema name -> the engine's) and `call`
+        (its function) name its errors."""
         op = self.name
         if len(args) < len(self.names):   # the dispatcher leaves trailing defaults out
             args = (*args, *(a.default for a in self.all_args[len(args):]))
@@ -448,9 +441,9 @@ class Op:
         return next(f.impls for f in self.declared if f.when is None or f.when(env))
 
     # --- derived: the kernels of torch.ops.kvwrite.<op> ---------------------------------------
-    def impl(self, *args) -> None:
+    def impl(self, *args, aliases: dict | None = None, call: str | None = None) -> None:
         """The Python implementation: validate, then run the backend's implementation."""
-        a, env = self._prepare(args, NO_DEFAULT, None, None)
+        a, env = self.prepare(args, NO_DEFAULT, aliases, call)
         if a.locs.n:
             dispatch(self.name, self.table(env), args[self.names.index("backend")], a.locs.loc.device, a)
 
@@ -483,7 +476,7 @@ class Op:
         # scalars the C++ path takes only as their own type (the schema would convert a bool)
         scalars = tuple((i, int if a.type == "int" else float) for i, a in enumerate(self.args)
                         if a.type in ("int", "float"))
-        overload, impl, prepare, prepared = self.overload, self.impl, self.prepare, self._prepare
+        overload, impl, prepare = self.overload, self.impl, self.prepare
         call = overload._op   # the C++ builtin behind the OpOverload (one frame less)
         default_check, compiling, native = validate.default_check, torch.compiler.is_compiling, self.native
 
@@ -509,17 +502,13 @@ class Op:
                     fast = False
             if fast:
                 if errors is None and check == "guard" and isinstance(args[0], torch.Tensor):
-                    args[i_errors] = record(None, check, args[0])
+                    args[i_errors] = default_record(args[0].device)
                 try:
                     return call(*args)
                 except Exception:  # arguments the schema refused: Python's error names them
                     prepare(tuple(args) + (None,) * (len(names) - len(args)), NO_DEFAULT, aliases, call_name)
                     raise
-            if aliases is None:
-                return impl(*args, *(None,) * (len(names) - len(args)))
-            a, env = prepared(tuple(args) + (None,) * (len(names) - len(args)), NO_DEFAULT, aliases, call_name)
-            if a.locs.n:
-                dispatch(self.name, self.table(env), args[i_backend], a.locs.loc.device, a)
+            return impl(*args, *(None,) * (len(names) - len(args)), aliases=aliases, call=call_name)
 
         return entry
 
@@ -530,7 +519,7 @@ def send_programs() -> None:
     torch.ops.kvwrite_ext.set_op_names(list(facts.OPS))
     for op in OPS.values():
         text = op.program()
-        if text is not None and hasattr(torch.ops.kvwrite_ext, "set_program"):
+        if text is not None:
             torch.ops.kvwrite_ext.set_program(op.name, text)
 
 
@@ -541,7 +530,7 @@ def args_doc(op: Op) -> list[str]:
     """The op's arguments as reference-table rows (name, type, role, dims, dtypes, writes)."""
     rows = []
     for a in op.all_args:
-        dtypes = ", ".join(d if isinstance(d, str) else str(d).replace("torch.", "") for d in a.dtypes)
+        dtypes = ", ".join(map(_dtype_name, a.dtypes))
         rows.append(f"| `{a.name}` | {a.type} | {a.role} | {a.dims or ''} | {dtypes} | "
                     f"{'yes' if a.mutable else ''} |")
     return rows
