@@ -191,10 +191,9 @@ def store_rows(src: torch.Tensor, pool: torch.Tensor, loc: torch.Tensor, *,
                loc_map: torch.Tensor | None = None, dcp_rank: int = 0, dcp_size: int = 1,
                backend: str = "auto") -> None:
     """Copy row i of `src` `[N, W]` into row `loc[i]` of `pool` `[rows, W]` (same dtype; a
-    compress-state pool, loc from `state_loc`). -1 is padding and is skipped: SGLang writes a -1
-    state loc into the pool's last (sentinel) row and clears that row right after, so skipping
-    leaves the same pool. Every check mode; under DCP row r lives on rank r % dcp_size (pages of
-    one row)."""
+    compress-state pool, loc from `state_loc`). -1 is padding and is skipped (SGLang writes it into
+    the pool's sentinel row and clears it right after: the same pool). Under DCP row r lives on rank
+    r % dcp_size."""
     return ROWS_SPEC.entry(src, pool, loc, check, errors, loc_map, dcp_rank, dcp_size, backend)
 
 

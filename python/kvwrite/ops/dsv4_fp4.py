@@ -116,11 +116,9 @@ def rope_store_dsv4_kv_fp4(positions: torch.Tensor, kv: torch.Tensor, cos_sin: t
     """GPT-J RoPE + FP4 record store in one launch (FlashInfer's
     `cake_dsv4_nvfp4_kv_rope_quantize_insert`; with `q`, `cake_dsv4_nvfp4_rope_quantize_insert`):
     token i's 64 RoPE values `kv[i, 448:]` are rotated by `cos_sin[positions[i]]` (`[max_position,
-    64]`: 32 cos then 32 sin, fp32 or kv's dtype; pairs (2j, 2j+1)), rounded to kv's dtype, and
-    the row is stored exactly as `store_dsv4_kv_fp4` stores it (bytes equal to rotating in torch,
-    then storing). `q` `[N, Hq, 64]` (kv's dtype, optional): the queries' RoPE part, rotated in
-    place for every token with a valid position. `fmt` "nvfp4" or "mxfp4" (the records that keep
-    the RoPE part in bf16). A position outside [0, max_position) is a bad token (never written)
-    in every check mode, recorded like a bad loc. Other arguments as `store_dsv4_kv_fp4`."""
+    64]`: 32 cos then 32 sin, fp32 or kv's dtype), rounded to kv's dtype and stored as
+    `store_dsv4_kv_fp4` stores the row; `q` `[N, Hq, 64]` (optional) is rotated in place. `fmt`
+    "nvfp4" or "mxfp4" (the records with a bf16 RoPE part). A position outside [0, max_position) is
+    a bad token (never written) in every check mode, recorded like a bad loc."""
     return ROPE_SPEC.entry(positions, kv, cos_sin, q, cache, loc, page_size, fmt, check, errors, loc_map,
                            dcp_rank, dcp_size, backend)
