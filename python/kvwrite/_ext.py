@@ -116,8 +116,7 @@ def _write(f: Path, text: str) -> Path:
 def ops_header(root: Path, out: Path) -> Path:
     """Writes `out`/kvw_ops.h, which bodies.h includes: the #include of every csrc/kvwrite header
     with a KVW_BODY or an op table, and KVW_OPS(X), their tables in header-name order (csrc/
-    registry.h; ops are looked up by name, never by position). `out` goes on the include path of
-    every unit, host and CUDA; never `root` (an installed copy of csrc/ may be read-only)."""
+    registry.h). Never into `root` (an installed copy of csrc/ may be read-only)."""
     out.mkdir(parents=True, exist_ok=True)
     tables = op_tables(root)
     headers = sorted(set(bodies(root).values()) | set(tables))
@@ -129,13 +128,10 @@ def ops_header(root: Path, out: Path) -> Path:
 
 
 def launch_units(root: Path, out: Path, suffix: str = ".cu") -> list[Path]:
-    """Writes the generated units of the per-token ops into `out`: one per params type with a
-    KVW_BODY (csrc/kvwrite/*.h) and check mode, the explicit instantiation of its runner
-    (`KVW_LAUNCH(P, C)` of tokens.cuh for ".cu", `KVW_CPU_RUN(P, C)` of tokens_cpu.h for ".cpp";
-    one type and mode per unit keeps each compiler call short), and the kvw_ops.h they include
-    (`ops_header`: compile them with `-I out`). A file is rewritten only when its text changes
-    (ninja keeps its object); units of types that are gone are removed. Never writes into `root`
-    (an installed copy of csrc/ may be read-only)."""
+    """Writes into `out` the generated units of the per-token ops, one per params type with a
+    KVW_BODY and check mode (the runner's explicit instantiation, `RUNNERS[suffix]`: one type and
+    mode a unit keeps each compiler call short), and the kvw_ops.h they include (`-I out`). A file is
+    rewritten only when its text changes (ninja keeps its object); stale units are removed."""
     ops_header(root, out)
     _, prelude, runner, macro = RUNNERS[suffix]
     units = []
@@ -152,10 +148,8 @@ def launch_units(root: Path, out: Path, suffix: str = ".cu") -> list[Path]:
 
 
 def sources(root: Path, with_cuda: bool, units: Path) -> list[Path]:
-    """The translation units: ops.cpp (schemas + CPU policy) and the per-token ops' CPU units, and
-    with CUDA cuda_ops.cpp, the hand-written csrc/*.cu (pages.cu, claims.cu) and the per-token
-    ops' CUDA units; `launch_units` generates both kinds into `units` (a build directory: never
-    csrc/)."""
+    """The translation units: ops.cpp and the per-token ops' CPU units, and with CUDA cuda_ops.cpp,
+    the hand-written csrc/*.cu and the CUDA units (`launch_units` writes both kinds into `units`)."""
     srcs = [root / "ops.cpp"] + launch_units(root, units, ".cpp")
     if with_cuda:
         srcs += [root / "cuda_ops.cpp"] + sorted(root.glob("*.cu")) + launch_units(root, units)
@@ -163,8 +157,7 @@ def sources(root: Path, with_cuda: bool, units: Path) -> list[Path]:
 
 
 def aot_units_dir(root: Path) -> Path:
-    """Where the ahead-of-time build (setup.py) generates kvw_ops.h and the CUDA units:
-    <repo>/build/kvwrite-units."""
+    """Where the ahead-of-time build (setup.py) generates kvw_ops.h and the CUDA units."""
     return Path(root).parent / "build" / "kvwrite-units"
 
 
@@ -182,15 +175,6 @@ def find_cuda_home() -> str | None:
     return None
 
 
-def wants_cuda_kernels() -> bool:
-    """Build the CUDA kernels only where they can run (a visible GPU) or when asked for with
-    KVWRITE_EXT_CUDA=1 (prebuilding on a GPU-less build machine); KVWRITE_EXT_CUDA=0 never."""
-    env = os.environ.get("KVWRITE_EXT_CUDA")
-    if env is not None:
-        return env == "1"
-    return torch.cuda.is_available()
-
-
 def default_arch_list() -> str:
     """The visible GPUs' compute capabilities, else sm_80 and sm_90."""
     if torch.cuda.is_available():
@@ -202,7 +186,10 @@ def default_arch_list() -> str:
 def build_config() -> dict:
     """What a build needs: whether CUDA kernels are built, include dirs, flags, arch list."""
     cuda_home = find_cuda_home() if torch.version.cuda else None
-    with_cuda = cuda_home is not None and wants_cuda_kernels()
+    # CUDA kernels only where they can run (a visible GPU) or when asked for with KVWRITE_EXT_CUDA=1
+    # (prebuilding on a GPU-less build machine); KVWRITE_EXT_CUDA=0 never
+    asked = os.environ.get("KVWRITE_EXT_CUDA")
+    with_cuda = cuda_home is not None and (torch.cuda.is_available() if asked is None else asked == "1")
     includes = []
     if with_cuda:
         for site in {Path(p).parent for p in torch.__path__}:
@@ -242,16 +229,13 @@ def build_dir(root: Path, cfg: dict) -> Path:
 
 @contextlib.contextmanager
 def _file_lock(path: Path):
-    """Serialise builds across processes (pytest-xdist workers)."""
+    """Serialise builds across processes (pytest-xdist workers); closing the file unlocks it."""
     import fcntl
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+        yield
 
 
 def with_ptx(archs: str) -> str:
@@ -275,7 +259,6 @@ def aot_extension(root: Path):
     os.environ["TORCH_CUDA_ARCH_LIST"] = with_ptx(os.environ.get("TORCH_CUDA_ARCH_LIST") or cfg["archs"])
     kind = cpp_extension.CUDAExtension if cfg["with_cuda"] else cpp_extension.CppExtension
     gen = aot_units_dir(root)
-    ops_header(root, gen)
     srcs = [str(s.relative_to(root.parent)) for s in sources(root, cfg["with_cuda"], gen)]
     flags = {"cxx": cfg["cflags"] + ["-DKVWRITE_PYTHON_MODULE"], "nvcc": cfg["nvflags"]}
     ext = kind("kvwrite._C", srcs, include_dirs=[str(root), str(gen)] + cfg["includes"], extra_compile_args=flags,

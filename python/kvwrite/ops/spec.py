@@ -8,10 +8,6 @@ tensor after its check, unless listed in `Arg.binds` (bound from the tensor firs
 pages and rows). "*" is any size, "D/2" a bound letter divided by 2, "512" a size; "scale" /
 "scale H" is a dequant scale `[]`, `[1]` (or `[H]`). `Arg.layout`: the dims are the canonical
 `[pages, rows, H, ...]`; a call with layout "HND" checks (and names) dims 1 and 2 swapped.
-
-Page moves: `Op.loc` names the addressing argument (dst pages / locs), `Op.claims` the duplicate
-pre-pass ("rows", "pairs" of a page move, "read": none), `Op.table_tail` whether the schema ends
-with the page-table tensors; `pool(name)` checks a pool `[pages, rows, ...]` of any rank.
 """
 from __future__ import annotations
 
@@ -234,16 +230,14 @@ def _facts(v: object) -> object:
 @dataclass
 class Op:
     """One op. `checks`: the validation in order, argument names (matched by `_match`) and
-    callables `(env, values)` for the op's own rules; default: every tensor argument that is not
-    addressing. `build(values, env, locs, check)` makes the validated call object the
-    implementations take. `impls`: a (backend, "module:function") table, or the op's `Format`s
-    (each with its condition, backend table and raw kernel)."""
+    callables `(env, values)` for the op's own rules. `build(values, env, locs, check)` makes the
+    call object the implementations take. `impls`: a (backend, "module:function") table, or `Format`s."""
 
     name: str
     args: tuple
     build: Callable
     impls: object
-    checks: tuple = ()
+    checks: tuple
     dcp_page: bool = False      # DCP shards whole pages (DeepSeek V4 pools)
     page_table: bool = True     # its kernels take page-table addressing
     aliases: dict = field(default_factory=dict)   # schema name -> the name errors use
@@ -267,9 +261,6 @@ class Op:
         # its declared formats (one of its backend table when `impls` is a table)
         self.declared = self.impls if type(self.impls[0]) is Format else (Format(self.impls),)
         self.code = facts.declare_op(self.name)
-        if not self.checks:
-            self.checks = tuple(a.name for a in self.args if a.type.startswith("Tensor")
-                                and a.role not in ("addressing", "check"))
         self.overload = _library.define(self.name, self.schema(), self.impl, self.fake)
         self.entry = self._entry()
         OPS[self.name] = self
@@ -285,10 +276,9 @@ class Op:
         lines = []
         for c in self.checks:
             if callable(c):
-                if getattr(c, "expr", None) is not None:
-                    lines.append(f"X {c.expr}")
-                else:
+                if getattr(c, "expr", None) is None:
                     return None
+                lines.append(f"X {c.expr}")
                 continue
             a = by_name[c]
             dtypes = ",".join(_dtype_name(d) for d in a.dtypes) or "-"
@@ -333,13 +323,10 @@ class Op:
         return target.split(":")[1] if target.startswith("kvwrite._ext:") else None
 
     def raw_sources(self, slots: list, f: Format) -> list[str] | None:
-        """Format `f`'s raw kernel and where the C++ fast path finds each of its arguments, by
-        name: the tail's field (`t<i>`), the op's argument (`a<i>`; a cache's view: `l<i>` of a
-        layout cache, `k<i>` / `h<i>` as `raw_args` says), `raw_args`' env slot (`e<i>`, `b<i>`
-        as a bool) or given-ness of an argument (`n<i>`); None without a raw kernel, before the
-        extension is loaded, or when the kernel of the backend table does not take the op's
-        arguments by name. A declared `raw` / `raw_args` that leaves an argument without a value
-        is an error."""
+        """Format `f`'s raw kernel and where the C++ fast path finds each of its arguments, by name
+        (the codes of csrc/api.h: tail field, argument, its view, env slot, given-ness); None without a
+        raw kernel, before the extension is loaded, or when the kernel does not take the op's arguments
+        by name. A declared `raw` / `raw_args` that leaves an argument without a value is an error."""
         raw = self.raw_kernel(f)
         kernel = getattr(torch.ops.kvwrite_ext, raw, None) if raw and _ext.LOADED else None
         if kernel is None:
@@ -390,10 +377,8 @@ class Op:
         return env
 
     def match(self, v: dict, aliases: dict | None = None) -> dict:
-        """The env of derived facts (letters, device, dtypes, geometry, the rules' values) of a
-        call, from its argument values: checked once per distinct argument facts (a check
-        raises on bad arguments, so only passing calls are remembered); never memoised while
-        tracing."""
+        """The env of derived facts (letters, device, dtypes, geometry, the rules' values) of a call,
+        memoised per distinct argument facts (only passing calls are remembered); not while tracing."""
         aliases = self.aliases if aliases is None else aliases
         if torch.compiler.is_compiling():
             return self._check(v, aliases)
