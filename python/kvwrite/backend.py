@@ -110,12 +110,6 @@ def say_fallback(name: str, device: torch.device, reason: str, order: tuple[str,
 
 
 @lru_cache(maxsize=None)
-def implemented(table: tuple[tuple[str, str], ...]) -> tuple[str, ...]:
-    """The backends an op's (backend, path) table names (cached: dispatch runs on every call)."""
-    return tuple(name for name, _ in table)
-
-
-@lru_cache(maxsize=None)
 def implementation(table: tuple[tuple[str, str], ...], backend: str) -> Callable:
     """Import `module:function` for `backend` from an op's (backend, path) table."""
     path = dict(table)[backend]

@@ -88,6 +88,10 @@ class OutOfBoundsWrite(RuntimeError):
     """A store would have written outside its pool. Raised by `ErrorBuffer.raise_if_any`
     (guard mode) and by the `assert` mode on CPU backends."""
 
+    # the fields a subclass's record may leave unset (page-table context, or all of them)
+    op = token_index = loc = page = num_pages = pool_page_size = kind = target = limit = None
+    batch = position = table_slot = table_page = None
+
     def __init__(self, op: str, token_index: int, loc: int, page: int | None, num_pages: int | None,
                  pool_page_size: int, count: int, kind: int = KIND_POOL,
                  target: int | None = None, limit: int | None = None, *,
@@ -182,8 +186,7 @@ class DuplicateWrite(OutOfBoundsWrite):
         self.kind, self.target, self.row, self.first_token = KIND_DUPLICATE, row, row, first_token
         self.pool_page_size = pool_page_size
         self.page, self.offset = divmod(row, pool_page_size)
-        self.num_pages = self.limit = None
-        self.batch, self.position, self.table_slot, self.table_page = batch, position, None, None
+        self.batch, self.position = batch, position
         RuntimeError.__init__(self, self._message())
 
     def _message(self) -> str:
@@ -209,13 +212,10 @@ class IncompleteRecord(OutOfBoundsWrite):
     reader was not ordered after a guarded store that is still running (another stream)."""
 
     def __init__(self, count: int, detail: str) -> None:
-        self.detail = detail
+        self.detail, self.count = detail, count
         RuntimeError.__init__(self, f"kvwrite guard record: {count} bad token(s) counted but the record is "
                                     f"incomplete ({detail}): a guarded store is still writing it; read the record "
                                     f"after the stream that ran the store (ErrorBuffer.raise_if_any(stream=that_stream))")
-        self.op, self.token_index, self.loc, self.page, self.num_pages = None, None, None, None, None
-        self.pool_page_size, self.count, self.kind, self.target, self.limit = None, count, None, None, None
-        self.batch = self.position = self.table_slot = self.table_page = None
 
 
 def _unpack(lo: int, hi: int) -> int:

@@ -93,7 +93,7 @@ def dispatch(op: str, table: tuple[tuple[str, str], ...], backend: str, device: 
     if name is None:
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a str, got {type(backend).__name__}")
-        name = backends.resolve(backend, device, op, backends.implemented(table))
+        name = backends.resolve(backend, device, op, tuple(dict(table)))
         _RESOLVED[key] = name  # availability is settled once per process (backend.py caches it)
     impl: Callable = backends.implementation(table, name)
     if args.check.mode != "off":
