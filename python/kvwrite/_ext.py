@@ -451,9 +451,8 @@ def _getter(cls: type, a, name: str, op: str) -> Callable:
 
 
 def _raw_args(name: str, a) -> tuple[Callable, bool]:
-    """Reads kvwrite_ext::<name>'s arguments before its tail (schema names: its op table row) from a
-    call like `a` (resolved once per call type), and whether that tail is a store's (loc, ...,
-    check, op[, page table]) rather than a page move's."""
+    """Reads kvwrite_ext::<name>'s arguments before its tail from a call like `a` (resolved once per
+    call type), and whether that tail is a store's (loc, ..., op[, page table]) or a page move's."""
     key = (name, type(a))
     got = _RAW.get(key)
     if got is None:
@@ -465,23 +464,20 @@ def _raw_args(name: str, a) -> tuple[Callable, bool]:
 
 
 def run(name: str, a) -> None:
-    """Run kvwrite_ext::<name> on validated call `a`, each argument read from `a` by its schema
-    name (no per-op wrapper: the raw schema is the one list of a kernel's arguments)."""
+    """Run kvwrite_ext::<name> on validated call `a`, each argument read from `a` by its schema name."""
     args, tail = _raw_args(name, a)
     _run(a, name, *args(a), tail=tail)
 
 
 def __getattr__(name: str):
-    """`_ext.<raw op>`: its runner (the backend tables name `kvwrite._ext:<raw op>`; the lookup is
-    cached by `backend.implementation`)."""
+    """`_ext.<raw op>`: its runner (the backend tables name `kvwrite._ext:<raw op>`)."""
     if name.startswith("_"):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return functools.partial(run, name)
 
 
 def claim_rows(locs, geometry, chk):
-    """The duplicate-row pre-pass of a store on the cpu / cuda backend (kvwrite.ops.claims):
-    the Locs the store runs on (CPU assert mode: a duplicate raises its error, as `_run`)."""
+    """The duplicate-row pre-pass on the cpu / cuda backend (kvwrite.ops.claims): the store's Locs."""
     import dataclasses
 
     from kvwrite.addressing import Locs

@@ -16,10 +16,8 @@ TABLE_ARGS = ("batch_indices", "kv_indices", "kv_indptr")   # a PageTable's tens
 
 @dataclass(slots=True, eq=False)
 class Locs:
-    """Where each token goes: `loc` (virtual), optional SWA `loc_map`, DCP shard of this rank;
-    or a `table` (page-table addressing; `loc` is then its positions). Built on every call of
-    the Python path: a plain slotted dataclass (a frozen one costs ~4x to construct); treat it as
-    read-only (`dataclasses.replace` for a variant)."""
+    """Where each token goes: `loc` (virtual), optional SWA `loc_map`, DCP shard of this rank; or
+    a `table` (`loc` its positions). Slotted, not frozen (4x cheaper to build); treat as read-only."""
 
     loc: torch.Tensor
     loc_map: torch.Tensor | None = None
@@ -79,10 +77,8 @@ def prepare(op: str, device: torch.device, n: int, loc: object, loc_map: object,
                     *validate.dcp(dcp_rank, dcp_size))
     mode = validate.check_mode(check)
     if errors is None:
-        # No buffer passed: guard records into the device's default buffer (valid by
-        # construction, and the same object for the life of the process), so the Check is
-        # the same every time. Never looked up while tracing (the fake kernel validates guard
-        # without a buffer as "off"; the traced op finds the buffer when it runs).
+        # guard records into the device's default buffer (one for the process: one Check); never
+        # while tracing (the fake kernel validates guard without a buffer as "off")
         key = (op, mode, device)
         chk = _DEFAULT_CHECKS.get(key)
         if chk is None:

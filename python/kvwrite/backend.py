@@ -68,10 +68,8 @@ _warned: set[tuple[str, str]] = set()
 
 
 def resolve(backend: str, device: torch.device, op: str, implemented: tuple[str, ...] = BACKENDS) -> str:
-    """The concrete backend for a call: `backend` itself if it can run, else a clear error;
-    "auto" walks AUTO_ORDER (and warns once when it falls back past a missing extension).
-    `implemented`: the backends that have an implementation of this op (its IMPLS table); "auto"
-    skips the others silently."""
+    """The concrete backend for a call: `backend` itself if it can run and `implemented` (the op's
+    table) has it, else a clear error; "auto" walks AUTO_ORDER over `implemented`."""
     if backend != "auto":
         reason = unavailable_reason(backend, device)
         if reason is None and backend not in implemented:
@@ -95,8 +93,7 @@ def resolve(backend: str, device: torch.device, op: str, implemented: tuple[str,
 
 def say_fallback(name: str, device: torch.device, reason: str, order: tuple[str, ...],
                  implemented: tuple[str, ...]) -> None:
-    """Say once per (backend, device type), as a warning and a log line ("kvwrite" logger), that
-    "auto" runs a slower backend than the device allows (`kvwrite.backends()` gives the reason)."""
+    """Warn (and log) once per (backend, device type) that "auto" runs a slower backend."""
     import logging
     import warnings
 

@@ -13,18 +13,8 @@ one); the first bad token claims OWNER with its call's epoch (compare-and-swap f
 a bad token folds its fields only when OWNER holds its own epoch. COUNT still counts every
 call's bad tokens. DONE counts a running call's finished programs (the last one resets it and
 advances EPOCH). Calls on different streams that share one buffer must be ordered (one buffer
-per stream otherwise): their programs would share an epoch.
-
-Duplicate rows (two tokens of one call resolving to the same pool row, or two page-move pairs
-to one destination page) are KIND_DUPLICATE records in assert and guard mode (`kvwrite.claims`:
-a pre-pass before the store, no host sync): the lowest token index that writes a row keeps it,
-every later one is skipped and recorded (TARGET holds the row, LIMIT the first writer's token
-index). The pre-pass shares the store's epoch, so the record holds the call's lowest bad or
-duplicate token. Off mode does not look: every backend writes both, in an unspecified order.
-
-Reading: the fields are complete once every store that wrote them has finished; a reader that
-is not ordered after the store's stream (`raise_if_any(stream=...)`) can see COUNT > 0 before
-the fields (reported as `IncompleteRecord`) or a token that is not yet the lowest.
+per stream otherwise): their programs would share an epoch. Duplicate rows (KIND_DUPLICATE, the
+pre-pass shares the store's epoch) and reading the record: docs/checks.md.
 """
 from __future__ import annotations
 
@@ -244,11 +234,9 @@ def table_error(op: str, token: int, kind: int, target: int, limit: int, pool_pa
 
 
 class ErrorBuffer:
-    """The guard-mode record on one device: lowest bad token index, its loc, page, count.
-
-    Made inside a CUDA graph capture, its zero-fill (like any `reset()` there) is part of the
-    graph: every replay clears it first (a per-replay record). Made before the capture, it
-    accumulates over replays until `reset()`."""
+    """The guard-mode record on one device: lowest bad token index, its loc, page, count. Made
+    inside a CUDA graph capture, its zero-fill (like any `reset()` there) is part of the graph:
+    every replay clears it first; made before, it accumulates over replays until `reset()`."""
 
     read: list[int] | None = None   # the slots as error() last read them (the exit report's "seen")
 
@@ -275,11 +263,8 @@ class ErrorBuffer:
         return decode(self.read)
 
     def raise_if_any(self, stream: torch.cuda.Stream | None = None) -> None:
-        """Raise OutOfBoundsWrite if any guarded store skipped a write since the last reset.
-
-        The read is ordered after the current stream's work; pass `stream` when the stores ran
-        on another one (it is synchronised first). Read unordered, the record of a store still
-        running can be incomplete (raised as IncompleteRecord) or not yet hold the lowest token."""
+        """Raise OutOfBoundsWrite if any guarded store skipped a write since the last reset (read as
+        `error(stream)`; read unordered, a running store's record can be an IncompleteRecord)."""
         err = self.error(stream)
         if err is not None:
             raise err
@@ -366,11 +351,9 @@ def _capturing() -> bool:
 
 
 def report_default_errors(stream=None) -> int:
-    """Write every per-device default record that holds a bad write to `stream` (stderr), with
-    the full message; return how many did. Registered with atexit when the first default buffer
-    is made, so a guard-mode run (e.g. `KVWRITE_CHECK=guard`) that never asked its default
-    record still reports what it skipped when the interpreter exits. A record the program read
-    (`error()`, `raise_if_any()`) and that has not changed since is not repeated."""
+    """Write every per-device default record that holds a bad write to `stream` (stderr) and
+    return how many did: registered with atexit with the first default buffer, so a guard-mode run
+    reports what it skipped at exit. A record read since (`error()`) and unchanged is not repeated."""
     stream = sys.stderr if stream is None else stream
     found = 0
     for device, buf in list(_default.items()):

@@ -19,9 +19,7 @@ class CheckEnvError(ValueError):
 
 
 def _env_check_mode() -> str:
-    """The process default check mode: `KVWRITE_CHECK` (off|assert|guard), "off" if unset or
-    empty. Read once, on first use (the first call with check=None, or `kvwrite` commands at
-    start); a bad value is a CheckEnvError naming the variable."""
+    """The process default check mode, `KVWRITE_CHECK` (docs/checks.md); a bad value is a CheckEnvError."""
     value = os.environ.get(CHECK_ENV, "").strip()
     if value == "":
         return "off"
@@ -42,8 +40,7 @@ def default_check() -> str:
 
 
 def __getattr__(name: str) -> str:
-    """`validate.DEFAULT_CHECK` is resolved on first access (so a bad `KVWRITE_CHECK` fails
-    the call that needs it, and the command line can report it as one line)."""
+    """`validate.DEFAULT_CHECK`, resolved on first access (a bad `KVWRITE_CHECK` fails the call that needs it)."""
     if name == "DEFAULT_CHECK":
         return default_check()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
