@@ -36,21 +36,12 @@ class StoreKVNVFP4:
     check: Check
 
 
-def head_dim(name: str, d: int) -> None:
-    if d % BLOCK:
-        raise ValueError(f"{name} head_dim must be a multiple of {BLOCK} for NVFP4 (one e4m3 scale "
-                         f"per {BLOCK} elements), got {d}")
-
-
-def global_scale(name: str, t: object, device: torch.device) -> torch.Tensor | None:
-    """An optional fp32 global scale `[]` or `[1]` (positive; not checked: no host sync)."""
-    return None if t is None else validate.scale(name, t, None, device)
-
-
 @spec.rule(expr=f"D % {BLOCK} == 0 && Dv % {BLOCK} == 0")
 def _head_dims(env: dict, v: dict) -> None:
-    head_dim("k", env["D"])
-    head_dim("v", env["Dv"])
+    for name, d in (("k", env["D"]), ("v", env["Dv"])):
+        if d % BLOCK:
+            raise ValueError(f"{name} head_dim must be a multiple of {BLOCK} for NVFP4 (one e4m3 scale "
+                             f"per {BLOCK} elements), got {d}")
 
 
 def _build(v: dict, env: dict, locs: Locs, chk: Check) -> StoreKVNVFP4:

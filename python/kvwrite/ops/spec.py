@@ -433,16 +433,17 @@ class Op:
             dispatch(self.name, self.table(env), args[self.names.index("backend")], a.locs.loc.device, a)
 
     def fake(self, *args) -> None:
-        """Validation only: the same errors while tracing and for meta tensors."""
-        i, j = self.names.index("check"), self.names.index("errors")
-        self.prepare(args, _library.fake_check(args[i], args[j]))
+        """Validation only: the same errors while tracing and for meta tensors. Guard without an
+        errors tensor validates as "off" (its default buffer is looked up when the op runs)."""
+        check, errors = args[self.names.index("check")], args[self.names.index("errors")]
+        self.prepare(args, "off" if check == "guard" and errors is None else check)
 
     def native(self) -> bool:
         """Whether the extension's C++ kernel of this op is registered (settled once loaded)."""
         if not _ext.LOADED:   # not loaded yet, or switched off (the bench's Python-path timings)
             return False
         if self._native is None:
-            self._native = _library.native(self.overload)
+            self._native = torch._C._dispatch_has_kernel_for_dispatch_key(self.overload.name(), "CPU")
         return self._native
 
     # --- derived: the public call -------------------------------------------------------------
