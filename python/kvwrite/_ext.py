@@ -308,8 +308,9 @@ def build(verbose: bool | None = None) -> tuple[Path, float]:
             return out, time.perf_counter() - t0
         what = ("CPU and CUDA kernels for sm_" + ", sm_".join(a.replace(".", "") for a in cfg["archs"].split(";"))
                 if cfg["with_cuda"] else "CPU kernels")
-        say(f"kvwrite: building the C++ extension ({what}; {'several minutes' if cfg['with_cuda'] else 'about a minute'}, "
-            f"once per source change) in {out}")
+        takes = "several minutes" if cfg["with_cuda"] else "about a minute"
+        print(f"kvwrite: building the C++ extension ({what}; {takes}, once per source change) in {out}",
+              file=sys.stderr, flush=True)
         stamp.unlink(missing_ok=True)
         gen = ops_header(root, out / "units").parent
         cpp_extension.load(
@@ -320,13 +321,8 @@ def build(verbose: bool | None = None) -> tuple[Path, float]:
             with_cuda=cfg["with_cuda"], is_python_module=False, verbose=verbose)
         seconds = time.perf_counter() - t0
         stamp.write_text(f"built in {seconds:.1f} s\n")
-        say(f"kvwrite: built the C++ extension in {seconds:.1f} s")
+        print(f"kvwrite: built the C++ extension in {seconds:.1f} s", file=sys.stderr, flush=True)
     return out, seconds
-
-
-def say(line: str) -> None:
-    """One line of build progress on stderr."""
-    print(line, file=sys.stderr, flush=True)
 
 
 def _import_aot() -> None:

@@ -26,9 +26,8 @@ INT4_IMPLS = impls("kv_int4:store_kv_int4", "store_kv_int4:launch", "store_kv_in
 
 @dataclass(slots=True, eq=False)
 class KVStore:
-    """A validated K/V store (read-only by convention; slotted, not frozen: built on every call).
-    Caches are canonical [pages, pool_page_size, H, D] views (HND caches are permuted views: one
-    shape, other strides); `k_scale_cache`/`v_scale_cache` [pages, pool_page_size, 1 or H] views."""
+    """A validated K/V store (slotted, not frozen: built on every call). Caches are canonical [pages,
+    pool_page_size, H, D] views; `k_scale_cache`/`v_scale_cache` [pages, pool_page_size, 1 or H] views."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -54,9 +53,8 @@ def canonical(cache: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 def canonical_key(cache: torch.Tensor, layout: str) -> torch.Tensor:
-    """The key cache's canonical view: as `canonical`, except for "cpu_attn" (vLLM's CPU attention
-    key cache: each (page, head) tile of `[rows, D]` elements stored column-major, element (t, d)
-    at d * rows + t), a split head dim `[pages, rows, H, D, 1]` with feature stride `rows`."""
+    """The key cache's canonical view; "cpu_attn" (each (page, head) tile column-major, (t, d) at
+    d * rows + t): a split head dim `[pages, rows, H, D, 1]` with feature stride `rows`."""
     if layout != "cpu_attn":
         return canonical(cache, layout)
     pages, h, rows, d = cache.shape
@@ -96,8 +94,7 @@ def _dynamic(env: dict, v: dict) -> int:
 @spec.rule(expr=f"i4 = dtype($k_cache) == uint8; !i4 || (D % 2 == 0 && Dv % 2 == 0 && D <= {INT4_MAX_DIM} && "
                 f"Dv <= {INT4_MAX_DIM}); Dk = i4 ? D / 2 : D; Dvk = i4 ? Dv / 2 : Dv")
 def _widths(env: dict, v: dict) -> None:
-    """The caches' last dims Dk / Dvk: D and Dv, halved for a uint8 cache (int4: two codes a
-    byte; even head dims of at most INT4_MAX_DIM)."""
+    """The caches' last dims Dk / Dvk: D and Dv, halved for a uint8 (int4) cache."""
     kc = v["k_cache"]
     d, dv = env["D"], env["Dv"]
     if isinstance(kc, torch.Tensor) and kc.dtype == torch.uint8:
@@ -111,8 +108,7 @@ def _widths(env: dict, v: dict) -> None:
 
 
 def _int4(env: dict, v: dict) -> None:
-    """QUANT_INT4 (a uint8 cache): per-token-head fp32 scale caches [P, S, H], no static scales,
-    no other quant_rule than vLLM's, NHD / HND caches."""
+    """QUANT_INT4 (a uint8 cache): scale caches [P, S, H] only, vLLM's rule, NHD / HND caches."""
     ksc, vsc = v["k_scale_cache"], v["v_scale_cache"]
     if v["k_scale"] is not None or v["v_scale"] is not None:
         raise ValueError("k_scale/v_scale do not apply to an int4 (uint8) cache: its scales are "
@@ -149,9 +145,8 @@ def _int4(env: dict, v: dict) -> None:
     f"i4 || dyn || (rule == {RULE_RNE} && (quant ? !none($k_scale) && !none($v_scale) : !static)); "
     f"layout < {_CPU_ATTN} || (quant <= {QUANT_STATIC} && k_cache != int8)"))
 def _quant(env: dict, v: dict) -> None:
-    """The format: copy (no scales), static (fp8 / int8 cache with both scales), dynamic (both
-    scale caches) or int4 (a uint8 cache, `_int4`); `quant_rule` only for dynamic scales;
-    "cpu_attn" caches copy or fp8 only."""
+    """The format: copy, static (both scales), dynamic (both scale caches) or int4 (`_int4`);
+    `quant_rule` only for dynamic scales; "cpu_attn" caches copy or fp8 only."""
     dtype, name = env["k_cache"], v["quant_rule"]
     if dtype == torch.uint8:
         return _int4(env, v)
@@ -194,8 +189,7 @@ def int4(env: dict) -> bool:
 
 @spec.when(f"quant == {QUANT_COPY} || (quant == {QUANT_STATIC} && k_cache != int8)")
 def plain(env: dict) -> bool:
-    """Copy and static fp8: the plain kernels (store_kv's, rope_store_kv's); int8 and dynamic
-    scales run the _quant kernels."""
+    """Copy and static fp8: the plain kernels; int8 and dynamic scales run the _quant kernels."""
     return env["quant"] == QUANT_COPY or (env["quant"] == QUANT_STATIC and env["k_cache"] != torch.int8)
 
 

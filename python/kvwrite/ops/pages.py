@@ -64,8 +64,7 @@ class CopyPages:
 
 
 def page_units(src: torch.Tensor, dst: torch.Tensor) -> tuple[Units, Units]:
-    """(src, dst) units of canonical pools whose page sizes differ by an integer factor, else a
-    GeometryError."""
+    """(src, dst) units of canonical pools whose page sizes divide, else a GeometryError."""
     ps, pd = src.shape[1], dst.shape[1]
     if ps % pd and pd % ps:
         raise GeometryError(f"src pages hold {ps} rows and dst pages {pd}: {OP_COPY} needs one to be "
@@ -134,9 +133,8 @@ def copy_pages(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, ds
 
 
 def _copy_across(src, dst, src_pages, dst_pages, check, errors, backend, op: str = OP_COPY) -> None:
-    """The page copy between devices: the ids are checked (torch, on the GPU side's record), then
-    the src units are gathered into a staging buffer, moved (asynchronously from/to pinned host
-    memory), and scattered into dst; each step is a same-device page copy of checked ids."""
+    """The page copy between devices: ids checked on the GPU side's record, the src units gathered
+    into a (pinned) staging buffer, moved, and scattered into dst, each a same-device page copy."""
     from kvwrite.reference.pages import checked_pairs
 
     s, d = canonical_pool("src", src), canonical_pool("dst", dst)
@@ -336,8 +334,7 @@ MOVE_SPEC = spec.Op(
 
 
 def move(a: MoveRows) -> None:
-    """move_rows on the call's backend: the source rows gathered (bad ones reported), then copied
-    as one-row units to the dst locs (a bad source is not moved)."""
+    """move_rows on the call's backend: a gather of the source rows, then a copy of one-row units."""
     c, s, n = a.cache, a.src_loc, a.src_loc.shape[0]
     rows = Gather(c, c.new_empty((n, c.shape[2], c.shape[3])), a.geometry, Locs(s), a.check)
     dispatch(OP_GATHER, GATHER_IMPLS, a.backend, c.device, rows)

@@ -33,9 +33,8 @@ OPS: dict[str, "Op"] = {}   # every declared op, by name (tests, docs)
 
 @dataclass(frozen=True)
 class Arg:
-    """One schema argument. Tensors carry their checks: `dims`, `dtypes` (torch dtypes, or "=x":
-    the dtype of tensor x / of the value a check stored as x), `what` (names the dims in the shape
-    message, `{letter}` filled in)."""
+    """One schema argument. Tensors carry their checks: `dims`, `dtypes` (torch dtypes, or "=x": the
+    dtype of x in the env), `what` (names the dims in the shape message, `{letter}` filled in)."""
 
     name: str
     type: str = "Tensor"      # schema type: Tensor, str, int, bool, float; "?" = optional
@@ -94,10 +93,9 @@ TABLE = tuple(Arg(n, "Tensor?", role="addressing", default=None) for n in TABLE_
 
 
 def rule(expr: str) -> Callable:
-    """Give an op's check its C++ twin for the matcher: the check as an expression (csrc/expr.h)
-    the matcher evaluates; a call it refuses goes to Python, whose check names the error. A check
-    without one keeps the op on the Python path. As `when`: a format's condition, a predicate of
-    the call's env (it picks the backend table) whose twin picks the raw kernel in C++."""
+    """Give an op's check its C++ twin: an expression (csrc/expr.h) the matcher evaluates; a call it
+    refuses goes to Python, whose check names the error (without one the op stays on the Python path).
+    As `when`: a format's condition, picking the backend table in Python and the raw kernel in C++."""
     def wrap(fn: Callable) -> Callable:
         fn.expr = expr
         return fn
@@ -109,9 +107,8 @@ when = rule
 
 @dataclass(frozen=True)
 class Format:
-    """One format of an op: its backend table, the condition that picks it (`when`; None: any
-    call; an op runs its first format whose condition holds), and the raw kernel the C++ fast
-    path runs for it (default: the table's "cpu" entry) with its arguments' sources (`Op.raw_args`)."""
+    """One format of an op: its backend table, the condition that picks it (`when`; None: any call;
+    the first that holds wins) and the raw kernel of the C++ fast path (default: the "cpu" entry)."""
 
     impls: tuple
     when: Callable | None = None
@@ -148,8 +145,7 @@ def geometry(name: str, pages: str = "P", rows: str = "S") -> Callable:
 
 
 def pool(name: str, bind: bool = True) -> Callable:
-    """A check: `name` is a pool `[pages, rows, ...]` (any rank >= 2, its view `[pages, rows,
-    heads, feat]`); binds its pages and rows to P and S (`bind`)."""
+    """A check: `name` is a pool `[pages, rows, ...]` of any rank >= 2; binds P and S (`bind`)."""
     @rule(f"dim(${name}) >= 2 && size(${name}, 0) >= 1 && size(${name}, 1) >= 1"
           + (f"; P = size(${name}, 0); S = size(${name}, 1)" if bind else ""))
     def check(env: dict, v: dict) -> None:
@@ -181,8 +177,7 @@ def _dtype_name(d: object) -> str:
 
 
 def _match(a: Arg, t: object, env: dict, name: str) -> None:
-    """Check tensor argument `a` (called `name` in messages) against the env (dtype, rank,
-    device, shape letters) and bind its letters."""
+    """Check tensor argument `a` (called `name` in messages) against the env and bind its letters."""
     dtypes = None
     if a.dtypes:
         dtypes = tuple(env[d[1:]] if isinstance(d, str) else d for d in a.dtypes)
@@ -269,8 +264,7 @@ class Op:
 
     # --- derived: the spec for the C++ matcher ------------------------------------------------
     def program(self) -> str | None:
-        """This op's checks as the C++ matcher's program (csrc/api.h `parse`), or None when a
-        check has no C++ twin."""
+        """This op's checks as the C++ matcher's program (csrc/api.h `parse`); None when one has no twin."""
         by_name = {a.name: a for a in self.all_args}
         slots = list(self.names) + [s for s in RULE_SLOTS if s not in self.names]
         lines = []
@@ -396,9 +390,8 @@ class Op:
 
     def prepare(self, args: tuple, check: object = NO_DEFAULT, aliases: dict | None = None,
                 call: str | None = None) -> tuple:
-        """Validate a call (schema-order arguments): the call object and the env it was built from
-        (which picks the format). An adapter's `aliases` (schema name -> the engine's) and `call`
-        (its function) name its errors."""
+        """Validate a call (schema-order arguments): the call object and the env it was built from. An
+        adapter's `aliases` (schema name -> the engine's) and `call` (its function) name its errors."""
         op = self.name
         if len(args) < len(self.names):   # the dispatcher leaves trailing defaults out
             args = (*args, *(a.default for a in self.all_args[len(args):]))
@@ -448,14 +441,12 @@ class Op:
 
     # --- derived: the public call -------------------------------------------------------------
     def adapter(self, call: str, aliases: dict) -> Callable:
-        """The entry of an engine adapter: the same fast path as the op; its errors name the
-        engine's arguments (`aliases`: schema name -> the engine's) and its function `call`."""
+        """The entry of an engine adapter: the op's fast path, errors named as the engine names them."""
         return self._entry({**self.aliases, **aliases}, call)
 
     def _entry(self, aliases: dict | None = None, call_name: str | None = None) -> Callable:
-        """The call behind the public function: arguments in schema order without the table
-        tail, as the public function takes them (loc may be a PageTable, errors an ErrorBuffer,
-        check None = the process default)."""
+        """The call behind the public function: its arguments in schema order without the table tail
+        (loc may be a PageTable, errors an ErrorBuffer, check None = the process default)."""
         names = self.names
         i_loc, i_check, i_errors, i_backend = (names.index(n) for n in (self.loc, "check", "errors", "backend"))
         table = self.table_tail
@@ -500,8 +491,7 @@ class Op:
 
 
 def send_programs() -> None:
-    """Hand the op names (the C++ messages' op codes) and every op's program to the loaded
-    extension (its C++ kernels run nothing without)."""
+    """Hand the op names (op codes) and every op's program to the loaded extension."""
     torch.ops.kvwrite_ext.set_op_names(list(facts.OPS))
     for op in OPS.values():
         text = op.program()
