@@ -305,19 +305,15 @@ def decode(s: list[int]) -> OutOfBoundsWrite | None:
     if kind in TABLE_KINDS:
         return table_error(op, token, kind, target, limit, pps, s[COUNT],
                            *(_signed32(s[k]) for k in (BATCH, POSITION, TABLE_SLOT, TABLE_PAGE)))
+    common = dict(op=op, token_index=token, loc=loc, pool_page_size=pps, count=s[COUNT], kind=kind, target=target,
+                  limit=limit)
     if kind in PAGE_KINDS:
-        return OutOfBoundsWrite(op=op, token_index=token, loc=loc, page=target, num_pages=limit,
-                                pool_page_size=pps, count=s[COUNT], kind=kind, target=target,
-                                limit=limit)
+        return OutOfBoundsWrite(page=target, num_pages=limit, **common)
     if kind in BLOCK_KINDS:
         b, pos, blk, page = (_signed32(s[k]) for k in (BATCH, POSITION, TABLE_SLOT, TABLE_PAGE))
-        return OutOfBoundsWrite(op=op, token_index=token, loc=loc, page=None, num_pages=None,
-                                pool_page_size=pps, count=s[COUNT], kind=kind, target=target,
-                                limit=limit, batch=b, position=pos, table_slot=blk, table_page=page)
-    page = target // pps if kind == KIND_POOL else None
-    return OutOfBoundsWrite(op=op, token_index=token, loc=loc, page=page,
-                            num_pages=limit // pps, pool_page_size=pps, count=s[COUNT],
-                            kind=kind, target=target, limit=limit)
+        return OutOfBoundsWrite(page=None, num_pages=None, batch=b, position=pos, table_slot=blk, table_page=page,
+                                **common)
+    return OutOfBoundsWrite(page=target // pps if kind == KIND_POOL else None, num_pages=limit // pps, **common)
 
 
 _default: dict[torch.device, ErrorBuffer] = {}

@@ -232,20 +232,14 @@ def kv_page_bytes(pool_page_size: int) -> int:
     return -(-pps * TOKEN_BYTES // PAGE_ALIGN) * PAGE_ALIGN
 
 
-def _tokens_for_page_bytes(page_bytes: int) -> int | None:
-    """The pool page size whose KV page is `page_bytes`, or None (kv_page_bytes is increasing)."""
-    pps = max(1, (page_bytes - PAGE_ALIGN) // TOKEN_BYTES)
-    while kv_page_bytes(pps) < page_bytes:
-        pps += 1
-    return pps if kv_page_bytes(pps) == page_bytes else None
-
-
 def kv_pool_page_size(name: str, page_bytes: int, page_size: object = None) -> int:
     """Tokens per page of a KV cache with `page_bytes` a page: `page_size` checked against it,
     or derived from it when None (named error on a mismatch)."""
     if page_size is None:
-        pps = _tokens_for_page_bytes(page_bytes)
-        if pps is None:
+        pps = max(1, (page_bytes - PAGE_ALIGN) // TOKEN_BYTES)   # kv_page_bytes is increasing
+        while kv_page_bytes(pps) < page_bytes:
+            pps += 1
+        if kv_page_bytes(pps) != page_bytes:
             raise ValueError(f"{name}'s page of {page_bytes} bytes is not a DeepSeek V4 KV page "
                              f"(ceil(page_size * {TOKEN_BYTES} / {PAGE_ALIGN}) * {PAGE_ALIGN} bytes)")
         return pps

@@ -18,24 +18,17 @@ class CheckEnvError(ValueError):
     """`KVWRITE_CHECK` holds something that is not a check mode."""
 
 
-def _env_check_mode() -> str:
-    """The process default check mode, `KVWRITE_CHECK` (docs/checks.md); a bad value is a CheckEnvError."""
-    value = os.environ.get(CHECK_ENV, "").strip()
-    if value == "":
-        return "off"
-    if value.lower() not in CHECK_MODES:
-        raise CheckEnvError(f"{CHECK_ENV}={value!r} is not a check mode: set it to one of "
-                            f"{'|'.join(CHECK_MODES)} (or unset it for 'off')")
-    return value.lower()
-
-
 @torch._dynamo.assume_constant_result
 def default_check() -> str:
-    """The process default check mode (`KVWRITE_CHECK`), read from the environment once: a
-    process constant, also while tracing (Dynamo cannot read `globals()`)."""
+    """The process default check mode (`KVWRITE_CHECK`, docs/checks.md), read from the environment
+    once: a process constant, also while tracing (Dynamo cannot read `globals()`)."""
     mode = globals().get("DEFAULT_CHECK")
     if mode is None:
-        mode = globals()["DEFAULT_CHECK"] = _env_check_mode()
+        value = os.environ.get(CHECK_ENV, "").strip()
+        if value and value.lower() not in CHECK_MODES:
+            raise CheckEnvError(f"{CHECK_ENV}={value!r} is not a check mode: set it to one of "
+                                f"{'|'.join(CHECK_MODES)} (or unset it for 'off')")
+        mode = globals()["DEFAULT_CHECK"] = value.lower() or "off"
     return mode
 
 
