@@ -16,21 +16,11 @@ from kvwrite.ops._common import Check, Locs
 from kvwrite.ops.kv import IMPLS, KVStore
 
 
-def split_x(dtype: torch.dtype) -> int:
-    """Elements of the key cache's innermost dim: 16 bytes of `dtype`."""
-    return 16 // torch.empty((), dtype=dtype).element_size()
-
-
-def canonical_head_major(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[pages, rows, H, D / x, x]` and `[pages, rows, H, D, 1]` views of the legacy caches."""
-    return key_cache.permute(0, 3, 1, 2, 4), value_cache.permute(0, 3, 1, 2).unsqueeze(-1)
-
-
 @spec.rule(expr="x = 16 / itemsize($key_cache); D % x == 0 && size($key_cache, 2) == D / x && "
                 "size($key_cache, 4) == x")
 def _split_x(env: dict, v: dict) -> None:
     """The key cache's innermost dim is x = 16 bytes of its dtype, and D a multiple of it."""
-    x, d = split_x(env["key_cache"]), env["D"]
+    x, d = 16 // env["key_cache"].itemsize, env["D"]
     if d % x:
         raise ValueError(f"head_dim ({d}) must be a multiple of x = 16 // element size = {x}")
     validate.shape("key_cache", v["key_cache"], (env["P"], env["H"], d // x, env["S"], x),
@@ -50,7 +40,8 @@ def _scales(env: dict, v: dict) -> None:
 
 
 def _build(v: dict, env: dict, locs: Locs, chk: Check) -> KVStore:
-    kc, vc = canonical_head_major(v["key_cache"], v["value_cache"])
+    # `[pages, rows, H, D / x, x]` and `[pages, rows, H, D, 1]` views of the legacy caches
+    kc, vc = v["key_cache"].permute(0, 3, 1, 2, 4), v["value_cache"].permute(0, 3, 1, 2).unsqueeze(-1)
     return KVStore(v["key"], v["value"], kc, vc, v["k_scale"], v["v_scale"], env["geometry"], locs, chk)
 
 

@@ -217,15 +217,6 @@ GATHER_SPEC = spec.Op(
     build=_build_gather, impls=GATHER_IMPLS, claims="read")
 
 
-def _rows_out(cache: object, loc: object) -> torch.Tensor:
-    """A new `[N, ...]` output of the cache's row shape and dtype (a bad argument: its error)."""
-    pos = loc.positions if isinstance(loc, PageTable) else loc
-    if not (isinstance(cache, torch.Tensor) and isinstance(pos, torch.Tensor) and pos.dim() == 1):
-        canonical_pool("cache", cache)
-        validate.tensor("loc", pos, ndim=1)
-    return cache.new_empty((pos.shape[0], *cache.shape[2:]))
-
-
 def gather(cache: torch.Tensor, loc: torch.Tensor | PageTable, *, check: str | None = None,
            errors: ErrorBuffer | None = None, backend: str = "auto",
            out: torch.Tensor | None = None) -> torch.Tensor:
@@ -236,8 +227,12 @@ def gather(cache: torch.Tensor, loc: torch.Tensor | PageTable, *, check: str | N
     store's (a zero row in guard mode); off mode does not check the upper bound on a GPU. `out`:
     write into this `[N, ...]` tensor.
     """
-    if out is None:
-        out = _rows_out(cache, loc)
+    if out is None:   # of the cache's row shape and dtype (a bad argument: its error)
+        pos = loc.positions if isinstance(loc, PageTable) else loc
+        if not (isinstance(cache, torch.Tensor) and isinstance(pos, torch.Tensor) and pos.dim() == 1):
+            canonical_pool("cache", cache)
+            validate.tensor("loc", pos, ndim=1)
+        out = cache.new_empty((pos.shape[0], *cache.shape[2:]))
     GATHER_SPEC.entry(cache, loc, out, check, errors, backend)
     return out
 
