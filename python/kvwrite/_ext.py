@@ -431,11 +431,11 @@ def _run(a, name: str, *args, tail: bool = True) -> None:
 
 # ---- the raw kernels' runners: `kvwrite._ext:<raw op>` in an op's backend table -------------
 
-_RAW: dict[tuple[str, type], tuple[Callable, bool]] = {}
+_RAW: dict[tuple[str, type], tuple[list, bool]] = {}
 
 
-def _getter(cls: type, a, name: str, op: str) -> Callable:
-    """How raw argument `name` is read from a `cls` call: its field or property, else that of
+def _getter(a, name: str, op: str) -> Callable:
+    """How raw argument `name` is read from a call like `a`: its field or property, else that of
     the store a fused call wraps, else its geometry's (pool_page_size, num_pages)."""
     for path in ("", "store.", "geometry.", "store.geometry."):
         obj = a
@@ -443,26 +443,20 @@ def _getter(cls: type, a, name: str, op: str) -> Callable:
             obj = getattr(obj, part, None)
         if obj is not None and hasattr(obj, name):
             return operator.attrgetter(path + name)
-    raise AttributeError(f"{cls.__name__} has no {name!r} for kvwrite_ext::{op}")
-
-
-def _raw_args(name: str, a) -> tuple[Callable, bool]:
-    """Reads kvwrite_ext::<name>'s arguments before its tail from a call like `a` (resolved once per
-    call type), and whether that tail is a store's (loc, ..., op[, page table]) or a page move's."""
-    key = (name, type(a))
-    got = _RAW.get(key)
-    if got is None:
-        names = [x.name for x in getattr(torch.ops.kvwrite_ext, name).default._schema.arguments]
-        tail = "loc" in names
-        getters = [_getter(type(a), a, n, name) for n in names[:names.index("loc" if tail else "errors")]]
-        got = _RAW[key] = (lambda call: [g(call) for g in getters], tail)
-    return got
+    raise AttributeError(f"{type(a).__name__} has no {name!r} for kvwrite_ext::{op}")
 
 
 def run(name: str, a) -> None:
-    """Run kvwrite_ext::<name> on validated call `a`, each argument read from `a` by its schema name."""
-    args, tail = _raw_args(name, a)
-    _run(a, name, *args(a), tail=tail)
+    """Run kvwrite_ext::<name> on validated call `a`, each argument before the tail read from `a` by
+    its schema name (getters resolved once per call type; the tail is a store's or a page move's)."""
+    got = _RAW.get((name, type(a)))
+    if got is None:
+        names = [x.name for x in getattr(torch.ops.kvwrite_ext, name).default._schema.arguments]
+        tail = "loc" in names
+        names = names[:names.index("loc" if tail else "errors")]
+        got = _RAW[name, type(a)] = ([_getter(a, n, name) for n in names], tail)
+    getters, tail = got
+    _run(a, name, *[g(a) for g in getters], tail=tail)
 
 
 def __getattr__(name: str):

@@ -253,6 +253,7 @@ class Op:
     def __post_init__(self) -> None:
         self.all_args = tuple(self.args) + (TABLE if self.table_tail else ())
         self.names = tuple(a.name for a in self.all_args)
+        self.by_name = {a.name: a for a in self.all_args}
         # its declared formats (one of its backend table when `impls` is a table)
         self.declared = self.impls if type(self.impls[0]) is Format else (Format(self.impls),)
         self.code = facts.declare_op(self.name)
@@ -265,7 +266,6 @@ class Op:
     # --- derived: the spec for the C++ matcher ------------------------------------------------
     def program(self) -> str | None:
         """This op's checks as the C++ matcher's program (csrc/api.h `parse`); None when one has no twin."""
-        by_name = {a.name: a for a in self.all_args}
         slots = list(self.names) + [s for s in RULE_SLOTS if s not in self.names]
         lines = []
         for c in self.checks:
@@ -274,7 +274,7 @@ class Op:
                     return None
                 lines.append(f"X {c.expr}")
                 continue
-            a = by_name[c]
+            a = self.by_name[c]
             dtypes = ",".join(_dtype_name(d) for d in a.dtypes) or "-"
             if a.dims is not None and a.dims.startswith("scale"):
                 heads = a.dims[5:].strip() or "-"
@@ -325,7 +325,7 @@ class Op:
         kernel = getattr(torch.ops.kvwrite_ext, raw, None) if raw and _ext.LOADED else None
         if kernel is None:
             return None
-        by_name, out = {a.name: a for a in self.all_args}, [raw]
+        by_name, out = self.by_name, [raw]
         for a in kernel.default._schema.arguments:
             name = "loc" if a.name == self.loc else a.name
             if a.name not in f.raw_args and (name in TAIL_FIELDS[:7] or (name in TABLE_ARGS and self.table_tail)):
@@ -362,12 +362,11 @@ class Op:
     # --- derived: validation ----------------------------------------------------------------
     def _check(self, v: dict, aliases: dict) -> dict:
         env: dict = {}
-        by_name = {a.name: a for a in self.all_args}
         for c in self.checks:
             if callable(c):
                 c(env, v)
-            elif v[c] is not None or not by_name[c].type.endswith("?"):
-                _match(by_name[c], v[c], env, aliases.get(c, c))
+            elif v[c] is not None or not self.by_name[c].type.endswith("?"):
+                _match(self.by_name[c], v[c], env, aliases.get(c, c))
         return env
 
     def match(self, v: dict, aliases: dict | None = None) -> dict:
