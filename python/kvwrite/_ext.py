@@ -3,14 +3,9 @@
 Two op namespaces: `kvwrite_ext::*`, the raw kernels (validated parameter structs, coded check
 and op; what the Python backends "cpu"/"cuda" call), and the CPU / CUDA kernels of the public
 ops `kvwrite::*` (schemas defined in kvwrite.ops._library; validation + dispatch in csrc/api.h).
-They come from an ahead-of-time build (`KVWRITE_BUILD_EXT=1 pip install .` -> `kvwrite._C`) or
-are built on first use with `torch.utils.cpp_extension.load` + ninja into
-`~/.cache/kvwrite/ext-<torch version>-<hash of the sources and flags>` (`KVWRITE_EXT_CACHE`
-overrides the root). `KVWRITE_EXT=0` disables the extension; `KVWRITE_EXT_VERBOSE=1` shows the
-build log. A torch without CUDA (or no CUDA toolkit) builds the CPU kernels alone. A build
-says so on stderr (one line when it starts, one with its time); a finished build directory is
-loaded as it is, without ninja, so unchanged sources are never recompiled (even when their
-mtimes changed, e.g. after a git checkout). `kvwrite build` prebuilds with progress.
+They come from an ahead-of-time build (`kvwrite._C`) or a JIT build on first use, into a
+directory keyed by the sources' content and flags, loaded as it is once finished (the build, its
+cache and environment variables: csrc/README.md).
 """
 from __future__ import annotations
 

@@ -19,9 +19,6 @@ from kvwrite.ops import spec
 from kvwrite.ops._common import Check, Locs, impls
 from kvwrite.ops.indexer_k import StoreIndexerK
 
-OP_KV = "store_dsv4_kv"
-OP_INDEXER = "store_dsv4_indexer_k"
-OP_ROWS = "store_rows"
 
 KV_IMPLS = impls("dsv4:store_dsv4_kv", "store_dsv4:launch_kv", "store_dsv4_kv")
 # fp8 indexer rows are `store_indexer_k`'s format: its reference and Triton kernel, our binding.
@@ -57,7 +54,7 @@ def _build_kv(v: dict, env: dict, locs: Locs, chk: Check) -> StoreDSV4KV:
 
 TAIL = (spec.CHECK, spec.ERRORS, spec.LOC_MAP, *spec.DCP, spec.BACKEND)
 KV_SPEC = spec.Op(
-    OP_KV,
+    "store_dsv4_kv",
     args=(spec.T("kv", f"N {KV_DIM}", validate.FLOAT_INPUTS, binds="N",
                  what=f"tokens, {NOPE} NoPE + {ROPE} RoPE values"),
           spec.cache("cache", "P B", (torch.uint8,)), spec.LOC, spec.option("page_size", "int?"), *TAIL),
@@ -128,7 +125,7 @@ INDEXER_FORMATS = (spec.Format(INDEXER_FP8_IMPLS, _indexer_fp8), spec.Format(IND
 
 # The public function names its input `index_k`; the schema's `k` (errors say index_k).
 INDEXER_SPEC = spec.Op(
-    OP_INDEXER,
+    "store_dsv4_indexer_k",
     args=(spec.T("k", "N D", validate.FLOAT_INPUTS), spec.cache("cache", "P B", (torch.uint8,)), spec.LOC,
           spec.option("page_size", "int?"), spec.option("fmt"), spec.option("scale_fmt", "str?"), *TAIL),
     checks=("k", _indexer_fmt, "cache", _indexer_pages, spec.geometry("cache")), aliases={"k": "index_k"},
@@ -179,7 +176,7 @@ def _build_rows(v: dict, env: dict, locs: Locs, chk: Check) -> StoreRows:
 
 
 ROWS_SPEC = spec.Op(
-    OP_ROWS,
+    "store_rows",
     args=(spec.T("src", "N W", ("=pool",), binds="N", what="tokens, the pool's row width"),
           spec.cache("pool", "R W", ROW_DTYPES), spec.LOC, *TAIL),
     checks=("pool", "src", _no_overlap, spec.geometry("pool")),

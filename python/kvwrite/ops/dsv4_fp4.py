@@ -14,7 +14,6 @@ from kvwrite.ops import spec
 from kvwrite.ops._common import Check, Fused, Locs, impls
 from kvwrite.ops.dsv4 import StoreDSV4KV
 
-OP = "store_dsv4_kv_fp4"
 IMPLS = impls("dsv4_fp4:store_dsv4_kv_fp4", "store_dsv4_fp4:launch", "store_dsv4_kv_fp4")
 RAW_ARGS = {"pool_page_size": "e:S", "fmt_code": "e:fmt"}   # the C++ rule's page size and record code
 
@@ -43,7 +42,7 @@ def _build(v: dict, env: dict, locs: Locs, chk: Check) -> StoreDSV4KVFP4:
 
 
 SPEC = spec.Op(
-    OP,
+    "store_dsv4_kv_fp4",
     args=(spec.T("kv", f"N {KV_DIM}", validate.FLOAT_INPUTS, binds="N",
                  what=f"tokens, {NOPE} NoPE + {ROPE} RoPE values"),
           spec.cache("cache", "P B", (torch.uint8,)), spec.LOC, spec.option("page_size", "int?"),
@@ -66,7 +65,6 @@ def store_dsv4_kv_fp4(kv: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, 
 
 # --- rope_store_dsv4_kv_fp4 ------------------------------------------------------------------------
 
-OP_ROPE = "rope_store_dsv4_kv_fp4"
 ROPE_IMPLS = impls("dsv4_fp4:rope_store_dsv4_kv_fp4", "store_dsv4_fp4:launch_rope", "rope_store_dsv4_kv_fp4")
 ROPE_FMTS = tuple(f for f, r in FP4_RECORDS.items() if r.rope)   # records with a bf16 RoPE part
 
@@ -96,7 +94,7 @@ def _build_rope(v: dict, env: dict, locs: Locs, chk: Check) -> RopeStoreDSV4KVFP
 
 
 ROPE_SPEC = spec.Op(
-    OP_ROPE,
+    "rope_store_dsv4_kv_fp4",
     args=(spec.T("positions", "N", validate.LOC_DTYPES, binds="N", what="one position per token"),
           spec.T("kv", f"N {KV_DIM}", validate.FLOAT_INPUTS, what=f"tokens, {NOPE} NoPE + {ROPE} RoPE values"),
           spec.T("cos_sin", f"M {ROPE}", (torch.float32, "=kv"), what=f"max_position, {ROPE // 2} cos then "

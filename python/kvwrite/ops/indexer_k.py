@@ -15,7 +15,6 @@ from kvwrite.geometry import PageGeometry, require_positive_int
 from kvwrite.ops import spec
 from kvwrite.ops._common import Check, Locs, impls
 
-OP = "store_indexer_k"
 IMPLS = impls("indexer_k:store_indexer_k", "store_indexer_k:launch", "store_indexer_k")
 SCALE_FMTS = (None, "ue8m0")
 
@@ -57,7 +56,7 @@ def _build(v: dict, env: dict, locs: Locs, chk: Check) -> StoreIndexerK:
 # SGLang's indexer cache is replicated (addressed by the virtual loc, dcp_size=1); vLLM shards it
 # over the DCP ranks like the MLA cache (dcp_rank / dcp_size: the virtual loc -> this rank's row).
 SPEC = spec.Op(
-    OP,
+    "store_indexer_k",
     args=(spec.T("k", "N D", validate.FLOAT_INPUTS),
           spec.cache("cache", "P B", (torch.uint8,)),
           spec.LOC, spec.option("quant_block_size", "int"), spec.option("scale_fmt", "str?"),

@@ -17,7 +17,6 @@ from kvwrite.geometry import PageGeometry
 from kvwrite.ops import spec
 from kvwrite.ops._common import Check, Locs, impls
 
-OP = "store_kv"
 IMPLS = impls("kv:store_kv", "store_kv:launch", "store_kv")
 # int8 caches and dynamic scales
 QUANT_IMPLS = impls("kv_quant:store_kv_quant", "store_kv_quant:launch", "store_kv_quant")
@@ -199,7 +198,7 @@ FORMATS = (spec.Format(INT4_IMPLS, int4), spec.Format(IMPLS, plain, raw_args={"k
            spec.Format(QUANT_IMPLS))
 CACHE_DIMS = "num_pages, pool_page_size, H, "
 SPEC = spec.Op(
-    OP,
+    "store_kv",
     args=(spec.T("k", "N H D", validate.FLOAT_INPUTS),
           spec.T("v", "N H Dv", ("=k",), what="tokens, heads as k, head_dim_v"),
           spec.cache("k_cache", "P S H Dk", ("=k", *spec.FP8, torch.int8, torch.uint8), binds="P S",

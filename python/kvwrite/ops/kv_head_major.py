@@ -1,9 +1,7 @@
 """`store_kv_head_major`: store_kv into vLLM's legacy head-major paged layout.
 
-key_cache `[num_pages, H, D / x, page_size, x]` (x = 16 bytes / cache element size), value_cache
-`[num_pages, H, D, page_size]`: store_kv's canonical cache with a split head dim (a view
-`[pages, rows, H, D / X, X]`, X = x for the key, 1 for the value) that every backend's store_kv
-kernel takes, so this is store_kv's kernel and addressing under its own declaration.
+The caches (docs/formats.md) are views of store_kv's canonical cache with a split head dim
+(`[pages, rows, H, D / X, X]`, X = x for the key, 1 for the value): store_kv's kernels run them.
 """
 from __future__ import annotations
 

@@ -22,7 +22,6 @@ from kvwrite.geometry import PageGeometry
 from kvwrite.ops import spec
 from kvwrite.ops._common import Check, Locs, impls
 
-OP = "store_mla"
 IMPLS = impls("mla:store_mla", "store_mla:launch", "store_mla")
 
 # NVFP4 rows have their own Triton kernel (the reference is store_mla's, writer in
@@ -123,7 +122,7 @@ ROWS = (spec.Format(NVFP4_IMPLS, nvfp4_row), spec.Format(IMPLS))
 
 
 SPEC = spec.Op(
-    OP,
+    "store_mla",
     args=(spec.T("kv_c", "N L", validate.FLOAT_INPUTS),
           spec.T("k_pe", "N R", ("=kv_c",), what="tokens as kv_c, rope_dim"),
           spec.cache("kv_cache", "P S W", ("=cache_dtype",),

@@ -13,7 +13,6 @@ from kvwrite.ops import spec
 from kvwrite.ops._common import Check, Locs, impls
 from kvwrite.ops.kv import LAYOUTS, canonical
 
-OP = "store_kv_nvfp4"
 BLOCK = 16  # elements per e4m3 block scale
 IMPLS = impls("nvfp4:store_kv_nvfp4", "store_kv_nvfp4:launch", "store_kv_nvfp4")
 
@@ -52,7 +51,7 @@ def _build(v: dict, env: dict, locs: Locs, chk: Check) -> StoreKVNVFP4:
 
 _DIMS = "num_pages, pool_page_size, H, "
 SPEC = spec.Op(
-    OP,
+    "store_kv_nvfp4",
     args=(spec.T("k", "N H D", validate.FLOAT_INPUTS),
           spec.T("v", "N H Dv", ("=k",), what="tokens, heads as k, head_dim_v"),
           spec.cache("k_cache", "P S H D/2", (torch.uint8,), binds="P S", layout=True, what=_DIMS + "D/2"),

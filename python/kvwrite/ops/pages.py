@@ -3,9 +3,7 @@ the cache's own dtype), `slot_mapping` (block table -> slots) and `move_rows` (r
 
 Every pool is a tensor `[pages, rows, ...]`: `rows` token rows per page, each row of the shape
 `...` (any strides for pages and rows, the innermost dim contiguous). Kernels see it as a canonical
-`[pages, rows, heads, feat]` view (`canonical_pool`). Page ids and locs are checked against the
-pool in check="assert"/"guard" like the stores' locs (kvwrite.errors records: KIND_SRC_PAGE /
-KIND_DST_PAGE, the stores' kinds for `gather`, KIND_BLOCK_* for `slot_mapping`).
+`[pages, rows, heads, feat]` view (`canonical_pool`). Checks and records: docs/checks.md.
 """
 from __future__ import annotations
 

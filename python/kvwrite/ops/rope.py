@@ -18,7 +18,6 @@ from kvwrite.ops.kv import KVStore
 from kvwrite.ops.mla import StoreMLA
 
 OP_KV = "rope_store_kv"
-OP_MLA = "rope_store_mla"
 MAX_HEAD_DIM = 1024   # csrc/kvwrite/rope_store.h ROPE_MAX_DIM
 KV_IMPLS = impls("rope:rope_store_kv", "rope_store:launch_kv", "rope_store_kv")
 KV_QUANT_IMPLS = impls("rope:rope_store_kv", "rope_store:launch_kv", "rope_store_kv_quant")
@@ -193,7 +192,7 @@ def _build_mla(v: dict, env: dict, locs: Locs, chk: Check) -> RopeStoreMLA:
 
 
 MLA_SPEC = spec.Op(
-    OP_MLA,
+    "rope_store_mla",
     args=(POSITIONS,
           spec.T("q_pe", "N Hq R", ("=kv_c",), mutable=True, what="tokens as k_pe, q heads, rope_dim as k_pe"),
           *mla.SPEC.args[:2],
