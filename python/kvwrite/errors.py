@@ -142,17 +142,13 @@ class OutOfBoundsWrite(RuntimeError):
         if self.kind in TABLE_KINDS:
             return self._table_message(many)
         if self.kind == KIND_LOC_MAP:
-            return (
-                f"{self.op}: {many}token {self.token_index} with loc {self.loc}, which is outside "
-                f"loc_map (length {self.limit}), the locs its map covers (a full->SWA map: size it to "
-                f"the full allocator's locs; a page-part map: the pool's pages times page_size)"
-            )
+            return (f"{self.op}: {many}token {self.token_index} with loc {self.loc}, which is outside "
+                    f"loc_map (length {self.limit}), the locs its map covers (a full->SWA map: size it to "
+                    f"the full allocator's locs; a page-part map: the pool's pages times page_size)")
         if self.kind == KIND_POSITION:
-            return (
-                f"{self.op}: {many}token {self.token_index} (loc {self.loc}) has position "
-                f"{self.target}, outside the cos/sin cache [0, {self.limit}): the token was not "
-                f"written and its q not rotated; size cos_sin_cache to the model's max position"
-            )
+            return (f"{self.op}: {many}token {self.token_index} (loc {self.loc}) has position "
+                    f"{self.target}, outside the cos/sin cache [0, {self.limit}): the token was not "
+                    f"written and its q not rotated; size cos_sin_cache to the model's max position")
         where = (f"page {self.page}, but the pool has pages [0, {self.num_pages}) of "
                  f"{self.pool_page_size} rows (capacity {self.limit})")
         via = "" if self.target == self.loc else f" (translated/local loc {self.target})"

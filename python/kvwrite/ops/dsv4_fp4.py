@@ -55,11 +55,9 @@ def store_dsv4_kv_fp4(kv: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, 
                       page_size: int | None = None, check: str | None = None,
                       errors: ErrorBuffer | None = None, loc_map: torch.Tensor | None = None,
                       dcp_rank: int = 0, dcp_size: int = 1, backend: str = "auto") -> None:
-    """Quantise token i's `kv[i]` `[512]` (448 NoPE then 64 RoPE; bf16/fp16/fp32, may be strided
-    along tokens) into the FP4 record `fmt` ("nvfp4" 384 bytes, "nvfp4_v41" 288, "mxfp4" 368;
-    `kvwrite.reference.dsv4_fp4`) at `loc[i]` (-1 = padding). `page_size`: tokens per page (checked against the page
-    bytes; None derives it). `loc_map`, DCP and `check` as `store_dsv4_kv`. Read back with
-    `kvwrite.dequant_dsv4_kv_fp4`."""
+    """Quantise token i's `kv[i]` `[512]` (448 NoPE then 64 RoPE) into the FP4 record `fmt`
+    ("nvfp4", "nvfp4_v41", "mxfp4"; `kvwrite.reference.dsv4_fp4`) at `loc[i]` (-1 = padding);
+    `page_size`, `loc_map`, DCP and `check` as `store_dsv4_kv`. Read back: `kvwrite.dequant_dsv4_kv_fp4`."""
     return SPEC.entry(kv, cache, loc, page_size, fmt, check, errors, loc_map, dcp_rank, dcp_size, backend)
 
 

@@ -342,9 +342,8 @@ def move_rows(cache: torch.Tensor, src_loc: torch.Tensor, dst_loc: torch.Tensor,
               check: str | None = None, errors: ErrorBuffer | None = None,
               backend: str = "auto") -> None:
     """Token-granular moves inside one pool `[pages, rows, ...]`: row `dst_loc[i]` takes the row
-    that was at `src_loc[i]` (every source row is read before any row is written, as
-    `cache[dst] = cache[src]`). A -1 on either side skips the pair; bad locs are reported (op
-    "move_rows") and their pair skipped. Runs as a gather then a page copy of one-row units."""
+    that was at `src_loc[i]` (every source is read first, as `cache[dst] = cache[src]`); a -1 or a
+    bad loc (reported as "move_rows") skips its pair. A gather then a page copy of one-row units."""
     if isinstance(cache, torch.Tensor):
         src_loc, dst_loc = _to(src_loc, cache.device), _to(dst_loc, cache.device)
     MOVE_SPEC.entry(cache, src_loc, dst_loc, check, errors, backend)
