@@ -3,7 +3,7 @@ argument and what was expected, and all of them run before any kernel."""
 from __future__ import annotations
 
 import os
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -39,10 +39,6 @@ def __getattr__(name: str) -> str:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _names(dtypes: Iterable[torch.dtype]) -> str:
-    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
-
-
 def tensor(name: str, t: object, *, ndim: int | None = None,
            dtypes: Sequence[torch.dtype] | None = None, device: torch.device | None = None,
            last_contiguous: bool = True) -> torch.Tensor:
@@ -53,7 +49,8 @@ def tensor(name: str, t: object, *, ndim: int | None = None,
     if ndim is not None and len(dims) != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(dims)}")
     if dtypes is not None and t.dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype in ({_names(dtypes)}), got {t.dtype}")
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({names}), got {t.dtype}")
     if device is not None and t.device != device:
         raise ValueError(f"{name} is on {t.device} but the inputs are on {device}")
     if last_contiguous and dims and dims[-1] > 1 and t.stride()[-1] != 1:

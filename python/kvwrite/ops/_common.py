@@ -43,13 +43,6 @@ class Fused:
         return self.store.geometry
 
 
-def cache_geometry(name: str, num_pages: int, pool_page_size: int) -> PageGeometry:
-    if num_pages < 1 or pool_page_size < 1:
-        raise ValueError(f"{name} must have at least one page of at least one row, got "
-                         f"{num_pages} pages of {pool_page_size}")
-    return PageGeometry.from_pool(num_pages, pool_page_size)
-
-
 # Any dtype moves as bytes; these are the ones a pool can have (the page moves' pools).
 POOL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int32,
                torch.int64, *validate.FP8_MAX)

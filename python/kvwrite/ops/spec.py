@@ -20,8 +20,9 @@ from kvwrite import _ext, validate
 from kvwrite.addressing import TABLE_ARGS, page_table, prepare as prepare_addressing
 from kvwrite.errors import ErrorBuffer
 from kvwrite import facts
+from kvwrite.geometry import PageGeometry
 from kvwrite.ops import _library
-from kvwrite.ops._common import NATIVE, cache_geometry, canonical_pool, default_record, dispatch
+from kvwrite.ops._common import NATIVE, canonical_pool, default_record, dispatch
 from kvwrite.pagetable import PageTable
 
 NO_DEFAULT = object()
@@ -136,11 +137,14 @@ def choice(name: str, options: tuple) -> Callable:
     return check
 
 
-def geometry(name: str, pages: str = "P", rows: str = "S") -> Callable:
-    """A check: the pool geometry from the letters the cache `name` bound."""
-    @rule(f"{pages} >= 1 && {rows} >= 1")
+def geometry(name: str) -> Callable:
+    """A check: the pool geometry from the letters P and S the cache `name` bound."""
+    @rule("P >= 1 && S >= 1")
     def check(env: dict, v: dict) -> None:
-        env["geometry"] = cache_geometry(name, env[pages], env[rows])
+        if env["P"] < 1 or env["S"] < 1:
+            raise ValueError(f"{name} must have at least one page of at least one row, got "
+                             f"{env['P']} pages of {env['S']}")
+        env["geometry"] = PageGeometry.from_pool(env["P"], env["S"])
     return check
 
 
