@@ -47,19 +47,6 @@ class Check:
 _DEFAULT_CHECKS: dict[tuple[str, str, torch.device], Check] = {}
 
 
-def page_table(op: str, loc: object, batch_indices: object, kv_indices: object,
-               kv_indptr: object) -> object:
-    """`loc` as the op's schema passes it (positions + the three table tensors, or a loc with
-    no table) back to what `prepare` takes: a PageTable, or `loc` itself."""
-    parts = (batch_indices, kv_indices, kv_indptr)
-    if all(p is None for p in parts):
-        return loc
-    if any(p is None for p in parts):
-        raise ValueError(f"{op}: page-table addressing needs batch_indices, kv_indices and kv_indptr "
-                         f"together (loc holds the positions)")
-    return PageTable(batch_indices, loc, kv_indices, kv_indptr)
-
-
 def prepare(op: str, device: torch.device, n: int, loc: object, loc_map: object,
             dcp_rank: object, dcp_size: object, check: object,
             errors: ErrorBuffer | torch.Tensor | None, loc_name: str = "loc") -> tuple[Locs, Check]:

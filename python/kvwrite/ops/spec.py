@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from kvwrite import _ext, validate
-from kvwrite.addressing import TABLE_ARGS, page_table, prepare as prepare_addressing
+from kvwrite.addressing import TABLE_ARGS, prepare as prepare_addressing
 from kvwrite.errors import ErrorBuffer
 from kvwrite import facts
 from kvwrite.geometry import PageGeometry
@@ -403,9 +403,12 @@ class Op:
             v["check"] = check
         try:
             env = self.match(v, aliases)
-            loc = v[self.loc]
-            if self.table_tail:
-                loc = page_table(op, loc, v["batch_indices"], v["kv_indices"], v["kv_indptr"])
+            loc = v[self.loc]   # with the page-table tensors of the schema's tail: a PageTable's positions
+            if self.table_tail and any(v[n] is not None for n in TABLE_ARGS):
+                if any(v[n] is None for n in TABLE_ARGS):
+                    raise ValueError(f"{op}: page-table addressing needs batch_indices, kv_indices and kv_indptr "
+                                     f"together (loc holds the positions)")
+                loc = PageTable(v["batch_indices"], loc, v["kv_indices"], v["kv_indptr"])
             locs, chk = prepare_addressing(op, env["device"], env["N"], loc, v.get("loc_map"),
                                            v.get("dcp_rank", 0), v.get("dcp_size", 1), v["check"],
                                            v["errors"], (aliases or self.aliases).get(self.loc, self.loc))
