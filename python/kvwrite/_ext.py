@@ -143,8 +143,7 @@ def launch_units(root: Path, out: Path, suffix: str = ".cu") -> list[Path]:
 
 
 def sources(root: Path, with_cuda: bool, units: Path) -> list[Path]:
-    """The translation units: ops.cpp and the per-token ops' CPU units, and with CUDA cuda_ops.cpp,
-    the hand-written csrc/*.cu and the CUDA units (`launch_units` writes both kinds into `units`)."""
+    """The translation units: ops.cpp, cuda_ops.cpp and csrc/*.cu with CUDA, and `launch_units`'."""
     srcs = [root / "ops.cpp"] + launch_units(root, units, ".cpp")
     if with_cuda:
         srcs += [root / "cuda_ops.cpp"] + sorted(root.glob("*.cu")) + launch_units(root, units)
@@ -430,8 +429,7 @@ _RAW: dict[tuple[str, type], tuple[list, bool]] = {}
 
 
 def _getter(a, name: str, op: str) -> Callable:
-    """How raw argument `name` is read from a call like `a`: its field or property, else that of
-    the store a fused call wraps, else its geometry's (pool_page_size, num_pages)."""
+    """How raw argument `name` is read from a call like `a`: from it, its store, or their geometry."""
     for path in ("", "store.", "geometry.", "store.geometry."):
         obj = a
         for part in path.split(".")[:-1]:
@@ -442,8 +440,7 @@ def _getter(a, name: str, op: str) -> Callable:
 
 
 def run(name: str, a) -> None:
-    """Run kvwrite_ext::<name> on validated call `a`, each argument before the tail read from `a` by
-    its schema name (getters resolved once per call type; the tail is a store's or a page move's)."""
+    """Run kvwrite_ext::<name> on validated call `a`, each argument read from `a` by its schema name."""
     got = _RAW.get((name, type(a)))
     if got is None:
         names = [x.name for x in getattr(torch.ops.kvwrite_ext, name).default._schema.arguments]

@@ -251,8 +251,7 @@ class ErrorBuffer:
         self.tensor[EPOCH:].zero_()  # EPOCH, DONE
 
     def error(self, stream: torch.cuda.Stream | None = None) -> OutOfBoundsWrite | None:
-        """The recorded error, or None. Synchronises with the device: the current stream, and
-        `stream` too when given (the stream the guarded stores ran on, if another)."""
+        """The recorded error, or None (synchronises with the current stream, and `stream` if given)."""
         if stream is not None:
             stream.synchronize()
         self.read = self.tensor.tolist()
@@ -271,8 +270,7 @@ class ErrorBuffer:
 
 
 def decode(s: list[int]) -> OutOfBoundsWrite | None:
-    """The OutOfBoundsWrite a record's slot values describe (None if COUNT is 0); an
-    IncompleteRecord when COUNT > 0 but the fields are missing or from different tokens."""
+    """The OutOfBoundsWrite a record's slots describe (None if COUNT is 0; IncompleteRecord if partial)."""
     if s[COUNT] == 0:
         return None
     if s[OWNER] == EMPTY or any(s[k] == EMPTY for k in FIELDS):

@@ -89,8 +89,7 @@ def indexer_k_row_bytes(head_dim: int, quant_block_size: int) -> int:
 
 
 def indexer_k_pool_page_size(name: str, cache_row: int, head_dim: int, quant_block_size: int) -> int:
-    """Tokens per page of an indexer cache whose pages hold `cache_row` bytes (named error if
-    the page does not hold a whole number of tokens)."""
+    """Tokens per page of an indexer cache of `cache_row` bytes a page (named error if not whole)."""
     per_token = indexer_k_row_bytes(head_dim, quant_block_size)
     if cache_row % per_token or cache_row == 0:
         raise ValueError(
@@ -233,8 +232,7 @@ def kv_page_bytes(pool_page_size: int) -> int:
 
 
 def kv_pool_page_size(name: str, page_bytes: int, page_size: object = None) -> int:
-    """Tokens per page of a KV cache with `page_bytes` a page: `page_size` checked against it,
-    or derived from it when None (named error on a mismatch)."""
+    """Tokens per page of a KV cache of `page_bytes` a page: `page_size` checked, or derived if None."""
     if page_size is None:
         pps = max(1, (page_bytes - PAGE_ALIGN) // TOKEN_BYTES)   # kv_page_bytes is increasing
         while kv_page_bytes(pps) < page_bytes:
@@ -265,8 +263,7 @@ def indexer_pool_page_size(name: str, page_bytes: int, head_dim: int, fmt: str,
 
 def records_per_page(name: str, page_bytes: int, per: int, page_size: object, about: str,
                      records: str, suffix: str = "") -> int:
-    """Records of `per` bytes in a page of `page_bytes` (`page_size` of them when given): named
-    error otherwise. `about` / `records` / `suffix` word the messages."""
+    """Records of `per` bytes in a page of `page_bytes` (`page_size` of them if given), else a named error."""
     if page_size is not None:
         pps = require_positive_int("page_size", page_size)
         if pps * per != page_bytes:
@@ -333,7 +330,6 @@ FP4_FMTS = tuple(FP4_RECORDS)
 
 
 def fp4_pool_page_size(name: str, page_bytes: int, fmt: str, page_size: object = None) -> int:
-    """Tokens per page of an FP4 KV cache with `page_bytes` a page (named error if the page is
-    not a whole number of `fmt` records, or not `page_size` of them)."""
+    """Tokens per page of an FP4 KV cache of `page_bytes` a page (`records_per_page`)."""
     return records_per_page(name, page_bytes, FP4_RECORDS[fmt].token_bytes, page_size,
                             f"fmt={fmt!r}", f"{fmt!r} records")

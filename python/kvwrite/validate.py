@@ -126,8 +126,7 @@ def scale(name: str, t: object, num_heads: int | None, device: torch.device) -> 
 
 
 def scale_cache(name: str, t: object, num_pages: int, pps: int, h: int, device) -> torch.Tensor:
-    """A dynamic fp32 scale cache `[pages, pps]` (per token) or `[pages, pps, H]` (per token-head),
-    as a `[pages, pps, 1 or H]` view."""
+    """A dynamic fp32 scale cache `[pages, pps]` or `[pages, pps, H]`, as a `[pages, pps, 1 or H]` view."""
     t = tensor(name, t, dtypes=(torch.float32,), device=device)
     if t.dim() == 2:
         shape(name, t, (num_pages, pps), "num_pages, pool_page_size: one scale per token")

@@ -18,8 +18,7 @@ _DEFAULT_RECORD: dict[torch.device, torch.Tensor] = {}
 
 
 def default_record(device: torch.device) -> torch.Tensor:
-    """The guard record of a C++ op call that passes none: the default buffer of the device (as
-    `prepare` picks it), without its lock."""
+    """The device's default guard record (as `prepare` picks it), for a C++ op call that passes none."""
     t = _DEFAULT_RECORD.get(device)
     if t is None:
         t = _DEFAULT_RECORD[device] = default_errors(device).tensor
@@ -71,16 +70,14 @@ def canonical_pool(name: str, t: object) -> torch.Tensor:
 
 
 def impls(reference: str, kernel: str, ext: str) -> tuple[tuple[str, str], ...]:
-    """An op's backend table: its torch reference (`reference.<module:fn>`), its Triton launch
-    (`kernels.<module:fn>`) and its C++ binding (`_ext.<fn>`, the cpu and cuda backends)."""
+    """An op's backend table: its torch reference, Triton launch and C++ binding (cpu and cuda)."""
     return (("torch", f"kvwrite.reference.{reference}"), ("triton", f"kvwrite.kernels.{kernel}"),
             ("cpu", f"kvwrite._ext:{ext}"), ("cuda", f"kvwrite._ext:{ext}"))
 
 
 def dispatch(op: str, table: tuple[tuple[str, str], ...], backend: str, device: torch.device,
              args: object) -> None:
-    """Run `args` on the resolved backend's implementation of `op` (in assert and guard mode
-    after the duplicate-row pre-pass, `kvwrite.ops.claims`)."""
+    """Run `args` on the resolved backend (in assert and guard mode after `kvwrite.ops.claims`)."""
     key = (op, table, backend, device)
     name = _RESOLVED.get(key) if type(backend) is str else None
     if name is None:

@@ -42,8 +42,7 @@ def with_locs(a: object, locs: object) -> object:
 
 
 def claim(op: str, backend: str, a: object) -> object:
-    """The call a backend's implementation runs: `a` itself in off mode, for read-only ops and
-    when nothing changes; else `a` on the pre-pass's scratch locs (or dst pages)."""
+    """The call a backend runs: `a` itself, or `a` on the pre-pass's scratch locs (or dst pages)."""
     chk = a.check
     if chk.mode == "off" or op in READ_ONLY or not _ON[0]:
         return a

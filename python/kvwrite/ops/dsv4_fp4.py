@@ -20,8 +20,7 @@ RAW_ARGS = {"pool_page_size": "e:S", "fmt_code": "e:fmt"}   # the C++ rule's pag
 
 @dataclass(frozen=True)
 class StoreDSV4KVFP4(StoreDSV4KV):
-    """A validated store_dsv4_kv_fp4 call: `store_dsv4_kv`'s fields, `cache` uint8 `[pages, pps *
-    record.token_bytes]`."""
+    """A validated store_dsv4_kv_fp4 call: `cache` uint8 `[pages, pps * record.token_bytes]`."""
 
     record: FP4Record
 
@@ -69,8 +68,7 @@ ROPE_FMTS = tuple(f for f, r in FP4_RECORDS.items() if r.rope)   # records with 
 
 @dataclass(frozen=True)
 class RopeStoreDSV4KVFP4(Fused):
-    """A validated rope_store_dsv4_kv_fp4 call: the store, then the GPT-J rotation (the field
-    names `kvwrite.reference.rope` reads)."""
+    """A validated rope_store_dsv4_kv_fp4 call: the store, then the GPT-J rotation."""
 
     store: StoreDSV4KVFP4
     positions: torch.Tensor

@@ -19,8 +19,7 @@ IMPLS = impls("nvfp4:store_kv_nvfp4", "store_kv_nvfp4:launch", "store_kv_nvfp4")
 
 @dataclass(frozen=True)
 class StoreKVNVFP4:
-    """A validated store_kv_nvfp4 call. Caches are canonical [pages, pool_page_size, H, *]
-    views (HND caches are permuted views): values uint8 [.., D/2], scales e4m3 [.., D/16]."""
+    """A validated store_kv_nvfp4 call: canonical [pages, pool_page_size, H, *] cache views."""
 
     k: torch.Tensor
     v: torch.Tensor

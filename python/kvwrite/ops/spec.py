@@ -123,8 +123,7 @@ def switch(name: str, values: dict) -> str:
 
 
 def records_per_page(per: str) -> str:
-    """An expression: S = the records of `per` bytes (an expression) in a page of B bytes, and
-    page_size of them when given (facts.records_per_page)."""
+    """An expression: S = the records of `per` bytes in a page of B bytes (facts.records_per_page)."""
     return (f"per = {per}; per > 0; $page_size == None ? B != 0 && B % per == 0 : isint($page_size) && "
             "$page_size >= 1 && $page_size * per == B; S = $page_size == None ? B / per : $page_size")
 
