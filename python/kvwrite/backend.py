@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import importlib
+import logging
 import os
+import warnings
 from functools import lru_cache
 from typing import Callable
 
@@ -87,23 +89,15 @@ def resolve(backend: str, device: torch.device, op: str, implemented: tuple[str,
         if reason is None:
             return name
         if name in ("cpu", "cuda") and (name, device.type) not in _warned:
-            say_fallback(name, device, reason, order, implemented)
+            # said once per (backend, device type), as a warning and a log line: "auto" runs slower
+            _warned.add((name, device.type))
+            later = order[order.index(name) + 1:]
+            instead = next((n for n in later if n in implemented and unavailable_reason(n, device) is None), None)
+            text = (f"kvwrite: backend {name!r} unavailable on {device.type} ({reason}); stores run on "
+                    f"{instead or 'another backend'!r} instead, slower; kvwrite.backends({device.type!r}) lists why")
+            logging.getLogger("kvwrite").warning("%s", text)
+            warnings.warn(text, RuntimeWarning, stacklevel=3)
     raise BackendUnavailable(f"{op}: no backend available on {device}")
-
-
-def say_fallback(name: str, device: torch.device, reason: str, order: tuple[str, ...],
-                 implemented: tuple[str, ...]) -> None:
-    """Warn (and log) once per (backend, device type) that "auto" runs a slower backend."""
-    import logging
-    import warnings
-
-    _warned.add((name, device.type))
-    later = order[order.index(name) + 1:]
-    instead = next((n for n in later if n in implemented and unavailable_reason(n, device) is None), None)
-    text = (f"kvwrite: backend {name!r} unavailable on {device.type} ({reason}); stores run on "
-            f"{instead or 'another backend'!r} instead, slower; kvwrite.backends({device.type!r}) lists why")
-    logging.getLogger("kvwrite").warning("%s", text)
-    warnings.warn(text, RuntimeWarning, stacklevel=4)
 
 
 @lru_cache(maxsize=None)

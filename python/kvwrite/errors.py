@@ -321,7 +321,7 @@ def default_errors(device: torch.device | str) -> ErrorBuffer:
         device = torch.device("cuda", torch.cuda.current_device())
     with _default_lock:
         if device not in _default:
-            if device.type == "cuda" and _capturing():
+            if device.type == "cuda" and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(
                     f"kvwrite: guard mode's default record on {device} is first needed inside a "
                     f"CUDA graph capture, where its zero-fill would be recorded and rerun by "
@@ -333,11 +333,6 @@ def default_errors(device: torch.device | str) -> ErrorBuffer:
                 atexit.register(report_default_errors)
             _default[device] = ErrorBuffer(device)
         return _default[device]
-
-
-def _capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (False where CUDA never started)."""
-    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def report_default_errors(stream=None) -> int:
