@@ -1,20 +1,13 @@
 """Guard-mode error records: a tiny int64 device buffer the kernels fill without a host sync.
 
-Layout (shared by the torch, Triton, CPU and CUDA backends; see `csrc/kvwrite/record.h`):
-slot COUNT counts bad tokens (atomic add). Every field slot holds a *packed key*
-`token_index << 32 | uint32 chunk` and is updated with an atomic min, so after any number of
-racing writers of one call each slot holds the chunk written by that call's lowest bad token
-index. Tokens are limited to 2**31 - 1 per call.
-
-One record per buffer, whatever the calls: token indices of different calls collide (two calls
-bad at token 0 would each win some slots), so only one call may write the fields. EPOCH counts
-the calls that used the buffer (the last program of a call, or the host after a CPU call, adds
-one); the first bad token claims OWNER with its call's epoch (compare-and-swap from EMPTY), and
-a bad token folds its fields only when OWNER holds its own epoch. COUNT still counts every
-call's bad tokens. DONE counts a running call's finished programs (the last one resets it and
-advances EPOCH). Calls on different streams that share one buffer must be ordered (one buffer
-per stream otherwise): their programs would share an epoch. Duplicate rows (KIND_DUPLICATE, the
-pre-pass shares the store's epoch) and reading the record: docs/checks.md.
+Layout and protocol (every backend; csrc/kvwrite/record.h): COUNT counts bad tokens; every field
+slot holds a packed key `token_index << 32 | uint32 chunk` updated with an atomic min, so each
+holds the call's lowest bad token's chunk (at most 2**31 - 1 tokens a call). Only one call may
+write the fields (token indices of two calls collide): EPOCH counts the calls that used the buffer
+(the last program of a call, or the host after a CPU call, adds one), the first bad token claims
+OWNER with its call's epoch (CAS from EMPTY) and a bad token folds its fields only when OWNER holds
+its epoch; DONE counts a running call's finished programs. Calls on different streams that share
+a buffer must be ordered (they would share an epoch). Duplicate rows, reading: docs/checks.md.
 """
 from __future__ import annotations
 
@@ -160,10 +153,8 @@ class OutOfBoundsWrite(RuntimeError):
 
 
 class DuplicateWrite(OutOfBoundsWrite):
-    """Two tokens of one call resolve to the same pool row (or two pairs of a page move to one
-    destination page): `token_index` is the later one, `first_token` the lowest token that
-    writes the row, `row` the local row (`target`), `page` and `offset` where it lies. Guard
-    mode keeps the first writer's bytes and skips the rest; assert mode writes nothing."""
+    """Two tokens of one call resolve to the same pool row (or two pairs of a page move to one dst
+    page): `token_index` the later, `first_token` the row's writer, `row`, `page`, `offset` (docs/checks.md)."""
 
     def __init__(self, op: str, token_index: int, loc: int, row: int, first_token: int,
                  pool_page_size: int, count: int, *, batch: int | None = None,

@@ -282,12 +282,9 @@ V41_SCALE_FLOOR = 2.0 ** -9   # nvfp4_v41: e4m3 block scale = e4m3(max(amax / 6,
 
 @dataclass(frozen=True)
 class FP4Record:
-    """One FP4 record of a DeepSeek V4 KV token: `quant` values as packed e2m1 (even element in
-    the low nibble), one scale per `block` of them (`scale` "e4m3" or "ue8m0") in a `scale_row`
-    of bytes (pad bytes included, never written), then `rope` values as bf16. `inline`: the
-    scales sit inside the token's row after the packed values; else a page holds its tokens'
-    data rows first, then their scale rows (FlashMLA's split page). Pages are `pps *
-    token_bytes` bytes, no padding."""
+    """One FP4 record of a DeepSeek V4 KV token (docs/formats.md): `quant` packed e2m1 values, a
+    scale per `block` in a `scale_row` of bytes, `rope` bf16 values; `inline`: the scales inside the
+    token's row, else after the page's data rows (FlashMLA's split page)."""
 
     name: str
     code: int

@@ -1,9 +1,5 @@
-"""`store_mla`: the MLA latent+rope row store (bf16/fp16/fp32, per-tensor fp8, DeepSeek fp8_ds_mla,
-NVFP4).
-
-Each `kv_cache_dtype` is one `MLAFormat` in `FORMATS` (`kvwrite.facts.MLA_FORMATS`): the cache
-dtype it needs, the width of its cache row, whether it takes a per-tensor `scale`, the kernel
-mode, and any extra rule on the dims. A new format is one more entry there (plus its row writer
+"""`store_mla`: the MLA latent+rope row store. Each `kv_cache_dtype` is one `MLAFormat` in
+`FORMATS` (`kvwrite.facts.MLA_FORMATS`); a new format is one more entry there (plus its row writer
 in each backend, and its backend table here if not IMPLS).
 """
 from __future__ import annotations
