@@ -114,9 +114,6 @@ def nvfp4_row(env: dict) -> bool:
     return FORMATS[env["fmt"]].mode == MODE_NVFP4
 
 
-ROWS = (spec.Format(NVFP4_IMPLS, nvfp4_row), spec.Format(IMPLS))
-
-
 SPEC = spec.Op(
     "store_mla",
     args=(spec.T("kv_c", "N L", validate.FLOAT_INPUTS),
@@ -132,7 +129,7 @@ SPEC = spec.Op(
           spec.opt("global_scale", "scale", role="scale", default=None)),
     checks=("kv_c", "k_pe", _format, "kv_cache", spec.geometry("kv_cache"), _scales, "scale",
             "scale_cache", "global_scale"),
-    build=_build, impls=ROWS, raw_args={"kernel_mode": "e:fmt"})
+    build=_build, impls=(spec.Format(NVFP4_IMPLS, nvfp4_row), spec.Format(IMPLS)), raw_args={"kernel_mode": "e:fmt"})
 def store_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, loc: torch.Tensor,
               *, kv_cache_dtype: str = "auto", scale: torch.Tensor | None = None,
               check: str | None = None, errors: ErrorBuffer | None = None,

@@ -261,7 +261,7 @@ class Op:
         self.declared = self.impls if type(self.impls[0]) is Format else (Format(self.impls),)
         self.code = facts.declare_op(self.name)
         self.overload = _library.define(self.name, self.schema(), self.impl, self.fake)
-        self.entry = self._entry()
+        self.entry = self.adapter()
         OPS[self.name] = self
         if _ext.LOADED:
             send_programs()
@@ -445,13 +445,11 @@ class Op:
         return self._native
 
     # --- derived: the public call -------------------------------------------------------------
-    def adapter(self, call: str, aliases: dict) -> Callable:
-        """The entry of an engine adapter: the op's fast path, errors named as the engine names them."""
-        return self._entry({**self.aliases, **aliases}, call)
-
-    def _entry(self, aliases: dict | None = None, call_name: str | None = None) -> Callable:
+    def adapter(self, call_name: str | None = None, aliases: dict | None = None) -> Callable:
         """The call behind the public function: its arguments in schema order without the table tail
-        (loc may be a PageTable, errors an ErrorBuffer, check None = the process default)."""
+        (loc may be a PageTable, errors an ErrorBuffer, check None = the process default); with
+        `call_name`, an engine adapter's, its errors naming the engine's function and `aliases`."""
+        aliases = None if call_name is None else {**self.aliases, **aliases}
         names = self.names
         i_loc, i_check, i_errors, i_backend = (names.index(n) for n in (self.loc, "check", "errors", "backend"))
         table = self.table_tail
