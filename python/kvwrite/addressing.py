@@ -73,12 +73,10 @@ def prepare(op: str, device: torch.device, n: int, loc: object, loc_map: object,
             _DEFAULT_CHECKS[key] = chk
         return locs, chk
     record = errors.tensor if isinstance(errors, ErrorBuffer) else errors
-    if record is not None:
-        if not (isinstance(record, torch.Tensor) and record.dtype == torch.int64
-                and record.shape == (NUM_SLOTS,)):
-            raise TypeError(f"errors must be a kvwrite.ErrorBuffer or None, got {type(errors).__name__}")
-        if record.device != device:
-            raise ValueError(f"errors is on {record.device} but the inputs are on {device}")
+    if not (isinstance(record, torch.Tensor) and record.dtype == torch.int64 and record.shape == (NUM_SLOTS,)):
+        raise TypeError(f"errors must be a kvwrite.ErrorBuffer or None, got {type(errors).__name__}")
+    if record.device != device:
+        raise ValueError(f"errors is on {record.device} but the inputs are on {device}")
     if mode != "guard":
         record = None
     return locs, Check(op, mode, record)

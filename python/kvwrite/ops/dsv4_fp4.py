@@ -96,8 +96,7 @@ ROPE_SPEC = spec.Op(
           spec.T("cos_sin", f"M {ROPE}", (torch.float32, "=kv"), what=f"max_position, {ROPE // 2} cos then "
                  f"{ROPE // 2} sin"),
           spec.opt("q", f"N Hq {ROPE}", ("=kv",), mutable=True, what=f"tokens, heads, {ROPE} RoPE values"),
-          spec.cache("cache", "P B", (torch.uint8,)), spec.LOC, spec.option("page_size", "int?"),
-          spec.option("fmt"), spec.CHECK, spec.ERRORS, spec.LOC_MAP, *spec.DCP, spec.BACKEND),
+          *SPEC.args[1:]),   # the store's, from its cache on
     checks=("positions", "kv", "cos_sin", "q", _rope_fmt, "cache", _pages, spec.geometry("cache")),
     build=_build_rope, impls=ROPE_IMPLS, dcp_page=True, page_table=False, raw_args=RAW_ARGS)
 

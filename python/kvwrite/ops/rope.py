@@ -136,8 +136,7 @@ KV_SPEC = spec.Op(
     OP_KV,
     args=(POSITIONS,
           spec.T("q", "N Hq D", ("=k",), mutable=True, what="tokens as k, q heads, head_dim as k"),
-          spec.T("k", "N H D", validate.FLOAT_INPUTS),
-          spec.T("v", "N H Dv", ("=k",), what="tokens, heads as k, head_dim_v"),
+          *kv.SPEC.args[:2],   # store_kv's k and v
           spec.T("cos_sin_cache", "M C", (torch.float32, "=k"), what="max_position, rotary_dim"),
           spec.cache("k_cache", "P S H D", ("=k", *spec.FP8, torch.int8), binds="P S", layout=True,
                      what=CACHE_DIMS),
