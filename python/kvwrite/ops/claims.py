@@ -14,7 +14,6 @@ from kvwrite.reference import claims as _ref
 
 # Ops that write no pool row (a gather fills its own output), and move_rows (its halves check).
 READ_ONLY = ("gather", "slot_mapping", "move_rows")
-NATIVE = ("cpu", "cuda")   # backends with the extension's pre-pass
 _ON = [True]
 
 
@@ -54,7 +53,7 @@ def claim(op: str, backend: str, a: object) -> object:
     locs = a.locs
     if locs.n < 2:   # one token writes one row: nothing to claim (a bad loc is the store's own check)
         return a
-    if backend in NATIVE:
+    if backend in ("cpu", "cuda"):   # the extension's pre-pass
         new = _ext.claim_rows(locs, a.geometry, chk)
     else:
         new = _ref.unique_locs(locs, a.geometry, chk)

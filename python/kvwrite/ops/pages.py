@@ -72,13 +72,13 @@ def page_units(src: torch.Tensor, dst: torch.Tensor) -> tuple[Units, Units]:
             Units(pd // unit, unit, dst.shape[0] * (pd // unit)))
 
 
-def same_rows(src: torch.Tensor, dst: torch.Tensor, what: str = OP_COPY) -> None:
+def same_rows(src: torch.Tensor, dst: torch.Tensor) -> None:
     """GeometryError unless two pools `[pages, rows, ...]` have one row shape and dtype."""
     if src.dtype != dst.dtype:
-        raise GeometryError(f"{what}: src rows are {src.dtype} but dst rows are {dst.dtype}; pages move "
+        raise GeometryError(f"{OP_COPY}: src rows are {src.dtype} but dst rows are {dst.dtype}; pages move "
                             f"as they are, so the dtypes must match")
     if tuple(src.shape[2:]) != tuple(dst.shape[2:]):
-        raise GeometryError(f"{what}: src rows have shape {list(src.shape[2:])} but dst rows "
+        raise GeometryError(f"{OP_COPY}: src rows have shape {list(src.shape[2:])} but dst rows "
                             f"{list(dst.shape[2:])}; pages move as they are, so the row shapes must match")
 
 
@@ -130,19 +130,19 @@ def copy_pages(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, ds
     COPY_SPEC.entry(src, dst, src_pages, dst_pages, check, errors, backend)
 
 
-def _copy_across(src, dst, src_pages, dst_pages, check, errors, backend, op: str = OP_COPY) -> None:
+def _copy_across(src, dst, src_pages, dst_pages, check, errors, backend) -> None:
     """The page copy between devices: ids checked on the GPU side's record, the src units gathered
     into a (pinned) staging buffer, moved, and scattered into dst, each a same-device page copy."""
     from kvwrite.reference.pages import checked_pairs
 
     s, d = canonical_pool("src", src), canonical_pool("dst", dst)
-    same_rows(src, dst, op)
+    same_rows(src, dst)
     su, du = page_units(s, d)
     side = dst.device if dst.device.type != "cpu" else src.device   # where the record lives
     sp = validate.tensor("src_pages", _to(src_pages, side), ndim=1, dtypes=validate.LOC_DTYPES)
     dp = _to(dst_pages, side)
     spec.pairs("src_pages", "dst_pages")({"N": sp.shape[0]}, {"dst_pages": dp})
-    locs, chk = prepare(op, side, sp.shape[0], dp, None, 0, 1, check, errors, "dst_pages")
+    locs, chk = prepare(OP_COPY, side, sp.shape[0], dp, None, 0, 1, check, errors, "dst_pages")
     sp, dp = validate.loc("src_pages", sp, sp.shape[0], side), locs.loc
     n = sp.shape[0]
     if n == 0:
@@ -152,11 +152,9 @@ def _copy_across(src, dst, src_pages, dst_pages, check, errors, backend, op: str
 
         dp = unique_pairs(sp, dp, su, du, chk)
     sp, dp = checked_pairs(sp, dp, su, du, chk)       # bad or skipped pairs -> -1 on both sides
-    unit = su.rows
     pinned = src.device.type == "cpu" and dst.device.type != "cpu"
-    stage = torch.empty((n, unit, *s.shape[2:]), dtype=s.dtype, device=src.device, pin_memory=pinned)
-    ids = torch.arange(n, device=side)
-    live = torch.where(sp >= 0, ids, -1)
+    stage = torch.empty((n, su.rows, *s.shape[2:]), dtype=s.dtype, device=src.device, pin_memory=pinned)
+    live = torch.where(sp >= 0, torch.arange(n, device=side), -1)
     copy_pages(s, stage, sp.to(src.device), live.to(src.device), check="off", backend=_on(backend, src.device))
     moved = stage.to(dst.device, non_blocking=True)
     copy_pages(moved, d, live.to(dst.device), dp.to(dst.device), check="off", backend=_on(backend, dst.device))
