@@ -313,13 +313,12 @@ def default_errors(device: torch.device | str) -> ErrorBuffer:
     with _default_lock:
         if device not in _default:
             if device.type == "cuda" and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    f"kvwrite: guard mode's default record on {device} is first needed inside a "
-                    f"CUDA graph capture, where its zero-fill would be recorded and rerun by "
-                    f"every replay (clearing the record) instead of run once: create it before "
-                    f"the capture (call kvwrite.default_errors({str(device)!r}) or run one "
-                    f"guarded store eagerly), or pass errors=kvwrite.ErrorBuffer(...) made "
-                    f"before the capture")
+                raise RuntimeError(f"kvwrite: guard mode's default record on {device} is first needed inside a "
+                                   f"CUDA graph capture, where its zero-fill would be recorded and rerun by "
+                                   f"every replay (clearing the record) instead of run once: create it before "
+                                   f"the capture (call kvwrite.default_errors({str(device)!r}) or run one "
+                                   f"guarded store eagerly), or pass errors=kvwrite.ErrorBuffer(...) made "
+                                   f"before the capture")
             if not _default:
                 atexit.register(report_default_errors)
             _default[device] = ErrorBuffer(device)

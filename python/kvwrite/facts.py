@@ -92,10 +92,9 @@ def indexer_k_pool_page_size(name: str, cache_row: int, head_dim: int, quant_blo
     """Tokens per page of an indexer cache of `cache_row` bytes a page (named error if not whole)."""
     per_token = indexer_k_row_bytes(head_dim, quant_block_size)
     if cache_row % per_token or cache_row == 0:
-        raise ValueError(
-            f"{name}'s page of {cache_row} bytes is not a whole number of tokens of "
-            f"{per_token} bytes (D={head_dim} e4m3 + {head_dim // quant_block_size} fp32 scales): "
-            f"expected [num_pages, pool_page_size * {per_token}]")
+        raise ValueError(f"{name}'s page of {cache_row} bytes is not a whole number of tokens of "
+                         f"{per_token} bytes (D={head_dim} e4m3 + {head_dim // quant_block_size} fp32 scales): "
+                         f"expected [num_pages, pool_page_size * {per_token}]")
     return cache_row // per_token
 
 

@@ -61,12 +61,8 @@ def tensor(name: str, t: object, *, ndim: int | None = None,
 def shape(name: str, t: torch.Tensor, expected: Sequence[int | None], what: str) -> None:
     """Check `t.shape` against `expected` (None = any); `what` names the dims."""
     dims = t.shape
-    if len(dims) == len(expected):
-        for s, e in zip(dims, expected):
-            if e is not None and s != e:
-                break
-        else:
-            return
+    if len(dims) == len(expected) and all(e is None or s == e for s, e in zip(dims, expected)):
+        return
     want = ", ".join("*" if e is None else str(e) for e in expected)
     raise ValueError(f"{name} must have shape [{want}] ({what}), got {list(dims)}")
 
