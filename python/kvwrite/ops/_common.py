@@ -1,6 +1,7 @@
 """What every store op shares: loc resolution arguments, the check mode, backend dispatch."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -25,9 +26,16 @@ def default_record(device: torch.device) -> torch.Tensor:
     return t
 
 
+@dataclass(frozen=True)
 class Fused:
-    """A fused call's loc resolution, check and geometry are those of the store it wraps (the
-    resolvers and the assert path read them from the call)."""
+    """A fused RoPE store: the rotation (the fields `kvwrite.reference.rope` reads), then in each
+    subclass its `store`, whose loc resolution, check and geometry are the call's."""
+
+    q: torch.Tensor | None   # rotated in place (rope_store_mla: q_pe [N, Hq, R])
+    positions: torch.Tensor
+    cos_sin: torch.Tensor
+    rotary_dim: int
+    is_neox: bool
 
     @property
     def locs(self) -> Locs:

@@ -68,14 +68,9 @@ ROPE_FMTS = tuple(f for f, r in FP4_RECORDS.items() if r.rope)   # records with 
 
 @dataclass(frozen=True)
 class RopeStoreDSV4KVFP4(Fused):
-    """A validated rope_store_dsv4_kv_fp4 call: the store, then the GPT-J rotation."""
+    """A validated rope_store_dsv4_kv_fp4 call: the GPT-J rotation, then the store."""
 
     store: StoreDSV4KVFP4
-    positions: torch.Tensor
-    cos_sin: torch.Tensor
-    q: torch.Tensor | None
-    rotary_dim: int = ROPE
-    is_neox: bool = False
 
 
 @spec.rule(expr=" && ".join(f"$fmt != '{f}'" for f in FP4_FMTS if f not in ROPE_FMTS))
@@ -86,7 +81,7 @@ def _rope_fmt(env: dict, v: dict) -> None:
 
 
 def _build_rope(v: dict, env: dict, locs: Locs, chk: Check) -> RopeStoreDSV4KVFP4:
-    return RopeStoreDSV4KVFP4(_build(v, env, locs, chk), v["positions"], v["cos_sin"], v["q"])
+    return RopeStoreDSV4KVFP4(v["q"], v["positions"], v["cos_sin"], ROPE, False, _build(v, env, locs, chk))
 
 
 ROPE_SPEC = spec.Op(

@@ -6,10 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvwrite import validate
 from kvwrite.errors import ErrorBuffer
 from kvwrite.geometry import PageGeometry
-from kvwrite.ops import spec
+from kvwrite.ops import kv, spec
 from kvwrite.ops._common import Check, Locs, impls
 from kvwrite.ops.kv import LAYOUTS, canonical
 
@@ -51,8 +50,7 @@ def _build(v: dict, env: dict, locs: Locs, chk: Check) -> StoreKVNVFP4:
 _DIMS = "num_pages, pool_page_size, H, "
 SPEC = spec.Op(
     "store_kv_nvfp4",
-    args=(spec.T("k", "N H D", validate.FLOAT_INPUTS),
-          spec.T("v", "N H Dv", ("=k",), what="tokens, heads as k, head_dim_v"),
+    args=(*kv.SPEC.args[:2],   # store_kv's k and v
           spec.cache("k_cache", "P S H D/2", (torch.uint8,), binds="P S", layout=True, what=_DIMS + "D/2"),
           spec.cache("v_cache", "P S H Dv/2", (torch.uint8,), layout=True, what=_DIMS + "Dv/2"),
           spec.cache("k_scale_cache", f"P S H D/{BLOCK}", (torch.float8_e4m3fn,), layout=True,

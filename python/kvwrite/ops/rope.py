@@ -29,11 +29,6 @@ KV_FMTS = (FMT_E4M3, FMT_E5M2, FMT_INT8)
 
 @dataclass(frozen=True)
 class RopeStoreKV(Fused):
-    q: torch.Tensor
-    positions: torch.Tensor
-    cos_sin: torch.Tensor
-    rotary_dim: int
-    is_neox: bool
     q_norm_weight: torch.Tensor | None   # fp32 [D]
     k_norm_weight: torch.Tensor | None
     eps: float
@@ -42,11 +37,6 @@ class RopeStoreKV(Fused):
 
 @dataclass(frozen=True)
 class RopeStoreMLA(Fused):
-    q: torch.Tensor          # q_pe [N, Hq, R]
-    positions: torch.Tensor
-    cos_sin: torch.Tensor
-    rotary_dim: int
-    is_neox: bool
     store: StoreMLA
 
 
