@@ -71,10 +71,8 @@ def store_indexer_k(k: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, *,
                     loc_map: torch.Tensor | None = None, dcp_rank: int = 0, dcp_size: int = 1,
                     backend: str = "auto") -> None:
     """Quantise token i's indexer key `k[i]` `[D]` per `quant_block_size` block to e4m3 and
-    store it with its fp32 scales at `loc[i]` (-1 = padding, skipped); page layout:
-    `kvwrite.reference.indexer_k`. `scale_fmt="ue8m0"` rounds each scale up to a power of two.
-    `loc_map` and DCP as `store_kv` (vLLM shards the cache over the DCP ranks; SGLang's replicated
-    cache is addressed by the virtual loc, dcp_size=1).
+    store it with its fp32 scales at `loc[i]` (-1 = padding; layout: `kvwrite.reference.indexer_k`);
+    `scale_fmt="ue8m0"` rounds each scale up to a power of two. `loc_map` and DCP as `store_kv`.
     """
     return SPEC.entry(k, cache, loc, quant_block_size, scale_fmt, check, errors, loc_map, dcp_rank, dcp_size,
                       backend)

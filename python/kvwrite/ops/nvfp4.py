@@ -75,11 +75,9 @@ def store_kv_nvfp4(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     """Quantise token i's K/V rows to NVFP4 and write them to the paged caches at `loc[i]`
     (-1 = padding, skipped).
 
-    `k`/`v` `[N, H, D]` / `[N, H, Dv]`, D and Dv multiples of 16; uint8 caches `[pages,
-    pool_page_size, H, D/2]` and float8_e4m3fn scale caches `[pages, pool_page_size, H, D/16]`
-    (`layout="HND"`: pool_page_size and H swapped); optional fp32 `k_global_scale`/`v_global_scale`.
-    Format and error bound: docs/formats.md, `kvwrite.reference.nvfp4`; read back with
-    `kvwrite.dequant_nvfp4`. `check`, `errors`, `loc_map`, DCP: as `kvwrite.store_kv`.
+    D and Dv multiples of 16; the uint8 code and e4m3 block-scale caches (`layout="HND"` swaps
+    pool_page_size and H), the optional fp32 global scales and the error bound: docs/formats.md,
+    `kvwrite.reference.nvfp4` (read back: `kvwrite.dequant_nvfp4`). The rest as `kvwrite.store_kv`.
     """
     return SPEC.entry(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, loc, k_global_scale,
                       v_global_scale, layout, check, errors, loc_map, dcp_rank, dcp_size, backend)

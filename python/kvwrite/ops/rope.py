@@ -159,13 +159,12 @@ def rope_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                   quant_rule: str = "rne") -> None:
     """Rotate q `[N, Hq, D]` in place and store rotated k `[N, H, D]` with v `[N, H, Dv]` at `loc`.
 
-    `cos_sin_cache` `[max_position, rotary_dim]` (cos half, then sin half; fp32 or the input dtype)
-    rotates the first rotary_dim elements of each head at `positions[i]`, neox halves or GPT-J
-    pairs; `q_norm_weight` / `k_norm_weight` `[D]` RMS-norm each head first. Rounding
-    (`kvwrite.reference.rope`): once, to the input dtype; the stored k is that k, stored as
-    `store_kv` stores it (its caches, layouts, scales and addressing). A position outside
-    [0, max_position) is a KIND_POSITION error: that token is never written and its q is left as it
-    was (every mode). k and v are not modified.
+    `cos_sin_cache` `[max_position, rotary_dim]` (cos half, then sin half) rotates the first
+    rotary_dim elements of each head at `positions[i]`, neox halves or GPT-J pairs, after the optional
+    RMS norms `q_norm_weight` / `k_norm_weight` `[D]`; k is rounded once to the input dtype
+    (`kvwrite.reference.rope`) and stored as `store_kv` stores it (its caches, scales, addressing). A
+    position outside [0, max_position) is a KIND_POSITION error: that token is not written and its q
+    not rotated (every mode). k and v are not modified.
     """
     return KV_SPEC.entry(positions, q, k, v, cos_sin_cache, k_cache, v_cache, loc, is_neox, rotary_dim,
                          q_norm_weight, k_norm_weight, norm_eps, layout, k_scale, v_scale, k_scale_cache,
