@@ -73,8 +73,7 @@ def int4_rht_signs(head_dim: int, device: torch.device | str = "cpu") -> torch.T
     key = (b, str(device))
     s = _RHT_SIGNS.get(key)
     if s is None:
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed(INT4_RHT_SEED)
+        gen = torch.Generator(device="cpu").manual_seed(INT4_RHT_SEED)
         cpu = 2.0 * torch.bernoulli(torch.full((b,), 0.5), generator=gen) - 1.0
         s = _RHT_SIGNS[key] = cpu.to(device)
     return s

@@ -10,10 +10,9 @@ import torch
 
 from kvwrite import validate
 from kvwrite.errors import ErrorBuffer
-from kvwrite.facts import (  # noqa: F401  (the formats' facts, re-exported)
-    AMAX_FLOOR, DATA_ROW, FP8_BLOCK, INDEXER_FMT_CODE, INDEXER_FMTS, KV_DIM, MXFP4_BLOCK, NOPE,
-    PAGE_ALIGN, RATIOS, ROPE, SCALE_ROW, TILE, TILES, TOKEN_BYTES, indexer_pool_page_size,
-    indexer_row_bytes, kv_page_bytes, kv_pool_page_size)
+from kvwrite.facts import (FP8_BLOCK, INDEXER_FMT_CODE, INDEXER_FMTS, KV_DIM, MXFP4_BLOCK, NOPE, PAGE_ALIGN, RATIOS,
+                           ROPE, TOKEN_BYTES, indexer_pool_page_size, kv_pool_page_size)
+from kvwrite.facts import indexer_row_bytes, kv_page_bytes  # noqa: F401  (re-exported)
 from kvwrite.geometry import PageGeometry, require_positive_int
 from kvwrite.ops import spec
 from kvwrite.ops._common import Check, Locs, impls

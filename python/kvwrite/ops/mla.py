@@ -10,10 +10,9 @@ import torch
 
 from kvwrite import validate
 from kvwrite.errors import ErrorBuffer
-from kvwrite.facts import (  # noqa: F401  (the formats' facts, re-exported)
-    DS_MLA_POW2, DS_MLA_POW2_FLOOR, DS_MLA_RAW_ROPE, DS_MLA_ROPES, DS_MLA_SCALE_FLOOR, DS_MLA_SCALES,
-    DS_MLA_TILE, MLA_FORMATS, MODE_COPY, MODE_DS_MLA, MODE_FP8, MODE_NVFP4, NVFP4_BLOCK, MLAFormat,
-    ds_mla_format, ds_mla_row_bytes)
+from kvwrite.facts import (DS_MLA_POW2, DS_MLA_RAW_ROPE, MLA_FORMATS, MODE_NVFP4, NVFP4_BLOCK, MLAFormat,
+                           ds_mla_format)
+from kvwrite.facts import DS_MLA_TILE, MODE_DS_MLA, ds_mla_row_bytes  # noqa: F401  (re-exported)
 from kvwrite.geometry import PageGeometry
 from kvwrite.ops import spec
 from kvwrite.ops._common import Check, Locs, impls
