@@ -8,9 +8,8 @@ import torch
 
 from kvwrite import validate
 from kvwrite.errors import ErrorBuffer
-from kvwrite.facts import AMAX_FLOOR  # noqa: F401  (re-exported)
-from kvwrite.facts import indexer_k_pool_page_size as pool_page_size  # noqa: F401
-from kvwrite.facts import indexer_k_row_bytes as row_bytes
+from kvwrite.facts import indexer_k_pool_page_size as pool_page_size
+from kvwrite.facts import indexer_k_row_bytes as row_bytes  # noqa: F401  (re-exported)
 from kvwrite.geometry import PageGeometry, require_positive_int
 from kvwrite.ops import spec
 from kvwrite.ops._common import Check, Locs, impls
