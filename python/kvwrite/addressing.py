@@ -60,7 +60,8 @@ def prepare(op: str, device: torch.device, n: int, loc: object, loc_map: object,
         t = _table(loc, n, device)
         locs = Locs(t.positions, table=t)
     else:
-        locs = Locs(validate.loc(loc_name, loc, n, device), validate.loc_map(loc_map, device),
+        locs = Locs(validate.loc(loc_name, loc, n, device),
+                    None if loc_map is None else validate.loc("loc_map", loc_map, None, device),
                     *validate.dcp(dcp_rank, dcp_size))
     mode = validate.check_mode(check)
     if errors is None:

@@ -67,21 +67,13 @@ def shape(name: str, t: torch.Tensor, expected: Sequence[int | None], what: str)
     raise ValueError(f"{name} must have shape [{want}] ({what}), got {list(dims)}")
 
 
-def loc(name: str, t: object, n: int, device: torch.device) -> torch.Tensor:
+def loc(name: str, t: object, n: int | None, device: torch.device) -> torch.Tensor:
+    """A contiguous int32/int64 `[n]` index tensor (a loc_map: `n` None, any length)."""
     t = tensor(name, t, ndim=1, dtypes=LOC_DTYPES, device=device)
-    if t.shape[0] != n:
+    if n is not None and t.shape[0] != n:
         raise ValueError(f"{name} must have one entry per token ({n}), got {t.shape[0]}")
-    if n > 1 and t.stride(0) != 1:
-        raise ValueError(f"{name} must be contiguous, got stride {t.stride(0)}")
-    return t
-
-
-def loc_map(t: object, device: torch.device) -> torch.Tensor | None:
-    if t is None:
-        return None
-    t = tensor("loc_map", t, ndim=1, dtypes=LOC_DTYPES, device=device)
     if t.shape[0] > 1 and t.stride(0) != 1:
-        raise ValueError(f"loc_map must be contiguous, got stride {t.stride(0)}")
+        raise ValueError(f"{name} must be contiguous, got stride {t.stride(0)}")
     return t
 
 
