@@ -70,8 +70,7 @@ def prepare(op: str, device: torch.device, n: int, loc: object, loc_map: object,
         key = (op, mode, device)
         chk = _DEFAULT_CHECKS.get(key)
         if chk is None:
-            chk = Check(op, mode, default_errors(device).tensor if mode == "guard" else None)
-            _DEFAULT_CHECKS[key] = chk
+            chk = _DEFAULT_CHECKS[key] = Check(op, mode, default_errors(device).tensor if mode == "guard" else None)
         return locs, chk
     record = errors.tensor if isinstance(errors, ErrorBuffer) else errors
     if not (isinstance(record, torch.Tensor) and record.dtype == torch.int64 and record.shape == (NUM_SLOTS,)):

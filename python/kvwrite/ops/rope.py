@@ -62,9 +62,8 @@ def _rotary_expr(head_dim: str) -> str:
                 + _rotary_expr("D"))
 def _kv_dims(env: dict, v: dict) -> None:
     """cos_sin_cache `[max_position >= 1, rotary_dim]`; rotary_dim even, <= k's head_dim."""
-    width, rotary_dim = env["C"], v["rotary_dim"]
-    if rotary_dim is None:
-        rotary_dim = width
+    width = env["C"]
+    rotary_dim = width if v["rotary_dim"] is None else v["rotary_dim"]
     if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, (int, torch.SymInt)):
         raise TypeError(f"rotary_dim must be an int, got {type(rotary_dim).__name__}")
     if rotary_dim != width:
