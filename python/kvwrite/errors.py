@@ -42,7 +42,7 @@ FIELDS = (LOC_LO, LOC_HI, TARGET_LO, TARGET_HI, LIMIT_LO, LIMIT_HI, POOL_PAGE_SI
 TABLE_FIELDS = (BATCH, POSITION, TABLE_SLOT, TABLE_PAGE)
 MAX_TOKENS = (1 << 31) - 1
 
-# What was out of range.
+# What was out of range (docs/checks.md's table).
 KIND_POOL = 0        # the (local, translated) loc against the pool capacity
 KIND_LOC_MAP = 1     # the loc against the SWA loc_map length (lookup)
 # Page-table addressing (`kvwrite.PageTable`): target/limit are
@@ -51,18 +51,13 @@ KIND_TABLE_SLOT = 3  # the page-table slot against batch b's slots [kv_indptr[b]
 KIND_TABLE_PAGE = 4  # the page kv_indices[slot] against the pool's pages [0, num_pages)
 TABLE_KINDS = (KIND_BATCH, KIND_TABLE_SLOT, KIND_TABLE_PAGE)
 KIND_POSITION = 5    # rope_store_*: the token's position against the cos/sin cache (max_position)
-# Page moves (kvwrite.ops.pages); numbered apart from the store kinds. copy_pages: a pair's page
-# (in units of the smaller pool's page) against the pool's units [0, limit).
+# Page moves (kvwrite.ops.pages), numbered apart from the store kinds: a pair's src / dst unit
 KIND_SRC_PAGE = 16
 KIND_DST_PAGE = 17
-# slot_mapping (a block table [batch, blocks]): the batch index against the table's rows, the
-# block index position // page_size against the row's width, the page against the pool's pages.
-KIND_BLOCK_ROW = 18
+KIND_BLOCK_ROW = 18     # slot_mapping: the batch row, the block index, the page of a block table
 KIND_BLOCK_INDEX = 19
 KIND_BLOCK_PAGE = 20
-# A second write to a row (a page, for copy_pages) already written by a lower token of the same
-# call: TARGET is the local row (the dst unit), LIMIT the first writer's token index.
-KIND_DUPLICATE = 6
+KIND_DUPLICATE = 6      # a row (dst unit) a lower token writes: TARGET the row, LIMIT that token
 PAGE_KINDS = (KIND_SRC_PAGE, KIND_DST_PAGE)
 BLOCK_KINDS = (KIND_BLOCK_ROW, KIND_BLOCK_INDEX, KIND_BLOCK_PAGE)
 
