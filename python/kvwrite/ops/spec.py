@@ -181,9 +181,7 @@ def _dtype_name(d: object) -> str:
 
 def _match(a: Arg, t: object, env: dict, name: str) -> None:
     """Check tensor argument `a` (called `name` in messages) against the env and bind its letters."""
-    dtypes = None
-    if a.dtypes:
-        dtypes = tuple(env[d[1:]] if isinstance(d, str) else d for d in a.dtypes)
+    dtypes = tuple(env[d[1:]] if isinstance(d, str) else d for d in a.dtypes) if a.dtypes else None
     device = env.get("device")
     if a.dims is not None and a.dims.startswith("scale"):
         heads = a.dims[5:].strip()
@@ -257,7 +255,6 @@ class Op:
         self.all_args = tuple(self.args) + (TABLE if self.table_tail else ())
         self.names = tuple(a.name for a in self.all_args)
         self.by_name = {a.name: a for a in self.all_args}
-        # its declared formats (one of its backend table when `impls` is a table)
         self.declared = self.impls if type(self.impls[0]) is Format else (Format(self.impls),)
         self.code = facts.declare_op(self.name)
         self.overload = _library.define(self.name, self.schema(), self.impl, self.fake)
@@ -356,8 +353,7 @@ class Op:
         for a in self.all_args:
             t = a.type
             if a.mutable:
-                base, optional = t.rstrip("?"), t.endswith("?")
-                t = f"{base}({next(alias)}!)" + ("?" if optional else "")
+                t = f"{t.rstrip('?')}({next(alias)}!)" + ("?" if t.endswith("?") else "")
             default = "" if a.default is NO_DEFAULT else f"={a.default}"
             parts.append(f"{t} {a.name}{default}")
         return f"({', '.join(parts)}) -> ()"
@@ -473,8 +469,7 @@ class Op:
                 args[i_loc] = loc.positions
                 args += (loc.batch_indices, loc.kv_indices, loc.kv_indptr)
             if compiling():
-                # the fake kernel validates; guard without a buffer finds the device's default
-                # buffer when the op runs
+                # the fake kernel validates; guard without a buffer finds its default one at run time
                 return overload(*args)
             fast = args[i_backend] in NATIVE and native()
             for i, t in scalars:  # a loop, not all(...): no generator per call
