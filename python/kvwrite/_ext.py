@@ -378,10 +378,8 @@ def has_cuda_kernels() -> bool:
 def unavailable_reason(device_type: str) -> str | None:
     """None if the extension's kernels run on `device_type`, else why not."""
     reason = _load()
-    if reason is not None:
+    if reason is not None or device_type == "cpu":
         return reason
-    if device_type == "cpu":
-        return None
     if device_type == "cuda":
         if not has_cuda_kernels():
             return "the extension was built without CUDA kernels (CPU-only torch or no CUDA toolkit)"

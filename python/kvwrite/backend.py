@@ -48,13 +48,9 @@ def unavailable_reason(backend: str, device: torch.device) -> str | None:
     if backend == "torch":
         return None if dev in ("cpu", "cuda") else f"device type {dev} is not supported"
     if backend == "triton":
-        if dev == "cuda":
-            return _triton_import_error()
-        if dev == "cpu":
-            if not triton_interpreting():
-                return "triton runs CPU tensors only under the interpreter (set TRITON_INTERPRET=1 before importing triton)"
-            return _triton_import_error()
-        return f"device type {dev} is not supported"
+        if dev == "cpu" and not triton_interpreting():
+            return "triton runs CPU tensors only under the interpreter (set TRITON_INTERPRET=1 before importing triton)"
+        return _triton_import_error() if dev in ("cpu", "cuda") else f"device type {dev} is not supported"
     # cpu / cuda: the extension's kernels, on their own device type only
     return f"the {backend} backend runs {backend.upper()} tensors, not {dev}" if dev != backend else \
         _extension_reason(dev)
