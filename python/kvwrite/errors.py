@@ -76,14 +76,11 @@ class OutOfBoundsWrite(RuntimeError):
                  batch: int | None = None, position: int | None = None,
                  table_slot: int | None = None, table_page: int | None = None) -> None:
         self.op, self.token_index, self.loc, self.page = op, token_index, loc, page
-        self.num_pages, self.pool_page_size, self.count = num_pages, pool_page_size, count
-        self.kind = kind
+        self.num_pages, self.pool_page_size, self.count, self.kind = num_pages, pool_page_size, count, kind
         self.target = loc if target is None else target
         self.limit = num_pages * pool_page_size if limit is None else limit
-        # page-table addressing: the token's batch, position, page-table slot and page (None
-        # where the resolver did not get that far)
-        self.batch, self.position = batch, position
-        self.table_slot, self.table_page = table_slot, table_page
+        # page-table addressing (None where the resolver did not get that far)
+        self.batch, self.position, self.table_slot, self.table_page = batch, position, table_slot, table_page
         super().__init__(self._message())
 
     def _table_message(self, many: str) -> str:
@@ -156,9 +153,8 @@ class DuplicateWrite(OutOfBoundsWrite):
                  position: int | None = None) -> None:
         self.op, self.token_index, self.loc, self.count = op, token_index, loc, count
         self.kind, self.target, self.row, self.first_token = KIND_DUPLICATE, row, row, first_token
-        self.pool_page_size = pool_page_size
         self.page, self.offset = divmod(row, pool_page_size)
-        self.batch, self.position = batch, position
+        self.pool_page_size, self.batch, self.position = pool_page_size, batch, position
         RuntimeError.__init__(self, self._message())
 
     def _message(self) -> str:

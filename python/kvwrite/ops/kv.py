@@ -81,9 +81,8 @@ def _dynamic(env: dict, v: dict) -> int:
         raise ValueError("k_scale/v_scale (static) and k_scale_cache/v_scale_cache (dynamic) exclude each other")
     if env["k_cache"] not in QUANT_DTYPES:
         raise TypeError(f"k_scale_cache/v_scale_cache need an int8 or fp8 cache, got {env['k_cache']}")
-    dims = (env["P"], env["S"], env["H"], env["device"])
-    validate.scale_cache("k_scale_cache", ksc, *dims)
-    validate.scale_cache("v_scale_cache", vsc, *dims)
+    for name, t in (("k_scale_cache", ksc), ("v_scale_cache", vsc)):
+        validate.scale_cache(name, t, env["P"], env["S"], env["H"], env["device"])
     if ksc.shape != vsc.shape:
         raise ValueError(f"k_scale_cache and v_scale_cache must have the same shape, got "
                          f"{list(ksc.shape)} and {list(vsc.shape)}")
