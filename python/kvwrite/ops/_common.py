@@ -91,8 +91,8 @@ def dispatch(op: str, table: tuple[tuple[str, str], ...], backend: str, device: 
     if name is None:
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a str, got {type(backend).__name__}")
-        name = backends.resolve(backend, device, op, tuple(dict(table)))
-        _RESOLVED[key] = name  # availability is settled once per process (backend.py caches it)
+        # availability is settled once per process (backend.py caches it)
+        name = _RESOLVED[key] = backends.resolve(backend, device, op, tuple(dict(table)))
     impl: Callable = backends.implementation(table, name)
     if args.check.mode != "off":
         args = claim(op, name, args)

@@ -53,8 +53,6 @@ def claim(op: str, backend: str, a: object) -> object:
     locs = a.locs
     if locs.n < 2:   # one token writes one row: nothing to claim (a bad loc is the store's own check)
         return a
-    if backend in ("cpu", "cuda"):   # the extension's pre-pass
-        new = _ext.claim_rows(locs, a.geometry, chk)
-    else:
-        new = _ref.unique_locs(locs, a.geometry, chk)
+    # the extension's pre-pass on cpu / cuda, its torch twin elsewhere
+    new = (_ext.claim_rows if backend in ("cpu", "cuda") else _ref.unique_locs)(locs, a.geometry, chk)
     return a if new is locs else with_locs(a, new)
