@@ -81,8 +81,6 @@ def _spec_section(op) -> list[str]:
     from kvwrite.ops.spec import args_doc
 
     lines = [f"#### `{op.name}`", ""]
-    if op.doc:
-        lines += [" ".join(op.doc.split()), ""]
     formats = op.formats
     if len(formats) > 1:
         lines += ["Formats (the first whose condition holds): " + "; ".join(

@@ -3,14 +3,9 @@
 Two op namespaces: `kvwrite_ext::*`, the raw kernels (validated parameter structs, coded check
 and op; what the Python backends "cpu"/"cuda" call), and the CPU / CUDA kernels of the public
 ops `kvwrite::*` (schemas defined in kvwrite.ops._library; validation + dispatch in csrc/api.h).
-They come from an ahead-of-time build (`KVWRITE_BUILD_EXT=1 pip install .` -> `kvwrite._C`) or
-are built on first use with `torch.utils.cpp_extension.load` + ninja into
-`~/.cache/kvwrite/ext-<torch version>-<hash of the sources and flags>` (`KVWRITE_EXT_CACHE`
-overrides the root). `KVWRITE_EXT=0` disables the extension; `KVWRITE_EXT_VERBOSE=1` shows the
-build log. A torch without CUDA (or no CUDA toolkit) builds the CPU kernels alone. A build
-says so on stderr (one line when it starts, one with its time); a finished build directory is
-loaded as it is, without ninja, so unchanged sources are never recompiled (even when their
-mtimes changed, e.g. after a git checkout). `kvwrite build` prebuilds with progress.
+They come from an ahead-of-time build (`kvwrite._C`) or a JIT build on first use, into a
+directory keyed by the sources' content and flags, loaded as it is once finished (the build, its
+cache and environment variables: csrc/README.md).
 """
 from __future__ import annotations
 
@@ -116,8 +111,7 @@ def _write(f: Path, text: str) -> Path:
 def ops_header(root: Path, out: Path) -> Path:
     """Writes `out`/kvw_ops.h, which bodies.h includes: the #include of every csrc/kvwrite header
     with a KVW_BODY or an op table, and KVW_OPS(X), their tables in header-name order (csrc/
-    registry.h; ops are looked up by name, never by position). `out` goes on the include path of
-    every unit, host and CUDA; never `root` (an installed copy of csrc/ may be read-only)."""
+    registry.h). Never into `root` (an installed copy of csrc/ may be read-only)."""
     out.mkdir(parents=True, exist_ok=True)
     tables = op_tables(root)
     headers = sorted(set(bodies(root).values()) | set(tables))
@@ -129,13 +123,10 @@ def ops_header(root: Path, out: Path) -> Path:
 
 
 def launch_units(root: Path, out: Path, suffix: str = ".cu") -> list[Path]:
-    """Writes the generated units of the per-token ops into `out`: one per params type with a
-    KVW_BODY (csrc/kvwrite/*.h) and check mode, the explicit instantiation of its runner
-    (`KVW_LAUNCH(P, C)` of tokens.cuh for ".cu", `KVW_CPU_RUN(P, C)` of tokens_cpu.h for ".cpp";
-    one type and mode per unit keeps each compiler call short), and the kvw_ops.h they include
-    (`ops_header`: compile them with `-I out`). A file is rewritten only when its text changes
-    (ninja keeps its object); units of types that are gone are removed. Never writes into `root`
-    (an installed copy of csrc/ may be read-only)."""
+    """Writes into `out` the generated units of the per-token ops, one per params type with a
+    KVW_BODY and check mode (the runner's explicit instantiation, `RUNNERS[suffix]`: one type and
+    mode a unit keeps each compiler call short), and the kvw_ops.h they include (`-I out`). A file is
+    rewritten only when its text changes (ninja keeps its object); stale units are removed."""
     ops_header(root, out)
     _, prelude, runner, macro = RUNNERS[suffix]
     units = []
@@ -152,10 +143,7 @@ def launch_units(root: Path, out: Path, suffix: str = ".cu") -> list[Path]:
 
 
 def sources(root: Path, with_cuda: bool, units: Path) -> list[Path]:
-    """The translation units: ops.cpp (schemas + CPU policy) and the per-token ops' CPU units, and
-    with CUDA cuda_ops.cpp, the hand-written csrc/*.cu (pages.cu, claims.cu) and the per-token
-    ops' CUDA units; `launch_units` generates both kinds into `units` (a build directory: never
-    csrc/)."""
+    """The translation units: ops.cpp, cuda_ops.cpp and csrc/*.cu with CUDA, and `launch_units`'."""
     srcs = [root / "ops.cpp"] + launch_units(root, units, ".cpp")
     if with_cuda:
         srcs += [root / "cuda_ops.cpp"] + sorted(root.glob("*.cu")) + launch_units(root, units)
@@ -163,8 +151,7 @@ def sources(root: Path, with_cuda: bool, units: Path) -> list[Path]:
 
 
 def aot_units_dir(root: Path) -> Path:
-    """Where the ahead-of-time build (setup.py) generates kvw_ops.h and the CUDA units:
-    <repo>/build/kvwrite-units."""
+    """Where the ahead-of-time build (setup.py) generates kvw_ops.h and the CUDA units."""
     return Path(root).parent / "build" / "kvwrite-units"
 
 
@@ -182,15 +169,6 @@ def find_cuda_home() -> str | None:
     return None
 
 
-def wants_cuda_kernels() -> bool:
-    """Build the CUDA kernels only where they can run (a visible GPU) or when asked for with
-    KVWRITE_EXT_CUDA=1 (prebuilding on a GPU-less build machine); KVWRITE_EXT_CUDA=0 never."""
-    env = os.environ.get("KVWRITE_EXT_CUDA")
-    if env is not None:
-        return env == "1"
-    return torch.cuda.is_available()
-
-
 def default_arch_list() -> str:
     """The visible GPUs' compute capabilities, else sm_80 and sm_90."""
     if torch.cuda.is_available():
@@ -202,7 +180,10 @@ def default_arch_list() -> str:
 def build_config() -> dict:
     """What a build needs: whether CUDA kernels are built, include dirs, flags, arch list."""
     cuda_home = find_cuda_home() if torch.version.cuda else None
-    with_cuda = cuda_home is not None and wants_cuda_kernels()
+    # CUDA kernels only where they can run (a visible GPU) or when asked for with KVWRITE_EXT_CUDA=1
+    # (prebuilding on a GPU-less build machine); KVWRITE_EXT_CUDA=0 never
+    asked = os.environ.get("KVWRITE_EXT_CUDA")
+    with_cuda = cuda_home is not None and (torch.cuda.is_available() if asked is None else asked == "1")
     includes = []
     if with_cuda:
         for site in {Path(p).parent for p in torch.__path__}:
@@ -242,16 +223,13 @@ def build_dir(root: Path, cfg: dict) -> Path:
 
 @contextlib.contextmanager
 def _file_lock(path: Path):
-    """Serialise builds across processes (pytest-xdist workers)."""
+    """Serialise builds across processes (pytest-xdist workers); closing the file unlocks it."""
     import fcntl
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+        yield
 
 
 def with_ptx(archs: str) -> str:
@@ -270,16 +248,11 @@ def aot_extension(root: Path):
     """setup.py's ahead-of-time build (KVWRITE_BUILD_EXT=1): the module `kvwrite._C` from the same
     sources and flags as the JIT build (SASS of every listed arch plus PTX of the newest:
     `with_ptx`), and the BuildExtension command (ninja)."""
-    cpp_extension = _import_cpp_extension()
+    cpp_extension, cfg = _cpp_extension()
     root = Path(root)
-    cfg = build_config()
-    if cfg["with_cuda"]:
-        os.environ["CUDA_HOME"] = cfg["cuda_home"]
-        cpp_extension.CUDA_HOME = cfg["cuda_home"]
     os.environ["TORCH_CUDA_ARCH_LIST"] = with_ptx(os.environ.get("TORCH_CUDA_ARCH_LIST") or cfg["archs"])
     kind = cpp_extension.CUDAExtension if cfg["with_cuda"] else cpp_extension.CppExtension
     gen = aot_units_dir(root)
-    ops_header(root, gen)
     srcs = [str(s.relative_to(root.parent)) for s in sources(root, cfg["with_cuda"], gen)]
     flags = {"cxx": cfg["cflags"] + ["-DKVWRITE_PYTHON_MODULE"], "nvcc": cfg["nvflags"]}
     ext = kind("kvwrite._C", srcs, include_dirs=[str(root), str(gen)] + cfg["includes"], extra_compile_args=flags,
@@ -287,14 +260,14 @@ def aot_extension(root: Path):
     return [ext], {"build_ext": cpp_extension.BuildExtension}
 
 
-def _import_cpp_extension():
+def _cpp_extension() -> tuple:
     """torch.utils.cpp_extension with our CUDA_HOME (it guesses its own at import time, from the
-    nvcc on PATH, and warns when there is no GPU)."""
+    nvcc on PATH, and warns when there is no GPU), and the build's config (`build_config`)."""
     import logging
 
-    home = find_cuda_home() if torch.version.cuda else None
-    if home:
-        os.environ.setdefault("CUDA_HOME", home)
+    cfg = build_config()
+    if cfg["cuda_home"]:
+        os.environ.setdefault("CUDA_HOME", cfg["cuda_home"])
     log = logging.getLogger("torch.utils.cpp_extension")
     level = log.level
     log.setLevel(logging.ERROR)
@@ -302,23 +275,21 @@ def _import_cpp_extension():
         from torch.utils import cpp_extension
     finally:
         log.setLevel(level)
-    return cpp_extension
+    if cfg["with_cuda"]:
+        os.environ["CUDA_HOME"] = cfg["cuda_home"]
+        cpp_extension.CUDA_HOME = cfg["cuda_home"]
+    return cpp_extension, cfg
 
 
 def build(verbose: bool | None = None) -> tuple[Path, float]:
     """JIT-build (or reuse) the extension and load it into torch.ops; returns (dir, seconds)."""
-    cpp_extension = _import_cpp_extension()
-
+    cpp_extension, cfg = _cpp_extension()
     root = csrc_dir()
     if root is None:
         raise RuntimeError("csrc/ sources not found (install with KVWRITE_BUILD_EXT=1 for a prebuilt kvwrite._C)")
-    cfg = build_config()
     verbose = bool(int(os.environ.get("KVWRITE_EXT_VERBOSE", "0"))) if verbose is None else verbose
     out = build_dir(root, cfg)
     out.mkdir(parents=True, exist_ok=True)
-    if cfg["with_cuda"]:
-        os.environ["CUDA_HOME"] = cfg["cuda_home"]
-        cpp_extension.CUDA_HOME = cfg["cuda_home"]
     os.environ["TORCH_CUDA_ARCH_LIST"] = cfg["archs"]
     t0 = time.perf_counter()
     with _file_lock(out / "kvwrite.lock"):
@@ -331,8 +302,9 @@ def build(verbose: bool | None = None) -> tuple[Path, float]:
             return out, time.perf_counter() - t0
         what = ("CPU and CUDA kernels for sm_" + ", sm_".join(a.replace(".", "") for a in cfg["archs"].split(";"))
                 if cfg["with_cuda"] else "CPU kernels")
-        say(f"kvwrite: building the C++ extension ({what}; {'several minutes' if cfg['with_cuda'] else 'about a minute'}, "
-            f"once per source change) in {out}")
+        takes = "several minutes" if cfg["with_cuda"] else "about a minute"
+        print(f"kvwrite: building the C++ extension ({what}; {takes}, once per source change) in {out}",
+              file=sys.stderr, flush=True)
         stamp.unlink(missing_ok=True)
         gen = ops_header(root, out / "units").parent
         cpp_extension.load(
@@ -343,13 +315,8 @@ def build(verbose: bool | None = None) -> tuple[Path, float]:
             with_cuda=cfg["with_cuda"], is_python_module=False, verbose=verbose)
         seconds = time.perf_counter() - t0
         stamp.write_text(f"built in {seconds:.1f} s\n")
-        say(f"kvwrite: built the C++ extension in {seconds:.1f} s")
+        print(f"kvwrite: built the C++ extension in {seconds:.1f} s", file=sys.stderr, flush=True)
     return out, seconds
-
-
-def say(line: str) -> None:
-    """One line of build progress on stderr."""
-    print(line, file=sys.stderr, flush=True)
 
 
 def _import_aot() -> None:
@@ -376,7 +343,7 @@ def _load() -> str | None:
         reason = None
         if os.environ.get("KVWRITE_EXT", "1") == "0":
             reason = "disabled by KVWRITE_EXT=0"
-        elif not _has_ops():
+        elif not _has_kernel("CPU"):
             try:
                 _import_aot()
             except ImportError:
@@ -385,7 +352,7 @@ def _load() -> str | None:
                 except Exception as exc:  # no compiler, a failed build, ...
                     msg = str(exc).strip().splitlines()
                     reason = f"the extension could not be built ({exc.__class__.__name__}: {msg[-1] if msg else ''})"
-        if reason is None and not _has_ops():
+        if reason is None and not _has_kernel("CPU"):
             reason = "the extension loaded but registered no kvwrite_ext ops"
         _state["reason"] = reason
         global LOADED
@@ -404,10 +371,6 @@ def _has_kernel(key: str) -> bool:
         return False
 
 
-def _has_ops() -> bool:
-    return _has_kernel("CPU")
-
-
 def has_cuda_kernels() -> bool:
     return _has_kernel("CUDA")
 
@@ -415,10 +378,8 @@ def has_cuda_kernels() -> bool:
 def unavailable_reason(device_type: str) -> str | None:
     """None if the extension's kernels run on `device_type`, else why not."""
     reason = _load()
-    if reason is not None:
+    if reason is not None or device_type == "cpu":
         return reason
-    if device_type == "cpu":
-        return None
     if device_type == "cuda":
         if not has_cuda_kernels():
             return "the extension was built without CUDA kernels (CPU-only torch or no CUDA toolkit)"
@@ -428,25 +389,15 @@ def unavailable_reason(device_type: str) -> str | None:
     return f"device type {device_type} is not supported"
 
 
-def _run(a, name: str, *args, tail: bool = True) -> None:
-    """Call torch.ops.kvwrite_ext.<name>(*args, <the shared loc/check tail>) for a validated call
-    `a` (`tail=False`: a page move's kernel, whose tail is errors, check, op). CPU assert mode:
-    the kernel throws before any write; we raise OutOfBoundsWrite with the record it filled."""
-    from kvwrite.errors import ErrorBuffer, op_code
+@contextlib.contextmanager
+def _record(chk, device: torch.device):
+    """The record a raw kernel fills: the call's, or in CPU assert mode (the kernel throws before any
+    write) a scratch one, whose error is raised instead."""
+    from kvwrite.errors import ErrorBuffer
 
-    chk = a.check
-    errors, scratch = chk.errors, None
-    if chk.mode == "assert" and args[0].device.type == "cpu":
-        scratch = ErrorBuffer("cpu")
-        errors = scratch.tensor
-    rest = (errors, chk.code, op_code(chk.op))
-    if tail:
-        locs = a.locs
-        t = getattr(locs, "table", None)
-        table = () if t is None else (t.batch_indices, t.kv_indices, t.kv_indptr)
-        rest = (locs.loc, locs.loc_map, errors, locs.dcp_rank, locs.dcp_size, *rest[1:], *table)
+    scratch = ErrorBuffer("cpu") if chk.mode == "assert" and device.type == "cpu" else None
     try:
-        getattr(torch.ops.kvwrite_ext, name)(*args, *rest)
+        yield chk.errors if scratch is None else scratch.tensor
     except RuntimeError as exc:
         err = scratch.error() if scratch is not None else None
         if err is None:
@@ -454,79 +405,70 @@ def _run(a, name: str, *args, tail: bool = True) -> None:
         raise err from exc
 
 
+def _run(a, name: str, *args, tail: bool = True) -> None:
+    """Call torch.ops.kvwrite_ext.<name>(*args, <the shared loc/check tail>) for a validated call
+    `a` (`tail=False`: a page move's kernel, whose tail is errors, check, op)."""
+    from kvwrite.errors import op_code
+
+    chk = a.check
+    with _record(chk, args[0].device) as errors:
+        rest = (errors, chk.code, op_code(chk.op))
+        if tail:
+            locs = a.locs
+            t = getattr(locs, "table", None)
+            table = () if t is None else (t.batch_indices, t.kv_indices, t.kv_indptr)
+            rest = (locs.loc, locs.loc_map, errors, locs.dcp_rank, locs.dcp_size, *rest[1:], *table)
+        getattr(torch.ops.kvwrite_ext, name)(*args, *rest)
+
+
 # ---- the raw kernels' runners: `kvwrite._ext:<raw op>` in an op's backend table -------------
 
-_RAW: dict[tuple[str, type], tuple[Callable, bool]] = {}
-_RUNNERS: dict[str, Callable] = {}
+_RAW: dict[tuple[str, type], tuple[list, bool]] = {}
 
 
-def _getter(cls: type, a, name: str, op: str) -> Callable:
-    """How raw argument `name` is read from a `cls` call: its field or property, else that of
-    the store a fused call wraps, else its geometry's (pool_page_size, num_pages)."""
+def _getter(a, name: str, op: str) -> Callable:
+    """How raw argument `name` is read from a call like `a`: from it, its store, or their geometry."""
     for path in ("", "store.", "geometry.", "store.geometry."):
         obj = a
         for part in path.split(".")[:-1]:
             obj = getattr(obj, part, None)
         if obj is not None and hasattr(obj, name):
             return operator.attrgetter(path + name)
-    raise AttributeError(f"{cls.__name__} has no {name!r} for kvwrite_ext::{op}")
-
-
-def _raw_args(name: str, a) -> tuple[Callable, bool]:
-    """Reads kvwrite_ext::<name>'s arguments before its tail (schema names: its op table row) from a
-    call like `a` (resolved once per call type), and whether that tail is a store's (loc, ...,
-    check, op[, page table]) rather than a page move's."""
-    key = (name, type(a))
-    got = _RAW.get(key)
-    if got is None:
-        names = [x.name for x in getattr(torch.ops.kvwrite_ext, name).default._schema.arguments]
-        tail = "loc" in names
-        getters = [_getter(type(a), a, n, name) for n in names[:names.index("loc" if tail else "errors")]]
-        got = _RAW[key] = (lambda call: [g(call) for g in getters], tail)
-    return got
+    raise AttributeError(f"{type(a).__name__} has no {name!r} for kvwrite_ext::{op}")
 
 
 def run(name: str, a) -> None:
-    """Run kvwrite_ext::<name> on validated call `a`, each argument read from `a` by its schema
-    name (no per-op wrapper: the raw schema is the one list of a kernel's arguments)."""
-    args, tail = _raw_args(name, a)
-    _run(a, name, *args(a), tail=tail)
+    """Run kvwrite_ext::<name> on validated call `a`, each argument read from `a` by its schema name."""
+    got = _RAW.get((name, type(a)))
+    if got is None:
+        names = [x.name for x in getattr(torch.ops.kvwrite_ext, name).default._schema.arguments]
+        tail = "loc" in names
+        names = names[:names.index("loc" if tail else "errors")]
+        got = _RAW[name, type(a)] = ([_getter(a, n, name) for n in names], tail)
+    getters, tail = got
+    _run(a, name, *[g(a) for g in getters], tail=tail)
 
 
 def __getattr__(name: str):
     """`_ext.<raw op>`: its runner (the backend tables name `kvwrite._ext:<raw op>`)."""
     if name.startswith("_"):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    runner = _RUNNERS.get(name)
-    if runner is None:
-        runner = _RUNNERS[name] = functools.partial(run, name)
-    return runner
+    return functools.partial(run, name)
 
 
 def claim_rows(locs, geometry, chk):
-    """The duplicate-row pre-pass of a store on the cpu / cuda backend (kvwrite.ops.claims):
-    the Locs the store runs on. CPU assert mode: a duplicate raises its error (from a scratch
-    record, as `_run`)."""
+    """The duplicate-row pre-pass on the cpu / cuda backend (kvwrite.ops.claims): the store's Locs."""
     import dataclasses
 
     from kvwrite.addressing import Locs
-    from kvwrite.errors import ErrorBuffer, op_code
+    from kvwrite.errors import op_code
 
-    errors, scratch = chk.errors, None
-    if chk.mode == "assert" and locs.loc.device.type == "cpu":
-        scratch = ErrorBuffer("cpu")
-        errors = scratch.tensor
     t = locs.table
     table = (None, None, None) if t is None else (t.batch_indices, t.kv_indices, t.kv_indptr)
-    try:
+    with _record(chk, locs.loc.device) as errors:
         out = torch.ops.kvwrite_ext.claim_rows(locs.loc, locs.loc_map, errors, locs.dcp_rank, locs.dcp_size,
                                                chk.code, op_code(chk.op), *table, geometry.capacity,
                                                geometry.pool_page_size, locs.dcp_page)
-    except RuntimeError as exc:
-        err = scratch.error() if scratch is not None else None
-        if err is None:
-            raise
-        raise err from exc
     if out.numel() == 0:
         return locs
     return Locs(out) if t is not None else dataclasses.replace(locs, loc=out)

@@ -16,10 +16,8 @@ TABLE_ARGS = ("batch_indices", "kv_indices", "kv_indptr")   # a PageTable's tens
 
 @dataclass(slots=True, eq=False)
 class Locs:
-    """Where each token goes: `loc` (virtual), optional SWA `loc_map`, DCP shard of this rank;
-    or a `table` (page-table addressing; `loc` is then its positions). Built on every call of
-    the Python path: a plain slotted dataclass (a frozen one costs ~4x to construct); treat it as
-    read-only (`dataclasses.replace` for a variant)."""
+    """Where each token goes: `loc` (virtual), optional SWA `loc_map`, DCP shard of this rank; or
+    a `table` (`loc` its positions). Slotted, not frozen (4x cheaper to build); treat as read-only."""
 
     loc: torch.Tensor
     loc_map: torch.Tensor | None = None
@@ -49,19 +47,6 @@ class Check:
 _DEFAULT_CHECKS: dict[tuple[str, str, torch.device], Check] = {}
 
 
-def page_table(op: str, loc: object, batch_indices: object, kv_indices: object,
-               kv_indptr: object) -> object:
-    """`loc` as the op's schema passes it (positions + the three table tensors, or a loc with
-    no table) back to what `prepare` takes: a PageTable, or `loc` itself."""
-    parts = (batch_indices, kv_indices, kv_indptr)
-    if all(p is None for p in parts):
-        return loc
-    if any(p is None for p in parts):
-        raise ValueError(f"{op}: page-table addressing needs batch_indices, kv_indices and kv_indptr "
-                         f"together (loc holds the positions)")
-    return PageTable(batch_indices, loc, kv_indices, kv_indptr)
-
-
 def prepare(op: str, device: torch.device, n: int, loc: object, loc_map: object,
             dcp_rank: object, dcp_size: object, check: object,
             errors: ErrorBuffer | torch.Tensor | None, loc_name: str = "loc") -> tuple[Locs, Check]:
@@ -75,27 +60,23 @@ def prepare(op: str, device: torch.device, n: int, loc: object, loc_map: object,
         t = _table(loc, n, device)
         locs = Locs(t.positions, table=t)
     else:
-        locs = Locs(validate.loc(loc_name, loc, n, device), validate.loc_map(loc_map, device),
+        locs = Locs(validate.loc(loc_name, loc, n, device),
+                    None if loc_map is None else validate.loc("loc_map", loc_map, None, device),
                     *validate.dcp(dcp_rank, dcp_size))
     mode = validate.check_mode(check)
     if errors is None:
-        # No buffer passed: guard records into the device's default buffer (valid by
-        # construction, and the same object for the life of the process), so the Check is
-        # the same every time. Never looked up while tracing (the fake kernel validates guard
-        # without a buffer as "off"; the traced op finds the buffer when it runs).
+        # guard records into the device's default buffer (one for the process: one Check); never
+        # while tracing (the fake kernel validates guard without a buffer as "off")
         key = (op, mode, device)
         chk = _DEFAULT_CHECKS.get(key)
         if chk is None:
-            chk = Check(op, mode, default_errors(device).tensor if mode == "guard" else None)
-            _DEFAULT_CHECKS[key] = chk
+            chk = _DEFAULT_CHECKS[key] = Check(op, mode, default_errors(device).tensor if mode == "guard" else None)
         return locs, chk
     record = errors.tensor if isinstance(errors, ErrorBuffer) else errors
-    if record is not None:
-        if not (isinstance(record, torch.Tensor) and record.dtype == torch.int64
-                and record.shape == (NUM_SLOTS,)):
-            raise TypeError(f"errors must be a kvwrite.ErrorBuffer or None, got {type(errors).__name__}")
-        if record.device != device:
-            raise ValueError(f"errors is on {record.device} but the inputs are on {device}")
+    if not (isinstance(record, torch.Tensor) and record.dtype == torch.int64 and record.shape == (NUM_SLOTS,)):
+        raise TypeError(f"errors must be a kvwrite.ErrorBuffer or None, got {type(errors).__name__}")
+    if record.device != device:
+        raise ValueError(f"errors is on {record.device} but the inputs are on {device}")
     if mode != "guard":
         record = None
     return locs, Check(op, mode, record)

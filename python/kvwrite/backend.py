@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import importlib
+import logging
 import os
+import warnings
 from functools import lru_cache
 from typing import Callable
 
@@ -46,13 +48,9 @@ def unavailable_reason(backend: str, device: torch.device) -> str | None:
     if backend == "torch":
         return None if dev in ("cpu", "cuda") else f"device type {dev} is not supported"
     if backend == "triton":
-        if dev == "cuda":
-            return _triton_import_error()
-        if dev == "cpu":
-            if not triton_interpreting():
-                return "triton runs CPU tensors only under the interpreter (set TRITON_INTERPRET=1 before importing triton)"
-            return _triton_import_error()
-        return f"device type {dev} is not supported"
+        if dev == "cpu" and not triton_interpreting():
+            return "triton runs CPU tensors only under the interpreter (set TRITON_INTERPRET=1 before importing triton)"
+        return _triton_import_error() if dev in ("cpu", "cuda") else f"device type {dev} is not supported"
     # cpu / cuda: the extension's kernels, on their own device type only
     return f"the {backend} backend runs {backend.upper()} tensors, not {dev}" if dev != backend else \
         _extension_reason(dev)
@@ -68,10 +66,8 @@ _warned: set[tuple[str, str]] = set()
 
 
 def resolve(backend: str, device: torch.device, op: str, implemented: tuple[str, ...] = BACKENDS) -> str:
-    """The concrete backend for a call: `backend` itself if it can run, else a clear error;
-    "auto" walks AUTO_ORDER (and warns once when it falls back past a missing extension).
-    `implemented`: the backends that have an implementation of this op (its IMPLS table); "auto"
-    skips the others silently."""
+    """The concrete backend for a call: `backend` itself if it can run and `implemented` (the op's
+    table) has it, else a clear error; "auto" walks AUTO_ORDER over `implemented`."""
     if backend != "auto":
         reason = unavailable_reason(backend, device)
         if reason is None and backend not in implemented:
@@ -89,30 +85,15 @@ def resolve(backend: str, device: torch.device, op: str, implemented: tuple[str,
         if reason is None:
             return name
         if name in ("cpu", "cuda") and (name, device.type) not in _warned:
-            say_fallback(name, device, reason, order, implemented)
+            # said once per (backend, device type), as a warning and a log line: "auto" runs slower
+            _warned.add((name, device.type))
+            later = order[order.index(name) + 1:]
+            instead = next((n for n in later if n in implemented and unavailable_reason(n, device) is None), None)
+            text = (f"kvwrite: backend {name!r} unavailable on {device.type} ({reason}); stores run on "
+                    f"{instead or 'another backend'!r} instead, slower; kvwrite.backends({device.type!r}) lists why")
+            logging.getLogger("kvwrite").warning("%s", text)
+            warnings.warn(text, RuntimeWarning, stacklevel=3)
     raise BackendUnavailable(f"{op}: no backend available on {device}")
-
-
-def say_fallback(name: str, device: torch.device, reason: str, order: tuple[str, ...],
-                 implemented: tuple[str, ...]) -> None:
-    """Say once per (backend, device type), as a warning and a log line ("kvwrite" logger), that
-    "auto" runs a slower backend than the device allows (`kvwrite.backends()` gives the reason)."""
-    import logging
-    import warnings
-
-    _warned.add((name, device.type))
-    later = order[order.index(name) + 1:]
-    instead = next((n for n in later if n in implemented and unavailable_reason(n, device) is None), None)
-    text = (f"kvwrite: backend {name!r} unavailable on {device.type} ({reason}); stores run on "
-            f"{instead or 'another backend'!r} instead, slower; kvwrite.backends({device.type!r}) lists why")
-    logging.getLogger("kvwrite").warning("%s", text)
-    warnings.warn(text, RuntimeWarning, stacklevel=4)
-
-
-@lru_cache(maxsize=None)
-def implemented(table: tuple[tuple[str, str], ...]) -> tuple[str, ...]:
-    """The backends an op's (backend, path) table names (cached: dispatch runs on every call)."""
-    return tuple(name for name, _ in table)
 
 
 @lru_cache(maxsize=None)

@@ -1,30 +1,13 @@
 """Guard-mode error records: a tiny int64 device buffer the kernels fill without a host sync.
 
-Layout (shared by the torch, Triton, CPU and CUDA backends; see `csrc/kvwrite/record.h`):
-slot COUNT counts bad tokens (atomic add). Every field slot holds a *packed key*
-`token_index << 32 | uint32 chunk` and is updated with an atomic min, so after any number of
-racing writers of one call each slot holds the chunk written by that call's lowest bad token
-index. Tokens are limited to 2**31 - 1 per call.
-
-One record per buffer, whatever the calls: token indices of different calls collide (two calls
-bad at token 0 would each win some slots), so only one call may write the fields. EPOCH counts
-the calls that used the buffer (the last program of a call, or the host after a CPU call, adds
-one); the first bad token claims OWNER with its call's epoch (compare-and-swap from EMPTY), and
-a bad token folds its fields only when OWNER holds its own epoch. COUNT still counts every
-call's bad tokens. DONE counts a running call's finished programs (the last one resets it and
-advances EPOCH). Calls on different streams that share one buffer must be ordered (one buffer
-per stream otherwise): their programs would share an epoch.
-
-Duplicate rows (two tokens of one call resolving to the same pool row, or two page-move pairs
-to one destination page) are KIND_DUPLICATE records in assert and guard mode (`kvwrite.claims`:
-a pre-pass before the store, no host sync): the lowest token index that writes a row keeps it,
-every later one is skipped and recorded (TARGET holds the row, LIMIT the first writer's token
-index). The pre-pass shares the store's epoch, so the record holds the call's lowest bad or
-duplicate token. Off mode does not look: every backend writes both, in an unspecified order.
-
-Reading: the fields are complete once every store that wrote them has finished; a reader that
-is not ordered after the store's stream (`raise_if_any(stream=...)`) can see COUNT > 0 before
-the fields (reported as `IncompleteRecord`) or a token that is not yet the lowest.
+Layout and protocol (every backend; csrc/kvwrite/record.h): COUNT counts bad tokens; every field
+slot holds a packed key `token_index << 32 | uint32 chunk` updated with an atomic min, so each
+holds the call's lowest bad token's chunk (at most 2**31 - 1 tokens a call). Only one call may
+write the fields (token indices of two calls collide): EPOCH counts the calls that used the buffer
+(the last program of a call, or the host after a CPU call, adds one), the first bad token claims
+OWNER with its call's epoch (CAS from EMPTY) and a bad token folds its fields only when OWNER holds
+its epoch; DONE counts a running call's finished programs. Calls on different streams that share
+a buffer must be ordered (they would share an epoch). Duplicate rows, reading: docs/checks.md.
 """
 from __future__ import annotations
 
@@ -59,7 +42,7 @@ FIELDS = (LOC_LO, LOC_HI, TARGET_LO, TARGET_HI, LIMIT_LO, LIMIT_HI, POOL_PAGE_SI
 TABLE_FIELDS = (BATCH, POSITION, TABLE_SLOT, TABLE_PAGE)
 MAX_TOKENS = (1 << 31) - 1
 
-# What was out of range.
+# What was out of range (docs/checks.md's table).
 KIND_POOL = 0        # the (local, translated) loc against the pool capacity
 KIND_LOC_MAP = 1     # the loc against the SWA loc_map length (lookup)
 # Page-table addressing (`kvwrite.PageTable`): target/limit are
@@ -68,18 +51,13 @@ KIND_TABLE_SLOT = 3  # the page-table slot against batch b's slots [kv_indptr[b]
 KIND_TABLE_PAGE = 4  # the page kv_indices[slot] against the pool's pages [0, num_pages)
 TABLE_KINDS = (KIND_BATCH, KIND_TABLE_SLOT, KIND_TABLE_PAGE)
 KIND_POSITION = 5    # rope_store_*: the token's position against the cos/sin cache (max_position)
-# Page moves (kvwrite.ops.pages); numbered apart from the store kinds. copy_pages: a pair's page
-# (in units of the smaller pool's page) against the pool's units [0, limit).
+# Page moves (kvwrite.ops.pages), numbered apart from the store kinds: a pair's src / dst unit
 KIND_SRC_PAGE = 16
 KIND_DST_PAGE = 17
-# slot_mapping (a block table [batch, blocks]): the batch index against the table's rows, the
-# block index position // page_size against the row's width, the page against the pool's pages.
-KIND_BLOCK_ROW = 18
+KIND_BLOCK_ROW = 18     # slot_mapping: the batch row, the block index, the page of a block table
 KIND_BLOCK_INDEX = 19
 KIND_BLOCK_PAGE = 20
-# A second write to a row (a page, for copy_pages) already written by a lower token of the same
-# call: TARGET is the local row (the dst unit), LIMIT the first writer's token index.
-KIND_DUPLICATE = 6
+KIND_DUPLICATE = 6      # a row (dst unit) a lower token writes: TARGET the row, LIMIT that token
 PAGE_KINDS = (KIND_SRC_PAGE, KIND_DST_PAGE)
 BLOCK_KINDS = (KIND_BLOCK_ROW, KIND_BLOCK_INDEX, KIND_BLOCK_PAGE)
 
@@ -88,20 +66,21 @@ class OutOfBoundsWrite(RuntimeError):
     """A store would have written outside its pool. Raised by `ErrorBuffer.raise_if_any`
     (guard mode) and by the `assert` mode on CPU backends."""
 
+    # the fields a subclass's record may leave unset (page-table context, or all of them)
+    op = token_index = loc = page = num_pages = pool_page_size = kind = target = limit = None
+    batch = position = table_slot = table_page = None
+
     def __init__(self, op: str, token_index: int, loc: int, page: int | None, num_pages: int | None,
                  pool_page_size: int, count: int, kind: int = KIND_POOL,
                  target: int | None = None, limit: int | None = None, *,
                  batch: int | None = None, position: int | None = None,
                  table_slot: int | None = None, table_page: int | None = None) -> None:
         self.op, self.token_index, self.loc, self.page = op, token_index, loc, page
-        self.num_pages, self.pool_page_size, self.count = num_pages, pool_page_size, count
-        self.kind = kind
+        self.num_pages, self.pool_page_size, self.count, self.kind = num_pages, pool_page_size, count, kind
         self.target = loc if target is None else target
         self.limit = num_pages * pool_page_size if limit is None else limit
-        # page-table addressing: the token's batch, position, page-table slot and page (None
-        # where the resolver did not get that far)
-        self.batch, self.position = batch, position
-        self.table_slot, self.table_page = table_slot, table_page
+        # page-table addressing (None where the resolver did not get that far)
+        self.batch, self.position, self.table_slot, self.table_page = batch, position, table_slot, table_page
         super().__init__(self._message())
 
     def _table_message(self, many: str) -> str:
@@ -148,17 +127,13 @@ class OutOfBoundsWrite(RuntimeError):
         if self.kind in TABLE_KINDS:
             return self._table_message(many)
         if self.kind == KIND_LOC_MAP:
-            return (
-                f"{self.op}: {many}token {self.token_index} with loc {self.loc}, which is outside "
-                f"loc_map (length {self.limit}), the locs its map covers (a full->SWA map: size it to "
-                f"the full allocator's locs; a page-part map: the pool's pages times page_size)"
-            )
+            return (f"{self.op}: {many}token {self.token_index} with loc {self.loc}, which is outside "
+                    f"loc_map (length {self.limit}), the locs its map covers (a full->SWA map: size it to "
+                    f"the full allocator's locs; a page-part map: the pool's pages times page_size)")
         if self.kind == KIND_POSITION:
-            return (
-                f"{self.op}: {many}token {self.token_index} (loc {self.loc}) has position "
-                f"{self.target}, outside the cos/sin cache [0, {self.limit}): the token was not "
-                f"written and its q not rotated; size cos_sin_cache to the model's max position"
-            )
+            return (f"{self.op}: {many}token {self.token_index} (loc {self.loc}) has position "
+                    f"{self.target}, outside the cos/sin cache [0, {self.limit}): the token was not "
+                    f"written and its q not rotated; size cos_sin_cache to the model's max position")
         where = (f"page {self.page}, but the pool has pages [0, {self.num_pages}) of "
                  f"{self.pool_page_size} rows (capacity {self.limit})")
         via = "" if self.target == self.loc else f" (translated/local loc {self.target})"
@@ -170,20 +145,16 @@ class OutOfBoundsWrite(RuntimeError):
 
 
 class DuplicateWrite(OutOfBoundsWrite):
-    """Two tokens of one call resolve to the same pool row (or two pairs of a page move to one
-    destination page): `token_index` is the later one, `first_token` the lowest token that
-    writes the row, `row` the local row (`target`), `page` and `offset` where it lies. Guard
-    mode keeps the first writer's bytes and skips the rest; assert mode writes nothing."""
+    """Two tokens of one call resolve to the same pool row (or two pairs of a page move to one dst
+    page): `token_index` the later, `first_token` the row's writer, `row`, `page`, `offset` (docs/checks.md)."""
 
     def __init__(self, op: str, token_index: int, loc: int, row: int, first_token: int,
                  pool_page_size: int, count: int, *, batch: int | None = None,
                  position: int | None = None) -> None:
         self.op, self.token_index, self.loc, self.count = op, token_index, loc, count
         self.kind, self.target, self.row, self.first_token = KIND_DUPLICATE, row, row, first_token
-        self.pool_page_size = pool_page_size
         self.page, self.offset = divmod(row, pool_page_size)
-        self.num_pages = self.limit = None
-        self.batch, self.position, self.table_slot, self.table_page = batch, position, None, None
+        self.pool_page_size, self.batch, self.position = pool_page_size, batch, position
         RuntimeError.__init__(self, self._message())
 
     def _message(self) -> str:
@@ -209,13 +180,10 @@ class IncompleteRecord(OutOfBoundsWrite):
     reader was not ordered after a guarded store that is still running (another stream)."""
 
     def __init__(self, count: int, detail: str) -> None:
-        self.detail = detail
+        self.detail, self.count = detail, count
         RuntimeError.__init__(self, f"kvwrite guard record: {count} bad token(s) counted but the record is "
                                     f"incomplete ({detail}): a guarded store is still writing it; read the record "
                                     f"after the stream that ran the store (ErrorBuffer.raise_if_any(stream=that_stream))")
-        self.op, self.token_index, self.loc, self.page, self.num_pages = None, None, None, None, None
-        self.pool_page_size, self.count, self.kind, self.target, self.limit = None, count, None, None, None
-        self.batch = self.position = self.table_slot = self.table_page = None
 
 
 def _unpack(lo: int, hi: int) -> int:
@@ -244,11 +212,9 @@ def table_error(op: str, token: int, kind: int, target: int, limit: int, pool_pa
 
 
 class ErrorBuffer:
-    """The guard-mode record on one device: lowest bad token index, its loc, page, count.
-
-    Made inside a CUDA graph capture, its zero-fill (like any `reset()` there) is part of the
-    graph: every replay clears it first (a per-replay record). Made before the capture, it
-    accumulates over replays until `reset()`."""
+    """The guard-mode record on one device: lowest bad token index, its loc, page, count. Made
+    inside a CUDA graph capture, its zero-fill (like any `reset()` there) is part of the graph:
+    every replay clears it first; made before, it accumulates over replays until `reset()`."""
 
     read: list[int] | None = None   # the slots as error() last read them (the exit report's "seen")
 
@@ -267,19 +233,15 @@ class ErrorBuffer:
         self.tensor[EPOCH:].zero_()  # EPOCH, DONE
 
     def error(self, stream: torch.cuda.Stream | None = None) -> OutOfBoundsWrite | None:
-        """The recorded error, or None. Synchronises with the device: the current stream, and
-        `stream` too when given (the stream the guarded stores ran on, if another)."""
+        """The recorded error, or None (synchronises with the current stream, and `stream` if given)."""
         if stream is not None:
             stream.synchronize()
         self.read = self.tensor.tolist()
         return decode(self.read)
 
     def raise_if_any(self, stream: torch.cuda.Stream | None = None) -> None:
-        """Raise OutOfBoundsWrite if any guarded store skipped a write since the last reset.
-
-        The read is ordered after the current stream's work; pass `stream` when the stores ran
-        on another one (it is synchronised first). Read unordered, the record of a store still
-        running can be incomplete (raised as IncompleteRecord) or not yet hold the lowest token."""
+        """Raise OutOfBoundsWrite if any guarded store skipped a write since the last reset (read as
+        `error(stream)`; read unordered, a running store's record can be an IncompleteRecord)."""
         err = self.error(stream)
         if err is not None:
             raise err
@@ -290,8 +252,7 @@ class ErrorBuffer:
 
 
 def decode(s: list[int]) -> OutOfBoundsWrite | None:
-    """The OutOfBoundsWrite a record's slot values describe (None if COUNT is 0); an
-    IncompleteRecord when COUNT > 0 but the fields are missing or from different tokens."""
+    """The OutOfBoundsWrite a record's slots describe (None if COUNT is 0; IncompleteRecord if partial)."""
     if s[COUNT] == 0:
         return None
     if s[OWNER] == EMPTY or any(s[k] == EMPTY for k in FIELDS):
@@ -320,19 +281,15 @@ def decode(s: list[int]) -> OutOfBoundsWrite | None:
     if kind in TABLE_KINDS:
         return table_error(op, token, kind, target, limit, pps, s[COUNT],
                            *(_signed32(s[k]) for k in (BATCH, POSITION, TABLE_SLOT, TABLE_PAGE)))
+    common = dict(op=op, token_index=token, loc=loc, pool_page_size=pps, count=s[COUNT], kind=kind, target=target,
+                  limit=limit)
     if kind in PAGE_KINDS:
-        return OutOfBoundsWrite(op=op, token_index=token, loc=loc, page=target, num_pages=limit,
-                                pool_page_size=pps, count=s[COUNT], kind=kind, target=target,
-                                limit=limit)
+        return OutOfBoundsWrite(page=target, num_pages=limit, **common)
     if kind in BLOCK_KINDS:
         b, pos, blk, page = (_signed32(s[k]) for k in (BATCH, POSITION, TABLE_SLOT, TABLE_PAGE))
-        return OutOfBoundsWrite(op=op, token_index=token, loc=loc, page=None, num_pages=None,
-                                pool_page_size=pps, count=s[COUNT], kind=kind, target=target,
-                                limit=limit, batch=b, position=pos, table_slot=blk, table_page=page)
-    page = target // pps if kind == KIND_POOL else None
-    return OutOfBoundsWrite(op=op, token_index=token, loc=loc, page=page,
-                            num_pages=limit // pps, pool_page_size=pps, count=s[COUNT],
-                            kind=kind, target=target, limit=limit)
+        return OutOfBoundsWrite(page=None, num_pages=None, batch=b, position=pos, table_slot=blk, table_page=page,
+                                **common)
+    return OutOfBoundsWrite(page=target // pps if kind == KIND_POOL else None, num_pages=limit // pps, **common)
 
 
 _default: dict[torch.device, ErrorBuffer] = {}
@@ -346,31 +303,23 @@ def default_errors(device: torch.device | str) -> ErrorBuffer:
         device = torch.device("cuda", torch.cuda.current_device())
     with _default_lock:
         if device not in _default:
-            if device.type == "cuda" and _capturing():
-                raise RuntimeError(
-                    f"kvwrite: guard mode's default record on {device} is first needed inside a "
-                    f"CUDA graph capture, where its zero-fill would be recorded and rerun by "
-                    f"every replay (clearing the record) instead of run once: create it before "
-                    f"the capture (call kvwrite.default_errors({str(device)!r}) or run one "
-                    f"guarded store eagerly), or pass errors=kvwrite.ErrorBuffer(...) made "
-                    f"before the capture")
+            if device.type == "cuda" and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"kvwrite: guard mode's default record on {device} is first needed inside a "
+                                   f"CUDA graph capture, where its zero-fill would be recorded and rerun by "
+                                   f"every replay (clearing the record) instead of run once: create it before "
+                                   f"the capture (call kvwrite.default_errors({str(device)!r}) or run one "
+                                   f"guarded store eagerly), or pass errors=kvwrite.ErrorBuffer(...) made "
+                                   f"before the capture")
             if not _default:
                 atexit.register(report_default_errors)
             _default[device] = ErrorBuffer(device)
         return _default[device]
 
 
-def _capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (False where CUDA never started)."""
-    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
-
-
 def report_default_errors(stream=None) -> int:
-    """Write every per-device default record that holds a bad write to `stream` (stderr), with
-    the full message; return how many did. Registered with atexit when the first default buffer
-    is made, so a guard-mode run (e.g. `KVWRITE_CHECK=guard`) that never asked its default
-    record still reports what it skipped when the interpreter exits. A record the program read
-    (`error()`, `raise_if_any()`) and that has not changed since is not repeated."""
+    """Write every per-device default record that holds a bad write to `stream` (stderr) and
+    return how many did: registered with atexit with the first default buffer, so a guard-mode run
+    reports what it skipped at exit. A record read since (`error()`) and unchanged is not repeated."""
     stream = sys.stderr if stream is None else stream
     found = 0
     for device, buf in list(_default.items()):

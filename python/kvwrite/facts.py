@@ -73,8 +73,7 @@ def int4_rht_signs(head_dim: int, device: torch.device | str = "cpu") -> torch.T
     key = (b, str(device))
     s = _RHT_SIGNS.get(key)
     if s is None:
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed(INT4_RHT_SEED)
+        gen = torch.Generator(device="cpu").manual_seed(INT4_RHT_SEED)
         cpu = 2.0 * torch.bernoulli(torch.full((b,), 0.5), generator=gen) - 1.0
         s = _RHT_SIGNS[key] = cpu.to(device)
     return s
@@ -89,14 +88,12 @@ def indexer_k_row_bytes(head_dim: int, quant_block_size: int) -> int:
 
 
 def indexer_k_pool_page_size(name: str, cache_row: int, head_dim: int, quant_block_size: int) -> int:
-    """Tokens per page of an indexer cache whose pages hold `cache_row` bytes (named error if
-    the page does not hold a whole number of tokens)."""
+    """Tokens per page of an indexer cache of `cache_row` bytes a page (named error if not whole)."""
     per_token = indexer_k_row_bytes(head_dim, quant_block_size)
     if cache_row % per_token or cache_row == 0:
-        raise ValueError(
-            f"{name}'s page of {cache_row} bytes is not a whole number of tokens of "
-            f"{per_token} bytes (D={head_dim} e4m3 + {head_dim // quant_block_size} fp32 scales): "
-            f"expected [num_pages, pool_page_size * {per_token}]")
+        raise ValueError(f"{name}'s page of {cache_row} bytes is not a whole number of tokens of "
+                         f"{per_token} bytes (D={head_dim} e4m3 + {head_dim // quant_block_size} fp32 scales): "
+                         f"expected [num_pages, pool_page_size * {per_token}]")
     return cache_row // per_token
 
 
@@ -232,20 +229,13 @@ def kv_page_bytes(pool_page_size: int) -> int:
     return -(-pps * TOKEN_BYTES // PAGE_ALIGN) * PAGE_ALIGN
 
 
-def _tokens_for_page_bytes(page_bytes: int) -> int | None:
-    """The pool page size whose KV page is `page_bytes`, or None (kv_page_bytes is increasing)."""
-    pps = max(1, (page_bytes - PAGE_ALIGN) // TOKEN_BYTES)
-    while kv_page_bytes(pps) < page_bytes:
-        pps += 1
-    return pps if kv_page_bytes(pps) == page_bytes else None
-
-
 def kv_pool_page_size(name: str, page_bytes: int, page_size: object = None) -> int:
-    """Tokens per page of a KV cache with `page_bytes` a page: `page_size` checked against it,
-    or derived from it when None (named error on a mismatch)."""
+    """Tokens per page of a KV cache of `page_bytes` a page: `page_size` checked, or derived if None."""
     if page_size is None:
-        pps = _tokens_for_page_bytes(page_bytes)
-        if pps is None:
+        pps = max(1, (page_bytes - PAGE_ALIGN) // TOKEN_BYTES)   # kv_page_bytes is increasing
+        while kv_page_bytes(pps) < page_bytes:
+            pps += 1
+        if kv_page_bytes(pps) != page_bytes:
             raise ValueError(f"{name}'s page of {page_bytes} bytes is not a DeepSeek V4 KV page "
                              f"(ceil(page_size * {TOKEN_BYTES} / {PAGE_ALIGN}) * {PAGE_ALIGN} bytes)")
         return pps
@@ -271,8 +261,7 @@ def indexer_pool_page_size(name: str, page_bytes: int, head_dim: int, fmt: str,
 
 def records_per_page(name: str, page_bytes: int, per: int, page_size: object, about: str,
                      records: str, suffix: str = "") -> int:
-    """Records of `per` bytes in a page of `page_bytes` (`page_size` of them when given): named
-    error otherwise. `about` / `records` / `suffix` word the messages."""
+    """Records of `per` bytes in a page of `page_bytes` (`page_size` of them if given), else a named error."""
     if page_size is not None:
         pps = require_positive_int("page_size", page_size)
         if pps * per != page_bytes:
@@ -291,12 +280,9 @@ V41_SCALE_FLOOR = 2.0 ** -9   # nvfp4_v41: e4m3 block scale = e4m3(max(amax / 6,
 
 @dataclass(frozen=True)
 class FP4Record:
-    """One FP4 record of a DeepSeek V4 KV token: `quant` values as packed e2m1 (even element in
-    the low nibble), one scale per `block` of them (`scale` "e4m3" or "ue8m0") in a `scale_row`
-    of bytes (pad bytes included, never written), then `rope` values as bf16. `inline`: the
-    scales sit inside the token's row after the packed values; else a page holds its tokens'
-    data rows first, then their scale rows (FlashMLA's split page). Pages are `pps *
-    token_bytes` bytes, no padding."""
+    """One FP4 record of a DeepSeek V4 KV token (docs/formats.md): `quant` packed e2m1 values, a
+    scale per `block` in a `scale_row` of bytes, `rope` bf16 values; `inline`: the scales inside the
+    token's row, else after the page's data rows (FlashMLA's split page)."""
 
     name: str
     code: int
@@ -339,7 +325,6 @@ FP4_FMTS = tuple(FP4_RECORDS)
 
 
 def fp4_pool_page_size(name: str, page_bytes: int, fmt: str, page_size: object = None) -> int:
-    """Tokens per page of an FP4 KV cache with `page_bytes` a page (named error if the page is
-    not a whole number of `fmt` records, or not `page_size` of them)."""
+    """Tokens per page of an FP4 KV cache of `page_bytes` a page (`records_per_page`)."""
     return records_per_page(name, page_bytes, FP4_RECORDS[fmt].token_bytes, page_size,
                             f"fmt={fmt!r}", f"{fmt!r} records")

@@ -3,7 +3,7 @@ argument and what was expected, and all of them run before any kernel."""
 from __future__ import annotations
 
 import os
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -18,39 +18,25 @@ class CheckEnvError(ValueError):
     """`KVWRITE_CHECK` holds something that is not a check mode."""
 
 
-def _env_check_mode() -> str:
-    """The process default check mode: `KVWRITE_CHECK` (off|assert|guard), "off" if unset or
-    empty. Read once, on first use (the first call with check=None, or `kvwrite` commands at
-    start); a bad value is a CheckEnvError naming the variable."""
-    value = os.environ.get(CHECK_ENV, "").strip()
-    if value == "":
-        return "off"
-    if value.lower() not in CHECK_MODES:
-        raise CheckEnvError(f"{CHECK_ENV}={value!r} is not a check mode: set it to one of "
-                            f"{'|'.join(CHECK_MODES)} (or unset it for 'off')")
-    return value.lower()
-
-
 @torch._dynamo.assume_constant_result
 def default_check() -> str:
-    """The process default check mode (`KVWRITE_CHECK`), read from the environment once: a
-    process constant, also while tracing (Dynamo cannot read `globals()`)."""
+    """The process default check mode (`KVWRITE_CHECK`, docs/checks.md), read from the environment
+    once: a process constant, also while tracing (Dynamo cannot read `globals()`)."""
     mode = globals().get("DEFAULT_CHECK")
     if mode is None:
-        mode = globals()["DEFAULT_CHECK"] = _env_check_mode()
+        value = os.environ.get(CHECK_ENV, "").strip()
+        if value and value.lower() not in CHECK_MODES:
+            raise CheckEnvError(f"{CHECK_ENV}={value!r} is not a check mode: set it to one of "
+                                f"{'|'.join(CHECK_MODES)} (or unset it for 'off')")
+        mode = globals()["DEFAULT_CHECK"] = value.lower() or "off"
     return mode
 
 
 def __getattr__(name: str) -> str:
-    """`validate.DEFAULT_CHECK` is resolved on first access (so a bad `KVWRITE_CHECK` fails
-    the call that needs it, and the command line can report it as one line)."""
+    """`validate.DEFAULT_CHECK`, resolved on first access (a bad `KVWRITE_CHECK` fails the call that needs it)."""
     if name == "DEFAULT_CHECK":
         return default_check()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _names(dtypes: Iterable[torch.dtype]) -> str:
-    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
 def tensor(name: str, t: object, *, ndim: int | None = None,
@@ -63,7 +49,8 @@ def tensor(name: str, t: object, *, ndim: int | None = None,
     if ndim is not None and len(dims) != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(dims)}")
     if dtypes is not None and t.dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype in ({_names(dtypes)}), got {t.dtype}")
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({names}), got {t.dtype}")
     if device is not None and t.device != device:
         raise ValueError(f"{name} is on {t.device} but the inputs are on {device}")
     if last_contiguous and dims and dims[-1] > 1 and t.stride()[-1] != 1:
@@ -74,31 +61,19 @@ def tensor(name: str, t: object, *, ndim: int | None = None,
 def shape(name: str, t: torch.Tensor, expected: Sequence[int | None], what: str) -> None:
     """Check `t.shape` against `expected` (None = any); `what` names the dims."""
     dims = t.shape
-    if len(dims) == len(expected):
-        for s, e in zip(dims, expected):
-            if e is not None and s != e:
-                break
-        else:
-            return
+    if len(dims) == len(expected) and all(e is None or s == e for s, e in zip(dims, expected)):
+        return
     want = ", ".join("*" if e is None else str(e) for e in expected)
     raise ValueError(f"{name} must have shape [{want}] ({what}), got {list(dims)}")
 
 
-def loc(name: str, t: object, n: int, device: torch.device) -> torch.Tensor:
+def loc(name: str, t: object, n: int | None, device: torch.device) -> torch.Tensor:
+    """A contiguous int32/int64 `[n]` index tensor (a loc_map: `n` None, any length)."""
     t = tensor(name, t, ndim=1, dtypes=LOC_DTYPES, device=device)
-    if t.shape[0] != n:
+    if n is not None and t.shape[0] != n:
         raise ValueError(f"{name} must have one entry per token ({n}), got {t.shape[0]}")
-    if n > 1 and t.stride(0) != 1:
-        raise ValueError(f"{name} must be contiguous, got stride {t.stride(0)}")
-    return t
-
-
-def loc_map(t: object, device: torch.device) -> torch.Tensor | None:
-    if t is None:
-        return None
-    t = tensor("loc_map", t, ndim=1, dtypes=LOC_DTYPES, device=device)
     if t.shape[0] > 1 and t.stride(0) != 1:
-        raise ValueError(f"loc_map must be contiguous, got stride {t.stride(0)}")
+        raise ValueError(f"{name} must be contiguous, got stride {t.stride(0)}")
     return t
 
 
@@ -139,8 +114,7 @@ def scale(name: str, t: object, num_heads: int | None, device: torch.device) -> 
 
 
 def scale_cache(name: str, t: object, num_pages: int, pps: int, h: int, device) -> torch.Tensor:
-    """A dynamic fp32 scale cache `[pages, pps]` (per token) or `[pages, pps, H]` (per token-head),
-    as a `[pages, pps, 1 or H]` view."""
+    """A dynamic fp32 scale cache `[pages, pps]` or `[pages, pps, H]`, as a `[pages, pps, 1 or H]` view."""
     t = tensor(name, t, dtypes=(torch.float32,), device=device)
     if t.dim() == 2:
         shape(name, t, (num_pages, pps), "num_pages, pool_page_size: one scale per token")

@@ -1,13 +1,14 @@
 """What every store op shares: loc resolution arguments, the check mode, backend dispatch."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from kvwrite import backend as backends, validate
 from kvwrite.addressing import Check, Locs, prepare  # noqa: F401  (the ops' shared names)
-from kvwrite.errors import ErrorBuffer, default_errors
+from kvwrite.errors import default_errors
 from kvwrite.geometry import PageGeometry
 from kvwrite.ops.claims import claim
 
@@ -17,26 +18,36 @@ NATIVE = ("auto", "cpu", "cuda")
 _DEFAULT_RECORD: dict[torch.device, torch.Tensor] = {}
 
 
-def record(errors: object, check: object, ref: object) -> object:
-    """The `errors` argument of a C++ op call: an ErrorBuffer's tensor; in guard mode without
-    one, the default buffer of `ref`'s device (as `prepare` picks it); anything else unchanged
-    (the op validates it)."""
-    if errors is None:
-        if check != "guard":
-            return None
-        device = ref.device
-        t = _DEFAULT_RECORD.get(device)
-        if t is None:
-            t = _DEFAULT_RECORD[device] = default_errors(device).tensor
-        return t
-    return errors.tensor if isinstance(errors, ErrorBuffer) else errors
+def default_record(device: torch.device) -> torch.Tensor:
+    """The device's default guard record (as `prepare` picks it), for a C++ op call that passes none."""
+    t = _DEFAULT_RECORD.get(device)
+    if t is None:
+        t = _DEFAULT_RECORD[device] = default_errors(device).tensor
+    return t
 
 
-def cache_geometry(name: str, num_pages: int, pool_page_size: int) -> PageGeometry:
-    if num_pages < 1 or pool_page_size < 1:
-        raise ValueError(f"{name} must have at least one page of at least one row, got "
-                         f"{num_pages} pages of {pool_page_size}")
-    return PageGeometry.from_pool(num_pages, pool_page_size)
+@dataclass(frozen=True)
+class Fused:
+    """A fused RoPE store: the rotation (the fields `kvwrite.reference.rope` reads), then in each
+    subclass its `store`, whose loc resolution, check and geometry are the call's."""
+
+    q: torch.Tensor | None   # rotated in place (rope_store_mla: q_pe [N, Hq, R])
+    positions: torch.Tensor
+    cos_sin: torch.Tensor
+    rotary_dim: int
+    is_neox: bool
+
+    @property
+    def locs(self) -> Locs:
+        return self.store.locs
+
+    @property
+    def check(self) -> Check:
+        return self.store.check
+
+    @property
+    def geometry(self) -> PageGeometry:
+        return self.store.geometry
 
 
 # Any dtype moves as bytes; these are the ones a pool can have (the page moves' pools).
@@ -67,23 +78,21 @@ def canonical_pool(name: str, t: object) -> torch.Tensor:
 
 
 def impls(reference: str, kernel: str, ext: str) -> tuple[tuple[str, str], ...]:
-    """An op's backend table: its torch reference (`reference.<module:fn>`), its Triton launch
-    (`kernels.<module:fn>`) and its C++ binding (`_ext.<fn>`, the cpu and cuda backends)."""
+    """An op's backend table: its torch reference, Triton launch and C++ binding (cpu and cuda)."""
     return (("torch", f"kvwrite.reference.{reference}"), ("triton", f"kvwrite.kernels.{kernel}"),
             ("cpu", f"kvwrite._ext:{ext}"), ("cuda", f"kvwrite._ext:{ext}"))
 
 
 def dispatch(op: str, table: tuple[tuple[str, str], ...], backend: str, device: torch.device,
              args: object) -> None:
-    """Run `args` on the resolved backend's implementation of `op` (in assert and guard mode
-    after the duplicate-row pre-pass, `kvwrite.ops.claims`)."""
+    """Run `args` on the resolved backend (in assert and guard mode after `kvwrite.ops.claims`)."""
     key = (op, table, backend, device)
     name = _RESOLVED.get(key) if type(backend) is str else None
     if name is None:
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a str, got {type(backend).__name__}")
-        name = backends.resolve(backend, device, op, backends.implemented(table))
-        _RESOLVED[key] = name  # availability is settled once per process (backend.py caches it)
+        # availability is settled once per process (backend.py caches it)
+        name = _RESOLVED[key] = backends.resolve(backend, device, op, tuple(dict(table)))
     impl: Callable = backends.implementation(table, name)
     if args.check.mode != "off":
         args = claim(op, name, args)

@@ -26,14 +26,3 @@ def define(name: str, schema: str, impl: Callable, fake: Callable) -> torch._ops
         LIB.impl(op, fn, "CompositeExplicitAutograd")
     torch.library.register_fake(f"kvwrite::{name}", fake, lib=LIB)
     return getattr(torch.ops.kvwrite, name).default
-
-
-def native(op: torch._ops.OpOverload) -> bool:
-    """Whether the extension's C++ kernels of `op` are registered (CPU key)."""
-    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CPU")
-
-
-def fake_check(check: object, errors: object) -> object:
-    """The check mode a fake kernel validates with: guard without an errors tensor as "off"
-    (its default buffer is looked up when the op runs, never created on fake tensors)."""
-    return "off" if check == "guard" and errors is None else check

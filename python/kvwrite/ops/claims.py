@@ -14,7 +14,6 @@ from kvwrite.reference import claims as _ref
 
 # Ops that write no pool row (a gather fills its own output), and move_rows (its halves check).
 READ_ONLY = ("gather", "slot_mapping", "move_rows")
-NATIVE = ("cpu", "cuda")   # backends with the extension's pre-pass
 _ON = [True]
 
 
@@ -42,8 +41,7 @@ def with_locs(a: object, locs: object) -> object:
 
 
 def claim(op: str, backend: str, a: object) -> object:
-    """The call a backend's implementation runs: `a` itself in off mode, for read-only ops and
-    when nothing changes; else `a` on the pre-pass's scratch locs (or dst pages)."""
+    """The call a backend runs: `a` itself, or `a` on the pre-pass's scratch locs (or dst pages)."""
     chk = a.check
     if chk.mode == "off" or op in READ_ONLY or not _ON[0]:
         return a
@@ -55,8 +53,6 @@ def claim(op: str, backend: str, a: object) -> object:
     locs = a.locs
     if locs.n < 2:   # one token writes one row: nothing to claim (a bad loc is the store's own check)
         return a
-    if backend in NATIVE:
-        new = _ext.claim_rows(locs, a.geometry, chk)
-    else:
-        new = _ref.unique_locs(locs, a.geometry, chk)
+    # the extension's pre-pass on cpu / cuda, its torch twin elsewhere
+    new = (_ext.claim_rows if backend in ("cpu", "cuda") else _ref.unique_locs)(locs, a.geometry, chk)
     return a if new is locs else with_locs(a, new)

@@ -10,20 +10,17 @@ import torch
 from kvwrite import validate
 from kvwrite.errors import ErrorBuffer
 from kvwrite.facts import FP4_FMTS, FP4_RECORDS, KV_DIM, NOPE, ROPE, FP4Record, fp4_pool_page_size
-from kvwrite.geometry import PageGeometry
 from kvwrite.ops import spec
-from kvwrite.ops._common import Check, Locs, impls
+from kvwrite.ops._common import Check, Fused, Locs, impls
 from kvwrite.ops.dsv4 import StoreDSV4KV
 
-OP = "store_dsv4_kv_fp4"
 IMPLS = impls("dsv4_fp4:store_dsv4_kv_fp4", "store_dsv4_fp4:launch", "store_dsv4_kv_fp4")
 RAW_ARGS = {"pool_page_size": "e:S", "fmt_code": "e:fmt"}   # the C++ rule's page size and record code
 
 
 @dataclass(frozen=True)
 class StoreDSV4KVFP4(StoreDSV4KV):
-    """A validated store_dsv4_kv_fp4 call: `store_dsv4_kv`'s fields, `cache` uint8 `[pages, pps *
-    record.token_bytes]`."""
+    """A validated store_dsv4_kv_fp4 call: `cache` uint8 `[pages, pps * record.token_bytes]`."""
 
     record: FP4Record
 
@@ -44,7 +41,7 @@ def _build(v: dict, env: dict, locs: Locs, chk: Check) -> StoreDSV4KVFP4:
 
 
 SPEC = spec.Op(
-    OP,
+    "store_dsv4_kv_fp4",
     args=(spec.T("kv", f"N {KV_DIM}", validate.FLOAT_INPUTS, binds="N",
                  what=f"tokens, {NOPE} NoPE + {ROPE} RoPE values"),
           spec.cache("cache", "P B", (torch.uint8,)), spec.LOC, spec.option("page_size", "int?"),
@@ -57,44 +54,23 @@ def store_dsv4_kv_fp4(kv: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, 
                       page_size: int | None = None, check: str | None = None,
                       errors: ErrorBuffer | None = None, loc_map: torch.Tensor | None = None,
                       dcp_rank: int = 0, dcp_size: int = 1, backend: str = "auto") -> None:
-    """Quantise token i's `kv[i]` `[512]` (448 NoPE then 64 RoPE; bf16/fp16/fp32, may be strided
-    along tokens) into the FP4 record `fmt` ("nvfp4" 384 bytes, "nvfp4_v41" 288, "mxfp4" 368;
-    `kvwrite.reference.dsv4_fp4`) at `loc[i]` (-1 = padding). `page_size`: tokens per page (checked against the page
-    bytes; None derives it). `loc_map`, DCP and `check` as `store_dsv4_kv`. Read back with
-    `kvwrite.dequant_dsv4_kv_fp4`."""
+    """Quantise token i's `kv[i]` `[512]` (448 NoPE then 64 RoPE) into the FP4 record `fmt`
+    ("nvfp4", "nvfp4_v41", "mxfp4"; `kvwrite.reference.dsv4_fp4`) at `loc[i]` (-1 = padding);
+    `page_size`, `loc_map`, DCP and `check` as `store_dsv4_kv`. Read back: `kvwrite.dequant_dsv4_kv_fp4`."""
     return SPEC.entry(kv, cache, loc, page_size, fmt, check, errors, loc_map, dcp_rank, dcp_size, backend)
 
 
 # --- rope_store_dsv4_kv_fp4 ------------------------------------------------------------------------
 
-OP_ROPE = "rope_store_dsv4_kv_fp4"
 ROPE_IMPLS = impls("dsv4_fp4:rope_store_dsv4_kv_fp4", "store_dsv4_fp4:launch_rope", "rope_store_dsv4_kv_fp4")
 ROPE_FMTS = tuple(f for f, r in FP4_RECORDS.items() if r.rope)   # records with a bf16 RoPE part
 
 
 @dataclass(frozen=True)
-class RopeStoreDSV4KVFP4:
-    """A validated rope_store_dsv4_kv_fp4 call: the store, then the GPT-J rotation (the field
-    names `kvwrite.reference.rope` reads)."""
+class RopeStoreDSV4KVFP4(Fused):
+    """A validated rope_store_dsv4_kv_fp4 call: the GPT-J rotation, then the store."""
 
     store: StoreDSV4KVFP4
-    positions: torch.Tensor
-    cos_sin: torch.Tensor
-    q: torch.Tensor | None
-    rotary_dim: int = ROPE
-    is_neox: bool = False
-
-    @property
-    def locs(self) -> Locs:
-        return self.store.locs
-
-    @property
-    def check(self) -> Check:
-        return self.store.check
-
-    @property
-    def geometry(self) -> PageGeometry:
-        return self.store.geometry
 
 
 @spec.rule(expr=" && ".join(f"$fmt != '{f}'" for f in FP4_FMTS if f not in ROPE_FMTS))
@@ -105,18 +81,17 @@ def _rope_fmt(env: dict, v: dict) -> None:
 
 
 def _build_rope(v: dict, env: dict, locs: Locs, chk: Check) -> RopeStoreDSV4KVFP4:
-    return RopeStoreDSV4KVFP4(_build(v, env, locs, chk), v["positions"], v["cos_sin"], v["q"])
+    return RopeStoreDSV4KVFP4(v["q"], v["positions"], v["cos_sin"], ROPE, False, _build(v, env, locs, chk))
 
 
 ROPE_SPEC = spec.Op(
-    OP_ROPE,
+    "rope_store_dsv4_kv_fp4",
     args=(spec.T("positions", "N", validate.LOC_DTYPES, binds="N", what="one position per token"),
           spec.T("kv", f"N {KV_DIM}", validate.FLOAT_INPUTS, what=f"tokens, {NOPE} NoPE + {ROPE} RoPE values"),
           spec.T("cos_sin", f"M {ROPE}", (torch.float32, "=kv"), what=f"max_position, {ROPE // 2} cos then "
                  f"{ROPE // 2} sin"),
           spec.opt("q", f"N Hq {ROPE}", ("=kv",), mutable=True, what=f"tokens, heads, {ROPE} RoPE values"),
-          spec.cache("cache", "P B", (torch.uint8,)), spec.LOC, spec.option("page_size", "int?"),
-          spec.option("fmt"), spec.CHECK, spec.ERRORS, spec.LOC_MAP, *spec.DCP, spec.BACKEND),
+          *SPEC.args[1:]),   # the store's, from its cache on
     checks=("positions", "kv", "cos_sin", "q", _rope_fmt, "cache", _pages, spec.geometry("cache")),
     build=_build_rope, impls=ROPE_IMPLS, dcp_page=True, page_table=False, raw_args=RAW_ARGS)
 
@@ -129,11 +104,9 @@ def rope_store_dsv4_kv_fp4(positions: torch.Tensor, kv: torch.Tensor, cos_sin: t
     """GPT-J RoPE + FP4 record store in one launch (FlashInfer's
     `cake_dsv4_nvfp4_kv_rope_quantize_insert`; with `q`, `cake_dsv4_nvfp4_rope_quantize_insert`):
     token i's 64 RoPE values `kv[i, 448:]` are rotated by `cos_sin[positions[i]]` (`[max_position,
-    64]`: 32 cos then 32 sin, fp32 or kv's dtype; pairs (2j, 2j+1)), rounded to kv's dtype, and
-    the row is stored exactly as `store_dsv4_kv_fp4` stores it (bytes equal to rotating in torch,
-    then storing). `q` `[N, Hq, 64]` (kv's dtype, optional): the queries' RoPE part, rotated in
-    place for every token with a valid position. `fmt` "nvfp4" or "mxfp4" (the records that keep
-    the RoPE part in bf16). A position outside [0, max_position) is a bad token (never written)
-    in every check mode, recorded like a bad loc. Other arguments as `store_dsv4_kv_fp4`."""
+    64]`: 32 cos then 32 sin, fp32 or kv's dtype), rounded to kv's dtype and stored as
+    `store_dsv4_kv_fp4` stores the row; `q` `[N, Hq, 64]` (optional) is rotated in place. `fmt`
+    "nvfp4" or "mxfp4" (the records with a bf16 RoPE part). A position outside [0, max_position) is
+    a bad token (never written) in every check mode, recorded like a bad loc."""
     return ROPE_SPEC.entry(positions, kv, cos_sin, q, cache, loc, page_size, fmt, check, errors, loc_map,
                            dcp_rank, dcp_size, backend)

@@ -8,14 +8,12 @@ import torch
 
 from kvwrite import validate
 from kvwrite.errors import ErrorBuffer
-from kvwrite.facts import AMAX_FLOOR  # noqa: F401  (re-exported)
-from kvwrite.facts import indexer_k_pool_page_size as pool_page_size  # noqa: F401
-from kvwrite.facts import indexer_k_row_bytes as row_bytes
+from kvwrite.facts import indexer_k_pool_page_size as pool_page_size
+from kvwrite.facts import indexer_k_row_bytes as row_bytes  # noqa: F401  (re-exported)
 from kvwrite.geometry import PageGeometry, require_positive_int
 from kvwrite.ops import spec
 from kvwrite.ops._common import Check, Locs, impls
 
-OP = "store_indexer_k"
 IMPLS = impls("indexer_k:store_indexer_k", "store_indexer_k:launch", "store_indexer_k")
 SCALE_FMTS = (None, "ue8m0")
 
@@ -57,15 +55,13 @@ def _build(v: dict, env: dict, locs: Locs, chk: Check) -> StoreIndexerK:
 # SGLang's indexer cache is replicated (addressed by the virtual loc, dcp_size=1); vLLM shards it
 # over the DCP ranks like the MLA cache (dcp_rank / dcp_size: the virtual loc -> this rank's row).
 SPEC = spec.Op(
-    OP,
+    "store_indexer_k",
     args=(spec.T("k", "N D", validate.FLOAT_INPUTS),
           spec.cache("cache", "P B", (torch.uint8,)),
           spec.LOC, spec.option("quant_block_size", "int"), spec.option("scale_fmt", "str?"),
           spec.CHECK, spec.ERRORS, spec.LOC_MAP, *spec.DCP, spec.BACKEND),
     checks=("k", _block, "cache", _pages, spec.geometry("cache")),
     build=_build, impls=IMPLS, raw_args={"ue8m0": "n:scale_fmt"})
-_OP = SPEC.overload
-_CALL = _OP._op
 
 
 def store_indexer_k(k: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, *,
@@ -74,12 +70,8 @@ def store_indexer_k(k: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, *,
                     loc_map: torch.Tensor | None = None, dcp_rank: int = 0, dcp_size: int = 1,
                     backend: str = "auto") -> None:
     """Quantise token i's indexer key `k[i]` `[D]` per `quant_block_size` block to e4m3 and
-    store it with its fp32 scales at `loc[i]` (-1 = padding, skipped); see `kvwrite.reference.indexer_k`
-    for the page layout. `scale_fmt="ue8m0"` rounds each scale up to a power of two.
-    The pool page size is `cache.shape[1] // (D + D/qbs*4)`. `loc_map` translates as in
-    `store_kv`; `dcp_rank` / `dcp_size` as in `store_kv`: a cache sharded over the DCP ranks
-    (vLLM's) keeps virtual loc v at row v // dcp_size on rank v % dcp_size; SGLang's replicated
-    cache is addressed by the virtual loc (dcp_size=1).
+    store it with its fp32 scales at `loc[i]` (-1 = padding; layout: `kvwrite.reference.indexer_k`);
+    `scale_fmt="ue8m0"` rounds each scale up to a power of two. `loc_map` and DCP as `store_kv`.
     """
     return SPEC.entry(k, cache, loc, quant_block_size, scale_fmt, check, errors, loc_map, dcp_rank, dcp_size,
                       backend)

@@ -17,7 +17,6 @@ from kvwrite.geometry import PageGeometry
 from kvwrite.ops import spec
 from kvwrite.ops._common import Check, Locs, impls
 
-OP = "store_kv"
 IMPLS = impls("kv:store_kv", "store_kv:launch", "store_kv")
 # int8 caches and dynamic scales
 QUANT_IMPLS = impls("kv_quant:store_kv_quant", "store_kv_quant:launch", "store_kv_quant")
@@ -26,9 +25,8 @@ INT4_IMPLS = impls("kv_int4:store_kv_int4", "store_kv_int4:launch", "store_kv_in
 
 @dataclass(slots=True, eq=False)
 class KVStore:
-    """A validated K/V store (read-only by convention; slotted, not frozen: built on every call).
-    Caches are canonical [pages, pool_page_size, H, D] views (HND caches are permuted views: one
-    shape, other strides); `k_scale_cache`/`v_scale_cache` [pages, pool_page_size, 1 or H] views."""
+    """A validated K/V store (slotted, not frozen: built on every call). Caches are canonical [pages,
+    pool_page_size, H, D] views; `k_scale_cache`/`v_scale_cache` [pages, pool_page_size, 1 or H] views."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -54,9 +52,8 @@ def canonical(cache: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 def canonical_key(cache: torch.Tensor, layout: str) -> torch.Tensor:
-    """The key cache's canonical view: as `canonical`, except for "cpu_attn" (vLLM's CPU attention
-    key cache: each (page, head) tile of `[rows, D]` elements stored column-major, element (t, d)
-    at d * rows + t), a split head dim `[pages, rows, H, D, 1]` with feature stride `rows`."""
+    """The key cache's canonical view; "cpu_attn" (each (page, head) tile column-major, (t, d) at
+    d * rows + t): a split head dim `[pages, rows, H, D, 1]` with feature stride `rows`."""
     if layout != "cpu_attn":
         return canonical(cache, layout)
     pages, h, rows, d = cache.shape
@@ -84,9 +81,8 @@ def _dynamic(env: dict, v: dict) -> int:
         raise ValueError("k_scale/v_scale (static) and k_scale_cache/v_scale_cache (dynamic) exclude each other")
     if env["k_cache"] not in QUANT_DTYPES:
         raise TypeError(f"k_scale_cache/v_scale_cache need an int8 or fp8 cache, got {env['k_cache']}")
-    dims = (env["P"], env["S"], env["H"], env["device"])
-    validate.scale_cache("k_scale_cache", ksc, *dims)
-    validate.scale_cache("v_scale_cache", vsc, *dims)
+    for name, t in (("k_scale_cache", ksc), ("v_scale_cache", vsc)):
+        validate.scale_cache(name, t, env["P"], env["S"], env["H"], env["device"])
     if ksc.shape != vsc.shape:
         raise ValueError(f"k_scale_cache and v_scale_cache must have the same shape, got "
                          f"{list(ksc.shape)} and {list(vsc.shape)}")
@@ -96,8 +92,7 @@ def _dynamic(env: dict, v: dict) -> int:
 @spec.rule(expr=f"i4 = dtype($k_cache) == uint8; !i4 || (D % 2 == 0 && Dv % 2 == 0 && D <= {INT4_MAX_DIM} && "
                 f"Dv <= {INT4_MAX_DIM}); Dk = i4 ? D / 2 : D; Dvk = i4 ? Dv / 2 : Dv")
 def _widths(env: dict, v: dict) -> None:
-    """The caches' last dims Dk / Dvk: D and Dv, halved for a uint8 cache (int4: two codes a
-    byte; even head dims of at most INT4_MAX_DIM)."""
+    """The caches' last dims Dk / Dvk: D and Dv, halved for a uint8 (int4) cache."""
     kc = v["k_cache"]
     d, dv = env["D"], env["Dv"]
     if isinstance(kc, torch.Tensor) and kc.dtype == torch.uint8:
@@ -111,8 +106,7 @@ def _widths(env: dict, v: dict) -> None:
 
 
 def _int4(env: dict, v: dict) -> None:
-    """QUANT_INT4 (a uint8 cache): per-token-head fp32 scale caches [P, S, H], no static scales,
-    no other quant_rule than vLLM's, NHD / HND caches."""
+    """QUANT_INT4 (a uint8 cache): scale caches [P, S, H] only, vLLM's rule, NHD / HND caches."""
     ksc, vsc = v["k_scale_cache"], v["v_scale_cache"]
     if v["k_scale"] is not None or v["v_scale"] is not None:
         raise ValueError("k_scale/v_scale do not apply to an int4 (uint8) cache: its scales are "
@@ -149,9 +143,8 @@ def _int4(env: dict, v: dict) -> None:
     f"i4 || dyn || (rule == {RULE_RNE} && (quant ? !none($k_scale) && !none($v_scale) : !static)); "
     f"layout < {_CPU_ATTN} || (quant <= {QUANT_STATIC} && k_cache != int8)"))
 def _quant(env: dict, v: dict) -> None:
-    """The format: copy (no scales), static (fp8 / int8 cache with both scales), dynamic (both
-    scale caches) or int4 (a uint8 cache, `_int4`); `quant_rule` only for dynamic scales;
-    "cpu_attn" caches copy or fp8 only."""
+    """The format: copy, static (both scales), dynamic (both scale caches) or int4 (`_int4`);
+    `quant_rule` only for dynamic scales; "cpu_attn" caches copy or fp8 only."""
     dtype, name = env["k_cache"], v["quant_rule"]
     if dtype == torch.uint8:
         return _int4(env, v)
@@ -194,8 +187,7 @@ def int4(env: dict) -> bool:
 
 @spec.when(f"quant == {QUANT_COPY} || (quant == {QUANT_STATIC} && k_cache != int8)")
 def plain(env: dict) -> bool:
-    """Copy and static fp8: the plain kernels (store_kv's, rope_store_kv's); int8 and dynamic
-    scales run the _quant kernels."""
+    """Copy and static fp8: the plain kernels; int8 and dynamic scales run the _quant kernels."""
     return env["quant"] == QUANT_COPY or (env["quant"] == QUANT_STATIC and env["k_cache"] != torch.int8)
 
 
@@ -205,7 +197,7 @@ FORMATS = (spec.Format(INT4_IMPLS, int4), spec.Format(IMPLS, plain, raw_args={"k
            spec.Format(QUANT_IMPLS))
 CACHE_DIMS = "num_pages, pool_page_size, H, "
 SPEC = spec.Op(
-    OP,
+    "store_kv",
     args=(spec.T("k", "N H D", validate.FLOAT_INPUTS),
           spec.T("v", "N H Dv", ("=k",), what="tokens, heads as k, head_dim_v"),
           spec.cache("k_cache", "P S H Dk", ("=k", *spec.FP8, torch.int8, torch.uint8), binds="P S",
@@ -220,8 +212,7 @@ SPEC = spec.Op(
     checks=("k", "v", spec.choice("layout", LAYOUTS), _widths, "k_cache", "v_cache", spec.geometry("k_cache"),
             _cpu_attn_key, _quant, "k_scale", "v_scale"),
     build=_build, impls=FORMATS)
-_OP = SPEC.overload
-_CALL = _OP._op  # the C++ builtin behind the OpOverload (pool.store binds it)
+_CALL = SPEC.overload._op  # the C++ builtin behind the OpOverload (pool.store binds it)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -233,27 +224,12 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              v_scale_cache: torch.Tensor | None = None, quant_rule: str = "rne") -> None:
     """Write token i's K/V rows to the paged caches at `loc[i]` (-1 = padding, skipped).
 
-    `layout`: "NHD" caches `[pages, pool_page_size, H, D]` or "HND" `[pages, H, pool_page_size, D]`;
-    "cpu_attn" (vLLM's CPU attention backend): both `[pages, H, pool_page_size, D]` as HND, the
-    value tile of each (page, head) row-major, the key tile column-major (element (t, d) at
-    d * pool_page_size + t of the tile; vLLM's `kv.chunk(2, dim=2)` halves of a
-    `[pages, H, 2 * pool_page_size, D]` buffer).
-    fp8 and int8 caches take fp32 `k_scale`/`v_scale` (`[]`, `[1]` or `[H]`): stored =
-    saturate(x / scale). Dynamic per-token / per-token-head int8 / fp8 caches take
-    `k_scale_cache`/`v_scale_cache` fp32 `[pages, pool_page_size]` or `[pages, pool_page_size, H]`
-    instead; `quant_rule` ("rne" | "vllm") picks how their codes round (`kvwrite.reference.kv_quant`).
-    int4 (vLLM's INT4_PER_TOKEN_HEAD): uint8 caches `[pages, pool_page_size, H, D / 2]` with fp32
-    `k_scale_cache`/`v_scale_cache` `[pages, pool_page_size, H]` (rotated, asymmetric 4-bit codes,
-    the zero point in the scale's low mantissa bits: `kvwrite.reference.kv_int4`;
-    `kvwrite.dequant_kv_int4` reads them back).
-    `check`: "off" | "assert" | "guard" (skip + record into `errors`, default per-device buffer).
-    `loc_map` (hybrid SWA, int32/int64 full->SWA map): write at `loc_map[loc[i]]`; a mapped -1
-    is skipped. `dcp_rank`/`dcp_size`: store only this rank's tokens at their local rows.
-    Composition order, per token (`kvwrite.kernels._common.resolve_locs`):
-    `loc` (-1: skip) -> `loc_map[loc]` (loc outside [0, len(loc_map)): KIND_LOC_MAP error, skipped
-    in off mode; mapped -1: skip) -> DCP (`row % dcp_size == dcp_rank` else skip; local row
-    `row // dcp_size`) -> bounds of the local row against the pool (KIND_POOL). The error record
-    keeps the caller's virtual loc and names the index that was out of range.
+    `layout`: "NHD" `[pages, pool_page_size, H, D]`, "HND" `[pages, H, pool_page_size, D]` or
+    "cpu_attn" (vLLM's CPU attention: HND shapes, each (page, head) key tile column-major). fp8 /
+    int8 caches take static `k_scale`/`v_scale` or dynamic `k_scale_cache`/`v_scale_cache` (codes
+    rounded by `quant_rule`, "rne" | "vllm"); uint8 caches are vLLM's int4. Formats:
+    docs/formats.md. Per token: `loc` -> `loc_map[loc]` (hybrid SWA) -> this DCP rank's local row ->
+    bounds against the pool (`kvwrite.kernels._common.resolve_locs`); check modes: docs/checks.md.
     """
     return SPEC.entry(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors, loc_map,
                       dcp_rank, dcp_size, backend, k_scale_cache, v_scale_cache,

@@ -1,9 +1,7 @@
 """`store_kv_head_major`: store_kv into vLLM's legacy head-major paged layout.
 
-key_cache `[num_pages, H, D / x, page_size, x]` (x = 16 bytes / cache element size), value_cache
-`[num_pages, H, D, page_size]`: store_kv's canonical cache with a split head dim (a view
-`[pages, rows, H, D / X, X]`, X = x for the key, 1 for the value) that every backend's store_kv
-kernel takes, so this is store_kv's kernel and addressing under its own declaration.
+The caches (docs/formats.md) are views of store_kv's canonical cache with a split head dim
+(`[pages, rows, H, D / X, X]`, X = x for the key, 1 for the value): store_kv's kernels run them.
 """
 from __future__ import annotations
 
@@ -16,21 +14,11 @@ from kvwrite.ops._common import Check, Locs
 from kvwrite.ops.kv import IMPLS, KVStore
 
 
-def split_x(dtype: torch.dtype) -> int:
-    """Elements of the key cache's innermost dim: 16 bytes of `dtype`."""
-    return 16 // torch.empty((), dtype=dtype).element_size()
-
-
-def canonical_head_major(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[pages, rows, H, D / x, x]` and `[pages, rows, H, D, 1]` views of the legacy caches."""
-    return key_cache.permute(0, 3, 1, 2, 4), value_cache.permute(0, 3, 1, 2).unsqueeze(-1)
-
-
 @spec.rule(expr="x = 16 / itemsize($key_cache); D % x == 0 && size($key_cache, 2) == D / x && "
                 "size($key_cache, 4) == x")
 def _split_x(env: dict, v: dict) -> None:
     """The key cache's innermost dim is x = 16 bytes of its dtype, and D a multiple of it."""
-    x, d = split_x(env["key_cache"]), env["D"]
+    x, d = 16 // env["key_cache"].itemsize, env["D"]
     if d % x:
         raise ValueError(f"head_dim ({d}) must be a multiple of x = 16 // element size = {x}")
     validate.shape("key_cache", v["key_cache"], (env["P"], env["H"], d // x, env["S"], x),
@@ -50,7 +38,8 @@ def _scales(env: dict, v: dict) -> None:
 
 
 def _build(v: dict, env: dict, locs: Locs, chk: Check) -> KVStore:
-    kc, vc = canonical_head_major(v["key_cache"], v["value_cache"])
+    # `[pages, rows, H, D / x, x]` and `[pages, rows, H, D, 1]` views of the legacy caches
+    kc, vc = v["key_cache"].permute(0, 3, 1, 2, 4), v["value_cache"].permute(0, 3, 1, 2).unsqueeze(-1)
     return KVStore(v["key"], v["value"], kc, vc, v["k_scale"], v["v_scale"], env["geometry"], locs, chk)
 
 
@@ -77,7 +66,6 @@ def store_kv_head_major(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tenso
                         loc_map: torch.Tensor | None = None, dcp_rank: int = 0, dcp_size: int = 1,
                         backend: str = "auto") -> None:
     """`kvwrite.store_kv` into the legacy head-major caches (module doc): token i's K/V rows at
-    `loc[i]` (-1 padding skipped; check modes, `loc_map`, DCP and page tables as store_kv). fp8
-    caches take fp32 scales (`[]`, `[1]`, `[H]`): stored = saturate(x / scale)."""
+    `loc[i]` (-1 = padding), fp8 caches with fp32 `k_scale`/`v_scale`; the rest as store_kv."""
     SPEC.entry(k, v, key_cache, value_cache, loc, k_scale, v_scale, check, errors, loc_map, dcp_rank,
                dcp_size, backend)

@@ -6,22 +6,19 @@ from dataclasses import dataclass
 
 import torch
 
-from kvwrite import validate
 from kvwrite.errors import ErrorBuffer
 from kvwrite.geometry import PageGeometry
-from kvwrite.ops import spec
+from kvwrite.ops import kv, spec
 from kvwrite.ops._common import Check, Locs, impls
 from kvwrite.ops.kv import LAYOUTS, canonical
 
-OP = "store_kv_nvfp4"
 BLOCK = 16  # elements per e4m3 block scale
 IMPLS = impls("nvfp4:store_kv_nvfp4", "store_kv_nvfp4:launch", "store_kv_nvfp4")
 
 
 @dataclass(frozen=True)
 class StoreKVNVFP4:
-    """A validated store_kv_nvfp4 call. Caches are canonical [pages, pool_page_size, H, *]
-    views (HND caches are permuted views): values uint8 [.., D/2], scales e4m3 [.., D/16]."""
+    """A validated store_kv_nvfp4 call: canonical [pages, pool_page_size, H, *] cache views."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -36,21 +33,12 @@ class StoreKVNVFP4:
     check: Check
 
 
-def head_dim(name: str, d: int) -> None:
-    if d % BLOCK:
-        raise ValueError(f"{name} head_dim must be a multiple of {BLOCK} for NVFP4 (one e4m3 scale "
-                         f"per {BLOCK} elements), got {d}")
-
-
-def global_scale(name: str, t: object, device: torch.device) -> torch.Tensor | None:
-    """An optional fp32 global scale `[]` or `[1]` (positive; not checked: no host sync)."""
-    return None if t is None else validate.scale(name, t, None, device)
-
-
 @spec.rule(expr=f"D % {BLOCK} == 0 && Dv % {BLOCK} == 0")
 def _head_dims(env: dict, v: dict) -> None:
-    head_dim("k", env["D"])
-    head_dim("v", env["Dv"])
+    for name, d in (("k", env["D"]), ("v", env["Dv"])):
+        if d % BLOCK:
+            raise ValueError(f"{name} head_dim must be a multiple of {BLOCK} for NVFP4 (one e4m3 scale "
+                             f"per {BLOCK} elements), got {d}")
 
 
 def _build(v: dict, env: dict, locs: Locs, chk: Check) -> StoreKVNVFP4:
@@ -61,9 +49,8 @@ def _build(v: dict, env: dict, locs: Locs, chk: Check) -> StoreKVNVFP4:
 
 _DIMS = "num_pages, pool_page_size, H, "
 SPEC = spec.Op(
-    OP,
-    args=(spec.T("k", "N H D", validate.FLOAT_INPUTS),
-          spec.T("v", "N H Dv", ("=k",), what="tokens, heads as k, head_dim_v"),
+    "store_kv_nvfp4",
+    args=(*kv.SPEC.args[:2],   # store_kv's k and v
           spec.cache("k_cache", "P S H D/2", (torch.uint8,), binds="P S", layout=True, what=_DIMS + "D/2"),
           spec.cache("v_cache", "P S H Dv/2", (torch.uint8,), layout=True, what=_DIMS + "Dv/2"),
           spec.cache("k_scale_cache", f"P S H D/{BLOCK}", (torch.float8_e4m3fn,), layout=True,
@@ -76,8 +63,6 @@ SPEC = spec.Op(
     checks=("k", "v", _head_dims, spec.choice("layout", LAYOUTS[:2]), "k_cache", "v_cache", "k_scale_cache",
             "v_scale_cache", spec.geometry("k_cache"), "k_global_scale", "v_global_scale"),
     build=_build, impls=IMPLS)
-_OP = SPEC.overload
-_CALL = _OP._op
 
 
 def store_kv_nvfp4(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -90,15 +75,9 @@ def store_kv_nvfp4(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     """Quantise token i's K/V rows to NVFP4 and write them to the paged caches at `loc[i]`
     (-1 = padding, skipped).
 
-    `k`/`v`: [N, H, D] / [N, H, Dv] fp32/fp16/bf16, D and Dv multiples of 16.
-    `k_cache`/`v_cache`: uint8 [pages, pool_page_size, H, D/2] (two e2m1 codes a byte, even
-    element in the low nibble); `k_scale_cache`/`v_scale_cache`: float8_e4m3fn
-    [pages, pool_page_size, H, D/16] (one block scale per 16 consecutive elements of a head).
-    `layout="HND"`: the same four caches as [pages, H, pool_page_size, *].
-    `k_global_scale`/`v_global_scale`: optional positive fp32 `[]`/`[1]` (None = 1): block scale
-    = e4m3(amax / 6 / global), values = e2m1(x / (block scale * global)). Read rows back with
-    `kvwrite.dequant_nvfp4`; the error bound is documented in `kvwrite.reference.nvfp4`.
-    `check`, `errors`, `loc_map`, `dcp_rank`, `dcp_size`: as `kvwrite.store_kv`.
+    D and Dv multiples of 16; the uint8 code and e4m3 block-scale caches (`layout="HND"` swaps
+    pool_page_size and H), the optional fp32 global scales and the error bound: docs/formats.md,
+    `kvwrite.reference.nvfp4` (read back: `kvwrite.dequant_nvfp4`). The rest as `kvwrite.store_kv`.
     """
     return SPEC.entry(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, loc, k_global_scale,
                       v_global_scale, layout, check, errors, loc_map, dcp_rank, dcp_size, backend)

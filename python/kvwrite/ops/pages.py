@@ -3,9 +3,7 @@ the cache's own dtype), `slot_mapping` (block table -> slots) and `move_rows` (r
 
 Every pool is a tensor `[pages, rows, ...]`: `rows` token rows per page, each row of the shape
 `...` (any strides for pages and rows, the innermost dim contiguous). Kernels see it as a canonical
-`[pages, rows, heads, feat]` view (`canonical_pool`). Page ids and locs are checked against the
-pool in check="assert"/"guard" like the stores' locs (kvwrite.errors records: KIND_SRC_PAGE /
-KIND_DST_PAGE, the stores' kinds for `gather`, KIND_BLOCK_* for `slot_mapping`).
+`[pages, rows, heads, feat]` view (`canonical_pool`). Checks and records: docs/checks.md.
 """
 from __future__ import annotations
 
@@ -64,8 +62,7 @@ class CopyPages:
 
 
 def page_units(src: torch.Tensor, dst: torch.Tensor) -> tuple[Units, Units]:
-    """(src, dst) units of canonical pools whose page sizes differ by an integer factor, else a
-    GeometryError."""
+    """(src, dst) units of canonical pools whose page sizes divide, else a GeometryError."""
     ps, pd = src.shape[1], dst.shape[1]
     if ps % pd and pd % ps:
         raise GeometryError(f"src pages hold {ps} rows and dst pages {pd}: {OP_COPY} needs one to be "
@@ -75,13 +72,13 @@ def page_units(src: torch.Tensor, dst: torch.Tensor) -> tuple[Units, Units]:
             Units(pd // unit, unit, dst.shape[0] * (pd // unit)))
 
 
-def same_rows(src: torch.Tensor, dst: torch.Tensor, what: str = OP_COPY) -> None:
+def same_rows(src: torch.Tensor, dst: torch.Tensor) -> None:
     """GeometryError unless two pools `[pages, rows, ...]` have one row shape and dtype."""
     if src.dtype != dst.dtype:
-        raise GeometryError(f"{what}: src rows are {src.dtype} but dst rows are {dst.dtype}; pages move "
+        raise GeometryError(f"{OP_COPY}: src rows are {src.dtype} but dst rows are {dst.dtype}; pages move "
                             f"as they are, so the dtypes must match")
     if tuple(src.shape[2:]) != tuple(dst.shape[2:]):
-        raise GeometryError(f"{what}: src rows have shape {list(src.shape[2:])} but dst rows "
+        raise GeometryError(f"{OP_COPY}: src rows have shape {list(src.shape[2:])} but dst rows "
                             f"{list(dst.shape[2:])}; pages move as they are, so the row shapes must match")
 
 
@@ -119,17 +116,11 @@ def copy_pages(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, ds
                backend: str = "auto") -> None:
     """Copy page `src_pages[i]` of pool `src` to page `dst_pages[i]` of pool `dst` for every i.
 
-    Pools are `[pages, rows, ...]` tensors with one row shape and dtype (fp8 and quantised pools
-    move as bytes), on one device or on two (host <-> GPU: pin the host pool for an asynchronous
-    copy). A pair with a -1 on either side is skipped. When the pools page differently by an
-    integer factor, page ids count units of the smaller page: a larger page p holds units
-    p * factor ... p * factor + factor - 1. Different row shapes or dtypes, or page sizes that do
-    not divide, raise GeometryError before anything moves. check="assert"/"guard" check every id
-    against its pool's units (KIND_SRC_PAGE / KIND_DST_PAGE records; a bad pair is not copied);
-    "off" skips only negative ids. Pairs that write one dst page twice: assert fails, guard
-    copies the lowest pair and records the others (KIND_DUPLICATE), off leaves either copy; src
-    and dst may be one pool when no page is both read and written by the call (`move_rows`
-    reads every source first).
+    Pools `[pages, rows, ...]` of one row shape and dtype, on one device or two (host <-> GPU: pin
+    the host pool for an asynchronous copy); a pair with a -1 is skipped. Pools whose pages differ by
+    an integer factor count page ids in units of the smaller page; anything else is a GeometryError
+    before anything moves. Checks (KIND_SRC_PAGE / KIND_DST_PAGE, duplicate dst pages): docs/checks.md.
+    src and dst may be one pool when no page is both read and written by the call.
     """
     if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor):
         device = dst.device
@@ -139,20 +130,19 @@ def copy_pages(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, ds
     COPY_SPEC.entry(src, dst, src_pages, dst_pages, check, errors, backend)
 
 
-def _copy_across(src, dst, src_pages, dst_pages, check, errors, backend, op: str = OP_COPY) -> None:
-    """The page copy between devices: the ids are checked (torch, on the GPU side's record), then
-    the src units are gathered into a staging buffer, moved (asynchronously from/to pinned host
-    memory), and scattered into dst; each step is a same-device page copy of checked ids."""
+def _copy_across(src, dst, src_pages, dst_pages, check, errors, backend) -> None:
+    """The page copy between devices: ids checked on the GPU side's record, the src units gathered
+    into a (pinned) staging buffer, moved, and scattered into dst, each a same-device page copy."""
     from kvwrite.reference.pages import checked_pairs
 
     s, d = canonical_pool("src", src), canonical_pool("dst", dst)
-    same_rows(src, dst, op)
+    same_rows(src, dst)
     su, du = page_units(s, d)
     side = dst.device if dst.device.type != "cpu" else src.device   # where the record lives
     sp = validate.tensor("src_pages", _to(src_pages, side), ndim=1, dtypes=validate.LOC_DTYPES)
     dp = _to(dst_pages, side)
     spec.pairs("src_pages", "dst_pages")({"N": sp.shape[0]}, {"dst_pages": dp})
-    locs, chk = prepare(op, side, sp.shape[0], dp, None, 0, 1, check, errors, "dst_pages")
+    locs, chk = prepare(OP_COPY, side, sp.shape[0], dp, None, 0, 1, check, errors, "dst_pages")
     sp, dp = validate.loc("src_pages", sp, sp.shape[0], side), locs.loc
     n = sp.shape[0]
     if n == 0:
@@ -162,11 +152,9 @@ def _copy_across(src, dst, src_pages, dst_pages, check, errors, backend, op: str
 
         dp = unique_pairs(sp, dp, su, du, chk)
     sp, dp = checked_pairs(sp, dp, su, du, chk)       # bad or skipped pairs -> -1 on both sides
-    unit = su.rows
     pinned = src.device.type == "cpu" and dst.device.type != "cpu"
-    stage = torch.empty((n, unit, *s.shape[2:]), dtype=s.dtype, device=src.device, pin_memory=pinned)
-    ids = torch.arange(n, device=side)
-    live = torch.where(sp >= 0, ids, -1)
+    stage = torch.empty((n, su.rows, *s.shape[2:]), dtype=s.dtype, device=src.device, pin_memory=pinned)
+    live = torch.where(sp >= 0, torch.arange(n, device=side), -1)
     copy_pages(s, stage, sp.to(src.device), live.to(src.device), check="off", backend=_on(backend, src.device))
     moved = stage.to(dst.device, non_blocking=True)
     copy_pages(moved, d, live.to(dst.device), dp.to(dst.device), check="off", backend=_on(backend, dst.device))
@@ -225,28 +213,22 @@ GATHER_SPEC = spec.Op(
     build=_build_gather, impls=GATHER_IMPLS, claims="read")
 
 
-def _rows_out(cache: object, loc: object) -> torch.Tensor:
-    """A new `[N, ...]` output of the cache's row shape and dtype (a bad argument: its error)."""
-    pos = loc.positions if isinstance(loc, PageTable) else loc
-    if not (isinstance(cache, torch.Tensor) and isinstance(pos, torch.Tensor) and pos.dim() == 1):
-        canonical_pool("cache", cache)
-        validate.tensor("loc", pos, ndim=1)
-    return cache.new_empty((pos.shape[0], *cache.shape[2:]))
-
-
 def gather(cache: torch.Tensor, loc: torch.Tensor | PageTable, *, check: str | None = None,
            errors: ErrorBuffer | None = None, backend: str = "auto",
            out: torch.Tensor | None = None) -> torch.Tensor:
     """The rows of `cache` `[pages, rows, ...]` at `loc` as `[N, ...]` in the cache's own dtype
     (fp8 stays fp8, quantised rows stay bytes): row `loc[i] % rows` of page `loc[i] // rows`.
 
-    `loc` is int32/int64 `[N]` (-1: a zero row) or a `kvwrite.PageTable` (positions through a
-    page table, as the stores take it). check="assert"/"guard": a loc outside the pool is
-    reported like a store's (a zero row in guard mode); "off" gives a zero row for negative locs
-    and does not check the upper bound on a GPU. `out`: write into this `[N, ...]` tensor.
+    `loc`: int32/int64 `[N]` (-1: a zero row) or a `kvwrite.PageTable`. A bad loc is reported as a
+    store's (a zero row in guard mode); off mode does not check the upper bound on a GPU. `out`:
+    write into this `[N, ...]` tensor.
     """
-    if out is None:
-        out = _rows_out(cache, loc)
+    if out is None:   # of the cache's row shape and dtype (a bad argument: its error)
+        pos = loc.positions if isinstance(loc, PageTable) else loc
+        if not (isinstance(cache, torch.Tensor) and isinstance(pos, torch.Tensor) and pos.dim() == 1):
+            canonical_pool("cache", cache)
+            validate.tensor("loc", pos, ndim=1)
+        out = cache.new_empty((pos.shape[0], *cache.shape[2:]))
     GATHER_SPEC.entry(cache, loc, out, check, errors, backend)
     return out
 
@@ -300,12 +282,9 @@ def slot_mapping(block_table: torch.Tensor, batch_indices: torch.Tensor, positio
     `batch_indices[i]`, pos = `positions[i]`, ps = `geometry.pool_page_size` (vLLM's slot
     mapping; the slots a store's `loc` takes).
 
-    -1 where b or pos is -1 (padding), where the table holds a negative page, and, in every mode,
-    where b is outside the table's rows or pos // ps past a row's width (the table is never read
-    out of bounds). check="assert"/"guard" also report those (KIND_BLOCK_ROW / KIND_BLOCK_INDEX)
-    and a page outside the pool's `geometry.num_pages` (KIND_BLOCK_PAGE; its slot is -1 too);
-    "off" lets such a page through (the store that takes the slot checks it). `out`: write the
-    slots into this int64 `[N]` tensor.
+    -1 for padding, a negative page, and in every mode a b or pos // ps outside the table (never read
+    out of bounds); assert / guard report those and a page past `geometry.num_pages` (KIND_BLOCK_*),
+    off lets such a page through to the store. `out`: write the slots into this int64 `[N]` tensor.
     """
     if not isinstance(geometry, PageGeometry):
         raise TypeError(f"geometry must be a kvwrite.PageGeometry (the pool's page size and pages), "
@@ -346,8 +325,7 @@ MOVE_SPEC = spec.Op(
 
 
 def move(a: MoveRows) -> None:
-    """move_rows on the call's backend: the source rows gathered (bad ones reported), then copied
-    as one-row units to the dst locs (a bad source is not moved)."""
+    """move_rows on the call's backend: a gather of the source rows, then a copy of one-row units."""
     c, s, n = a.cache, a.src_loc, a.src_loc.shape[0]
     rows = Gather(c, c.new_empty((n, c.shape[2], c.shape[3])), a.geometry, Locs(s), a.check)
     dispatch(OP_GATHER, GATHER_IMPLS, a.backend, c.device, rows)
@@ -362,9 +340,8 @@ def move_rows(cache: torch.Tensor, src_loc: torch.Tensor, dst_loc: torch.Tensor,
               check: str | None = None, errors: ErrorBuffer | None = None,
               backend: str = "auto") -> None:
     """Token-granular moves inside one pool `[pages, rows, ...]`: row `dst_loc[i]` takes the row
-    that was at `src_loc[i]` (every source row is read before any row is written, as
-    `cache[dst] = cache[src]`). A -1 on either side skips the pair; bad locs are reported (op
-    "move_rows") and their pair skipped. Runs as a gather then a page copy of one-row units."""
+    that was at `src_loc[i]` (every source is read first, as `cache[dst] = cache[src]`); a -1 or a
+    bad loc (reported as "move_rows") skips its pair. A gather then a page copy of one-row units."""
     if isinstance(cache, torch.Tensor):
         src_loc, dst_loc = _to(src_loc, cache.device), _to(dst_loc, cache.device)
     MOVE_SPEC.entry(cache, src_loc, dst_loc, check, errors, backend)

@@ -13,12 +13,11 @@ from kvwrite.errors import ErrorBuffer
 from kvwrite.facts import (FMT_E4M3, FMT_E5M2, FMT_INT8, KV_LAYOUTS, QUANT_COPY, QUANT_HEAD, QUANT_STATIC,
                            QUANT_TOKEN)
 from kvwrite.ops import kv, mla, spec
-from kvwrite.ops._common import Check, Locs, impls
+from kvwrite.ops._common import Check, Fused, Locs, impls
 from kvwrite.ops.kv import KVStore
 from kvwrite.ops.mla import StoreMLA
 
 OP_KV = "rope_store_kv"
-OP_MLA = "rope_store_mla"
 MAX_HEAD_DIM = 1024   # csrc/kvwrite/rope_store.h ROPE_MAX_DIM
 KV_IMPLS = impls("rope:rope_store_kv", "rope_store:launch_kv", "rope_store_kv")
 KV_QUANT_IMPLS = impls("rope:rope_store_kv", "rope_store:launch_kv", "rope_store_kv_quant")
@@ -28,30 +27,8 @@ KV_QUANTS = (QUANT_COPY, QUANT_STATIC, QUANT_TOKEN, QUANT_HEAD)
 KV_FMTS = (FMT_E4M3, FMT_E5M2, FMT_INT8)
 
 
-class _Fused:
-    """A fused call's loc resolution, check and geometry are those of the store it wraps (the
-    resolvers and the assert path read them from the call)."""
-
-    @property
-    def locs(self):
-        return self.store.locs
-
-    @property
-    def check(self):
-        return self.store.check
-
-    @property
-    def geometry(self):
-        return self.store.geometry
-
-
 @dataclass(frozen=True)
-class RopeStoreKV(_Fused):
-    q: torch.Tensor
-    positions: torch.Tensor
-    cos_sin: torch.Tensor
-    rotary_dim: int
-    is_neox: bool
+class RopeStoreKV(Fused):
     q_norm_weight: torch.Tensor | None   # fp32 [D]
     k_norm_weight: torch.Tensor | None
     eps: float
@@ -59,12 +36,7 @@ class RopeStoreKV(_Fused):
 
 
 @dataclass(frozen=True)
-class RopeStoreMLA(_Fused):
-    q: torch.Tensor          # q_pe [N, Hq, R]
-    positions: torch.Tensor
-    cos_sin: torch.Tensor
-    rotary_dim: int
-    is_neox: bool
+class RopeStoreMLA(Fused):
     store: StoreMLA
 
 
@@ -90,9 +62,8 @@ def _rotary_expr(head_dim: str) -> str:
                 + _rotary_expr("D"))
 def _kv_dims(env: dict, v: dict) -> None:
     """cos_sin_cache `[max_position >= 1, rotary_dim]`; rotary_dim even, <= k's head_dim."""
-    width, rotary_dim = env["C"], v["rotary_dim"]
-    if rotary_dim is None:
-        rotary_dim = width
+    width = env["C"]
+    rotary_dim = width if v["rotary_dim"] is None else v["rotary_dim"]
     if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, (int, torch.SymInt)):
         raise TypeError(f"rotary_dim must be an int, got {type(rotary_dim).__name__}")
     if rotary_dim != width:
@@ -154,8 +125,7 @@ KV_SPEC = spec.Op(
     OP_KV,
     args=(POSITIONS,
           spec.T("q", "N Hq D", ("=k",), mutable=True, what="tokens as k, q heads, head_dim as k"),
-          spec.T("k", "N H D", validate.FLOAT_INPUTS),
-          spec.T("v", "N H Dv", ("=k",), what="tokens, heads as k, head_dim_v"),
+          *kv.SPEC.args[:2],   # store_kv's k and v
           spec.T("cos_sin_cache", "M C", (torch.float32, "=k"), what="max_position, rotary_dim"),
           spec.cache("k_cache", "P S H D", ("=k", *spec.FP8, torch.int8), binds="P S", layout=True,
                      what=CACHE_DIMS),
@@ -188,18 +158,12 @@ def rope_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                   quant_rule: str = "rne") -> None:
     """Rotate q `[N, Hq, D]` in place and store rotated k `[N, H, D]` with v `[N, H, Dv]` at `loc`.
 
-    `positions` int32/int64 `[N]`; `cos_sin_cache` `[max_position, rotary_dim]` (cos half, then
-    sin half; fp32 or the input dtype); `rotary_dim` (default: the cache's width, even, <= D)
-    rotates the first rotary_dim elements of each head, neox halves (`is_neox=True`) or GPT-J
-    interleaved pairs. `q_norm_weight` / `k_norm_weight` `[D]` (fp32 or the input dtype): RMS-norm
-    each head first (`norm_eps`). Rounding: once, to the input dtype, after norm + rotation in fp32
-    (exact order in `kvwrite.reference.rope`); the stored k is that rounded k, stored as the K/V
-    store stores it. Caches and `layout` ("NHD" | "HND"), `k_scale`/`v_scale` (static fp8/int8),
-    `k_scale_cache`/`v_scale_cache` (dynamic int8/fp8, `[pages, pool_page_size]` or
-    `[pages, pool_page_size, H]`) and `quant_rule`, `check`, `errors`, `loc` (a PageTable too),
-    `loc_map`, `dcp_rank`/`dcp_size`: as in `store_kv`. A position outside [0, max_position) is a
-    KIND_POSITION error (assert/guard); that token is never written and its q is left as it was
-    (every mode). k and v are not modified.
+    `cos_sin_cache` `[max_position, rotary_dim]` (cos half, then sin half) rotates the first
+    rotary_dim elements of each head at `positions[i]`, neox halves or GPT-J pairs, after the optional
+    RMS norms `q_norm_weight` / `k_norm_weight` `[D]`; k is rounded once to the input dtype
+    (`kvwrite.reference.rope`) and stored as `store_kv` stores it (its caches, scales, addressing). A
+    position outside [0, max_position) is a KIND_POSITION error: that token is not written and its q
+    not rotated (every mode). k and v are not modified.
     """
     return KV_SPEC.entry(positions, q, k, v, cos_sin_cache, k_cache, v_cache, loc, is_neox, rotary_dim,
                          q_norm_weight, k_norm_weight, norm_eps, layout, k_scale, v_scale, k_scale_cache,
@@ -215,7 +179,7 @@ def _build_mla(v: dict, env: dict, locs: Locs, chk: Check) -> RopeStoreMLA:
 
 
 MLA_SPEC = spec.Op(
-    OP_MLA,
+    "rope_store_mla",
     args=(POSITIONS,
           spec.T("q_pe", "N Hq R", ("=kv_c",), mutable=True, what="tokens as k_pe, q heads, rope_dim as k_pe"),
           *mla.SPEC.args[:2],
@@ -235,11 +199,9 @@ def rope_store_mla(positions: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tens
                    global_scale: torch.Tensor | None = None) -> None:
     """Rotate q_pe `[N, Hq, R]` in place and store the row of kv_c `[N, L]` and rotated k_pe
     `[N, R]` at `loc`. `cos_sin_cache` `[max_position, R]`; `is_neox` False = GPT-J pairs
-    (DeepSeek's default). `kv_cache_dtype`: every MLA store format — "auto", "fp8" (= "fp8_e4m3",
-    per-tensor `scale`), "fp8_e5m2", "fp8_ds_mla", "nvfp4" (`scale_cache`, optional
-    `global_scale`). The rotated k_pe is rounded once to the input dtype (fp32 rotation, no fma),
-    then stored exactly as `store_mla` stores a k_pe. Positions, checks, `loc_map`, DCP: as for
-    the K/V op above. kv_c and k_pe are not modified."""
+    (DeepSeek's default); `kv_cache_dtype`: every `store_mla` format ("fp8" = "fp8_e4m3"). The
+    rotated k_pe is rounded once to the input dtype, then stored as `store_mla` stores it; positions,
+    checks, `loc_map`, DCP: as `rope_store_kv`. kv_c and k_pe are not modified."""
     return MLA_SPEC.entry(positions, q_pe, kv_c, k_pe, cos_sin_cache, kv_cache, loc, is_neox,
                           "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype, scale, check, errors,
                           loc_map, dcp_rank, dcp_size, backend, scale_cache, global_scale)

@@ -8,10 +8,6 @@ tensor after its check, unless listed in `Arg.binds` (bound from the tensor firs
 pages and rows). "*" is any size, "D/2" a bound letter divided by 2, "512" a size; "scale" /
 "scale H" is a dequant scale `[]`, `[1]` (or `[H]`). `Arg.layout`: the dims are the canonical
 `[pages, rows, H, ...]`; a call with layout "HND" checks (and names) dims 1 and 2 swapped.
-
-Page moves: `Op.loc` names the addressing argument (dst pages / locs), `Op.claims` the duplicate
-pre-pass ("rows", "pairs" of a page move, "read": none), `Op.table_tail` whether the schema ends
-with the page-table tensors; `pool(name)` checks a pool `[pages, rows, ...]` of any rank.
 """
 from __future__ import annotations
 
@@ -21,11 +17,12 @@ from typing import Callable
 import torch
 
 from kvwrite import _ext, validate
-from kvwrite.addressing import TABLE_ARGS, page_table, prepare as prepare_addressing
+from kvwrite.addressing import TABLE_ARGS, prepare as prepare_addressing
 from kvwrite.errors import ErrorBuffer
 from kvwrite import facts
+from kvwrite.geometry import PageGeometry
 from kvwrite.ops import _library
-from kvwrite.ops._common import NATIVE, cache_geometry, canonical_pool, dispatch, record
+from kvwrite.ops._common import NATIVE, canonical_pool, default_record, dispatch
 from kvwrite.pagetable import PageTable
 
 NO_DEFAULT = object()
@@ -37,9 +34,8 @@ OPS: dict[str, "Op"] = {}   # every declared op, by name (tests, docs)
 
 @dataclass(frozen=True)
 class Arg:
-    """One schema argument. Tensors carry their checks: `dims`, `dtypes` (torch dtypes, or "=x":
-    the dtype of tensor x / of the value a check stored as x), `what` (names the dims in the shape
-    message, `{letter}` filled in)."""
+    """One schema argument. Tensors carry their checks: `dims`, `dtypes` (torch dtypes, or "=x": the
+    dtype of x in the env), `what` (names the dims in the shape message, `{letter}` filled in)."""
 
     name: str
     type: str = "Tensor"      # schema type: Tensor, str, int, bool, float; "?" = optional
@@ -98,27 +94,22 @@ TABLE = tuple(Arg(n, "Tensor?", role="addressing", default=None) for n in TABLE_
 
 
 def rule(expr: str) -> Callable:
-    """Give an op's check its C++ twin for the matcher: the check as an expression (csrc/expr.h)
-    the matcher evaluates; a call it refuses goes to Python, whose check names the error. A check
-    without one keeps the op on the Python path."""
+    """Give an op's check its C++ twin: an expression (csrc/expr.h) the matcher evaluates; a call it
+    refuses goes to Python, whose check names the error (without one the op stays on the Python path).
+    As `when`: a format's condition, picking the backend table in Python and the raw kernel in C++."""
     def wrap(fn: Callable) -> Callable:
         fn.expr = expr
         return fn
     return wrap
 
 
-def when(expr: str) -> Callable:
-    """A format's condition: a predicate of the call's env (it picks the format's backend table in
-    Python) with its C++ twin `expr` (csrc/expr.h: it picks the format's raw kernel in C++, compiled
-    when the spec arrives)."""
-    return rule(expr)
+when = rule
 
 
 @dataclass(frozen=True)
 class Format:
-    """One format of an op: its backend table, the condition that picks it (`when`; None: any
-    call; an op runs its first format whose condition holds), and the raw kernel the C++ fast
-    path runs for it (default: the table's "cpu" entry) with its arguments' sources (`Op.raw_args`)."""
+    """One format of an op: its backend table, the condition that picks it (`when`; None: any call;
+    the first that holds wins) and the raw kernel of the C++ fast path (default: the "cpu" entry)."""
 
     impls: tuple
     when: Callable | None = None
@@ -132,8 +123,7 @@ def switch(name: str, values: dict) -> str:
 
 
 def records_per_page(per: str) -> str:
-    """An expression: S = the records of `per` bytes (an expression) in a page of B bytes, and
-    page_size of them when given (facts.records_per_page)."""
+    """An expression: S = the records of `per` bytes in a page of B bytes (facts.records_per_page)."""
     return (f"per = {per}; per > 0; $page_size == None ? B != 0 && B % per == 0 : isint($page_size) && "
             "$page_size >= 1 && $page_size * per == B; S = $page_size == None ? B / per : $page_size")
 
@@ -146,17 +136,19 @@ def choice(name: str, options: tuple) -> Callable:
     return check
 
 
-def geometry(name: str, pages: str = "P", rows: str = "S") -> Callable:
-    """A check: the pool geometry from the letters the cache `name` bound."""
-    @rule(f"{pages} >= 1 && {rows} >= 1")
+def geometry(name: str) -> Callable:
+    """A check: the pool geometry from the letters P and S the cache `name` bound."""
+    @rule("P >= 1 && S >= 1")
     def check(env: dict, v: dict) -> None:
-        env["geometry"] = cache_geometry(name, env[pages], env[rows])
+        if env["P"] < 1 or env["S"] < 1:
+            raise ValueError(f"{name} must have at least one page of at least one row, got "
+                             f"{env['P']} pages of {env['S']}")
+        env["geometry"] = PageGeometry.from_pool(env["P"], env["S"])
     return check
 
 
 def pool(name: str, bind: bool = True) -> Callable:
-    """A check: `name` is a pool `[pages, rows, ...]` (any rank >= 2, its view `[pages, rows,
-    heads, feat]`); binds its pages and rows to P and S (`bind`)."""
+    """A check: `name` is a pool `[pages, rows, ...]` of any rank >= 2; binds P and S (`bind`)."""
     @rule(f"dim(${name}) >= 2 && size(${name}, 0) >= 1 && size(${name}, 1) >= 1"
           + (f"; P = size(${name}, 0); S = size(${name}, 1)" if bind else ""))
     def check(env: dict, v: dict) -> None:
@@ -188,11 +180,8 @@ def _dtype_name(d: object) -> str:
 
 
 def _match(a: Arg, t: object, env: dict, name: str) -> None:
-    """Check tensor argument `a` (called `name` in messages) against the env (dtype, rank,
-    device, shape letters) and bind its letters."""
-    dtypes = None
-    if a.dtypes:
-        dtypes = tuple(env[d[1:]] if isinstance(d, str) else d for d in a.dtypes)
+    """Check tensor argument `a` (called `name` in messages) against the env and bind its letters."""
+    dtypes = tuple(env[d[1:]] if isinstance(d, str) else d for d in a.dtypes) if a.dtypes else None
     device = env.get("device")
     if a.dims is not None and a.dims.startswith("scale"):
         heads = a.dims[5:].strip()
@@ -237,16 +226,14 @@ def _facts(v: object) -> object:
 @dataclass
 class Op:
     """One op. `checks`: the validation in order, argument names (matched by `_match`) and
-    callables `(env, values)` for the op's own rules; default: every tensor argument that is not
-    addressing. `build(values, env, locs, check)` makes the validated call object the
-    implementations take. `impls`: a (backend, "module:function") table, or the op's `Format`s
-    (each with its condition, backend table and raw kernel)."""
+    callables `(env, values)` for the op's own rules. `build(values, env, locs, check)` makes the
+    call object the implementations take. `impls`: a (backend, "module:function") table, or `Format`s."""
 
     name: str
     args: tuple
     build: Callable
     impls: object
-    checks: tuple = ()
+    checks: tuple
     dcp_page: bool = False      # DCP shards whole pages (DeepSeek V4 pools)
     page_table: bool = True     # its kernels take page-table addressing
     aliases: dict = field(default_factory=dict)   # schema name -> the name errors use
@@ -261,40 +248,33 @@ class Op:
     # of several formats declares them in its `Format`s; these are then every format's defaults.
     raw: str | None = None
     raw_args: dict = field(default_factory=dict)
-    doc: str = ""
     overload: object = field(default=None, init=False)
     _native: object = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.all_args = tuple(self.args) + (TABLE if self.table_tail else ())
         self.names = tuple(a.name for a in self.all_args)
-        # its declared formats (one of its backend table when `impls` is a table)
+        self.by_name = {a.name: a for a in self.all_args}
         self.declared = self.impls if type(self.impls[0]) is Format else (Format(self.impls),)
         self.code = facts.declare_op(self.name)
-        if not self.checks:
-            self.checks = tuple(a.name for a in self.args if a.type.startswith("Tensor")
-                                and a.role not in ("addressing", "check"))
         self.overload = _library.define(self.name, self.schema(), self.impl, self.fake)
-        self.entry = self._entry()
+        self.entry = self.adapter()
         OPS[self.name] = self
         if _ext.LOADED:
             send_programs()
 
     # --- derived: the spec for the C++ matcher ------------------------------------------------
     def program(self) -> str | None:
-        """This op's checks as the C++ matcher's program (csrc/api.h `parse`), or None when a
-        check has no C++ twin."""
-        by_name = {a.name: a for a in self.all_args}
+        """This op's checks as the C++ matcher's program (csrc/api.h `parse`); None when one has no twin."""
         slots = list(self.names) + [s for s in RULE_SLOTS if s not in self.names]
         lines = []
         for c in self.checks:
             if callable(c):
-                if getattr(c, "expr", None) is not None:
-                    lines.append(f"X {c.expr}")
-                else:
+                if getattr(c, "expr", None) is None:
                     return None
+                lines.append(f"X {c.expr}")
                 continue
-            a = by_name[c]
+            a = self.by_name[c]
             dtypes = ",".join(_dtype_name(d) for d in a.dtypes) or "-"
             if a.dims is not None and a.dims.startswith("scale"):
                 heads = a.dims[5:].strip() or "-"
@@ -337,18 +317,15 @@ class Op:
         return target.split(":")[1] if target.startswith("kvwrite._ext:") else None
 
     def raw_sources(self, slots: list, f: Format) -> list[str] | None:
-        """Format `f`'s raw kernel and where the C++ fast path finds each of its arguments, by
-        name: the tail's field (`t<i>`), the op's argument (`a<i>`; a cache's view: `l<i>` of a
-        layout cache, `k<i>` / `h<i>` as `raw_args` says), `raw_args`' env slot (`e<i>`, `b<i>`
-        as a bool) or given-ness of an argument (`n<i>`); None without a raw kernel, before the
-        extension is loaded, or when the kernel of the backend table does not take the op's
-        arguments by name. A declared `raw` / `raw_args` that leaves an argument without a value
-        is an error."""
+        """Format `f`'s raw kernel and where the C++ fast path finds each of its arguments, by name
+        (the codes of csrc/api.h: tail field, argument, its view, env slot, given-ness); None without a
+        raw kernel, before the extension is loaded, or when the kernel does not take the op's arguments
+        by name. A declared `raw` / `raw_args` that leaves an argument without a value is an error."""
         raw = self.raw_kernel(f)
         kernel = getattr(torch.ops.kvwrite_ext, raw, None) if raw and _ext.LOADED else None
         if kernel is None:
             return None
-        by_name, out = {a.name: a for a in self.all_args}, [raw]
+        by_name, out = self.by_name, [raw]
         for a in kernel.default._schema.arguments:
             name = "loc" if a.name == self.loc else a.name
             if a.name not in f.raw_args and (name in TAIL_FIELDS[:7] or (name in TABLE_ARGS and self.table_tail)):
@@ -376,8 +353,7 @@ class Op:
         for a in self.all_args:
             t = a.type
             if a.mutable:
-                base, optional = t.rstrip("?"), t.endswith("?")
-                t = f"{base}({next(alias)}!)" + ("?" if optional else "")
+                t = f"{t.rstrip('?')}({next(alias)}!)" + ("?" if t.endswith("?") else "")
             default = "" if a.default is NO_DEFAULT else f"={a.default}"
             parts.append(f"{t} {a.name}{default}")
         return f"({', '.join(parts)}) -> ()"
@@ -385,19 +361,16 @@ class Op:
     # --- derived: validation ----------------------------------------------------------------
     def _check(self, v: dict, aliases: dict) -> dict:
         env: dict = {}
-        by_name = {a.name: a for a in self.all_args}
         for c in self.checks:
             if callable(c):
                 c(env, v)
-            elif v[c] is not None or not by_name[c].type.endswith("?"):
-                _match(by_name[c], v[c], env, aliases.get(c, c))
+            elif v[c] is not None or not self.by_name[c].type.endswith("?"):
+                _match(self.by_name[c], v[c], env, aliases.get(c, c))
         return env
 
     def match(self, v: dict, aliases: dict | None = None) -> dict:
-        """The env of derived facts (letters, device, dtypes, geometry, the rules' values) of a
-        call, from its argument values: checked once per distinct argument facts (a check
-        raises on bad arguments, so only passing calls are remembered); never memoised while
-        tracing."""
+        """The env of derived facts (letters, device, dtypes, geometry, the rules' values) of a call,
+        memoised per distinct argument facts (only passing calls are remembered); not while tracing."""
         aliases = self.aliases if aliases is None else aliases
         if torch.compiler.is_compiling():
             return self._check(v, aliases)
@@ -414,13 +387,9 @@ class Op:
         return env
 
     def prepare(self, args: tuple, check: object = NO_DEFAULT, aliases: dict | None = None,
-                call: str | None = None) -> object:
-        """Validate a call (schema-order arguments) and build the call object. An adapter's
-        `aliases` (schema name -> the engine's) and `call` (its function) name its errors."""
-        return self._prepare(args, check, aliases, call)[0]
-
-    def _prepare(self, args: tuple, check: object, aliases: dict | None, call: str | None) -> tuple:
-        """`prepare`'s call object and the env it was built from (which picks the format)."""
+                call: str | None = None) -> tuple:
+        """Validate a call (schema-order arguments): the call object and the env it was built from. An
+        adapter's `aliases` (schema name -> the engine's) and `call` (its function) name its errors."""
         op = self.name
         if len(args) < len(self.names):   # the dispatcher leaves trailing defaults out
             args = (*args, *(a.default for a in self.all_args[len(args):]))
@@ -429,9 +398,12 @@ class Op:
             v["check"] = check
         try:
             env = self.match(v, aliases)
-            loc = v[self.loc]
-            if self.table_tail:
-                loc = page_table(op, loc, v["batch_indices"], v["kv_indices"], v["kv_indptr"])
+            loc = v[self.loc]   # with the page-table tensors of the schema's tail: a PageTable's positions
+            if self.table_tail and any(v[n] is not None for n in TABLE_ARGS):
+                if any(v[n] is None for n in TABLE_ARGS):
+                    raise ValueError(f"{op}: page-table addressing needs batch_indices, kv_indices and kv_indptr "
+                                     f"together (loc holds the positions)")
+                loc = PageTable(v["batch_indices"], loc, v["kv_indices"], v["kv_indptr"])
             locs, chk = prepare_addressing(op, env["device"], env["N"], loc, v.get("loc_map"),
                                            v.get("dcp_rank", 0), v.get("dcp_size", 1), v["check"],
                                            v["errors"], (aliases or self.aliases).get(self.loc, self.loc))
@@ -448,42 +420,39 @@ class Op:
         return next(f.impls for f in self.declared if f.when is None or f.when(env))
 
     # --- derived: the kernels of torch.ops.kvwrite.<op> ---------------------------------------
-    def impl(self, *args) -> None:
+    def impl(self, *args, aliases: dict | None = None, call: str | None = None) -> None:
         """The Python implementation: validate, then run the backend's implementation."""
-        a, env = self._prepare(args, NO_DEFAULT, None, None)
+        a, env = self.prepare(args, NO_DEFAULT, aliases, call)
         if a.locs.n:
             dispatch(self.name, self.table(env), args[self.names.index("backend")], a.locs.loc.device, a)
 
     def fake(self, *args) -> None:
-        """Validation only: the same errors while tracing and for meta tensors."""
-        i, j = self.names.index("check"), self.names.index("errors")
-        self.prepare(args, _library.fake_check(args[i], args[j]))
+        """Validation only: the same errors while tracing and for meta tensors. Guard without an
+        errors tensor validates as "off" (its default buffer is looked up when the op runs)."""
+        check, errors = args[self.names.index("check")], args[self.names.index("errors")]
+        self.prepare(args, "off" if check == "guard" and errors is None else check)
 
     def native(self) -> bool:
         """Whether the extension's C++ kernel of this op is registered (settled once loaded)."""
         if not _ext.LOADED:   # not loaded yet, or switched off (the bench's Python-path timings)
             return False
         if self._native is None:
-            self._native = _library.native(self.overload)
+            self._native = torch._C._dispatch_has_kernel_for_dispatch_key(self.overload.name(), "CPU")
         return self._native
 
     # --- derived: the public call -------------------------------------------------------------
-    def adapter(self, call: str, aliases: dict) -> Callable:
-        """The entry of an engine adapter: the same fast path as the op; its errors name the
-        engine's arguments (`aliases`: schema name -> the engine's) and its function `call`."""
-        return self._entry({**self.aliases, **aliases}, call)
-
-    def _entry(self, aliases: dict | None = None, call_name: str | None = None) -> Callable:
-        """The call behind the public function: arguments in schema order without the table
-        tail, as the public function takes them (loc may be a PageTable, errors an ErrorBuffer,
-        check None = the process default)."""
+    def adapter(self, call_name: str | None = None, aliases: dict | None = None) -> Callable:
+        """The call behind the public function: its arguments in schema order without the table tail
+        (loc may be a PageTable, errors an ErrorBuffer, check None = the process default); with
+        `call_name`, an engine adapter's, its errors naming the engine's function and `aliases`."""
+        aliases = None if call_name is None else {**self.aliases, **aliases}
         names = self.names
         i_loc, i_check, i_errors, i_backend = (names.index(n) for n in (self.loc, "check", "errors", "backend"))
         table = self.table_tail
         # scalars the C++ path takes only as their own type (the schema would convert a bool)
         scalars = tuple((i, int if a.type == "int" else float) for i, a in enumerate(self.args)
                         if a.type in ("int", "float"))
-        overload, impl, prepare, prepared = self.overload, self.impl, self.prepare, self._prepare
+        overload, impl, prepare = self.overload, self.impl, self.prepare
         call = overload._op   # the C++ builtin behind the OpOverload (one frame less)
         default_check, compiling, native = validate.default_check, torch.compiler.is_compiling, self.native
 
@@ -500,8 +469,7 @@ class Op:
                 args[i_loc] = loc.positions
                 args += (loc.batch_indices, loc.kv_indices, loc.kv_indptr)
             if compiling():
-                # the fake kernel validates; guard without a buffer finds the device's default
-                # buffer when the op runs
+                # the fake kernel validates; guard without a buffer finds its default one at run time
                 return overload(*args)
             fast = args[i_backend] in NATIVE and native()
             for i, t in scalars:  # a loop, not all(...): no generator per call
@@ -509,28 +477,23 @@ class Op:
                     fast = False
             if fast:
                 if errors is None and check == "guard" and isinstance(args[0], torch.Tensor):
-                    args[i_errors] = record(None, check, args[0])
+                    args[i_errors] = default_record(args[0].device)
                 try:
                     return call(*args)
                 except Exception:  # arguments the schema refused: Python's error names them
                     prepare(tuple(args) + (None,) * (len(names) - len(args)), NO_DEFAULT, aliases, call_name)
                     raise
-            if aliases is None:
-                return impl(*args, *(None,) * (len(names) - len(args)))
-            a, env = prepared(tuple(args) + (None,) * (len(names) - len(args)), NO_DEFAULT, aliases, call_name)
-            if a.locs.n:
-                dispatch(self.name, self.table(env), args[i_backend], a.locs.loc.device, a)
+            return impl(*args, *(None,) * (len(names) - len(args)), aliases=aliases, call=call_name)
 
         return entry
 
 
 def send_programs() -> None:
-    """Hand the op names (the C++ messages' op codes) and every op's program to the loaded
-    extension (its C++ kernels run nothing without)."""
+    """Hand the op names (op codes) and every op's program to the loaded extension."""
     torch.ops.kvwrite_ext.set_op_names(list(facts.OPS))
     for op in OPS.values():
         text = op.program()
-        if text is not None and hasattr(torch.ops.kvwrite_ext, "set_program"):
+        if text is not None:
             torch.ops.kvwrite_ext.set_program(op.name, text)
 
 
@@ -541,7 +504,7 @@ def args_doc(op: Op) -> list[str]:
     """The op's arguments as reference-table rows (name, type, role, dims, dtypes, writes)."""
     rows = []
     for a in op.all_args:
-        dtypes = ", ".join(d if isinstance(d, str) else str(d).replace("torch.", "") for d in a.dtypes)
+        dtypes = ", ".join(map(_dtype_name, a.dtypes))
         rows.append(f"| `{a.name}` | {a.type} | {a.role} | {a.dims or ''} | {dtypes} | "
                     f"{'yes' if a.mutable else ''} |")
     return rows
