@@ -212,9 +212,11 @@ def table_error(op: str, token: int, kind: int, target: int, limit: int, pool_pa
 
 
 class ErrorBuffer:
-    """The guard-mode record on one device: lowest bad token index, its loc, page, count. Made
-    inside a CUDA graph capture, its zero-fill (like any `reset()` there) is part of the graph:
-    every replay clears it first; made before, it accumulates over replays until `reset()`."""
+    """The guard-mode record on one device: lowest bad token index, its loc, page, count.
+
+    Made inside a CUDA graph capture, its zero-fill (like any `reset()` there) is part of the
+    graph: every replay clears it first (a per-replay record). Made before the capture, it
+    accumulates over replays until `reset()`."""
 
     read: list[int] | None = None   # the slots as error() last read them (the exit report's "seen")
 
@@ -233,15 +235,19 @@ class ErrorBuffer:
         self.tensor[EPOCH:].zero_()  # EPOCH, DONE
 
     def error(self, stream: torch.cuda.Stream | None = None) -> OutOfBoundsWrite | None:
-        """The recorded error, or None (synchronises with the current stream, and `stream` if given)."""
+        """The recorded error, or None. Synchronises with the device: the current stream, and
+        `stream` too when given (the stream the guarded stores ran on, if another)."""
         if stream is not None:
             stream.synchronize()
         self.read = self.tensor.tolist()
         return decode(self.read)
 
     def raise_if_any(self, stream: torch.cuda.Stream | None = None) -> None:
-        """Raise OutOfBoundsWrite if any guarded store skipped a write since the last reset (read as
-        `error(stream)`; read unordered, a running store's record can be an IncompleteRecord)."""
+        """Raise OutOfBoundsWrite if any guarded store skipped a write since the last reset.
+
+        The read is ordered after the current stream's work; pass `stream` when the stores ran
+        on another one (it is synchronised first). Read unordered, the record of a store still
+        running can be incomplete (raised as IncompleteRecord) or not yet hold the lowest token."""
         err = self.error(stream)
         if err is not None:
             raise err

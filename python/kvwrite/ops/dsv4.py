@@ -65,9 +65,10 @@ def store_dsv4_kv(kv: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, *,
                   page_size: int | None = None, check: str | None = None,
                   errors: ErrorBuffer | None = None, loc_map: torch.Tensor | None = None,
                   dcp_rank: int = 0, dcp_size: int = 1, backend: str = "auto") -> None:
-    """Quantise token i's `kv[i]` `[512]` (448 NoPE then 64 RoPE; may be strided along tokens) into
-    the FlashMLA MODEL1 page format (`kvwrite.reference.dsv4`) at `loc[i]` (-1 = padding). `page_size`
-    is checked against the page bytes (None derives it); `loc_map` as `store_kv`; DCP shards pages."""
+    """Quantise token i's `kv[i]` `[512]` (448 NoPE then 64 RoPE; bf16/fp16/fp32, may be strided
+    along tokens) into the FlashMLA MODEL1 page format (`kvwrite.reference.dsv4`) at `loc[i]` (-1 = padding).
+    `page_size`: tokens per page of this cache (checked against its page bytes; None derives it).
+    `loc_map` (full -> SWA loc) as in `store_kv`; DCP shards whole pages (also there)."""
     return KV_SPEC.entry(kv, cache, loc, page_size, check, errors, loc_map, dcp_rank, dcp_size, backend)
 
 
@@ -137,8 +138,9 @@ def store_dsv4_indexer_k(index_k: torch.Tensor, cache: torch.Tensor, loc: torch.
                          errors: ErrorBuffer | None = None, loc_map: torch.Tensor | None = None,
                          dcp_rank: int = 0, dcp_size: int = 1, backend: str = "auto") -> None:
     """Quantise token i's indexer key `index_k[i]` `[D]` into the c4 indexer cache at `loc[i]`
-    (a c4 loc; -1 = padding). `fmt` "fp8" (`scale_fmt="ue8m0"`: vLLM's power-of-two scale) or
-    "mxfp4" (layouts: `kvwrite.reference.dsv4`); `page_size` and DCP as `store_dsv4_kv`."""
+    (a c4 loc; -1 = padding). `fmt` "fp8" (D % 128 == 0; `scale_fmt="ue8m0"`: vLLM's
+    power-of-two scale) or "mxfp4" (D % 32 == 0); page layouts in `kvwrite.reference.dsv4`. `page_size`
+    checked against the page bytes (None derives it); DCP shards whole pages."""
     return INDEXER_SPEC.entry(index_k, cache, loc, page_size, fmt, scale_fmt, check, errors, loc_map,
                               dcp_rank, dcp_size, backend)
 
@@ -185,18 +187,21 @@ def store_rows(src: torch.Tensor, pool: torch.Tensor, loc: torch.Tensor, *,
                loc_map: torch.Tensor | None = None, dcp_rank: int = 0, dcp_size: int = 1,
                backend: str = "auto") -> None:
     """Copy row i of `src` `[N, W]` into row `loc[i]` of `pool` `[rows, W]` (same dtype; a
-    compress-state pool, loc from `state_loc`). -1 is padding and is skipped (SGLang writes it into
-    the pool's sentinel row and clears it right after: the same pool). Under DCP row r lives on rank
-    r % dcp_size."""
+    compress-state pool, loc from `state_loc`). -1 is padding and is skipped: SGLang writes a -1
+    state loc into the pool's last (sentinel) row and clears that row right after, so skipping
+    leaves the same pool. Every check mode; under DCP row r lives on rank r % dcp_size (pages of
+    one row)."""
     return ROWS_SPEC.entry(src, pool, loc, check, errors, loc_map, dcp_rank, dcp_size, backend)
 
 
 # --- loc rules --------------------------------------------------------------------------------------
 
 def compressed_loc(loc: torch.Tensor, positions: torch.Tensor, ratio: int) -> torch.Tensor:
-    """The c4 / c128 loc of each token (int64): `loc[i] // ratio` when `(positions[i] + 1) % ratio
-    == 0`, else -1 (no row); loc -1 gives -1, any other negative loc passes through for the store's
-    check to report. Elementwise on the device, no host sync."""
+    """The c4 / c128 loc of each token (int64): the token at `positions[i]` emits a compressed
+    row at `loc[i] // ratio` when `(positions[i] + 1) % ratio == 0`, else -1 (no row). loc -1
+    gives -1; any other negative loc is passed through unchanged so the store's check reports it.
+    With the c4 / c128 page of page_size // ratio rows, the compressed page equals loc's page.
+    Elementwise on the device, no host sync."""
     ratio = require_positive_int("ratio", ratio)
     loc = validate.tensor("loc", loc, ndim=1, dtypes=validate.LOC_DTYPES)
     positions = validate.tensor("positions", positions, ndim=1, dtypes=validate.LOC_DTYPES,

@@ -54,9 +54,11 @@ def store_dsv4_kv_fp4(kv: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, 
                       page_size: int | None = None, check: str | None = None,
                       errors: ErrorBuffer | None = None, loc_map: torch.Tensor | None = None,
                       dcp_rank: int = 0, dcp_size: int = 1, backend: str = "auto") -> None:
-    """Quantise token i's `kv[i]` `[512]` (448 NoPE then 64 RoPE) into the FP4 record `fmt`
-    ("nvfp4", "nvfp4_v41", "mxfp4"; `kvwrite.reference.dsv4_fp4`) at `loc[i]` (-1 = padding);
-    `page_size`, `loc_map`, DCP and `check` as `store_dsv4_kv`. Read back: `kvwrite.dequant_dsv4_kv_fp4`."""
+    """Quantise token i's `kv[i]` `[512]` (448 NoPE then 64 RoPE; bf16/fp16/fp32, may be strided
+    along tokens) into the FP4 record `fmt` ("nvfp4" 384 bytes, "nvfp4_v41" 288, "mxfp4" 368;
+    `kvwrite.reference.dsv4_fp4`) at `loc[i]` (-1 = padding). `page_size`: tokens per page (checked against the page
+    bytes; None derives it). `loc_map`, DCP and `check` as `store_dsv4_kv`. Read back with
+    `kvwrite.dequant_dsv4_kv_fp4`."""
     return SPEC.entry(kv, cache, loc, page_size, fmt, check, errors, loc_map, dcp_rank, dcp_size, backend)
 
 
@@ -104,9 +106,11 @@ def rope_store_dsv4_kv_fp4(positions: torch.Tensor, kv: torch.Tensor, cos_sin: t
     """GPT-J RoPE + FP4 record store in one launch (FlashInfer's
     `cake_dsv4_nvfp4_kv_rope_quantize_insert`; with `q`, `cake_dsv4_nvfp4_rope_quantize_insert`):
     token i's 64 RoPE values `kv[i, 448:]` are rotated by `cos_sin[positions[i]]` (`[max_position,
-    64]`: 32 cos then 32 sin, fp32 or kv's dtype), rounded to kv's dtype and stored as
-    `store_dsv4_kv_fp4` stores the row; `q` `[N, Hq, 64]` (optional) is rotated in place. `fmt`
-    "nvfp4" or "mxfp4" (the records with a bf16 RoPE part). A position outside [0, max_position) is
-    a bad token (never written) in every check mode, recorded like a bad loc."""
+    64]`: 32 cos then 32 sin, fp32 or kv's dtype; pairs (2j, 2j+1)), rounded to kv's dtype, and
+    the row is stored exactly as `store_dsv4_kv_fp4` stores it (bytes equal to rotating in torch,
+    then storing). `q` `[N, Hq, 64]` (kv's dtype, optional): the queries' RoPE part, rotated in
+    place for every token with a valid position. `fmt` "nvfp4" or "mxfp4" (the records that keep
+    the RoPE part in bf16). A position outside [0, max_position) is a bad token (never written)
+    in every check mode, recorded like a bad loc. Other arguments as `store_dsv4_kv_fp4`."""
     return ROPE_SPEC.entry(positions, kv, cos_sin, q, cache, loc, page_size, fmt, check, errors, loc_map,
                            dcp_rank, dcp_size, backend)

@@ -70,8 +70,12 @@ def store_indexer_k(k: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, *,
                     loc_map: torch.Tensor | None = None, dcp_rank: int = 0, dcp_size: int = 1,
                     backend: str = "auto") -> None:
     """Quantise token i's indexer key `k[i]` `[D]` per `quant_block_size` block to e4m3 and
-    store it with its fp32 scales at `loc[i]` (-1 = padding; layout: `kvwrite.reference.indexer_k`);
-    `scale_fmt="ue8m0"` rounds each scale up to a power of two. `loc_map` and DCP as `store_kv`.
+    store it with its fp32 scales at `loc[i]` (-1 = padding, skipped); see `kvwrite.reference.indexer_k`
+    for the page layout. `scale_fmt="ue8m0"` rounds each scale up to a power of two.
+    The pool page size is `cache.shape[1] // (D + D/qbs*4)`. `loc_map` translates as in
+    `store_kv`; `dcp_rank` / `dcp_size` as in `store_kv`: a cache sharded over the DCP ranks
+    (vLLM's) keeps virtual loc v at row v // dcp_size on rank v % dcp_size; SGLang's replicated
+    cache is addressed by the virtual loc (dcp_size=1).
     """
     return SPEC.entry(k, cache, loc, quant_block_size, scale_fmt, check, errors, loc_map, dcp_rank, dcp_size,
                       backend)

@@ -224,12 +224,27 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              v_scale_cache: torch.Tensor | None = None, quant_rule: str = "rne") -> None:
     """Write token i's K/V rows to the paged caches at `loc[i]` (-1 = padding, skipped).
 
-    `layout`: "NHD" `[pages, pool_page_size, H, D]`, "HND" `[pages, H, pool_page_size, D]` or
-    "cpu_attn" (vLLM's CPU attention: HND shapes, each (page, head) key tile column-major). fp8 /
-    int8 caches take static `k_scale`/`v_scale` or dynamic `k_scale_cache`/`v_scale_cache` (codes
-    rounded by `quant_rule`, "rne" | "vllm"); uint8 caches are vLLM's int4. Formats:
-    docs/formats.md. Per token: `loc` -> `loc_map[loc]` (hybrid SWA) -> this DCP rank's local row ->
-    bounds against the pool (`kvwrite.kernels._common.resolve_locs`); check modes: docs/checks.md.
+    `layout`: "NHD" caches `[pages, pool_page_size, H, D]` or "HND" `[pages, H, pool_page_size, D]`;
+    "cpu_attn" (vLLM's CPU attention backend): both `[pages, H, pool_page_size, D]` as HND, the
+    value tile of each (page, head) row-major, the key tile column-major (element (t, d) at
+    d * pool_page_size + t of the tile; vLLM's `kv.chunk(2, dim=2)` halves of a
+    `[pages, H, 2 * pool_page_size, D]` buffer).
+    fp8 and int8 caches take fp32 `k_scale`/`v_scale` (`[]`, `[1]` or `[H]`): stored =
+    saturate(x / scale). Dynamic per-token / per-token-head int8 / fp8 caches take
+    `k_scale_cache`/`v_scale_cache` fp32 `[pages, pool_page_size]` or `[pages, pool_page_size, H]`
+    instead; `quant_rule` ("rne" | "vllm") picks how their codes round (`kvwrite.reference.kv_quant`).
+    int4 (vLLM's INT4_PER_TOKEN_HEAD): uint8 caches `[pages, pool_page_size, H, D / 2]` with fp32
+    `k_scale_cache`/`v_scale_cache` `[pages, pool_page_size, H]` (rotated, asymmetric 4-bit codes,
+    the zero point in the scale's low mantissa bits: `kvwrite.reference.kv_int4`;
+    `kvwrite.dequant_kv_int4` reads them back).
+    `check`: "off" | "assert" | "guard" (skip + record into `errors`, default per-device buffer).
+    `loc_map` (hybrid SWA, int32/int64 full->SWA map): write at `loc_map[loc[i]]`; a mapped -1
+    is skipped. `dcp_rank`/`dcp_size`: store only this rank's tokens at their local rows.
+    Composition order, per token (`kvwrite.kernels._common.resolve_locs`):
+    `loc` (-1: skip) -> `loc_map[loc]` (loc outside [0, len(loc_map)): KIND_LOC_MAP error, skipped
+    in off mode; mapped -1: skip) -> DCP (`row % dcp_size == dcp_rank` else skip; local row
+    `row // dcp_size`) -> bounds of the local row against the pool (KIND_POOL). The error record
+    keeps the caller's virtual loc and names the index that was out of range.
     """
     return SPEC.entry(k, v, k_cache, v_cache, loc, layout, k_scale, v_scale, check, errors, loc_map,
                       dcp_rank, dcp_size, backend, k_scale_cache, v_scale_cache,

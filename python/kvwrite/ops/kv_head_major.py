@@ -66,6 +66,7 @@ def store_kv_head_major(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tenso
                         loc_map: torch.Tensor | None = None, dcp_rank: int = 0, dcp_size: int = 1,
                         backend: str = "auto") -> None:
     """`kvwrite.store_kv` into the legacy head-major caches (module doc): token i's K/V rows at
-    `loc[i]` (-1 = padding), fp8 caches with fp32 `k_scale`/`v_scale`; the rest as store_kv."""
+    `loc[i]` (-1 padding skipped; check modes, `loc_map`, DCP and page tables as store_kv). fp8
+    caches take fp32 scales (`[]`, `[1]`, `[H]`): stored = saturate(x / scale)."""
     SPEC.entry(k, v, key_cache, value_cache, loc, k_scale, v_scale, check, errors, loc_map, dcp_rank,
                dcp_size, backend)

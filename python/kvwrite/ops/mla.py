@@ -139,11 +139,29 @@ def store_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, lo
     """Write token i's MLA row (latent `kv_c[i]` `[L]`, rope `k_pe[i]` `[R]`) at `loc[i]`
     (-1 = padding, skipped). `kv_c`/`k_pe` may be strided along tokens.
 
-    `kv_cache_dtype`: "auto" (the input dtype), "fp8_e4m3" / "fp8_e5m2" / "fp8_e4m3fnuz" (per-tensor
-    `scale`), "fp8_ds_mla" (DeepSeek's 656-byte row; `ds_mla_scale="pow2"` and `ds_mla_rope="input"`
-    are its options, also spelt `ds_mla_format(scale, rope)`) or "nvfp4" (`scale_cache`, optional
-    `global_scale`); rows and rounding: docs/formats.md. `check`, `errors`, `loc_map`, DCP: as
-    `store_kv`. A pool `[rows, 1, row]` (SGLang's MLA buffer) is the cache with pool_page_size 1.
+    `kv_cache_dtype`:
+      - "auto": `kv_cache` `[pages, pool_page_size, L + R]` in the input dtype, row = concat.
+      - "fp8_e4m3" / "fp8_e5m2" / "fp8_e4m3fnuz": the same row in that fp8 dtype
+        (float8_e4m3fn / float8_e5m2 / float8_e4m3fnuz), saturate(x / scale) with a per-tensor
+        fp32 `scale` (`[]` or `[1]`).
+      - "fp8_ds_mla": uint8 `[pages, pool_page_size, L + L/128*4 + 2R]` (656 for 512/64): L e4m3
+        bytes quantised per 128-element tile with scale max(amax/448, FLT_MIN), stored as
+        fp8(x / scale); then the L/128 fp32 scales; then R bf16 rope values (bf16 input: bit
+        copies; fp16/fp32 input: rounded to bf16, nearest-even, like `tensor.to(torch.bfloat16)`).
+        Needs L % 128 == 0. Read rows back with `kvwrite.dequant_ds_mla`.
+        Options (fp8_ds_mla only): `ds_mla_scale="pow2"` rounds each tile scale up to a power of
+        two, 2^ceil(log2(max(amax/448, 1e-4))) (what vLLM's writers store since its FlashMLA
+        readers convert scales to bf16 / ue8m0); `ds_mla_rope="input"` stores a bf16 or fp16
+        rope as its own 16-bit pattern (vLLM copies k_pe's bits; fp16 rope is then read as
+        fp16: `dequant_ds_mla(..., rope_dtype=torch.float16)`). The same choices are the
+        kv_cache_dtype names `ds_mla_format(scale, rope)` builds ("fp8_ds_mla+pow2+input").
+      - "nvfp4": uint8 `[pages, pool_page_size, (L + R)/2]` (two e2m1 codes a byte, even element
+        in the low nibble) and `scale_cache` float8_e4m3fn `[pages, pool_page_size, (L + R)/16]`,
+        the row concat(kv_c, k_pe) quantised in blocks of 16 like `kvwrite.store_kv_nvfp4`
+        (optional positive fp32 `global_scale` `[]`/`[1]`). Needs (L + R) % 16 == 0. Read rows
+        back with `kvwrite.dequant_nvfp4(kv_cache[p, o], scale_cache[p, o], global_scale)`.
+    `check`, `errors`, `loc_map`, `dcp_rank`, `dcp_size`: as in `store_kv`. A pool stored as
+    `[rows, 1, row]` (SGLang's MLA buffer) is the same cache with pool_page_size 1.
     """
     if ds_mla_scale is not None or ds_mla_rope is not None:
         if kv_cache_dtype != "fp8_ds_mla":

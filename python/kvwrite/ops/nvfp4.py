@@ -75,9 +75,15 @@ def store_kv_nvfp4(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     """Quantise token i's K/V rows to NVFP4 and write them to the paged caches at `loc[i]`
     (-1 = padding, skipped).
 
-    D and Dv multiples of 16; the uint8 code and e4m3 block-scale caches (`layout="HND"` swaps
-    pool_page_size and H), the optional fp32 global scales and the error bound: docs/formats.md,
-    `kvwrite.reference.nvfp4` (read back: `kvwrite.dequant_nvfp4`). The rest as `kvwrite.store_kv`.
+    `k`/`v`: [N, H, D] / [N, H, Dv] fp32/fp16/bf16, D and Dv multiples of 16.
+    `k_cache`/`v_cache`: uint8 [pages, pool_page_size, H, D/2] (two e2m1 codes a byte, even
+    element in the low nibble); `k_scale_cache`/`v_scale_cache`: float8_e4m3fn
+    [pages, pool_page_size, H, D/16] (one block scale per 16 consecutive elements of a head).
+    `layout="HND"`: the same four caches as [pages, H, pool_page_size, *].
+    `k_global_scale`/`v_global_scale`: optional positive fp32 `[]`/`[1]` (None = 1): block scale
+    = e4m3(amax / 6 / global), values = e2m1(x / (block scale * global)). Read rows back with
+    `kvwrite.dequant_nvfp4`; the error bound is documented in `kvwrite.reference.nvfp4`.
+    `check`, `errors`, `loc_map`, `dcp_rank`, `dcp_size`: as `kvwrite.store_kv`.
     """
     return SPEC.entry(k, v, k_cache, v_cache, k_scale_cache, v_scale_cache, loc, k_global_scale,
                       v_global_scale, layout, check, errors, loc_map, dcp_rank, dcp_size, backend)

@@ -116,11 +116,17 @@ def copy_pages(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, ds
                backend: str = "auto") -> None:
     """Copy page `src_pages[i]` of pool `src` to page `dst_pages[i]` of pool `dst` for every i.
 
-    Pools `[pages, rows, ...]` of one row shape and dtype, on one device or two (host <-> GPU: pin
-    the host pool for an asynchronous copy); a pair with a -1 is skipped. Pools whose pages differ by
-    an integer factor count page ids in units of the smaller page; anything else is a GeometryError
-    before anything moves. Checks (KIND_SRC_PAGE / KIND_DST_PAGE, duplicate dst pages): docs/checks.md.
-    src and dst may be one pool when no page is both read and written by the call.
+    Pools are `[pages, rows, ...]` tensors with one row shape and dtype (fp8 and quantised pools
+    move as bytes), on one device or on two (host <-> GPU: pin the host pool for an asynchronous
+    copy). A pair with a -1 on either side is skipped. When the pools page differently by an
+    integer factor, page ids count units of the smaller page: a larger page p holds units
+    p * factor ... p * factor + factor - 1. Different row shapes or dtypes, or page sizes that do
+    not divide, raise GeometryError before anything moves. check="assert"/"guard" check every id
+    against its pool's units (KIND_SRC_PAGE / KIND_DST_PAGE records; a bad pair is not copied);
+    "off" skips only negative ids. Pairs that write one dst page twice: assert fails, guard
+    copies the lowest pair and records the others (KIND_DUPLICATE), off leaves either copy; src
+    and dst may be one pool when no page is both read and written by the call (`move_rows`
+    reads every source first).
     """
     if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor):
         device = dst.device
@@ -219,9 +225,10 @@ def gather(cache: torch.Tensor, loc: torch.Tensor | PageTable, *, check: str | N
     """The rows of `cache` `[pages, rows, ...]` at `loc` as `[N, ...]` in the cache's own dtype
     (fp8 stays fp8, quantised rows stay bytes): row `loc[i] % rows` of page `loc[i] // rows`.
 
-    `loc`: int32/int64 `[N]` (-1: a zero row) or a `kvwrite.PageTable`. A bad loc is reported as a
-    store's (a zero row in guard mode); off mode does not check the upper bound on a GPU. `out`:
-    write into this `[N, ...]` tensor.
+    `loc` is int32/int64 `[N]` (-1: a zero row) or a `kvwrite.PageTable` (positions through a
+    page table, as the stores take it). check="assert"/"guard": a loc outside the pool is
+    reported like a store's (a zero row in guard mode); "off" gives a zero row for negative locs
+    and does not check the upper bound on a GPU. `out`: write into this `[N, ...]` tensor.
     """
     if out is None:   # of the cache's row shape and dtype (a bad argument: its error)
         pos = loc.positions if isinstance(loc, PageTable) else loc
@@ -282,9 +289,12 @@ def slot_mapping(block_table: torch.Tensor, batch_indices: torch.Tensor, positio
     `batch_indices[i]`, pos = `positions[i]`, ps = `geometry.pool_page_size` (vLLM's slot
     mapping; the slots a store's `loc` takes).
 
-    -1 for padding, a negative page, and in every mode a b or pos // ps outside the table (never read
-    out of bounds); assert / guard report those and a page past `geometry.num_pages` (KIND_BLOCK_*),
-    off lets such a page through to the store. `out`: write the slots into this int64 `[N]` tensor.
+    -1 where b or pos is -1 (padding), where the table holds a negative page, and, in every mode,
+    where b is outside the table's rows or pos // ps past a row's width (the table is never read
+    out of bounds). check="assert"/"guard" also report those (KIND_BLOCK_ROW / KIND_BLOCK_INDEX)
+    and a page outside the pool's `geometry.num_pages` (KIND_BLOCK_PAGE; its slot is -1 too);
+    "off" lets such a page through (the store that takes the slot checks it). `out`: write the
+    slots into this int64 `[N]` tensor.
     """
     if not isinstance(geometry, PageGeometry):
         raise TypeError(f"geometry must be a kvwrite.PageGeometry (the pool's page size and pages), "
@@ -340,8 +350,9 @@ def move_rows(cache: torch.Tensor, src_loc: torch.Tensor, dst_loc: torch.Tensor,
               check: str | None = None, errors: ErrorBuffer | None = None,
               backend: str = "auto") -> None:
     """Token-granular moves inside one pool `[pages, rows, ...]`: row `dst_loc[i]` takes the row
-    that was at `src_loc[i]` (every source is read first, as `cache[dst] = cache[src]`); a -1 or a
-    bad loc (reported as "move_rows") skips its pair. A gather then a page copy of one-row units."""
+    that was at `src_loc[i]` (every source row is read before any row is written, as
+    `cache[dst] = cache[src]`). A -1 on either side skips the pair; bad locs are reported (op
+    "move_rows") and their pair skipped. Runs as a gather then a page copy of one-row units."""
     if isinstance(cache, torch.Tensor):
         src_loc, dst_loc = _to(src_loc, cache.device), _to(dst_loc, cache.device)
     MOVE_SPEC.entry(cache, src_loc, dst_loc, check, errors, backend)

@@ -158,12 +158,18 @@ def rope_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                   quant_rule: str = "rne") -> None:
     """Rotate q `[N, Hq, D]` in place and store rotated k `[N, H, D]` with v `[N, H, Dv]` at `loc`.
 
-    `cos_sin_cache` `[max_position, rotary_dim]` (cos half, then sin half) rotates the first
-    rotary_dim elements of each head at `positions[i]`, neox halves or GPT-J pairs, after the optional
-    RMS norms `q_norm_weight` / `k_norm_weight` `[D]`; k is rounded once to the input dtype
-    (`kvwrite.reference.rope`) and stored as `store_kv` stores it (its caches, scales, addressing). A
-    position outside [0, max_position) is a KIND_POSITION error: that token is not written and its q
-    not rotated (every mode). k and v are not modified.
+    `positions` int32/int64 `[N]`; `cos_sin_cache` `[max_position, rotary_dim]` (cos half, then
+    sin half; fp32 or the input dtype); `rotary_dim` (default: the cache's width, even, <= D)
+    rotates the first rotary_dim elements of each head, neox halves (`is_neox=True`) or GPT-J
+    interleaved pairs. `q_norm_weight` / `k_norm_weight` `[D]` (fp32 or the input dtype): RMS-norm
+    each head first (`norm_eps`). Rounding: once, to the input dtype, after norm + rotation in fp32
+    (exact order in `kvwrite.reference.rope`); the stored k is that rounded k, stored as the K/V
+    store stores it. Caches and `layout` ("NHD" | "HND"), `k_scale`/`v_scale` (static fp8/int8),
+    `k_scale_cache`/`v_scale_cache` (dynamic int8/fp8, `[pages, pool_page_size]` or
+    `[pages, pool_page_size, H]`) and `quant_rule`, `check`, `errors`, `loc` (a PageTable too),
+    `loc_map`, `dcp_rank`/`dcp_size`: as in `store_kv`. A position outside [0, max_position) is a
+    KIND_POSITION error (assert/guard); that token is never written and its q is left as it was
+    (every mode). k and v are not modified.
     """
     return KV_SPEC.entry(positions, q, k, v, cos_sin_cache, k_cache, v_cache, loc, is_neox, rotary_dim,
                          q_norm_weight, k_norm_weight, norm_eps, layout, k_scale, v_scale, k_scale_cache,
@@ -199,9 +205,11 @@ def rope_store_mla(positions: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tens
                    global_scale: torch.Tensor | None = None) -> None:
     """Rotate q_pe `[N, Hq, R]` in place and store the row of kv_c `[N, L]` and rotated k_pe
     `[N, R]` at `loc`. `cos_sin_cache` `[max_position, R]`; `is_neox` False = GPT-J pairs
-    (DeepSeek's default); `kv_cache_dtype`: every `store_mla` format ("fp8" = "fp8_e4m3"). The
-    rotated k_pe is rounded once to the input dtype, then stored as `store_mla` stores it; positions,
-    checks, `loc_map`, DCP: as `rope_store_kv`. kv_c and k_pe are not modified."""
+    (DeepSeek's default). `kv_cache_dtype`: every MLA store format — "auto", "fp8" (= "fp8_e4m3",
+    per-tensor `scale`), "fp8_e5m2", "fp8_ds_mla", "nvfp4" (`scale_cache`, optional
+    `global_scale`). The rotated k_pe is rounded once to the input dtype (fp32 rotation, no fma),
+    then stored exactly as `store_mla` stores a k_pe. Positions, checks, `loc_map`, DCP: as for
+    the K/V op above. kv_c and k_pe are not modified."""
     return MLA_SPEC.entry(positions, q_pe, kv_c, k_pe, cos_sin_cache, kv_cache, loc, is_neox,
                           "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype, scale, check, errors,
                           loc_map, dcp_rank, dcp_size, backend, scale_cache, global_scale)
