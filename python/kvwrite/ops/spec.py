@@ -502,9 +502,5 @@ _ext.ON_LOAD.append(send_programs)
 
 def args_doc(op: Op) -> list[str]:
     """The op's arguments as reference-table rows (name, type, role, dims, dtypes, writes)."""
-    rows = []
-    for a in op.all_args:
-        dtypes = ", ".join(map(_dtype_name, a.dtypes))
-        rows.append(f"| `{a.name}` | {a.type} | {a.role} | {a.dims or ''} | {dtypes} | "
-                    f"{'yes' if a.mutable else ''} |")
-    return rows
+    return [f"| `{a.name}` | {a.type} | {a.role} | {a.dims or ''} | {', '.join(map(_dtype_name, a.dtypes))} | "
+            f"{'yes' if a.mutable else ''} |" for a in op.all_args]
