@@ -164,9 +164,7 @@ def find_cuda_home() -> str | None:
     if os.path.isfile("/usr/local/cuda/bin/nvcc"):
         return "/usr/local/cuda"
     nvcc = shutil.which("nvcc")
-    if nvcc:
-        return str(Path(os.path.realpath(nvcc)).parent.parent)
-    return None
+    return str(Path(os.path.realpath(nvcc)).parent.parent) if nvcc else None
 
 
 def default_arch_list() -> str:
