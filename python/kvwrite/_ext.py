@@ -123,10 +123,9 @@ def ops_header(root: Path, out: Path) -> Path:
 
 
 def launch_units(root: Path, out: Path, suffix: str = ".cu") -> list[Path]:
-    """Writes into `out` the generated units of the per-token ops, one per params type with a
-    KVW_BODY and check mode (the runner's explicit instantiation, `RUNNERS[suffix]`: one type and
-    mode a unit keeps each compiler call short), and the kvw_ops.h they include (`-I out`). A file is
-    rewritten only when its text changes (ninja keeps its object); stale units are removed."""
+    """Writes into `out` the per-token ops' units, one per params type and check mode (`RUNNERS[suffix]`;
+    one a unit keeps each compiler call short), and their kvw_ops.h (`-I out`). A file is rewritten
+    only when its text changes (ninja keeps its object); stale units are removed."""
     ops_header(root, out)
     _, prelude, runner, macro = RUNNERS[suffix]
     units = []
