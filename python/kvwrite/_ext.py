@@ -258,8 +258,7 @@ def aot_extension(root: Path):
 
 
 def _cpp_extension() -> tuple:
-    """torch.utils.cpp_extension with our CUDA_HOME (it guesses its own at import time, from the
-    nvcc on PATH, and warns when there is no GPU), and the build's config (`build_config`)."""
+    """torch.utils.cpp_extension imported with our CUDA_HOME (it guesses its own, and warns), and the config."""
     import logging
 
     cfg = build_config()
@@ -317,8 +316,7 @@ def build(verbose: bool | None = None) -> tuple[Path, float]:
 
 
 def _import_aot() -> None:
-    """Import the ahead-of-time build `kvwrite._C` (ImportError if there is none, or if it is
-    older than the csrc/ sources of this checkout: then the JIT build is used instead)."""
+    """Import the ahead-of-time `kvwrite._C`: ImportError if absent or older than csrc/ (then JIT)."""
     import importlib.util
 
     spec = importlib.util.find_spec("kvwrite._C")

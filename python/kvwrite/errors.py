@@ -209,9 +209,8 @@ def table_error(op: str, token: int, kind: int, target: int, limit: int, pool_pa
 
 
 class ErrorBuffer:
-    """The guard-mode record on one device: lowest bad token index, its loc, page, count. Made
-    inside a CUDA graph capture, its zero-fill (like any `reset()` there) is part of the graph:
-    every replay clears it first; made before, it accumulates over replays until `reset()`."""
+    """The guard-mode record on one device. Made inside a CUDA graph capture, its zero-fill (like any
+    `reset()` there) is part of the graph, so each replay clears it; made before, it accumulates."""
 
     read: list[int] | None = None   # the slots as error() last read them (the exit report's "seen")
 

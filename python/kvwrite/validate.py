@@ -20,8 +20,7 @@ class CheckEnvError(ValueError):
 
 @torch._dynamo.assume_constant_result
 def default_check() -> str:
-    """The process default check mode (`KVWRITE_CHECK`, docs/checks.md), read from the environment
-    once: a process constant, also while tracing (Dynamo cannot read `globals()`)."""
+    """The process default check mode (`KVWRITE_CHECK`), read once: a constant, also while tracing."""
     mode = globals().get("DEFAULT_CHECK")
     if mode is None:
         value = os.environ.get(CHECK_ENV, "").strip()

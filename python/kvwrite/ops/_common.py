@@ -28,8 +28,7 @@ def default_record(device: torch.device) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Fused:
-    """A fused RoPE store: the rotation (the fields `kvwrite.reference.rope` reads), then in each
-    subclass its `store`, whose loc resolution, check and geometry are the call's."""
+    """A fused RoPE store: the rotation, then a subclass's `store`, whose locs, check, geometry it has."""
 
     q: torch.Tensor | None   # rotated in place (rope_store_mla: q_pe [N, Hq, R])
     positions: torch.Tensor
