@@ -123,10 +123,9 @@ def ops_header(root: Path, out: Path) -> Path:
 
 
 def launch_units(root: Path, out: Path, suffix: str = ".cu") -> list[Path]:
-    """Writes into `out` the generated units of the per-token ops, one per params type with a
-    KVW_BODY and check mode (the runner's explicit instantiation, `RUNNERS[suffix]`: one type and
-    mode a unit keeps each compiler call short), and the kvw_ops.h they include (`-I out`). A file is
-    rewritten only when its text changes (ninja keeps its object); stale units are removed."""
+    """Writes into `out` the per-token ops' units, one per params type and check mode (`RUNNERS[suffix]`;
+    one a unit keeps each compiler call short), and their kvw_ops.h (`-I out`). A file is rewritten
+    only when its text changes (ninja keeps its object); stale units are removed."""
     ops_header(root, out)
     _, prelude, runner, macro = RUNNERS[suffix]
     units = []
@@ -164,9 +163,7 @@ def find_cuda_home() -> str | None:
     if os.path.isfile("/usr/local/cuda/bin/nvcc"):
         return "/usr/local/cuda"
     nvcc = shutil.which("nvcc")
-    if nvcc:
-        return str(Path(os.path.realpath(nvcc)).parent.parent)
-    return None
+    return str(Path(os.path.realpath(nvcc)).parent.parent) if nvcc else None
 
 
 def default_arch_list() -> str:
@@ -261,8 +258,7 @@ def aot_extension(root: Path):
 
 
 def _cpp_extension() -> tuple:
-    """torch.utils.cpp_extension with our CUDA_HOME (it guesses its own at import time, from the
-    nvcc on PATH, and warns when there is no GPU), and the build's config (`build_config`)."""
+    """torch.utils.cpp_extension imported with our CUDA_HOME (it guesses its own, and warns), and the config."""
     import logging
 
     cfg = build_config()
@@ -320,8 +316,7 @@ def build(verbose: bool | None = None) -> tuple[Path, float]:
 
 
 def _import_aot() -> None:
-    """Import the ahead-of-time build `kvwrite._C` (ImportError if there is none, or if it is
-    older than the csrc/ sources of this checkout: then the JIT build is used instead)."""
+    """Import the ahead-of-time `kvwrite._C`: ImportError if absent or older than csrc/ (then JIT)."""
     import importlib.util
 
     spec = importlib.util.find_spec("kvwrite._C")

@@ -77,6 +77,4 @@ def prepare(op: str, device: torch.device, n: int, loc: object, loc_map: object,
         raise TypeError(f"errors must be a kvwrite.ErrorBuffer or None, got {type(errors).__name__}")
     if record.device != device:
         raise ValueError(f"errors is on {record.device} but the inputs are on {device}")
-    if mode != "guard":
-        record = None
-    return locs, Check(op, mode, record)
+    return locs, Check(op, mode, record if mode == "guard" else None)

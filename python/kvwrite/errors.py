@@ -176,8 +176,7 @@ class DuplicateWrite(OutOfBoundsWrite):
 
 
 class IncompleteRecord(OutOfBoundsWrite):
-    """COUNT says bad writes were skipped but the record's fields are not (all) written yet: the
-    reader was not ordered after a guarded store that is still running (another stream)."""
+    """COUNT > 0 but the fields are not all written: read before a running guarded store finished."""
 
     def __init__(self, count: int, detail: str) -> None:
         self.detail, self.count = detail, count
@@ -198,9 +197,8 @@ def _signed32(packed_key: int) -> int:
 
 def table_error(op: str, token: int, kind: int, target: int, limit: int, pool_page_size: int,
                 count: int, batch: int, position: int, slot: int, page: int) -> OutOfBoundsWrite:
-    """The OutOfBoundsWrite of a page-table record (every backend's record and the reference's
-    assert build it here, so the fields agree). `loc` is the row the token would have written
-    (KIND_TABLE_PAGE) or -1."""
+    """The OutOfBoundsWrite of a page-table record (built here for every backend, so the fields
+    agree); `loc` is the row the token would have written (KIND_TABLE_PAGE), else -1."""
     return OutOfBoundsWrite(
         op=op, token_index=token, loc=page * pool_page_size + position % pool_page_size
         if kind == KIND_TABLE_PAGE else -1,
@@ -354,9 +352,8 @@ def pack(token: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 def record_torch(errors: torch.Tensor, bad: torch.Tensor, loc: torch.Tensor, target: torch.Tensor,
                  limit: torch.Tensor | int, pool_page_size: int, op: str, kind: torch.Tensor | int,
                  extra: dict[int, torch.Tensor] | None = None, advance: bool = True) -> None:
-    """Reference guard record of one call: fold every bad token into `errors` with the rules the
-    kernels use (OWNER claim by epoch, packed min, EPOCH + 1; no host sync). All tensors are
-    [N]; `bad` is bool. `extra`: more slot -> [N] value fields (the page-table context slots).
+    """Reference guard record of one call: fold every bad token (`bad`, bool [N]) into `errors` by the
+    kernels' rules, no host sync. `extra`: more slot -> [N] fields (page-table context);
     `advance=False`: a pre-pass of the call (`kvwrite.claims`), which leaves EPOCH to the store."""
     n = bad.shape[0]
     if n == 0:

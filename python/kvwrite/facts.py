@@ -130,17 +130,15 @@ def _dims_code(text: str):
 
 
 def dims_expr(text: str, L: int, R: int) -> int:
-    """An integer expression of L, R in the syntax of the C++ matcher's rules (csrc/expr.h; `/` and
-    `%` on non-negative ints): the formats' row widths and dims rules, written once for both
-    (L, R may be SymInts while tracing)."""
+    """An integer expression of L, R in the C++ matcher's syntax (csrc/expr.h): the formats' row
+    widths and dims rules, written once for both (L, R may be SymInts while tracing)."""
     return int(eval(_dims_code(text), {"__builtins__": {}}, {"L": L, "R": R}))  # noqa: S307
 
 
 @dataclass(frozen=True)
 class MLAFormat:
-    """One `kv_cache_dtype`: how its cache looks and which kernel mode writes it. `width` and
-    `rule` are expressions of L (kv_lora_rank) and R (rope_dim) that the Python checks evaluate
-    and the C++ matcher compiles (kvwrite.ops.mla)."""
+    """One `kv_cache_dtype`: its cache and kernel mode; `width` and `rule` are expressions of L
+    (kv_lora_rank) and R (rope_dim) for the Python checks and the C++ matcher (kvwrite.ops.mla)."""
 
     name: str
     mode: int
@@ -169,9 +167,8 @@ class MLAFormat:
 
 
 def ds_mla_format(scale: str = "exact", rope: str = "bf16") -> str:
-    """The kv_cache_dtype name of fp8_ds_mla with tile scale `scale` ("exact": max(amax/448,
-    FLT_MIN); "pow2": 2^ceil(log2(max(amax/448, 1e-4)))) and rope `rope` ("bf16": rounded to bf16;
-    "input": the 16-bit input's own bits), e.g. "fp8_ds_mla+pow2+input"."""
+    """The kv_cache_dtype name of fp8_ds_mla with tile scale `scale` ("exact" | "pow2") and rope
+    `rope` ("bf16" | "input"; docs/formats.md), e.g. "fp8_ds_mla+pow2+input"."""
     validate.choice("ds_mla_scale", scale, tuple(DS_MLA_SCALES))
     validate.choice("ds_mla_rope", rope, tuple(DS_MLA_ROPES))
     return "fp8_ds_mla" + ("+pow2" if scale == "pow2" else "") + ("+input" if rope == "input" else "")

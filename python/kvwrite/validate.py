@@ -20,8 +20,7 @@ class CheckEnvError(ValueError):
 
 @torch._dynamo.assume_constant_result
 def default_check() -> str:
-    """The process default check mode (`KVWRITE_CHECK`, docs/checks.md), read from the environment
-    once: a process constant, also while tracing (Dynamo cannot read `globals()`)."""
+    """The process default check mode (`KVWRITE_CHECK`), read once: a constant, also while tracing."""
     mode = globals().get("DEFAULT_CHECK")
     if mode is None:
         value = os.environ.get(CHECK_ENV, "").strip()
@@ -104,8 +103,7 @@ def choice(name: str, value: object, options: Sequence[str]) -> str:
 def scale(name: str, t: object, num_heads: int | None, device: torch.device) -> torch.Tensor:
     """An fp32 dequant scale of shape [] or [1] (per tensor) or, if num_heads, [H]."""
     t = tensor(name, t, dtypes=(torch.float32,), device=device)
-    ok = t.dim() == 0 or (t.dim() == 1 and (t.shape[0] == 1 or t.shape[0] == num_heads))
-    if not ok:
+    if not (t.dim() == 0 or (t.dim() == 1 and (t.shape[0] == 1 or t.shape[0] == num_heads))):
         want = "[], [1]" + (f" or [{num_heads}] (one per head)" if num_heads else "")
         raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
     if t.dim() == 1 and t.shape[0] > 1 and t.stride(0) != 1:

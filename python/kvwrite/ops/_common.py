@@ -28,8 +28,7 @@ def default_record(device: torch.device) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Fused:
-    """A fused RoPE store: the rotation (the fields `kvwrite.reference.rope` reads), then in each
-    subclass its `store`, whose loc resolution, check and geometry are the call's."""
+    """A fused RoPE store: the rotation, then a subclass's `store`, whose locs, check, geometry it has."""
 
     q: torch.Tensor | None   # rotated in place (rope_store_mla: q_pe [N, Hq, R])
     positions: torch.Tensor
@@ -56,9 +55,8 @@ POOL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.
 
 
 def canonical_pool(name: str, t: object) -> torch.Tensor:
-    """The `[pages, rows, heads, feat]` view of a pool `[pages, rows, ...]` (2-D: rows of one
-    element; 3-D: one head; 5-D and more: the dims after the third flattened, which must be a
-    view). The innermost dim must be contiguous."""
+    """The `[pages, rows, heads, feat]` view of a pool `[pages, rows, ...]` (2-D: one element a row,
+    3-D: one head, more: the dims after the third flattened); the innermost dim contiguous."""
     t = validate.tensor(name, t, dtypes=POOL_DTYPES)
     if t.dim() < 2:
         raise ValueError(f"{name} must be a pool [pages, rows, ...], got shape {list(t.shape)}")

@@ -15,8 +15,7 @@ FORWARDED: dict[str, int] = {}   # calls the C++ kernels handed to `<op>_py`, pe
 
 
 def define(name: str, schema: str, impl: Callable, fake: Callable) -> torch._ops.OpOverload:
-    """Define `kvwrite::<name><schema>` and its twin `<name>_py` with `impl` as their Python
-    kernel and `fake` as the public op's fake kernel; returns the public OpOverload."""
+    """Define `kvwrite::<name><schema>` and its twin `<name>_py` (kernel `impl`, fake `fake`): the public OpOverload."""
     def forwarded(*args):
         FORWARDED[name] = FORWARDED.get(name, 0) + 1
         return impl(*args)

@@ -19,8 +19,7 @@ _ON = [True]
 
 @contextlib.contextmanager
 def disabled():
-    """Guard and assert without the duplicate check, for the bench's baseline only (it measures
-    what the check costs); the C++ fast path is switched with it."""
+    """Assert and guard without the duplicate check (the bench's baseline), the C++ fast path too."""
     _ON[0] = False
     native = _ext.LOADED and hasattr(torch.ops.kvwrite_ext, "set_claims")
     if native:

@@ -76,8 +76,7 @@ def store_dsv4_kv(kv: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor, *,
 
 @dataclass(frozen=True)
 class StoreDSV4IndexerK(StoreIndexerK):
-    """A validated store_dsv4_indexer_k call (a StoreIndexerK, so the fp8 rows run its reference and
-    Triton kernel unchanged)."""
+    """A validated store_dsv4_indexer_k call (a StoreIndexerK: fp8 rows run its reference and kernel)."""
 
     fmt: str = "fp8"
 

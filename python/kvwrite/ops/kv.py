@@ -93,9 +93,8 @@ def _dynamic(env: dict, v: dict) -> int:
                 f"Dv <= {INT4_MAX_DIM}); Dk = i4 ? D / 2 : D; Dvk = i4 ? Dv / 2 : Dv")
 def _widths(env: dict, v: dict) -> None:
     """The caches' last dims Dk / Dvk: D and Dv, halved for a uint8 (int4) cache."""
-    kc = v["k_cache"]
     d, dv = env["D"], env["Dv"]
-    if isinstance(kc, torch.Tensor) and kc.dtype == torch.uint8:
+    if isinstance(v["k_cache"], torch.Tensor) and v["k_cache"].dtype == torch.uint8:
         if d % 2 or dv % 2 or max(d, dv) > INT4_MAX_DIM:
             raise ValueError(f"an int4 (uint8) cache needs even head dims of at most {INT4_MAX_DIM}, "
                              f"got D={d}, Dv={dv}")

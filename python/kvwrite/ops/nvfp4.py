@@ -42,9 +42,8 @@ def _head_dims(env: dict, v: dict) -> None:
 
 
 def _build(v: dict, env: dict, locs: Locs, chk: Check) -> StoreKVNVFP4:
-    c = {n: canonical(v[n], env["layout"]) for n in ("k_cache", "v_cache", "k_scale_cache", "v_scale_cache")}
-    return StoreKVNVFP4(v["k"], v["v"], c["k_cache"], c["v_cache"], c["k_scale_cache"], c["v_scale_cache"],
-                        v["k_global_scale"], v["v_global_scale"], env["geometry"], locs, chk)
+    caches = (canonical(v[n], env["layout"]) for n in ("k_cache", "v_cache", "k_scale_cache", "v_scale_cache"))
+    return StoreKVNVFP4(v["k"], v["v"], *caches, v["k_global_scale"], v["v_global_scale"], env["geometry"], locs, chk)
 
 
 _DIMS = "num_pages, pool_page_size, H, "

@@ -300,8 +300,7 @@ def slot_mapping(block_table: torch.Tensor, batch_indices: torch.Tensor, positio
         raise TypeError(f"geometry must be a kvwrite.PageGeometry (the pool's page size and pages), "
                         f"got {type(geometry).__name__}")
     if out is None:
-        t = validate.tensor("positions", positions)
-        out = t.new_empty(t.shape[:1], dtype=torch.int64)
+        out = validate.tensor("positions", positions).new_empty(positions.shape[:1], dtype=torch.int64)
     SLOTS_SPEC.entry(block_table, batch_indices, positions, out, geometry.pool_page_size, geometry.num_pages,
                      check, errors, backend)
     return out

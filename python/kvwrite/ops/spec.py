@@ -108,8 +108,8 @@ when = rule
 
 @dataclass(frozen=True)
 class Format:
-    """One format of an op: its backend table, the condition that picks it (`when`; None: any call;
-    the first that holds wins) and the raw kernel of the C++ fast path (default: the "cpu" entry)."""
+    """One format of an op: its backend table, its condition (`when`; None: any; the first that
+    holds wins) and the raw kernel of the C++ fast path (default: the table's "cpu" entry)."""
 
     impls: tuple
     when: Callable | None = None
@@ -369,8 +369,7 @@ class Op:
         return env
 
     def match(self, v: dict, aliases: dict | None = None) -> dict:
-        """The env of derived facts (letters, device, dtypes, geometry, the rules' values) of a call,
-        memoised per distinct argument facts (only passing calls are remembered); not while tracing."""
+        """The env (letters, device, dtypes, the rules' values) of a call, memoised per argument facts."""
         aliases = self.aliases if aliases is None else aliases
         if torch.compiler.is_compiling():
             return self._check(v, aliases)
@@ -427,8 +426,7 @@ class Op:
             dispatch(self.name, self.table(env), args[self.names.index("backend")], a.locs.loc.device, a)
 
     def fake(self, *args) -> None:
-        """Validation only: the same errors while tracing and for meta tensors. Guard without an
-        errors tensor validates as "off" (its default buffer is looked up when the op runs)."""
+        """Validation only (tracing, meta tensors); guard without an errors tensor validates as "off"."""
         check, errors = args[self.names.index("check")], args[self.names.index("errors")]
         self.prepare(args, "off" if check == "guard" and errors is None else check)
 
@@ -502,9 +500,5 @@ _ext.ON_LOAD.append(send_programs)
 
 def args_doc(op: Op) -> list[str]:
     """The op's arguments as reference-table rows (name, type, role, dims, dtypes, writes)."""
-    rows = []
-    for a in op.all_args:
-        dtypes = ", ".join(map(_dtype_name, a.dtypes))
-        rows.append(f"| `{a.name}` | {a.type} | {a.role} | {a.dims or ''} | {dtypes} | "
-                    f"{'yes' if a.mutable else ''} |")
-    return rows
+    return [f"| `{a.name}` | {a.type} | {a.role} | {a.dims or ''} | {', '.join(map(_dtype_name, a.dtypes))} | "
+            f"{'yes' if a.mutable else ''} |" for a in op.all_args]
