@@ -29,6 +29,7 @@ namespace api {
 
 using expr::UNBOUND;  // an env slot not bound yet
 constexpr int64_t MAX_TOKENS = (int64_t(1) << 31) - 1;  // kvwrite.errors.MAX_TOKENS
+constexpr int TAIL_FIELDS = 10;  // the addressing tail's fields, spec.TAIL_FIELDS (a raw source 't<i>')
 
 inline std::vector<std::string> split(const std::string& s, char sep) {
   std::vector<std::string> out;
@@ -143,7 +144,11 @@ inline Program parse(const std::string& name, const std::string& text) {
       rc.index = int(std::find(std::begin(RAW_NAMES), std::end(RAW_NAMES), r[1]) - std::begin(RAW_NAMES));
       TORCH_CHECK(rc.index < int(std::size(RAW_NAMES)), "kvwrite: ", name, "'s raw kernel ", r[1],
                   " is not a kvwrite_ext op");
-      for (size_t i = 2; i < r.size(); ++i) rc.sources.push_back({r[i][0], std::stoi(r[i].substr(1))});
+      for (size_t i = 2; i < r.size(); ++i) {
+        rc.sources.push_back({r[i][0], std::stoi(r[i].substr(1))});
+        TORCH_CHECK(r[i][0] != 't' || (rc.sources.back().index >= 0 && rc.sources.back().index < TAIL_FIELDS),
+                    "kvwrite: ", name, "'s raw source ", r[i], " names no field of the addressing tail");
+      }
       if (cond != std::string::npos) rc.when = expr::compile(line.substr(cond + 4), names);
       p.raws.push_back(std::move(rc));
     } else if (w[0] == "X") {
@@ -310,7 +315,7 @@ template <class Dev>
 void run_raw(Call& c, const Tail& t, const RawCall& r) {
   thread_local std::vector<c10::IValue> s;  // no allocation per call; no tensor held past it
   const auto clear = c10::make_scope_exit([&] { s.clear(); });
-  const c10::IValue tail[] = {t.loc,   t.loc_map, t.errors,        t.dcp_rank,   t.dcp_size,
+  const c10::IValue tail[TAIL_FIELDS] = {t.loc,   t.loc_map, t.errors,        t.dcp_rank,   t.dcp_size,
                               t.check, t.op,      t.batch_indices, t.kv_indices, t.kv_indptr};
   for (const Source& src : r.sources) {
     switch (src.kind) {

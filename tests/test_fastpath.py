@@ -318,7 +318,8 @@ def test_an_expression_rule_naming_nothing_known_is_refused_when_the_spec_arrive
     for bad, why in (("X S + nonsense > 0", "nonsense, not an env slot or local"),
                      ("X $nothing == 1", r"\$nothing, not an argument"), ("X (S > 0", r"expected '\)'"),
                      (raw + " if nonsense > 0", "nonsense, not an env slot or local"),
-                     (raw.replace("raw store_rows", "raw store_nothing"), "raw kernel store_nothing is not")):
+                     (raw.replace("raw store_rows", "raw store_nothing"), "raw kernel store_nothing is not"),
+                     (raw + f" t{len(spec.TAIL_FIELDS)}", "names no field of the addressing tail")):
         with pytest.raises(RuntimeError, match=why):
             torch.ops.kvwrite_ext.set_program("store_rows", text + "\n" + bad)
     spec.send_programs()
