@@ -14,7 +14,6 @@ from kvwrite import validate
 from kvwrite.errors import KIND_DST_PAGE, KIND_SRC_PAGE, OutOfBoundsWrite
 from kvwrite.geometry import GeometryError, PageGeometry
 from kvwrite.ops.pages import copy_pages
-from kvwrite.transfer.handshake import agree
 from kvwrite.transfer.layout import cache_buffers
 from kvwrite.transfer.nixl import available, nixl_api
 
@@ -47,6 +46,28 @@ def spec_of(bufs: list[torch.Tensor], n: int, geometry: PageGeometry | None, lay
                     geometry.page_size, geometry.loc_space_scale, layout, n)
 
 
+def agree(local: Exception | None, mine: dict, peer: int, group, sending: bool) -> dict:
+    """Exchange `mine` (with this rank and its refusal `local`, None: it agrees) with `peer`, the
+    sender first (so the pair never waits on each other); raise this rank's own refusal, else the
+    peer's (a GeometryError stays one); else the peer's dict."""
+    mine = {"rank": dist.get_rank(), "refusal": None if local is None else (type(local).__name__, str(local)),
+            **mine}
+    box = [None]
+    if sending:
+        dist.send_object_list([mine], dst=peer, group=group)
+    dist.recv_object_list(box, src=peer, group=group)
+    if not sending:
+        dist.send_object_list([mine], dst=peer, group=group)
+    theirs = box[0]
+    if local is not None:
+        raise local
+    if theirs["refusal"] is not None:
+        kind, msg = theirs["refusal"]
+        cls = GeometryError if kind == "GeometryError" else ValueError
+        raise cls(f"page transfer refused by rank {theirs['rank']} (the peer), nothing was moved: {kind}: {msg}")
+    return theirs
+
+
 def _page_ids(pages: object, bufs: list[torch.Tensor], side: int) -> torch.Tensor:
     """int64 CPU ids, every one a page of the pool (else OutOfBoundsWrite naming the first)."""
     t = validate.tensor("pages", pages, ndim=1, dtypes=validate.LOC_DTYPES)
@@ -72,14 +93,10 @@ def _handshake(cache, pages, peer, group, geometry, layout, sending: bool):
     theirs = agree(local, {"spec": None if spec is None else asdict(spec)}, peer, group, sending)
     rank, mine, other = dist.get_rank(), asdict(spec), theirs["spec"]
     diff = [f"{k}: rank {rank} has {mine[k]!r}, rank {theirs['rank']} has {other[k]!r}"
-            for k in mine if _norm(mine[k]) != _norm(other[k])]
+            for k in mine if mine[k] != other[k]]
     if diff:
         raise GeometryError("the two ends of a page transfer disagree, nothing was moved: " + "; ".join(diff))
     return bufs, ids
-
-
-def _norm(v):
-    return tuple(_norm(x) for x in v) if isinstance(v, (list, tuple)) else v
 
 
 def transport_of(transport: str) -> str:

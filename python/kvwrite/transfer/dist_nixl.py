@@ -14,7 +14,7 @@ import torch.distributed as dist
 from kvwrite import validate
 from kvwrite.errors import KIND_SRC_PAGE
 from kvwrite.geometry import GeometryError
-from kvwrite.transfer.handshake import agree
+from kvwrite.transfer.dist import agree
 from kvwrite.transfer.layout import PoolLayout, bridge, cache_buffers, tensors_layout
 from kvwrite.transfer.nixl import KVAgent, TransferFailed, peer_name
 from kvwrite.transfer.pages import TransferPageError, check_pairs
@@ -29,16 +29,6 @@ def process_agent() -> KVAgent:
         rank = dist.get_rank() if dist.is_initialized() else 0
         _STATE["agent"] = KVAgent(f"kvwrite-rank{rank}-{os.getpid()}")
     return _STATE["agent"]
-
-
-def _raw(bufs: list[torch.Tensor], layout: str) -> list[torch.Tensor]:
-    """The registered memory of `[pages, rows, ...]` views: HND views back to `[pages, H, rows, ...]`."""
-    raw = [b.transpose(1, 2) if layout == "HND" else b for b in bufs]
-    for i, t in enumerate(raw):
-        if not t.is_contiguous():
-            raise ValueError(f"cache[{i}] is not a contiguous {layout} pool: NIXL moves registered memory "
-                             f"as it is laid out")
-    return raw
 
 
 def _registered(agent: KVAgent, layout: PoolLayout, raw: list[torch.Tensor]) -> str:
@@ -76,7 +66,11 @@ def handoff(cache, pages, peer: int, group, geometry, layout: str, sending: bool
         else:
             bufs = cache_buffers(cache)
             layout = validate.choice("layout", layout, ("NHD", "HND"))
-            raw = _raw(bufs, layout)
+            raw = [b.transpose(1, 2) if layout == "HND" else b for b in bufs]   # HND: back to [pages, H, rows, ...]
+            for i, t in enumerate(raw):
+                if not t.is_contiguous():
+                    raise ValueError(f"cache[{i}] is not a contiguous {layout} pool: NIXL moves registered memory "
+                                     f"as it is laid out")
             lay = tensors_layout("cache", raw, geometry, layout)
         ids = validate.tensor("pages", pages, ndim=1, dtypes=validate.LOC_DTYPES).to("cpu", torch.int64)
         agent = process_agent()
@@ -84,27 +78,24 @@ def handoff(cache, pages, peer: int, group, geometry, layout: str, sending: bool
         meta = agent.metadata()
     except (ValueError, TypeError) as exc:
         local = exc
-    rank, tag = dist.get_rank(), uuid.uuid4().hex.encode() if sending else None
+    tag = uuid.uuid4().hex.encode() if sending else None
     theirs = agree(local, {"layout": None if lay is None else lay.to_dict(), "pool": name, "meta": meta,
                            "pages": None if ids is None else ids.tolist(), "tag": tag}, peer, group, sending)
-    other = PoolLayout.from_dict(theirs["layout"])
-    me, them = f"rank {rank}", f"rank {theirs['rank']}"
-    src, dst = (lay, other) if sending else (other, lay)
-    names = (me, them) if sending else (them, me)
+    mine = (lay, f"rank {dist.get_rank()}", ids)
+    other = (PoolLayout.from_dict(theirs["layout"]), f"rank {theirs['rank']}",
+             torch.tensor(theirs["pages"], dtype=torch.int64))
+    (src, src_name, sp), (dst, dst_name, dp) = (mine, other) if sending else (other, mine)
     try:
-        br = bridge(src, dst, f"src ({names[0]})", f"dst ({names[1]})")   # the same verdict on both ranks
+        br = bridge(src, dst, f"src ({src_name})", f"dst ({dst_name})")   # the same verdict on both ranks
     except GeometryError as exc:
         raise GeometryError(f"the two ends of a page transfer disagree: {exc}") from None
-    sp, dp = (ids, torch.tensor(theirs["pages"], dtype=torch.int64)) if sending else \
-        (torch.tensor(theirs["pages"], dtype=torch.int64), ids)
     try:
-        pairs = check_pairs(sp, dp, br, {"src": f"{names[0]}'s pool", "dst": f"{names[1]}'s pool"}, "assert")
+        pairs = check_pairs(sp, dp, br, {"src": f"{src_name}'s pool", "dst": f"{dst_name}'s pool"}, "assert")
     except TransferPageError as exc:
         if (exc.kind == KIND_SRC_PAGE) == sending:   # the bad id is this side's
             raise
         raise ValueError(f"page transfer refused by rank {theirs['rank']} (the peer), nothing was moved: "
                          f"{type(exc).__name__}: {exc}") from None
-    agent = process_agent()
     peer_agent = _load_peer(agent, theirs["meta"])
     if sending:
         try:

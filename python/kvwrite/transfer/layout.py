@@ -90,10 +90,6 @@ def cache_buffers(cache: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Te
     return bufs
 
 
-def _elem(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def buffer_layout(t: torch.Tensor, layout: str, pool_page_size: int, fmt: str = "auto",
                   row_shape: Sequence[int] | None = None) -> BufferLayout:
     """The BufferLayout of one contiguous paged tensor (`layout` as the tensor is stored)."""
@@ -102,7 +98,7 @@ def buffer_layout(t: torch.Tensor, layout: str, pool_page_size: int, fmt: str = 
     if not t.is_contiguous():
         raise ValueError(f"pool buffer {list(t.shape)} is not contiguous: NIXL registers and moves whole "
                          f"pages of memory, so each buffer must be one dense allocation")
-    e, pages = _elem(t.dtype), t.shape[0]
+    e, pages = t.element_size(), t.shape[0]
     page_bytes = t.numel() * e // max(pages, 1)
     dtype = str(t.dtype).replace("torch.", "")
     if layout == "NHD":
@@ -128,16 +124,6 @@ def buffer_layout(t: torch.Tensor, layout: str, pool_page_size: int, fmt: str = 
     raise ValueError(f"layout must be one of {BUFFER_LAYOUTS}, got {layout!r}")
 
 
-def _kvpool_buffer(b, t: torch.Tensor, pps: int, fmt: str) -> BufferLayout:
-    """A KVPool buffer (its plan BufferSpec `b`) as a BufferLayout; page-major buffers (the DSA
-    indexer's, DeepSeek V4's) move as opaque whole pages."""
-    if b.layout == "rows":
-        return buffer_layout(t, "NHD", pps, fmt)
-    if b.layout == "hnd":
-        return buffer_layout(t, "HND", pps, fmt)
-    return buffer_layout(t, "page", pps, fmt, row_shape=b.row_shape)
-
-
 def kvpool_layout(pool, sub: str | None = None) -> tuple[PoolLayout, list[torch.Tensor]]:
     """(layout, buffers) of sub-pool `sub` of a built `KVPool`: every layer's paged buffers."""
     name = pool._sub_pool(sub)
@@ -148,7 +134,9 @@ def kvpool_layout(pool, sub: str | None = None) -> tuple[PoolLayout, list[torch.
     tensors, layouts = [], []
     for layer in pool.buffers[name]:
         for bname, t in layer.items():
-            layouts.append(_kvpool_buffer(specs[bname], t, g.pool_page_size, fmt))
+            b = specs[bname]   # page-major buffers (the DSA indexer's, DeepSeek V4's) move as opaque whole pages
+            lay = {"rows": "NHD", "hnd": "HND"}.get(b.layout, "page")
+            layouts.append(buffer_layout(t, lay, g.pool_page_size, fmt, row_shape=b.row_shape))
             tensors.append(t)
     heads = pool.plan.parallel.kv_heads_per_rank(pool.plan.model.num_kv_heads) if pool.plan.model.num_kv_heads else 1
     return PoolLayout(name, g.page_size, g.loc_space_scale, g.num_pages, heads, tuple(layouts)), tensors

@@ -5,6 +5,7 @@ docs/transfer.md."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import json
 import struct
@@ -32,19 +33,14 @@ class TransferFailed(RuntimeError):
     """NIXL reported an error or the transfer did not finish in time."""
 
 
-_API: list = []   # the module once found (a failed search is repeated: NIXL may be installed later)
-
-
+@functools.cache   # the module once found (a failed search raises, so it is repeated: NIXL may be installed later)
 def nixl_api():
     """The installed NIXL Python API module (`nixl`, else `nixl_cu13`, else `nixl_cu12`)."""
-    if _API:
-        return _API[0]
     errors = []
     for name in _MODULES:
         try:
             mod = importlib.import_module(name)
             if hasattr(mod, "nixl_agent"):
-                _API.append(mod)
                 return mod
         except ImportError as exc:   # noqa: PERF203 - a few names
             errors.append(f"{name}: {exc}")
@@ -80,18 +76,6 @@ class _Pool:
     tensors: tuple = ()  # kept alive while registered (local pools)
 
 
-def _mem_of(tensors: Sequence[torch.Tensor], name: str) -> tuple[str, int]:
-    devs = {t.device for t in tensors}
-    if len(devs) != 1:
-        raise ValueError(f"pool {name!r} has buffers on {sorted(map(str, devs))}: register one device's pool at a time")
-    d = devs.pop()
-    if d.type == "cpu":
-        return "DRAM", 0
-    if d.type == "cuda":
-        return "VRAM", d.index if d.index is not None else torch.cuda.current_device()
-    raise ValueError(f"pool {name!r} is on {d}: NIXL moves host (cpu) or CUDA memory")
-
-
 def _split(blob: bytes) -> tuple[dict, bytes]:
     """(kvwrite header, NIXL metadata) of a `KVAgent.metadata()` blob."""
     if not isinstance(blob, (bytes, bytearray)) or not bytes(blob).startswith(MAGIC):
@@ -111,7 +95,6 @@ class KVAgent:
 
     def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",), check: str | None = None) -> None:
         api = nixl_api()
-        self._api = api
         self.name = str(name)
         self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=list(backends)))
         self.check = check
@@ -119,7 +102,6 @@ class KVAgent:
         self.peers: dict[str, dict[str, _Pool]] = {}
         self._reg: list = []
 
-    # --- registration -----------------------------------------------------------------------------
     def register(self, name: str, tensors: Sequence[torch.Tensor], *, geometry: PageGeometry | None = None,
                  layout: str = "NHD", fmt: str = "auto", heads_per_rank: int | None = None) -> PoolLayout:
         """Register raw pool tensors (`[pages, rows, ...]` NHD or `[pages, H, rows, ...]` HND, one
@@ -138,14 +120,21 @@ class KVAgent:
     def _add(self, name: str, layout: PoolLayout, tensors: list[torch.Tensor]) -> PoolLayout:
         if name in self.pools:
             raise ValueError(f"agent {self.name!r} already registered a pool {name!r}")
-        mem, dev = _mem_of(tensors, name)
+        devs = {t.device for t in tensors}
+        if len(devs) != 1:
+            raise ValueError(f"pool {name!r} has buffers on {sorted(map(str, devs))}: register one device's pool "
+                             f"at a time")
+        d = devs.pop()
+        if d.type not in ("cpu", "cuda"):
+            raise ValueError(f"pool {name!r} is on {d}: NIXL moves host (cpu) or CUDA memory")
+        mem = "DRAM" if d.type == "cpu" else "VRAM"
+        dev = 0 if d.type == "cpu" else d.index if d.index is not None else torch.cuda.current_device()
         regions = [Region(t.data_ptr(), t.numel() * t.element_size(), dev) for t in tensors]
         addresses = PoolAddresses(layout, regions, f"agent {self.name!r}")
         self._reg.append(self.agent.register_memory([(r.addr, r.nbytes, r.device, "") for r in regions], mem))
         self.pools[name] = _Pool(layout, addresses, mem, tuple(tensors))
         return layout
 
-    # --- metadata -----------------------------------------------------------------------------------
     def metadata(self) -> bytes:
         """NIXL's agent metadata plus every registered pool's layout and regions (register all
         pools first: a pool registered later needs a new blob)."""
@@ -181,12 +170,6 @@ class KVAgent:
             raise ValueError(f"peer {peer!r} registered no pool {pool!r} (it has {sorted(self.peers[peer])})")
         return self.peers[peer][pool]
 
-    def _local_pool(self, pool: str) -> _Pool:
-        if pool not in self.pools:
-            raise ValueError(f"agent {self.name!r} registered no pool {pool!r} (it has {sorted(self.pools)})")
-        return self.pools[pool]
-
-    # --- transfers ----------------------------------------------------------------------------------
     def write_pages(self, peer: str, src_pages, dst_pages, *, pool: str, peer_pool: str | None = None,
                     check: str | None = None, errors: ErrorBuffer | None = None, notify: bytes = b"",
                     timeout: float = 120.0) -> TransferStats:
@@ -205,7 +188,9 @@ class KVAgent:
 
     def _move(self, op, peer, pool, peer_pool, src_pages, dst_pages, check, errors, notify, timeout):
         t0 = time.perf_counter()
-        local, remote = self._local_pool(pool), self._peer_pool(peer, peer_pool)
+        if pool not in self.pools:
+            raise ValueError(f"agent {self.name!r} registered no pool {pool!r} (it has {sorted(self.pools)})")
+        local, remote = self.pools[pool], self._peer_pool(peer, peer_pool)
         src, dst = (local, remote) if op == "WRITE" else (remote, local)
         me, them = f"agent {self.name!r}, pool {pool!r}", f"agent {peer!r}, pool {peer_pool!r}"
         where = {"src": me, "dst": them} if op == "WRITE" else {"src": them, "dst": me}
