@@ -4,13 +4,12 @@ published with the agent's metadata, every transfer checked against both pools (
 docs/transfer.md."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib
 import json
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -114,7 +113,7 @@ class KVAgent:
         (default: the sub-pool's name)."""
         layout, tensors = kvpool_layout(pool, sub)
         if name is not None:
-            layout = dataclasses.replace(layout, name=name)
+            layout = replace(layout, name=name)
         return self._add(layout.name, layout, tensors)
 
     def _add(self, name: str, layout: PoolLayout, tensors: list[torch.Tensor]) -> PoolLayout:
