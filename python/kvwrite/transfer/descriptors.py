@@ -32,16 +32,15 @@ class PoolAddresses:
         if len(regions) != len(layout.buffers):
             raise GeometryError(f"{side} pool {layout.name!r} publishes {len(layout.buffers)} buffers but "
                                 f"{len(regions)} registered regions")
-        for i, (b, r) in enumerate(zip(layout.buffers, regions)):
-            if r.nbytes != b.page_bytes * layout.num_pages:
-                raise GeometryError(f"{side} pool {layout.name!r} buffer {i}: region of {r.nbytes} bytes is not "
-                                    f"{layout.num_pages} pages of {b.page_bytes} bytes")
         self.layout, self.regions, self.side = layout, tuple(regions), side
         pps = layout.pool_page_size
         # one entry per (buffer, segment): region base + segment offset in a page, bytes a row, page bytes,
         # buffer, region bounds, device
         entries = []
         for i, (b, r) in enumerate(zip(layout.buffers, regions)):
+            if r.nbytes != b.page_bytes * layout.num_pages:
+                raise GeometryError(f"{side} pool {layout.name!r} buffer {i}: region of {r.nbytes} bytes is not "
+                                    f"{layout.num_pages} pages of {b.page_bytes} bytes")
             off = 0
             for s in b.segments or (b.page_bytes // pps,):   # an opaque page: rows of page_bytes / pps
                 entries.append((r.addr + off, s, b.page_bytes, i, r.addr, r.addr + r.nbytes, r.device))
@@ -77,13 +76,10 @@ def pair_descs(src: PoolAddresses, dst: PoolAddresses, src_units: np.ndarray, ds
     if sa.shape != da.shape or not np.array_equal(sl, dl):
         raise GeometryError(f"src pool {src.layout.name!r} and dst pool {dst.layout.name!r} spans differ in "
                             f"shape or length: compare their layouts with bridge() first")
-    sa, da, ln = sa.reshape(-1), da.reshape(-1), np.ascontiguousarray(sl).reshape(-1)
-    sdev, ddev = np.ascontiguousarray(sd).reshape(-1), np.ascontiguousarray(dd).reshape(-1)
+    sa, da, ln, sdev, ddev = (x.reshape(-1) for x in (sa, da, sl, sd, dd))   # a copy where x is broadcast
     if merge and sa.size > 1:   # merge consecutive spans that continue each other on both sides (same devices)
         cont = ((sa[1:] == sa[:-1] + ln[:-1]) & (da[1:] == da[:-1] + ln[:-1])
                 & (sdev[1:] == sdev[:-1]) & (ddev[1:] == ddev[:-1]))
         starts = np.flatnonzero(np.concatenate(([True], ~cont)))
         sa, da, ln, sdev, ddev = sa[starts], da[starts], np.add.reduceat(ln, starts), sdev[starts], ddev[starts]
-    out_s = np.stack([sa, ln, sdev], axis=1).astype(np.uint64)
-    out_d = np.stack([da, ln, ddev], axis=1).astype(np.uint64)
-    return out_s, out_d
+    return np.stack([sa, ln, sdev], axis=1).astype(np.uint64), np.stack([da, ln, ddev], axis=1).astype(np.uint64)

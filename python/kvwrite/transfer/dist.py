@@ -43,8 +43,7 @@ def spec_of(bufs: list[torch.Tensor], n: int, geometry: PageGeometry | None, lay
     """This side's PageSpec; `geometry` (page_size, loc_space_scale) must describe the buffers."""
     layout = validate.choice("layout", layout, LAYOUTS)
     rows, pages = bufs[0].shape[1], bufs[0].shape[0]
-    if geometry is None:
-        geometry = PageGeometry.from_pool(pages, rows)
+    geometry = geometry or PageGeometry.from_pool(pages, rows)
     if geometry.pool_page_size != rows or geometry.num_pages != pages:
         raise GeometryError(f"geometry pages {geometry.num_pages} x pool_page_size "
                             f"{geometry.pool_page_size} does not describe the cache ({pages} pages of {rows} rows)")
@@ -74,25 +73,19 @@ def agree(local: Exception | None, mine: dict, peer: int, group, sending: bool) 
     return theirs
 
 
-def _page_ids(pages: object, bufs: list[torch.Tensor], side: int) -> torch.Tensor:
-    """int64 CPU ids, every one a page of the pool (else OutOfBoundsWrite naming the first)."""
-    t = validate.tensor("pages", pages, ndim=1, dtypes=validate.LOC_DTYPES)
-    ids = t.to("cpu", torch.int64)
-    num_pages, rows = bufs[0].shape[0], bufs[0].shape[1]
-    bad = (ids < 0) | (ids >= num_pages)
-    if bool(bad.any()):
-        i = int(torch.nonzero(bad)[0, 0])
-        raise OutOfBoundsWrite("transfer", i, int(ids[i]), int(ids[i]), num_pages, rows, int(bad.sum()),
-                               kind=side, target=int(ids[i]), limit=num_pages)
-    return ids
-
-
 def _handshake(cache, pages, peer, group, geometry, layout, sending: bool):
     """Validate locally, exchange with the peer, raise on both ranks when either refuses."""
     local, spec, ids, bufs = None, None, None, None
     try:
         bufs = cache_buffers(cache)
-        ids = _page_ids(pages, bufs, KIND_SRC_PAGE if sending else KIND_DST_PAGE)
+        ids = validate.tensor("pages", pages, ndim=1, dtypes=validate.LOC_DTYPES).to("cpu", torch.int64)
+        num_pages, rows = bufs[0].shape[0], bufs[0].shape[1]
+        bad = (ids < 0) | (ids >= num_pages)   # every id a page of the pool, else the first is named
+        if bool(bad.any()):
+            i = int(torch.nonzero(bad)[0, 0])
+            raise OutOfBoundsWrite("transfer", i, int(ids[i]), int(ids[i]), num_pages, rows, int(bad.sum()),
+                                   kind=KIND_SRC_PAGE if sending else KIND_DST_PAGE, target=int(ids[i]),
+                                   limit=num_pages)
         spec = spec_of(bufs, ids.shape[0], geometry, layout)
     except (ValueError, TypeError, OutOfBoundsWrite) as exc:
         local = exc

@@ -101,16 +101,14 @@ def buffer_layout(t: torch.Tensor, layout: str, pool_page_size: int, fmt: str = 
     e, pages = t.element_size(), t.shape[0]
     page_bytes = t.numel() * e // max(pages, 1)
     dtype = str(t.dtype).replace("torch.", "")
-    if layout == "NHD":
-        if t.dim() < 2 or t.shape[1] != pool_page_size:
-            raise GeometryError(f"NHD buffer {list(t.shape)} does not hold pool_page_size={pool_page_size} rows a page")
-        row = tuple(t.shape[2:])
-        return BufferLayout(dtype, fmt, row, "NHD", (math.prod(row) * e,), page_bytes)
-    if layout == "HND":
-        if t.dim() < 3 or t.shape[2] != pool_page_size:
-            raise GeometryError(f"HND buffer {list(t.shape)} does not hold pool_page_size={pool_page_size} rows a page")
-        h, rest = t.shape[1], tuple(t.shape[3:])
-        return BufferLayout(dtype, fmt, (h, *rest), "HND", (math.prod(rest) * e,) * h, page_bytes)
+    if layout in ("NHD", "HND"):   # HND: one row segment per head
+        axis = 1 if layout == "NHD" else 2
+        if t.dim() <= axis or t.shape[axis] != pool_page_size:
+            raise GeometryError(f"{layout} buffer {list(t.shape)} does not hold pool_page_size={pool_page_size} "
+                                f"rows a page")
+        h, rest = (1 if layout == "NHD" else t.shape[1]), tuple(t.shape[axis + 1:])
+        return BufferLayout(dtype, fmt, rest if layout == "NHD" else (h, *rest), layout, (math.prod(rest) * e,) * h,
+                            page_bytes)
     if layout == "page_major":
         if row_shape is None:
             raise ValueError("a page_major buffer needs its row_shape (the bytes of each row segment)")
@@ -130,13 +128,13 @@ def kvpool_layout(pool, sub: str | None = None) -> tuple[PoolLayout, list[torch.
     sp = pool.plan.pool(name)
     g = sp.geometry
     specs = {b.name: b for b in sp.spec.buffers}
-    fmt = pool.plan.kv_cache_dtype
     tensors, layouts = [], []
     for layer in pool.buffers[name]:
         for bname, t in layer.items():
             b = specs[bname]   # page-major buffers (the DSA indexer's, DeepSeek V4's) move as opaque whole pages
             lay = {"rows": "NHD", "hnd": "HND"}.get(b.layout, "page")
-            layouts.append(buffer_layout(t, lay, g.pool_page_size, fmt, row_shape=b.row_shape))
+            layouts.append(buffer_layout(t, lay, g.pool_page_size, pool.plan.kv_cache_dtype,
+                                          row_shape=b.row_shape))
             tensors.append(t)
     heads = pool.plan.parallel.kv_heads_per_rank(pool.plan.model.num_kv_heads) if pool.plan.model.num_kv_heads else 1
     return PoolLayout(name, g.page_size, g.loc_space_scale, g.num_pages, heads, tuple(layouts)), tensors

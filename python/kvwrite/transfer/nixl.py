@@ -174,19 +174,17 @@ class KVAgent:
                     timeout: float = 120.0) -> TransferStats:
         """Write units `src_pages` of local pool `pool` into units `dst_pages` of the peer's pool
         `peer_pool` (default: the same name); `notify` is delivered to the peer when done."""
-        return self._move("WRITE", peer, pool, peer_pool or pool, src_pages, dst_pages, check, errors, notify,
-                          timeout)
+        return self._move("WRITE", peer, pool, peer_pool, src_pages, dst_pages, check, errors, notify, timeout)
 
     def read_pages(self, peer: str, src_pages, dst_pages, *, pool: str, peer_pool: str | None = None,
                    check: str | None = None, errors: ErrorBuffer | None = None, notify: bytes = b"",
                    timeout: float = 120.0) -> TransferStats:
         """Read units `src_pages` of the peer's pool `peer_pool` (default: `pool`) into units
         `dst_pages` of local pool `pool`."""
-        return self._move("READ", peer, pool, peer_pool or pool, src_pages, dst_pages, check, errors, notify,
-                          timeout)
+        return self._move("READ", peer, pool, peer_pool, src_pages, dst_pages, check, errors, notify, timeout)
 
     def _move(self, op, peer, pool, peer_pool, src_pages, dst_pages, check, errors, notify, timeout):
-        t0 = time.perf_counter()
+        t0, peer_pool = time.perf_counter(), peer_pool or pool
         if pool not in self.pools:
             raise ValueError(f"agent {self.name!r} registered no pool {pool!r} (it has {sorted(self.pools)})")
         local, remote = self.pools[pool], self._peer_pool(peer, peer_pool)

@@ -13,8 +13,6 @@ from kvwrite.errors import KIND_SRC_PAGE, ErrorBuffer, OutOfBoundsWrite, default
 from kvwrite.reference.pages import resolve_pairs
 from kvwrite.transfer.layout import Bridge
 
-RECORD_OP = "copy_pages"   # the guard record's op code (a transfer moves pages as copy_pages does)
-
 
 class TransferPageError(OutOfBoundsWrite):
     """A transfer names a page its src or dst pool does not have (nothing was moved)."""
@@ -74,5 +72,5 @@ def check_pairs(src_pages: object, dst_pages: object, br: Bridge, where: dict[st
             raise ValueError(f"errors must be a CPU ErrorBuffer (a transfer checks its ids on the host), "
                              f"got one on {rec.device}")
         t = torch.from_numpy
-        record_torch(rec.tensor, t(bad), t(target), t(target), t(limit), br.src.rows, RECORD_OP, t(kind))
+        record_torch(rec.tensor, t(bad), t(target), t(target), t(limit), br.src.rows, "copy_pages", t(kind))
     return CheckedPairs(sp[write], dp[write], int(write.size - write.sum()))
