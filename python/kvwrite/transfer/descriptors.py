@@ -1,6 +1,5 @@
-"""Transfer descriptors, the only place page addresses are computed: `PoolAddresses` binds a
-`PoolLayout` to its registered regions, `pair_descs` turns checked page-unit pairs into NIXL
-descriptors (contiguous runs merged), every span checked against its region first."""
+"""Transfer descriptors, the only place page addresses are computed: `PoolAddresses` (a layout over its
+registered regions), `pair_descs` (checked unit pairs to NIXL descriptors, each span inside its region)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,8 +33,7 @@ class PoolAddresses:
                                 f"{len(regions)} registered regions")
         self.layout, self.regions, self.side = layout, tuple(regions), side
         pps = layout.pool_page_size
-        # one entry per (buffer, segment): region base + segment offset in a page, bytes a row, page bytes,
-        # buffer, region bounds, device
+        # per (buffer, segment): its base (+ offset in a page), bytes a row, page bytes, buffer, region bounds, device
         entries = []
         for i, (b, r) in enumerate(zip(layout.buffers, regions)):
             if r.nbytes != b.page_bytes * layout.num_pages:
@@ -49,8 +47,8 @@ class PoolAddresses:
          self._dev) = np.array(entries, dtype=np.int64).reshape(-1, 7).T
 
     def spans(self, units: np.ndarray, u: Units) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(address, length, device) `[segments, n]` of units `units` counted in `u`; raises
-        DescriptorOutsidePool unless every span lies inside its buffer's region."""
+        """(address, length, device) `[segments, n]` of `units` counted in `u`; DescriptorOutsidePool
+        unless every span lies inside its buffer's region."""
         units = np.asarray(units, dtype=np.int64)
         page, part = units // u.factor, units % u.factor
         addr = self._base[:, None] + page[None, :] * self._page[:, None] + (part * u.rows)[None, :] * self._row[:, None]
@@ -69,8 +67,7 @@ class PoolAddresses:
 def pair_descs(src: PoolAddresses, dst: PoolAddresses, src_units: np.ndarray, dst_units: np.ndarray,
                br: Bridge, merge: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """(src, dst) NIXL descriptor arrays `[m, 3]` (uint64: address, length, device) moving unit
-    `src_units[i]` of `src` to unit `dst_units[i]` of `dst` for every i (ids already checked:
-    -1 pairs removed)."""
+    `src_units[i]` of `src` to unit `dst_units[i]` of `dst` (ids checked, -1 pairs removed); `merge`: join runs."""
     sa, sl, sd = src.spans(src_units, br.src)
     da, dl, dd = dst.spans(dst_units, br.dst)
     if sa.shape != da.shape or not np.array_equal(sl, dl):

@@ -1,9 +1,7 @@
-"""`send_pages` / `recv_pages`: page transfers over torch.distributed. Both ranks exchange what
-they hold and check their ids before any page moves, and raise together when either refuses.
-`transport="nixl"` (the default where NIXL is installed): the handshake carries the layouts, page
-ids and NIXL metadata, one NIXL WRITE moves the bytes; the process's `KVAgent` registers each pool
-once (keyed by its buffers' memory). `"torch"`: the PageSpecs must be equal; each buffer's pages are
-staged with copy_pages, sent as one tensor and scattered."""
+"""`send_pages` / `recv_pages`: page transfers over torch.distributed; both ranks exchange what they hold and
+check their ids before any page moves, and raise together when either refuses. NIXL: the handshake carries
+layouts, page ids and NIXL metadata, then one WRITE; the process's `KVAgent` registers each pool once (keyed by
+its memory). torch: equal PageSpecs; each buffer's pages staged with copy_pages, sent as one tensor, scattered."""
 from __future__ import annotations
 
 import itertools
@@ -52,9 +50,8 @@ def spec_of(bufs: list[torch.Tensor], n: int, geometry: PageGeometry | None, lay
 
 
 def agree(local: Exception | None, mine: dict, peer: int, group, sending: bool) -> dict:
-    """Exchange `mine` (with this rank and its refusal `local`, None: it agrees) with `peer`, the
-    sender first (so the pair never waits on each other); raise this rank's own refusal, else the
-    peer's (a GeometryError stays one); else the peer's dict."""
+    """Exchange `mine` (plus this rank and its refusal `local`, None: it agrees) with `peer`, sender first;
+    raise this rank's refusal, else the peer's (a GeometryError stays one); else return the peer's dict."""
     mine = {"rank": dist.get_rank(), "refusal": None if local is None else (type(local).__name__, str(local)),
             **mine}
     box = [None]
@@ -71,31 +68,6 @@ def agree(local: Exception | None, mine: dict, peer: int, group, sending: bool) 
         cls = GeometryError if kind == "GeometryError" else ValueError
         raise cls(f"page transfer refused by rank {theirs['rank']} (the peer), nothing was moved: {kind}: {msg}")
     return theirs
-
-
-def _handshake(cache, pages, peer, group, geometry, layout, sending: bool):
-    """Validate locally, exchange with the peer, raise on both ranks when either refuses."""
-    local, spec, ids, bufs = None, None, None, None
-    try:
-        bufs = cache_buffers(cache)
-        ids = validate.tensor("pages", pages, ndim=1, dtypes=validate.LOC_DTYPES).to("cpu", torch.int64)
-        num_pages, rows = bufs[0].shape[0], bufs[0].shape[1]
-        bad = (ids < 0) | (ids >= num_pages)   # every id a page of the pool, else the first is named
-        if bool(bad.any()):
-            i = int(torch.nonzero(bad)[0, 0])
-            raise OutOfBoundsWrite("transfer", i, int(ids[i]), int(ids[i]), num_pages, rows, int(bad.sum()),
-                                   kind=KIND_SRC_PAGE if sending else KIND_DST_PAGE, target=int(ids[i]),
-                                   limit=num_pages)
-        spec = spec_of(bufs, ids.shape[0], geometry, layout)
-    except (ValueError, TypeError, OutOfBoundsWrite) as exc:
-        local = exc
-    theirs = agree(local, {"spec": None if spec is None else asdict(spec)}, peer, group, sending)
-    rank, mine, other = dist.get_rank(), asdict(spec), theirs["spec"]
-    diff = [f"{k}: rank {rank} has {mine[k]!r}, rank {theirs['rank']} has {other[k]!r}"
-            for k in mine if mine[k] != other[k]]
-    if diff:
-        raise GeometryError("the two ends of a page transfer disagree, nothing was moved: " + "; ".join(diff))
-    return bufs, ids
 
 
 def transport_of(transport: str) -> str:
@@ -197,12 +169,31 @@ def handoff(cache, pages, peer: int, group, geometry, layout: str, sending: bool
 
 
 def _stages(cache, pages, peer, group, geometry, layout, transport, pool_layout, sending: bool):
-    """NIXL: run the pair, yield nothing. torch: check the pair, then yield (buffer, its staging
-    tensor, page ids, staging ids) for each buffer."""
+    """NIXL: run the pair, yield nothing. torch: check the pair (validate locally, exchange, raise on both
+    ranks when either refuses), then yield (buffer, its staging tensor, page ids, staging ids) per buffer."""
     if transport_of(transport) == "nixl":
         handoff(cache, pages, peer, group, geometry, layout, sending, pool_layout)
         return
-    bufs, ids = _handshake(cache, pages, peer, group, geometry, layout, sending)
+    local, spec, ids, bufs = None, None, None, None
+    try:
+        bufs = cache_buffers(cache)
+        ids = validate.tensor("pages", pages, ndim=1, dtypes=validate.LOC_DTYPES).to("cpu", torch.int64)
+        num_pages, rows = bufs[0].shape[0], bufs[0].shape[1]
+        bad = (ids < 0) | (ids >= num_pages)   # every id a page of the pool, else the first is named
+        if bool(bad.any()):
+            i = int(torch.nonzero(bad)[0, 0])
+            raise OutOfBoundsWrite("transfer", i, int(ids[i]), int(ids[i]), num_pages, rows, int(bad.sum()),
+                                   kind=KIND_SRC_PAGE if sending else KIND_DST_PAGE, target=int(ids[i]),
+                                   limit=num_pages)
+        spec = spec_of(bufs, ids.shape[0], geometry, layout)
+    except (ValueError, TypeError, OutOfBoundsWrite) as exc:
+        local = exc
+    theirs = agree(local, {"spec": None if spec is None else asdict(spec)}, peer, group, sending)
+    rank, mine, other = dist.get_rank(), asdict(spec), theirs["spec"]
+    diff = [f"{k}: rank {rank} has {mine[k]!r}, rank {theirs['rank']} has {other[k]!r}"
+            for k in mine if mine[k] != other[k]]
+    if diff:
+        raise GeometryError("the two ends of a page transfer disagree, nothing was moved: " + "; ".join(diff))
     n = ids.shape[0]
     for b in bufs:
         yield (b, torch.empty((n, *b.shape[1:]), dtype=b.dtype, device=b.device), ids.to(b.device),
@@ -212,14 +203,13 @@ def _stages(cache, pages, peer, group, geometry, layout, transport, pool_layout,
 def send_pages(cache: torch.Tensor | Sequence[torch.Tensor], pages: torch.Tensor, dst: int, group=None, *,
                geometry: PageGeometry | None = None, layout: str = "NHD", backend: str = "auto",
                transport: str = "auto", pool_layout=None) -> None:
-    """Send pages `pages` of `cache` (a pool `[pages, rows, ...]` or a sequence of them, e.g.
-    every layer's K and V) to rank `dst`, which calls `recv_pages` with as many pages. `geometry`
-    (page_size, loc_space_scale of the pool) and `layout` are compared with the receiver's;
-    without `geometry` the pool's rows per page are its page_size (loc_space_scale 1).
-    `transport`: "nixl" (one NIXL WRITE, no staging; page sizes that divide are bridged, ids
-    counting units of the smaller page), "torch" (staged through copy_pages, geometries must be
-    equal) or "auto" (NIXL where installed). `pool_layout`: (PoolLayout, buffers) of a KVPool
-    sub-pool (KVPool.send_pages passes it)."""
+    """Send pages `pages` of `cache` (a pool `[pages, rows, ...]` or a sequence of them, e.g. every layer's K
+    and V) to rank `dst`, which calls `recv_pages` with as many pages. `geometry` (page_size, loc_space_scale
+    of the pool) and `layout` are compared with the receiver's; without `geometry` the pool's rows per page
+    are its page_size (loc_space_scale 1). `transport`: "nixl" (one NIXL WRITE, no staging; page sizes that
+    divide are bridged, ids counting units of the smaller page), "torch" (staged through copy_pages,
+    geometries must be equal) or "auto" (NIXL where installed). `pool_layout`: (PoolLayout, buffers) of a
+    KVPool sub-pool (KVPool.send_pages passes it)."""
     for b, stage, ids, seq in _stages(cache, pages, dst, group, geometry, layout, transport, pool_layout, True):
         copy_pages(b, stage, ids, seq, backend=backend)
         dist.send(stage, dst=dst, group=group)

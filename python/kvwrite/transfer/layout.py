@@ -1,6 +1,5 @@
-"""The geometry a pool publishes for page transfers (`PoolLayout`: per buffer its dtype, format,
-row shape and page segments; the page-size namespace), and `bridge(src, dst)`, the comparison of
-two: equal rows with page sizes that divide (units of the smaller page), else a GeometryError."""
+"""The geometry a pool publishes for page transfers (`PoolLayout`), and `bridge(src, dst)`: equal rows
+with page sizes that divide (units of the smaller page), else a GeometryError."""
 from __future__ import annotations
 
 import math
@@ -128,16 +127,12 @@ def kvpool_layout(pool, sub: str | None = None) -> tuple[PoolLayout, list[torch.
     sp = pool.plan.pool(name)
     g = sp.geometry
     specs = {b.name: b for b in sp.spec.buffers}
-    tensors, layouts = [], []
-    for layer in pool.buffers[name]:
-        for bname, t in layer.items():
-            b = specs[bname]   # page-major buffers (the DSA indexer's, DeepSeek V4's) move as opaque whole pages
-            lay = {"rows": "NHD", "hnd": "HND"}.get(b.layout, "page")
-            layouts.append(buffer_layout(t, lay, g.pool_page_size, pool.plan.kv_cache_dtype,
-                                          row_shape=b.row_shape))
-            tensors.append(t)
+    bufs = [(specs[bname], t) for layer in pool.buffers[name] for bname, t in layer.items()]
+    # page-major buffers (the DSA indexer's, DeepSeek V4's) move as opaque whole pages
+    layouts = tuple(buffer_layout(t, {"rows": "NHD", "hnd": "HND"}.get(b.layout, "page"), g.pool_page_size,
+                                  pool.plan.kv_cache_dtype, row_shape=b.row_shape) for b, t in bufs)
     heads = pool.plan.parallel.kv_heads_per_rank(pool.plan.model.num_kv_heads) if pool.plan.model.num_kv_heads else 1
-    return PoolLayout(name, g.page_size, g.loc_space_scale, g.num_pages, heads, tuple(layouts)), tensors
+    return PoolLayout(name, g.page_size, g.loc_space_scale, g.num_pages, heads, layouts), [t for _, t in bufs]
 
 
 def tensors_layout(name: str, tensors: Sequence[torch.Tensor], geometry: PageGeometry | None = None,
@@ -170,8 +165,7 @@ class Bridge:
 
 
 def bridge(src: PoolLayout, dst: PoolLayout, src_name: str = "src", dst_name: str = "dst") -> Bridge:
-    """Compare two pools' layouts; a Bridge when their pages can move as they are, else a
-    GeometryError listing every difference."""
+    """Compare two layouts: a Bridge when pages can move as they are, else a GeometryError naming every difference."""
     diff = []
     if len(src.buffers) != len(dst.buffers):
         diff.append(f"{src_name} has {len(src.buffers)} buffers, {dst_name} {len(dst.buffers)}")

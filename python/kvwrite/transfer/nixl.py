@@ -1,7 +1,5 @@
-"""Page transfers on NIXL: one `KVAgent` per process, its pools registered once, their layouts
-published with the agent's metadata, every transfer checked against both pools (`check_pairs`,
-`bridge`, `pair_descs`) before NIXL moves the bytes between the registered buffers. Usage:
-docs/transfer.md."""
+"""Page transfers on NIXL: one `KVAgent` per process, its pools' layouts published with its metadata, every
+transfer checked against both pools before NIXL moves the bytes (docs/transfer.md)."""
 from __future__ import annotations
 
 import functools
@@ -21,7 +19,6 @@ from kvwrite.transfer.layout import PoolLayout, bridge, kvpool_layout, tensors_l
 from kvwrite.transfer.pages import check_pairs
 
 MAGIC = b"KVWX1"
-_MODULES = ("nixl", "nixl_cu13", "nixl_cu12")
 
 
 class NixlUnavailable(ImportError):
@@ -36,7 +33,7 @@ class TransferFailed(RuntimeError):
 def nixl_api():
     """The installed NIXL Python API module (`nixl`, else `nixl_cu13`, else `nixl_cu12`)."""
     errors = []
-    for name in _MODULES:
+    for name in ("nixl", "nixl_cu13", "nixl_cu12"):
         try:
             mod = importlib.import_module(name)
             if hasattr(mod, "nixl_agent"):
@@ -109,8 +106,7 @@ class KVAgent:
                          list(tensors))
 
     def register_pool(self, pool, sub: str | None = None, name: str | None = None) -> PoolLayout:
-        """Register sub-pool `sub` of a built `KVPool` (every layer's paged buffers) as `name`
-        (default: the sub-pool's name)."""
+        """Register sub-pool `sub` of a built `KVPool` (every layer's buffers) as `name` (default: `sub`'s)."""
         layout, tensors = kvpool_layout(pool, sub)
         if name is not None:
             layout = replace(layout, name=name)
@@ -135,8 +131,7 @@ class KVAgent:
         return layout
 
     def metadata(self) -> bytes:
-        """NIXL's agent metadata plus every registered pool's layout and regions (register all
-        pools first: a pool registered later needs a new blob)."""
+        """NIXL's agent metadata plus each registered pool's layout and regions (a later pool needs a new blob)."""
         pools = {n: dict(layout=p.layout.to_dict(), mem=p.mem,
                          regions=[[r.addr, r.nbytes, r.device] for r in p.addresses.regions])
                  for n, p in self.pools.items()}
@@ -179,8 +174,7 @@ class KVAgent:
     def read_pages(self, peer: str, src_pages, dst_pages, *, pool: str, peer_pool: str | None = None,
                    check: str | None = None, errors: ErrorBuffer | None = None, notify: bytes = b"",
                    timeout: float = 120.0) -> TransferStats:
-        """Read units `src_pages` of the peer's pool `peer_pool` (default: `pool`) into units
-        `dst_pages` of local pool `pool`."""
+        """Read units `src_pages` of the peer's pool `peer_pool` (default: `pool`) into units `dst_pages` of `pool`."""
         return self._move("READ", peer, pool, peer_pool, src_pages, dst_pages, check, errors, notify, timeout)
 
     def _move(self, op, peer, pool, peer_pool, src_pages, dst_pages, check, errors, notify, timeout):
@@ -221,8 +215,7 @@ class KVAgent:
         self.agent.send_notif(peer, message)
 
     def wait_notif(self, peer: str, *messages: bytes, timeout: float = 120.0) -> bytes:
-        """Block until `peer` delivered one of `messages` (a transfer's `notify` or a
-        send_notif); returns it."""
+        """Block until `peer` delivered one of `messages` (a transfer's `notify` or a send_notif); return it."""
         deadline = time.monotonic() + timeout
         while True:
             got = self.agent.update_notifs().get(peer, [])

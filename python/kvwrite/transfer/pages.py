@@ -1,6 +1,5 @@
-"""Page ids of a transfer, checked against both pools before any descriptor is built, by
-`kvwrite.copy_pages`'s rules (`kvwrite.reference.pages.resolve_pairs`; "off" still refuses an id
-past either pool); the raised error names the side, the agent, the pool and the id."""
+"""Page ids of a transfer, checked against both pools before any descriptor is built, by `copy_pages`'s
+rules (`resolve_pairs`; "off" still refuses an id past either pool)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,8 +41,7 @@ class CheckedPairs:
 def _ids(name: str, pages: object) -> np.ndarray:
     """int64 host ids of a 1-D int tensor, array or list (numpy from here on: no torch threads)."""
     if isinstance(pages, torch.Tensor):
-        t = validate.tensor(name, pages, ndim=1, dtypes=validate.LOC_DTYPES)
-        return t.to("cpu", torch.int64).numpy()
+        return validate.tensor(name, pages, ndim=1, dtypes=validate.LOC_DTYPES).to("cpu", torch.int64).numpy()
     a = np.asarray(pages)
     if a.ndim != 1 or not (a.size == 0 or np.issubdtype(a.dtype, np.integer)):
         raise ValueError(f"{name} must be 1-D integer page ids, got {a.dtype} of shape {list(a.shape)}")
