@@ -1,5 +1,4 @@
-"""Transfer descriptors, the only place page addresses are computed: `PoolAddresses` (a layout over its
-registered regions), `pair_descs` (checked unit pairs to NIXL descriptors, each span inside its region)."""
+"""Transfer descriptors, the only place page addresses are computed, every span checked against its region."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -47,8 +46,7 @@ class PoolAddresses:
          self._dev) = np.array(entries, dtype=np.int64).reshape(-1, 7).T
 
     def spans(self, units: np.ndarray, u: Units) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(address, length, device) `[segments, n]` of `units` counted in `u`; DescriptorOutsidePool
-        unless every span lies inside its buffer's region."""
+        """(address, length, device) `[segments, n]` of `units` in `u`; DescriptorOutsidePool if one leaves a region."""
         units = np.asarray(units, dtype=np.int64)
         page, part = units // u.factor, units % u.factor
         addr = self._base[:, None] + page[None, :] * self._page[:, None] + (part * u.rows)[None, :] * self._row[:, None]

@@ -4,6 +4,7 @@ layouts, page ids and NIXL metadata, then one WRITE; the process's `KVAgent` reg
 its memory). torch: equal PageSpecs; each buffer's pages staged with copy_pages, sent as one tensor, scattered."""
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import uuid
@@ -52,8 +53,7 @@ def spec_of(bufs: list[torch.Tensor], n: int, geometry: PageGeometry | None, lay
 def agree(local: Exception | None, mine: dict, peer: int, group, sending: bool) -> dict:
     """Exchange `mine` (plus this rank and its refusal `local`, None: it agrees) with `peer`, sender first;
     raise this rank's refusal, else the peer's (a GeometryError stays one); else return the peer's dict."""
-    mine = {"rank": dist.get_rank(), "refusal": None if local is None else (type(local).__name__, str(local)),
-            **mine}
+    mine = {"rank": dist.get_rank(), "refusal": None if local is None else (type(local).__name__, str(local)), **mine}
     box = [None]
     if sending:
         dist.send_object_list([mine], dst=peer, group=group)
@@ -78,16 +78,15 @@ def transport_of(transport: str) -> str:
     return ("nixl" if available() else "torch") if transport == "auto" else transport
 
 
-_STATE: dict = {"agent": None, "pools": {}, "peers": {}}
+_STATE: dict = {"pools": {}, "peers": {}}
 _NAMES = itertools.count()
 
 
+@functools.cache
 def process_agent() -> KVAgent:
     """This process's KVAgent for send_pages / recv_pages (made on first use)."""
-    if _STATE["agent"] is None:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        _STATE["agent"] = KVAgent(f"kvwrite-rank{rank}-{os.getpid()}")
-    return _STATE["agent"]
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return KVAgent(f"kvwrite-rank{rank}-{os.getpid()}")
 
 
 def _registered(agent: KVAgent, layout: PoolLayout, raw: list[torch.Tensor]) -> str:
@@ -104,10 +103,9 @@ def _registered(agent: KVAgent, layout: PoolLayout, raw: list[torch.Tensor]) -> 
 
 def _load_peer(agent: KVAgent, blob: bytes) -> str:
     """Load a peer's metadata unless this exact blob is loaded already."""
-    for name, old in _STATE["peers"].items():
-        if old == blob:
-            return name
     name = peer_name(blob)
+    if _STATE["peers"].get(name) == blob:
+        return name
     if name in agent.peers:
         agent.agent.remove_remote_agent(name)
         del agent.peers[name]
@@ -144,12 +142,11 @@ def handoff(cache, pages, peer: int, group, geometry, layout: str, sending: bool
     other = (PoolLayout.from_dict(theirs["layout"]), f"rank {theirs['rank']}",
              torch.tensor(theirs["pages"], dtype=torch.int64))
     (src, src_name, sp), (dst, dst_name, dp) = (mine, other) if sending else (other, mine)
-    try:
-        br = bridge(src, dst, f"src ({src_name})", f"dst ({dst_name})")   # the same verdict on both ranks
+    try:   # the same verdicts on both ranks
+        br = bridge(src, dst, f"src ({src_name})", f"dst ({dst_name})")
+        pairs = check_pairs(sp, dp, br, {"src": f"{src_name}'s pool", "dst": f"{dst_name}'s pool"}, "assert")
     except GeometryError as exc:
         raise GeometryError(f"the two ends of a page transfer disagree: {exc}") from None
-    try:
-        pairs = check_pairs(sp, dp, br, {"src": f"{src_name}'s pool", "dst": f"{dst_name}'s pool"}, "assert")
     except TransferPageError as exc:
         if (exc.kind == KIND_SRC_PAGE) == sending:   # the bad id is this side's
             raise
@@ -169,8 +166,7 @@ def handoff(cache, pages, peer: int, group, geometry, layout: str, sending: bool
 
 
 def _stages(cache, pages, peer, group, geometry, layout, transport, pool_layout, sending: bool):
-    """NIXL: run the pair, yield nothing. torch: check the pair (validate locally, exchange, raise on both
-    ranks when either refuses), then yield (buffer, its staging tensor, page ids, staging ids) per buffer."""
+    """NIXL: run the pair. torch: check the pair, then yield (buffer, staging tensor, ids, staging ids) per buffer."""
     if transport_of(transport) == "nixl":
         handoff(cache, pages, peer, group, geometry, layout, sending, pool_layout)
         return

@@ -1,5 +1,4 @@
-"""The geometry a pool publishes for page transfers (`PoolLayout`), and `bridge(src, dst)`: equal rows
-with page sizes that divide (units of the smaller page), else a GeometryError."""
+"""The layout a pool publishes for page transfers (`PoolLayout`), and `bridge`, the comparison of two."""
 from __future__ import annotations
 
 import math
@@ -55,9 +54,7 @@ class PoolLayout:
         return sum(b.page_bytes for b in self.buffers) * self.num_pages
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["pool_page_size"] = self.pool_page_size   # published for the reader; derived on load
-        return d
+        return {**asdict(self), "pool_page_size": self.pool_page_size}   # published for the reader; derived on load
 
     @classmethod
     def from_dict(cls, d: dict) -> "PoolLayout":
@@ -152,8 +149,7 @@ def tensors_layout(name: str, tensors: Sequence[torch.Tensor], geometry: PageGeo
                                 f"every buffer pages one loc space")
     if heads_per_rank is None:
         heads_per_rank = t0.shape[1] if layout == "HND" else (t0.shape[2] if t0.dim() >= 4 else 1)
-    return PoolLayout(name, geometry.page_size, geometry.loc_space_scale, geometry.num_pages,
-                      int(heads_per_rank), bufs)
+    return PoolLayout(name, geometry.page_size, geometry.loc_space_scale, geometry.num_pages, int(heads_per_rank), bufs)
 
 
 @dataclass(frozen=True)
@@ -189,5 +185,4 @@ def bridge(src: PoolLayout, dst: PoolLayout, src_name: str = "src", dst_name: st
         raise GeometryError(f"pool {src.name!r} ({src_name}) and pool {dst.name!r} ({dst_name}) cannot exchange "
                             f"pages, nothing was moved: " + "; ".join(diff))
     unit = min(ps, pd)
-    return Bridge(Units(ps // unit, unit, src.num_pages * (ps // unit)),
-                  Units(pd // unit, unit, dst.num_pages * (pd // unit)))
+    return Bridge(*(Units(p // unit, unit, lay.num_pages * (p // unit)) for p, lay in ((ps, src), (pd, dst))))

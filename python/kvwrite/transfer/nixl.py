@@ -1,5 +1,4 @@
-"""Page transfers on NIXL: one `KVAgent` per process, its pools' layouts published with its metadata, every
-transfer checked against both pools before NIXL moves the bytes (docs/transfer.md)."""
+"""Page transfers on NIXL: `KVAgent`, every transfer checked against both pools first (docs/transfer.md)."""
 from __future__ import annotations
 
 import functools
@@ -7,7 +6,7 @@ import importlib
 import json
 import struct
 import time
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass, replace
 from typing import Sequence
 
 import torch
@@ -47,8 +46,7 @@ def nixl_api():
 def available() -> bool:
     """Whether NIXL imports here."""
     try:
-        nixl_api()
-        return True
+        return nixl_api() is not None
     except NixlUnavailable:
         return False
 
@@ -132,8 +130,7 @@ class KVAgent:
 
     def metadata(self) -> bytes:
         """NIXL's agent metadata plus each registered pool's layout and regions (a later pool needs a new blob)."""
-        pools = {n: dict(layout=p.layout.to_dict(), mem=p.mem,
-                         regions=[[r.addr, r.nbytes, r.device] for r in p.addresses.regions])
+        pools = {n: dict(layout=p.layout.to_dict(), mem=p.mem, regions=[astuple(r) for r in p.addresses.regions])
                  for n, p in self.pools.items()}
         head = json.dumps(dict(agent=self.name, pools=pools)).encode()
         return MAGIC + struct.pack(">I", len(head)) + head + self.agent.get_agent_metadata()

@@ -1,5 +1,4 @@
-"""Page ids of a transfer, checked against both pools before any descriptor is built, by `copy_pages`'s
-rules (`resolve_pairs`; "off" still refuses an id past either pool)."""
+"""Page ids of a transfer checked against both pools by copy_pages' rules ("off" still refuses past a pool)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
