@@ -1,6 +1,5 @@
-"""Page transfers between processes, both pools checked before anything moves: `KVAgent` (NIXL,
-`kvwrite.transfer.nixl`) and `send_pages` / `recv_pages` (torch.distributed, `kvwrite.transfer.dist`).
-How to use them, and figures: docs/transfer.md."""
+"""Page transfers between processes, both pools checked before anything moves: `KVAgent` (NIXL) and
+`send_pages` / `recv_pages` (torch.distributed). How to use them, and figures: docs/transfer.md."""
 from kvwrite.transfer.descriptors import DescriptorOutsidePool, PoolAddresses, Region, pair_descs
 from kvwrite.transfer.dist import PageSpec, recv_pages, send_pages, spec_of
 from kvwrite.transfer.layout import BufferLayout, Bridge, PoolLayout, bridge, kvpool_layout, tensors_layout

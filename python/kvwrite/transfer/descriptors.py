@@ -1,6 +1,4 @@
-"""Transfer descriptors, the only place page addresses are computed: `PoolAddresses` binds a
-`PoolLayout` to its registered regions, `pair_descs` turns checked page-unit pairs into NIXL
-descriptors (contiguous runs merged), every span checked against its region first."""
+"""Transfer descriptors, the only place page addresses are computed, every span checked against its region."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,35 +30,23 @@ class PoolAddresses:
         if len(regions) != len(layout.buffers):
             raise GeometryError(f"{side} pool {layout.name!r} publishes {len(layout.buffers)} buffers but "
                                 f"{len(regions)} registered regions")
+        self.layout, self.regions, self.side = layout, tuple(regions), side
+        pps = layout.pool_page_size
+        # per (buffer, segment): its base (+ offset in a page), bytes a row, page bytes, buffer, region bounds, device
+        entries = []
         for i, (b, r) in enumerate(zip(layout.buffers, regions)):
             if r.nbytes != b.page_bytes * layout.num_pages:
                 raise GeometryError(f"{side} pool {layout.name!r} buffer {i}: region of {r.nbytes} bytes is not "
                                     f"{layout.num_pages} pages of {b.page_bytes} bytes")
-        self.layout, self.regions, self.side = layout, tuple(regions), side
-        pps = layout.pool_page_size
-        # one entry per (buffer, segment): region base + segment offset in a page, bytes a row
-        base, rowb, pageb, buf, end = [], [], [], [], []
-        for i, (b, r) in enumerate(zip(layout.buffers, regions)):
-            segs = b.segments or (b.page_bytes // pps,)   # an opaque page: rows of page_bytes / pps
             off = 0
-            for s in segs:
-                base.append(r.addr + off)
-                rowb.append(s)
-                pageb.append(b.page_bytes)
-                buf.append(i)
-                end.append(r.addr + r.nbytes)
+            for s in b.segments or (b.page_bytes // pps,):   # an opaque page: rows of page_bytes / pps
+                entries.append((r.addr + off, s, b.page_bytes, i, r.addr, r.addr + r.nbytes, r.device))
                 off += pps * s
-        self._base = np.array(base, dtype=np.int64)
-        self._row = np.array(rowb, dtype=np.int64)
-        self._page = np.array(pageb, dtype=np.int64)
-        self._buf = np.array(buf, dtype=np.int64)
-        self._lo = np.array([self.regions[i].addr for i in buf], dtype=np.int64)
-        self._hi = np.array(end, dtype=np.int64)
-        self._dev = np.array([self.regions[i].device for i in buf], dtype=np.int64)
+        (self._base, self._row, self._page, self._buf, self._lo, self._hi,
+         self._dev) = np.array(entries, dtype=np.int64).reshape(-1, 7).T
 
     def spans(self, units: np.ndarray, u: Units) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(address, length, device) `[segments, n]` of units `units` counted in `u`; raises
-        DescriptorOutsidePool unless every span lies inside its buffer's region."""
+        """(address, length, device) `[segments, n]` of `units` in `u`; DescriptorOutsidePool if one leaves a region."""
         units = np.asarray(units, dtype=np.int64)
         page, part = units // u.factor, units % u.factor
         addr = self._base[:, None] + page[None, :] * self._page[:, None] + (part * u.rows)[None, :] * self._row[:, None]
@@ -76,30 +62,19 @@ class PoolAddresses:
         return addr, length, np.broadcast_to(self._dev[:, None], addr.shape)
 
 
-def _merge(sa, da, ln, sdev, ddev):
-    """Merge consecutive spans that continue each other on both sides (same devices)."""
-    if sa.size <= 1:
-        return sa, da, ln, sdev, ddev
-    cont = ((sa[1:] == sa[:-1] + ln[:-1]) & (da[1:] == da[:-1] + ln[:-1])
-            & (sdev[1:] == sdev[:-1]) & (ddev[1:] == ddev[:-1]))
-    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
-    return sa[starts], da[starts], np.add.reduceat(ln, starts), sdev[starts], ddev[starts]
-
-
 def pair_descs(src: PoolAddresses, dst: PoolAddresses, src_units: np.ndarray, dst_units: np.ndarray,
                br: Bridge, merge: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """(src, dst) NIXL descriptor arrays `[m, 3]` (uint64: address, length, device) moving unit
-    `src_units[i]` of `src` to unit `dst_units[i]` of `dst` for every i (ids already checked:
-    -1 pairs removed)."""
+    `src_units[i]` of `src` to unit `dst_units[i]` of `dst` (ids checked, -1 pairs removed); `merge`: join runs."""
     sa, sl, sd = src.spans(src_units, br.src)
     da, dl, dd = dst.spans(dst_units, br.dst)
     if sa.shape != da.shape or not np.array_equal(sl, dl):
         raise GeometryError(f"src pool {src.layout.name!r} and dst pool {dst.layout.name!r} spans differ in "
                             f"shape or length: compare their layouts with bridge() first")
-    sa, da, ln = sa.reshape(-1), da.reshape(-1), np.ascontiguousarray(sl).reshape(-1)
-    sdev, ddev = np.ascontiguousarray(sd).reshape(-1), np.ascontiguousarray(dd).reshape(-1)
-    if merge:
-        sa, da, ln, sdev, ddev = _merge(sa, da, ln, sdev, ddev)
-    out_s = np.stack([sa, ln, sdev], axis=1).astype(np.uint64)
-    out_d = np.stack([da, ln, ddev], axis=1).astype(np.uint64)
-    return out_s, out_d
+    sa, da, ln, sdev, ddev = (x.reshape(-1) for x in (sa, da, sl, sd, dd))   # a copy where x is broadcast
+    if merge and sa.size > 1:   # merge consecutive spans that continue each other on both sides (same devices)
+        cont = ((sa[1:] == sa[:-1] + ln[:-1]) & (da[1:] == da[:-1] + ln[:-1])
+                & (sdev[1:] == sdev[:-1]) & (ddev[1:] == ddev[:-1]))
+        starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+        sa, da, ln, sdev, ddev = sa[starts], da[starts], np.add.reduceat(ln, starts), sdev[starts], ddev[starts]
+    return np.stack([sa, ln, sdev], axis=1).astype(np.uint64), np.stack([da, ln, ddev], axis=1).astype(np.uint64)

@@ -1,6 +1,4 @@
-"""The geometry a pool publishes for page transfers (`PoolLayout`: per buffer its dtype, format,
-row shape and page segments; the page-size namespace), and `bridge(src, dst)`, the comparison of
-two: equal rows with page sizes that divide (units of the smaller page), else a GeometryError."""
+"""The layout a pool publishes for page transfers (`PoolLayout`), and `bridge`, the comparison of two."""
 from __future__ import annotations
 
 import math
@@ -56,9 +54,7 @@ class PoolLayout:
         return sum(b.page_bytes for b in self.buffers) * self.num_pages
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["pool_page_size"] = self.pool_page_size   # published for the reader; derived on load
-        return d
+        return {**asdict(self), "pool_page_size": self.pool_page_size}   # published for the reader; derived on load
 
     @classmethod
     def from_dict(cls, d: dict) -> "PoolLayout":
@@ -90,10 +86,6 @@ def cache_buffers(cache: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Te
     return bufs
 
 
-def _elem(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def buffer_layout(t: torch.Tensor, layout: str, pool_page_size: int, fmt: str = "auto",
                   row_shape: Sequence[int] | None = None) -> BufferLayout:
     """The BufferLayout of one contiguous paged tensor (`layout` as the tensor is stored)."""
@@ -102,19 +94,17 @@ def buffer_layout(t: torch.Tensor, layout: str, pool_page_size: int, fmt: str = 
     if not t.is_contiguous():
         raise ValueError(f"pool buffer {list(t.shape)} is not contiguous: NIXL registers and moves whole "
                          f"pages of memory, so each buffer must be one dense allocation")
-    e, pages = _elem(t.dtype), t.shape[0]
+    e, pages = t.element_size(), t.shape[0]
     page_bytes = t.numel() * e // max(pages, 1)
     dtype = str(t.dtype).replace("torch.", "")
-    if layout == "NHD":
-        if t.dim() < 2 or t.shape[1] != pool_page_size:
-            raise GeometryError(f"NHD buffer {list(t.shape)} does not hold pool_page_size={pool_page_size} rows a page")
-        row = tuple(t.shape[2:])
-        return BufferLayout(dtype, fmt, row, "NHD", (math.prod(row) * e,), page_bytes)
-    if layout == "HND":
-        if t.dim() < 3 or t.shape[2] != pool_page_size:
-            raise GeometryError(f"HND buffer {list(t.shape)} does not hold pool_page_size={pool_page_size} rows a page")
-        h, rest = t.shape[1], tuple(t.shape[3:])
-        return BufferLayout(dtype, fmt, (h, *rest), "HND", (math.prod(rest) * e,) * h, page_bytes)
+    if layout in ("NHD", "HND"):   # HND: one row segment per head
+        axis = 1 if layout == "NHD" else 2
+        if t.dim() <= axis or t.shape[axis] != pool_page_size:
+            raise GeometryError(f"{layout} buffer {list(t.shape)} does not hold pool_page_size={pool_page_size} "
+                                f"rows a page")
+        h, rest = (1 if layout == "NHD" else t.shape[1]), tuple(t.shape[axis + 1:])
+        return BufferLayout(dtype, fmt, rest if layout == "NHD" else (h, *rest), layout, (math.prod(rest) * e,) * h,
+                            page_bytes)
     if layout == "page_major":
         if row_shape is None:
             raise ValueError("a page_major buffer needs its row_shape (the bytes of each row segment)")
@@ -128,30 +118,18 @@ def buffer_layout(t: torch.Tensor, layout: str, pool_page_size: int, fmt: str = 
     raise ValueError(f"layout must be one of {BUFFER_LAYOUTS}, got {layout!r}")
 
 
-def _kvpool_buffer(b, t: torch.Tensor, pps: int, fmt: str) -> BufferLayout:
-    """A KVPool buffer (its plan BufferSpec `b`) as a BufferLayout; page-major buffers (the DSA
-    indexer's, DeepSeek V4's) move as opaque whole pages."""
-    if b.layout == "rows":
-        return buffer_layout(t, "NHD", pps, fmt)
-    if b.layout == "hnd":
-        return buffer_layout(t, "HND", pps, fmt)
-    return buffer_layout(t, "page", pps, fmt, row_shape=b.row_shape)
-
-
 def kvpool_layout(pool, sub: str | None = None) -> tuple[PoolLayout, list[torch.Tensor]]:
     """(layout, buffers) of sub-pool `sub` of a built `KVPool`: every layer's paged buffers."""
     name = pool._sub_pool(sub)
     sp = pool.plan.pool(name)
     g = sp.geometry
     specs = {b.name: b for b in sp.spec.buffers}
-    fmt = pool.plan.kv_cache_dtype
-    tensors, layouts = [], []
-    for layer in pool.buffers[name]:
-        for bname, t in layer.items():
-            layouts.append(_kvpool_buffer(specs[bname], t, g.pool_page_size, fmt))
-            tensors.append(t)
+    bufs = [(specs[bname], t) for layer in pool.buffers[name] for bname, t in layer.items()]
+    # page-major buffers (the DSA indexer's, DeepSeek V4's) move as opaque whole pages
+    layouts = tuple(buffer_layout(t, {"rows": "NHD", "hnd": "HND"}.get(b.layout, "page"), g.pool_page_size,
+                                  pool.plan.kv_cache_dtype, row_shape=b.row_shape) for b, t in bufs)
     heads = pool.plan.parallel.kv_heads_per_rank(pool.plan.model.num_kv_heads) if pool.plan.model.num_kv_heads else 1
-    return PoolLayout(name, g.page_size, g.loc_space_scale, g.num_pages, heads, tuple(layouts)), tensors
+    return PoolLayout(name, g.page_size, g.loc_space_scale, g.num_pages, heads, layouts), [t for _, t in bufs]
 
 
 def tensors_layout(name: str, tensors: Sequence[torch.Tensor], geometry: PageGeometry | None = None,
@@ -171,8 +149,7 @@ def tensors_layout(name: str, tensors: Sequence[torch.Tensor], geometry: PageGeo
                                 f"every buffer pages one loc space")
     if heads_per_rank is None:
         heads_per_rank = t0.shape[1] if layout == "HND" else (t0.shape[2] if t0.dim() >= 4 else 1)
-    return PoolLayout(name, geometry.page_size, geometry.loc_space_scale, geometry.num_pages,
-                      int(heads_per_rank), bufs)
+    return PoolLayout(name, geometry.page_size, geometry.loc_space_scale, geometry.num_pages, int(heads_per_rank), bufs)
 
 
 @dataclass(frozen=True)
@@ -184,8 +161,7 @@ class Bridge:
 
 
 def bridge(src: PoolLayout, dst: PoolLayout, src_name: str = "src", dst_name: str = "dst") -> Bridge:
-    """Compare two pools' layouts; a Bridge when their pages can move as they are, else a
-    GeometryError listing every difference."""
+    """Compare two layouts: a Bridge when pages can move as they are, else a GeometryError naming every difference."""
     diff = []
     if len(src.buffers) != len(dst.buffers):
         diff.append(f"{src_name} has {len(src.buffers)} buffers, {dst_name} {len(dst.buffers)}")
@@ -209,5 +185,4 @@ def bridge(src: PoolLayout, dst: PoolLayout, src_name: str = "src", dst_name: st
         raise GeometryError(f"pool {src.name!r} ({src_name}) and pool {dst.name!r} ({dst_name}) cannot exchange "
                             f"pages, nothing was moved: " + "; ".join(diff))
     unit = min(ps, pd)
-    return Bridge(Units(ps // unit, unit, src.num_pages * (ps // unit)),
-                  Units(pd // unit, unit, dst.num_pages * (pd // unit)))
+    return Bridge(*(Units(p // unit, unit, lay.num_pages * (p // unit)) for p, lay in ((ps, src), (pd, dst))))

@@ -1,15 +1,12 @@
-"""Page transfers on NIXL: one `KVAgent` per process, its pools registered once, their layouts
-published with the agent's metadata, every transfer checked against both pools (`check_pairs`,
-`bridge`, `pair_descs`) before NIXL moves the bytes between the registered buffers. Usage:
-docs/transfer.md."""
+"""Page transfers on NIXL: `KVAgent`, every transfer checked against both pools first (docs/transfer.md)."""
 from __future__ import annotations
 
-import dataclasses
+import functools
 import importlib
 import json
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, replace
 from typing import Sequence
 
 import torch
@@ -21,7 +18,6 @@ from kvwrite.transfer.layout import PoolLayout, bridge, kvpool_layout, tensors_l
 from kvwrite.transfer.pages import check_pairs
 
 MAGIC = b"KVWX1"
-_MODULES = ("nixl", "nixl_cu13", "nixl_cu12")
 
 
 class NixlUnavailable(ImportError):
@@ -32,19 +28,14 @@ class TransferFailed(RuntimeError):
     """NIXL reported an error or the transfer did not finish in time."""
 
 
-_API: list = []   # the module once found (a failed search is repeated: NIXL may be installed later)
-
-
+@functools.cache   # the module once found (a failed search raises, so it is repeated: NIXL may be installed later)
 def nixl_api():
     """The installed NIXL Python API module (`nixl`, else `nixl_cu13`, else `nixl_cu12`)."""
-    if _API:
-        return _API[0]
     errors = []
-    for name in _MODULES:
+    for name in ("nixl", "nixl_cu13", "nixl_cu12"):
         try:
             mod = importlib.import_module(name)
             if hasattr(mod, "nixl_agent"):
-                _API.append(mod)
                 return mod
         except ImportError as exc:   # noqa: PERF203 - a few names
             errors.append(f"{name}: {exc}")
@@ -55,8 +46,7 @@ def nixl_api():
 def available() -> bool:
     """Whether NIXL imports here."""
     try:
-        nixl_api()
-        return True
+        return nixl_api() is not None
     except NixlUnavailable:
         return False
 
@@ -80,18 +70,6 @@ class _Pool:
     tensors: tuple = ()  # kept alive while registered (local pools)
 
 
-def _mem_of(tensors: Sequence[torch.Tensor], name: str) -> tuple[str, int]:
-    devs = {t.device for t in tensors}
-    if len(devs) != 1:
-        raise ValueError(f"pool {name!r} has buffers on {sorted(map(str, devs))}: register one device's pool at a time")
-    d = devs.pop()
-    if d.type == "cpu":
-        return "DRAM", 0
-    if d.type == "cuda":
-        return "VRAM", d.index if d.index is not None else torch.cuda.current_device()
-    raise ValueError(f"pool {name!r} is on {d}: NIXL moves host (cpu) or CUDA memory")
-
-
 def _split(blob: bytes) -> tuple[dict, bytes]:
     """(kvwrite header, NIXL metadata) of a `KVAgent.metadata()` blob."""
     if not isinstance(blob, (bytes, bytearray)) or not bytes(blob).startswith(MAGIC):
@@ -111,7 +89,6 @@ class KVAgent:
 
     def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",), check: str | None = None) -> None:
         api = nixl_api()
-        self._api = api
         self.name = str(name)
         self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=list(backends)))
         self.check = check
@@ -119,7 +96,6 @@ class KVAgent:
         self.peers: dict[str, dict[str, _Pool]] = {}
         self._reg: list = []
 
-    # --- registration -----------------------------------------------------------------------------
     def register(self, name: str, tensors: Sequence[torch.Tensor], *, geometry: PageGeometry | None = None,
                  layout: str = "NHD", fmt: str = "auto", heads_per_rank: int | None = None) -> PoolLayout:
         """Register raw pool tensors (`[pages, rows, ...]` NHD or `[pages, H, rows, ...]` HND, one
@@ -128,29 +104,33 @@ class KVAgent:
                          list(tensors))
 
     def register_pool(self, pool, sub: str | None = None, name: str | None = None) -> PoolLayout:
-        """Register sub-pool `sub` of a built `KVPool` (every layer's paged buffers) as `name`
-        (default: the sub-pool's name)."""
+        """Register sub-pool `sub` of a built `KVPool` (every layer's buffers) as `name` (default: `sub`'s)."""
         layout, tensors = kvpool_layout(pool, sub)
         if name is not None:
-            layout = dataclasses.replace(layout, name=name)
+            layout = replace(layout, name=name)
         return self._add(layout.name, layout, tensors)
 
     def _add(self, name: str, layout: PoolLayout, tensors: list[torch.Tensor]) -> PoolLayout:
         if name in self.pools:
             raise ValueError(f"agent {self.name!r} already registered a pool {name!r}")
-        mem, dev = _mem_of(tensors, name)
+        devs = {t.device for t in tensors}
+        if len(devs) != 1:
+            raise ValueError(f"pool {name!r} has buffers on {sorted(map(str, devs))}: register one device's pool "
+                             f"at a time")
+        d = devs.pop()
+        if d.type not in ("cpu", "cuda"):
+            raise ValueError(f"pool {name!r} is on {d}: NIXL moves host (cpu) or CUDA memory")
+        mem = "DRAM" if d.type == "cpu" else "VRAM"
+        dev = 0 if d.type == "cpu" else d.index if d.index is not None else torch.cuda.current_device()
         regions = [Region(t.data_ptr(), t.numel() * t.element_size(), dev) for t in tensors]
         addresses = PoolAddresses(layout, regions, f"agent {self.name!r}")
         self._reg.append(self.agent.register_memory([(r.addr, r.nbytes, r.device, "") for r in regions], mem))
         self.pools[name] = _Pool(layout, addresses, mem, tuple(tensors))
         return layout
 
-    # --- metadata -----------------------------------------------------------------------------------
     def metadata(self) -> bytes:
-        """NIXL's agent metadata plus every registered pool's layout and regions (register all
-        pools first: a pool registered later needs a new blob)."""
-        pools = {n: dict(layout=p.layout.to_dict(), mem=p.mem,
-                         regions=[[r.addr, r.nbytes, r.device] for r in p.addresses.regions])
+        """NIXL's agent metadata plus each registered pool's layout and regions (a later pool needs a new blob)."""
+        pools = {n: dict(layout=p.layout.to_dict(), mem=p.mem, regions=[astuple(r) for r in p.addresses.regions])
                  for n, p in self.pools.items()}
         head = json.dumps(dict(agent=self.name, pools=pools)).encode()
         return MAGIC + struct.pack(">I", len(head)) + head + self.agent.get_agent_metadata()
@@ -181,31 +161,24 @@ class KVAgent:
             raise ValueError(f"peer {peer!r} registered no pool {pool!r} (it has {sorted(self.peers[peer])})")
         return self.peers[peer][pool]
 
-    def _local_pool(self, pool: str) -> _Pool:
-        if pool not in self.pools:
-            raise ValueError(f"agent {self.name!r} registered no pool {pool!r} (it has {sorted(self.pools)})")
-        return self.pools[pool]
-
-    # --- transfers ----------------------------------------------------------------------------------
     def write_pages(self, peer: str, src_pages, dst_pages, *, pool: str, peer_pool: str | None = None,
                     check: str | None = None, errors: ErrorBuffer | None = None, notify: bytes = b"",
                     timeout: float = 120.0) -> TransferStats:
         """Write units `src_pages` of local pool `pool` into units `dst_pages` of the peer's pool
         `peer_pool` (default: the same name); `notify` is delivered to the peer when done."""
-        return self._move("WRITE", peer, pool, peer_pool or pool, src_pages, dst_pages, check, errors, notify,
-                          timeout)
+        return self._move("WRITE", peer, pool, peer_pool, src_pages, dst_pages, check, errors, notify, timeout)
 
     def read_pages(self, peer: str, src_pages, dst_pages, *, pool: str, peer_pool: str | None = None,
                    check: str | None = None, errors: ErrorBuffer | None = None, notify: bytes = b"",
                    timeout: float = 120.0) -> TransferStats:
-        """Read units `src_pages` of the peer's pool `peer_pool` (default: `pool`) into units
-        `dst_pages` of local pool `pool`."""
-        return self._move("READ", peer, pool, peer_pool or pool, src_pages, dst_pages, check, errors, notify,
-                          timeout)
+        """Read units `src_pages` of the peer's pool `peer_pool` (default: `pool`) into units `dst_pages` of `pool`."""
+        return self._move("READ", peer, pool, peer_pool, src_pages, dst_pages, check, errors, notify, timeout)
 
     def _move(self, op, peer, pool, peer_pool, src_pages, dst_pages, check, errors, notify, timeout):
-        t0 = time.perf_counter()
-        local, remote = self._local_pool(pool), self._peer_pool(peer, peer_pool)
+        t0, peer_pool = time.perf_counter(), peer_pool or pool
+        if pool not in self.pools:
+            raise ValueError(f"agent {self.name!r} registered no pool {pool!r} (it has {sorted(self.pools)})")
+        local, remote = self.pools[pool], self._peer_pool(peer, peer_pool)
         src, dst = (local, remote) if op == "WRITE" else (remote, local)
         me, them = f"agent {self.name!r}, pool {pool!r}", f"agent {peer!r}, pool {peer_pool!r}"
         where = {"src": me, "dst": them} if op == "WRITE" else {"src": them, "dst": me}
@@ -239,8 +212,7 @@ class KVAgent:
         self.agent.send_notif(peer, message)
 
     def wait_notif(self, peer: str, *messages: bytes, timeout: float = 120.0) -> bytes:
-        """Block until `peer` delivered one of `messages` (a transfer's `notify` or a
-        send_notif); returns it."""
+        """Block until `peer` delivered one of `messages` (a transfer's `notify` or a send_notif); return it."""
         deadline = time.monotonic() + timeout
         while True:
             got = self.agent.update_notifs().get(peer, [])

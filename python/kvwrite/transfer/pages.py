@@ -1,6 +1,4 @@
-"""Page ids of a transfer, checked against both pools before any descriptor is built, by
-`kvwrite.copy_pages`'s rules (`kvwrite.reference.pages.resolve_pairs`; "off" still refuses an id
-past either pool); the raised error names the side, the agent, the pool and the id."""
+"""Page ids of a transfer checked against both pools by copy_pages' rules ("off" still refuses past a pool)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,8 +10,6 @@ from kvwrite import validate
 from kvwrite.errors import KIND_SRC_PAGE, ErrorBuffer, OutOfBoundsWrite, default_errors, record_torch
 from kvwrite.reference.pages import resolve_pairs
 from kvwrite.transfer.layout import Bridge
-
-RECORD_OP = "copy_pages"   # the guard record's op code (a transfer moves pages as copy_pages does)
 
 
 class TransferPageError(OutOfBoundsWrite):
@@ -44,8 +40,7 @@ class CheckedPairs:
 def _ids(name: str, pages: object) -> np.ndarray:
     """int64 host ids of a 1-D int tensor, array or list (numpy from here on: no torch threads)."""
     if isinstance(pages, torch.Tensor):
-        t = validate.tensor(name, pages, ndim=1, dtypes=validate.LOC_DTYPES)
-        return t.to("cpu", torch.int64).numpy()
+        return validate.tensor(name, pages, ndim=1, dtypes=validate.LOC_DTYPES).to("cpu", torch.int64).numpy()
     a = np.asarray(pages)
     if a.ndim != 1 or not (a.size == 0 or np.issubdtype(a.dtype, np.integer)):
         raise ValueError(f"{name} must be 1-D integer page ids, got {a.dtype} of shape {list(a.shape)}")
@@ -74,5 +69,5 @@ def check_pairs(src_pages: object, dst_pages: object, br: Bridge, where: dict[st
             raise ValueError(f"errors must be a CPU ErrorBuffer (a transfer checks its ids on the host), "
                              f"got one on {rec.device}")
         t = torch.from_numpy
-        record_torch(rec.tensor, t(bad), t(target), t(target), t(limit), br.src.rows, RECORD_OP, t(kind))
+        record_torch(rec.tensor, t(bad), t(target), t(target), t(limit), br.src.rows, "copy_pages", t(kind))
     return CheckedPairs(sp[write], dp[write], int(write.size - write.sum()))
