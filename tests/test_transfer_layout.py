@@ -142,6 +142,9 @@ def test_published_layout_round_trips_and_forgeries_are_refused():
     forged = {**d, "buffers": [{**d["buffers"][0], "page_bytes": 10 ** 6}, d["buffers"][1]]}
     with pytest.raises(GeometryError, match="buffer 0"):
         PoolLayout.from_dict(forged)
+    for field in ("page_size", "loc_space_scale", "num_pages"):
+        with pytest.raises(GeometryError, match=f"published {field} must be a positive int, got 0"):
+            PoolLayout.from_dict({**d, field: 0, "pool_page_size": 0 if field != "num_pages" else 16})
 
 
 def test_page_ids_in_every_check_mode():

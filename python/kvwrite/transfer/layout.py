@@ -63,6 +63,10 @@ class PoolLayout:
                                   tuple(b["segments"]), int(b["page_bytes"])) for b in d["buffers"])
         out = cls(d["name"], int(d["page_size"]), int(d["loc_space_scale"]), int(d["num_pages"]),
                   int(d["heads_per_rank"]), bufs)
+        try:
+            out.geometry   # positive page_size, loc_space_scale and num_pages
+        except ValueError as exc:
+            raise GeometryError(f"pool {out.name!r}: published {exc}") from None
         if d.get("pool_page_size", out.pool_page_size) != out.pool_page_size:
             raise GeometryError(f"pool {out.name!r}: published pool_page_size {d['pool_page_size']} is not "
                                 f"page_size {out.page_size} x loc_space_scale {out.loc_space_scale}")
