@@ -2,23 +2,12 @@
 // (csrc/README.md): an EngineRoute runs vLLM's common call, any other goes to its Python writer.
 #pragma once
 
-#include <ATen/core/Tensor.h>
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/core/stack.h>
 #include <c10/core/DispatchKey.h>
-#include <torch/library.h>
 
-#include <algorithm>
-#include <atomic>
 #include <functional>
 #include <map>
-#include <memory>
-#include <mutex>
-#include <string>
-#include <unordered_map>
-#include <vector>
 
-#include "api.h"
+#include "api.h"  // torch, the dispatcher, <atomic>, <mutex> ...
 
 namespace kvwrite {
 namespace engines {
@@ -88,12 +77,6 @@ inline bool common_kv(const at::Tensor& key, const at::Tensor& value, const at::
          k.pages == v.pages && k.rows == v.rows;
 }
 
-inline KVSide side(const at::Tensor& x, const CacheView& c) {
-  KVSide s = source_rows<KVSide>(x);
-  s.cache = c.paged;
-  return s;
-}
-
 // Run store_kv of the call's (key, value, key_cache, value_cache, slots) `a`; false: Python runs it.
 inline bool store(const c10::IValue* a, const CacheView& k, const CacheView& v) {
   const at::Tensor &key = a[0].toTensor(), &value = a[1].toTensor(), &kc = a[2].toTensor(), &vc = a[3].toTensor();
@@ -121,8 +104,10 @@ inline bool store(const c10::IValue* a, const CacheView& k, const CacheView& v) 
   }
   StoreKVParams p;
   p.in_dtype = p.cache_dtype = dtype_of(key);
-  p.k = side(key, k);
-  p.v = side(value, v);
+  p.k = source_rows<KVSide>(key);
+  p.k.cache = k.paged;
+  p.v = source_rows<KVSide>(value);
+  p.v.cache = v.paged;
   p.H = int(key.size(1));
   p.locs.loc = loc.data_ptr();
   p.locs.n = n;

@@ -1,14 +1,5 @@
-// An op's own checks as expressions (`spec.rule(expr=...)`): the C++ matcher evaluates the text
-// the declaration gives next to its Python check, so a new op writes no C++ rule. Statements are
-// separated by `;`; `name = expr` binds an env slot (or a local), any other statement must be
-// non-zero or the call goes to Python (which raises the named error). For example
-//   D % $quant_block_size == 0; per = D + D / $quant_block_size * 4; B % per == 0; S = B / per
-// Names: `$arg` an argument's value (int, bool, float, str, None), `name` an env slot (a shape
-// letter, a tensor argument's dtype) or a local; literals: integers, 'str', None, dtype names (int8 ...).
-// Functions: none($x), isint($x), isbool($x), size($t, i), stride($t, i), dim($t), dtype($t),
-// itemsize($t), same_sizes($a, i, $b, j) (a's dims from i on equal b's from j on). Operators
-// (C precedence): ?: || && == != < <= > >= + - * / % unary ! -; a float only compares. An int op
-// on a str / None / float, a division by 0 or an unbound slot fails the rule (never throws per call).
+// An op's own checks as expressions (`spec.rule(expr=...)`): the rule text compiled once, evaluated
+// per call (syntax and semantics: csrc/README.md "Rule expressions").
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -1,16 +1,9 @@
 // The kvwrite_ext op library: its schemas (registry.h) and the CPU device policy (backend="cpu").
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
-#include <torch/library.h>
 
-#include <algorithm>
-#include <atomic>
 #include <cstdlib>
-#include <sstream>
-#include <string>
-#include <vector>
 
-#include "engines.h"  // api.h, registry.h
+#include "engines.h"  // api.h (torch, <sstream> ...), registry.h (host.h)
 
 namespace kvwrite {
 
