@@ -282,10 +282,8 @@ inline std::optional<Tail> addressing(Call& c) {
   return t;
 }
 
-// A cache argument as its raw kernel views it: 'l' the canonical [pages, rows, H, D] view of an
-// NHD / HND cache (ops.kv.canonical), 'k' the key cache's: cpu_attn's column-major (page, head)
-// tile as a split head dim [P, S, H, D, 1] of feature stride S (ops.kv.canonical_key), 'h' a
-// head-major cache's split-head-dim view, key 5-D, value 4-D (ops.kv_head_major.canonical_head_major).
+// A cache argument in its raw kernel's view: 'l' ops.kv.canonical, 'k' ops.kv.canonical_key (cpu_attn's
+// column-major tiles), 'h' ops.kv_head_major.canonical_head_major (key 5-D, value 4-D).
 inline at::Tensor cache_view(char kind, const Call& c, const at::Tensor& x) {
   if (kind == 'h') return x.dim() == 5 ? x.permute({0, 3, 1, 2, 4}) : x.permute({0, 3, 1, 2}).unsqueeze(-1);
   const int64_t layout = c.p.layout < 0 ? 0 : c.env[c.p.layout];
@@ -294,8 +292,7 @@ inline at::Tensor cache_view(char kind, const Call& c, const at::Tensor& x) {
   return layout >= 1 ? x.transpose(1, 2) : x;
 }
 
-// The generic launcher: raw kernel `r` with each argument from its source (spec.Op.raw_sources;
-// 't': the tail's fields in the order of spec.TAIL_FIELDS).
+// The generic launcher: raw kernel `r` with each argument from its source (spec.Op.raw_sources).
 template <class Dev>
 void run_raw(Call& c, const Tail& t, const RawCall& r) {
   thread_local std::vector<c10::IValue> s;  // no allocation per call; no tensor held past it
@@ -321,8 +318,7 @@ void run_raw(Call& c, const Tail& t, const RawCall& r) {
   Raw<Dev>::boxed(size_t(r.index), s);
 }
 
-// The duplicate-row pre-pass of every op in assert / guard mode (csrc/README.md): the store runs on
-// its result (a page table's rows as plain locs). Off only for the bench's baseline (set_claims).
+// The duplicate-row pre-pass (csrc/README.md); off only for the bench's baseline (set_claims).
 inline std::atomic<bool> claims_on{true};
 
 // Match the call against its spec and run it here; false: Python runs it.

@@ -64,8 +64,7 @@ inline std::optional<at::ScalarType> scalar_type(const std::string& n) {
   return std::nullopt;
 }
 
-// Binary operators (C precedence, lowest first) and functions as one-char codes, decoded once
-// when a rule compiles.
+// Binary operators (C precedence, lowest first) and functions as one-char codes, decoded at compile.
 struct BinOp {
   const char* text;
   char code;
@@ -221,7 +220,6 @@ inline std::optional<int64_t> int_of(const Node& n, Scope& s) {
 
 inline std::optional<Val> num(int64_t i) { return Val{Val::INT, i}; }
 
-// same_sizes($a, i, $b, j): a and b have as many dims from i and from j on, and equal sizes there.
 inline std::optional<Val> same_sizes(const at::Tensor& a, const Node& n, Scope& s) {
   if (n.kids.size() != 4 || n.kids[2].kind != 'a' || !s.args[n.kids[2].i].isTensor()) return std::nullopt;
   const at::Tensor& b = s.args[n.kids[2].i].toTensor();
@@ -332,7 +330,6 @@ inline std::optional<Val> eval(const Node& n, Scope& s) {
   }
 }
 
-// A compiled rule: its statements.
 struct Rule {
   std::vector<Node> statements;
 
