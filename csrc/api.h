@@ -2,25 +2,17 @@
 // a call it refuses or does not run goes unchanged to the Python twin `kvwrite::<op>_py`.
 #pragma once
 
-#include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
-#include <c10/util/Exception.h>
-#include <c10/util/ScopeExit.h>
-#include <torch/library.h>
 
-#include <algorithm>
 #include <atomic>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <set>
 #include <sstream>
-#include <string>
 #include <unordered_map>
-#include <vector>
 
-#include "expr.h"
+#include "expr.h"  // ATen Tensor, <algorithm>, <optional>, <string>, <vector>
 #include "kvwrite/claims.h"
 #include "registry.h"
 
@@ -290,10 +282,8 @@ inline std::optional<Tail> addressing(Call& c) {
   return t;
 }
 
-// A cache argument as its raw kernel views it: 'l' the canonical [pages, rows, H, D] view of an
-// NHD / HND cache (ops.kv.canonical), 'k' the key cache's: cpu_attn's column-major (page, head)
-// tile as a split head dim [P, S, H, D, 1] of feature stride S (ops.kv.canonical_key), 'h' a
-// head-major cache's split-head-dim view, key 5-D, value 4-D (ops.kv_head_major.canonical_head_major).
+// A cache argument in its raw kernel's view: 'l' ops.kv.canonical, 'k' ops.kv.canonical_key (cpu_attn's
+// column-major tiles), 'h' ops.kv_head_major.canonical_head_major (key 5-D, value 4-D).
 inline at::Tensor cache_view(char kind, const Call& c, const at::Tensor& x) {
   if (kind == 'h') return x.dim() == 5 ? x.permute({0, 3, 1, 2, 4}) : x.permute({0, 3, 1, 2}).unsqueeze(-1);
   const int64_t layout = c.p.layout < 0 ? 0 : c.env[c.p.layout];
@@ -302,15 +292,7 @@ inline at::Tensor cache_view(char kind, const Call& c, const at::Tensor& x) {
   return layout >= 1 ? x.transpose(1, 2) : x;
 }
 
-// The raw kernel of a call's format: the first whose condition holds (none: Python runs it).
-inline const RawCall* pick_raw(Call& c) {
-  for (const RawCall& r : c.p.raws)
-    if (!r.when || (*r.when)(c.a, c.env)) return &r;
-  return nullptr;
-}
-
-// The generic launcher: raw kernel `r` with each argument from its source (spec.Op.raw_sources;
-// 't': the tail's fields in the order of spec.TAIL_FIELDS).
+// The generic launcher: raw kernel `r` with each argument from its source (spec.Op.raw_sources).
 template <class Dev>
 void run_raw(Call& c, const Tail& t, const RawCall& r) {
   thread_local std::vector<c10::IValue> s;  // no allocation per call; no tensor held past it
@@ -336,43 +318,40 @@ void run_raw(Call& c, const Tail& t, const RawCall& r) {
   Raw<Dev>::boxed(size_t(r.index), s);
 }
 
-// The duplicate-row pre-pass of every op in assert / guard mode (csrc/README.md): the store runs on
-// its result (a page table's rows as plain locs). Off only for the bench's baseline (set_claims).
+// The duplicate-row pre-pass (csrc/README.md); off only for the bench's baseline (set_claims).
 inline std::atomic<bool> claims_on{true};
-
-template <class Dev>
-void claim(Call& c, Tail& t) {
-  // one token writes one row: nothing to claim (its bad loc, if any, is the store's own check)
-  if (!claims_on.load(std::memory_order_relaxed) || c.e("N") < 2) return;
-  const int64_t pps = c.e("S"), pages = c.e("P");
-  TORCH_CHECK(pps >= 1 && pages >= 1, "kvwrite: ", c.p.name, ": no pool geometry for the duplicate check");
-  at::Tensor out = Raw<Dev>::claim_rows(t.loc, t.loc_map, t.errors, t.dcp_rank, t.dcp_size, t.check, t.op,
-                                        t.batch_indices, t.kv_indices, t.kv_indptr, pages * pps, pps, c.p.dcp_page);
-  if (out.numel() == 0) return;  // assert mode without a duplicate: the store's own checks
-  t.loc = std::move(out);
-  t.batch_indices = t.kv_indices = t.kv_indptr = std::nullopt;
-}
 
 // Match the call against its spec and run it here; false: Python runs it.
 template <class Dev>
-bool run_here(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  const std::string& name = op.schema().name();
-  const auto p = find_program(name);  // registered when its program arrived
-  if (p->args.size() != op.schema().arguments().size()) return false;
-  Call c{*p, torch::jit::last(*stack, p->args.size()), std::vector<int64_t>(p->nslots, UNBOUND), std::nullopt};
+bool run_here(const Program& p, const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  if (p.args.size() != op.schema().arguments().size()) return false;
+  Call c{p, torch::jit::last(*stack, p.args.size()), std::vector<int64_t>(p.nslots, UNBOUND), std::nullopt};
   const c10::IValue& backend = c.v("backend");
   if (!backend.isString() || (backend.toStringRef() != "auto" && backend.toStringRef() != Dev::NAME)) return false;
-  for (const Step& s : p->steps)
+  for (const Step& s : p.steps)
     if (!(s.kind == 'X' ? s.expr(c.a, c.env) : match_tensor(s, c))) return false;
   std::optional<Tail> t = addressing(c);
-  const RawCall* raw = t ? pick_raw(c) : nullptr;
-  if (!raw) return false;
-  if (c.e("N") > 0) {
-    // a page move's (src, dst) pairs: the Python pre-pass (kvwrite.reference.claims.unique_pairs)
-    if (t->check != CHECK_OFF && p->claims == 'p' && c.e("N") >= 2) return false;
-    if (t->check != CHECK_OFF && p->claims == 'r') claim<Dev>(c, *t);
-    run_raw<Dev>(c, *t, *raw);
+  if (!t) return false;
+  // the format's raw kernel: the first whose condition holds (none: Python runs it)
+  const auto raw = std::find_if(p.raws.begin(), p.raws.end(),
+                                [&](const RawCall& r) { return !r.when || (*r.when)(c.a, c.env); });
+  if (raw == p.raws.end()) return false;
+  const int64_t n = c.e("N");
+  if (n <= 0) return true;
+  // a page move's (src, dst) pairs: the Python pre-pass (kvwrite.reference.claims.unique_pairs)
+  if (t->check != CHECK_OFF && p.claims == 'p' && n >= 2) return false;
+  // one token writes one row: nothing to claim (its bad loc, if any, is the store's own check)
+  if (t->check != CHECK_OFF && p.claims == 'r' && n >= 2 && claims_on.load(std::memory_order_relaxed)) {
+    const int64_t pps = c.e("S"), pages = c.e("P");
+    TORCH_CHECK(pps >= 1 && pages >= 1, "kvwrite: ", p.name, ": no pool geometry for the duplicate check");
+    at::Tensor out = Raw<Dev>::claim_rows(t->loc, t->loc_map, t->errors, t->dcp_rank, t->dcp_size, t->check, t->op,
+                                          t->batch_indices, t->kv_indices, t->kv_indptr, pages * pps, pps, p.dcp_page);
+    if (out.numel() != 0) {  // else assert mode without a duplicate: the store's own checks
+      t->loc = std::move(out);
+      t->batch_indices = t->kv_indices = t->kv_indptr = std::nullopt;
+    }
   }
+  run_raw<Dev>(c, *t, *raw);
   return true;
 }
 
@@ -392,8 +371,8 @@ bool ran(const c10::OperatorHandle& op, torch::jit::Stack* stack, F&& here) {
 // The kernel of every public op for one device.
 template <class Dev>
 void boxed(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  if (!ran(op, stack, [&] { return run_here<Dev>(op, stack); }))
-    find_program(op.schema().name())->python->callBoxed(stack);
+  const auto p = find_program(op.schema().name());  // registered when its program arrived
+  if (!ran(op, stack, [&] { return run_here<Dev>(*p, op, stack); })) p->python->callBoxed(stack);
 }
 
 }  // namespace api

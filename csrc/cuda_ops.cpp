@@ -1,10 +1,8 @@
 // The CUDA device policy (csrc/README.md): the .cu units' launchers on the current stream.
-#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
 
-#include "engines.h"  // api.h, registry.h
+#include "engines.h"  // api.h, registry.h (torch/library.h, host.h: at::empty)
 #include "launch.h"
 
 namespace kvwrite {

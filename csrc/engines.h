@@ -2,29 +2,17 @@
 // (csrc/README.md): an EngineRoute runs vLLM's common call, any other goes to its Python writer.
 #pragma once
 
-#include <ATen/core/Tensor.h>
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/core/stack.h>
 #include <c10/core/DispatchKey.h>
-#include <torch/library.h>
 
-#include <algorithm>
-#include <atomic>
 #include <functional>
 #include <map>
-#include <memory>
-#include <mutex>
-#include <string>
-#include <unordered_map>
-#include <vector>
 
-#include "api.h"
+#include "api.h"  // torch, the dispatcher, <atomic>, <mutex> ...
 
 namespace kvwrite {
 namespace engines {
 
-// The raw kernels of one device (impl_device): store_kv on ready params (no tensor views, no
-// re-validation: the route checked the common case), and the duplicate-row pre-pass.
+// One device's raw store_kv on ready params (the route checked the call) and duplicate-row pre-pass.
 struct Runner {
   void (*store_kv)(const StoreKVParams&, int64_t check, const at::Tensor& ref) = nullptr;  // ref: the key
   decltype(&reg::claim_rows<void>) claim_rows = nullptr;  // (one signature for every device)
@@ -38,9 +26,8 @@ inline Runner& runner(c10::DeviceType d) {
 constexpr int ANY_DEVICE = -1, NO_DEVICE = -2;
 struct EngineRoute;
 
-// The plugin's state: the check mode (KVWRITE_CHECK), the backend, the routes by handle, and in
-// guard mode each registered cache's record row (by data_ptr; the cache's shape the Python side
-// checked its namespace for). Rows are cleared whenever the guard registers caches or grows its records.
+// The plugin's state: check mode, backend, routes by handle, and (guard mode) each registered cache's
+// record row by data_ptr and shape, cleared whenever the guard registers caches or grows its records.
 struct State {
   std::atomic<int> check{CHECK_OFF};
   std::atomic<int> device{ANY_DEVICE};  // the device type the fast path runs on (backend "auto": any)
@@ -52,7 +39,6 @@ struct State {
 
 inline State state;  // used at run time only
 
-// f(state) under its lock
 template <class F>
 auto locked(F&& f) {
   std::lock_guard<std::mutex> lock(state.mu);
@@ -71,8 +57,7 @@ inline CacheView psh(const at::Tensor& c, int d_page, int d_row, int d_head) {
   return {c.size(d_page), c.size(d_row), c.size(d_head), c.size(3), paged_dims(c, d_page, d_row, d_head)};
 }
 
-// The common call of a vLLM K/V writer: key/value [N, H, D] in the caches' dtype, last dim
-// dense, int64 slots [N] on the same device, caches of the same pages and rows.
+// The common call of a vLLM K/V writer (csrc/README.md).
 inline bool common_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& kc, const at::Tensor& vc,
                       const CacheView& k, const CacheView& v, const at::Tensor& slots) {
   const auto dt = key.scalar_type();
@@ -86,12 +71,6 @@ inline bool common_kv(const at::Tensor& key, const at::Tensor& value, const at::
   if (key.stride(2) != 1 || value.stride(2) != 1 || (n > 1 && slots.stride(0) != 1)) return false;
   return k.heads == key.size(1) && k.feat == key.size(2) && v.heads == value.size(1) && v.feat == value.size(2) &&
          k.pages == v.pages && k.rows == v.rows;
-}
-
-inline KVSide side(const at::Tensor& x, const CacheView& c) {
-  KVSide s = source_rows<KVSide>(x);
-  s.cache = c.paged;
-  return s;
 }
 
 // Run store_kv of the call's (key, value, key_cache, value_cache, slots) `a`; false: Python runs it.
@@ -121,8 +100,10 @@ inline bool store(const c10::IValue* a, const CacheView& k, const CacheView& v) 
   }
   StoreKVParams p;
   p.in_dtype = p.cache_dtype = dtype_of(key);
-  p.k = side(key, k);
-  p.v = side(value, v);
+  p.k = source_rows<KVSide>(key);
+  p.k.cache = k.paged;
+  p.v = source_rows<KVSide>(value);
+  p.v.cache = v.paged;
   p.H = int(key.size(1));
   p.locs.loc = loc.data_ptr();
   p.locs.n = n;
@@ -164,8 +145,7 @@ inline bool flash(const c10::IValue* a) {
 
 using Fast = bool (*)(const c10::IValue*);
 
-// The kernel registered on the engine's operator: the fast path (its first five arguments are
-// tensors), else its Python writer.
+// The engine operator's kernel: the fast path (first five arguments tensors), else its Python writer.
 struct EngineRoute final : c10::OperatorKernel {
   Fast fast;
   c10::OperatorHandle python;
@@ -225,8 +205,7 @@ inline void define(torch::Library& m) {
   m.def("engine_guard_clear() -> ()", [] { locked([](State& s) { s.rows.clear(); }); });
 }
 
-// A device policy's kernels (registry.h Raw<Dev>): the kvwrite_ext ops, the public ops' kernel
-// (api.h) and the engines' routes.
+// A device policy's registrations (csrc/README.md).
 template <class Dev>
 void impl_device(torch::Library& m) {
 #define KVW_IMPL(op, bind, schema) m.impl(#op, Raw<Dev>::op);

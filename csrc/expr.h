@@ -1,14 +1,5 @@
-// An op's own checks as expressions (`spec.rule(expr=...)`): the C++ matcher evaluates the text
-// the declaration gives next to its Python check, so a new op writes no C++ rule. Statements are
-// separated by `;`; `name = expr` binds an env slot (or a local), any other statement must be
-// non-zero or the call goes to Python (which raises the named error). For example
-//   D % $quant_block_size == 0; per = D + D / $quant_block_size * 4; B % per == 0; S = B / per
-// Names: `$arg` an argument's value (int, bool, float, str, None), `name` an env slot (a shape
-// letter, a tensor argument's dtype) or a local; literals: integers, 'str', None, dtype names (int8 ...).
-// Functions: none($x), isint($x), isbool($x), size($t, i), stride($t, i), dim($t), dtype($t),
-// itemsize($t), same_sizes($a, i, $b, j) (a's dims from i on equal b's from j on). Operators
-// (C precedence): ?: || && == != < <= > >= + - * / % unary ! -; a float only compares. An int op
-// on a str / None / float, a division by 0 or an unbound slot fails the rule (never throws per call).
+// An op's own checks as expressions (`spec.rule(expr=...)`): the rule text compiled once, evaluated
+// per call (syntax and semantics: csrc/README.md "Rule expressions").
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -73,8 +64,7 @@ inline std::optional<at::ScalarType> scalar_type(const std::string& n) {
   return std::nullopt;
 }
 
-// Binary operators (C precedence, lowest first) and functions as one-char codes, decoded once
-// when a rule compiles.
+// Binary operators (C precedence, lowest first) and functions as one-char codes, decoded at compile.
 struct BinOp {
   const char* text;
   char code;
@@ -230,7 +220,6 @@ inline std::optional<int64_t> int_of(const Node& n, Scope& s) {
 
 inline std::optional<Val> num(int64_t i) { return Val{Val::INT, i}; }
 
-// same_sizes($a, i, $b, j): a and b have as many dims from i and from j on, and equal sizes there.
 inline std::optional<Val> same_sizes(const at::Tensor& a, const Node& n, Scope& s) {
   if (n.kids.size() != 4 || n.kids[2].kind != 'a' || !s.args[n.kids[2].i].isTensor()) return std::nullopt;
   const at::Tensor& b = s.args[n.kids[2].i].toTensor();
@@ -341,7 +330,6 @@ inline std::optional<Val> eval(const Node& n, Scope& s) {
   }
 }
 
-// A compiled rule: its statements.
 struct Rule {
   std::vector<Node> statements;
 

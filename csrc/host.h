@@ -156,8 +156,7 @@ inline void set_table(LocArgs& a, const OptTensor& batch_indices, const OptTenso
   a.n_batch = kv_indptr->size(0) - 1;
 }
 
-// The fused RoPE stores (ROPED<P> = true beside each): the CPU policy checks a token's position
-// with its loc (resolve_rope) and keys its cos/sin row to the call (ops.cpp run_tokens).
+// The fused RoPE stores (ROPED<P> = true beside each; ops.cpp Cpu::run).
 template <class P>
 constexpr bool ROPED = false;
 

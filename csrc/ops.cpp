@@ -1,16 +1,9 @@
 // The kvwrite_ext op library: its schemas (registry.h) and the CPU device policy (backend="cpu").
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
-#include <torch/library.h>
 
-#include <algorithm>
-#include <atomic>
 #include <cstdlib>
-#include <sstream>
-#include <string>
-#include <vector>
 
-#include "engines.h"  // api.h, registry.h
+#include "engines.h"  // api.h (torch, <sstream> ...), registry.h (host.h)
 
 namespace kvwrite {
 
@@ -54,8 +47,7 @@ struct Scan {
   }
 };
 
-// Assert mode on the CPU: record every bad token and throw before any write. `resolve_i(i)`: token
-// i's Resolved (rope ops fold their position check in).
+// Assert mode on the CPU: every bad token (`resolve_i(i)`: token i's Resolved) recorded, a throw before any write.
 template <class Resolve>
 void assert_prescan(const LocArgs& a, Resolve&& resolve_i) {
   Scan s(a.errors);
@@ -90,11 +82,7 @@ void next_epoch(i64* errors, int64_t check) {
   if (check == CHECK_GUARD && errors != nullptr) errors[slot::EPOCH] += 1;
 }
 
-// Threads pay only above a size (a parallel region costs microseconds): a call runs on one thread
-// unless it moves 256 KiB (token_bytes: a quantised byte weighs more), a chosen default, not a
-// measured crossover (the shared 2-core VM could not measure one); KVWRITE_CPU_PARALLEL_BYTES overrides it.
-// The result: tokens per parallel_for chunk (which runs the whole range inline when it is not
-// larger than one grain) for a per-token cost of `token_bytes`.
+// Tokens per parallel_for chunk at `token_bytes` a token: one thread below 256 KiB a call (csrc/README.md).
 int64_t grain_for(int64_t token_bytes) {
   static const int64_t bytes = [] {
     const char* e = std::getenv("KVWRITE_CPU_PARALLEL_BYTES");
@@ -140,8 +128,7 @@ void bench_memcpy_scatter(at::TensorList src, at::TensorList dst, const Tensor& 
   });
 }
 
-// How many threads one of the CPU kernels' parallel regions runs on (`n` items, grain 1): torch's
-// intra-op threads when the build has OpenMP, else 1 (tests/test_ext_build.py, `kvwrite env`).
+// The threads a parallel region of `n` items runs on: torch's intra-op ones with OpenMP, else 1.
 int64_t cpu_threads(int64_t n) {
   std::atomic<int64_t> seen{0};
   at::parallel_for(0, n, 1, [&](int64_t, int64_t) { seen.fetch_or(int64_t(1) << (at::get_thread_num() & 63)); });
@@ -183,11 +170,7 @@ struct Cpu {
     next_epoch(a.errors, check);
   }
 
-  // store_kv into a split head dim (vLLM's head-major caches), plain copy: the tokens grouped by
-  // page and stored page by page, head by head. A token scatters each value element to its own
-  // 32-byte span (S rows apart); a page's tokens share those spans, so grouped they hit lines
-  // already in L1, and tokens at consecutive rows share one store per feature (copy_page_head_host).
-  // Other stores (unsplit, fp8): the per-token path.
+  // store_kv into a split head dim, plain copy: page by page, head by head (csrc/README.md); others per token
   static void run(StoreKVParams p, int64_t check, const Tensor& ref) {
     if ((!p.k.cache.split && !p.v.cache.split) || p.cache_dtype != p.in_dtype) return run<StoreKVParams>(p, check, ref);
     const LocArgs& a = p.locs;
@@ -246,8 +229,7 @@ struct Cpu {
     if (asserting && s.bad() != 0) throw_assert(op_name(p.op).c_str(), s.rec, s.bad());
   }
 
-  // The duplicate-row pre-pass (kvwrite/claims.h). Guard: the loc the store runs on. Assert: an
-  // empty result (no duplicate), else the bad and duplicate tokens recorded and a throw.
+  // The duplicate-row pre-pass (kvwrite/claims.h): guard's loc the store runs on; assert: empty, or a throw.
   static Tensor run(ClaimParams p, int64_t check, const Tensor& loc) {
     const i64 slots = claim_slots(p.a.n);
     thread_local std::vector<i64> keys, first;  // reused: no allocation per call once warm

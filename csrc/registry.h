@@ -8,10 +8,6 @@
 
 #include <torch/library.h>
 
-#include <string>
-#include <utility>
-#include <vector>
-
 #include "bodies.h"  // every body header with its host section, and KVW_OPS (kvw_ops.h)
 #include "host.h"
 
