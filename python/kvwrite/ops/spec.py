@@ -169,7 +169,7 @@ def pairs(first: str, second: str) -> Callable:
     return check
 
 
-# The addressing tail of the raw kernels, in order (csrc/api.h `tail_field`).
+# The addressing tail of the raw kernels, in order (csrc/api.h `run_raw`, `TAIL_FIELDS`).
 TAIL_FIELDS = ("loc", "loc_map", "errors", "dcp_rank", "dcp_size", "check", "op", *TABLE_ARGS)
 # Env names the rule expressions read or write beside the letters and the arguments' dtypes.
 RULE_SLOTS = ("N", "P", "S", "B", "W", "D", "Dv", "L", "R", "layout", "fmt", "cache_dtype", "quant", "rule")
