@@ -242,6 +242,22 @@ struct Tail {
   int64_t dcp_rank = 0, dcp_size = 1, check = CHECK_OFF, op = 0;
 };
 
+// The tail's field i (spec.TAIL_FIELDS' order): only the fields a raw kernel takes are copied.
+inline c10::IValue tail_field(const Tail& t, int i) {
+  switch (i) {
+    case 0: return t.loc;
+    case 1: return t.loc_map;
+    case 2: return t.errors;
+    case 3: return t.dcp_rank;
+    case 4: return t.dcp_size;
+    case 5: return t.check;
+    case 6: return t.op;
+    case 7: return t.batch_indices;
+    case 8: return t.kv_indices;
+    default: return t.kv_indptr;  // parse refuses an index >= TAIL_FIELDS
+  }
+}
+
 inline bool index_tensor(const std::optional<at::Tensor>& t, const Call& c) {
   return !t || ((t->scalar_type() == at::kInt || t->scalar_type() == at::kLong) && t->dim() == 1 &&
                 (t->size(0) <= 1 || t->stride(0) == 1) && c.on_device(*t));
@@ -297,11 +313,9 @@ template <class Dev>
 void run_raw(Call& c, const Tail& t, const RawCall& r) {
   thread_local std::vector<c10::IValue> s;  // no allocation per call; no tensor held past it
   const auto clear = c10::make_scope_exit([&] { s.clear(); });
-  const c10::IValue tail[TAIL_FIELDS] = {t.loc,   t.loc_map, t.errors,        t.dcp_rank,   t.dcp_size,
-                              t.check, t.op,      t.batch_indices, t.kv_indices, t.kv_indptr};
   for (const Source& src : r.sources) {
     switch (src.kind) {
-      case 't': s.push_back(tail[src.index]); break;
+      case 't': s.push_back(tail_field(t, src.index)); break;
       case 'l':
       case 'k':
       case 'h': {
