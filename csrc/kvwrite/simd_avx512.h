@@ -120,6 +120,20 @@ KVW_AVX512 uint32_t bf16_absmax_raw_512(const uint16_t* p, int n) {
   return 0x7FFFu & ~uint32_t(_mm_cvtsi128_si32(_mm_minpos_epu16(h)));
 }
 
+// bf16_absmax_raw8_avx2, n % 32 == 0, 32 a step: each run read start to end (one stream at a time,
+// not eight interleaved), its 512-bit max folded to 256 bits, then the same max tree for the eight.
+KVW_AVX512 void bf16_absmax_raw8_512(const uint16_t* p, i64 stride, int n, uint32_t* raw) {
+  const __m512i m = _mm512_set1_epi16(0x7FFF);
+  __m256i a[8];
+  for (int k = 0; k < 8; ++k) {
+    const uint16_t* q = p + k * stride;
+    __m512i acc = _mm512_and_si512(_mm512_loadu_si512(q), m);
+    for (int j = 32; j < n; j += 32) acc = _mm512_max_epu16(acc, _mm512_and_si512(_mm512_loadu_si512(q + j), m));
+    a[k] = _mm256_max_epu16(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(raw), hmax16x8(a));
+}
+
 // fp8_bf16_table_run_avx2, 64 elements a step (n % 64 == 0; else the AVX2 lanes): the code of a
 // binade-W mantissa by one 128-entry byte lookup (vpermi2b on m's 7 bits: Fp8Table::code), the
 // flags as 64-bit masks; a flagged 32-element half is redone by fp8_table_redo.
@@ -183,6 +197,10 @@ struct Lanes {
     if constexpr (L == 2) return int8_bf16_run_512(src, n, s, dst, r);
     return int8_bf16_run_avx2(src, n, s, dst, r);
   }
+  static void bf16_absmax_raw8(const uint16_t* p, i64 stride, int n, uint32_t* raw) {  // n % 32 == 0
+    if constexpr (L == 2) return bf16_absmax_raw8_512(p, stride, n, raw);
+    bf16_absmax_raw8_avx2(p, stride, n, raw);
+  }
   static uint32_t bf16_absmax_raw(const uint16_t* p, int n) {
     if constexpr (L == 2) return bf16_absmax_raw_512(p, n);
     return bf16_absmax_raw_avx2(p, n);
@@ -204,9 +222,6 @@ inline int int8_bf16_run(const uint16_t* __restrict__ src, int n, float s, char*
 }
 inline uint32_t bf16_absmax_raw(const uint16_t* p, int n) {
   return with_lanes([&](auto l) { return l.bf16_absmax_raw(p, n); });
-}
-inline void bf16_absmax_raw8(const uint16_t* p, i64 stride, int n, uint32_t* raw) {  // AVX2: 512 bits gave nothing
-  bf16_absmax_raw8_avx2(p, stride, n, raw);
 }
 template <class F>
 inline void fp8_bf16_table_run(const Fp8Table& t, float s, const uint16_t* __restrict__ src, int n, char* __restrict__ dst) {

@@ -92,12 +92,14 @@ inline bool quant_kv_side_bf16(const KVQuantSide& s, int H, i64 i, char* dst, co
       for (; h + 8 <= H; h += 8) {  // eight heads' scales in one vector
         uint32_t raw[8];
         float sc[8], rc[8];
-        bf16_absmax_raw8(src + h * s.s_head, s.s_head, s.D, raw);
+        l.bf16_absmax_raw8(src + h * s.s_head, s.s_head, s.D, raw);
         if (!dynamic_scales8(raw, quant_max<F>(), DYN_SCALE_FLOOR, sc, rc)) return false;
-        for (int k = 0; k < 8; ++k) {
-          store_scale(scales, row, h + k, sc[k]);
-          run(h + k, sc[k], rc[k]);
+        if (scales.stride_head == 1) {  // the eight scales are adjacent: one 32-byte store
+          memcpy(scales.at(row, h, 0), sc, sizeof sc);
+        } else {
+          for (int k = 0; k < 8; ++k) store_scale(scales, row, h + k, sc[k]);
         }
+        for (int k = 0; k < 8; ++k) run(h + k, sc[k], rc[k]);
       }
       for (; h < H; ++h) {
         const float amax = bf16_policy_amax(l.bf16_absmax_raw(src + h * s.s_head, s.D));
