@@ -134,51 +134,74 @@ KVW_AVX512 void bf16_absmax_raw8_512(const uint16_t* p, i64 stride, int n, uint3
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(raw), hmax16x8(a));
 }
 
-// fp8_bf16_table_run_avx2, 64 elements a step (n % 64 == 0; else the AVX2 lanes): the code of a
-// binade-W mantissa by one 128-entry byte lookup (vpermi2b on m's 7 bits: Fp8Table::code), the
-// flags as 64-bit masks; a flagged 32-element half is redone by fp8_table_redo.
+// fp8_bf16_table_run_avx2, 64 elements a step (n % 64 == 0; else the AVX2 lanes), in "order O"
+// (qword q: elements 4q..4q+3, then 32 + 4q..32 + 4q + 3; one vpermb puts the codes in order):
+// E by two vpmultishiftqb (each word's bits 7..14), m and the sign byte by vpermt2b of the raw
+// words, the code of a binade-W mantissa by one 128-entry lookup (Fp8Table::code; vpermt2b reads
+// 7 index bits, so m's byte needs no mask), E8 = STEP * min(E -sat Z, TH - 1) (TH: the first E - Z
+// whose STEP multiple saturates a byte; the table build checks the clamp still codes max). A block
+// with a binade in fp8's subnormal range (1 <= E - Z <= KF / STEP) is coded by the binades' own
+// tables (Fp8Table::sub, a masked lookup each) in the loop; a block with E - Z >= TH (NaN, inf, a
+// quotient past the table) is redone by fp8_table_redo, as is a flagged block when the table has
+// no sub tables. Integer lanes only: no MXCSR dependence.
 template <class F>
 KVW_AVX512 void fp8_bf16_table_run_512(const Fp8Table& t, float s, const uint16_t* __restrict__ src, int n,
                                        char* __restrict__ dst) {
   if (n % 64 != 0) return fp8_bf16_table_run_avx2<F>(t, s, src, n, dst);
   constexpr uint8_t CMAX = F::mant == 3 ? 0x7E : 0x7B;
+  constexpr int TH = (255 + (1 << F::mant) - 1) >> F::mant;
+  alignas(64) static const struct Order {
+    uint8_t m[64], out[64];  // m: the words' low bytes in order O (byte + 1: their high bytes); out: O -> elements
+    Order() {
+      for (int j = 0; j < 64; ++j) m[j] = uint8_t(j % 8 < 4 ? 2 * (j / 8 * 4 + j % 8) : 64 + 2 * (j / 8 * 4 + j % 8 - 4));
+      for (int e = 0; e < 64; ++e) out[e] = uint8_t(8 * (e % 32 / 4) + 4 * (e / 32) + e % 4);
+    }
+  } order;
   const __m512i tab0 = _mm512_loadu_si512(t.code), tab1 = _mm512_loadu_si512(t.code + 64);
-  const __m512i emask = _mm512_set1_epi16(0x7F80), zstep = _mm512_set1_epi16(t.zstep), mmask = _mm512_set1_epi16(0x7F);
+  const __m512i im = _mm512_load_si512(order.m), ih = _mm512_add_epi8(im, _mm512_set1_epi8(1));
+  const __m512i iout = _mm512_load_si512(order.out), ectl = _mm512_set1_epi64(0x3727170737271707ll);
+  const __m512i z = _mm512_set1_epi8(char(t.zstep >> F::mant)), clamp = _mm512_set1_epi8(char(TH - 1));
   const __m512i k = _mm512_set1_epi8(char(t.k)), cmax = _mm512_set1_epi8(char(CMAX)), one = _mm512_set1_epi8(1);
-  const __m512i kf = _mm512_set1_epi8(char(t.kf)), smask = _mm512_set1_epi8(char(0x80));
-  const __m512i flip = _mm512_set1_epi8(char(s < 0 ? 0x80 : 0));
-  // E8 = STEP * (E - Z), saturated to [0, 255], pack order
-  const auto e8_of = [&](__m512i l0, __m512i l1) KVW_AVX512_FN {
-    return _mm512_packus_epi16(_mm512_sub_epi16(_mm512_srli_epi16(_mm512_and_si512(l0, emask), 7 - F::mant), zstep),
-                               _mm512_sub_epi16(_mm512_srli_epi16(_mm512_and_si512(l1, emask), 7 - F::mant), zstep));
+  const __m512i kfu = _mm512_set1_epi8(char(t.kf >> F::mant)), smask = _mm512_set1_epi8(char(0x80));
+  const bool neg = s < 0;
+  const auto u_of = [&](const uint16_t* x) KVW_AVX512_FN {  // E -sat Z, order O
+    const __m512i e = _mm512_multishift_epi64_epi8(ectl, _mm512_loadu_si512(x));
+    return _mm512_subs_epu8(_mm512_mask_multishift_epi64_epi8(e, 0xF0F0F0F0F0F0F0F0ull, ectl, _mm512_loadu_si512(x + 32)), z);
   };
   for (int j0 = 0; j0 < n; j0 += 4096) {
     const int nb = (n - j0 < 4096 ? n - j0 : 4096) / 64;
     uint64_t flags[64], any = 0;
-    __m512i e8max = _mm512_setzero_si512();
+    __m512i umax = _mm512_setzero_si512();
     for (int b = 0; b < nb; ++b) {
-      const __m512i l0 = _mm512_loadu_si512(src + j0 + 64 * b), l1 = _mm512_loadu_si512(src + j0 + 64 * b + 32);
-      const __m512i e8 = e8_of(l0, l1);
-      const __m512i m = _mm512_packus_epi16(_mm512_and_si512(l0, mmask), _mm512_and_si512(l1, mmask));
-      const __m512i c = _mm512_permutex2var_epi8(tab0, m, tab1);
-      const __m512i code = _mm512_min_epu8(_mm512_subs_epu8(_mm512_adds_epu8(e8, c), k), cmax);
-      const __m512i sign = _mm512_xor_si512(_mm512_and_si512(_mm512_packs_epi16(l0, l1), smask), flip);
-      _mm512_storeu_si512(dst + j0 + 64 * b, in_order64(_mm512_or_si512(code, sign)));
-      e8max = _mm512_max_epu8(e8max, e8);
-      flags[b] = _mm512_cmplt_epu8_mask(_mm512_sub_epi8(e8, one), kf);  // 1 <= E8 <= KF
+      const uint16_t* x = src + j0 + 64 * b;
+      const __m512i l0 = _mm512_loadu_si512(x), l1 = _mm512_loadu_si512(x + 32), u = u_of(x);
+      const __m512i mi = _mm512_permutex2var_epi8(l0, im, l1);
+      const __m512i e8 = _mm512_slli_epi16(_mm512_min_epu8(u, clamp), F::mant);  // bytes <= 252: no spill
+      __m512i code = _mm512_min_epu8(_mm512_subs_epu8(_mm512_adds_epu8(e8, _mm512_permutex2var_epi8(tab0, mi, tab1)), k), cmax);
+      flags[b] = _mm512_cmplt_epu8_mask(_mm512_sub_epi8(u, one), kfu);
+      if (__builtin_expect(flags[b] != 0 && t.nsub != 0, 0)) {
+        for (int i = 0; i < t.nsub; ++i)
+          code = _mm512_mask_mov_epi8(code, _mm512_mask_cmpeq_epu8_mask(flags[b], u, _mm512_set1_epi8(char(i + 1))),
+                                      _mm512_permutex2var_epi8(_mm512_load_si512(t.sub[i]), mi, _mm512_load_si512(t.sub[i] + 64)));
+        flags[b] = 0;
+      }
+      const __m512i hi = _mm512_permutex2var_epi8(l0, ih, l1);  // sign | E >> 1
+      const __m512i b8 = neg ? _mm512_ternarylogic_epi32(code, hi, smask, 0xF2)    // code | (~hi & 0x80)
+                             : _mm512_ternarylogic_epi32(code, hi, smask, 0xF8);   // code | (hi & 0x80)
+      _mm512_storeu_si512(dst + j0 + 64 * b, _mm512_permutexvar_epi8(iout, b8));
+      umax = _mm512_max_epu8(umax, u);
       any |= flags[b];
     }
-    if (__builtin_expect(_mm512_cmpeq_epi8_mask(e8max, _mm512_set1_epi8(char(0xFF))) != 0, 0)) {
+    if (__builtin_expect(_mm512_cmpge_epu8_mask(umax, _mm512_set1_epi8(char(TH))) != 0, 0)) {
       for (int b = 0; b < nb; ++b) {
-        const uint16_t* x = src + j0 + 64 * b;
-        flags[b] |= _mm512_cmpeq_epi8_mask(e8_of(_mm512_loadu_si512(x), _mm512_loadu_si512(x + 32)), _mm512_set1_epi8(char(0xFF)));
+        flags[b] |= _mm512_cmpge_epu8_mask(u_of(src + j0 + 64 * b), _mm512_set1_epi8(char(TH)));
         any |= flags[b];
       }
     }
     if (__builtin_expect(any == 0, 1)) continue;
-    for (int b = 0; b < nb; ++b)  // pack order: the even qwords are the first half's bytes
+    for (int b = 0; b < nb; ++b)  // order O: each qword's low four bytes are the first half's
       for (int h = 0; h < 2; ++h)
-        if (flags[b] & (0x00FF00FF00FF00FFull << (8 * h))) fp8_table_redo<F>(t, s, src + j0 + 64 * b + 32 * h, dst + j0 + 64 * b + 32 * h);
+        if (flags[b] & (0x0F0F0F0F0F0F0F0Full << (4 * h))) fp8_table_redo<F>(t, s, src + j0 + 64 * b + 32 * h, dst + j0 + 64 * b + 32 * h);
   }
 }
 

@@ -558,6 +558,12 @@ struct Fp8Table {
   int16_t zstep = 0;  // STEP * Z
   uint8_t k = 0, kf = 0;  // K; KF = STEP * (W - Z - 1), 1..127: 1 <= E8 <= KF flags a subnormal-range binade
   float r = 0.0f;         // RN(1 / |s|): the arithmetic lanes' reciprocal for the blocks the table declines
+  // The subnormal-range binades' own codes, sub[i][m] = code(Z + 1 + i, m) for the W - Z - 1 of them
+  // (nsub; 0 when more than FP8_SUB): the AVX-512 lanes code a flagged block by these lookups
+  // instead of redoing it by the arithmetic lanes.
+  static constexpr int FP8_SUB = 6;
+  uint8_t nsub = 0;
+  alignas(64) uint8_t sub[FP8_SUB][128];
 };
 
 template <class F>
@@ -606,6 +612,10 @@ inline void fp8_table_build(Fp8Table& t, float s) {
   t.k = uint8_t(k);
   t.kf = uint8_t(STEP * (w - z - 1));
   if (t.kf < 1 || t.kf > 127) return;
+  if (((255 >> F::mant) << F::mant) - k < CMAX) return;  // a clamped E8 (AVX-512 lanes) must still code max
+  t.nsub = uint8_t(w - z - 1 <= Fp8Table::FP8_SUB ? w - z - 1 : 0);
+  for (int i = 0; i < t.nsub; ++i)
+    for (int m = 0; m < 128; ++m) t.sub[i][m] = fp8_mag_code<F>(z + 1 + i, m, as);
   t.r = 1.0f / as;
   t.ok = true;
 }
