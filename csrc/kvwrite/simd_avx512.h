@@ -14,7 +14,7 @@
 
 namespace kvwrite {
 
-inline bool simd512_ok() { return simd_level() >= 2; }
+__attribute__((always_inline)) inline bool simd512_ok() { return simd_level() >= 2; }
 
 // packs/packus of two 32-lane word vectors leave the bytes in "pack order": qword 2k holds the
 // first vector's elements 8k..8k+7, qword 2k + 1 the second's; this puts them in element order.

@@ -24,20 +24,22 @@ namespace kvwrite {
 // F16C + FMA (this file), 0 the portable loops: the best this CPU has, capped by
 // KVWRITE_CPU_SIMD = 0 / avx2 / avx512 (unset or any other value: the best). Like the scalar
 // code, the lanes assume the default MXCSR (round to nearest even), as torch runs.
-inline int simd_level() {
-  static const int level = [] {
-    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
-    const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                        __builtin_cpu_supports("avx512vbmi");
-    const char* e = std::getenv("KVWRITE_CPU_SIMD");
-    const int cap = e == nullptr ? 2 : e[0] == '0' ? 0 : std::strcmp(e, "avx2") == 0 ? 1 : 2;
-    const int best = avx512 ? 2 : avx2 ? 1 : 0;
-    return best < cap ? best : cap;
-  }();
+__attribute__((noinline, cold)) inline int simd_level_detect() {
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                      __builtin_cpu_supports("avx512vbmi");
+  const char* e = std::getenv("KVWRITE_CPU_SIMD");
+  const int cap = e == nullptr ? 2 : e[0] == '0' ? 0 : std::strcmp(e, "avx2") == 0 ? 1 : 2;
+  const int best = avx512 ? 2 : avx2 ? 1 : 0;
+  return best < cap ? best : cap;
+}
+// The level, detected once; small enough to inline into every dispatcher (one load and a test).
+__attribute__((always_inline)) inline int simd_level() {
+  static const int level = simd_level_detect();
   return level;
 }
-inline bool simd_ok() { return simd_level() >= 1; }
+__attribute__((always_inline)) inline bool simd_ok() { return simd_level() >= 1; }
 
 // Eight elements from src + i as fp32, as stored (no daz).
 template <DType IN>
