@@ -172,10 +172,13 @@ def test_store_kv_fp8_bf16_lanes_scales(cache):
 
 @pytest.mark.parametrize("cache", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("per_head", [False, True])
-def test_store_kv_dynamic_bf16_lanes(cache, per_head):
+@pytest.mark.parametrize("strided", [False, True])
+def test_store_kv_dynamic_bf16_lanes(cache, per_head, strided):
     """Tokens without NaN or inf (the lanes' domain): amax a power of two times the format's max
     (s exact, so x / s lands on grid ties), random magnitudes, zeros and subnormals; one token
-    with an inf and one with a NaN (the generic lanes)."""
+    with an inf and one with a NaN (the generic lanes), and one with a NaN in K alone (K by the
+    generic lanes, V by the streaming ones, after both sides' scales). Strided: heads apart in
+    the source (one run a head)."""
     heads, dim, n = 12, 64, 48   # 12 heads: one group of eight scales at once, four one by one
     g = torch.Generator().manual_seed(8)
     qmax = 127.0 if cache == torch.int8 else torch.finfo(cache).max
@@ -188,6 +191,9 @@ def test_store_kv_dynamic_bf16_lanes(cache, per_head):
     x[4, 2, 7] = float("nan")
     k = x.to(torch.bfloat16)
     v = (-x).to(torch.bfloat16)
+    k[10, 3, 1] = float("nan")
+    if strided:
+        k, v = (torch.cat([t, t], -1)[..., :dim] for t in (k, v))
     loc = torch.randperm(n + 8, generator=g)[:n]
     pages = -(-(n + 8) // 16)
     sshape = (pages, 16, heads) if per_head else (pages, 16)

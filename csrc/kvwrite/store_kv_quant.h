@@ -50,79 +50,117 @@ KVW_HD void store_scale(const PagedCache& scales, i64 row, int h, float v) {
 }
 
 #if KVW_SIMD_X86
-// The host's streaming lanes for a bf16 side with dynamic scales under the rne rule (int8 /
-// e4m3 / e5m2, whole rows of D % 32 == 0): the amax as the raw max of 16-bit magnitudes, codes by
-// int8_bf16_run / fp8_bf16_run, the same bytes as the generic path. False (nothing decided) where
-// they do not apply: a NaN or inf in the token (the generic path then writes the whole side).
+// The host's streaming lanes for bf16 sides with dynamic scales under the rne rule (int8 / e4m3 /
+// e5m2, whole rows of D % 32 == 0; per token-head at most MAX_LANE_HEADS heads): the amax as the
+// raw max of 16-bit magnitudes, codes by int8_bf16_run / fp8_bf16_run, the same bytes as the
+// generic path. Two phases, so that a token's K and V scales (each a chain of amax and two
+// divisions) are both under way before either side's codes wait on them.
+constexpr int MAX_LANE_HEADS = 64;
+struct LaneScales {
+  float sc[MAX_LANE_HEADS], rc[MAX_LANE_HEADS];  // per token: [0] only
+  bool whole;                                     // heads back to back: one run
+};
+
 template <class F, int QUANT>
-inline bool quant_kv_side_bf16(const KVQuantSide& s, int H, i64 i, char* dst, const PagedCache& scales, i64 row) {
-  constexpr bool I8 = std::is_same<F, Int8Fmt>::value;
-  if (QUANT == QUANT_STATIC || s.cache.split || s.D % 32 != 0 || !simd_ok()) return false;
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(s.src) + i * s.s_tok;
-  if (!I8 && !ftz_clear()) return false;
-  return with_lanes([&](auto l) {  // the level once a token side
-    const auto codes = [&](const uint16_t* x, int n, float sc, float rc, char* out) {
-      if constexpr (I8) {
-        l.int8_bf16_run(x, n, sc, out, rc);
-      } else {
-        l.template fp8_bf16_run<F, true>(x, n, sc, out, rc);  // a dynamic scale's row
-      }
-    };
-    const auto run = [&](int h, float sc, float rc) { codes(src + h * s.s_head, s.D, sc, rc, dst + s.cache.in_row(h, 0)); };
-    if constexpr (QUANT == QUANT_TOKEN) {
-      const bool whole = s.s_head == s.D && s.cache.in_row(1, 0) == s.D;  // heads back to back: one run
-      uint32_t raw = 0;
-      for (int h = 0; h < (whole ? 1 : H); ++h) {
-        const uint32_t r = l.bf16_absmax_raw(src + h * s.s_head, whole ? H * s.D : s.D);
-        raw = r > raw ? r : raw;
-      }
-      const float amax = bf16_policy_amax(raw);
+inline bool lanes_apply(const KVQuantSide& s, int H) {
+  return QUANT != QUANT_STATIC && !s.cache.split && s.D % 32 == 0 && (QUANT == QUANT_TOKEN || H <= MAX_LANE_HEADS) &&
+         simd_ok() &&
+         (std::is_same<F, Int8Fmt>::value || ftz_clear());
+}
+
+// Phase one: the side's scales and their reciprocals. False (nothing decided) where a NaN or inf
+// is in the token or a scale leaves cr_div_ok's range: the generic path then writes the side.
+template <class F, int QUANT, class L>
+inline bool lane_scales(L l, const KVQuantSide& s, int H, const uint16_t* src, LaneScales& o) {
+  o.whole = s.s_head == s.D && s.cache.in_row(1, 0) == s.D;
+  if constexpr (QUANT == QUANT_TOKEN) {
+    uint32_t raw = 0;
+    for (int h = 0; h < (o.whole ? 1 : H); ++h) {
+      const uint32_t r = l.bf16_absmax_raw(src + h * s.s_head, o.whole ? H * s.D : s.D);
+      raw = r > raw ? r : raw;
+    }
+    const float amax = bf16_policy_amax(raw);
+    if (amax < 0.0f) return false;
+    o.sc[0] = dynamic_scale<F>(amax);
+    o.rc[0] = 1.0f / o.sc[0];
+    return cr_div_ok(o.sc[0]);
+  } else {
+    int h = 0;
+    for (; h + 8 <= H; h += 8) {  // eight heads' scales in one vector
+      uint32_t raw[8];
+      l.bf16_absmax_raw8(src + h * s.s_head, s.s_head, s.D, raw);
+      if (!dynamic_scales8(raw, quant_max<F>(), DYN_SCALE_FLOOR, o.sc + h, o.rc + h)) return false;
+    }
+    for (; h < H; ++h) {
+      const float amax = bf16_policy_amax(l.bf16_absmax_raw(src + h * s.s_head, s.D));
       if (amax < 0.0f) return false;
-      const float sc = dynamic_scale<F>(amax);
-      if (!cr_div_ok(sc)) return false;
-      store_scale(scales, row, 0, sc);
-      const float rc = 1.0f / sc;
-      if (whole) {
-        codes(src, H * s.D, sc, rc, dst);
-        return true;
-      }
-      for (int h = 0; h < H; ++h) run(h, sc, rc);
-    } else {
-      int h = 0;
-      for (; h + 8 <= H; h += 8) {  // eight heads' scales in one vector
-        uint32_t raw[8];
-        float sc[8], rc[8];
-        l.bf16_absmax_raw8(src + h * s.s_head, s.s_head, s.D, raw);
-        if (!dynamic_scales8(raw, quant_max<F>(), DYN_SCALE_FLOOR, sc, rc)) return false;
-        if (scales.stride_head == 1) {  // the eight scales are adjacent: one 32-byte store
-          memcpy(scales.at(row, h, 0), sc, sizeof sc);
-        } else {
-          for (int k = 0; k < 8; ++k) store_scale(scales, row, h + k, sc[k]);
-        }
-        for (int k = 0; k < 8; ++k) run(h + k, sc[k], rc[k]);
-      }
-      for (; h < H; ++h) {
-        const float amax = bf16_policy_amax(l.bf16_absmax_raw(src + h * s.s_head, s.D));
-        if (amax < 0.0f) return false;
-        const float sc = dynamic_scale<F>(amax);
-        if (!cr_div_ok(sc)) return false;
-        store_scale(scales, row, h, sc);
-        run(h, sc, 1.0f / sc);
-      }
+      o.sc[h] = dynamic_scale<F>(amax);
+      o.rc[h] = 1.0f / o.sc[h];
+      if (!cr_div_ok(o.sc[h])) return false;
     }
     return true;
-  });
+  }
+}
+
+// Phase two: the side's scales into the scale cache and its codes into row `row`.
+template <class F, int QUANT, class L>
+inline void lane_codes(L l, const KVQuantSide& s, int H, const uint16_t* src, const LaneScales& o, i64 row) {
+  char* dst = s.cache.row_ptr(row);
+  const auto codes = [&](const uint16_t* x, int n, float sc, float rc, char* out) {
+    if constexpr (std::is_same<F, Int8Fmt>::value) {
+      l.int8_bf16_run(x, n, sc, out, rc);
+    } else {
+      l.template fp8_bf16_run<F, true>(x, n, sc, out, rc);  // a dynamic scale's row
+    }
+  };
+  if constexpr (QUANT == QUANT_TOKEN) {
+    store_scale(s.scales, row, 0, o.sc[0]);
+    if (o.whole) return codes(src, H * s.D, o.sc[0], o.rc[0], dst);
+    for (int h = 0; h < H; ++h) codes(src + h * s.s_head, s.D, o.sc[0], o.rc[0], dst + s.cache.in_row(h, 0));
+  } else {
+    if (s.scales.stride_head == 1) {  // the scales are adjacent: one copy
+      memcpy(s.scales.at(row, 0, 0), o.sc, sizeof(float) * H);
+    } else {
+      for (int h = 0; h < H; ++h) store_scale(s.scales, row, h, o.sc[h]);
+    }
+    for (int h = 0; h < H; ++h) codes(src + h * s.s_head, s.D, o.sc[h], o.rc[h], dst + s.cache.in_row(h, 0));
+  }
+}
+
+// A token's K and V by the lanes, both scales first; returns which sides are still to write
+// (bit 0: K, bit 1: V) by the generic path.
+template <DType IN, class F, int QUANT>
+inline int quant_kv_lanes(const StoreKVQuantParams& p, i64 i, i64 row) {
+  if constexpr (IN != DType::BF16) {
+    return 3;
+  } else {
+    if (p.rule != RULE_RNE) return 3;
+    const KVQuantSide* side[2] = {&p.k, &p.v};
+    return with_lanes([&](auto l) {  // the level once a token
+      LaneScales o[2];
+      const uint16_t* src[2];
+      bool ok[2];
+      for (int k = 0; k < 2; ++k) {
+        src[k] = reinterpret_cast<const uint16_t*>(side[k]->src) + i * side[k]->s_tok;
+        ok[k] = lanes_apply<F, QUANT>(*side[k], p.H) && lane_scales<F, QUANT>(l, *side[k], p.H, src[k], o[k]);
+      }
+      int rest = 0;
+      for (int k = 0; k < 2; ++k) {
+        if (ok[k]) {
+          lane_codes<F, QUANT>(l, *side[k], p.H, src[k], o[k], row);
+        } else {
+          rest |= 1 << k;
+        }
+      }
+      return rest;
+    });
+  }
 }
 #endif
 
 template <DType IN, class F, int QUANT>
 KVW_HD void quant_kv_side(const KVQuantSide& s, int rule, int H, i64 i, i64 row, int lane, int nlanes) {
   char* dst = s.cache.row_ptr(row);
-#if KVW_SIMD_X86
-  if constexpr (IN == DType::BF16) {
-    if (nlanes == 1 && rule == RULE_RNE && quant_kv_side_bf16<F, QUANT>(s, H, i, dst, s.scales, row)) return;
-  }
-#endif
   const i64 src = i * s.s_tok;
   if constexpr (QUANT == QUANT_STATIC) {
     for (int h = 0; h < H; ++h) quant_head<IN>(s, Quantizer<F>(s.scale[h * s.scale_stride], rule), src, h, dst, lane, nlanes);
@@ -157,8 +195,12 @@ struct StoreKVQuantToken {
 #endif
     const Resolved r = resolve_checked<CHECK>(p.locs, i, lane == 0);
     if (!r.write) return;
-    quant_kv_side<IN, F, QUANT>(p.k, p.rule, p.H, i, r.row, lane, nlanes);
-    quant_kv_side<IN, F, QUANT>(p.v, p.rule, p.H, i, r.row, lane, nlanes);
+    int rest = 3;  // the sides the generic path writes
+#if KVW_SIMD_X86
+    if (nlanes == 1) rest = quant_kv_lanes<IN, F, QUANT>(p, i, r.row);
+#endif
+    if (rest & 1) quant_kv_side<IN, F, QUANT>(p.k, p.rule, p.H, i, r.row, lane, nlanes);
+    if (rest & 2) quant_kv_side<IN, F, QUANT>(p.v, p.rule, p.H, i, r.row, lane, nlanes);
   }
 };
 
