@@ -64,7 +64,7 @@ struct RawCall {
 
 // An op's spec, parsed once (format: kvwrite.ops.spec.Op.program).
 struct Program {
-  std::string name;
+  std::string name, text;
   std::vector<std::string> args;
   std::unordered_map<std::string, int> arg_index, slot_index;
   int nslots = 0, op_code = 0;
@@ -165,12 +165,20 @@ inline Program parse(const std::string& name, const std::string& text) {
   return p;
 }
 
+// One op's program: the current one, which its kernel reads on every call without a lock or a
+// lookup, and every earlier one, alive for the calls that may still run on it (a program is
+// replaced only when its text changes).
+struct Slot {
+  std::atomic<const Program*> current{nullptr};
+  std::vector<std::unique_ptr<const Program>> all;
+};
+
 // The programs by op name ("kvwrite::store_kv"), set when the extension loads, and the devices'
 // registrations of an op's generic kernel (engines::impl_device adds its device's).
 struct Programs {
   std::mutex mu;
-  std::unordered_map<std::string, std::shared_ptr<const Program>> by_name;
-  std::vector<void (*)(const std::string&)> registrars;
+  std::unordered_map<std::string, Slot> by_name;  // a Slot never moves (its kernels hold it)
+  std::vector<void (*)(const std::string&, const Slot&)> registrars;
   std::set<std::string> registered;
 };
 inline Programs& programs() {
@@ -179,21 +187,23 @@ inline Programs& programs() {
 }
 
 inline void set_program(c10::string_view name, c10::string_view text) {
-  auto p = std::make_shared<Program>(parse(std::string(name), std::string(text)));
-  p->python = c10::Dispatcher::singleton().findSchemaOrThrow(("kvwrite::" + p->name + "_py").c_str(), "");
-  const std::string full = "kvwrite::" + p->name;
-  const bool generic = !p->raws.empty();
+  const std::string full = "kvwrite::" + std::string(name);
   Programs& all = programs();
+  {
+    std::lock_guard<std::mutex> g(all.mu);
+    const Program* now = all.by_name[full].current.load();
+    if (now != nullptr && now->text == text) return;  // sent again as is (spec.send_programs)
+  }
+  auto p = std::make_unique<Program>(parse(std::string(name), std::string(text)));
+  p->text = std::string(text);
+  p->python = c10::Dispatcher::singleton().findSchemaOrThrow((full + "_py").c_str(), "");
+  const bool generic = !p->raws.empty();
   std::lock_guard<std::mutex> g(all.mu);
-  all.by_name[full] = std::move(p);
+  Slot& slot = all.by_name[full];
+  slot.current.store(p.get(), std::memory_order_release);
+  slot.all.push_back(std::move(p));
   if (generic && all.registered.insert(full).second)
-    for (auto reg : all.registrars) reg(full);
-}
-
-inline std::shared_ptr<const Program> find_program(const std::string& name) {
-  std::lock_guard<std::mutex> g(programs().mu);
-  auto it = programs().by_name.find(name);
-  return it == programs().by_name.end() ? nullptr : it->second;
+    for (auto reg : all.registrars) reg(full, slot);
 }
 
 // A call being matched: its arguments (the stack slice), the env of letters and dtypes, the device.
@@ -394,12 +404,16 @@ bool ran(const c10::OperatorHandle& op, torch::jit::Stack* stack, F&& here) {
   return done;
 }
 
-// The kernel of every public op for one device.
+// The kernel of every public op for one device, registered when the op's program arrived.
 template <class Dev>
-void boxed(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  const auto p = find_program(op.schema().name());  // registered when its program arrived
-  if (!ran(op, stack, [&] { return run_here<Dev>(*p, op, stack); })) p->python->callBoxed(stack);
-}
+struct Kernel final : c10::OperatorKernel {
+  const Slot& slot;
+  explicit Kernel(const Slot& s) : slot(s) {}
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+    const Program& p = *slot.current.load(std::memory_order_acquire);
+    if (!ran(op, stack, [&] { return run_here<Dev>(p, op, stack); })) p.python->callBoxed(stack);
+  }
+};
 
 }  // namespace api
 }  // namespace kvwrite
