@@ -67,12 +67,13 @@ inline PagedCache paged_dims(const Tensor& c, int page, int row, int head) {
   return p;
 }
 
-// A canonical [pages, pool_page_size, heads, feat] cache view (feat contiguous), or
-// [pages, pool_page_size, heads, feat / X, X] (a split head dim, X contiguous).
 inline void check_last_dense(const Tensor& c, const char* name) {
   TORCH_CHECK(c.size(c.dim() - 1) <= 1 || c.stride(c.dim() - 1) == 1, "kvwrite: ", name,
               " must be contiguous in its last dim");
 }
+
+// A canonical [pages, pool_page_size, heads, feat] cache view (feat contiguous), or
+// [pages, pool_page_size, heads, feat / X, X] (a split head dim, X contiguous).
 inline PagedCache paged(const Tensor& c, const char* name) {
   TORCH_CHECK(c.dim() == 4 || c.dim() == 5, "kvwrite: ", name, " must be a 4-D [pages, rows, heads, feat] view");
   check_last_dense(c, name);
