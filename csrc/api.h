@@ -64,7 +64,7 @@ struct RawCall {
 
 // An op's spec, parsed once (format: kvwrite.ops.spec.Op.program).
 struct Program {
-  std::string name;
+  std::string name, text;
   std::vector<std::string> args;
   std::unordered_map<std::string, int> arg_index, slot_index;
   int nslots = 0, op_code = 0;
@@ -75,6 +75,9 @@ struct Program {
   std::optional<c10::OperatorHandle> python;
   std::vector<RawCall> raws;  // in the spec's order: the first whose condition holds runs
   int layout = -1;            // the env slot of the caches' layout (cache_view), -1 without one
+  // What every call reads, by index (parse sets them): its arguments (-1: the op has none) and slots.
+  int backend = -1, check = -1, errors = -1, loc = -1, loc_map = -1, dcp_rank = -1, dcp_size = -1,
+      batch_indices = -1, kv_indices = -1, kv_indptr = -1, N = -1, P = -1, S = -1;
 
   static int find(const std::unordered_map<std::string, int>& m, const std::string& n) {
     auto it = m.find(n);
@@ -151,15 +154,31 @@ inline Program parse(const std::string& name, const std::string& text) {
     }
   }
   p.layout = names.slot("layout");
+  for (auto [field, arg] : {std::pair{&p.backend, "backend"}, {&p.check, "check"}, {&p.errors, "errors"},
+                            {&p.loc, p.loc_arg.c_str()}, {&p.loc_map, "loc_map"}, {&p.dcp_rank, "dcp_rank"},
+                            {&p.dcp_size, "dcp_size"}, {&p.batch_indices, "batch_indices"},
+                            {&p.kv_indices, "kv_indices"}, {&p.kv_indptr, "kv_indptr"}})
+    *field = p.arg(arg);
+  TORCH_CHECK(p.backend >= 0 && p.check >= 0 && p.errors >= 0 && p.loc >= 0, "kvwrite: the spec of ", name,
+              " lacks backend, check, errors or its loc argument ", p.loc_arg);
+  p.N = p.slot("N"), p.P = p.slot("P"), p.S = p.slot("S");
   return p;
 }
+
+// One op's program: the current one, which its kernel reads on every call without a lock or a
+// lookup, and every earlier one, alive for the calls that may still run on it (a program is
+// replaced only when its text changes).
+struct Slot {
+  std::atomic<const Program*> current{nullptr};
+  std::vector<std::unique_ptr<const Program>> all;
+};
 
 // The programs by op name ("kvwrite::store_kv"), set when the extension loads, and the devices'
 // registrations of an op's generic kernel (engines::impl_device adds its device's).
 struct Programs {
   std::mutex mu;
-  std::unordered_map<std::string, std::shared_ptr<const Program>> by_name;
-  std::vector<void (*)(const std::string&)> registrars;
+  std::unordered_map<std::string, Slot> by_name;  // a Slot never moves (its kernels hold it)
+  std::vector<void (*)(const std::string&, const Slot&)> registrars;
   std::set<std::string> registered;
 };
 inline Programs& programs() {
@@ -168,33 +187,33 @@ inline Programs& programs() {
 }
 
 inline void set_program(c10::string_view name, c10::string_view text) {
-  auto p = std::make_shared<Program>(parse(std::string(name), std::string(text)));
-  p->python = c10::Dispatcher::singleton().findSchemaOrThrow(("kvwrite::" + p->name + "_py").c_str(), "");
-  const std::string full = "kvwrite::" + p->name;
-  const bool generic = !p->raws.empty();
+  const std::string full = "kvwrite::" + std::string(name);
   Programs& all = programs();
+  {
+    std::lock_guard<std::mutex> g(all.mu);
+    const Program* now = all.by_name[full].current.load();
+    if (now != nullptr && now->text == text) return;  // sent again as is (spec.send_programs)
+  }
+  auto p = std::make_unique<Program>(parse(std::string(name), std::string(text)));
+  p->text = std::string(text);
+  p->python = c10::Dispatcher::singleton().findSchemaOrThrow((full + "_py").c_str(), "");
+  const bool generic = !p->raws.empty();
   std::lock_guard<std::mutex> g(all.mu);
-  all.by_name[full] = std::move(p);
+  Slot& slot = all.by_name[full];
+  slot.current.store(p.get(), std::memory_order_release);
+  slot.all.push_back(std::move(p));
   if (generic && all.registered.insert(full).second)
-    for (auto reg : all.registrars) reg(full);
-}
-
-inline std::shared_ptr<const Program> find_program(const std::string& name) {
-  std::lock_guard<std::mutex> g(programs().mu);
-  auto it = programs().by_name.find(name);
-  return it == programs().by_name.end() ? nullptr : it->second;
+    for (auto reg : all.registrars) reg(full, slot);
 }
 
 // A call being matched: its arguments (the stack slice), the env of letters and dtypes, the device.
 struct Call {
   const Program& p;
   at::ArrayRef<c10::IValue> a;
-  std::vector<int64_t> env;
+  std::vector<int64_t>& env;
   std::optional<c10::Device> device;
 
-  const c10::IValue& v(const std::string& n) const { return a[p.arg(n)]; }
-  std::optional<at::Tensor> opt(const std::string& n) const { return v(n).toOptional<at::Tensor>(); }
-  int64_t& e(const std::string& n) { return env[p.slot(n)]; }
+  std::optional<at::Tensor> opt(int i) const { return i < 0 ? std::nullopt : a[i].toOptional<at::Tensor>(); }
   bool on_device(const at::Tensor& t) const { return !device || t.device() == *device; }
 };
 
@@ -220,7 +239,7 @@ inline bool match_tensor(const Step& s, Call& c) {
   if (!c.device) c.device = t.device();
   c.env[s.name_slot] = int64_t(st);
   if (s.dims.empty()) return true;
-  const bool hnd = s.layout && c.env[c.p.slot("layout")] >= 1;  // HND, cpu_attn: [P, H, S, D]
+  const bool hnd = s.layout && c.env[c.p.layout] >= 1;  // HND, cpu_attn: [P, H, S, D]
   auto canon = [&](size_t i) { return shape[hnd && (i == 1 || i == 2) ? 3 - i : i]; };
   for (int b : s.binds)
     for (size_t i = 0; i < s.dims.size(); ++i)
@@ -265,27 +284,28 @@ inline bool index_tensor(const std::optional<at::Tensor>& t, const Call& c) {
 
 inline std::optional<Tail> addressing(Call& c) {
   Tail t;
-  const int64_t n = c.e("N");
-  const c10::IValue& loc = c.v(c.p.loc_arg);
+  const Program& p = c.p;
+  const int64_t n = c.env[p.N];
+  const c10::IValue& loc = c.a[p.loc];
   if (n > MAX_TOKENS || !loc.isTensor() || !c.device) return std::nullopt;
   t.loc = loc.toTensor();
   if (!index_tensor(t.loc, c) || t.loc.size(0) != n) return std::nullopt;
-  if (c.p.arg("loc_map") >= 0) t.loc_map = c.opt("loc_map");
-  if (c.p.arg("dcp_rank") >= 0) t.dcp_rank = c.v("dcp_rank").toInt(), t.dcp_size = c.v("dcp_size").toInt();
+  t.loc_map = c.opt(p.loc_map);
+  if (p.dcp_rank >= 0) t.dcp_rank = c.a[p.dcp_rank].toInt(), t.dcp_size = c.a[p.dcp_size].toInt();
   if (!index_tensor(t.loc_map, c) || t.dcp_size < 1 || t.dcp_rank < 0 || t.dcp_rank >= t.dcp_size) return std::nullopt;
-  if (c.p.arg("kv_indptr") >= 0)  // the schema ends with the page-table tensors
-    t.batch_indices = c.opt("batch_indices"), t.kv_indices = c.opt("kv_indices"), t.kv_indptr = c.opt("kv_indptr");
+  if (p.kv_indptr >= 0)  // the schema ends with the page-table tensors
+    t.batch_indices = c.opt(p.batch_indices), t.kv_indices = c.opt(p.kv_indices), t.kv_indptr = c.opt(p.kv_indptr);
   if (t.batch_indices || t.kv_indices || t.kv_indptr) {
-    if (!c.p.table_ok || !t.batch_indices || !t.kv_indices || !t.kv_indptr || t.loc_map || t.dcp_size != 1)
+    if (!p.table_ok || !t.batch_indices || !t.kv_indices || !t.kv_indptr || t.loc_map || t.dcp_size != 1)
       return std::nullopt;
     if (!index_tensor(t.batch_indices, c) || !index_tensor(t.kv_indices, c) || !index_tensor(t.kv_indptr, c) ||
         t.batch_indices->size(0) != n || t.kv_indptr->size(0) < 1)
       return std::nullopt;
   }
-  const std::string& check = c.v("check").toStringRef();
+  const std::string& check = c.a[p.check].toStringRef();
   t.check = check == "off" ? CHECK_OFF : check == "assert" ? CHECK_ASSERT : check == "guard" ? CHECK_GUARD : -1;
   if (t.check < 0) return std::nullopt;
-  t.errors = c.opt("errors");
+  t.errors = c.opt(p.errors);
   if (t.errors) {
     const at::Tensor& e = *t.errors;
     if (!(e.scalar_type() == at::kLong && e.dim() == 1 && e.size(0) == slot::NUM_SLOTS) || !c.on_device(e))
@@ -294,7 +314,7 @@ inline std::optional<Tail> addressing(Call& c) {
     return std::nullopt;  // the device's default ErrorBuffer lives in Python
   }
   if (t.check != CHECK_GUARD) t.errors = std::nullopt;
-  t.op = c.p.op_code;
+  t.op = p.op_code;
   return t;
 }
 
@@ -339,8 +359,10 @@ inline std::atomic<bool> claims_on{true};
 template <class Dev>
 bool run_here(const Program& p, const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (p.args.size() != op.schema().arguments().size()) return false;
-  Call c{p, torch::jit::last(*stack, p.args.size()), std::vector<int64_t>(p.nslots, UNBOUND), std::nullopt};
-  const c10::IValue& backend = c.v("backend");
+  thread_local std::vector<int64_t> env;  // no allocation per call (a raw kernel never re-enters here)
+  env.assign(size_t(p.nslots), UNBOUND);
+  Call c{p, torch::jit::last(*stack, p.args.size()), env, std::nullopt};
+  const c10::IValue& backend = c.a[p.backend];
   if (!backend.isString() || (backend.toStringRef() != "auto" && backend.toStringRef() != Dev::NAME)) return false;
   for (const Step& s : p.steps)
     if (!(s.kind == 'X' ? s.expr(c.a, c.env) : match_tensor(s, c))) return false;
@@ -350,13 +372,13 @@ bool run_here(const Program& p, const c10::OperatorHandle& op, torch::jit::Stack
   const auto raw = std::find_if(p.raws.begin(), p.raws.end(),
                                 [&](const RawCall& r) { return !r.when || (*r.when)(c.a, c.env); });
   if (raw == p.raws.end()) return false;
-  const int64_t n = c.e("N");
+  const int64_t n = c.env[p.N];
   if (n <= 0) return true;
   // a page move's (src, dst) pairs: the Python pre-pass (kvwrite.reference.claims.unique_pairs)
   if (t->check != CHECK_OFF && p.claims == 'p' && n >= 2) return false;
   // one token writes one row: nothing to claim (its bad loc, if any, is the store's own check)
   if (t->check != CHECK_OFF && p.claims == 'r' && n >= 2 && claims_on.load(std::memory_order_relaxed)) {
-    const int64_t pps = c.e("S"), pages = c.e("P");
+    const int64_t pps = c.env[p.S], pages = c.env[p.P];
     TORCH_CHECK(pps >= 1 && pages >= 1, "kvwrite: ", p.name, ": no pool geometry for the duplicate check");
     at::Tensor out = Raw<Dev>::claim_rows(t->loc, t->loc_map, t->errors, t->dcp_rank, t->dcp_size, t->check, t->op,
                                           t->batch_indices, t->kv_indices, t->kv_indptr, pages * pps, pps, p.dcp_page);
@@ -382,12 +404,16 @@ bool ran(const c10::OperatorHandle& op, torch::jit::Stack* stack, F&& here) {
   return done;
 }
 
-// The kernel of every public op for one device.
+// The kernel of every public op for one device, registered when the op's program arrived.
 template <class Dev>
-void boxed(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  const auto p = find_program(op.schema().name());  // registered when its program arrived
-  if (!ran(op, stack, [&] { return run_here<Dev>(*p, op, stack); })) p->python->callBoxed(stack);
-}
+struct Kernel final : c10::OperatorKernel {
+  const Slot& slot;
+  explicit Kernel(const Slot& s) : slot(s) {}
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+    const Program& p = *slot.current.load(std::memory_order_acquire);
+    if (!ran(op, stack, [&] { return run_here<Dev>(p, op, stack); })) p.python->callBoxed(stack);
+  }
+};
 
 }  // namespace api
 }  // namespace kvwrite

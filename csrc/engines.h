@@ -212,11 +212,12 @@ void impl_device(torch::Library& m) {
   KVW_OPS(KVW_IMPL)
 #undef KVW_IMPL
   // the public ops' kernel on Dev's dispatch key, registered when each op's program arrives
-  api::programs().registrars.push_back([](const std::string& op) {
+  api::programs().registrars.push_back([](const std::string& op, const api::Slot& slot) {
     static std::vector<std::unique_ptr<torch::Library>> libs;  // alive as long as the registrations
     const auto key = Dev::TYPE == c10::DeviceType::CUDA ? c10::DispatchKey::CUDA : c10::DispatchKey::CPU;
     libs.push_back(std::make_unique<torch::Library>(torch::Library::IMPL, "kvwrite", key, __FILE__, __LINE__));
-    libs.back()->impl(op.substr(9).c_str(), torch::CppFunction::makeFromBoxedFunction<&api::boxed<Dev>>());
+    libs.back()->impl(op.substr(9).c_str(),
+                      torch::CppFunction::makeFromBoxedFunctor(std::make_unique<api::Kernel<Dev>>(slot)));
   });
   runner(Dev::TYPE) = {[](const StoreKVParams& p, int64_t check, const at::Tensor& ref) { Dev::run(p, check, ref); },
                        Raw<Dev>::claim_rows};

@@ -67,21 +67,29 @@ inline PagedCache paged_dims(const Tensor& c, int page, int row, int head) {
   return p;
 }
 
+inline void check_last_dense(const Tensor& c, const char* name) {
+  TORCH_CHECK(c.size(c.dim() - 1) <= 1 || c.stride(c.dim() - 1) == 1, "kvwrite: ", name,
+              " must be contiguous in its last dim");
+}
+
 // A canonical [pages, pool_page_size, heads, feat] cache view (feat contiguous), or
 // [pages, pool_page_size, heads, feat / X, X] (a split head dim, X contiguous).
 inline PagedCache paged(const Tensor& c, const char* name) {
   TORCH_CHECK(c.dim() == 4 || c.dim() == 5, "kvwrite: ", name, " must be a 4-D [pages, rows, heads, feat] view");
-  TORCH_CHECK(c.size(c.dim() - 1) <= 1 || c.stride(c.dim() - 1) == 1, "kvwrite: ", name,
-              " must be contiguous in its last dim");
+  check_last_dense(c, name);
   PagedCache p = paged_dims(c, 0, 1, 2);
   if (c.dim() == 5) p.split = int(c.size(4)), p.stride_split = c.stride(3);
   return p;
 }
 
-// A [pages, pool_page_size, row] cache (one head).
+// A [pages, pool_page_size, row] cache (one head): paged(c.unsqueeze(2)) without making the view
+// (a tensor op, autograd view meta and all, on every call).
 inline PagedCache paged_rows(const Tensor& c, const char* name) {
   TORCH_CHECK(c.dim() == 3, "kvwrite: ", name, " must be a 3-D [pages, rows, row] tensor");
-  return paged(c.unsqueeze(2), name);
+  check_last_dense(c, name);
+  PagedCache p = paged_dims(c, 0, 1, 2);
+  p.stride_head = c.size(2) * c.stride(2);  // unsqueeze(2)'s stride of the inserted dim
+  return p;
 }
 
 // An index tensor (loc_map, a page table's): a contiguous 1-D int32/int64 tensor on ref's device.

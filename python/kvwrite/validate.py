@@ -21,14 +21,17 @@ class CheckEnvError(ValueError):
 @torch._dynamo.assume_constant_result
 def default_check() -> str:
     """The process default check mode (`KVWRITE_CHECK`), read once: a constant, also while tracing."""
-    mode = globals().get("DEFAULT_CHECK")
-    if mode is None:
-        value = os.environ.get(CHECK_ENV, "").strip()
-        if value and value.lower() not in CHECK_MODES:
-            raise CheckEnvError(f"{CHECK_ENV}={value!r} is not a check mode: set it to one of "
-                                f"{'|'.join(CHECK_MODES)} (or unset it for 'off')")
-        mode = globals()["DEFAULT_CHECK"] = value.lower() or "off"
-    return mode
+    global DEFAULT_CHECK
+    try:
+        return DEFAULT_CHECK   # a global read: a call with check=None runs this
+    except NameError:
+        pass
+    value = os.environ.get(CHECK_ENV, "").strip()
+    if value and value.lower() not in CHECK_MODES:
+        raise CheckEnvError(f"{CHECK_ENV}={value!r} is not a check mode: set it to one of "
+                            f"{'|'.join(CHECK_MODES)} (or unset it for 'off')")
+    DEFAULT_CHECK = value.lower() or "off"
+    return DEFAULT_CHECK
 
 
 def __getattr__(name: str) -> str:
