@@ -93,6 +93,16 @@ void run_tokens(const P& p, Dispatch&& dispatch) {
   });
 }
 
+// A side's source fields: bf16 rows [n, H, D], s_tok elements a token (0: every token reads token 0's).
+template <class Side>
+Side& source(Side& q, const uint16_t* src, i64 s_tok) {
+  q.src = reinterpret_cast<const char*>(src);
+  q.s_tok = s_tok;
+  q.s_head = D;
+  q.D = D;
+  return q;
+}
+
 const float kStaticScale = 0.05f;  // the bench's mha-fp8 k_scale / v_scale
 
 Case store_kv_case(const char* name, DType cache_dtype) {
@@ -122,13 +132,8 @@ Case kv_quant_case(const char* name, int quant) {
     p.fmt = FMT_INT8;
     p.quant = quant;
     p.rule = RULE_RNE;
-    KVQuantSide* sides[2] = {&p.k, &p.v};
     for (int s = 0; s < 2; ++s) {
-      KVQuantSide& q = *sides[s];
-      q.src = reinterpret_cast<const char*>(s ? v : k);
-      q.s_tok = s_tok;
-      q.s_head = D;
-      q.D = D;
+      KVQuantSide& q = source(s ? p.v : p.k, s ? v : k, s_tok);
       q.cache = b[s].cache(D, 1);
       q.scales = b[2 + s].cache(1, 4);
     }
@@ -145,13 +150,8 @@ Case nvfp4_case() {
     StoreKVNVFP4Params p;
     p.H = H;
     p.in_dtype = DType::BF16;
-    NVFP4Side* sides[2] = {&p.k, &p.v};
     for (int s = 0; s < 2; ++s) {
-      NVFP4Side& q = *sides[s];
-      q.src = reinterpret_cast<const char*>(s ? v : k);
-      q.s_tok = s_tok;
-      q.s_head = D;
-      q.D = D;
+      NVFP4Side& q = source(s ? p.v : p.k, s ? v : k, s_tok);
       q.values = b[s].cache(D / 2, 1);
       q.scales = b[2 + s].cache(nb, 1);
     }
