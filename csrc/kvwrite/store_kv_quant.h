@@ -64,8 +64,7 @@ struct LaneScales {
 template <class F, int QUANT>
 inline bool lanes_apply(const KVQuantSide& s, int H) {
   return QUANT != QUANT_STATIC && !s.cache.split && s.D % 32 == 0 && (QUANT == QUANT_TOKEN || H <= MAX_LANE_HEADS) &&
-         simd_ok() &&
-         (std::is_same<F, Int8Fmt>::value || ftz_clear());
+         simd_ok() && (std::is_same<F, Int8Fmt>::value || ftz_clear());
 }
 
 // Phase one: the side's scales and their reciprocals. False (nothing decided) where a NaN or inf
