@@ -139,7 +139,7 @@ KVW_AVX512 void bf16_absmax_raw8_512(const uint16_t* p, i64 stride, int n, uint3
 // E by two vpmultishiftqb (each word's bits 7..14), m and the sign byte by vpermt2b of the raw
 // words, the code of a binade-W mantissa by one 128-entry lookup (Fp8Table::code; vpermt2b reads
 // 7 index bits, so m's byte needs no mask), E8 = STEP * min(E -sat Z, TH - 1) (TH: the first E - Z
-// whose STEP multiple saturates a byte; the table build checks the clamp still codes max). A block
+// whose STEP multiple saturates a byte; a lane at or past TH is in a redone block, below). A block
 // with a binade in fp8's subnormal range (1 <= E - Z <= KF / STEP) is coded by the binades' own
 // tables (Fp8Table::sub, a masked lookup each) in the loop; a block with E - Z >= TH (NaN, inf, a
 // quotient past the table) is redone by fp8_table_redo, as is a flagged block when the table has

@@ -614,7 +614,6 @@ inline void fp8_table_build(Fp8Table& t, float s) {
   t.k = uint8_t(k);
   t.kf = uint8_t(STEP * (w - z - 1));
   if (t.kf < 1 || t.kf > 127) return;
-  if (((255 >> F::mant) << F::mant) - k < CMAX) return;  // a clamped E8 (AVX-512 lanes) must still code max
   t.nsub = uint8_t(w - z - 1 <= Fp8Table::FP8_SUB ? w - z - 1 : 0);
   for (int i = 0; i < t.nsub; ++i)
     for (int m = 0; m < 128; ++m) t.sub[i][m] = fp8_mag_code<F>(z + 1 + i, m, as);
