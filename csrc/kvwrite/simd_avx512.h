@@ -141,9 +141,9 @@ KVW_AVX512 void bf16_absmax_raw8_512(const uint16_t* p, i64 stride, int n, uint3
 // 7 index bits, so m's byte needs no mask), E8 = STEP * min(E -sat Z, TH - 1) (TH: the first E - Z
 // whose STEP multiple saturates a byte; a lane at or past TH is in a redone block, below). A block
 // with a binade in fp8's subnormal range (1 <= E - Z <= KF / STEP) is coded by the binades' own
-// tables (Fp8Table::sub, a masked lookup each) in the loop; a block with E - Z >= TH (NaN, inf, a
-// quotient past the table) is redone by fp8_table_redo, as is a flagged block when the table has
-// no sub tables. Integer lanes only: no MXCSR dependence.
+// tables (Fp8Table::sub, one masked lookup for each binade present) in the loop; a block with
+// E - Z >= TH (NaN, inf, a quotient past the table) is redone by fp8_table_redo, as is a flagged
+// block when the table has no sub tables. Integer lanes only: no MXCSR dependence.
 template <class F>
 KVW_AVX512 void fp8_bf16_table_run_512(const Fp8Table& t, float s, const uint16_t* __restrict__ src, int n,
                                        char* __restrict__ dst) {
@@ -180,9 +180,15 @@ KVW_AVX512 void fp8_bf16_table_run_512(const Fp8Table& t, float s, const uint16_
       __m512i code = _mm512_min_epu8(_mm512_subs_epu8(_mm512_adds_epu8(e8, _mm512_permutex2var_epi8(tab0, mi, tab1)), k), cmax);
       flags[b] = _mm512_cmplt_epu8_mask(_mm512_sub_epi8(u, one), kfu);
       if (__builtin_expect(flags[b] != 0 && t.nsub != 0, 0)) {
-        for (int i = 0; i < t.nsub; ++i)
-          code = _mm512_mask_mov_epi8(code, _mm512_mask_cmpeq_epu8_mask(flags[b], u, _mm512_set1_epi8(char(i + 1))),
-                                      _mm512_permutex2var_epi8(_mm512_load_si512(t.sub[i]), mi, _mm512_load_si512(t.sub[i] + 64)));
+        alignas(64) uint8_t ub[64];
+        _mm512_store_si512(ub, u);
+        for (uint64_t rest = flags[b]; rest != 0;) {  // the binades present (E - Z = i), one lookup each
+          const int i = ub[__builtin_ctzll(rest)];
+          const __mmask64 in = _mm512_mask_cmpeq_epu8_mask(rest, u, _mm512_set1_epi8(char(i)));
+          code = _mm512_mask_mov_epi8(code, in, _mm512_permutex2var_epi8(_mm512_load_si512(t.sub[i - 1]), mi,
+                                                                         _mm512_load_si512(t.sub[i - 1] + 64)));
+          rest &= ~in;
+        }
         flags[b] = 0;
       }
       const __m512i hi = _mm512_permutex2var_epi8(l0, ih, l1);  // sign | E >> 1
