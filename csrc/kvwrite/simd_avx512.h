@@ -178,25 +178,26 @@ KVW_AVX512 void fp8_bf16_table_run_512(const Fp8Table& t, float s, const uint16_
       const __m512i mi = _mm512_permutex2var_epi8(l0, im, l1);
       const __m512i e8 = _mm512_slli_epi16(_mm512_min_epu8(u, clamp), F::mant);  // bytes <= 252: no spill
       __m512i code = _mm512_min_epu8(_mm512_subs_epu8(_mm512_adds_epu8(e8, _mm512_permutex2var_epi8(tab0, mi, tab1)), k), cmax);
-      flags[b] = _mm512_cmplt_epu8_mask(_mm512_sub_epi8(u, one), kfu);
-      if (__builtin_expect(flags[b] != 0 && t.nsub != 0, 0)) {
+      uint64_t sub = _mm512_cmplt_epu8_mask(_mm512_sub_epi8(u, one), kfu);  // subnormal-range lanes
+      if (__builtin_expect(sub != 0 && t.nsub != 0, 0)) {
         alignas(64) uint8_t ub[64];
         _mm512_store_si512(ub, u);
-        for (uint64_t rest = flags[b]; rest != 0;) {  // the binades present (E - Z = i), one lookup each
+        for (uint64_t rest = sub; rest != 0;) {  // the binades present (E - Z = i), one lookup each
           const int i = ub[__builtin_ctzll(rest)];
           const __mmask64 in = _mm512_mask_cmpeq_epu8_mask(rest, u, _mm512_set1_epi8(char(i)));
           code = _mm512_mask_mov_epi8(code, in, _mm512_permutex2var_epi8(_mm512_load_si512(t.sub[i - 1]), mi,
                                                                          _mm512_load_si512(t.sub[i - 1] + 64)));
           rest &= ~in;
         }
-        flags[b] = 0;
+        sub = 0;  // coded here: nothing to redo
       }
       const __m512i hi = _mm512_permutex2var_epi8(l0, ih, l1);  // sign | E >> 1
       const __m512i b8 = neg ? _mm512_ternarylogic_epi32(code, hi, smask, 0xF2)    // code | (~hi & 0x80)
                              : _mm512_ternarylogic_epi32(code, hi, smask, 0xF8);   // code | (hi & 0x80)
       _mm512_storeu_si512(dst + j0 + 64 * b, _mm512_permutexvar_epi8(iout, b8));
       umax = _mm512_max_epu8(umax, u);
-      any |= flags[b];
+      flags[b] = sub;
+      any |= sub;
     }
     if (__builtin_expect(_mm512_cmpge_epu8_mask(umax, _mm512_set1_epi8(char(TH))) != 0, 0)) {
       for (int b = 0; b < nb; ++b) {

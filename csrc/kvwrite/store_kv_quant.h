@@ -58,8 +58,10 @@ KVW_HD void store_scale(const PagedCache& scales, i64 row, int h, float v) {
 constexpr int MAX_LANE_HEADS = 64;
 struct LaneScales {
   float sc[MAX_LANE_HEADS], rc[MAX_LANE_HEADS];  // per token: [0] only
-  bool whole;                                     // heads back to back: one run
 };
+
+// The side's heads back to back in the source and in the row: one run of H * D.
+inline bool one_run(const KVQuantSide& s) { return s.s_head == s.D && s.cache.in_row(1, 0) == s.D; }
 
 template <class F, int QUANT>
 inline bool lanes_apply(const KVQuantSide& s, int H) {
@@ -71,11 +73,11 @@ inline bool lanes_apply(const KVQuantSide& s, int H) {
 // is in the token or a scale leaves cr_div_ok's range: the generic path then writes the side.
 template <class F, int QUANT, class L>
 inline bool lane_scales(L l, const KVQuantSide& s, int H, const uint16_t* src, LaneScales& o) {
-  o.whole = s.s_head == s.D && s.cache.in_row(1, 0) == s.D;
   if constexpr (QUANT == QUANT_TOKEN) {
+    const bool whole = one_run(s);
     uint32_t raw = 0;
-    for (int h = 0; h < (o.whole ? 1 : H); ++h) {
-      const uint32_t r = l.bf16_absmax_raw(src + h * s.s_head, o.whole ? H * s.D : s.D);
+    for (int h = 0; h < (whole ? 1 : H); ++h) {
+      const uint32_t r = l.bf16_absmax_raw(src + h * s.s_head, whole ? H * s.D : s.D);
       raw = r > raw ? r : raw;
     }
     const float amax = bf16_policy_amax(raw);
@@ -114,7 +116,7 @@ inline void lane_codes(L l, const KVQuantSide& s, int H, const uint16_t* src, co
   };
   if constexpr (QUANT == QUANT_TOKEN) {
     store_scale(s.scales, row, 0, o.sc[0]);
-    if (o.whole) return codes(src, H * s.D, o.sc[0], o.rc[0], dst);
+    if (one_run(s)) return codes(src, H * s.D, o.sc[0], o.rc[0], dst);
     for (int h = 0; h < H; ++h) codes(src + h * s.s_head, s.D, o.sc[0], o.rc[0], dst + s.cache.in_row(h, 0));
   } else {
     if (s.scales.stride_head == 1) {  // the scales are adjacent: one copy
