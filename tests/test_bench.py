@@ -101,6 +101,27 @@ def test_a_store_that_writes_wrong_bytes_is_flagged(monkeypatch, tmp_path):
     assert "**differ: sabotaged/off-by-a-bit**" in report.markdown(result, None)
 
 
+def test_host_overhead_is_measured_at_one_token(monkeypatch):
+    """The report calls the host overhead "N=1": it is timed on an N=1 setup even when the sweep's
+    smallest size is larger (a sweep of N=1024 once judged the wrapper against a 600 µs index_put_)."""
+    mha = next(c for c in cases.REGISTRY["store_kv"] if c.name == "mha-bf16")
+    built, timed = [], []
+
+    def build(n, device, gen):
+        built.append(n)
+        setup = mha.build(n, device, gen)
+        setup.n = n
+        return setup
+
+    real = run.host_overhead
+    monkeypatch.setattr(run, "host_overhead", lambda case, setup, *a: timed.append(setup.n) or real(case, setup, *a))
+    monkeypatch.setitem(cases.REGISTRY, "store_kv", [cases.Case("mha-bf16", "store_kv", "test", build)])
+    result = run.sweep(run.Config(sizes=(16, 32), cases=["mha-bf16"], backends=["torch"], checks=("off",),
+                                  min_time=0.001))
+    assert built == [16, 1, 32] and timed == [1]
+    assert {h["what"] for h in result["host"]} == {"wrapper", "raw index_put_", "raw cache[loc] = k"}
+
+
 @pytest.mark.parametrize("case", ALL_CASES, ids=[c.name for c in ALL_CASES])
 def test_host_overhead_calls_reach_no_backend(case):
     """Under noop_backends a case's call validates and dispatches but writes nothing, whatever
