@@ -8,24 +8,32 @@
 // |x| (16-bit compares; e2m1_bf16_thresholds says why that is the scalar RN(x / d) rule). With
 // d = (1 + m / 8) 2^(E_d - 127) (an e4m3 value: m 3 bits; a power of two: m = 0) the thresholds
 // lie in the six binades E_d - 2 .. E_d + 3, at most two in one binade, at the same mantissas
-// for every E_d. So with r = clamp(E - (E_d - 3), 0, 7) (E: |x|'s exponent byte; 0: below every
-// threshold, 7: above all) code = base[m, r] + (M > t1[m, r]) + (M > t2[m, r]) (M: |x|'s 7
-// mantissa bits): three 64-entry byte lookups (vpermb) and two byte compares for 64 elements.
+// for every E_d, and M >= 54 (|x|'s 7 mantissa bits) parts any two. So with r = clamp(E - (E_d -
+// 3), 0, 7) (E: |x|'s exponent byte; 0: below every threshold, 7: above all) and h = M >= 54,
+// code = base[h, m, r] + (M > t[h, m, r]): two 128-entry byte lookups (vpermt2b) and one byte
+// compare for 64 elements.
 #pragma once
 
 #include "simd_avx512.h"
 
 #if KVW_SIMD_X86
+// The table lanes also take VBMI2 (vpshldw) and GFNI (gf2p8affineqb): fp4_512_ok() checks them.
+#define KVW_FP4_FN __attribute__((target("avx2,f16c,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512vbmi2,gfni")))
+#define KVW_FP4 KVW_FP4_FN inline
+#endif
+
+#if KVW_SIMD_X86
 namespace kvwrite {
 
-// The byte tables: by idx = m << 3 | r the base code and the two mantissa thresholds (doubled: the
-// lanes compare M << 1, which the bf16 word shifted left by one leaves in its low byte; 254:
-// never passed); by an e4m3 scale code c the block's E_d - 3 (255 for d = 0: r = 0, every code the
-// sign alone) and m << 3. Built once from the threshold rule in fp32 (exact: B d, |x| have at most
-// 8 significant bits); `ok` false where the two-thresholds-a-binade shape does not hold (never:
-// the lanes then stay AVX2).
+// The byte tables: by idx = h << 6 | m << 3 | r (h: |x|'s mantissa M >= 54, which splits every
+// binade's at most two thresholds) the base code and the one mantissa threshold th in that part of
+// the binade, as 2 th + 1 (the lanes compare M << 1 | sign, the low byte of the bf16 word rotated
+// left by one, whose + 20 saturated has bit 7 = h; 255: never passed); by an e4m3 scale code c the
+// block's E_d - 3 (255 for d = 0: r = 0, every code the sign alone) and m << 3. Built once from the
+// threshold rule in fp32 (exact: B d, |x| have at most 8 significant bits); `ok` false where this
+// shape does not hold (never: the lanes then stay AVX2).
 struct E2m1Lut {
-  alignas(64) uint8_t base[64], t1[64], t2[64], eb[128], mx[128];
+  alignas(64) uint8_t base[128], t[128], eb[128], mx[128];
   bool ok = true;
 };
 
@@ -38,21 +46,21 @@ inline uint32_t e2m1_count(float x, float d) {  // the number of thresholds B d 
 
 inline E2m1Lut e2m1_lut_build() {
   E2m1Lut t;
-  for (int m = 0; m < 8; ++m)
-    for (int r = 0; r < 8; ++r) {
-      const float d = 1.0f + float(m) / 8.0f;  // E_d = 127: the binade of r is 124 + r
-      uint32_t c[128];
-      for (int M = 0; M < 128; ++M) c[M] = e2m1_count(bf16_to_float(uint16_t((124 + r) << 7 | M)), d);
-      const int i = m << 3 | r;
-      int th[2] = {127, 127}, n = 0;
-      for (int M = 1; M < 128; ++M)
-        if (c[M] != c[M - 1]) n < 2 ? void(th[n++] = M - 1) : void(t.ok = false);
-      t.base[i] = uint8_t(c[0]);
-      t.t1[i] = uint8_t(2 * th[0]);
-      t.t2[i] = uint8_t(2 * th[1]);
-      for (int M = 0; M < 128; ++M) t.ok = t.ok && c[M] == c[0] + (M > th[0]) + (M > th[1]);
-    }
-  t.ok = t.ok && t.base[7] == 7 && t.base[0] == 0;  // r = 7: above every threshold; r = 0: below
+  constexpr int S = 54;  // h = M >= S: (M << 1 | sign) + 20 >= 128
+  for (int i = 0; i < 128; ++i) {
+    const int h = i >> 6, m = i >> 3 & 7, r = i & 7, M0 = h ? S : 0, M1 = h ? 128 : S;
+    const float d = 1.0f + float(m) / 8.0f;  // E_d = 127: the binade of r is 124 + r
+    uint32_t c[128];
+    for (int M = M0; M < M1; ++M) c[M] = e2m1_count(bf16_to_float(uint16_t((124 + r) << 7 | M)), d);
+    int th = 127;  // M > th passes the threshold
+    for (int M = M0 + 1; M < M1; ++M)
+      if (c[M] != c[M - 1]) th == 127 ? void(th = M - 1) : void(t.ok = false);
+    t.base[i] = uint8_t(c[M0]);
+    t.t[i] = uint8_t(2 * th + 1);
+    for (int M = M0; M < M1; ++M) t.ok = t.ok && c[M] == c[M0] + (M > th);
+    // r = 0 / 7 also stand for the binades below / above (the clamp): below / above every threshold
+    if (r == 0 || r == 7) t.ok = t.ok && t.base[i] == (r ? 7 : 0) && th == 127;
+  }
   for (int c = 0; c < 128; ++c) {
     const uint32_t b = float_to_bits(e4m3_to_float(uint8_t(c)));
     t.eb[c] = c == 0 ? 255 : c == 0x7F ? 0 : uint8_t((b >> 23) - 3);
@@ -67,62 +75,68 @@ inline const E2m1Lut& e2m1_lut() {
   return t;
 }
 
-// Bytes 0, 1, ..., 63 (the index vectors below are built from it).
-struct Iota64 {
-  alignas(64) uint8_t v[64];
-  constexpr Iota64() : v() {
-    for (int j = 0; j < 64; ++j) v[j] = uint8_t(j);
-  }
-};
-inline constexpr Iota64 IOTA64{};
-
-// Byte j = j / G + first (G a power of two): spreads a per-block byte over its block's lanes.
-template <int G>
-KVW_AVX512 __m512i block_idx(int first) {
-  constexpr int s = __builtin_ctz(G);
-  const __m512i j = _mm512_and_si512(_mm512_srli_epi16(_mm512_load_si512(IOTA64.v), s), _mm512_set1_epi8(char(0xFF >> s)));
-  return _mm512_add_epi8(j, _mm512_set1_epi8(char(first)));
+// Whether the table lanes run: the AVX-512 level, VBMI2 and GFNI, and the tables' shape.
+inline bool fp4_512_ok() {
+  static const bool ok = __builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("gfni") && e2m1_lut().ok;
+  return simd512_ok() && ok;
 }
 
-// The loops' constants in registers: the tables, the byte indices, the block spreads.
+// The byte index vectors: lo / hi byte 2j / 2j + 1 (the words' low / high bytes); b16[h] / b32[h]
+// byte j = j / 16 + 4h / j / 32 + 2h (spreads a per-block byte over the lanes of step h's blocks).
+struct Fp4Idx {
+  alignas(64) uint8_t lo[64], hi[64], b16[4][64], b32[4][64];
+  constexpr Fp4Idx() : lo(), hi(), b16(), b32() {
+    for (int j = 0; j < 64; ++j) {
+      lo[j] = uint8_t(2 * j), hi[j] = uint8_t(2 * j + 1);
+      for (int h = 0; h < 4; ++h) b16[h][j] = uint8_t(j / 16 + 4 * h), b32[h][j] = uint8_t(j / 32 + 2 * h);
+    }
+  }
+};
+inline constexpr Fp4Idx FP4_IDX{};
+
+// The loops' constants in registers: the tables, the byte indices, the block spreads (loads only:
+// cheap for short runs).
 struct Fp4Consts {
-  __m512i base, t1, t2, eb0, eb1, mx0, mx1, lo, hi, b16[4], b32[4];
-  KVW_AVX512_FN explicit Fp4Consts(const E2m1Lut& t)
-      : base(_mm512_load_si512(t.base)), t1(_mm512_load_si512(t.t1)), t2(_mm512_load_si512(t.t2)),
-        eb0(_mm512_load_si512(t.eb)), eb1(_mm512_load_si512(t.eb + 64)), mx0(_mm512_load_si512(t.mx)),
-        mx1(_mm512_load_si512(t.mx + 64)),
-        lo(_mm512_add_epi8(_mm512_load_si512(IOTA64.v), _mm512_load_si512(IOTA64.v))),  // byte 2j: the words' low bytes
-        hi(_mm512_add_epi8(lo, _mm512_set1_epi8(1))),
-        b16{block_idx<16>(0), block_idx<16>(4), block_idx<16>(8), block_idx<16>(12)},
-        b32{block_idx<32>(0), block_idx<32>(2), block_idx<32>(4), block_idx<32>(6)} {}
+  __m512i base0, base1, t0, t1, eb0, eb1, mx0, mx1, lo, hi, b16[4], b32[4];
+  KVW_FP4_FN explicit Fp4Consts(const E2m1Lut& t)
+      : base0(_mm512_load_si512(t.base)), base1(_mm512_load_si512(t.base + 64)), t0(_mm512_load_si512(t.t)),
+        t1(_mm512_load_si512(t.t + 64)), eb0(_mm512_load_si512(t.eb)), eb1(_mm512_load_si512(t.eb + 64)),
+        mx0(_mm512_load_si512(t.mx)), mx1(_mm512_load_si512(t.mx + 64)), lo(_mm512_load_si512(FP4_IDX.lo)),
+        hi(_mm512_load_si512(FP4_IDX.hi)),
+        b16{_mm512_load_si512(FP4_IDX.b16[0]), _mm512_load_si512(FP4_IDX.b16[1]), _mm512_load_si512(FP4_IDX.b16[2]),
+            _mm512_load_si512(FP4_IDX.b16[3])},
+        b32{_mm512_load_si512(FP4_IDX.b32[0]), _mm512_load_si512(FP4_IDX.b32[1]), _mm512_load_si512(FP4_IDX.b32[2]),
+            _mm512_load_si512(FP4_IDX.b32[3])} {}
 };
 
 // The e2m1 codes of 64 bf16 elements (two loads; element order, sign as bit 3) for the per-lane
 // E_d - 3 (eb) and m << 3 (mx), then two codes a byte: 32 bytes in the low bytes of the words.
-KVW_AVX512 __m512i e2m1_pack64(__m512i l0, __m512i l1, __m512i eb, __m512i mx, const Fp4Consts& k) {
-  const __m512i d0 = _mm512_add_epi16(l0, l0), d1 = _mm512_add_epi16(l1, l1);  // |x| << 1
+KVW_FP4 __m512i e2m1_pack64(__m512i l0, __m512i l1, __m512i eb, __m512i mx, const Fp4Consts& k) {
+  const __m512i d0 = _mm512_shldi_epi16(l0, l0, 1), d1 = _mm512_shldi_epi16(l1, l1, 1);  // rotated: E | M << 1 | sign
   const __m512i e = _mm512_permutex2var_epi8(d0, k.hi, d1), m2 = _mm512_permutex2var_epi8(d0, k.lo, d1);
-  const __m512i idx = _mm512_or_si512(_mm512_min_epu8(_mm512_subs_epu8(e, eb), _mm512_set1_epi8(7)), mx);
-  const __m512i one = _mm512_set1_epi8(1);
-  __m512i c = _mm512_permutexvar_epi8(idx, k.base);
-  c = _mm512_mask_add_epi8(c, _mm512_cmpgt_epu8_mask(m2, _mm512_permutexvar_epi8(idx, k.t1)), c, one);
-  c = _mm512_mask_add_epi8(c, _mm512_cmpgt_epu8_mask(m2, _mm512_permutexvar_epi8(idx, k.t2)), c, one);
-  const __mmask64 sign = _mm512_kunpackd(__mmask64(_mm512_movepi16_mask(l1)), __mmask64(_mm512_movepi16_mask(l0)));
-  c = _mm512_mask_add_epi8(c, sign, c, _mm512_set1_epi8(8));
+  const __m512i m20 = _mm512_adds_epu8(m2, _mm512_set1_epi8(20));  // bit 7: M >= 54
+  // bit matrices (gf2p8affine: byte 7 - i picks the source bits of result bit i): m20's bit 7 to
+  // bit 6 (h); m2's bit 0 (the sign) to bit 3
+  const __m512i h = _mm512_gf2p8affine_epi64_epi8(m20, _mm512_set1_epi64(0x8000), 0);
+  const __m512i sign = _mm512_gf2p8affine_epi64_epi8(m2, _mm512_set1_epi64(0x0000000100000000ll), 0);
+  const __m512i r = _mm512_min_epu8(_mm512_subs_epu8(e, eb), _mm512_set1_epi8(7));
+  const __m512i idx = _mm512_ternarylogic_epi32(r, mx, h, 0xFE);  // r | mx | h
+  __m512i c = _mm512_or_si512(_mm512_permutex2var_epi8(k.base0, idx, k.base1), sign);
+  c = _mm512_mask_add_epi8(c, _mm512_cmpgt_epu8_mask(m2, _mm512_permutex2var_epi8(k.t0, idx, k.t1)), c, _mm512_set1_epi8(1));
   return _mm512_maddubs_epi16(c, _mm512_set1_epi16(0x1001));  // even + 16 odd
 }
 
-KVW_AVX512 __mmask32 words_mask(int n) { return n >= 32 ? ~__mmask32(0) : n <= 0 ? 0 : (__mmask32(1) << n) - 1; }
-KVW_AVX512 __mmask64 bytes_mask(int n) { return n >= 64 ? ~__mmask64(0) : n <= 0 ? 0 : (__mmask64(1) << n) - 1; }
+KVW_FP4 __mmask32 words_mask(int n) { return n >= 32 ? ~__mmask32(0) : n <= 0 ? 0 : (__mmask32(1) << n) - 1; }
+KVW_FP4 __mmask64 bytes_mask(int n) { return n >= 64 ? ~__mmask64(0) : n <= 0 ? 0 : (__mmask64(1) << n) - 1; }
 
 // Lane-wise: lane 2i of the result the max of a's lanes (2i, 2i + 1) for i < 2, lanes 2, 3 b's.
-KVW_AVX512 __m512i max_lane_pairs(__m512i a, __m512i b) {
+KVW_FP4 __m512i max_lane_pairs(__m512i a, __m512i b) {
   return _mm512_max_epu16(_mm512_shuffle_i64x2(a, b, 0x88), _mm512_shuffle_i64x2(a, b, 0xDD));
 }
 
 // The maxima of the eight 128-bit lanes of p (blocks 0-3) and q (blocks 4-7), 16-bit unsigned,
 // as 8 dwords in block order, shifted right by one (the lanes hold |x| << 1: the result is raw |x|).
-KVW_AVX512 __m256i lane_max8(__m512i p, __m512i q) {
+KVW_FP4 __m256i lane_max8(__m512i p, __m512i q) {
   const __m512i r = _mm512_max_epu16(_mm512_unpacklo_epi64(p, q), _mm512_unpackhi_epi64(p, q));  // lane i: b_i, b_(i+4)
   const __m512i s = _mm512_max_epu16(r, _mm512_shuffle_epi32(r, _MM_PERM_CDAB));
   const __m512i t = _mm512_max_epu16(s, _mm512_srli_epi32(s, 16));
@@ -132,7 +146,7 @@ KVW_AVX512 __m256i lane_max8(__m512i p, __m512i q) {
 
 // The maxima of the sixteen 128-bit lanes of p[0..3] (blocks 4j .. 4j + 3 in p[j]), 16-bit
 // unsigned, as 16 dwords in block order, shifted right by one (raw |x|, as lane_max8).
-KVW_AVX512 __m512i lane_max16(const __m512i (&p)[4]) {
+KVW_FP4 __m512i lane_max16(const __m512i (&p)[4]) {
   __m512i r[2];
   for (int h = 0; h < 2; ++h)  // lane i: qword 0 p[2h]'s, qword 1 p[2h + 1]'s four-word maxima
     r[h] = _mm512_max_epu16(_mm512_unpacklo_epi64(p[2 * h], p[2 * h + 1]), _mm512_unpackhi_epi64(p[2 * h], p[2 * h + 1]));
@@ -144,9 +158,18 @@ KVW_AVX512 __m512i lane_max16(const __m512i (&p)[4]) {
 }
 
 // Step h (64 elements) of nb <= 16 blocks of 16 from src as two loads; false where it holds no
-// block (masked: nothing past the run is read).
-__attribute__((always_inline)) KVW_AVX512 bool step_loads(const uint16_t* src, int nb, int h, __m512i& l0, __m512i& l1) {
+// block (masked: nothing past the run is read). FULL (nb == 16): plain loads, no tests.
+template <bool FULL>
+__attribute__((always_inline)) KVW_FP4 bool step_loads(const uint16_t* src, int nb, int h, __m512i& l0, __m512i& l1) {
+  if (FULL) {
+    l0 = _mm512_loadu_si512(src + 64 * h), l1 = _mm512_loadu_si512(src + 64 * h + 32);
+    return true;
+  }
   if (4 * h >= nb) return false;
+  if (4 * h + 4 <= nb) {  // a whole step
+    l0 = _mm512_loadu_si512(src + 64 * h), l1 = _mm512_loadu_si512(src + 64 * h + 32);
+    return true;
+  }
   l0 = _mm512_maskz_loadu_epi16(words_mask(16 * nb - 64 * h), src + 64 * h);
   l1 = _mm512_maskz_loadu_epi16(words_mask(16 * nb - 64 * h - 32), src + 64 * h + 32);
   return true;
@@ -155,16 +178,18 @@ __attribute__((always_inline)) KVW_AVX512 bool step_loads(const uint16_t* src, i
 // Phase 1 of nvfp4_run_512: the scales of nb <= 16 bf16 blocks from src, no global scale: false
 // (nothing written) where a block holds a NaN or an inf; else the e4m3 codes to `scales` and each
 // block's E_d - 3 and m << 3 (bytes 0..15 of eb, mx).
-__attribute__((always_inline)) KVW_AVX512 bool nvfp4_scales16_512(const uint16_t* src, int nb, float floor, const Fp4Consts& k, char* scales, __m512i& eb, __m512i& mx) {
+template <bool FULL>
+__attribute__((always_inline)) KVW_FP4 bool nvfp4_scales16_512(const uint16_t* src, int nb, float floor, const Fp4Consts& k, char* scales, __m512i& eb, __m512i& mx) {
   __m512i p[4], a, b;
   for (int j = 0; j < 4; ++j)
-    p[j] = step_loads(src, nb, j, a, b) ? max_lane_pairs(_mm512_add_epi16(a, a), _mm512_add_epi16(b, b)) : _mm512_setzero_si512();
+    p[j] = step_loads<FULL>(src, nb, j, a, b) ? max_lane_pairs(_mm512_add_epi16(a, a), _mm512_add_epi16(b, b)) : _mm512_setzero_si512();
   const __m512i raw = lane_max16(p);
   if (_mm512_cmpgt_epi32_mask(raw, _mm512_set1_epi32(0x7F7F)) != 0) return false;
   const __m512 amax = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(_mm512_cmpgt_epi32_mask(raw, _mm512_set1_epi32(0x7F)), raw, 16));
   const __m512 s = _mm512_max_ps(_mm512_div_ps(amax, _mm512_set1_ps(6.0f)), _mm512_set1_ps(floor));
   const __m128i code = _mm512_cvtepi32_epi8(grid_codes16_k<3, -6>(_mm512_min_ps(s, _mm512_set1_ps(448.0f))));
-  _mm_mask_storeu_epi8(scales, __mmask16((1u << nb) - 1), code);
+  if (FULL) _mm_storeu_si128(reinterpret_cast<__m128i*>(scales), code);
+  else _mm_mask_storeu_epi8(scales, __mmask16((1u << nb) - 1), code);
   const __m512i c = _mm512_castsi128_si512(code);
   eb = _mm512_permutex2var_epi8(k.eb0, c, k.eb1);
   mx = _mm512_permutex2var_epi8(k.mx0, c, k.mx1);
@@ -172,29 +197,43 @@ __attribute__((always_inline)) KVW_AVX512 bool nvfp4_scales16_512(const uint16_t
 }
 
 // Phase 2: the packed codes of nb <= 16 blocks from src by phase 1's eb, mx.
-__attribute__((always_inline)) KVW_AVX512 void nvfp4_codes16_512(const uint16_t* src, int nb, __m512i eb, __m512i mx, const Fp4Consts& k, char* bytes) {
+template <bool FULL>
+__attribute__((always_inline)) KVW_FP4 void nvfp4_codes16_512(const uint16_t* src, int nb, __m512i eb, __m512i mx, const Fp4Consts& k, char* bytes) {
   __m512i w[4], l0, l1;
   for (int h = 0; h < 4; ++h)
-    w[h] = step_loads(src, nb, h, l0, l1)
+    w[h] = step_loads<FULL>(src, nb, h, l0, l1)
                ? e2m1_pack64(l0, l1, _mm512_permutexvar_epi8(k.b16[h], eb), _mm512_permutexvar_epi8(k.b16[h], mx), k)
                : _mm512_setzero_si512();
-  for (int h = 0; h < 2; ++h)
-    if (8 * h < nb) _mm512_mask_storeu_epi8(bytes + 64 * h, bytes_mask(8 * nb - 64 * h), _mm512_permutex2var_epi8(w[2 * h], k.lo, w[2 * h + 1]));
+  for (int h = 0; h < 2; ++h) {
+    const __m512i v = _mm512_permutex2var_epi8(w[2 * h], k.lo, w[2 * h + 1]);
+    if (FULL || 8 * nb >= 64 * h + 64) _mm512_storeu_si512(bytes + 64 * h, v);
+    else if (8 * h < nb) _mm512_mask_storeu_epi8(bytes + 64 * h, bytes_mask(8 * nb - 64 * h), v);
+  }
+}
+
+// Phase 1 for the group of blocks b0.. of nblocks (at most 16; nothing where b0 >= nblocks).
+__attribute__((always_inline)) KVW_FP4 bool nvfp4_scales_at(const uint16_t* x, int b0, int nblocks, float floor, const Fp4Consts& k, char* scales, __m512i& eb, __m512i& mx) {
+  const int nb = nblocks - b0;
+  if (nb >= 16) return nvfp4_scales16_512<true>(x + 16 * b0, 16, floor, k, scales + b0, eb, mx);
+  return nb > 0 && nvfp4_scales16_512<false>(x + 16 * b0, nb, floor, k, scales + b0, eb, mx);
 }
 
 // nvfp4_run_avx2 for bf16 rows without a global scale, sixteen blocks a group in two phases, one
-// group ahead (a group holding a NaN or an inf: nvfp4_block_avx2 block by block).
-KVW_AVX512 void nvfp4_run_512(const uint16_t* x, int nblocks, char* bytes, char* scales, float floor) {
+// group ahead (a group holding a NaN or an inf: nvfp4_block_avx2 block by block); whole groups
+// without masks.
+KVW_FP4 void nvfp4_run_512(const uint16_t* x, int nblocks, char* bytes, char* scales, float floor) {
   const Fp4Consts k(e2m1_lut());
   __m512i eb, mx, eb1 = _mm512_setzero_si512(), mx1 = eb1;
-  bool ok = nblocks > 0 && nvfp4_scales16_512(x, nblocks < 16 ? nblocks : 16, floor, k, scales, eb, mx);
+  bool ok = nvfp4_scales_at(x, 0, nblocks, floor, k, scales, eb, mx);
   for (int b0 = 0; b0 < nblocks; b0 += 16) {
-    const int nb = nblocks - b0 < 16 ? nblocks - b0 : 16, n1 = nblocks - b0 - 16;
-    const bool next = n1 > 0 && nvfp4_scales16_512(x + 16 * (b0 + 16), n1 < 16 ? n1 : 16, floor, k, scales + b0 + 16, eb1, mx1);
-    if (ok) {
-      nvfp4_codes16_512(x + 16 * b0, nb, eb, mx, k, bytes + 8 * b0);
-    } else {
+    const int nb = nblocks - b0 < 16 ? nblocks - b0 : 16;
+    const bool next = nvfp4_scales_at(x, b0 + 16, nblocks, floor, k, scales, eb1, mx1);
+    if (!ok) {
       for (int b = b0; b < b0 + nb; ++b) nvfp4_block_avx2<DType::BF16>(x, 16 * b, nullptr, bytes + 8 * b, scales + b, floor);
+    } else if (nb == 16) {
+      nvfp4_codes16_512<true>(x + 16 * b0, 16, eb, mx, k, bytes + 8 * b0);
+    } else {
+      nvfp4_codes16_512<false>(x + 16 * b0, nb, eb, mx, k, bytes + 8 * b0);
     }
     ok = next, eb = eb1, mx = mx1;
   }
@@ -303,7 +342,7 @@ KVW_AVX512 uint32_t mxfp4_ceil_scales8(__m256i raw, int nb, __m256i& e) {
 // 127): E_d - 3 = e - 3, m = 0) by e2m1_pack64. Blocks it leaves (the mask returned) may hold any
 // bytes: the caller rewrites them.
 template <bool CEIL = false>
-KVW_AVX512 uint32_t mxfp4_blocks8_512(const uint16_t* src, int nb, char* bytes, char* scales, const Fp4Consts& k) {
+KVW_FP4 uint32_t mxfp4_blocks8_512(const uint16_t* src, int nb, char* bytes, char* scales, const Fp4Consts& k) {
   __m512i l[8], p[4];
   for (int b = 0; b < 8; ++b) l[b] = _mm512_maskz_loadu_epi16(b < nb ? ~__mmask32(0) : 0, src + 32 * b);
   for (int j = 0; j < 4; ++j)
@@ -322,7 +361,7 @@ KVW_AVX512 uint32_t mxfp4_blocks8_512(const uint16_t* src, int nb, char* bytes, 
 }
 
 template <bool CEIL = false>
-KVW_AVX512 uint64_t mxfp4_run_512(const uint16_t* x, int nblocks, char* bytes, char* scales) {
+KVW_FP4 uint64_t mxfp4_run_512(const uint16_t* x, int nblocks, char* bytes, char* scales) {
   const Fp4Consts k(e2m1_lut());
   uint64_t left = 0;
   for (int b0 = 0; b0 < nblocks; b0 += 8)
@@ -334,7 +373,7 @@ KVW_AVX512 uint64_t mxfp4_run_512(const uint16_t* x, int nblocks, char* bytes, c
 template <DType IN>
 inline void nvfp4_run_simd(const void* src, i64 start, int nblocks, const float* global, char* bytes, char* scales,
                            float floor = 0.0f, int noftz = -1) {
-  if (IN == DType::BF16 && global == nullptr && simd512_ok() && e2m1_lut().ok)
+  if (IN == DType::BF16 && global == nullptr && fp4_512_ok())
     return nvfp4_run_512(static_cast<const uint16_t*>(src) + start, nblocks, bytes, scales, floor);
   if (simd512_ok() && global_ok(global)) return nvfp4_arith_run_512<IN>(src, start, nblocks, global, bytes, scales, floor);
   nvfp4_run_avx2<IN>(src, start, nblocks, global, bytes, scales, floor, noftz);
@@ -342,14 +381,14 @@ inline void nvfp4_run_simd(const void* src, i64 start, int nblocks, const float*
 // MXFP4 of nblocks <= 64 bf16 blocks of 32 from x, eight at a time; returns the mask of blocks left
 // to the scalar rule (mxfp4_blocks8_avx2's).
 inline uint64_t mxfp4_run_bf16(const uint16_t* x, int nblocks, char* bytes, char* scales) {
-  const bool wide = simd512_ok() && e2m1_lut().ok;
+  const bool wide = fp4_512_ok();
   return wide ? mxfp4_run_512(x, nblocks, bytes, scales) : mxfp4_run_avx2(x, nblocks, bytes, scales);
 }
 
 // The indexer's MXFP4 blocks (dsv4_scale's power-of-two scales) of nblocks <= 64 bf16 blocks of 32
 // from x: mxfp4_run_512<true> where the AVX-512 lanes apply (true); false: nothing written.
 inline bool mxfp4_ceil_run_bf16(const uint16_t* x, int nblocks, char* bytes, char* scales, uint64_t& left) {
-  if (!simd512_ok() || !e2m1_lut().ok) return false;
+  if (!fp4_512_ok()) return false;
   left = mxfp4_run_512<true>(x, nblocks, bytes, scales);
   return true;
 }
