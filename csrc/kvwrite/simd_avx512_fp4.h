@@ -33,7 +33,7 @@ namespace kvwrite {
 // threshold rule in fp32 (exact: B d, |x| have at most 8 significant bits); `ok` false where this
 // shape does not hold (never: the lanes then stay AVX2).
 struct E2m1Lut {
-  alignas(64) uint8_t base[128], t[128], eb[128], mx[128];
+  alignas(64) uint8_t base[128], t[128], eb[128], mx[128], sc[128];
   bool ok = true;
 };
 
@@ -61,6 +61,16 @@ inline E2m1Lut e2m1_lut_build() {
     // r = 0 / 7 also stand for the binades below / above (the clamp): below / above every threshold
     if (r == 0 || r == 7) t.ok = t.ok && t.base[i] == (r ? 7 : 0) && th == 127;
   }
+  // The e4m3 scale code of amax / 6 for a bf16 amax with exponent byte E and mantissa M is
+  // code(127, M) + 8 (E - 127) wherever that is a normal, unsaturated code (8 .. 0x7E: the fp32
+  // division and the e4m3 rounding scale with 2^E): sc[M] = code(127, M) + 8 - (M >> 4), so that
+  // (|amax| bits >> 4) + sc[M] = code + 1024.
+  for (int M = 0; M < 128; ++M) t.sc[M] = uint8_t(fp8_bits<E4M3>(bf16_to_float(uint16_t(127 << 7 | M)) / 6.0f) + 8 - (M >> 4));
+  for (int E = 1; E < 255; ++E)
+    for (int M = 0; M < 128; ++M) {
+      const int c = (E << 3 | M >> 4) + t.sc[M] - 1024;
+      t.ok = t.ok && (c < 8 || c > 0x7E || c == int(fp8_bits<E4M3>(bf16_to_float(uint16_t(E << 7 | M)) / 6.0f)));
+    }
   for (int c = 0; c < 128; ++c) {
     const uint32_t b = float_to_bits(e4m3_to_float(uint8_t(c)));
     t.eb[c] = c == 0 ? 255 : c == 0x7F ? 0 : uint8_t((b >> 23) - 3);
@@ -97,11 +107,12 @@ inline constexpr Fp4Idx FP4_IDX{};
 // The loops' constants in registers: the tables, the byte indices, the block spreads (loads only:
 // cheap for short runs).
 struct Fp4Consts {
-  __m512i base0, base1, t0, t1, eb0, eb1, mx0, mx1, lo, hi, b16[4], b32[4];
+  __m512i base0, base1, t0, t1, eb0, eb1, mx0, mx1, sc0, sc1, lo, hi, b16[4], b32[4];
   KVW_FP4_FN explicit Fp4Consts(const E2m1Lut& t)
       : base0(_mm512_load_si512(t.base)), base1(_mm512_load_si512(t.base + 64)), t0(_mm512_load_si512(t.t)),
         t1(_mm512_load_si512(t.t + 64)), eb0(_mm512_load_si512(t.eb)), eb1(_mm512_load_si512(t.eb + 64)),
-        mx0(_mm512_load_si512(t.mx)), mx1(_mm512_load_si512(t.mx + 64)), lo(_mm512_load_si512(FP4_IDX.lo)),
+        mx0(_mm512_load_si512(t.mx)), mx1(_mm512_load_si512(t.mx + 64)), sc0(_mm512_load_si512(t.sc)),
+        sc1(_mm512_load_si512(t.sc + 64)), lo(_mm512_load_si512(FP4_IDX.lo)),
         hi(_mm512_load_si512(FP4_IDX.hi)),
         b16{_mm512_load_si512(FP4_IDX.b16[0]), _mm512_load_si512(FP4_IDX.b16[1]), _mm512_load_si512(FP4_IDX.b16[2]),
             _mm512_load_si512(FP4_IDX.b16[3])},
@@ -184,10 +195,16 @@ __attribute__((always_inline)) KVW_FP4 bool nvfp4_scales16_512(const uint16_t* s
   for (int j = 0; j < 4; ++j)
     p[j] = step_loads<FULL>(src, nb, j, a, b) ? max_lane_pairs(_mm512_add_epi16(a, a), _mm512_add_epi16(b, b)) : _mm512_setzero_si512();
   const __m512i raw = lane_max16(p);
-  if (_mm512_cmpgt_epi32_mask(raw, _mm512_set1_epi32(0x7F7F)) != 0) return false;
-  const __m512 amax = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(_mm512_cmpgt_epi32_mask(raw, _mm512_set1_epi32(0x7F)), raw, 16));
-  const __m512 s = _mm512_max_ps(_mm512_div_ps(amax, _mm512_set1_ps(6.0f)), _mm512_set1_ps(floor));
-  const __m128i code = _mm512_cvtepi32_epi8(grid_codes16_k<3, -6>(_mm512_min_ps(s, _mm512_set1_ps(448.0f))));
+  // the scale codes by the table where all are normal and unsaturated (then s > 2^-7 >= floor),
+  // else by the division (a NaN or an inf: false)
+  const __m512i c1024 = _mm512_add_epi32(_mm512_srli_epi32(raw, 4), _mm512_maskz_permutex2var_epi8(0x1111111111111111ull, k.sc0, raw, k.sc1));
+  __m128i code = _mm512_cvtepi32_epi8(c1024);
+  if (!(floor <= 0.0078125f) || _mm512_cmpgt_epu32_mask(_mm512_sub_epi32(c1024, _mm512_set1_epi32(1032)), _mm512_set1_epi32(0x7E - 8)) != 0) {
+    if (_mm512_cmpgt_epi32_mask(raw, _mm512_set1_epi32(0x7F7F)) != 0) return false;
+    const __m512 amax = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(_mm512_cmpgt_epi32_mask(raw, _mm512_set1_epi32(0x7F)), raw, 16));
+    const __m512 s = _mm512_max_ps(_mm512_div_ps(amax, _mm512_set1_ps(6.0f)), _mm512_set1_ps(floor));
+    code = _mm512_cvtepi32_epi8(grid_codes16_k<3, -6>(_mm512_min_ps(s, _mm512_set1_ps(448.0f))));
+  }
   if (FULL) _mm_storeu_si128(reinterpret_cast<__m128i*>(scales), code);
   else _mm_mask_storeu_epi8(scales, __mmask16((1u << nb) - 1), code);
   const __m512i c = _mm512_castsi128_si512(code);
