@@ -228,29 +228,27 @@ __attribute__((always_inline)) KVW_FP4 void nvfp4_codes16_512(const uint16_t* sr
   }
 }
 
-// Phase 1 for the group of blocks b0.. of nblocks (at most 16; nothing where b0 >= nblocks).
-__attribute__((always_inline)) KVW_FP4 bool nvfp4_scales_at(const uint16_t* x, int b0, int nblocks, float floor, const Fp4Consts& k, char* scales, __m512i& eb, __m512i& mx) {
-  const int nb = nblocks - b0;
-  if (nb >= 16) return nvfp4_scales16_512<true>(x + 16 * b0, 16, floor, k, scales + b0, eb, mx);
-  return nb > 0 && nvfp4_scales16_512<false>(x + 16 * b0, nb, floor, k, scales + b0, eb, mx);
-}
-
 // nvfp4_run_avx2 for bf16 rows without a global scale, sixteen blocks a group in two phases, one
-// group ahead (a group holding a NaN or an inf: nvfp4_block_avx2 block by block); whole groups
-// without masks.
+// group ahead (a group holding a NaN or an inf: nvfp4_block_avx2 block by block). Whole groups
+// without masks: a run of 16 blocks or more ends with the group of its last 16 (the blocks it shares
+// with the group before get the same bytes twice); a shorter run is one masked group.
 KVW_FP4 void nvfp4_run_512(const uint16_t* x, int nblocks, char* bytes, char* scales, float floor) {
   const Fp4Consts k(e2m1_lut());
   __m512i eb, mx, eb1 = _mm512_setzero_si512(), mx1 = eb1;
-  bool ok = nvfp4_scales_at(x, 0, nblocks, floor, k, scales, eb, mx);
-  for (int b0 = 0; b0 < nblocks; b0 += 16) {
-    const int nb = nblocks - b0 < 16 ? nblocks - b0 : 16;
-    const bool next = nvfp4_scales_at(x, b0 + 16, nblocks, floor, k, scales, eb1, mx1);
-    if (!ok) {
-      for (int b = b0; b < b0 + nb; ++b) nvfp4_block_avx2<DType::BF16>(x, 16 * b, nullptr, bytes + 8 * b, scales + b, floor);
-    } else if (nb == 16) {
+  if (nblocks < 16) {
+    if (nblocks <= 0) return;
+    if (nvfp4_scales16_512<false>(x, nblocks, floor, k, scales, eb, mx)) return nvfp4_codes16_512<false>(x, nblocks, eb, mx, k, bytes);
+    for (int b = 0; b < nblocks; ++b) nvfp4_block_avx2<DType::BF16>(x, 16 * b, nullptr, bytes + 8 * b, scales + b, floor);
+    return;
+  }
+  bool ok = nvfp4_scales16_512<true>(x, 16, floor, k, scales, eb, mx);
+  for (int b = 0; b < nblocks; b += 16) {
+    const int b0 = b + 16 <= nblocks ? b : nblocks - 16, b1 = b + 32 <= nblocks ? b + 16 : nblocks - 16;
+    const bool next = b + 16 < nblocks && nvfp4_scales16_512<true>(x + 16 * b1, 16, floor, k, scales + b1, eb1, mx1);
+    if (ok) {
       nvfp4_codes16_512<true>(x + 16 * b0, 16, eb, mx, k, bytes + 8 * b0);
     } else {
-      nvfp4_codes16_512<false>(x + 16 * b0, nb, eb, mx, k, bytes + 8 * b0);
+      for (int j = b0; j < b0 + 16; ++j) nvfp4_block_avx2<DType::BF16>(x, 16 * j, nullptr, bytes + 8 * j, scales + j, floor);
     }
     ok = next, eb = eb1, mx = mx1;
   }
@@ -361,28 +359,35 @@ KVW_AVX512 uint32_t mxfp4_ceil_scales8(__m256i raw, int nb, __m256i& e) {
 template <bool CEIL = false>
 KVW_FP4 uint32_t mxfp4_blocks8_512(const uint16_t* src, int nb, char* bytes, char* scales, const Fp4Consts& k) {
   __m512i l[8], p[4];
-  for (int b = 0; b < 8; ++b) l[b] = _mm512_maskz_loadu_epi16(b < nb ? ~__mmask32(0) : 0, src + 32 * b);
+  for (int b = 0; b < 8; ++b) l[b] = b < nb ? _mm512_loadu_si512(src + 32 * b) : _mm512_setzero_si512();
   for (int j = 0; j < 4; ++j)
     p[j] = max_lane_pairs(_mm512_add_epi16(l[2 * j], l[2 * j]), _mm512_add_epi16(l[2 * j + 1], l[2 * j + 1]));
   __m256i e;
   const __m256i raw = lane_max8(max_lane_pairs(p[0], p[1]), max_lane_pairs(p[2], p[3]));
   const uint32_t left = CEIL ? mxfp4_ceil_scales8(raw, nb, e) : mxfp4_scales8(raw, nb, e);
-  _mm_mask_storeu_epi8(scales, __mmask16(((1u << nb) - 1) & ~left), _mm256_cvtepi32_epi8(e));
+  if (nb == 8 && left == 0) _mm_storel_epi64(reinterpret_cast<__m128i*>(scales), _mm256_cvtepi32_epi8(e));
+  else _mm_mask_storeu_epi8(scales, __mmask16(((1u << nb) - 1) & ~left), _mm256_cvtepi32_epi8(e));
   const __m512i eb = _mm512_castsi128_si512(_mm256_cvtepi32_epi8(_mm256_sub_epi32(e, _mm256_set1_epi32(3))));
   __m512i w[4];
   for (int h = 0; h < 4; ++h)  // the steps holding blocks
     w[h] = 2 * h < nb ? e2m1_pack64(l[2 * h], l[2 * h + 1], _mm512_permutexvar_epi8(k.b32[h], eb), _mm512_setzero_si512(), k) : _mm512_setzero_si512();
-  for (int h = 0; h < 2; ++h)
-    _mm512_mask_storeu_epi8(bytes + 64 * h, bytes_mask(16 * nb - 64 * h), _mm512_permutex2var_epi8(w[2 * h], k.lo, w[2 * h + 1]));
+  for (int h = 0; h < 2; ++h) {
+    const __m512i v = _mm512_permutex2var_epi8(w[2 * h], k.lo, w[2 * h + 1]);
+    if (16 * nb >= 64 * h + 64) _mm512_storeu_si512(bytes + 64 * h, v);
+    else _mm512_mask_storeu_epi8(bytes + 64 * h, bytes_mask(16 * nb - 64 * h), v);
+  }
   return left;
 }
 
 template <bool CEIL = false>
 KVW_FP4 uint64_t mxfp4_run_512(const uint16_t* x, int nblocks, char* bytes, char* scales) {
   const Fp4Consts k(e2m1_lut());
+  if (nblocks < 8) return nblocks > 0 ? mxfp4_blocks8_512<CEIL>(x, nblocks, bytes, scales, k) : 0;
   uint64_t left = 0;
-  for (int b0 = 0; b0 < nblocks; b0 += 8)
-    left |= uint64_t(mxfp4_blocks8_512<CEIL>(x + 32 * b0, nblocks - b0 < 8 ? nblocks - b0 : 8, bytes + 16 * b0, scales + b0, k)) << b0;
+  for (int b = 0; b < nblocks; b += 8) {  // whole groups: the last one ends the run (shared blocks twice, same bytes)
+    const int b0 = b + 8 <= nblocks ? b : nblocks - 8;
+    left |= uint64_t(mxfp4_blocks8_512<CEIL>(x + 32 * b0, 8, bytes + 16 * b0, scales + b0, k)) << b0;
+  }
   return left;
 }
 
