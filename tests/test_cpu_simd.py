@@ -393,3 +393,40 @@ def test_store_dsv4_indexer_mxfp4_lanes_thresholds(d):
         kvwrite.store_dsv4_indexer_k(k, p["c"], loc, fmt="mxfp4", backend=b)
 
     run(call, {"c": ((pages, 64 * indexer_row_bytes(d, "mxfp4")), torch.uint8)})
+
+
+@pytest.mark.parametrize("nb", [4, 17, 20, 28, 31, 33, 48])
+def test_store_kv_nvfp4_bf16_lanes_run_tails(nb):
+    """Runs of nb blocks (one head of 16 nb): the AVX-512 lanes end a run of 16 blocks or more with
+    the group of its last 16 (blocks shared with the group before written twice); the threshold and
+    special blocks shuffled over every position, then N(0, 1) rows (every scale code normal: the
+    table path) with a NaN at every block position in turn."""
+    g = torch.Generator().manual_seed(12)
+    blocks = torch.cat([fp4_threshold_blocks(e4m3_values(), lambda s: 6 * s, 16, g), fp4_special_blocks(16)])
+    blocks = blocks[torch.randperm(blocks.shape[0], generator=g)]
+    n = -(-blocks.shape[0] // nb)
+    rows = torch.cat([blocks, blocks[: n * nb - blocks.shape[0]]]).reshape(n, 1, 16 * nb)
+    run_store_kv_nvfp4(rows, rows.flip(0), torch.randperm(n + 8, generator=g)[:n])
+    rows = torch.randn(nb, 1, 16 * nb, generator=g).to(torch.bfloat16)
+    for t in range(nb):
+        rows[t, 0, 16 * t + 5] = float("nan")
+    run_store_kv_nvfp4(rows, rows.flip(0), torch.randperm(nb + 8, generator=g)[:nb])
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4_v41", "mxfp4"])
+def test_store_dsv4_fp4_bf16_lanes_nan_positions(fmt):
+    """The V4 records (28 / 32 NVFP4 blocks, 14 MXFP4: groups that share blocks) of N(0, 1) rows
+    with a NaN or an inf at every block position in turn."""
+    from kvwrite.facts import FP4_RECORDS
+    rec = FP4_RECORDS[fmt]
+    nb = rec.quant // rec.block
+    g = torch.Generator().manual_seed(13)
+    kv = torch.randn(2 * nb, 512, generator=g).to(torch.bfloat16)
+    for t in range(2 * nb):
+        kv[t, rec.block * (t % nb) + 3] = float("nan") if t < nb else float("inf")
+    loc = torch.randperm(2 * nb + 4, generator=g)[: 2 * nb]
+
+    def call(p, b):
+        kvwrite.store_dsv4_kv_fp4(kv, p["c"], loc, fmt=fmt, backend=b)
+
+    run(call, {"c": ((2 * nb + 4, rec.token_bytes), torch.uint8)})
