@@ -103,6 +103,82 @@ KVW_AVX512 int int8_bf16_run_512(const uint16_t* __restrict__ src, int n, float 
   return j + int8_bf16_run_avx2(src + j, n - j, s, dst + j, r);
 }
 
+// ---- int8 codes of a dynamic scale's row by one FMA a value -------------------------------------
+// For s = RN(amax / 127) (amax a normal bf16, s above the floor) and |x| <= amax (bf16), the code
+// RNE(RN(x / s)) is RNE(x * rf) (the exact product rounded once to an integer) for an fp32 rf near
+// 1 / s: with A = amax / 127 (real), q = x / A = 127 m 2^g / M (x = m 2^(g + e), amax = M 2^e,
+// M in [128, 256), m < 256 integers, g <= 0) is a rational of denominator 2M, so a q that is not a
+// half-integer h is at least 2^(g-9) from every h (|127 m 2^(g+1) - (2k+1) M| >= 2^min(g+1, 0)),
+// while |q| < 2^(g+8) and both x / s and x * rf are within |q| (2^-24 + |rf s - 1|) (1 + 2^-23) of
+// q: below 2^(g-11) for |rf s - 1| <= 2^-20. So RN(x / s) and x * rf lie strictly on q's side of
+// every h, and round to the same integer. A q that is a half-integer: 127 m 2^(g+1) = (2k+1) M,
+// 127 prime, |h| < 127.5, so 2k + 1 = +-127 (x = +-amax / 2, h = +-63.5) or 127 | M (M = 254: s
+// is a power of two, 1 / s exact, x * rf = x / s). So the one value to settle is amax / 2, and
+// int8_fast_recip picks rf (RN(1 / s), nudged by an ulp at a time, at most 8) so that its code is
+// RNE(RN((amax / 2) / s)); -amax / 2 follows by symmetry. bench/simd_check.cpp checks every bf16
+// amax with every |x| <= amax. The code is the low byte of x * rf + 1.5 * 2^23 (|code| <= 127).
+constexpr float INT8_MAGIC = 12582912.0f;  // 1.5 * 2^23: an fp32 in [2^23, 2^24) holds an integer
+
+// rf for int8_bf16_run_rf of a row with amax `amax` (policy amax: finite, >= 0), its dynamic scale
+// s and r = RN(1 / s); 0 where the rule above does not apply (s at the floor) or 8 ulps did not
+// settle amax / 2: the caller takes int8_bf16_run.
+KVW_AVX512 float int8_fast_recip(float amax, float s, float r, float floor) {
+  if (!(s > floor)) return 0.0f;
+  const float half = amax * 0.5f;
+  const float want = _mm_cvtss_f32(_mm_round_ss(_mm_setzero_ps(), _mm_set_ss(half / s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const __m128 c = _mm_set_ss(INT8_MAGIC);
+  for (int i = 0; i < 8; ++i) {
+    const float got = _mm_cvtss_f32(_mm_sub_ss(_mm_fmadd_ss(_mm_set_ss(half), _mm_set_ss(r), c), c));
+    if (got == want) return r;
+    r = bits_to_float(float_to_bits(r) + (want > got ? 1 : -1));  // r > 0: the next fp32 up / down
+  }
+  return 0.0f;
+}
+
+// int8_fast_recip for 8 rows at once from their bf16_absmax_raw bits and dynamic_scales8's s, r
+// (no NaN / inf: dynamic_scales8 passed).
+KVW_AVX512 void int8_fast_recips8(const uint32_t* raw, const float* s, const float* r, float floor, float* rf) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(raw));
+  const __m256 amax = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(b, 16), _mm256_cmpgt_epi32(b, _mm256_set1_epi32(0x7F))));
+  const __m256 vs = _mm256_loadu_ps(s), half = _mm256_mul_ps(amax, _mm256_set1_ps(0.5f)), c = _mm256_set1_ps(INT8_MAGIC);
+  const __m256 want = _mm256_round_ps(_mm256_div_ps(half, vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 vr = _mm256_loadu_ps(r);
+  __mmask8 open = _mm256_cmp_ps_mask(vs, _mm256_set1_ps(floor), _CMP_GT_OQ);  // rows still to settle
+  __mmask8 done = 0;
+  for (int i = 0; i < 8 && open != 0; ++i) {
+    const __m256 got = _mm256_sub_ps(_mm256_fmadd_ps(half, vr, c), c);
+    done |= _mm256_mask_cmp_ps_mask(open, got, want, _CMP_EQ_OQ);
+    open &= ~done;
+    const __mmask8 up = _mm256_mask_cmp_ps_mask(open, want, got, _CMP_GT_OQ);
+    vr = _mm256_castsi256_ps(_mm256_mask_add_epi32(_mm256_castps_si256(vr), open, _mm256_castps_si256(vr),
+                                                   _mm256_mask_blend_epi32(up, _mm256_set1_epi32(-1), _mm256_set1_epi32(1))));
+  }
+  _mm256_storeu_ps(rf, _mm256_maskz_mov_ps(done, vr));
+}
+
+// int8 codes RNE(x / s) of a row under int8_fast_recip's rule (rf from it, n % 64 == 0): one FMA
+// per value, the code the low byte of x * rf + 1.5 * 2^23, gathered by two vpermt2b.
+KVW_AVX512 void int8_bf16_run_rf_512(const uint16_t* __restrict__ src, int n, char* __restrict__ dst, float rf) {
+  // byte e of the 64: the low byte of element e's dword, from the pair (t[0], t[1]) for e < 32 and
+  // (t[2], t[3]) for e >= 32 (unpack order: t[0] lane L holds elements 8L..8L+3, t[1] 8L+4..8L+7)
+  alignas(64) static constexpr struct Low {
+    uint8_t i[64];
+    constexpr Low() : i() {
+      for (int e = 0; e < 64; ++e) i[e] = uint8_t(e % 8 < 4 ? 4 * (e % 32 / 8 * 4 + e % 8) : 64 + 4 * (e % 32 / 8 * 4 + e % 8 - 4));
+    }
+  } low;
+  const __m512 vr = _mm512_set1_ps(rf), c = _mm512_set1_ps(INT8_MAGIC);
+  const __m512i idx = _mm512_load_si512(low.i);
+  for (int j = 0; j < n; j += 64) {
+    __m512 x[4];
+    widen_bf16x64(_mm512_loadu_si512(src + j), _mm512_loadu_si512(src + j + 32), x);
+    __m512i t[4];
+    for (int k = 0; k < 4; ++k) t[k] = _mm512_castps_si512(_mm512_fmadd_ps(x[k], vr, c));
+    const __m512i a = _mm512_permutex2var_epi8(t[0], idx, t[1]), b = _mm512_permutex2var_epi8(t[2], idx, t[3]);
+    _mm512_storeu_si512(dst + j, _mm512_mask_blend_epi8(0xFFFFFFFF00000000ull, a, b));  // elements 0-31 | 32-63
+  }
+}
+
 // bf16_absmax_raw_avx2: the max of the |x| bits over n elements (n % 16 == 0), 64 a step.
 KVW_AVX512 uint32_t bf16_absmax_raw_512(const uint16_t* p, int n) {
   const __m512i m = _mm512_set1_epi16(0x7FFF);
@@ -226,6 +302,19 @@ struct Lanes {
   static int int8_bf16_run(const uint16_t* __restrict__ src, int n, float s, char* __restrict__ dst, float r = 0.0f) {
     if constexpr (L == 2) return int8_bf16_run_512(src, n, s, dst, r);
     return int8_bf16_run_avx2(src, n, s, dst, r);
+  }
+  // int8 under int8_fast_recip's rule: rf (0: the exact lanes) and the codes; AVX-512 only (the
+  // AVX2 level returns 0 and keeps int8_bf16_run)
+  static float int8_fast_recip(float amax, float s, float r, float floor) {
+    if constexpr (L == 2) return kvwrite::int8_fast_recip(amax, s, r, floor);
+    return 0.0f;
+  }
+  static void int8_fast_recips8(const uint32_t* raw, const float* s, const float* r, float floor, float* rf) {
+    if constexpr (L == 2) return kvwrite::int8_fast_recips8(raw, s, r, floor, rf);
+    for (int k = 0; k < 8; ++k) rf[k] = 0.0f;
+  }
+  static void int8_bf16_run_rf(const uint16_t* __restrict__ src, int n, char* __restrict__ dst, float rf) {
+    if constexpr (L == 2) int8_bf16_run_rf_512(src, n, dst, rf);
   }
   static void bf16_absmax_raw8(const uint16_t* p, i64 stride, int n, uint32_t* raw) {  // n % 32 == 0
     if constexpr (L == 2) return bf16_absmax_raw8_512(p, stride, n, raw);
