@@ -109,66 +109,62 @@ KVW_AVX512 int int8_bf16_run_512(const uint16_t* __restrict__ src, int n, float 
 // 1 / s: with A = amax / 127 (real), q = x / A = 127 m 2^g / M (x = m 2^(g + e), amax = M 2^e,
 // M in [128, 256), m < 256 integers, g <= 0) is a rational of denominator 2M, so a q that is not a
 // half-integer h is at least 2^(g-9) from every h (|127 m 2^(g+1) - (2k+1) M| >= 2^min(g+1, 0)),
-// while |q| < 2^(g+8) and both x / s and x * rf are within |q| (2^-24 + |rf s - 1|) (1 + 2^-23) of
-// q: below 2^(g-11) for |rf s - 1| <= 2^-20. So RN(x / s) and x * rf lie strictly on q's side of
-// every h, and round to the same integer. A q that is a half-integer: 127 m 2^(g+1) = (2k+1) M,
-// 127 prime, |h| < 127.5, so 2k + 1 = +-127 (x = +-amax / 2, h = +-63.5) or 127 | M (M = 254: s
-// is a power of two, 1 / s exact, x * rf = x / s). So the one value to settle is amax / 2, and
-// int8_fast_recip picks rf (RN(1 / s), nudged by an ulp at a time, at most 8) so that its code is
-// RNE(RN((amax / 2) / s)); -amax / 2 follows by symmetry. bench/simd_check.cpp checks every bf16
-// amax with every |x| <= amax. The code is the low byte of x * rf + 1.5 * 2^23 (|code| <= 127).
+// while |q| < 2^(g+8) and both RN(x / s) and x * rf are within |q| (2^-23 + |rf s - 1|) (1 + 2^-23)
+// of q: below 2^(g-11) for |rf s - 1| <= 2^-20. So RN(x / s) and x * rf lie strictly between the
+// same two half-integers, and round to the same integer. A q that is a half-integer: 127 m 2^(g+1)
+// = (2k+1) M, 127 prime, |h| < 127.5, so 2k + 1 = +-127 (x = +-amax / 2, h = +-63.5) or 127 | M
+// (M = 254: s is a power of two, 1 / s exact, x * rf = x / s). So the one value to settle is
+// amax / 2: int8_fast_recip takes rf = RN(1 / s) where its code is RNE(RN((amax / 2) / s)), else
+// the next fp32 towards it (one ulp settles every bf16 amax the rule covers; both are checked, and
+// neither: rf = 0, the exact lanes); -amax / 2 follows by symmetry. bench/simd_check.cpp checks
+// every bf16 amax with every |x| <= amax. The code is the low byte of x * rf + 1.5 * 2^23.
 constexpr float INT8_MAGIC = 12582912.0f;  // 1.5 * 2^23: an fp32 in [2^23, 2^24) holds an integer
 
-// rf for int8_bf16_run_rf of a row with amax `amax` (policy amax: finite, >= 0), its dynamic scale
-// s and r = RN(1 / s); 0 where the rule above does not apply (s at the floor) or 8 ulps did not
-// settle amax / 2: the caller takes int8_bf16_run.
-KVW_AVX512 float int8_fast_recip(float amax, float s, float r, float floor) {
-  if (!(s > floor)) return 0.0f;
-  const float half = amax * 0.5f;
-  const float want = _mm_cvtss_f32(_mm_round_ss(_mm_setzero_ps(), _mm_set_ss(half / s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  const __m128 c = _mm_set_ss(INT8_MAGIC);
-  for (int i = 0; i < 8; ++i) {
-    const float got = _mm_cvtss_f32(_mm_sub_ss(_mm_fmadd_ss(_mm_set_ss(half), _mm_set_ss(r), c), c));
-    if (got == want) return r;
-    r = bits_to_float(float_to_bits(r) + (want > got ? 1 : -1));  // r > 0: the next fp32 up / down
-  }
-  return 0.0f;
+// int8_fast_recip of 4 rows (amax: policy amax values, s their dynamic scales, r = RN(1 / s)):
+// RN((amax / 2) / s) by div_cr8's correction (amax / 2 is a bf16 value), no division; the one-ulp
+// step without a branch; rows with s at the floor get 0.
+KVW_AVX512 __m128 int8_fast_recip4(__m128 amax, __m128 s, __m128 r, float floor) {
+  const __m128 half = _mm_mul_ps(amax, _mm_set1_ps(0.5f)), c = _mm_set1_ps(INT8_MAGIC), q = _mm_mul_ps(half, r);
+  const __m128 want = _mm_round_ps(_mm_fmadd_ps(_mm_fnmadd_ps(q, s, half), r, q), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const auto code = [&](__m128 rf) KVW_AVX512_FN { return _mm_sub_ps(_mm_fmadd_ps(half, rf, c), c); };
+  const __m128 got = code(r);
+  const __m128i step = _mm_mask_blend_epi32(_mm_cmp_ps_mask(want, got, _CMP_GT_OQ), _mm_set1_epi32(-1), _mm_set1_epi32(1));
+  const __m128 r1 = _mm_castsi128_ps(_mm_add_epi32(_mm_castps_si128(r), step));  // r > 0: the next fp32 towards want
+  const __mmask8 ok = _mm_cmp_ps_mask(s, _mm_set1_ps(floor), _CMP_GT_OQ);
+  const __mmask8 at_r = _mm_mask_cmp_ps_mask(ok, got, want, _CMP_EQ_OQ);
+  const __mmask8 at_r1 = _mm_mask_cmp_ps_mask(ok & ~at_r, code(r1), want, _CMP_EQ_OQ);
+  return _mm_mask_mov_ps(_mm_maskz_mov_ps(at_r1, r1), at_r, r);
 }
 
-// int8_fast_recip for 8 rows at once from their bf16_absmax_raw bits and dynamic_scales8's s, r
-// (no NaN / inf: dynamic_scales8 passed).
+// rf for int8_bf16_run_rf of a row with amax `amax` (policy amax: finite, >= 0), its dynamic scale
+// s and r = RN(1 / s); 0 where the rule above does not apply: the caller takes int8_bf16_run.
+KVW_AVX512 float int8_fast_recip(float amax, float s, float r, float floor) {
+  return _mm_cvtss_f32(int8_fast_recip4(_mm_set_ss(amax), _mm_set1_ps(s), _mm_set_ss(r), floor));
+}
+
+// int8_fast_recip for 8 rows from their bf16_absmax_raw bits and dynamic_scales8's s, r (no NaN /
+// inf: dynamic_scales8 passed).
 KVW_AVX512 void int8_fast_recips8(const uint32_t* raw, const float* s, const float* r, float floor, float* rf) {
-  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(raw));
-  const __m256 amax = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(b, 16), _mm256_cmpgt_epi32(b, _mm256_set1_epi32(0x7F))));
-  const __m256 vs = _mm256_loadu_ps(s), half = _mm256_mul_ps(amax, _mm256_set1_ps(0.5f)), c = _mm256_set1_ps(INT8_MAGIC);
-  const __m256 want = _mm256_round_ps(_mm256_div_ps(half, vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 vr = _mm256_loadu_ps(r);
-  __mmask8 open = _mm256_cmp_ps_mask(vs, _mm256_set1_ps(floor), _CMP_GT_OQ);  // rows still to settle
-  __mmask8 done = 0;
-  for (int i = 0; i < 8 && open != 0; ++i) {
-    const __m256 got = _mm256_sub_ps(_mm256_fmadd_ps(half, vr, c), c);
-    done |= _mm256_mask_cmp_ps_mask(open, got, want, _CMP_EQ_OQ);
-    open &= ~done;
-    const __mmask8 up = _mm256_mask_cmp_ps_mask(open, want, got, _CMP_GT_OQ);
-    vr = _mm256_castsi256_ps(_mm256_mask_add_epi32(_mm256_castps_si256(vr), open, _mm256_castps_si256(vr),
-                                                   _mm256_mask_blend_epi32(up, _mm256_set1_epi32(-1), _mm256_set1_epi32(1))));
+  for (int k = 0; k < 8; k += 4) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(raw + k));
+    const __m128 amax = _mm_castsi128_ps(_mm_and_si128(_mm_slli_epi32(b, 16), _mm_cmpgt_epi32(b, _mm_set1_epi32(0x7F))));
+    _mm_storeu_ps(rf + k, int8_fast_recip4(amax, _mm_loadu_ps(s + k), _mm_loadu_ps(r + k), floor));
   }
-  _mm256_storeu_ps(rf, _mm256_maskz_mov_ps(done, vr));
 }
 
 // int8 codes RNE(x / s) of a row under int8_fast_recip's rule (rf from it, n % 64 == 0): one FMA
 // per value, the code the low byte of x * rf + 1.5 * 2^23, gathered by two vpermt2b.
 KVW_AVX512 void int8_bf16_run_rf_512(const uint16_t* __restrict__ src, int n, char* __restrict__ dst, float rf) {
-  // byte e of the 64: the low byte of element e's dword, from the pair (t[0], t[1]) for e < 32 and
-  // (t[2], t[3]) for e >= 32 (unpack order: t[0] lane L holds elements 8L..8L+3, t[1] 8L+4..8L+7)
+  // byte e: the low byte of element e's dword in the pair (t[0], t[1]) for e < 32, (t[2], t[3])
+  // for e >= 32 (unpack order: lane L of t[0] holds elements 8L..8L+3, of t[1] 8L+4..8L+7)
   alignas(64) static constexpr struct Low {
     uint8_t i[64];
     constexpr Low() : i() {
       for (int e = 0; e < 64; ++e) i[e] = uint8_t(e % 8 < 4 ? 4 * (e % 32 / 8 * 4 + e % 8) : 64 + 4 * (e % 32 / 8 * 4 + e % 8 - 4));
     }
   } low;
-  const __m512 vr = _mm512_set1_ps(rf), c = _mm512_set1_ps(INT8_MAGIC);
   const __m512i idx = _mm512_load_si512(low.i);
+  const __m512 vr = _mm512_set1_ps(rf), c = _mm512_set1_ps(INT8_MAGIC);
   for (int j = 0; j < n; j += 64) {
     __m512 x[4];
     widen_bf16x64(_mm512_loadu_si512(src + j), _mm512_loadu_si512(src + j + 32), x);
