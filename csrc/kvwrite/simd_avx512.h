@@ -222,9 +222,9 @@ KVW_AVX512 void fp8_bf16_table_run_512(const Fp8Table& t, float s, const uint16_
   if (n % 64 != 0) return fp8_bf16_table_run_avx2<F>(t, s, src, n, dst);
   constexpr uint8_t CMAX = F::mant == 3 ? 0x7E : 0x7B;
   constexpr int TH = (255 + (1 << F::mant) - 1) >> F::mant;
-  alignas(64) static const struct Order {
+  alignas(64) static constexpr struct Order {  // constexpr: no guard to test on every call
     uint8_t m[64], out[64];  // m: the words' low bytes in order O (byte + 1: their high bytes); out: O -> elements
-    Order() {
+    constexpr Order() : m(), out() {
       for (int j = 0; j < 64; ++j) m[j] = uint8_t(j % 8 < 4 ? 2 * (j / 8 * 4 + j % 8) : 64 + 2 * (j / 8 * 4 + j % 8 - 4));
       for (int e = 0; e < 64; ++e) out[e] = uint8_t(8 * (e % 32 / 4) + 4 * (e / 32) + e % 4);
     }
@@ -235,53 +235,55 @@ KVW_AVX512 void fp8_bf16_table_run_512(const Fp8Table& t, float s, const uint16_
   const __m512i z = _mm512_set1_epi8(char(t.zstep >> F::mant)), clamp = _mm512_set1_epi8(char(TH - 1));
   const __m512i k = _mm512_set1_epi8(char(t.k)), cmax = _mm512_set1_epi8(char(CMAX)), one = _mm512_set1_epi8(1);
   const __m512i kfu = _mm512_set1_epi8(char(t.kf >> F::mant)), smask = _mm512_set1_epi8(char(0x80));
-  const bool neg = s < 0;
   const auto u_of = [&](const uint16_t* x) KVW_AVX512_FN {  // E -sat Z, order O
     const __m512i e = _mm512_multishift_epi64_epi8(ectl, _mm512_loadu_si512(x));
     return _mm512_subs_epu8(_mm512_mask_multishift_epi64_epi8(e, 0xF0F0F0F0F0F0F0F0ull, ectl, _mm512_loadu_si512(x + 32)), z);
   };
-  for (int j0 = 0; j0 < n; j0 += 4096) {
-    const int nb = (n - j0 < 4096 ? n - j0 : 4096) / 64;
-    uint64_t flags[64], any = 0;
-    __m512i umax = _mm512_setzero_si512();
-    for (int b = 0; b < nb; ++b) {
-      const uint16_t* x = src + j0 + 64 * b;
-      const __m512i l0 = _mm512_loadu_si512(x), l1 = _mm512_loadu_si512(x + 32), u = u_of(x);
-      const __m512i mi = _mm512_permutex2var_epi8(l0, im, l1);
-      const __m512i e8 = _mm512_slli_epi16(_mm512_min_epu8(u, clamp), F::mant);  // bytes <= 252: no spill
-      __m512i code = _mm512_min_epu8(_mm512_subs_epu8(_mm512_adds_epu8(e8, _mm512_permutex2var_epi8(tab0, mi, tab1)), k), cmax);
-      uint64_t sub = _mm512_cmplt_epu8_mask(_mm512_sub_epi8(u, one), kfu);  // subnormal-range lanes
-      if (__builtin_expect(sub != 0 && t.nsub != 0, 0)) {
-        alignas(64) uint8_t ub[64];
-        _mm512_store_si512(ub, u);
-        for (uint64_t rest = sub; rest != 0;) {  // the binades present (E - Z = i), one lookup each
-          const int i = ub[__builtin_ctzll(rest)];
-          const __mmask64 in = _mm512_mask_cmpeq_epu8_mask(rest, u, _mm512_set1_epi8(char(i)));
-          code = _mm512_mask_mov_epi8(code, in, _mm512_permutex2var_epi8(_mm512_load_si512(t.sub[i - 1]), mi,
-                                                                         _mm512_load_si512(t.sub[i - 1] + 64)));
-          rest &= ~in;
-        }
-        sub = 0;  // coded here: nothing to redo
-      }
-      const __m512i hi = _mm512_permutex2var_epi8(l0, ih, l1);  // sign | E >> 1
-      const __m512i b8 = neg ? _mm512_ternarylogic_epi32(code, hi, smask, 0xF2)    // code | (~hi & 0x80)
-                             : _mm512_ternarylogic_epi32(code, hi, smask, 0xF8);   // code | (hi & 0x80)
-      _mm512_storeu_si512(dst + j0 + 64 * b, _mm512_permutexvar_epi8(iout, b8));
-      umax = _mm512_max_epu8(umax, u);
-      flags[b] = sub;
-      any |= sub;
-    }
-    if (__builtin_expect(_mm512_cmpge_epu8_mask(umax, _mm512_set1_epi8(char(TH))) != 0, 0)) {
+  const auto run = [&](auto neg) KVW_AVX512_FN {  // the divisor's sign as a type: no test in the loop
+    for (int j0 = 0; j0 < n; j0 += 4096) {
+      const int nb = (n - j0 < 4096 ? n - j0 : 4096) / 64;
+      uint64_t flags[64], any = 0;
+      __m512i umax = _mm512_setzero_si512();
       for (int b = 0; b < nb; ++b) {
-        flags[b] |= _mm512_cmpge_epu8_mask(u_of(src + j0 + 64 * b), _mm512_set1_epi8(char(TH)));
-        any |= flags[b];
+        const uint16_t* x = src + j0 + 64 * b;
+        const __m512i l0 = _mm512_loadu_si512(x), l1 = _mm512_loadu_si512(x + 32), u = u_of(x);
+        const __m512i mi = _mm512_permutex2var_epi8(l0, im, l1);
+        const __m512i e8 = _mm512_slli_epi16(_mm512_min_epu8(u, clamp), F::mant);  // bytes <= 252: no spill
+        __m512i code = _mm512_min_epu8(_mm512_subs_epu8(_mm512_adds_epu8(e8, _mm512_permutex2var_epi8(tab0, mi, tab1)), k), cmax);
+        uint64_t sub = _mm512_cmplt_epu8_mask(_mm512_sub_epi8(u, one), kfu);  // subnormal-range lanes
+        if (__builtin_expect(sub != 0 && t.nsub != 0, 0)) {
+          alignas(64) uint8_t ub[64];
+          _mm512_store_si512(ub, u);
+          for (uint64_t rest = sub; rest != 0;) {  // the binades present (E - Z = i), one lookup each
+            const int i = ub[__builtin_ctzll(rest)];
+            const __mmask64 in = _mm512_mask_cmpeq_epu8_mask(rest, u, _mm512_set1_epi8(char(i)));
+            code = _mm512_mask_mov_epi8(code, in, _mm512_permutex2var_epi8(_mm512_load_si512(t.sub[i - 1]), mi,
+                                                                           _mm512_load_si512(t.sub[i - 1] + 64)));
+            rest &= ~in;
+          }
+          sub = 0;  // coded here: nothing to redo
+        }
+        const __m512i hi = _mm512_permutex2var_epi8(l0, ih, l1);  // sign | E >> 1
+        const __m512i b8 = neg ? _mm512_ternarylogic_epi32(code, hi, smask, 0xF2)    // code | (~hi & 0x80)
+                               : _mm512_ternarylogic_epi32(code, hi, smask, 0xF8);   // code | (hi & 0x80)
+        _mm512_storeu_si512(dst + j0 + 64 * b, _mm512_permutexvar_epi8(iout, b8));
+        umax = _mm512_max_epu8(umax, u);
+        flags[b] = sub;
+        any |= sub;
       }
+      if (__builtin_expect(_mm512_cmpge_epu8_mask(umax, _mm512_set1_epi8(char(TH))) != 0, 0)) {
+        for (int b = 0; b < nb; ++b) {
+          flags[b] |= _mm512_cmpge_epu8_mask(u_of(src + j0 + 64 * b), _mm512_set1_epi8(char(TH)));
+          any |= flags[b];
+        }
+      }
+      if (__builtin_expect(any == 0, 1)) continue;
+      for (int b = 0; b < nb; ++b)  // order O: each qword's low four bytes are the first half's
+        for (int h = 0; h < 2; ++h)
+          if (flags[b] & (0x0F0F0F0F0F0F0F0Full << (4 * h))) fp8_table_redo<F>(t, s, src + j0 + 64 * b + 32 * h, dst + j0 + 64 * b + 32 * h);
     }
-    if (__builtin_expect(any == 0, 1)) continue;
-    for (int b = 0; b < nb; ++b)  // order O: each qword's low four bytes are the first half's
-      for (int h = 0; h < 2; ++h)
-        if (flags[b] & (0x0F0F0F0F0F0F0F0Full << (4 * h))) fp8_table_redo<F>(t, s, src + j0 + 64 * b + 32 * h, dst + j0 + 64 * b + 32 * h);
-  }
+  };
+  return s < 0 ? run(std::true_type{}) : run(std::false_type{});
 }
 
 // ---- The lanes of one level, chosen once for a loop of runs ------------------------------------
