@@ -114,21 +114,26 @@ KVW_AVX512 int int8_bf16_run_512(const uint16_t* __restrict__ src, int n, float 
 // same two half-integers, and round to the same integer. A q that is a half-integer: 127 m 2^(g+1)
 // = (2k+1) M, 127 prime, |h| < 127.5, so 2k + 1 = +-127 (x = +-amax / 2, h = +-63.5) or 127 | M
 // (M = 254: s is a power of two, 1 / s exact, x * rf = x / s). So the one value to settle is
-// amax / 2: int8_fast_recip takes rf = RN(1 / s) where its code is RNE(RN((amax / 2) / s)), else
-// the next fp32 towards it (one ulp settles every bf16 amax the rule covers; both are checked, and
-// neither: rf = 0, the exact lanes); -amax / 2 follows by symmetry. bench/simd_check.cpp checks
-// every bf16 amax with every |x| <= amax. The code is the low byte of x * rf + 1.5 * 2^23.
+// amax / 2: int8_fast_recip takes rf = RN(127 / amax) (within 2^-23 of 1 / s) where its code is
+// RNE(RN((amax / 2) / s)), else the next fp32 towards it (one ulp settles every bf16 amax the rule
+// covers; both are checked, and neither: rf = 0, the exact lanes); -amax / 2 follows by symmetry.
+// bench/simd_check.cpp checks every bf16 amax with every |x| <= amax. The code is the low byte of
+// x * rf + 1.5 * 2^23.
 constexpr float INT8_MAGIC = 12582912.0f;  // 1.5 * 2^23: an fp32 in [2^23, 2^24) holds an integer
 
-// int8_fast_recip of 4 rows (amax: policy amax values, s their dynamic scales, r = RN(1 / s)):
-// RN((amax / 2) / s) by div_cr8's correction (amax / 2 is a bf16 value), no division; the one-ulp
-// step without a branch; rows with s at the floor get 0.
-KVW_AVX512 __m128 int8_fast_recip4(__m128 amax, __m128 s, __m128 r, float floor) {
-  const __m128 half = _mm_mul_ps(amax, _mm_set1_ps(0.5f)), c = _mm_set1_ps(INT8_MAGIC), q = _mm_mul_ps(half, r);
-  const __m128 want = _mm_round_ps(_mm_fmadd_ps(_mm_fnmadd_ps(q, s, half), r, q), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+// int8_fast_recip of 4 rows (amax: policy amax values, s their dynamic scales; rows with s at the
+// floor get 0). No step waits on a division by s: RN(127 / amax) is divided beside s, and
+// RNE(RN((amax / 2) / s)) is 64 iff (amax / 2) / s >= 63.5 - 2^-19 (RN's midpoint below 63.5 rounds
+// to 63.5, an even mantissa), i.e. iff 127 s - amax <= 2^-18 s, with 127 s - amax exact by one FMA
+// (a multiple of s's ulp, at most 64 of them); else 63.
+KVW_AVX512 __m128 int8_fast_recip4(__m128 amax, __m128 s, float floor) {
+  const __m128 half = _mm_mul_ps(amax, _mm_set1_ps(0.5f)), c = _mm_set1_ps(INT8_MAGIC);
+  const __m128 r = _mm_div_ps(_mm_set1_ps(127.0f), amax);
+  const __mmask8 up = _mm_cmp_ps_mask(_mm_fmsub_ps(_mm_set1_ps(127.0f), s, amax), _mm_mul_ps(s, _mm_set1_ps(0x1p-18f)), _CMP_LE_OQ);
+  const __m128 want = _mm_mask_blend_ps(up, _mm_set1_ps(63.0f), _mm_set1_ps(64.0f));
   const auto code = [&](__m128 rf) KVW_AVX512_FN { return _mm_sub_ps(_mm_fmadd_ps(half, rf, c), c); };
   const __m128 got = code(r);
-  const __m128i step = _mm_mask_blend_epi32(_mm_cmp_ps_mask(want, got, _CMP_GT_OQ), _mm_set1_epi32(-1), _mm_set1_epi32(1));
+  const __m128i step = _mm_mask_blend_epi32(up, _mm_set1_epi32(-1), _mm_set1_epi32(1));
   const __m128 r1 = _mm_castsi128_ps(_mm_add_epi32(_mm_castps_si128(r), step));  // r > 0: the next fp32 towards want
   const __mmask8 ok = _mm_cmp_ps_mask(s, _mm_set1_ps(floor), _CMP_GT_OQ);
   const __mmask8 at_r = _mm_mask_cmp_ps_mask(ok, got, want, _CMP_EQ_OQ);
@@ -136,19 +141,19 @@ KVW_AVX512 __m128 int8_fast_recip4(__m128 amax, __m128 s, __m128 r, float floor)
   return _mm_mask_mov_ps(_mm_maskz_mov_ps(at_r1, r1), at_r, r);
 }
 
-// rf for int8_bf16_run_rf of a row with amax `amax` (policy amax: finite, >= 0), its dynamic scale
-// s and r = RN(1 / s); 0 where the rule above does not apply: the caller takes int8_bf16_run.
-KVW_AVX512 float int8_fast_recip(float amax, float s, float r, float floor) {
-  return _mm_cvtss_f32(int8_fast_recip4(_mm_set_ss(amax), _mm_set1_ps(s), _mm_set_ss(r), floor));
+// rf for int8_bf16_run_rf of a row with amax `amax` (policy amax: finite, >= 0) and its dynamic
+// scale s; 0 where the rule above does not apply: the caller takes int8_bf16_run.
+KVW_AVX512 float int8_fast_recip(float amax, float s, float floor) {
+  return _mm_cvtss_f32(int8_fast_recip4(_mm_set1_ps(amax), _mm_set1_ps(s), floor));
 }
 
-// int8_fast_recip for 8 rows from their bf16_absmax_raw bits and dynamic_scales8's s, r (no NaN /
+// int8_fast_recip for 8 rows from their bf16_absmax_raw bits and dynamic_scales8's s (no NaN /
 // inf: dynamic_scales8 passed).
-KVW_AVX512 void int8_fast_recips8(const uint32_t* raw, const float* s, const float* r, float floor, float* rf) {
+KVW_AVX512 void int8_fast_recips8(const uint32_t* raw, const float* s, float floor, float* rf) {
   for (int k = 0; k < 8; k += 4) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(raw + k));
     const __m128 amax = _mm_castsi128_ps(_mm_and_si128(_mm_slli_epi32(b, 16), _mm_cmpgt_epi32(b, _mm_set1_epi32(0x7F))));
-    _mm_storeu_ps(rf + k, int8_fast_recip4(amax, _mm_loadu_ps(s + k), _mm_loadu_ps(r + k), floor));
+    _mm_storeu_ps(rf + k, int8_fast_recip4(amax, _mm_loadu_ps(s + k), floor));
   }
 }
 
@@ -303,12 +308,12 @@ struct Lanes {
   }
   // int8 under int8_fast_recip's rule: rf (0: the exact lanes) and the codes; AVX-512 only (the
   // AVX2 level returns 0 and keeps int8_bf16_run)
-  static float int8_fast_recip(float amax, float s, float r, float floor) {
-    if constexpr (L == 2) return kvwrite::int8_fast_recip(amax, s, r, floor);
+  static float int8_fast_recip(float amax, float s, float floor) {
+    if constexpr (L == 2) return kvwrite::int8_fast_recip(amax, s, floor);
     return 0.0f;
   }
-  static void int8_fast_recips8(const uint32_t* raw, const float* s, const float* r, float floor, float* rf) {
-    if constexpr (L == 2) return kvwrite::int8_fast_recips8(raw, s, r, floor, rf);
+  static void int8_fast_recips8(const uint32_t* raw, const float* s, float floor, float* rf) {
+    if constexpr (L == 2) return kvwrite::int8_fast_recips8(raw, s, floor, rf);
     for (int k = 0; k < 8; ++k) rf[k] = 0.0f;
   }
   static void int8_bf16_run_rf(const uint16_t* __restrict__ src, int n, char* __restrict__ dst, float rf) {

@@ -87,7 +87,7 @@ inline bool lane_scales(L l, const KVQuantSide& s, int H, const uint16_t* src, L
     o.sc[0] = dynamic_scale<F>(amax);
     o.rc[0] = 1.0f / o.sc[0];
     if (!cr_div_ok(o.sc[0])) return false;
-    if constexpr (INT8) o.rf[0] = (whole ? H * s.D : s.D) % 64 == 0 ? l.int8_fast_recip(amax, o.sc[0], o.rc[0], DYN_SCALE_FLOOR) : 0.0f;
+    if constexpr (INT8) o.rf[0] = (whole ? H * s.D : s.D) % 64 == 0 ? l.int8_fast_recip(amax, o.sc[0], DYN_SCALE_FLOOR) : 0.0f;
     return true;
   } else {
     int h = 0;
@@ -97,7 +97,7 @@ inline bool lane_scales(L l, const KVQuantSide& s, int H, const uint16_t* src, L
       if (!dynamic_scales8(raw, quant_max<F>(), DYN_SCALE_FLOOR, o.sc + h, o.rc + h)) return false;
       if constexpr (INT8) {
         if (s.D % 64 == 0) {
-          l.int8_fast_recips8(raw, o.sc + h, o.rc + h, DYN_SCALE_FLOOR, o.rf + h);
+          l.int8_fast_recips8(raw, o.sc + h, DYN_SCALE_FLOOR, o.rf + h);
         } else {
           for (int k = 0; k < 8; ++k) o.rf[h + k] = 0.0f;
         }
@@ -109,7 +109,7 @@ inline bool lane_scales(L l, const KVQuantSide& s, int H, const uint16_t* src, L
       o.sc[h] = dynamic_scale<F>(amax);
       o.rc[h] = 1.0f / o.sc[h];
       if (!cr_div_ok(o.sc[h])) return false;
-      if constexpr (INT8) o.rf[h] = s.D % 64 == 0 ? l.int8_fast_recip(amax, o.sc[h], o.rc[h], DYN_SCALE_FLOOR) : 0.0f;
+      if constexpr (INT8) o.rf[h] = s.D % 64 == 0 ? l.int8_fast_recip(amax, o.sc[h], DYN_SCALE_FLOOR) : 0.0f;
     }
     return true;
   }
