@@ -1,4 +1,4 @@
-// Host x86 AVX-512 lanes (F, BW, VL, DQ, VBMI) for the quantised stores' hottest bf16 loops: the
+// Host x86 AVX-512 lanes (F, BW, VL, DQ, VBMI, GFNI) for the quantised stores' hottest bf16 loops: the
 // AVX2 lanes' arithmetic (simd_x86.h) 64 elements a step, selected at run time (simd_level() == 2)
 // by the dispatchers at the end of this file, which keep the AVX2 names the stores call. Same
 // correctly rounded fp32 operations lane for lane, so the same bytes (bench/simd_check.cpp runs
@@ -9,7 +9,7 @@
 #include "simd_x86.h"
 
 #if KVW_SIMD_X86
-#define KVW_AVX512_FN __attribute__((target("avx2,f16c,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")))
+#define KVW_AVX512_FN __attribute__((target("avx2,f16c,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,gfni")))
 #define KVW_AVX512 KVW_AVX512_FN inline
 
 namespace kvwrite {
@@ -215,8 +215,9 @@ KVW_AVX512 void bf16_absmax_raw8_512(const uint16_t* p, i64 stride, int n, uint3
 // (qword q: elements 4q..4q+3, then 32 + 4q..32 + 4q + 3; one vpermb puts the codes in order):
 // E by two vpmultishiftqb (each word's bits 7..14), m and the sign byte by vpermt2b of the raw
 // words, the code of a binade-W mantissa by one 128-entry lookup (Fp8Table::code; vpermt2b reads
-// 7 index bits, so m's byte needs no mask), E8 = STEP * min(E -sat Z, TH - 1) (TH: the first E - Z
-// whose STEP multiple saturates a byte; a lane at or past TH is in a redone block, below). A block
+// 7 index bits, so m's byte needs no mask), E8 = STEP * (E -sat Z) mod 256 (one GF2P8AFFINEQB
+// shifts each byte; TH: the first E - Z whose STEP multiple leaves a byte: a lane at or past TH
+// is in a redone block, below, so its wrapped E8 never reaches a stored byte). A block
 // with a binade in fp8's subnormal range (1 <= E - Z <= KF / STEP) is coded by the binades' own
 // tables (Fp8Table::sub, one masked lookup for each binade present) in the loop; a block with
 // E - Z >= TH (NaN, inf, a quotient past the table) is redone by fp8_table_redo, as is a flagged
@@ -237,7 +238,8 @@ KVW_AVX512 void fp8_bf16_table_run_512(const Fp8Table& t, float s, const uint16_
   const __m512i tab0 = _mm512_loadu_si512(t.code), tab1 = _mm512_loadu_si512(t.code + 64);
   const __m512i im = _mm512_load_si512(order.m), ih = _mm512_add_epi8(im, _mm512_set1_epi8(1));
   const __m512i iout = _mm512_load_si512(order.out), ectl = _mm512_set1_epi64(0x3727170737271707ll);
-  const __m512i z = _mm512_set1_epi8(char(t.zstep >> F::mant)), clamp = _mm512_set1_epi8(char(TH - 1));
+  const __m512i z = _mm512_set1_epi8(char(t.zstep >> F::mant));
+  const __m512i shl = _mm512_set1_epi64(F::mant == 3 ? 0x0000000102040810ll : 0x0000010204081020ll);
   const __m512i k = _mm512_set1_epi8(char(t.k)), cmax = _mm512_set1_epi8(char(CMAX)), one = _mm512_set1_epi8(1);
   const __m512i kfu = _mm512_set1_epi8(char(t.kf >> F::mant)), smask = _mm512_set1_epi8(char(0x80));
   const auto u_of = [&](const uint16_t* x) KVW_AVX512_FN {  // E -sat Z, order O
@@ -253,7 +255,7 @@ KVW_AVX512 void fp8_bf16_table_run_512(const Fp8Table& t, float s, const uint16_
         const uint16_t* x = src + j0 + 64 * b;
         const __m512i l0 = _mm512_loadu_si512(x), l1 = _mm512_loadu_si512(x + 32), u = u_of(x);
         const __m512i mi = _mm512_permutex2var_epi8(l0, im, l1);
-        const __m512i e8 = _mm512_slli_epi16(_mm512_min_epu8(u, clamp), F::mant);  // bytes <= 252: no spill
+        const __m512i e8 = _mm512_gf2p8affine_epi64_epi8(u, shl, 0);  // u << MANT in each byte
         __m512i code = _mm512_min_epu8(_mm512_subs_epu8(_mm512_adds_epu8(e8, _mm512_permutex2var_epi8(tab0, mi, tab1)), k), cmax);
         uint64_t sub = _mm512_cmplt_epu8_mask(_mm512_sub_epi8(u, one), kfu);  // subnormal-range lanes
         if (__builtin_expect(sub != 0 && t.nsub != 0, 0)) {
