@@ -2,8 +2,10 @@
 // AVX2 lanes' arithmetic (simd_x86.h) 64 elements a step, selected at run time (simd_level() == 2)
 // by the dispatchers at the end of this file, which keep the AVX2 names the stores call. Same
 // correctly rounded fp32 operations lane for lane, so the same bytes (bench/simd_check.cpp runs
-// both levels). Zen 4 runs a 512-bit op as two 256-bit halves: the gain is fewer instructions
-// (byte tables by vpermi2b, compares into masks), not wider ALUs.
+// both levels); the one exception, int8 codes of a dynamic scale by one FMA a value
+// (int8_bf16_run_rf_512), gives the same bytes by the rule proved before it. Zen 4 runs a 512-bit
+// op as two 256-bit halves: the gain is fewer instructions (byte tables by vpermi2b, compares into
+// masks), not wider ALUs.
 #pragma once
 
 #include "simd_x86.h"
