@@ -4,7 +4,8 @@
 // fp8_bits / e2m1_code; the streaming bf16 lanes: div_cr8 (x * RN(1/s) with one FMA correction)
 // against the division for every (8-bit x mantissa, 24-bit s mantissa) pair and for 11-bit (fp16)
 // x mantissas too, and fp8_bf16_run / int8_bf16_run over every bf16 pattern for a spread of
-// scales, the static-scale code tables, the NVFP4 / MXFP4 bf16 lanes (e2m1 by 16-bit compares)
+// scales, int8_bf16_run_rf for every bf16 amax and every |x| <= amax, the static-scale code
+// tables, the NVFP4 / MXFP4 bf16 lanes (e2m1 by 16-bit compares)
 // (`simd_check bf16`: these alone,
 // about a minute). Not part of `make test` (about a minute
 // per format on one core). It checks the lanes simd_level() picks (AVX-512 where the CPU has it):
@@ -110,6 +111,52 @@ long check_bf16_run(const char* what, const std::vector<float>& scales) {
   }
   std::printf("%s: %ld differ over %zu scales x 2^16\n", what, bad, scales.size());
   return bad;
+}
+
+// int8_bf16_run_rf (the int8 codes of a dynamic scale's row by one FMA a value) against the
+// scalar int8 code: every positive finite bf16 amax (every one the lanes take), its rf from
+// int8_fast_recip and from int8_fast_recips8 (eight amax values at a time), every bf16 x with
+// |x| <= amax (both signs; x = +-amax / 2 is the one tie the rule has to settle).
+long check_int8_rf() {
+  return with_lanes([&](auto l) {
+    std::vector<uint16_t> x(2 * 0x7F80 + 64);
+    std::vector<char> out(x.size());
+    long bad = 0, rows = 0, values = 0, exact = 0;
+    for (uint32_t a0 = 0; a0 < 0x7F80; a0 += 8) {
+      uint32_t raw[8];
+      float sc[8], rc[8], rf8[8];
+      for (int k = 0; k < 8; ++k) raw[k] = a0 + k;
+      if (!dynamic_scales8(raw, 127.0f, DYN_SCALE_FLOOR, sc, rc)) continue;
+      l.int8_fast_recips8(raw, sc, DYN_SCALE_FLOOR, rf8);
+      for (int k = 0; k < 8; ++k) {
+        const float amax = bf16_policy_amax(raw[k]), s = dynamic_scale<Int8Fmt>(amax);
+        const float rf = l.int8_fast_recip(amax, s, DYN_SCALE_FLOOR);
+        if (rf8[k] != rf && bad++ < 4) std::printf("int8 rf: amax %a gives %a, eight at a time %a\n", amax, rf, rf8[k]);
+        if (rf == 0.0f) {
+          exact += cr_div_ok(s);
+          continue;
+        }
+        int n = 0;
+        for (uint32_t m = 0; m <= raw[k]; ++m) {
+          x[n++] = uint16_t(m);
+          x[n++] = uint16_t(m | 0x8000);
+        }
+        while (n % 64 != 0) x[n++] = 0;
+        l.int8_bf16_run_rf(x.data(), n, out.data(), rf);
+        const Quantizer<Int8Fmt> q(s, RULE_RNE);
+        for (int i = 0; i < n; ++i) {
+          const uint8_t want = q(bf16_to_float(x[i]));
+          if (uint8_t(out[i]) != want && bad++ < 4)
+            std::printf("int8 rf: amax %a x %04x gives %02x, scalar %02x\n", amax, x[i], uint8_t(out[i]), want);
+        }
+        ++rows;
+        values += n;
+      }
+    }
+    std::printf("int8 rf lanes: %ld differ over %ld amax values, %ld codes (%ld amax values left to the exact lanes)\n",
+                bad, rows, values, exact);
+    return bad;
+  });
 }
 
 // 2^16 bf16 values in blocks of `block`: block k's amax is amax_mul * d (d = scale(c), c cycling
@@ -327,6 +374,7 @@ int main(int argc, char** argv) {
   std::mt19937 g(0);
   for (int k = 0; k < 2000; ++k) scales.push_back(bits_to_float((g() & 0x807FFFFFu) | (uint32_t(87 + g() % 80) << 23)));
   bad += check_bf16_run<E4M3>("e4m3 bf16 lanes", scales) + check_bf16_run<E5M2>("e5m2 bf16 lanes", scales);
+  bad += check_int8_rf();
   bad += check_nvfp4_bf16() + check_nvfp4_fp16_fp32();
   {  // the static-scale code tables (fp8_bf16_table_run, blocks it declines by the arithmetic lanes)
     std::vector<uint16_t> x(65536);

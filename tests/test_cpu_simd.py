@@ -205,6 +205,40 @@ def test_store_kv_dynamic_bf16_lanes(cache, per_head, strided):
                "ks": (sshape, torch.float32), "vs": (sshape, torch.float32)})
 
 
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("dim", [64, 96])   # 96: runs that are not whole 64s (the exact lanes)
+def test_store_kv_int8_half_amax(per_head, dim):
+    """int8 dynamic scales with random bf16 amax mantissas (s = RN(amax / 127) inexact): x =
+    +-amax / 2 (x / s within an ulp or two of 63.5) is the one tie the one-FMA lanes settle per
+    scale (int8_fast_recip); with its bf16 neighbours, the amax itself, random values, scales at
+    the floor (amax < 127e-6) and exact ones (amax = 254 * 2^e: s a power of two)."""
+    heads, n = 12, 256   # 12 heads: eight scales at once, four one by one
+    g = torch.Generator().manual_seed(11)
+    rows = heads if per_head else 1
+    mant = torch.randint(128, 256, (n, rows, 1), generator=g).float() / 128
+    amax = (mant * 2.0 ** torch.randint(-16, 16, (n, rows, 1), generator=g).float()).to(torch.bfloat16).float()
+    amax[::17] = 254.0 * 2.0 ** torch.randint(-10, 10, (1,), generator=g).item()
+    x = (torch.rand(n, heads, dim, generator=g) * 2 - 1) * amax
+    half = (amax / 2).to(torch.bfloat16)
+    step = torch.tensor(1, dtype=torch.int16)
+    x[..., 1:2] = half.float()
+    x[..., 2:3] = -half.float()
+    x[..., 3:4] = (half.view(torch.int16) + step).view(torch.bfloat16).float()
+    x[..., 4:5] = -(half.view(torch.int16) - step).view(torch.bfloat16).float()
+    x[..., 0:1] = amax * torch.where(torch.rand(n, rows, 1, generator=g) < 0.5, -1.0, 1.0)
+    k = x.to(torch.bfloat16)
+    v = k.flip(0)
+    loc = torch.randperm(n + 8, generator=g)[:n]
+    pages = -(-(n + 8) // 16)
+    sshape = (pages, 16, heads) if per_head else (pages, 16)
+
+    def call(p, b):
+        kvwrite.store_kv(k, v, p["k"], p["v"], loc, k_scale_cache=p["ks"], v_scale_cache=p["vs"], backend=b)
+
+    run(call, {"k": ((pages, 16, heads, dim), torch.int8), "v": ((pages, 16, heads, dim), torch.int8),
+               "ks": (sshape, torch.float32), "vs": (sshape, torch.float32)})
+
+
 # The FP4 bf16 lanes (NVFP4 blocks of 16 with e4m3 scales, MXFP4 blocks of 32 with ue8m0 scales):
 # each block's amax fixes its scale d exactly (6 d for NVFP4: every e4m3 code; a power of two for
 # MXFP4), the other elements sit on the e2m1 rounding thresholds B d (the ties .25 .75 1.25 1.75

@@ -1,15 +1,17 @@
-// Host x86 AVX-512 lanes (F, BW, VL, DQ, VBMI) for the quantised stores' hottest bf16 loops: the
+// Host x86 AVX-512 lanes (F, BW, VL, DQ, VBMI, GFNI) for the quantised stores' hottest bf16 loops: the
 // AVX2 lanes' arithmetic (simd_x86.h) 64 elements a step, selected at run time (simd_level() == 2)
 // by the dispatchers at the end of this file, which keep the AVX2 names the stores call. Same
 // correctly rounded fp32 operations lane for lane, so the same bytes (bench/simd_check.cpp runs
-// both levels). Zen 4 runs a 512-bit op as two 256-bit halves: the gain is fewer instructions
-// (byte tables by vpermi2b, compares into masks), not wider ALUs.
+// both levels); the one exception, int8 codes of a dynamic scale by one FMA a value
+// (int8_bf16_run_rf_512), gives the same bytes by the rule proved before it. Zen 4 runs a 512-bit
+// op as two 256-bit halves: the gain is fewer instructions (byte tables by vpermi2b, compares into
+// masks), not wider ALUs.
 #pragma once
 
 #include "simd_x86.h"
 
 #if KVW_SIMD_X86
-#define KVW_AVX512_FN __attribute__((target("avx2,f16c,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")))
+#define KVW_AVX512_FN __attribute__((target("avx2,f16c,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,gfni")))
 #define KVW_AVX512 KVW_AVX512_FN inline
 
 namespace kvwrite {
@@ -103,6 +105,83 @@ KVW_AVX512 int int8_bf16_run_512(const uint16_t* __restrict__ src, int n, float 
   return j + int8_bf16_run_avx2(src + j, n - j, s, dst + j, r);
 }
 
+// ---- int8 codes of a dynamic scale's row by one FMA a value -------------------------------------
+// For s = RN(amax / 127) (amax a normal bf16, s above the floor) and |x| <= amax (bf16), the code
+// RNE(RN(x / s)) is RNE(x * rf) (the exact product rounded once to an integer) for an fp32 rf near
+// 1 / s: with A = amax / 127 (real), q = x / A = 127 m 2^g / M (x = m 2^(g + e), amax = M 2^e,
+// M in [128, 256), m < 256 integers, g <= 0) is a rational of denominator 2M, so a q that is not a
+// half-integer h is at least 2^(g-9) from every h (|127 m 2^(g+1) - (2k+1) M| >= 2^min(g+1, 0)),
+// while |q| < 2^(g+8) and both RN(x / s) and x * rf are within |q| (2^-23 + |rf s - 1|) (1 + 2^-23)
+// of q: below 2^(g-11) for |rf s - 1| <= 2^-20. So RN(x / s) and x * rf lie strictly between the
+// same two half-integers, and round to the same integer. A q that is a half-integer: 127 m 2^(g+1)
+// = (2k+1) M, 127 prime, |h| < 127.5, so 2k + 1 = +-127 (x = +-amax / 2, h = +-63.5) or 127 | M
+// (M = 254: s is a power of two, 1 / s exact, x * rf = x / s). So the one value to settle is
+// amax / 2: int8_fast_recip takes rf = RN(127 / amax) (within 2^-23 of 1 / s) where its code is
+// RNE(RN((amax / 2) / s)), else the next fp32 towards it (one ulp settles every bf16 amax the rule
+// covers; both are checked, and neither: rf = 0, the exact lanes); -amax / 2 follows by symmetry.
+// bench/simd_check.cpp checks every bf16 amax with every |x| <= amax. The code is the low byte of
+// x * rf + 1.5 * 2^23.
+constexpr float INT8_MAGIC = 12582912.0f;  // 1.5 * 2^23: an fp32 in [2^23, 2^24) holds an integer
+
+// int8_fast_recip of 4 rows (amax: policy amax values, s their dynamic scales; rows with s at the
+// floor get 0). No step waits on a division by s: RN(127 / amax) is divided beside s, and
+// RNE(RN((amax / 2) / s)) is 64 iff (amax / 2) / s >= 63.5 - 2^-19 (RN's midpoint below 63.5 rounds
+// to 63.5, an even mantissa), i.e. iff 127 s - amax <= 2^-18 s, with 127 s - amax exact by one FMA
+// (a multiple of s's ulp, at most 64 of them); else 63.
+KVW_AVX512 __m128 int8_fast_recip4(__m128 amax, __m128 s, float floor) {
+  const __m128 half = _mm_mul_ps(amax, _mm_set1_ps(0.5f)), c = _mm_set1_ps(INT8_MAGIC);
+  const __m128 r = _mm_div_ps(_mm_set1_ps(127.0f), amax);
+  const __mmask8 up = _mm_cmp_ps_mask(_mm_fmsub_ps(_mm_set1_ps(127.0f), s, amax), _mm_mul_ps(s, _mm_set1_ps(0x1p-18f)), _CMP_LE_OQ);
+  const __m128 want = _mm_mask_blend_ps(up, _mm_set1_ps(63.0f), _mm_set1_ps(64.0f));
+  const auto code = [&](__m128 rf) KVW_AVX512_FN { return _mm_sub_ps(_mm_fmadd_ps(half, rf, c), c); };
+  const __m128 got = code(r);
+  const __m128i step = _mm_mask_blend_epi32(up, _mm_set1_epi32(-1), _mm_set1_epi32(1));
+  const __m128 r1 = _mm_castsi128_ps(_mm_add_epi32(_mm_castps_si128(r), step));  // r > 0: the next fp32 towards want
+  const __mmask8 ok = _mm_cmp_ps_mask(s, _mm_set1_ps(floor), _CMP_GT_OQ);
+  const __mmask8 at_r = _mm_mask_cmp_ps_mask(ok, got, want, _CMP_EQ_OQ);
+  const __mmask8 at_r1 = _mm_mask_cmp_ps_mask(ok & ~at_r, code(r1), want, _CMP_EQ_OQ);
+  return _mm_mask_mov_ps(_mm_maskz_mov_ps(at_r1, r1), at_r, r);
+}
+
+// rf for int8_bf16_run_rf of a row with amax `amax` (policy amax: finite, >= 0) and its dynamic
+// scale s; 0 where the rule above does not apply: the caller takes int8_bf16_run.
+KVW_AVX512 float int8_fast_recip(float amax, float s, float floor) {
+  return _mm_cvtss_f32(int8_fast_recip4(_mm_set1_ps(amax), _mm_set1_ps(s), floor));
+}
+
+// int8_fast_recip for 8 rows from their bf16_absmax_raw bits and dynamic_scales8's s (no NaN /
+// inf: dynamic_scales8 passed).
+KVW_AVX512 void int8_fast_recips8(const uint32_t* raw, const float* s, float floor, float* rf) {
+  for (int k = 0; k < 8; k += 4) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(raw + k));
+    const __m128 amax = _mm_castsi128_ps(_mm_and_si128(_mm_slli_epi32(b, 16), _mm_cmpgt_epi32(b, _mm_set1_epi32(0x7F))));
+    _mm_storeu_ps(rf + k, int8_fast_recip4(amax, _mm_loadu_ps(s + k), floor));
+  }
+}
+
+// int8 codes RNE(x / s) of a row under int8_fast_recip's rule (rf from it, n % 64 == 0): one FMA
+// per value, the code the low byte of x * rf + 1.5 * 2^23, gathered by two vpermt2b.
+KVW_AVX512 void int8_bf16_run_rf_512(const uint16_t* __restrict__ src, int n, char* __restrict__ dst, float rf) {
+  // byte e: the low byte of element e's dword in the pair (t[0], t[1]) for e < 32, (t[2], t[3])
+  // for e >= 32 (unpack order: lane L of t[0] holds elements 8L..8L+3, of t[1] 8L+4..8L+7)
+  alignas(64) static constexpr struct Low {
+    uint8_t i[64];
+    constexpr Low() : i() {
+      for (int e = 0; e < 64; ++e) i[e] = uint8_t(e % 8 < 4 ? 4 * (e % 32 / 8 * 4 + e % 8) : 64 + 4 * (e % 32 / 8 * 4 + e % 8 - 4));
+    }
+  } low;
+  const __m512i idx = _mm512_load_si512(low.i);
+  const __m512 vr = _mm512_set1_ps(rf), c = _mm512_set1_ps(INT8_MAGIC);
+  for (int j = 0; j < n; j += 64) {
+    __m512 x[4];
+    widen_bf16x64(_mm512_loadu_si512(src + j), _mm512_loadu_si512(src + j + 32), x);
+    __m512i t[4];
+    for (int k = 0; k < 4; ++k) t[k] = _mm512_castps_si512(_mm512_fmadd_ps(x[k], vr, c));
+    const __m512i a = _mm512_permutex2var_epi8(t[0], idx, t[1]), b = _mm512_permutex2var_epi8(t[2], idx, t[3]);
+    _mm512_storeu_si512(dst + j, _mm512_mask_blend_epi8(0xFFFFFFFF00000000ull, a, b));  // elements 0-31 | 32-63
+  }
+}
+
 // bf16_absmax_raw_avx2: the max of the |x| bits over n elements (n % 16 == 0), 64 a step.
 KVW_AVX512 uint32_t bf16_absmax_raw_512(const uint16_t* p, int n) {
   const __m512i m = _mm512_set1_epi16(0x7FFF);
@@ -138,8 +217,9 @@ KVW_AVX512 void bf16_absmax_raw8_512(const uint16_t* p, i64 stride, int n, uint3
 // (qword q: elements 4q..4q+3, then 32 + 4q..32 + 4q + 3; one vpermb puts the codes in order):
 // E by two vpmultishiftqb (each word's bits 7..14), m and the sign byte by vpermt2b of the raw
 // words, the code of a binade-W mantissa by one 128-entry lookup (Fp8Table::code; vpermt2b reads
-// 7 index bits, so m's byte needs no mask), E8 = STEP * min(E -sat Z, TH - 1) (TH: the first E - Z
-// whose STEP multiple saturates a byte; a lane at or past TH is in a redone block, below). A block
+// 7 index bits, so m's byte needs no mask), E8 = STEP * (E -sat Z) mod 256 (one GF2P8AFFINEQB
+// shifts each byte; TH: the first E - Z whose STEP multiple leaves a byte: a lane at or past TH
+// is in a redone block, below, so its wrapped E8 never reaches a stored byte). A block
 // with a binade in fp8's subnormal range (1 <= E - Z <= KF / STEP) is coded by the binades' own
 // tables (Fp8Table::sub, one masked lookup for each binade present) in the loop; a block with
 // E - Z >= TH (NaN, inf, a quotient past the table) is redone by fp8_table_redo, as is a flagged
@@ -150,9 +230,9 @@ KVW_AVX512 void fp8_bf16_table_run_512(const Fp8Table& t, float s, const uint16_
   if (n % 64 != 0) return fp8_bf16_table_run_avx2<F>(t, s, src, n, dst);
   constexpr uint8_t CMAX = F::mant == 3 ? 0x7E : 0x7B;
   constexpr int TH = (255 + (1 << F::mant) - 1) >> F::mant;
-  alignas(64) static const struct Order {
+  alignas(64) static constexpr struct Order {  // constexpr: no guard to test on every call
     uint8_t m[64], out[64];  // m: the words' low bytes in order O (byte + 1: their high bytes); out: O -> elements
-    Order() {
+    constexpr Order() : m(), out() {
       for (int j = 0; j < 64; ++j) m[j] = uint8_t(j % 8 < 4 ? 2 * (j / 8 * 4 + j % 8) : 64 + 2 * (j / 8 * 4 + j % 8 - 4));
       for (int e = 0; e < 64; ++e) out[e] = uint8_t(8 * (e % 32 / 4) + 4 * (e / 32) + e % 4);
     }
@@ -160,56 +240,59 @@ KVW_AVX512 void fp8_bf16_table_run_512(const Fp8Table& t, float s, const uint16_
   const __m512i tab0 = _mm512_loadu_si512(t.code), tab1 = _mm512_loadu_si512(t.code + 64);
   const __m512i im = _mm512_load_si512(order.m), ih = _mm512_add_epi8(im, _mm512_set1_epi8(1));
   const __m512i iout = _mm512_load_si512(order.out), ectl = _mm512_set1_epi64(0x3727170737271707ll);
-  const __m512i z = _mm512_set1_epi8(char(t.zstep >> F::mant)), clamp = _mm512_set1_epi8(char(TH - 1));
+  const __m512i z = _mm512_set1_epi8(char(t.zstep >> F::mant));
+  const __m512i shl = _mm512_set1_epi64(F::mant == 3 ? 0x0000000102040810ll : 0x0000010204081020ll);
   const __m512i k = _mm512_set1_epi8(char(t.k)), cmax = _mm512_set1_epi8(char(CMAX)), one = _mm512_set1_epi8(1);
   const __m512i kfu = _mm512_set1_epi8(char(t.kf >> F::mant)), smask = _mm512_set1_epi8(char(0x80));
-  const bool neg = s < 0;
   const auto u_of = [&](const uint16_t* x) KVW_AVX512_FN {  // E -sat Z, order O
     const __m512i e = _mm512_multishift_epi64_epi8(ectl, _mm512_loadu_si512(x));
     return _mm512_subs_epu8(_mm512_mask_multishift_epi64_epi8(e, 0xF0F0F0F0F0F0F0F0ull, ectl, _mm512_loadu_si512(x + 32)), z);
   };
-  for (int j0 = 0; j0 < n; j0 += 4096) {
-    const int nb = (n - j0 < 4096 ? n - j0 : 4096) / 64;
-    uint64_t flags[64], any = 0;
-    __m512i umax = _mm512_setzero_si512();
-    for (int b = 0; b < nb; ++b) {
-      const uint16_t* x = src + j0 + 64 * b;
-      const __m512i l0 = _mm512_loadu_si512(x), l1 = _mm512_loadu_si512(x + 32), u = u_of(x);
-      const __m512i mi = _mm512_permutex2var_epi8(l0, im, l1);
-      const __m512i e8 = _mm512_slli_epi16(_mm512_min_epu8(u, clamp), F::mant);  // bytes <= 252: no spill
-      __m512i code = _mm512_min_epu8(_mm512_subs_epu8(_mm512_adds_epu8(e8, _mm512_permutex2var_epi8(tab0, mi, tab1)), k), cmax);
-      uint64_t sub = _mm512_cmplt_epu8_mask(_mm512_sub_epi8(u, one), kfu);  // subnormal-range lanes
-      if (__builtin_expect(sub != 0 && t.nsub != 0, 0)) {
-        alignas(64) uint8_t ub[64];
-        _mm512_store_si512(ub, u);
-        for (uint64_t rest = sub; rest != 0;) {  // the binades present (E - Z = i), one lookup each
-          const int i = ub[__builtin_ctzll(rest)];
-          const __mmask64 in = _mm512_mask_cmpeq_epu8_mask(rest, u, _mm512_set1_epi8(char(i)));
-          code = _mm512_mask_mov_epi8(code, in, _mm512_permutex2var_epi8(_mm512_load_si512(t.sub[i - 1]), mi,
-                                                                         _mm512_load_si512(t.sub[i - 1] + 64)));
-          rest &= ~in;
-        }
-        sub = 0;  // coded here: nothing to redo
-      }
-      const __m512i hi = _mm512_permutex2var_epi8(l0, ih, l1);  // sign | E >> 1
-      const __m512i b8 = neg ? _mm512_ternarylogic_epi32(code, hi, smask, 0xF2)    // code | (~hi & 0x80)
-                             : _mm512_ternarylogic_epi32(code, hi, smask, 0xF8);   // code | (hi & 0x80)
-      _mm512_storeu_si512(dst + j0 + 64 * b, _mm512_permutexvar_epi8(iout, b8));
-      umax = _mm512_max_epu8(umax, u);
-      flags[b] = sub;
-      any |= sub;
-    }
-    if (__builtin_expect(_mm512_cmpge_epu8_mask(umax, _mm512_set1_epi8(char(TH))) != 0, 0)) {
+  const auto run = [&](auto neg) KVW_AVX512_FN {  // the divisor's sign as a type: no test in the loop
+    for (int j0 = 0; j0 < n; j0 += 4096) {
+      const int nb = (n - j0 < 4096 ? n - j0 : 4096) / 64;
+      uint64_t flags[64], any = 0;
+      __m512i umax = _mm512_setzero_si512();
       for (int b = 0; b < nb; ++b) {
-        flags[b] |= _mm512_cmpge_epu8_mask(u_of(src + j0 + 64 * b), _mm512_set1_epi8(char(TH)));
-        any |= flags[b];
+        const uint16_t* x = src + j0 + 64 * b;
+        const __m512i l0 = _mm512_loadu_si512(x), l1 = _mm512_loadu_si512(x + 32), u = u_of(x);
+        const __m512i mi = _mm512_permutex2var_epi8(l0, im, l1);
+        const __m512i e8 = _mm512_gf2p8affine_epi64_epi8(u, shl, 0);  // u << MANT in each byte
+        __m512i code = _mm512_min_epu8(_mm512_subs_epu8(_mm512_adds_epu8(e8, _mm512_permutex2var_epi8(tab0, mi, tab1)), k), cmax);
+        uint64_t sub = _mm512_cmplt_epu8_mask(_mm512_sub_epi8(u, one), kfu);  // subnormal-range lanes
+        if (__builtin_expect(sub != 0 && t.nsub != 0, 0)) {
+          alignas(64) uint8_t ub[64];
+          _mm512_store_si512(ub, u);
+          for (uint64_t rest = sub; rest != 0;) {  // the binades present (E - Z = i), one lookup each
+            const int i = ub[__builtin_ctzll(rest)];
+            const __mmask64 in = _mm512_mask_cmpeq_epu8_mask(rest, u, _mm512_set1_epi8(char(i)));
+            code = _mm512_mask_mov_epi8(code, in, _mm512_permutex2var_epi8(_mm512_load_si512(t.sub[i - 1]), mi,
+                                                                           _mm512_load_si512(t.sub[i - 1] + 64)));
+            rest &= ~in;
+          }
+          sub = 0;  // coded here: nothing to redo
+        }
+        const __m512i hi = _mm512_permutex2var_epi8(l0, ih, l1);  // sign | E >> 1
+        const __m512i b8 = neg ? _mm512_ternarylogic_epi32(code, hi, smask, 0xF2)    // code | (~hi & 0x80)
+                               : _mm512_ternarylogic_epi32(code, hi, smask, 0xF8);   // code | (hi & 0x80)
+        _mm512_storeu_si512(dst + j0 + 64 * b, _mm512_permutexvar_epi8(iout, b8));
+        umax = _mm512_max_epu8(umax, u);
+        flags[b] = sub;
+        any |= sub;
       }
+      if (__builtin_expect(_mm512_cmpge_epu8_mask(umax, _mm512_set1_epi8(char(TH))) != 0, 0)) {
+        for (int b = 0; b < nb; ++b) {
+          flags[b] |= _mm512_cmpge_epu8_mask(u_of(src + j0 + 64 * b), _mm512_set1_epi8(char(TH)));
+          any |= flags[b];
+        }
+      }
+      if (__builtin_expect(any == 0, 1)) continue;
+      for (int b = 0; b < nb; ++b)  // order O: each qword's low four bytes are the first half's
+        for (int h = 0; h < 2; ++h)
+          if (flags[b] & (0x0F0F0F0F0F0F0F0Full << (4 * h))) fp8_table_redo<F>(t, s, src + j0 + 64 * b + 32 * h, dst + j0 + 64 * b + 32 * h);
     }
-    if (__builtin_expect(any == 0, 1)) continue;
-    for (int b = 0; b < nb; ++b)  // order O: each qword's low four bytes are the first half's
-      for (int h = 0; h < 2; ++h)
-        if (flags[b] & (0x0F0F0F0F0F0F0F0Full << (4 * h))) fp8_table_redo<F>(t, s, src + j0 + 64 * b + 32 * h, dst + j0 + 64 * b + 32 * h);
-  }
+  };
+  return s < 0 ? run(std::true_type{}) : run(std::false_type{});
 }
 
 // ---- The lanes of one level, chosen once for a loop of runs ------------------------------------
@@ -226,6 +309,19 @@ struct Lanes {
   static int int8_bf16_run(const uint16_t* __restrict__ src, int n, float s, char* __restrict__ dst, float r = 0.0f) {
     if constexpr (L == 2) return int8_bf16_run_512(src, n, s, dst, r);
     return int8_bf16_run_avx2(src, n, s, dst, r);
+  }
+  // int8 under int8_fast_recip's rule: rf (0: the exact lanes) and the codes; AVX-512 only (the
+  // AVX2 level returns 0 and keeps int8_bf16_run)
+  static float int8_fast_recip(float amax, float s, float floor) {
+    if constexpr (L == 2) return kvwrite::int8_fast_recip(amax, s, floor);
+    return 0.0f;
+  }
+  static void int8_fast_recips8(const uint32_t* raw, const float* s, float floor, float* rf) {
+    if constexpr (L == 2) return kvwrite::int8_fast_recips8(raw, s, floor, rf);
+    for (int k = 0; k < 8; ++k) rf[k] = 0.0f;
+  }
+  static void int8_bf16_run_rf(const uint16_t* __restrict__ src, int n, char* __restrict__ dst, float rf) {
+    if constexpr (L == 2) int8_bf16_run_rf_512(src, n, dst, rf);
   }
   static void bf16_absmax_raw8(const uint16_t* p, i64 stride, int n, uint32_t* raw) {  // n % 32 == 0
     if constexpr (L == 2) return bf16_absmax_raw8_512(p, stride, n, raw);

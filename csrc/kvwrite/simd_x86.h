@@ -20,7 +20,7 @@
 namespace kvwrite {
 
 #if KVW_SIMD_X86
-// The host lanes in use, read once: 2 AVX-512 (F, BW, VL, DQ, VBMI; simd_avx512.h), 1 AVX2 +
+// The host lanes in use, read once: 2 AVX-512 (F, BW, VL, DQ, VBMI, GFNI; simd_avx512.h), 1 AVX2 +
 // F16C + FMA (this file), 0 the portable loops: the best this CPU has, capped by
 // KVWRITE_CPU_SIMD = 0 / avx2 / avx512 (unset or any other value: the best). Like the scalar
 // code, the lanes assume the default MXCSR (round to nearest even), as torch runs.
@@ -28,7 +28,7 @@ __attribute__((noinline, cold)) inline int simd_level_detect() {
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
   const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                      __builtin_cpu_supports("avx512vbmi");
+                      __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("gfni");
   const char* e = std::getenv("KVWRITE_CPU_SIMD");
   const int cap = e == nullptr ? 2 : e[0] == '0' ? 0 : std::strcmp(e, "avx2") == 0 ? 1 : 2;
   const int best = avx512 ? 2 : avx2 ? 1 : 0;

@@ -58,6 +58,7 @@ KVW_HD void store_scale(const PagedCache& scales, i64 row, int h, float v) {
 constexpr int MAX_LANE_HEADS = 64;
 struct LaneScales {
   float sc[MAX_LANE_HEADS], rc[MAX_LANE_HEADS];  // per token: [0] only
+  float rf[MAX_LANE_HEADS];  // int8: int8_fast_recip's rf (0: int8_bf16_run), where the run is whole 64s
 };
 
 // The side's heads back to back in the source and in the row: one run of H * D.
@@ -73,6 +74,7 @@ inline bool lanes_apply(const KVQuantSide& s, int H) {
 // is in the token or a scale leaves cr_div_ok's range: the generic path then writes the side.
 template <class F, int QUANT, class L>
 inline bool lane_scales(L l, const KVQuantSide& s, int H, const uint16_t* src, LaneScales& o) {
+  constexpr bool INT8 = std::is_same<F, Int8Fmt>::value;
   if constexpr (QUANT == QUANT_TOKEN) {
     const bool whole = one_run(s);
     uint32_t raw = 0;
@@ -84,13 +86,22 @@ inline bool lane_scales(L l, const KVQuantSide& s, int H, const uint16_t* src, L
     if (amax < 0.0f) return false;
     o.sc[0] = dynamic_scale<F>(amax);
     o.rc[0] = 1.0f / o.sc[0];
-    return cr_div_ok(o.sc[0]);
+    if (!cr_div_ok(o.sc[0])) return false;
+    if constexpr (INT8) o.rf[0] = (whole ? H * s.D : s.D) % 64 == 0 ? l.int8_fast_recip(amax, o.sc[0], DYN_SCALE_FLOOR) : 0.0f;
+    return true;
   } else {
     int h = 0;
     for (; h + 8 <= H; h += 8) {  // eight heads' scales in one vector
       uint32_t raw[8];
       l.bf16_absmax_raw8(src + h * s.s_head, s.s_head, s.D, raw);
       if (!dynamic_scales8(raw, quant_max<F>(), DYN_SCALE_FLOOR, o.sc + h, o.rc + h)) return false;
+      if constexpr (INT8) {
+        if (s.D % 64 == 0) {
+          l.int8_fast_recips8(raw, o.sc + h, DYN_SCALE_FLOOR, o.rf + h);
+        } else {
+          for (int k = 0; k < 8; ++k) o.rf[h + k] = 0.0f;
+        }
+      }
     }
     for (; h < H; ++h) {
       const float amax = bf16_policy_amax(l.bf16_absmax_raw(src + h * s.s_head, s.D));
@@ -98,6 +109,7 @@ inline bool lane_scales(L l, const KVQuantSide& s, int H, const uint16_t* src, L
       o.sc[h] = dynamic_scale<F>(amax);
       o.rc[h] = 1.0f / o.sc[h];
       if (!cr_div_ok(o.sc[h])) return false;
+      if constexpr (INT8) o.rf[h] = s.D % 64 == 0 ? l.int8_fast_recip(amax, o.sc[h], DYN_SCALE_FLOOR) : 0.0f;
     }
     return true;
   }
@@ -107,8 +119,10 @@ inline bool lane_scales(L l, const KVQuantSide& s, int H, const uint16_t* src, L
 template <class F, int QUANT, class L>
 inline void lane_codes(L l, const KVQuantSide& s, int H, const uint16_t* src, const LaneScales& o, i64 row) {
   char* dst = s.cache.row_ptr(row);
-  const auto codes = [&](const uint16_t* x, int n, float sc, float rc, char* out) {
+  const auto codes = [&](const uint16_t* x, int n, int k, char* out) {
+    const float sc = o.sc[k], rc = o.rc[k];
     if constexpr (std::is_same<F, Int8Fmt>::value) {
+      if (o.rf[k] != 0.0f) return l.int8_bf16_run_rf(x, n, out, o.rf[k]);  // n % 64 == 0 (lane_scales)
       l.int8_bf16_run(x, n, sc, out, rc);
     } else {
       l.template fp8_bf16_run<F, true>(x, n, sc, out, rc);  // a dynamic scale's row
@@ -116,15 +130,15 @@ inline void lane_codes(L l, const KVQuantSide& s, int H, const uint16_t* src, co
   };
   if constexpr (QUANT == QUANT_TOKEN) {
     store_scale(s.scales, row, 0, o.sc[0]);
-    if (one_run(s)) return codes(src, H * s.D, o.sc[0], o.rc[0], dst);
-    for (int h = 0; h < H; ++h) codes(src + h * s.s_head, s.D, o.sc[0], o.rc[0], dst + s.cache.in_row(h, 0));
+    if (one_run(s)) return codes(src, H * s.D, 0, dst);
+    for (int h = 0; h < H; ++h) codes(src + h * s.s_head, s.D, 0, dst + s.cache.in_row(h, 0));
   } else {
     if (s.scales.stride_head == 1) {  // the scales are adjacent: one copy
       memcpy(s.scales.at(row, 0, 0), o.sc, sizeof(float) * H);
     } else {
       for (int h = 0; h < H; ++h) store_scale(s.scales, row, h, o.sc[h]);
     }
-    for (int h = 0; h < H; ++h) codes(src + h * s.s_head, s.D, o.sc[h], o.rc[h], dst + s.cache.in_row(h, 0));
+    for (int h = 0; h < H; ++h) codes(src + h * s.s_head, s.D, h, dst + s.cache.in_row(h, 0));
   }
 }
 
