@@ -202,14 +202,22 @@ __attribute__((always_inline)) KVW_FP4 bool nvfp4_scales16_512(const uint16_t* s
   // else by the division (a NaN or an inf: false)
   const __m512i c1024 = _mm512_add_epi32(_mm512_srli_epi32(raw, 4), _mm512_maskz_permutex2var_epi8(0x1111111111111111ull, k.sc0, raw, k.sc1));
   __m128i code = _mm512_cvtepi32_epi8(c1024);
-  if (!(floor <= 0.0078125f) || _mm512_cmpgt_epu32_mask(_mm512_sub_epi32(c1024, _mm512_set1_epi32(1032)), _mm512_set1_epi32(0x7E - 8)) != 0) {
+  // (only the group's blocks: the empty lanes of a short group, raw 0, would always fail the test)
+  const __mmask16 in = NB == 16 ? 0xFFFF : __mmask16((1u << (NB > 0 ? NB : nb)) - 1);
+  if (!(floor <= 0.0078125f) || _mm512_mask_cmpgt_epu32_mask(in, _mm512_sub_epi32(c1024, _mm512_set1_epi32(1032)), _mm512_set1_epi32(0x7E - 8)) != 0) {
     if (_mm512_cmpgt_epi32_mask(raw, _mm512_set1_epi32(0x7F7F)) != 0) return false;
     const __m512 amax = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(_mm512_cmpgt_epi32_mask(raw, _mm512_set1_epi32(0x7F)), raw, 16));
     const __m512 s = _mm512_max_ps(_mm512_div_ps(amax, _mm512_set1_ps(6.0f)), _mm512_set1_ps(floor));
     code = _mm512_cvtepi32_epi8(grid_codes16_k<3, -6>(_mm512_min_ps(s, _mm512_set1_ps(448.0f))));
   }
-  if (NB == 16) _mm_storeu_si128(reinterpret_cast<__m128i*>(scales), code);
-  else _mm_mask_storeu_epi8(scales, __mmask16((1u << (NB > 0 ? NB : nb)) - 1), code);
+  if (NB == 16) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(scales), code);
+  } else if (NB == 12) {  // plain 8 + 4 byte stores (no masked store)
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(scales), code);
+    _mm_storeu_si32(scales + 8, _mm_srli_si128(code, 8));
+  } else {
+    _mm_mask_storeu_epi8(scales, in, code);
+  }
   const __m512i c = _mm512_castsi128_si512(code);
   eb = _mm512_permutex2var_epi8(k.eb0, c, k.eb1);
   mx = _mm512_permutex2var_epi8(k.mx0, c, k.mx1);
