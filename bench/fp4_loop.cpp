@@ -8,8 +8,8 @@
 //   g++ $F -DFP4_SIDE=A -I /work/main/csrc -c bench/fp4_loop.cpp -o /tmp/fp4_a.o
 //   g++ $F -DFP4_SIDE=B -I csrc -c bench/fp4_loop.cpp -o /tmp/fp4_b.o
 //   g++ $F -I csrc bench/fp4_loop.cpp /tmp/fp4_a.o /tmp/fp4_b.o -o /tmp/fp4_loop && /tmp/fp4_loop [rounds]
-// -DFP4_RECORD on one side: the V4 / V4.1 record cases by nvfp4_record_512 (this tree's record
-// call) instead of nvfp4_run_512 (both sides may then be the same tree).
+// -DFP4_RECORD on one side: the V4 / V4.1 / MXFP4 record cases by nvfp4_record_512 /
+// mxfp4_record_512 (this tree's record calls) instead of nvfp4_run_512 / mxfp4_run_512 (both sides may then be the same tree).
 // Prints, per case, each side's 10th-percentile and median time a pass and the B / A ratios.
 #include <algorithm>
 #include <cstdint>
@@ -35,7 +35,12 @@ void FP4_CAT(fp4_nv_, FP4_SIDE)(const uint16_t* x, int nb, char* o, char* s, flo
 #endif
   kvwrite::nvfp4_run_512(x, nb, o, s, floor);
 }
-uint64_t FP4_CAT(fp4_mx_, FP4_SIDE)(const uint16_t* x, int nb, char* o, char* s) { return kvwrite::mxfp4_run_512(x, nb, o, s); }
+uint64_t FP4_CAT(fp4_mx_, FP4_SIDE)(const uint16_t* x, int nb, char* o, char* s) {
+#ifdef FP4_RECORD
+  if (nb == 14) return kvwrite::mxfp4_record_512<14, 0>(x, o, s, nullptr);
+#endif
+  return kvwrite::mxfp4_run_512(x, nb, o, s);
+}
 void FP4_CAT(fp4_nv_ref_, FP4_SIDE)(const uint16_t* x, int nb, char* o, char* s, float floor) {
   for (int b = 0; b < nb; ++b) kvwrite::nvfp4_block_avx2<kvwrite::DType::BF16>(x, 16 * b, nullptr, o + 8 * b, s + b, floor);
 }

@@ -401,8 +401,15 @@ KVW_FP4 uint32_t mxfp4_blocks8_512(const uint16_t* src, int nb, char* bytes, cha
   __m256i e;
   const __m256i raw = lane_max8(max_lane_pairs(p[0], p[1]), max_lane_pairs(p[2], p[3]));
   const uint32_t left = CEIL ? mxfp4_ceil_scales8(raw, nb, e) : mxfp4_scales8(raw, nb, e);
-  if (nb == 8 && left == 0) _mm_storel_epi64(reinterpret_cast<__m128i*>(scales), _mm256_cvtepi32_epi8(e));
-  else _mm_mask_storeu_epi8(scales, __mmask16(((1u << nb) - 1) & ~left), _mm256_cvtepi32_epi8(e));
+  if (nb == 8 && left == 0) {
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(scales), _mm256_cvtepi32_epi8(e));
+  } else if (nb == 6 && left == 0) {  // the V4 record's last group: plain 4 + 2 byte stores
+    const __m128i v = _mm256_cvtepi32_epi8(e);
+    _mm_storeu_si32(scales, v);
+    _mm_storeu_si16(scales + 4, _mm_srli_si128(v, 4));
+  } else {
+    _mm_mask_storeu_epi8(scales, __mmask16(((1u << nb) - 1) & ~left), _mm256_cvtepi32_epi8(e));
+  }
   const __m512i eb = _mm512_castsi128_si512(_mm256_cvtepi32_epi8(_mm256_sub_epi32(e, _mm256_set1_epi32(3))));
   __m512i w[4];
   for (int h = 0; h < 4; ++h)  // the steps holding blocks
@@ -410,6 +417,7 @@ KVW_FP4 uint32_t mxfp4_blocks8_512(const uint16_t* src, int nb, char* bytes, cha
   for (int h = 0; h < 2; ++h) {
     const __m512i v = _mm512_permutex2var_epi8(w[2 * h], k.lo, w[2 * h + 1]);
     if (16 * nb >= 64 * h + 64) _mm512_storeu_si512(bytes + 64 * h, v);
+    else if (16 * nb == 64 * h + 32) _mm256_storeu_si256(reinterpret_cast<__m256i*>(bytes + 64 * h), _mm512_castsi512_si256(v));
     else _mm512_mask_storeu_epi8(bytes + 64 * h, bytes_mask(16 * nb - 64 * h), v);
   }
   return left;
@@ -423,6 +431,22 @@ KVW_FP4 uint64_t mxfp4_run_512(const uint16_t* x, int nblocks, char* bytes, char
   for (int b = 0; b < nblocks; b += 8) {  // whole groups: the last one ends the run (shared blocks twice, same bytes)
     const int b0 = b + 8 <= nblocks ? b : nblocks - 8;
     left |= uint64_t(mxfp4_blocks8_512<CEIL>(x + 32 * b0, 8, bytes + 16 * b0, scales + b0, k)) << b0;
+  }
+  return left;
+}
+
+// The DeepSeek V4 MXFP4 record on a bf16 row x: its NB = 14 blocks as groups of 8 and 6 (nb known
+// at compile time: no block done twice, no masked stores), then the ROPE bf16 values after them
+// copied to rope_dst (two zmm moves). Returns the mask of blocks left to the scalar rule.
+template <int NB, int ROPE>
+KVW_FP4 uint64_t mxfp4_record_512(const uint16_t* x, char* bytes, char* scales, char* rope_dst) {
+  static_assert(NB == 14 && (ROPE == 0 || ROPE == 64), "the V4 MXFP4 record");
+  const Fp4Consts k(e2m1_lut());
+  const uint64_t left = mxfp4_blocks8_512(x, 8, bytes, scales, k) | uint64_t(mxfp4_blocks8_512(x + 256, NB - 8, bytes + 128, scales + 8, k)) << 8;
+  if (ROPE) {
+    const uint16_t* r = x + 32 * NB;
+    _mm512_storeu_si512(rope_dst, _mm512_loadu_si512(r));
+    _mm512_storeu_si512(rope_dst + 64, _mm512_loadu_si512(r + 32));
   }
   return left;
 }
