@@ -8,6 +8,8 @@
 //   g++ $F -DFP4_SIDE=A -I /work/main/csrc -c bench/fp4_loop.cpp -o /tmp/fp4_a.o
 //   g++ $F -DFP4_SIDE=B -I csrc -c bench/fp4_loop.cpp -o /tmp/fp4_b.o
 //   g++ $F -I csrc bench/fp4_loop.cpp /tmp/fp4_a.o /tmp/fp4_b.o -o /tmp/fp4_loop && /tmp/fp4_loop [rounds]
+// -DFP4_RECORD on one side: the V4 / V4.1 / MXFP4 record cases by nvfp4_record_512 /
+// mxfp4_record_512 (this tree's record calls) instead of nvfp4_run_512 / mxfp4_run_512 (both sides may then be the same tree).
 // Prints, per case, each side's 10th-percentile and median time a pass and the B / A ratios.
 #include <algorithm>
 #include <cstdint>
@@ -27,9 +29,18 @@
 extern "C" {
 bool FP4_CAT(fp4_ok_, FP4_SIDE)() { return kvwrite::simd512_ok() && kvwrite::e2m1_lut().ok; }
 void FP4_CAT(fp4_nv_, FP4_SIDE)(const uint16_t* x, int nb, char* o, char* s, float floor) {
+#ifdef FP4_RECORD  // the V4 / V4.1 records by nvfp4_record_512 (no RoPE copy), the rest as before
+  if (nb == 28) return kvwrite::nvfp4_record_512<28, 0>(x, o, s, floor, nullptr);
+  if (nb == 32 && floor > 0) return kvwrite::nvfp4_record_512<32, 0>(x, o, s, floor, nullptr);
+#endif
   kvwrite::nvfp4_run_512(x, nb, o, s, floor);
 }
-uint64_t FP4_CAT(fp4_mx_, FP4_SIDE)(const uint16_t* x, int nb, char* o, char* s) { return kvwrite::mxfp4_run_512(x, nb, o, s); }
+uint64_t FP4_CAT(fp4_mx_, FP4_SIDE)(const uint16_t* x, int nb, char* o, char* s) {
+#ifdef FP4_RECORD
+  if (nb == 14) return kvwrite::mxfp4_record_512<14, 0>(x, o, s, nullptr);
+#endif
+  return kvwrite::mxfp4_run_512(x, nb, o, s);
+}
 void FP4_CAT(fp4_nv_ref_, FP4_SIDE)(const uint16_t* x, int nb, char* o, char* s, float floor) {
   for (int b = 0; b < nb; ++b) kvwrite::nvfp4_block_avx2<kvwrite::DType::BF16>(x, 16 * b, nullptr, o + 8 * b, s + b, floor);
 }

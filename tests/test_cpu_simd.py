@@ -464,3 +464,29 @@ def test_store_dsv4_fp4_bf16_lanes_nan_positions(fmt):
         kvwrite.store_dsv4_kv_fp4(kv, p["c"], loc, fmt=fmt, backend=b)
 
     run(call, {"c": ((2 * nb + 4, rec.token_bytes), torch.uint8)})
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4_v41", "mxfp4"])
+def test_store_dsv4_fp4_bf16_lanes_group_paths(fmt):
+    """The V4 records by one call a token (NVFP4 groups of 16 and 12 / 16, MXFP4 8 and 6): one
+    block at every position in turn zero, tiny (1e-30: an e4m3 scale below the table's range) or
+    huge (1e30: saturated), so each group alone leaves the table / lane path while the other keeps
+    it; whole rows scaled by 2^-120 .. 2^120; the scale rows' padding left as it was (canaries)."""
+    from kvwrite.facts import FP4_RECORDS
+    rec = FP4_RECORDS[fmt]
+    nb = rec.quant // rec.block
+    g = torch.Generator().manual_seed(17)
+    factors = [0.0, 1e-30, 1e30]
+    kv = torch.randn(len(factors) * nb + 16, 512, generator=g)
+    for k, f in enumerate(factors):
+        for b in range(nb):
+            kv[k * nb + b, rec.block * b: rec.block * (b + 1)] *= f
+    kv[len(factors) * nb:] *= (2.0 ** torch.arange(-120, 120, 15, dtype=torch.float64)).float()[:, None]
+    kv = kv.to(torch.bfloat16)
+    n = kv.shape[0]
+    loc = torch.randperm(n + 4, generator=g)[:n]
+
+    def call(p, b):
+        kvwrite.store_dsv4_kv_fp4(kv, p["c"], loc, fmt=fmt, backend=b)
+
+    run(call, {"c": ((n + 4, rec.token_bytes), torch.uint8)})

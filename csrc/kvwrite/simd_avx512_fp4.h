@@ -169,10 +169,13 @@ KVW_FP4 __m512i lane_max16(const __m512i (&p)[4]) {
 }
 
 // Step h (64 elements) of nb <= 16 blocks of 16 from src as two loads; false where it holds no
-// block (masked: nothing past the run is read). FULL (nb == 16): plain loads, no tests.
-template <bool FULL>
+// block (masked: nothing past the run is read). NB > 0 (a multiple of 4: 16 a whole group, 12 the V4
+// record's last): nb == NB known at compile time, plain loads, no tests; NB == 0: nb at run time.
+template <int NB>
 __attribute__((always_inline)) KVW_FP4 bool step_loads(const uint16_t* src, int nb, int h, __m512i& l0, __m512i& l1) {
-  if (FULL) {
+  static_assert(NB % 4 == 0 && NB <= 16, "whole steps");
+  if (NB > 0) {
+    if (4 * h >= NB) return false;
     l0 = _mm512_loadu_si512(src + 64 * h), l1 = _mm512_loadu_si512(src + 64 * h + 32);
     return true;
   }
@@ -189,24 +192,32 @@ __attribute__((always_inline)) KVW_FP4 bool step_loads(const uint16_t* src, int 
 // Phase 1 of nvfp4_run_512: the scales of nb <= 16 bf16 blocks from src, no global scale: false
 // (nothing written) where a block holds a NaN or an inf; else the e4m3 codes to `scales` and each
 // block's E_d - 3 and m << 3 (bytes 0..15 of eb, mx).
-template <bool FULL>
+template <int NB>
 __attribute__((always_inline)) KVW_FP4 bool nvfp4_scales16_512(const uint16_t* src, int nb, float floor, const Fp4Consts& k, char* scales, __m512i& eb, __m512i& mx) {
   __m512i p[4], a, b;
   for (int j = 0; j < 4; ++j)
-    p[j] = step_loads<FULL>(src, nb, j, a, b) ? max_lane_pairs(_mm512_add_epi16(a, a), _mm512_add_epi16(b, b)) : _mm512_setzero_si512();
+    p[j] = step_loads<NB>(src, nb, j, a, b) ? max_lane_pairs(_mm512_add_epi16(a, a), _mm512_add_epi16(b, b)) : _mm512_setzero_si512();
   const __m512i raw = lane_max16(p);
   // the scale codes by the table where all are normal and unsaturated (then s > 2^-7 >= floor),
   // else by the division (a NaN or an inf: false)
   const __m512i c1024 = _mm512_add_epi32(_mm512_srli_epi32(raw, 4), _mm512_maskz_permutex2var_epi8(0x1111111111111111ull, k.sc0, raw, k.sc1));
   __m128i code = _mm512_cvtepi32_epi8(c1024);
-  if (!(floor <= 0.0078125f) || _mm512_cmpgt_epu32_mask(_mm512_sub_epi32(c1024, _mm512_set1_epi32(1032)), _mm512_set1_epi32(0x7E - 8)) != 0) {
+  // (only the group's blocks: the empty lanes of a short group, raw 0, would always fail the test)
+  const __mmask16 in = NB == 16 ? 0xFFFF : __mmask16((1u << (NB > 0 ? NB : nb)) - 1);
+  if (!(floor <= 0.0078125f) || _mm512_mask_cmpgt_epu32_mask(in, _mm512_sub_epi32(c1024, _mm512_set1_epi32(1032)), _mm512_set1_epi32(0x7E - 8)) != 0) {
     if (_mm512_cmpgt_epi32_mask(raw, _mm512_set1_epi32(0x7F7F)) != 0) return false;
     const __m512 amax = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(_mm512_cmpgt_epi32_mask(raw, _mm512_set1_epi32(0x7F)), raw, 16));
     const __m512 s = _mm512_max_ps(_mm512_div_ps(amax, _mm512_set1_ps(6.0f)), _mm512_set1_ps(floor));
     code = _mm512_cvtepi32_epi8(grid_codes16_k<3, -6>(_mm512_min_ps(s, _mm512_set1_ps(448.0f))));
   }
-  if (FULL) _mm_storeu_si128(reinterpret_cast<__m128i*>(scales), code);
-  else _mm_mask_storeu_epi8(scales, __mmask16((1u << nb) - 1), code);
+  if (NB == 16) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(scales), code);
+  } else if (NB == 12) {  // plain 8 + 4 byte stores (no masked store)
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(scales), code);
+    _mm_storeu_si32(scales + 8, _mm_srli_si128(code, 8));
+  } else {
+    _mm_mask_storeu_epi8(scales, in, code);
+  }
   const __m512i c = _mm512_castsi128_si512(code);
   eb = _mm512_permutex2var_epi8(k.eb0, c, k.eb1);
   mx = _mm512_permutex2var_epi8(k.mx0, c, k.mx1);
@@ -214,17 +225,18 @@ __attribute__((always_inline)) KVW_FP4 bool nvfp4_scales16_512(const uint16_t* s
 }
 
 // Phase 2: the packed codes of nb <= 16 blocks from src by phase 1's eb, mx.
-template <bool FULL>
+template <int NB>
 __attribute__((always_inline)) KVW_FP4 void nvfp4_codes16_512(const uint16_t* src, int nb, __m512i eb, __m512i mx, const Fp4Consts& k, char* bytes) {
   __m512i w[4], l0, l1;
   for (int h = 0; h < 4; ++h)
-    w[h] = step_loads<FULL>(src, nb, h, l0, l1)
+    w[h] = step_loads<NB>(src, nb, h, l0, l1)
                ? e2m1_pack64(l0, l1, _mm512_permutexvar_epi8(k.b16[h], eb), _mm512_permutexvar_epi8(k.b16[h], mx), k)
                : _mm512_setzero_si512();
   for (int h = 0; h < 2; ++h) {
     const __m512i v = _mm512_permutex2var_epi8(w[2 * h], k.lo, w[2 * h + 1]);
-    if (FULL || 8 * nb >= 64 * h + 64) _mm512_storeu_si512(bytes + 64 * h, v);
-    else if (8 * h < nb) _mm512_mask_storeu_epi8(bytes + 64 * h, bytes_mask(8 * nb - 64 * h), v);
+    if (NB > 0 ? 8 * NB >= 64 * h + 64 : 8 * nb >= 64 * h + 64) _mm512_storeu_si512(bytes + 64 * h, v);
+    else if (NB > 0 && 8 * NB == 64 * h + 32) _mm256_storeu_si256(reinterpret_cast<__m256i*>(bytes + 64 * h), _mm512_castsi512_si256(v));
+    else if (NB == 0 && 8 * h < nb) _mm512_mask_storeu_epi8(bytes + 64 * h, bytes_mask(8 * nb - 64 * h), v);
   }
 }
 
@@ -237,16 +249,16 @@ KVW_FP4 void nvfp4_run_512(const uint16_t* x, int nblocks, char* bytes, char* sc
   __m512i eb, mx, eb1 = _mm512_setzero_si512(), mx1 = eb1;
   if (nblocks < 16) {
     if (nblocks <= 0) return;
-    if (nvfp4_scales16_512<false>(x, nblocks, floor, k, scales, eb, mx)) return nvfp4_codes16_512<false>(x, nblocks, eb, mx, k, bytes);
+    if (nvfp4_scales16_512<0>(x, nblocks, floor, k, scales, eb, mx)) return nvfp4_codes16_512<0>(x, nblocks, eb, mx, k, bytes);
     for (int b = 0; b < nblocks; ++b) nvfp4_block_avx2<DType::BF16>(x, 16 * b, nullptr, bytes + 8 * b, scales + b, floor);
     return;
   }
-  bool ok = nvfp4_scales16_512<true>(x, 16, floor, k, scales, eb, mx);
+  bool ok = nvfp4_scales16_512<16>(x, 16, floor, k, scales, eb, mx);
   for (int b = 0; b < nblocks; b += 16) {
     const int b0 = b + 16 <= nblocks ? b : nblocks - 16, b1 = b + 32 <= nblocks ? b + 16 : nblocks - 16;
-    const bool next = b + 16 < nblocks && nvfp4_scales16_512<true>(x + 16 * b1, 16, floor, k, scales + b1, eb1, mx1);
+    const bool next = b + 16 < nblocks && nvfp4_scales16_512<16>(x + 16 * b1, 16, floor, k, scales + b1, eb1, mx1);
     if (ok) {
-      nvfp4_codes16_512<true>(x + 16 * b0, 16, eb, mx, k, bytes + 8 * b0);
+      nvfp4_codes16_512<16>(x + 16 * b0, 16, eb, mx, k, bytes + 8 * b0);
     } else {
       for (int j = b0; j < b0 + 16; ++j) nvfp4_block_avx2<DType::BF16>(x, 16 * j, nullptr, bytes + 8 * j, scales + j, floor);
     }
@@ -327,6 +339,30 @@ KVW_AVX512 bool nvfp4_arith16_512(const void* src, i64 start, int nb, const floa
   return true;
 }
 
+// The DeepSeek V4 / V4.1 NVFP4 records on a bf16 row x: NB blocks (28: groups of 16 and 12, both
+// of compile-time size, no block done twice; 32: two of 16) to `bytes` / `scales`, then the ROPE
+// bf16 values after them copied to rope_dst (two zmm moves, no library call). One function a
+// token: the constants loaded once, no run-length branches (a group holding a NaN or an inf:
+// nvfp4_block_avx2 block by block, as nvfp4_run_512).
+template <int NB, int ROPE>
+KVW_FP4 void nvfp4_record_512(const uint16_t* x, char* bytes, char* scales, float floor, char* rope_dst) {
+  static_assert(NB > 16 && NB <= 32 && NB % 4 == 0 && (ROPE == 0 || ROPE == 64), "the V4 records");
+  constexpr int NB1 = NB - 16;
+  const Fp4Consts k(e2m1_lut());
+  __m512i eb0, mx0, eb1, mx1;
+  const bool ok0 = nvfp4_scales16_512<16>(x, 16, floor, k, scales, eb0, mx0);
+  const bool ok1 = nvfp4_scales16_512<NB1>(x + 256, NB1, floor, k, scales + 16, eb1, mx1);
+  if (ok0) nvfp4_codes16_512<16>(x, 16, eb0, mx0, k, bytes);
+  else for (int j = 0; j < 16; ++j) nvfp4_block_avx2<DType::BF16>(x, 16 * j, nullptr, bytes + 8 * j, scales + j, floor);
+  if (ok1) nvfp4_codes16_512<NB1>(x + 256, NB1, eb1, mx1, k, bytes + 128);
+  else for (int j = 16; j < NB; ++j) nvfp4_block_avx2<DType::BF16>(x, 16 * j, nullptr, bytes + 8 * j, scales + j, floor);
+  if (ROPE) {
+    const uint16_t* r = x + 16 * NB;
+    _mm512_storeu_si512(rope_dst, _mm512_loadu_si512(r));
+    _mm512_storeu_si512(rope_dst + 64, _mm512_loadu_si512(r + 32));
+  }
+}
+
 // nvfp4_run_avx2 by nvfp4_arith16_512, sixteen blocks a group (a group it declines: the AVX2
 // lanes).
 template <DType IN>
@@ -365,8 +401,15 @@ KVW_FP4 uint32_t mxfp4_blocks8_512(const uint16_t* src, int nb, char* bytes, cha
   __m256i e;
   const __m256i raw = lane_max8(max_lane_pairs(p[0], p[1]), max_lane_pairs(p[2], p[3]));
   const uint32_t left = CEIL ? mxfp4_ceil_scales8(raw, nb, e) : mxfp4_scales8(raw, nb, e);
-  if (nb == 8 && left == 0) _mm_storel_epi64(reinterpret_cast<__m128i*>(scales), _mm256_cvtepi32_epi8(e));
-  else _mm_mask_storeu_epi8(scales, __mmask16(((1u << nb) - 1) & ~left), _mm256_cvtepi32_epi8(e));
+  if (nb == 8 && left == 0) {
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(scales), _mm256_cvtepi32_epi8(e));
+  } else if (nb == 6 && left == 0) {  // the V4 record's last group: plain 4 + 2 byte stores
+    const __m128i v = _mm256_cvtepi32_epi8(e);
+    _mm_storeu_si32(scales, v);
+    _mm_storeu_si16(scales + 4, _mm_srli_si128(v, 4));
+  } else {
+    _mm_mask_storeu_epi8(scales, __mmask16(((1u << nb) - 1) & ~left), _mm256_cvtepi32_epi8(e));
+  }
   const __m512i eb = _mm512_castsi128_si512(_mm256_cvtepi32_epi8(_mm256_sub_epi32(e, _mm256_set1_epi32(3))));
   __m512i w[4];
   for (int h = 0; h < 4; ++h)  // the steps holding blocks
@@ -374,6 +417,7 @@ KVW_FP4 uint32_t mxfp4_blocks8_512(const uint16_t* src, int nb, char* bytes, cha
   for (int h = 0; h < 2; ++h) {
     const __m512i v = _mm512_permutex2var_epi8(w[2 * h], k.lo, w[2 * h + 1]);
     if (16 * nb >= 64 * h + 64) _mm512_storeu_si512(bytes + 64 * h, v);
+    else if (16 * nb == 64 * h + 32) _mm256_storeu_si256(reinterpret_cast<__m256i*>(bytes + 64 * h), _mm512_castsi512_si256(v));
     else _mm512_mask_storeu_epi8(bytes + 64 * h, bytes_mask(16 * nb - 64 * h), v);
   }
   return left;
@@ -387,6 +431,22 @@ KVW_FP4 uint64_t mxfp4_run_512(const uint16_t* x, int nblocks, char* bytes, char
   for (int b = 0; b < nblocks; b += 8) {  // whole groups: the last one ends the run (shared blocks twice, same bytes)
     const int b0 = b + 8 <= nblocks ? b : nblocks - 8;
     left |= uint64_t(mxfp4_blocks8_512<CEIL>(x + 32 * b0, 8, bytes + 16 * b0, scales + b0, k)) << b0;
+  }
+  return left;
+}
+
+// The DeepSeek V4 MXFP4 record on a bf16 row x: its NB = 14 blocks as groups of 8 and 6 (nb known
+// at compile time: no block done twice, no masked stores), then the ROPE bf16 values after them
+// copied to rope_dst (two zmm moves). Returns the mask of blocks left to the scalar rule.
+template <int NB, int ROPE>
+KVW_FP4 uint64_t mxfp4_record_512(const uint16_t* x, char* bytes, char* scales, char* rope_dst) {
+  static_assert(NB == 14 && (ROPE == 0 || ROPE == 64), "the V4 MXFP4 record");
+  const Fp4Consts k(e2m1_lut());
+  const uint64_t left = mxfp4_blocks8_512(x, 8, bytes, scales, k) | uint64_t(mxfp4_blocks8_512(x + 256, NB - 8, bytes + 128, scales + 8, k)) << 8;
+  if (ROPE) {
+    const uint16_t* r = x + 32 * NB;
+    _mm512_storeu_si512(rope_dst, _mm512_loadu_si512(r));
+    _mm512_storeu_si512(rope_dst + 64, _mm512_loadu_si512(r + 32));
   }
   return left;
 }

@@ -138,8 +138,28 @@ KVW_HD void store_dsv4_fp4_token(const StoreDSV4FP4Params& p, i64 i, int lane, i
                                                i * p.rope.q_sn + h * p.rope.q_sh, R::rope, nullptr);
     if (!r.write) return;
     if constexpr (MX_LANES) {
+#if KVW_SIMD_X86
+      if (fp4_512_ok()) {  // the whole record in one call (the RoPE part unless rotated), blocks it leaves by fp4_block
+        const uint16_t* x = reinterpret_cast<const uint16_t*>(p.kv) + i * p.kv_sn;
+        for (uint64_t left = mxfp4_record_512<R::blocks, ROPED ? 0 : R::rope>(x, data, scales, data + R::rope_at);
+             left != 0; left &= left - 1)
+          fp4_block<FMT, DType::BF16>(p.kv, i * p.kv_sn, __builtin_ctzll(left), data, scales);
+        if (ROPED) fp4_rope_item<FMT, IN, ROPED>(p, i, pos, data);
+        return;
+      }
+#endif
       fp4_mx_blocks_host<FMT>(p.kv, i * p.kv_sn, data, scales);
     } else {
+#if KVW_SIMD_X86
+      if constexpr (!R::mx && IN == DType::BF16) {
+        if (fp4_512_ok()) {  // the whole record in one call (the RoPE part unless rotated)
+          nvfp4_record_512<R::blocks, ROPED ? 0 : R::rope>(reinterpret_cast<const uint16_t*>(p.kv) + i * p.kv_sn, data,
+                                                           scales, R::floor, data + R::rope_at);
+          if (ROPED) fp4_rope_item<FMT, IN, ROPED>(p, i, pos, data);
+          return;
+        }
+      }
+#endif
       nvfp4_run<IN>(p.kv, i * p.kv_sn, R::blocks, nullptr, data, scales, R::floor);
     }
     if (R::rope) fp4_rope_item<FMT, IN, ROPED>(p, i, pos, data);
