@@ -240,28 +240,37 @@ __attribute__((always_inline)) KVW_FP4 void nvfp4_codes16_512(const uint16_t* sr
   }
 }
 
+// Phase 2 of one group of nb blocks from block b0: its codes by phase 1's eb, mx where phase 1
+// passed (ok), else block by block by the AVX2 lanes (a group holding a NaN or an inf).
+template <int NB>
+__attribute__((always_inline)) KVW_FP4 void nvfp4_group_512(const uint16_t* x, int b0, int nb, bool ok, __m512i eb, __m512i mx, const Fp4Consts& k, char* bytes, char* scales, float floor) {
+  if (ok) return nvfp4_codes16_512<NB>(x + 16 * b0, nb, eb, mx, k, bytes + 8 * b0);
+  for (int j = b0; j < b0 + nb; ++j) nvfp4_block_avx2<DType::BF16>(x, 16 * j, nullptr, bytes + 8 * j, scales + j, floor);
+}
+
+// A V4 record's 64 bf16 RoPE values from r to dst: two zmm moves (no library call).
+KVW_FP4 void copy_rope64(const uint16_t* r, char* dst) {
+  _mm512_storeu_si512(dst, _mm512_loadu_si512(r));
+  _mm512_storeu_si512(dst + 64, _mm512_loadu_si512(r + 32));
+}
+
 // nvfp4_run_avx2 for bf16 rows without a global scale, sixteen blocks a group in two phases, one
 // group ahead (a group holding a NaN or an inf: nvfp4_block_avx2 block by block). Whole groups
 // without masks: a run of 16 blocks or more ends with the group of its last 16 (the blocks it shares
 // with the group before get the same bytes twice); a shorter run is one masked group.
 KVW_FP4 void nvfp4_run_512(const uint16_t* x, int nblocks, char* bytes, char* scales, float floor) {
   const Fp4Consts k(e2m1_lut());
-  __m512i eb, mx, eb1 = _mm512_setzero_si512(), mx1 = eb1;
+  __m512i eb = _mm512_setzero_si512(), mx = eb, eb1 = eb, mx1 = eb;
   if (nblocks < 16) {
     if (nblocks <= 0) return;
-    if (nvfp4_scales16_512<0>(x, nblocks, floor, k, scales, eb, mx)) return nvfp4_codes16_512<0>(x, nblocks, eb, mx, k, bytes);
-    for (int b = 0; b < nblocks; ++b) nvfp4_block_avx2<DType::BF16>(x, 16 * b, nullptr, bytes + 8 * b, scales + b, floor);
-    return;
+    const bool ok = nvfp4_scales16_512<0>(x, nblocks, floor, k, scales, eb, mx);  // before eb, mx are read
+    return nvfp4_group_512<0>(x, 0, nblocks, ok, eb, mx, k, bytes, scales, floor);
   }
   bool ok = nvfp4_scales16_512<16>(x, 16, floor, k, scales, eb, mx);
   for (int b = 0; b < nblocks; b += 16) {
     const int b0 = b + 16 <= nblocks ? b : nblocks - 16, b1 = b + 32 <= nblocks ? b + 16 : nblocks - 16;
     const bool next = b + 16 < nblocks && nvfp4_scales16_512<16>(x + 16 * b1, 16, floor, k, scales + b1, eb1, mx1);
-    if (ok) {
-      nvfp4_codes16_512<16>(x + 16 * b0, 16, eb, mx, k, bytes + 8 * b0);
-    } else {
-      for (int j = b0; j < b0 + 16; ++j) nvfp4_block_avx2<DType::BF16>(x, 16 * j, nullptr, bytes + 8 * j, scales + j, floor);
-    }
+    nvfp4_group_512<16>(x, b0, 16, ok, eb, mx, k, bytes, scales, floor);
     ok = next, eb = eb1, mx = mx1;
   }
 }
@@ -349,18 +358,12 @@ KVW_FP4 void nvfp4_record_512(const uint16_t* x, char* bytes, char* scales, floa
   static_assert(NB > 16 && NB <= 32 && NB % 4 == 0 && (ROPE == 0 || ROPE == 64), "the V4 records");
   constexpr int NB1 = NB - 16;
   const Fp4Consts k(e2m1_lut());
-  __m512i eb0, mx0, eb1, mx1;
+  __m512i eb0 = _mm512_setzero_si512(), mx0 = eb0, eb1 = eb0, mx1 = eb0;
   const bool ok0 = nvfp4_scales16_512<16>(x, 16, floor, k, scales, eb0, mx0);
   const bool ok1 = nvfp4_scales16_512<NB1>(x + 256, NB1, floor, k, scales + 16, eb1, mx1);
-  if (ok0) nvfp4_codes16_512<16>(x, 16, eb0, mx0, k, bytes);
-  else for (int j = 0; j < 16; ++j) nvfp4_block_avx2<DType::BF16>(x, 16 * j, nullptr, bytes + 8 * j, scales + j, floor);
-  if (ok1) nvfp4_codes16_512<NB1>(x + 256, NB1, eb1, mx1, k, bytes + 128);
-  else for (int j = 16; j < NB; ++j) nvfp4_block_avx2<DType::BF16>(x, 16 * j, nullptr, bytes + 8 * j, scales + j, floor);
-  if (ROPE) {
-    const uint16_t* r = x + 16 * NB;
-    _mm512_storeu_si512(rope_dst, _mm512_loadu_si512(r));
-    _mm512_storeu_si512(rope_dst + 64, _mm512_loadu_si512(r + 32));
-  }
+  nvfp4_group_512<16>(x, 0, 16, ok0, eb0, mx0, k, bytes, scales, floor);
+  nvfp4_group_512<NB1>(x, 16, NB1, ok1, eb1, mx1, k, bytes, scales, floor);
+  if (ROPE) copy_rope64(x + 16 * NB, rope_dst);
 }
 
 // nvfp4_run_avx2 by nvfp4_arith16_512, sixteen blocks a group (a group it declines: the AVX2
@@ -443,11 +446,7 @@ KVW_FP4 uint64_t mxfp4_record_512(const uint16_t* x, char* bytes, char* scales, 
   static_assert(NB == 14 && (ROPE == 0 || ROPE == 64), "the V4 MXFP4 record");
   const Fp4Consts k(e2m1_lut());
   const uint64_t left = mxfp4_blocks8_512(x, 8, bytes, scales, k) | uint64_t(mxfp4_blocks8_512(x + 256, NB - 8, bytes + 128, scales + 8, k)) << 8;
-  if (ROPE) {
-    const uint16_t* r = x + 32 * NB;
-    _mm512_storeu_si512(rope_dst, _mm512_loadu_si512(r));
-    _mm512_storeu_si512(rope_dst + 64, _mm512_loadu_si512(r + 32));
-  }
+  if (ROPE) copy_rope64(x + 32 * NB, rope_dst);
   return left;
 }
 
