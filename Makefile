@@ -15,12 +15,12 @@ JOBS ?= 2
 
 $(STAMP):
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(DEPS)
+	$(BIN)/pip install -q --no-cache-dir --upgrade pip
+	$(BIN)/pip install -q --no-cache-dir $(DEPS)
 	touch $(STAMP)
 
 $(NIXL_STAMP): $(STAMP)
-	$(BIN)/pip install -q $(NIXL_DEPS)
+	$(BIN)/pip install -q --no-cache-dir $(NIXL_DEPS)
 	touch $(NIXL_STAMP)
 
 install: $(STAMP) $(NIXL_STAMP)
