@@ -366,6 +366,21 @@ KVW_FP4 void nvfp4_record_512(const uint16_t* x, char* bytes, char* scales, floa
   if (ROPE) copy_rope64(x + 16 * NB, rope_dst);
 }
 
+// A DeepSeek MLA NVFP4 row (store_mla: 512 latent values from c, 64 RoPE values from pe, bf16, no
+// global scale) in one call: the three groups' scales (16 + 16 latent blocks, 4 RoPE blocks) first,
+// then their codes, group sizes known at compile time (nvfp4_run_512 twice took two constant loads
+// and a masked, run-length-tested group for the RoPE blocks).
+KVW_FP4 void nvfp4_mla_512(const uint16_t* c, const uint16_t* pe, char* bytes, char* scales) {
+  const Fp4Consts k(e2m1_lut());
+  __m512i eb0 = _mm512_setzero_si512(), mx0 = eb0, eb1 = eb0, mx1 = eb0, eb2 = eb0, mx2 = eb0;
+  const bool ok0 = nvfp4_scales16_512<16>(c, 16, 0.0f, k, scales, eb0, mx0);
+  const bool ok1 = nvfp4_scales16_512<16>(c + 256, 16, 0.0f, k, scales + 16, eb1, mx1);
+  const bool ok2 = nvfp4_scales16_512<4>(pe, 4, 0.0f, k, scales + 32, eb2, mx2);
+  nvfp4_group_512<16>(c, 0, 16, ok0, eb0, mx0, k, bytes, scales, 0.0f);
+  nvfp4_group_512<16>(c, 16, 16, ok1, eb1, mx1, k, bytes, scales, 0.0f);
+  nvfp4_group_512<4>(pe, 0, 4, ok2, eb2, mx2, k, bytes + 256, scales + 32, 0.0f);
+}
+
 // nvfp4_run_avx2 by nvfp4_arith16_512, sixteen blocks a group (a group it declines: the AVX2
 // lanes).
 template <DType IN>

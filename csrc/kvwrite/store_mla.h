@@ -192,6 +192,13 @@ KVW_HD void mla_nvfp4(const StoreMLAParams& p, i64 i, i64 row, char* dst, int la
   char* scales = p.scale_cache.row_ptr(row);
 #if !defined(__CUDA_ARCH__)
   if (nlanes == 1 && p.L % NVFP4_BLOCK == 0 && !p.scale_cache.split) {  // latent blocks, then rope blocks
+#if KVW_SIMD_X86
+    if constexpr (IN == DType::BF16) {
+      if (p.global == nullptr && p.L == 512 && p.R == 64 && fp4_512_ok())  // DeepSeek's row: one call
+        return nvfp4_mla_512(reinterpret_cast<const uint16_t*>(p.kv_c) + i * p.c_sn,
+                             reinterpret_cast<const uint16_t*>(p.k_pe) + i * p.pe_sn, dst, scales);
+    }
+#endif
     const int noftz = host_noftz();  // MXCSR read once a token
     nvfp4_run<IN>(p.kv_c, i * p.c_sn, p.L / NVFP4_BLOCK, p.global, dst, scales, 0.0f, noftz);
     if (p.R > 0)
