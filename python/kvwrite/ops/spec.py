@@ -217,12 +217,6 @@ def _match(a: Arg, t: object, env: dict, name: str) -> None:
             env[letter] = s
 
 
-def _facts(v: object) -> object:
-    if isinstance(v, torch.Tensor):
-        return (type(v), v.shape, v.stride(), v.dtype, v.device)
-    return (type(v), v)
-
-
 @dataclass
 class Op:
     """One op. `checks`: the validation in order, argument names (matched by `_match`) and
@@ -374,7 +368,8 @@ class Op:
         if torch.compiler.is_compiling():
             return self._check(v, aliases)
         try:
-            key = (self.name, id(aliases), *map(_facts, v.values()))
+            key = (self.name, id(aliases), *[(type(x), x.shape, x.stride(), x.dtype, x.device)  # each argument's facts
+                                              if isinstance(x, torch.Tensor) else (type(x), x) for x in v.values()])
             env = _MEMO.get(key)
         except TypeError:   # an unhashable argument: no memo (the checks name it)
             return self._check(v, aliases)
