@@ -182,15 +182,12 @@ KVW_HD Resolved resolve_checked(const LocArgs& a, i64 i, bool lead) {
 }
 
 #if !defined(__CUDA_ARCH__)
-// Host: the cache lines of the rows a later token writes, asked for ahead (write intent). The
-// quantising stores do enough work per byte that a row fill missed by the store itself stalls
-// it (a random row: no hardware prefetcher guesses it); a plain copy keeps many fills in flight
-// on its own. Off-mode resolution (nothing recorded); prefetches never fault.
+// Host: the cache lines of the rows a later token writes, asked for ahead (write intent) by the
+// quantising K/V stores (store_kv, store_kv_nvfp4): they do enough work per byte that a row fill
+// missed by the store itself can stall it (a random row: no hardware prefetcher guesses it); a
+// plain copy keeps many fills in flight on its own. store_mla's rows went faster without it on
+// Zen 5 (cpu-quant/NOTES.md). Off-mode resolution (nothing recorded); prefetches never fault.
 constexpr i64 PREFETCH_AHEAD = 2;
-
-inline void prefetch_write(const char* p, i64 bytes) {
-  for (i64 o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 1, 3);
-}
 
 // The local row token i writes, -1 when none (or i past the call).
 inline i64 prefetch_row(const LocArgs& a, i64 i) {

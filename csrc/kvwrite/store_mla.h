@@ -235,17 +235,9 @@ KVW_HD void store_mla_token(const StoreMLAParams& p, i64 i, int lane, int nlanes
 template <int CHECK, int MODE, DType IN, class OUT, int VEC>
 struct StoreMLAToken {
   static constexpr int check = CHECK;
+  // (no write prefetch of a later token's row, unlike store_kv's: on Zen 5 it cost mla-nvfp4 16-20%
+  // and fp8_ds_mla 7-9% at N = 1024 and 4096, bench/results/cpu-quant/NOTES.md)
   KVW_HD void operator()(const StoreMLAParams& p, i64 i, int lane, int nlanes) const {
-#if !defined(__CUDA_ARCH__)
-    if constexpr (MODE != MLA_COPY) {  // the quantised row of a later token, asked for now
-      const i64 row = nlanes == 1 ? prefetch_row(p.locs, i + PREFETCH_AHEAD) : -1;
-      if (row >= 0) {
-        const i64 bytes = MODE == MLA_NVFP4 ? (p.L + p.R) / 2 : MODE == MLA_FP8 ? p.L + p.R : p.L + 4 * (p.L / 128) + 2 * p.R;
-        prefetch_write(p.cache.row_ptr(row), bytes);
-        if (MODE == MLA_NVFP4) prefetch_write(p.scale_cache.row_ptr(row), (p.L + p.R) / NVFP4_BLOCK);
-      }
-    }
-#endif
     store_mla_token<CHECK, MODE, IN, OUT, VEC>(p, i, lane, nlanes);
   }
 };
