@@ -1,7 +1,8 @@
 // The cpu backend's quantised token bodies of two source trees in one process, on the thread CPU
 // clock, one call of each in turn (a shared machine's disturbances hit both alike, where separate
 // runs move by 20-40%): mha-fp8 (store_kv, static e4m3 scale 0.05), mha-int8-token / mha-int8-head
-// (store_kv_quant, dynamic int8 scales) and mla-fp8ds (store_mla, fp8_ds_mla rows) as the bench
+// (store_kv_quant, dynamic int8 scales), mla-fp8ds (store_mla, fp8_ds_mla rows) and dsv4-kv
+// (store_dsv4_kv, the V4 fp8 record: power-of-two tile scales, pages of 256) as the bench
 // cases build them (kvwrite.bench.cases: bf16 randn rows, pages of 16, a pool 4x the tokens, random
 // rows), check off, one thread, the SIMD level simd_level() picks. Both sides' pools are compared
 // byte for byte after the first calls. Each side is this file built against one tree's csrc, its
@@ -25,11 +26,12 @@
 #include <vector>
 
 constexpr int H = 8, D = 128, L = 512, R = 64;
-enum { MHA_FP8, INT8_TOKEN, INT8_HEAD, MLA_FP8DS, NCASES };
-static const char* const NAMES[NCASES] = {"mha-fp8", "mha-int8-token", "mha-int8-head", "mla-fp8ds"};
+enum { MHA_FP8, INT8_TOKEN, INT8_HEAD, MLA_FP8DS, DSV4_KV, NCASES };
+static const char* const NAMES[NCASES] = {"mha-fp8", "mha-int8-token", "mha-int8-head", "mla-fp8ds", "dsv4-kv"};
 // the pools' row bytes of each case: codes K, codes V, scales K, scales V (0: none)
 static const int64_t ROWS[NCASES][4] = {
-    {H * D, H * D, 0, 0}, {H * D, H * D, 4, 4}, {H * D, H * D, 4 * H, 4 * H}, {L + 4 * (L / 128) + 2 * R, 0, 0, 0}};
+    {H * D, H * D, 0, 0}, {H * D, H * D, 4, 4}, {H * D, H * D, 4 * H, 4 * H}, {L + 4 * (L / 128) + 2 * R, 0, 0, 0},
+    {584, 0, 0, 0}};  // dsv4-kv: 576 data + 8 scale bytes a row, pages of 256 (the pool allocated in whole pages)
 
 #ifdef AB_SIDE
 #define AB_CAT2(a, b) a##b
@@ -37,6 +39,7 @@ static const int64_t ROWS[NCASES][4] = {
 #define kvwrite AB_CAT(kvwrite_side_, AB_SIDE)
 #include "kvwrite/store_kv.h"
 #include "kvwrite/store_kv_quant.h"
+#include "kvwrite/store_dsv4.h"
 #include "kvwrite/store_mla.h"
 #include "quant_harness.h"
 
@@ -84,6 +87,19 @@ extern "C" void AB_CAT(ab_run_, AB_SIDE)(int c, const uint16_t* k, const uint16_
     }
     p.locs = a;
     return run_tokens(p, [](auto&&... x) { dispatch_store_kv_quant(x...); });
+  }
+  if (c == DSV4_KV) {  // kv [n, 512]: k's first 512 of each 1024
+    StoreDSV4KVParams p;
+    p.kv = reinterpret_cast<const char*>(k);
+    p.kv_sn = stream ? H * D : 0;
+    p.in_dtype = DType::BF16;
+    p.cache.base = pools[0];
+    p.cache.pool_page_size = 256;
+    p.cache.data_row = 576;
+    p.cache.scale_row = 8;
+    p.cache.stride_page = 256 * 584;
+    p.locs = a;
+    return run_tokens(p, [](auto&&... x) { dispatch_store_dsv4_kv(x...); });
   }
   StoreMLAParams p;  // kv_c and k_pe: slices of one projection row of L + R + 64 (as the case)
   p.kv_c = reinterpret_cast<const char*>(k);
@@ -134,7 +150,7 @@ int main(int argc, char** argv) {
     char* ptr[2][4];
     for (int s = 0; s < 2; ++s)
       for (int b = 0; b < 4; ++b) {
-        pool[s].emplace_back(size_t(rows * ROWS[c][b]));
+        pool[s].emplace_back(size_t((rows + 256) * ROWS[c][b]));
         ptr[s][b] = pool[s][b].data();
       }
     const auto run = [&](int s) { (s ? ab_run_B : ab_run_A)(c, k.data(), v.data(), stream, loc.data(), n, rows, ptr[s]); };

@@ -5,7 +5,8 @@
 // against the division for every (8-bit x mantissa, 24-bit s mantissa) pair and for 11-bit (fp16)
 // x mantissas too, and fp8_bf16_run / int8_bf16_run over every bf16 pattern for a spread of
 // scales, int8_bf16_run_rf for every bf16 amax and every |x| <= amax, the per token-head int8 runs'
-// scale table for every bf16 amax, the static-scale code
+// scale table for every bf16 amax, fp8_ds_mla's tiles by one multiply a value for every bf16 amax
+// and every |x| <= amax, the static-scale code
 // tables, the NVFP4 / MXFP4 bf16 lanes (e2m1 by 16-bit compares)
 // (`simd_check bf16`: these alone,
 // about a minute). Not part of `make test` (about a minute
@@ -215,6 +216,46 @@ long check_int8_head_runs() {
     }
   }
   std::printf("int8 head runs: %ld differ (table: %ld amax values; %ld runs left to quant_kv_head)\n", bad, tab, left_ok);
+  return bad;
+}
+
+// fp8_ds_mla's tiles by one multiply a value (AVX-512 only): every bf16 amax bit pattern with every
+// bf16 |x| <= amax (both signs) as one tile through fp8_ds_tiles_512 (it declines exactly the amax
+// values outside its table's exponents; else its scale is ds_mla_scale(amax) and its codes the
+// scalar e4m3 codes of x / s: fp8_bf16_run_512's RF lanes where the table has an rf, the division
+// where not).
+long check_fp8_ds() {
+  if (simd_level() < 2 || !ftz_clear()) return 0;
+  std::vector<uint16_t> x(2 * 0x8000 + 64);
+  std::vector<char> out(x.size());
+  long bad = 0, tiles = 0, rf_tiles = 0, declined = 0, codes = 0;
+  for (uint32_t a = 0; a < 0x8000; ++a) {
+    int n = 0;
+    for (uint32_t m = 0; m <= a; ++m) {
+      x[n++] = uint16_t(m);
+      x[n++] = uint16_t(m | 0x8000);
+    }
+    while (n % 64 != 0) x[n++] = 0;
+    float s = 0.0f;
+    const bool in = (a >> 7) - FP8DS_TAB_E0 < uint32_t(FP8DS_TAB_NE);
+    if (!fp8_ds_tiles_512(x.data(), 1, n, out.data(), &s)) {
+      declined += 1;
+      if (in && bad++ < 4) std::printf("fp8 ds tiles: amax %04x declined\n", a);
+      continue;
+    }
+    const float want_s = ds_mla_scale(bf16_to_float(uint16_t(a)));
+    if ((!in || s != want_s) && bad++ < 4) std::printf("fp8 ds tiles: amax %04x scale %a, want %a\n", a, s, want_s);
+    ++tiles;
+    rf_tiles += fp8_ds_tab().rf[a & 0x7F] != 0;
+    for (int i = 0; i < n; ++i) {
+      const uint8_t want = fp8_bits<E4M3>(daz(bf16_to_float(x[i])) / want_s);
+      if (uint8_t(out[i]) != want && bad++ < 4)
+        std::printf("fp8 ds tiles: amax %04x x %04x gives %02x, scalar %02x\n", a, x[i], uint8_t(out[i]), want);
+    }
+    codes += n;
+  }
+  std::printf("fp8 ds tiles: %ld differ over %ld amax values (%ld by one multiply, %ld by the division; %ld declined), "
+              "%ld codes\n", bad, tiles, rf_tiles, tiles - rf_tiles, declined, codes);
   return bad;
 }
 
@@ -433,7 +474,7 @@ int main(int argc, char** argv) {
   std::mt19937 g(0);
   for (int k = 0; k < 2000; ++k) scales.push_back(bits_to_float((g() & 0x807FFFFFu) | (uint32_t(87 + g() % 80) << 23)));
   bad += check_bf16_run<E4M3>("e4m3 bf16 lanes", scales) + check_bf16_run<E5M2>("e5m2 bf16 lanes", scales);
-  bad += check_int8_rf() + check_int8_head_runs();
+  bad += check_int8_rf() + check_int8_head_runs() + check_fp8_ds();
   bad += check_nvfp4_bf16() + check_nvfp4_fp16_fp32();
   {  // the static-scale code tables (fp8_bf16_table_run, blocks it declines by the arithmetic lanes)
     std::vector<uint16_t> x(65536);

@@ -10,6 +10,9 @@
 
 #include "simd_x86.h"
 
+#include <initializer_list>
+#include <vector>
+
 #if KVW_SIMD_X86
 #define KVW_AVX512_FN __attribute__((target("avx2,f16c,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,gfni")))
 #define KVW_AVX512 KVW_AVX512_FN inline
@@ -32,6 +35,13 @@ KVW_AVX512 void widen_bf16x64(__m512i l0, __m512i l1, __m512 (&x)[4]) {
   x[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, l0));
   x[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, l1));
   x[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, l1));
+}
+
+// The max of 32 unsigned 16-bit lanes.
+KVW_AVX512 uint32_t hmax_epu16_512(__m512i a) {
+  const __m256i f = _mm256_max_epu16(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
+  const __m128i h = _mm_xor_si128(_mm_max_epu16(_mm256_castsi256_si128(f), _mm256_extracti128_si256(f, 1)), _mm_set1_epi16(-1));
+  return 0xFFFFu & ~uint32_t(_mm_cvtsi128_si32(_mm_minpos_epu16(h)));
 }
 
 KVW_AVX512 __m512 div_cr16(__m512 x, __m512 s, __m512 r) {  // div_cr8's correctly rounded x / s
@@ -65,8 +75,11 @@ KVW_AVX512 __m512i grid_codes16_k(__m512 ax, __m512* value = nullptr) {
 }
 
 // fp8_bf16_run_avx2, 64 elements a step (the rest by the AVX2 lanes); returns how many were done.
-template <class F, bool DYN>
+// RF (a DYN row, n % 64 == 0): the quotient by one multiply, x * r with r = fp8_ds_tab's rf, under
+// which the codes are those of the correctly rounded x / s (s unused).
+template <class F, bool DYN, bool RF = false>
 KVW_AVX512 int fp8_bf16_run_512(const uint16_t* __restrict__ src, int n, float s, char* __restrict__ dst, float r) {
+  static_assert(DYN || !RF, "one multiply a value: dynamic scales' rows only");
   const float as = s < 0 ? -s : s;
   const __m512 vs = _mm512_set1_ps(as), vr = _mm512_set1_ps(r != 0.0f ? r : 1.0f / as);
   const __m512 vmax = _mm512_set1_ps(fp8_max<F>() * as);
@@ -79,7 +92,7 @@ KVW_AVX512 int fp8_bf16_run_512(const uint16_t* __restrict__ src, int n, float s
     widen_bf16x64(_mm512_and_si512(l0, am), _mm512_and_si512(l1, am), x);  // |x|
     __m512i c[4];
     for (int k = 0; k < 4; ++k)
-      c[k] = grid_codes16_noftz<F::mant, F::emin>(div_cr16(DYN ? x[k] : _mm512_min_ps(vmax, x[k]), vs, vr));
+      c[k] = grid_codes16_noftz<F::mant, F::emin>(RF ? _mm512_mul_ps(x[k], vr) : div_cr16(DYN ? x[k] : _mm512_min_ps(vmax, x[k]), vs, vr));
     const __m512i code = _mm512_packus_epi16(_mm512_packus_epi32(c[0], c[1]), _mm512_packus_epi32(c[2], c[3]));
     __m512i b = _mm512_ternarylogic_epi32(code, _mm512_packs_epi16(l0, l1), smask, 0xF8);  // code | (sign & 0x80)
     if constexpr (!DYN) {  // the divisor's sign; a NaN (0xFF) -> 0x7F
@@ -88,7 +101,78 @@ KVW_AVX512 int fp8_bf16_run_512(const uint16_t* __restrict__ src, int n, float s
     }
     _mm512_storeu_si512(dst + j, in_order64(b));
   }
+  if constexpr (RF) return j;
   return j + fp8_bf16_run_avx2<F, DYN>(src + j, n - j, s, dst + j, r);
+}
+
+// fp8_ds_mla's dynamic e4m3 tile scale s = RN(amax / 448) (ds_mla_scale) by one multiply a value:
+// for 121 of the 128 bf16 amax mantissas M some rf within 4 ulps of RN(1 / s) gives
+// e4m3(RN(x * rf)) = e4m3(RN(x / s)) for every bf16 |x| <= amax (the other 7: RN(x / s) lands
+// exactly on an e4m3 tie that x * rf passes by an ulp; they keep the division). Found at E = 127
+// (amax in [1, 2)) when first needed (about a millisecond), running the division's and the one
+// multiply's lanes (fp8_bf16_run_512 DYN, RF) over every |x| <= amax; for amax =
+// (1 + M / 128) 2^(E - 127), E in [FP8DS_TAB_E0, FP8DS_TAB_E0 + FP8DS_TAB_NE) (s normal, in
+// cr_div_ok's range), s and rf scale by 2^(E - 127) and 2^(127 - E) exactly and the quotients
+// with x / amax, so table[M] serves every E. bench/simd_check.cpp runs every bf16 amax with every
+// bf16 |x| <= amax through the lane.
+constexpr int FP8DS_TAB_E0 = 96, FP8DS_TAB_NE = 79;
+struct Fp8DsTab {
+  alignas(64) uint32_t s[128], rf[128];  // rf 0: the division
+};
+KVW_AVX512 const Fp8DsTab& fp8_ds_tab() {
+  static const Fp8DsTab t = [] {
+    Fp8DsTab b;
+    std::vector<uint16_t> x(0x4000);  // |x| <= amax < 2
+    for (int i = 0; i < 0x4000; ++i) x[i] = uint16_t(i);
+    std::vector<char> want(x.size()), got(x.size());
+    for (uint32_t m = 0; m < 128; ++m) {
+      const uint32_t araw = 0x3F80u | m;
+      const int n = int(araw + 64) & ~63;  // every |x| <= amax (then a few above: the same in both)
+      const float s = bits_to_float(araw << 16) / 448.0f;
+      b.s[m] = float_to_bits(s);
+      b.rf[m] = 0;
+      fp8_bf16_run_512<E4M3, true>(x.data(), n, s, want.data(), 1.0f / s);
+      for (const int d : {0, -1, 1, -2, 2, -3, 3, -4, 4}) {
+        const uint32_t rf = float_to_bits(1.0f / s) + uint32_t(d);
+        fp8_bf16_run_512<E4M3, true, true>(x.data(), n, s, got.data(), bits_to_float(rf));
+        if (std::memcmp(want.data(), got.data(), size_t(araw + 1)) == 0) {
+          b.rf[m] = rf;
+          break;
+        }
+      }
+    }
+    return b;
+  }();
+  return t;
+}
+
+// A token's fp8_ds_mla tiles under the plain scale rule (ds_mla_scale: s = RN(amax / 448)):
+// `tiles` tiles of `tile` bf16 values (tile % 64 == 0, tiles <= 16), each tile's amax, then s and
+// rf from fp8_ds_tab (no division), codes by fp8_bf16_run_512's RF lanes (by the division where the
+// table has no rf). False (nothing written) where a tile's amax is NaN / inf or outside the table's exponents.
+KVW_AVX512 bool fp8_ds_tiles_512(const uint16_t* x, int tiles, int tile, char* dst, float* scales) {
+  const Fp8DsTab& t = fp8_ds_tab();
+  const __m512i am = _mm512_set1_epi16(0x7FFF);
+  const auto amax = [&](const uint16_t* p) KVW_AVX512_FN {  // bf16_absmax_raw
+    __m512i a = _mm512_and_si512(_mm512_loadu_si512(p), am);
+    for (int j = 32; j < tile; j += 32) a = _mm512_max_epu16(a, _mm512_and_si512(_mm512_loadu_si512(p + j), am));
+    return hmax_epu16_512(a);
+  };
+  uint32_t raw[16];
+  for (int w = 0; w < tiles; ++w) {
+    raw[w] = amax(x + w * tile);
+    if ((raw[w] >> 7) - FP8DS_TAB_E0 >= uint32_t(FP8DS_TAB_NE)) return false;  // NaN / inf: E = 255
+  }
+  for (int w = 0; w < tiles; ++w) {
+    const uint32_t e = raw[w] >> 7, m = raw[w] & 0x7F;
+    scales[w] = bits_to_float(t.s[m] + ((e - 127) << 23));
+    if (t.rf[m] != 0) {
+      fp8_bf16_run_512<E4M3, true, true>(x + w * tile, tile, scales[w], dst + w * tile, bits_to_float(t.rf[m] - ((e - 127) << 23)));
+    } else {
+      fp8_bf16_run_512<E4M3, true>(x + w * tile, tile, scales[w], dst + w * tile, 1.0f / scales[w]);
+    }
+  }
+  return true;
 }
 
 // int8_bf16_run_avx2, 64 elements a step.
@@ -225,13 +309,6 @@ KVW_AVX512 void int8_bf16_run_rf_512(const uint16_t* __restrict__ src, int n, ch
   const __m512i idx = int8_rf_gather_idx();
   const __m512 vr = _mm512_set1_ps(rf);
   for (int j = 0; j < n; j += 64) int8_rf_step(src + j, dst + j, vr, idx);
-}
-
-// The max of 32 unsigned 16-bit lanes.
-KVW_AVX512 uint32_t hmax_epu16_512(__m512i a) {
-  const __m256i f = _mm256_max_epu16(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
-  const __m128i h = _mm_xor_si128(_mm_max_epu16(_mm256_castsi256_si128(f), _mm256_extracti128_si256(f, 1)), _mm_set1_epi16(-1));
-  return 0xFFFFu & ~uint32_t(_mm_cvtsi128_si32(_mm_minpos_epu16(h)));
 }
 
 // One (side, head) run of a per token-head int8 token: its bf16 source, its codes, its scale.
@@ -390,6 +467,12 @@ struct Lanes {
   static int fp8_bf16_run(const uint16_t* __restrict__ src, int n, float s, char* __restrict__ dst, float r = 0.0f) {
     if constexpr (L == 2) return fp8_bf16_run_512<F, DYN>(src, n, s, dst, r);
     return fp8_bf16_run_avx2<F, DYN>(src, n, s, dst, r);
+  }
+  // fp8_ds_mla's tiles under the plain scale rule by one multiply a value; false: the AVX2 level,
+  // or a tile the table does not take (the caller's general tile loop)
+  static bool fp8_ds_tiles(const uint16_t* x, int tiles, int tile, char* dst, float* scales) {
+    if constexpr (L == 2) return fp8_ds_tiles_512(x, tiles, tile, dst, scales);
+    return false;
   }
   static int int8_bf16_run(const uint16_t* __restrict__ src, int n, float s, char* __restrict__ dst, float r = 0.0f) {
     if constexpr (L == 2) return int8_bf16_run_512(src, n, s, dst, r);
