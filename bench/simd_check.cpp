@@ -195,7 +195,11 @@ long check_int8_head_runs() {
       }
       std::shuffle(row, row + D, g);
     }
-    const uint64_t left = int8_head_runs_512(r.data(), RUNS, D);
+    const uint64_t left = int8_head_runs_512<0>(r.data(), RUNS, D);  // D at run time, then at compile time
+    const std::vector<char> run_time = out;
+    const std::vector<float> run_time_sc = sc;
+    if ((int8_head_runs_512<D>(r.data(), RUNS, D) != left || out != run_time || sc != run_time_sc) && bad++ < 4)
+      std::printf("int8 head runs: D at compile time differs (amax %04x..)\n", a0);
     for (int u = 0; u < RUNS; ++u) {
       const uint32_t a = a0 + uint32_t(u);
       float ts, trf;

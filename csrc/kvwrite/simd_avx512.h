@@ -321,8 +321,11 @@ struct Int8HeadRun {
 // Per token-head int8 of n runs of D bf16 values (D % 64 == 0, n <= 64), each by its own dynamic
 // scale and rf from table (int8_scale_tab1) and int8_bf16_run_rf's codes; the next run's amax is
 // taken one run ahead, so that its load-and-reduce chain runs beside this run's codes. Returns
-// the runs left undone (bit u: run u's amax is outside the table: NaN / inf, tiny, huge).
-KVW_AVX512 uint64_t int8_head_runs_512(const Int8HeadRun* r, int n, int D) {
+// the runs left undone (bit u: run u's amax is outside the table: NaN / inf, tiny, huge). D0: D
+// at compile time (the loops unrolled), 0: D at run time.
+template <int D0>
+KVW_AVX512 uint64_t int8_head_runs_512(const Int8HeadRun* r, int n, int d) {
+  const int D = D0 != 0 ? D0 : d;
   const __m512i idx = int8_rf_gather_idx(), am = _mm512_set1_epi16(0x7FFF);
   const auto amax = [&](const uint16_t* p) KVW_AVX512_FN {  // bf16_absmax_raw
     __m512i a = _mm512_and_si512(_mm512_loadu_si512(p), am);

@@ -171,7 +171,9 @@ inline void int8_head_runs(const StoreKVQuantParams& p, i64 i, i64 row) {
     for (int h = 0; h < p.H; ++h)
       r[k * p.H + h] = {src + h * s.s_head, dst + s.cache.in_row(h, 0), reinterpret_cast<float*>(sc + s.scales.in_row(h, 0))};
   }
-  for (uint64_t left = int8_head_runs_512(r, 2 * p.H, p.k.D); left != 0; left &= left - 1) {
+  const int D = p.k.D;  // 128: the usual head
+  for (uint64_t left = D == 128 ? int8_head_runs_512<128>(r, 2 * p.H, D) : int8_head_runs_512<0>(r, 2 * p.H, D); left != 0;
+       left &= left - 1) {
     const int u = __builtin_ctzll(left);
     quant_kv_head<DType::BF16, Int8Fmt>(*side[u / p.H], RULE_RNE, i, row, u % p.H, 0, 1);
   }
