@@ -26,18 +26,14 @@
 #include "kvwrite/store_kv.h"
 #include "kvwrite/store_kv_nvfp4.h"
 #include "kvwrite/store_kv_quant.h"
+#include "quant_harness.h"
 
 using namespace kvwrite;
+using namespace harness;
 
 namespace {
 
-constexpr int H = 8, D = 128, PPS = 16, ROW = 16;  // ROW: the compute runs' one row (page 1)
-
-double thread_us() {
-  timespec t;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
-  return t.tv_sec * 1e6 + t.tv_nsec * 1e-3;
-}
+constexpr int H = 8, D = 128, ROW = 16;  // ROW: the compute runs' one row (page 1)
 
 double median_us(const std::function<void()>& f, int reps) {
   f();
@@ -55,16 +51,7 @@ double median_us(const std::function<void()>& f, int reps) {
 struct Buf {
   std::vector<char> pool, staged;  // the cache, and N contiguous rows for the scatter
   i64 row;
-  PagedCache cache(i64 head_elems, int elem_size) {
-    PagedCache c;
-    c.base = pool.data();
-    c.stride_entry = row / elem_size;
-    c.stride_page = PPS * c.stride_entry;
-    c.stride_head = head_elems;
-    c.pool_page_size = PPS;
-    c.elem_size = elem_size;
-    return c;
-  }
+  PagedCache cache(i64 head_elems, int elem_size) { return cache_of(pool.data(), row, head_elems, elem_size); }
 };
 
 struct Case {
@@ -74,24 +61,6 @@ struct Case {
   std::function<void(std::vector<Buf>&, const uint16_t* k, const uint16_t* v, i64 s_tok, const int64_t* loc, i64 n,
                      i64 rows)> run;
 };
-
-LocArgs loc_args(const int64_t* loc, i64 n, i64 rows) {
-  LocArgs a;
-  a.loc = loc;
-  a.loc64 = true;
-  a.capacity = rows;
-  a.pool_page_size = PPS;
-  a.n = n;
-  return a;
-}
-
-template <class P, class Dispatch>
-void run_tokens(const P& p, Dispatch&& dispatch) {
-  dispatch(p, CHECK_OFF, [&](auto token, i64) {
-    using Token = typename decltype(token)::type;
-    for (i64 i = 0; i < p.locs.n; ++i) Token{}(p, i, 0, 1);
-  });
-}
 
 // A side's source fields: bf16 rows [n, H, D], s_tok elements a token (0: every token reads token 0's).
 template <class Side>
@@ -160,12 +129,6 @@ Case nvfp4_case() {
   }};
 }
 
-uint16_t bf16_of(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return uint16_t(u >> 16);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -180,16 +143,12 @@ int main(int argc, char** argv) {
   std::printf("| case | N | scatter µs | store µs | %% of scatter | compute µs | best %% (scatter / compute) |\n");
   std::printf("|---|---:|---:|---:|---:|---:|---:|\n");
   for (const i64 n : sizes) {
-    std::mt19937_64 rng(0);
-    std::normal_distribution<float> normal;
-    std::vector<uint16_t> k(n * H * D), v(n * H * D);
-    for (auto& x : k) x = bf16_of(normal(rng));
-    for (auto& x : v) x = bf16_of(normal(rng));
-    const i64 rows = 4 * n + PPS;  // page 0 reserved, as random_locs
-    std::vector<int64_t> loc(4 * n), one(n, ROW);
-    for (i64 i = 0; i < 4 * n; ++i) loc[i] = PPS + i;
-    std::shuffle(loc.begin(), loc.end(), rng);
-    loc.resize(n);
+    Inputs in = inputs(n, H * D);
+    const std::vector<uint16_t>& k = in.k;
+    const std::vector<uint16_t>& v = in.v;
+    const std::vector<int64_t>& loc = in.loc;
+    const std::vector<int64_t> one(n, ROW);
+    const i64 rows = in.rows;
     for (const Case& c : cases) {
       std::vector<Buf> bufs;
       for (const i64 w : c.row_bytes) bufs.push_back(Buf{std::vector<char>(rows * w), std::vector<char>(n * w), w});

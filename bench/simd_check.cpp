@@ -4,7 +4,9 @@
 // fp8_bits / e2m1_code; the streaming bf16 lanes: div_cr8 (x * RN(1/s) with one FMA correction)
 // against the division for every (8-bit x mantissa, 24-bit s mantissa) pair and for 11-bit (fp16)
 // x mantissas too, and fp8_bf16_run / int8_bf16_run over every bf16 pattern for a spread of
-// scales, int8_bf16_run_rf for every bf16 amax and every |x| <= amax, the static-scale code
+// scales, int8_bf16_run_rf for every bf16 amax and every |x| <= amax, the per token-head int8 runs'
+// scale table for every bf16 amax, fp8_ds_mla's tiles by one multiply a value for every bf16 amax
+// and every |x| <= amax, the static-scale code
 // tables, the NVFP4 / MXFP4 bf16 lanes (e2m1 by 16-bit compares)
 // (`simd_check bf16`: these alone,
 // about a minute). Not part of `make test` (about a minute
@@ -157,6 +159,108 @@ long check_int8_rf() {
                 bad, rows, values, exact);
     return bad;
   });
+}
+
+// The per token-head int8 runs (int8_head_runs_512, AVX-512 only): its scale table against
+// dynamic_scale / int8_fast_recip over every bf16 amax bit pattern (NaN / inf included), then
+// runs of 128 values (the amax with a random sign, amax / 2 and its bf16 neighbours, random |x| <=
+// amax), 64 runs a call over every amax pattern: the runs it leaves are the ones the table
+// declines, the others' scales and codes are the scalar ones.
+long check_int8_head_runs() {
+  if (simd_level() < 2) return 0;
+  long bad = 0, tab = 0, left_ok = 0;
+  for (uint32_t raw = 0; raw < 0x8000; ++raw) {
+    const float amax = bf16_policy_amax(raw), s = amax < 0.0f ? 0.0f : dynamic_scale<Int8Fmt>(amax);
+    const float rf = amax < 0.0f ? 0.0f : int8_fast_recip(amax, s, DYN_SCALE_FLOOR);
+    float ts = 0.0f, trf = 0.0f;
+    if (!int8_scale_tab1(raw, ts, trf)) continue;
+    ++tab;
+    if ((ts != s || trf != rf || rf == 0.0f) && bad++ < 4) std::printf("int8 table: amax %04x gives s %a rf %a, want %a %a\n", raw, ts, trf, s, rf);
+  }
+  constexpr int D = 128, RUNS = 64;
+  std::mt19937 g(3);
+  std::vector<uint16_t> x(D * RUNS);
+  std::vector<char> out(D * RUNS);
+  std::vector<float> sc(RUNS);
+  std::vector<Int8HeadRun> r(RUNS);
+  for (int u = 0; u < RUNS; ++u) r[u] = {x.data() + u * D, out.data() + u * D, &sc[u]};
+  for (uint32_t a0 = 0; a0 < 0x8000; a0 += RUNS) {
+    for (int u = 0; u < RUNS; ++u) {
+      const uint32_t a = a0 + uint32_t(u);
+      const float amax = bf16_to_float(uint16_t(a)), half = bf16_to_float(uint16_t(float_to_bits(amax * 0.5f) >> 16));
+      uint16_t* row = x.data() + u * D;
+      for (int j = 0; j < D; ++j) {
+        const uint32_t v = j == 0 ? a : j < 4 && a >= 0x100 && a < 0x7F80 ? (float_to_bits(half) >> 16) + uint32_t(j) - 2 : g() % (a + 1);
+        row[j] = uint16_t((v > a ? a : v) | (g() & 1) << 15);
+      }
+      std::shuffle(row, row + D, g);
+    }
+    const uint64_t left = int8_head_runs_512<0>(r.data(), RUNS, D);  // D at run time, then at compile time
+    const std::vector<char> run_time = out;
+    const std::vector<float> run_time_sc = sc;
+    if ((int8_head_runs_512<D>(r.data(), RUNS, D) != left || out != run_time || sc != run_time_sc) && bad++ < 4)
+      std::printf("int8 head runs: D at compile time differs (amax %04x..)\n", a0);
+    for (int u = 0; u < RUNS; ++u) {
+      const uint32_t a = a0 + uint32_t(u);
+      float ts, trf;
+      const bool want_left = !int8_scale_tab1(a, ts, trf);
+      if (((left >> u) & 1) != want_left && bad++ < 4) std::printf("int8 head runs: amax %04x left %d\n", a, int((left >> u) & 1));
+      if (want_left) {
+        ++left_ok;
+        continue;
+      }
+      const float s = dynamic_scale<Int8Fmt>(bf16_policy_amax(a));
+      if (sc[u] != s && bad++ < 4) std::printf("int8 head runs: amax %04x scale %a, want %a\n", a, sc[u], s);
+      const Quantizer<Int8Fmt> q(s, RULE_RNE);
+      for (int j = 0; j < D; ++j) {
+        const uint8_t want = q(bf16_to_float(x[u * D + j]));
+        if (uint8_t(out[u * D + j]) != want && bad++ < 4)
+          std::printf("int8 head runs: amax %04x x %04x gives %02x, scalar %02x\n", a, x[u * D + j], uint8_t(out[u * D + j]), want);
+      }
+    }
+  }
+  std::printf("int8 head runs: %ld differ (table: %ld amax values; %ld runs left to quant_kv_head)\n", bad, tab, left_ok);
+  return bad;
+}
+
+// fp8_ds_mla's tiles by one multiply a value (AVX-512 only): every bf16 amax bit pattern with every
+// bf16 |x| <= amax (both signs) as one tile through fp8_ds_tiles_512 (it declines exactly the amax
+// values outside its table's exponents; else its scale is ds_mla_scale(amax) and its codes the
+// scalar e4m3 codes of x / s: fp8_bf16_run_512's RF lanes where the table has an rf, the division
+// where not).
+long check_fp8_ds() {
+  if (simd_level() < 2 || !ftz_clear()) return 0;
+  std::vector<uint16_t> x(2 * 0x8000 + 64);
+  std::vector<char> out(x.size());
+  long bad = 0, tiles = 0, rf_tiles = 0, declined = 0, codes = 0;
+  for (uint32_t a = 0; a < 0x8000; ++a) {
+    int n = 0;
+    for (uint32_t m = 0; m <= a; ++m) {
+      x[n++] = uint16_t(m);
+      x[n++] = uint16_t(m | 0x8000);
+    }
+    while (n % 64 != 0) x[n++] = 0;
+    float s = 0.0f;
+    const bool in = (a >> 7) - FP8DS_TAB_E0 < uint32_t(FP8DS_TAB_NE);
+    if (!fp8_ds_tiles_512(x.data(), 1, n, out.data(), &s)) {
+      declined += 1;
+      if (in && bad++ < 4) std::printf("fp8 ds tiles: amax %04x declined\n", a);
+      continue;
+    }
+    const float want_s = ds_mla_scale(bf16_to_float(uint16_t(a)));
+    if ((!in || s != want_s) && bad++ < 4) std::printf("fp8 ds tiles: amax %04x scale %a, want %a\n", a, s, want_s);
+    ++tiles;
+    rf_tiles += fp8_ds_tab().rf[a & 0x7F] != 0;
+    for (int i = 0; i < n; ++i) {
+      const uint8_t want = fp8_bits<E4M3>(daz(bf16_to_float(x[i])) / want_s);
+      if (uint8_t(out[i]) != want && bad++ < 4)
+        std::printf("fp8 ds tiles: amax %04x x %04x gives %02x, scalar %02x\n", a, x[i], uint8_t(out[i]), want);
+    }
+    codes += n;
+  }
+  std::printf("fp8 ds tiles: %ld differ over %ld amax values (%ld by one multiply, %ld by the division; %ld declined), "
+              "%ld codes\n", bad, tiles, rf_tiles, tiles - rf_tiles, declined, codes);
+  return bad;
 }
 
 // 2^16 bf16 values in blocks of `block`: block k's amax is amax_mul * d (d = scale(c), c cycling
@@ -374,7 +478,7 @@ int main(int argc, char** argv) {
   std::mt19937 g(0);
   for (int k = 0; k < 2000; ++k) scales.push_back(bits_to_float((g() & 0x807FFFFFu) | (uint32_t(87 + g() % 80) << 23)));
   bad += check_bf16_run<E4M3>("e4m3 bf16 lanes", scales) + check_bf16_run<E5M2>("e5m2 bf16 lanes", scales);
-  bad += check_int8_rf();
+  bad += check_int8_rf() + check_int8_head_runs() + check_fp8_ds();
   bad += check_nvfp4_bf16() + check_nvfp4_fp16_fp32();
   {  // the static-scale code tables (fp8_bf16_table_run, blocks it declines by the arithmetic lanes)
     std::vector<uint16_t> x(65536);

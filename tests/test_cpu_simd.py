@@ -150,6 +150,37 @@ def test_store_mla_fp8_ds_mla_every_pattern(dtype):
     run(call, {"c": ((-(-(n + 4) // 16), 16, 656), torch.uint8)})
 
 
+@pytest.mark.parametrize("scale", [None, "pow2"])
+def test_store_mla_fp8_ds_mla_one_multiply(scale):
+    """fp8_ds_mla tiles coded by one multiply a value (fp8_ds_tiles_512, fp8_ds_recip): every bf16
+    amax mantissa (the seven the table leaves to the division among them) at exponents inside the
+    table's range and past both ends, the other values on the e4m3 rounding ties t * s (normal and
+    subnormal) and one bf16 step either side, both signs; a token with a NaN tile, one with an inf."""
+    n, tiles = 256, 4
+    g = torch.Generator().manual_seed(12)
+    mant = (torch.arange(n * tiles) % 128).float().reshape(n, tiles, 1)
+    expo = torch.randint(-36, 52, (n, tiles, 1), generator=g).float()
+    amax = ((1 + mant / 128) * 2.0 ** expo).to(torch.bfloat16).float()
+    s = amax / 448
+    ties = torch.cat([(2 * torch.arange(8, 16) + 1) * 2.0 ** j / 16 for j in range(-6, 9)] +
+                     [(2 * torch.arange(0, 8) + 1) * 2.0 ** -10])
+    t = ties[torch.randint(0, ties.numel(), (n, tiles, 128), generator=g)] * s
+    bits = t.to(torch.bfloat16).view(torch.int16) + torch.randint(-1, 2, t.shape, generator=g, dtype=torch.int16)
+    x = torch.minimum(bits.view(torch.bfloat16).float().abs(), amax)
+    x = x * torch.where(torch.rand(x.shape, generator=g) < 0.5, -1.0, 1.0)
+    x[..., 7] = amax[..., 0] * torch.where(torch.rand(n, tiles, generator=g) < 0.5, -1.0, 1.0)
+    x[5, 2, 9], x[9, 1, 3] = float("nan"), float("-inf")
+    kv_c = x.reshape(n, tiles * 128).to(torch.bfloat16)
+    k_pe = torch.randn(n, 64, generator=g).to(torch.bfloat16)
+    loc = torch.randperm(n + 4, generator=g)[:n]
+    fmt = "fp8_ds_mla+pow2" if scale else "fp8_ds_mla"
+
+    def call(p, b):
+        kvwrite.store_mla(kv_c, k_pe, p["c"], loc, kv_cache_dtype=fmt, backend=b)
+
+    run(call, {"c": ((-(-(n + 4) // 16), 16, 656), torch.uint8)})
+
+
 # The streaming bf16 lanes (fp8_bf16_run / int8_bf16_run: x / s by a reciprocal and one FMA
 # correction, the sign taken from the input): signs of the scale, the edges of their scale range
 # (2^-40, 2^40) and scales that make many quotients exact ties of the fp8 / int8 grids.

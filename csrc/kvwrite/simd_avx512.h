@@ -10,6 +10,9 @@
 
 #include "simd_x86.h"
 
+#include <initializer_list>
+#include <vector>
+
 #if KVW_SIMD_X86
 #define KVW_AVX512_FN __attribute__((target("avx2,f16c,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,gfni")))
 #define KVW_AVX512 KVW_AVX512_FN inline
@@ -32,6 +35,13 @@ KVW_AVX512 void widen_bf16x64(__m512i l0, __m512i l1, __m512 (&x)[4]) {
   x[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, l0));
   x[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, l1));
   x[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, l1));
+}
+
+// The max of 32 unsigned 16-bit lanes.
+KVW_AVX512 uint32_t hmax_epu16_512(__m512i a) {
+  const __m256i f = _mm256_max_epu16(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
+  const __m128i h = _mm_xor_si128(_mm_max_epu16(_mm256_castsi256_si128(f), _mm256_extracti128_si256(f, 1)), _mm_set1_epi16(-1));
+  return 0xFFFFu & ~uint32_t(_mm_cvtsi128_si32(_mm_minpos_epu16(h)));
 }
 
 KVW_AVX512 __m512 div_cr16(__m512 x, __m512 s, __m512 r) {  // div_cr8's correctly rounded x / s
@@ -65,8 +75,11 @@ KVW_AVX512 __m512i grid_codes16_k(__m512 ax, __m512* value = nullptr) {
 }
 
 // fp8_bf16_run_avx2, 64 elements a step (the rest by the AVX2 lanes); returns how many were done.
-template <class F, bool DYN>
+// RF (a DYN row, n % 64 == 0): the quotient by one multiply, x * r with r = fp8_ds_tab's rf, under
+// which the codes are those of the correctly rounded x / s (s unused).
+template <class F, bool DYN, bool RF = false>
 KVW_AVX512 int fp8_bf16_run_512(const uint16_t* __restrict__ src, int n, float s, char* __restrict__ dst, float r) {
+  static_assert(DYN || !RF, "one multiply a value: dynamic scales' rows only");
   const float as = s < 0 ? -s : s;
   const __m512 vs = _mm512_set1_ps(as), vr = _mm512_set1_ps(r != 0.0f ? r : 1.0f / as);
   const __m512 vmax = _mm512_set1_ps(fp8_max<F>() * as);
@@ -79,7 +92,7 @@ KVW_AVX512 int fp8_bf16_run_512(const uint16_t* __restrict__ src, int n, float s
     widen_bf16x64(_mm512_and_si512(l0, am), _mm512_and_si512(l1, am), x);  // |x|
     __m512i c[4];
     for (int k = 0; k < 4; ++k)
-      c[k] = grid_codes16_noftz<F::mant, F::emin>(div_cr16(DYN ? x[k] : _mm512_min_ps(vmax, x[k]), vs, vr));
+      c[k] = grid_codes16_noftz<F::mant, F::emin>(RF ? _mm512_mul_ps(x[k], vr) : div_cr16(DYN ? x[k] : _mm512_min_ps(vmax, x[k]), vs, vr));
     const __m512i code = _mm512_packus_epi16(_mm512_packus_epi32(c[0], c[1]), _mm512_packus_epi32(c[2], c[3]));
     __m512i b = _mm512_ternarylogic_epi32(code, _mm512_packs_epi16(l0, l1), smask, 0xF8);  // code | (sign & 0x80)
     if constexpr (!DYN) {  // the divisor's sign; a NaN (0xFF) -> 0x7F
@@ -88,7 +101,78 @@ KVW_AVX512 int fp8_bf16_run_512(const uint16_t* __restrict__ src, int n, float s
     }
     _mm512_storeu_si512(dst + j, in_order64(b));
   }
+  if constexpr (RF) return j;
   return j + fp8_bf16_run_avx2<F, DYN>(src + j, n - j, s, dst + j, r);
+}
+
+// fp8_ds_mla's dynamic e4m3 tile scale s = RN(amax / 448) (ds_mla_scale) by one multiply a value:
+// for 121 of the 128 bf16 amax mantissas M some rf within 4 ulps of RN(1 / s) gives
+// e4m3(RN(x * rf)) = e4m3(RN(x / s)) for every bf16 |x| <= amax (the other 7: RN(x / s) lands
+// exactly on an e4m3 tie that x * rf passes by an ulp; they keep the division). Found at E = 127
+// (amax in [1, 2)) when first needed (about a millisecond), running the division's and the one
+// multiply's lanes (fp8_bf16_run_512 DYN, RF) over every |x| <= amax; for amax =
+// (1 + M / 128) 2^(E - 127), E in [FP8DS_TAB_E0, FP8DS_TAB_E0 + FP8DS_TAB_NE) (s normal, in
+// cr_div_ok's range), s and rf scale by 2^(E - 127) and 2^(127 - E) exactly and the quotients
+// with x / amax, so table[M] serves every E. bench/simd_check.cpp runs every bf16 amax with every
+// bf16 |x| <= amax through the lane.
+constexpr int FP8DS_TAB_E0 = 96, FP8DS_TAB_NE = 79;
+struct Fp8DsTab {
+  alignas(64) uint32_t s[128], rf[128];  // rf 0: the division
+};
+KVW_AVX512 const Fp8DsTab& fp8_ds_tab() {
+  static const Fp8DsTab t = [] {
+    Fp8DsTab b;
+    std::vector<uint16_t> x(0x4000);  // |x| <= amax < 2
+    for (int i = 0; i < 0x4000; ++i) x[i] = uint16_t(i);
+    std::vector<char> want(x.size()), got(x.size());
+    for (uint32_t m = 0; m < 128; ++m) {
+      const uint32_t araw = 0x3F80u | m;
+      const int n = int(araw + 64) & ~63;  // every |x| <= amax (then a few above: the same in both)
+      const float s = bits_to_float(araw << 16) / 448.0f;
+      b.s[m] = float_to_bits(s);
+      b.rf[m] = 0;
+      fp8_bf16_run_512<E4M3, true>(x.data(), n, s, want.data(), 1.0f / s);
+      for (const int d : {0, -1, 1, -2, 2, -3, 3, -4, 4}) {
+        const uint32_t rf = float_to_bits(1.0f / s) + uint32_t(d);
+        fp8_bf16_run_512<E4M3, true, true>(x.data(), n, s, got.data(), bits_to_float(rf));
+        if (std::memcmp(want.data(), got.data(), size_t(araw + 1)) == 0) {
+          b.rf[m] = rf;
+          break;
+        }
+      }
+    }
+    return b;
+  }();
+  return t;
+}
+
+// A token's fp8_ds_mla tiles under the plain scale rule (ds_mla_scale: s = RN(amax / 448)):
+// `tiles` tiles of `tile` bf16 values (tile % 64 == 0, tiles <= 16), each tile's amax, then s and
+// rf from fp8_ds_tab (no division), codes by fp8_bf16_run_512's RF lanes (by the division where the
+// table has no rf). False (nothing written) where a tile's amax is NaN / inf or outside the table's exponents.
+KVW_AVX512 bool fp8_ds_tiles_512(const uint16_t* x, int tiles, int tile, char* dst, float* scales) {
+  const Fp8DsTab& t = fp8_ds_tab();
+  const __m512i am = _mm512_set1_epi16(0x7FFF);
+  const auto amax = [&](const uint16_t* p) KVW_AVX512_FN {  // bf16_absmax_raw
+    __m512i a = _mm512_and_si512(_mm512_loadu_si512(p), am);
+    for (int j = 32; j < tile; j += 32) a = _mm512_max_epu16(a, _mm512_and_si512(_mm512_loadu_si512(p + j), am));
+    return hmax_epu16_512(a);
+  };
+  uint32_t raw[16];
+  for (int w = 0; w < tiles; ++w) {
+    raw[w] = amax(x + w * tile);
+    if ((raw[w] >> 7) - FP8DS_TAB_E0 >= uint32_t(FP8DS_TAB_NE)) return false;  // NaN / inf: E = 255
+  }
+  for (int w = 0; w < tiles; ++w) {
+    const uint32_t e = raw[w] >> 7, m = raw[w] & 0x7F;
+    scales[w] = bits_to_float(t.s[m] + ((e - 127) << 23));
+    if (t.rf[m] != 0) {
+      fp8_bf16_run_512<E4M3, true, true>(x + w * tile, tile, scales[w], dst + w * tile, bits_to_float(t.rf[m] - ((e - 127) << 23)));
+    } else {
+      fp8_bf16_run_512<E4M3, true>(x + w * tile, tile, scales[w], dst + w * tile, 1.0f / scales[w]);
+    }
+  }
+  return true;
 }
 
 // int8_bf16_run_avx2, 64 elements a step.
@@ -159,27 +243,110 @@ KVW_AVX512 void int8_fast_recips8(const uint32_t* raw, const float* s, float flo
   }
 }
 
+// The dynamic int8 scale and int8_fast_recip's rf by table, no division: for a bf16 amax
+// (1 + M / 128) 2^(E - 127) with E in [INT8_TAB_E0, INT8_TAB_E0 + INT8_TAB_NE), s = RN(amax / 127)
+// and RN(127 / amax) are the E = 127 values scaled by 2^(E - 127) and 2^(127 - E) exactly (all
+// normal; 2^-12 / 127 <= s < 2^46 / 127: above the floor, below cr_div_ok's 2^40), and int8_fast_recip's
+// tests (the amax / 2 code, 127 s - amax against 2^-18 s) scale with them: so s and rf are
+// table[M] with E - 127 added to / taken from the exponent bits. A table entry with rf = 0 (the rule
+// declined; none does) leaves the row to int8_fast_recip. bench/simd_check.cpp compares both with
+// dynamic_scale / int8_fast_recip over every bf16 amax.
+constexpr int INT8_TAB_E0 = 115, INT8_TAB_NE = 58;
+struct Int8ScaleTab {
+  alignas(64) uint32_t s[128], rf[128];
+};
+KVW_AVX512 const Int8ScaleTab& int8_scale_tab() {
+  static const Int8ScaleTab t = [] {
+    Int8ScaleTab b;
+    for (int m = 0; m < 128; ++m) {
+      const float amax = bits_to_float(0x3F800000u | uint32_t(m) << 16), s = amax / 127.0f;  // E = 127: above any floor
+      b.s[m] = float_to_bits(s);
+      b.rf[m] = float_to_bits(int8_fast_recip(amax, s, 0.0f));
+    }
+    return b;
+  }();
+  return t;
+}
+
+// dynamic_scale<Int8Fmt> and int8_fast_recip of a row from its bf16_absmax_raw bits; false
+// (nothing written) where its E is outside the table or its rf entry is 0.
+KVW_AVX512 bool int8_scale_tab1(uint32_t raw, float& s, float& rf) {
+  const Int8ScaleTab& t = int8_scale_tab();
+  const uint32_t e = raw >> 7, m = raw & 0x7F;
+  if (e - INT8_TAB_E0 >= uint32_t(INT8_TAB_NE) || t.rf[m] == 0) return false;
+  s = bits_to_float(t.s[m] + ((e - 127) << 23));
+  rf = bits_to_float(t.rf[m] - ((e - 127) << 23));
+  return true;
+}
+
 // int8 codes RNE(x / s) of a row under int8_fast_recip's rule (rf from it, n % 64 == 0): one FMA
-// per value, the code the low byte of x * rf + 1.5 * 2^23, gathered by two vpermt2b.
-KVW_AVX512 void int8_bf16_run_rf_512(const uint16_t* __restrict__ src, int n, char* __restrict__ dst, float rf) {
-  // byte e: the low byte of element e's dword in the pair (t[0], t[1]) for e < 32, (t[2], t[3])
-  // for e >= 32 (unpack order: lane L of t[0] holds elements 8L..8L+3, of t[1] 8L+4..8L+7)
+// per value, the code the low byte of x * rf + 1.5 * 2^23. 32 bf16 a load, widened as the even
+// elements (the words shifted up) and the odd ones (the high words masked), no unpacks; the codes
+// gathered back in element order by one vpermt2b a load.
+KVW_AVX512 __m512i int8_rf_gather_idx() {
+  // byte p (and p + 32): element e = p % 32, the low byte of dword e / 2 of the even (e even) or
+  // the odd (index + 64) vector
   alignas(64) static constexpr struct Low {
     uint8_t i[64];
     constexpr Low() : i() {
-      for (int e = 0; e < 64; ++e) i[e] = uint8_t(e % 8 < 4 ? 4 * (e % 32 / 8 * 4 + e % 8) : 64 + 4 * (e % 32 / 8 * 4 + e % 8 - 4));
+      for (int p = 0; p < 64; ++p) i[p] = uint8_t((p % 2) * 64 + 4 * (p % 32 / 2));
     }
   } low;
-  const __m512i idx = _mm512_load_si512(low.i);
-  const __m512 vr = _mm512_set1_ps(rf), c = _mm512_set1_ps(INT8_MAGIC);
-  for (int j = 0; j < n; j += 64) {
-    __m512 x[4];
-    widen_bf16x64(_mm512_loadu_si512(src + j), _mm512_loadu_si512(src + j + 32), x);
-    __m512i t[4];
-    for (int k = 0; k < 4; ++k) t[k] = _mm512_castps_si512(_mm512_fmadd_ps(x[k], vr, c));
-    const __m512i a = _mm512_permutex2var_epi8(t[0], idx, t[1]), b = _mm512_permutex2var_epi8(t[2], idx, t[3]);
-    _mm512_storeu_si512(dst + j, _mm512_mask_blend_epi8(0xFFFFFFFF00000000ull, a, b));  // elements 0-31 | 32-63
+  return _mm512_load_si512(low.i);
+}
+KVW_AVX512 __m512i int8_rf_codes32(__m512i l, __m512 vr, __m512i idx) {
+  const __m512 c = _mm512_set1_ps(INT8_MAGIC);
+  const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(l, 16));
+  const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(l, _mm512_set1_epi32(int(0xFFFF0000u))));
+  return _mm512_permutex2var_epi8(_mm512_castps_si512(_mm512_fmadd_ps(even, vr, c)), idx,
+                                  _mm512_castps_si512(_mm512_fmadd_ps(odd, vr, c)));
+}
+KVW_AVX512 void int8_rf_step(const uint16_t* __restrict__ src, char* __restrict__ dst, __m512 vr, __m512i idx) {
+  const __m512i a = int8_rf_codes32(_mm512_loadu_si512(src), vr, idx), b = int8_rf_codes32(_mm512_loadu_si512(src + 32), vr, idx);
+  _mm512_storeu_si512(dst, _mm512_mask_blend_epi8(0xFFFFFFFF00000000ull, a, b));  // elements 0-31 | 32-63
+}
+KVW_AVX512 void int8_bf16_run_rf_512(const uint16_t* __restrict__ src, int n, char* __restrict__ dst, float rf) {
+  const __m512i idx = int8_rf_gather_idx();
+  const __m512 vr = _mm512_set1_ps(rf);
+  for (int j = 0; j < n; j += 64) int8_rf_step(src + j, dst + j, vr, idx);
+}
+
+// One (side, head) run of a per token-head int8 token: its bf16 source, its codes, its scale.
+struct Int8HeadRun {
+  const uint16_t* src;
+  char* dst;
+  float* scale;
+};
+
+// Per token-head int8 of n runs of D bf16 values (D % 64 == 0, n <= 64), each by its own dynamic
+// scale and rf from table (int8_scale_tab1) and int8_bf16_run_rf's codes; the next run's amax is
+// taken one run ahead, so that its load-and-reduce chain runs beside this run's codes. Returns
+// the runs left undone (bit u: run u's amax is outside the table: NaN / inf, tiny, huge). D0: D
+// at compile time (the loops unrolled), 0: D at run time.
+template <int D0>
+KVW_AVX512 uint64_t int8_head_runs_512(const Int8HeadRun* r, int n, int d) {
+  const int D = D0 != 0 ? D0 : d;
+  const __m512i idx = int8_rf_gather_idx(), am = _mm512_set1_epi16(0x7FFF);
+  const auto amax = [&](const uint16_t* p) KVW_AVX512_FN {  // bf16_absmax_raw
+    __m512i a = _mm512_and_si512(_mm512_loadu_si512(p), am);
+    for (int j = 32; j < D; j += 32) a = _mm512_max_epu16(a, _mm512_and_si512(_mm512_loadu_si512(p + j), am));
+    return hmax_epu16_512(a);
+  };
+  uint64_t left = 0;
+  uint32_t next = amax(r[0].src);
+  for (int u = 0; u < n; ++u) {
+    const uint32_t raw = next;
+    if (u + 1 < n) next = amax(r[u + 1].src);
+    float s, rf;
+    if (!int8_scale_tab1(raw, s, rf)) {
+      left |= 1ull << u;
+      continue;
+    }
+    *r[u].scale = s;
+    const __m512 vr = _mm512_set1_ps(rf);
+    for (int j = 0; j < D; j += 64) int8_rf_step(r[u].src + j, r[u].dst + j, vr, idx);
   }
+  return left;
 }
 
 // bf16_absmax_raw_avx2: the max of the |x| bits over n elements (n % 16 == 0), 64 a step.
@@ -193,10 +360,7 @@ KVW_AVX512 uint32_t bf16_absmax_raw_512(const uint16_t* p, int n) {
   }
   for (; j < n; j += 16)  // masked loads read nothing past the run
     a = _mm512_max_epu16(a, _mm512_and_si512(_mm512_maskz_loadu_epi16(0xFFFFu, p + j), m));
-  a = _mm512_max_epu16(a, b);
-  const __m256i f = _mm256_max_epu16(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
-  const __m128i h = _mm_xor_si128(_mm_max_epu16(_mm256_castsi256_si128(f), _mm256_extracti128_si256(f, 1)), _mm_set1_epi16(-1));
-  return 0x7FFFu & ~uint32_t(_mm_cvtsi128_si32(_mm_minpos_epu16(h)));
+  return hmax_epu16_512(_mm512_max_epu16(a, b));
 }
 
 // bf16_absmax_raw8_avx2, n % 32 == 0, 32 a step: each run read start to end (one stream at a time,
@@ -301,10 +465,17 @@ KVW_AVX512 void fp8_bf16_table_run_512(const Fp8Table& t, float s, const uint16_
 // (inlined where the build allows), not a dispatcher per run.
 template <int L>
 struct Lanes {
+  static constexpr int level = L;
   template <class F, bool DYN = false>
   static int fp8_bf16_run(const uint16_t* __restrict__ src, int n, float s, char* __restrict__ dst, float r = 0.0f) {
     if constexpr (L == 2) return fp8_bf16_run_512<F, DYN>(src, n, s, dst, r);
     return fp8_bf16_run_avx2<F, DYN>(src, n, s, dst, r);
+  }
+  // fp8_ds_mla's tiles under the plain scale rule by one multiply a value; false: the AVX2 level,
+  // or a tile the table does not take (the caller's general tile loop)
+  static bool fp8_ds_tiles(const uint16_t* x, int tiles, int tile, char* dst, float* scales) {
+    if constexpr (L == 2) return fp8_ds_tiles_512(x, tiles, tile, dst, scales);
+    return false;
   }
   static int int8_bf16_run(const uint16_t* __restrict__ src, int n, float s, char* __restrict__ dst, float r = 0.0f) {
     if constexpr (L == 2) return int8_bf16_run_512(src, n, s, dst, r);
@@ -319,6 +490,11 @@ struct Lanes {
   static void int8_fast_recips8(const uint32_t* raw, const float* s, float floor, float* rf) {
     if constexpr (L == 2) return kvwrite::int8_fast_recips8(raw, s, floor, rf);
     for (int k = 0; k < 8; ++k) rf[k] = 0.0f;
+  }
+  // dynamic_scale and rf by table (int8_scale_tab1); false: the AVX2 level, or a row outside the table
+  static bool int8_scale_tab1(uint32_t raw, float& s, float& rf) {
+    if constexpr (L == 2) return kvwrite::int8_scale_tab1(raw, s, rf);
+    return false;
   }
   static void int8_bf16_run_rf(const uint16_t* __restrict__ src, int n, char* __restrict__ dst, float rf) {
     if constexpr (L == 2) int8_bf16_run_rf_512(src, n, dst, rf);

@@ -49,6 +49,15 @@ KVW_HD void store_scale(const PagedCache& scales, i64 row, int h, float v) {
   *reinterpret_cast<float*>(scales.at(row, h, 0)) = v;
 }
 
+// Head h of token i with its own dynamic scale (per token-head), the generic way.
+template <DType IN, class F>
+KVW_HD void quant_kv_head(const KVQuantSide& s, int rule, i64 i, i64 row, int h, int lane, int nlanes) {
+  const i64 src = i * s.s_tok;
+  const float sc = dynamic_scale<F>(heads_amax<IN>(s.src, src + h * s.s_head, 0, 1, s.D, lane, nlanes));
+  if (lane == 0) store_scale(s.scales, row, h, sc);
+  quant_head<IN>(s, Quantizer<F>(sc, rule), src, h, s.cache.row_ptr(row), lane, nlanes);
+}
+
 #if KVW_SIMD_X86
 // The host's streaming lanes for bf16 sides with dynamic scales under the rne rule (int8 / e4m3 /
 // e5m2, whole rows of D % 32 == 0; per token-head at most MAX_LANE_HEADS heads): the amax as the
@@ -142,6 +151,34 @@ inline void lane_codes(L l, const KVQuantSide& s, int H, const uint16_t* src, co
   }
 }
 
+// Per token-head int8 at the AVX-512 level: the token's 2H (side, head) runs in one loop,
+// int8_head_runs_512 (each run's amax one run ahead of its codes: the two phases of lane_scales /
+// lane_codes left each token's codes waiting on its scale chains, and the next token's amax on
+// those codes); a run it leaves (amax outside its table) goes by quant_kv_head.
+constexpr int MAX_RUN_HEADS = 32;
+inline bool head_runs_apply(const StoreKVQuantParams& p) {
+  return p.H <= MAX_RUN_HEADS && p.k.D == p.v.D && p.k.D % 64 == 0 && lanes_apply<Int8Fmt, QUANT_HEAD>(p.k, p.H) &&
+         lanes_apply<Int8Fmt, QUANT_HEAD>(p.v, p.H);
+}
+inline void int8_head_runs(const StoreKVQuantParams& p, i64 i, i64 row) {
+  const KVQuantSide* side[2] = {&p.k, &p.v};
+  Int8HeadRun r[2 * MAX_RUN_HEADS];
+  for (int k = 0; k < 2; ++k) {
+    const KVQuantSide& s = *side[k];
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(s.src) + i * s.s_tok;
+    char* dst = s.cache.row_ptr(row);
+    char* sc = s.scales.row_ptr(row);
+    for (int h = 0; h < p.H; ++h)
+      r[k * p.H + h] = {src + h * s.s_head, dst + s.cache.in_row(h, 0), reinterpret_cast<float*>(sc + s.scales.in_row(h, 0))};
+  }
+  const int D = p.k.D;  // 128: the usual head
+  for (uint64_t left = D == 128 ? int8_head_runs_512<128>(r, 2 * p.H, D) : int8_head_runs_512<0>(r, 2 * p.H, D); left != 0;
+       left &= left - 1) {
+    const int u = __builtin_ctzll(left);
+    quant_kv_head<DType::BF16, Int8Fmt>(*side[u / p.H], RULE_RNE, i, row, u % p.H, 0, 1);
+  }
+}
+
 // A token's K and V by the lanes, both scales first; returns which sides are still to write
 // (bit 0: K, bit 1: V) by the generic path.
 template <DType IN, class F, int QUANT>
@@ -152,6 +189,12 @@ inline int quant_kv_lanes(const StoreKVQuantParams& p, i64 i, i64 row) {
     if (p.rule != RULE_RNE) return 3;
     const KVQuantSide* side[2] = {&p.k, &p.v};
     return with_lanes([&](auto l) {  // the level once a token
+      if constexpr (std::is_same<F, Int8Fmt>::value && QUANT == QUANT_HEAD && decltype(l)::level == 2) {
+        if (head_runs_apply(p)) {
+          int8_head_runs(p, i, row);
+          return 0;
+        }
+      }
       LaneScales o[2];
       const uint16_t* src[2];
       bool ok[2];
@@ -185,11 +228,7 @@ KVW_HD void quant_kv_side(const KVQuantSide& s, int rule, int H, i64 i, i64 row,
     const Quantizer<F> q(sc, rule);
     for (int h = 0; h < H; ++h) quant_head<IN>(s, q, src, h, dst, lane, nlanes);
   } else {
-    for (int h = 0; h < H; ++h) {
-      const float sc = dynamic_scale<F>(heads_amax<IN>(s.src, src + h * s.s_head, 0, 1, s.D, lane, nlanes));
-      if (lane == 0) store_scale(s.scales, row, h, sc);
-      quant_head<IN>(s, Quantizer<F>(sc, rule), src, h, dst, lane, nlanes);
-    }
+    for (int h = 0; h < H; ++h) quant_kv_head<IN, F>(s, rule, i, row, h, lane, nlanes);
   }
 }
 

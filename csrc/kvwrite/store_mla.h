@@ -165,9 +165,12 @@ KVW_HD void mla_ds(const StoreMLAParams& p, i64 i, char* dst, int lane, int nlan
 #if KVW_SIMD_X86
   if constexpr (IN == DType::BF16) {  // host: every tile's scale first (e4m3_tiles_bf16)
     float sc[16];
-    if (nlanes == 1 && e4m3_tiles_bf16(p.kv_c, i * p.c_sn, tiles, DS_MLA_TILE, [&](float a) { return ds_tile_scale(p, a); },
-                                       dst, sc, noftz)) {
-      for (int w = 0; w < tiles; ++w) store_le(scales + 4 * w, float_to_bits(sc[w]), 4);
+    const auto lanes = [&](auto plain) {  // plain: the ds_mla_scale rule (not DS_MLA_POW2)
+      return e4m3_tiles_bf16<decltype(plain)::value>(p.kv_c, i * p.c_sn, tiles, DS_MLA_TILE,
+                                                     [&](float a) { return ds_tile_scale(p, a); }, dst, sc, noftz);
+    };
+    if (nlanes == 1 && ((p.ds_flags & DS_MLA_POW2) ? lanes(std::false_type{}) : lanes(std::true_type{}))) {
+      memcpy(scales, sc, sizeof(float) * size_t(tiles));  // little-endian fp32, as store_le
       done = true;
     }
   }
