@@ -44,6 +44,15 @@ KVW_AVX512 uint32_t hmax_epu16_512(__m512i a) {
   return 0xFFFFu & ~uint32_t(_mm_cvtsi128_si32(_mm_minpos_epu16(h)));
 }
 
+// bf16_absmax_raw of a short run (n % 32 == 0: a tile, a head), one accumulator, inlined so that
+// a compile-time n unrolls it.
+__attribute__((always_inline)) KVW_AVX512 uint32_t bf16_absmax_raw32_512(const uint16_t* p, int n) {
+  const __m512i am = _mm512_set1_epi16(0x7FFF);
+  __m512i a = _mm512_and_si512(_mm512_loadu_si512(p), am);
+  for (int j = 32; j < n; j += 32) a = _mm512_max_epu16(a, _mm512_and_si512(_mm512_loadu_si512(p + j), am));
+  return hmax_epu16_512(a);
+}
+
 KVW_AVX512 __m512 div_cr16(__m512 x, __m512 s, __m512 r) {  // div_cr8's correctly rounded x / s
   const __m512 q = _mm512_mul_ps(x, r);
   return _mm512_fmadd_ps(_mm512_fnmadd_ps(q, s, x), r, q);
@@ -152,15 +161,9 @@ KVW_AVX512 const Fp8DsTab& fp8_ds_tab() {
 // table has no rf). False (nothing written) where a tile's amax is NaN / inf or outside the table's exponents.
 KVW_AVX512 bool fp8_ds_tiles_512(const uint16_t* x, int tiles, int tile, char* dst, float* scales) {
   const Fp8DsTab& t = fp8_ds_tab();
-  const __m512i am = _mm512_set1_epi16(0x7FFF);
-  const auto amax = [&](const uint16_t* p) KVW_AVX512_FN {  // bf16_absmax_raw
-    __m512i a = _mm512_and_si512(_mm512_loadu_si512(p), am);
-    for (int j = 32; j < tile; j += 32) a = _mm512_max_epu16(a, _mm512_and_si512(_mm512_loadu_si512(p + j), am));
-    return hmax_epu16_512(a);
-  };
   uint32_t raw[16];
   for (int w = 0; w < tiles; ++w) {
-    raw[w] = amax(x + w * tile);
+    raw[w] = bf16_absmax_raw32_512(x + w * tile, tile);
     if ((raw[w] >> 7) - FP8DS_TAB_E0 >= uint32_t(FP8DS_TAB_NE)) return false;  // NaN / inf: E = 255
   }
   for (int w = 0; w < tiles; ++w) {
@@ -326,17 +329,12 @@ struct Int8HeadRun {
 template <int D0>
 KVW_AVX512 uint64_t int8_head_runs_512(const Int8HeadRun* r, int n, int d) {
   const int D = D0 != 0 ? D0 : d;
-  const __m512i idx = int8_rf_gather_idx(), am = _mm512_set1_epi16(0x7FFF);
-  const auto amax = [&](const uint16_t* p) KVW_AVX512_FN {  // bf16_absmax_raw
-    __m512i a = _mm512_and_si512(_mm512_loadu_si512(p), am);
-    for (int j = 32; j < D; j += 32) a = _mm512_max_epu16(a, _mm512_and_si512(_mm512_loadu_si512(p + j), am));
-    return hmax_epu16_512(a);
-  };
+  const __m512i idx = int8_rf_gather_idx();
   uint64_t left = 0;
-  uint32_t next = amax(r[0].src);
+  uint32_t next = bf16_absmax_raw32_512(r[0].src, D);
   for (int u = 0; u < n; ++u) {
     const uint32_t raw = next;
-    if (u + 1 < n) next = amax(r[u + 1].src);
+    if (u + 1 < n) next = bf16_absmax_raw32_512(r[u + 1].src, D);
     float s, rf;
     if (!int8_scale_tab1(raw, s, rf)) {
       left |= 1ull << u;
