@@ -176,7 +176,19 @@ inline Tensor hold(Tensor t) {
   return t;
 }
 
+// The bytes of the tensors of the call this thread runs (its inputs and pools), set before a device
+// policy's run: whether the call streams its rows (stream.h).
+inline thread_local int64_t call_footprint = 0;
+
 namespace reg {
+
+// The bytes of an argument's tensor (none: 0): a call's footprint (stream.h).
+template <class A>
+int64_t tensor_bytes(const A& a) {
+  if constexpr (std::is_same_v<A, Tensor>) return int64_t(a.nbytes());
+  else if constexpr (std::is_same_v<A, OptTensor>) return a.has_value() ? int64_t(a->nbytes()) : 0;
+  else return 0;
+}
 
 template <class... A>
 const Tensor& first_tensor(const A&... a) {
@@ -199,6 +211,7 @@ struct Bind<Make, Made (*)(A...)> {
     const Tensor& ref = first_tensor(a...);
     const auto release = c10::make_scope_exit([] { held.clear(); });
     Made made = Make(a...);
+    call_footprint = (int64_t(0) + ... + tensor_bytes(a));
     const auto go = [&](auto& p) {
       table(p, ref);
       Dev::run(p, check, ref);

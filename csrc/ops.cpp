@@ -97,8 +97,9 @@ int64_t grain_for(int64_t token_bytes) {
 std::atomic<uint64_t> rope_calls{0};
 
 // The bench's floor: a plain per-row memcpy scatter, dst_j[loc[i]] = src_j[i] for each pair
-// (rows contiguous, int64 loc in range: no checks beyond shapes), same threading policy.
-void bench_memcpy_scatter(at::TensorList src, at::TensorList dst, const Tensor& loc) {
+// (rows contiguous, int64 loc in range: no checks beyond shapes), same threading policy; `stream`:
+// the rows' whole lines by streaming stores (stream_copy, as a large call's stores write them).
+void bench_memcpy_scatter(at::TensorList src, at::TensorList dst, const Tensor& loc, bool stream) {
   TORCH_CHECK(src.size() == dst.size() && loc.scalar_type() == at::kLong && loc.dim() == 1 && loc.is_contiguous(),
               "bench_memcpy_scatter: src/dst lists of equal length and a contiguous int64 loc");
   const int64_t n = loc.size(0);
@@ -122,9 +123,14 @@ void bench_memcpy_scatter(at::TensorList src, at::TensorList dst, const Tensor& 
     bytes += 2 * row;
   }
   const int64_t* l = loc.data_ptr<int64_t>();
+  const StreamScope streaming(stream ? INT64_MAX : -1);
   at::parallel_for(0, n, grain_for(bytes), [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i)
-      for (const Pair& q : pairs) memcpy(q.d + l[i] * q.d_stride, q.s + i * q.row, size_t(q.row));
+      for (const Pair& q : pairs) {
+        if (stream) stream_copy(q.d + l[i] * q.d_stride, q.s + i * q.row, size_t(q.row));
+        else memcpy(q.d + l[i] * q.d_stride, q.s + i * q.row, size_t(q.row));
+      }
+    if (stream) stream_fence();
   });
 }
 
@@ -164,6 +170,7 @@ struct Cpu {
           return resolve<CHECK_ASSERT>(a, i);
         }
       });
+    const StreamScope streaming(call_footprint);  // a call larger than the cache streams its rows
     at::parallel_for(0, a.n, grain_for(token_bytes(p)), [&](int64_t b, int64_t e) {
       with_check(int(check), [&](auto c) { run_range<P, c.value>(p, b, e); });
     });
@@ -264,7 +271,7 @@ TORCH_LIBRARY(kvwrite_ext, m) {
 #define KVW_DEF(op, bind, schema) m.def(#op schema);
   KVW_OPS(KVW_DEF)
 #undef KVW_DEF
-  m.def("bench_memcpy_scatter(Tensor[] src, Tensor(a!)[] dst, Tensor loc) -> ()");
+  m.def("bench_memcpy_scatter(Tensor[] src, Tensor(a!)[] dst, Tensor loc, bool stream=False) -> ()");
   m.def("set_program(str name, str program) -> ()", &kvwrite::api::set_program);
   m.def("set_claims(bool on) -> ()", [](bool on) { kvwrite::api::claims_on = on; });
   m.def("cpu_threads(int n) -> int", &kvwrite::cpu_threads);

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "bodies.h"
+#include "kvwrite/stream.h"
 
 namespace kvwrite {
 
@@ -27,6 +28,7 @@ void run_range(const P& p, i64 begin, i64 end) {
       for (i64 i = begin; i < end; ++i) Token{}(p, i, 0, 1);
     }
   });
+  stream_fence();  // the streamed rows before the chunk ends
 }
 
 }  // namespace kvwrite

@@ -8,6 +8,7 @@
 #pragma once
 
 #include "record.h"
+#include "stream.h"
 
 // Off mode on the host (the cpu backend) also skips a row past the pool, so a bad loc never
 // writes outside the cache tensor (its cost: bench/off_bound.py). Device code (the cuda backend)
@@ -189,9 +190,9 @@ KVW_HD Resolved resolve_checked(const LocArgs& a, i64 i, bool lead) {
 // Zen 5 (cpu-quant/NOTES.md). Off-mode resolution (nothing recorded); prefetches never fault.
 constexpr i64 PREFETCH_AHEAD = 2;
 
-// The local row token i writes, -1 when none (or i past the call).
+// The local row token i writes, -1 when none (or i past the call, or rows streamed: stream.h).
 inline i64 prefetch_row(const LocArgs& a, i64 i) {
-  if (i >= a.n) return -1;
+  if (i >= a.n || stream_rows()) return -1;
   const Resolved r = resolve<CHECK_OFF>(a, i);
   return r.write ? r.row : -1;
 }

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "common.h"
+#include "stream.h"
 
 namespace kvwrite {
 
@@ -85,14 +86,14 @@ KVW_HD int vec_bytes(uint64_t any_of) {
 
 namespace kvwrite {
 
+#if !defined(__CUDA_ARCH__)
 // Host (CPU, nlanes == 1) row copy: `n` runs of `bytes` bytes at strides `d_stride` / `s_stride`;
-// one memcpy when both sides are contiguous runs (the usual whole row), else one per run.
-KVW_HD void copy_runs(char* dst, i64 d_stride, const char* src, i64 s_stride, int n, i64 bytes) {
-  if (d_stride == bytes && s_stride == bytes) {
-    memcpy(dst, src, size_t(n) * size_t(bytes));
-    return;
-  }
-  for (int h = 0; h < n; ++h) memcpy(dst + h * d_stride, src + h * s_stride, size_t(bytes));
+// one copy when both sides are contiguous runs (the usual whole row), else one per run; whole lines
+// by streaming stores (stream.h).
+inline void copy_runs(char* dst, i64 d_stride, const char* src, i64 s_stride, int n, i64 bytes) {
+  if (d_stride == bytes && s_stride == bytes) return stream_copy(dst, src, size_t(n) * size_t(bytes));
+  for (int h = 0; h < n; ++h) stream_copy(dst + h * d_stride, src + h * s_stride, size_t(bytes));
 }
+#endif
 
 }  // namespace kvwrite

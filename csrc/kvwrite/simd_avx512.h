@@ -21,6 +21,12 @@ namespace kvwrite {
 
 __attribute__((always_inline)) inline bool simd512_ok() { return simd_level() >= 2; }
 
+// 64 bytes of a pool row: a streaming store where dst is a whole line and rows stream (stream.h).
+KVW_AVX512 void store_line(char* dst, __m512i v) {
+  if (stream_rows() && (reinterpret_cast<uintptr_t>(dst) & 63) == 0) _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), v);
+  else _mm512_storeu_si512(dst, v);
+}
+
 // packs/packus of two 32-lane word vectors leave the bytes in "pack order": qword 2k holds the
 // first vector's elements 8k..8k+7, qword 2k + 1 the second's; this puts them in element order.
 KVW_AVX512 __m512i in_order64(__m512i b) {
@@ -108,7 +114,7 @@ KVW_AVX512 int fp8_bf16_run_512(const uint16_t* __restrict__ src, int n, float s
       b = _mm512_xor_si512(b, flip);
       b = _mm512_mask_blend_epi8(_mm512_cmpeq_epi8_mask(b, _mm512_set1_epi8(char(0xFF))), b, nan);
     }
-    _mm512_storeu_si512(dst + j, in_order64(b));
+    store_line(dst + j, in_order64(b));
   }
   if constexpr (RF) return j;
   return j + fp8_bf16_run_avx2<F, DYN>(src + j, n - j, s, dst + j, r);
@@ -187,7 +193,7 @@ KVW_AVX512 int int8_bf16_run_512(const uint16_t* __restrict__ src, int n, float 
     widen_bf16x64(_mm512_loadu_si512(src + j), _mm512_loadu_si512(src + j + 32), x);
     __m512i c[4];
     for (int k = 0; k < 4; ++k) c[k] = _mm512_cvtps_epi32(div_cr16(x[k], vs, vr));
-    _mm512_storeu_si512(dst + j, in_order64(_mm512_packs_epi16(_mm512_packs_epi32(c[0], c[1]), _mm512_packs_epi32(c[2], c[3]))));
+    store_line(dst + j, in_order64(_mm512_packs_epi16(_mm512_packs_epi32(c[0], c[1]), _mm512_packs_epi32(c[2], c[3]))));
   }
   return j + int8_bf16_run_avx2(src + j, n - j, s, dst + j, r);
 }
@@ -306,7 +312,7 @@ KVW_AVX512 __m512i int8_rf_codes32(__m512i l, __m512 vr, __m512i idx) {
 }
 KVW_AVX512 void int8_rf_step(const uint16_t* __restrict__ src, char* __restrict__ dst, __m512 vr, __m512i idx) {
   const __m512i a = int8_rf_codes32(_mm512_loadu_si512(src), vr, idx), b = int8_rf_codes32(_mm512_loadu_si512(src + 32), vr, idx);
-  _mm512_storeu_si512(dst, _mm512_mask_blend_epi8(0xFFFFFFFF00000000ull, a, b));  // elements 0-31 | 32-63
+  store_line(dst, _mm512_mask_blend_epi8(0xFFFFFFFF00000000ull, a, b));  // elements 0-31 | 32-63
 }
 KVW_AVX512 void int8_bf16_run_rf_512(const uint16_t* __restrict__ src, int n, char* __restrict__ dst, float rf) {
   const __m512i idx = int8_rf_gather_idx();
@@ -437,7 +443,7 @@ KVW_AVX512 void fp8_bf16_table_run_512(const Fp8Table& t, float s, const uint16_
         const __m512i hi = _mm512_permutex2var_epi8(l0, ih, l1);  // sign | E >> 1
         const __m512i b8 = neg ? _mm512_ternarylogic_epi32(code, hi, smask, 0xF2)    // code | (~hi & 0x80)
                                : _mm512_ternarylogic_epi32(code, hi, smask, 0xF8);   // code | (hi & 0x80)
-        _mm512_storeu_si512(dst + j0 + 64 * b, _mm512_permutexvar_epi8(iout, b8));
+        store_line(dst + j0 + 64 * b, _mm512_permutexvar_epi8(iout, b8));
         umax = _mm512_max_epu8(umax, u);
         flags[b] = sub;
         any |= sub;
@@ -449,6 +455,7 @@ KVW_AVX512 void fp8_bf16_table_run_512(const Fp8Table& t, float s, const uint16_
         }
       }
       if (__builtin_expect(any == 0, 1)) continue;
+      stream_fence();  // the streamed codes before their redo
       for (int b = 0; b < nb; ++b)  // order O: each qword's low four bytes are the first half's
         for (int h = 0; h < 2; ++h)
           if (flags[b] & (0x0F0F0F0F0F0F0F0Full << (4 * h))) fp8_table_redo<F>(t, s, src + j0 + 64 * b + 32 * h, dst + j0 + 64 * b + 32 * h);

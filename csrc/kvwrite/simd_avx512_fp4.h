@@ -234,7 +234,7 @@ __attribute__((always_inline)) KVW_FP4 void nvfp4_codes16_512(const uint16_t* sr
                : _mm512_setzero_si512();
   for (int h = 0; h < 2; ++h) {
     const __m512i v = _mm512_permutex2var_epi8(w[2 * h], k.lo, w[2 * h + 1]);
-    if (NB > 0 ? 8 * NB >= 64 * h + 64 : 8 * nb >= 64 * h + 64) _mm512_storeu_si512(bytes + 64 * h, v);
+    if (NB > 0 ? 8 * NB >= 64 * h + 64 : 8 * nb >= 64 * h + 64) store_line(bytes + 64 * h, v);
     else if (NB > 0 && 8 * NB == 64 * h + 32) _mm256_storeu_si256(reinterpret_cast<__m256i*>(bytes + 64 * h), _mm512_castsi512_si256(v));
     else if (NB == 0 && 8 * h < nb) _mm512_mask_storeu_epi8(bytes + 64 * h, bytes_mask(8 * nb - 64 * h), v);
   }
@@ -250,8 +250,8 @@ __attribute__((always_inline)) KVW_FP4 void nvfp4_group_512(const uint16_t* x, i
 
 // A V4 record's 64 bf16 RoPE values from r to dst: two zmm moves (no library call).
 KVW_FP4 void copy_rope64(const uint16_t* r, char* dst) {
-  _mm512_storeu_si512(dst, _mm512_loadu_si512(r));
-  _mm512_storeu_si512(dst + 64, _mm512_loadu_si512(r + 32));
+  store_line(dst, _mm512_loadu_si512(r));
+  store_line(dst + 64, _mm512_loadu_si512(r + 32));
 }
 
 // nvfp4_run_avx2 for bf16 rows without a global scale, sixteen blocks a group in two phases, one
@@ -434,10 +434,11 @@ KVW_FP4 uint32_t mxfp4_blocks8_512(const uint16_t* src, int nb, char* bytes, cha
     w[h] = 2 * h < nb ? e2m1_pack64(l[2 * h], l[2 * h + 1], _mm512_permutexvar_epi8(k.b32[h], eb), _mm512_setzero_si512(), k) : _mm512_setzero_si512();
   for (int h = 0; h < 2; ++h) {
     const __m512i v = _mm512_permutex2var_epi8(w[2 * h], k.lo, w[2 * h + 1]);
-    if (16 * nb >= 64 * h + 64) _mm512_storeu_si512(bytes + 64 * h, v);
+    if (16 * nb >= 64 * h + 64) store_line(bytes + 64 * h, v);
     else if (16 * nb == 64 * h + 32) _mm256_storeu_si256(reinterpret_cast<__m256i*>(bytes + 64 * h), _mm512_castsi512_si256(v));
     else _mm512_mask_storeu_epi8(bytes + 64 * h, bytes_mask(16 * nb - 64 * h), v);
   }
+  if (left != 0) stream_fence();  // the streamed lines before the caller rewrites those blocks
   return left;
 }
 

@@ -5,6 +5,7 @@
 #pragma once
 
 #include "fp8.h"
+#include "stream.h"
 
 #if !defined(__CUDACC__) && defined(__x86_64__) && defined(__GNUC__)
 #define KVW_SIMD_X86 1
@@ -40,6 +41,13 @@ __attribute__((always_inline)) inline int simd_level() {
   return level;
 }
 __attribute__((always_inline)) inline bool simd_ok() { return simd_level() >= 1; }
+
+// 32 bytes of a pool row: a streaming store where dst is 32-byte aligned and rows stream (stream.h;
+// two halves of a line written in turn fill one write-combining buffer).
+KVW_AVX2 void store_half_line(char* dst, __m256i v) {
+  if (stream_rows() && (reinterpret_cast<uintptr_t>(dst) & 31) == 0) _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), v);
+  else _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), v);
+}
 
 // Eight elements from src + i as fp32, as stored (no daz).
 template <DType IN>
@@ -120,8 +128,7 @@ template <bool SIGNED>
 KVW_AVX2 void store32(char* dst, __m256i c0, __m256i c1, __m256i c2, __m256i c3) {
   const __m256i w01 = _mm256_packs_epi32(c0, c1), w23 = _mm256_packs_epi32(c2, c3);
   const __m256i b = SIGNED ? _mm256_packs_epi16(w01, w23) : _mm256_packus_epi16(w01, w23);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
-                      _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  store_half_line(dst, _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 
 // dst[j] = code(src[start + j]) for j < n, 32 at a time: `codes8(i)` gives the int32 codes of the
@@ -454,7 +461,7 @@ KVW_AVX2 int fp8_bf16_run_avx2(const uint16_t* __restrict__ src, int n, float s,
       b = _mm256_xor_si256(b, flip);
       b = _mm256_xor_si256(b, _mm256_and_si256(_mm256_cmpeq_epi8(b, ones), smask));
     }
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), in_order(b));
+    store_half_line(dst + j, in_order(b));
   }
   return j;
 }
@@ -471,7 +478,7 @@ KVW_AVX2 int int8_bf16_run_avx2(const uint16_t* __restrict__ src, int n, float s
     load_bf16x32(src + j, l0, l1, x);
     __m256i c[4];
     for (int k = 0; k < 4; ++k) c[k] = _mm256_cvtps_epi32(div_cr8(x[k], vs, vr));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), in_order(pack_codes32<true>(c[0], c[1], c[2], c[3])));
+    store_half_line(dst + j, in_order(pack_codes32<true>(c[0], c[1], c[2], c[3])));
   }
   return j;
 }
@@ -666,7 +673,7 @@ __attribute__((noinline, cold)) KVW_AVX2_FN void fp8_table_redo(const Fp8Table& 
   const __m256i nan = _mm256_packs_epi16(_mm256_cmpgt_epi16(_mm256_and_si256(l0, am), inf),
                                          _mm256_cmpgt_epi16(_mm256_and_si256(l1, am), inf));
   const __m256i b = _mm256_or_si256(pack_codes32<false>(c[0], c[1], c[2], c[3]), sign);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), in_order(_mm256_blendv_epi8(b, _mm256_set1_epi8(0x7F), nan)));
+  store_half_line(dst, in_order(_mm256_blendv_epi8(b, _mm256_set1_epi8(0x7F), nan)));
 }
 
 // fp8 codes of a bf16 row of n elements (n % 32 == 0) by table t (divisor s), 64 blocks of 32 a
@@ -700,7 +707,7 @@ KVW_AVX2 void fp8_bf16_table_run_avx2(const Fp8Table& t, float s, const uint16_t
       const __m256i c = _mm256_sub_epi8(_mm256_shuffle_epi8(base, g), _mm256_cmpgt_epi8(m, _mm256_shuffle_epi8(thr, g)));
       const __m256i code = _mm256_min_epu8(_mm256_subs_epu8(_mm256_adds_epu8(e8, c), k), cmax);
       const __m256i sign = _mm256_xor_si256(_mm256_and_si256(_mm256_packs_epi16(l0, l1), smask), flip);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j0 + 32 * b), in_order(_mm256_or_si256(code, sign)));
+      store_half_line(dst + j0 + 32 * b, in_order(_mm256_or_si256(code, sign)));
       e8max = _mm256_max_epu8(e8max, e8);
       flags[b] = uint32_t(_mm256_movemask_epi8(_mm256_cmpgt_epi8(sublim, _mm256_add_epi8(e8, bias))));
       any |= flags[b];
@@ -715,6 +722,7 @@ KVW_AVX2 void fp8_bf16_table_run_avx2(const Fp8Table& t, float s, const uint16_t
       }
     }
     if (__builtin_expect(any == 0, 1)) continue;
+    stream_fence();  // the streamed codes before their redo
     for (int b = 0; b < nb; ++b)
       if (flags[b] != 0) fp8_table_redo<F>(t, s, src + j0 + 32 * b, dst + j0 + 32 * b);
   }

@@ -110,24 +110,26 @@ def _scatter_baseline(srcs, dsts, loc, baselines: dict, notes: dict) -> None:
     (bench_memcpy_scatter, compiled with the CPU kernels, same threading policy): the floor of a
     row scatter on this machine. For quantising formats the rows are the reference's output
     rows (quantised beforehand), so it is the scatter of the bytes the store writes. `loc` a
-    list: one loc tensor per (src, dst) pair, one call each."""
-    name = "memcpy-scatter"
+    list: one loc tensor per (src, dst) pair, one call each. `stream-scatter`: the same loop
+    writing every whole line by streaming stores, as a call larger than the cache writes its rows
+    (csrc/kvwrite/stream.h): the floor of such a call, beside the targets' memcpy one."""
     if (loc[0] if isinstance(loc, list) else loc).device.type != "cpu":
-        notes[name] = "skipped: CPU only (the extension's CPU baseline)"
+        notes["memcpy-scatter"] = "skipped: CPU only (the extension's CPU baseline)"
         return
     from kvwrite import _ext
 
     why = _ext.unavailable_reason("cpu")
     if why is not None:
-        notes[name] = f"skipped: {why}"
+        notes["memcpy-scatter"] = f"skipped: {why}"
         return
     op = torch.ops.kvwrite_ext.bench_memcpy_scatter
     srcs = [s.contiguous() for s in srcs]
-    if isinstance(loc, list):
-        pairs = list(zip(srcs, dsts, loc))
-        _try(name, lambda: [op([s], [d], l) for s, d, l in pairs], baselines, notes)
-        return
-    _try(name, lambda: op(srcs, dsts, loc), baselines, notes)
+    for name, stream in (("memcpy-scatter", False), ("stream-scatter", True)):
+        if isinstance(loc, list):
+            pairs = list(zip(srcs, dsts, loc))
+            _try(name, lambda st=stream: [op([s], [d], l, st) for s, d, l in pairs], baselines, notes)
+        else:
+            _try(name, lambda st=stream: op(srcs, dsts, loc, st), baselines, notes)
 
 
 def _reference_rows(call, outputs, loc) -> list[torch.Tensor]:

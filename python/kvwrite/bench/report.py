@@ -12,6 +12,7 @@ from kvwrite.bench import host as host_costs
 GPU_BACKENDS = ("cuda", "triton")
 REFERENCE_CASE = "mha-bf16"
 SCATTER = "memcpy-scatter"  # the extension's plain per-row memcpy loop (bench_memcpy_scatter)
+STREAM_SCATTER = "stream-scatter"  # the same loop, whole lines by streaming stores (shown beside it)
 # Every quantised format's case: the cpu backend against the same-run scatter of the
 # bytes it writes, one target row each (a layout no row scatter expresses says so in its row).
 QUANT_SCATTER_TARGET = 0.4
@@ -70,7 +71,7 @@ def targets(result: dict) -> list[dict]:
         if gpu:
             add(label, "not measured (CUDA run)", None)
             return
-        scat = _series(rows, case, SCATTER, None)
+        scat, stream = _series(rows, case, SCATTER, None), _series(rows, case, STREAM_SCATTER, None)
         parts, ok = [], True
         for check in ("off", "guard"):
             cpu = _series(rows, case, "cpu", check)
@@ -78,6 +79,7 @@ def targets(result: dict) -> list[dict]:
                 r = scat[n]["us"] / cpu[n]["us"]
                 ok &= r >= need_scatter and (need_copy is None or cpu[n]["pct_copy"] >= 100 * need_copy)
                 parts.append(f"{check} N={n}: {100 * r:.0f}% of scatter"
+                             + (f" ({100 * stream[n]['us'] / cpu[n]['us']:.0f}% of stream-scatter)" if n in stream else "")
                              + (f", {cpu[n]['pct_copy']:.0f}% of copy" if need_copy is not None else ""))
         why = result.get("notes", {}).get(f"{case}: {SCATTER}", "") if not scat else ""
         add(label, "; ".join(parts) or ("no cpu / memcpy-scatter rows at N >= 1024" + (f" ({why})" if why else "")),
