@@ -218,33 +218,12 @@ KVW_HD void mla_nvfp4(const StoreMLAParams& p, i64 i, i64 row, char* dst, int la
   }
 }
 
-// The bytes of a quantised mode's row in `cache` (MLA_NVFP4: the codes; its scales are a row apart).
-KVW_HD i64 mla_row_bytes(const StoreMLAParams& p) {
-  if (p.mode == MLA_NVFP4) return (p.L + p.R) / 2;
-  if (p.mode == MLA_DS_MLA) return p.L + 4 * (p.L / DS_MLA_TILE) + 2 * p.R;
-  return p.L + p.R;
-}
-// Host: the largest quantised row built in a scratch row and then streamed out (stream.h).
-constexpr i64 MLA_SCRATCH = 2048;
-
 // MODE and the format: MLA_COPY (IN, OUT unused), MLA_FP8 (OUT = E4M3/E5M2), MLA_DS_MLA.
 template <int CHECK, int MODE, DType IN, class OUT, int VEC>
 KVW_HD void store_mla_token(const StoreMLAParams& p, i64 i, int lane, int nlanes) {
   const Resolved r = resolve_checked<CHECK>(p.locs, i, lane == 0);
   if (!r.write) return;
   char* dst = p.cache.row_ptr(r.row);
-#if !defined(__CUDA_ARCH__)
-  // host, quantised rows: the row built in L1 (its lines are not a line's width apart, so the lanes'
-  // stores would mostly straddle lines), then its whole lines streamed out in one copy
-  if (MODE != MLA_COPY && nlanes == 1 && stream_rows() && mla_row_bytes(p) <= MLA_SCRATCH) {
-    StagedRow<MLA_SCRATCH> staged;
-    char* row = staged.data();
-    if constexpr (MODE == MLA_FP8) mla_fp8<IN, OUT>(p, i, row, 0, 1);
-    else if constexpr (MODE == MLA_DS_MLA) mla_ds<IN>(p, i, row, 0, 1);
-    else if constexpr (MODE == MLA_NVFP4) mla_nvfp4<IN>(p, i, r.row, row, 0, 1);
-    return stream_copy(dst, row, size_t(mla_row_bytes(p)));
-  }
-#endif
   if constexpr (MODE == MLA_COPY) {
     mla_copy<VEC>(p, i, dst, lane, nlanes);
   } else if constexpr (MODE == MLA_FP8) {

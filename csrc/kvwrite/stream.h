@@ -3,7 +3,7 @@
 // first reads each of its lines in (read-for-ownership); a streaming store writes the whole line
 // without that read. So a call whose tensors (inputs and pools) take at least half the last-level
 // cache writes every whole, aligned 64-byte line of its rows this way (store_line in the SIMD lanes,
-// stream_copy for copies and staged rows), the partial lines at a row's ends plainly (a neighbouring
+// stream_copy for copies), the partial lines at a row's ends plainly (a neighbouring
 // row shares them), no write prefetch; each chunk of tokens ends with an sfence (streaming stores are
 // weakly ordered). A smaller call keeps its rows cached. KVWRITE_CPU_STREAM_BYTES (read once) sets
 // the footprint from which calls stream (0: always, -1: never). Same bytes either way; figures:
@@ -66,6 +66,23 @@ struct StreamScope {
   StreamScope& operator=(const StreamScope&) = delete;
 };
 
+#if KVW_STREAM_X86
+// The whole lines of [dst + j, dst + n) from j (dst + j aligned): one 64-byte streaming store each
+// where the CPU has AVX-512, else four 16-byte ones. Returns the end of the last whole line.
+__attribute__((target("avx512f"))) inline size_t stream_lines_512(char* dst, const char* src, size_t j, size_t n) {
+  for (; j + 64 <= n; j += 64) _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + j), _mm512_loadu_si512(src + j));
+  return j;
+}
+inline size_t stream_lines(char* dst, const char* src, size_t j, size_t n) {
+  static const bool wide = __builtin_cpu_supports("avx512f");
+  if (wide) return stream_lines_512(dst, src, j, n);
+  for (; j + 64 <= n; j += 64)
+    for (int q = 0; q < 4; ++q)
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + j) + q, _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j) + q));
+  return j;
+}
+#endif
+
 // n bytes from src to dst: the whole 64-byte lines inside [dst, dst + n) by streaming stores, the
 // partial ones at either end by memcpy (all of it by memcpy where stream_rows() is off).
 inline void stream_copy(char* dst, const char* src, size_t n) {
@@ -73,23 +90,13 @@ inline void stream_copy(char* dst, const char* src, size_t n) {
   if (stream_rows() && n >= 64) {
     size_t j = (64 - (reinterpret_cast<uintptr_t>(dst) & 63)) & 63;
     memcpy(dst, src, j);
-    for (; j + 64 <= n; j += 64)
-      for (int q = 0; q < 4; ++q)
-        _mm_stream_si128(reinterpret_cast<__m128i*>(dst + j) + q, _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j) + q));
+    j = stream_lines(dst, src, j, n);
     memcpy(dst + j, src + j, n - j);
     return;
   }
 #endif
   memcpy(dst, src, n);
 }
-
-// A row built on the stack before stream_copy sends it out: N bytes 16 past a line, so that no lane
-// streams into it (store_line / store_half_line stream only 64- / 32-byte aligned stores).
-template <size_t N>
-struct StagedRow {
-  alignas(64) char buf[N + 64];
-  char* data() { return buf + 16; }
-};
 
 // The end of a run of streaming stores: they are ordered before anything this thread does next
 // (unconditional: the count may have dropped since they were issued; without pending ones it is cheap).
