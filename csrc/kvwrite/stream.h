@@ -1,12 +1,14 @@
 // Host: pool rows written by streaming (non-temporal) stores. In a pool much larger than the cache
 // (a serving engine's: gigabytes) the row a store writes is almost never cached, and a plain store
 // first reads each of its lines in (read-for-ownership); a streaming store writes the whole line
-// without that read. So a call whose tensors (inputs and pools) take at least half the last-level
-// cache writes every whole, aligned 64-byte line of its rows this way (store_line in the SIMD lanes,
-// stream_copy for copies), the partial lines at a row's ends plainly (a neighbouring
-// row shares them), no write prefetch; each chunk of tokens ends with an sfence (streaming stores are
-// weakly ordered). A smaller call keeps its rows cached. KVWRITE_CPU_STREAM_BYTES (read once) sets
-// the footprint from which calls stream (0: always, -1: never). Same bytes either way; figures:
+// without that read. So a call whose tensors (inputs and pools) take at least a quarter of the
+// last-level cache writes every whole, aligned 64-byte line of its K/V rows this way (store_line in
+// the SIMD lanes of store_kv's formats, stream_copy for row copies), the partial lines at a row's
+// ends plainly (a neighbouring row shares them), no write prefetch; each chunk of tokens ends with
+// an sfence (streaming stores are weakly ordered). A smaller call keeps its rows cached. The V4
+// records and NVFP4 MLA rows (a few hundred bytes, mostly not line-aligned) store plainly:
+// streaming their aligned lines measured 1.0-1.2x slower (fp8_ds_mla's and the MLA copy's: even). KVWRITE_CPU_STREAM_BYTES (read once) sets the
+// footprint from which calls stream (0: always, -1: never). Same bytes either way; figures:
 // bench/results/cpu-quant/NOTES.md.
 #pragma once
 
@@ -40,7 +42,7 @@ __attribute__((noinline, cold)) inline i64 stream_threshold_detect() {
     if (std::fscanf(f, "%lld%c", &size, &unit) >= 1 && size > 0) llc = unit == 'M' ? size << 20 : size << 10;
     std::fclose(f);
   }
-  return llc / 2;
+  return llc / 4;
 }
 // The footprint (bytes of a call's tensors) from which a call streams, -1: never; read once.
 inline i64 stream_threshold() {
