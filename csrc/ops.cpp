@@ -170,7 +170,8 @@ struct Cpu {
           return resolve<CHECK_ASSERT>(a, i);
         }
       });
-    const StreamScope streaming(call_footprint);  // a call larger than the cache streams its rows
+    // a K/V store larger than the cache streams its rows (P::STREAMS; the MLA rows and records: never)
+    const StreamScope streaming(requires { P::STREAMS; } ? call_footprint : -1);
     at::parallel_for(0, a.n, grain_for(token_bytes(p)), [&](int64_t b, int64_t e) {
       with_check(int(check), [&](auto c) { run_range<P, c.value>(p, b, e); });
     });

@@ -88,11 +88,17 @@ namespace kvwrite {
 
 #if !defined(__CUDA_ARCH__)
 // Host (CPU, nlanes == 1) row copy: `n` runs of `bytes` bytes at strides `d_stride` / `s_stride`;
-// one copy when both sides are contiguous runs (the usual whole row), else one per run; whole lines
-// by streaming stores (stream.h).
+// one copy when both sides are contiguous runs (the usual whole row), else one per run. STREAM (a
+// store's pool rows): whole lines by streaming stores while the call streams (stream.h); a gather's
+// output or a page move's copy stays plain (read soon after).
+template <bool STREAM = false>
 inline void copy_runs(char* dst, i64 d_stride, const char* src, i64 s_stride, int n, i64 bytes) {
-  if (d_stride == bytes && s_stride == bytes) return stream_copy(dst, src, size_t(n) * size_t(bytes));
-  for (int h = 0; h < n; ++h) stream_copy(dst + h * d_stride, src + h * s_stride, size_t(bytes));
+  const auto copy = [](char* d, const char* s, size_t m) {
+    if constexpr (STREAM) stream_copy(d, s, m);
+    else memcpy(d, s, m);
+  };
+  if (d_stride == bytes && s_stride == bytes) return copy(dst, src, size_t(n) * size_t(bytes));
+  for (int h = 0; h < n; ++h) copy(dst + h * d_stride, src + h * s_stride, size_t(bytes));
 }
 #endif
 

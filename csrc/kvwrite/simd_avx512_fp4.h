@@ -224,10 +224,8 @@ __attribute__((always_inline)) KVW_FP4 bool nvfp4_scales16_512(const uint16_t* s
   return true;
 }
 
-// Phase 2: the packed codes of nb <= 16 blocks from src by phase 1's eb, mx. STREAM: whole lines by
-// store_line (a K/V row's heads); the V4 records and MLA rows store plainly (streaming their few
-// aligned lines ran 1.0-1.2x slower at N = 1024 and 4096, bench/results/cpu-quant/NOTES.md).
-template <int NB, bool STREAM = false>
+// Phase 2: the packed codes of nb <= 16 blocks from src by phase 1's eb, mx.
+template <int NB>
 __attribute__((always_inline)) KVW_FP4 void nvfp4_codes16_512(const uint16_t* src, int nb, __m512i eb, __m512i mx, const Fp4Consts& k, char* bytes) {
   __m512i w[4], l0, l1;
   for (int h = 0; h < 4; ++h)
@@ -236,7 +234,7 @@ __attribute__((always_inline)) KVW_FP4 void nvfp4_codes16_512(const uint16_t* sr
                : _mm512_setzero_si512();
   for (int h = 0; h < 2; ++h) {
     const __m512i v = _mm512_permutex2var_epi8(w[2 * h], k.lo, w[2 * h + 1]);
-    if (NB > 0 ? 8 * NB >= 64 * h + 64 : 8 * nb >= 64 * h + 64) STREAM ? store_line(bytes + 64 * h, v) : _mm512_storeu_si512(bytes + 64 * h, v);
+    if (NB > 0 ? 8 * NB >= 64 * h + 64 : 8 * nb >= 64 * h + 64) store_line(bytes + 64 * h, v);
     else if (NB > 0 && 8 * NB == 64 * h + 32) _mm256_storeu_si256(reinterpret_cast<__m256i*>(bytes + 64 * h), _mm512_castsi512_si256(v));
     else if (NB == 0 && 8 * h < nb) _mm512_mask_storeu_epi8(bytes + 64 * h, bytes_mask(8 * nb - 64 * h), v);
   }
@@ -244,9 +242,9 @@ __attribute__((always_inline)) KVW_FP4 void nvfp4_codes16_512(const uint16_t* sr
 
 // Phase 2 of one group of nb blocks from block b0: its codes by phase 1's eb, mx where phase 1
 // passed (ok), else block by block by the AVX2 lanes (a group holding a NaN or an inf).
-template <int NB, bool STREAM = false>
+template <int NB>
 __attribute__((always_inline)) KVW_FP4 void nvfp4_group_512(const uint16_t* x, int b0, int nb, bool ok, __m512i eb, __m512i mx, const Fp4Consts& k, char* bytes, char* scales, float floor) {
-  if (ok) return nvfp4_codes16_512<NB, STREAM>(x + 16 * b0, nb, eb, mx, k, bytes + 8 * b0);
+  if (ok) return nvfp4_codes16_512<NB>(x + 16 * b0, nb, eb, mx, k, bytes + 8 * b0);
   for (int j = b0; j < b0 + nb; ++j) nvfp4_block_avx2<DType::BF16>(x, 16 * j, nullptr, bytes + 8 * j, scales + j, floor);
 }
 
@@ -266,13 +264,13 @@ KVW_FP4 void nvfp4_run_512(const uint16_t* x, int nblocks, char* bytes, char* sc
   if (nblocks < 16) {
     if (nblocks <= 0) return;
     const bool ok = nvfp4_scales16_512<0>(x, nblocks, floor, k, scales, eb, mx);  // before eb, mx are read
-    return nvfp4_group_512<0, true>(x, 0, nblocks, ok, eb, mx, k, bytes, scales, floor);
+    return nvfp4_group_512<0>(x, 0, nblocks, ok, eb, mx, k, bytes, scales, floor);
   }
   bool ok = nvfp4_scales16_512<16>(x, 16, floor, k, scales, eb, mx);
   for (int b = 0; b < nblocks; b += 16) {
     const int b0 = b + 16 <= nblocks ? b : nblocks - 16, b1 = b + 32 <= nblocks ? b + 16 : nblocks - 16;
     const bool next = b + 16 < nblocks && nvfp4_scales16_512<16>(x + 16 * b1, 16, floor, k, scales + b1, eb1, mx1);
-    nvfp4_group_512<16, true>(x, b0, 16, ok, eb, mx, k, bytes, scales, floor);
+    nvfp4_group_512<16>(x, b0, 16, ok, eb, mx, k, bytes, scales, floor);
     ok = next, eb = eb1, mx = mx1;
   }
 }

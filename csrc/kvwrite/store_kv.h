@@ -28,6 +28,7 @@ struct KVSide {
 };
 
 struct StoreKVParams {
+  static constexpr bool STREAMS = true;  // host: a large call's rows by streaming stores (stream.h)
   KVSide k, v;
   int H = 0;
   DType in_dtype = DType::F32;
@@ -176,7 +177,7 @@ KVW_HD void copy_side(const KVSide& s, int H, int es, i64 i, i64 row, int lane, 
   const char* src = s.src + i * s.s_tok * es;
 #if !defined(__CUDA_ARCH__)
   if (nlanes == 1 && !s.cache.split) {
-    copy_runs(dst, s.cache.stride_head * es, src, s.s_head * es, H, i64(s.D) * es);
+    copy_runs<true>(dst, s.cache.stride_head * es, src, s.s_head * es, H, i64(s.D) * es);
     return;
   }
   if (nlanes == 1) {

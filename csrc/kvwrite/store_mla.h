@@ -68,9 +68,9 @@ template <int VEC>
 KVW_HD void mla_copy(const StoreMLAParams& p, i64 i, char* dst, int lane, int nlanes) {
   const int es = dtype_size(p.in_dtype);
 #if !defined(__CUDA_ARCH__)
-  if (nlanes == 1) {  // host: the two segments, one copy each
-    stream_copy(dst, p.kv_c + (i * p.c_sn) * es, size_t(p.L) * es);
-    stream_copy(dst + i64(p.L) * es, p.k_pe + (i * p.pe_sn) * es, size_t(p.R) * es);
+  if (nlanes == 1) {  // host: the two segments, one memcpy each
+    memcpy(dst, p.kv_c + (i * p.c_sn) * es, size_t(p.L) * es);
+    memcpy(dst + i64(p.L) * es, p.k_pe + (i * p.pe_sn) * es, size_t(p.R) * es);
     return;
   }
 #endif

@@ -1,15 +1,15 @@
 // Host: pool rows written by streaming (non-temporal) stores. In a pool much larger than the cache
 // (a serving engine's: gigabytes) the row a store writes is almost never cached, and a plain store
 // first reads each of its lines in (read-for-ownership); a streaming store writes the whole line
-// without that read. So a call whose tensors (inputs and pools) take at least a quarter of the
-// last-level cache writes every whole, aligned 64-byte line of its K/V rows this way (store_line in
-// the SIMD lanes of store_kv's formats, stream_copy for row copies), the partial lines at a row's
-// ends plainly (a neighbouring row shares them), no write prefetch; each chunk of tokens ends with
-// an sfence (streaming stores are weakly ordered). A smaller call keeps its rows cached. The V4
-// records and NVFP4 MLA rows (a few hundred bytes, mostly not line-aligned) store plainly:
-// streaming their aligned lines measured 1.0-1.2x slower (fp8_ds_mla's and the MLA copy's: even). KVWRITE_CPU_STREAM_BYTES (read once) sets the
-// footprint from which calls stream (0: always, -1: never). Same bytes either way; figures:
-// bench/results/cpu-quant/NOTES.md.
+// without that read. So a K/V store (params with STREAMS: store_kv's formats, NVFP4 K/V, the fused
+// RoPE K/V stores) whose tensors (inputs and pools) take at least a quarter of the last-level cache
+// writes every whole, aligned 64-byte line of its rows this way (store_line / store_half_line in the
+// SIMD lanes, stream_copy for row copies), the partial lines at a row's ends plainly, no write
+// prefetch; each chunk of tokens ends with an sfence (streaming stores are weakly ordered). A smaller
+// call keeps its rows cached. The MLA rows and V4 records (a few hundred bytes, mostly not
+// line-aligned, a request's tokens in consecutive rows) never stream: it measured even to 1.2x
+// slower. KVWRITE_CPU_STREAM_BYTES (read once) sets the footprint from which calls stream (0: always,
+// -1: never). Same bytes either way; figures: bench/results/cpu-quant/NOTES.md.
 #pragma once
 
 #include "common.h"
