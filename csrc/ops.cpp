@@ -276,6 +276,7 @@ TORCH_LIBRARY(kvwrite_ext, m) {
   m.def("set_program(str name, str program) -> ()", &kvwrite::api::set_program);
   m.def("set_claims(bool on) -> ()", [](bool on) { kvwrite::api::claims_on = on; });
   m.def("cpu_threads(int n) -> int", &kvwrite::cpu_threads);
+  m.def("cpu_stream_bytes() -> int", [] { return int64_t(kvwrite::stream_threshold()); });  // stream.h, -1: never
   m.def("set_op_names(str[] names) -> ()", [](std::vector<std::string> names) { kvwrite::op_names = std::move(names); });
   kvwrite::engines::define(m);
 }

@@ -215,6 +215,10 @@ def markdown(result: dict, plot_name: str | None) -> str:
     lines.append("")
     mach = (f"Machine: host `{m['hostname']}`, {m['cpu']}, {m.get('cpus_usable', m['cpu_count'])} usable "
             f"of {m['cpu_count']} CPUs, {m.get('memory_gib', '?')} GiB RAM, torch threads {m['torch_threads']}")
+    if m.get("cpu_stream_bytes") is not None:
+        b = m["cpu_stream_bytes"]
+        mach += ("; cpu K/V stores stream their rows " + (f"from {b / 2**20:.3g} MiB of tensors a call" if b >= 0
+                                                           else "never") + " (KVWRITE_CPU_STREAM_BYTES)")
     if m.get("gpu"):
         mach += f"; GPU {m['gpu']} (sm {m['gpu_capability']}, {m['gpu_memory_gib']} GiB, {m['gpu_sms']} SMs)"
     lines += [mach + ".", "", "Versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val) + ".", ""]

@@ -88,6 +88,11 @@ def machine_info(device: torch.device) -> dict:
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
     with contextlib.suppress(OSError, AttributeError):
         info["cpus_usable"] = len(os.sched_getaffinity(0))
+    with contextlib.suppress(Exception):  # the cpu backend's streaming threshold (csrc/kvwrite/stream.h)
+        from kvwrite import _ext
+
+        if _ext.LOADED:  # (the sweep loaded it where a cpu backend ran; never built here)
+            info["cpu_stream_bytes"] = int(torch.ops.kvwrite_ext.cpu_stream_bytes())
     with contextlib.suppress(OSError):
         for line in open("/proc/cpuinfo"):
             if line.startswith("model name"):

@@ -42,6 +42,9 @@ def run(args: argparse.Namespace) -> int:
 
     kernels = "CPU + CUDA" if cfg["with_cuda"] else "CPU"
     threads = torch.ops.kvwrite_ext.cpu_threads(1 << 12)
+    stream = torch.ops.kvwrite_ext.cpu_stream_bytes()
     print(f"kvwrite build: {kernels} kernels ready in {out} ({seconds:.1f} s); a large CPU call runs on "
-          f"{threads} of torch's {torch.get_num_threads()} intra-op thread(s)")
+          f"{threads} of torch's {torch.get_num_threads()} intra-op thread(s); K/V stores stream their rows "
+          + (f"from {stream / 2**20:.3g} MiB of tensors a call" if stream >= 0 else "never")
+          + " (KVWRITE_CPU_STREAM_BYTES)")
     return 0
