@@ -33,3 +33,22 @@ def test_quantised_stores_match_reference_at_level(level, stream):
     tail = out.stdout[-3000:] + out.stderr[-2000:]
     assert out.returncode == 0, tail
     assert " passed" in out.stdout and "failed" not in out.stdout, tail
+
+
+def test_stream_footprint_follows_env():
+    """KVWRITE_CPU_STREAM_BYTES (read once per process) is the footprint from which K/V stores
+    stream (csrc/kvwrite/stream.h); unset, a quarter of the last-level cache on x86."""
+    code = ("import torch\nfrom kvwrite import _ext\nassert _ext.unavailable_reason('cpu') is None\n"
+            "print(torch.ops.kvwrite_ext.cpu_stream_bytes())")
+    got = {}
+    for value in ("12345", "-1", None):
+        env = {k: v for k, v in os.environ.items() if k != "KVWRITE_CPU_STREAM_BYTES"}
+        if value is not None:
+            env["KVWRITE_CPU_STREAM_BYTES"] = value
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+        assert out.returncode == 0, out.stderr[-2000:]
+        got[value] = int(out.stdout.split()[-1])
+    assert got["12345"] == 12345 and got["-1"] == -1
+    import platform
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert got[None] >= 1 << 18, got  # a quarter of an LLC of at least 1 MiB
