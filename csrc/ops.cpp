@@ -92,6 +92,13 @@ int64_t grain_for(int64_t token_bytes) {
   return std::max<int64_t>(GRAIN, (bytes + cost - 1) / cost);
 }
 
+// The stores whose rows stream in a large call (stream.h): the K/V stores. The MLA rows and the V4
+// records never do (even to 1.2x slower, bench/results/cpu-quant/NOTES.md).
+template <class P>
+constexpr bool STREAMS = std::is_same_v<P, StoreKVParams> || std::is_same_v<P, StoreKVQuantParams> ||
+                         std::is_same_v<P, StoreKVNVFP4Params> || std::is_same_v<P, RopeStoreKVParams> ||
+                         std::is_same_v<P, RopeStoreKVQuantParams>;
+
 // One counter for every rope op and instantiation: the id keys rope_head_host's per-thread cos/sin
 // row, so two calls (of any op) must never share one (a per-template counter did: stale rows).
 std::atomic<uint64_t> rope_calls{0};
@@ -170,8 +177,7 @@ struct Cpu {
           return resolve<CHECK_ASSERT>(a, i);
         }
       });
-    // a K/V store larger than the cache streams its rows (P::STREAMS; the MLA rows and records: never)
-    const StreamScope streaming(requires { P::STREAMS; } ? call_footprint : -1);
+    const StreamScope streaming(STREAMS<P> ? call_footprint : -1);  // a K/V store larger than the cache
     at::parallel_for(0, a.n, grain_for(token_bytes(p)), [&](int64_t b, int64_t e) {
       with_check(int(check), [&](auto c) { run_range<P, c.value>(p, b, e); });
     });

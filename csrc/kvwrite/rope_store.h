@@ -244,7 +244,6 @@ KVW_HD void rope_q_and(const RopeArgs& r, i64 i, i64 pos, bool pos_ok, int D, bo
 // ---- rope_store_kv ----------------------------------------------------------------------------
 
 struct RopeStoreKVParams {
-  static constexpr bool STREAMS = true;  // host: a large call's rows by streaming stores (stream.h)
   StoreKVParams kv;  // k.src: the caller's k (rotated from); the store reads the scratch rows
   RopeArgs rope;
   char* scratch = nullptr;  // [n, H, Dk] input dtype (device); the host passes a per-thread row
@@ -323,7 +322,6 @@ KVW_HD const LocArgs& locs_of(const RopeStoreKVParams& p) { return p.kv.locs; }
 // ---- rope_store_kv into int8 / dynamic-scale caches (store_kv_quant's formats) ---------------
 
 struct RopeStoreKVQuantParams {
-  static constexpr bool STREAMS = true;  // host: a large call's rows by streaming stores (stream.h)
   StoreKVQuantParams kv;  // k.src: the caller's k (rotated from); the store reads the scratch rows
   RopeArgs rope;
   char* scratch = nullptr;

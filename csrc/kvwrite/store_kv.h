@@ -28,7 +28,6 @@ struct KVSide {
 };
 
 struct StoreKVParams {
-  static constexpr bool STREAMS = true;  // host: a large call's rows by streaming stores (stream.h)
   KVSide k, v;
   int H = 0;
   DType in_dtype = DType::F32;

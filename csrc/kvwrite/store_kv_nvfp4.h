@@ -19,7 +19,6 @@ struct NVFP4Side {
 };
 
 struct StoreKVNVFP4Params {
-  static constexpr bool STREAMS = true;  // host: a large call's rows by streaming stores (stream.h)
   NVFP4Side k, v;
   int H = 0;
   DType in_dtype = DType::F32;

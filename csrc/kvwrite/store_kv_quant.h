@@ -25,7 +25,6 @@ struct KVQuantSide {
 };
 
 struct StoreKVQuantParams {
-  static constexpr bool STREAMS = true;  // host: a large call's rows by streaming stores (stream.h)
   KVQuantSide k, v;
   int H = 0;
   DType in_dtype = DType::F32;

@@ -1,7 +1,7 @@
 // Host: pool rows written by streaming (non-temporal) stores. In a pool much larger than the cache
 // (a serving engine's: gigabytes) the row a store writes is almost never cached, and a plain store
 // first reads each of its lines in (read-for-ownership); a streaming store writes the whole line
-// without that read. So a K/V store (params with STREAMS: store_kv's formats, NVFP4 K/V, the fused
+// without that read. So a K/V store (ops.cpp STREAMS: store_kv's formats, NVFP4 K/V, the fused
 // RoPE K/V stores) whose tensors (inputs and pools) take at least a quarter of the last-level cache
 // writes every whole, aligned 64-byte line of its rows this way (store_line / store_half_line in the
 // SIMD lanes, stream_copy for row copies), the partial lines at a row's ends plainly, no write
