@@ -110,7 +110,7 @@ inline bool store(const c10::IValue* a, const CacheView& k, const CacheView& v) 
   p.locs.errors = errors ? errors->data_ptr<int64_t>() : nullptr;
   p.locs.capacity = k.pages * k.rows;
   p.locs.pool_page_size = k.rows;
-  call_footprint = int64_t(key.nbytes() + value.nbytes() + kc.nbytes() + vc.nbytes());
+  if (key.is_cpu()) call_footprint = int64_t(key.nbytes() + value.nbytes() + kc.nbytes() + vc.nbytes());
   r.store_kv(p, check, key);
   return true;
 }

@@ -176,8 +176,8 @@ inline Tensor hold(Tensor t) {
   return t;
 }
 
-// The bytes of the tensors of the call this thread runs (its inputs and pools), set before a device
-// policy's run: whether the call streams its rows (stream.h).
+// The bytes of the tensors of the CPU call this thread runs (its inputs and pools), set before the
+// CPU policy's run: whether the call streams its rows (stream.h).
 inline thread_local int64_t call_footprint = 0;
 
 namespace reg {
@@ -211,7 +211,7 @@ struct Bind<Make, Made (*)(A...)> {
     const Tensor& ref = first_tensor(a...);
     const auto release = c10::make_scope_exit([] { held.clear(); });
     Made made = Make(a...);
-    call_footprint = (int64_t(0) + ... + tensor_bytes(a));
+    if constexpr (Dev::TYPE == c10::DeviceType::CPU) call_footprint = (int64_t(0) + ... + tensor_bytes(a));
     const auto go = [&](auto& p) {
       table(p, ref);
       Dev::run(p, check, ref);
