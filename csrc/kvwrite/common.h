@@ -11,9 +11,15 @@
 
 #if defined(__CUDACC__)
 #define KVW_HD __host__ __device__ __forceinline__
+#define KVW_HOT KVW_HD
+#define KVW_COLD KVW_HD
 #define KVW_UNROLL _Pragma("unroll")
 #else
 #define KVW_HD inline
+// Host: a per-token step always inlined (KVW_HOT), its rare branch kept out of the loop (KVW_COLD);
+// on the device both are KVW_HD, as before.
+#define KVW_HOT inline __attribute__((always_inline))
+#define KVW_COLD __attribute__((noinline, cold))
 #define KVW_UNROLL
 #endif
 

@@ -219,9 +219,9 @@ KVW_HD Resolved resolve_rope(const LocArgs& a, const RopeArgs& r, i64 i, bool po
 }
 
 template <int CHECK>
-KVW_HD Resolved resolve_rope_checked(const LocArgs& a, const RopeArgs& r, i64 i, bool pos_ok, i64 pos, bool lead) {
+KVW_HOT Resolved resolve_rope_checked(const LocArgs& a, const RopeArgs& r, i64 i, bool pos_ok, i64 pos, bool lead) {
   const Resolved res = resolve_rope<CHECK>(a, r, i, pos_ok, pos);
-  if (CHECK != CHECK_OFF && res.bad && lead) on_bad<CHECK>(a.errors, violation(a, i, res));
+  if (CHECK != CHECK_OFF && res.bad && lead) report_bad<CHECK>(a, i, res);
   return res;
 }
 
