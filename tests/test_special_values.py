@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kvwrite
-from conftest import DEVICE
+from conftest import DEVICE, KERNEL_BACKENDS
 from helpers import BACKENDS, CanaryBuffer, assert_same_bytes
 from kvwrite.reference.quant import FP8_NAN
 
@@ -301,3 +301,31 @@ def test_rounding_of_every_code_and_midpoint(backend, cache):
         pools[b] = kc.view(torch.uint8)
     assert torch.equal(pools["torch"], pools[backend])
     check_fp8_codes(pools["torch"].reshape(-1, 16), x.reshape(-1, 16), cache, 1.0)
+
+
+# The quantising cases whose cpu lanes depend on MXCSR.FTZ (read once a chunk, csrc/tokens_cpu.h).
+FTZ_CASES = ("mha-fp8", "mla-fp8ds", "dsv4-kv", "mha-nvfp4", "mla-nvfp4", "dsv4-kv-nvfp4")
+
+
+@pytest.mark.skipif("cpu" not in KERNEL_BACKENDS, reason="the cpu backend is not built here")
+@pytest.mark.parametrize("name", FTZ_CASES)
+def test_flush_denormal_same_bytes(name: str) -> None:
+    """A thread with MXCSR.FTZ / DAZ set (torch.set_flush_denormal) gets the bytes a thread without
+    them gets: the kernels read the mode (once a chunk) and leave the subnormal codes to the lanes
+    that do not depend on it."""
+    from kvwrite.bench.cases import available
+    s = available([name])[0][0].build(64, torch.device("cpu"), torch.Generator().manual_seed(3))
+    for t in s.outputs:
+        t.zero_()
+    s.call("cpu", "off", None)
+    want = [t.clone() for t in s.outputs]
+    for t in s.outputs:
+        t.zero_()
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        s.call("cpu", "off", None)
+    finally:
+        torch.set_flush_denormal(False)
+    for got, exp in zip(s.outputs, want):
+        assert torch.equal(got.view(torch.uint8), exp.view(torch.uint8))

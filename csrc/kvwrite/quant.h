@@ -276,11 +276,13 @@ inline bool e4m3_tiles_bf16(const void* src, i64 start, int tiles, int tile, Sca
 }
 #endif
 
-// The `noftz` argument of quant_run for a host loop of many runs: MXCSR read once (-1 elsewhere).
-KVW_HD int host_noftz() {
+// The `noftz` argument of quant_run for a host loop of many runs: `known` where set (LocArgs::noftz,
+// the chunk's read), else MXCSR read now (-1 off x86).
+KVW_HD int host_noftz(int known = -1) {
 #if KVW_SIMD_X86
-  return ftz_clear() ? 1 : 0;
+  return known >= 0 ? known : ftz_clear() ? 1 : 0;
 #else
+  (void)known;
   return -1;
 #endif
 }

@@ -54,7 +54,7 @@ KVW_HD void store_dsv4_kv_token(const StoreDSV4KVParams& p, i64 i, int lane, int
   const Resolved r = resolve_checked<CHECK>(p.locs, i, lane == 0);
   if (!r.write) return;
   char* data = p.cache.data_at(r.row);
-  const int noftz = nlanes == 1 ? host_noftz() : -1;
+  const int noftz = nlanes == 1 ? host_noftz(p.locs.noftz) : -1;
   bool tiles_done = false;
 #if KVW_SIMD_X86
   if constexpr (IN == DType::BF16) {  // host: every tile's scale first (e4m3_tiles_bf16)

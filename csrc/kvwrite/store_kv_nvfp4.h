@@ -52,7 +52,7 @@ KVW_HD void store_kv_nvfp4_token(const StoreKVNVFP4Params& p, i64 i, int lane, i
   char *vv = p.v.values.row_ptr(r.row), *vs = p.v.scales.row_ptr(r.row);
 #if !defined(__CUDA_ARCH__)
   if (nlanes == 1 && !p.k.values.split && !p.k.scales.split && !p.v.values.split && !p.v.scales.split) {
-    const int noftz = host_noftz();  // MXCSR read once a token
+    const int noftz = host_noftz(p.locs.noftz);
     const auto side = [&](const NVFP4Side& s, char* values, char* scales) {  // a head's blocks are contiguous
       const int nb = s.D / NVFP4_BLOCK;
       if (s.s_head == s.D && s.values.in_row(1, 0) == s.D / 2 && s.scales.in_row(1, 0) == nb)  // so are the heads

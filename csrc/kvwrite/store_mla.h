@@ -88,7 +88,7 @@ KVW_HD void mla_fp8(const StoreMLAParams& p, i64 i, char* dst, int lane, int nla
 #if KVW_SIMD_X86
   if (nlanes == 1 && simd_ok()) {  // host: the static scale's lanes, latent then rope
     Fp8Table* cache = static_fp8_tables<IN, F>();
-    const int noftz = cache != nullptr ? -1 : host_noftz();  // tables: read where a block needs it
+    const int noftz = cache != nullptr ? -1 : host_noftz(p.locs.noftz);  // tables: read where a block needs it
     quant_run_static<IN, F>(p.kv_c, i * p.c_sn, p.L, s, dst, cache, noftz);
     quant_run_static<IN, F>(p.k_pe, i * p.pe_sn, p.R, s, dst + p.L, cache, noftz);
     return;
@@ -160,7 +160,7 @@ KVW_HD void mla_ds(const StoreMLAParams& p, i64 i, char* dst, int lane, int nlan
     return;
   }
   // One lane per tile (the host: a tile is two vectorisable loops, amax then codes).
-  const int noftz = nlanes == 1 ? host_noftz() : -1;
+  const int noftz = nlanes == 1 ? host_noftz(p.locs.noftz) : -1;
   bool done = false;
 #if KVW_SIMD_X86
   if constexpr (IN == DType::BF16) {  // host: every tile's scale first (e4m3_tiles_bf16)
@@ -202,7 +202,7 @@ KVW_HD void mla_nvfp4(const StoreMLAParams& p, i64 i, i64 row, char* dst, int la
                              reinterpret_cast<const uint16_t*>(p.k_pe) + i * p.pe_sn, dst, scales);
     }
 #endif
-    const int noftz = host_noftz();  // MXCSR read once a token
+    const int noftz = host_noftz(p.locs.noftz);
     nvfp4_run<IN>(p.kv_c, i * p.c_sn, p.L / NVFP4_BLOCK, p.global, dst, scales, 0.0f, noftz);
     if (p.R > 0)
       nvfp4_run<IN>(p.k_pe, i * p.pe_sn, p.R / NVFP4_BLOCK, p.global, dst + p.L / 2, scales + p.L / NVFP4_BLOCK, 0.0f, noftz);
