@@ -132,6 +132,34 @@ def _scatter_baseline(srcs, dsts, loc, baselines: dict, notes: dict) -> None:
             _try(name, lambda st=stream: op(srcs, dsts, loc, st), baselines, notes)
 
 
+def _page_runs_baseline(call, cache: torch.Tensor, loc: torch.Tensor, page: int, runs: tuple,
+                        baselines: dict, notes: dict) -> None:
+    """The memcpy / stream scatter of a page-major layout (a uint8 cache `[pages, page bytes]`) whose
+    token at offset o of page p lands in runs: run (base, pitch, width) is `width` bytes at byte
+    base + o * pitch of page p. Sources: the reference's bytes at those runs (checked to be every
+    byte it wrote), copied to the same places by one scatter a run, each run addressed as a row
+    of a view of the cache in `unit`-byte steps."""
+    if loc.device.type != "cpu":
+        return _scatter_baseline([], [], loc, baselines, notes)
+    call("torch", "off", None)
+    flat = cache.view(-1)
+    unit = math.gcd(cache.shape[1], *(b for b, _, _ in runs), *(q for _, q, _ in runs))
+    page_at, off = loc // page * cache.shape[1], loc % page
+    srcs, dsts, locs, rest = [], [], [], flat.clone()
+    for base, pitch, width in runs:
+        at = page_at + base + off * pitch
+        idx = at[:, None] + torch.arange(width)[None, :]
+        srcs.append(flat[idx])
+        rest[idx] = 0
+        dsts.append(flat.as_strided(((flat.numel() - width) // unit + 1, width), (unit, 1)))
+        locs.append(at // unit)
+    cache.zero_()
+    if rest.any():  # the runs miss bytes the store writes: no scatter of the same bytes
+        notes["memcpy-scatter"] = "skipped: the reference wrote bytes outside the layout's runs"
+        return
+    _scatter_baseline(srcs, dsts, locs, baselines, notes)
+
+
 def _reference_rows(call, outputs, loc) -> list[torch.Tensor]:
     """The rows the torch reference writes at `loc` into each row-shaped output
     ([pages, page, ...]): what a scatter of the finished bytes would copy."""
@@ -456,9 +484,10 @@ def _indexer(n: int, device: torch.device, gen: torch.Generator) -> Setup:
     moved = _nbytes(k, loc) + n * per_token
     notes = {"torch-index": "skipped: no plain torch store of the page-major indexer layout "
                             "(the torch backend is the reference)"}
-    notes["memcpy-scatter"] = ("skipped: the page-major indexer layout splits a token into two "
-                               "runs (codes, scale); no row scatter writes the same bytes")
-    return Setup(call, moved, {}, notes, {}, (cache,))
+    baselines = {}  # page-major: a page's code rows, then its scale rows
+    _page_runs_baseline(call, cache, loc, page, ((0, dim, dim), (page * dim, per_token - dim, per_token - dim)),
+                        baselines, notes)
+    return Setup(call, moved, baselines, notes, {}, (cache,))
 
 
 @case("store_kv_nvfp4", "mha-nvfp4", "MHA Llama-3.1-8B layer: 8 x 128 bf16 -> NVFP4 (e2m1 + e4m3 scale per 16)")
@@ -498,10 +527,14 @@ def _dsv4_kv(n: int, device: torch.device, gen: torch.Generator) -> Setup:
     def call(backend: str, check: str, errors) -> None:
         kvwrite.store_dsv4_kv(kv, cache, loc, page_size=page, check=check, errors=errors, backend=backend)
 
-    notes = {"torch-index": "skipped: no plain torch store of the split data/scale page (the torch backend is the reference)",
-             "memcpy-scatter": "skipped: the split data/scale page puts a token's record in two runs (data, "
-                               "scales); no row scatter writes the same bytes"}
-    return Setup(call, _nbytes(kv, loc) + n * 583, {}, notes, {}, (cache,))
+    from kvwrite.facts import DATA_ROW, SCALE_ROW
+
+    baselines = {}
+    notes = {"torch-index": "skipped: no plain torch store of the split data/scale page (the torch backend is the reference)"}
+    # a page's data rows, then its scale rows (7 scale bytes written of 8: the pad byte never is)
+    _page_runs_baseline(call, cache, loc, page, ((0, DATA_ROW, DATA_ROW), (page * DATA_ROW, SCALE_ROW, SCALE_ROW - 1)),
+                        baselines, notes)
+    return Setup(call, _nbytes(kv, loc) + n * 583, baselines, notes, {}, (cache,))
 
 
 @case("store_dsv4_indexer_k", "dsv4-indexer-mxfp4", "DeepSeek V4 c4 indexer K: 128 bf16 -> MXFP4 (e2m1 + ue8m0 per 32), pages of 64",
@@ -515,18 +548,15 @@ def _dsv4_mxfp4(n: int, device: torch.device, gen: torch.Generator) -> Setup:
     def call(backend: str, check: str, errors) -> None:
         kvwrite.store_dsv4_indexer_k(k, cache, loc, fmt="mxfp4", check=check, errors=errors, backend=backend)
 
-    return Setup(call, _nbytes(k, loc) + n * 68, {},
-                 {"torch-index": "skipped: no plain torch MXFP4 store",
-                  "memcpy-scatter": "skipped: the page-major indexer layout splits a token into two runs "
-                                    "(64 code bytes, 4 scale bytes); no row scatter writes the same bytes"}, {},
-                 (cache,))
+    baselines, notes = {}, {"torch-index": "skipped: no plain torch MXFP4 store"}
+    _page_runs_baseline(call, cache, loc, page, ((0, 64, 64), (page * 64, 4, 4)), baselines, notes)  # codes, scales
+    return Setup(call, _nbytes(k, loc) + n * 68, baselines, notes, {}, (cache,))
 
 
 def _dsv4_fp4(n: int, device: torch.device, gen: torch.Generator, fmt: str, rope: bool = False) -> Setup:
     """A DeepSeek V4 SWA layer's FP4 record store (pages of 256, locs of whole pages). The
     memcpy-scatter baseline copies the reference's record bytes to the same cache bytes: one run
-    a token (inline mxfp4) or two (the split page's data row and scale row), each addressed as a
-    row of a view of the cache in `unit`-byte steps."""
+    a token (inline mxfp4) or two (the split page's data row and scale row)."""
     from kvwrite.facts import FP4_RECORDS
 
     rec, page = FP4_RECORDS[fmt], 256
@@ -549,18 +579,8 @@ def _dsv4_fp4(n: int, device: torch.device, gen: torch.Generator, fmt: str, rope
     moved = _nbytes(kv, loc) + n * rec.token_bytes + (_nbytes(positions) + n * 64 * 4 if rope else 0)
     baselines = {}
     notes = {"torch-index": f"skipped: no plain torch {fmt} record store (the torch backend is the reference)"}
-    srcs, dsts, locs = [], [], []
-    if device.type == "cpu":
-        call("torch", "off", None)
-        flat, unit = cache.view(-1), math.gcd(rec.data_row, rec.scale_row, cache.shape[1])
-        page_at, off = loc // page * cache.shape[1], loc % page
-        for at, width in ((page_at + off * rec.data_row, rec.data_row),
-                          (page_at + page * rec.data_row + off * rec.scale_row, rec.scale_row))[:2 - rec.inline]:
-            srcs.append(torch.stack([flat[a:a + width] for a in at.tolist()]))
-            dsts.append(flat.as_strided(((flat.numel() - width) // unit + 1, width), (unit, 1)))
-            locs.append(at // unit)
-        cache.zero_()
-    _scatter_baseline(srcs, dsts, locs or loc, baselines, notes)
+    runs = ((0, rec.data_row, rec.data_row), (page * rec.data_row, rec.scale_row, rec.scale_row))
+    _page_runs_baseline(call, cache, loc, page, runs[:2 - rec.inline], baselines, notes)
     return Setup(call, moved, baselines, notes, {}, (cache,))
 
 
