@@ -463,6 +463,33 @@ long check_absmax() {
   return bad;
 }
 
+// e4m3_pow2_run_512 (the V4 KV record's tiles) against the scalar e4m3 code of x / s for every
+// power-of-two s = 2^(es - 127) the record's scale rule gives (es 105 .. 254) and every bf16 x with
+// |x| / s <= 448 (the rule's bound), both signs, zeros and bf16 subnormals included.
+long check_e4m3_pow2() {
+  if (simd_level() < 2) return 0;
+  std::vector<uint16_t> x;
+  std::vector<char> out;
+  long bad = 0, codes = 0;
+  for (int es = 105; es <= 254; ++es) {
+    const float s = bits_to_float(uint32_t(es) << 23);
+    x.clear();
+    for (uint32_t m = 0; m < 0x7F80; ++m)
+      if (bf16_to_float(uint16_t(m)) / s <= 448.0f) x.push_back(uint16_t(m)), x.push_back(uint16_t(m | 0x8000));
+    while (x.size() % 64 != 0) x.push_back(0);
+    out.assign(x.size(), 0);
+    e4m3_pow2_run_512(x.data(), int(x.size()), es, out.data());
+    for (size_t i = 0; i < x.size(); ++i) {
+      const uint8_t want = fp8_bits<E4M3>(bf16_to_float(x[i]) / s);
+      if (uint8_t(out[i]) != want && bad++ < 4)
+        std::printf("e4m3 pow2: es %d x %04x gives %02x, scalar %02x\n", es, x[i], uint8_t(out[i]), want);
+    }
+    codes += long(x.size());
+  }
+  std::printf("e4m3 pow2 lanes: %ld differ over %ld codes (150 scales)\n", bad, codes);
+  return bad;
+}
+
 int main(int argc, char** argv) {
   if (!simd_ok()) { std::printf("the portable loops are in use (no AVX2 + F16C + FMA, or KVWRITE_CPU_SIMD=0)\n"); return 0; }
   std::printf("lanes: %s (KVWRITE_CPU_SIMD=avx2 checks the AVX2 ones)\n", simd_level() == 2 ? "AVX-512" : "AVX2");
@@ -478,7 +505,7 @@ int main(int argc, char** argv) {
   std::mt19937 g(0);
   for (int k = 0; k < 2000; ++k) scales.push_back(bits_to_float((g() & 0x807FFFFFu) | (uint32_t(87 + g() % 80) << 23)));
   bad += check_bf16_run<E4M3>("e4m3 bf16 lanes", scales) + check_bf16_run<E5M2>("e5m2 bf16 lanes", scales);
-  bad += check_int8_rf() + check_int8_head_runs() + check_fp8_ds();
+  bad += check_int8_rf() + check_int8_head_runs() + check_fp8_ds() + check_e4m3_pow2();
   bad += check_nvfp4_bf16() + check_nvfp4_fp16_fp32();
   {  // the static-scale code tables (fp8_bf16_table_run, blocks it declines by the arithmetic lanes)
     std::vector<uint16_t> x(65536);

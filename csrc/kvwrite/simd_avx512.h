@@ -184,6 +184,45 @@ KVW_AVX512 bool fp8_ds_tiles_512(const uint16_t* x, int tiles, int tile, char* d
   return true;
 }
 
+// ---- e4m3 codes under a power-of-two scale, in 16-bit lanes ----------------------------------
+// |x| / 2^(es - 127) of a bf16 x (es: the scale's exponent byte) is exact: its bits are |x| - (es -
+// 127) << 7. At and above e4m3's normal range (exponent field E' = E - es + 7 >= 1) the 7 mantissa
+// bits round to 3, nearest even, the carry running into the exponent; below it (|x| / s < 2^-6)
+// the significand 128 | M shifts right by 5 - E' (at most 10: 9 or more leaves 0), nearest even.
+// Thirty-two codes without sign from a = |x| (a word each); the caller keeps |x| / s <= 448.
+KVW_AVX512 __m512i e4m3_pow2_codes32(__m512i a, __m512i bias, int es) {
+  const __m512i one = _mm512_set1_epi16(1), t = _mm512_sub_epi16(a, bias);  // E' << 7 | M (E' <= 0: t < 128)
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi16(t, 4), one);
+  __m512i code = _mm512_srli_epi16(_mm512_add_epi16(_mm512_add_epi16(t, _mm512_set1_epi16(7)), lsb), 4);
+  const __mmask32 sub = _mm512_cmplt_epi16_mask(t, _mm512_set1_epi16(1 << 7));
+  if (sub != 0) {
+    const __m512i v = _mm512_or_si512(_mm512_and_si512(a, _mm512_set1_epi16(0x7F)), _mm512_set1_epi16(0x80));
+    const __m512i sh = _mm512_min_epi16(_mm512_sub_epi16(_mm512_set1_epi16(int16_t(es - 2)), _mm512_srli_epi16(a, 7)),
+                                        _mm512_set1_epi16(10));
+    const __m512i q = _mm512_srlv_epi16(v, sh), unit = _mm512_sllv_epi16(one, sh);
+    const __m512i rem = _mm512_and_si512(v, _mm512_sub_epi16(unit, one)), half = _mm512_srli_epi16(unit, 1);
+    const __mmask32 up = _mm512_cmpgt_epu16_mask(rem, half) | (_mm512_cmpeq_epi16_mask(rem, half) & _mm512_test_epi16_mask(q, one));
+    code = _mm512_mask_mov_epi16(code, sub, _mm512_mask_add_epi16(q, up, q, one));
+  }
+  return code;
+}
+
+// The e4m3 codes of n bf16 values (n % 64 == 0) from x divided by 2^(es - 127), signs kept, to dst:
+// e4m3_pow2_codes32, no fp32 arithmetic (so no MXCSR dependence), the same bytes as RN(x / s).
+KVW_AVX512 void e4m3_pow2_run_512(const uint16_t* __restrict__ x, int n, int es, char* __restrict__ dst) {
+  const __m512i bias = _mm512_set1_epi16(int16_t((es - 7) << 7)), am = _mm512_set1_epi16(0x7FFF);
+  const __m512i order = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7);  // packus interleaves lanes
+  for (int j = 0; j < n; j += 64) {
+    __m512i c[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m512i v = _mm512_loadu_si512(x + j + 32 * h);
+      c[h] = _mm512_ternarylogic_epi32(e4m3_pow2_codes32(_mm512_and_si512(v, am), bias, es), _mm512_srli_epi16(v, 8),
+                                       _mm512_set1_epi16(0x80), 0xF8);  // code | (sign & 0x80)
+    }
+    _mm512_storeu_si512(dst + j, _mm512_permutexvar_epi64(order, _mm512_packus_epi16(c[0], c[1])));
+  }
+}
+
 // int8_bf16_run_avx2, 64 elements a step.
 KVW_AVX512 int int8_bf16_run_512(const uint16_t* __restrict__ src, int n, float s, char* __restrict__ dst, float r) {
   const __m512 vs = _mm512_set1_ps(s), vr = _mm512_set1_ps(r != 0.0f ? r : 1.0f / s);

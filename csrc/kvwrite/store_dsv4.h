@@ -48,6 +48,23 @@ struct StoreDSV4KVParams {
   LocArgs locs;
 };
 
+#if KVW_SIMD_X86
+// Host, bf16, AVX-512: the record's NoPE tiles (scale bytes to `scales`) by e4m3_pow2_run_512, the
+// scales being powers of two (integer lanes, no division); false (nothing written) below AVX-512 or
+// where a tile holds a NaN or an inf (the tile loops then write the record).
+KVW_AVX512 bool dsv4_tiles_512(const uint16_t* x, char* data, char* scales) {
+  uint32_t raw[DSV4_TILES];
+  for (int w = 0; w < DSV4_TILES; ++w)
+    if ((raw[w] = bf16_absmax_raw32_512(x + w * DSV4_TILE, DSV4_TILE)) > 0x7F7Fu) return false;
+  for (int w = 0; w < DSV4_TILES; ++w) {
+    const float s = dsv4_scale(bits_to_float(raw[w] << 16), 448.0f);
+    scales[w] = ue8m0_byte(s);
+    e4m3_pow2_run_512(x + w * DSV4_TILE, DSV4_TILE, int(float_to_bits(s) >> 23), data + w * DSV4_TILE);
+  }
+  return true;
+}
+#endif
+
 // Token i: lanes stride over its 8 work items (7 NoPE tiles, the RoPE part).
 template <int CHECK, DType IN>
 KVW_HD void store_dsv4_kv_token(const StoreDSV4KVParams& p, i64 i, int lane, int nlanes) {
@@ -59,7 +76,10 @@ KVW_HD void store_dsv4_kv_token(const StoreDSV4KVParams& p, i64 i, int lane, int
 #if KVW_SIMD_X86
   if constexpr (IN == DType::BF16) {  // host: every tile's scale first (e4m3_tiles_bf16)
     float sc[16];
-    if (nlanes == 1 && e4m3_tiles_bf16(p.kv, i * p.kv_sn, DSV4_TILES, DSV4_TILE, [](float a) { return dsv4_scale(a, 448.0f); },
+    if (nlanes == 1 && simd512_ok() &&
+        dsv4_tiles_512(reinterpret_cast<const uint16_t*>(p.kv) + i * p.kv_sn, data, p.cache.scale_at(r.row))) {
+      tiles_done = true;
+    } else if (nlanes == 1 && e4m3_tiles_bf16(p.kv, i * p.kv_sn, DSV4_TILES, DSV4_TILE, [](float a) { return dsv4_scale(a, 448.0f); },
                                        data, sc, noftz)) {
       for (int w = 0; w < DSV4_TILES; ++w) p.cache.scale_at(r.row)[w] = ue8m0_byte(sc[w]);
       tiles_done = true;
@@ -74,6 +94,12 @@ KVW_HD void store_dsv4_kv_token(const StoreDSV4KVParams& p, i64 i, int lane, int
       quant_block_e4m3<IN>(p.kv, start, DSV4_TILE, scale, data + w * DSV4_TILE, noftz);
       p.cache.scale_at(r.row)[w] = ue8m0_byte(scale);  // byte 7 (pad) is never written
     } else {
+#if !defined(__CUDA_ARCH__)
+      if (IN == DType::BF16) {  // host: the bf16 bits as they are, one copy (an element loop reloaded p.kv each step)
+        memcpy(data + DSV4_NOPE, p.kv + 2 * start, 2 * size_t(DSV4_ROPE));
+        continue;
+      }
+#endif
       for (int j = 0; j < DSV4_ROPE; ++j) store_le(data + DSV4_NOPE + 2 * j, bf16_bits<IN>(p.kv, start + j), 2);
     }
   }
