@@ -211,7 +211,6 @@ KVW_AVX512 __m512i e4m3_pow2_codes32(__m512i a, __m512i bias, int es) {
 // e4m3_pow2_codes32, no fp32 arithmetic (so no MXCSR dependence), the same bytes as RN(x / s).
 KVW_AVX512 void e4m3_pow2_run_512(const uint16_t* __restrict__ x, int n, int es, char* __restrict__ dst) {
   const __m512i bias = _mm512_set1_epi16(int16_t((es - 7) << 7)), am = _mm512_set1_epi16(0x7FFF);
-  const __m512i order = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7);  // packus interleaves lanes
   for (int j = 0; j < n; j += 64) {
     __m512i c[2];
     for (int h = 0; h < 2; ++h) {
@@ -219,8 +218,26 @@ KVW_AVX512 void e4m3_pow2_run_512(const uint16_t* __restrict__ x, int n, int es,
       c[h] = _mm512_ternarylogic_epi32(e4m3_pow2_codes32(_mm512_and_si512(v, am), bias, es), _mm512_srli_epi16(v, 8),
                                        _mm512_set1_epi16(0x80), 0xF8);  // code | (sign & 0x80)
     }
-    _mm512_storeu_si512(dst + j, _mm512_permutexvar_epi64(order, _mm512_packus_epi16(c[0], c[1])));
+    _mm512_storeu_si512(dst + j, in_order64(_mm512_packus_epi16(c[0], c[1])));  // plain: the records never stream
   }
+}
+
+// The e4m3 codes of `tiles` tiles of `tile` bf16 values (tile % 64 == 0, tiles <= 16) from x, each
+// under its power-of-two scale s = scale_of(amax) (>= amax / 448: no code saturates) given to
+// put_scale(w, s): every tile's amax first, then scales and codes by e4m3_pow2_run_512. False
+// (nothing written) where a tile holds a NaN or an inf: the caller's tile loop handles those.
+template <class ScaleOf, class PutScale>
+KVW_AVX512 bool e4m3_pow2_tiles_512(const uint16_t* x, int tiles, int tile, ScaleOf&& scale_of, char* dst,
+                                    PutScale&& put_scale) {
+  uint32_t raw[16];
+  for (int w = 0; w < tiles; ++w)
+    if ((raw[w] = bf16_absmax_raw32_512(x + w * tile, tile)) > 0x7F7Fu) return false;
+  for (int w = 0; w < tiles; ++w) {
+    const float s = scale_of(bits_to_float(raw[w] << 16));
+    put_scale(w, s);
+    e4m3_pow2_run_512(x + w * tile, tile, int(float_to_bits(s) >> 23), dst + w * tile);
+  }
+  return true;
 }
 
 // int8_bf16_run_avx2, 64 elements a step.
@@ -547,6 +564,12 @@ struct Lanes {
     if constexpr (L == 2) return bf16_absmax_raw8_512(p, stride, n, raw);
     bf16_absmax_raw8_avx2(p, stride, n, raw);
   }
+  // e4m3 tiles under power-of-two scales (e4m3_pow2_tiles_512); false: the AVX2 level, or a NaN / inf
+  template <class ScaleOf, class PutScale>
+  static bool e4m3_pow2_tiles(const uint16_t* x, int tiles, int tile, ScaleOf&& scale_of, char* dst, PutScale&& put) {
+    if constexpr (L == 2) return e4m3_pow2_tiles_512(x, tiles, tile, scale_of, dst, put);
+    return false;
+  }
   static uint32_t bf16_absmax_raw(const uint16_t* p, int n) {
     if constexpr (L == 2) return bf16_absmax_raw_512(p, n);
     return bf16_absmax_raw_avx2(p, n);
@@ -568,6 +591,10 @@ inline int int8_bf16_run(const uint16_t* __restrict__ src, int n, float s, char*
 }
 inline uint32_t bf16_absmax_raw(const uint16_t* p, int n) {
   return with_lanes([&](auto l) { return l.bf16_absmax_raw(p, n); });
+}
+template <class ScaleOf, class PutScale>
+inline bool e4m3_pow2_tiles(const uint16_t* x, int tiles, int tile, ScaleOf&& scale_of, char* dst, PutScale&& put) {
+  return tile % 64 == 0 && tiles <= 16 && with_lanes([&](auto l) { return l.e4m3_pow2_tiles(x, tiles, tile, scale_of, dst, put); });
 }
 template <class F>
 inline void fp8_bf16_table_run(const Fp8Table& t, float s, const uint16_t* __restrict__ src, int n, char* __restrict__ dst) {

@@ -48,23 +48,6 @@ struct StoreDSV4KVParams {
   LocArgs locs;
 };
 
-#if KVW_SIMD_X86
-// Host, bf16, AVX-512: the record's NoPE tiles (scale bytes to `scales`) by e4m3_pow2_run_512, the
-// scales being powers of two (integer lanes, no division); false (nothing written) below AVX-512 or
-// where a tile holds a NaN or an inf (the tile loops then write the record).
-KVW_AVX512 bool dsv4_tiles_512(const uint16_t* x, char* data, char* scales) {
-  uint32_t raw[DSV4_TILES];
-  for (int w = 0; w < DSV4_TILES; ++w)
-    if ((raw[w] = bf16_absmax_raw32_512(x + w * DSV4_TILE, DSV4_TILE)) > 0x7F7Fu) return false;
-  for (int w = 0; w < DSV4_TILES; ++w) {
-    const float s = dsv4_scale(bits_to_float(raw[w] << 16), 448.0f);
-    scales[w] = ue8m0_byte(s);
-    e4m3_pow2_run_512(x + w * DSV4_TILE, DSV4_TILE, int(float_to_bits(s) >> 23), data + w * DSV4_TILE);
-  }
-  return true;
-}
-#endif
-
 // Token i: lanes stride over its 8 work items (7 NoPE tiles, the RoPE part).
 template <int CHECK, DType IN>
 KVW_HD void store_dsv4_kv_token(const StoreDSV4KVParams& p, i64 i, int lane, int nlanes) {
@@ -76,8 +59,10 @@ KVW_HD void store_dsv4_kv_token(const StoreDSV4KVParams& p, i64 i, int lane, int
 #if KVW_SIMD_X86
   if constexpr (IN == DType::BF16) {  // host: every tile's scale first (e4m3_tiles_bf16)
     float sc[16];
-    if (nlanes == 1 && simd512_ok() &&
-        dsv4_tiles_512(reinterpret_cast<const uint16_t*>(p.kv) + i * p.kv_sn, data, p.cache.scale_at(r.row))) {
+    const uint16_t* x = reinterpret_cast<const uint16_t*>(p.kv) + i * p.kv_sn;
+    char* scales = p.cache.scale_at(r.row);
+    const auto pow2 = [](float a) { return dsv4_scale(a, 448.0f); };  // AVX-512: integer lanes (e4m3_pow2_tiles)
+    if (nlanes == 1 && e4m3_pow2_tiles(x, DSV4_TILES, DSV4_TILE, pow2, data, [&](int w, float s) { scales[w] = ue8m0_byte(s); })) {
       tiles_done = true;
     } else if (nlanes == 1 && e4m3_tiles_bf16(p.kv, i * p.kv_sn, DSV4_TILES, DSV4_TILE, [](float a) { return dsv4_scale(a, 448.0f); },
                                        data, sc, noftz)) {

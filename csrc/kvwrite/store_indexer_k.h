@@ -63,6 +63,15 @@ KVW_HD void store_indexer_k_token(const StoreIndexerKParams& p, i64 i, int lane,
     }
     return;
   }
+#if KVW_SIMD_X86
+  if constexpr (IN == DType::BF16) {  // host, ue8m0 scales (powers of two): integer lanes (AVX-512)
+    const auto put = [&](int b, float s) { store_le(p.cache.scale_at(r.row, b), float_to_bits(s), 4); };
+    if (nlanes == 1 && p.ue8m0 &&
+        e4m3_pow2_tiles(reinterpret_cast<const uint16_t*>(p.k) + i * p.k_sn, p.cache.blocks, p.qbs,
+                        [](float a) { return indexer_scale(a, true); }, p.cache.data_at(r.row, 0), put))
+      return;
+  }
+#endif
   for (int b = lane; b < p.cache.blocks; b += nlanes) {
     const i64 start = i * p.k_sn + i64(b) * p.qbs;
     const float scale = indexer_scale(block_amax<IN>(p.k, start, p.qbs), p.ue8m0);

@@ -169,7 +169,11 @@ KVW_HD void mla_ds(const StoreMLAParams& p, i64 i, char* dst, int lane, int nlan
       return e4m3_tiles_bf16<decltype(plain)::value>(p.kv_c, i * p.c_sn, tiles, DS_MLA_TILE,
                                                      [&](float a) { return ds_tile_scale(p, a); }, dst, sc, noftz);
     };
-    if (nlanes == 1 && ((p.ds_flags & DS_MLA_POW2) ? lanes(std::false_type{}) : lanes(std::true_type{}))) {
+    const auto put = [&](int w, float s) { sc[w] = s; };
+    const bool pow2 = p.ds_flags & DS_MLA_POW2;  // power-of-two scales: integer lanes (AVX-512) first
+    if (nlanes == 1 && (pow2 ? e4m3_pow2_tiles(reinterpret_cast<const uint16_t*>(p.kv_c) + i * p.c_sn, tiles, DS_MLA_TILE,
+                                               ds_mla_scale_pow2, dst, put) || lanes(std::false_type{})
+                             : lanes(std::true_type{}))) {
       memcpy(scales, sc, sizeof(float) * size_t(tiles));  // little-endian fp32, as store_le
       done = true;
     }
