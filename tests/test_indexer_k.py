@@ -73,6 +73,26 @@ def test_store_indexer_k_matches_reference(backend, scale_fmt, data):
     assert errs.error() is None and ref_errs.error() is None
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_blocks_either_side_of_the_amax_floor(backend, scale_fmt):
+    """bf16 blocks whose amax sits just under (0x38D1) or at (0x38D2) the 1e-4 floor, or far from it:
+    the cpu lanes (one multiply above the floor, the general loop under it) give the reference's bytes."""
+    gen = torch.Generator().manual_seed(5)
+    tops = torch.tensor([0x38D1, 0x38D2, 0x38D0, 0x38D3, 0x3F80, 0x2F00, 0x4300, 0x38D2], dtype=torch.int32)
+    amax = (tops << 16).view(torch.float32)   # the bf16 bits as fp32 values
+    n, d = len(tops), 256
+    x = (torch.rand(n, d, generator=gen) * 2 - 1) * amax[:, None]
+    x[torch.arange(n), torch.randint(0, d, (n,), generator=gen)] = amax * torch.where(torch.arange(n) % 2 == 0, 1.0, -1.0)
+    k = x.to(torch.bfloat16).to(DEVICE)
+    loc = torch.randperm(4 * 16, generator=gen)[:n].to(DEVICE)
+    pool = make_pool(4, 16, d, 128, 1)
+    ref, original = pool.clone(), pool.raw.clone()
+    run_store(backend, pool, k, loc, 128, scale_fmt)
+    run_store("torch", ref, k, loc, 128, scale_fmt)
+    assert_same_bytes(pool, ref, original)
+
+
 def f32(x: float) -> float:
     return struct.unpack("<f", struct.pack("<f", x))[0]
 

@@ -164,13 +164,14 @@ KVW_AVX512 const Fp8DsTab& fp8_ds_tab() {
 // A token's fp8_ds_mla tiles under the plain scale rule (ds_mla_scale: s = RN(amax / 448)):
 // `tiles` tiles of `tile` bf16 values (tile % 64 == 0, tiles <= 16), each tile's amax, then s and
 // rf from fp8_ds_tab (no division), codes by fp8_bf16_run_512's RF lanes (by the division where the
-// table has no rf). False (nothing written) where a tile's amax is NaN / inf or outside the table's exponents.
-KVW_AVX512 bool fp8_ds_tiles_512(const uint16_t* x, int tiles, int tile, char* dst, float* scales) {
+// table has no rf). False (nothing written) where a tile's amax is NaN / inf, outside the table's
+// exponents or (as raw bf16 bits) below min_raw (a scale rule with a floor: the indexer's 1e-4).
+KVW_AVX512 bool fp8_ds_tiles_512(const uint16_t* x, int tiles, int tile, char* dst, float* scales, uint32_t min_raw = 0) {
   const Fp8DsTab& t = fp8_ds_tab();
   uint32_t raw[16];
   for (int w = 0; w < tiles; ++w) {
     raw[w] = bf16_absmax_raw32_512(x + w * tile, tile);
-    if ((raw[w] >> 7) - FP8DS_TAB_E0 >= uint32_t(FP8DS_TAB_NE)) return false;  // NaN / inf: E = 255
+    if ((raw[w] >> 7) - FP8DS_TAB_E0 >= uint32_t(FP8DS_TAB_NE) || raw[w] < min_raw) return false;  // NaN / inf: E = 255
   }
   for (int w = 0; w < tiles; ++w) {
     const uint32_t e = raw[w] >> 7, m = raw[w] & 0x7F;
@@ -534,8 +535,8 @@ struct Lanes {
   }
   // fp8_ds_mla's tiles under the plain scale rule by one multiply a value; false: the AVX2 level,
   // or a tile the table does not take (the caller's general tile loop)
-  static bool fp8_ds_tiles(const uint16_t* x, int tiles, int tile, char* dst, float* scales) {
-    if constexpr (L == 2) return fp8_ds_tiles_512(x, tiles, tile, dst, scales);
+  static bool fp8_ds_tiles(const uint16_t* x, int tiles, int tile, char* dst, float* scales, uint32_t min_raw = 0) {
+    if constexpr (L == 2) return fp8_ds_tiles_512(x, tiles, tile, dst, scales, min_raw);
     return false;
   }
   static int int8_bf16_run(const uint16_t* __restrict__ src, int n, float s, char* __restrict__ dst, float r = 0.0f) {
