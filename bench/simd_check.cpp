@@ -487,7 +487,20 @@ long check_e4m3_pow2() {
     codes += long(x.size());
   }
   std::printf("e4m3 pow2 lanes: %ld differ over %ld codes (150 scales)\n", bad, codes);
-  return bad;
+  long rules = 0;  // pow2_448_exponent against the three power-of-two scale rules, every finite bf16 amax
+  const auto rule = [&](const char* name, auto&& scale_of) {
+    const int floor_e = int(float_to_bits(scale_of(0.0f)) >> 23);
+    for (uint32_t a = 0; a < 0x7F80; ++a) {
+      const float want = scale_of(bf16_to_float(uint16_t(a)));
+      if (float_to_bits(want) != uint32_t(pow2_448_exponent(a, floor_e)) << 23 && rules++ < 4)
+        std::printf("pow2 scale %s: amax %04x gives e %d, want %a\n", name, a, pow2_448_exponent(a, floor_e), want);
+    }
+  };
+  rule("dsv4", [](float a) { return dsv4_scale(a, 448.0f); });
+  rule("indexer ue8m0", [](float a) { return indexer_scale(a, true); });
+  rule("ds_mla pow2", [](float a) { return ds_mla_scale_pow2(a); });
+  std::printf("power-of-two scale rules by exponent: %ld differ over 3 x %d bf16 amax values\n", rules, 0x7F80);
+  return bad + rules;
 }
 
 int main(int argc, char** argv) {

@@ -223,20 +223,32 @@ KVW_AVX512 void e4m3_pow2_run_512(const uint16_t* __restrict__ x, int n, int es,
   }
 }
 
+// The exponent byte of max(ue8m0_ceil(RN(amax / 448)), floor) for a finite bf16 amax (raw bits)
+// and the floor's exponent byte, without the division: amax / 448 = (1 + m / 128) / 1.75 2^(E - 135)
+// lies above 2^(E - 135) iff m > 96 (m = 96: exactly on it; RN moves no other m across it), and
+// ue8m0_ceil commutes with the max. bench/simd_check.cpp runs every bf16 amax through the three
+// rules that take it (dsv4_scale, indexer_scale ue8m0, ds_mla_scale_pow2).
+inline int pow2_448_exponent(uint32_t raw, int floor_e) {
+  const int e = int(raw >> 7) - 8 + int((raw & 0x7F) > 96);
+  return e > floor_e ? e : floor_e;
+}
+
 // The e4m3 codes of `tiles` tiles of `tile` bf16 values (tile % 64 == 0, tiles <= 16) from x, each
-// under its power-of-two scale s = scale_of(amax) (>= amax / 448: no code saturates) given to
-// put_scale(w, s): every tile's amax first, then scales and codes by e4m3_pow2_run_512. False
-// (nothing written) where a tile holds a NaN or an inf: the caller's tile loop handles those.
+// under its power-of-two scale s = scale_of(amax), a rule max(ue8m0_ceil(RN(amax / 448)), floor)
+// (so no code saturates; s by pow2_448_exponent, floor = scale_of(0)), given to put_scale(w, s):
+// every tile's amax first, then scales and codes by e4m3_pow2_run_512. False (nothing written)
+// where a tile holds a NaN or an inf: the caller's tile loop handles those.
 template <class ScaleOf, class PutScale>
 KVW_AVX512 bool e4m3_pow2_tiles_512(const uint16_t* x, int tiles, int tile, ScaleOf&& scale_of, char* dst,
                                     PutScale&& put_scale) {
   uint32_t raw[16];
   for (int w = 0; w < tiles; ++w)
     if ((raw[w] = bf16_absmax_raw32_512(x + w * tile, tile)) > 0x7F7Fu) return false;
+  const int floor_e = int(float_to_bits(scale_of(0.0f)) >> 23);
   for (int w = 0; w < tiles; ++w) {
-    const float s = scale_of(bits_to_float(raw[w] << 16));
-    put_scale(w, s);
-    e4m3_pow2_run_512(x + w * tile, tile, int(float_to_bits(s) >> 23), dst + w * tile);
+    const int es = pow2_448_exponent(raw[w], floor_e);
+    put_scale(w, bits_to_float(uint32_t(es) << 23));
+    e4m3_pow2_run_512(x + w * tile, tile, es, dst + w * tile);
   }
   return true;
 }
