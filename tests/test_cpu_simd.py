@@ -521,3 +521,24 @@ def test_store_dsv4_fp4_bf16_lanes_group_paths(fmt):
         kvwrite.store_dsv4_kv_fp4(kv, p["c"], loc, fmt=fmt, backend=b)
 
     run(call, {"c": ((n + 4, rec.token_bytes), torch.uint8)})
+
+
+def test_simd_check_bf16_lanes_exhaustive(tmp_path) -> None:
+    """bench/simd_check.cpp in its bf16 mode: the SIMD lanes against their scalar rules over every
+    bf16 input (fp8 / int8 / fp8_ds_mla / power-of-two e4m3 / NVFP4 / MXFP4 lanes, the scale rules):
+    compiled here with the host compiler, it exits non-zero when any byte differs."""
+    import platform
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    cxx = shutil.which("g++")
+    if cxx is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs g++ on x86-64")
+    src = Path(__file__).resolve().parent.parent / "bench" / "simd_check.cpp"
+    exe = tmp_path / "simd_check"
+    subprocess.run([cxx, "-O2", "-ffp-contract=off", "-fno-trapping-math", "-std=c++17", "-w", str(src), "-o", str(exe)],
+                   check=True, capture_output=True, timeout=600)
+    out = subprocess.run([str(exe), "bf16"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert "portable loops" in out.stdout or " differ" in out.stdout   # the checks ran (or no SIMD level)
