@@ -23,6 +23,19 @@ KVW_HD float dsv4_scale(float amax, float fmax) {
 }
 KVW_HD char ue8m0_byte(float pow2) { return char((float_to_bits(pow2) >> 23) & 0xFF); }
 
+// A V4 record's RoPE part: n values from src + start as bf16 at dst (host, bf16: the bits as they
+// are, one copy; else rounded element by element).
+template <DType IN>
+KVW_HD void dsv4_rope_part(const void* src, i64 start, int n, char* dst) {
+#if !defined(__CUDA_ARCH__)
+  if constexpr (IN == DType::BF16) {
+    memcpy(dst, static_cast<const uint16_t*>(src) + start, 2 * size_t(n));
+    return;
+  }
+#endif
+  for (int j = 0; j < n; ++j) store_le(dst + 2 * j, bf16_bits<IN>(src, start + j), 2);
+}
+
 // A uint8 [pages, stride_page] cache whose pages hold pool_page_size data rows, then their
 // scale rows: the only address arithmetic of these stores (int64).
 struct SplitPage {
@@ -61,12 +74,12 @@ KVW_HD void store_dsv4_kv_token(const StoreDSV4KVParams& p, i64 i, int lane, int
     float sc[16];
     const uint16_t* x = reinterpret_cast<const uint16_t*>(p.kv) + i * p.kv_sn;
     char* scales = p.cache.scale_at(r.row);
-    const auto pow2 = [](float a) { return dsv4_scale(a, 448.0f); };  // AVX-512: integer lanes (e4m3_pow2_tiles)
-    if (nlanes == 1 && e4m3_pow2_tiles(x, DSV4_TILES, DSV4_TILE, pow2, data, [&](int w, float s) { scales[w] = ue8m0_byte(s); })) {
+    const auto scale_of = [](float a) { return dsv4_scale(a, 448.0f); };
+    if (nlanes == 1 && e4m3_pow2_tiles(x, DSV4_TILES, DSV4_TILE, scale_of, data,  // AVX-512: integer lanes
+                                       [&](int w, float s) { scales[w] = ue8m0_byte(s); })) {
       tiles_done = true;
-    } else if (nlanes == 1 && e4m3_tiles_bf16(p.kv, i * p.kv_sn, DSV4_TILES, DSV4_TILE, [](float a) { return dsv4_scale(a, 448.0f); },
-                                       data, sc, noftz)) {
-      for (int w = 0; w < DSV4_TILES; ++w) p.cache.scale_at(r.row)[w] = ue8m0_byte(sc[w]);
+    } else if (nlanes == 1 && e4m3_tiles_bf16(p.kv, i * p.kv_sn, DSV4_TILES, DSV4_TILE, scale_of, data, sc, noftz)) {
+      for (int w = 0; w < DSV4_TILES; ++w) scales[w] = ue8m0_byte(sc[w]);
       tiles_done = true;
     }
   }
@@ -79,13 +92,7 @@ KVW_HD void store_dsv4_kv_token(const StoreDSV4KVParams& p, i64 i, int lane, int
       quant_block_e4m3<IN>(p.kv, start, DSV4_TILE, scale, data + w * DSV4_TILE, noftz);
       p.cache.scale_at(r.row)[w] = ue8m0_byte(scale);  // byte 7 (pad) is never written
     } else {
-#if !defined(__CUDA_ARCH__)
-      if (IN == DType::BF16) {  // host: the bf16 bits as they are, one copy (an element loop reloaded p.kv each step)
-        memcpy(data + DSV4_NOPE, p.kv + 2 * start, 2 * size_t(DSV4_ROPE));
-        continue;
-      }
-#endif
-      for (int j = 0; j < DSV4_ROPE; ++j) store_le(data + DSV4_NOPE + 2 * j, bf16_bits<IN>(p.kv, start + j), 2);
+      dsv4_rope_part<IN>(p.kv, start, DSV4_ROPE, data + DSV4_NOPE);
     }
   }
 }

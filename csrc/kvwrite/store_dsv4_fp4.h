@@ -86,18 +86,6 @@ inline void fp4_mx_blocks_host(const char* kv, i64 row, char* data, char* scales
 #endif
 }
 
-// The RoPE part of token i (64 values from `src`) as bf16 at `dst`.
-template <int FMT, DType IN>
-KVW_HD void fp4_rope_part(const void* src, i64 start, char* dst) {
-#if !defined(__CUDA_ARCH__)
-  if constexpr (IN == DType::BF16) {  // host: the bf16 bits as they are, one copy
-    memcpy(dst, static_cast<const uint16_t*>(src) + start, 2 * size_t(FP4Rec<FMT>::rope));
-    return;
-  }
-#endif
-  for (int j = 0; j < FP4Rec<FMT>::rope; ++j) store_le(dst + 2 * j, bf16_bits<IN>(src, start + j), 2);
-}
-
 // ROPED: the RoPE part rotated first (rope_head: GPT-J pairs, rounded to IN, as
 // kvwrite.reference.rope), then stored as the plain store stores it.
 template <int FMT, DType IN, bool ROPED>
@@ -107,9 +95,9 @@ KVW_HD void fp4_rope_item(const StoreDSV4FP4Params& p, i64 i, i64 pos, char* dat
   if constexpr (ROPED) {
     float rotated[R::rope > 0 ? R::rope : 1];  // IN values (fp32 holds any of them)
     rope_head<IN>(p.rope, pos, p.kv, start, rotated, 0, R::rope, nullptr);
-    fp4_rope_part<FMT, IN>(rotated, 0, data + R::rope_at);
+    dsv4_rope_part<IN>(rotated, 0, R::rope, data + R::rope_at);
   } else {
-    fp4_rope_part<FMT, IN>(p.kv, start, data + R::rope_at);
+    dsv4_rope_part<IN>(p.kv, start, R::rope, data + R::rope_at);
   }
 }
 
