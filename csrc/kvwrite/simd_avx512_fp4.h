@@ -91,33 +91,26 @@ inline bool fp4_512_ok() {
   return simd512_ok() && ok;
 }
 
-// The byte index vectors: lo / hi byte 2j / 2j + 1 (the words' low / high bytes); b16[h] / b32[h]
-// byte j = j / 16 + 4h / j / 32 + 2h (spreads a per-block byte over the lanes of step h's blocks).
+// The byte index vectors: lo / hi byte 2j / 2j + 1 (the words' low / high bytes); dup: every byte
+// of a dword its low byte (in-lane).
 struct Fp4Idx {
-  alignas(64) uint8_t lo[64], hi[64], b16[4][64], b32[4][64];
-  constexpr Fp4Idx() : lo(), hi(), b16(), b32() {
-    for (int j = 0; j < 64; ++j) {
-      lo[j] = uint8_t(2 * j), hi[j] = uint8_t(2 * j + 1);
-      for (int h = 0; h < 4; ++h) b16[h][j] = uint8_t(j / 16 + 4 * h), b32[h][j] = uint8_t(j / 32 + 2 * h);
-    }
+  alignas(64) uint8_t lo[64], hi[64], dup[64];
+  constexpr Fp4Idx() : lo(), hi(), dup() {
+    for (int j = 0; j < 64; ++j) lo[j] = uint8_t(2 * j), hi[j] = uint8_t(2 * j + 1), dup[j] = uint8_t(j % 16 & ~3);
   }
 };
 inline constexpr Fp4Idx FP4_IDX{};
 
-// The loops' constants in registers: the tables, the byte indices, the block spreads (loads only:
-// cheap for short runs).
+// The loops' constants in registers: the tables and the byte indices (loads only: cheap for short
+// runs).
 struct Fp4Consts {
-  __m512i base0, base1, t0, t1, eb0, eb1, mx0, mx1, sc0, sc1, lo, hi, b16[4], b32[4];
+  __m512i base0, base1, t0, t1, eb0, eb1, mx0, mx1, sc0, sc1, lo, hi, dup;
   KVW_FP4_FN explicit Fp4Consts(const E2m1Lut& t)
       : base0(_mm512_load_si512(t.base)), base1(_mm512_load_si512(t.base + 64)), t0(_mm512_load_si512(t.t)),
         t1(_mm512_load_si512(t.t + 64)), eb0(_mm512_load_si512(t.eb)), eb1(_mm512_load_si512(t.eb + 64)),
         mx0(_mm512_load_si512(t.mx)), mx1(_mm512_load_si512(t.mx + 64)), sc0(_mm512_load_si512(t.sc)),
-        sc1(_mm512_load_si512(t.sc + 64)), lo(_mm512_load_si512(FP4_IDX.lo)),
-        hi(_mm512_load_si512(FP4_IDX.hi)),
-        b16{_mm512_load_si512(FP4_IDX.b16[0]), _mm512_load_si512(FP4_IDX.b16[1]), _mm512_load_si512(FP4_IDX.b16[2]),
-            _mm512_load_si512(FP4_IDX.b16[3])},
-        b32{_mm512_load_si512(FP4_IDX.b32[0]), _mm512_load_si512(FP4_IDX.b32[1]), _mm512_load_si512(FP4_IDX.b32[2]),
-            _mm512_load_si512(FP4_IDX.b32[3])} {}
+        sc1(_mm512_load_si512(t.sc + 64)), lo(_mm512_load_si512(FP4_IDX.lo)), hi(_mm512_load_si512(FP4_IDX.hi)),
+        dup(_mm512_load_si512(FP4_IDX.dup)) {}
 };
 
 // The e2m1 codes of 64 bf16 elements (two loads; element order, sign as bit 3) for the per-lane
@@ -156,16 +149,36 @@ KVW_FP4 __m256i lane_max8(__m512i p, __m512i q) {
 }
 
 // The maxima of the sixteen 128-bit lanes of p[0..3] (blocks 4j .. 4j + 3 in p[j]), 16-bit
-// unsigned, as 16 dwords in block order, shifted right by one (raw |x|, as lane_max8).
-KVW_FP4 __m512i lane_max16(const __m512i (&p)[4]) {
+// unsigned, shifted right by one (raw |x|, as lane_max8), as 16 dwords in step order: lane i,
+// dword j holds block 4j + i, so step j's block i sits in the lane its elements fill (one in-lane
+// dword shuffle spreads it over them); T16 takes them to block order (its own inverse).
+KVW_FP4 __m512i lane_max16t(const __m512i (&p)[4]) {
   __m512i r[2];
   for (int h = 0; h < 2; ++h)  // lane i: qword 0 p[2h]'s, qword 1 p[2h + 1]'s four-word maxima
     r[h] = _mm512_max_epu16(_mm512_unpacklo_epi64(p[2 * h], p[2 * h + 1]), _mm512_unpackhi_epi64(p[2 * h], p[2 * h + 1]));
   const __m512 r0 = _mm512_castsi512_ps(r[0]), r1 = _mm512_castsi512_ps(r[1]);  // lane i, dword j: p[j]'s pair
   const __m512i s = _mm512_max_epu16(_mm512_castps_si512(_mm512_shuffle_ps(r0, r1, 0x88)), _mm512_castps_si512(_mm512_shuffle_ps(r0, r1, 0xDD)));
-  const __m512i t = _mm512_max_epu16(s, _mm512_srli_epi32(s, 16));  // dword 4i + j: block 4j + i
-  const __m512i g = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), t);
-  return _mm512_srli_epi32(_mm512_and_si512(g, _mm512_set1_epi32(0xFFFF)), 1);
+  const __m512i t = _mm512_max_epu16(s, _mm512_srli_epi32(s, 16));
+  return _mm512_srli_epi32(_mm512_and_si512(t, _mm512_set1_epi32(0xFFFF)), 1);
+}
+KVW_FP4 __m512i step_to_block_order(__m512i v) {
+  return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), v);
+}
+// The step-order lanes of the first nb blocks (bit 4i + j: block 4j + i < nb).
+constexpr __mmask16 step_order_mask(int nb) {
+  unsigned m = 0;
+  for (int b = 0; b < nb && b < 16; ++b) m |= 1u << (4 * (b & 3) + (b >> 2));
+  return __mmask16(m);
+}
+// Lane i of the result: dword H of v's lane i in all four dwords (step H's per-block bytes spread
+// over the step's lanes).
+KVW_FP4 __m512i step_spread(__m512i v, int h) {
+  switch (h) {
+    case 0: return _mm512_shuffle_epi32(v, _MM_PERM_AAAA);
+    case 1: return _mm512_shuffle_epi32(v, _MM_PERM_BBBB);
+    case 2: return _mm512_shuffle_epi32(v, _MM_PERM_CCCC);
+    default: return _mm512_shuffle_epi32(v, _MM_PERM_DDDD);
+  }
 }
 
 // Step h (64 elements) of nb <= 16 blocks of 16 from src as two loads; false where it holds no
@@ -197,28 +210,29 @@ __attribute__((always_inline)) KVW_FP4 bool nvfp4_scales16_512(const uint16_t* s
   __m512i p[4], a, b;
   for (int j = 0; j < 4; ++j)
     p[j] = step_loads<NB>(src, nb, j, a, b) ? max_lane_pairs(_mm512_add_epi16(a, a), _mm512_add_epi16(b, b)) : _mm512_setzero_si512();
-  const __m512i raw = lane_max16(p);
+  const __m512i raw = lane_max16t(p);  // step order
   // the scale codes by the table where all are normal and unsaturated (then s > 2^-7 >= floor),
-  // else by the division (a NaN or an inf: false)
-  const __m512i c1024 = _mm512_add_epi32(_mm512_srli_epi32(raw, 4), _mm512_maskz_permutex2var_epi8(0x1111111111111111ull, k.sc0, raw, k.sc1));
-  __m128i code = _mm512_cvtepi32_epi8(c1024);
+  // else by the division (a NaN or an inf: false); the code in each dword's low byte
+  __m512i codes = _mm512_add_epi32(_mm512_srli_epi32(raw, 4), _mm512_maskz_permutex2var_epi8(0x1111111111111111ull, k.sc0, raw, k.sc1));
   // (only the group's blocks: the empty lanes of a short group, raw 0, would always fail the test)
-  const __mmask16 in = NB == 16 ? 0xFFFF : __mmask16((1u << (NB > 0 ? NB : nb)) - 1);
-  if (!(floor <= 0.0078125f) || _mm512_mask_cmpgt_epu32_mask(in, _mm512_sub_epi32(c1024, _mm512_set1_epi32(1032)), _mm512_set1_epi32(0x7E - 8)) != 0) {
+  const __mmask16 in = step_order_mask(NB > 0 ? NB : nb);
+  if (!(floor <= 0.0078125f) || _mm512_mask_cmpgt_epu32_mask(in, _mm512_sub_epi32(codes, _mm512_set1_epi32(1032)), _mm512_set1_epi32(0x7E - 8)) != 0) {
     if (_mm512_cmpgt_epi32_mask(raw, _mm512_set1_epi32(0x7F7F)) != 0) return false;
     const __m512 amax = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(_mm512_cmpgt_epi32_mask(raw, _mm512_set1_epi32(0x7F)), raw, 16));
     const __m512 s = _mm512_max_ps(_mm512_div_ps(amax, _mm512_set1_ps(6.0f)), _mm512_set1_ps(floor));
-    code = _mm512_cvtepi32_epi8(grid_codes16_k<3, -6>(_mm512_min_ps(s, _mm512_set1_ps(448.0f))));
+    codes = grid_codes16_k<3, -6>(_mm512_min_ps(s, _mm512_set1_ps(448.0f)));
   }
+  const __m128i code = _mm512_cvtepi32_epi8(step_to_block_order(codes));
   if (NB == 16) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(scales), code);
   } else if (NB == 12) {  // plain 8 + 4 byte stores (no masked store)
     _mm_storel_epi64(reinterpret_cast<__m128i*>(scales), code);
     _mm_storeu_si32(scales + 8, _mm_srli_si128(code, 8));
   } else {
-    _mm_mask_storeu_epi8(scales, in, code);
+    _mm_mask_storeu_epi8(scales, __mmask16((1u << nb) - 1), code);  // block order
   }
-  const __m512i c = _mm512_castsi128_si512(code);
+  // every byte of a dword its code, then its E_d - 3 / m << 3
+  const __m512i c = _mm512_shuffle_epi8(codes, k.dup);
   eb = _mm512_permutex2var_epi8(k.eb0, c, k.eb1);
   mx = _mm512_permutex2var_epi8(k.mx0, c, k.mx1);
   return true;
@@ -230,7 +244,7 @@ __attribute__((always_inline)) KVW_FP4 void nvfp4_codes16_512(const uint16_t* sr
   __m512i w[4], l0, l1;
   for (int h = 0; h < 4; ++h)
     w[h] = step_loads<NB>(src, nb, h, l0, l1)
-               ? e2m1_pack64(l0, l1, _mm512_permutexvar_epi8(k.b16[h], eb), _mm512_permutexvar_epi8(k.b16[h], mx), k)
+               ? e2m1_pack64(l0, l1, step_spread(eb, h), step_spread(mx, h), k)
                : _mm512_setzero_si512();
   for (int h = 0; h < 2; ++h) {
     const __m512i v = _mm512_permutex2var_epi8(w[2 * h], k.lo, w[2 * h + 1]);
@@ -428,10 +442,13 @@ KVW_FP4 uint32_t mxfp4_blocks8_512(const uint16_t* src, int nb, char* bytes, cha
   } else {
     _mm_mask_storeu_epi8(scales, __mmask16(((1u << nb) - 1) & ~left), _mm256_cvtepi32_epi8(e));
   }
-  const __m512i eb = _mm512_castsi128_si512(_mm256_cvtepi32_epi8(_mm256_sub_epi32(e, _mm256_set1_epi32(3))));
+  // step order (lane i, dword h: block 2h + i / 2, step h's block in the lanes it fills), each
+  // dword's bytes its E_d - 3
+  const __m512i ebd = _mm512_castsi256_si512(_mm256_sub_epi32(e, _mm256_set1_epi32(3)));
+  const __m512i eb = _mm512_shuffle_epi8(_mm512_permutexvar_epi32(_mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 1, 3, 5, 7, 1, 3, 5, 7), ebd), k.dup);
   __m512i w[4];
   for (int h = 0; h < 4; ++h)  // the steps holding blocks
-    w[h] = 2 * h < nb ? e2m1_pack64(l[2 * h], l[2 * h + 1], _mm512_permutexvar_epi8(k.b32[h], eb), _mm512_setzero_si512(), k) : _mm512_setzero_si512();
+    w[h] = 2 * h < nb ? e2m1_pack64(l[2 * h], l[2 * h + 1], step_spread(eb, h), _mm512_setzero_si512(), k) : _mm512_setzero_si512();
   for (int h = 0; h < 2; ++h) {
     const __m512i v = _mm512_permutex2var_epi8(w[2 * h], k.lo, w[2 * h + 1]);
     if (16 * nb >= 64 * h + 64) _mm512_storeu_si512(bytes + 64 * h, v);
