@@ -54,6 +54,9 @@ KV_CASES = [  # dtype, Hq, H, D, rotary_dim, neox, norm, cos dtype fp32?, cache
     (torch.bfloat16, 4, 2, 64, 64, True, True, True, "int8_token"),
     (torch.float16, 2, 2, 32, 32, False, True, True, "e4m3_head"),
     (torch.bfloat16, 2, 2, 48, 16, True, True, True, "e5m2_token"),
+    # bf16 without a norm: the cpu backend's AVX-512 RoPE lanes (rope_bf16_512), partial rotary
+    (torch.bfloat16, 1, 1, 96, 64, False, False, False, "same"),
+    (torch.bfloat16, 1, 2, 80, 32, True, False, True, "same"),
 ]
 
 

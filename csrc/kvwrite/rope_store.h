@@ -123,6 +123,11 @@ inline float pair_tree(const float* a, int n) {
 template <DType IN>
 inline void rope_head_host(const RopeArgs& r, i64 pos, const void* src, i64 off, void* dst, i64 doff, int D,
                            const float* w) {
+#if KVW_SIMD_X86
+  if (IN == DType::BF16 && w == nullptr && r.R % 32 == 0 && D % 16 == 0 && simd512_ok())  // the AVX-512 lanes
+    return rope_bf16_512(static_cast<const uint16_t*>(src) + off, D, r.cos_sin + pos * r.cs_stride * (r.cs_f32 ? 4 : 2),
+                         r.cs_f32, r.R, r.neox, static_cast<uint16_t*>(dst) + doff);
+#endif
   float x[ROPE_MAX_DIM], o[ROPE_MAX_DIM];
   for (int c = 0; c < D; ++c) x[c] = load_float<IN>(src, off + c);
   const int half = r.R / 2;
