@@ -118,15 +118,99 @@ inline float pair_tree(const float* a, int n) {
   return pair_tree(a, n / 2) + pair_tree(a + n / 2, n / 2);
 }
 
+#if KVW_SIMD_X86
+// Sixteen fp32 values from p: fp32, or bf16 widened.
+KVW_AVX512 __m512 load16_ps(const void* p, bool f32) {
+  if (f32) return _mm512_loadu_ps(p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(static_cast<const __m256i*>(p))), 16));
+}
+
+// Sixteen fp32 to bf16 by float_to_bf16_rn (nearest even, NaN -> 0x7FC0), stored at dst.
+KVW_AVX512 void store16_bf16_rn(uint16_t* dst, __m512 o) {
+  const __m512i u = _mm512_castps_si512(o);
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
+                                                 _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(o, o, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(r));
+}
+
+// pair_tree of sixteen values: the adjacent pairs, then pairs of those ... (lane 0; fp32 addition
+// commutes, so each level is the vector plus its lanes swapped).
+KVW_AVX512 float pair_tree16(__m512 v) {
+  v = _mm512_add_ps(v, _mm512_permute_ps(v, 0xB1));
+  v = _mm512_add_ps(v, _mm512_permute_ps(v, 0x4E));
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0xB1));
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
+  return _mm512_cvtss_f32(v);
+}
+
+// The RMS norm of a bf16 head x of D values (D % 16 == 0) by w into v (fp32), as rope_head_host:
+// pair_tree over the D squares zero-padded to P (the sixteen-value blocks' trees, then theirs),
+// inv = 1 / sqrt(sum / D + eps), (x inv) w.
+KVW_AVX512 void rms_norm_bf16_512(const uint16_t* x, int D, const float* w, float eps, float* v) {
+  float part[ROPE_MAX_DIM / 16];
+  int P = 16;
+  while (P < D) P *= 2;
+  for (int b = 0; b < P / 16; ++b) {
+    const __m512 y = 16 * b < D ? load16_ps(x + 16 * b, false) : _mm512_setzero_ps();
+    part[b] = pair_tree16(_mm512_mul_ps(y, y));
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / __builtin_sqrtf(pair_tree(part, P / 16) / float(D) + eps));
+  for (int c = 0; c < D; c += 16)
+    _mm512_storeu_ps(v + c, _mm512_mul_ps(_mm512_mul_ps(load16_ps(x + c, false), inv), _mm512_loadu_ps(w + c)));
+}
+
+// rope_head_host of a head of D values (D % 16 == 0): bf16 x, or (NORMED) its RMS-normed fp32 values
+// v; the first R (R % 32 == 0) rotated by cos = cs[0, R / 2), sin = cs[R / 2, R) (fp32, or bf16 where
+// !cs_f32; GPT-J: pairs (2i, 2i + 1), neox: (i, i + R / 2)), each product and difference rounded
+// once, the rest passed through; every value rounded once to bf16 at dst (may be x: a chunk's
+// values are read before it is written).
+template <bool NORMED>
+KVW_AVX512 void rope_bf16_512(const uint16_t* x, const float* v, int D, const char* cs, bool cs_f32, int R, bool neox,
+                              uint16_t* dst) {
+  const auto at = [&](int c) { return NORMED ? _mm512_loadu_ps(v + c) : load16_ps(x + c, false); };
+  for (int c = R; c < D; c += 16) store16_bf16_rn(dst + c, at(c));
+  const int half = R / 2, esz = cs_f32 ? 4 : 2;
+  const auto cs_at = [&](int i) { return cs + i64(i) * esz; };
+  if (neox) {
+    for (int i = 0; i < half; i += 16) {
+      const __m512 c = load16_ps(cs_at(i), cs_f32), s = load16_ps(cs_at(half + i), cs_f32);
+      const __m512 a = at(i), b = at(half + i);
+      store16_bf16_rn(dst + i, _mm512_sub_ps(_mm512_mul_ps(a, c), _mm512_mul_ps(b, s)));
+      store16_bf16_rn(dst + half + i, _mm512_add_ps(_mm512_mul_ps(b, c), _mm512_mul_ps(a, s)));
+    }
+    return;
+  }
+  const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  for (int j = 0; j < R; j += 32) {  // pairs j / 2 .. j / 2 + 15: cos / sin of 16 pairs, two vectors of x
+    const __m512 c16 = load16_ps(cs_at(j / 2), cs_f32), s16 = load16_ps(cs_at(half + j / 2), cs_f32);
+    for (int k = 0; k < 2; ++k) {
+      const __m512i idx = _mm512_add_epi32(dup, _mm512_set1_epi32(8 * k));
+      const __m512 c = _mm512_permutexvar_ps(idx, c16), s = _mm512_permutexvar_ps(idx, s16);
+      const __m512 a = at(j + 16 * k), sw = _mm512_permute_ps(a, 0xB1);  // pairs swapped
+      const __m512 p = _mm512_mul_ps(a, c), q = _mm512_mul_ps(sw, s);
+      // even lanes x[2i] c - x[2i + 1] s, odd lanes x[2i + 1] c + x[2i] s
+      store16_bf16_rn(dst + j + 16 * k, _mm512_mask_add_ps(_mm512_sub_ps(p, q), 0xAAAA, p, q));
+    }
+  }
+}
+#endif
+
 // The host's rope_head: the same operations in the same order, as whole-head loops over local
 // fp32 rows that the compiler vectorises (the tree level by level, then the pairs).
 template <DType IN>
 inline void rope_head_host(const RopeArgs& r, i64 pos, const void* src, i64 off, void* dst, i64 doff, int D,
                            const float* w) {
 #if KVW_SIMD_X86
-  if (IN == DType::BF16 && w == nullptr && r.R % 32 == 0 && D % 16 == 0 && simd512_ok())  // the AVX-512 lanes
-    return rope_bf16_512(static_cast<const uint16_t*>(src) + off, D, r.cos_sin + pos * r.cs_stride * (r.cs_f32 ? 4 : 2),
-                         r.cs_f32, r.R, r.neox, static_cast<uint16_t*>(dst) + doff);
+  if (IN == DType::BF16 && r.R % 32 == 0 && D % 16 == 0 && simd512_ok()) {  // the AVX-512 lanes
+    const uint16_t* xh = static_cast<const uint16_t*>(src) + off;
+    const char* cs = r.cos_sin + pos * r.cs_stride * (r.cs_f32 ? 4 : 2);
+    uint16_t* d = static_cast<uint16_t*>(dst) + doff;
+    if (w == nullptr) return rope_bf16_512<false>(xh, nullptr, D, cs, r.cs_f32, r.R, r.neox, d);
+    float v[ROPE_MAX_DIM];
+    rms_norm_bf16_512(xh, D, w, r.eps, v);
+    return rope_bf16_512<true>(nullptr, v, D, cs, r.cs_f32, r.R, r.neox, d);
+  }
 #endif
   float x[ROPE_MAX_DIM], o[ROPE_MAX_DIM];
   for (int c = 0; c < D; ++c) x[c] = load_float<IN>(src, off + c);

@@ -594,54 +594,6 @@ inline decltype(auto) with_lanes(Body&& body) {
   return simd512_ok() ? body(Lanes<2>{}) : body(Lanes<1>{});
 }
 
-// ---- RoPE of one bf16 head (rope_head_host's rotation, no norm) -------------------------------
-// Sixteen fp32 values from p: fp32, or bf16 widened.
-KVW_AVX512 __m512 load16_ps(const void* p, bool f32) {
-  if (f32) return _mm512_loadu_ps(p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(static_cast<const __m256i*>(p))), 16));
-}
-
-// Sixteen fp32 to bf16 by float_to_bf16_rn (nearest even, NaN -> 0x7FC0), stored at dst.
-KVW_AVX512 void store16_bf16_rn(uint16_t* dst, __m512 o) {
-  const __m512i u = _mm512_castps_si512(o);
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
-                                                 _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(o, o, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(r));
-}
-
-// A bf16 head x of D values (D % 16 == 0): the first R (R % 32 == 0) rotated by cos = cs[0, R / 2),
-// sin = cs[R / 2, R) (fp32, or bf16 where !cs_f32), each product and difference rounded once, as
-// the scalar rope_head (GPT-J: pairs (2i, 2i + 1); neox: (i, i + R / 2)), the rest passed through
-// float_to_bf16_rn (as rope_head), to dst (may be x: a chunk's values are read before it is written).
-KVW_AVX512 void rope_bf16_512(const uint16_t* x, int D, const char* cs, bool cs_f32, int R, bool neox, uint16_t* dst) {
-  for (int c = R; c < D; c += 16) store16_bf16_rn(dst + c, load16_ps(x + c, false));
-  const int half = R / 2, esz = cs_f32 ? 4 : 2;
-  const auto cs_at = [&](int i) { return cs + i64(i) * esz; };
-  if (neox) {
-    for (int i = 0; i < half; i += 16) {
-      const __m512 c = load16_ps(cs_at(i), cs_f32), s = load16_ps(cs_at(half + i), cs_f32);
-      const __m512 a = load16_ps(x + i, false), b = load16_ps(x + half + i, false);
-      const __m512 lo = _mm512_sub_ps(_mm512_mul_ps(a, c), _mm512_mul_ps(b, s));
-      const __m512 hi = _mm512_add_ps(_mm512_mul_ps(b, c), _mm512_mul_ps(a, s));
-      store16_bf16_rn(dst + i, lo), store16_bf16_rn(dst + half + i, hi);
-    }
-    return;
-  }
-  const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  for (int j = 0; j < R; j += 32) {  // pairs j / 2 .. j / 2 + 15: cos / sin of 16 pairs, two vectors of x
-    const __m512 c16 = load16_ps(cs_at(j / 2), cs_f32), s16 = load16_ps(cs_at(half + j / 2), cs_f32);
-    for (int k = 0; k < 2; ++k) {
-      const __m512i at = _mm512_add_epi32(dup, _mm512_set1_epi32(8 * k));
-      const __m512 c = _mm512_permutexvar_ps(at, c16), s = _mm512_permutexvar_ps(at, s16);
-      const __m512 a = load16_ps(x + j + 16 * k, false), sw = _mm512_permute_ps(a, 0xB1);  // pairs swapped
-      const __m512 p = _mm512_mul_ps(a, c), q = _mm512_mul_ps(sw, s);
-      // even lanes x[2i] c - x[2i + 1] s, odd lanes x[2i + 1] c + x[2i] s
-      store16_bf16_rn(dst + j + 16 * k, _mm512_mask_add_ps(_mm512_sub_ps(p, q), 0xAAAA, p, q));
-    }
-  }
-}
-
 // ---- Dispatchers for single runs: the AVX-512 lanes where simd_level() says so, else AVX2 -----
 template <class F, bool DYN = false>
 inline int fp8_bf16_run(const uint16_t* __restrict__ src, int n, float s, char* __restrict__ dst, float r = 0.0f) {
