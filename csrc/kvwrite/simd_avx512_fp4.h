@@ -420,14 +420,20 @@ KVW_AVX512 uint32_t mxfp4_ceil_scales8(__m256i raw, int nb, __m256i& e) {
   return uint32_t(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(raw, _mm256_set1_epi32(0x7F7F))))) & ((1u << nb) - 1);
 }
 
-// mxfp4_blocks8_avx2, 64 elements a step: the eight blocks' raw maxima by a lane max tree, their
-// scale bytes by mxfp4_scales8 (CEIL: the indexer's mxfp4_ceil_scales8), the codes (d = 2^(e -
-// 127): E_d - 3 = e - 3, m = 0) by e2m1_pack64. Blocks it leaves (the mask returned) may hold any
-// bytes: the caller rewrites them.
-template <bool CEIL = false>
-KVW_FP4 uint32_t mxfp4_blocks8_512(const uint16_t* src, int nb, char* bytes, char* scales, const Fp4Consts& k) {
-  __m512i l[8], p[4];
+// mxfp4_blocks8_avx2, 64 elements a step, in two phases (a record's groups: both scales first):
+// (0) the loads, (1) the nb <= 8 blocks' raw maxima by a lane max tree, their scale bytes by mxfp4_scales8 (CEIL:
+// the indexer's mxfp4_ceil_scales8) to `scales`, each block's E_d - 3 = e - 3 in step order (lane
+// i, dword h: block 2h + i / 2, the lanes step h's block fills; every byte of the dword) to eb;
+// returns the blocks it leaves (any bytes: the caller rewrites them); (2) the codes (d = 2^(e -
+// 127), m = 0) by e2m1_pack64.
+// l: the blocks' loads (mxfp4_loads8).
+KVW_FP4 void mxfp4_loads8(const uint16_t* src, int nb, __m512i (&l)[8]) {
   for (int b = 0; b < 8; ++b) l[b] = b < nb ? _mm512_loadu_si512(src + 32 * b) : _mm512_setzero_si512();
+}
+
+template <bool CEIL>
+__attribute__((always_inline)) KVW_FP4 uint32_t mxfp4_scales8_512(const __m512i (&l)[8], int nb, char* scales, const Fp4Consts& k, __m512i& eb) {
+  __m512i p[4];
   for (int j = 0; j < 4; ++j)
     p[j] = max_lane_pairs(_mm512_add_epi16(l[2 * j], l[2 * j]), _mm512_add_epi16(l[2 * j + 1], l[2 * j + 1]));
   __m256i e;
@@ -442,10 +448,12 @@ KVW_FP4 uint32_t mxfp4_blocks8_512(const uint16_t* src, int nb, char* bytes, cha
   } else {
     _mm_mask_storeu_epi8(scales, __mmask16(((1u << nb) - 1) & ~left), _mm256_cvtepi32_epi8(e));
   }
-  // step order (lane i, dword h: block 2h + i / 2, step h's block in the lanes it fills), each
-  // dword's bytes its E_d - 3
   const __m512i ebd = _mm512_castsi256_si512(_mm256_sub_epi32(e, _mm256_set1_epi32(3)));
-  const __m512i eb = _mm512_shuffle_epi8(_mm512_permutexvar_epi32(_mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 1, 3, 5, 7, 1, 3, 5, 7), ebd), k.dup);
+  eb = _mm512_shuffle_epi8(_mm512_permutexvar_epi32(_mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 1, 3, 5, 7, 1, 3, 5, 7), ebd), k.dup);
+  return left;
+}
+
+__attribute__((always_inline)) KVW_FP4 void mxfp4_codes8_512(const __m512i (&l)[8], int nb, __m512i eb, const Fp4Consts& k, char* bytes) {
   __m512i w[4];
   for (int h = 0; h < 4; ++h)  // the steps holding blocks
     w[h] = 2 * h < nb ? e2m1_pack64(l[2 * h], l[2 * h + 1], step_spread(eb, h), _mm512_setzero_si512(), k) : _mm512_setzero_si512();
@@ -455,6 +463,14 @@ KVW_FP4 uint32_t mxfp4_blocks8_512(const uint16_t* src, int nb, char* bytes, cha
     else if (16 * nb == 64 * h + 32) _mm256_storeu_si256(reinterpret_cast<__m256i*>(bytes + 64 * h), _mm512_castsi512_si256(v));
     else _mm512_mask_storeu_epi8(bytes + 64 * h, bytes_mask(16 * nb - 64 * h), v);
   }
+}
+
+template <bool CEIL = false>
+KVW_FP4 uint32_t mxfp4_blocks8_512(const uint16_t* src, int nb, char* bytes, char* scales, const Fp4Consts& k) {
+  __m512i l[8], eb;
+  mxfp4_loads8(src, nb, l);
+  const uint32_t left = mxfp4_scales8_512<CEIL>(l, nb, scales, k, eb);
+  mxfp4_codes8_512(l, nb, eb, k, bytes);
   return left;
 }
 
@@ -471,13 +487,19 @@ KVW_FP4 uint64_t mxfp4_run_512(const uint16_t* x, int nblocks, char* bytes, char
 }
 
 // The DeepSeek V4 MXFP4 record on a bf16 row x: its NB = 14 blocks as groups of 8 and 6 (nb known
-// at compile time: no block done twice, no masked stores), then the ROPE bf16 values after them
+// at compile time: no block done twice, no masked stores; both scales, then both codes), then the ROPE bf16 values after them
 // copied to rope_dst (two zmm moves). Returns the mask of blocks left to the scalar rule.
 template <int NB, int ROPE>
 KVW_FP4 uint64_t mxfp4_record_512(const uint16_t* x, char* bytes, char* scales, char* rope_dst) {
   static_assert(NB == 14 && (ROPE == 0 || ROPE == 64), "the V4 MXFP4 record");
   const Fp4Consts k(e2m1_lut());
-  const uint64_t left = mxfp4_blocks8_512(x, 8, bytes, scales, k) | uint64_t(mxfp4_blocks8_512(x + 256, NB - 8, bytes + 128, scales + 8, k)) << 8;
+  __m512i l0[8], l1[8], eb0, eb1;
+  mxfp4_loads8(x, 8, l0);
+  mxfp4_loads8(x + 256, NB - 8, l1);
+  const uint64_t left = mxfp4_scales8_512<false>(l0, 8, scales, k, eb0) |
+                        uint64_t(mxfp4_scales8_512<false>(l1, NB - 8, scales + 8, k, eb1)) << 8;
+  mxfp4_codes8_512(l0, 8, eb0, k, bytes);
+  mxfp4_codes8_512(l1, NB - 8, eb1, k, bytes + 128);
   if (ROPE) copy_rope64(x + 32 * NB, rope_dst);
   return left;
 }
