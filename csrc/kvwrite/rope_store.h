@@ -144,10 +144,10 @@ KVW_AVX512 float pair_tree16(__m512 v) {
   return _mm512_cvtss_f32(v);
 }
 
-// The RMS norm of a bf16 head x of D values (D % 16 == 0) by w into v (fp32), as rope_head_host:
-// pair_tree over the D squares zero-padded to P (the sixteen-value blocks' trees, then theirs),
-// inv = 1 / sqrt(sum / D + eps), (x inv) w.
-KVW_AVX512 void rms_norm_bf16_512(const uint16_t* x, int D, const float* w, float eps, float* v) {
+// The RMS norm of a bf16 head x of D values (D % 16 == 0), as rope_head_host: (1) the sum of
+// squares, pair_tree over the D squares zero-padded to P (the sixteen-value blocks' trees, then
+// theirs); (2) with inv = 1 / sqrt(sum / D + eps), (x inv) w into v (fp32).
+KVW_AVX512 float sum_squares_bf16_512(const uint16_t* x, int D) {
   float part[ROPE_MAX_DIM / 16];
   int P = 16;
   while (P < D) P *= 2;
@@ -155,9 +155,12 @@ KVW_AVX512 void rms_norm_bf16_512(const uint16_t* x, int D, const float* w, floa
     const __m512 y = 16 * b < D ? load16_ps(x + 16 * b, false) : _mm512_setzero_ps();
     part[b] = pair_tree16(_mm512_mul_ps(y, y));
   }
-  const __m512 inv = _mm512_set1_ps(1.0f / __builtin_sqrtf(pair_tree(part, P / 16) / float(D) + eps));
+  return pair_tree(part, P / 16);
+}
+KVW_AVX512 void rms_scale_bf16_512(const uint16_t* x, int D, float inv, const float* w, float* v) {
+  const __m512 vi = _mm512_set1_ps(inv);
   for (int c = 0; c < D; c += 16)
-    _mm512_storeu_ps(v + c, _mm512_mul_ps(_mm512_mul_ps(load16_ps(x + c, false), inv), _mm512_loadu_ps(w + c)));
+    _mm512_storeu_ps(v + c, _mm512_mul_ps(_mm512_mul_ps(load16_ps(x + c, false), vi), _mm512_loadu_ps(w + c)));
 }
 
 // rope_head_host of a head of D values (D % 16 == 0): bf16 x, or (NORMED) its RMS-normed fp32 values
@@ -194,6 +197,29 @@ KVW_AVX512 void rope_bf16_512(const uint16_t* x, const float* v, int D, const ch
     }
   }
 }
+
+// Whether rope_bf16_512 takes heads of D values (bf16 heads only).
+inline bool rope_lanes_ok(const RopeArgs& r, int D) { return r.R % 32 == 0 && D % 16 == 0 && simd512_ok(); }
+
+// nh RMS-normed bf16 heads (q, in place: head h at x + h * stride) as rope_head_host each, sixteen
+// heads' 1 / sqrt(sum / D + eps) in one vector (the division and root of one head would chain
+// every head's work behind them).
+KVW_AVX512 void rope_heads_normed_bf16_512(const RopeArgs& r, i64 pos, uint16_t* x, i64 stride, int nh, int D) {
+  const char* cs = r.cos_sin + pos * r.cs_stride * (r.cs_f32 ? 4 : 2);
+  for (int h0 = 0; h0 < nh; h0 += 16) {
+    const int m = nh - h0 < 16 ? nh - h0 : 16;
+    alignas(64) float inv[16] = {};
+    for (int h = 0; h < m; ++h) inv[h] = sum_squares_bf16_512(x + (h0 + h) * stride, D);
+    const __m512 q = _mm512_add_ps(_mm512_div_ps(_mm512_load_ps(inv), _mm512_set1_ps(float(D))), _mm512_set1_ps(r.eps));
+    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_sqrt_ps(q)));
+    for (int h = 0; h < m; ++h) {
+      uint16_t* xh = x + (h0 + h) * stride;
+      float v[ROPE_MAX_DIM];
+      rms_scale_bf16_512(xh, D, inv[h], r.q_w, v);
+      rope_bf16_512<true>(nullptr, v, D, cs, r.cs_f32, r.R, r.neox, xh);
+    }
+  }
+}
 #endif
 
 // The host's rope_head: the same operations in the same order, as whole-head loops over local
@@ -202,13 +228,13 @@ template <DType IN>
 inline void rope_head_host(const RopeArgs& r, i64 pos, const void* src, i64 off, void* dst, i64 doff, int D,
                            const float* w) {
 #if KVW_SIMD_X86
-  if (IN == DType::BF16 && r.R % 32 == 0 && D % 16 == 0 && simd512_ok()) {  // the AVX-512 lanes
+  if (IN == DType::BF16 && rope_lanes_ok(r, D)) {  // the AVX-512 lanes
     const uint16_t* xh = static_cast<const uint16_t*>(src) + off;
     const char* cs = r.cos_sin + pos * r.cs_stride * (r.cs_f32 ? 4 : 2);
     uint16_t* d = static_cast<uint16_t*>(dst) + doff;
     if (w == nullptr) return rope_bf16_512<false>(xh, nullptr, D, cs, r.cs_f32, r.R, r.neox, d);
     float v[ROPE_MAX_DIM];
-    rms_norm_bf16_512(xh, D, w, r.eps, v);
+    rms_scale_bf16_512(xh, D, 1.0f / __builtin_sqrtf(sum_squares_bf16_512(xh, D) / float(D) + r.eps), w, v);
     return rope_bf16_512<true>(nullptr, v, D, cs, r.cs_f32, r.R, r.neox, d);
   }
 #endif
@@ -320,7 +346,14 @@ template <DType IN, class KHead>
 KVW_HD void rope_q_and(const RopeArgs& r, i64 i, i64 pos, bool pos_ok, int D, bool store, int extra, int lane,
                        int nlanes, KHead&& k_head) {
   const int nq = pos_ok ? r.Hq : 0, total = nq + (store ? extra : 0);
-  for (int j = lane; j < total; j += nlanes) {
+  int j0 = lane;
+#if !defined(__CUDA_ARCH__) && KVW_SIMD_X86
+  if (IN == DType::BF16 && nlanes == 1 && r.q_w != nullptr && nq > 1 && rope_lanes_ok(r, D)) {  // one thread: every q head
+    rope_heads_normed_bf16_512(r, pos, reinterpret_cast<uint16_t*>(r.q) + i * r.q_sn, r.q_sh, nq, D);
+    j0 = nq;
+  }
+#endif
+  for (int j = j0; j < total; j += nlanes) {
     if (j < nq) {
       const i64 off = i * r.q_sn + j * r.q_sh;
       rope_head<IN>(r, pos, r.q, off, r.q, off, D, r.q_w);
