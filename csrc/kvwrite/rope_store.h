@@ -198,26 +198,30 @@ KVW_AVX512 void rope_bf16_512(const uint16_t* x, const float* v, int D, const ch
   }
 }
 
-// Whether rope_bf16_512 takes heads of D values (bf16 heads only).
+// Whether rope_bf16_512 takes heads of D values (bf16 heads only); position pos's cos / sin row.
 inline bool rope_lanes_ok(const RopeArgs& r, int D) { return r.R % 32 == 0 && D % 16 == 0 && simd512_ok(); }
+inline const char* cs_row(const RopeArgs& r, i64 pos) { return r.cos_sin + pos * r.cs_stride * (r.cs_f32 ? 4 : 2); }
+
+// A bf16 head x normed by inv (1 / sqrt(sum / D + eps)) and w, then rotated to dst (may be x).
+KVW_AVX512 void rope_normed_bf16_512(const RopeArgs& r, const char* cs, const uint16_t* x, int D, float inv, const float* w,
+                                     uint16_t* dst) {
+  float v[ROPE_MAX_DIM];
+  rms_scale_bf16_512(x, D, inv, w, v);
+  rope_bf16_512<true>(nullptr, v, D, cs, r.cs_f32, r.R, r.neox, dst);
+}
 
 // nh RMS-normed bf16 heads (q, in place: head h at x + h * stride) as rope_head_host each, sixteen
 // heads' 1 / sqrt(sum / D + eps) in one vector (the division and root of one head would chain
 // every head's work behind them).
 KVW_AVX512 void rope_heads_normed_bf16_512(const RopeArgs& r, i64 pos, uint16_t* x, i64 stride, int nh, int D) {
-  const char* cs = r.cos_sin + pos * r.cs_stride * (r.cs_f32 ? 4 : 2);
+  const char* cs = cs_row(r, pos);
   for (int h0 = 0; h0 < nh; h0 += 16) {
     const int m = nh - h0 < 16 ? nh - h0 : 16;
     alignas(64) float inv[16] = {};
     for (int h = 0; h < m; ++h) inv[h] = sum_squares_bf16_512(x + (h0 + h) * stride, D);
     const __m512 q = _mm512_add_ps(_mm512_div_ps(_mm512_load_ps(inv), _mm512_set1_ps(float(D))), _mm512_set1_ps(r.eps));
     _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_sqrt_ps(q)));
-    for (int h = 0; h < m; ++h) {
-      uint16_t* xh = x + (h0 + h) * stride;
-      float v[ROPE_MAX_DIM];
-      rms_scale_bf16_512(xh, D, inv[h], r.q_w, v);
-      rope_bf16_512<true>(nullptr, v, D, cs, r.cs_f32, r.R, r.neox, xh);
-    }
+    for (int h = 0; h < m; ++h) rope_normed_bf16_512(r, cs, x + (h0 + h) * stride, D, inv[h], r.q_w, x + (h0 + h) * stride);
   }
 }
 #endif
@@ -230,12 +234,10 @@ inline void rope_head_host(const RopeArgs& r, i64 pos, const void* src, i64 off,
 #if KVW_SIMD_X86
   if (IN == DType::BF16 && rope_lanes_ok(r, D)) {  // the AVX-512 lanes
     const uint16_t* xh = static_cast<const uint16_t*>(src) + off;
-    const char* cs = r.cos_sin + pos * r.cs_stride * (r.cs_f32 ? 4 : 2);
     uint16_t* d = static_cast<uint16_t*>(dst) + doff;
-    if (w == nullptr) return rope_bf16_512<false>(xh, nullptr, D, cs, r.cs_f32, r.R, r.neox, d);
-    float v[ROPE_MAX_DIM];
-    rms_scale_bf16_512(xh, D, 1.0f / __builtin_sqrtf(sum_squares_bf16_512(xh, D) / float(D) + r.eps), w, v);
-    return rope_bf16_512<true>(nullptr, v, D, cs, r.cs_f32, r.R, r.neox, d);
+    if (w == nullptr) return rope_bf16_512<false>(xh, nullptr, D, cs_row(r, pos), r.cs_f32, r.R, r.neox, d);
+    const float inv = 1.0f / __builtin_sqrtf(sum_squares_bf16_512(xh, D) / float(D) + r.eps);
+    return rope_normed_bf16_512(r, cs_row(r, pos), xh, D, inv, w, d);
   }
 #endif
   float x[ROPE_MAX_DIM], o[ROPE_MAX_DIM];

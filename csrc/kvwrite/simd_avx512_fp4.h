@@ -151,7 +151,7 @@ KVW_FP4 __m256i lane_max8(__m512i p, __m512i q) {
 // The maxima of the sixteen 128-bit lanes of p[0..3] (blocks 4j .. 4j + 3 in p[j]), 16-bit
 // unsigned, shifted right by one (raw |x|, as lane_max8), as 16 dwords in step order: lane i,
 // dword j holds block 4j + i, so step j's block i sits in the lane its elements fill (one in-lane
-// dword shuffle spreads it over them); T16 takes them to block order (its own inverse).
+// dword shuffle spreads it over them); step_to_block_order (its own inverse) puts them in block order.
 KVW_FP4 __m512i lane_max16t(const __m512i (&p)[4]) {
   __m512i r[2];
   for (int h = 0; h < 2; ++h)  // lane i: qword 0 p[2h]'s, qword 1 p[2h + 1]'s four-word maxima
@@ -420,13 +420,12 @@ KVW_AVX512 uint32_t mxfp4_ceil_scales8(__m256i raw, int nb, __m256i& e) {
   return uint32_t(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(raw, _mm256_set1_epi32(0x7F7F))))) & ((1u << nb) - 1);
 }
 
-// mxfp4_blocks8_avx2, 64 elements a step, in two phases (a record's groups: both scales first):
-// (0) the loads, (1) the nb <= 8 blocks' raw maxima by a lane max tree, their scale bytes by mxfp4_scales8 (CEIL:
-// the indexer's mxfp4_ceil_scales8) to `scales`, each block's E_d - 3 = e - 3 in step order (lane
-// i, dword h: block 2h + i / 2, the lanes step h's block fills; every byte of the dword) to eb;
-// returns the blocks it leaves (any bytes: the caller rewrites them); (2) the codes (d = 2^(e -
+// mxfp4_blocks8_avx2, 64 elements a step, in phases (a record's groups: both scales first): the
+// nb <= 8 blocks' loads; (1) their raw maxima by a lane max tree, their scale bytes by mxfp4_scales8
+// (CEIL: the indexer's mxfp4_ceil_scales8) to `scales`, each block's E_d - 3 = e - 3 in step order
+// (lane i, dword h: block 2h + i / 2, the lanes step h's block fills; every byte of the dword) to
+// eb; returns the blocks it leaves (any bytes: the caller rewrites them); (2) the codes (d = 2^(e -
 // 127), m = 0) by e2m1_pack64.
-// l: the blocks' loads (mxfp4_loads8).
 KVW_FP4 void mxfp4_loads8(const uint16_t* src, int nb, __m512i (&l)[8]) {
   for (int b = 0; b < 8; ++b) l[b] = b < nb ? _mm512_loadu_si512(src + 32 * b) : _mm512_setzero_si512();
 }
@@ -487,8 +486,9 @@ KVW_FP4 uint64_t mxfp4_run_512(const uint16_t* x, int nblocks, char* bytes, char
 }
 
 // The DeepSeek V4 MXFP4 record on a bf16 row x: its NB = 14 blocks as groups of 8 and 6 (nb known
-// at compile time: no block done twice, no masked stores; both scales, then both codes), then the ROPE bf16 values after them
-// copied to rope_dst (two zmm moves). Returns the mask of blocks left to the scalar rule.
+// at compile time: no block done twice, no masked stores; both scales, then both codes), then the
+// ROPE bf16 values after them copied to rope_dst (two zmm moves). Returns the mask of blocks left to
+// the scalar rule.
 template <int NB, int ROPE>
 KVW_FP4 uint64_t mxfp4_record_512(const uint16_t* x, char* bytes, char* scales, char* rope_dst) {
   static_assert(NB == 14 && (ROPE == 0 || ROPE == 64), "the V4 MXFP4 record");
