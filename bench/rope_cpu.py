@@ -7,23 +7,12 @@ R = 64, GPT-J). Positions 0..N-1 (a prefill), random unique rows of a pool 4x th
 """
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 
 import torch
 
 import kvwrite
-
-
-def median_us(fn, reps: int = 15) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.thread_time_ns()
-        fn()
-        times.append(time.thread_time_ns() - t)
-    return statistics.median(times) / 1e3
+from quant_cpu import median_us  # bench/quant_cpu.py: the thread-clock median of a call
 
 
 def cos_sin(positions: int, rotary_dim: int) -> torch.Tensor:
