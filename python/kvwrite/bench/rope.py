@@ -1,9 +1,10 @@
 """Fused rope + store vs the unfused pair and vs a raw index_copy_ pair, one run, one thread.
 
 `python -m kvwrite.bench.rope [--device cpu] [--n 1 256 4096] [--backend auto] [--threads 1]
-[--clock thread|wall]` prints median µs per call (on the CPU the calling thread's CPU time: the
-shared dev machine's wall time mostly measures waiting for a core) and the target ratios:
-  - fused: `kvwrite.rope_store_kv` (q/k RMS norm, neox RoPE, q in place, K/V stored);
+[--clock thread|wall] [--no-norm]` prints median µs per call (on the CPU the calling thread's CPU
+time: the shared dev machine's wall time mostly measures waiting for a core) and the target ratios:
+  - fused: `kvwrite.rope_store_kv` (q/k RMS norm unless --no-norm (a Llama layer), neox RoPE, q in
+    place, K/V stored);
   - unfused: a plain torch RoPE + RMS norm (the usual `forward_native` formulation: rsqrt of the
     mean square, chunk / cat halves) for q and k, then `kvwrite.store_kv` on the same backend;
   - index_copy_: `k_cache.index_copy_(0, loc, k)` and the same for v (the store alone, no RoPE).
@@ -37,15 +38,17 @@ def _median_us(fn, min_time: float = 0.3, clock=time.thread_time) -> float:
 
 def torch_rope(x: torch.Tensor, pos: torch.Tensor, cos_sin: torch.Tensor, w: torch.Tensor,
                eps: float) -> torch.Tensor:
-    """RMS norm + neox RoPE of x [N, H, D] in plain torch ops (fp32 math, rounded to x.dtype)."""
+    """RMS norm (w, or none) + neox RoPE of x [N, H, D] in plain torch ops (fp32 math, rounded to
+    x.dtype)."""
     xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()
+    if w is not None:
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()
     cos, sin = cos_sin[pos].float().unsqueeze(1).chunk(2, dim=-1)
     x1, x2 = xf.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-def rows(device: torch.device, ns, backend: str, clock=time.thread_time):
+def rows(device: torch.device, ns, backend: str, clock=time.thread_time, norm: bool = True):
     hq, h, d, page, max_pos, eps = 32, 8, 128, 16, 4096, 1e-6
     gen = torch.Generator().manual_seed(0)
     for n in ns:
@@ -59,6 +62,8 @@ def rows(device: torch.device, ns, backend: str, clock=time.thread_time):
         # q is rotated in place on every timed call: a unit q norm weight keeps its values
         # stable (a weight < 1 applied again and again would drive them into fp32 subnormals)
         qw = torch.ones(d, device=device)
+        if not norm:
+            qw = w = None
         pages = -(-4 * n // page)
         loc = torch.randperm(pages * page, generator=gen)[:n].to(device)
         kc = torch.zeros(pages, page, h, d, dtype=torch.bfloat16, device=device)
@@ -89,6 +94,7 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, nargs="+", default=[1, 256, 4096])
     p.add_argument("--backend", default="auto")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--no-norm", action="store_true", help="no q/k RMS norm (a Llama layer)")
     p.add_argument("--clock", choices=tuple(CLOCKS), default=None,
                    help="thread: CPU time of the calling thread (default on cpu: a shared machine's "
                         "wall time includes waiting for a core); wall: elapsed time (default on cuda)")
@@ -97,11 +103,11 @@ def main(argv=None) -> int:
     dev = torch.device(args.device)
     clock = args.clock or ("thread" if dev.type == "cpu" else "wall")
     print(f"rope_store_kv, backend={args.backend}, {torch.get_num_threads()} thread(s), {clock} clock, "
-          f"bf16, 32 q / 8 kv heads x 128, q/k RMS norm, neox")
+          f"bf16, 32 q / 8 kv heads x 128, {'no norm' if args.no_norm else 'q/k RMS norm'}, neox")
     print("| N | fused µs | unfused (torch RoPE + store_kv) µs | index_copy_ pair µs | "
           "unfused / fused | fused / index_copy_ |")
     print("|---:|---:|---:|---:|---:|---:|")
-    for n, f, u, ic in rows(dev, args.n, args.backend, CLOCKS[clock]):
+    for n, f, u, ic in rows(dev, args.n, args.backend, CLOCKS[clock], norm=not args.no_norm):
         print(f"| {n} | {f:.1f} | {u:.1f} | {ic:.1f} | {u / f:.2f}x | {f / ic:.2f}x |", flush=True)
     return 0
 
