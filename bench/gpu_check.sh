@@ -83,6 +83,7 @@ step "rope_store_kv / rope_store_mla / dynamic int8-fp8 caches: tests on CUDA, f
     test_rope.py test_dynamic_quant.py ) > "$OUT/rope.log" 2>&1 || status=1
 tail -1 "$OUT/rope.log" | tee -a "$OUT/summary.txt"
 timeout 300 $PY -m kvwrite.bench.rope --device cuda --n 1 64 1024 > "$OUT/bench-rope.md" 2>&1 || status=1
+timeout 300 $PY -m kvwrite.bench.rope --device cuda --n 1 64 1024 --no-norm >> "$OUT/bench-rope.md" 2>&1 || status=1
 tee -a "$OUT/summary.txt" < "$OUT/bench-rope.md"
 
 step "rope stores: eager / CUDA graph replay / torch.compile vs reference (cuda, triton)"; timeout 600 $PY bench/gpu/rope.py > "$OUT/rope_gpu.jsonl" 2>&1 || status=1; tail -1 "$OUT/rope_gpu.jsonl" | tee -a "$OUT/summary.txt"

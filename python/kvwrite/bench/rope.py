@@ -36,7 +36,7 @@ def _median_us(fn, min_time: float = 0.3, clock=time.thread_time) -> float:
     return times[len(times) // 2] * 1e6
 
 
-def torch_rope(x: torch.Tensor, pos: torch.Tensor, cos_sin: torch.Tensor, w: torch.Tensor,
+def torch_rope(x: torch.Tensor, pos: torch.Tensor, cos_sin: torch.Tensor, w: torch.Tensor | None,
                eps: float) -> torch.Tensor:
     """RMS norm (w, or none) + neox RoPE of x [N, H, D] in plain torch ops (fp32 math, rounded to
     x.dtype)."""
