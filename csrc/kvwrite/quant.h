@@ -243,15 +243,16 @@ KVW_HD void quant_block_e4m3(const void* src, i64 start, int n, float scale, cha
 // codes (fp8_bf16_run; its DYN lanes for a tile without NaN or inf), so no tile's codes wait on
 // its own division chain. Scales go to `scales` (fp32). False (nothing decided) where the lanes
 // do not apply: the caller's generic loop then writes the tiles.
-// PLAIN: scale_of is ds_mla_scale (RN(amax / 448)): fp8_ds_tiles_512 first at the AVX-512 level.
+// PLAIN: scale_of is ds_mla_scale (RN(amax / 448)) wherever every tile's raw bf16 amax is at least
+// min_raw (a rule with a floor: the indexer's 1e-4): fp8_ds_tiles_512 first at the AVX-512 level.
 template <bool PLAIN = false, class ScaleOf>
 inline bool e4m3_tiles_bf16(const void* src, i64 start, int tiles, int tile, ScaleOf&& scale_of, char* dst,
-                            float* scales, int noftz) {
+                            float* scales, int noftz, uint32_t min_raw = 0) {
   if (tiles > 16 || tile % 32 != 0 || !simd_ok() || (noftz < 0 ? !ftz_clear() : noftz == 0)) return false;
   return with_lanes([&](auto l) {  // the level once a call of the tile loop
     const uint16_t* x = static_cast<const uint16_t*>(src) + start;
     if constexpr (PLAIN) {
-      if (tile % 64 == 0 && l.fp8_ds_tiles(x, tiles, tile, dst, scales)) return true;
+      if (tile % 64 == 0 && l.fp8_ds_tiles(x, tiles, tile, dst, scales, min_raw)) return true;
     }
     float rc[16];
     uint32_t special = 0;  // tiles holding a NaN or an inf

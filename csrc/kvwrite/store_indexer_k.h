@@ -64,16 +64,17 @@ KVW_HD void store_indexer_k_token(const StoreIndexerKParams& p, i64 i, int lane,
     return;
   }
 #if KVW_SIMD_X86
-  if constexpr (IN == DType::BF16) {  // host (AVX-512): ue8m0 scales by integer lanes, plain ones by one multiply
+  if constexpr (IN == DType::BF16) {  // host: ue8m0 scales by integer lanes, plain ones by the tile lanes
     const uint16_t* x = reinterpret_cast<const uint16_t*>(p.k) + i * p.k_sn;
     char* dst = p.cache.data_at(r.row, 0);
     const auto put = [&](int b, float s) { store_le(p.cache.scale_at(r.row, b), float_to_bits(s), 4); };
     if (nlanes == 1 && p.ue8m0 && e4m3_pow2_tiles(x, p.cache.blocks, p.qbs, [](float a) { return indexer_scale(a, true); }, dst, put))
       return;
-    // RN(amax / 448) for every amax >= 1e-4 (bf16 0x38D2 up): fp8_ds_mla's scale rule and table
+    // plain: RN(amax / 448) for every amax >= 1e-4 (bf16 0x38D2 up), fp8_ds_mla's scale rule and table
     float sc[16];
-    if (nlanes == 1 && !p.ue8m0 && p.qbs % 64 == 0 && p.cache.blocks <= 16 && host_noftz(p.locs.noftz) == 1 &&
-        with_lanes([&](auto l) { return l.fp8_ds_tiles(x, p.cache.blocks, p.qbs, dst, sc, 0x38D2u); })) {
+    if (nlanes == 1 && !p.ue8m0 &&
+        e4m3_tiles_bf16<true>(p.k, i * p.k_sn, p.cache.blocks, p.qbs, [](float a) { return indexer_scale(a, false); }, dst,
+                              sc, p.locs.noftz, 0x38D2u)) {
       for (int b = 0; b < p.cache.blocks; ++b) put(b, sc[b]);
       return;
     }
