@@ -15,8 +15,10 @@
 // token 0's source and writes one row: the arithmetic and per-token work alone, as
 // bench/quant_bound.cpp's compute runs); rows (token 0's source, the random rows); seq (the
 // streaming source, the same rows in ascending order).
+// AB_OUTLIER=x in the environment: every 64th input value times x (harness::inputs).
 // Prints, per case, each side's 10th-percentile and median µs a call and the B / A ratios.
 #include <algorithm>
+#include <cstdlib>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -135,7 +137,7 @@ int main(int argc, char** argv) {
   const std::string only = argc > 3 ? argv[3] : "";
   const std::string mode = argc > 4 ? argv[4] : "store";
   const bool stream = mode == "store" || mode == "seq";
-  harness::Inputs in = harness::inputs(n, H * D);
+  harness::Inputs in = harness::inputs(n, H * D, std::getenv("AB_OUTLIER") ? std::atof(std::getenv("AB_OUTLIER")) : 0.0f);
   const std::vector<uint16_t>& k = in.k;
   const std::vector<uint16_t>& v = in.v;
   std::vector<int64_t>& loc = in.loc;

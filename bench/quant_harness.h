@@ -34,12 +34,14 @@ struct Inputs {
   std::vector<int64_t> loc;
   int64_t rows;
 };
-inline Inputs inputs(int64_t n, int64_t elems) {
+// outlier > 0: every 64th value times `outlier` (a tile with one large channel, as real K / V
+// rows have: most of its codes then small, many e4m3 subnormals).
+inline Inputs inputs(int64_t n, int64_t elems, float outlier = 0.0f) {
   std::mt19937_64 rng(0);
   std::normal_distribution<float> normal;
   Inputs in{std::vector<uint16_t>(n * elems), std::vector<uint16_t>(n * elems), std::vector<int64_t>(4 * n), 4 * n + PPS};
-  for (auto& x : in.k) x = bf16_of(normal(rng));
-  for (auto& x : in.v) x = bf16_of(normal(rng));
+  for (auto* t : {&in.k, &in.v})
+    for (size_t j = 0; j < t->size(); ++j) (*t)[j] = bf16_of(normal(rng) * (outlier > 0 && j % 64 == 0 ? outlier : 1.0f));
   for (int64_t i = 0; i < 4 * n; ++i) in.loc[i] = PPS + i;
   std::shuffle(in.loc.begin(), in.loc.end(), rng);
   in.loc.resize(n);

@@ -13,9 +13,7 @@ namespace kvwrite {
 // The Token that dispatch(p, C, ...) picks (of mode C only) over tokens [begin, end); the fused
 // RoPE stores rotate each token's k (k_pe) into one reused, cache-hot scratch row, then store it.
 template <class P, int C>
-void run_range(const P& p_in, i64 begin, i64 end) {
-  P p = p_in;  // this chunk's copy: MXCSR.FTZ read once (LocArgs::noftz; the state is per thread)
-  const_cast<LocArgs&>(locs_of(p)).noftz = host_noftz();
+void run_range(const P& p, i64 begin, i64 end) {
   dispatch(p, C, [&](auto token, i64) {
     using Token = typename decltype(token)::type;
     if constexpr (Token::check != C) {

@@ -303,29 +303,52 @@ def test_rounding_of_every_code_and_midpoint(backend, cache):
     check_fp8_codes(pools["torch"].reshape(-1, 16), x.reshape(-1, 16), cache, 1.0)
 
 
-# The quantising cases whose cpu lanes depend on MXCSR.FTZ (read once a chunk, csrc/tokens_cpu.h).
-FTZ_CASES = ("mha-fp8", "mla-fp8ds", "dsv4-kv", "mha-nvfp4", "mla-nvfp4", "dsv4-kv-nvfp4")
+# The quantising cases whose cpu lanes read codes off fp32 arithmetic (csrc/kvwrite/simd_x86.h
+# grid_codes8: no subnormal result, so no dependence on MXCSR.FTZ / DAZ).
+# mha-fp8-token / -head: the int8 cases' dynamic scales into an fp8 cache (no bench case of their own).
+FTZ_CASES = ("mha-fp8", "mha-fp8-token", "mha-fp8-head", "mha-int8-token", "mla-fp8ds", "dsv4-kv", "indexer-k",
+             "mha-nvfp4", "mla-nvfp4", "dsv4-kv-nvfp4")
+
+
+def _outlier_randn(shape, dtype, device, gen) -> torch.Tensor:
+    """Normal rows with every 64th value times 1000: a tile's scale follows its outlier, so most
+    of its other codes are e4m3 subnormals (the lanes' slow case when they produced fp32 subnormals)."""
+    x = torch.randn(shape, generator=gen)
+    x.view(-1)[::64] *= 1000
+    return x.to(dtype).to(device)
 
 
 @pytest.mark.skipif("cpu" not in KERNEL_BACKENDS, reason="the cpu backend is not built here")
+@pytest.mark.parametrize("outliers", [False, True])
 @pytest.mark.parametrize("name", FTZ_CASES)
-def test_flush_denormal_same_bytes(name: str) -> None:
-    """A thread with MXCSR.FTZ / DAZ set (torch.set_flush_denormal) gets the bytes a thread without
-    them gets: the kernels read the mode (once a chunk) and leave the subnormal codes to the lanes
-    that do not depend on it."""
-    from kvwrite.bench.cases import available
-    s = available([name])[0][0].build(64, torch.device("cpu"), torch.Generator().manual_seed(3))
-    for t in s.outputs:
-        t.zero_()
-    s.call("cpu", "off", None)
-    want = [t.clone() for t in s.outputs]
-    for t in s.outputs:
-        t.zero_()
-    if not torch.set_flush_denormal(True):
-        pytest.skip("this CPU cannot flush denormals")
-    try:
-        s.call("cpu", "off", None)
-    finally:
-        torch.set_flush_denormal(False)
-    for got, exp in zip(s.outputs, want):
-        assert torch.equal(got.view(torch.uint8), exp.view(torch.uint8))
+def test_flush_denormal_same_bytes(name: str, outliers: bool, monkeypatch) -> None:
+    """The cpu backend writes the torch reference's bytes in a thread with MXCSR.FTZ / DAZ set
+    (torch.set_flush_denormal) and in one without, on normal rows and on rows with outliers."""
+    from kvwrite.bench import cases
+    if outliers:
+        monkeypatch.setattr(cases, "_randn", _outlier_randn)
+    if name.startswith("mha-fp8-"):
+        def build(n, device, gen):
+            return cases._mha_dynamic(n, device, gen, torch.float8_e4m3fn, name.endswith("head"))
+    else:
+        found, _ = cases.available([name])
+        if not found:
+            pytest.skip(f"{name} is not a bench case here")
+        build = found[0].build
+    s = build(64, torch.device("cpu"), torch.Generator().manual_seed(3))
+
+    def run(backend: str, flush: bool) -> list[torch.Tensor]:
+        for t in s.outputs:
+            t.zero_()
+        if flush and not torch.set_flush_denormal(True):
+            pytest.skip("this CPU cannot flush denormals")
+        try:
+            s.call(backend, "off", None)
+        finally:
+            torch.set_flush_denormal(False)
+        return [t.view(torch.uint8).clone() for t in s.outputs]
+
+    want = run("torch", False)
+    for flush in (False, True):
+        for got, exp in zip(run("cpu", flush), want):
+            assert torch.equal(got, exp), f"flush_denormal={flush}"

@@ -105,13 +105,13 @@ KVW_AVX2 __m256i quant_codes8(const void* src, i64 i, __m256 vs, __m256 vr) {
     const __m256i c = RULE == RULE_VLLM ? _mm256_cvttps_epi32(y) : _mm256_cvtps_epi32(y);
     return _mm256_andnot_si256(_mm256_castps_si256(nan), c);
   } else {
-    return fp8_codes8<F, FAST>(y);
+    return fp8_codes8<F>(y);
   }
 }
 
 // The fast lanes (as fp8_heads_avx2): with 2^-100 <= |s| <= 2^100 (and so 2^-100 <= |1/s|) a
-// subnormal input's y is below 2^-26 in magnitude, coded as daz's signed zero would be, and
-// with FTZ clear the fp8 codes come from fp8_codes8<F, true>.
+// subnormal input's y is below 2^-26 in magnitude, coded as daz's signed zero would be (under
+// MXCSR.FTZ / DAZ too).
 template <DType IN, class F, int RULE>
 KVW_AVX2 void quantize_run_avx2(const void* __restrict__ src, i64 start, int n, Quantizer<F> q,
                                 char* __restrict__ dst) {
@@ -119,7 +119,7 @@ KVW_AVX2 void quantize_run_avx2(const void* __restrict__ src, i64 start, int n, 
   const float a = q.scale < 0 ? -q.scale : q.scale;
   const auto tail = [&](int j) KVW_AVX2_FN { return q.template code<RULE>(load_quant<IN>(src, start + j)); };
   constexpr bool I8 = std::is_same<F, Int8Fmt>::value;
-  if ((_mm_getcsr() & 0x8000u) == 0 && a >= 7.888609052210118e-31f && a <= 1.2676506002282294e30f) {
+  if (a >= 7.888609052210118e-31f && a <= 1.2676506002282294e30f) {
     return simd_run<I8>(n, dst, [&](int i) KVW_AVX2_FN { return quant_codes8<IN, F, RULE, true>(src, start + i, vs, vr); }, tail);
   }
   simd_run<I8>(n, dst, [&](int i) KVW_AVX2_FN { return quant_codes8<IN, F, RULE, false>(src, start + i, vs, vr); }, tail);

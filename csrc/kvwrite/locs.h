@@ -37,8 +37,6 @@ struct LocArgs {
   i64 n = 0;                      // tokens
   i64* errors = nullptr;          // guard record (int64[16]) or null
   int op = 0;                     // kvwrite.errors.OPS index
-  int noftz = -1;                 // host: 1 / 0 when MXCSR.FTZ of the running thread is clear / set, read
-                                  // once a chunk (run_range: a read costs ~6 ns, a token's tiles ~80); -1: unread
   // page-table addressing (kvwrite.PageTable), when `batch` is set
   const void* batch = nullptr;    // int32/int64 [n] batch_indices
   bool batch64 = true;

@@ -79,14 +79,11 @@ KVW_HD bool e2m1_run(const void* src, i64 start, int n, float s, char* bytes) {
 }
 
 // nblocks consecutive blocks from `start` (bytes: 8 a block, scales: 1 a block, both contiguous).
-// `noftz`: MXCSR.FTZ clear (1) / set (0) as read once by the caller, -1: read here if needed.
 template <DType IN>
 KVW_HD void nvfp4_run(const void* src, i64 start, int nblocks, const float* global, char* bytes, char* scales,
-                      float floor = 0.0f, int noftz = -1) {
+                      float floor = 0.0f) {
 #if KVW_SIMD_X86
-  if (simd_ok()) return nvfp4_run_simd<IN>(src, start, nblocks, global, bytes, scales, floor, noftz);
-#else
-  (void)noftz;
+  if (simd_ok()) return nvfp4_run_simd<IN>(src, start, nblocks, global, bytes, scales, floor);
 #endif
   for (int b = 0; b < nblocks; ++b)
     nvfp4_block_at<IN>(src, start + i64(b) * NVFP4_BLOCK, global, bytes + b * (NVFP4_BLOCK / 2), scales + b, floor);

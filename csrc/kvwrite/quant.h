@@ -161,19 +161,15 @@ KVW_HD float indexer_scale(float amax, bool ue8m0) {
 // fp8 (format F) codes of x / scale for n elements (saturating, RNE), written as bytes: on an
 // AVX2 host fp8_run_avx2; else plain restrict-qualified locals, so the host compiler vectorises
 // the loop (a char store may otherwise alias any struct field the loop reads).
-// `noftz`: MXCSR.FTZ clear (1) or set (0) as the caller read it once for many runs; -1: read here.
 template <DType IN, class F>
-KVW_HD void quant_run(const void* __restrict__ src, i64 start, int n, float scale, char* __restrict__ dst,
-                      int noftz = -1) {
+KVW_HD void quant_run(const void* __restrict__ src, i64 start, int n, float scale, char* __restrict__ dst) {
   int j = 0;
 #if KVW_SIMD_X86
   if constexpr (IN == DType::BF16 && !F::fnuz) {  // the streaming bf16 lanes, then the tail
-    if (n >= 32 && simd_ok() && cr_div_ok(scale) && (noftz < 0 ? ftz_clear() : noftz != 0))
+    if (n >= 32 && simd_ok() && cr_div_ok(scale))
       j = fp8_bf16_run<F>(static_cast<const uint16_t*>(src) + start, n, scale, dst);
   }
   if (j == 0 && n >= 32 && simd_ok()) return fp8_run_avx2<IN, F>(src, start, n, scale, dst);
-#else
-  (void)noftz;
 #endif
   for (; j < n; ++j) dst[j] = char(fp8_bits<F>(load_quant<IN>(src, start + j) / scale));
 }
@@ -183,14 +179,14 @@ KVW_HD void quant_run(const void* __restrict__ src, i64 start, int n, float scal
 // bf16 rows of whole 32-element blocks by the divisor's code table (fp8_bf16_table_run, `cache`
 // from fp8_table_cache), else quant_run.
 template <DType IN, class F>
-inline void quant_run_static(const void* src, i64 start, int n, float scale, char* dst, Fp8Table* cache, int noftz) {
+inline void quant_run_static(const void* src, i64 start, int n, float scale, char* dst, Fp8Table* cache) {
   if constexpr (IN == DType::BF16 && !F::fnuz) {
     if (cache != nullptr && n % 32 == 0 && n >= 32) {
       const Fp8Table* t = fp8_table_for<F>(cache, scale);
       if (t != nullptr) return fp8_bf16_table_run<F>(*t, scale, static_cast<const uint16_t*>(src) + start, n, dst);
     }
   }
-  quant_run<IN, F>(src, start, n, scale, dst, noftz);
+  quant_run<IN, F>(src, start, n, scale, dst);
 }
 
 // The code-table cache of this thread for a bf16 -> fp8 (not fnuz) host run, else null.
@@ -221,9 +217,8 @@ KVW_HD void quant_heads(const void* src, i64 start, i64 s_head, int H, int D, co
         return;
       }
     }
-    const int noftz = cache != nullptr && D % 32 == 0 ? -1 : ftz_clear();  // tables: read where a block needs it
     for (int h = 0; h < H; ++h)
-      quant_run_static<IN, F>(src, start + h * s_head, D, scale[h * scale_step], dst + h * dst_step, cache, noftz);
+      quant_run_static<IN, F>(src, start + h * s_head, D, scale[h * scale_step], dst + h * dst_step, cache);
     return;
   }
 #endif
@@ -232,8 +227,8 @@ KVW_HD void quant_heads(const void* src, i64 start, i64 s_head, int H, int D, co
 
 // e4m3 codes of x / scale for n elements (saturating, RNE), written as bytes.
 template <DType IN>
-KVW_HD void quant_block_e4m3(const void* src, i64 start, int n, float scale, char* dst, int noftz = -1) {
-  quant_run<IN, E4M3>(src, start, n, scale, dst, noftz);
+KVW_HD void quant_block_e4m3(const void* src, i64 start, int n, float scale, char* dst) {
+  quant_run<IN, E4M3>(src, start, n, scale, dst);
 }
 
 #if KVW_SIMD_X86
@@ -247,8 +242,8 @@ KVW_HD void quant_block_e4m3(const void* src, i64 start, int n, float scale, cha
 // min_raw (a rule with a floor: the indexer's 1e-4): fp8_ds_tiles_512 first at the AVX-512 level.
 template <bool PLAIN = false, class ScaleOf>
 inline bool e4m3_tiles_bf16(const void* src, i64 start, int tiles, int tile, ScaleOf&& scale_of, char* dst,
-                            float* scales, int noftz, uint32_t min_raw = 0) {
-  if (tiles > 16 || tile % 32 != 0 || !simd_ok() || (noftz < 0 ? !ftz_clear() : noftz == 0)) return false;
+                            float* scales, uint32_t min_raw = 0) {
+  if (tiles > 16 || tile % 32 != 0 || !simd_ok()) return false;
   return with_lanes([&](auto l) {  // the level once a call of the tile loop
     const uint16_t* x = static_cast<const uint16_t*>(src) + start;
     if constexpr (PLAIN) {
@@ -276,17 +271,6 @@ inline bool e4m3_tiles_bf16(const void* src, i64 start, int tiles, int tile, Sca
   });
 }
 #endif
-
-// The `noftz` argument of quant_run for a host loop of many runs: `known` where set (LocArgs::noftz,
-// the chunk's read), else MXCSR read now (-1 off x86).
-KVW_HD int host_noftz(int known = -1) {
-#if KVW_SIMD_X86
-  return known >= 0 ? known : ftz_clear() ? 1 : 0;
-#else
-  (void)known;
-  return -1;
-#endif
-}
 
 // bf16 bits of element i: bf16 input copied; other floats rounded to nearest even (NaN -> 0x7FC0).
 template <DType IN>

@@ -64,24 +64,14 @@ KVW_AVX512 __m512 div_cr16(__m512 x, __m512 s, __m512 r) {  // div_cr8's correct
   return _mm512_fmadd_ps(_mm512_fnmadd_ps(q, s, x), r, q);
 }
 
-// grid_codes8<MANT, EMIN, true> (NOFTZ: MXCSR.FTZ clear) of sixteen magnitudes.
-template <int MANT, int EMIN>
-KVW_AVX512 __m512i grid_codes16_noftz(__m512 ax) {
-  constexpr int drop = 23 - MANT, bias = 1 - EMIN;  // m = 2^(binade + drop), binade >= EMIN; r * 2^(bias - 127)
-  const __m512i eb = _mm512_max_epi32(_mm512_and_si512(_mm512_castps_si512(ax), _mm512_set1_epi32(0x7F800000)),
-                                      _mm512_set1_epi32((EMIN + 127) << 23));
-  const __m512 m = _mm512_castsi512_ps(_mm512_add_epi32(eb, _mm512_set1_epi32(drop << 23)));
-  const __m512 r = _mm512_mul_ps(_mm512_sub_ps(_mm512_add_ps(ax, m), m), _mm512_castsi512_ps(_mm512_set1_epi32(bias << 23)));
-  return _mm512_srli_epi32(_mm512_castps_si512(r), drop);
-}
-
-// grid_codes8_k of sixteen magnitudes; `value`, where given, gets the rounded magnitudes (the
+// grid_codes8 of sixteen magnitudes; `value`, where given, gets the rounded magnitudes (the
 // codes' values: t - m is exact).
-template <int MANT, int EMIN>
-KVW_AVX512 __m512i grid_codes16_k(__m512 ax, __m512* value = nullptr) {
+template <int MANT, int EMIN, bool NAN_HIGH = false>  // grid_codes8's NAN_HIGH
+KVW_AVX512 __m512i grid_codes16(__m512 ax, __m512* value = nullptr) {
   constexpr int drop = 23 - MANT, bias = 1 - EMIN;
-  const __m512i eb = _mm512_max_epi32(_mm512_and_si512(_mm512_castps_si512(ax), _mm512_set1_epi32(0x7F800000)),
-                                      _mm512_set1_epi32((EMIN + 127) << 23));
+  __m512i eb = _mm512_max_epi32(_mm512_and_si512(_mm512_castps_si512(ax), _mm512_set1_epi32(0x7F800000)),
+                                _mm512_set1_epi32((EMIN + 127) << 23));
+  if constexpr (NAN_HIGH) eb = _mm512_min_epi32(eb, _mm512_set1_epi32((127 + 64) << 23));
   const __m512i m = _mm512_add_epi32(eb, _mm512_set1_epi32(drop << 23));
   const __m512 t = _mm512_add_ps(ax, _mm512_castsi512_ps(m));
   if (value != nullptr) *value = _mm512_sub_ps(t, _mm512_castsi512_ps(m));
@@ -107,8 +97,8 @@ KVW_AVX512 int fp8_bf16_run_512(const uint16_t* __restrict__ src, int n, float s
     widen_bf16x64(_mm512_and_si512(l0, am), _mm512_and_si512(l1, am), x);  // |x|
     __m512i c[4];
     for (int k = 0; k < 4; ++k)
-      c[k] = grid_codes16_noftz<F::mant, F::emin>(RF ? _mm512_mul_ps(x[k], vr) : div_cr16(DYN ? x[k] : _mm512_min_ps(vmax, x[k]), vs, vr));
-    const __m512i code = _mm512_packus_epi16(_mm512_packus_epi32(c[0], c[1]), _mm512_packus_epi32(c[2], c[3]));
+      c[k] = grid_codes16<F::mant, F::emin, !DYN>(RF ? _mm512_mul_ps(x[k], vr) : div_cr16(DYN ? x[k] : _mm512_min_ps(vmax, x[k]), vs, vr));
+    const __m512i code = _mm512_packus_epi16(_mm512_packs_epi32(c[0], c[1]), _mm512_packs_epi32(c[2], c[3]));  // NaN: 255
     __m512i b = _mm512_ternarylogic_epi32(code, _mm512_packs_epi16(l0, l1), smask, 0xF8);  // code | (sign & 0x80)
     if constexpr (!DYN) {  // the divisor's sign; a NaN (0xFF) -> 0x7F
       b = _mm512_xor_si512(b, flip);

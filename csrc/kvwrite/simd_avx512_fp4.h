@@ -220,7 +220,7 @@ __attribute__((always_inline)) KVW_FP4 bool nvfp4_scales16_512(const uint16_t* s
     if (_mm512_cmpgt_epi32_mask(raw, _mm512_set1_epi32(0x7F7F)) != 0) return false;
     const __m512 amax = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(_mm512_cmpgt_epi32_mask(raw, _mm512_set1_epi32(0x7F)), raw, 16));
     const __m512 s = _mm512_max_ps(_mm512_div_ps(amax, _mm512_set1_ps(6.0f)), _mm512_set1_ps(floor));
-    codes = grid_codes16_k<3, -6>(_mm512_min_ps(s, _mm512_set1_ps(448.0f)));
+    codes = grid_codes16<3, -6>(_mm512_min_ps(s, _mm512_set1_ps(448.0f)));
   }
   const __m128i code = _mm512_cvtepi32_epi8(step_to_block_order(codes));
   if (NB == 16) {
@@ -320,14 +320,14 @@ KVW_AVX512 __m512i hmax16x16(const __m512i (&a)[16]) {
 
 // nvfp4_block's e2m1 codes of the 16 elements from src + i for the divisor d (finite, >= 0),
 // packed (element 2j in the low nibble) into 8 bytes; whether any was NaN. |x| / d by the
-// division (the scalar quotient itself), clamped to 6 (inf: 6), grid_codes16_k; d == 0, subnormal
+// division (the scalar quotient itself), clamped to 6 (inf: 6), grid_codes16; d == 0, subnormal
 // x: the sign alone; NaN: 0.
 template <DType IN>
 KVW_AVX512 bool e2m1_block16(const void* src, i64 i, float d, char* bytes) {
   const __m512i x = load16_bits<IN>(src, i), a = _mm512_and_si512(x, _mm512_set1_epi32(0x7FFFFFFF));
   const __mmask16 div = normal_or_inf16(a) & (d != 0.0f ? 0xFFFF : 0), num = _mm512_cmple_epu32_mask(a, _mm512_set1_epi32(0x7F800000));
   const __m512 y = _mm512_maskz_div_ps(div, _mm512_castsi512_ps(a), _mm512_set1_ps(d));
-  const __m512i code = grid_codes16_k<1, 0>(_mm512_min_ps(y, _mm512_set1_ps(6.0f)));
+  const __m512i code = grid_codes16<1, 0>(_mm512_min_ps(y, _mm512_set1_ps(6.0f)));
   const __m512i c = _mm512_maskz_ternarylogic_epi32(num, code, _mm512_srli_epi32(x, 28), _mm512_set1_epi32(8), 0xF8);  // code | (sign & 8)
   _mm_storel_epi64(reinterpret_cast<__m128i*>(bytes), _mm512_cvtepi64_epi8(_mm512_or_si512(c, _mm512_srli_epi64(c, 28))));
   return num != 0xFFFF;
@@ -335,7 +335,7 @@ KVW_AVX512 bool e2m1_block16(const void* src, i64 i, float d, char* bytes) {
 
 // NVFP4 of nb <= 16 blocks from src + start by the scalar arithmetic, sixteen scales in one
 // vector: amax (a transposing max tree of the policy |x|), s = max(amax / 6, floor) (/ g), the
-// e4m3 code of min(s, 448) and its value (grid_codes16_k), d = value (* g). g: null, or finite,
+// e4m3 code of min(s, 448) and its value (grid_codes16), d = value (* g). g: null, or finite,
 // positive and normal (s >= 0: the code is its rounding, saturated). False (nothing written) where
 // some d is not finite: the caller takes the AVX2 lanes.
 template <DType IN>
@@ -350,7 +350,7 @@ KVW_AVX512 bool nvfp4_arith16_512(const void* src, i64 start, int nb, const floa
   __m512 s = _mm512_max_ps(_mm512_div_ps(_mm512_castsi512_ps(hmax16x16(a)), _mm512_set1_ps(6.0f)), _mm512_set1_ps(floor));
   if (global != nullptr) s = _mm512_div_ps(s, _mm512_set1_ps(global[0]));
   __m512 d;
-  __m512i code = grid_codes16_k<3, -6>(_mm512_min_ps(s, _mm512_set1_ps(448.0f)), &d);
+  __m512i code = grid_codes16<3, -6>(_mm512_min_ps(s, _mm512_set1_ps(448.0f)), &d);
   if (global != nullptr) d = _mm512_mul_ps(d, _mm512_set1_ps(global[0]));
   if (_mm512_cmp_ps_mask(d, _mm512_set1_ps(3.4028234663852886e38f), _CMP_NLE_UQ) != 0) return false;
   alignas(64) float dl[16];
@@ -507,11 +507,11 @@ KVW_FP4 uint64_t mxfp4_record_512(const uint16_t* x, char* bytes, char* scales, 
 // ---- Dispatchers: the AVX-512 lanes where simd_level() says so (and they apply), else AVX2 ----
 template <DType IN>
 inline void nvfp4_run_simd(const void* src, i64 start, int nblocks, const float* global, char* bytes, char* scales,
-                           float floor = 0.0f, int noftz = -1) {
+                           float floor = 0.0f) {
   if (IN == DType::BF16 && global == nullptr && fp4_512_ok())
     return nvfp4_run_512(static_cast<const uint16_t*>(src) + start, nblocks, bytes, scales, floor);
   if (simd512_ok() && global_ok(global)) return nvfp4_arith_run_512<IN>(src, start, nblocks, global, bytes, scales, floor);
-  nvfp4_run_avx2<IN>(src, start, nblocks, global, bytes, scales, floor, noftz);
+  nvfp4_run_avx2<IN>(src, start, nblocks, global, bytes, scales, floor);
 }
 // MXFP4 of nblocks <= 64 bf16 blocks of 32 from x, eight at a time; returns the mask of blocks left
 // to the scalar rule (mxfp4_blocks8_avx2's).

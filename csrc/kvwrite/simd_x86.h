@@ -66,54 +66,33 @@ KVW_AVX2 __m256 load8_daz(const void* src, i64 i) {
   return _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_and_si256(sub, _mm256_set1_epi32(0x7FFFFFFF)), x));
 }
 
-// Unsigned codes of eight non-negative fp32 magnitudes `ax` (<= the format's max, no NaN) on the
-// grid of a float format with MANT mantissa bits and smallest normal exponent EMIN: round to
-// nearest even by adding and subtracting 2^(e + 23 - MANT) (e = the value's binade, at least
-// EMIN: the fp32 add rounds at exactly the grid step, carries included), then read the code off
-// the rounded value's bits (normal) or as a multiple of the subnormal step. NOFTZ (the caller
-// checked MXCSR.FTZ is clear): read it off r * 2^(bias - 127) instead, whose fp32 bits are the
-// code shifted (a subnormal product for subnormal codes, exact without FTZ), no select.
-template <int MANT, int EMIN, bool NOFTZ = false>
+// Unsigned codes of eight non-negative fp32 magnitudes `ax` (<= the format's max) on the grid of a
+// float format with MANT mantissa bits and smallest normal exponent EMIN: t = ax + m, m = 2^(e +
+// 23 - MANT) (e = ax's binade, at least EMIN), rounds to nearest even at exactly the grid step
+// (carries included) and holds k = t - m grid steps in its low bits; code = k + (e + bias - 1) <<
+// MANT = k + (eb >> drop) - ((128 - bias) << MANT). One fp32 add and no subnormal result, so the
+// codes do not depend on MXCSR (FTZ / DAZ) and a subnormal code costs no microcode assist (a tile
+// with one outlier has many). NAN_HIGH: a NaN's code comes out above 255 (eb capped at 2^64,
+// above every format's max), which signed packs saturate to 255; else a NaN has no defined code.
+template <int MANT, int EMIN, bool NAN_HIGH = false>
 KVW_AVX2 __m256i grid_codes8(__m256 ax) {
   constexpr int drop = 23 - MANT, bias = 1 - EMIN;
   __m256i eb = _mm256_and_si256(_mm256_castps_si256(ax), _mm256_set1_epi32(0x7F800000));
   eb = _mm256_max_epi32(eb, _mm256_set1_epi32((EMIN + 127) << 23));
-  const __m256 m = _mm256_castsi256_ps(_mm256_add_epi32(eb, _mm256_set1_epi32(drop << 23)));
-  const __m256 r = _mm256_sub_ps(_mm256_add_ps(ax, m), m);
-  if constexpr (NOFTZ) {
-    const __m256 down = _mm256_castsi256_ps(_mm256_set1_epi32(bias << 23));  // 2^(bias - 127)
-    return _mm256_srli_epi32(_mm256_castps_si256(_mm256_mul_ps(r, down)), drop);
-  }
-  const __m256 tiny = _mm256_set1_ps(pow2f(EMIN));
-  const __m256i normal = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_castps_si256(r), drop),
-                                          _mm256_set1_epi32((127 - bias) << MANT));
-  const __m256i sub = _mm256_srli_epi32(
-      _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(r, tiny)), _mm256_castps_si256(tiny)), drop);
-  return _mm256_blendv_epi8(normal, sub, _mm256_castps_si256(_mm256_cmp_ps(r, tiny, _CMP_LT_OQ)));
-}
-
-KVW_AVX2 __m256 abs8(__m256 x) { return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
-
-// grid_codes8's codes read without a subnormal product (no MXCSR dependence, no denormal assist
-// where most codes are subnormal, as e2m1's): t = ax + m holds k = t - m grid steps in its low
-// bits, and code = k + (e' + bias - 1) << MANT = k + (eb' >> drop) - ((128 - bias) << MANT).
-// `ax` finite (a NaN gives no defined code here).
-template <int MANT, int EMIN>
-KVW_AVX2 __m256i grid_codes8_k(__m256 ax) {
-  constexpr int drop = 23 - MANT, bias = 1 - EMIN;
-  __m256i eb = _mm256_and_si256(_mm256_castps_si256(ax), _mm256_set1_epi32(0x7F800000));
-  eb = _mm256_max_epi32(eb, _mm256_set1_epi32((EMIN + 127) << 23));
+  if constexpr (NAN_HIGH) eb = _mm256_min_epi32(eb, _mm256_set1_epi32((127 + 64) << 23));
   const __m256i m = _mm256_add_epi32(eb, _mm256_set1_epi32(drop << 23));
   const __m256i k = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(ax, _mm256_castsi256_ps(m))), m);
   return _mm256_add_epi32(k, _mm256_sub_epi32(_mm256_srli_epi32(eb, drop), _mm256_set1_epi32((128 - bias) << MANT)));
 }
 
+KVW_AVX2 __m256 abs8(__m256 x) { return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
+
 // fp8 codes (format F) of eight fp32 values as int32 lanes, fp8_bits's: saturate, round on the
 // grid, sign bit kept (fnuz: no -0), NaN -> the format's NaN code.
-template <class F, bool NOFTZ = false>
+template <class F>
 KVW_AVX2 __m256i fp8_codes8(__m256 x) {
   const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-  __m256i code = grid_codes8<F::mant, F::emin, NOFTZ>(_mm256_min_ps(abs8(x), _mm256_set1_ps(fp8_max<F>())));
+  __m256i code = grid_codes8<F::mant, F::emin>(_mm256_min_ps(abs8(x), _mm256_set1_ps(fp8_max<F>())));
   const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 24), _mm256_set1_epi32(0x80));
   if constexpr (F::fnuz) {  // no -0: a zero code stays unsigned
     code = _mm256_or_si256(code, _mm256_andnot_si256(_mm256_cmpeq_epi32(code, _mm256_setzero_si256()), sign));
@@ -150,22 +129,21 @@ KVW_AVX2 void fp8_run_avx2(const void* __restrict__ src, i64 start, int n, float
 
 // fp8_run_avx2 over H heads of D elements (head h from start + h * s_head, scale[h * scale_step],
 // codes at dst + h * dst_step). A head whose |scale| >= 2^-100 skips daz: a subnormal input's
-// quotient is then below 2^-26, which rounds to the same signed zero code as daz's +-0; with
-// MXCSR.FTZ clear (read, never written) the codes come from fp8_codes8<F, true>.
+// quotient is then below 2^-26, which rounds to the same signed zero code as daz's +-0 (under
+// MXCSR.FTZ / DAZ too).
 template <DType IN, class F>
 KVW_AVX2 void fp8_heads_avx2(const void* __restrict__ src, i64 start, i64 s_head, int H, int D, const float* scale,
                              i64 scale_step, char* __restrict__ dst, i64 dst_step) {
-  const bool ftz = (_mm_getcsr() & 0x8000u) != 0;
   for (int h = 0; h < H; ++h) {
     const float sc = scale[h * scale_step];
     const i64 at = start + h * s_head;
-    if (ftz || !((sc < 0 ? -sc : sc) >= 7.888609052210118e-31f)) {  // 2^-100; NaN scales too
+    if (!((sc < 0 ? -sc : sc) >= 7.888609052210118e-31f)) {  // 2^-100; NaN scales too
       fp8_run_avx2<IN, F>(src, at, D, sc, dst + h * dst_step);
       continue;
     }
     const __m256 s = _mm256_set1_ps(sc);
     simd_run<false>(D, dst + h * dst_step,
-                    [&](int i) KVW_AVX2_FN { return fp8_codes8<F, true>(_mm256_div_ps(load8<IN>(src, at + i), s)); },
+                    [&](int i) KVW_AVX2_FN { return fp8_codes8<F>(_mm256_div_ps(load8<IN>(src, at + i), s)); },
                     [&](int j) KVW_AVX2_FN { return fp8_bits<F>(daz(load_float<IN>(src, at + j)) / sc); });
   }
 }
@@ -393,10 +371,6 @@ inline bool cr_div_ok(float s) {
   return a >= 9.094947017729282e-13f && a <= 1.099511627776e12f;
 }
 
-// MXCSR.FTZ clear on this thread (fp8_bf16_run's codes need it; read once per token by the hot
-// loops: the read costs about as much as a head's codes).
-inline bool ftz_clear() { return (_mm_getcsr() & 0x8000u) == 0; }
-
 KVW_AVX2 __m256 div_cr8(__m256 x, __m256 s, __m256 r) {
   const __m256 q = _mm256_mul_ps(x, r);
   return _mm256_fmadd_ps(_mm256_fnmadd_ps(q, s, x), r, q);
@@ -415,16 +389,16 @@ KVW_AVX2 void load_bf16x32(const uint16_t* p, __m256i& l0, __m256i& l1, __m256 (
 
 // Four int32 code vectors in unpack order as 32 bytes in "pack order" (qwords 0, 2, 1, 3 of the
 // element order: the order of packs_epi16(l0, l1)); `in_order` puts them in element order.
+// Unsigned: a code above 255 (grid_codes8's NaN_HIGH) saturates to 255.
 template <bool SIGNED>
 KVW_AVX2 __m256i pack_codes32(__m256i c0, __m256i c1, __m256i c2, __m256i c3) {
-  if constexpr (SIGNED) return _mm256_packs_epi16(_mm256_packs_epi32(c0, c1), _mm256_packs_epi32(c2, c3));
-  return _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
+  const __m256i w01 = _mm256_packs_epi32(c0, c1), w23 = _mm256_packs_epi32(c2, c3);
+  return SIGNED ? _mm256_packs_epi16(w01, w23) : _mm256_packus_epi16(w01, w23);
 }
 KVW_AVX2 __m256i in_order(__m256i b) { return _mm256_permute4x64_epi64(b, 0xD8); }
 
-// fp8 codes (format F, not fnuz) of x / s for n elements of a bf16 row (s: cr_div_ok; MXCSR.FTZ
-// clear: ftz_clear), 32 at a time; returns how many were done (a multiple of 32). The magnitude
-// is grid_codes8 (NOFTZ) of |x| / |s| with |x| first clamped to C = RN(max * |s|): C / |s| rounds
+// fp8 codes (format F, not fnuz) of x / s for n elements of a bf16 row (s: cr_div_ok), 32 at a
+// time; returns how many were done (a multiple of 32). The magnitude is grid_codes8 of |x| / |s| with |x| first clamped to C = RN(max * |s|): C / |s| rounds
 // to within an ulp of max, which codes as max, so every |x| >= C saturates as the scalar clamp
 // does and no quotient overflows (NaN is kept by the min: its code packs to 0xFF). The sign byte
 // is the input's sign (xor the divisor's), packed from the raw bf16 halves; 0xFF (a NaN) becomes
@@ -449,7 +423,7 @@ KVW_AVX2 int fp8_bf16_run_avx2(const uint16_t* __restrict__ src, int n, float s,
       const __m256i a0 = _mm256_and_si256(l0, am), a1 = _mm256_and_si256(l1, am);
       const __m256 x[4] = {_mm256_castsi256_ps(_mm256_unpacklo_epi16(z, a0)), _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, a0)),
                            _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, a1)), _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, a1))};
-      for (int k = 0; k < 4; ++k) c[k] = grid_codes8<F::mant, F::emin, true>(div_cr8(x[k], vs, vr));
+      for (int k = 0; k < 4; ++k) c[k] = grid_codes8<F::mant, F::emin>(div_cr8(x[k], vs, vr));
     } else {
       const __m256 x[4] = {_mm256_castsi256_ps(_mm256_unpacklo_epi16(z, l0)), _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, l0)),
                            _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, l1)), _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, l1))};
@@ -654,8 +628,7 @@ KVW_AVX2 __m256i fp8_table_e8(const Fp8Table& t, __m256i l0, __m256i l1) {
 
 // A 32-element block the table declined, again by the arithmetic lanes: fp8_bf16_run's
 // arithmetic (|x| clamped to RN(max |s|), x / |s| by div_cr8 with the table's reciprocal) with
-// the codes read by grid_codes8_k (no subnormal product: no MXCSR dependence and no denormal
-// assist, the block being one of small codes) and NaN lanes set from the raw bits. Out of line:
+// the codes read by grid_codes8 and NaN lanes set from the raw bits. Out of line:
 // the table loop stays small.
 template <class F>
 __attribute__((noinline, cold)) KVW_AVX2_FN void fp8_table_redo(const Fp8Table& t, float s, const uint16_t* src,
@@ -666,7 +639,7 @@ __attribute__((noinline, cold)) KVW_AVX2_FN void fp8_table_redo(const Fp8Table& 
   __m256 x[4];
   load_bf16x32(src, l0, l1, x);
   __m256i c[4];
-  for (int k = 0; k < 4; ++k) c[k] = grid_codes8_k<F::mant, F::emin>(div_cr8(_mm256_min_ps(vmax, abs8(x[k])), vs, vr));
+  for (int k = 0; k < 4; ++k) c[k] = grid_codes8<F::mant, F::emin>(div_cr8(_mm256_min_ps(vmax, abs8(x[k])), vs, vr));
   const __m256i smask = _mm256_set1_epi8(char(0x80)), am = _mm256_set1_epi16(0x7FFF), inf = _mm256_set1_epi16(0x7F80);
   const __m256i sign = _mm256_xor_si256(_mm256_and_si256(_mm256_packs_epi16(l0, l1), smask),
                                         _mm256_set1_epi8(char(s < 0 ? 0x80 : 0)));
@@ -733,7 +706,7 @@ KVW_AVX2 void fp8_bf16_table_run_avx2(const Fp8Table& t, float s, const uint16_t
 // tree over the 8 blocks' loads), the eight scales as there, then |x| / d by div_cr8 with d's
 // reciprocal, |x| first clamped to RN(6 d) (whose quotient codes as 6, as every larger one: no
 // overflow); a block with d == 0 takes 0 (every code the element's sign alone, the scalar rule).
-// Codes by grid_codes8_k, the sign from the input, two codes a byte. False (nothing written) for
+// Codes by grid_codes8, the sign from the input, two codes a byte. False (nothing written) for
 // blocks holding a NaN or an inf, or a d outside cr_div_ok's range: the caller takes
 // nvfp4_blocks8_avx2.
 KVW_AVX2 bool nvfp4_blocks8_bf16(const uint16_t* src, const float* global, char* bytes, char* scales, float floor) {
@@ -765,8 +738,8 @@ KVW_AVX2 bool nvfp4_blocks8_bf16(const uint16_t* src, const float* global, char*
     const __m256 db = _mm256_permutevar8x32_ps(d, bi), rb = _mm256_permutevar8x32_ps(r, bi);
     const __m256 cb = _mm256_permutevar8x32_ps(cap, bi);
     const __m256 x0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, l[b])), x1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, l[b]));
-    const __m256i c0 = grid_codes8_k<1, 0>(div_cr8(_mm256_min_ps(cb, abs8(x0)), db, rb));
-    const __m256i c1 = grid_codes8_k<1, 0>(div_cr8(_mm256_min_ps(cb, abs8(x1)), db, rb));
+    const __m256i c0 = grid_codes8<1, 0>(div_cr8(_mm256_min_ps(cb, abs8(x0)), db, rb));
+    const __m256i c1 = grid_codes8<1, 0>(div_cr8(_mm256_min_ps(cb, abs8(x1)), db, rb));
     // 16 codes in element order (16-bit lanes), the sign as bit 3, then two codes a byte
     __m256i p = _mm256_or_si256(_mm256_packus_epi32(c0, c1), _mm256_srli_epi16(_mm256_and_si256(l[b], smask), 12));
     p = _mm256_shuffle_epi8(_mm256_or_si256(p, _mm256_srli_epi32(p, 12)), pick);
@@ -865,11 +838,10 @@ KVW_AVX2 uint64_t mxfp4_run_avx2(const uint16_t* x, int nblocks, char* bytes, ch
 }
 
 // nblocks consecutive NVFP4 blocks from src + start (bytes: 8 a block, scales: 1 a block), eight
-// at a time (bf16: nvfp4_blocks8_bf16 first). `noftz` is unused (kept for the callers).
+// at a time (bf16: nvfp4_blocks8_bf16 first).
 template <DType IN>
 KVW_AVX2 void nvfp4_run_avx2(const void* src, i64 start, int nblocks, const float* global, char* bytes, char* scales,
-                             float floor = 0.0f, int noftz = -1) {
-  (void)noftz;
+                             float floor = 0.0f) {
   if (IN == DType::BF16 && global == nullptr) {  // the two phases, one group ahead
     const uint16_t* x = static_cast<const uint16_t*>(src) + start;
     alignas(32) uint32_t th[2][7][8];

@@ -67,7 +67,6 @@ KVW_HD void store_dsv4_kv_token(const StoreDSV4KVParams& p, i64 i, int lane, int
   const Resolved r = resolve_checked<CHECK>(p.locs, i, lane == 0);
   if (!r.write) return;
   char* data = p.cache.data_at(r.row);
-  const int noftz = nlanes == 1 ? host_noftz(p.locs.noftz) : -1;
   bool tiles_done = false;
 #if KVW_SIMD_X86
   if constexpr (IN == DType::BF16) {  // host: every tile's scale first (e4m3_tiles_bf16)
@@ -78,7 +77,7 @@ KVW_HD void store_dsv4_kv_token(const StoreDSV4KVParams& p, i64 i, int lane, int
     if (nlanes == 1 && e4m3_pow2_tiles(x, DSV4_TILES, DSV4_TILE, scale_of, data,  // AVX-512: integer lanes
                                        [&](int w, float s) { scales[w] = ue8m0_byte(s); })) {
       tiles_done = true;
-    } else if (nlanes == 1 && e4m3_tiles_bf16(p.kv, i * p.kv_sn, DSV4_TILES, DSV4_TILE, scale_of, data, sc, noftz)) {
+    } else if (nlanes == 1 && e4m3_tiles_bf16(p.kv, i * p.kv_sn, DSV4_TILES, DSV4_TILE, scale_of, data, sc)) {
       for (int w = 0; w < DSV4_TILES; ++w) scales[w] = ue8m0_byte(sc[w]);
       tiles_done = true;
     }
@@ -89,7 +88,7 @@ KVW_HD void store_dsv4_kv_token(const StoreDSV4KVParams& p, i64 i, int lane, int
     if (w < DSV4_TILES && tiles_done) continue;
     if (w < DSV4_TILES) {
       const float scale = dsv4_scale(block_amax<IN>(p.kv, start, DSV4_TILE), 448.0f);
-      quant_block_e4m3<IN>(p.kv, start, DSV4_TILE, scale, data + w * DSV4_TILE, noftz);
+      quant_block_e4m3<IN>(p.kv, start, DSV4_TILE, scale, data + w * DSV4_TILE);
       p.cache.scale_at(r.row)[w] = ue8m0_byte(scale);  // byte 7 (pad) is never written
     } else {
       dsv4_rope_part<IN>(p.kv, start, DSV4_ROPE, data + DSV4_NOPE);

@@ -74,7 +74,7 @@ KVW_HD void store_indexer_k_token(const StoreIndexerKParams& p, i64 i, int lane,
     float sc[16];
     if (nlanes == 1 && !p.ue8m0 &&
         e4m3_tiles_bf16<true>(p.k, i * p.k_sn, p.cache.blocks, p.qbs, [](float a) { return indexer_scale(a, false); }, dst,
-                              sc, p.locs.noftz, 0x38D2u)) {
+                              sc, 0x38D2u)) {
       for (int b = 0; b < p.cache.blocks; ++b) put(b, sc[b]);
       return;
     }

@@ -52,14 +52,13 @@ KVW_HD void store_kv_nvfp4_token(const StoreKVNVFP4Params& p, i64 i, int lane, i
   char *vv = p.v.values.row_ptr(r.row), *vs = p.v.scales.row_ptr(r.row);
 #if !defined(__CUDA_ARCH__)
   if (nlanes == 1 && !p.k.values.split && !p.k.scales.split && !p.v.values.split && !p.v.scales.split) {
-    const int noftz = host_noftz(p.locs.noftz);
     const auto side = [&](const NVFP4Side& s, char* values, char* scales) {  // a head's blocks are contiguous
       const int nb = s.D / NVFP4_BLOCK;
       if (s.s_head == s.D && s.values.in_row(1, 0) == s.D / 2 && s.scales.in_row(1, 0) == nb)  // so are the heads
-        return nvfp4_run<IN>(s.src, i * s.s_tok, p.H * nb, s.global, values, scales, 0.0f, noftz);
+        return nvfp4_run<IN>(s.src, i * s.s_tok, p.H * nb, s.global, values, scales);
       for (int h = 0; h < p.H; ++h)
         nvfp4_run<IN>(s.src, i * s.s_tok + h * s.s_head, s.D / NVFP4_BLOCK, s.global, values + s.values.in_row(h, 0),
-                      scales + s.scales.in_row(h, 0), 0.0f, noftz);
+                      scales + s.scales.in_row(h, 0));
     };
     side(p.k, kv, ks);
     side(p.v, vv, vs);

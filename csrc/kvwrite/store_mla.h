@@ -88,9 +88,8 @@ KVW_HD void mla_fp8(const StoreMLAParams& p, i64 i, char* dst, int lane, int nla
 #if KVW_SIMD_X86
   if (nlanes == 1 && simd_ok()) {  // host: the static scale's lanes, latent then rope
     Fp8Table* cache = static_fp8_tables<IN, F>();
-    const int noftz = cache != nullptr ? -1 : host_noftz(p.locs.noftz);  // tables: read where a block needs it
-    quant_run_static<IN, F>(p.kv_c, i * p.c_sn, p.L, s, dst, cache, noftz);
-    quant_run_static<IN, F>(p.k_pe, i * p.pe_sn, p.R, s, dst + p.L, cache, noftz);
+    quant_run_static<IN, F>(p.kv_c, i * p.c_sn, p.L, s, dst, cache);
+    quant_run_static<IN, F>(p.k_pe, i * p.pe_sn, p.R, s, dst + p.L, cache);
     return;
   }
 #endif
@@ -160,14 +159,13 @@ KVW_HD void mla_ds(const StoreMLAParams& p, i64 i, char* dst, int lane, int nlan
     return;
   }
   // One lane per tile (the host: a tile is two vectorisable loops, amax then codes).
-  const int noftz = nlanes == 1 ? host_noftz(p.locs.noftz) : -1;
   bool done = false;
 #if KVW_SIMD_X86
   if constexpr (IN == DType::BF16) {  // host: every tile's scale first (e4m3_tiles_bf16)
     float sc[16];
     const auto lanes = [&](auto plain) {  // plain: the ds_mla_scale rule (not DS_MLA_POW2)
       return e4m3_tiles_bf16<decltype(plain)::value>(p.kv_c, i * p.c_sn, tiles, DS_MLA_TILE,
-                                                     [&](float a) { return ds_tile_scale(p, a); }, dst, sc, noftz);
+                                                     [&](float a) { return ds_tile_scale(p, a); }, dst, sc);
     };
     const auto put = [&](int w, float s) { sc[w] = s; };
     const bool pow2 = p.ds_flags & DS_MLA_POW2;  // power-of-two scales: integer lanes (AVX-512) first
@@ -182,7 +180,7 @@ KVW_HD void mla_ds(const StoreMLAParams& p, i64 i, char* dst, int lane, int nlan
   for (int w = lane; w < tiles && !done; w += nlanes) {
     const i64 start = i * p.c_sn + i64(w) * DS_MLA_TILE;
     const float scale = ds_tile_scale(p, block_amax<IN>(p.kv_c, start, DS_MLA_TILE));
-    quant_block_e4m3<IN>(p.kv_c, start, DS_MLA_TILE, scale, dst + w * DS_MLA_TILE, noftz);
+    quant_block_e4m3<IN>(p.kv_c, start, DS_MLA_TILE, scale, dst + w * DS_MLA_TILE);
     store_le(scales + 4 * w, float_to_bits(scale), 4);
   }
 #if !defined(__CUDA_ARCH__)
@@ -206,10 +204,9 @@ KVW_HD void mla_nvfp4(const StoreMLAParams& p, i64 i, i64 row, char* dst, int la
                              reinterpret_cast<const uint16_t*>(p.k_pe) + i * p.pe_sn, dst, scales);
     }
 #endif
-    const int noftz = host_noftz(p.locs.noftz);
-    nvfp4_run<IN>(p.kv_c, i * p.c_sn, p.L / NVFP4_BLOCK, p.global, dst, scales, 0.0f, noftz);
+    nvfp4_run<IN>(p.kv_c, i * p.c_sn, p.L / NVFP4_BLOCK, p.global, dst, scales);
     if (p.R > 0)
-      nvfp4_run<IN>(p.k_pe, i * p.pe_sn, p.R / NVFP4_BLOCK, p.global, dst + p.L / 2, scales + p.L / NVFP4_BLOCK, 0.0f, noftz);
+      nvfp4_run<IN>(p.k_pe, i * p.pe_sn, p.R / NVFP4_BLOCK, p.global, dst + p.L / 2, scales + p.L / NVFP4_BLOCK);
     return;
   }
 #endif
