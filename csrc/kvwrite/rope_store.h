@@ -367,6 +367,33 @@ KVW_HD void rope_q_and(const RopeArgs& r, i64 i, i64 pos, bool pos_ok, int D, bo
 
 // ---- rope_store_kv ----------------------------------------------------------------------------
 
+// Phase 1 of the fused RoPE store_kv (both formats' params, KV: StoreKVParams or
+// StoreKVQuantParams): token i's position and row (`res`), its q heads rotated in place, its k
+// heads rotated into its scratch row. True where the token stores.
+template <int CHECK, DType IN, class KV>
+KVW_HD bool rope_kv_phase1(const KV& kv, const RopeArgs& rope, char* scratch, i64 scratch_sn, i64 i, bool live, int lane,
+                           int nlanes, Resolved& res) {
+  if (!live) return false;
+  const int D = kv.k.D;
+  bool pos_ok = false;
+  const i64 pos = rope_position(rope, i, pos_ok);
+  res = resolve_rope_checked<CHECK>(kv.locs, rope, i, pos_ok, pos, lane == 0);
+  char* row = scratch + i * scratch_sn * dtype_size(IN);
+  rope_q_and<IN>(rope, i, pos, pos_ok, D, res.write, kv.H, lane, nlanes, [&](int h) {
+    rope_head<IN>(rope, pos, kv.k.src, i * kv.k.s_tok + h * kv.k.s_head, row, i64(h) * D, D, rope.k_w);
+  });
+  return res.write;
+}
+
+// The rotated k the store reads: the scratch rows in place of the caller's k.
+template <class Side>
+KVW_HD Side scratch_side(Side k, const char* scratch, i64 scratch_sn) {
+  k.src = scratch;
+  k.s_tok = scratch_sn;
+  k.s_head = k.D;
+  return k;
+}
+
 struct RopeStoreKVParams {
   StoreKVParams kv;  // k.src: the caller's k (rotated from); the store reads the scratch rows
   RopeArgs rope;
@@ -378,25 +405,11 @@ struct RopeStoreKVParams {
 template <int CHECK, DType IN, class OUT, int VEC>
 KVW_HD void rope_store_kv_token(const RopeStoreKVParams& p, i64 i, bool live, int lane, int nlanes) {
   const StoreKVParams& kv = p.kv;
-  const int D = kv.k.D;
-  bool pos_ok = false, store = false;
-  i64 pos = 0;
   Resolved res{};
-  if (live) {
-    pos = rope_position(p.rope, i, pos_ok);
-    res = resolve_rope_checked<CHECK>(kv.locs, p.rope, i, pos_ok, pos, lane == 0);
-    store = res.write;
-    char* row = p.scratch + i * p.scratch_sn * dtype_size(IN);
-    rope_q_and<IN>(p.rope, i, pos, pos_ok, D, store, kv.H, lane, nlanes, [&](int h) {
-      rope_head<IN>(p.rope, pos, kv.k.src, i * kv.k.s_tok + h * kv.k.s_head, row, i64(h) * D, D, p.rope.k_w);
-    });
-  }
+  const bool store = rope_kv_phase1<CHECK, IN>(kv, p.rope, p.scratch, p.scratch_sn, i, live, lane, nlanes, res);
   KVW_BARRIER();
   if (!store) return;
-  KVSide k = kv.k;  // the rotated k: this token's scratch row
-  k.src = p.scratch;
-  k.s_tok = p.scratch_sn;
-  k.s_head = D;
+  const KVSide k = scratch_side(kv.k, p.scratch, p.scratch_sn);
   if constexpr (std::is_void<OUT>::value) {
     const int es = dtype_size(kv.in_dtype);
     copy_side<VEC>(k, kv.H, es, i, res.row, lane, nlanes);
@@ -421,9 +434,7 @@ void dispatch_rope_store_kv(const RopeStoreKVParams& p, int check, F&& f) {
   const i64 heads = p.rope.Hq + p.kv.H;
   const i64 d = p.kv.k.D > p.kv.v.D ? p.kv.k.D : p.kv.v.D;
   StoreKVParams rotated = p.kv;  // the copy unit from the scratch rows' alignment, not k's
-  rotated.k.src = p.scratch;
-  rotated.k.s_tok = p.scratch_sn;
-  rotated.k.s_head = p.kv.k.D;
+  rotated.k = scratch_side(p.kv.k, p.scratch, p.scratch_sn);
   with_check(check, [&](auto c) {
     with_float_dtype(p.kv.in_dtype, [&](auto in) {
       if (p.kv.cache_dtype == p.kv.in_dtype) {
@@ -457,26 +468,12 @@ struct RopeStoreKVQuantParams {
 template <int CHECK, DType IN, class F, int QUANT>
 KVW_HD void rope_store_kv_quant_token(const RopeStoreKVQuantParams& p, i64 i, bool live, int lane, int nlanes) {
   const StoreKVQuantParams& kv = p.kv;
-  const int D = kv.k.D;
-  bool pos_ok = false, store = false;
-  i64 pos = 0;
   Resolved res{};
-  if (live) {
-    pos = rope_position(p.rope, i, pos_ok);
-    res = resolve_rope_checked<CHECK>(kv.locs, p.rope, i, pos_ok, pos, lane == 0);
-    store = res.write;
-    char* row = p.scratch + i * p.scratch_sn * dtype_size(IN);
-    rope_q_and<IN>(p.rope, i, pos, pos_ok, D, store, kv.H, lane, nlanes, [&](int h) {
-      rope_head<IN>(p.rope, pos, kv.k.src, i * kv.k.s_tok + h * kv.k.s_head, row, i64(h) * D, D, p.rope.k_w);
-    });
-  }
+  const bool store = rope_kv_phase1<CHECK, IN>(kv, p.rope, p.scratch, p.scratch_sn, i, live, lane, nlanes, res);
   KVW_BARRIER();
   const int lanes = nlanes < 32 ? nlanes : 32;
   if (!store || lane >= lanes) return;
-  KVQuantSide k = kv.k;  // the rotated k: this token's scratch row
-  k.src = p.scratch;
-  k.s_tok = p.scratch_sn;
-  k.s_head = D;
+  const KVQuantSide k = scratch_side(kv.k, p.scratch, p.scratch_sn);
   quant_kv_side<IN, F, QUANT>(k, kv.rule, kv.H, i, res.row, lane, lanes);
   quant_kv_side<IN, F, QUANT>(kv.v, kv.rule, kv.H, i, res.row, lane, lanes);
 }
