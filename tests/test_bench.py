@@ -79,6 +79,30 @@ def test_bench_tiny_run_writes_json_report_and_plot(tmp_path):
     assert kvwrite.default_errors("cpu").error() is None
 
 
+def test_bench_values_outliers_draws_outlier_rows_and_says_so(tmp_path):
+    """`--values outliers`: every 64th input value x OUTLIER in every case's rows, the stores still
+    bit-exact, and the report and its command say which rows were used."""
+    from kvwrite.bench import cases
+    gen = torch.Generator().manual_seed(0)
+    with cases.values("outliers"):
+        x = cases._randn((4, 128), torch.float32, torch.device("cpu"), gen)
+    big = torch.zeros(4 * 128, dtype=torch.bool)
+    big[::64] = True
+    assert x.view(-1)[~big].abs().max() < 10 and x.view(-1)[big].abs().min() > 10
+    assert cases._values == "normal"   # restored after the block
+    with pytest.raises(ValueError, match="values: 'heavy' is not one of normal, outliers"):
+        with cases.values("heavy"):
+            pass
+    rc = main(["bench", "--device", "cpu", "--sizes", "8", "--cases", "mla-fp8ds", "--backends", "torch",
+               "--checks", "off", "--min-time", "0.001", "--values", "outliers", "--out", str(tmp_path),
+               "--quiet", "--no-plot"])
+    assert rc == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["config"]["values"] == "outliers" and "--values outliers" in result["command"]
+    assert all(r["exact"] for r in result["rows"] if r["kind"] != "copy")
+    assert "input rows: outliers" in (tmp_path / "report.md").read_text()
+
+
 def test_a_store_that_writes_wrong_bytes_is_flagged(monkeypatch, tmp_path):
     mha = next(c for c in cases.REGISTRY["store_kv"] if c.name == "mha-bf16")
 

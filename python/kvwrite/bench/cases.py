@@ -4,10 +4,12 @@ A case's `build(n, device, gen)` allocates one layer's pool, N tokens of input a
 unique locs from a paged allocation, and returns a `Setup`: the kvwrite call, the bytes one
 store moves, the baselines that do the same store another way, and single raw torch ops on the same
 tensors (the yardsticks of the wrapper's host overhead). Ops missing from this kvwrite are skipped
-with a note (`hasattr(kvwrite, op)`), so the registry can name ops that land later.
+with a note (`hasattr(kvwrite, op)`), so the registry can name ops that land later. The input
+rows are normal values, or under `values("outliers")` rows with one large channel a 64.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 from dataclasses import dataclass, field
@@ -174,8 +176,31 @@ def _rows_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8).flatten(0, 1).flatten(1)
 
 
+VALUES = ("normal", "outliers")   # what the cases' input rows hold (`kvwrite bench --values`)
+OUTLIER = 1000.0                  # "outliers": every 64th value of a row times this
+_values = "normal"
+
+
+@contextlib.contextmanager
+def values(kind: str):
+    """Cases built in the block draw `kind` rows: "normal" (standard normal), or "outliers" (every
+    64th value times OUTLIER: a tile's scale follows its one large value, as in real K / V rows with
+    outlier channels, so most of its other codes are small, many of them e4m3 subnormals)."""
+    global _values
+    if kind not in VALUES:
+        raise ValueError(f"values: {kind!r} is not one of {', '.join(VALUES)}")
+    saved, _values = _values, kind
+    try:
+        yield
+    finally:
+        _values = saved
+
+
 def _randn(shape, dtype, device, gen) -> torch.Tensor:
-    return torch.randn(shape, generator=gen).to(dtype).to(device)
+    x = torch.randn(shape, generator=gen)
+    if _values == "outliers":
+        x.view(-1)[::64] *= OUTLIER
+    return x.to(dtype).to(device)
 
 
 def _nbytes(*tensors: torch.Tensor) -> int:

@@ -210,8 +210,9 @@ def markdown(result: dict, plot_name: str | None) -> str:
     m, v = result["machine"], result["versions"]
     where = m.get("gpu") or m.get("cpu")
     lines = [f"# kvwrite bench — {m['kind']}: {where}", ""]
+    values = result["config"].get("values", "normal")
     lines.append(f"Command: `{result['command']}` ({'quick' if result['quick'] else 'full'} sweep, "
-                 f"{result['wall_s']} s, {result.get('date', '')}).")
+                 f"{result['wall_s']} s, {result.get('date', '')}; input rows: {values}).")
     lines.append("")
     mach = (f"Machine: host `{m['hostname']}`, {m['cpu']}, {m.get('cpus_usable', m['cpu_count'])} usable "
             f"of {m['cpu_count']} CPUs, {m.get('memory_gib', '?')} GiB RAM, torch threads {m['torch_threads']}")

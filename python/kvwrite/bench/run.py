@@ -35,6 +35,7 @@ class Config:
     interpreter: bool = False            # time triton under TRITON_INTERPRET on CPU anyway
     quick: bool = False
     seed: int = 0
+    values: str = "normal"              # the input rows (kvwrite.bench.cases.VALUES)
     command: str = ""
 
 
@@ -242,24 +243,25 @@ def sweep(cfg: Config, progress=None) -> dict:
             empty_us = timing.graph_median_us(timing.empty_kernel())
     interrupted = None
     try:
-        for case in chosen:
-            for n in cfg.sizes:
-                if progress:
-                    progress.update(task, description=f"{case.name} N={n}")
-                try:
-                    setup = case.build(n, device, gen)
-                except Exception as exc:
-                    notes[f"{case.name} N={n}"] = f"setup failed: {exc.__class__.__name__}: {exc}"
+        with case_registry.values(cfg.values):  # the input rows every build draws
+            for case in chosen:
+                for n in cfg.sizes:
+                    if progress:
+                        progress.update(task, description=f"{case.name} N={n}")
+                    try:
+                        setup = case.build(n, device, gen)
+                    except Exception as exc:
+                        notes[f"{case.name} N={n}"] = f"setup failed: {exc.__class__.__name__}: {exc}"
+                        progress and progress.advance(task)
+                        continue
+                    for name, why in setup.notes.items():
+                        notes.setdefault(f"{case.name}: {name}", why)
+                    _measure(cfg, case, n, setup, backends, device, graph, broken, rows, notes)
+                    if n == min(cfg.sizes):   # the host overhead is per call at N = 1, whatever the sweep's sizes
+                        one = setup if n == 1 else case.build(1, device, torch.Generator().manual_seed(cfg.seed))
+                        host += host_overhead(case, one, backends, device, min(cfg.min_time, 0.05))
+                    del setup
                     progress and progress.advance(task)
-                    continue
-                for name, why in setup.notes.items():
-                    notes.setdefault(f"{case.name}: {name}", why)
-                _measure(cfg, case, n, setup, backends, device, graph, broken, rows, notes)
-                if n == min(cfg.sizes):   # the host overhead is per call at N = 1, whatever the sweep's sizes
-                    one = setup if n == 1 else case.build(1, device, torch.Generator().manual_seed(cfg.seed))
-                    host += host_overhead(case, one, backends, device, min(cfg.min_time, 0.05))
-                del setup
-                progress and progress.advance(task)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM from a timeout (see kvwrite/cli/bench.py): keep what was measured
         interrupted = "interrupted: the rows measured so far are reported"
     host_cost = []

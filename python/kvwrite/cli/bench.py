@@ -31,6 +31,7 @@ def case_names() -> tuple[str, ...]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvwrite.backend import BACKENDS
+    from kvwrite.bench.cases import VALUES
     from kvwrite.bench.run import CHECKS, FULL_SIZES, QUICK_SIZES
     from kvwrite.cli._args import device, names, non_negative_int, positive_float, positive_ints
 
@@ -53,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=non_negative_int, default=1,
                    help="torch CPU threads (default 1: on a shared or oversubscribed machine OpenMP "
                         "stalls of a scheduler tick swamp the medians; 0 = torch's default)")
+    p.add_argument("--values", choices=VALUES, default="normal",
+                   help="the input rows: normal (default), or outliers (every 64th value x1000, one large "
+                        "channel a tile as in real K / V: most codes of a tile small, many fp8 subnormals)")
     p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph replay rows")
     p.add_argument("--interpreter", action="store_true",
                    help="also time triton under TRITON_INTERPRET on CPU (not a performance backend)")
@@ -77,6 +81,8 @@ def _command(args: argparse.Namespace) -> str:
         parts += ["--min-time", str(args.min_time)]
     if args.threads != 1:
         parts += ["--threads", str(args.threads)]
+    if args.values != "normal":
+        parts += ["--values", args.values]
     parts += [f for f, on in (("--no-graph", args.no_graph), ("--interpreter", args.interpreter)) if on]
     if args.out is not None:
         parts += ["--out", str(args.out)]
@@ -134,7 +140,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
         sizes=args.sizes or (QUICK_SIZES if quick else FULL_SIZES),
         cases=args.cases, backends=args.backends, checks=tuple(args.checks),
         min_time=args.min_time if args.min_time is not None else (0.02 if quick else 0.1),
-        graph=not args.no_graph, interpreter=args.interpreter, quick=quick,
+        graph=not args.no_graph, interpreter=args.interpreter, quick=quick, values=args.values,
         command=_command(args),
     )
     console = Console(stderr=False, quiet=args.quiet)
