@@ -2,7 +2,8 @@
 on the thread-CPU-time clock (steadier than wall time on a shared machine), one torch thread.
 `KVWRITE_CPU_SIMD=0` runs the portable loops instead of the AVX2 lanes (csrc/kvwrite/simd_x86.h).
 
-    python bench/quant_cpu.py [N] [case,case,...] [check,check,...]   (checks: off (default), assert, guard)
+    python bench/quant_cpu.py [N] [case,case,...] [check,check,...] [values]
+    (checks: off (default), assert, guard; values: normal (default) or outliers, kvwrite.bench.cases.values)
     KVWRITE_CPU_SIMD=0 python bench/quant_cpu.py 1024
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 
 import torch
 
-from kvwrite.bench.cases import available
+from kvwrite.bench.cases import available, values
 from kvwrite.errors import ErrorBuffer
 
 QUANT_CASES = ("mha-fp8,mha-int8-token,mha-int8-head,mla-fp8ds,mla-nvfp4,mha-nvfp4,indexer-k,dsv4-kv,"
@@ -35,8 +36,10 @@ def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 1024
     cases, _ = available((sys.argv[2] if len(sys.argv) > 2 else QUANT_CASES).split(","))
     checks = (sys.argv[3] if len(sys.argv) > 3 else "off").split(",")
+    rows = sys.argv[4] if len(sys.argv) > 4 else "normal"
     for c in cases:
-        s = c.build(n, torch.device("cpu"), torch.Generator().manual_seed(0))
+        with values(rows):
+            s = c.build(n, torch.device("cpu"), torch.Generator().manual_seed(0))
         scatter = s.baselines.get("memcpy-scatter")
         for check in checks:
             errors = ErrorBuffer(torch.device("cpu")) if check == "guard" else None
