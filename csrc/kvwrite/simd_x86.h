@@ -398,9 +398,10 @@ KVW_AVX2 __m256i pack_codes32(__m256i c0, __m256i c1, __m256i c2, __m256i c3) {
 KVW_AVX2 __m256i in_order(__m256i b) { return _mm256_permute4x64_epi64(b, 0xD8); }
 
 // fp8 codes (format F, not fnuz) of x / s for n elements of a bf16 row (s: cr_div_ok), 32 at a
-// time; returns how many were done (a multiple of 32). The magnitude is grid_codes8 of |x| / |s| with |x| first clamped to C = RN(max * |s|): C / |s| rounds
-// to within an ulp of max, which codes as max, so every |x| >= C saturates as the scalar clamp
-// does and no quotient overflows (NaN is kept by the min: its code packs to 0xFF). The sign byte
+// time; returns how many were done (a multiple of 32). The magnitude is grid_codes8 of |x| / |s|
+// with |x| first clamped to C = RN(max * |s|): C / |s| rounds to within an ulp of max, which codes
+// as max, so every |x| >= C saturates as the scalar clamp does and no quotient overflows (NaN is
+// kept by the min: its code, NAN_HIGH, packs to 0xFF). The sign byte
 // is the input's sign (xor the divisor's), packed from the raw bf16 halves; 0xFF (a NaN) becomes
 // the NaN code 0x7F. DYN: a dynamic scale's row (s = max(RN(amax / m), floor) or a power of two
 // at least amax / m, m <= max, amax the row's max |x|, no NaN or inf in the row): every |x| / s
