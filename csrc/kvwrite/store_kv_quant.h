@@ -73,7 +73,8 @@ struct LaneScales {
 // The side's heads back to back in the source and in the row: one run of H * D.
 inline bool one_run(const KVQuantSide& s) { return s.s_head == s.D && s.cache.in_row(1, 0) == s.D; }
 
-template <class F, int QUANT>
+// Whether a side's dynamic scales take the host lanes (whole rows of 32-multiple heads).
+template <int QUANT>
 inline bool lanes_apply(const KVQuantSide& s, int H) {
   return QUANT != QUANT_STATIC && !s.cache.split && s.D % 32 == 0 && (QUANT == QUANT_TOKEN || H <= MAX_LANE_HEADS) &&
          simd_ok();
@@ -157,8 +158,8 @@ inline void lane_codes(L l, const KVQuantSide& s, int H, const uint16_t* src, co
 // those codes); a run it leaves (amax outside its table) goes by quant_kv_head.
 constexpr int MAX_RUN_HEADS = 32;
 inline bool head_runs_apply(const StoreKVQuantParams& p) {
-  return p.H <= MAX_RUN_HEADS && p.k.D == p.v.D && p.k.D % 64 == 0 && lanes_apply<Int8Fmt, QUANT_HEAD>(p.k, p.H) &&
-         lanes_apply<Int8Fmt, QUANT_HEAD>(p.v, p.H);
+  return p.H <= MAX_RUN_HEADS && p.k.D == p.v.D && p.k.D % 64 == 0 && lanes_apply<QUANT_HEAD>(p.k, p.H) &&
+         lanes_apply<QUANT_HEAD>(p.v, p.H);
 }
 inline void int8_head_runs(const StoreKVQuantParams& p, i64 i, i64 row) {
   const KVQuantSide* side[2] = {&p.k, &p.v};
@@ -200,7 +201,7 @@ inline int quant_kv_lanes(const StoreKVQuantParams& p, i64 i, i64 row) {
       bool ok[2];
       for (int k = 0; k < 2; ++k) {
         src[k] = reinterpret_cast<const uint16_t*>(side[k]->src) + i * side[k]->s_tok;
-        ok[k] = lanes_apply<F, QUANT>(*side[k], p.H) && lane_scales<F, QUANT>(l, *side[k], p.H, src[k], o[k]);
+        ok[k] = lanes_apply<QUANT>(*side[k], p.H) && lane_scales<F, QUANT>(l, *side[k], p.H, src[k], o[k]);
       }
       int rest = 0;
       for (int k = 0; k < 2; ++k) {
