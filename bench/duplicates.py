@@ -14,11 +14,9 @@ after the replay).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import platform
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -31,21 +29,6 @@ from kvwrite.ops import claims
 TARGET = 1.15   # the target: guard with detection at most 15 % over guard without (cpu, N >= 1024)
 
 
-def paired_ratio(guard, pairs: int) -> float:
-    """Median over `pairs` of (one guarded call with the check) / (one without), the two calls
-    adjacent, their order alternating (CPU: a call returns when its work is done)."""
-    ratios = []
-    for i in range(pairs):
-        t = {}
-        for on in ((True, False) if i % 2 else (False, True)):
-            with contextlib.nullcontext() if on else claims.disabled():
-                t0 = time.perf_counter_ns()
-                guard()
-                t[on] = time.perf_counter_ns() - t0
-        ratios.append(t[True] / max(t[False], 1))
-    return statistics.median(ratios)
-
-
 def measure(setup, backend: str, device: torch.device, rounds: int, min_time: float, pairs: int) -> dict:
     errors = kvwrite.ErrorBuffer(device)
     fns = {"off": lambda: setup.call(backend, "off", None),
@@ -56,7 +39,8 @@ def measure(setup, backend: str, device: torch.device, rounds: int, min_time: fl
         samples["guard"].append(timing.median_us(fns["guard"], device, min_time))
         with claims.disabled():
             samples["guard_no_dup_check"].append(timing.median_us(fns["guard"], device, min_time))
-    paired = paired_ratio(fns["guard"], pairs) if device.type == "cpu" and pairs > 0 else None
+    paired = (timing.paired_ratio(fns["guard"], fns["guard"], pairs, around_b=claims.disabled)
+              if device.type == "cpu" and pairs > 0 else None)
     errors.raise_if_any()   # unique locs: nothing recorded
     med = {k: statistics.median(v) for k, v in samples.items()}
     return dict(**{f"{k}_us": v for k, v in med.items()}, ratio=med["guard"] / med["guard_no_dup_check"],

@@ -4,12 +4,18 @@ CPU: `time.perf_counter_ns` around loops of calls (the inner count calibrated so
 enough for the clock), median over batches. CUDA: `triton.testing.do_bench` (CUDA events, L2
 flushed between calls, median), and for decode sizes a CUDA-graph replay of `unroll` back-to-back
 calls, median over replays: the per-call cost an engine pays once launch overhead is gone.
+A ratio of two CPU calls on the same data (a store with and without a check: bench/duplicates.py)
+can be taken paired (`paired_ratio`): on a shared machine whose speed drifts by tens of percent
+within seconds, two medians taken apart can each land in another phase. Not for calls whose data
+differ: each then evicts the other's (a store's 4 MiB input took a scatter's source out of the
+cache, 38 -> 76 µs a call), and the pairing measures that instead.
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 
@@ -92,6 +98,21 @@ def graph_median_us(fn: Fn, unroll: int = 20, replays: int = 30) -> float:
         times.append(start.elapsed_time(end) * 1e3 / unroll)
     del graph
     return statistics.median(times)
+
+
+def paired_ratio(a: Fn, b: Fn, pairs: int, around_b: Callable[[], ContextManager] = contextlib.nullcontext) -> float:
+    """CPU: the median over `pairs` of time(a) / time(b), one call each, adjacent, the order
+    alternating; `around_b` is entered around b's call, outside its timing (a bench switch)."""
+    ratios = []
+    for i in range(pairs):
+        t = [0, 0]
+        for which in ((0, 1) if i % 2 else (1, 0)):
+            with around_b() if which else contextlib.nullcontext():
+                t0 = time.perf_counter_ns()
+                (b if which else a)()
+                t[which] = time.perf_counter_ns() - t0
+        ratios.append(t[0] / max(t[1], 1))
+    return statistics.median(ratios)
 
 
 def median_us(fn: Fn, device: torch.device, min_time: float) -> float:
