@@ -116,10 +116,13 @@ def target_table(result: dict) -> list[str]:
 
 def block(results: Path = RESULTS, part: str = "readme") -> str:
     """The generated markdown, markers excluded: `part` "readme" (the headline case and the
-    targets in one line per run) or "docs" (every case and every target, for docs/performance.md)."""
+    targets in one line per run, runs on normal input rows only) or "docs"
+    (every case and every target, for docs/performance.md)."""
     found = runs(results)
     lines: list[str] = []
     for folder, result in found:
+        if part == "readme" and result["config"].get("values", "normal") != "normal":
+            continue   # runs on other input rows: docs/performance.md only
         lines += [f"**{folder}**: {machine(result)}; `{result['command']}`, {result['date']}, kvwrite "
                   f"{result['versions']['kvwrite']}, torch {result['versions']['torch']}.", ""]
         if part == "readme":
