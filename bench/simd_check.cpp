@@ -6,7 +6,7 @@
 // x mantissas too, and fp8_bf16_run / int8_bf16_run over every bf16 pattern for a spread of
 // scales, int8_bf16_run_rf for every bf16 amax and every |x| <= amax, the per token-head int8 runs'
 // scale table for every bf16 amax, fp8_ds_mla's tiles by one multiply a value for every bf16 amax
-// and every |x| <= amax, the static-scale code
+// and every |x| <= amax (and by the byte lookup, `simd_check fp8ds`: those two alone), the static-scale code
 // tables, the NVFP4 / MXFP4 bf16 lanes (e2m1 by 16-bit compares)
 // (`simd_check bf16`: these alone,
 // about a minute). Not part of `make test` (about a minute
@@ -263,6 +263,50 @@ long check_fp8_ds() {
   return bad;
 }
 
+// fp8_ds_mla's tiles by the byte lookup (fp8_ds_codes, AVX-512 only): every bf16 amax in the
+// table's exponents, its tiles of 64 holding it and 63 of the |x| below it (alternating signs),
+// from amax down past the lookup's threshold (22 binades), so each |x| is coded once by the tiles
+// that take the lookup and, near the bottom, once by the arithmetic lanes; against the scalar codes.
+long check_fp8_ds_lookup() {
+  if (simd_level() < 2) return 0;
+  if (!fp8_ds_codes().ok) { std::printf("fp8 ds lookup: the table failed its own check\n"); return 1; }
+  long bad = 0, codes = 0, looked = 0;
+  std::vector<uint16_t> x;
+  std::vector<char> out;
+  for (uint32_t a = FP8DS_TAB_E0 << 7; a < uint32_t(FP8DS_TAB_E0 + FP8DS_TAB_NE) << 7; ++a) {
+    const float s = ds_mla_scale(bf16_to_float(uint16_t(a)));
+    const uint32_t lo = fp8_ds_codes().lo[a & 0x7F] + ((a >> 7) - 20) * 128;
+    x.clear();
+    for (uint32_t v = a, k = 0; v + 22 * 128 > a && v > 0; --v, ++k) {
+      if (x.size() % 64 == 0) x.push_back(uint16_t(a));
+      x.push_back(uint16_t(v | (k & 1) << 15));
+    }
+    while (x.size() % 64 != 0) x.push_back(uint16_t(a));
+    out.resize(x.size());
+    float sc[16];
+    for (size_t t0 = 0; t0 < x.size(); t0 += 16 * 64) {
+      const int tiles = int(std::min<size_t>(16, (x.size() - t0) / 64));
+      if (!fp8_ds_tiles_512(x.data() + t0, tiles, 64, out.data() + t0, sc)) {
+        if (bad++ < 4) std::printf("fp8 ds lookup: amax %04x declined\n", a);
+        continue;
+      }
+      for (int w = 0; w < tiles; ++w) {
+        uint32_t low = 0xFFFF;
+        for (int i = 0; i < 64; ++i) low = std::min<uint32_t>(low, x[t0 + 64 * w + i] & 0x7FFF);
+        looked += low >= lo;
+      }
+    }
+    for (size_t i = 0; i < x.size(); ++i) {
+      const uint8_t want = fp8_bits<E4M3>(bf16_to_float(x[i]) / s);
+      if (uint8_t(out[i]) != want && bad++ < 4)
+        std::printf("fp8 ds lookup: amax %04x x %04x gives %02x, scalar %02x\n", a, x[i], uint8_t(out[i]), want);
+    }
+    codes += long(x.size());
+  }
+  std::printf("fp8 ds lookup: %ld differ over %ld codes (%ld tiles by the lookup)\n", bad, codes, looked);
+  return bad;
+}
+
 // 2^16 bf16 values in blocks of `block`: block k's amax is amax_mul * d (d = scale(c), c cycling
 // over [c0, c1)), the rest the e2m1 rounding thresholds B d and their bf16 neighbours, zeros and
 // subnormals, random signs: every scale's ties and near-ties.
@@ -506,6 +550,7 @@ long check_e4m3_pow2() {
 int main(int argc, char** argv) {
   if (!simd_ok()) { std::printf("the portable loops are in use (no AVX2 + F16C + FMA, or KVWRITE_CPU_SIMD=0)\n"); return 0; }
   std::printf("lanes: %s (KVWRITE_CPU_SIMD=avx2 checks the AVX2 ones)\n", simd_level() == 2 ? "AVX-512" : "AVX2");
+  if (argc > 1 && std::string(argv[1]) == "fp8ds") return check_fp8_ds_lookup() + check_fp8_ds() != 0;  // those alone
   long bad = check_absmax();
   const bool bf16_only = argc > 1 && std::string(argv[1]) == "bf16";  // `simd_check bf16`: the bf16 lanes alone
   if (!bf16_only) bad += check_fp8<E4M3>("e4m3") + check_fp8<E5M2>("e5m2") + check_fp8<E4M3FNUZ>("e4m3fnuz");
@@ -516,7 +561,7 @@ int main(int argc, char** argv) {
   std::mt19937 g(0);
   for (int k = 0; k < 2000; ++k) scales.push_back(bits_to_float((g() & 0x807FFFFFu) | (uint32_t(87 + g() % 80) << 23)));
   bad += check_bf16_run<E4M3>("e4m3 bf16 lanes", scales) + check_bf16_run<E5M2>("e5m2 bf16 lanes", scales);
-  bad += check_int8_rf() + check_int8_head_runs() + check_fp8_ds() + check_e4m3_pow2();
+  bad += check_int8_rf() + check_int8_head_runs() + check_fp8_ds() + check_fp8_ds_lookup() + check_e4m3_pow2();
   bad += check_nvfp4_bf16() + check_nvfp4_fp16_fp32();
   {  // the static-scale code tables (fp8_bf16_table_run, blocks it declines by the arithmetic lanes)
     std::vector<uint16_t> x(65536);

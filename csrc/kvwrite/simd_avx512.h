@@ -43,6 +43,16 @@ KVW_AVX512 void widen_bf16x64(__m512i l0, __m512i l1, __m512 (&x)[4]) {
   x[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, l1));
 }
 
+// The byte index vectors: lo / hi byte 2j / 2j + 1 (the words' low / high bytes); dup: every byte
+// of a dword its low byte (in-lane).
+struct ByteIdx {
+  alignas(64) uint8_t lo[64], hi[64], dup[64];
+  constexpr ByteIdx() : lo(), hi(), dup() {
+    for (int j = 0; j < 64; ++j) lo[j] = uint8_t(2 * j), hi[j] = uint8_t(2 * j + 1), dup[j] = uint8_t(j % 16 & ~3);
+  }
+};
+inline constexpr ByteIdx BYTE_IDX{};
+
 // The max of 32 unsigned 16-bit lanes.
 KVW_AVX512 uint32_t hmax_epu16_512(__m512i a) {
   const __m256i f = _mm256_max_epu16(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
@@ -56,6 +66,19 @@ __attribute__((always_inline)) KVW_AVX512 uint32_t bf16_absmax_raw32_512(const u
   const __m512i am = _mm512_set1_epi16(0x7FFF);
   __m512i a = _mm512_and_si512(_mm512_loadu_si512(p), am);
   for (int j = 32; j < n; j += 32) a = _mm512_max_epu16(a, _mm512_and_si512(_mm512_loadu_si512(p + j), am));
+  return hmax_epu16_512(a);
+}
+
+// The max of |x| of a short run (n % 32 == 0) as raw bf16 bits, and the lane-wise minima of |x|
+// (32 words) in `low`.
+__attribute__((always_inline)) KVW_AVX512 uint32_t bf16_absrange_raw_512(const uint16_t* p, int n, __m512i& low) {
+  const __m512i am = _mm512_set1_epi16(0x7FFF);
+  __m512i a = _mm512_and_si512(_mm512_loadu_si512(p), am), b = a;
+  for (int j = 32; j < n; j += 32) {
+    const __m512i v = _mm512_and_si512(_mm512_loadu_si512(p + j), am);
+    a = _mm512_max_epu16(a, v), b = _mm512_min_epu16(b, v);
+  }
+  low = b;
   return hmax_epu16_512(a);
 }
 
@@ -151,25 +174,84 @@ KVW_AVX512 const Fp8DsTab& fp8_ds_tab() {
   return t;
 }
 
+// fp8_ds_mla's tile codes by one byte lookup a value. With amax = (1 + M / 128) 2^(Ea - 127) and
+// x = (1 + m / 128) 2^(E - 127), s = RN(amax / 448) and RN(x / s) scale exactly with 2^Ea and
+// 2^E, so wherever the e4m3 code of x / s is normal (>= 8) it is U_M[m] + 8 (E - Ea), U_M[m] the
+// code at E = Ea (up to 0x86: unbounded above, as |x| <= amax keeps the sum <= 0x7E). The low byte
+// of x's bits >> 4 is (E << 3 | m >> 4) mod 256, so code = that byte + t[M][m] - 8 Ea (mod 256),
+// t[M][m] = U_M[m] - (m >> 4): one vpermt2b on m (x's low byte: vpermt2b reads 7 index bits). The
+// code is normal for every |x| whose bits are at least lo[M] + (Ea - 20) << 7 (the code rises with
+// x): a tile with a smaller |x| (a zero among them) takes the arithmetic lanes. Built at Ea = 127
+// and checked there against the scalar codes (`ok`); bench/simd_check.cpp runs every bf16 amax.
+struct Fp8DsCodes {
+  alignas(64) uint8_t t[128][128];
+  uint16_t lo[128];
+  bool ok = true;
+};
+KVW_AVX512 const Fp8DsCodes& fp8_ds_codes() {
+  static const Fp8DsCodes c = [] {
+    Fp8DsCodes b;
+    for (int M = 0; M < 128; ++M) {
+      const float s = bits_to_float(fp8_ds_tab().s[M]);
+      int u[128];
+      for (int m = 0; m < 128; ++m) {  // at E = Ea - 1: x / s in [112, 448), a normal code
+        u[m] = fp8_bits<E4M3>(bf16_to_float(uint16_t(126 << 7 | m)) / s) + 8;
+        b.t[M][m] = uint8_t(u[m] - (m >> 4));
+      }
+      int lo = 21 << 7;  // relative bits (E - Ea + 20) << 7 | m: the first whose code is normal
+      for (int r = (21 << 7) - 1; r >= 0 && u[r & 127] + 8 * ((r >> 7) - 20) >= 8; --r) lo = r;
+      b.lo[M] = uint16_t(lo);
+      for (int r = lo; r <= (20 << 7 | M); ++r) {  // every |x| the lookup codes, at Ea = 127
+        const uint32_t x = uint32_t(r + (107 << 7));
+        const int want = fp8_bits<E4M3>(bf16_to_float(uint16_t(x)) / s);
+        b.ok = b.ok && want == int(uint8_t((x >> 4) + b.t[M][x & 127] - 8 * 127));
+      }
+    }
+    return b;
+  }();
+  return c;
+}
+
+// 64 codes of bf16 words l0, l1 by the lookup (t0, t1: fp8_ds_codes' t[M] + (-8 Ea mod 256)), signs kept.
+KVW_AVX512 __m512i fp8_ds_codes64(__m512i l0, __m512i l1, __m512i t0, __m512i t1) {
+  const __m512i lo = _mm512_load_si512(BYTE_IDX.lo), hi = _mm512_load_si512(BYTE_IDX.hi);
+  const __m512i e = _mm512_permutex2var_epi8(_mm512_srli_epi16(l0, 4), lo, _mm512_srli_epi16(l1, 4));
+  const __m512i m = _mm512_permutex2var_epi8(l0, lo, l1), sign = _mm512_permutex2var_epi8(l0, hi, l1);
+  const __m512i code = _mm512_add_epi8(e, _mm512_permutex2var_epi8(t0, m, t1));
+  return _mm512_ternarylogic_epi32(code, sign, _mm512_set1_epi8(char(0x80)), 0xF8);  // code | (sign & 0x80)
+}
+
 // A token's fp8_ds_mla tiles under the plain scale rule (ds_mla_scale: s = RN(amax / 448)):
-// `tiles` tiles of `tile` bf16 values (tile % 64 == 0, tiles <= 16), each tile's amax, then s and
-// rf from fp8_ds_tab (no division), codes by fp8_bf16_run_512's RF lanes (by the division where the
-// table has no rf). False (nothing written) where a tile's amax is NaN / inf, outside the table's
+// `tiles` tiles of `tile` bf16 values (tile % 64 == 0, tiles <= 16), each tile's amax and least
+// |x|, then s from fp8_ds_tab (no division), codes by the lookup (fp8_ds_codes) where every code of
+// the tile is normal, else by fp8_bf16_run_512's RF lanes (by the division where the table has no
+// rf). False (nothing written) where a tile's amax is NaN / inf, outside the table's
 // exponents or (as raw bf16 bits) below min_raw (a scale rule with a floor: the indexer's 1e-4).
 KVW_AVX512 bool fp8_ds_tiles_512(const uint16_t* x, int tiles, int tile, char* dst, float* scales, uint32_t min_raw = 0) {
   const Fp8DsTab& t = fp8_ds_tab();
-  uint32_t raw[16];
+  const Fp8DsCodes& ct = fp8_ds_codes();
+  uint32_t raw[16], all = 0;  // all: the tiles whose every |x| takes the lookup (bit w)
   for (int w = 0; w < tiles; ++w) {
-    raw[w] = bf16_absmax_raw32_512(x + w * tile, tile);
+    __m512i low;
+    raw[w] = bf16_absrange_raw_512(x + w * tile, tile, low);
     if ((raw[w] >> 7) - FP8DS_TAB_E0 >= uint32_t(FP8DS_TAB_NE) || raw[w] < min_raw) return false;  // NaN / inf: E = 255
+    const uint32_t thr = ct.lo[raw[w] & 0x7F] + (((raw[w] >> 7) - 20) << 7);  // |x| at or above: a normal code
+    all |= uint32_t(_mm512_cmplt_epu16_mask(low, _mm512_set1_epi16(short(thr))) == 0) << w;
   }
   for (int w = 0; w < tiles; ++w) {
     const uint32_t e = raw[w] >> 7, m = raw[w] & 0x7F;
     scales[w] = bits_to_float(t.s[m] + ((e - 127) << 23));
-    if (t.rf[m] != 0) {
-      fp8_bf16_run_512<E4M3, true, true>(x + w * tile, tile, scales[w], dst + w * tile, bits_to_float(t.rf[m] - ((e - 127) << 23)));
+    const uint16_t* xt = x + w * tile;
+    char* dt = dst + w * tile;
+    if (ct.ok && (all >> w & 1)) {
+      const __m512i c = _mm512_set1_epi8(char(-8 * int(e)));
+      const __m512i t0 = _mm512_add_epi8(_mm512_load_si512(ct.t[m]), c), t1 = _mm512_add_epi8(_mm512_load_si512(ct.t[m] + 64), c);
+      for (int j = 0; j < tile; j += 64)
+        store_line(dt + j, fp8_ds_codes64(_mm512_loadu_si512(xt + j), _mm512_loadu_si512(xt + j + 32), t0, t1));
+    } else if (t.rf[m] != 0) {
+      fp8_bf16_run_512<E4M3, true, true>(xt, tile, scales[w], dt, bits_to_float(t.rf[m] - ((e - 127) << 23)));
     } else {
-      fp8_bf16_run_512<E4M3, true>(x + w * tile, tile, scales[w], dst + w * tile, 1.0f / scales[w]);
+      fp8_bf16_run_512<E4M3, true>(xt, tile, scales[w], dt, 1.0f / scales[w]);
     }
   }
   return true;

@@ -91,16 +91,6 @@ inline bool fp4_512_ok() {
   return simd512_ok() && ok;
 }
 
-// The byte index vectors: lo / hi byte 2j / 2j + 1 (the words' low / high bytes); dup: every byte
-// of a dword its low byte (in-lane).
-struct Fp4Idx {
-  alignas(64) uint8_t lo[64], hi[64], dup[64];
-  constexpr Fp4Idx() : lo(), hi(), dup() {
-    for (int j = 0; j < 64; ++j) lo[j] = uint8_t(2 * j), hi[j] = uint8_t(2 * j + 1), dup[j] = uint8_t(j % 16 & ~3);
-  }
-};
-inline constexpr Fp4Idx FP4_IDX{};
-
 // The loops' constants in registers: the tables and the byte indices (loads only: cheap for short
 // runs).
 struct Fp4Consts {
@@ -109,8 +99,8 @@ struct Fp4Consts {
       : base0(_mm512_load_si512(t.base)), base1(_mm512_load_si512(t.base + 64)), t0(_mm512_load_si512(t.t)),
         t1(_mm512_load_si512(t.t + 64)), eb0(_mm512_load_si512(t.eb)), eb1(_mm512_load_si512(t.eb + 64)),
         mx0(_mm512_load_si512(t.mx)), mx1(_mm512_load_si512(t.mx + 64)), sc0(_mm512_load_si512(t.sc)),
-        sc1(_mm512_load_si512(t.sc + 64)), lo(_mm512_load_si512(FP4_IDX.lo)), hi(_mm512_load_si512(FP4_IDX.hi)),
-        dup(_mm512_load_si512(FP4_IDX.dup)) {}
+        sc1(_mm512_load_si512(t.sc + 64)), lo(_mm512_load_si512(BYTE_IDX.lo)), hi(_mm512_load_si512(BYTE_IDX.hi)),
+        dup(_mm512_load_si512(BYTE_IDX.dup)) {}
 };
 
 // The e2m1 codes of 64 bf16 elements (two loads; element order, sign as bit 3) for the per-lane
