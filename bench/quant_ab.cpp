@@ -1,7 +1,7 @@
 // The cpu backend's quantised token bodies of two source trees in one process, on the thread CPU
 // clock, one call of each in turn (a shared machine's disturbances hit both alike, where separate
 // runs move by 20-40%): mha-fp8 (store_kv, static e4m3 scale 0.05), mha-int8-token / mha-int8-head
-// (store_kv_quant, dynamic int8 scales), mla-fp8ds (store_mla, fp8_ds_mla rows) and dsv4-kv
+// and mha-fp8-token / mha-fp8-head (store_kv_quant, dynamic int8 / e4m3 scales), mla-fp8ds (store_mla, fp8_ds_mla rows) and dsv4-kv
 // (store_dsv4_kv, the V4 fp8 record: power-of-two tile scales, pages of 256) as the bench
 // cases build them (kvwrite.bench.cases: bf16 randn rows, pages of 16, a pool 4x the tokens, random
 // rows), check off, one thread, the SIMD level simd_level() picks. Both sides' pools are compared
@@ -28,12 +28,14 @@
 #include <vector>
 
 constexpr int H = 8, D = 128, L = 512, R = 64;
-enum { MHA_FP8, INT8_TOKEN, INT8_HEAD, MLA_FP8DS, DSV4_KV, NCASES };
-static const char* const NAMES[NCASES] = {"mha-fp8", "mha-int8-token", "mha-int8-head", "mla-fp8ds", "dsv4-kv"};
+enum { MHA_FP8, INT8_TOKEN, INT8_HEAD, MLA_FP8DS, DSV4_KV, FP8_TOKEN, FP8_HEAD, NCASES };
+static const char* const NAMES[NCASES] = {"mha-fp8", "mha-int8-token", "mha-int8-head", "mla-fp8ds", "dsv4-kv",
+                                          "mha-fp8-token", "mha-fp8-head"};
 // the pools' row bytes of each case: codes K, codes V, scales K, scales V (0: none)
 static const int64_t ROWS[NCASES][4] = {
     {H * D, H * D, 0, 0}, {H * D, H * D, 4, 4}, {H * D, H * D, 4 * H, 4 * H}, {L + 4 * (L / 128) + 2 * R, 0, 0, 0},
-    {584, 0, 0, 0}};  // dsv4-kv: 576 data + 8 scale bytes a row, pages of 256 (the pool allocated in whole pages)
+    {584, 0, 0, 0},  // dsv4-kv: 576 data + 8 scale bytes a row, pages of 256 (the pool allocated in whole pages)
+    {H * D, H * D, 4, 4}, {H * D, H * D, 4 * H, 4 * H}};
 
 #ifdef AB_SIDE
 #define AB_CAT2(a, b) a##b
@@ -70,12 +72,12 @@ extern "C" void AB_CAT(ab_run_, AB_SIDE)(int c, const uint16_t* k, const uint16_
     p.locs = a;
     return run_tokens(p, [](auto&&... x) { dispatch_store_kv(x...); });
   }
-  if (c == INT8_TOKEN || c == INT8_HEAD) {
+  if (c == INT8_TOKEN || c == INT8_HEAD || c == FP8_TOKEN || c == FP8_HEAD) {
     StoreKVQuantParams p;
     p.H = H;
     p.in_dtype = DType::BF16;
-    p.fmt = FMT_INT8;
-    p.quant = c == INT8_HEAD ? QUANT_HEAD : QUANT_TOKEN;
+    p.fmt = c == FP8_TOKEN || c == FP8_HEAD ? FMT_E4M3 : FMT_INT8;
+    p.quant = c == INT8_HEAD || c == FP8_HEAD ? QUANT_HEAD : QUANT_TOKEN;
     p.rule = RULE_RNE;
     KVQuantSide* sides[2] = {&p.k, &p.v};
     for (int s = 0; s < 2; ++s) {

@@ -17,7 +17,7 @@ import torch
 from kvwrite.bench.cases import available, values
 from kvwrite.errors import ErrorBuffer
 
-QUANT_CASES = ("mha-fp8,mha-int8-token,mha-int8-head,mla-fp8ds,mla-nvfp4,mha-nvfp4,indexer-k,dsv4-kv,"
+QUANT_CASES = ("mha-fp8,mha-int8-token,mha-int8-head,mha-fp8-token,mha-fp8-head,mla-fp8ds,mla-nvfp4,mha-nvfp4,indexer-k,dsv4-kv,"
                "dsv4-indexer-mxfp4,dsv4-kv-nvfp4,dsv4-kv-mxfp4,dsv4-kv-nvfp4-v41,dsv4-kv-nvfp4-rope")
 
 

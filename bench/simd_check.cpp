@@ -307,6 +307,71 @@ long check_fp8_ds_lookup() {
   return bad;
 }
 
+// e4m3_lookup_run_512 (dynamic fp8 scales, AVX-512 only): every bf16 amax, the run of every |x| <=
+// amax of both signs in ascending order (so its 64s above the lookup's threshold take the lookup,
+// those below the division lanes) under dynamic_scale<E4M3>(amax), against the scalar codes; a scale
+// the lookup declines goes by the division lanes, as the store does.
+long check_e4m3_lookup_run() {
+  if (simd_level() < 2) return 0;
+  std::vector<uint16_t> x(2 * 0x8000 + 64);
+  std::vector<char> out(x.size());
+  long bad = 0, runs = 0, declined = 0, codes = 0;
+  for (uint32_t a = 0x80; a < 0x7F80; ++a) {
+    int n = 0;
+    for (uint32_t m = 0; m <= a; ++m) {
+      x[n++] = uint16_t(m);
+      x[n++] = uint16_t(m | 0x8000);
+    }
+    while (n % 32 != 0) x[n++] = 0;
+    const float s = dynamic_scale<E4M3>(bf16_to_float(uint16_t(a)));
+    if (!e4m3_lookup_run_512(x.data(), n, a, s, out.data())) {
+      ++declined;
+      continue;
+    }
+    ++runs;
+    for (int i = 0; i < n; ++i) {
+      const uint8_t want = fp8_bits<E4M3>(daz(bf16_to_float(x[i])) / s);
+      if (uint8_t(out[i]) != want && bad++ < 4)
+        std::printf("e4m3 lookup run: amax %04x x %04x gives %02x, scalar %02x\n", a, x[i], uint8_t(out[i]), want);
+    }
+    codes += n;
+  }
+  std::printf("e4m3 lookup runs: %ld differ over %ld amax values (%ld declined), %ld codes\n", bad, runs, declined, codes);
+  return bad;
+}
+
+// e4m3_head_runs_512 (per token-head fp8 scales): every finite bf16 amax as a head of 128 (amax
+// and the 127 |x| below it, alternating signs): its scale against dynamic_scale<E4M3> and its codes
+// against the scalar codes, or left (the scale is not the table's: the floor, the table's exponents).
+long check_e4m3_head_runs() {
+  if (simd_level() < 2) return 0;
+  std::vector<uint16_t> x(128);
+  std::vector<char> out(128);
+  long bad = 0, runs = 0, left = 0;
+  for (uint32_t a = 0; a < 0x7F80; ++a) {
+    for (uint32_t i = 0; i < 128; ++i) x[i] = uint16_t((a > i ? a - i : 0) | (i & 1) << 15);
+    float sc = 0.0f;
+    const Int8HeadRun r{x.data(), out.data(), &sc};
+    const float amax = bf16_to_float(uint16_t(a)) < 1.1754944e-38f ? 0.0f : bf16_to_float(uint16_t(a));
+    const float s = dynamic_scale<E4M3>(amax);
+    if (e4m3_head_runs_512<128>(&r, 1, 128, DYN_SCALE_FLOOR) != 0) {
+      ++left;
+      const bool table = (a >> 7) - FP8DS_TAB_E0 < uint32_t(FP8DS_TAB_NE) && s != DYN_SCALE_FLOOR;
+      if (table && bad++ < 4) std::printf("e4m3 head runs: amax %04x left\n", a);
+      continue;
+    }
+    ++runs;
+    if (sc != s && bad++ < 4) std::printf("e4m3 head runs: amax %04x scale %a, want %a\n", a, sc, s);
+    for (int i = 0; i < 128; ++i) {
+      const uint8_t want = fp8_bits<E4M3>(daz(bf16_to_float(x[i])) / s);
+      if (uint8_t(out[i]) != want && bad++ < 4)
+        std::printf("e4m3 head runs: amax %04x x %04x gives %02x, scalar %02x\n", a, x[i], uint8_t(out[i]), want);
+    }
+  }
+  std::printf("e4m3 head runs: %ld differ over %ld amax values (%ld left to quant_kv_head)\n", bad, runs, left);
+  return bad;
+}
+
 // 2^16 bf16 values in blocks of `block`: block k's amax is amax_mul * d (d = scale(c), c cycling
 // over [c0, c1)), the rest the e2m1 rounding thresholds B d and their bf16 neighbours, zeros and
 // subnormals, random signs: every scale's ties and near-ties.
@@ -550,7 +615,7 @@ long check_e4m3_pow2() {
 int main(int argc, char** argv) {
   if (!simd_ok()) { std::printf("the portable loops are in use (no AVX2 + F16C + FMA, or KVWRITE_CPU_SIMD=0)\n"); return 0; }
   std::printf("lanes: %s (KVWRITE_CPU_SIMD=avx2 checks the AVX2 ones)\n", simd_level() == 2 ? "AVX-512" : "AVX2");
-  if (argc > 1 && std::string(argv[1]) == "fp8ds") return check_fp8_ds_lookup() + check_fp8_ds() != 0;  // those alone
+  if (argc > 1 && std::string(argv[1]) == "fp8ds") return check_fp8_ds_lookup() + check_e4m3_lookup_run() + check_e4m3_head_runs() + check_fp8_ds() != 0;  // those alone
   long bad = check_absmax();
   const bool bf16_only = argc > 1 && std::string(argv[1]) == "bf16";  // `simd_check bf16`: the bf16 lanes alone
   if (!bf16_only) bad += check_fp8<E4M3>("e4m3") + check_fp8<E5M2>("e5m2") + check_fp8<E4M3FNUZ>("e4m3fnuz");
@@ -561,7 +626,7 @@ int main(int argc, char** argv) {
   std::mt19937 g(0);
   for (int k = 0; k < 2000; ++k) scales.push_back(bits_to_float((g() & 0x807FFFFFu) | (uint32_t(87 + g() % 80) << 23)));
   bad += check_bf16_run<E4M3>("e4m3 bf16 lanes", scales) + check_bf16_run<E5M2>("e5m2 bf16 lanes", scales);
-  bad += check_int8_rf() + check_int8_head_runs() + check_fp8_ds() + check_fp8_ds_lookup() + check_e4m3_pow2();
+  bad += check_int8_rf() + check_int8_head_runs() + check_fp8_ds() + check_fp8_ds_lookup() + check_e4m3_lookup_run() + check_e4m3_head_runs() + check_e4m3_pow2();
   bad += check_nvfp4_bf16() + check_nvfp4_fp16_fp32();
   {  // the static-scale code tables (fp8_bf16_table_run, blocks it declines by the arithmetic lanes)
     std::vector<uint16_t> x(65536);

@@ -22,7 +22,7 @@ namespace kvwrite {
 __attribute__((always_inline)) inline bool simd512_ok() { return simd_level() >= 2; }
 
 // 64 bytes of a pool row: a streaming store where dst is a whole line and rows stream (stream.h).
-KVW_AVX512 void store_line(char* dst, __m512i v) {
+__attribute__((always_inline)) KVW_AVX512 void store_line(char* dst, __m512i v) {
   if (stream_rows() && (reinterpret_cast<uintptr_t>(dst) & 63) == 0) _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), v);
   else _mm512_storeu_si512(dst, v);
 }
@@ -146,6 +146,8 @@ KVW_AVX512 int fp8_bf16_run_512(const uint16_t* __restrict__ src, int n, float s
 constexpr int FP8DS_TAB_E0 = 96, FP8DS_TAB_NE = 79;
 struct Fp8DsTab {
   alignas(64) uint32_t s[128], rf[128];  // rf 0: the division
+  // RN(amax / 448) for amax bits raw (exponent byte in [FP8DS_TAB_E0, FP8DS_TAB_E0 + FP8DS_TAB_NE))
+  float scale(uint32_t raw) const { return bits_to_float(s[raw & 0x7F] + (((raw >> 7) - 127) << 23)); }
 };
 KVW_AVX512 const Fp8DsTab& fp8_ds_tab() {
   static const Fp8DsTab t = [] {
@@ -187,6 +189,8 @@ struct Fp8DsCodes {
   alignas(64) uint8_t t[128][128];
   uint16_t lo[128];
   bool ok = true;
+  // the least |x| bits whose code is normal under the scale of amax bits raw
+  uint32_t threshold(uint32_t raw) const { return lo[raw & 0x7F] + (((raw >> 7) - 20) << 7); }
 };
 KVW_AVX512 const Fp8DsCodes& fp8_ds_codes() {
   static const Fp8DsCodes c = [] {
@@ -212,13 +216,48 @@ KVW_AVX512 const Fp8DsCodes& fp8_ds_codes() {
   return c;
 }
 
-// 64 codes of bf16 words l0, l1 by the lookup (t0, t1: fp8_ds_codes' t[M] + (-8 Ea mod 256)), signs kept.
+// The lookup's row for amax bits raw in two registers: t[M] + (-8 Ea mod 256).
+KVW_AVX512 void fp8_ds_row(const Fp8DsCodes& ct, uint32_t raw, __m512i& t0, __m512i& t1) {
+  const __m512i c = _mm512_set1_epi8(char(-8 * int(raw >> 7)));
+  t0 = _mm512_add_epi8(_mm512_load_si512(ct.t[raw & 0x7F]), c), t1 = _mm512_add_epi8(_mm512_load_si512(ct.t[raw & 0x7F] + 64), c);
+}
+
+// 64 codes of bf16 words l0, l1 by the lookup (t0, t1: fp8_ds_row), signs kept.
 KVW_AVX512 __m512i fp8_ds_codes64(__m512i l0, __m512i l1, __m512i t0, __m512i t1) {
   const __m512i lo = _mm512_load_si512(BYTE_IDX.lo), hi = _mm512_load_si512(BYTE_IDX.hi);
   const __m512i e = _mm512_permutex2var_epi8(_mm512_srli_epi16(l0, 4), lo, _mm512_srli_epi16(l1, 4));
   const __m512i m = _mm512_permutex2var_epi8(l0, lo, l1), sign = _mm512_permutex2var_epi8(l0, hi, l1);
   const __m512i code = _mm512_add_epi8(e, _mm512_permutex2var_epi8(t0, m, t1));
   return _mm512_ternarylogic_epi32(code, sign, _mm512_set1_epi8(char(0x80)), 0xF8);  // code | (sign & 0x80)
+}
+
+// The e4m3 codes of a dynamic scale's run (n % 32 == 0; every |x| <= amax, raw its bf16 bits) under
+// s = RN(amax / 448), fp8_ds_tab's scale of amax: 64 at a time by the lookup
+// (ct.ok), a 64 holding an |x| below the lookup's threshold (and the last 32) by fp8_bf16_run_512's
+// DYN lanes.
+__attribute__((always_inline)) KVW_AVX512 void e4m3_lookup_codes_512(const Fp8DsCodes& ct, const uint16_t* __restrict__ x, int n,
+                                                                   uint32_t raw, float s, char* __restrict__ dst) {
+  const __m512i am = _mm512_set1_epi16(0x7FFF), thr = _mm512_set1_epi16(short(ct.threshold(raw)));  // below: not normal
+  __m512i t0, t1;
+  fp8_ds_row(ct, raw, t0, t1);
+  int j = 0;
+  for (; j + 64 <= n; j += 64) {
+    const __m512i l0 = _mm512_loadu_si512(x + j), l1 = _mm512_loadu_si512(x + j + 32);
+    if ((_mm512_cmplt_epu16_mask(_mm512_and_si512(l0, am), thr) | _mm512_cmplt_epu16_mask(_mm512_and_si512(l1, am), thr)) == 0)
+      store_line(dst + j, fp8_ds_codes64(l0, l1, t0, t1));
+    else
+      fp8_bf16_run_512<E4M3, true>(x + j, 64, s, dst + j, 1.0f / s);
+  }
+  if (j < n) fp8_bf16_run_512<E4M3, true>(x + j, n - j, s, dst + j, 1.0f / s);
+}
+
+// e4m3_lookup_codes_512 for a run's amax bits raw and its dynamic scale s; false (nothing written)
+// where s is not fp8_ds_tab's (a floor, the table's exponents) or the lookup failed its check.
+KVW_AVX512 bool e4m3_lookup_run_512(const uint16_t* __restrict__ x, int n, uint32_t raw, float s, char* __restrict__ dst) {
+  const Fp8DsCodes& ct = fp8_ds_codes();
+  if (!ct.ok || (raw >> 7) - FP8DS_TAB_E0 >= uint32_t(FP8DS_TAB_NE) || s != fp8_ds_tab().scale(raw)) return false;
+  e4m3_lookup_codes_512(ct, x, n, raw, s, dst);
+  return true;
 }
 
 // A token's fp8_ds_mla tiles under the plain scale rule (ds_mla_scale: s = RN(amax / 448)):
@@ -235,17 +274,16 @@ KVW_AVX512 bool fp8_ds_tiles_512(const uint16_t* x, int tiles, int tile, char* d
     __m512i low;
     raw[w] = bf16_absrange_raw_512(x + w * tile, tile, low);
     if ((raw[w] >> 7) - FP8DS_TAB_E0 >= uint32_t(FP8DS_TAB_NE) || raw[w] < min_raw) return false;  // NaN / inf: E = 255
-    const uint32_t thr = ct.lo[raw[w] & 0x7F] + (((raw[w] >> 7) - 20) << 7);  // |x| at or above: a normal code
-    all |= uint32_t(_mm512_cmplt_epu16_mask(low, _mm512_set1_epi16(short(thr))) == 0) << w;
+    all |= uint32_t(_mm512_cmplt_epu16_mask(low, _mm512_set1_epi16(short(ct.threshold(raw[w])))) == 0) << w;
   }
   for (int w = 0; w < tiles; ++w) {
     const uint32_t e = raw[w] >> 7, m = raw[w] & 0x7F;
-    scales[w] = bits_to_float(t.s[m] + ((e - 127) << 23));
+    scales[w] = t.scale(raw[w]);
     const uint16_t* xt = x + w * tile;
     char* dt = dst + w * tile;
     if (ct.ok && (all >> w & 1)) {
-      const __m512i c = _mm512_set1_epi8(char(-8 * int(e)));
-      const __m512i t0 = _mm512_add_epi8(_mm512_load_si512(ct.t[m]), c), t1 = _mm512_add_epi8(_mm512_load_si512(ct.t[m] + 64), c);
+      __m512i t0, t1;
+      fp8_ds_row(ct, raw[w], t0, t1);
       for (int j = 0; j < tile; j += 64)
         store_line(dt + j, fp8_ds_codes64(_mm512_loadu_si512(xt + j), _mm512_loadu_si512(xt + j + 32), t0, t1));
     } else if (t.rf[m] != 0) {
@@ -494,6 +532,34 @@ KVW_AVX512 uint64_t int8_head_runs_512(const Int8HeadRun* r, int n, int d) {
   return left;
 }
 
+// The same for e4m3 under the dynamic scale max(RN(amax / 448), floor): each run's scale from
+// fp8_ds_tab and its codes by e4m3_lookup_run_512 (the division lanes where it declines); left: a
+// run whose scale is not the table's (NaN / inf, the floor, the table's exponents).
+template <int D0>
+KVW_AVX512 uint64_t e4m3_head_runs_512(const Int8HeadRun* r, int n, int d, float floor) {
+  const int D = D0 != 0 ? D0 : d;
+  const Fp8DsTab& t = fp8_ds_tab();
+  const Fp8DsCodes& ct = fp8_ds_codes();
+  uint64_t left = 0;
+  uint32_t next = bf16_absmax_raw32_512(r[0].src, D);
+  for (int u = 0; u < n; ++u) {
+    const uint32_t raw = next;
+    if (u + 1 < n) next = bf16_absmax_raw32_512(r[u + 1].src, D);
+    const float s = t.scale(raw);
+    if ((raw >> 7) - FP8DS_TAB_E0 >= uint32_t(FP8DS_TAB_NE) || s < floor) {
+      left |= 1ull << u;
+      continue;
+    }
+    *r[u].scale = s;
+    if (ct.ok) {
+      e4m3_lookup_codes_512(ct, r[u].src, D, raw, s, r[u].dst);
+    } else {
+      fp8_bf16_run_512<E4M3, true>(r[u].src, D, s, r[u].dst, 1.0f / s);
+    }
+  }
+  return left;
+}
+
 // bf16_absmax_raw_avx2: the max of the |x| bits over n elements (n % 16 == 0), 64 a step.
 KVW_AVX512 uint32_t bf16_absmax_raw_512(const uint16_t* p, int n) {
   const __m512i m = _mm512_set1_epi16(0x7FFF);
@@ -621,6 +687,12 @@ struct Lanes {
   // or a tile the table does not take (the caller's general tile loop)
   static bool fp8_ds_tiles(const uint16_t* x, int tiles, int tile, char* dst, float* scales, uint32_t min_raw = 0) {
     if constexpr (L == 2) return fp8_ds_tiles_512(x, tiles, tile, dst, scales, min_raw);
+    return false;
+  }
+  // e4m3 codes of a dynamic scale's run by the lookup (e4m3_lookup_run_512); false: the AVX2 level,
+  // or a scale the lookup does not take
+  static bool e4m3_lookup_run(const uint16_t* __restrict__ x, int n, uint32_t raw, float s, char* __restrict__ dst) {
+    if constexpr (L == 2) return e4m3_lookup_run_512(x, n, raw, s, dst);
     return false;
   }
   static int int8_bf16_run(const uint16_t* __restrict__ src, int n, float s, char* __restrict__ dst, float r = 0.0f) {

@@ -68,6 +68,7 @@ constexpr int MAX_LANE_HEADS = 64;
 struct LaneScales {
   float sc[MAX_LANE_HEADS], rc[MAX_LANE_HEADS];  // per token: [0] only
   float rf[MAX_LANE_HEADS];  // int8: int8_fast_recip's rf (0: int8_bf16_run), where the run is whole 64s
+  uint32_t raw[MAX_LANE_HEADS];  // e4m3: the amax's bf16 bits (e4m3_lookup_run)
 };
 
 // The side's heads back to back in the source and in the row: one run of H * D.
@@ -94,6 +95,7 @@ inline bool lane_scales(L l, const KVQuantSide& s, int H, const uint16_t* src, L
     }
     const float amax = bf16_policy_amax(raw);
     if (amax < 0.0f) return false;
+    if constexpr (std::is_same<F, E4M3>::value) o.raw[0] = raw;
     o.sc[0] = dynamic_scale<F>(amax);
     o.rc[0] = 1.0f / o.sc[0];
     if (!cr_div_ok(o.sc[0])) return false;
@@ -105,6 +107,7 @@ inline bool lane_scales(L l, const KVQuantSide& s, int H, const uint16_t* src, L
       uint32_t raw[8];
       l.bf16_absmax_raw8(src + h * s.s_head, s.s_head, s.D, raw);
       if (!dynamic_scales8(raw, quant_max<F>(), DYN_SCALE_FLOOR, o.sc + h, o.rc + h)) return false;
+      for (int k = 0; k < 8; ++k) o.raw[h + k] = raw[k];
       if constexpr (INT8) {
         if (s.D % 64 == 0) {
           l.int8_fast_recips8(raw, o.sc + h, DYN_SCALE_FLOOR, o.rf + h);
@@ -114,7 +117,8 @@ inline bool lane_scales(L l, const KVQuantSide& s, int H, const uint16_t* src, L
       }
     }
     for (; h < H; ++h) {
-      const float amax = bf16_policy_amax(l.bf16_absmax_raw(src + h * s.s_head, s.D));
+      o.raw[h] = l.bf16_absmax_raw(src + h * s.s_head, s.D);
+      const float amax = bf16_policy_amax(o.raw[h]);
       if (amax < 0.0f) return false;
       o.sc[h] = dynamic_scale<F>(amax);
       o.rc[h] = 1.0f / o.sc[h];
@@ -135,6 +139,7 @@ inline void lane_codes(L l, const KVQuantSide& s, int H, const uint16_t* src, co
       if (o.rf[k] != 0.0f) return l.int8_bf16_run_rf(x, n, out, o.rf[k]);  // n % 64 == 0 (lane_scales)
       l.int8_bf16_run(x, n, sc, out, rc);
     } else {
+      if (std::is_same<F, E4M3>::value && l.e4m3_lookup_run(x, n, o.raw[k], sc, out)) return;
       l.template fp8_bf16_run<F, true>(x, n, sc, out, rc);  // a dynamic scale's row
     }
   };
@@ -152,16 +157,17 @@ inline void lane_codes(L l, const KVQuantSide& s, int H, const uint16_t* src, co
   }
 }
 
-// Per token-head int8 at the AVX-512 level: the token's 2H (side, head) runs in one loop,
-// int8_head_runs_512 (each run's amax one run ahead of its codes: the two phases of lane_scales /
-// lane_codes left each token's codes waiting on its scale chains, and the next token's amax on
-// those codes); a run it leaves (amax outside its table) goes by quant_kv_head.
+// Per token-head int8 / e4m3 at the AVX-512 level: the token's 2H (side, head) runs in one loop,
+// int8_head_runs_512 / e4m3_head_runs_512 (each run's amax one run ahead of its codes: the two
+// phases of lane_scales / lane_codes left each token's codes waiting on its scale chains, and the
+// next token's amax on those codes); a run they leave goes by quant_kv_head.
 constexpr int MAX_RUN_HEADS = 32;
 inline bool head_runs_apply(const StoreKVQuantParams& p) {
   return p.H <= MAX_RUN_HEADS && p.k.D == p.v.D && p.k.D % 64 == 0 && lanes_apply<QUANT_HEAD>(p.k, p.H) &&
          lanes_apply<QUANT_HEAD>(p.v, p.H);
 }
-inline void int8_head_runs(const StoreKVQuantParams& p, i64 i, i64 row) {
+template <class F>
+inline void head_runs(const StoreKVQuantParams& p, i64 i, i64 row) {
   const KVQuantSide* side[2] = {&p.k, &p.v};
   Int8HeadRun r[2 * MAX_RUN_HEADS];
   for (int k = 0; k < 2; ++k) {
@@ -173,10 +179,13 @@ inline void int8_head_runs(const StoreKVQuantParams& p, i64 i, i64 row) {
       r[k * p.H + h] = {src + h * s.s_head, dst + s.cache.in_row(h, 0), reinterpret_cast<float*>(sc + s.scales.in_row(h, 0))};
   }
   const int D = p.k.D;  // 128: the usual head
-  for (uint64_t left = D == 128 ? int8_head_runs_512<128>(r, 2 * p.H, D) : int8_head_runs_512<0>(r, 2 * p.H, D); left != 0;
-       left &= left - 1) {
+  constexpr bool INT8 = std::is_same<F, Int8Fmt>::value;
+  const int n = 2 * p.H;
+  uint64_t left = D == 128 ? (INT8 ? int8_head_runs_512<128>(r, n, D) : e4m3_head_runs_512<128>(r, n, D, DYN_SCALE_FLOOR))
+                           : (INT8 ? int8_head_runs_512<0>(r, n, D) : e4m3_head_runs_512<0>(r, n, D, DYN_SCALE_FLOOR));
+  for (; left != 0; left &= left - 1) {
     const int u = __builtin_ctzll(left);
-    quant_kv_head<DType::BF16, Int8Fmt>(*side[u / p.H], RULE_RNE, i, row, u % p.H, 0, 1);
+    quant_kv_head<DType::BF16, F>(*side[u / p.H], RULE_RNE, i, row, u % p.H, 0, 1);
   }
 }
 
@@ -190,9 +199,10 @@ inline int quant_kv_lanes(const StoreKVQuantParams& p, i64 i, i64 row) {
     if (p.rule != RULE_RNE) return 3;
     const KVQuantSide* side[2] = {&p.k, &p.v};
     return with_lanes([&](auto l) {  // the level once a token
-      if constexpr (std::is_same<F, Int8Fmt>::value && QUANT == QUANT_HEAD && decltype(l)::level == 2) {
+      constexpr bool RUNS = std::is_same<F, Int8Fmt>::value || std::is_same<F, E4M3>::value;
+      if constexpr (RUNS && QUANT == QUANT_HEAD && decltype(l)::level == 2) {
         if (head_runs_apply(p)) {
-          int8_head_runs(p, i, row);
+          head_runs<F>(p, i, row);
           return 0;
         }
       }

@@ -359,6 +359,12 @@ case("store_kv", "mha-int8-token",
 case("store_kv", "mha-int8-head",
      "MHA Llama-3.1-8B layer: 8 x 128, bf16 -> int8, dynamic per-token-head fp32 scales")(
     lambda n, device, gen: _mha_dynamic(n, device, gen, torch.int8, True))
+case("store_kv", "mha-fp8-token",
+     "MHA Llama-3.1-8B layer: 8 x 128, bf16 -> fp8 e4m3, dynamic per-token fp32 scales")(
+    lambda n, device, gen: _mha_dynamic(n, device, gen, torch.float8_e4m3fn, False))
+case("store_kv", "mha-fp8-head",
+     "MHA Llama-3.1-8B layer: 8 x 128, bf16 -> fp8 e4m3, dynamic per-token-head fp32 scales")(
+    lambda n, device, gen: _mha_dynamic(n, device, gen, torch.float8_e4m3fn, True))
 
 
 @case("store_kv", "mha-bf16-pagetable",

@@ -18,6 +18,7 @@ STREAM_SCATTER = "stream-scatter"  # the same loop, whole lines by streaming sto
 QUANT_SCATTER_TARGET = 0.4
 QUANT_FORMATS = (("mha-fp8", "fp8 store_kv"), ("mla-fp8ds", "fp8_ds_mla"),
                  ("mha-int8-token", "per-token int8 store_kv"), ("mha-int8-head", "per-token-head int8 store_kv"),
+                 ("mha-fp8-token", "per-token fp8 store_kv"), ("mha-fp8-head", "per-token-head fp8 store_kv"),
                  ("mha-nvfp4", "NVFP4 store_kv_nvfp4"), ("mla-nvfp4", "NVFP4 store_mla"),
                  ("indexer-k", "DSA indexer K (e4m3 + fp32 scale)"), ("dsv4-kv", "DeepSeek V4 fp8 KV record"),
                  ("dsv4-indexer-mxfp4", "DeepSeek V4 MXFP4 indexer K"),
