@@ -105,30 +105,35 @@ KVW_AVX512 __m512i grid_codes16(__m512 ax, __m512* value = nullptr) {
 // fp8_bf16_run_avx2, 64 elements a step (the rest by the AVX2 lanes); returns how many were done.
 // RF (a DYN row, n % 64 == 0): the quotient by one multiply, x * r with r = fp8_ds_tab's rf, under
 // which the codes are those of the correctly rounded x / s (s unused).
+// fp8_bf16_run_512's codes of the 64 bf16 words l0, l1 (in element order): |x| / s (RF: |x| * r),
+// the sign kept; !DYN (a static scale): |x| clamped to vmax, the divisor's sign (flip), NaN -> 0x7F.
+template <class F, bool DYN, bool RF>
+__attribute__((always_inline)) KVW_AVX512 __m512i fp8_codes64(__m512i l0, __m512i l1, __m512 vs, __m512 vr, __m512 vmax, __m512i flip) {
+  const __m512i am = _mm512_set1_epi16(0x7FFF);
+  __m512 x[4];
+  widen_bf16x64(_mm512_and_si512(l0, am), _mm512_and_si512(l1, am), x);  // |x|
+  __m512i c[4];
+  for (int k = 0; k < 4; ++k)
+    c[k] = grid_codes16<F::mant, F::emin, !DYN>(RF ? _mm512_mul_ps(x[k], vr) : div_cr16(DYN ? x[k] : _mm512_min_ps(vmax, x[k]), vs, vr));
+  const __m512i code = _mm512_packus_epi16(_mm512_packs_epi32(c[0], c[1]), _mm512_packs_epi32(c[2], c[3]));  // NaN: 255
+  __m512i b = _mm512_ternarylogic_epi32(code, _mm512_packs_epi16(l0, l1), _mm512_set1_epi8(char(0x80)), 0xF8);  // | sign
+  if constexpr (!DYN) {  // the divisor's sign; a NaN (0xFF) -> 0x7F
+    b = _mm512_xor_si512(b, flip);
+    b = _mm512_mask_blend_epi8(_mm512_cmpeq_epi8_mask(b, _mm512_set1_epi8(char(0xFF))), b, _mm512_set1_epi8(0x7F));
+  }
+  return in_order64(b);
+}
+
 template <class F, bool DYN, bool RF = false>
 KVW_AVX512 int fp8_bf16_run_512(const uint16_t* __restrict__ src, int n, float s, char* __restrict__ dst, float r) {
   static_assert(DYN || !RF, "one multiply a value: dynamic scales' rows only");
   const float as = s < 0 ? -s : s;
   const __m512 vs = _mm512_set1_ps(as), vr = _mm512_set1_ps(r != 0.0f ? r : 1.0f / as);
   const __m512 vmax = _mm512_set1_ps(fp8_max<F>() * as);
-  const __m512i smask = _mm512_set1_epi8(char(0x80)), flip = _mm512_set1_epi8(char(s < 0 ? 0x80 : 0));
-  const __m512i am = _mm512_set1_epi16(0x7FFF), nan = _mm512_set1_epi8(0x7F);
+  const __m512i flip = _mm512_set1_epi8(char(s < 0 ? 0x80 : 0));
   int j = 0;
-  for (; j + 64 <= n; j += 64) {
-    const __m512i l0 = _mm512_loadu_si512(src + j), l1 = _mm512_loadu_si512(src + j + 32);
-    __m512 x[4];
-    widen_bf16x64(_mm512_and_si512(l0, am), _mm512_and_si512(l1, am), x);  // |x|
-    __m512i c[4];
-    for (int k = 0; k < 4; ++k)
-      c[k] = grid_codes16<F::mant, F::emin, !DYN>(RF ? _mm512_mul_ps(x[k], vr) : div_cr16(DYN ? x[k] : _mm512_min_ps(vmax, x[k]), vs, vr));
-    const __m512i code = _mm512_packus_epi16(_mm512_packs_epi32(c[0], c[1]), _mm512_packs_epi32(c[2], c[3]));  // NaN: 255
-    __m512i b = _mm512_ternarylogic_epi32(code, _mm512_packs_epi16(l0, l1), smask, 0xF8);  // code | (sign & 0x80)
-    if constexpr (!DYN) {  // the divisor's sign; a NaN (0xFF) -> 0x7F
-      b = _mm512_xor_si512(b, flip);
-      b = _mm512_mask_blend_epi8(_mm512_cmpeq_epi8_mask(b, _mm512_set1_epi8(char(0xFF))), b, nan);
-    }
-    store_line(dst + j, in_order64(b));
-  }
+  for (; j + 64 <= n; j += 64)
+    store_line(dst + j, fp8_codes64<F, DYN, RF>(_mm512_loadu_si512(src + j), _mm512_loadu_si512(src + j + 32), vs, vr, vmax, flip));
   if constexpr (RF) return j;
   return j + fp8_bf16_run_avx2<F, DYN>(src + j, n - j, s, dst + j, r);
 }
@@ -148,6 +153,8 @@ struct Fp8DsTab {
   alignas(64) uint32_t s[128], rf[128];  // rf 0: the division
   // RN(amax / 448) for amax bits raw (exponent byte in [FP8DS_TAB_E0, FP8DS_TAB_E0 + FP8DS_TAB_NE))
   float scale(uint32_t raw) const { return bits_to_float(s[raw & 0x7F] + (((raw >> 7) - 127) << 23)); }
+  // its rf (0: the division)
+  float recip(uint32_t raw) const { return rf[raw & 0x7F] ? bits_to_float(rf[raw & 0x7F] - (((raw >> 7) - 127) << 23)) : 0.0f; }
 };
 KVW_AVX512 const Fp8DsTab& fp8_ds_tab() {
   static const Fp8DsTab t = [] {
@@ -232,9 +239,9 @@ KVW_AVX512 __m512i fp8_ds_codes64(__m512i l0, __m512i l1, __m512i t0, __m512i t1
 }
 
 // The e4m3 codes of a dynamic scale's run (n % 32 == 0; every |x| <= amax, raw its bf16 bits) under
-// s = RN(amax / 448), fp8_ds_tab's scale of amax: 64 at a time by the lookup
-// (ct.ok), a 64 holding an |x| below the lookup's threshold (and the last 32) by fp8_bf16_run_512's
-// DYN lanes.
+// s = RN(amax / 448), fp8_ds_tab's scale of amax: 64 at a time by the lookup (ct.ok) up to the first
+// 64 holding an |x| below its threshold, the rest by fp8_bf16_run_512 (one multiply by the table's
+// rf, else the division).
 __attribute__((always_inline)) KVW_AVX512 void e4m3_lookup_codes_512(const Fp8DsCodes& ct, const uint16_t* __restrict__ x, int n,
                                                                    uint32_t raw, float s, char* __restrict__ dst) {
   const __m512i am = _mm512_set1_epi16(0x7FFF), thr = _mm512_set1_epi16(short(ct.threshold(raw)));  // below: not normal
@@ -243,14 +250,14 @@ __attribute__((always_inline)) KVW_AVX512 void e4m3_lookup_codes_512(const Fp8Ds
   int j = 0;
   for (; j + 64 <= n; j += 64) {
     const __m512i l0 = _mm512_loadu_si512(x + j), l1 = _mm512_loadu_si512(x + j + 32);
-    if ((_mm512_cmplt_epu16_mask(_mm512_and_si512(l0, am), thr) | _mm512_cmplt_epu16_mask(_mm512_and_si512(l1, am), thr)) == 0)
-      store_line(dst + j, fp8_ds_codes64(l0, l1, t0, t1));
-    else
-      fp8_bf16_run_512<E4M3, true>(x + j, 64, s, dst + j, 1.0f / s);
+    if ((_mm512_cmplt_epu16_mask(_mm512_and_si512(l0, am), thr) | _mm512_cmplt_epu16_mask(_mm512_and_si512(l1, am), thr)) != 0)
+      break;  // the rest of the run by the arithmetic lanes (rows with outliers hold such values throughout)
+    store_line(dst + j, fp8_ds_codes64(l0, l1, t0, t1));
   }
+  const float rf = fp8_ds_tab().recip(raw);
+  if (j < n && rf != 0.0f) j += fp8_bf16_run_512<E4M3, true, true>(x + j, n - j, s, dst + j, rf);
   if (j < n) fp8_bf16_run_512<E4M3, true>(x + j, n - j, s, dst + j, 1.0f / s);
 }
-
 // e4m3_lookup_codes_512 for a run's amax bits raw and its dynamic scale s; false (nothing written)
 // where s is not fp8_ds_tab's (a floor, the table's exponents) or the lookup failed its check.
 KVW_AVX512 bool e4m3_lookup_run_512(const uint16_t* __restrict__ x, int n, uint32_t raw, float s, char* __restrict__ dst) {
@@ -277,7 +284,6 @@ KVW_AVX512 bool fp8_ds_tiles_512(const uint16_t* x, int tiles, int tile, char* d
     all |= uint32_t(_mm512_cmplt_epu16_mask(low, _mm512_set1_epi16(short(ct.threshold(raw[w])))) == 0) << w;
   }
   for (int w = 0; w < tiles; ++w) {
-    const uint32_t e = raw[w] >> 7, m = raw[w] & 0x7F;
     scales[w] = t.scale(raw[w]);
     const uint16_t* xt = x + w * tile;
     char* dt = dst + w * tile;
@@ -286,8 +292,8 @@ KVW_AVX512 bool fp8_ds_tiles_512(const uint16_t* x, int tiles, int tile, char* d
       fp8_ds_row(ct, raw[w], t0, t1);
       for (int j = 0; j < tile; j += 64)
         store_line(dt + j, fp8_ds_codes64(_mm512_loadu_si512(xt + j), _mm512_loadu_si512(xt + j + 32), t0, t1));
-    } else if (t.rf[m] != 0) {
-      fp8_bf16_run_512<E4M3, true, true>(xt, tile, scales[w], dt, bits_to_float(t.rf[m] - ((e - 127) << 23)));
+    } else if (t.recip(raw[w]) != 0.0f) {
+      fp8_bf16_run_512<E4M3, true, true>(xt, tile, scales[w], dt, t.recip(raw[w]));
     } else {
       fp8_bf16_run_512<E4M3, true>(xt, tile, scales[w], dt, 1.0f / scales[w]);
     }
