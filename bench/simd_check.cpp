@@ -182,7 +182,7 @@ long check_int8_head_runs() {
   std::vector<uint16_t> x(D * RUNS);
   std::vector<char> out(D * RUNS);
   std::vector<float> sc(RUNS);
-  std::vector<Int8HeadRun> r(RUNS);
+  std::vector<HeadRun> r(RUNS);
   for (int u = 0; u < RUNS; ++u) r[u] = {x.data() + u * D, out.data() + u * D, &sc[u]};
   for (uint32_t a0 = 0; a0 < 0x8000; a0 += RUNS) {
     for (int u = 0; u < RUNS; ++u) {
@@ -351,7 +351,7 @@ long check_e4m3_head_runs() {
   for (uint32_t a = 0; a < 0x7F80; ++a) {
     for (uint32_t i = 0; i < 128; ++i) x[i] = uint16_t((a > i ? a - i : 0) | (i & 1) << 15);
     float sc = 0.0f;
-    const Int8HeadRun r{x.data(), out.data(), &sc};
+    const HeadRun r{x.data(), out.data(), &sc};
     const float amax = bf16_to_float(uint16_t(a)) < 1.1754944e-38f ? 0.0f : bf16_to_float(uint16_t(a));
     const float s = dynamic_scale<E4M3>(amax);
     if (e4m3_head_runs_512<128>(&r, 1, 128, DYN_SCALE_FLOOR) != 0) {

@@ -102,9 +102,6 @@ KVW_AVX512 __m512i grid_codes16(__m512 ax, __m512* value = nullptr) {
   return _mm512_add_epi32(k, _mm512_sub_epi32(_mm512_srli_epi32(eb, drop), _mm512_set1_epi32((128 - bias) << MANT)));
 }
 
-// fp8_bf16_run_avx2, 64 elements a step (the rest by the AVX2 lanes); returns how many were done.
-// RF (a DYN row, n % 64 == 0): the quotient by one multiply, x * r with r = fp8_ds_tab's rf, under
-// which the codes are those of the correctly rounded x / s (s unused).
 // fp8_bf16_run_512's codes of the 64 bf16 words l0, l1 (in element order): |x| / s (RF: |x| * r),
 // the sign kept; !DYN (a static scale): |x| clamped to vmax, the divisor's sign (flip), NaN -> 0x7F.
 template <class F, bool DYN, bool RF>
@@ -124,6 +121,9 @@ __attribute__((always_inline)) KVW_AVX512 __m512i fp8_codes64(__m512i l0, __m512
   return in_order64(b);
 }
 
+// fp8_bf16_run_avx2, 64 elements a step (the rest by the AVX2 lanes); returns how many were done.
+// RF (a DYN row, n % 64 == 0): the quotient by one multiply, x * r with r = fp8_ds_tab's rf, under
+// which the codes are those of the correctly rounded x / s (s unused).
 template <class F, bool DYN, bool RF = false>
 KVW_AVX512 int fp8_bf16_run_512(const uint16_t* __restrict__ src, int n, float s, char* __restrict__ dst, float r) {
   static_assert(DYN || !RF, "one multiply a value: dynamic scales' rows only");
@@ -258,6 +258,7 @@ __attribute__((always_inline)) KVW_AVX512 void e4m3_lookup_codes_512(const Fp8Ds
   if (j < n && rf != 0.0f) j += fp8_bf16_run_512<E4M3, true, true>(x + j, n - j, s, dst + j, rf);
   if (j < n) fp8_bf16_run_512<E4M3, true>(x + j, n - j, s, dst + j, 1.0f / s);
 }
+
 // e4m3_lookup_codes_512 for a run's amax bits raw and its dynamic scale s; false (nothing written)
 // where s is not fp8_ds_tab's (a floor, the table's exponents) or the lookup failed its check.
 KVW_AVX512 bool e4m3_lookup_run_512(const uint16_t* __restrict__ x, int n, uint32_t raw, float s, char* __restrict__ dst) {
@@ -505,8 +506,8 @@ KVW_AVX512 void int8_bf16_run_rf_512(const uint16_t* __restrict__ src, int n, ch
   for (int j = 0; j < n; j += 64) int8_rf_step(src + j, dst + j, vr, idx);
 }
 
-// One (side, head) run of a per token-head int8 token: its bf16 source, its codes, its scale.
-struct Int8HeadRun {
+// One (side, head) run of a per token-head int8 / e4m3 token: its bf16 source, its codes, its scale.
+struct HeadRun {
   const uint16_t* src;
   char* dst;
   float* scale;
@@ -518,7 +519,7 @@ struct Int8HeadRun {
 // the runs left undone (bit u: run u's amax is outside the table: NaN / inf, tiny, huge). D0: D
 // at compile time (the loops unrolled), 0: D at run time.
 template <int D0>
-KVW_AVX512 uint64_t int8_head_runs_512(const Int8HeadRun* r, int n, int d) {
+KVW_AVX512 uint64_t int8_head_runs_512(const HeadRun* r, int n, int d) {
   const int D = D0 != 0 ? D0 : d;
   const __m512i idx = int8_rf_gather_idx();
   uint64_t left = 0;
@@ -539,10 +540,10 @@ KVW_AVX512 uint64_t int8_head_runs_512(const Int8HeadRun* r, int n, int d) {
 }
 
 // The same for e4m3 under the dynamic scale max(RN(amax / 448), floor): each run's scale from
-// fp8_ds_tab and its codes by e4m3_lookup_run_512 (the division lanes where it declines); left: a
-// run whose scale is not the table's (NaN / inf, the floor, the table's exponents).
+// fp8_ds_tab and its codes by e4m3_lookup_codes_512 (the division lanes where the lookup failed its
+// check); left: a run whose scale is not the table's (NaN / inf, the floor, the table's exponents).
 template <int D0>
-KVW_AVX512 uint64_t e4m3_head_runs_512(const Int8HeadRun* r, int n, int d, float floor) {
+KVW_AVX512 uint64_t e4m3_head_runs_512(const HeadRun* r, int n, int d, float floor) {
   const int D = D0 != 0 ? D0 : d;
   const Fp8DsTab& t = fp8_ds_tab();
   const Fp8DsCodes& ct = fp8_ds_codes();

@@ -169,7 +169,7 @@ inline bool head_runs_apply(const StoreKVQuantParams& p) {
 template <class F>
 inline void head_runs(const StoreKVQuantParams& p, i64 i, i64 row) {
   const KVQuantSide* side[2] = {&p.k, &p.v};
-  Int8HeadRun r[2 * MAX_RUN_HEADS];
+  HeadRun r[2 * MAX_RUN_HEADS];
   for (int k = 0; k < 2; ++k) {
     const KVQuantSide& s = *side[k];
     const uint16_t* src = reinterpret_cast<const uint16_t*>(s.src) + i * s.s_tok;
