@@ -223,6 +223,17 @@ long check_int8_head_runs() {
   return bad;
 }
 
+// Every bf16 |x| <= a, both signs, ascending, into x, zeros up to a multiple of pad; returns the count.
+int every_below(uint32_t a, std::vector<uint16_t>& x, int pad) {
+  int n = 0;
+  for (uint32_t m = 0; m <= a; ++m) {
+    x[n++] = uint16_t(m);
+    x[n++] = uint16_t(m | 0x8000);
+  }
+  while (n % pad != 0) x[n++] = 0;
+  return n;
+}
+
 // fp8_ds_mla's tiles by one multiply a value (AVX-512 only): every bf16 amax bit pattern with every
 // bf16 |x| <= amax (both signs) as one tile through fp8_ds_tiles_512 (it declines exactly the amax
 // values outside its table's exponents; else its scale is ds_mla_scale(amax) and its codes the
@@ -234,12 +245,7 @@ long check_fp8_ds() {
   std::vector<char> out(x.size());
   long bad = 0, tiles = 0, rf_tiles = 0, declined = 0, codes = 0;
   for (uint32_t a = 0; a < 0x8000; ++a) {
-    int n = 0;
-    for (uint32_t m = 0; m <= a; ++m) {
-      x[n++] = uint16_t(m);
-      x[n++] = uint16_t(m | 0x8000);
-    }
-    while (n % 64 != 0) x[n++] = 0;
+    const int n = every_below(a, x, 64);
     float s = 0.0f;
     const bool in = (a >> 7) - FP8DS_TAB_E0 < uint32_t(FP8DS_TAB_NE);
     if (!fp8_ds_tiles_512(x.data(), 1, n, out.data(), &s)) {
@@ -317,12 +323,7 @@ long check_e4m3_lookup_run() {
   std::vector<char> out(x.size());
   long bad = 0, runs = 0, declined = 0, codes = 0;
   for (uint32_t a = 0x80; a < 0x7F80; ++a) {
-    int n = 0;
-    for (uint32_t m = 0; m <= a; ++m) {
-      x[n++] = uint16_t(m);
-      x[n++] = uint16_t(m | 0x8000);
-    }
-    while (n % 32 != 0) x[n++] = 0;
+    const int n = every_below(a, x, 32);
     const float s = dynamic_scale<E4M3>(bf16_to_float(uint16_t(a)));
     if (!e4m3_lookup_run_512(x.data(), n, a, s, out.data())) {
       ++declined;

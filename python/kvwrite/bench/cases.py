@@ -353,18 +353,11 @@ def _mha_dynamic(n: int, device: torch.device, gen: torch.Generator, cache_dtype
     return Setup(call, moved, baselines, notes, {}, outs)
 
 
-case("store_kv", "mha-int8-token",
-     "MHA Llama-3.1-8B layer: 8 x 128, bf16 -> int8, dynamic per-token fp32 scales")(
-    lambda n, device, gen: _mha_dynamic(n, device, gen, torch.int8, False))
-case("store_kv", "mha-int8-head",
-     "MHA Llama-3.1-8B layer: 8 x 128, bf16 -> int8, dynamic per-token-head fp32 scales")(
-    lambda n, device, gen: _mha_dynamic(n, device, gen, torch.int8, True))
-case("store_kv", "mha-fp8-token",
-     "MHA Llama-3.1-8B layer: 8 x 128, bf16 -> fp8 e4m3, dynamic per-token fp32 scales")(
-    lambda n, device, gen: _mha_dynamic(n, device, gen, torch.float8_e4m3fn, False))
-case("store_kv", "mha-fp8-head",
-     "MHA Llama-3.1-8B layer: 8 x 128, bf16 -> fp8 e4m3, dynamic per-token-head fp32 scales")(
-    lambda n, device, gen: _mha_dynamic(n, device, gen, torch.float8_e4m3fn, True))
+for _dtype, _name, _what in ((torch.int8, "int8", "int8"), (torch.float8_e4m3fn, "fp8", "fp8 e4m3")):
+    for _per_head, _kind in ((False, "token"), (True, "head")):
+        case("store_kv", f"mha-{_name}-{_kind}",
+             f"MHA Llama-3.1-8B layer: 8 x 128, bf16 -> {_what}, dynamic per-token{'-head' if _per_head else ''} fp32 scales")(
+            lambda n, device, gen, _dtype=_dtype, _per_head=_per_head: _mha_dynamic(n, device, gen, _dtype, _per_head))
 
 
 @case("store_kv", "mha-bf16-pagetable",
