@@ -247,7 +247,7 @@ long check_fp8_ds() {
   for (uint32_t a = 0; a < 0x8000; ++a) {
     const int n = every_below(a, x, 64);
     float s = 0.0f;
-    const bool in = (a >> 7) - FP8DS_TAB_E0 < uint32_t(FP8DS_TAB_NE);
+    const bool in = Fp8DsTab::covers(a);
     if (!fp8_ds_tiles_512(x.data(), 1, n, out.data(), &s)) {
       declined += 1;
       if (in && bad++ < 4) std::printf("fp8 ds tiles: amax %04x declined\n", a);
@@ -353,11 +353,11 @@ long check_e4m3_head_runs() {
     for (uint32_t i = 0; i < 128; ++i) x[i] = uint16_t((a > i ? a - i : 0) | (i & 1) << 15);
     float sc = 0.0f;
     const HeadRun r{x.data(), out.data(), &sc};
-    const float amax = bf16_to_float(uint16_t(a)) < 1.1754944e-38f ? 0.0f : bf16_to_float(uint16_t(a));
+    const float amax = daz(bf16_to_float(uint16_t(a)));
     const float s = dynamic_scale<E4M3>(amax);
     if (e4m3_head_runs_512<128>(&r, 1, 128, DYN_SCALE_FLOOR) != 0) {
       ++left;
-      const bool table = (a >> 7) - FP8DS_TAB_E0 < uint32_t(FP8DS_TAB_NE) && s != DYN_SCALE_FLOOR;
+      const bool table = Fp8DsTab::covers(a) && s != DYN_SCALE_FLOOR;
       if (table && bad++ < 4) std::printf("e4m3 head runs: amax %04x left\n", a);
       continue;
     }

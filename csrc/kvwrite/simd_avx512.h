@@ -60,17 +60,8 @@ KVW_AVX512 uint32_t hmax_epu16_512(__m512i a) {
   return 0xFFFFu & ~uint32_t(_mm_cvtsi128_si32(_mm_minpos_epu16(h)));
 }
 
-// bf16_absmax_raw of a short run (n % 32 == 0: a tile, a head), one accumulator, inlined so that
-// a compile-time n unrolls it.
-__attribute__((always_inline)) KVW_AVX512 uint32_t bf16_absmax_raw32_512(const uint16_t* p, int n) {
-  const __m512i am = _mm512_set1_epi16(0x7FFF);
-  __m512i a = _mm512_and_si512(_mm512_loadu_si512(p), am);
-  for (int j = 32; j < n; j += 32) a = _mm512_max_epu16(a, _mm512_and_si512(_mm512_loadu_si512(p + j), am));
-  return hmax_epu16_512(a);
-}
-
-// The max of |x| of a short run (n % 32 == 0) as raw bf16 bits, and the lane-wise minima of |x|
-// (32 words) in `low`.
+// The max of |x| of a short run (n % 32 == 0: a tile, a head) as raw bf16 bits, and the lane-wise
+// minima of |x| (32 words) in `low`; one accumulator each, inlined so that a compile-time n unrolls it.
 __attribute__((always_inline)) KVW_AVX512 uint32_t bf16_absrange_raw_512(const uint16_t* p, int n, __m512i& low) {
   const __m512i am = _mm512_set1_epi16(0x7FFF);
   __m512i a = _mm512_and_si512(_mm512_loadu_si512(p), am), b = a;
@@ -80,6 +71,11 @@ __attribute__((always_inline)) KVW_AVX512 uint32_t bf16_absrange_raw_512(const u
   }
   low = b;
   return hmax_epu16_512(a);
+}
+// bf16_absmax_raw of such a run (the minima, unused, are not computed once inlined).
+__attribute__((always_inline)) KVW_AVX512 uint32_t bf16_absmax_raw32_512(const uint16_t* p, int n) {
+  __m512i low;
+  return bf16_absrange_raw_512(p, n, low);
 }
 
 KVW_AVX512 __m512 div_cr16(__m512 x, __m512 s, __m512 r) {  // div_cr8's correctly rounded x / s
@@ -151,7 +147,9 @@ KVW_AVX512 int fp8_bf16_run_512(const uint16_t* __restrict__ src, int n, float s
 constexpr int FP8DS_TAB_E0 = 96, FP8DS_TAB_NE = 79;
 struct Fp8DsTab {
   alignas(64) uint32_t s[128], rf[128];  // rf 0: the division
-  // RN(amax / 448) for amax bits raw (exponent byte in [FP8DS_TAB_E0, FP8DS_TAB_E0 + FP8DS_TAB_NE))
+  // whether the table holds amax bits raw (its exponent byte in [FP8DS_TAB_E0, FP8DS_TAB_E0 + FP8DS_TAB_NE))
+  static bool covers(uint32_t raw) { return (raw >> 7) - FP8DS_TAB_E0 < uint32_t(FP8DS_TAB_NE); }
+  // RN(amax / 448) for amax bits raw (covers(raw))
   float scale(uint32_t raw) const { return bits_to_float(s[raw & 0x7F] + (((raw >> 7) - 127) << 23)); }
   // its rf (0: the division)
   float recip(uint32_t raw) const { return rf[raw & 0x7F] ? bits_to_float(rf[raw & 0x7F] - (((raw >> 7) - 127) << 23)) : 0.0f; }
@@ -263,7 +261,7 @@ __attribute__((always_inline)) KVW_AVX512 void e4m3_lookup_codes_512(const Fp8Ds
 // where s is not fp8_ds_tab's (a floor, the table's exponents) or the lookup failed its check.
 KVW_AVX512 bool e4m3_lookup_run_512(const uint16_t* __restrict__ x, int n, uint32_t raw, float s, char* __restrict__ dst) {
   const Fp8DsCodes& ct = fp8_ds_codes();
-  if (!ct.ok || (raw >> 7) - FP8DS_TAB_E0 >= uint32_t(FP8DS_TAB_NE) || s != fp8_ds_tab().scale(raw)) return false;
+  if (!ct.ok || !Fp8DsTab::covers(raw) || s != fp8_ds_tab().scale(raw)) return false;
   e4m3_lookup_codes_512(ct, x, n, raw, s, dst);
   return true;
 }
@@ -281,7 +279,7 @@ KVW_AVX512 bool fp8_ds_tiles_512(const uint16_t* x, int tiles, int tile, char* d
   for (int w = 0; w < tiles; ++w) {
     __m512i low;
     raw[w] = bf16_absrange_raw_512(x + w * tile, tile, low);
-    if ((raw[w] >> 7) - FP8DS_TAB_E0 >= uint32_t(FP8DS_TAB_NE) || raw[w] < min_raw) return false;  // NaN / inf: E = 255
+    if (!Fp8DsTab::covers(raw[w]) || raw[w] < min_raw) return false;  // NaN / inf: E = 255
     all |= uint32_t(_mm512_cmplt_epu16_mask(low, _mm512_set1_epi16(short(ct.threshold(raw[w])))) == 0) << w;
   }
   for (int w = 0; w < tiles; ++w) {
@@ -553,7 +551,7 @@ KVW_AVX512 uint64_t e4m3_head_runs_512(const HeadRun* r, int n, int d, float flo
     const uint32_t raw = next;
     if (u + 1 < n) next = bf16_absmax_raw32_512(r[u + 1].src, D);
     const float s = t.scale(raw);
-    if ((raw >> 7) - FP8DS_TAB_E0 >= uint32_t(FP8DS_TAB_NE) || s < floor) {
+    if (!Fp8DsTab::covers(raw) || s < floor) {
       left |= 1ull << u;
       continue;
     }

@@ -95,7 +95,7 @@ inline bool lane_scales(L l, const KVQuantSide& s, int H, const uint16_t* src, L
     }
     const float amax = bf16_policy_amax(raw);
     if (amax < 0.0f) return false;
-    if constexpr (std::is_same<F, E4M3>::value) o.raw[0] = raw;
+    o.raw[0] = raw;
     o.sc[0] = dynamic_scale<F>(amax);
     o.rc[0] = 1.0f / o.sc[0];
     if (!cr_div_ok(o.sc[0])) return false;
@@ -179,10 +179,11 @@ inline void head_runs(const StoreKVQuantParams& p, i64 i, i64 row) {
       r[k * p.H + h] = {src + h * s.s_head, dst + s.cache.in_row(h, 0), reinterpret_cast<float*>(sc + s.scales.in_row(h, 0))};
   }
   const int D = p.k.D;  // 128: the usual head
-  constexpr bool INT8 = std::is_same<F, Int8Fmt>::value;
-  const int n = 2 * p.H;
-  uint64_t left = D == 128 ? (INT8 ? int8_head_runs_512<128>(r, n, D) : e4m3_head_runs_512<128>(r, n, D, DYN_SCALE_FLOOR))
-                           : (INT8 ? int8_head_runs_512<0>(r, n, D) : e4m3_head_runs_512<0>(r, n, D, DYN_SCALE_FLOOR));
+  const auto runs = [&](auto d0) -> uint64_t {  // d0: D at compile time (0: at run time)
+    if constexpr (std::is_same<F, Int8Fmt>::value) return int8_head_runs_512<d0.value>(r, 2 * p.H, D);
+    else return e4m3_head_runs_512<d0.value>(r, 2 * p.H, D, DYN_SCALE_FLOOR);
+  };
+  uint64_t left = D == 128 ? runs(IntTag<128>{}) : runs(IntTag<0>{});
   for (; left != 0; left &= left - 1) {
     const int u = __builtin_ctzll(left);
     quant_kv_head<DType::BF16, F>(*side[u / p.H], RULE_RNE, i, row, u % p.H, 0, 1);
